@@ -1,0 +1,346 @@
+"""Checkpointing with two autograd functions sharing memory (Section 3.2.4).
+
+PyTorch's own checkpoint recomputes a forward inside the backward of a single
+autograd node, tying the recomputation ``F'(i, j)`` to ``B(i, j)``. GPipe
+wants the recomputation to start *before* the gradient from the next partition
+has arrived, so the two overlap. Here :class:`Checkpoint` (forward without
+keeping activations, backward through the recomputed graph) and
+:class:`Recompute` (the recomputation) are separate nodes that share a
+``recomputed`` slot::
+
+    forward:   input ─► Checkpoint ─► output ─► Fork ───────────────► Join ─► output'
+                                                  └─phony─► Recompute ─┘
+
+    backward:  1. grad of output' arrives at Join
+               2. Recompute.backward: recompute F with the saved input; stash
+                  the local graph in the shared slot
+               3. (the pipeline waits here for the gradient's copy stream)
+               4. Checkpoint.backward: backpropagate through the stashed graph
+
+The recomputation replays the forward exactly: the CPU and CUDA random number
+generator states and the autocast state of the first pass are restored, so
+dropout draws the same masks and mixed precision computes in the same dtypes.
+"""
+import threading
+from collections import deque
+from contextlib import ExitStack, contextmanager
+from typing import Any, Callable, Deque, Generator, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from torchgpipe.dependency import fork, join
+from torchgpipe.microbatch import Batch, TensorOrTensors, Tensors
+from torchgpipe.phony import get_phony
+
+__all__ = ['is_checkpointing', 'is_recomputing', 'enable_checkpointing', 'enable_recomputing',
+           'Checkpointing', 'Checkpoint', 'Recompute', 'checkpoint']
+
+Function = Callable[[TensorOrTensors], TensorOrTensors]
+
+# The state Checkpoint leaves for Recompute and Checkpoint.backward: the
+# recomputed (output, input leaves), the RNG states, and the autocast states.
+Recomputed = Tuple[TensorOrTensors, Tensors]
+RNGStates = Tuple[Tensor, Optional[Tensor]]
+AutocastStates = List[Tuple[str, torch.dtype]]
+
+
+class ThreadLocal(threading.local):
+    def __init__(self) -> None:
+        self.is_checkpointing = False
+        self.is_recomputing = False
+
+
+thread_local = ThreadLocal()
+
+
+@contextmanager
+def enable_checkpointing() -> Generator[None, None, None]:
+    """Makes :func:`is_checkpointing` return ``True`` within the context."""
+    orig = thread_local.is_checkpointing
+    thread_local.is_checkpointing = True
+    try:
+        yield
+    finally:
+        thread_local.is_checkpointing = orig
+
+
+@contextmanager
+def enable_recomputing() -> Generator[None, None, None]:
+    """Makes :func:`is_recomputing` return ``True`` within the context."""
+    orig = thread_local.is_recomputing
+    thread_local.is_recomputing = True
+    try:
+        yield
+    finally:
+        thread_local.is_recomputing = orig
+
+
+def is_checkpointing() -> bool:
+    """Whether the current forward propagation is under checkpointing.
+
+    A checkpointed forward runs twice: once without keeping activations
+    (here this returns ``True``) and once more, to recompute them, just
+    before its backward (see :func:`is_recomputing`).
+
+    Returns:
+        bool: ``True`` if it's under checkpointing
+
+    Example::
+
+        class Probe(nn.Module):
+            def forward(self, input):
+                if is_checkpointing():
+                    print('first pass of a checkpointed micro-batch')
+                return input
+    """
+    return thread_local.is_checkpointing
+
+
+def is_recomputing() -> bool:
+    """Whether the current forward propagation is under checkpoint recomputation.
+
+    Use this to prevent duplicated side effects at forward propagation.
+
+    Returns:
+        bool: ``True`` if it's under checkpoint recomputation
+
+    Example::
+
+        class Counter(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.counter = 0
+
+            def forward(self, input):
+                if not is_recomputing():
+                    self.counter += 1
+                return input
+    """
+    return thread_local.is_recomputing
+
+
+class Checkpointing:
+    """Generates a pair of :class:`Checkpoint` and :class:`Recompute` for one batch.
+
+    Args:
+        function: the partition to run on the batch
+        batch (Batch): the input micro-batch
+    """
+
+    def __init__(self, function: Function, batch: Batch) -> None:
+        self.function = function
+        self.batch = batch
+        # The slots Checkpoint, Recompute and Checkpoint.backward share. A
+        # one-element deque is a mutable box that autograd does not look into.
+        self.recomputed: Deque[Recomputed] = deque(maxlen=1)
+        self.rng_states: Deque[RNGStates] = deque(maxlen=1)
+        self.autocast_states: Deque[AutocastStates] = deque(maxlen=1)
+
+    def checkpoint(self) -> Batch:
+        """Runs the function without keeping activations; returns the output batch."""
+        # The phony requires grad, so the output always has a backward node to
+        # hang the recomputation on, even if no input requires grad.
+        phony = get_phony(self.batch[0].device, requires_grad=True)
+        output = Checkpoint.apply(phony, self.recomputed, self.rng_states,
+                                  self.autocast_states, self.function, self.batch.atomic,
+                                  *self.batch)  # type: ignore[no-untyped-call]
+        if isinstance(output, tuple):
+            # Only floating point tensors can carry gradients.
+            output = tuple(x if x.is_floating_point() else x.detach() for x in output)
+        return Batch(output)
+
+    def recompute(self, batch: Batch) -> None:
+        """Schedules the recomputation right before the checkpoint's backward.
+
+        Args:
+            batch (Batch): the output batch :meth:`checkpoint` returned; its
+                first tensor is replaced by one that carries the dependency
+        """
+        # Every floating point output requires grad: it came out of Checkpoint
+        # with a phony that does. With none, there is no backward to precede.
+        index = batch.find(lambda x: x.requires_grad)
+        if index is None:
+            return
+        batch[index], phony = fork(batch[index])
+        phony = Recompute.apply(phony, self.recomputed, self.rng_states, self.autocast_states,
+                                self.function, self.batch.atomic, *self.batch)  # type: ignore[no-untyped-call]
+        batch[index] = join(batch[index], phony)
+
+
+def checkpoint(function: Function, input: TensorOrTensors) -> TensorOrTensors:
+    """Makes a checkpoint with a simple interface, like :func:`torch.utils.checkpoint.checkpoint`.
+
+    It is only meant to test or debug :class:`Checkpoint` and
+    :class:`Recompute` without boilerplate.
+
+    Args:
+        function: a function of a tensor or a tuple of tensors
+        input (torch.Tensor or tuple of tensors): its input
+
+    Returns:
+        torch.Tensor or tuple of tensors: what ``function`` returns, with
+        activations dropped and recomputed during the backward pass
+
+    Example::
+
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> checkpoint(lambda x: x * 3, x).sum().backward()
+        >>> x.grad
+        tensor([3., 3.])
+    """
+    batch = Batch(input)
+    chk = Checkpointing(function, batch)
+    output = chk.checkpoint()
+    chk.recompute(output)
+    return output.values
+
+
+def save_rng_states(device: torch.device, rng_states: Deque[RNGStates]) -> None:
+    """Captures the CPU RNG state, and the CUDA one if the device is CUDA."""
+    cpu_rng_state = torch.get_rng_state()
+    gpu_rng_state: Optional[Tensor] = None
+    if device.type == 'cuda':
+        gpu_rng_state = torch.cuda.get_rng_state(device)
+    rng_states.append((cpu_rng_state, gpu_rng_state))
+
+
+@contextmanager
+def restore_rng_states(device: torch.device,
+                       rng_states: Deque[RNGStates]) -> Generator[None, None, None]:
+    """Restores the RNG states of :func:`save_rng_states` within the context.
+
+    Outside the context the generators are as they were, so the
+    recomputation does not disturb the random stream of anything else.
+    """
+    cpu_rng_state, gpu_rng_state = rng_states.pop()
+    devices: List[torch.device] = [device] if gpu_rng_state is not None else []
+    with torch.random.fork_rng(devices=devices):
+        torch.set_rng_state(cpu_rng_state)
+        if gpu_rng_state is not None:
+            torch.cuda.set_rng_state(gpu_rng_state, device)
+        yield
+
+
+_AUTOCAST_DEVICE_TYPES = ('cpu', 'cuda')
+
+
+def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
+    """The dtype autocast casts to on the device type, or ``None`` if it is off."""
+    if hasattr(torch, 'get_autocast_dtype'):
+        # torch >= 2.4: one API for every device type.
+        if not torch.is_autocast_enabled(device_type):
+            return None
+        return torch.get_autocast_dtype(device_type)
+    # torch 2.1 - 2.3: separate functions per device type.
+    legacy = {'cpu': ('is_autocast_cpu_enabled', 'get_autocast_cpu_dtype'),
+              'cuda': ('is_autocast_enabled', 'get_autocast_gpu_dtype')}
+    is_enabled, get_dtype = legacy[device_type]
+    if not getattr(torch, is_enabled)():
+        return None
+    dtype: torch.dtype = getattr(torch, get_dtype)()
+    return dtype
+
+
+def save_autocast_states() -> AutocastStates:
+    """Captures, per device type, the dtype of every enabled autocast."""
+    states = []
+    for device_type in _AUTOCAST_DEVICE_TYPES:
+        dtype = _autocast_dtype(device_type)
+        if dtype is not None:
+            states.append((device_type, dtype))
+    return states
+
+
+@contextmanager
+def restore_autocast_states(states: AutocastStates) -> Generator[None, None, None]:
+    """Enters exactly the autocast contexts described by ``states`` (and no other).
+
+    Autocast state is thread-local: a worker thread or the autograd engine's
+    thread starts without the caller's, so it has to be carried over.
+    """
+    enabled = dict(states)
+    with ExitStack() as stack:
+        for device_type in _AUTOCAST_DEVICE_TYPES:
+            if device_type in enabled:
+                stack.enter_context(torch.autocast(device_type, dtype=enabled[device_type]))
+            elif _autocast_dtype(device_type) is not None:
+                stack.enter_context(torch.autocast(device_type, enabled=False))
+        yield
+
+
+class Checkpoint(torch.autograd.Function):
+    """Runs the function without keeping activations; backward uses :class:`Recompute`'s graph."""
+
+    @staticmethod
+    def forward(ctx: Any,
+                phony: Tensor,
+                recomputed: Deque[Recomputed],
+                rng_states: Deque[RNGStates],
+                autocast_states: Deque[AutocastStates],
+                function: Function,
+                input_atomic: bool,
+                *input: Tensor) -> TensorOrTensors:
+        ctx.recomputed = recomputed
+        ctx.save_for_backward(*input)
+
+        save_rng_states(input[0].device, rng_states)
+        autocast_states.append(save_autocast_states())
+
+        with torch.no_grad(), enable_checkpointing():
+            output = function(input[0] if input_atomic else input)
+
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, *grad_output: Tensor) -> Tuple[Optional[Tensor], ...]:
+        output, input_leaf = ctx.recomputed.pop()
+
+        outputs = (output,) if isinstance(output, Tensor) else output
+        pairs = [(o, g) for o, g in zip(outputs, grad_output) if o.requires_grad and g is not None]
+        if pairs:
+            tensors, grads = zip(*pairs)
+            torch.autograd.backward(tensors, grads)
+
+        grad_input: List[Optional[Tensor]] = [None] * 6
+        grad_input.extend(x.grad for x in input_leaf)
+        return tuple(grad_input)
+
+
+class Recompute(torch.autograd.Function):
+    """Recomputes the function of a :class:`Checkpoint` during the backward pass.
+
+    Its forward does nothing; the phony it returns is joined to the
+    checkpoint's output so that its backward runs first.
+    """
+
+    @staticmethod
+    def forward(ctx: Any,
+                phony: Tensor,
+                recomputed: Deque[Recomputed],
+                rng_states: Deque[RNGStates],
+                autocast_states: Deque[AutocastStates],
+                function: Function,
+                input_atomic: bool,
+                *input: Tensor) -> Tensor:
+        ctx.recomputed = recomputed
+        ctx.rng_states = rng_states
+        ctx.autocast_states = autocast_states
+        ctx.function = function
+        ctx.input_atomic = input_atomic
+        ctx.save_for_backward(*input)
+        return phony.detach()
+
+    @staticmethod
+    def backward(ctx: Any, *grad_output: Tensor) -> Tuple[None, ...]:
+        input = ctx.saved_tensors
+        input_leaf = tuple(x.detach().requires_grad_(x.requires_grad) for x in input)
+
+        with restore_rng_states(input[0].device, ctx.rng_states), \
+                restore_autocast_states(ctx.autocast_states.pop()), \
+                torch.enable_grad(), enable_recomputing():
+            output = ctx.function(input_leaf[0] if ctx.input_atomic else input_leaf)
+
+        ctx.recomputed.append((output, input_leaf))
+
+        return (None,) * (6 + len(input))

@@ -1,0 +1,91 @@
+"""Copy and Wait: moving a micro-batch between devices and streams, both ways.
+
+``Copy`` moves tensors to the device of ``next_stream``, issuing the copy on
+``prev_stream`` (source device) and ``next_stream`` (destination device) so
+that it never queues behind, or blocks, the compute streams. ``Wait`` makes
+one stream wait for another, so the consumer of a copy starts only when the
+copy is done. Both are autograd functions: in the backward pass the gradients
+travel the same way back, on the same streams, in reverse::
+
+    forward:  compute(j) ─Wait─► copy stream(j) ─Copy─► copy stream(j+1) ─Wait─► compute(j+1)
+    backward: compute(j) ◄─Wait─ copy stream(j) ◄─Copy─ copy stream(j+1) ◄─Wait─ compute(j+1)
+"""
+from typing import Any, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from torchgpipe.stream import (AbstractStream, current_stream, get_device, record_stream,
+                               use_stream, wait_stream)
+
+__all__ = ['Copy', 'Wait']
+
+# Gradients may be undefined (None) in a backward pass.
+Tensors = Tuple[Optional[Tensor], ...]
+
+
+class Copy(torch.autograd.Function):
+    """Copies tensors from ``prev_stream``'s device to ``next_stream``'s device."""
+
+    @staticmethod
+    def forward(ctx: Any,
+                prev_stream: AbstractStream, next_stream: AbstractStream,
+                *input: Optional[Tensor]) -> Tensors:
+        ctx.prev_stream = prev_stream
+        ctx.next_stream = next_stream
+        return _copy(prev_stream, next_stream, input)
+
+    @staticmethod
+    def backward(ctx: Any, *grad_output: Optional[Tensor]) -> Tuple[Any, ...]:
+        grad_input = _copy(ctx.next_stream, ctx.prev_stream, grad_output)
+        return (None, None) + grad_input
+
+
+def _copy(source: AbstractStream, target: AbstractStream, tensors: Tensors) -> Tensors:
+    device = get_device(target)
+    # Tensors produced here are consumed on the target device's current
+    # stream (its compute stream, or the stream of the next Copy) once a Wait
+    # lets it see them.
+    consumer = current_stream(device)
+    output: list[Optional[Tensor]] = []
+    # A cross-device copy runs on the current streams of both devices: make
+    # both of them the copy streams, so no compute stream is involved.
+    with use_stream(source), use_stream(target):
+        for x in tensors:
+            if x is None:
+                output.append(x)
+                continue
+            y = x.to(device, non_blocking=True)
+            # x was allocated on another stream and is read by the copy;
+            # y was allocated on the copy stream and is read by its consumer.
+            record_stream(x, source)
+            record_stream(y, consumer)
+            output.append(y)
+    return tuple(output)
+
+
+class Wait(torch.autograd.Function):
+    """Makes ``next_stream`` wait for ``prev_stream``; the tensors pass through unchanged."""
+
+    @staticmethod
+    def forward(ctx: Any,
+                prev_stream: AbstractStream, next_stream: AbstractStream,
+                *input: Optional[Tensor]) -> Tensors:
+        ctx.prev_stream = prev_stream
+        ctx.next_stream = next_stream
+        return _wait(prev_stream, next_stream, input)
+
+    @staticmethod
+    def backward(ctx: Any, *grad_output: Optional[Tensor]) -> Tuple[Any, ...]:
+        grad_input = _wait(ctx.next_stream, ctx.prev_stream, grad_output)
+        return (None, None) + grad_input
+
+
+def _wait(source: AbstractStream, target: AbstractStream, tensors: Tensors) -> Tensors:
+    wait_stream(target, source)
+    for x in tensors:
+        if x is not None:
+            # From now on the tensor is also used on the target stream.
+            record_stream(x, target)
+    # Detached: a Function must return new tensors, not its inputs.
+    return tuple(x if x is None else x.detach() for x in tensors)

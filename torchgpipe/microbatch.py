@@ -1,0 +1,192 @@
+"""Micro-batches: splitting a mini-batch, carrying the pieces, and gathering them.
+
+A mini-batch is a tensor or a tuple of tensors. :func:`scatter` splits it along
+dimension 0 into micro-batches (:class:`Batch`), the pipeline runs each of
+them through every partition, and :func:`gather` concatenates the outputs.
+"""
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple, Union, cast, overload
+
+import torch
+from torch import Tensor
+
+__all__ = ['Batch', 'check', 'scatter', 'gather', 'Tensors', 'TensorOrTensors']
+
+Tensors = Tuple[Tensor, ...]
+TensorOrTensors = Union[Tensor, Tensors]
+
+Function = Callable[[TensorOrTensors], TensorOrTensors]
+
+
+class Batch:
+    """One micro-batch: a tensor (atomic) or a tuple of tensors.
+
+    It behaves like a sequence of tensors in both cases, so the pipeline can
+    copy, wait on and fork every tensor without caring which it is, while
+    :meth:`call` hands a layer the value in its original form.
+
+    Example::
+
+        >>> batch = Batch(torch.zeros(2, 3))
+        >>> batch.atomic, len(batch)
+        (True, 1)
+        >>> batch[0] = torch.ones(2, 3)
+        >>> batch.tensor.sum().item()
+        6.0
+    """
+
+    __slots__ = ('_values', 'atomic')
+
+    def __init__(self, values: TensorOrTensors) -> None:
+        self._values = values
+        self.atomic = isinstance(values, Tensor)
+
+    @property
+    def tensor(self) -> Tensor:
+        """The tensor of an atomic batch.
+
+        Raises:
+            AttributeError: the batch is a tuple; use :attr:`tensors`
+        """
+        if not self.atomic:
+            raise AttributeError('not atomic batch')
+        return cast(Tensor, self._values)
+
+    @property
+    def tensors(self) -> Tensors:
+        """The tensors of a non-atomic batch.
+
+        Raises:
+            AttributeError: the batch is a single tensor; use :attr:`tensor`
+        """
+        if self.atomic:
+            raise AttributeError('batch is atomic')
+        return cast(Tensors, self._values)
+
+    @property
+    def values(self) -> TensorOrTensors:
+        """The tensor or the tuple of tensors, in the form a layer receives it."""
+        return self._values
+
+    def call(self, function: Function) -> 'Batch':
+        """Calls ``function`` on the value and wraps the result in a new batch."""
+        return Batch(function(self._values))
+
+    def find(self, predicate: Callable[[Tensor], bool]) -> Optional[int]:
+        """The index of the first tensor satisfying ``predicate``, or ``None``."""
+        return next((i for i, x in enumerate(self) if predicate(x)), None)
+
+    def __repr__(self) -> str:
+        return f'Batch[atomic={self.atomic!r}]({self._values!r})'
+
+    def __iter__(self) -> Iterator[Tensor]:
+        if self.atomic:
+            yield cast(Tensor, self._values)
+        else:
+            yield from cast(Tensors, self._values)
+
+    def __len__(self) -> int:
+        return 1 if self.atomic else len(cast(Tensors, self._values))
+
+    def __getitem__(self, index: int) -> Tensor:
+        if not self.atomic:
+            return cast(Tensors, self._values)[index]
+        if index != 0:
+            raise IndexError('atomic batch allows index 0 only')
+        return cast(Tensor, self._values)
+
+    @overload
+    def __setitem__(self, index: int, value: Tensor) -> None: ...
+
+    @overload
+    def __setitem__(self, index: slice, value: Tensors) -> None: ...
+
+    def __setitem__(self, index: Union[int, slice], value: TensorOrTensors) -> None:
+        if isinstance(index, slice):
+            self._setitem_by_slice(index, cast(Tensors, value))
+        else:
+            self._setitem_by_index(index, cast(Tensor, value))
+
+    def _setitem_by_index(self, index: int, value: Tensor) -> None:
+        if self.atomic:
+            if index != 0:
+                raise IndexError('atomic batch allows index 0 only')
+            self._values = value
+            return
+        values = list(cast(Tensors, self._values))
+        values[index] = value
+        self._values = tuple(values)
+
+    def _setitem_by_slice(self, index: slice, value: Sequence[Tensor]) -> None:
+        if not (index.start is index.stop is index.step is None):
+            raise NotImplementedError('only slice [:] supported')
+        value = tuple(value)
+        if self.atomic:
+            if len(value) != 1:
+                raise IndexError('atomic batch cannot be replaced with multiple tensors')
+            self._values = value[0]
+        else:
+            self._values = value
+
+
+def check(input: object, what: str = 'input') -> None:
+    """Checks that ``input`` is a tensor or a tuple of tensors.
+
+    Args:
+        input: the value to check
+        what (str): how to name the value in the error message
+
+    Raises:
+        TypeError: ``input`` is neither a tensor nor a tuple of tensors
+    """
+    if isinstance(input, tuple):
+        for index, x in enumerate(input):
+            if not isinstance(x, Tensor):
+                raise TypeError(f'{what} must be a tensor or a tuple of tensors, '
+                                f'but element {index} of the tuple is {type(x).__name__}')
+        return
+    if not isinstance(input, Tensor):
+        raise TypeError(f'{what} must be a tensor or a tuple of tensors, '
+                        f'not {type(input).__name__}')
+
+
+def scatter(input: TensorOrTensors, chunks: int) -> List[Batch]:
+    """Splits the input along dimension 0 into at most ``chunks`` micro-batches.
+
+    It follows :func:`torch.chunk`: a batch that does not divide evenly gets a
+    smaller last micro-batch, and a batch smaller than ``chunks`` gets fewer
+    micro-batches.
+
+    Args:
+        input (torch.Tensor or tuple of tensors): the mini-batch
+        chunks (int): the number of micro-batches wanted
+
+    Returns:
+        list of :class:`Batch`: the micro-batches, in order
+
+    Raises:
+        ValueError: a tensor has no batch dimension, or the tensors of a tuple
+            do not split into the same number of micro-batches
+    """
+    tensors = (input,) if isinstance(input, Tensor) else input
+    if any(x.dim() == 0 for x in tensors):
+        raise ValueError('input tensors must have a batch dimension (dimension 0) to be split '
+                         'into micro-batches; got a 0-dimensional tensor')
+    rotated = [x.chunk(chunks) for x in tensors]
+    counts = {len(pieces) for pieces in rotated}
+    if len(counts) != 1:
+        sizes = [x.size(0) for x in tensors]
+        raise ValueError(f'tensors of the input tuple split into different numbers of '
+                         f'micro-batches (batch sizes {sizes}); give every tensor the same '
+                         f'size in dimension 0')
+
+    if isinstance(input, Tensor):
+        return [Batch(x) for x in rotated[0]]
+    return [Batch(values) for values in zip(*rotated)]
+
+
+def gather(outputs: List[Batch]) -> TensorOrTensors:
+    """Concatenates the output micro-batches into a mini-batch along dimension 0."""
+    if outputs[0].atomic:
+        return torch.cat([b.tensor for b in outputs])
+    rotated = [b.tensors for b in outputs]
+    return tuple(torch.cat(pieces) for pieces in zip(*rotated))

@@ -1,0 +1,183 @@
+"""The pipeline: runs every micro-batch through every partition by clock cycles.
+
+Algorithm 1 of the paper (deterministic clock-cycle): at clock ``k`` the tasks
+``F(i, j)`` with ``i + j == k`` are independent, so they run at the same time,
+one per device. Before them, in the same cycle, the scheduler issues every
+copy and every dependency they need (the *fence*), so kernels reach each
+device in the same order on every run::
+
+    clock    0       1       2       3       4          m = 3 micro-batches
+    dev 0  F(0,0)  F(1,0)  F(2,0)                       n = 3 partitions
+    dev 1          F(0,1)  F(1,1)  F(2,1)
+    dev 2                  F(0,2)  F(1,2)  F(2,2)
+"""
+from typing import Callable, Iterable, List, Optional, Sequence, Tuple, cast
+
+import torch
+from torch import nn
+
+from torchgpipe.checkpoint import Checkpointing
+from torchgpipe.copy import Copy, Wait
+from torchgpipe.dependency import fork, join
+from torchgpipe.microbatch import Batch, TensorOrTensors, check
+from torchgpipe.stream import AbstractStream, is_cuda, use_device
+from torchgpipe.worker import ExcInfo, InQueue, OutQueue, Task, spawn_workers
+
+__all__ = ['Pipeline', 'clock_cycles']
+
+
+def clock_cycles(m: int, n: int) -> Iterable[List[Tuple[int, int]]]:
+    """Generates the schedule of each clock cycle.
+
+    Args:
+        m (int): the number of micro-batches
+        n (int): the number of partitions
+
+    Yields:
+        list of (int, int): for clock ``k``, every ``(i, j)`` (micro-batch
+        ``i``, partition ``j``, both 0-based) with ``i + j == k``, in order
+        of ``j``
+
+    Example::
+
+        >>> list(clock_cycles(2, 2))
+        [[(0, 0)], [(1, 0), (0, 1)], [(1, 1)]]
+    """
+    for k in range(m + n - 1):
+        yield [(k - j, j) for j in range(max(1 + k - m, 0), min(1 + k, n))]
+
+
+def depend(fork_from: Batch, join_to: Batch) -> None:
+    """Makes the backward of ``join_to`` precede that of ``fork_from``.
+
+    The phony can only ride on tensors that take part in autograd: a
+    gradient-requiring one to fork from, a floating point one to join into.
+    """
+    i = fork_from.find(lambda x: x.requires_grad)
+    j = join_to.find(lambda x: x.is_floating_point())
+    if i is None or j is None:
+        return
+    fork_from[i], phony = fork(fork_from[i])
+    join_to[j] = join(join_to[j], phony)
+
+
+def copy(batch: Batch, prev_stream: AbstractStream, next_stream: AbstractStream) -> None:
+    """Moves the batch to ``next_stream``'s device, in place."""
+    # Between CPU "devices" a copy is the identity: skip the autograd node.
+    if is_cuda(prev_stream) or is_cuda(next_stream):
+        batch[:] = Copy.apply(prev_stream, next_stream, *batch)  # type: ignore[no-untyped-call]
+
+
+def wait(batch: Batch, prev_stream: AbstractStream, next_stream: AbstractStream) -> None:
+    """Makes ``next_stream`` wait for ``prev_stream`` before it uses the batch."""
+    if is_cuda(prev_stream) or is_cuda(next_stream):
+        batch[:] = Wait.apply(prev_stream, next_stream, *batch)  # type: ignore[no-untyped-call]
+
+
+class Pipeline:
+    """Runs micro-batches through partitions, in place of the input batches.
+
+    Args:
+        batches: the micro-batches; each is replaced by its output
+        partitions: the partitions, in order
+        devices: the device of each partition
+        copy_streams: for each partition, one copy stream per micro-batch
+        checkpoint_stop: micro-batches ``0 .. checkpoint_stop - 1`` are checkpointed
+    """
+
+    def __init__(self, batches: List[Batch], partitions: Sequence[nn.Sequential],
+                 devices: Sequence[torch.device],
+                 copy_streams: Sequence[Sequence[AbstractStream]],
+                 streams: Sequence[AbstractStream], checkpoint_stop: int) -> None:
+        self.batches = batches
+        self.partitions = partitions
+        self.devices = devices
+        self.copy_streams = copy_streams
+        self.streams = streams
+        self.checkpoint_stop = checkpoint_stop
+
+    def run(self) -> None:
+        """Runs the pipeline; an exception of any task is raised here, as itself."""
+        m = len(self.batches)
+        n = len(self.partitions)
+        with spawn_workers(self.devices) as (in_queues, out_queues):
+            for schedule in clock_cycles(m, n):
+                self.fence(schedule)
+                self.compute(schedule, in_queues, out_queues)
+
+    def fence(self, schedule: List[Tuple[int, int]]) -> None:
+        """Issues the dependencies and copies the tasks of a clock cycle need."""
+        batches = self.batches
+        copy_streams = self.copy_streams
+        for i, j in schedule:
+            # B(i, j) must run before B(i-1, j): batches[i-1] holds the
+            # output of F(i-1, j), batches[i] the input of F(i, j).
+            if i != 0:
+                depend(batches[i - 1], batches[i])
+            if j != 0:
+                copy(batches[i], copy_streams[j - 1][i], copy_streams[j][i])
+
+    def compute(self, schedule: List[Tuple[int, int]],
+                in_queues: List[InQueue], out_queues: List[OutQueue]) -> None:
+        """Runs the tasks of a clock cycle on the workers and collects their outputs."""
+        batches = self.batches
+        streams = self.streams
+        copy_streams = self.copy_streams
+        n = len(self.partitions)
+
+        for i, j in schedule:
+            batch = batches[i]
+            # The input was copied on the copy stream: wait for it.
+            if j != 0:
+                wait(batch, copy_streams[j][i], streams[j])
+
+            function = partition_function(self.partitions[j], j)
+            if i < self.checkpoint_stop:
+                chk = Checkpointing(function, batch)
+                task = Task(streams[j], compute=chk.checkpoint, finalize=chk.recompute)
+            else:
+                task = Task(streams[j], compute=batch_call(batch, function), finalize=None)
+            in_queues[j].put(task)
+
+        # Collect every result of the cycle, even after a failure, so no task
+        # is left running; then the failure ends the pipeline.
+        exc_info: Optional[ExcInfo] = None
+        for i, j in schedule:
+            ok, payload = out_queues[j].get()
+            if exc_info is not None:
+                continue
+            if not ok:
+                exc_info = cast(ExcInfo, payload)
+                continue
+            task, batch = cast(Tuple[Task, Batch], payload)
+
+            # The copy stream must wait for the output before copying it.
+            if j != n - 1:
+                wait(batch, streams[j], copy_streams[j][i])
+
+            # The recomputation is attached here, after the Wait above, so in
+            # the backward pass it runs before the wait for the incoming
+            # gradient's copy: F'(i, j) overlaps the copy of dx(i, j).
+            with use_device(self.devices[j]):
+                task.finalize(batch)
+
+            batches[i] = batch
+
+        if exc_info is not None:
+            raise exc_info[1].with_traceback(exc_info[2])
+
+
+def partition_function(partition: nn.Sequential,
+                       j: int) -> Callable[[TensorOrTensors], TensorOrTensors]:
+    """Wraps a partition into a function that checks its output type."""
+    def function(input: TensorOrTensors) -> TensorOrTensors:
+        output = partition(input)
+        check(output, f'output of partition {j}')
+        return cast(TensorOrTensors, output)
+    return function
+
+
+def batch_call(batch: Batch,
+               function: Callable[[TensorOrTensors], TensorOrTensors]) -> Callable[[], Batch]:
+    """Binds ``batch.call(function)`` for a worker."""
+    return lambda: batch.call(function)

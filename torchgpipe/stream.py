@@ -1,0 +1,120 @@
+"""Utilities for CUDA streams, with a CPU stand-in so the same code runs on CPU.
+
+GPipe keeps computation on each device's default stream and issues every copy
+on a separate, non-default stream (Section 3.2.3 of the paper) so copies and
+computation overlap. CPU has no streams; :data:`CPUStream` is a placeholder
+that makes every stream operation below a no-op on CPU, so the pipeline can be
+written once and run on both.
+"""
+from contextlib import contextmanager
+from typing import Generator, List, Union, cast
+
+import torch
+
+__all__ = [
+    'CPUStream', 'AbstractStream', 'new_stream', 'current_stream', 'default_stream',
+    'use_device', 'use_stream', 'get_device', 'wait_stream', 'record_stream',
+    'is_cuda', 'as_cuda',
+]
+
+
+class CPUStreamType:
+    """The type of :data:`CPUStream`: a stream on CPU, where every kernel is synchronous."""
+
+    def __repr__(self) -> str:
+        return 'CPUStream'
+
+
+#: The single stream object standing for "any stream" on CPU.
+CPUStream = CPUStreamType()
+
+#: A CUDA stream or :data:`CPUStream`.
+AbstractStream = Union[torch.cuda.Stream, CPUStreamType]
+
+
+def new_stream(device: torch.device) -> AbstractStream:
+    """Creates a new non-default stream on the device (:data:`CPUStream` on CPU)."""
+    if device.type != 'cuda':
+        return CPUStream
+    return torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+
+
+def current_stream(device: torch.device) -> AbstractStream:
+    """Returns the current stream of the device (:data:`CPUStream` on CPU)."""
+    if device.type != 'cuda':
+        return CPUStream
+    return torch.cuda.current_stream(device)
+
+
+def default_stream(device: torch.device) -> AbstractStream:
+    """Returns the default stream of the device (:data:`CPUStream` on CPU)."""
+    if device.type != 'cuda':
+        return CPUStream
+    return torch.cuda.default_stream(device)
+
+
+@contextmanager
+def use_device(device: torch.device) -> Generator[None, None, None]:
+    """Makes the device current within the context (a no-op on CPU)."""
+    if device.type != 'cuda':
+        yield
+        return
+    with torch.cuda.device(device):
+        yield
+
+
+@contextmanager
+def use_stream(stream: AbstractStream) -> Generator[None, None, None]:
+    """Makes the stream current on its device within the context (a no-op on CPU)."""
+    if not is_cuda(stream):
+        yield
+        return
+    with torch.cuda.stream(as_cuda(stream)):
+        yield
+
+
+def get_device(stream: AbstractStream) -> torch.device:
+    """Returns the device of the stream."""
+    if is_cuda(stream):
+        return as_cuda(stream).device
+    return torch.device('cpu')
+
+
+def wait_stream(source: AbstractStream, target: AbstractStream) -> None:
+    """Makes ``source`` wait until every kernel queued on ``target`` so far has finished.
+
+    Waiting for a CPU stream is nothing: its work is already done. A CPU
+    "stream" waiting for a CUDA stream means the host blocks on it.
+    """
+    if not is_cuda(target):
+        return
+    if is_cuda(source):
+        as_cuda(source).wait_stream(as_cuda(target))
+    else:
+        as_cuda(target).synchronize()
+
+
+def record_stream(tensor: torch.Tensor, stream: AbstractStream) -> None:
+    """Marks ``tensor`` as in use by ``stream``.
+
+    The CUDA caching allocator only knows the stream a block was allocated on.
+    Without this, a tensor freed on its allocation stream could be handed to
+    another tensor while a kernel on ``stream`` still reads or writes it.
+    """
+    if is_cuda(stream):
+        tensor.record_stream(as_cuda(stream))
+
+
+def is_cuda(stream: AbstractStream) -> bool:
+    """Whether the stream is a CUDA stream (not :data:`CPUStream`)."""
+    return stream is not CPUStream
+
+
+def as_cuda(stream: AbstractStream) -> torch.cuda.Stream:
+    """Casts the stream to :class:`torch.cuda.Stream` for the type checker."""
+    return cast(torch.cuda.Stream, stream)
+
+
+def new_streams(device: torch.device, count: int) -> List[AbstractStream]:
+    """Creates ``count`` new streams on the device."""
+    return [new_stream(device) for _ in range(count)]
