@@ -42,7 +42,7 @@ Function = Callable[[TensorOrTensors], TensorOrTensors]
 # recomputed (output, input leaves), the RNG states, and the autocast states.
 Recomputed = Tuple[TensorOrTensors, Tensors]
 RNGStates = Tuple[Tensor, Optional[Tensor]]
-AutocastStates = List[Tuple[str, torch.dtype]]
+AutocastStates = Tuple[List[Tuple[str, torch.dtype]], bool]
 
 
 class ThreadLocal(threading.local):
@@ -243,13 +243,13 @@ def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
 
 
 def save_autocast_states() -> AutocastStates:
-    """Captures, per device type, the dtype of every enabled autocast."""
-    states = []
+    """Captures the dtype of every enabled autocast, per device type, and the cache flag."""
+    enabled = []
     for device_type in _AUTOCAST_DEVICE_TYPES:
         dtype = _autocast_dtype(device_type)
         if dtype is not None:
-            states.append((device_type, dtype))
-    return states
+            enabled.append((device_type, dtype))
+    return enabled, torch.is_autocast_cache_enabled()
 
 
 @contextmanager
@@ -259,11 +259,13 @@ def restore_autocast_states(states: AutocastStates) -> Generator[None, None, Non
     Autocast state is thread-local: a worker thread or the autograd engine's
     thread starts without the caller's, so it has to be carried over.
     """
-    enabled = dict(states)
+    enabled, cache_enabled = states
+    dtypes = dict(enabled)
     with ExitStack() as stack:
         for device_type in _AUTOCAST_DEVICE_TYPES:
-            if device_type in enabled:
-                stack.enter_context(torch.autocast(device_type, dtype=enabled[device_type]))
+            if device_type in dtypes:
+                stack.enter_context(torch.autocast(device_type, dtype=dtypes[device_type],
+                                                   cache_enabled=cache_enabled))
             elif _autocast_dtype(device_type) is not None:
                 stack.enter_context(torch.autocast(device_type, enabled=False))
         yield

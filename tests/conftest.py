@@ -1,0 +1,26 @@
+"""Shared fixtures: every test must leave no worker thread behind."""
+import threading
+from typing import Iterator
+
+import pytest
+import torch
+
+
+def worker_threads() -> list:
+    return [t for t in threading.enumerate() if t.name.startswith('torchgpipe worker')]
+
+
+@pytest.fixture(autouse=True)
+def no_worker_thread_left() -> Iterator[None]:
+    yield
+    assert worker_threads() == [], 'a GPipe worker thread outlived the call'
+
+
+@pytest.fixture(autouse=True)
+def deterministic_seed() -> None:
+    torch.manual_seed(0)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker('cuda') and not torch.cuda.is_available():
+        pytest.skip('needs a CUDA device; none is visible')

@@ -1,0 +1,62 @@
+"""Reference computations the tests compare GPipe against."""
+import copy
+from typing import Callable, List, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from torchgpipe.pipeline import clock_cycles
+
+
+def assert_same_training_step(model: nn.Sequential,
+                              gpipe_factory: Callable[[nn.Sequential], nn.Module],
+                              input: Tensor,
+                              loss_fn: Callable[[Tensor], Tensor] = lambda y: y.pow(2).sum(),
+                              **tolerance: float) -> None:
+    """Asserts that a GPipe step equals the unwrapped model's on the full batch.
+
+    Compares the output, the input gradient and every parameter gradient.
+    """
+    reference = copy.deepcopy(model)
+    gpipe = gpipe_factory(model)
+
+    x1 = input.detach().clone().requires_grad_(input.is_floating_point())
+    x2 = input.detach().clone().requires_grad_(input.is_floating_point())
+
+    expected = reference(x1)
+    loss_fn(expected).backward()
+    actual = gpipe(x2)
+    loss_fn(actual).backward()
+
+    torch.testing.assert_close(actual, expected, **tolerance)
+    if x1.grad is not None:
+        torch.testing.assert_close(x2.grad, x1.grad, **tolerance)
+    ref_params = dict(reference.named_parameters())
+    gpipe_params = {name.split('.', 2)[2]: p for name, p in gpipe.named_parameters()}
+    assert ref_params.keys() == gpipe_params.keys()
+    for name, p in ref_params.items():
+        if p.grad is None:
+            assert gpipe_params[name].grad is None, name
+        else:
+            torch.testing.assert_close(gpipe_params[name].grad, p.grad, **tolerance, msg=name)
+
+
+def run_in_clock_order(model: nn.Sequential, balance: Sequence[int], input: Tensor,
+                       chunks: int) -> Tensor:
+    """Runs the unwrapped model on micro-batches in GPipe's clock-cycle order.
+
+    With random layers such as dropout, this is what GPipe computes: the
+    random numbers are drawn micro-batch by micro-batch, in this order.
+    """
+    layers = list(model)
+    partitions: List[nn.Sequential] = []
+    offset = 0
+    for size in balance:
+        partitions.append(nn.Sequential(*layers[offset:offset + size]))
+        offset += size
+    batches = list(input.chunk(chunks))
+    for schedule in clock_cycles(len(batches), len(partitions)):
+        for i, j in schedule:
+            batches[i] = partitions[j](batches[i])
+    return torch.cat(batches)
+

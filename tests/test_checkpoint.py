@@ -1,0 +1,103 @@
+"""Checkpointing: how often it happens per mode, and what layers see while it does."""
+from collections import Counter
+from typing import List
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from torchgpipe import GPipe, is_checkpointing, is_recomputing
+from torchgpipe.checkpoint import checkpoint, enable_checkpointing, enable_recomputing
+
+
+class Probe(nn.Module):
+    """Counts its calls by what is_checkpointing()/is_recomputing() say."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: Counter = Counter()
+        self.linear = nn.Linear(3, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        state = ('checkpointing' if is_checkpointing() else
+                 'recomputing' if is_recomputing() else 'plain')
+        self.calls[state] += 1
+        return self.linear(x)
+
+
+def counts(checkpoint: str, chunks: int, *, train: bool = True, grad: bool = True) -> Counter:
+    probe = Probe()
+    gpipe = GPipe(nn.Sequential(nn.Linear(3, 3), probe), [1, 1], devices=['cpu', 'cpu'],
+                  chunks=chunks, checkpoint=checkpoint)
+    gpipe.train(train)
+    with torch.set_grad_enabled(grad):
+        output = gpipe(torch.randn(chunks * 2, 3))
+    if output.requires_grad:
+        output.sum().backward()
+    return probe.calls
+
+
+@pytest.mark.parametrize('chunks', [1, 2, 5])
+def test_checkpoint_counts_per_mode(chunks: int) -> None:
+    m = chunks
+    assert counts('always', m) == Counter(checkpointing=m, recomputing=m)
+    assert counts('except_last', m) == Counter(checkpointing=m - 1, recomputing=m - 1,
+                                               plain=1)
+    assert counts('never', m) == Counter(plain=m)
+
+
+@pytest.mark.parametrize('mode', ['always', 'except_last', 'never'])
+def test_no_checkpointing_in_eval_mode_or_without_grad(mode: str) -> None:
+    assert counts(mode, 4, train=False) == Counter(plain=4)
+    assert counts(mode, 4, grad=False) == Counter(plain=4)
+
+
+def test_flags_are_off_outside_and_restored() -> None:
+    assert not is_checkpointing() and not is_recomputing()
+    with enable_checkpointing():
+        assert is_checkpointing()
+        with enable_recomputing():
+            assert is_recomputing()
+        assert not is_recomputing()
+    assert not is_checkpointing()
+
+
+def test_checkpoint_function_matches_plain_autograd() -> None:
+    x = torch.randn(4, 3, requires_grad=True)
+    linear = nn.Linear(3, 3)
+    y = checkpoint(lambda t: linear(t).tanh(), x)
+    y.sum().backward()
+    expected_x, expected_w = x.grad.clone(), linear.weight.grad.clone()
+    x.grad = None
+    linear.weight.grad = None
+    linear(x).tanh().sum().backward()
+    torch.testing.assert_close(x.grad, expected_x)
+    torch.testing.assert_close(linear.weight.grad, expected_w)
+
+
+def test_recomputation_replays_rng_and_leaves_the_generator_alone() -> None:
+    draws: List[Tensor] = []
+
+    def noisy(x: Tensor) -> Tensor:
+        noise = torch.rand_like(x)
+        draws.append(noise)
+        return x * noise
+
+    x = torch.ones(5, requires_grad=True)
+    torch.manual_seed(3)
+    y = checkpoint(noisy, x)
+    after_forward = torch.get_rng_state()
+    y.sum().backward()
+    # The recomputation drew the same numbers, and the gradient used them.
+    torch.testing.assert_close(draws[0], draws[1])
+    torch.testing.assert_close(x.grad, draws[0])
+    # The recomputation did not advance the caller's generator.
+    assert torch.equal(torch.get_rng_state(), after_forward)
+
+
+def test_checkpoint_tuple_output_with_integer_tensor() -> None:
+    x = torch.randn(3, requires_grad=True)
+    out, index = checkpoint(lambda t: (t * 2, torch.arange(3)), x)
+    assert not index.requires_grad and out.requires_grad
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((3,), 2.0))

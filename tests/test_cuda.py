@@ -1,0 +1,99 @@
+"""CUDA paths: streams, copies between devices, input placement.
+
+Every test here needs a GPU and is skipped, naming the reason, without one.
+"""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from helpers import assert_same_training_step
+from torchgpipe import GPipe
+from torchgpipe.copy import Copy, Wait
+from torchgpipe.stream import (current_stream, default_stream, get_device, is_cuda, new_stream,
+                               use_stream, wait_stream)
+
+pytestmark = pytest.mark.cuda
+
+
+def devices(n: int) -> list:
+    count = torch.cuda.device_count()
+    return [torch.device('cuda', j % count) for j in range(n)]
+
+
+def test_cuda_streams() -> None:
+    device = torch.device('cuda')
+    stream = new_stream(device)
+    assert is_cuda(stream) and stream != default_stream(device)
+    assert get_device(stream).type == 'cuda'
+    with use_stream(stream):
+        assert current_stream(device) == stream
+    wait_stream(default_stream(device), stream)
+
+
+def test_copy_runs_on_copy_streams_and_gradients_come_back() -> None:
+    source, target = devices(2)
+    prev_stream, next_stream = new_stream(source), new_stream(target)
+    x = torch.randn(64, device=source, requires_grad=True)
+    wait_stream(prev_stream, current_stream(source))
+    y, = Copy.apply(prev_stream, next_stream, x)
+    y, = Wait.apply(next_stream, current_stream(target), y)
+    assert y.device == target
+    (y * 2).sum().backward()
+    torch.testing.assert_close(x.grad, torch.full_like(x, 2.0))
+
+
+@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
+def test_transparency_on_cuda(checkpoint: str) -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.Tanh()).double()
+    input = torch.randn(12, 8, dtype=torch.double, device=devices(1)[0])
+    assert_same_training_step(
+        model.to(input.device),
+        lambda m: GPipe(m, [1, 1, 1, 1], devices=devices(4), chunks=4, checkpoint=checkpoint),
+        input)
+
+
+def test_copy_streams_are_one_per_device_per_micro_batch() -> None:
+    gpipe = GPipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), [1, 1], devices=devices(2),
+                  chunks=3)
+    gpipe(torch.randn(6, 2, device=devices(1)[0]))
+    streams = gpipe._copy_streams
+    assert [len(s) for s in streams] == [3, 3]
+    flat = [s for per_device in streams for s in per_device]
+    assert len(set(flat)) == 6
+    assert all(s != default_stream(get_device(s)) for s in flat)
+
+
+def test_input_on_another_device_is_moved_to_the_first_partition() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    reference = copy.deepcopy(model)
+    gpipe = GPipe(model, [2, 1], devices=devices(2), chunks=2)
+    x = torch.randn(4, 4, requires_grad=True)  # on CPU
+    output = gpipe(x)
+    assert output.device == gpipe.devices[-1]
+    output.sum().backward()
+    x_ref = x.detach().clone().requires_grad_()
+    reference(x_ref).sum().backward()
+    torch.testing.assert_close(output.cpu(), reference(x_ref).detach())
+    torch.testing.assert_close(x.grad, x_ref.grad)
+
+
+def test_moving_to_a_cuda_device_is_denied() -> None:
+    gpipe = GPipe(nn.Sequential(nn.Linear(2, 2)), [1], devices=devices(1))
+    with pytest.raises(TypeError):
+        gpipe.cuda()
+    with pytest.raises(TypeError):
+        gpipe.to('cuda')
+
+
+def test_integer_devices_mean_cuda_indices() -> None:
+    gpipe = GPipe(nn.Sequential(nn.Linear(2, 2)), [1], devices=[0])
+    assert gpipe.devices == [torch.device('cuda', 0)]
+    assert next(gpipe.parameters()).device == torch.device('cuda', 0)
+
+
+def test_default_devices_are_every_cuda_device() -> None:
+    n = torch.cuda.device_count()
+    gpipe = GPipe(nn.Sequential(*[nn.Linear(2, 2) for _ in range(n)]), [1] * n)
+    assert gpipe.devices == [torch.device('cuda', j) for j in range(n)]

@@ -1,0 +1,104 @@
+"""Property 6: an exception in a layer reaches the caller as itself, promptly.
+
+It never hangs (guarded by timeouts), stops the tasks of later clock cycles,
+leaves no worker thread behind (checked after every test by conftest), and
+the next call works.
+"""
+import copy
+from typing import List, Set, Tuple
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from torchgpipe import GPipe, is_recomputing
+
+
+class Boom(Exception):
+    pass
+
+
+class Trap(nn.Module):
+    """Raises ``error`` on micro-batch ``fail_at`` (read off the data) while armed."""
+
+    def __init__(self, j: int, log: Set[Tuple[int, int]]) -> None:
+        super().__init__()
+        self.j = j
+        self.log = log
+        self.fail_at: int = -1
+        self.in_recompute_only = False
+        self.error = Boom(f'partition {j}')
+        self.linear = nn.Linear(2, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        i = int(x[0, 0].item())
+        self.log.add((i, self.j))
+        if i == self.fail_at and (is_recomputing() or not self.in_recompute_only):
+            raise self.error
+        # Keep column 0 (the micro-batch index) intact.
+        return torch.cat([x[:, :1], self.linear(x)[:, 1:]], dim=1)
+
+
+N, M = 3, 4
+
+
+def build() -> Tuple[GPipe, List[Trap], Set[Tuple[int, int]]]:
+    log: Set[Tuple[int, int]] = set()
+    traps = [Trap(j, log) for j in range(N)]
+    gpipe = GPipe(nn.Sequential(*traps), [1] * N, devices=['cpu'] * N, chunks=M)
+    return gpipe, traps, log
+
+
+def make_input() -> Tensor:
+    return torch.arange(M, dtype=torch.float).unsqueeze(1).repeat(1, 2)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize('j', range(N))
+@pytest.mark.parametrize('i', range(M))
+def test_exception_reaches_caller_and_stops_later_cycles(i: int, j: int) -> None:
+    gpipe, traps, log = build()
+    reference = copy.deepcopy(gpipe)
+    traps[j].fail_at = i
+
+    with pytest.raises(Boom) as excinfo:
+        gpipe(make_input())
+    assert excinfo.value is traps[j].error
+
+    # No task of a clock cycle after the failing one ran.
+    assert max(ii + jj for ii, jj in log) == i + j
+    # Every task before it did.
+    assert {(ii, jj) for ii in range(M) for jj in range(N) if ii + jj < i + j} <= log
+
+    # The next call works and computes the right thing.
+    traps[j].fail_at = -1
+    output = gpipe(make_input())
+    torch.testing.assert_close(output, reference(make_input()))
+    output.sum().backward()
+
+
+@pytest.mark.timeout(60)
+def test_exception_during_recomputation_reaches_backward_caller() -> None:
+    gpipe, traps, _ = build()
+    traps[1].fail_at = 0
+    traps[1].in_recompute_only = True
+    output = gpipe(make_input())
+    with pytest.raises(Boom) as excinfo:
+        output.sum().backward()
+    assert excinfo.value is traps[1].error
+
+
+@pytest.mark.timeout(60)
+def test_wrong_boundary_type_raises_type_error_in_first_cycle() -> None:
+    class ReturnsList(nn.Module):
+        def forward(self, x: Tensor) -> list:
+            return [x]
+
+    log: Set[Tuple[int, int]] = set()
+    gpipe = GPipe(nn.Sequential(ReturnsList(), Trap(1, log)), [1, 1],
+                  devices=['cpu', 'cpu'], chunks=4)
+    with pytest.raises(TypeError, match='output of partition 0'):
+        gpipe(make_input())
+    # Partition 1 never ran: the error surfaced in the first clock cycle.
+    assert log == set()
+

@@ -1,0 +1,87 @@
+"""Property 5: with checkpointing, a partition keeps only its boundary activations.
+
+Bytes saved for backward are counted with saved_tensors_hooks, which are
+thread-local, so the hooks are also installed in the worker threads.
+"""
+import threading
+from typing import Any, Dict, Iterator
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import torchgpipe.worker
+from torchgpipe import GPipe
+
+
+class SavedBytes:
+    """Counts the distinct storages saved for backward, in every thread."""
+
+    def __init__(self) -> None:
+        self.storages: Dict[int, int] = {}
+        self.lock = threading.Lock()
+
+    def pack(self, tensor: Tensor) -> Tensor:
+        storage = tensor.untyped_storage()
+        with self.lock:
+            self.storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    def hooks(self) -> Any:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+
+    @property
+    def total(self) -> int:
+        return sum(self.storages.values())
+
+
+@pytest.fixture
+def saved(monkeypatch: pytest.MonkeyPatch) -> Iterator[SavedBytes]:
+    counter = SavedBytes()
+    original = torchgpipe.worker.worker
+
+    def worker(*args: Any) -> None:
+        with counter.hooks():
+            original(*args)
+
+    monkeypatch.setattr(torchgpipe.worker, 'worker', worker)
+    yield counter
+
+
+def deep_mlp(depth: int = 16, width: int = 64) -> nn.Sequential:
+    layers = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
+def saved_bytes_of_forward(saved: SavedBytes, checkpoint: str, chunks: int = 4,
+                           balance: tuple = (8, 8, 8, 8)) -> int:
+    gpipe = GPipe(deep_mlp(), list(balance), devices=['cpu'] * len(balance), chunks=chunks,
+                  checkpoint=checkpoint)
+    input = torch.randn(64, 64)
+    with saved.hooks():
+        output = gpipe(input)
+    total = saved.total
+    output.sum().backward()
+    return total
+
+
+def test_checkpointing_keeps_only_partition_boundaries(saved: SavedBytes) -> None:
+    total = saved_bytes_of_forward(saved, 'always')
+    # Each of the 4 partitions keeps its input micro-batches: 64 x 64 floats.
+    # (The model's parameters are saved too: the weights of the recomputed
+    # layers are not saved in the first pass, so they may not count.)
+    boundary_bytes = 4 * 64 * 64 * 4
+    assert 0 < total <= boundary_bytes
+
+
+def test_checkpointing_saves_far_less_than_never(saved: SavedBytes) -> None:
+    never = saved_bytes_of_forward(saved, 'never')
+    saved.storages.clear()
+    except_last = saved_bytes_of_forward(saved, 'except_last')
+    saved.storages.clear()
+    always = saved_bytes_of_forward(saved, 'always')
+    assert always < except_last < never
+    # 32 layers per micro-batch kept without checkpointing, 4 boundaries with.
+    assert always * 4 < never

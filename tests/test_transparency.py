@@ -1,0 +1,305 @@
+"""Property 1: GPipe computes what the unwrapped nn.Sequential computes.
+
+Outputs, the input gradient and every parameter gradient equal those of the
+unwrapped model on the full batch, for any model, balance, chunks and
+checkpoint mode.
+"""
+import copy
+from typing import List, Tuple
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor, nn
+
+from helpers import assert_same_training_step, run_in_clock_order
+from torchgpipe import GPipe
+
+WIDTH = 5
+LAYER_KINDS = ['linear', 'relu', 'tanh', 'layernorm', 'scale', 'softplus']
+
+
+def make_layer(kind: str) -> nn.Module:
+    if kind == 'linear':
+        return nn.Linear(WIDTH, WIDTH)
+    if kind == 'relu':
+        return nn.ReLU()
+    if kind == 'tanh':
+        return nn.Tanh()
+    if kind == 'layernorm':
+        return nn.LayerNorm(WIDTH)
+    if kind == 'softplus':
+        return nn.Softplus()
+    return Scale()
+
+
+class Scale(nn.Module):
+    """A layer whose parameter has the same shape as its input rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(WIDTH))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.weight
+
+
+@st.composite
+def pipelines(draw: st.DrawFn) -> Tuple[List[str], List[int], int, int, str]:
+    kinds = draw(st.lists(st.sampled_from(LAYER_KINDS), min_size=1, max_size=8))
+    partitions = draw(st.integers(1, min(4, len(kinds))))
+    # A random composition of len(kinds) into `partitions` positive parts.
+    cuts = sorted(draw(st.sets(st.integers(1, len(kinds) - 1),
+                               min_size=partitions - 1, max_size=partitions - 1))) \
+        if partitions > 1 else []
+    bounds = [0, *cuts, len(kinds)]
+    balance = [b - a for a, b in zip(bounds, bounds[1:])]
+    chunks = draw(st.integers(1, 8))
+    batch_size = draw(st.integers(1, 12))
+    checkpoint = draw(st.sampled_from(['always', 'except_last', 'never']))
+    return kinds, balance, chunks, batch_size, checkpoint
+
+
+@settings(max_examples=80, deadline=None)
+@given(pipelines(), st.integers(0, 2**16))
+def test_outputs_and_gradients_equal_unwrapped(case: Tuple[List[str], List[int], int, int, str],
+                                               seed: int) -> None:
+    kinds, balance, chunks, batch_size, checkpoint = case
+    torch.manual_seed(seed)
+    model = nn.Sequential(*[make_layer(k) for k in kinds]).double()
+    input = torch.randn(batch_size, WIDTH, dtype=torch.double)
+
+    assert_same_training_step(
+        model,
+        lambda m: GPipe(m, balance, devices=['cpu'] * len(balance), chunks=chunks,
+                        checkpoint=checkpoint),
+        input)
+
+
+@pytest.mark.parametrize('batch_size, chunks', [(10, 4), (3, 8), (7, 7), (1, 3)])
+@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
+def test_uneven_and_small_batches(batch_size: int, chunks: int, checkpoint: str) -> None:
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH),
+                          nn.ReLU()).double()
+    input = torch.randn(batch_size, WIDTH, dtype=torch.double)
+    assert_same_training_step(
+        model, lambda m: GPipe(m, [1, 2, 1], devices=['cpu'] * 3, chunks=chunks,
+                               checkpoint=checkpoint),
+        input)
+
+
+def test_float32_matches_closely() -> None:
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.ReLU()) for _ in range(6)])
+    input = torch.randn(24, 16)
+    assert_same_training_step(
+        model, lambda m: GPipe(m, [2, 2, 1, 1], devices=['cpu'] * 4, chunks=5),
+        input, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
+def test_dropout_is_replayed_in_recomputation(checkpoint: str) -> None:
+    """Dropout draws one mask per micro-batch; the recomputation must redraw the same.
+
+    The reference is the unwrapped model run on the micro-batches in clock
+    order, which draws the same random numbers as GPipe. If the
+    recomputation drew new masks, the gradients would not match.
+    """
+    balance = [2, 3, 2]
+    chunks = 4
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5),
+                          nn.Linear(8, 8), nn.Dropout(0.3), nn.Tanh(),
+                          nn.Dropout(0.5), nn.Linear(8, 8)).double()
+    reference = copy.deepcopy(model)
+    gpipe = GPipe(model, balance, devices=['cpu'] * 3, chunks=chunks, checkpoint=checkpoint)
+    input = torch.randn(8, 8, dtype=torch.double)
+
+    torch.manual_seed(1)
+    expected = run_in_clock_order(reference, balance, input, chunks)
+    expected.pow(2).sum().backward()
+    torch.manual_seed(1)
+    actual = gpipe(input)
+    actual.pow(2).sum().backward()
+
+    torch.testing.assert_close(actual, expected)
+    # Dropout did drop something, or this test would prove nothing.
+    with torch.no_grad():
+        assert not torch.allclose(actual, copy.deepcopy(reference).eval()(input))
+    for (name, p), q in zip(gpipe.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
+def test_autocast_is_carried_into_workers_and_recomputation(checkpoint: str) -> None:
+    """Under torch.autocast, every partition computes in bfloat16, also when recomputed.
+
+    The reference runs the unwrapped model per micro-batch under the same
+    autocast. A worker without autocast would compute in float32; a
+    recomputation without it would backpropagate through float32 kernels.
+    The weight cast cache is off: with it, the reference would sum the
+    micro-batches' weight gradients in bfloat16 through one cached cast,
+    while a recomputation casts (and sums) anew.
+    """
+    balance = [2, 2, 2]
+    chunks = 3
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.GELU(),
+                          nn.Linear(32, 8), nn.Tanh())
+    reference = copy.deepcopy(model)
+    gpipe = GPipe(model, balance, devices=['cpu'] * 3, chunks=chunks, checkpoint=checkpoint)
+    input = torch.randn(12, 16)
+
+    with torch.autocast('cpu', dtype=torch.bfloat16, cache_enabled=False):
+        expected = run_in_clock_order(reference, balance, input, chunks)
+        actual = gpipe(input)
+    assert actual.dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+
+    expected.float().pow(2).sum().backward()
+    actual.float().pow(2).sum().backward()
+    for (name, p), q in zip(gpipe.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_autocast_off_inside_autocast_region_stays_off() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    gpipe = GPipe(model, [1, 1], devices=['cpu', 'cpu'], chunks=2)
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        with torch.autocast('cpu', enabled=False):
+            output = gpipe(torch.randn(4, 4))
+    assert output.dtype == torch.float32
+
+
+class Split(nn.Module):
+    def forward(self, x: Tensor) -> Tuple[Tensor, Tensor]:
+        return x, x * 2
+
+
+class PairLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(WIDTH, WIDTH)
+        self.b = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, pair: Tuple[Tensor, Tensor]) -> Tuple[Tensor, Tensor]:
+        x, y = pair
+        return self.a(x) + y, self.b(y).tanh()
+
+
+class Masked(nn.Module):
+    """Takes (x, mask) where the mask needs no gradient, returns (x * mask, mask)."""
+
+    def forward(self, pair: Tuple[Tensor, Tensor]) -> Tuple[Tensor, Tensor]:
+        x, mask = pair
+        return x * mask, mask
+
+
+class Merge(nn.Module):
+    def forward(self, pair: Tuple[Tensor, Tensor]) -> Tensor:
+        return pair[0] + pair[1]
+
+
+@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
+@pytest.mark.parametrize('balance', [[1, 1, 1, 1], [2, 2], [1, 3], [3, 1]])
+def test_tuples_at_every_boundary(balance: List[int], checkpoint: str) -> None:
+    model = nn.Sequential(Split(), PairLinear(), PairLinear(), Merge()).double()
+    input = torch.randn(9, WIDTH, dtype=torch.double)
+    assert_same_training_step(
+        model, lambda m: GPipe(m, balance, devices=['cpu'] * len(balance), chunks=4,
+                               checkpoint=checkpoint),
+        input)
+
+
+@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
+def test_tuple_input_with_a_tensor_that_needs_no_grad(checkpoint: str) -> None:
+    torch.manual_seed(0)
+    layers = [PairLinear(), Masked(), PairLinear(), Masked(), Merge()]
+    model = nn.Sequential(*layers).double()
+    reference = copy.deepcopy(model)
+    gpipe = GPipe(model, [2, 2, 1], devices=['cpu'] * 3, chunks=3, checkpoint=checkpoint)
+
+    x = torch.randn(6, WIDTH, dtype=torch.double, requires_grad=True)
+    mask = (torch.rand(6, WIDTH) > 0.5).double()
+    x_ref = x.detach().clone().requires_grad_()
+
+    expected = reference((x_ref, mask))
+    expected.sum().backward()
+    actual = gpipe((x, mask))
+    actual.sum().backward()
+
+    torch.testing.assert_close(actual, expected)
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    assert mask.grad is None and not mask.requires_grad
+    for p, q in zip(gpipe.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+class Embed(nn.Module):
+    """Integer token ids in, as the first tensor of a tuple."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(10, WIDTH)
+
+    def forward(self, pair: Tuple[Tensor, Tensor]) -> Tuple[Tensor, Tensor]:
+        ids, scale = pair
+        return ids, self.embedding(ids) * scale
+
+
+class Head(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, 1)
+
+    def forward(self, pair: Tuple[Tensor, Tensor]) -> Tuple[Tensor, Tensor]:
+        ids, h = pair
+        return ids, self.linear(h).squeeze(1) + ids.double()
+
+
+@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
+def test_integer_tensors_cross_boundaries(checkpoint: str) -> None:
+    model = nn.Sequential(Embed(), Head()).double()
+    reference = copy.deepcopy(model)
+    gpipe = GPipe(model, [1, 1], devices=['cpu'] * 2, chunks=4, checkpoint=checkpoint)
+
+    ids = torch.randint(10, (8,))
+    scale = torch.ones(8, 1, dtype=torch.double)
+    expected = reference((ids, scale))
+    actual = gpipe((ids, scale))
+    assert actual[0].dtype == torch.int64
+    torch.testing.assert_close(actual, expected)
+    expected[1].sum().backward()
+    actual[1].sum().backward()
+    for p, q in zip(gpipe.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_input_requiring_grad_receives_it_and_no_grad_mode_builds_no_graph() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    gpipe = GPipe(model, [2, 1], devices=['cpu'] * 2, chunks=2)
+    with torch.no_grad():
+        output = gpipe(torch.randn(4, 4, requires_grad=True))
+    assert not output.requires_grad
+
+    x = torch.randn(4, 4, requires_grad=True)
+    gpipe(x).sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
+def test_repeated_steps_match_unwrapped_training(checkpoint: str) -> None:
+    """A few SGD steps: parameters stay equal to those of the unwrapped model."""
+    model = nn.Sequential(nn.Linear(6, 12), nn.ReLU(), nn.Linear(12, 12), nn.ReLU(),
+                          nn.Linear(12, 3)).double()
+    reference = copy.deepcopy(model)
+    gpipe = GPipe(model, [2, 2, 1], devices=['cpu'] * 3, chunks=4, checkpoint=checkpoint)
+    opt_ref = torch.optim.SGD(reference.parameters(), lr=0.1)
+    opt = torch.optim.SGD(gpipe.parameters(), lr=0.1)
+    for step in range(5):
+        x = torch.randn(10, 6, dtype=torch.double)
+        target = torch.randint(3, (10,))
+        for net, optimizer in ((reference, opt_ref), (gpipe, opt)):
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(net(x), target).backward()
+            optimizer.step()
+    for p, q in zip(gpipe.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q)

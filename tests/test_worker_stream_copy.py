@@ -1,0 +1,100 @@
+"""Workers, the CPU stand-in for streams, and Copy/Wait on CPU."""
+import threading
+from typing import List
+
+import pytest
+import torch
+
+from torchgpipe.copy import Copy, Wait
+from torchgpipe.microbatch import Batch
+from torchgpipe.stream import (CPUStream, as_cuda, current_stream, default_stream, get_device,
+                               is_cuda, new_stream, record_stream, use_device, use_stream,
+                               wait_stream)
+from torchgpipe.worker import Task, spawn_workers
+
+CPU = torch.device('cpu')
+
+
+def test_cpu_streams_are_no_ops() -> None:
+    for stream in (new_stream(CPU), current_stream(CPU), default_stream(CPU)):
+        assert stream is CPUStream and not is_cuda(stream)
+        assert get_device(stream) == CPU
+    with use_device(CPU), use_stream(CPUStream):
+        x = torch.zeros(1)
+        record_stream(x, CPUStream)
+        wait_stream(CPUStream, CPUStream)
+    assert repr(CPUStream) == 'CPUStream'
+    assert as_cuda(CPUStream) is CPUStream
+
+
+def test_copy_and_wait_on_cpu_pass_values_and_gradients() -> None:
+    x = torch.randn(3, requires_grad=True)
+    index = torch.arange(3)
+    y, j = Copy.apply(CPUStream, CPUStream, x, index)
+    z, k = Wait.apply(CPUStream, CPUStream, y * 2, j)
+    assert torch.equal(k, index) and not k.requires_grad
+    z.sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((3,), 2.0))
+
+
+def run(tasks: List[Task], devices: List[torch.device]) -> list:
+    results = []
+    with spawn_workers(devices) as (in_queues, out_queues):
+        for j, task in enumerate(tasks):
+            in_queues[j].put(task)
+        for j in range(len(tasks)):
+            results.append(out_queues[j].get())
+    return results
+
+
+def test_one_worker_per_distinct_device_and_clean_shutdown() -> None:
+    names: List[str] = []
+
+    def compute() -> Batch:
+        names.append(threading.current_thread().name)
+        return Batch(torch.zeros(1))
+
+    tasks = [Task(CPUStream, compute=compute, finalize=None) for _ in range(3)]
+    results = run(tasks, [CPU] * 3)
+    assert all(ok for ok, _ in results)
+    assert len(set(names)) == 1 and names[0].startswith('torchgpipe worker')
+    assert threading.current_thread().name not in names
+
+
+@pytest.mark.parametrize('grad_mode', [True, False])
+def test_workers_inherit_grad_mode_and_autocast(grad_mode: bool) -> None:
+    seen = []
+
+    def compute() -> Batch:
+        seen.append((torch.is_grad_enabled(), torch.is_autocast_enabled('cpu'),
+                     torch.get_autocast_dtype('cpu')))
+        return Batch(torch.zeros(1))
+
+    with torch.set_grad_enabled(grad_mode), torch.autocast('cpu', dtype=torch.bfloat16):
+        run([Task(CPUStream, compute=compute, finalize=None)], [CPU])
+    assert seen == [(grad_mode, True, torch.bfloat16)]
+
+
+def test_worker_reports_exceptions_and_keeps_working() -> None:
+    error = RuntimeError('inside')
+
+    def fail() -> Batch:
+        raise error
+
+    ok_task = Task(CPUStream, compute=lambda: Batch(torch.ones(1)), finalize=None)
+    with spawn_workers([CPU]) as (in_queues, out_queues):
+        in_queues[0].put(Task(CPUStream, compute=fail, finalize=None))
+        in_queues[0].put(ok_task)
+        ok, payload = out_queues[0].get()
+        assert not ok and payload[1] is error
+        ok, payload = out_queues[0].get()
+        assert ok and payload[0] is ok_task
+
+
+def test_task_finalize() -> None:
+    finalized = []
+    task = Task(CPUStream, compute=lambda: Batch(torch.ones(1)), finalize=finalized.append)
+    batch = task.compute()
+    task.finalize(batch)
+    assert finalized == [batch]
+    Task(CPUStream, compute=lambda: batch, finalize=None).finalize(batch)
