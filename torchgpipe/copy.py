@@ -18,7 +18,7 @@ from torch import Tensor
 from torchgpipe.stream import (AbstractStream, current_stream, get_device, record_stream,
                                use_stream, wait_stream)
 
-__all__ = ['Copy', 'Wait']
+__all__ = ['Copy', 'Wait', 'copy_tensors']
 
 # Gradients may be undefined (None) in a backward pass.
 Tensors = Tuple[Optional[Tensor], ...]
@@ -33,15 +33,16 @@ class Copy(torch.autograd.Function):
                 *input: Optional[Tensor]) -> Tensors:
         ctx.prev_stream = prev_stream
         ctx.next_stream = next_stream
-        return _copy(prev_stream, next_stream, input)
+        return copy_tensors(prev_stream, next_stream, input)
 
     @staticmethod
     def backward(ctx: Any, *grad_output: Optional[Tensor]) -> Tuple[Any, ...]:
-        grad_input = _copy(ctx.next_stream, ctx.prev_stream, grad_output)
+        grad_input = copy_tensors(ctx.next_stream, ctx.prev_stream, grad_output)
         return (None, None) + grad_input
 
 
-def _copy(source: AbstractStream, target: AbstractStream, tensors: Tensors) -> Tensors:
+def copy_tensors(source: AbstractStream, target: AbstractStream, tensors: Tensors) -> Tensors:
+    """Copies tensors from ``source``'s device to ``target``'s, on those two streams."""
     device = get_device(target)
     # Tensors produced here are consumed on the target device's current
     # stream (its compute stream, or the stream of the next Copy) once a Wait

@@ -9,6 +9,8 @@ from torchgpipe import microbatch
 from torchgpipe.batchnorm import DeferredBatchNorm
 from torchgpipe.microbatch import TensorOrTensors
 from torchgpipe.pipeline import Pipeline
+from torchgpipe.skip.layout import inspect_skip_layout
+from torchgpipe.skip.skippable import verify_skippables
 from torchgpipe.stream import AbstractStream, current_stream, new_stream, use_device
 
 __all__ = ['GPipe', 'BalanceError', 'verify_module', 'split_module']
@@ -188,6 +190,8 @@ class GPipe(nn.Module):
             raise ValueError("checkpoint is not one of 'always', 'except_last', or 'never'")
 
         verify_module(module)
+        # Every skip must be stashed and popped exactly once, in this order.
+        verify_skippables(module)
 
         self.chunks = chunks
         self.checkpoint = checkpoint
@@ -206,6 +210,7 @@ class GPipe(nn.Module):
             raise ValueError(recommend_auto_balance(str(exc))) from None
 
         self.partitions = nn.ModuleList(partitions)
+        self._skip_layout = inspect_skip_layout(partitions)
 
         # A copy stream per device per micro-batch, created on first use
         # (creating CUDA streams initializes CUDA).
@@ -311,7 +316,7 @@ class GPipe(nn.Module):
         with use_device(self.devices[0]):
             copy_streams = self._ensure_copy_streams()
         pipeline = Pipeline(batches, self._partitions(), self.devices, copy_streams, streams,
-                            checkpoint_stop)
+                            self._skip_layout, checkpoint_stop)
         pipeline.run()
 
         return microbatch.gather(batches)

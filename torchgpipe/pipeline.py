@@ -20,6 +20,8 @@ from torchgpipe.checkpoint import Checkpointing
 from torchgpipe.copy import Copy, Wait
 from torchgpipe.dependency import fork, join
 from torchgpipe.microbatch import Batch, TensorOrTensors, check
+from torchgpipe.skip.layout import SkipLayout
+from torchgpipe.skip.tracker import SkipTrackerThroughPotals, use_skip_tracker
 from torchgpipe.stream import AbstractStream, is_cuda, use_device
 from torchgpipe.worker import ExcInfo, InQueue, OutQueue, Task, spawn_workers
 
@@ -82,19 +84,25 @@ class Pipeline:
         partitions: the partitions, in order
         devices: the device of each partition
         copy_streams: for each partition, one copy stream per micro-batch
+        streams: the compute stream of each partition
+        skip_layout: where each skip tensor is stashed and popped
         checkpoint_stop: micro-batches ``0 .. checkpoint_stop - 1`` are checkpointed
     """
 
     def __init__(self, batches: List[Batch], partitions: Sequence[nn.Sequential],
                  devices: Sequence[torch.device],
                  copy_streams: Sequence[Sequence[AbstractStream]],
-                 streams: Sequence[AbstractStream], checkpoint_stop: int) -> None:
+                 streams: Sequence[AbstractStream], skip_layout: SkipLayout,
+                 checkpoint_stop: int) -> None:
         self.batches = batches
         self.partitions = partitions
         self.devices = devices
         self.copy_streams = copy_streams
         self.streams = streams
+        self.skip_layout = skip_layout
         self.checkpoint_stop = checkpoint_stop
+        # Each micro-batch has its own skip tensors.
+        self.skip_trackers = [SkipTrackerThroughPotals(skip_layout) for _ in batches]
 
     def run(self) -> None:
         """Runs the pipeline; an exception of any task is raised here, as itself."""
@@ -114,8 +122,19 @@ class Pipeline:
             # output of F(i-1, j), batches[i] the input of F(i, j).
             if i != 0:
                 depend(batches[i - 1], batches[i])
+
+            # Skip tensors popped by partition j come straight from the
+            # partition that stashed them, on the copy streams. Issued
+            # before the input's copy, so that in the backward pass the
+            # input's Wait has synchronized the copy stream with the
+            # gradients these portals send back.
+            next_stream = copy_streams[j][i]
+            for prev_j, ns, name in self.skip_layout.copy_policy(j):
+                prev_stream = copy_streams[prev_j][i]
+                self.skip_trackers[i].copy(batches[i], prev_stream, next_stream, ns, name)
+
             if j != 0:
-                copy(batches[i], copy_streams[j - 1][i], copy_streams[j][i])
+                copy(batches[i], copy_streams[j - 1][i], next_stream)
 
     def compute(self, schedule: List[Tuple[int, int]],
                 in_queues: List[InQueue], out_queues: List[OutQueue]) -> None:
@@ -131,7 +150,7 @@ class Pipeline:
             if j != 0:
                 wait(batch, copy_streams[j][i], streams[j])
 
-            function = partition_function(self.partitions[j], j)
+            function = partition_function(self.partitions[j], j, self.skip_trackers[i])
             if i < self.checkpoint_stop:
                 chk = Checkpointing(function, batch)
                 task = Task(streams[j], compute=chk.checkpoint, finalize=chk.recompute)
@@ -167,11 +186,17 @@ class Pipeline:
             raise exc_info[1].with_traceback(exc_info[2])
 
 
-def partition_function(partition: nn.Sequential,
-                       j: int) -> Callable[[TensorOrTensors], TensorOrTensors]:
-    """Wraps a partition into a function that checks its output type."""
+def partition_function(partition: nn.Sequential, j: int, skip_tracker: SkipTrackerThroughPotals,
+                       ) -> Callable[[TensorOrTensors], TensorOrTensors]:
+    """Wraps a partition into a function for a task.
+
+    The function checks the output type, and runs with the micro-batch's skip
+    tracker as current: in the worker thread, and again in the thread of the
+    backward pass when it is recomputed.
+    """
     def function(input: TensorOrTensors) -> TensorOrTensors:
-        output = partition(input)
+        with use_skip_tracker(skip_tracker):
+            output = partition(input)
         check(output, f'output of partition {j}')
         return cast(TensorOrTensors, output)
     return function

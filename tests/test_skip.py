@@ -1,0 +1,463 @@
+"""Skip connections: @skippable, stash/pop, namespaces, verification, and portals in GPipe."""
+import copy
+import gc
+import threading
+import warnings
+from typing import Any, Generator, List, Tuple
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor, nn
+
+from torchgpipe import GPipe
+from torchgpipe.skip import Namespace, pop, skippable, stash, verify_skippables
+from torchgpipe.skip.portal import Portal, PortalCopy
+from torchgpipe.skip.tracker import current_skip_tracker
+
+W = 4
+
+
+@skippable(stash=['skip'])
+class Stash(nn.Module):
+    def forward(self, x: Tensor) -> Generator[Any, Any, Tensor]:
+        yield stash('skip', x)
+        return x
+
+
+@skippable(pop=['skip'])
+class PopAdd(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.rand(W) + 0.5)
+
+    def forward(self, x: Tensor) -> Generator[Any, Any, Tensor]:
+        skip = yield pop('skip')
+        return x + skip * self.scale
+
+
+@skippable(stash=['cross'], pop=['skip'])
+class PopStash(nn.Module):
+    """Pops one skip and stashes another, in one layer."""
+
+    def forward(self, x: Tensor) -> Generator[Any, Any, Tensor]:
+        skip = yield pop('skip')
+        yield stash('cross', skip.tanh())
+        return x * 2
+
+
+@skippable(pop=['cross'])
+class PopCross(nn.Module):
+    def forward(self, x: Tensor) -> Generator[Any, Any, Tensor]:
+        cross = yield pop('cross')
+        return x - cross
+
+
+def linear() -> nn.Module:
+    return nn.Sequential(nn.Linear(W, W), nn.Tanh())
+
+
+def unet() -> nn.Sequential:
+    """Nested long skips a (outermost), b, c (innermost), and d crossing b's end."""
+    a, b, c, d = Namespace(), Namespace(), Namespace(), Namespace()
+    return nn.Sequential(
+        linear(),                   # 0
+        Stash().isolate(a),         # 1  a ──────────────────────────┐
+        linear(),                   # 2                              │
+        Stash().isolate(b),         # 3  b ───────────────┐          │
+        linear(),                   # 4                   │          │
+        Stash().isolate(c),         # 5  c ──┐            │          │
+        linear(),                   # 6      │            │          │
+        PopAdd().isolate(c),        # 7  c ◄─┘            │          │
+        Stash().isolate(d),         # 8  d ─────────┐     │          │
+        linear(),                   # 9             │     │          │
+        PopStash().isolate(b, only=['skip']),  # 10 b ◄────────┼─────┘, cross ─┐│
+        PopAdd().isolate(d),        # 11 d ◄────────┘               ││
+        linear(),                   # 12                            ││
+        PopCross(),                 # 13 cross ◄────────────────────┘│
+        PopAdd().isolate(a),        # 14 a ◄─────────────────────────┘
+        linear(),                   # 15
+    ).double()
+
+
+N_LAYERS = 16
+# (namespace stash layer, pop layer) of each skip in unet(), for counting.
+SKIPS = [(1, 14), (3, 10), (5, 7), (8, 11), (10, 13)]
+
+
+def partition_of(layer: int, balance: List[int]) -> int:
+    bound = 0
+    for j, size in enumerate(balance):
+        bound += size
+        if layer < bound:
+            return j
+    raise AssertionError
+
+
+def assert_same_as_without_gpipe(model: nn.Sequential, balance: List[int], chunks: int,
+                                 checkpoint: str, input: Tensor) -> None:
+    reference = copy.deepcopy(model)
+    gpipe = GPipe(model, balance, devices=['cpu'] * len(balance), chunks=chunks,
+                  checkpoint=checkpoint)
+    x1 = input.clone().requires_grad_()
+    x2 = input.clone().requires_grad_()
+    expected = reference(x1)
+    expected.pow(2).sum().backward()
+    actual = gpipe(x2)
+    actual.pow(2).sum().backward()
+    torch.testing.assert_close(actual, expected)
+    torch.testing.assert_close(x2.grad, x1.grad)
+    for (name, p), q in zip(gpipe.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
+@pytest.mark.parametrize('balance', [[16], [8, 8], [4, 4, 4, 4], [2, 6, 5, 3], [1, 1, 13, 1],
+                                     [6, 2, 2, 6], [11, 2, 2, 1]])
+@pytest.mark.parametrize('chunks', [1, 3])
+def test_unet_equals_the_model_without_gpipe(balance: List[int], chunks: int,
+                                             checkpoint: str) -> None:
+    assert_same_as_without_gpipe(unet(), balance, chunks, checkpoint,
+                                 torch.randn(7, W, dtype=torch.double))
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.sets(st.integers(1, N_LAYERS - 1), max_size=3), st.integers(1, 5),
+       st.sampled_from(['always', 'except_last', 'never']), st.integers(1, 9))
+def test_unet_any_balance(cuts: set, chunks: int, checkpoint: str, batch: int) -> None:
+    bounds = [0, *sorted(cuts), N_LAYERS]
+    balance = [b - a for a, b in zip(bounds, bounds[1:])]
+    assert_same_as_without_gpipe(unet(), balance, chunks, checkpoint,
+                                 torch.randn(batch, W, dtype=torch.double))
+
+
+@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
+@pytest.mark.parametrize('balance', [[16], [8, 8], [4, 4, 4, 4], [1, 1, 13, 1], [2, 6, 5, 3]])
+def test_skip_tensors_cross_devices_once_each_way(balance: List[int], checkpoint: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Exactly one transfer per crossing skip per micro-batch, none for a skip within a partition.
+
+    The skip tensor goes straight from the stashing partition to the popping
+    one; the partitions between never see it.
+    """
+    transfers: List[Tuple[str, int, int]] = []
+
+    original_forward, original_backward = PortalCopy.forward, PortalCopy.backward
+
+    def forward(ctx: Any, portal: Portal, *args: Any) -> Tensor:
+        transfers.append(('forward', id(portal), 0))
+        return original_forward(ctx, portal, *args)
+
+    def backward(ctx: Any, grad: Any) -> Any:
+        transfers.append(('backward', id(ctx.portal), 0))
+        return original_backward(ctx, grad)
+
+    monkeypatch.setattr(PortalCopy, 'forward', staticmethod(forward))
+    monkeypatch.setattr(PortalCopy, 'backward', staticmethod(backward))
+
+    chunks = 3
+    gpipe = GPipe(unet(), balance, devices=['cpu'] * len(balance), chunks=chunks,
+                  checkpoint=checkpoint)
+    output = gpipe(torch.randn(6, W, dtype=torch.double, requires_grad=True))
+    crossing = sum(partition_of(s, balance) != partition_of(p, balance) for s, p in SKIPS)
+    forward_transfers = [t for t in transfers if t[0] == 'forward']
+    assert len(forward_transfers) == crossing * chunks
+    # One portal per crossing skip per micro-batch, each copied once.
+    assert len({t[1] for t in forward_transfers}) == crossing * chunks
+
+    transfers.clear()
+    output.sum().backward()
+    assert len(transfers) == crossing * chunks
+    assert all(kind == 'backward' for kind, _, _ in transfers)
+
+
+def test_intermediate_partitions_see_only_their_own_input() -> None:
+    seen: List[Any] = []
+
+    class Look(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            seen.append(x)
+            return x
+
+    model = nn.Sequential(Stash(), Look(), Look(), PopAdd()).double()
+    gpipe = GPipe(model, [1, 1, 1, 1], devices=['cpu'] * 4, chunks=2)
+    gpipe(torch.randn(4, W, dtype=torch.double))
+    assert len(seen) == 4 and all(isinstance(x, Tensor) and x.shape == (2, W) for x in seen)
+
+
+@skippable(stash=['maybe'])
+class StashNone(nn.Module):
+    def forward(self, x: Tensor) -> Generator[Any, Any, Tensor]:
+        yield stash('maybe', None)
+        return x * 2
+
+
+@skippable(pop=['maybe'])
+class PopNone(nn.Module):
+    def forward(self, x: Tensor) -> Generator[Any, Any, Tensor]:
+        maybe = yield pop('maybe')
+        assert maybe is None
+        return x + 1
+
+
+@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
+@pytest.mark.parametrize('balance', [[3], [1, 2], [1, 1, 1]])
+def test_stash_none(balance: List[int], checkpoint: str) -> None:
+    model = nn.Sequential(StashNone(), nn.Linear(W, W), PopNone()).double()
+    assert_same_as_without_gpipe(model, balance, 2, checkpoint,
+                                 torch.randn(4, W, dtype=torch.double))
+
+
+@skippable(stash=['const'])
+class StashConstant(nn.Module):
+    """Stashes a tensor that does not require grad."""
+
+    def forward(self, x: Tensor) -> Generator[Any, Any, Tensor]:
+        yield stash('const', torch.ones_like(x).detach())
+        return x
+
+
+@skippable(pop=['const'])
+class PopConstant(nn.Module):
+    def forward(self, x: Tensor) -> Generator[Any, Any, Tensor]:
+        const = yield pop('const')
+        return x * const
+
+
+@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
+def test_skip_that_needs_no_grad(checkpoint: str) -> None:
+    model = nn.Sequential(StashConstant(), nn.Linear(W, W), PopConstant(),
+                          nn.Linear(W, W)).double()
+    assert_same_as_without_gpipe(model, [1, 2, 1], 3, checkpoint,
+                                 torch.randn(6, W, dtype=torch.double))
+
+
+@skippable(stash=['ids'])
+class KeepIds(nn.Module):
+    """Takes (ids, x); stashes the integer token ids for a later embedding."""
+
+    def forward(self, pair: Tuple[Tensor, Tensor]) -> Generator[Any, Any, Tensor]:
+        ids, x = pair
+        yield stash('ids', ids)
+        return x
+
+
+@skippable(pop=['ids'])
+class EmbedIds(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(10, W)
+
+    def forward(self, x: Tensor) -> Generator[Any, Any, Tensor]:
+        ids = yield pop('ids')
+        assert ids.dtype == torch.int64
+        return x + self.embedding(ids)
+
+
+@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
+@pytest.mark.parametrize('balance', [[1, 1, 1], [2, 1], [1, 2]])
+def test_integer_skip_tensor_and_tuple_input(balance: List[int], checkpoint: str) -> None:
+    model = nn.Sequential(KeepIds(), nn.Linear(W, W), EmbedIds()).double()
+    reference = copy.deepcopy(model)
+    gpipe = GPipe(model, balance, devices=['cpu'] * len(balance), chunks=3,
+                  checkpoint=checkpoint)
+    ids = torch.randint(10, (6,))
+    x = torch.randn(6, W, dtype=torch.double)
+    expected = reference((ids, x))
+    actual = gpipe((ids, x))
+    torch.testing.assert_close(actual, expected)
+    expected.sum().backward()
+    actual.sum().backward()
+    for p, q in zip(gpipe.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_skippable_works_alone_and_without_yield() -> None:
+    @skippable()
+    class Plain(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            return x + 1
+
+    assert torch.equal(Plain()(torch.zeros(1)), torch.ones(1))
+    model = nn.Sequential(Stash(), nn.Identity(), PopAdd())
+    x = torch.randn(2, W)
+    torch.testing.assert_close(model(x), x + x * model[2].module.scale)
+    assert 'Stash' in repr(model[0]) and repr(model[0]).startswith('@skippable(')
+
+
+def test_default_tracker_is_per_thread() -> None:
+    trackers = []
+    thread = threading.Thread(target=lambda: trackers.append(current_skip_tracker()))
+    thread.start()
+    thread.join()
+    assert trackers[0] is not current_skip_tracker()
+    assert current_skip_tracker() is current_skip_tracker()
+
+
+def test_runtime_errors_name_the_skip() -> None:
+    @skippable(stash=['declared'])
+    class StashUndeclared(nn.Module):
+        def forward(self, x: Tensor) -> Generator[Any, Any, Tensor]:
+            yield stash('other', x)
+            return x
+
+    @skippable(pop=['skip'])
+    class PopUndeclared(nn.Module):
+        def forward(self, x: Tensor) -> Generator[Any, Any, Tensor]:
+            yield pop('other')
+            return x
+
+    @skippable(pop=['skip'])
+    class PopTwice(nn.Module):
+        def forward(self, x: Tensor) -> Generator[Any, Any, Tensor]:
+            yield pop('skip')
+            yield pop('skip')
+            return x
+
+    @skippable(stash=['skip'])
+    class NeverStash(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            return x
+
+    @skippable(pop=['skip'])
+    class NeverPop(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            return x
+
+    x = torch.zeros(1)
+    with pytest.raises(RuntimeError, match="'other' has not been declared as stashable"):
+        StashUndeclared()(x)
+    Stash()(x)
+    with pytest.raises(RuntimeError, match="'other' has not been declared as poppable"):
+        PopUndeclared()(x)
+    Stash()(x)
+    with pytest.raises(RuntimeError, match="'skip' has already been popped"):
+        PopTwice()(x)
+    with pytest.raises(RuntimeError, match="'skip' has not been stashed"):
+        PopAdd()(x)
+    with pytest.raises(RuntimeError, match="'skip' must be stashed but have not"):
+        NeverStash()(x)
+    Stash()(x)
+    with pytest.raises(RuntimeError, match="'skip' must be popped but have not"):
+        NeverPop()(x)
+
+    class NotACommand(nn.Module):
+        def forward(self, x: Tensor) -> Generator[Any, Any, Tensor]:
+            yield 'stash'
+            return x
+
+    with pytest.raises(TypeError, match='is not a command'):
+        skippable()(NotACommand)()(x)
+
+
+def verify_message(*layers: nn.Module) -> str:
+    with pytest.raises(TypeError) as excinfo:
+        verify_skippables(nn.Sequential(*layers))
+    return str(excinfo.value)
+
+
+def test_verify_skippables_reports_every_failure_case() -> None:
+    # Stashed but never popped.
+    assert "no module declared 'skip' as poppable but stashed" in \
+        verify_message(Stash(), nn.Identity())
+    # Popped but never stashed.
+    assert "'1' declared 'skip' as poppable but it was not stashed" in \
+        verify_message(nn.Identity(), PopAdd())
+    # Popped twice.
+    assert "'3' redeclared 'skip' as poppable but not isolated by namespace" in \
+        verify_message(Stash(), nn.Identity(), PopAdd(), PopAdd())
+    # Stashed twice.
+    assert "'1' redeclared 'skip' as stashable but not isolated by namespace" in \
+        verify_message(Stash(), Stash(), nn.Identity(), PopAdd())
+    # Several problems: one line each.
+    message = verify_message(Stash(), Stash(), PopAdd(), PopAdd(), PopAdd())
+    assert message.count('\n* ') == 3
+
+    @skippable(stash=['x'], pop=['x'])
+    class Both(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            return x
+
+    assert "declared 'x' both as stashable and as poppable" in verify_message(Both())
+
+
+def test_gpipe_verifies_skippables() -> None:
+    with pytest.raises(TypeError, match='stash and pop do not match'):
+        GPipe(nn.Sequential(Stash(), Stash(), PopAdd()), [3], devices=['cpu'])
+
+
+def test_namespaces_isolate_the_same_class_twice() -> None:
+    with pytest.raises(TypeError):
+        verify_skippables(nn.Sequential(Stash(), Stash(), PopAdd(), PopAdd()))
+    ns1, ns2 = Namespace(), Namespace()
+    model = nn.Sequential(Stash().isolate(ns1), Stash().isolate(ns2),
+                          PopAdd().isolate(ns2), PopAdd().isolate(ns1))
+    verify_skippables(model)
+    assert ns1 != ns2 and ns1 == ns1 and 'Namespace' in repr(ns1)
+    assert_same_as_without_gpipe(model.double(), [1, 1, 1, 1], 2, 'except_last',
+                                 torch.randn(4, W, dtype=torch.double))
+
+
+def test_isolate_only_some_names() -> None:
+    @skippable(stash=['alice', 'bob'])
+    class StashStash(nn.Module):
+        def forward(self, x: Tensor) -> Generator[Any, Any, Tensor]:
+            yield stash('alice', x)
+            yield stash('bob', x * 2)
+            return x
+
+    @skippable(pop=['alice', 'bob'])
+    class PopPop(nn.Module):
+        def forward(self, x: Tensor) -> Generator[Any, Any, Tensor]:
+            alice = yield pop('alice')
+            bob = yield pop('bob')
+            return x + alice - bob
+
+    ns_alice = Namespace()
+    layer = StashStash().isolate(ns_alice, only=['alice'])
+    assert dict(layer.namespaces) == {'alice': ns_alice}
+    # bob stays in the default namespace: a pop that isolates both misses it.
+    with pytest.raises(TypeError, match="'bob'"):
+        verify_skippables(nn.Sequential(layer, PopPop().isolate(ns_alice)))
+    verify_skippables(nn.Sequential(layer, PopPop().isolate(ns_alice, only=['alice'])))
+    with pytest.raises(ValueError, match='not declared'):
+        layer.isolate(ns_alice, only=['carol'])
+
+
+def live(kind: type) -> int:
+    gc.collect()
+    with warnings.catch_warnings():
+        # isinstance() on some torch module objects warns about deprecations.
+        warnings.simplefilter('ignore')
+        return sum(1 for obj in gc.get_objects() if isinstance(obj, kind))
+
+
+@pytest.mark.parametrize('checkpoint', ['always', 'never'])
+def test_no_leak_after_many_steps(checkpoint: str) -> None:
+    model = GPipe(unet(), [4, 4, 4, 4], devices=['cpu'] * 4, chunks=3, checkpoint=checkpoint)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        model(torch.randn(6, W, dtype=torch.double)).pow(2).mean().backward()
+        optimizer.step()
+
+    portals = live(Portal)
+    step()
+    # A step releases every portal it made.
+    assert live(Portal) == portals
+    tensors = live(Tensor)
+    for _ in range(100):
+        step()
+    assert live(Portal) == portals
+    assert live(Tensor) == tensors
+
+
+def test_portal_releases_the_tensor_after_the_last_pop() -> None:
+    portal = Portal(torch.ones(1), tensor_life=2)
+    phony = torch.empty(0)
+    assert portal.orange(phony) is not None and portal.tensor is not None
+    assert portal.orange(phony) is not None and portal.tensor is None
+    with pytest.raises(RuntimeError, match='already popped'):
+        portal.orange(phony)

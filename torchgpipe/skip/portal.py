@@ -1,0 +1,152 @@
+"""Portals: carrying a skip tensor from its stash to its pop, past the graph (Section 3.3.1).
+
+A skip tensor must not travel through the partitions between its stash and
+its pop: that would copy it to every device in between. A :class:`Portal`
+hides it instead, and three autograd functions sharing the portal move it::
+
+    stash partition          fence of the pop partition          pop partition
+    ───────────────          ──────────────────────────          ─────────────
+    tensor ─► PortalBlue     PortalCopy: portal.tensor moved     PortalOrange ─► tensor
+              │ (phony       to the pop partition's device       ▲ (phony forked
+              ▼  joined into │ (phony joined into the input      │  off the input)
+     layer output)           ▼  of the pop partition)
+
+In the backward pass the gradient goes the exact reverse way:
+``PortalOrange`` puts it in the portal, ``PortalCopy`` moves it back, and
+``PortalBlue`` hands it to the stashed tensor. The phonies order the three:
+each one's backward runs after everything its phony was joined into.
+"""
+from typing import Any, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from torchgpipe.copy import copy_tensors
+from torchgpipe.phony import get_phony
+from torchgpipe.stream import AbstractStream
+
+__all__ = ['Portal', 'PortalBlue', 'PortalOrange', 'PortalCopy']
+
+
+class Portal:
+    """Holds a skip tensor between its stash and its pops, and its gradient back.
+
+    Args:
+        tensor (torch.Tensor or None): the stashed tensor
+        tensor_life (int): how many pops will read it; after the last one
+            the portal lets go of it, so its memory can be freed
+    """
+
+    def __init__(self, tensor: Optional[Tensor], tensor_life: int) -> None:
+        # Whether the pops must send a gradient back. The first pass of a
+        # checkpointed stash runs without grad, so it cannot tell: a floating
+        # point tensor may require grad once recomputed, so it is assumed to.
+        if tensor is None:
+            self.requires_grad = False
+        elif torch.is_grad_enabled():
+            self.requires_grad = tensor.requires_grad
+        else:
+            self.requires_grad = tensor.is_floating_point()
+        # Hidden from the graph: the pop gets it back through PortalOrange.
+        self.tensor = None if tensor is None else tensor.detach()
+        self.tensor_life = tensor_life
+        self.grad: Optional[Tensor] = None
+
+    def blue(self, tensor: Tensor) -> Tensor:
+        """Returns a phony whose backward gives ``tensor`` the portal's gradient.
+
+        Join the phony into the stashing layer's output.
+        """
+        phony: Tensor = PortalBlue.apply(self, tensor)  # type: ignore[no-untyped-call]
+        return phony
+
+    def orange(self, phony: Tensor) -> Optional[Tensor]:
+        """Returns the skip tensor, back in the graph, for a pop.
+
+        Args:
+            phony: a phony forked off the popping layer's input
+        """
+        if self.tensor_life <= 0:
+            raise RuntimeError('the skip tensor in this portal was already popped')
+        if self.tensor is None:
+            return self.use_tensor()
+        tensor: Tensor = PortalOrange.apply(self, phony)  # type: ignore[no-untyped-call]
+        return tensor
+
+    def copy(self, prev_stream: AbstractStream, next_stream: AbstractStream,
+             phony: Tensor) -> Tensor:
+        """Moves the skip tensor to ``next_stream``'s device; returns a phony.
+
+        Join the phony into the popping partition's input.
+        """
+        phony = PortalCopy.apply(self, prev_stream, next_stream,  # type: ignore[no-untyped-call]
+                                 phony)
+        return phony
+
+    def use_tensor(self) -> Optional[Tensor]:
+        """Reads the tensor for a pop, letting go of it after the last one."""
+        tensor = self.tensor
+        self.tensor_life -= 1
+        if self.tensor_life <= 0:
+            self.tensor = None
+        return tensor
+
+    def use_grad(self) -> Optional[Tensor]:
+        """Takes the gradient out of the portal."""
+        grad, self.grad = self.grad, None
+        return grad
+
+
+class PortalBlue(torch.autograd.Function):
+    """Hides a stashed tensor; its backward returns the gradient from the portal."""
+
+    @staticmethod
+    def forward(ctx: Any, portal: Portal, tensor: Tensor) -> Tensor:
+        ctx.portal = portal
+        return get_phony(tensor.device, requires_grad=False).detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad_phony: Optional[Tensor]) -> Tuple[None, Optional[Tensor]]:
+        return None, ctx.portal.use_grad()
+
+
+class PortalOrange(torch.autograd.Function):
+    """Brings a hidden tensor back into the graph; its backward puts the gradient in the portal."""
+
+    @staticmethod
+    def forward(ctx: Any, portal: Portal, phony: Tensor) -> Tensor:
+        ctx.portal = portal
+        tensor = portal.use_tensor()
+        assert tensor is not None
+        output = tensor.detach()
+        if not portal.requires_grad:
+            ctx.mark_non_differentiable(output)
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, grad: Optional[Tensor]) -> Tuple[None, None]:
+        ctx.portal.grad = grad
+        return None, None
+
+
+class PortalCopy(torch.autograd.Function):
+    """Moves the hidden tensor between devices, and its gradient back."""
+
+    @staticmethod
+    def forward(ctx: Any, portal: Portal, prev_stream: AbstractStream,
+                next_stream: AbstractStream, phony: Tensor) -> Tensor:
+        ctx.portal = portal
+        ctx.prev_stream = prev_stream
+        ctx.next_stream = next_stream
+        portal.tensor, = copy_tensors(prev_stream, next_stream, (portal.tensor,))
+        return phony.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad_phony: Optional[Tensor]) -> Tuple[None, ...]:
+        portal = ctx.portal
+        # The gradient was made on the pop device's compute stream; the copy
+        # stream has waited for it already: the pipeline joins this node's
+        # phony before it copies the popping partition's input, so the Wait
+        # of that input runs first in the backward pass.
+        portal.grad, = copy_tensors(ctx.next_stream, ctx.prev_stream, (portal.grad,))
+        return None, None, None, None
