@@ -211,6 +211,8 @@ class GPipe(nn.Module):
 
         self.partitions = nn.ModuleList(partitions)
         self._skip_layout = inspect_skip_layout(partitions)
+        self._deferred_batch_norms = [m for m in self.partitions.modules()
+                                      if isinstance(m, DeferredBatchNorm)]
 
         # A copy stream per device per micro-batch, created on first use
         # (creating CUDA streams initializes CUDA).
@@ -307,6 +309,11 @@ class GPipe(nn.Module):
 
         # Checkpointing only pays off when there is a backward pass to come.
         m = len(batches)
+        # A short batch splits into fewer micro-batches than chunks: deferred
+        # BatchNorm must commit its statistics after this many.
+        for layer in self._deferred_batch_norms:
+            layer.chunks = m
+
         if self.training and torch.is_grad_enabled():
             checkpoint_stop = {'always': m, 'except_last': m - 1, 'never': 0}[self.checkpoint]
         else:

@@ -1,0 +1,84 @@
+"""Deferred BatchNorm inside GPipe: running statistics as if on the full batch."""
+import copy
+from typing import Callable
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from torchgpipe import GPipe
+from torchgpipe.batchnorm import DeferredBatchNorm
+
+
+class Block(nn.Module):
+    """A custom module with a BatchNorm inside: conversion must reach it."""
+
+    def __init__(self, bn: nn.Module) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(bn, nn.ReLU())
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.inner(x)
+
+
+# One BatchNorm per model: a second one would see activations normalized per
+# micro-batch, which differ from the full batch's by design.
+MODELS = {
+    '1d': (lambda: nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.BatchNorm1d(6),
+                                 nn.Linear(6, 6), nn.ReLU()),
+           lambda b: torch.randn(b, 4)),
+    '2d-nested': (lambda: nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), Block(nn.BatchNorm2d(3)),
+                                        nn.Conv2d(3, 3, 1), nn.ReLU(), nn.Conv2d(3, 1, 1)),
+                  lambda b: torch.randn(b, 2, 5, 5)),
+    '3d-nested': (lambda: nn.Sequential(nn.Conv3d(2, 3, 1), nn.ReLU(), nn.Conv3d(3, 3, 1),
+                                        Block(nn.BatchNorm3d(3, momentum=None)),
+                                        nn.Conv3d(3, 3, 1)),
+                  lambda b: torch.randn(b, 2, 3, 3, 3)),
+}
+
+
+def batch_norms(module: nn.Module) -> list:
+    return [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+
+@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
+@pytest.mark.parametrize('batch_size, chunks', [(8, 4), (6, 4), (9, 2)])  # 6 → 3 chunks
+@pytest.mark.parametrize('kind', sorted(MODELS))
+def test_running_statistics_equal_the_unwrapped_full_batch(kind: str, batch_size: int,
+                                                           chunks: int, checkpoint: str) -> None:
+    make_model, make_input = MODELS[kind]
+    model: nn.Sequential = make_model()  # type: ignore[operator]
+    reference = copy.deepcopy(model)
+    gpipe = GPipe(model, [2, 3], devices=['cpu', 'cpu'], chunks=chunks, checkpoint=checkpoint,
+                  deferred_batch_norm=True)
+    assert len([m for m in gpipe.modules() if isinstance(m, DeferredBatchNorm)]) == 1
+
+    for _ in range(3):
+        x = make_input(batch_size)  # type: ignore[operator]
+        reference(x).sum().backward()
+        gpipe(x).sum().backward()
+        for expected, actual in zip(batch_norms(reference), batch_norms(gpipe)):
+            torch.testing.assert_close(actual.running_mean, expected.running_mean)
+            torch.testing.assert_close(actual.running_var, expected.running_var)
+            assert actual.num_batches_tracked == expected.num_batches_tracked
+
+    # Eval mode normalizes with the committed statistics.
+    reference.eval()
+    gpipe.eval()
+    x = make_input(batch_size)  # type: ignore[operator]
+    torch.testing.assert_close(gpipe(x), reference(x))
+
+
+def test_without_deferral_statistics_follow_micro_batches() -> None:
+    """The property is real: plain BatchNorm in GPipe does not match the full batch."""
+    make_model: Callable[[], nn.Sequential] = MODELS['1d'][0]  # type: ignore[assignment]
+    model = make_model()
+    reference = copy.deepcopy(model)
+    gpipe = GPipe(model, [2, 3], devices=['cpu', 'cpu'], chunks=4)
+    x = torch.randn(8, 4) * 3 + 1
+    reference(x)
+    gpipe(x)
+    assert batch_norms(gpipe)[0].num_batches_tracked == 4
+    assert batch_norms(reference)[0].num_batches_tracked == 1
+    assert not torch.allclose(batch_norms(gpipe)[0].running_var,
+                              batch_norms(reference)[0].running_var)
