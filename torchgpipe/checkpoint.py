@@ -24,7 +24,7 @@ dropout draws the same masks and mixed precision computes in the same dtypes.
 import threading
 from collections import deque
 from contextlib import ExitStack, contextmanager
-from typing import Any, Callable, Deque, Generator, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, Generator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -126,11 +126,19 @@ class Checkpointing:
     Args:
         function: the partition to run on the batch
         batch (Batch): the input micro-batch
+        parameters: the parameters of the function. Their gradients are
+            returned by the checkpoint's backward, summed by the autograd
+            engine over micro-batches and accumulated once per backward pass,
+            as without checkpointing (DistributedDataParallel relies on
+            that). Gradients of other leaves the function reaches are
+            accumulated directly.
     """
 
-    def __init__(self, function: Function, batch: Batch) -> None:
+    def __init__(self, function: Function, batch: Batch,
+                 parameters: Sequence[Tensor] = ()) -> None:
         self.function = function
         self.batch = batch
+        self.parameters = tuple(p for p in parameters if p.requires_grad)
         # The slots Checkpoint, Recompute and Checkpoint.backward share. A
         # one-element deque is a mutable box that autograd does not look into.
         self.recomputed: Deque[Recomputed] = deque(maxlen=1)
@@ -142,9 +150,9 @@ class Checkpointing:
         # The phony requires grad, so the output always has a backward node to
         # hang the recomputation on, even if no input requires grad.
         phony = get_phony(self.batch[0].device, requires_grad=True)
-        output = Checkpoint.apply(phony, self.recomputed, self.rng_states,
+        output = Checkpoint.apply(phony, self.recomputed, self.rng_states,  # type: ignore[no-untyped-call]
                                   self.autocast_states, self.function, self.batch.atomic,
-                                  *self.batch)  # type: ignore[no-untyped-call]
+                                  len(self.batch), *self.batch, *self.parameters)
         if isinstance(output, tuple):
             # Only floating point tensors can carry gradients.
             output = tuple(x if x.is_floating_point() else x.detach() for x in output)
@@ -282,9 +290,11 @@ class Checkpoint(torch.autograd.Function):
                 autocast_states: Deque[AutocastStates],
                 function: Function,
                 input_atomic: bool,
-                *input: Tensor) -> TensorOrTensors:
+                num_inputs: int,
+                *input_and_parameters: Tensor) -> TensorOrTensors:
         ctx.recomputed = recomputed
-        ctx.save_for_backward(*input)
+        input = input_and_parameters[:num_inputs]
+        ctx.parameters = input_and_parameters[num_inputs:]
 
         save_rng_states(input[0].device, rng_states)
         autocast_states.append(save_autocast_states())
@@ -297,16 +307,46 @@ class Checkpoint(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grad_output: Tensor) -> Tuple[Optional[Tensor], ...]:
         output, input_leaf = ctx.recomputed.pop()
-
         outputs = (output,) if isinstance(output, Tensor) else output
         pairs = [(o, g) for o, g in zip(outputs, grad_output) if o.requires_grad and g is not None]
-        if pairs:
-            tensors, grads = zip(*pairs)
-            torch.autograd.backward(tensors, grads)
 
-        grad_input: List[Optional[Tensor]] = [None] * 6
-        grad_input.extend(x.grad for x in input_leaf)
+        grads: Dict[Tensor, Optional[Tensor]] = {}
+        if pairs:
+            tensors, grad_tensors = zip(*pairs)
+            leaves = reachable_leaves(tensors)
+            if leaves:
+                grads = dict(zip(leaves, torch.autograd.grad(tensors, leaves, grad_tensors,
+                                                             allow_unused=True)))
+
+        # Leaves that are neither inputs nor declared parameters (tensors a
+        # layer captured) get their gradients as a plain backward would.
+        for leaf in grads.keys() - set(input_leaf) - set(ctx.parameters):
+            grad = grads[leaf]
+            if grad is not None:
+                leaf.grad = grad if leaf.grad is None else leaf.grad + grad
+
+        grad_input: List[Optional[Tensor]] = [None] * 7
+        grad_input.extend(grads.get(x) for x in input_leaf)
+        grad_input.extend(grads.get(p) for p in ctx.parameters)
         return tuple(grad_input)
+
+
+def reachable_leaves(tensors: Sequence[Tensor]) -> List[Tensor]:
+    """Finds every leaf requiring grad that a backward from ``tensors`` reaches."""
+    leaves: Dict[Tensor, None] = {t: None for t in tensors if t.grad_fn is None}
+    seen = set()
+    stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, 'variable', None)  # AccumulateGrad
+        if variable is not None:
+            leaves[variable] = None
+            continue
+        stack.extend(next_node for next_node, _ in node.next_functions if next_node is not None)
+    return list(leaves)
 
 
 class Recompute(torch.autograd.Function):

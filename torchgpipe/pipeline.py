@@ -101,6 +101,7 @@ class Pipeline:
         self.streams = streams
         self.skip_layout = skip_layout
         self.checkpoint_stop = checkpoint_stop
+        self.parameters = [tuple(p.parameters()) for p in partitions]
         # Each micro-batch has its own skip tensors.
         self.skip_trackers = [SkipTrackerThroughPotals(skip_layout) for _ in batches]
 
@@ -152,7 +153,7 @@ class Pipeline:
 
             function = partition_function(self.partitions[j], j, self.skip_trackers[i])
             if i < self.checkpoint_stop:
-                chk = Checkpointing(function, batch)
+                chk = Checkpointing(function, batch, self.parameters[j])
                 task = Task(streams[j], compute=chk.checkpoint, finalize=chk.recompute)
             else:
                 task = Task(streams[j], compute=batch_call(batch, function), finalize=None)
