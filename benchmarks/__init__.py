@@ -1,0 +1,1 @@
+"""Benchmarks and examples reproducing the experiments of the torchgpipe paper."""

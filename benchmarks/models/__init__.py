@@ -1,0 +1,1 @@
+"""Models of the paper's experiments, written as flat nn.Sequential modules for GPipe."""
