@@ -42,10 +42,12 @@ class Trap(nn.Module):
 N, M = 3, 4
 
 
-def build() -> Tuple[GPipe, List[Trap], Set[Tuple[int, int]]]:
+def build(threaded: bool = False) -> Tuple[GPipe, List[Trap], Set[Tuple[int, int]]]:
     log: Set[Tuple[int, int]] = set()
     traps = [Trap(j, log) for j in range(N)]
-    gpipe = GPipe(nn.Sequential(*traps), [1] * N, devices=['cpu'] * N, chunks=M)
+    # Distinct CPU indices get a worker thread each; one shared device runs inline.
+    devices = [f'cpu:{j}' for j in range(N)] if threaded else ['cpu'] * N
+    gpipe = GPipe(nn.Sequential(*traps), [1] * N, devices=devices, chunks=M)
     return gpipe, traps, log
 
 
@@ -54,10 +56,11 @@ def make_input() -> Tensor:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize('threaded', [False, True], ids=['inline', 'threads'])
 @pytest.mark.parametrize('j', range(N))
 @pytest.mark.parametrize('i', range(M))
-def test_exception_reaches_caller_and_stops_later_cycles(i: int, j: int) -> None:
-    gpipe, traps, log = build()
+def test_exception_reaches_caller_and_stops_later_cycles(i: int, j: int, threaded: bool) -> None:
+    gpipe, traps, log = build(threaded)
     reference = copy.deepcopy(gpipe)
     traps[j].fail_at = i
 
@@ -78,8 +81,9 @@ def test_exception_reaches_caller_and_stops_later_cycles(i: int, j: int) -> None
 
 
 @pytest.mark.timeout(60)
-def test_exception_during_recomputation_reaches_backward_caller() -> None:
-    gpipe, traps, _ = build()
+@pytest.mark.parametrize('threaded', [False, True], ids=['inline', 'threads'])
+def test_exception_during_recomputation_reaches_backward_caller(threaded: bool) -> None:
+    gpipe, traps, _ = build(threaded)
     traps[1].fail_at = 0
     traps[1].in_recompute_only = True
     output = gpipe(make_input())

@@ -41,12 +41,13 @@ class Recorder(nn.Module):
         return y
 
 
-def run(n: int, m: int, checkpoint: str) -> List[Event]:
+def run(n: int, m: int, checkpoint: str, threaded: bool = False) -> List[Event]:
     events: List[Event] = []
     layers: List[nn.Module] = []
     for j in range(n):
         layers += [Recorder(j, events), nn.Identity()]
-    gpipe = GPipe(nn.Sequential(*layers), [2] * n, devices=['cpu'] * n, chunks=m,
+    devices = [f'cpu:{j}' for j in range(n)] if threaded else ['cpu'] * n
+    gpipe = GPipe(nn.Sequential(*layers), [2] * n, devices=devices, chunks=m,
                   checkpoint=checkpoint)
     input = torch.arange(m, dtype=torch.float).unsqueeze(1).repeat(1, 3)
     output = gpipe(input)
@@ -65,10 +66,24 @@ def test_forward_runs_by_clock_cycle(n: int, m: int, checkpoint: str) -> None:
 
 
 @pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
+@pytest.mark.parametrize('n, m', [(1, 4), (3, 4), (4, 8)])
+def test_threaded_forward_runs_cycle_by_cycle(n: int, m: int, checkpoint: str) -> None:
+    """With a thread per device, tasks of one cycle may interleave, but never two cycles."""
+    events = run(n, m, checkpoint, threaded=True)
+    clocks = [i + j for kind, j, i in events if kind == 'F']
+    assert clocks == sorted(clocks)
+    assert len(clocks) == n * m
+    for j in range(n):
+        assert [i for kind, jj, i in events if kind == 'F' and jj == j] == list(range(m))
+
+
+@pytest.mark.parametrize('threaded', [False, True], ids=['inline', 'threads'])
+@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
 @pytest.mark.parametrize('n, m', [(1, 4), (3, 1), (3, 4), (4, 8), (2, 5)])
 def test_backward_runs_in_reverse_with_recomputation_right_before(n: int, m: int,
-                                                                    checkpoint: str) -> None:
-    events = run(n, m, checkpoint)
+                                                                    checkpoint: str,
+                                                                    threaded: bool) -> None:
+    events = run(n, m, checkpoint, threaded)
     checkpoint_stop = {'always': m, 'except_last': m - 1, 'never': 0}[checkpoint]
     for j in range(n):
         backward = [(kind, i) for kind, jj, i in events if jj == j and kind != 'F']

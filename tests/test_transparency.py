@@ -61,10 +61,16 @@ def pipelines(draw: st.DrawFn) -> Tuple[List[str], List[int], int, int, str]:
     return kinds, balance, chunks, batch_size, checkpoint
 
 
+def cpu_devices(n: int, threaded: bool) -> List[str]:
+    """n CPU devices: one shared device (tasks run in the calling thread), or
+    distinct indices (one worker thread each)."""
+    return [f'cpu:{j}' for j in range(n)] if threaded else ['cpu'] * n
+
+
 @settings(max_examples=80, deadline=None)
-@given(pipelines(), st.integers(0, 2**16))
+@given(pipelines(), st.integers(0, 2**16), st.booleans())
 def test_outputs_and_gradients_equal_unwrapped(case: Tuple[List[str], List[int], int, int, str],
-                                               seed: int) -> None:
+                                               seed: int, threaded: bool) -> None:
     kinds, balance, chunks, batch_size, checkpoint = case
     torch.manual_seed(seed)
     model = nn.Sequential(*[make_layer(k) for k in kinds]).double()
@@ -72,7 +78,7 @@ def test_outputs_and_gradients_equal_unwrapped(case: Tuple[List[str], List[int],
 
     assert_same_training_step(
         model,
-        lambda m: GPipe(m, balance, devices=['cpu'] * len(balance), chunks=chunks,
+        lambda m: GPipe(m, balance, devices=cpu_devices(len(balance), threaded), chunks=chunks,
                         checkpoint=checkpoint),
         input)
 
@@ -129,8 +135,10 @@ def test_dropout_is_replayed_in_recomputation(checkpoint: str) -> None:
         torch.testing.assert_close(p.grad, q.grad, msg=name)
 
 
+@pytest.mark.parametrize('threaded', [False, True], ids=['inline', 'threads'])
 @pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
-def test_autocast_is_carried_into_workers_and_recomputation(checkpoint: str) -> None:
+def test_autocast_is_carried_into_workers_and_recomputation(checkpoint: str,
+                                                            threaded: bool) -> None:
     """Under torch.autocast, every partition computes in bfloat16, also when recomputed.
 
     The reference runs the unwrapped model per micro-batch under the same
@@ -145,7 +153,8 @@ def test_autocast_is_carried_into_workers_and_recomputation(checkpoint: str) -> 
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.GELU(),
                           nn.Linear(32, 8), nn.Tanh())
     reference = copy.deepcopy(model)
-    gpipe = GPipe(model, balance, devices=['cpu'] * 3, chunks=chunks, checkpoint=checkpoint)
+    gpipe = GPipe(model, balance, devices=cpu_devices(3, threaded), chunks=chunks,
+                  checkpoint=checkpoint)
     input = torch.randn(12, 16)
 
     with torch.autocast('cpu', dtype=torch.bfloat16, cache_enabled=False):
@@ -160,9 +169,10 @@ def test_autocast_is_carried_into_workers_and_recomputation(checkpoint: str) -> 
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_autocast_off_inside_autocast_region_stays_off() -> None:
+@pytest.mark.parametrize('threaded', [False, True], ids=['inline', 'threads'])
+def test_autocast_off_inside_autocast_region_stays_off(threaded: bool) -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-    gpipe = GPipe(model, [1, 1], devices=['cpu', 'cpu'], chunks=2)
+    gpipe = GPipe(model, [1, 1], devices=cpu_devices(2, threaded), chunks=2)
     with torch.autocast('cpu', dtype=torch.bfloat16):
         with torch.autocast('cpu', enabled=False):
             output = gpipe(torch.randn(4, 4))
@@ -198,14 +208,15 @@ class Merge(nn.Module):
         return pair[0] + pair[1]
 
 
+@pytest.mark.parametrize('threaded', [False, True], ids=['inline', 'threads'])
 @pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
 @pytest.mark.parametrize('balance', [[1, 1, 1, 1], [2, 2], [1, 3], [3, 1]])
-def test_tuples_at_every_boundary(balance: List[int], checkpoint: str) -> None:
+def test_tuples_at_every_boundary(balance: List[int], checkpoint: str, threaded: bool) -> None:
     model = nn.Sequential(Split(), PairLinear(), PairLinear(), Merge()).double()
     input = torch.randn(9, WIDTH, dtype=torch.double)
     assert_same_training_step(
-        model, lambda m: GPipe(m, balance, devices=['cpu'] * len(balance), chunks=4,
-                               checkpoint=checkpoint),
+        model, lambda m: GPipe(m, balance, devices=cpu_devices(len(balance), threaded),
+                               chunks=4, checkpoint=checkpoint),
         input)
 
 
@@ -273,9 +284,11 @@ def test_integer_tensors_cross_boundaries(checkpoint: str) -> None:
         torch.testing.assert_close(p.grad, q.grad)
 
 
-def test_input_requiring_grad_receives_it_and_no_grad_mode_builds_no_graph() -> None:
+@pytest.mark.parametrize('threaded', [False, True], ids=['inline', 'threads'])
+def test_input_requiring_grad_receives_it_and_no_grad_mode_builds_no_graph(
+        threaded: bool) -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
-    gpipe = GPipe(model, [2, 1], devices=['cpu'] * 2, chunks=2)
+    gpipe = GPipe(model, [2, 1], devices=cpu_devices(2, threaded), chunks=2)
     with torch.no_grad():
         output = gpipe(torch.randn(4, 4, requires_grad=True))
     assert not output.requires_grad

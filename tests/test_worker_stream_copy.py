@@ -47,18 +47,34 @@ def run(tasks: List[Task], devices: List[torch.device]) -> list:
     return results
 
 
-def test_one_worker_per_distinct_device_and_clean_shutdown() -> None:
-    names: List[str] = []
+def thread_names(devices: List[torch.device]) -> List[str]:
+    """The name of the thread that computed each partition's task."""
+    names = [''] * len(devices)
 
-    def compute() -> Batch:
-        names.append(threading.current_thread().name)
-        return Batch(torch.zeros(1))
+    def task(j: int) -> Task:
+        def compute() -> Batch:
+            names[j] = threading.current_thread().name
+            return Batch(torch.zeros(1))
+        return Task(CPUStream, compute=compute, finalize=None)
 
-    tasks = [Task(CPUStream, compute=compute, finalize=None) for _ in range(3)]
-    results = run(tasks, [CPU] * 3)
+    results = run([task(j) for j in range(len(devices))], devices)
     assert all(ok for ok, _ in results)
-    assert len(set(names)) == 1 and names[0].startswith('torchgpipe worker')
-    assert threading.current_thread().name not in names
+    return names
+
+
+def test_one_worker_thread_per_distinct_device_and_clean_shutdown() -> None:
+    cpu0, cpu1 = torch.device('cpu', 0), torch.device('cpu', 1)
+    names = thread_names([cpu0, cpu1, cpu0])
+    assert names[0] == names[2] != names[1]
+    assert all(name.startswith('torchgpipe worker') for name in names)
+    # (conftest checks after every test that no worker thread is left.)
+
+
+def test_a_single_device_computes_in_the_calling_thread() -> None:
+    assert thread_names([CPU] * 3) == [threading.current_thread().name] * 3
+
+
+THREADED = [torch.device('cpu', 0), torch.device('cpu', 1)]
 
 
 @pytest.mark.parametrize('grad_mode', [True, False])
@@ -66,23 +82,28 @@ def test_workers_inherit_grad_mode_and_autocast(grad_mode: bool) -> None:
     seen = []
 
     def compute() -> Batch:
-        seen.append((torch.is_grad_enabled(), torch.is_autocast_enabled('cpu'),
-                     torch.get_autocast_dtype('cpu')))
+        seen.append((threading.current_thread().name, torch.is_grad_enabled(),
+                     torch.is_autocast_enabled('cpu'), torch.get_autocast_dtype('cpu'),
+                     torch.is_autocast_cache_enabled()))
         return Batch(torch.zeros(1))
 
-    with torch.set_grad_enabled(grad_mode), torch.autocast('cpu', dtype=torch.bfloat16):
-        run([Task(CPUStream, compute=compute, finalize=None)], [CPU])
-    assert seen == [(grad_mode, True, torch.bfloat16)]
+    tasks = [Task(CPUStream, compute=compute, finalize=None) for _ in THREADED]
+    with torch.set_grad_enabled(grad_mode), \
+            torch.autocast('cpu', dtype=torch.bfloat16, cache_enabled=False):
+        run(tasks, THREADED)
+    assert all(name.startswith('torchgpipe worker') for name, *_ in seen)
+    assert [state for _, *state in seen] == [[grad_mode, True, torch.bfloat16, False]] * 2
 
 
-def test_worker_reports_exceptions_and_keeps_working() -> None:
+@pytest.mark.parametrize('devices', [[CPU], THREADED], ids=['inline', 'threads'])
+def test_worker_reports_exceptions_and_keeps_working(devices: List[torch.device]) -> None:
     error = RuntimeError('inside')
 
     def fail() -> Batch:
         raise error
 
     ok_task = Task(CPUStream, compute=lambda: Batch(torch.ones(1)), finalize=None)
-    with spawn_workers([CPU]) as (in_queues, out_queues):
+    with spawn_workers(devices) as (in_queues, out_queues):
         in_queues[0].put(Task(CPUStream, compute=fail, finalize=None))
         in_queues[0].put(ok_task)
         ok, payload = out_queues[0].get()

@@ -186,6 +186,9 @@ def scatter(input: TensorOrTensors, chunks: int) -> List[Batch]:
 
 def gather(outputs: List[Batch]) -> TensorOrTensors:
     """Concatenates the output micro-batches into a mini-batch along dimension 0."""
+    if len(outputs) == 1:
+        # Nothing to concatenate: spare a copy.
+        return outputs[0].values
     if outputs[0].atomic:
         return torch.cat([b.tensor for b in outputs])
     rotated = [b.tensors for b in outputs]

@@ -3,19 +3,25 @@
 The tasks of one clock cycle are independent (Section 3.2.1), so the devices
 can work on them at the same time. Each distinct device gets one thread, fed
 through a queue; partitions sharing a device share its thread, so tasks on one
-device run in the order they were issued.
+device run in the order they were issued. A pipeline whose partitions all
+share one device has nothing to overlap: its tasks run in the calling thread,
+which spares a thread switch per task.
 
 Grad mode and autocast are thread-local in PyTorch; a new thread starts with
 grad enabled and autocast off. The workers take both from the caller, so
 ``torch.no_grad()`` and ``torch.autocast()`` around a GPipe call work.
+
+CPU devices with distinct indices (``'cpu:0'``, ``'cpu:1'``) count as distinct
+devices: their partitions get threads of their own and may run concurrently.
 """
 import sys
 import threading
+from collections import deque
 from contextlib import contextmanager
 from queue import Queue
 from types import TracebackType
-from typing import (Callable, Dict, Generator, Iterable, List, Optional, Tuple, Type, Union,
-                    cast)
+from typing import (Callable, Deque, Dict, Generator, Iterable, List, Optional, Protocol, Tuple,
+                    Type, Union, cast)
 
 import torch
 
@@ -26,6 +32,7 @@ from torchgpipe.stream import AbstractStream, use_device, use_stream
 __all__ = ['Task', 'worker', 'spawn_workers']
 
 ExcInfo = Tuple[Type[BaseException], BaseException, TracebackType]
+
 
 class Task:
     """A task: a computation for a worker, and a finalization for the scheduler.
@@ -57,13 +64,32 @@ class Task:
             self._finalize(batch)
 
 
-# A worker takes tasks (None to stop) and reports (True, (task, output
-# batch)) or (False, exc_info) for each.
-InQueue = Queue[Optional[Task]]
-OutQueue = Queue[Tuple[bool, Union[Tuple[Task, Batch], ExcInfo]]]
+# What a worker reports for each task: (True, (task, output batch)) or
+# (False, exc_info).
+Result = Tuple[bool, Union[Tuple[Task, Batch], ExcInfo]]
 
 
-def worker(in_queue: InQueue, out_queue: OutQueue, device: torch.device,
+class InQueue(Protocol):
+    """Where the scheduler puts the tasks of a partition (``None`` stops a worker)."""
+
+    def put(self, task: Optional[Task]) -> None: ...
+
+
+class OutQueue(Protocol):
+    """Where the scheduler gets the results of a partition's tasks, in order."""
+
+    def get(self) -> Result: ...
+
+
+def run(task: Task) -> Result:
+    """Computes a task, capturing its exception to re-raise in the caller's thread."""
+    try:
+        return True, (task, task.compute())
+    except BaseException:
+        return False, cast(ExcInfo, sys.exc_info())
+
+
+def worker(in_queue: 'Queue[Optional[Task]]', out_queue: 'Queue[Result]', device: torch.device,
            grad_mode: bool, autocast_states: AutocastStates) -> None:
     """The main loop of a worker thread: computes tasks until it gets ``None``."""
     torch.set_grad_enabled(grad_mode)
@@ -72,15 +98,25 @@ def worker(in_queue: InQueue, out_queue: OutQueue, device: torch.device,
             task = in_queue.get()
             if task is None:
                 break
-            try:
-                batch = task.compute()
-            except BaseException:
-                # The scheduler re-raises it in the caller's thread.
-                out_queue.put((False, cast(ExcInfo, sys.exc_info())))
-                continue
-            out_queue.put((True, (task, batch)))
+            out_queue.put(run(task))
             # Do not keep the last task and its tensors alive while idle.
-            del task, batch
+            del task
+
+
+class InlineWorker:
+    """Computes each task in the calling thread as soon as it is put."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.results: Deque[Result] = deque()
+
+    def put(self, task: Optional[Task]) -> None:
+        assert task is not None
+        with use_device(self.device):
+            self.results.append(run(task))
+
+    def get(self) -> Result:
+        return self.results.popleft()
 
 
 def _normalize(device: torch.device) -> torch.device:
@@ -95,6 +131,9 @@ def spawn_workers(devices: Iterable[torch.device],
                   ) -> Generator[Tuple[List[InQueue], List[OutQueue]], None, None]:
     """Starts one worker per distinct device, and stops and joins them on exit.
 
+    With a single distinct device, no thread starts: the tasks run in the
+    calling thread.
+
     Args:
         devices: the device of each partition
 
@@ -102,29 +141,28 @@ def spawn_workers(devices: Iterable[torch.device],
         (in_queues, out_queues): the queues of each partition's worker, in
         the order of ``devices``; partitions on the same device share them
     """
-    workers: Dict[torch.device, Tuple[InQueue, OutQueue]] = {}
-    threads: List[threading.Thread] = []
-    in_queues: List[InQueue] = []
-    out_queues: List[OutQueue] = []
+    devices = [_normalize(d) for d in devices]
+    distinct = list(dict.fromkeys(devices))
+    if len(distinct) == 1:
+        inline = InlineWorker(distinct[0])
+        yield [inline] * len(devices), [inline] * len(devices)
+        return
 
+    workers: Dict[torch.device, Tuple['Queue[Optional[Task]]', 'Queue[Result]']] = {}
+    threads: List[threading.Thread] = []
     grad_mode = torch.is_grad_enabled()
     autocast_states = save_autocast_states()
-
     try:
-        for device in map(_normalize, devices):
-            if device not in workers:
-                queues: Tuple[InQueue, OutQueue] = (Queue(), Queue())
-                thread = threading.Thread(
-                    target=worker, args=(*queues, device, grad_mode, autocast_states),
-                    name=f'torchgpipe worker ({device})', daemon=True)
-                thread.start()
-                threads.append(thread)
-                workers[device] = queues
-            in_queue, out_queue = workers[device]
-            in_queues.append(in_queue)
-            out_queues.append(out_queue)
+        for device in distinct:
+            queues: Tuple['Queue[Optional[Task]]', 'Queue[Result]'] = (Queue(), Queue())
+            thread = threading.Thread(
+                target=worker, args=(*queues, device, grad_mode, autocast_states),
+                name=f'torchgpipe worker ({device})', daemon=True)
+            thread.start()
+            threads.append(thread)
+            workers[device] = queues
 
-        yield in_queues, out_queues
+        yield ([workers[d][0] for d in devices], [workers[d][1] for d in devices])
     finally:
         for in_queue, _ in workers.values():
             in_queue.put(None)
