@@ -461,3 +461,80 @@ def test_portal_releases_the_tensor_after_the_last_pop() -> None:
     assert portal.orange(phony) is not None and portal.tensor is None
     with pytest.raises(RuntimeError, match='already popped'):
         portal.orange(phony)
+
+
+@skippable(stash=['weighted'])
+class StashWeighted(nn.Module):
+    """Stashes a tensor that requires grad while passing on one that does not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(W) + 0.5)
+
+    def forward(self, x: Tensor) -> Generator[Any, Any, Tensor]:
+        yield stash('weighted', x * self.weight)
+        return x
+
+
+@skippable(pop=['weighted'])
+class PopWeighted(nn.Module):
+    def forward(self, x: Tensor) -> Generator[Any, Any, Tensor]:
+        weighted = yield pop('weighted')
+        return x + weighted
+
+
+@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
+def test_skip_requiring_grad_beside_a_main_path_that_does_not(checkpoint: str) -> None:
+    """Only the skip carries gradient: the portals must still bring it back."""
+    model = nn.Sequential(StashWeighted(), nn.Identity(), nn.ReLU(), PopWeighted()).double()
+    reference = copy.deepcopy(model)
+    gpipe = GPipe(model, [1, 1, 1, 1], devices=['cpu'] * 4, chunks=2, checkpoint=checkpoint)
+    x = torch.randn(4, W, dtype=torch.double)
+    reference(x).pow(2).sum().backward()
+    gpipe(x).pow(2).sum().backward()
+    weight = gpipe.partitions[0][0].module.weight
+    assert weight.grad is not None
+    torch.testing.assert_close(weight.grad, reference[0].module.weight.grad)
+
+
+def test_a_skip_gradient_needs_a_floating_point_tensor_to_travel_on() -> None:
+    @skippable(stash=['skip'])
+    class StashToIds(nn.Module):
+        def forward(self, x: Tensor) -> Generator[Any, Any, Tensor]:
+            yield stash('skip', x)
+            return torch.zeros(x.size(0), dtype=torch.long)
+
+    @skippable(pop=['skip'])
+    class PopFromIds(nn.Module):
+        def forward(self, ids: Tensor) -> Generator[Any, Any, Tensor]:
+            skip = yield pop('skip')
+            return skip + ids.unsqueeze(1)
+
+    x = torch.randn(4, W, requires_grad=True)
+    gpipe = GPipe(nn.Sequential(StashToIds(), PopFromIds()), [1, 1], devices=['cpu'] * 2,
+                  checkpoint='never')
+    with pytest.raises(RuntimeError, match="skip tensor 'skip' requires grad, but the stashing"):
+        gpipe(x)
+    # Without grad there is no gradient to carry: it works.
+    with torch.no_grad():
+        torch.testing.assert_close(gpipe(x), x)
+
+
+def test_plain_tracker_does_not_copy() -> None:
+    from torchgpipe.microbatch import Batch
+    from torchgpipe.skip.namespace import default_namespace
+    from torchgpipe.skip.tracker import SkipTracker
+    from torchgpipe.stream import CPUStream
+
+    with pytest.raises(TypeError, match='copy is not supported'):
+        SkipTracker().copy(Batch(torch.zeros(1)), CPUStream, CPUStream, default_namespace, 'x')
+
+
+def test_namespaces_are_distinct_and_ordered() -> None:
+    a, b = Namespace(), Namespace()
+    assert a != b and a == a and hash(a) != hash(b)
+    assert sorted([a, b]) == sorted([b, a])
+    assert (a < b) != (b < a)
+    assert a != 'namespace'
+    with pytest.raises(TypeError):
+        a < 'namespace'  # noqa: B015
