@@ -6,16 +6,20 @@ wants the recomputation to start *before* the gradient from the next partition
 has arrived, so the two overlap. Here :class:`Checkpoint` (forward without
 keeping activations, backward through the recomputed graph) and
 :class:`Recompute` (the recomputation) are separate nodes that share a
-``recomputed`` slot::
+``recomputed`` slot. Recompute passes the output through; the pipeline puts
+the Wait for the gradient's copy stream between the two::
 
-    forward:   input ─► Checkpoint ─► output ─► Fork ───────────────► Join ─► output'
-                                                  └─phony─► Recompute ─┘
+    forward:   input ─► Checkpoint ─► output ─► Wait ─► Recompute ─► output'
 
-    backward:  1. grad of output' arrives at Join
+    backward:  1. the gradient of output' arrives at Recompute (its copy,
+                  issued on a copy stream, may still be running)
                2. Recompute.backward: recompute F with the saved input; stash
-                  the local graph in the shared slot
-               3. (the pipeline waits here for the gradient's copy stream)
+                  the local graph in the shared slot; pass the gradient on
+               3. Wait.backward: the compute stream waits for the copy
                4. Checkpoint.backward: backpropagate through the stashed graph
+
+On CUDA, the recomputation's kernels thus queue before the wait, and run
+while the gradient is still being copied.
 
 The recomputation replays the forward exactly: the CPU and CUDA random number
 generator states and the autocast state of the first pass are restored, so
@@ -24,12 +28,11 @@ dropout draws the same masks and mixed precision computes in the same dtypes.
 import threading
 from collections import deque
 from contextlib import ExitStack, contextmanager
-from typing import Any, Callable, Deque, Dict, Generator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, Generator, List, Optional, Sequence, Tuple, cast
 
 import torch
 from torch import Tensor
 
-from torchgpipe.dependency import fork, join
 from torchgpipe.microbatch import Batch, TensorOrTensors, Tensors
 from torchgpipe.phony import get_phony
 
@@ -170,10 +173,9 @@ class Checkpointing:
         index = batch.find(lambda x: x.requires_grad)
         if index is None:
             return
-        batch[index], phony = fork(batch[index])
-        phony = Recompute.apply(phony, self.recomputed, self.rng_states, self.autocast_states,
-                                self.function, self.batch.atomic, *self.batch)  # type: ignore[no-untyped-call]
-        batch[index] = join(batch[index], phony)
+        batch[index] = Recompute.apply(batch[index], self.recomputed,  # type: ignore[no-untyped-call]
+                                       self.rng_states, self.autocast_states, self.function,
+                                       self.batch.atomic, *self.batch)
 
 
 def checkpoint(function: Function, input: TensorOrTensors) -> TensorOrTensors:
@@ -341,24 +343,30 @@ def reachable_leaves(tensors: Sequence[Tensor]) -> List[Tensor]:
         if node in seen:
             continue
         seen.add(node)
-        variable = getattr(node, 'variable', None)  # AccumulateGrad
-        if variable is not None:
-            leaves[variable] = None
+        if type(node) is AccumulateGrad:
+            leaves[cast(Any, node).variable] = None
             continue
-        stack.extend(next_node for next_node, _ in node.next_functions if next_node is not None)
+        for next_node, _ in node.next_functions:
+            if next_node is not None:
+                stack.append(next_node)
     return list(leaves)
+
+
+# The type of the autograd node that accumulates a leaf's gradient.
+AccumulateGrad = type(torch.empty(1, requires_grad=True).view(1).grad_fn
+                      .next_functions[0][0])  # type: ignore[union-attr]
 
 
 class Recompute(torch.autograd.Function):
     """Recomputes the function of a :class:`Checkpoint` during the backward pass.
 
-    Its forward does nothing; the phony it returns is joined to the
-    checkpoint's output so that its backward runs first.
+    Its forward passes an output of the checkpoint through, so its backward
+    runs when that output's gradient arrives, before the checkpoint's.
     """
 
     @staticmethod
     def forward(ctx: Any,
-                phony: Tensor,
+                output: Tensor,
                 recomputed: Deque[Recomputed],
                 rng_states: Deque[RNGStates],
                 autocast_states: Deque[AutocastStates],
@@ -371,10 +379,10 @@ class Recompute(torch.autograd.Function):
         ctx.function = function
         ctx.input_atomic = input_atomic
         ctx.save_for_backward(*input)
-        return phony.detach()
+        return output.detach()
 
     @staticmethod
-    def backward(ctx: Any, *grad_output: Tensor) -> Tuple[None, ...]:
+    def backward(ctx: Any, grad_output: Tensor) -> Tuple[Optional[Tensor], ...]:
         input = ctx.saved_tensors
         input_leaf = tuple(x.detach().requires_grad_(x.requires_grad) for x in input)
 
@@ -385,4 +393,4 @@ class Recompute(torch.autograd.Function):
 
         ctx.recomputed.append((output, input_leaf))
 
-        return (None,) * (6 + len(input))
+        return (grad_output,) + (None,) * (5 + len(input))
