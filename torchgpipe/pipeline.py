@@ -101,7 +101,8 @@ class Pipeline:
         self.streams = streams
         self.skip_layout = skip_layout
         self.checkpoint_stop = checkpoint_stop
-        self.parameters = [tuple(p.parameters()) for p in partitions]
+        # Checkpoints return their partition's parameter gradients.
+        self.parameters = [tuple(p.parameters()) if checkpoint_stop else () for p in partitions]
         # Each micro-batch has its own skip tensors.
         self.skip_trackers = [SkipTrackerThroughPotals(skip_layout) for _ in batches]
 
