@@ -1,0 +1,275 @@
+"""Per-layer profiling for automatic balancing: the time and the memory of each layer.
+
+Every layer is profiled on a copy (see :func:`layerwise_sandbox`), so the
+user's module keeps its device, parameters, training flag and gradients
+(none). The global random number generators are restored afterwards too:
+profiling a model with dropout does not shift the random numbers of the
+training that follows.
+
+Layers are run one by one in order, each on the detached output of the
+previous one, so each layer's backward stays within the layer. Skip tensors
+of ``@skippable`` layers travel through a :class:`~torchgpipe.skip.tracker.SkipTracker`
+of the profiler's own, fresh for every pass, and are detached the same way.
+"""
+import copy
+import time
+from typing import ContextManager, Dict, Generator, List, Optional, Set, Tuple
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.graph import saved_tensors_hooks
+
+from torchgpipe import microbatch
+from torchgpipe.microbatch import Batch, TensorOrTensors
+from torchgpipe.skip.namespace import Namespace
+from torchgpipe.skip.tracker import SkipTracker, use_skip_tracker
+
+__all__ = ['layerwise_sandbox', 'profile_times', 'profile_sizes']
+
+
+def layerwise_sandbox(module: nn.Sequential,
+                      device: torch.device) -> Generator[nn.Module, None, None]:
+    """Yields a deep copy of each layer, moved to ``device`` and in training mode.
+
+    The copies are made one at a time, as they are asked for, so a model too
+    large for ``device`` can still be profiled layer by layer. ``module``
+    itself is not modified.
+    """
+    for layer in module:
+        layer_copy = copy.deepcopy(layer)
+        layer_copy.to(device)
+        # Balancing is for training: profile what training runs (dropout,
+        # batch statistics), whatever mode the user's module is in.
+        layer_copy.train()
+        yield layer_copy
+
+
+def profile_times(module: nn.Sequential, sample: TensorOrTensors, timeout: float,
+                  device: torch.device) -> List[int]:
+    """Profiles the forward and backward time of each layer.
+
+    After one warm-up pass, whole passes over the layers are repeated until
+    ``timeout`` seconds have passed since the start (at least one timed
+    pass), each starting again from ``sample``.
+
+    Returns:
+        list of ints: the total time of each layer over the timed passes, in
+        microseconds
+
+    Raises:
+        ValueError: a parameter of ``module`` already has a gradient
+        TypeError: ``sample`` or a layer's output is neither a tensor nor a
+            tuple of tensors
+    """
+    refuse_gradients(module)
+    microbatch.check(sample, 'sample')
+    sample = to_device(sample, device)
+
+    elapsed = [0.0] * len(module)
+    with preserve_rng_state(device), torch.enable_grad():
+        started = time.perf_counter()
+        # The first pass pays for one-time initializations (the autograd
+        # engine's threads, kernel selection, allocator growth) that can
+        # take longer than the model itself; it is not counted.
+        timed_pass(module, sample, device, [0.0] * len(module))
+        while True:
+            timed_pass(module, sample, device, elapsed)
+            if time.perf_counter() - started >= timeout:
+                break
+
+    return [int(seconds * 1_000_000) for seconds in elapsed]
+
+
+def timed_pass(module: nn.Sequential, sample: TensorOrTensors, device: torch.device,
+               elapsed: List[float]) -> None:
+    """Runs one forward and backward pass, layer by layer, adding each layer's
+    time in seconds to ``elapsed``."""
+    # Fresh copies every pass: one layer at a time on the device, and no
+    # gradient carried over from the previous pass.
+    tracker = SandboxSkipTracker()
+    values = sample
+    with use_skip_tracker(tracker):
+        for index, layer in enumerate(layerwise_sandbox(module, device)):
+            values = fresh_input(values)
+
+            synchronize(device)
+            tick = time.perf_counter()
+            output = layer(values)
+            microbatch.check(output, f'the output of layer {index}')
+            backward_tensors = [y for y in (*Batch(output), *tracker.take_stashed())
+                                if y.requires_grad]
+            if backward_tensors:
+                # Any gradient of the right shape will do: the tensors
+                # themselves save allocating one.
+                torch.autograd.backward(backward_tensors, backward_tensors)
+            synchronize(device)
+            elapsed[index] += time.perf_counter() - tick
+
+            values = output
+
+
+def profile_sizes(module: nn.Sequential, input: TensorOrTensors, chunks: int,
+                  param_scale: float, device: torch.device) -> List[int]:
+    """Profiles the memory each layer needs for training.
+
+    A layer's size is the memory its forward pass keeps for one micro-batch
+    (what autograd saves for the backward pass, the outputs, and stashed skip
+    tensors) plus ``param_scale`` times the bytes of its parameters. The
+    micro-batch is the first (largest) one GPipe would split ``input`` into
+    with ``chunks``.
+
+    On CUDA, the kept memory is the growth of the caching allocator's
+    allocated bytes over the forward pass. Elsewhere, it is the bytes of the
+    distinct storages autograd saves (seen through
+    :class:`torch.autograd.graph.saved_tensors_hooks`) and the layer returns
+    or stashes, without the layer's parameters, buffers and inputs (they are
+    counted elsewhere or already existed).
+
+    Returns:
+        list of ints: the size of each layer in bytes
+
+    Raises:
+        ValueError: a parameter of ``module`` already has a gradient, or an
+            input tensor has no batch dimension
+        TypeError: ``input`` or a layer's output is neither a tensor nor a
+            tuple of tensors
+    """
+    refuse_gradients(module)
+    microbatch.check(input)
+    values = to_device(microbatch.scatter(input, chunks)[0].values, device)
+
+    sizes = []
+    tracker = SandboxSkipTracker()
+    with preserve_rng_state(device), torch.enable_grad(), use_skip_tracker(tracker):
+        for index, layer in enumerate(layerwise_sandbox(module, device)):
+            # The previous layer's graph is dropped here, before measuring.
+            values = fresh_input(values)
+
+            if device.type == 'cuda':
+                output, latent_size = allocated_by_forward(layer, values, tracker, device)
+            else:
+                output, latent_size = saved_by_forward(layer, values, tracker)
+            microbatch.check(output, f'the output of layer {index}')
+
+            param_size = sum(p.numel() * p.element_size() for p in layer.parameters())
+            sizes.append(int(latent_size + param_scale * param_size))
+
+            values = output
+            # Now only `values` holds the graph, to be dropped by fresh_input.
+            del output
+
+    return sizes
+
+
+def allocated_by_forward(layer: nn.Module, values: TensorOrTensors, tracker: 'SandboxSkipTracker',
+                         device: torch.device) -> Tuple[TensorOrTensors, int]:
+    """Runs the layer, measuring the CUDA memory its forward pass leaves allocated."""
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    output = layer(values)
+    tracker.take_stashed()
+    torch.cuda.synchronize(device)
+    after = torch.cuda.memory_allocated(device)
+    # Popping a skip tensor can free more than the layer allocates.
+    return output, max(0, after - before)
+
+
+def saved_by_forward(layer: nn.Module, values: TensorOrTensors,
+                     tracker: 'SandboxSkipTracker') -> Tuple[TensorOrTensors, int]:
+    """Runs the layer, measuring the bytes its forward pass keeps alive for training."""
+    storages: Dict[int, int] = {}
+
+    def record(tensor: Tensor) -> None:
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+
+    def pack(tensor: Tensor) -> Tensor:
+        record(tensor)
+        return tensor
+
+    with saved_tensors_hooks(pack, lambda tensor: tensor):
+        output = layer(values)
+    for tensor in [*Batch(output), *tracker.take_stashed()]:
+        record(tensor)
+
+    preexisting: Set[int] = {x.untyped_storage().data_ptr() for x in Batch(values)}
+    preexisting.update(p.untyped_storage().data_ptr() for p in layer.parameters())
+    preexisting.update(b.untyped_storage().data_ptr() for b in layer.buffers())
+    size = sum(nbytes for ptr, nbytes in storages.items() if ptr not in preexisting)
+    return output, size
+
+
+class SandboxSkipTracker(SkipTracker):
+    """Keeps detached skip tensors, so a popping layer's backward does not
+    reach into the stashing layer's graph.
+
+    The stashed tensors themselves are kept aside until
+    :meth:`take_stashed`: they belong to the stashing layer, whose backward
+    pass (for time) or memory (for size) they are part of.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stashed: List[Tensor] = []
+
+    def save(self, batch: Batch, ns: Namespace, name: str, tensor: Optional[Tensor]) -> None:
+        if tensor is not None:
+            self.stashed.append(tensor)
+            tensor = detach_tensor(tensor)
+        super().save(batch, ns, name, tensor)
+
+    def take_stashed(self) -> List[Tensor]:
+        """The tensors stashed since the last call."""
+        stashed = self.stashed
+        self.stashed = []
+        return stashed
+
+
+def refuse_gradients(module: nn.Module) -> None:
+    """Raises ValueError if a parameter holds a gradient.
+
+    Profiling must leave no gradient behind; refusing a module that already
+    has some keeps that promise checkable, and warns of a stale training
+    state the user probably did not mean to keep.
+    """
+    if any(p.grad is not None for p in module.parameters()):
+        raise ValueError('some parameter already has gradient')
+
+
+def to_device(values: TensorOrTensors, device: torch.device) -> TensorOrTensors:
+    """Moves the sample to the device, detached from any graph of the user's."""
+    if isinstance(values, Tensor):
+        return detach_tensor(values.to(device))
+    return tuple(detach_tensor(x.to(device)) for x in values)
+
+
+def fresh_input(values: TensorOrTensors) -> TensorOrTensors:
+    """Copies a layer's input, detached from the graph of the layer before.
+
+    The copy keeps whether each tensor requires grad, so the layer's backward
+    pass computes the gradient of its input as it would in training. Being a
+    copy (not a leaf), it may be modified in place, as by
+    ``nn.ReLU(inplace=True)``, without touching the sample for the next pass.
+    """
+    if isinstance(values, Tensor):
+        return detach_tensor(values).clone()
+    return tuple(detach_tensor(x).clone() for x in values)
+
+
+def detach_tensor(tensor: Tensor) -> Tensor:
+    """Detaches a tensor from its graph, keeping whether it requires grad."""
+    return tensor.detach().requires_grad_(tensor.requires_grad)
+
+
+def synchronize(device: torch.device) -> None:
+    """Waits for the device's kernels, so the clock measures them."""
+    if device.type == 'cuda':
+        torch.cuda.synchronize(device)
+
+
+def preserve_rng_state(device: torch.device) -> ContextManager[None]:
+    """A context restoring the CPU random state, and the device's if it is CUDA."""
+    if device.type != 'cuda':
+        return torch.random.fork_rng(devices=[])
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return torch.random.fork_rng(devices=[index])
