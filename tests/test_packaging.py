@@ -1,0 +1,58 @@
+"""Packaging: the sdist and wheel build, hold the package only, and install into a clean venv."""
+import subprocess
+import sys
+import tarfile
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+
+import torchgpipe
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope='module')
+def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp('dist')
+    subprocess.run([sys.executable, '-m', 'build', '--sdist', '--wheel', '--outdir', str(out),
+                    str(ROOT)], check=True, capture_output=True)
+    return out
+
+
+def test_wheel_holds_the_package_and_no_tests_or_benchmarks(dist: Path) -> None:
+    wheel, = dist.glob('*.whl')
+    assert wheel.name.startswith(f'torchgpipe-{torchgpipe.__version__}-')
+    names = zipfile.ZipFile(wheel).namelist()
+    assert 'torchgpipe/__init__.py' in names
+    assert 'torchgpipe/py.typed' in names
+    assert 'torchgpipe/skip/portal.py' in names
+    assert 'torchgpipe_balancing.py' in names
+    assert not [n for n in names if n.startswith(('tests/', 'benchmarks/', 'examples/', 'docs/'))]
+    sdist, = dist.glob('*.tar.gz')
+    assert any(n.endswith('/LICENSE') for n in tarfile.open(sdist).getnames())
+
+
+@pytest.mark.timeout(600)
+def test_wheel_installs_into_a_clean_venv_and_trains(dist: Path, tmp_path: Path) -> None:
+    wheel, = dist.glob('*.whl')
+    env = tmp_path / 'venv'
+    venv.EnvBuilder(with_pip=True).create(env)
+    python = env / 'bin' / 'python'
+    # The CPU build of torch the project is developed on; the wheel itself asks
+    # only for torch>=2.1, which it satisfies.
+    subprocess.run([str(python), '-m', 'pip', 'install', '-q', 'torch==2.13.0', str(wheel)],
+                   check=True, capture_output=True)
+    script = (
+        'import torch, torchgpipe\n'
+        'from torch import nn\n'
+        'assert "venv" in torchgpipe.__file__, torchgpipe.__file__\n'
+        'model = torchgpipe.GPipe(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), [1, 1],\n'
+        '                         devices=["cpu", "cpu"], chunks=2)\n'
+        'model(torch.rand(4, 2)).sum().backward()\n'
+        'print(torchgpipe.__version__)\n'
+    )
+    result = subprocess.run([str(python), '-c', script], check=True, capture_output=True,
+                            text=True, cwd=tmp_path)
+    assert result.stdout.strip() == torchgpipe.__version__
