@@ -61,14 +61,17 @@ def balance_by_time(partitions: int, module: nn.Sequential, sample: TensorOrTens
 
     Example::
 
-        >>> sample = torch.empty(128, 3, 224, 224)
-        >>> balance = balance_by_time(torch.cuda.device_count(), model, sample)
-        >>> gpipe = GPipe(model, balance, chunks=8)
+        sample = torch.empty(128, 3, 224, 224)
+        balance = balance_by_time(torch.cuda.device_count(), model, sample)
+        gpipe = GPipe(model, balance, chunks=8)
 
-    On CPU, profile there too::
+    On CPU, profile there too:
 
-        >>> balance = balance_by_time(2, model, sample, device='cpu')
-        >>> gpipe = GPipe(model, balance, devices=['cpu', 'cpu'], chunks=8)
+        >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU())
+        >>> balance = balance_by_time(2, model, torch.rand(16, 8), timeout=0.1, device='cpu')
+        >>> gpipe = GPipe(model, balance, devices=['cpu', 'cpu'], chunks=4)
+        >>> sum(balance)
+        4
 
     Args:
         partitions (int):

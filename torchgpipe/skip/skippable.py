@@ -23,8 +23,8 @@ T = TypeVar('T', bound='Skippable')
 class Skippable(nn.Module):
     """The base class of skippable modules.
 
-    Do not use this class directly. Define a subclass by :func:`skippable`
-    instead.
+    Do not use this class directly. Define a subclass by
+    :func:`~torchgpipe.skip.skippable` instead.
     """
 
     module_cls: ClassVar[Type[SkippableModule]]
@@ -259,7 +259,8 @@ def skippable(stash: Iterable[str] = (),
         pop (iterable of strs): names of the skip tensors to pop
 
     Returns:
-        a class decorator that returns a :class:`Skippable` subclass
+        a class decorator that returns a
+        :class:`~torchgpipe.skip.skippable.Skippable` subclass
     """
     if isinstance(stash, str) or isinstance(pop, str):
         raise TypeError("stash and pop take an iterable of names, such as ['1to3'], "
@@ -289,7 +290,7 @@ class stash:
 
     Args:
         name (str): name of skip tensor
-        input (torch.Tensor or None): tensor to pass to the skip connection
+        tensor (torch.Tensor or None): tensor to pass to the skip connection
     """
 
     __slots__ = ('name', 'tensor')
