@@ -27,8 +27,9 @@ dropout draws the same masks and mixed precision computes in the same dtypes.
 """
 import threading
 from collections import deque
-from contextlib import ExitStack, contextmanager
-from typing import Any, Callable, Deque, Dict, Generator, List, Optional, Sequence, Tuple, cast
+from contextlib import ExitStack, contextmanager, nullcontext
+from typing import (Any, Callable, ContextManager, Deque, Dict, Generator, List, Optional,
+                    Sequence, Tuple, cast)
 
 import torch
 from torch import Tensor
@@ -57,26 +58,35 @@ class ThreadLocal(threading.local):
 thread_local = ThreadLocal()
 
 
-@contextmanager
-def enable_checkpointing() -> Generator[None, None, None]:
+class _EnableFlag:
+    """Sets a flag of :data:`thread_local` within the context.
+
+    A class rather than a generator-based context manager: it is entered
+    for every checkpointed task, and this is the cheaper of the two.
+    """
+
+    __slots__ = ('name', 'orig')
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.orig = False
+
+    def __enter__(self) -> None:
+        self.orig = getattr(thread_local, self.name)
+        setattr(thread_local, self.name, True)
+
+    def __exit__(self, *exc_info: object) -> None:
+        setattr(thread_local, self.name, self.orig)
+
+
+def enable_checkpointing() -> ContextManager[None]:
     """Makes :func:`is_checkpointing` return ``True`` within the context."""
-    orig = thread_local.is_checkpointing
-    thread_local.is_checkpointing = True
-    try:
-        yield
-    finally:
-        thread_local.is_checkpointing = orig
+    return _EnableFlag('is_checkpointing')
 
 
-@contextmanager
-def enable_recomputing() -> Generator[None, None, None]:
+def enable_recomputing() -> ContextManager[None]:
     """Makes :func:`is_recomputing` return ``True`` within the context."""
-    orig = thread_local.is_recomputing
-    thread_local.is_recomputing = True
-    try:
-        yield
-    finally:
-        thread_local.is_recomputing = orig
+    return _EnableFlag('is_recomputing')
 
 
 def is_checkpointing() -> bool:
@@ -224,32 +234,39 @@ def restore_rng_states(device: torch.device,
     recomputation does not disturb the random stream of anything else.
     """
     cpu_rng_state, gpu_rng_state = rng_states.pop()
-    devices: List[torch.device] = [device] if gpu_rng_state is not None else []
-    with torch.random.fork_rng(devices=devices):
-        torch.set_rng_state(cpu_rng_state)
-        if gpu_rng_state is not None:
-            torch.cuda.set_rng_state(gpu_rng_state, device)
+    saved_cpu = torch.get_rng_state()
+    saved_gpu = torch.cuda.get_rng_state(device) if gpu_rng_state is not None else None
+    torch.set_rng_state(cpu_rng_state)
+    if gpu_rng_state is not None:
+        torch.cuda.set_rng_state(gpu_rng_state, device)
+    try:
         yield
+    finally:
+        torch.set_rng_state(saved_cpu)
+        if saved_gpu is not None:
+            torch.cuda.set_rng_state(saved_gpu, device)
 
 
 _AUTOCAST_DEVICE_TYPES = ('cpu', 'cuda')
 
-
-def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
-    """The dtype autocast casts to on the device type, or ``None`` if it is off."""
-    if hasattr(torch, 'get_autocast_dtype'):
+if hasattr(torch, 'get_autocast_dtype'):
+    def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
+        """The dtype autocast casts to on the device type, or ``None`` if it is off."""
         # torch >= 2.4: one API for every device type.
         if not torch.is_autocast_enabled(device_type):
             return None
         return torch.get_autocast_dtype(device_type)
-    # torch 2.1 - 2.3: separate functions per device type.
-    legacy = {'cpu': ('is_autocast_cpu_enabled', 'get_autocast_cpu_dtype'),
-              'cuda': ('is_autocast_enabled', 'get_autocast_gpu_dtype')}
-    is_enabled, get_dtype = legacy[device_type]
-    if not getattr(torch, is_enabled)():
-        return None
-    dtype: torch.dtype = getattr(torch, get_dtype)()
-    return dtype
+else:  # pragma: no cover (torch 2.1 - 2.3: separate functions per device type)
+    _LEGACY_AUTOCAST = {'cpu': ('is_autocast_cpu_enabled', 'get_autocast_cpu_dtype'),
+                        'cuda': ('is_autocast_enabled', 'get_autocast_gpu_dtype')}
+
+    def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
+        """The dtype autocast casts to on the device type, or ``None`` if it is off."""
+        is_enabled, get_dtype = _LEGACY_AUTOCAST[device_type]
+        if not getattr(torch, is_enabled)():
+            return None
+        dtype: torch.dtype = getattr(torch, get_dtype)()
+        return dtype
 
 
 def save_autocast_states() -> AutocastStates:
@@ -262,13 +279,23 @@ def save_autocast_states() -> AutocastStates:
     return enabled, torch.is_autocast_cache_enabled()
 
 
-@contextmanager
-def restore_autocast_states(states: AutocastStates) -> Generator[None, None, None]:
+_NO_AUTOCAST = nullcontext()
+
+
+def restore_autocast_states(states: AutocastStates) -> ContextManager[Any]:
     """Enters exactly the autocast contexts described by ``states`` (and no other).
 
     Autocast state is thread-local: a worker thread or the autograd engine's
     thread starts without the caller's, so it has to be carried over.
     """
+    if not states[0] and not save_autocast_states()[0]:
+        # No autocast then or now, the common case: spare the contexts.
+        return _NO_AUTOCAST
+    return _restore_autocast_states(states)
+
+
+@contextmanager
+def _restore_autocast_states(states: AutocastStates) -> Generator[None, None, None]:
     enabled, cache_enabled = states
     dtypes = dict(enabled)
     with ExitStack() as stack:

@@ -171,6 +171,9 @@ def scatter(input: TensorOrTensors, chunks: int) -> List[Batch]:
     if any(x.dim() == 0 for x in tensors):
         raise ValueError('input tensors must have a batch dimension (dimension 0) to be split '
                          'into micro-batches; got a 0-dimensional tensor')
+    if chunks == 1:
+        # One micro-batch is the input itself: no views, no autograd nodes.
+        return [Batch(input)]
     rotated = [x.chunk(chunks) for x in tensors]
     counts = {len(pieces) for pieces in rotated}
     if len(counts) != 1:
