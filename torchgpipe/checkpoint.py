@@ -324,6 +324,7 @@ class Checkpoint(torch.autograd.Function):
         ctx.recomputed = recomputed
         input = input_and_parameters[:num_inputs]
         ctx.parameters = input_and_parameters[num_inputs:]
+        ctx.parameter_ids = {id(p) for p in ctx.parameters}
 
         save_rng_states(input[0].device, rng_states)
         autocast_states.append(save_autocast_states())
@@ -339,30 +340,32 @@ class Checkpoint(torch.autograd.Function):
         outputs = (output,) if isinstance(output, Tensor) else output
         pairs = [(o, g) for o, g in zip(outputs, grad_output) if o.requires_grad and g is not None]
 
-        grads: Dict[Tensor, Optional[Tensor]] = {}
+        # Gradients by id() of the leaf: hashing tensors calls into Python.
+        grads: Dict[int, Optional[Tensor]] = {}
         if pairs:
             tensors, grad_tensors = zip(*pairs)
             leaves = reachable_leaves(tensors)
             if leaves:
-                grads = dict(zip(leaves, torch.autograd.grad(tensors, leaves, grad_tensors,
-                                                             allow_unused=True)))
+                grads = dict(zip(leaves, torch.autograd.grad(tensors, list(leaves.values()),
+                                                             grad_tensors, allow_unused=True)))
 
-        # Leaves that are neither inputs nor declared parameters (tensors a
-        # layer captured) get their gradients as a plain backward would.
-        for leaf in grads.keys() - set(input_leaf) - set(ctx.parameters):
-            grad = grads[leaf]
-            if grad is not None:
-                leaf.grad = grad if leaf.grad is None else leaf.grad + grad
+            # Leaves that are neither inputs nor declared parameters (tensors
+            # a layer captured) get their gradients as a plain backward would.
+            for key in grads.keys() - {id(x) for x in input_leaf} - ctx.parameter_ids:
+                grad = grads[key]
+                if grad is not None:
+                    leaf = leaves[key]
+                    leaf.grad = grad if leaf.grad is None else leaf.grad + grad
 
         grad_input: List[Optional[Tensor]] = [None] * 7
-        grad_input.extend(grads.get(x) for x in input_leaf)
-        grad_input.extend(grads.get(p) for p in ctx.parameters)
+        grad_input.extend(grads.get(id(x)) for x in input_leaf)
+        grad_input.extend(grads.get(id(p)) for p in ctx.parameters)
         return tuple(grad_input)
 
 
-def reachable_leaves(tensors: Sequence[Tensor]) -> List[Tensor]:
-    """Finds every leaf requiring grad that a backward from ``tensors`` reaches."""
-    leaves: Dict[Tensor, None] = {t: None for t in tensors if t.grad_fn is None}
+def reachable_leaves(tensors: Sequence[Tensor]) -> Dict[int, Tensor]:
+    """Finds every leaf requiring grad that a backward from ``tensors`` reaches, by id()."""
+    leaves = {id(t): t for t in tensors if t.grad_fn is None}
     seen = set()
     stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
     while stack:
@@ -371,12 +374,13 @@ def reachable_leaves(tensors: Sequence[Tensor]) -> List[Tensor]:
             continue
         seen.add(node)
         if type(node) is AccumulateGrad:
-            leaves[cast(Any, node).variable] = None
+            variable = cast(Any, node).variable
+            leaves[id(variable)] = variable
             continue
         for next_node, _ in node.next_functions:
             if next_node is not None:
                 stack.append(next_node)
-    return list(leaves)
+    return leaves
 
 
 # The type of the autograd node that accumulates a leaf's gradient.
