@@ -1,0 +1,586 @@
+"""DistributedDataParallel over GPipe: pipeline replicas in separate processes.
+
+Every test spawns ``WORLD_SIZE`` processes (the ``spawn`` start method) that
+join a gloo process group on 127.0.0.1, each wrapping its own
+:class:`~torchgpipe.GPipe` (three CPU partitions) in
+:class:`~torch.nn.parallel.DistributedDataParallel`. Replica ``r`` trains on
+shard ``r`` of every global batch. The parent process trains the unwrapped
+``nn.Sequential`` on the whole global batch and compares every parameter (and
+BatchNorm buffer) of every replica with it.
+
+Why a single process on the concatenated batch is the right reference: each
+replica's loss is the mean over its ``BATCH`` samples, and DDP averages the
+gradients of the ``WORLD_SIZE`` replicas, so the gradient every replica
+applies is that of ``(1 / WORLD_SIZE) * sum_r mean_r = mean over all
+WORLD_SIZE * BATCH samples``, the gradient of the same loss on the
+concatenated batch. GPipe itself is transparent, so nothing else differs.
+
+Children send their results to the parent as plain Python lists over a pipe
+(tensors through multiprocessing queues need file-descriptor sharing, which
+fails here). The parent never waits longer than a deadline, and whenever it
+stops waiting (success, a child's error, a timeout or a pytest timeout) it
+terminates and reaps every child, so no process outlives its test.
+
+The successful configurations are all trained in one spawn (a module-scoped
+fixture): starting processes that import torch costs a few seconds each,
+training these tiny models costs milliseconds.
+"""
+import multiprocessing
+import os
+import socket
+import time
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any, Callable, Dict, Generator, Iterator, List, NamedTuple, Optional, Tuple
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.parallel import DistributedDataParallel
+
+from torchgpipe import GPipe
+from torchgpipe.skip import Namespace, pop, skippable, stash
+
+pytestmark = pytest.mark.timeout(120)
+
+WORLD_SIZE = 2
+BATCH = 16         # per replica
+CHUNKS = 4         # micro-batches of 4 samples
+STEPS = 3
+FEATURES = 4
+# Collectives (and the rendezvous) give up after this long; a failing rank
+# must end its test well before it.
+GLOO_TIMEOUT = 30.0
+# The parent's deadline for all children to report.
+SPAWN_TIMEOUT = 90.0
+# Differences are rounding in float64 (about 1e-16): anything visible is a bug.
+TOLERANCE = {'rtol': 1e-10, 'atol': 1e-12}
+
+CHECKPOINTS = ['always', 'except_last', 'never']
+
+# Plain Python data a child sends back: {name: nested lists}.
+Tensors = Dict[str, Any]
+
+
+# --- running functions in a process group -----------------------------------------------
+
+
+class WorkerFailed(RuntimeError):
+    """A child process raised, died or timed out.
+
+    Attributes:
+        rank: the rank that failed first
+        type_name: the name of the exception's type in the child
+        error: the exception itself when it could be pickled, also set as ``__cause__``
+    """
+
+    def __init__(self, message: str, rank: int, type_name: str = '',
+                 error: Optional[BaseException] = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.type_name = type_name
+        self.error = error
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(('127.0.0.1', 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _child(rank: int, world_size: int, port: int, fn: Callable[..., Any],
+           args: Tuple[Any, ...], conn: Connection) -> None:
+    """Entry point of a child: joins the process group, runs ``fn``, reports to the parent.
+
+    The report is ``('ok', result)`` or ``('error', time, type name, message,
+    traceback, exception or None)``. The time lets the parent tell the first
+    failure from the ones it caused on other ranks.
+    """
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=rank,
+                                world_size=world_size,
+                                timeout=timedelta(seconds=GLOO_TIMEOUT))
+        result = fn(rank, world_size, *args)
+        dist.destroy_process_group()
+        conn.send(('ok', result))
+    except BaseException as exc:  # everything must reach the parent
+        when = time.time()
+        try:
+            conn.send(('error', when, type(exc).__name__, str(exc), traceback.format_exc(), exc))
+        except Exception:  # the exception does not pickle: send it as text only
+            conn.send(('error', when, type(exc).__name__, str(exc), traceback.format_exc(),
+                       None))
+    finally:
+        conn.close()
+
+
+def _stop(processes: List[multiprocessing.process.BaseProcess]) -> None:
+    """Terminates (then kills, if need be) and reaps every process still alive."""
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    for process in processes:
+        process.join(5)
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+def run_distributed(fn: Callable[..., Any], *args: Any, world_size: int = WORLD_SIZE,
+                    timeout: float = SPAWN_TIMEOUT) -> List[Any]:
+    """Runs ``fn(rank, world_size, *args)`` in ``world_size`` processes of a gloo group.
+
+    ``fn`` and ``args`` must be picklable (``fn`` a module-level function).
+
+    Returns:
+        the value ``fn`` returned on each rank, in rank order
+
+    Raises:
+        WorkerFailed: a rank raised (the earliest error is reported and chained),
+            exited without reporting, or the deadline passed; the other ranks are
+            terminated at once rather than left to time out
+    """
+    ctx = multiprocessing.get_context('spawn')
+    port = free_port()
+    processes: List[multiprocessing.process.BaseProcess] = []
+    pending: Dict[Connection, int] = {}
+    try:
+        for rank in range(world_size):
+            receiver, sender = ctx.Pipe(duplex=False)
+            process = ctx.Process(target=_child, name=f'torchgpipe-test-rank-{rank}',
+                                  args=(rank, world_size, port, fn, args, sender), daemon=True)
+            process.start()
+            sender.close()  # the child holds the only write end: EOF means it died
+            processes.append(process)
+            pending[receiver] = rank
+
+        results: List[Any] = [None] * world_size
+        deadline = time.monotonic() + timeout
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                ranks = sorted(pending.values())
+                raise WorkerFailed(f'ranks {ranks} did not finish within {timeout} s', ranks[0])
+            errors = []
+            for conn in wait(list(pending), timeout=remaining):
+                assert isinstance(conn, Connection)
+                rank = pending.pop(conn)
+                try:
+                    report = conn.recv()
+                except EOFError:
+                    process = processes[rank]
+                    process.join(5)
+                    raise WorkerFailed(f'rank {rank} exited (code {process.exitcode}) '
+                                       f'without reporting', rank) from None
+                finally:
+                    conn.close()
+                if report[0] == 'ok':
+                    results[rank] = report[1]
+                else:
+                    errors.append((report[1], rank) + tuple(report[2:]))
+            if errors:
+                # Another rank's failure may be a consequence (a closed connection):
+                # collect what has already arrived and report the earliest.
+                for conn in wait(list(pending), timeout=0.2):
+                    assert isinstance(conn, Connection)
+                    rank = pending.pop(conn)
+                    try:
+                        report = conn.recv()
+                    except EOFError:
+                        continue
+                    if report[0] == 'error':
+                        errors.append((report[1], rank) + tuple(report[2:]))
+                errors.sort(key=lambda e: e[0])
+                _, rank, type_name, message, child_traceback, error = errors[0]
+                others = ''.join(f'\n(then rank {e[1]} raised {e[2]}: {e[3]})' for e in errors[1:])
+                raise WorkerFailed(f'rank {rank} raised {type_name}: {message}{others}\n\n'
+                                   f'traceback in rank {rank}:\n{child_traceback}',
+                                   rank, type_name, error) from error
+        return results
+    finally:
+        _stop(processes)
+        for conn in pending:
+            conn.close()
+
+
+@pytest.fixture(autouse=True)
+def no_child_left() -> Iterator[None]:
+    yield
+    assert multiprocessing.active_children() == [], 'a child process outlived its test'
+
+
+# --- models -------------------------------------------------------------------------------
+
+
+@skippable(stash=['skip'])
+class Stash(nn.Module):
+    def forward(self, x: Tensor) -> Generator[Any, Any, Tensor]:
+        yield stash('skip', x)
+        return x
+
+
+@skippable(pop=['skip'])
+class PopAdd(nn.Module):
+    """Adds the popped skip, scaled by a parameter, so the popping layer learns too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.full((FEATURES,), 0.5))
+
+    def forward(self, x: Tensor) -> Generator[Any, Any, Tensor]:
+        skip = yield pop('skip')
+        return x + skip * self.scale
+
+
+def mlp() -> Tuple[nn.Sequential, List[int]]:
+    return nn.Sequential(
+        nn.Linear(FEATURES, 8), nn.Tanh(),
+        nn.Linear(8, 8), nn.Tanh(),
+        nn.Linear(8, FEATURES),
+    ), [2, 2, 1]
+
+
+def unet() -> Tuple[nn.Sequential, List[int]]:
+    """Two nested skips: ``a`` leaps over the whole middle partition, ``b`` crosses into the last.
+
+    Partitions (balance [3, 2, 5]): 0-2 | 3-4 | 5-9.
+    """
+    a, b = Namespace(), Namespace()
+    return nn.Sequential(
+        nn.Linear(FEATURES, FEATURES),  # 0
+        Stash().isolate(a),             # 1  a ───────┐
+        nn.Tanh(),                      # 2           │
+        nn.Linear(FEATURES, FEATURES),  # 3           │
+        Stash().isolate(b),             # 4  b ──┐    │
+        nn.Linear(FEATURES, FEATURES),  # 5      │    │
+        PopAdd().isolate(b),            # 6  b ◄─┘    │
+        nn.Tanh(),                      # 7           │
+        PopAdd().isolate(a),            # 8  a ◄──────┘
+        nn.Linear(FEATURES, FEATURES),  # 9
+    ), [3, 2, 5]
+
+
+def batchnorm() -> Tuple[nn.Sequential, List[int]]:
+    """BatchNorm in the first two partitions, the second fed by normalized activations."""
+    return nn.Sequential(
+        nn.Linear(FEATURES, 8), nn.BatchNorm1d(8), nn.Tanh(),
+        nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Tanh(),
+        nn.Linear(8, FEATURES),
+    ), [3, 3, 1]
+
+
+MODELS: Dict[str, Callable[[], Tuple[nn.Sequential, List[int]]]] = {
+    'mlp': mlp, 'unet': unet, 'batchnorm': batchnorm,
+}
+
+
+def build(model_name: str) -> Tuple[nn.Sequential, List[int]]:
+    """The model in float64, with the same initial weights in every process."""
+    torch.manual_seed(0)
+    model, balance = MODELS[model_name]()
+    return model.double(), balance
+
+
+def global_batch(step: int) -> Tuple[Tensor, Tensor]:
+    """Input and target of the whole step, ``WORLD_SIZE * BATCH`` samples; rank r gets shard r."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(WORLD_SIZE * BATCH, FEATURES, generator=gen, dtype=torch.float64)
+    y = torch.randn(WORLD_SIZE * BATCH, FEATURES, generator=gen, dtype=torch.float64)
+    return x, y
+
+
+def new_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def to_lists(named: Iterator[Tuple[str, Tensor]]) -> Tensors:
+    return {name: t.detach().tolist() for name, t in named}
+
+
+# --- training, in the children ------------------------------------------------------------
+
+
+class Config(NamedTuple):
+    """One DDP training run; ``accumulate`` splits each step in two backward passes."""
+
+    model: str
+    checkpoint: str
+    ddp_options: Tuple[Tuple[str, bool], ...] = ()
+    accumulate: bool = False
+
+    @property
+    def id(self) -> str:
+        extras = [f'{key}={value}' for key, value in self.ddp_options]
+        if self.accumulate:
+            extras.append('no_sync')
+        return '-'.join([self.model, self.checkpoint] + extras)
+
+
+CONFIGS = [Config(model, checkpoint)
+           for model in MODELS for checkpoint in CHECKPOINTS] + [
+    Config('unet', 'except_last', (('static_graph', True),)),
+    Config('unet', 'always', (('find_unused_parameters', True),)),
+    Config('mlp', 'always', accumulate=True),
+    Config('unet', 'except_last', accumulate=True),
+]
+
+
+def train_replica(rank: int, world_size: int, config: Config) -> Dict[str, Tensors]:
+    """Trains this rank's replica for ``STEPS`` steps; returns its parameters and buffers.
+
+    Names are those of the unwrapped model (``partitions.<j>.`` stripped).
+    """
+    model, balance = build(config.model)
+    gpipe = GPipe(model, balance, devices=['cpu'] * len(balance), chunks=CHUNKS,
+                  checkpoint=config.checkpoint, deferred_batch_norm=True)
+    ddp = DistributedDataParallel(gpipe, **dict(config.ddp_options))
+    optimizer = new_optimizer(ddp)
+
+    shard = slice(rank * BATCH, (rank + 1) * BATCH)
+    for step in range(STEPS):
+        x, y = global_batch(step)
+        x, y = x[shard], y[shard]
+        optimizer.zero_grad()
+        if config.accumulate:
+            # Gradient accumulation: no all-reduce for the first half, one for both.
+            half = BATCH // 2
+            with ddp.no_sync():
+                (F.mse_loss(ddp(x[:half]), y[:half]) / 2).backward()
+            (F.mse_loss(ddp(x[half:]), y[half:]) / 2).backward()
+        else:
+            F.mse_loss(ddp(x), y).backward()
+        optimizer.step()
+
+    def unwrapped(named: Iterator[Tuple[str, Tensor]]) -> Iterator[Tuple[str, Tensor]]:
+        return ((name.split('.', 2)[2], t) for name, t in named)
+
+    return {'parameters': to_lists(unwrapped(gpipe.named_parameters())),
+            'buffers': to_lists(unwrapped(gpipe.named_buffers()))}
+
+
+def train_all(rank: int, world_size: int, configs: List[Config]) -> Dict[str, Dict[str, Tensors]]:
+    """Trains every configuration in turn, in one process group."""
+    return {config.id: train_replica(rank, world_size, config) for config in configs}
+
+
+# --- the single-process reference ---------------------------------------------------------
+
+
+def batch_norm_statistics(inputs: List[Tensor]) -> Tuple[Tensor, Tensor]:
+    """Per-channel mean and unbiased variance of the concatenation of ``inputs``."""
+    x = torch.cat(inputs)
+    channels = x.transpose(0, 1).reshape(x.size(1), -1)
+    return channels.mean(dim=1), channels.var(dim=1, unbiased=True)
+
+
+def reference(config: Config) -> Tuple[Tensors, List[Tensors]]:
+    """Trains the unwrapped model in this process on the concatenated batches.
+
+    Returns:
+        its parameters, and the buffers each replica must hold at the end
+
+    Without BatchNorm this is plain training on the global batch (see the
+    module's docstring), and the buffers are empty.
+
+    With BatchNorm, two things differ from plain training.
+
+    *Parameters.* In training mode a BatchNorm layer normalizes its input
+    with that input's own statistics, and GPipe runs every layer on one
+    micro-batch at a time, so replica ``r`` computes ``cat_i M(x_{r,i})``
+    over its ``CHUNKS`` micro-batches ``x_{r,i}`` (``torch.chunk``). The
+    ``WORLD_SIZE * CHUNKS`` chunks of the concatenated batch are exactly
+    those micro-batches in rank order (all chunks have ``BATCH / CHUNKS``
+    samples), so the reference applies the unwrapped model to each chunk of
+    the global batch separately; the mean loss over all of them again has
+    the averaged gradient of the replicas.
+
+    *Running statistics.* Deferred BatchNorm commits once per step, with
+    the mean and unbiased variance of everything the layer saw on that
+    replica: the concatenation of its ``CHUNKS`` micro-batch inputs (for a
+    later BatchNorm layer, these are activations already normalized per
+    micro-batch, so they are not the full-batch activations of the unwrapped
+    model). Each replica commits its own shard's statistics; there is no
+    all-reduce of buffers. Instead, with ``broadcast_buffers=True`` (the
+    default), DDP copies rank 0's buffers to every rank at the start of each
+    forward. So rank 0's statistics evolve from rank 0's shards alone, and
+    after the last step replica ``r`` holds rank 0's statistics from before
+    that step, updated once with the statistics of its own last shard:
+    ``(1 - momentum) * running + momentum * statistic``, and
+    ``num_batches_tracked`` is ``STEPS`` everywhere.
+
+    The reference collects each BatchNorm layer's inputs per chunk with a
+    forward pre-hook and applies those updates itself; the running buffers
+    of its own (ordinary) BatchNorm layers, updated once per chunk, are
+    ignored.
+    """
+    model, _ = build(config.model)
+    optimizer = new_optimizer(model)
+    bn_layers = {name: m for name, m in model.named_modules() if isinstance(m, _BatchNorm)}
+    seen: Dict[str, List[Tensor]] = {name: [] for name in bn_layers}
+    for name, layer in bn_layers.items():
+        layer.register_forward_pre_hook(
+            lambda _, input, name=name: seen[name].append(input[0].detach()))
+
+    # The running statistics of rank 0, which DDP broadcasts before every forward.
+    shared: Tensors = {}
+    for name, layer in bn_layers.items():
+        shared[f'{name}.running_mean'] = layer.running_mean.clone()
+        shared[f'{name}.running_var'] = layer.running_var.clone()
+        shared[f'{name}.num_batches_tracked'] = layer.num_batches_tracked.clone()
+    final: List[Tensors] = [{} for _ in range(WORLD_SIZE)]
+
+    for step in range(STEPS):
+        x, y = global_batch(step)
+        for inputs in seen.values():
+            inputs.clear()
+        optimizer.zero_grad()
+        if bn_layers:
+            output = torch.cat([model(chunk) for chunk in x.chunk(WORLD_SIZE * CHUNKS)])
+        else:
+            output = model(x)
+        F.mse_loss(output, y).backward()
+        optimizer.step()
+
+        updated: List[Tensors] = []
+        for rank in range(WORLD_SIZE):
+            buffers: Tensors = {}
+            for name, layer in bn_layers.items():
+                assert layer.momentum is not None
+                momentum = layer.momentum
+                chunks = seen[name][rank * CHUNKS:(rank + 1) * CHUNKS]
+                mean, var = batch_norm_statistics(chunks)
+                buffers[f'{name}.running_mean'] = (
+                    (1 - momentum) * shared[f'{name}.running_mean'] + momentum * mean)
+                buffers[f'{name}.running_var'] = (
+                    (1 - momentum) * shared[f'{name}.running_var'] + momentum * var)
+                buffers[f'{name}.num_batches_tracked'] = (
+                    shared[f'{name}.num_batches_tracked'] + 1)
+            updated.append(buffers)
+        shared = updated[0]
+        final = updated
+
+    parameters = to_lists(iter(model.named_parameters()))
+    return parameters, [to_lists(iter(buffers.items())) for buffers in final]
+
+
+def assert_same(actual: Tensors, expected: Tensors, what: str) -> None:
+    assert actual.keys() == expected.keys(), what
+    for name in expected:
+        torch.testing.assert_close(torch.tensor(actual[name], dtype=torch.float64),
+                                   torch.tensor(expected[name], dtype=torch.float64),
+                                   **TOLERANCE, msg=lambda m: f'{what} {name}: {m}')
+
+
+# --- tests --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope='module')
+def trained() -> List[Dict[str, Dict[str, Tensors]]]:
+    """Every configuration trained by ``WORLD_SIZE`` replicas: one result per rank."""
+    results: List[Dict[str, Dict[str, Tensors]]] = run_distributed(train_all, CONFIGS)
+    return results
+
+
+@pytest.mark.parametrize('config', CONFIGS, ids=lambda c: c.id)
+def test_replicas_equal_single_process_on_concatenated_batch(
+        trained: List[Dict[str, Dict[str, Tensors]]], config: Config) -> None:
+    parameters, buffers = reference(config)
+    initial, _ = build(config.model)
+    for rank, result in enumerate(trained):
+        replica = result[config.id]
+        assert_same(replica['parameters'], parameters, f'rank {rank} parameter')
+        assert_same(replica['buffers'], buffers[rank], f'rank {rank} buffer')
+    # Training moved every parameter, so the comparison is not vacuous; except the
+    # bias of a Linear layer right before a BatchNorm layer, which normalization
+    # cancels: its gradient is zero.
+    still = {name for name, p in initial.named_parameters()
+             if torch.allclose(p.detach(), torch.tensor(parameters[name], dtype=torch.float64),
+                               rtol=0, atol=1e-8)}
+    assert still == {f'{i - 1}.bias' for i, layer in enumerate(initial)
+                     if isinstance(layer, _BatchNorm)}
+
+class InjectedFailure(Exception):
+    """Raised on purpose by :class:`FailOnRank`."""
+
+
+class FailInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, input: Tensor) -> Tensor:
+        return input.view_as(input)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        raise InjectedFailure(f'injected failure in backward on rank {dist.get_rank()}')
+
+
+class FailOnRank(nn.Module):
+    """The identity, except on ``rank`` at ``step``: raises in forward or in backward there."""
+
+    def __init__(self, rank: int, step: int, where: str) -> None:
+        super().__init__()
+        self.rank = rank
+        self.step = step
+        self.where = where
+        self.calls = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        # One call per micro-batch (recomputations excluded: checkpoint='never').
+        step = self.calls // CHUNKS
+        self.calls += 1
+        if dist.get_rank() != self.rank or step != self.step:
+            return x
+        if self.where == 'forward':
+            raise InjectedFailure(f'injected failure in forward on rank {self.rank}')
+        return FailInBackward.apply(x)  # type: ignore[no-any-return]
+
+
+def train_until_failure(rank: int, world_size: int, where: str) -> None:
+    """Trains an MLP whose middle partition fails on rank 1 at the second step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(FEATURES, 8), nn.Tanh(),
+        FailOnRank(1, 1, where), nn.Linear(8, FEATURES),
+    ).double()
+    ddp = DistributedDataParallel(GPipe(model, [2, 2], devices=['cpu', 'cpu'], chunks=CHUNKS,
+                                        checkpoint='never'))
+    optimizer = new_optimizer(ddp)
+    for step in range(STEPS):
+        x, y = global_batch(step)
+        optimizer.zero_grad()
+        F.mse_loss(ddp(x[:BATCH]), y[:BATCH]).backward()
+        optimizer.step()
+
+
+@pytest.mark.parametrize('where', ['forward', 'backward'])
+def test_failure_in_one_rank_ends_the_run_with_its_error(where: str) -> None:
+    start = time.monotonic()
+    with pytest.raises(WorkerFailed) as failed:
+        run_distributed(train_until_failure, where)
+    elapsed = time.monotonic() - start
+
+    assert failed.value.rank == 1
+    assert failed.value.type_name == 'InjectedFailure'
+    assert isinstance(failed.value.__cause__, InjectedFailure)
+    assert f'injected failure in {where} on rank 1' in str(failed.value)
+    # Rank 0, blocked in a collective, was terminated, not left to time out.
+    assert elapsed < GLOO_TIMEOUT / 2
+    assert multiprocessing.active_children() == []
+
+
+def test_run_distributed_reports_a_child_that_dies() -> None:
+    """A rank that exits without a word (e.g. killed) is reported, not waited for."""
+    with pytest.raises(WorkerFailed, match='rank 1 exited'):
+        run_distributed(exit_on_rank_1)
+
+
+def exit_on_rank_1(rank: int, world_size: int) -> None:
+    if rank == 1:
+        os._exit(3)
+    dist.barrier()
