@@ -242,6 +242,29 @@ def save_plot(output_dir: Path, experiment: str, preset: str,
     return path
 
 
+def finish(args: Any, experiment: str, config: Mapping[str, Any], outcome: Mapping[str, Any],
+           env: Mapping[str, Any], draw: Callable[[Any], None],
+           **extra: Any) -> Dict[str, Any]:
+    """Writes an experiment's JSON document and its plot; returns the document.
+
+    Args:
+        args: the parsed command line (``preset``, ``smoke``, ``output_dir``,
+            ``no_plot``)
+        experiment: the experiment's name
+        config: the settings it ran with
+        outcome: its results
+        env: :func:`environment` of the run
+        draw: draws the plot with ``draw(pyplot)``
+        extra: more top-level entries of the document
+    """
+    document = {'experiment': experiment, 'preset': args.preset, 'smoke': args.smoke,
+                'settings': config, **extra, 'environment': env, **outcome}
+    write_results(args.output_dir, experiment, args.preset, document)
+    if not args.no_plot:
+        save_plot(args.output_dir, experiment, args.preset, draw)
+    return document
+
+
 def fastest_steps(steps: Mapping[str, Callable[[], None]], rounds: int, *, warmup: int = 1,
                   desc: str = 'timing') -> Dict[str, float]:
     """The fastest time in seconds of each step function, timed side by side.

@@ -41,10 +41,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from benchmarks.common import (MiB, Preset, cpu_devices, environment, fastest_steps, fix_malloc,
-                               format_table, make_parser, run_measure_subprocesses, save_plot,
-                               step_peak_memory, threads, tune_malloc,
-                               write_results)
+from benchmarks.common import (MiB, Preset, cpu_devices, environment, fastest_steps, finish,
+                               fix_malloc, format_table, make_parser, run_measure_subprocesses,
+                               step_peak_memory, threads, tune_malloc)
 from torchgpipe import GPipe
 
 EXPERIMENT = 'overhead'
@@ -309,12 +308,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         env = environment(['cpu'])
 
     report(outcome)
-    document = {'experiment': EXPERIMENT, 'preset': args.preset, 'smoke': args.smoke,
-                'settings': config, 'targets': TARGETS, 'environment': env, **outcome}
-    write_results(args.output_dir, EXPERIMENT, args.preset, document)
-    if not args.no_plot:
-        save_plot(args.output_dir, EXPERIMENT, args.preset, plot(outcome))
-    return document
+    return finish(args, EXPERIMENT, config, outcome, env, plot(outcome), targets=TARGETS)
 
 
 if __name__ == '__main__':

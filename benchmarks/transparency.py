@@ -24,9 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from benchmarks.common import (Preset, cpu_devices, cuda_devices, environment, even_balance,
-                               format_table, make_parser, parameter_count, progress, save_plot,
-                               threads, write_results)
+from benchmarks.common import (Preset, cpu_devices, cuda_devices, environment, even_balance, finish,
+                               format_table, make_parser, parameter_count, progress, threads)
 from benchmarks.models.resnet import resnet
 from torchgpipe import GPipe
 
@@ -178,12 +177,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         env = environment(outcome['devices'])
 
     report(config, outcome)
-    document = {'experiment': EXPERIMENT, 'preset': args.preset, 'smoke': args.smoke,
-                'settings': config, 'environment': env, **outcome}
-    write_results(args.output_dir, EXPERIMENT, args.preset, document)
-    if not args.no_plot:
-        save_plot(args.output_dir, EXPERIMENT, args.preset, plot(outcome))
-    return document
+    return finish(args, EXPERIMENT, config, outcome, env, plot(outcome))
 
 
 if __name__ == '__main__':

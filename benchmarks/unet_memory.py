@@ -33,10 +33,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import (GiB, MiB, Preset, cpu_devices, cuda_devices, environment, fix_malloc,
-                               format_table, make_parser, materialize, parameter_count,
-                               run_measure_subprocesses, save_plot, size_balance, step_peak_memory,
-                               threads, write_results)
+from benchmarks.common import (GiB, MiB, Preset, cpu_devices, cuda_devices, environment, finish,
+                               fix_malloc, format_table, make_parser, materialize, parameter_count,
+                               run_measure_subprocesses, size_balance, step_peak_memory, threads)
 from benchmarks.models.unet import unet
 from torchgpipe import GPipe
 
@@ -218,12 +217,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         env = environment(devices)
 
     report(config, outcome)
-    document = {'experiment': EXPERIMENT, 'preset': args.preset, 'smoke': args.smoke,
-                'settings': config, 'environment': env, **outcome}
-    write_results(args.output_dir, EXPERIMENT, args.preset, document)
-    if not args.no_plot:
-        save_plot(args.output_dir, EXPERIMENT, args.preset, plot(config, outcome))
-    return document
+    return finish(args, EXPERIMENT, config, outcome, env, plot(config, outcome))
 
 
 if __name__ == '__main__':

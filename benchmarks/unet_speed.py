@@ -29,9 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import (Preset, Trainer, auto_balance, cpu_devices, cuda_devices,
-                               environment, format_table, make_parser, measure_throughputs,
-                               parameter_count, save_plot, threads, tune_malloc,
-                               write_results)
+                               environment, finish, format_table, make_parser, measure_throughputs,
+                               parameter_count, threads, tune_malloc)
 from benchmarks.models.unet import unet
 from torchgpipe import GPipe
 
@@ -169,12 +168,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         env = environment(devices)
 
     report(config, outcome)
-    document = {'experiment': EXPERIMENT, 'preset': args.preset, 'smoke': args.smoke,
-                'settings': config, 'environment': env, **outcome}
-    write_results(args.output_dir, EXPERIMENT, args.preset, document)
-    if not args.no_plot:
-        save_plot(args.output_dir, EXPERIMENT, args.preset, plot(config, outcome))
-    return document
+    return finish(args, EXPERIMENT, config, outcome, env, plot(config, outcome))
 
 
 if __name__ == '__main__':
