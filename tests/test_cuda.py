@@ -58,7 +58,7 @@ def test_copy_streams_are_one_per_device_per_micro_batch() -> None:
     gpipe = GPipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), [1, 1], devices=devices(2),
                   chunks=3)
     gpipe(torch.randn(6, 2, device=devices(1)[0]))
-    streams = gpipe._copy_streams
+    streams = gpipe._run_state.copy_streams
     assert [len(s) for s in streams] == [3, 3]
     flat = [s for per_device in streams for s in per_device]
     assert len(set(flat)) == 6

@@ -21,32 +21,41 @@ the Wait for the gradient's copy stream between the two::
 On CUDA, the recomputation's kernels thus queue before the wait, and run
 while the gradient is still being copied.
 
-The recomputation replays the forward exactly: the CPU and CUDA random number
-generator states and the autocast state of the first pass are restored, so
-dropout draws the same masks and mixed precision computes in the same dtypes.
+The recomputation replays the forward exactly: the random number generators
+(:mod:`torchgpipe.rng`) and the autocast state (:mod:`torchgpipe.autocast`) of
+the first pass are restored, so dropout draws the same masks and mixed
+precision computes in the same dtypes. Recompute keeps what it replays from
+(the input and the generator states) as saved tensors, so a graph kept by
+``retain_graph=True`` can be backpropagated through again, recomputing again.
+
+A partition that changes its input in place (``nn.ReLU(inplace=True)`` first)
+would overwrite the input saved for the recomputation, and cannot run on a
+leaf in the recomputation. For such a partition (see
+:class:`~torchgpipe.traits.PartitionTraits`) both passes run on copies.
 """
 import threading
 from collections import deque
-from contextlib import ExitStack, contextmanager, nullcontext
-from typing import (Any, Callable, ContextManager, Deque, Dict, Generator, List, Optional,
-                    Sequence, Tuple, cast)
+from typing import Any, Callable, ContextManager, Deque, Dict, List, Optional, Sequence, Tuple, cast
 
 import torch
 from torch import Tensor
 
+from torchgpipe.autocast import AutocastStates, restore_autocast_states, save_autocast_states
 from torchgpipe.microbatch import Batch, TensorOrTensors, Tensors
 from torchgpipe.phony import get_phony
+from torchgpipe.rng import RNGStates, restore_rng_states, save_rng_states
+from torchgpipe.traits import PartitionTraits
 
 __all__ = ['is_checkpointing', 'is_recomputing', 'enable_checkpointing', 'enable_recomputing',
            'Checkpointing', 'Checkpoint', 'Recompute', 'checkpoint']
 
 Function = Callable[[TensorOrTensors], TensorOrTensors]
 
-# The state Checkpoint leaves for Recompute and Checkpoint.backward: the
-# recomputed (output, input leaves), the RNG states, and the autocast states.
+# What Recompute leaves for Checkpoint.backward: the recomputed output and the
+# input leaves it was computed from.
 Recomputed = Tuple[TensorOrTensors, Tensors]
-RNGStates = Tuple[Tensor, Optional[Tensor]]
-AutocastStates = Tuple[List[Tuple[str, torch.dtype]], bool]
+# What the first pass leaves for Recompute: the states to replay it from.
+FirstPass = Tuple[RNGStates, AutocastStates]
 
 
 class ThreadLocal(threading.local):
@@ -145,26 +154,31 @@ class Checkpointing:
             as without checkpointing (DistributedDataParallel relies on
             that). Gradients of other leaves the function reaches are
             accumulated directly.
+        traits: what earlier runs showed about the partition; whether it
+            modifies its input in place is learned here
+        exclusive_rng: whether the recomputation may draw from the CPU
+            generator, and so must hold it alone
     """
 
-    def __init__(self, function: Function, batch: Batch,
-                 parameters: Sequence[Tensor] = ()) -> None:
+    def __init__(self, function: Function, batch: Batch, parameters: Sequence[Tensor] = (),
+                 traits: Optional[PartitionTraits] = None, exclusive_rng: bool = True) -> None:
         self.function = function
         self.batch = batch
         self.parameters = tuple(p for p in parameters if p.requires_grad)
+        self.traits = PartitionTraits() if traits is None else traits
+        self.exclusive_rng = exclusive_rng
         # The slots Checkpoint, Recompute and Checkpoint.backward share. A
         # one-element deque is a mutable box that autograd does not look into.
         self.recomputed: Deque[Recomputed] = deque(maxlen=1)
-        self.rng_states: Deque[RNGStates] = deque(maxlen=1)
-        self.autocast_states: Deque[AutocastStates] = deque(maxlen=1)
+        self.first_pass: Deque[FirstPass] = deque(maxlen=1)
 
     def checkpoint(self) -> Batch:
         """Runs the function without keeping activations; returns the output batch."""
         # The phony requires grad, so the output always has a backward node to
         # hang the recomputation on, even if no input requires grad.
         phony = get_phony(self.batch[0].device, requires_grad=True)
-        output = Checkpoint.apply(phony, self.recomputed, self.rng_states,  # type: ignore[no-untyped-call]
-                                  self.autocast_states, self.function, self.batch.atomic,
+        output = Checkpoint.apply(phony, self.recomputed, self.first_pass,  # type: ignore[no-untyped-call]
+                                  self.function, self.traits, self.batch.atomic,
                                   len(self.batch), *self.batch, *self.parameters)
         if isinstance(output, tuple):
             # Only floating point tensors can carry gradients.
@@ -178,14 +192,18 @@ class Checkpointing:
             batch (Batch): the output batch :meth:`checkpoint` returned; its
                 first tensor is replaced by one that carries the dependency
         """
+        rng_states, autocast_states = self.first_pass.pop()
         # Every floating point output requires grad: it came out of Checkpoint
         # with a phony that does. With none, there is no backward to precede.
         index = batch.find(lambda x: x.requires_grad)
         if index is None:
             return
+        cpu_rng_state, gpu_rng_state = rng_states
+        rng_tensors = (cpu_rng_state,) if gpu_rng_state is None else rng_states
         batch[index] = Recompute.apply(batch[index], self.recomputed,  # type: ignore[no-untyped-call]
-                                       self.rng_states, self.autocast_states, self.function,
-                                       self.batch.atomic, *self.batch)
+                                       autocast_states, self.function, self.traits,
+                                       self.exclusive_rng, self.batch.atomic, len(self.batch),
+                                       *self.batch, *rng_tensors)
 
 
 def checkpoint(function: Function, input: TensorOrTensors) -> TensorOrTensors:
@@ -216,96 +234,18 @@ def checkpoint(function: Function, input: TensorOrTensors) -> TensorOrTensors:
     return output.values
 
 
-def save_rng_states(device: torch.device, rng_states: Deque[RNGStates]) -> None:
-    """Captures the CPU RNG state, and the CUDA one if the device is CUDA."""
-    cpu_rng_state = torch.get_rng_state()
-    gpu_rng_state: Optional[Tensor] = None
-    if device.type == 'cuda':
-        gpu_rng_state = torch.cuda.get_rng_state(device)
-    rng_states.append((cpu_rng_state, gpu_rng_state))
+def call_on_copies(function: Function, input: Sequence[Tensor], atomic: bool,
+                   ) -> Tuple[TensorOrTensors, bool]:
+    """Calls ``function`` on copies of the input tensors, so it may change them in place.
 
-
-@contextmanager
-def restore_rng_states(device: torch.device,
-                       rng_states: Deque[RNGStates]) -> Generator[None, None, None]:
-    """Restores the RNG states of :func:`save_rng_states` within the context.
-
-    Outside the context the generators are as they were, so the
-    recomputation does not disturb the random stream of anything else.
+    Returns:
+        (output, modified): what the function returned, and whether it
+        changed any of the copies in place
     """
-    cpu_rng_state, gpu_rng_state = rng_states.pop()
-    saved_cpu = torch.get_rng_state()
-    saved_gpu = torch.cuda.get_rng_state(device) if gpu_rng_state is not None else None
-    torch.set_rng_state(cpu_rng_state)
-    if gpu_rng_state is not None:
-        torch.cuda.set_rng_state(gpu_rng_state, device)
-    try:
-        yield
-    finally:
-        torch.set_rng_state(saved_cpu)
-        if saved_gpu is not None:
-            torch.cuda.set_rng_state(saved_gpu, device)
-
-
-_AUTOCAST_DEVICE_TYPES = ('cpu', 'cuda')
-
-if hasattr(torch, 'get_autocast_dtype'):
-    def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
-        """The dtype autocast casts to on the device type, or ``None`` if it is off."""
-        # torch >= 2.4: one API for every device type.
-        if not torch.is_autocast_enabled(device_type):
-            return None
-        return torch.get_autocast_dtype(device_type)
-else:  # pragma: no cover (torch 2.1 - 2.3: separate functions per device type)
-    _LEGACY_AUTOCAST = {'cpu': ('is_autocast_cpu_enabled', 'get_autocast_cpu_dtype'),
-                        'cuda': ('is_autocast_enabled', 'get_autocast_gpu_dtype')}
-
-    def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
-        """The dtype autocast casts to on the device type, or ``None`` if it is off."""
-        is_enabled, get_dtype = _LEGACY_AUTOCAST[device_type]
-        if not getattr(torch, is_enabled)():
-            return None
-        dtype: torch.dtype = getattr(torch, get_dtype)()
-        return dtype
-
-
-def save_autocast_states() -> AutocastStates:
-    """Captures the dtype of every enabled autocast, per device type, and the cache flag."""
-    enabled = []
-    for device_type in _AUTOCAST_DEVICE_TYPES:
-        dtype = _autocast_dtype(device_type)
-        if dtype is not None:
-            enabled.append((device_type, dtype))
-    return enabled, torch.is_autocast_cache_enabled()
-
-
-_NO_AUTOCAST = nullcontext()
-
-
-def restore_autocast_states(states: AutocastStates) -> ContextManager[Any]:
-    """Enters exactly the autocast contexts described by ``states`` (and no other).
-
-    Autocast state is thread-local: a worker thread or the autograd engine's
-    thread starts without the caller's, so it has to be carried over.
-    """
-    if not states[0] and not save_autocast_states()[0]:
-        # No autocast then or now, the common case: spare the contexts.
-        return _NO_AUTOCAST
-    return _restore_autocast_states(states)
-
-
-@contextmanager
-def _restore_autocast_states(states: AutocastStates) -> Generator[None, None, None]:
-    enabled, cache_enabled = states
-    dtypes = dict(enabled)
-    with ExitStack() as stack:
-        for device_type in _AUTOCAST_DEVICE_TYPES:
-            if device_type in dtypes:
-                stack.enter_context(torch.autocast(device_type, dtype=dtypes[device_type],
-                                                   cache_enabled=cache_enabled))
-            elif _autocast_dtype(device_type) is not None:
-                stack.enter_context(torch.autocast(device_type, enabled=False))
-        yield
+    copies = tuple(x.clone() for x in input)
+    output = function(copies[0] if atomic else copies)
+    # A fresh copy's version counter is 0; every in-place change bumps it.
+    return output, any(x._version for x in copies)
 
 
 class Checkpoint(torch.autograd.Function):
@@ -315,9 +255,9 @@ class Checkpoint(torch.autograd.Function):
     def forward(ctx: Any,
                 phony: Tensor,
                 recomputed: Deque[Recomputed],
-                rng_states: Deque[RNGStates],
-                autocast_states: Deque[AutocastStates],
+                first_pass: Deque[FirstPass],
                 function: Function,
+                traits: PartitionTraits,
                 input_atomic: bool,
                 num_inputs: int,
                 *input_and_parameters: Tensor) -> TensorOrTensors:
@@ -326,12 +266,24 @@ class Checkpoint(torch.autograd.Function):
         ctx.parameters = input_and_parameters[num_inputs:]
         ctx.parameter_ids = {id(p) for p in ctx.parameters}
 
-        save_rng_states(input[0].device, rng_states)
-        autocast_states.append(save_autocast_states())
+        first_pass.append((save_rng_states(input[0].device), save_autocast_states()))
 
         with torch.no_grad(), enable_checkpointing():
-            output = function(input[0] if input_atomic else input)
-
+            if traits.modifies_input is False:
+                versions = [x._version for x in input]
+                output = function(input[0] if input_atomic else input)
+                if any(x._version != v for x, v in zip(input, versions)):
+                    # The input the recomputation needs is lost.
+                    traits.modifies_input = True
+                    raise RuntimeError(
+                        'a partition modified its input in place in a checkpointed pass, '
+                        'though it had not in its earlier checkpointed passes; call GPipe '
+                        'again: it copies the input of this partition from now on')
+            else:
+                # Not known to leave its input alone: run on a copy, so the
+                # input saved for the recomputation stays as it is.
+                output, modified = call_on_copies(function, input, input_atomic)
+                traits.modifies_input = bool(traits.modifies_input) or modified
         return output
 
     @staticmethod
@@ -399,29 +351,42 @@ class Recompute(torch.autograd.Function):
     def forward(ctx: Any,
                 output: Tensor,
                 recomputed: Deque[Recomputed],
-                rng_states: Deque[RNGStates],
-                autocast_states: Deque[AutocastStates],
+                autocast_states: AutocastStates,
                 function: Function,
+                traits: PartitionTraits,
+                exclusive_rng: bool,
                 input_atomic: bool,
-                *input: Tensor) -> Tensor:
+                num_inputs: int,
+                *input_and_rng_states: Tensor) -> Tensor:
         ctx.recomputed = recomputed
-        ctx.rng_states = rng_states
         ctx.autocast_states = autocast_states
         ctx.function = function
+        ctx.traits = traits
+        ctx.exclusive_rng = exclusive_rng
         ctx.input_atomic = input_atomic
-        ctx.save_for_backward(*input)
+        ctx.num_inputs = num_inputs
+        # Saved tensors, not attributes: they are released by a backward
+        # pass unless the graph is retained, and then they are kept for the
+        # next recomputation.
+        ctx.save_for_backward(*input_and_rng_states)
         return output.detach()
 
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor) -> Tuple[Optional[Tensor], ...]:
-        input = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        input, rng_tensors = saved[:ctx.num_inputs], saved[ctx.num_inputs:]
+        rng_states = (rng_tensors[0], rng_tensors[1] if len(rng_tensors) > 1 else None)
         input_leaf = tuple(x.detach().requires_grad_(x.requires_grad) for x in input)
 
-        with restore_rng_states(input[0].device, ctx.rng_states), \
-                restore_autocast_states(ctx.autocast_states.pop()), \
+        with restore_rng_states(input[0].device, rng_states, exclusive=ctx.exclusive_rng), \
+                restore_autocast_states(ctx.autocast_states), \
                 torch.enable_grad(), enable_recomputing():
-            output = ctx.function(input_leaf[0] if ctx.input_atomic else input_leaf)
+            if ctx.traits.modifies_input:
+                # In place on a leaf is an error, and would change the saved input.
+                output, _ = call_on_copies(ctx.function, input_leaf, ctx.input_atomic)
+            else:
+                output = ctx.function(input_leaf[0] if ctx.input_atomic else input_leaf)
 
         ctx.recomputed.append((output, input_leaf))
 
-        return (grad_output,) + (None,) * (5 + len(input))
+        return (grad_output,) + (None,) * (7 + len(saved))

@@ -12,6 +12,7 @@ from torchgpipe.pipeline import Pipeline
 from torchgpipe.skip.layout import inspect_skip_layout
 from torchgpipe.skip.skippable import verify_skippables
 from torchgpipe.stream import AbstractStream, current_stream, new_stream, use_device
+from torchgpipe.traits import RunState
 
 __all__ = ['GPipe', 'BalanceError', 'verify_module', 'split_module']
 
@@ -214,9 +215,9 @@ class GPipe(nn.Module):
         self._deferred_batch_norms = [m for m in self.partitions.modules()
                                       if isinstance(m, DeferredBatchNorm)]
 
-        # A copy stream per device per micro-batch, created on first use
-        # (creating CUDA streams initializes CUDA).
-        self._copy_streams: List[List[AbstractStream]] = []
+        # Copy streams and what runs learn about the partitions: never part
+        # of a copy of this module.
+        self._run_state = RunState(len(self.partitions))
 
     def _partitions(self) -> List[nn.Sequential]:
         return cast(List[nn.Sequential], list(self.partitions))
@@ -275,10 +276,11 @@ class GPipe(nn.Module):
 
     def _ensure_copy_streams(self) -> List[List[AbstractStream]]:
         """Creates a copy stream per device per micro-batch, once."""
-        if not self._copy_streams:
+        copy_streams = self._run_state.copy_streams
+        if not copy_streams:
             for device in self.devices:
-                self._copy_streams.append([new_stream(device) for _ in range(self.chunks)])
-        return self._copy_streams
+                copy_streams.append([new_stream(device) for _ in range(self.chunks)])
+        return copy_streams
 
     def forward(self, input: TensorOrTensors) -> TensorOrTensors:
         """:class:`GPipe` is a fairly transparent module wrapper. It doesn't
@@ -323,7 +325,7 @@ class GPipe(nn.Module):
         with use_device(self.devices[0]):
             copy_streams = self._ensure_copy_streams()
         pipeline = Pipeline(batches, self._partitions(), self.devices, copy_streams, streams,
-                            self._skip_layout, checkpoint_stop)
+                            self._skip_layout, checkpoint_stop, self._run_state.traits)
         pipeline.run()
 
         return microbatch.gather(batches)

@@ -10,6 +10,10 @@ device in the same order on every run::
     dev 0  F(0,0)  F(1,0)  F(2,0)                       n = 3 partitions
     dev 1          F(0,1)  F(1,1)  F(2,1)
     dev 2                  F(0,2)  F(1,2)  F(2,2)
+
+With a worker thread per device, tasks that draw from the CPU generator take
+turns in that same order, so random numbers are drawn as on one thread (see
+:mod:`torchgpipe.rng`).
 """
 from typing import Callable, Iterable, List, Optional, Sequence, Tuple, cast
 
@@ -20,10 +24,12 @@ from torchgpipe.checkpoint import Checkpointing
 from torchgpipe.copy import Copy, Wait
 from torchgpipe.dependency import fork, join
 from torchgpipe.microbatch import Batch, TensorOrTensors, check
+from torchgpipe.rng import Turns, training_flags
 from torchgpipe.skip.layout import SkipLayout
 from torchgpipe.skip.tracker import SkipTrackerThroughPotals, use_skip_tracker
 from torchgpipe.stream import AbstractStream, is_cuda, use_device
-from torchgpipe.worker import ExcInfo, InQueue, OutQueue, Task, spawn_workers
+from torchgpipe.traits import PartitionTraits
+from torchgpipe.worker import ExcInfo, InQueue, OutQueue, Task, distinct_devices, spawn_workers
 
 __all__ = ['Pipeline', 'clock_cycles']
 
@@ -87,13 +93,15 @@ class Pipeline:
         streams: the compute stream of each partition
         skip_layout: where each skip tensor is stashed and popped
         checkpoint_stop: micro-batches ``0 .. checkpoint_stop - 1`` are checkpointed
+        traits: what earlier runs showed about each partition; this run adds
+            what it learns
     """
 
     def __init__(self, batches: List[Batch], partitions: Sequence[nn.Sequential],
                  devices: Sequence[torch.device],
                  copy_streams: Sequence[Sequence[AbstractStream]],
                  streams: Sequence[AbstractStream], skip_layout: SkipLayout,
-                 checkpoint_stop: int) -> None:
+                 checkpoint_stop: int, traits: Sequence[PartitionTraits]) -> None:
         self.batches = batches
         self.partitions = partitions
         self.devices = devices
@@ -101,10 +109,28 @@ class Pipeline:
         self.streams = streams
         self.skip_layout = skip_layout
         self.checkpoint_stop = checkpoint_stop
+        self.traits = traits
         # Checkpoints return their partition's parameter gradients.
         self.parameters = [tuple(p.parameters()) if checkpoint_stop else () for p in partitions]
         # Each micro-batch has its own skip tensors.
         self.skip_trackers = [SkipTrackerThroughPotals(skip_layout) for _ in batches]
+
+        # On one thread, tasks draw random numbers in issue order by nature.
+        # With worker threads, a partition's tasks take turns with the CPU
+        # generator if it draws from it (True), run freely if not (False),
+        # and run alone, to find out, if that is not known yet (None).
+        self.turns: Optional[Turns] = None
+        self.rng_keys: List[Tuple[bool, ...]] = []
+        if len(distinct_devices(devices)) > 1:
+            self.turns = Turns()
+            self.rng_keys = [training_flags(p) for p in partitions]
+
+    def draws_random(self, j: int) -> Optional[bool]:
+        """Whether partition ``j`` draws from the CPU generator, if known."""
+        if self.turns is None:
+            # Nothing runs concurrently: every recomputation may draw.
+            return True
+        return self.traits[j].draws_random.get(self.rng_keys[j])
 
     def run(self) -> None:
         """Runs the pipeline; an exception of any task is raised here, as itself."""
@@ -113,7 +139,16 @@ class Pipeline:
         with spawn_workers(self.devices) as (in_queues, out_queues):
             for schedule in clock_cycles(m, n):
                 self.fence(schedule)
-                self.compute(schedule, in_queues, out_queues)
+                if all(self.draws_random(j) is not None for _, j in schedule):
+                    self.compute(schedule, in_queues, out_queues)
+                    continue
+                # Task by task, so that a change of the CPU generator's state
+                # is the doing of the task that just ran.
+                for i, j in schedule:
+                    before = torch.get_rng_state()
+                    self.compute([(i, j)], in_queues, out_queues)
+                    drew = not torch.equal(before, torch.get_rng_state())
+                    self.traits[j].draws_random.setdefault(self.rng_keys[j], drew)
 
     def fence(self, schedule: List[Tuple[int, int]]) -> None:
         """Issues the dependencies and copies the tasks of a clock cycle need."""
@@ -152,13 +187,17 @@ class Pipeline:
             if j != 0:
                 wait(batch, copy_streams[j][i], streams[j])
 
+            draws = self.draws_random(j)
             function = partition_function(self.partitions[j], j, self.skip_trackers[i])
             if i < self.checkpoint_stop:
-                chk = Checkpointing(function, batch, self.parameters[j])
-                task = Task(streams[j], compute=chk.checkpoint, finalize=chk.recompute)
+                chk = Checkpointing(function, batch, self.parameters[j], self.traits[j],
+                                    exclusive_rng=draws is not False)
+                compute, finalize = chk.checkpoint, chk.recompute
             else:
-                task = Task(streams[j], compute=batch_call(batch, function), finalize=None)
-            in_queues[j].put(task)
+                compute, finalize = batch_call(batch, function), None
+            if self.turns is not None and draws is not False:
+                compute = self.turns.take(compute)
+            in_queues[j].put(Task(streams[j], compute=compute, finalize=finalize))
 
         # Collect every result of the cycle, even after a failure, so no task
         # is left running; then the failure ends the pipeline.

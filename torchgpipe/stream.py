@@ -24,6 +24,11 @@ class CPUStreamType:
     def __repr__(self) -> str:
         return 'CPUStream'
 
+    def __reduce__(self) -> str:
+        # Copied or pickled, it is still the one CPUStream: is_cuda() tells
+        # streams apart by identity.
+        return 'CPUStream'
+
 
 #: The single stream object standing for "any stream" on CPU.
 CPUStream = CPUStreamType()

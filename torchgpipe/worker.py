@@ -25,11 +25,11 @@ from typing import (Callable, Deque, Dict, Generator, Iterable, List, Optional, 
 
 import torch
 
-from torchgpipe.checkpoint import AutocastStates, restore_autocast_states, save_autocast_states
+from torchgpipe.autocast import AutocastStates, restore_autocast_states, save_autocast_states
 from torchgpipe.microbatch import Batch
 from torchgpipe.stream import AbstractStream, use_device, use_stream
 
-__all__ = ['Task', 'worker', 'spawn_workers']
+__all__ = ['Task', 'worker', 'spawn_workers', 'distinct_devices']
 
 ExcInfo = Tuple[Type[BaseException], BaseException, TracebackType]
 
@@ -126,6 +126,11 @@ def _normalize(device: torch.device) -> torch.device:
     return device
 
 
+def distinct_devices(devices: Iterable[torch.device]) -> List[torch.device]:
+    """The distinct devices among ``devices``, in order: one worker each."""
+    return list(dict.fromkeys(_normalize(d) for d in devices))
+
+
 @contextmanager
 def spawn_workers(devices: Iterable[torch.device],
                   ) -> Generator[Tuple[List[InQueue], List[OutQueue]], None, None]:
@@ -142,7 +147,7 @@ def spawn_workers(devices: Iterable[torch.device],
         the order of ``devices``; partitions on the same device share them
     """
     devices = [_normalize(d) for d in devices]
-    distinct = list(dict.fromkeys(devices))
+    distinct = distinct_devices(devices)
     if len(distinct) == 1:
         inline = InlineWorker(distinct[0])
         yield [inline] * len(devices), [inline] * len(devices)

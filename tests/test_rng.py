@@ -1,0 +1,189 @@
+"""Random numbers: replayed by every recomputation, drawn in one order on any path.
+
+With worker threads (``cpu:0``, ``cpu:1``, ...) tasks run at the same time,
+but PyTorch has one CPU generator. Whatever the devices, a recomputation must
+replay the random numbers of its own first pass, and the results must be
+identical to the same pipeline run on one thread, and to the unwrapped model
+run on the micro-batches in clock order.
+"""
+import copy
+import threading
+from typing import List, Tuple
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor, nn
+
+from helpers import run_in_clock_order
+from torchgpipe import GPipe
+from torchgpipe.rng import Turns, restore_rng_states, save_rng_states
+
+MODES = ['always', 'except_last', 'never']
+
+
+def devices(n: int, threaded: bool) -> List[str]:
+    return [f'cpu:{j}' for j in range(n)] if threaded else ['cpu'] * n
+
+
+@pytest.mark.parametrize('threaded', [False, True], ids=['inline', 'threads'])
+@pytest.mark.parametrize('checkpoint', MODES)
+def test_stacked_dropout_gradient_is_output_over_input(checkpoint: str, threaded: bool) -> None:
+    """Through dropout layers only, d(sum y)/dx = y / x exactly, if the backward
+    uses the masks of the forward. A recomputation that drew other masks (as
+    when another thread drew from the generator meanwhile) breaks it."""
+    gpipe = GPipe(nn.Sequential(*[nn.Dropout(0.5) for _ in range(8)]), [2, 2, 2, 2],
+                  devices=devices(4, threaded), chunks=4, checkpoint=checkpoint)
+    for _ in range(5):
+        x = torch.rand(16, 64, dtype=torch.double).add_(0.5).requires_grad_()
+        y = gpipe(x)
+        y.sum().backward()
+        assert torch.equal(x.grad, y.detach() / x.detach())
+        assert (y == 0).any() and (y != 0).any()
+
+
+def dropout_model() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 8), nn.Dropout(0.3),
+                         nn.Tanh(), nn.Dropout(0.5), nn.Linear(8, 8)).double()
+
+
+def step(model: nn.Module, input: Tensor, seed: int) -> Tuple[Tensor, List[Tensor]]:
+    torch.manual_seed(seed)
+    output = model(input)
+    output.pow(2).sum().backward()
+    after = torch.rand(1)  # the generator's stream after the step
+    return torch.cat([output.detach().flatten(), after]), [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize('checkpoint', MODES)
+def test_threads_draw_what_one_thread_draws(checkpoint: str) -> None:
+    """Outputs, gradients and the generator's state afterwards are identical on
+    both paths, step after step (the first steps learn which partitions draw)."""
+    torch.manual_seed(0)
+    model = dropout_model()
+    inline = GPipe(copy.deepcopy(model), [2, 3, 2], devices=devices(3, False), chunks=4,
+                   checkpoint=checkpoint)
+    threads = GPipe(copy.deepcopy(model), [2, 3, 2], devices=devices(3, True), chunks=4,
+                    checkpoint=checkpoint)
+    for seed in range(4):
+        input = torch.randn(8, 8, dtype=torch.double)
+        expected, expected_grads = step(inline, input, seed)
+        actual, actual_grads = step(threads, input, seed)
+        assert torch.equal(actual, expected)
+        for g, h in zip(actual_grads, expected_grads):
+            assert torch.equal(g, h)
+
+
+LAYERS = ['linear', 'dropout', 'tanh', 'alpha_dropout']
+
+
+def make_layer(kind: str) -> nn.Module:
+    return {'linear': lambda: nn.Linear(6, 6), 'dropout': lambda: nn.Dropout(0.4),
+            'tanh': nn.Tanh, 'alpha_dropout': lambda: nn.AlphaDropout(0.3)}[kind]()
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.sampled_from(LAYERS), min_size=2, max_size=8), st.data())
+def test_dropout_transparency_on_threads(kinds: List[str], data: st.DataObject) -> None:
+    """GPipe with worker threads computes what the unwrapped model computes on the
+    micro-batches in clock order (which draws the random numbers GPipe draws)."""
+    n = data.draw(st.integers(2, min(4, len(kinds))), label='partitions')
+    cuts = sorted(data.draw(st.sets(st.integers(1, len(kinds) - 1), min_size=n - 1,
+                                    max_size=n - 1), label='cuts'))
+    balance = [b - a for a, b in zip([0, *cuts], [*cuts, len(kinds)])]
+    chunks = data.draw(st.integers(1, 5), label='chunks')
+    checkpoint = data.draw(st.sampled_from(MODES), label='checkpoint')
+    torch.manual_seed(data.draw(st.integers(0, 2**16), label='seed'))
+
+    model = nn.Sequential(*[make_layer(k) for k in kinds]).double()
+    reference = copy.deepcopy(model)
+    gpipe = GPipe(model, balance, devices=devices(n, True), chunks=chunks,
+                  checkpoint=checkpoint)
+    input = torch.randn(10, 6, dtype=torch.double)
+    x1 = input.clone().requires_grad_()
+    x2 = input.clone().requires_grad_()
+
+    torch.manual_seed(1)
+    expected = run_in_clock_order(reference, balance, x1, chunks)
+    expected.pow(2).sum().backward()
+    torch.manual_seed(1)
+    actual = gpipe(x2)
+    actual.pow(2).sum().backward()
+
+    assert torch.equal(actual, expected)
+    torch.testing.assert_close(x2.grad, x1.grad)
+    for p, q in zip(gpipe.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+class Noise(nn.Module):
+    """Adds noise from the CPU generator, not through an nn.Dropout."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + torch.randn(x.shape, dtype=x.dtype)
+
+
+def test_which_partitions_draw_is_learned_per_training_mode() -> None:
+    gpipe = GPipe(nn.Sequential(nn.Linear(4, 4), nn.Dropout(), Noise(), nn.Linear(4, 4)),
+                  [1, 1, 1, 1], devices=devices(4, True), chunks=2)
+    traits = gpipe._run_state.traits
+    gpipe(torch.randn(4, 4))
+    assert [list(t.draws_random.values()) for t in traits] == [[False], [True], [True], [False]]
+    gpipe.eval()
+    gpipe(torch.randn(4, 4))
+    assert [sorted(t.draws_random.values()) for t in traits] == \
+        [[False, False], [False, True], [True, True], [False, False]]
+
+
+def test_one_thread_learns_nothing() -> None:
+    gpipe = GPipe(nn.Sequential(nn.Dropout(), nn.Linear(4, 4)), [1, 1], devices=devices(2, False),
+                  chunks=2)
+    gpipe(torch.randn(4, 4))
+    assert all(t.draws_random == {} for t in gpipe._run_state.traits)
+
+
+def test_turns_run_in_the_order_they_were_taken() -> None:
+    turns = Turns()
+    order: List[int] = []
+    tasks = [turns.take(lambda k=k: order.append(k)) for k in range(6)]
+    # Started last first, each still waits for the one taken before it.
+    threads = [threading.Thread(target=task) for task in reversed(tasks)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=10)
+    assert order == list(range(6))
+
+
+def test_a_failed_turn_hands_over_to_the_next() -> None:
+    turns = Turns()
+
+    def fail() -> None:
+        raise ValueError('boom')
+
+    first, second = turns.take(fail), turns.take(lambda: 'ran')
+    with pytest.raises(ValueError):
+        first()
+    assert second() == 'ran'
+
+
+def test_restore_puts_the_generator_back() -> None:
+    device = torch.device('cpu')
+    states = save_rng_states(device)
+    expected = torch.rand(3)
+    outside = torch.get_rng_state()
+    with restore_rng_states(device, states, exclusive=True):
+        assert torch.equal(torch.rand(3), expected)
+    assert torch.equal(torch.get_rng_state(), outside)
+
+
+@pytest.mark.cuda
+def test_cuda_dropout_gradient_is_output_over_input_on_every_device() -> None:
+    n = torch.cuda.device_count()
+    gpipe = GPipe(nn.Sequential(*[nn.Dropout(0.5) for _ in range(2 * n)]), [2] * n,
+                  devices=list(range(n)), chunks=4, checkpoint='always')
+    x = torch.rand(16, 64, device='cuda:0').add_(0.5).requires_grad_()
+    y = gpipe(x)
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, (y.detach() / x.detach()).to(x.device))

@@ -1,0 +1,130 @@
+"""Random numbers in the pipeline: replayed by recomputations, drawn in one order.
+
+PyTorch has one CPU generator per process, shared by every thread, and one
+generator per CUDA device. Two promises rest on them:
+
+1. **Replay.** A recomputation draws exactly the random numbers its first pass
+   drew. The first pass saves the CPU generator's state (and its CUDA
+   device's); the recomputation runs from those states and puts the
+   generators back as it found them, so the random stream of the rest of the
+   program is not disturbed.
+
+2. **One order in every execution mode.** On one thread, tasks draw from the
+   CPU generator in the order the schedule issues them. With a worker thread
+   per device, tasks of different devices run at the same time; if two of
+   them drew from the shared CPU generator at once, each would get numbers
+   meant for the other, the first pass of a checkpointed task could not be
+   replayed, and the results would depend on thread timing. So tasks that
+   draw from the CPU generator *take turns* (:class:`Turns`): each waits for
+   the previous drawing task in issue order, which is the order of the
+   single-thread run. Tasks that draw nothing run freely.
+
+   Which partitions draw is learned, not guessed: the first time a partition
+   runs (for each setting of its modules' ``training`` flags), its task runs
+   alone, and the pipeline compares the CPU generator's state before and
+   after. A CUDA device's generator needs no turns: only
+   its own worker draws from it, in issue order.
+
+   A recomputation that draws from the CPU generator holds
+   :data:`cpu_generator_lock`: on CUDA, the autograd engine runs the backward
+   of each device in its own thread, so recomputations of different devices
+   could otherwise interleave.
+"""
+import threading
+from contextlib import contextmanager
+from typing import Callable, Generator, List, Optional, Tuple, TypeVar
+
+import torch
+from torch import Tensor, nn
+
+__all__: List[str] = []
+
+#: The CPU generator's state, and the CUDA device's if the task runs on one.
+RNGStates = Tuple[Tensor, Optional[Tensor]]
+
+#: Held by a recomputation while it draws from the CPU generator.
+cpu_generator_lock = threading.RLock()
+
+T = TypeVar('T')
+
+
+def save_rng_states(device: torch.device) -> RNGStates:
+    """Captures the CPU generator's state, and the CUDA one if the device is CUDA."""
+    gpu_rng_state = torch.cuda.get_rng_state(device) if device.type == 'cuda' else None
+    return torch.get_rng_state(), gpu_rng_state
+
+
+@contextmanager
+def restore_rng_states(device: torch.device, states: RNGStates, *,
+                       exclusive: bool) -> Generator[None, None, None]:
+    """Runs the context from the saved states; the generators are put back after it.
+
+    Args:
+        device: the device the states were saved on
+        states: what :func:`save_rng_states` returned
+        exclusive: hold :data:`cpu_generator_lock` throughout, because the
+            context may draw from the CPU generator
+    """
+    cpu_rng_state, gpu_rng_state = states
+    with cpu_generator_lock if exclusive else _NO_LOCK:
+        saved_cpu = torch.get_rng_state()
+        saved_gpu = torch.cuda.get_rng_state(device) if gpu_rng_state is not None else None
+        torch.set_rng_state(cpu_rng_state)
+        if gpu_rng_state is not None:
+            torch.cuda.set_rng_state(gpu_rng_state, device)
+        try:
+            yield
+        finally:
+            torch.set_rng_state(saved_cpu)
+            if saved_gpu is not None:
+                torch.cuda.set_rng_state(saved_gpu, device)
+
+
+class _NoLock:
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, *exc_info: object) -> None:
+        pass
+
+
+_NO_LOCK = _NoLock()
+
+
+def training_flags(module: nn.Module) -> Tuple[bool, ...]:
+    """The ``training`` flag of every module in ``module``: whether it draws may depend on them."""
+    return tuple(m.training for m in module.modules())
+
+
+class Turns:
+    """Hands the CPU generator to tasks one at a time, in the order they were issued.
+
+    Each task wrapped by :meth:`take` waits until the task wrapped before it
+    has finished (succeeded or failed), so tasks running on different threads
+    draw random numbers in the order a single thread would.
+
+    Example::
+
+        >>> turns = Turns()
+        >>> first, second = turns.take(lambda: 1), turns.take(lambda: 2)
+        >>> first(), second()
+        (1, 2)
+    """
+
+    def __init__(self) -> None:
+        self._last = threading.Event()
+        self._last.set()
+
+    def take(self, compute: Callable[[], T]) -> Callable[[], T]:
+        """Wraps ``compute`` to run after every task wrapped before it."""
+        before, done = self._last, threading.Event()
+        self._last = done
+
+        def compute_in_turn() -> T:
+            before.wait()
+            try:
+                return compute()
+            finally:
+                done.set()
+
+        return compute_in_turn
