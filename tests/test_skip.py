@@ -3,7 +3,7 @@ import copy
 import gc
 import threading
 import warnings
-from typing import Any, Generator, List, Tuple
+from typing import Any, Dict, Generator, List, Optional, Tuple
 
 import pytest
 import torch
@@ -11,9 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
+from helpers import assert_same_training_step
+from test_transparency import cpu_devices
 from torchgpipe import GPipe
 from torchgpipe.skip import Namespace, pop, skippable, stash, verify_skippables
 from torchgpipe.skip.portal import Portal, PortalCopy
+from torchgpipe.skip.skippable import Skippable
 from torchgpipe.skip.tracker import current_skip_tracker
 
 W = 4
@@ -132,44 +135,56 @@ def test_unet_any_balance(cuts: set, chunks: int, checkpoint: str, batch: int) -
                                  torch.randn(batch, W, dtype=torch.double))
 
 
+@pytest.fixture
+def portal_copies(monkeypatch: pytest.MonkeyPatch) -> List[Tuple[str, int]]:
+    """Records every PortalCopy: ('forward' or 'backward', id of its portal)."""
+    transfers: List[Tuple[str, int]] = []
+
+    original_forward, original_backward = PortalCopy.forward, PortalCopy.backward
+
+    def forward(ctx: Any, portal: Portal, *args: Any) -> Tensor:
+        transfers.append(('forward', id(portal)))
+        return original_forward(ctx, portal, *args)
+
+    def backward(ctx: Any, grad: Any) -> Any:
+        transfers.append(('backward', id(ctx.portal)))
+        return original_backward(ctx, grad)
+
+    monkeypatch.setattr(PortalCopy, 'forward', staticmethod(forward))
+    monkeypatch.setattr(PortalCopy, 'backward', staticmethod(backward))
+    return transfers
+
+
+def assert_one_copy_each_way(gpipe: GPipe, input: Tensor, crossing: int, chunks: int,
+                             transfers: List[Tuple[str, int]]) -> None:
+    """Asserts one portal copy per crossing skip and micro-batch, forward and backward."""
+    output = gpipe(input)
+    assert len(transfers) == crossing * chunks
+    assert all(kind == 'forward' for kind, _ in transfers)
+    # One portal per crossing skip per micro-batch, each copied once.
+    assert len({portal for _, portal in transfers}) == crossing * chunks
+
+    transfers.clear()
+    output.sum().backward()
+    assert len(transfers) == crossing * chunks
+    assert all(kind == 'backward' for kind, _ in transfers)
+
+
 @pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
 @pytest.mark.parametrize('balance', [[16], [8, 8], [4, 4, 4, 4], [1, 1, 13, 1], [2, 6, 5, 3]])
 def test_skip_tensors_cross_devices_once_each_way(balance: List[int], checkpoint: str,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+                                                 portal_copies: List[Tuple[str, int]]) -> None:
     """Exactly one transfer per crossing skip per micro-batch, none for a skip within a partition.
 
     The skip tensor goes straight from the stashing partition to the popping
     one; the partitions between never see it.
     """
-    transfers: List[Tuple[str, int, int]] = []
-
-    original_forward, original_backward = PortalCopy.forward, PortalCopy.backward
-
-    def forward(ctx: Any, portal: Portal, *args: Any) -> Tensor:
-        transfers.append(('forward', id(portal), 0))
-        return original_forward(ctx, portal, *args)
-
-    def backward(ctx: Any, grad: Any) -> Any:
-        transfers.append(('backward', id(ctx.portal), 0))
-        return original_backward(ctx, grad)
-
-    monkeypatch.setattr(PortalCopy, 'forward', staticmethod(forward))
-    monkeypatch.setattr(PortalCopy, 'backward', staticmethod(backward))
-
     chunks = 3
     gpipe = GPipe(unet(), balance, devices=['cpu'] * len(balance), chunks=chunks,
                   checkpoint=checkpoint)
-    output = gpipe(torch.randn(6, W, dtype=torch.double, requires_grad=True))
     crossing = sum(partition_of(s, balance) != partition_of(p, balance) for s, p in SKIPS)
-    forward_transfers = [t for t in transfers if t[0] == 'forward']
-    assert len(forward_transfers) == crossing * chunks
-    # One portal per crossing skip per micro-batch, each copied once.
-    assert len({t[1] for t in forward_transfers}) == crossing * chunks
-
-    transfers.clear()
-    output.sum().backward()
-    assert len(transfers) == crossing * chunks
-    assert all(kind == 'backward' for kind, _, _ in transfers)
+    assert_one_copy_each_way(gpipe, torch.randn(6, W, dtype=torch.double, requires_grad=True),
+                             crossing, chunks, portal_copies)
 
 
 def test_intermediate_partitions_see_only_their_own_input() -> None:
@@ -423,6 +438,182 @@ def test_isolate_only_some_names() -> None:
     verify_skippables(nn.Sequential(layer, PopPop().isolate(ns_alice, only=['alice'])))
     with pytest.raises(ValueError, match='not declared'):
         layer.isolate(ns_alice, only=['carol'])
+
+
+class Call(nn.Module):
+    """A plain module that calls the layer it holds after a linear layer of its own."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.linear = nn.Linear(W, W)
+        self.layer = layer
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.layer(self.linear(x))
+
+
+class StashThenPop(nn.Module):
+    """Registers its popping layer before its stashing one, but calls them the other way."""
+
+    def __init__(self, ns: Namespace) -> None:
+        super().__init__()
+        self.pop = PopAdd().isolate(ns)
+        self.inner = linear()
+        self.stash = Stash().isolate(ns)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.pop(self.inner(self.stash(x)))
+
+
+def nested() -> nn.Sequential:
+    """Skips a, b, c stashed and popped by layers nested in plain modules and sequentials."""
+    a, b, c = Namespace(), Namespace(), Namespace()
+    return nn.Sequential(
+        Call(Stash().isolate(a)),                                     # 0 a ─────┐
+        linear(),                                                     # 1        │
+        nn.Sequential(linear(), nn.Sequential(Stash().isolate(b))),  # 2 b ─┐   │
+        Call(PopAdd().isolate(b)),                                    # 3 b ◄┘   │
+        Call(StashThenPop(c)),                                        # 4 c ⟲    │
+        nn.Sequential(Call(PopAdd().isolate(a))),                     # 5 a ◄────┘
+    ).double()
+
+
+NESTED_SKIPS = [(0, 5), (2, 3), (4, 4)]
+
+
+@pytest.mark.parametrize('threaded', [False, True])
+@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
+@pytest.mark.parametrize('balance', [[6], [3, 3], [1, 5], [4, 2], [2, 2, 2], [1, 1, 1, 1, 1, 1]])
+def test_nested_skippables_equal_the_model_without_gpipe(balance: List[int], checkpoint: str,
+                                                        threaded: bool) -> None:
+    assert_same_training_step(
+        nested(), lambda m: GPipe(m, balance, devices=cpu_devices(len(balance), threaded),
+                                  chunks=3, checkpoint=checkpoint),
+        torch.randn(7, W, dtype=torch.double))
+
+
+@pytest.mark.parametrize('threaded', [False, True])
+@pytest.mark.parametrize('checkpoint', ['always', 'never'])
+@pytest.mark.parametrize('balance', [[6], [3, 3], [4, 2], [2, 2, 2], [1, 1, 1, 1, 1, 1]])
+def test_nested_skips_cross_through_portals(balance: List[int], checkpoint: str, threaded: bool,
+                                            portal_copies: List[Tuple[str, int]]) -> None:
+    chunks = 3
+    gpipe = GPipe(nested(), balance, devices=cpu_devices(len(balance), threaded), chunks=chunks,
+                  checkpoint=checkpoint)
+    crossing = sum(partition_of(s, balance) != partition_of(p, balance)
+                   for s, p in NESTED_SKIPS)
+    assert_one_copy_each_way(gpipe, torch.randn(6, W, dtype=torch.double, requires_grad=True),
+                             crossing, chunks, portal_copies)
+
+
+def no_stash(name: str, tensor: Optional[Tensor]) -> None:
+    raise AssertionError(f'unexpected stash of {name!r}')
+
+
+def no_pop(name: str) -> Optional[Tensor]:
+    raise AssertionError(f'unexpected pop of {name!r}')
+
+
+class StashInTuple(nn.Module):
+    """Runs a stashing layer by its dispatch() and passes the skip on beside the output."""
+
+    def __init__(self, layer: Skippable) -> None:
+        super().__init__()
+        self.linear = nn.Linear(W, W)
+        self.layer = layer
+
+    def forward(self, x: Tensor) -> Tuple[Tensor, Tensor]:
+        stashed: Dict[str, Optional[Tensor]] = {}
+        output = self.layer.dispatch(self.linear(x), stashed.__setitem__, no_pop)
+        skip = stashed['skip']
+        assert skip is not None
+        return output, skip
+
+
+class First(nn.Module):
+    """Applies a layer to the first tensor of a pair and passes the second on."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, pair: Tuple[Tensor, Tensor]) -> Tuple[Tensor, Tensor]:
+        x, skip = pair
+        return self.layer(x), skip
+
+
+class PopFromTuple(nn.Module):
+    """Runs a popping layer by its dispatch(), handing it the skip carried in the pair."""
+
+    def __init__(self, layer: Skippable) -> None:
+        super().__init__()
+        self.linear = nn.Linear(W, W)
+        self.layer = layer
+
+    def forward(self, pair: Tuple[Tensor, Tensor]) -> Tensor:
+        x, skip = pair
+        output: Tensor = self.layer.dispatch(self.linear(x), no_stash, lambda name: skip)
+        return output
+
+
+def carried_in_tuples() -> nn.Sequential:
+    """A skip carried by its wrappers in a tuple, inside one the tracker carries."""
+    ns = Namespace()
+    return nn.Sequential(
+        Call(Stash()),                              # 0 skip ─────────┐
+        StashInTuple(Stash().isolate(ns)),          # 1 ns skip ─┐    │
+        First(linear()),                            # 2       (tuple) │
+        PopFromTuple(PopAdd().isolate(ns)),         # 3 ns skip ◄┘    │
+        Call(PopAdd()),                             # 4 skip ◄────────┘
+    ).double()
+
+
+@pytest.mark.parametrize('threaded', [False, True])
+@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
+@pytest.mark.parametrize('balance', [[5], [1, 4], [2, 3], [4, 1], [1, 2, 2],
+                                     [1, 1, 1, 1, 1]])
+def test_skip_carried_by_wrappers_calling_dispatch(balance: List[int], checkpoint: str,
+                                                   threaded: bool,
+                                                   portal_copies: List[Tuple[str, int]]) -> None:
+    """A wrapper may run a skippable layer by dispatch() and carry the skip itself.
+
+    The tracker never sees that skip: it travels in the tuple, and only the
+    one stashed and popped through the tracker goes through a portal.
+    """
+    def factory(model: nn.Sequential) -> GPipe:
+        return GPipe(model, balance, devices=cpu_devices(len(balance), threaded), chunks=3,
+                     checkpoint=checkpoint)
+
+    assert_same_training_step(carried_in_tuples(), factory, torch.randn(7, W, dtype=torch.double))
+
+    portal_copies.clear()
+    crossing = int(partition_of(0, balance) != partition_of(4, balance))
+    assert_one_copy_each_way(factory(carried_in_tuples()),
+                             torch.randn(6, W, dtype=torch.double, requires_grad=True),
+                             crossing, 3, portal_copies)
+
+
+def test_verify_skippables_sees_nested_layers() -> None:
+    verify_skippables(nested())
+    verify_skippables(carried_in_tuples())
+    # Stashed but never popped.
+    assert "no module declared 'skip' as poppable but stashed" in \
+        verify_message(Call(Stash()), nn.Identity())
+    # Popped but never stashed: named by its path.
+    assert "'1.layer' declared 'skip' as poppable but it was not stashed" in \
+        verify_message(nn.Identity(), Call(PopAdd()))
+    # Popped in a layer before the one that stashes.
+    message = verify_message(nn.Sequential(Call(PopAdd())), Call(Stash()))
+    assert "'0.0.layer' declared 'skip' as poppable but it was not stashed" in message
+    assert "no module declared 'skip' as poppable but stashed" in message
+    # Popped twice, at different depths.
+    assert "'2.0.layer' redeclared 'skip' as poppable but not isolated by namespace" in \
+        verify_message(Call(Stash()), PopAdd(), nn.Sequential(Call(PopAdd())))
+    # Stashed twice, in one layer.
+    assert "'0.1' redeclared 'skip' as stashable but not isolated by namespace" in \
+        verify_message(nn.Sequential(Stash(), Stash()), PopAdd())
+    with pytest.raises(TypeError, match="'1.layer' declared 'skip' as poppable"):
+        GPipe(nn.Sequential(nn.Identity(), Call(PopAdd())), [1, 1], devices=['cpu'] * 2)
 
 
 def live(kind: type) -> int:

@@ -46,6 +46,10 @@ class SkipLayout:
 def inspect_skip_layout(partitions: Sequence[nn.Sequential]) -> SkipLayout:
     """Finds, for each skip, the partitions that stash and pop it.
 
+    Skippable layers nested in plain modules or sequentials are found too.
+    The partitions must hold a model that passed
+    :func:`~torchgpipe.skip.verify_skippables`.
+
     Args:
         partitions: the partitions, in order
 
@@ -55,17 +59,16 @@ def inspect_skip_layout(partitions: Sequence[nn.Sequential]) -> SkipLayout:
     # Imported here: skippable imports this module's users.
     from torchgpipe.skip.skippable import Skippable
 
-    skip_routes: Dict[Tuple[Namespace, str], Tuple[int, int]] = {}
     stashed_at: Dict[Tuple[Namespace, str], int] = {}
+    popped_at: Dict[Tuple[Namespace, str], int] = {}
 
     for j, partition in enumerate(partitions):
         for layer in partition.modules():
-            if not isinstance(layer, Skippable):
-                continue
-            for ns, name in layer.stashable():
-                stashed_at[(ns, name)] = j
-            for ns, name in layer.poppable():
-                prev_j = stashed_at.pop((ns, name))
-                skip_routes[(ns, name)] = (prev_j, j)
+            if isinstance(layer, Skippable):
+                stashed_at.update((key, j) for key in layer.stashable())
+                popped_at.update((key, j) for key in layer.poppable())
 
+    # Matched only once every layer is seen: a nested pop may be registered
+    # before its stash in the module that calls both.
+    skip_routes = {key: (stashed_at[key], j) for key, j in popped_at.items()}
     return SkipLayout(len(partitions), skip_routes)

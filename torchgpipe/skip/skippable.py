@@ -335,6 +335,11 @@ def verify_skippables(module: nn.Sequential) -> None:
     are one or more unmatched pairs, it will raise :exc:`TypeError` with the
     detailed messages.
 
+    Skippable modules nested in the layers of ``module`` (in plain modules or
+    sequentials, at any depth) count as well, in the order of the layers that
+    hold them. Within one layer, a pop may match a stash registered after it,
+    as the layer's ``forward`` may call them in any order.
+
     Here are a few failure cases. :func:`verify_skippables` will report failure
     for these cases::
 
@@ -368,37 +373,43 @@ def verify_skippables(module: nn.Sequential) -> None:
     popped: Set[Tuple[Namespace, str]] = set()
     msgs: List[str] = []
 
-    for layer_name, layer in module.named_modules():
-        if not isinstance(layer, Skippable):
-            continue
+    for child_name, child in module.named_children():
+        # Skippable layers may be nested in plain modules, whose forward may
+        # call them in any order: within one layer of the sequential, every
+        # stash counts before any pop. (A pop that runs before its stash is
+        # still a RuntimeError when it runs.)
+        layers = [(layer_name, layer) for layer_name, layer
+                  in child.named_modules(prefix=child_name) if isinstance(layer, Skippable)]
 
-        for name in layer.stashable_names & layer.poppable_names:
-            msg = f"'{layer_name}' declared '{name}' both as stashable and as poppable"
-            msgs.append(msg)
+        for layer_name, layer in layers:
+            for name in layer.stashable_names & layer.poppable_names:
+                msg = f"'{layer_name}' declared '{name}' both as stashable and as poppable"
+                msgs.append(msg)
 
-        for ns, name in layer.stashable():
-            if name in layer.poppable_names:
-                continue
-            if (ns, name) in stashed:
-                msg = f"'{layer_name}' redeclared '{name}' as stashable " \
-                      'but not isolated by namespace'
-                msgs.append(msg)
-                continue
-            stashed.add((ns, name))
+            for ns, name in layer.stashable():
+                if name in layer.poppable_names:
+                    continue
+                if (ns, name) in stashed:
+                    msg = f"'{layer_name}' redeclared '{name}' as stashable " \
+                          'but not isolated by namespace'
+                    msgs.append(msg)
+                    continue
+                stashed.add((ns, name))
 
-        for ns, name in layer.poppable():
-            if name in layer.stashable_names:
-                continue
-            if (ns, name) in popped:
-                msg = f"'{layer_name}' redeclared '{name}' as poppable " \
-                      'but not isolated by namespace'
-                msgs.append(msg)
-                continue
-            if (ns, name) not in stashed:
-                msg = f"'{layer_name}' declared '{name}' as poppable but it was not stashed"
-                msgs.append(msg)
-                continue
-            popped.add((ns, name))
+        for layer_name, layer in layers:
+            for ns, name in layer.poppable():
+                if name in layer.stashable_names:
+                    continue
+                if (ns, name) in popped:
+                    msg = f"'{layer_name}' redeclared '{name}' as poppable " \
+                          'but not isolated by namespace'
+                    msgs.append(msg)
+                    continue
+                if (ns, name) not in stashed:
+                    msg = f"'{layer_name}' declared '{name}' as poppable but it was not stashed"
+                    msgs.append(msg)
+                    continue
+                popped.add((ns, name))
 
     for (_, name) in sorted(stashed - popped):
         msg = f"no module declared '{name}' as poppable but stashed"

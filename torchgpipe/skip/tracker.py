@@ -112,8 +112,12 @@ class SkipTrackerThroughPotals(SkipTracker):
         joined into it: the gradient's copy back runs after that partition's
         backward, and before anything earlier in the pipeline (the stash).
         """
-        portal = self.portals[(ns, name)]
-        if portal.tensor is None:
+        # No portal: the stash did not go through this tracker. A module
+        # that runs a skippable layer by its dispatch() handles the skip
+        # itself (it may pass it on in its output); a pop that needs this
+        # tracker reports the missing stash when it runs.
+        portal = self.portals.get((ns, name))
+        if portal is None or portal.tensor is None:
             return
         phony, index = fork_from_batch(batch, portal.requires_grad, name)
         phony = portal.copy(prev_stream, next_stream, phony)
