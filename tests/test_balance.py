@@ -7,6 +7,7 @@ expectations on CPU are exact: the bytes are counted, not sampled.
 """
 import importlib
 import math
+import re
 import sys
 import time
 from typing import Any, ClassVar, Iterator, List, Sequence, Tuple
@@ -422,8 +423,11 @@ INVALID_SIZE_ARGUMENTS = [
     (dict(module=nn.ModuleList([Explode()])), TypeError, 'module must be nn.Sequential'),
     (dict(input=[SAMPLE]), TypeError, 'input must be a tensor or a tuple of tensors'),
     (dict(input=torch.tensor(1.0)), ValueError, 'batch dimension'),
-    (dict(chunks=0), ValueError, 'chunks must be a positive integer'),
-    (dict(chunks=1.5), TypeError, 'chunks must be an int'),
+    (dict(chunks=0), ValueError, 'number of chunks must be positive integer'),
+    (dict(chunks=1.5), ValueError, 'number of chunks must be positive integer'),
+    (dict(chunks='2'), TypeError, 'chunks must be an int'),
+    (dict(input=()), ValueError, 'input must hold at least one tensor'),
+    (dict(input=(SAMPLE, SAMPLE[:1])), ValueError, 'must have the same size in dimension 0'),
     (dict(param_scale=-1.0), ValueError, 'param_scale must be finite and non-negative'),
     (dict(param_scale=math.nan), ValueError, 'param_scale must be finite and non-negative'),
     (dict(param_scale='2'), TypeError, 'param_scale must be a real number'),
@@ -445,8 +449,9 @@ def test_balance_by_size_validates_arguments(arguments: dict, error: type,
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason='CUDA is available')
 def test_default_cuda_device_without_cuda() -> None:
-    with pytest.raises(ValueError, match="CUDA is not available; profile on the CPU with "
-                                         "device='cpu'"):
+    with pytest.raises(ValueError, match=re.escape(
+            "device is cuda but CUDA is not available (device: 'cuda'); profile on the CPU with "
+            "device='cpu'")):
         balance_by_time(2, exploding_model(), SAMPLE)
     with pytest.raises(ValueError, match='CUDA is not available'):
         balance_by_size(2, exploding_model(), SAMPLE)

@@ -7,6 +7,7 @@ nn.BatchNorm would after one call on the whole mini-batch; recomputations
 are not counted. Every expected value comes from an nn.BatchNorm reference.
 """
 import copy
+import re
 from typing import Dict, Iterator, List, Optional, Tuple, Type
 
 import pytest
@@ -336,11 +337,14 @@ def test_input_dim_is_checked(dim: int) -> None:
         deferred(torch.randn([2, C, 2, 2, 2, 2][:dim]))
 
 
-@pytest.mark.parametrize('chunks', [0, -1, 1.5, True, '2'])
-def test_chunks_must_be_positive_int(chunks: object) -> None:
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize('chunks, error', [
+    (0, ValueError), (-1, ValueError), (1.5, ValueError), (True, TypeError), ('2', TypeError),
+])
+def test_chunks_must_be_positive_int(chunks: object, error: type) -> None:
+    # The same policy as GPipe's chunks: a wrong type is a TypeError.
+    with pytest.raises(error, match=re.escape(f'(chunks: {chunks!r}); ')):
         DeferredBatchNorm(C, chunks=chunks)
-    with pytest.raises(ValueError):
+    with pytest.raises(error, match=re.escape(f'(chunks: {chunks!r}); ')):
         DeferredBatchNorm.convert_deferred_batch_norm(nn.BatchNorm1d(C),
                                                       chunks)
 
@@ -499,8 +503,18 @@ def test_convert_batchnorm_without_bias() -> None:
 
 
 def test_convert_uninitialized_lazy_batchnorm_fails() -> None:
-    with pytest.raises(ValueError, match='lazy'):
+    with pytest.raises(ValueError, match=re.escape('(module: LazyBatchNorm2d); ')):
         DeferredBatchNorm.convert_deferred_batch_norm(nn.LazyBatchNorm2d(), 2)
+
+
+def test_failed_conversion_leaves_the_module_untouched() -> None:
+    # The lazy layer comes last: every BatchNorm before it is checked first.
+    model = nn.Sequential(make_bn('2d'), nn.Sequential(nn.ReLU(), make_bn('2d')),
+                          nn.LazyBatchNorm2d())
+    layers = [(name, type(m), id(m)) for name, m in model.named_modules()]
+    with pytest.raises(ValueError, match=re.escape('(module.2: LazyBatchNorm2d); ')):
+        DeferredBatchNorm.convert_deferred_batch_norm(model, 2)
+    assert [(name, type(m), id(m)) for name, m in model.named_modules()] == layers
 
 
 def test_convert_initialized_lazy_batchnorm() -> None:

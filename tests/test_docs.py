@@ -191,7 +191,8 @@ def message_fragments() -> Iterator[str]:
     """The most telling fixed part of every error message of the library.
 
     Collected from the first argument of every call to an exception class
-    (``...Error(...)``, ``...Exception(...)``), and from the lines
+    (``...Error(...)``, ``...Exception(...)``), from the fix given to
+    ``describe(requirement, received, fix)``, and from the lines
     :func:`torchgpipe.skip.verify_skippables` assembles into ``msg``. In an
     f-string, the longest literal piece between substitutions is taken.
     """
@@ -216,21 +217,24 @@ def message_fragments() -> Iterator[str]:
     for path in sorted(paths):
         tree = ast.parse(read(path))
         for node in ast.walk(tree):
-            message = None
+            messages = []
             if isinstance(node, ast.Call) and node.args:
                 func = node.func
                 name = func.id if isinstance(func, ast.Name) else getattr(func, 'attr', '')
                 if name.endswith(('Error', 'Exception')):
-                    message = node.args[0]
+                    messages.append(node.args[0])
+                elif name == 'describe' and len(node.args) == 3:
+                    # torchgpipe._validation.describe(requirement, received, fix):
+                    # the fix must be on the page too.
+                    messages.append(node.args[2])
             elif isinstance(node, ast.Assign) and any(
                     isinstance(t, ast.Name) and t.id == 'msg' for t in node.targets):
-                message = node.value
-            if message is None:
-                continue
-            texts = [' '.join(p.split()).strip(' \'"') for p in pieces(message)]
-            texts = [t for t in texts if len(t) >= 8]
-            if texts:
-                yield max(texts, key=len)
+                messages.append(node.value)
+            for message in messages:
+                texts = [' '.join(p.split()).strip(' \'"') for p in pieces(message)]
+                texts = [t for t in texts if len(t) >= 8]
+                if texts:
+                    yield max(texts, key=len)
 
 
 def test_troubleshooting_lists_every_error_message() -> None:

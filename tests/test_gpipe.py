@@ -1,13 +1,18 @@
 """The GPipe module's interface: validation, sequence behaviour, placement."""
+import ast
 import copy
 import re
+from typing import Any, Callable, Generator
 
 import pytest
 import torch
 from torch import nn
+from torch.nn.parameter import UninitializedTensorMixin
 
 from torchgpipe import GPipe
+from torchgpipe.batchnorm import DeferredBatchNorm
 from torchgpipe.gpipe import BalanceError, split_module, verify_module
+from torchgpipe.skip import skippable, stash
 
 CPU2 = ['cpu', 'cpu']
 
@@ -150,18 +155,6 @@ def test_input_must_be_tensor_or_tuple_of_tensors() -> None:
             gpipe(bad)  # type: ignore[arg-type]
 
 
-def test_tuple_tensors_must_split_alike() -> None:
-    class Take(nn.Module):
-        def forward(self, pair: tuple) -> torch.Tensor:
-            return pair[0]
-
-    gpipe = GPipe(nn.Sequential(Take()), [1], devices=['cpu'], chunks=2)
-    with pytest.raises(ValueError, match='different numbers of micro-batches'):
-        gpipe((torch.zeros(4, 1), torch.zeros(1, 1)))
-    with pytest.raises(ValueError, match='batch dimension'):
-        gpipe(torch.tensor(1.0))
-
-
 def test_empty_sequential_is_identity() -> None:
     gpipe = GPipe(nn.Sequential(), [], devices=[])
     x = torch.randn(2, 2)
@@ -185,3 +178,250 @@ def test_partitions_hold_the_original_layers() -> None:
     assert list(gpipe) == layers
     assert [p for p in gpipe.parameters()] == [p for p in model.parameters()]
     assert copy.deepcopy(gpipe)(torch.zeros(1, 2)).shape == (1, 2)
+
+
+# ---------------------------------------------------------------------------
+# A failed constructor leaves the user's module untouched
+
+
+def batchnorm_model() -> nn.Sequential:
+    """Five children, BatchNorm layers at the top level and nested, mixed training flags."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.ReLU(),
+                          nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), nn.Linear(4, 2))
+    model[3].eval()
+    # Non-default statistics, so that a reset would show.
+    model(torch.randn(6, 4))
+    return model
+
+
+def with_layer(layer: nn.Module) -> Callable[[nn.Sequential], nn.Sequential]:
+    def extend(model: nn.Sequential) -> nn.Sequential:
+        model.append(layer)
+        return model
+    return extend
+
+
+@skippable(stash=['never_popped'])
+class StashOnly(nn.Module):
+    def forward(self, x: torch.Tensor) -> Generator[object, None, torch.Tensor]:
+        yield stash('never_popped', x)
+        return x
+
+
+# A CUDA device that cannot be used here: none without CUDA, one past the last with it.
+MISSING_CUDA = f'cuda:{torch.cuda.device_count()}'
+
+# (how to change the model, constructor arguments, expected error). The 'meta'
+# devices show a partition moved before a later one fails: moving to the CPU
+# would change nothing visible on this machine.
+CONSTRUCTOR_ERRORS = [
+    pytest.param(None, dict(balance=[2, 2]), ValueError, id='balance-sum'),
+    pytest.param(None, dict(balance=[5, 0]), ValueError, id='balance-zero'),
+    pytest.param(None, dict(balance=[3, -1, 3], devices=['meta'] * 3), ValueError,
+                 id='balance-negative'),
+    pytest.param(None, dict(balance=[2, 3.0], devices=['meta'] * 2), TypeError,
+                 id='balance-float-entry'),
+    pytest.param(None, dict(balance=[2.5, 2.5]), TypeError, id='balance-floats'),
+    pytest.param(None, dict(balance='23'), TypeError, id='balance-string'),
+    pytest.param(None, dict(balance=5), TypeError, id='balance-int'),
+    pytest.param(None, dict(balance=None), ValueError, id='balance-missing'),
+    pytest.param(None, dict(balance=[2, 3], devices=['meta']), IndexError, id='too-few-devices'),
+    pytest.param(None, dict(devices='cpu'), TypeError, id='devices-string'),
+    pytest.param(None, dict(devices=torch.device('cpu')), TypeError, id='devices-device'),
+    pytest.param(None, dict(devices=['meta', 'gpu']), ValueError, id='devices-invalid'),
+    pytest.param(None, dict(devices=['meta', 1.5]), TypeError, id='devices-float'),
+    pytest.param(None, dict(devices=['meta', MISSING_CUDA]), ValueError, id='devices-missing'),
+    pytest.param(None, dict(chunks=0), ValueError, id='chunks-zero'),
+    pytest.param(None, dict(chunks=1.5), ValueError, id='chunks-float'),
+    pytest.param(None, dict(chunks='2'), TypeError, id='chunks-string'),
+    pytest.param(None, dict(checkpoint='sometimes'), ValueError, id='checkpoint'),
+    pytest.param(with_layer(nn.LazyBatchNorm1d()), dict(balance=[3, 3], devices=['meta'] * 2),
+                 ValueError, id='lazy-batchnorm'),
+    pytest.param(with_layer(StashOnly()), dict(balance=[3, 3]), TypeError, id='skippables'),
+    pytest.param(lambda model: model.append(model[0]), dict(balance=[3, 3]), ValueError,
+                 id='duplicate-children'),
+]
+
+
+def snapshot(model: nn.Module) -> list:
+    """Every submodule (name, identity, class, training flag), then every
+    parameter and buffer (name, identity, device, dtype, requires_grad, a copy
+    of the values; none for an uninitialized lazy tensor)."""
+    modules = [(name, id(m), type(m), m.training) for name, m in model.named_modules()]
+    tensors = [(name, id(t), t.device, t.dtype, t.requires_grad,
+                None if isinstance(t, UninitializedTensorMixin) else t.detach().clone())
+               for name, t in [*model.named_parameters(), *model.named_buffers()]]
+    return [modules, tensors]
+
+
+def assert_same_snapshot(actual: list, expected: list) -> None:
+    assert actual[0] == expected[0]
+    assert [t[:5] for t in actual[1]] == [t[:5] for t in expected[1]]
+    for a, e in zip(actual[1], expected[1]):
+        assert (a[5] is None and e[5] is None) or torch.equal(a[5], e[5]), a[0]
+
+
+@pytest.mark.parametrize('change, arguments, error', CONSTRUCTOR_ERRORS)
+def test_failed_constructor_leaves_module_untouched(change: Any, arguments: dict,
+                                                   error: type) -> None:
+    model = batchnorm_model()
+    if change is not None:
+        change(model)
+    before = snapshot(model)
+
+    kwargs: dict = dict(balance=[2, 3], devices=['meta', 'meta'], deferred_batch_norm=True)
+    kwargs.update(arguments)
+    with pytest.raises(error):
+        GPipe(model, kwargs.pop('balance'), **kwargs)
+
+    assert_same_snapshot(snapshot(model), before)
+
+
+def test_successful_constructor_on_the_same_model() -> None:
+    # The failures above are the arguments', not the model's.
+    model = batchnorm_model()
+    gpipe = GPipe(model, [2, 3], devices=['meta', 'meta'], deferred_batch_norm=True)
+    assert isinstance(model[1], DeferredBatchNorm)
+    assert all(p.device.type == 'meta' for p in gpipe.parameters())
+
+
+# ---------------------------------------------------------------------------
+# Error messages name the parameter, the value received and the fix
+
+
+def suggested(name: str, message: str) -> Any:
+    """The value the message suggests for ``name``, from ``name=<literal>``."""
+    match = re.search(rf'\b{name}=(\[[^\]]*\])', message)
+    assert match, f'no correct {name}=... in: {message}'
+    return ast.literal_eval(match.group(1))
+
+
+@pytest.mark.parametrize('balance', [[1.5, 1.5], [2.0, 1.0], '21', 3, [True, 2], [1, None]])
+def test_balance_of_the_wrong_type_shows_a_correct_call(balance: object) -> None:
+    with pytest.raises(TypeError, match=r'^balance must be a list of ints') as excinfo:
+        GPipe(model3(), balance, devices=CPU2)  # type: ignore[arg-type]
+    message = str(excinfo.value)
+    assert f'(balance: {balance!r})' in message
+    # The call the message shows works.
+    GPipe(model3(), suggested('balance', message), devices=CPU2)
+
+
+@pytest.mark.parametrize('devices', ['cpu', torch.device('cpu'), 'cpu:0'])
+def test_a_single_device_shows_a_correct_call(devices: object) -> None:
+    with pytest.raises(TypeError, match=r'^devices must be a list of devices') as excinfo:
+        GPipe(model3(), [2, 1], devices=devices)  # type: ignore[arg-type]
+    message = str(excinfo.value)
+    assert f'(devices: {devices!r})' in message
+    gpipe = GPipe(model3(), [2, 1], devices=suggested('devices', message))
+    assert gpipe.devices == [torch.device(devices)] * 2  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize('devices', ['gpu', 3.5, True])
+def test_devices_that_are_no_list_suggest_cpu_devices(devices: object) -> None:
+    with pytest.raises(TypeError, match=r'^devices must be a list of devices') as excinfo:
+        GPipe(model3(), [2, 1], devices=devices)  # type: ignore[arg-type]
+    assert suggested('devices', str(excinfo.value)) == CPU2
+
+
+@pytest.mark.parametrize('balance, devices', [([1, 1, 1], CPU2), ([2, 1], [])])
+def test_too_few_devices_shows_a_correct_call(balance: list, devices: list) -> None:
+    with pytest.raises(IndexError, match='^too few devices to hold given partitions') as excinfo:
+        GPipe(model3(), balance, devices=devices)
+    GPipe(model3(), balance, devices=suggested('devices', str(excinfo.value)))
+
+
+@pytest.mark.parametrize('balance', [None, [1, 1], [4, -1], [3, 0]])
+def test_wrong_balance_values_show_a_correct_call(balance: object) -> None:
+    with pytest.raises(ValueError) as excinfo:
+        GPipe(model3(), balance, devices=CPU2)  # type: ignore[arg-type]
+    message = str(excinfo.value)
+    assert f'(balance: {balance!r})' in message or f'sum of balance: {sum(balance)}' in message
+    GPipe(model3(), suggested('balance', message), devices=CPU2)
+
+
+@pytest.mark.parametrize('arguments, received', [
+    (dict(chunks=0), '(chunks: 0)'),
+    (dict(chunks=-1), '(chunks: -1)'),
+    (dict(chunks=1.5), '(chunks: 1.5)'),
+    (dict(chunks='2'), "(chunks: '2')"),
+    (dict(chunks=True), '(chunks: True)'),
+    (dict(checkpoint='sometimes'), "(checkpoint: 'sometimes')"),
+    (dict(checkpoint=None), '(checkpoint: None)'),
+    (dict(devices=['cpu', 'gpu']), "(devices[1]: 'gpu')"),
+    (dict(devices=['cpu', None]), '(devices[1]: None)'),
+])
+def test_constructor_messages_name_the_value_and_the_fix(arguments: dict, received: str) -> None:
+    with pytest.raises((TypeError, ValueError)) as excinfo:
+        GPipe(model3(), [2, 1], **{'devices': CPU2, **arguments})
+    message = str(excinfo.value)
+    assert received in message
+    # The fix follows the value: a correct argument to copy.
+    name = next(iter(arguments))
+    assert re.search(rf'\); .*\b{name}=', message), message
+
+
+def test_module_messages_name_the_value_and_the_fix() -> None:
+    with pytest.raises(TypeError, match=re.escape(
+            'module must be nn.Sequential to be partitioned (module: ModuleList); ')):
+        GPipe(nn.ModuleList([nn.ReLU()]), [1], devices=['cpu'])  # type: ignore[arg-type]
+    layer = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=re.escape(
+            "module with duplicate children is not supported (module: children '0' and '2' "
+            "are the same Linear); ")):
+        GPipe(nn.Sequential(layer, nn.ReLU(), layer), [1, 2], devices=CPU2)
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    b.weight = a.weight
+    with pytest.raises(ValueError, match=re.escape(
+            "module with duplicate parameters in distinct children is not supported (module: "
+            "children '0' and '2' share a parameter); ")):
+        GPipe(nn.Sequential(a, nn.ReLU(), b), [1, 2], devices=CPU2)
+
+
+@pytest.mark.parametrize('chunks, error', [
+    (0, ValueError), (-3, ValueError), (1.5, ValueError), (2.0, ValueError),
+    (True, TypeError), ('2', TypeError), (None, TypeError),
+])
+def test_chunks_policy(chunks: object, error: type) -> None:
+    # A wrong type is a TypeError, a wrong value a ValueError; non-integral
+    # numbers stay a ValueError, as in torchgpipe 0.0.7.
+    with pytest.raises(error, match='chunks'):
+        GPipe(model3(), [3], devices=['cpu'], chunks=chunks)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------
+# Inputs that cannot be split are refused before any layer runs
+
+
+class CountCalls(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, input: Any) -> Any:
+        self.calls += 1
+        return input
+
+
+@pytest.mark.parametrize('threaded', [False, True])
+@pytest.mark.parametrize('chunks', [1, 2, 4])
+@pytest.mark.parametrize('input, error, message', [
+    # 8 and 7 rows split into as many micro-batches for every chunks above.
+    ((torch.zeros(8, 1), torch.zeros(7, 1)), ValueError,
+     'tensors of the input tuple must have the same size in dimension 0 '
+     '(input: sizes [8, 7] in dimension 0); '),
+    ((torch.zeros(8, 1), torch.zeros(2, 1)), ValueError, '(input: sizes [8, 2] in dimension 0)'),
+    ((), ValueError, 'input must hold at least one tensor to be split into micro-batches '
+                     '(input: ()); '),
+    (torch.tensor(1.0), ValueError, '(input: a 0-dimensional tensor); '),
+    ((torch.zeros(8, 1), torch.tensor(1.0)), ValueError, '(input[1]: a 0-dimensional tensor)'),
+    ([torch.zeros(8, 1)], TypeError, '(input: list); '),
+    ((torch.zeros(8, 1), 1.0), TypeError, '(input: a tuple holding float at index 1); '),
+])
+def test_unsplittable_input_is_refused_before_any_layer_runs(
+        input: Any, error: type, message: str, chunks: int, threaded: bool) -> None:
+    counter = CountCalls()
+    devices = ['cpu:0', 'cpu:1'] if threaded else CPU2
+    gpipe = GPipe(nn.Sequential(CountCalls(), counter), [1, 1], devices=devices, chunks=chunks)
+    with pytest.raises(error, match=re.escape(message)):
+        gpipe(input)
+    assert gpipe[0].calls == counter.calls == 0

@@ -1,4 +1,6 @@
 """Micro-batches: Batch, check, scatter and gather."""
+import re
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -49,9 +51,9 @@ def test_tuple_batch() -> None:
 def test_check() -> None:
     check(torch.zeros(1))
     check((torch.zeros(1), torch.zeros(1)))
-    with pytest.raises(TypeError, match='not list'):
+    with pytest.raises(TypeError, match=re.escape('(input: list); use a tuple instead')):
         check([torch.zeros(1)])
-    with pytest.raises(TypeError, match='element 1 of the tuple is int'):
+    with pytest.raises(TypeError, match=re.escape('(input: a tuple holding int at index 1); ')):
         check((torch.zeros(1), 1))
     with pytest.raises(TypeError, match='^output of partition 2 must be'):
         check(None, 'output of partition 2')

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
+from torchgpipe._validation import check_chunks, describe
 from torchgpipe.checkpoint import is_recomputing
 
 __all__ = ['DeferredBatchNorm']
@@ -81,6 +82,7 @@ class DeferredBatchNorm(_BatchNorm):
         dtype (torch.dtype, optional): dtype of the parameters and buffers
 
     Raises:
+        TypeError: ``chunks`` is not a number.
         ValueError: ``chunks`` is not a positive integer.
     """
 
@@ -106,8 +108,7 @@ class DeferredBatchNorm(_BatchNorm):
                  device: Optional[torch.device] = None,
                  dtype: Optional[torch.dtype] = None,
                  ) -> None:
-        if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks <= 0:
-            raise ValueError(f'chunks must be a positive integer (chunks: {chunks!r})')
+        check_chunks(chunks)
 
         super().__init__(num_features, eps, momentum, affine, track_running_stats,
                          device=device, dtype=dtype)
@@ -278,8 +279,10 @@ class DeferredBatchNorm(_BatchNorm):
             is a BatchNorm layer
 
         Raises:
+            TypeError: ``chunks`` is not a number.
             ValueError: ``chunks`` is not a positive integer, or a lazy
-                BatchNorm layer has not been initialized yet.
+                BatchNorm layer has not been initialized yet; ``module`` is
+                then left as it was.
 
         Example::
 
@@ -290,8 +293,17 @@ class DeferredBatchNorm(_BatchNorm):
             >>> type(model[1]).__name__
             'DeferredBatchNorm'
         """
-        if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks <= 0:
-            raise ValueError(f'chunks must be a positive integer (chunks: {chunks!r})')
+        check_chunks(chunks)
+        # Checked before the first replacement, so that a failure leaves
+        # ``module`` as it was.
+        for name, layer in module.named_modules():
+            if (isinstance(layer, _BatchNorm) and isinstance(layer, LazyModuleMixin)
+                    and layer.has_uninitialized_params()):
+                path = f'module.{name}' if name else 'module'
+                raise ValueError(describe('cannot convert a lazy BatchNorm layer before its first '
+                                          'forward has inferred num_features',
+                                          f'{path}: {type(layer).__name__}',
+                                          'run one forward pass first, such as model(sample)'))
         return cls._convert(module, chunks, {})
 
     @classmethod
@@ -314,10 +326,6 @@ class DeferredBatchNorm(_BatchNorm):
 
     @classmethod
     def _from_batch_norm(cls, module: _BatchNorm, chunks: int) -> 'DeferredBatchNorm':
-        if isinstance(module, LazyModuleMixin) and module.has_uninitialized_params():
-            raise ValueError('cannot convert a lazy BatchNorm layer before its first forward '
-                             'has inferred num_features')
-
         # Built on the meta device: every tensor is replaced just below, so
         # allocating real storage for it would be wasted.
         deferred = cls(module.num_features, module.eps, module.momentum, module.affine,

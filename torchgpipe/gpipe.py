@@ -1,11 +1,13 @@
 """The GPipe interface: partitioning a sequential module and running it as a pipeline."""
+import numbers
 from collections import OrderedDict
-from typing import Any, Iterable, Iterator, List, Optional, Tuple, Union, cast
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union, cast
 
 import torch
 from torch import Tensor, nn
 
 from torchgpipe import microbatch
+from torchgpipe._validation import check_available, check_chunks, describe, parse_device
 from torchgpipe.batchnorm import DeferredBatchNorm
 from torchgpipe.microbatch import TensorOrTensors
 from torchgpipe.pipeline import Pipeline
@@ -54,22 +56,157 @@ def verify_module(module: nn.Sequential) -> None:
         ValueError: a child appears twice, or a parameter is shared by two children
     """
     if not isinstance(module, nn.Sequential):
-        raise TypeError('module must be nn.Sequential to be partitioned')
+        raise TypeError(describe('module must be nn.Sequential to be partitioned',
+                                 f'module: {type(module).__name__}',
+                                 'put its layers in one, such as nn.Sequential(*layers)'))
 
-    named_children = list(module.named_children())
-    if len(named_children) != len(module):
-        raise ValueError('module with duplicate children is not supported')
+    # Sequential's own iteration would hide a repeated child: it lists each
+    # module once.
+    shared = shared_object(module._modules.items())
+    if shared is not None:
+        first, second, child = shared
+        raise ValueError(describe(
+            'module with duplicate children is not supported',
+            f'module: children {first!r} and {second!r} are the same {type(child).__name__}',
+            'give each position its own layer, such as copy.deepcopy(layer)'))
 
-    num_parameters = len(list(module.parameters()))
-    num_child_parameters = sum(len(list(child.parameters())) for child in module.children())
-    if num_parameters != num_child_parameters:
-        raise ValueError('module with duplicate parameters in distinct children is not supported')
+    shared = shared_object((name, parameter) for name, child in module.named_children()
+                           for parameter in child.parameters())
+    if shared is not None:
+        first, second, _ = shared
+        raise ValueError(describe(
+            'module with duplicate parameters in distinct children is not supported',
+            f'module: children {first!r} and {second!r} share a parameter',
+            'put the layers sharing it in one child, such as nn.Sequential(a, b)'))
+
+
+def shared_object(owned: Iterable[Tuple[str, object]]) -> Optional[Tuple[str, str, object]]:
+    """The first object found under two names, as (first name, second name, object)."""
+    owners: Dict[int, str] = {}
+    for name, obj in owned:
+        owner = owners.setdefault(id(obj), name)
+        if owner != name:
+            return owner, name, obj
+    return None
+
+
+def example_balance(layers: int) -> List[int]:
+    """A balance fitting ``layers`` layers, to show in error messages: two
+    even partitions (one for a single layer)."""
+    partitions = min(2, layers)
+    return [layers // partitions + (j < layers % partitions) for j in range(partitions)]
+
+
+def check_balance(module: nn.Sequential, balance: object) -> List[int]:
+    """Checks the balance against the module.
+
+    Returns:
+        list of ints: the balance
+
+    Raises:
+        TypeError: the balance is not an iterable of ints
+        BalanceError: the balance does not sum to the number of layers, or
+            has a non-positive entry
+    """
+    layers = len(module)
+    example = example_balance(layers)
+
+    type_error = TypeError(describe(
+        'balance must be a list of ints, the number of layers of each partition',
+        f'balance: {balance!r}',
+        f'give one int per partition, such as balance={example} for {layers} layers'))
+    # A string is iterable, but its characters are no numbers of layers.
+    if isinstance(balance, (str, bytes)):
+        raise type_error
+    try:
+        values = list(cast(Iterable[object], balance))
+    except TypeError:
+        raise type_error from None
+    if any(isinstance(x, bool) or not isinstance(x, numbers.Integral) for x in values):
+        raise type_error
+    # Integral values such as NumPy integers count as ints.
+    result = [int(cast(numbers.Integral, x)) for x in values]
+
+    if sum(result) != layers:
+        raise BalanceError(describe('module and sum of balance have different length',
+                                    f'module: {layers}, sum of balance: {sum(result)}',
+                                    f'make the numbers add up to the {layers} layers, '
+                                    f'such as balance={example}'))
+    if any(x <= 0 for x in result):
+        raise BalanceError(describe('all balance numbers must be positive integer',
+                                    f'balance: {result!r}',
+                                    f'give every partition at least one layer, '
+                                    f'such as balance={example}'))
+    return result
+
+
+def device_example(device: object) -> str:
+    """How a single device argument is written in an example of a correct
+    call; ``'cpu'`` for anything else."""
+    if isinstance(device, (str, int, torch.device)) and not isinstance(device, bool):
+        try:
+            return str(torch.device(device))
+        except RuntimeError:
+            pass
+    return 'cpu'
+
+
+def check_devices(devices: object, partitions: int) -> List[torch.device]:
+    """Checks the devices and that there is one for each partition.
+
+    Args:
+        devices: the ``devices`` argument of :class:`GPipe`; ``None`` for
+            every CUDA device
+        partitions (int): the number of partitions
+
+    Returns:
+        list of torch.device: every device given (not only the first
+        ``partitions``)
+
+    Raises:
+        TypeError: ``devices`` is not an iterable of devices
+        ValueError: a device is not valid, or is a CUDA device that does not exist here
+        IndexError: fewer devices than partitions
+    """
+    if devices is None:
+        devices = range(torch.cuda.device_count())
+
+    single = isinstance(devices, (str, int, torch.device)) and not isinstance(devices, bool)
+    example = [device_example(devices if single else None)] * partitions
+    fix = f'give one device per partition, such as devices={example}'
+    type_error = TypeError(describe('devices must be a list of devices, one per partition',
+                                    f'devices: {devices!r}', fix))
+    # A string is iterable, but its characters are no devices.
+    if single:
+        raise type_error
+    try:
+        values = list(cast(Iterable[object], devices))
+    except TypeError:
+        raise type_error from None
+    device_list = [parse_device(f'devices[{i}]', value, fix) for i, value in enumerate(values)]
+
+    if len(device_list) < partitions:
+        # Fill up with the last device: one device may hold several partitions.
+        last = [str(d) for d in device_list[-1:]] or ['cpu']
+        example = [str(d) for d in device_list] + last * (partitions - len(device_list))
+        raise IndexError(describe('too few devices to hold given partitions',
+                                  f'devices: {len(device_list)}, partitions: {partitions}',
+                                  f'give one device per partition, such as devices={example}, '
+                                  f'or use fewer partitions'))
+
+    # Only the devices in use must exist: extra ones are ignored.
+    no_cuda_fix = f"run on the CPU, such as devices={['cpu'] * partitions}"
+    for i, device in enumerate(device_list[:partitions]):
+        check_available(f'devices[{i}]', device, no_cuda_fix)
+    return device_list
 
 
 def split_module(module: nn.Sequential, balance: Iterable[int],
                  devices: List[torch.device],
                  ) -> Tuple[List[nn.Sequential], List[int], List[torch.device]]:
     """Splits a module into partitions by the balance, each moved to its device.
+
+    Every argument is checked before the first layer moves.
 
     Args:
         module (nn.Sequential): the module to split
@@ -81,20 +218,14 @@ def split_module(module: nn.Sequential, balance: Iterable[int],
         original names), the balance as a list, and the devices in use
 
     Raises:
+        TypeError: the balance is not an iterable of ints
         BalanceError: the balance does not sum to the number of layers, or
             has a non-positive entry
         IndexError: fewer devices than partitions
+        ValueError: a device in use is a CUDA device that does not exist here
     """
-    balance = list(balance)
-
-    if len(module) != sum(balance):
-        raise BalanceError('module and sum of balance have different length '
-                           f'(module: {len(module)}, sum of balance: {sum(balance)})')
-    if any(x <= 0 for x in balance):
-        raise BalanceError(f'all balance numbers must be positive integer (balance: {balance})')
-    if len(balance) > len(devices):
-        raise IndexError('too few devices to hold given partitions '
-                         f'(devices: {len(devices)}, partitions: {len(balance)})')
+    balance = check_balance(module, balance)
+    devices = check_devices(devices, len(balance))
 
     children = iter(module.named_children())
     partitions = []
@@ -138,9 +269,18 @@ class GPipe(nn.Module):
         deferred_batch_norm (bool): whether to use deferred BatchNorm moving
             statistics (default: ``False``)
 
+    Every argument is checked before anything changes: if the constructor
+    raises, ``module`` is left as it was (no layer moved, no BatchNorm layer
+    replaced). Each message names the argument, the value received and a fix
+    (see :doc:`troubleshooting`).
+
     Raises:
-        TypeError: the module is not a :class:`nn.Sequential <torch.nn.Sequential>`.
-        ValueError: invalid arguments, or wrong balance
+        TypeError: the module is not a :class:`nn.Sequential <torch.nn.Sequential>`,
+            or an argument has the wrong type (``balance`` not a list of ints,
+            ``devices`` a single device, ``chunks`` not a number).
+        ValueError: an argument has a wrong value, the balance does not fit
+            the module (the message recommends :mod:`torchgpipe.balance`), or
+            a CUDA device in use does not exist.
         IndexError: the number of devices is fewer than the number of
             partitions.
 
@@ -183,14 +323,24 @@ class GPipe(nn.Module):
                  checkpoint: str = checkpoint, deferred_batch_norm: bool = False) -> None:
         super().__init__()
 
-        if balance is None:
-            raise ValueError(recommend_auto_balance('balance is required'))
-        if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks <= 0:
-            raise ValueError(f'number of chunks must be positive integer (chunks: {chunks!r})')
-        if checkpoint not in ('always', 'except_last', 'never'):
-            raise ValueError("checkpoint is not one of 'always', 'except_last', or 'never'")
-
+        # Everything is checked before anything changes: a failed constructor
+        # leaves the module as it was (no BatchNorm replaced, no layer moved).
         verify_module(module)
+        if balance is None:
+            raise ValueError(recommend_auto_balance(describe(
+                'balance is required', 'balance: None',
+                f'give the number of layers of each partition, such as '
+                f'balance={example_balance(len(module))}')))
+        try:
+            balance = check_balance(module, balance)
+        except BalanceError as exc:
+            raise ValueError(recommend_auto_balance(str(exc))) from None
+        device_list = check_devices(devices, len(balance))
+        check_chunks(chunks)
+        if checkpoint not in ('always', 'except_last', 'never'):
+            raise ValueError(describe(
+                "checkpoint is not one of 'always', 'except_last', or 'never'",
+                f'checkpoint: {checkpoint!r}', "choose one, such as checkpoint='except_last'"))
         # Every skip must be stashed and popped exactly once, in this order.
         verify_skippables(module)
 
@@ -198,17 +348,11 @@ class GPipe(nn.Module):
         self.checkpoint = checkpoint
 
         if deferred_batch_norm:
+            # It checks every BatchNorm layer before replacing any.
             module = cast(nn.Sequential,
                           DeferredBatchNorm.convert_deferred_batch_norm(module, chunks))
 
-        if devices is None:
-            devices = range(torch.cuda.device_count())
-        device_list = [torch.device(d) for d in devices]
-
-        try:
-            partitions, self.balance, self.devices = split_module(module, balance, device_list)
-        except BalanceError as exc:
-            raise ValueError(recommend_auto_balance(str(exc))) from None
+        partitions, self.balance, self.devices = split_module(module, balance, device_list)
 
         self.partitions = nn.ModuleList(partitions)
         self._skip_layout = inspect_skip_layout(partitions)

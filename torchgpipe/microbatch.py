@@ -9,6 +9,7 @@ from typing import Callable, Iterator, List, Optional, Sequence, Tuple, Union, c
 import torch
 from torch import Tensor
 
+from torchgpipe._validation import describe
 __all__ = ['Batch', 'check', 'scatter', 'gather', 'Tensors', 'TensorOrTensors']
 
 Tensors = Tuple[Tensor, ...]
@@ -138,15 +139,22 @@ def check(input: object, what: str = 'input') -> None:
     Raises:
         TypeError: ``input`` is neither a tensor nor a tuple of tensors
     """
+    requirement = f'{what} must be a tensor or a tuple of tensors'
     if isinstance(input, tuple):
         for index, x in enumerate(input):
             if not isinstance(x, Tensor):
-                raise TypeError(f'{what} must be a tensor or a tuple of tensors, '
-                                f'but element {index} of the tuple is {type(x).__name__}')
+                raise TypeError(describe(requirement,
+                                         f'{what}: a tuple holding {type(x).__name__} '
+                                         f'at index {index}',
+                                         'make it a tensor, such as torch.tensor(value), or '
+                                         'give the value to the layer another way'))
         return
     if not isinstance(input, Tensor):
-        raise TypeError(f'{what} must be a tensor or a tuple of tensors, '
-                        f'not {type(input).__name__}')
+        if isinstance(input, list):
+            fix = 'use a tuple instead, such as tuple(values)'
+        else:
+            fix = 'make it a tensor, or give the value to the layer another way'
+        raise TypeError(describe(requirement, f'{what}: {type(input).__name__}', fix))
 
 
 def scatter(input: TensorOrTensors, chunks: int) -> List[Batch]:
@@ -154,7 +162,8 @@ def scatter(input: TensorOrTensors, chunks: int) -> List[Batch]:
 
     It follows :func:`torch.chunk`: a batch that does not divide evenly gets a
     smaller last micro-batch, and a batch smaller than ``chunks`` gets fewer
-    micro-batches.
+    micro-batches. Every tensor of a tuple must have the same size in
+    dimension 0, whatever ``chunks`` is.
 
     Args:
         input (torch.Tensor or tuple of tensors): the mini-batch
@@ -164,27 +173,37 @@ def scatter(input: TensorOrTensors, chunks: int) -> List[Batch]:
         list of :class:`Batch`: the micro-batches, in order
 
     Raises:
-        ValueError: a tensor has no batch dimension, or the tensors of a tuple
-            do not split into the same number of micro-batches
+        ValueError: the input is an empty tuple, a tensor has no batch
+            dimension, or the tensors of a tuple differ in size in dimension 0
     """
-    tensors = (input,) if isinstance(input, Tensor) else input
-    if any(x.dim() == 0 for x in tensors):
-        raise ValueError('input tensors must have a batch dimension (dimension 0) to be split '
-                         'into micro-batches; got a 0-dimensional tensor')
+    atomic = isinstance(input, Tensor)
+    tensors: Tensors = (input,) if isinstance(input, Tensor) else input
+    if not tensors:
+        raise ValueError(describe('input must hold at least one tensor to be split into '
+                                  'micro-batches', 'input: ()',
+                                  'give the mini-batch, such as gpipe(x) or gpipe((x, mask))'))
+    for index, x in enumerate(tensors):
+        if x.dim() == 0:
+            raise ValueError(describe('input tensors must have a batch dimension (dimension 0) '
+                                      'to be split into micro-batches',
+                                      f"{'input' if atomic else f'input[{index}]'}: "
+                                      f'a 0-dimensional tensor',
+                                      'give it one entry per sample, such as '
+                                      'x.expand(batch_size)'))
+    # Same sizes, not only the same number of micro-batches: with 8 and 7
+    # rows, both split into 4 pieces, but the last ones would not match.
+    if not atomic and any(x.size(0) != tensors[0].size(0) for x in tensors):
+        raise ValueError(describe('tensors of the input tuple must have the same size in '
+                                  'dimension 0',
+                                  f'input: sizes {[x.size(0) for x in tensors]} in dimension 0',
+                                  'give every tensor one entry per sample of the mini-batch'))
+
     if chunks == 1:
         # One micro-batch is the input itself: no views, no autograd nodes.
         return [Batch(input)]
-    rotated = [x.chunk(chunks) for x in tensors]
-    counts = {len(pieces) for pieces in rotated}
-    if len(counts) != 1:
-        sizes = [x.size(0) for x in tensors]
-        raise ValueError(f'tensors of the input tuple split into different numbers of '
-                         f'micro-batches (batch sizes {sizes}); give every tensor the same '
-                         f'size in dimension 0')
-
-    if isinstance(input, Tensor):
-        return [Batch(x) for x in rotated[0]]
-    return [Batch(values) for values in zip(*rotated)]
+    if atomic:
+        return [Batch(x) for x in tensors[0].chunk(chunks)]
+    return [Batch(values) for values in zip(*[x.chunk(chunks) for x in tensors])]
 
 
 def gather(outputs: List[Batch]) -> TensorOrTensors:

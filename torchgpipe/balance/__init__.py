@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from torchgpipe import microbatch
+from torchgpipe._validation import check_available, check_chunks, describe, parse_device
 from torchgpipe.balance import blockpartition
 from torchgpipe.balance.profile import profile_sizes, profile_times
 from torchgpipe.gpipe import verify_module
@@ -108,7 +109,7 @@ def balance_by_time(partitions: int, module: nn.Sequential, sample: TensorOrTens
     """
     check_partitions(partitions, module)
     microbatch.check(sample, 'sample')
-    check_real('timeout', timeout, 'a time in seconds, such as timeout=1.0')
+    check_real('timeout', timeout, 'give a time in seconds, such as timeout=1.0')
     profile_device = check_device(device)
 
     times = profile_times(module, sample, timeout, profile_device)
@@ -202,8 +203,10 @@ def balance_by_size(partitions: int, module: nn.Sequential, input: TensorOrTenso
             <torch.nn.Sequential>`, ``input`` is neither a tensor nor a
             tuple of tensors, or an argument has the wrong type
         ValueError: ``partitions`` is not positive or exceeds the number of
-            layers, ``chunks`` is not positive, ``param_scale`` is negative,
-            an input tensor has no batch dimension, ``device`` is not
+            layers, ``chunks`` is not a positive integer, ``param_scale`` is
+            negative, ``input`` cannot be split into micro-batches (no
+            tensor, no batch dimension, or sizes differing in dimension 0),
+            ``device`` is not
             available, or a parameter already has a gradient (``'some
             parameter already has gradient'``)
 
@@ -213,17 +216,12 @@ def balance_by_size(partitions: int, module: nn.Sequential, input: TensorOrTenso
     """
     check_partitions(partitions, module)
     microbatch.check(input)
-    if not isinstance(chunks, int) or isinstance(chunks, bool):
-        raise TypeError(f'chunks must be an int, the number of micro-batches GPipe will '
-                        f'use (chunks: {chunks!r})')
-    if chunks < 1:
-        raise ValueError(f'chunks must be a positive integer, the number of micro-batches '
-                         f'GPipe will use (chunks: {chunks})')
+    check_chunks(chunks)
     check_real('param_scale', param_scale,
-               'the number of parameter-sized copies training keeps, such as '
+               'give the number of parameter-sized copies training keeps, such as '
                'param_scale=4.0 for Adam')
     profile_device = check_device(device)
-    # Fails early, before profiling, if a tensor has no batch dimension.
+    # Fails early, before profiling, if the input cannot be split.
     microbatch.scatter(input, chunks)
 
     sizes = profile_sizes(module, input, chunks, param_scale, profile_device)
@@ -232,47 +230,36 @@ def balance_by_size(partitions: int, module: nn.Sequential, input: TensorOrTenso
 
 def check_partitions(partitions: int, module: nn.Sequential) -> None:
     """Checks the module and that it has enough layers for the partitions."""
-    if not isinstance(partitions, int) or isinstance(partitions, bool):
-        raise TypeError(f'partitions must be an int, the number of devices to balance over '
-                        f'(partitions: {partitions!r})')
+    fix = 'give the number of devices to balance over, such as partitions=2'
+    if isinstance(partitions, bool) or not isinstance(partitions, int):
+        raise TypeError(describe('partitions must be an int',
+                                 f'partitions: {partitions!r}', fix))
     if partitions < 1:
-        raise ValueError(f'partitions must be a positive integer, the number of devices to '
-                         f'balance over (partitions: {partitions})')
+        raise ValueError(describe('partitions must be a positive integer',
+                                  f'partitions: {partitions!r}', fix))
     verify_module(module)
     if partitions > len(module):
-        raise ValueError(f'partitions must not exceed the number of layers, since every '
-                         f'partition needs a layer (partitions: {partitions}, layers: '
-                         f'{len(module)}); ask for at most {len(module)} partitions')
+        raise ValueError(describe('partitions must not exceed the number of layers, since every '
+                                  'partition needs a layer',
+                                  f'partitions: {partitions}, layers: {len(module)}',
+                                  f'ask for at most {len(module)} partitions'))
 
 
-def check_real(name: str, value: object, hint: str) -> None:
+def check_real(name: str, value: object, fix: str) -> None:
     """Checks that ``value`` is a finite, non-negative real number."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f'{name} must be a real number, {hint} ({name}: {value!r})')
+        raise TypeError(describe(f'{name} must be a real number', f'{name}: {value!r}', fix))
     if not math.isfinite(value) or value < 0:
-        raise ValueError(f'{name} must be finite and non-negative, {hint} ({name}: {value!r})')
+        raise ValueError(describe(f'{name} must be finite and non-negative',
+                                  f'{name}: {value!r}', fix))
 
 
 def check_device(value: object) -> torch.device:
     """Resolves the device to profile on, and checks that it exists."""
-    if isinstance(value, bool) or not isinstance(value, (torch.device, int, str)):
-        raise TypeError(f"device must be a torch.device, a string such as 'cpu' or 'cuda:0', "
-                        f'or a CUDA index (device: {value!r})')
-    try:
-        device = torch.device(value)
-    except RuntimeError as exc:
-        raise ValueError(f"device is not a valid device, such as 'cpu' or 'cuda:0' "
-                         f'(device: {value!r})') from exc
-
-    if device.type == 'cuda':
-        if not torch.cuda.is_available():
-            raise ValueError(f"device is {device} but CUDA is not available; profile on the "
-                             f"CPU with device='cpu'")
-        # torch's stubs type the index as int, but a bare 'cuda' has none.
-        index: Optional[int] = device.index
-        if index is None:
-            device = torch.device('cuda', torch.cuda.current_device())
-        elif index >= torch.cuda.device_count():
-            raise ValueError(f'device is {device} but only {torch.cuda.device_count()} CUDA '
-                             f'devices are visible')
+    device = parse_device('device', value, "use a device such as device='cpu' or device='cuda:0'")
+    check_available('device', device, "profile on the CPU with device='cpu'")
+    # torch's stubs type the index as int, but a bare 'cuda' has none.
+    index: Optional[int] = device.index
+    if device.type == 'cuda' and index is None:
+        device = torch.device('cuda', torch.cuda.current_device())
     return device
