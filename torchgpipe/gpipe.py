@@ -56,38 +56,24 @@ def verify_module(module: nn.Sequential) -> None:
         ValueError: a child appears twice, or a parameter is shared by two children
     """
     if not isinstance(module, nn.Sequential):
-        raise TypeError(describe('module must be nn.Sequential to be partitioned',
-                                 f'module: {type(module).__name__}',
-                                 'put its layers in one, such as nn.Sequential(*layers)'))
+        # The 0.0.7 messages of this function are matched on by users: they
+        # stay word for word; docs/troubleshooting.rst gives the fix.
+        raise TypeError('module must be nn.Sequential to be partitioned')
 
     # Sequential's own iteration would hide a repeated child: it lists each
     # module once.
-    shared = shared_object(module._modules.items())
-    if shared is not None:
-        first, second, child = shared
-        raise ValueError(describe(
-            'module with duplicate children is not supported',
-            f'module: children {first!r} and {second!r} are the same {type(child).__name__}',
-            'give each position its own layer, such as copy.deepcopy(layer)'))
+    if shares_objects(module._modules.items()):
+        raise ValueError('module with duplicate children is not supported')
 
-    shared = shared_object((name, parameter) for name, child in module.named_children()
-                           for parameter in child.parameters())
-    if shared is not None:
-        first, second, _ = shared
-        raise ValueError(describe(
-            'module with duplicate parameters in distinct children is not supported',
-            f'module: children {first!r} and {second!r} share a parameter',
-            'put the layers sharing it in one child, such as nn.Sequential(a, b)'))
+    if shares_objects((name, parameter) for name, child in module.named_children()
+                      for parameter in child.parameters()):
+        raise ValueError('module with duplicate parameters in distinct children is not supported')
 
 
-def shared_object(owned: Iterable[Tuple[str, object]]) -> Optional[Tuple[str, str, object]]:
-    """The first object found under two names, as (first name, second name, object)."""
+def shares_objects(owned: Iterable[Tuple[str, object]]) -> bool:
+    """Whether an object is found under two names."""
     owners: Dict[int, str] = {}
-    for name, obj in owned:
-        owner = owners.setdefault(id(obj), name)
-        if owner != name:
-            return owner, name, obj
-    return None
+    return any(owners.setdefault(id(obj), name) != name for name, obj in owned)
 
 
 def example_balance(layers: int) -> List[int]:
@@ -338,9 +324,8 @@ class GPipe(nn.Module):
         device_list = check_devices(devices, len(balance))
         check_chunks(chunks)
         if checkpoint not in ('always', 'except_last', 'never'):
-            raise ValueError(describe(
-                "checkpoint is not one of 'always', 'except_last', or 'never'",
-                f'checkpoint: {checkpoint!r}', "choose one, such as checkpoint='except_last'"))
+            # Word for word as in 0.0.7 (users match on it).
+            raise ValueError("checkpoint is not one of 'always', 'except_last', or 'never'")
         # Every skip must be stashed and popped exactly once, in this order.
         verify_skippables(module)
 
