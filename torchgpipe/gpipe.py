@@ -430,13 +430,19 @@ class GPipe(nn.Module):
             TypeError: input is not a tensor or tensors.
         """
         microbatch.check(input)
+        # Split first: an input that cannot be split fails before any work.
+        batches = microbatch.scatter(input, self.chunks)
 
         if not self.devices:
             # An empty sequential module is the identity.
             return input
 
-        input = _to_device(input, self.devices[0])
-        batches = microbatch.scatter(input, self.chunks)
+        # An input elsewhere than on the first device is moved there, by a
+        # differentiable copy of each micro-batch.
+        first_device = self.devices[0]
+        if any(x.device != first_device for x in batches[0]):
+            for batch in batches:
+                batch[:] = tuple(x.to(first_device) for x in batch)
 
         # Checkpointing only pays off when there is a backward pass to come.
         m = len(batches)
@@ -458,10 +464,3 @@ class GPipe(nn.Module):
         pipeline.run()
 
         return microbatch.gather(batches)
-
-
-def _to_device(input: TensorOrTensors, device: torch.device) -> TensorOrTensors:
-    """Moves the input to the device (a differentiable copy where needed)."""
-    if isinstance(input, Tensor):
-        return input.to(device)
-    return tuple(x.to(device) for x in input)
