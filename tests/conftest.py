@@ -1,4 +1,4 @@
-"""Shared fixtures: every test must leave no worker thread behind."""
+"""Shared fixtures: both execution paths, and no worker thread left behind."""
 import threading
 from typing import Iterator
 
@@ -14,6 +14,16 @@ def worker_threads() -> list:
 def no_worker_thread_left() -> Iterator[None]:
     yield
     assert worker_threads() == [], 'a GPipe worker thread outlived the call'
+
+
+@pytest.fixture(params=[False, True], ids=['inline', 'threads'])
+def threaded(request: pytest.FixtureRequest) -> bool:
+    """Runs the test on both execution paths; pass it to helpers.cpu_devices.
+
+    False: every partition in the calling thread (one shared CPU device).
+    True: one worker thread per device (distinct CPU indices).
+    """
+    return bool(request.param)
 
 
 @pytest.fixture(autouse=True)
