@@ -282,10 +282,16 @@ def test_integer_tensors_cross_boundaries(checkpoint: str, threaded: bool) -> No
 def test_input_requiring_grad_receives_it_and_no_grad_mode_builds_no_graph(
         threaded: bool) -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    graph_built: List[bool] = []
+    for layer in model:
+        layer.register_forward_hook(lambda m, args, y: graph_built.append(y.requires_grad))
     gpipe = GPipe(model, [2, 1], devices=cpu_devices(2, threaded), chunks=2)
     with torch.no_grad():
         output = gpipe(torch.randn(4, 4, requires_grad=True))
     assert not output.requires_grad
+    # Not in any layer either, whichever thread ran it: the output alone is
+    # assembled in the calling thread, where no_grad is on anyway.
+    assert len(graph_built) == 2 * len(model) and not any(graph_built)
 
     x = torch.randn(4, 4, requires_grad=True)
     gpipe(x).sum().backward()
