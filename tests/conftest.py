@@ -26,6 +26,18 @@ def threaded(request: pytest.FixtureRequest) -> bool:
     return bool(request.param)
 
 
+@pytest.fixture(autouse=True, scope='session')
+def one_intra_op_thread() -> Iterator[None]:
+    # The tests' tensors are tiny: with several intra-op threads, OpenMP
+    # start-up and spinning cost milliseconds per operator on a busy machine,
+    # the more so with a worker thread per device competing for the cores.
+    # No test here is about intra-op parallelism.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True)
 def deterministic_seed() -> None:
     torch.manual_seed(0)
