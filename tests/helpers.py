@@ -14,6 +14,8 @@ def cpu_devices(n: int, threaded: bool) -> List[str]:
     One shared device (``['cpu'] * n``) runs every partition in the calling
     thread; distinct indices (``['cpu:0', 'cpu:1', ...]``) get one worker
     thread each. The ``threaded`` fixture of conftest.py runs a test on both.
+    A single partition has a single device, so it always runs in the calling
+    thread.
     """
     return [f'cpu:{j}' for j in range(n)] if threaded else ['cpu'] * n
 
