@@ -1,4 +1,4 @@
-"""Shared fixtures: every test must leave no worker thread behind."""
+"""Shared fixtures: both execution paths, and no worker thread left behind."""
 import threading
 from typing import Iterator
 
@@ -14,6 +14,28 @@ def worker_threads() -> list:
 def no_worker_thread_left() -> Iterator[None]:
     yield
     assert worker_threads() == [], 'a GPipe worker thread outlived the call'
+
+
+@pytest.fixture(params=[False, True], ids=['inline', 'threads'])
+def threaded(request: pytest.FixtureRequest) -> bool:
+    """Runs the test on both execution paths; pass it to helpers.cpu_devices.
+
+    False: every partition in the calling thread (one shared CPU device).
+    True: one worker thread per device (distinct CPU indices).
+    """
+    return bool(request.param)
+
+
+@pytest.fixture(autouse=True, scope='session')
+def one_intra_op_thread() -> Iterator[None]:
+    # The tests' tensors are tiny: with several intra-op threads, OpenMP
+    # start-up and spinning cost milliseconds per operator on a busy machine,
+    # the more so with a worker thread per device competing for the cores.
+    # No test here is about intra-op parallelism.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)

@@ -8,6 +8,18 @@ from torch import Tensor, nn
 from torchgpipe.pipeline import clock_cycles
 
 
+def cpu_devices(n: int, threaded: bool) -> List[str]:
+    """n CPU devices for one of GPipe's two execution paths.
+
+    One shared device (``['cpu'] * n``) runs every partition in the calling
+    thread; distinct indices (``['cpu:0', 'cpu:1', ...]``) get one worker
+    thread each. The ``threaded`` fixture of conftest.py runs a test on both.
+    A single partition has a single device, so it always runs in the calling
+    thread.
+    """
+    return [f'cpu:{j}' for j in range(n)] if threaded else ['cpu'] * n
+
+
 def assert_same_training_step(model: nn.Sequential,
                               gpipe_factory: Callable[[nn.Sequential], nn.Module],
                               input: Tensor,

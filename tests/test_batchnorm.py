@@ -8,7 +8,7 @@ are not counted. Every expected value comes from an nn.BatchNorm reference.
 """
 import copy
 import re
-from typing import Dict, Iterator, List, Optional, Tuple, Type
+from typing import Dict, List, Optional, Tuple, Type
 
 import pytest
 import torch
@@ -30,16 +30,6 @@ KINDS: Dict[str, Tuple[Type[_BatchNorm], Tuple[int, ...]]] = {
     '3d': (nn.BatchNorm3d, (2, 3, 2)),
 }
 MOMENTA = [0.1, None]
-
-
-@pytest.fixture(autouse=True)
-def single_thread() -> Iterator[None]:
-    # These tensors are tiny: with several threads, OpenMP start-up and
-    # spinning cost milliseconds per batch norm call on a busy machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def make_input(kind: str, batch: int, *, scale: float = 2.0, offset: float = 1.5) -> Tensor:

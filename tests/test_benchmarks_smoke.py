@@ -156,11 +156,12 @@ def test_resnet101_is_resnet101() -> None:
     assert common.parameter_count(model) == 44_549_160
 
 
-def test_tiny_resnet_on_gpipe_matches() -> None:
+def test_tiny_resnet_on_gpipe_matches(threaded: bool) -> None:
+    from helpers import cpu_devices
     from torchgpipe import GPipe
 
     model = resnet((1, 1), width=4, num_classes=10, batch_norm=False, small_input=True).double()
-    gpipe = GPipe(model, [4, 4, 6], devices=['cpu'] * 3, chunks=2)
+    gpipe = GPipe(model, [4, 4, 6], devices=cpu_devices(3, threaded), chunks=2)
     x = torch.rand(4, 3, 8, 8, dtype=torch.float64)
     expected = torch.cat([model(x[:2]), model(x[2:])])
     assert torch.allclose(gpipe(x), expected, rtol=0, atol=1e-12)

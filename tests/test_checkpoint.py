@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from helpers import cpu_devices
 from torchgpipe import GPipe, is_checkpointing, is_recomputing
 from torchgpipe.checkpoint import checkpoint, enable_checkpointing, enable_recomputing
 
@@ -25,10 +26,11 @@ class Probe(nn.Module):
         return self.linear(x)
 
 
-def counts(checkpoint: str, chunks: int, *, train: bool = True, grad: bool = True) -> Counter:
+def counts(checkpoint: str, chunks: int, threaded: bool, *, train: bool = True,
+           grad: bool = True) -> Counter:
     probe = Probe()
-    gpipe = GPipe(nn.Sequential(nn.Linear(3, 3), probe), [1, 1], devices=['cpu', 'cpu'],
-                  chunks=chunks, checkpoint=checkpoint)
+    gpipe = GPipe(nn.Sequential(nn.Linear(3, 3), probe), [1, 1],
+                  devices=cpu_devices(2, threaded), chunks=chunks, checkpoint=checkpoint)
     gpipe.train(train)
     with torch.set_grad_enabled(grad):
         output = gpipe(torch.randn(chunks * 2, 3))
@@ -38,18 +40,18 @@ def counts(checkpoint: str, chunks: int, *, train: bool = True, grad: bool = Tru
 
 
 @pytest.mark.parametrize('chunks', [1, 2, 5])
-def test_checkpoint_counts_per_mode(chunks: int) -> None:
+def test_checkpoint_counts_per_mode(chunks: int, threaded: bool) -> None:
     m = chunks
-    assert counts('always', m) == Counter(checkpointing=m, recomputing=m)
-    assert counts('except_last', m) == Counter(checkpointing=m - 1, recomputing=m - 1,
-                                               plain=1)
-    assert counts('never', m) == Counter(plain=m)
+    assert counts('always', m, threaded) == Counter(checkpointing=m, recomputing=m)
+    assert counts('except_last', m, threaded) == Counter(checkpointing=m - 1,
+                                                         recomputing=m - 1, plain=1)
+    assert counts('never', m, threaded) == Counter(plain=m)
 
 
 @pytest.mark.parametrize('mode', ['always', 'except_last', 'never'])
-def test_no_checkpointing_in_eval_mode_or_without_grad(mode: str) -> None:
-    assert counts(mode, 4, train=False) == Counter(plain=4)
-    assert counts(mode, 4, grad=False) == Counter(plain=4)
+def test_no_checkpointing_in_eval_mode_or_without_grad(mode: str, threaded: bool) -> None:
+    assert counts(mode, 4, threaded, train=False) == Counter(plain=4)
+    assert counts(mode, 4, threaded, grad=False) == Counter(plain=4)
 
 
 def test_flags_are_off_outside_and_restored() -> None:

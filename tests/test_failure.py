@@ -2,7 +2,8 @@
 
 It never hangs (guarded by timeouts), stops the tasks of later clock cycles,
 leaves no worker thread behind (checked after every test by conftest), and
-the next call works.
+the next call works; with every partition in the calling thread and with
+one worker thread per device (the ``threaded`` fixture of conftest.py).
 """
 import copy
 from typing import List, Set, Tuple
@@ -11,6 +12,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from helpers import cpu_devices
 from torchgpipe import GPipe, is_recomputing
 
 
@@ -42,12 +44,10 @@ class Trap(nn.Module):
 N, M = 3, 4
 
 
-def build(threaded: bool = False) -> Tuple[GPipe, List[Trap], Set[Tuple[int, int]]]:
+def build(threaded: bool) -> Tuple[GPipe, List[Trap], Set[Tuple[int, int]]]:
     log: Set[Tuple[int, int]] = set()
     traps = [Trap(j, log) for j in range(N)]
-    # Distinct CPU indices get a worker thread each; one shared device runs inline.
-    devices = [f'cpu:{j}' for j in range(N)] if threaded else ['cpu'] * N
-    gpipe = GPipe(nn.Sequential(*traps), [1] * N, devices=devices, chunks=M)
+    gpipe = GPipe(nn.Sequential(*traps), [1] * N, devices=cpu_devices(N, threaded), chunks=M)
     return gpipe, traps, log
 
 
@@ -56,7 +56,6 @@ def make_input() -> Tensor:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize('threaded', [False, True], ids=['inline', 'threads'])
 @pytest.mark.parametrize('j', range(N))
 @pytest.mark.parametrize('i', range(M))
 def test_exception_reaches_caller_and_stops_later_cycles(i: int, j: int, threaded: bool) -> None:
@@ -81,7 +80,6 @@ def test_exception_reaches_caller_and_stops_later_cycles(i: int, j: int, threade
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize('threaded', [False, True], ids=['inline', 'threads'])
 def test_exception_during_recomputation_reaches_backward_caller(threaded: bool) -> None:
     gpipe, traps, _ = build(threaded)
     traps[1].fail_at = 0
@@ -93,14 +91,14 @@ def test_exception_during_recomputation_reaches_backward_caller(threaded: bool) 
 
 
 @pytest.mark.timeout(60)
-def test_wrong_boundary_type_raises_type_error_in_first_cycle() -> None:
+def test_wrong_boundary_type_raises_type_error_in_first_cycle(threaded: bool) -> None:
     class ReturnsList(nn.Module):
         def forward(self, x: Tensor) -> list:
             return [x]
 
     log: Set[Tuple[int, int]] = set()
     gpipe = GPipe(nn.Sequential(ReturnsList(), Trap(1, log)), [1, 1],
-                  devices=['cpu', 'cpu'], chunks=4)
+                  devices=cpu_devices(2, threaded), chunks=4)
     with pytest.raises(TypeError, match='output of partition 0'):
         gpipe(make_input())
     # Partition 1 never ran: the error surfaced in the first clock cycle.

@@ -1,4 +1,8 @@
-"""Deferred BatchNorm inside GPipe: running statistics as if on the full batch."""
+"""Deferred BatchNorm inside GPipe: running statistics as if on the full batch.
+
+On both execution paths: the statistics are committed by whichever thread
+runs the last micro-batch of the partition.
+"""
 import copy
 from typing import Callable
 
@@ -6,6 +10,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from helpers import cpu_devices
 from torchgpipe import GPipe
 from torchgpipe.batchnorm import DeferredBatchNorm
 
@@ -45,12 +50,13 @@ def batch_norms(module: nn.Module) -> list:
 @pytest.mark.parametrize('batch_size, chunks', [(8, 4), (6, 4), (9, 2)])  # 6 → 3 chunks
 @pytest.mark.parametrize('kind', sorted(MODELS))
 def test_running_statistics_equal_the_unwrapped_full_batch(kind: str, batch_size: int,
-                                                           chunks: int, checkpoint: str) -> None:
+                                                           chunks: int, checkpoint: str,
+                                                           threaded: bool) -> None:
     make_model, make_input = MODELS[kind]
     model: nn.Sequential = make_model()  # type: ignore[operator]
     reference = copy.deepcopy(model)
-    gpipe = GPipe(model, [2, 3], devices=['cpu', 'cpu'], chunks=chunks, checkpoint=checkpoint,
-                  deferred_batch_norm=True)
+    gpipe = GPipe(model, [2, 3], devices=cpu_devices(2, threaded), chunks=chunks,
+                  checkpoint=checkpoint, deferred_batch_norm=True)
     assert len([m for m in gpipe.modules() if isinstance(m, DeferredBatchNorm)]) == 1
 
     for _ in range(3):
@@ -69,12 +75,12 @@ def test_running_statistics_equal_the_unwrapped_full_batch(kind: str, batch_size
     torch.testing.assert_close(gpipe(x), reference(x))
 
 
-def test_without_deferral_statistics_follow_micro_batches() -> None:
+def test_without_deferral_statistics_follow_micro_batches(threaded: bool) -> None:
     """The property is real: plain BatchNorm in GPipe does not match the full batch."""
     make_model: Callable[[], nn.Sequential] = MODELS['1d'][0]  # type: ignore[assignment]
     model = make_model()
     reference = copy.deepcopy(model)
-    gpipe = GPipe(model, [2, 3], devices=['cpu', 'cpu'], chunks=4)
+    gpipe = GPipe(model, [2, 3], devices=cpu_devices(2, threaded), chunks=4)
     x = torch.randn(8, 4) * 3 + 1
     reference(x)
     gpipe(x)

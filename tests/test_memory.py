@@ -1,7 +1,8 @@
 """Property 5: with checkpointing, a partition keeps only its boundary activations.
 
 Bytes saved for backward are counted with saved_tensors_hooks, which are
-thread-local, so the hooks are also installed in the worker threads.
+thread-local, so the hooks are also installed in the worker threads. Both
+execution paths are measured (the ``threaded`` fixture of conftest.py).
 """
 import threading
 from typing import Any, Dict, Iterator
@@ -11,6 +12,7 @@ import torch
 from torch import Tensor, nn
 
 import torchgpipe.worker
+from helpers import cpu_devices
 from torchgpipe import GPipe
 
 
@@ -71,9 +73,9 @@ def deep_mlp(depth: int = 16, width: int = 64) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def saved_bytes_of_forward(saved: SavedBytes, checkpoint: str, chunks: int = 4,
-                           balance: tuple = (8, 8, 8, 8)) -> int:
-    gpipe = GPipe(deep_mlp(), list(balance), devices=['cpu'] * len(balance), chunks=chunks,
+def saved_bytes_of_forward(saved: SavedBytes, checkpoint: str, threaded: bool) -> int:
+    balance = [8, 8, 8, 8]
+    gpipe = GPipe(deep_mlp(), balance, devices=cpu_devices(len(balance), threaded), chunks=4,
                   checkpoint=checkpoint)
     input = torch.randn(64, 64)
     with saved.hooks():
@@ -83,8 +85,9 @@ def saved_bytes_of_forward(saved: SavedBytes, checkpoint: str, chunks: int = 4,
     return total
 
 
-def test_checkpointing_keeps_only_partition_boundaries(saved: SavedBytes) -> None:
-    total = saved_bytes_of_forward(saved, 'always')
+def test_checkpointing_keeps_only_partition_boundaries(saved: SavedBytes,
+                                                       threaded: bool) -> None:
+    total = saved_bytes_of_forward(saved, 'always', threaded)
     # Each of the 4 partitions keeps its input micro-batches: 64 x 64 floats.
     # (The model's parameters are saved too: the weights of the recomputed
     # layers are not saved in the first pass, so they may not count.)
@@ -94,12 +97,12 @@ def test_checkpointing_keeps_only_partition_boundaries(saved: SavedBytes) -> Non
     assert saved.rng_states == 16
 
 
-def test_checkpointing_saves_far_less_than_never(saved: SavedBytes) -> None:
-    never = saved_bytes_of_forward(saved, 'never')
+def test_checkpointing_saves_far_less_than_never(saved: SavedBytes, threaded: bool) -> None:
+    never = saved_bytes_of_forward(saved, 'never', threaded)
     saved.clear()
-    except_last = saved_bytes_of_forward(saved, 'except_last')
+    except_last = saved_bytes_of_forward(saved, 'except_last', threaded)
     saved.clear()
-    always = saved_bytes_of_forward(saved, 'always')
+    always = saved_bytes_of_forward(saved, 'always', threaded)
     assert always < except_last < never
     # 32 layers per micro-batch kept without checkpointing, 4 boundaries with.
     assert always * 4 < never

@@ -3,7 +3,8 @@
 Forward: tasks are issued by clock cycle, micro-batches 0..m-1 on each
 partition. Backward: micro-batches m-1..0 on each partition, each
 recomputation right before its own backward and after the backward of the
-next micro-batch.
+next micro-batch. Both hold with every partition in the calling thread and
+with one worker thread per device (the ``threaded`` fixture of conftest.py).
 """
 from typing import List, Tuple
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from helpers import cpu_devices
 from torchgpipe import GPipe, is_recomputing
 from torchgpipe.pipeline import clock_cycles
 
@@ -41,13 +43,12 @@ class Recorder(nn.Module):
         return y
 
 
-def run(n: int, m: int, checkpoint: str, threaded: bool = False) -> List[Event]:
+def run(n: int, m: int, checkpoint: str, threaded: bool) -> List[Event]:
     events: List[Event] = []
     layers: List[nn.Module] = []
     for j in range(n):
         layers += [Recorder(j, events), nn.Identity()]
-    devices = [f'cpu:{j}' for j in range(n)] if threaded else ['cpu'] * n
-    gpipe = GPipe(nn.Sequential(*layers), [2] * n, devices=devices, chunks=m,
+    gpipe = GPipe(nn.Sequential(*layers), [2] * n, devices=cpu_devices(n, threaded), chunks=m,
                   checkpoint=checkpoint)
     input = torch.arange(m, dtype=torch.float).unsqueeze(1).repeat(1, 3)
     output = gpipe(input)
@@ -57,27 +58,29 @@ def run(n: int, m: int, checkpoint: str, threaded: bool = False) -> List[Event]:
 
 @pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
 @pytest.mark.parametrize('n, m', [(1, 4), (3, 1), (3, 4), (4, 8), (2, 5)])
-def test_forward_runs_by_clock_cycle(n: int, m: int, checkpoint: str) -> None:
-    events = run(n, m, checkpoint)
+def test_forward_runs_cycle_by_cycle(n: int, m: int, checkpoint: str, threaded: bool) -> None:
+    """Every task runs once, never before a task of an earlier clock cycle, and
+    each partition takes micro-batches 0..m-1 in order."""
+    events = run(n, m, checkpoint, threaded)
     forward = [(j, i) for kind, j, i in events if kind == 'F']
-    assert forward == [(j, i) for schedule in clock_cycles(m, n) for i, j in schedule]
+    assert sorted(forward) == [(j, i) for j in range(n) for i in range(m)]
+    clocks = [i + j for j, i in forward]
+    assert clocks == sorted(clocks)
     for j in range(n):
         assert [i for jj, i in forward if jj == j] == list(range(m))
 
 
 @pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
-@pytest.mark.parametrize('n, m', [(1, 4), (3, 4), (4, 8)])
-def test_threaded_forward_runs_cycle_by_cycle(n: int, m: int, checkpoint: str) -> None:
-    """With a thread per device, tasks of one cycle may interleave, but never two cycles."""
-    events = run(n, m, checkpoint, threaded=True)
-    clocks = [i + j for kind, j, i in events if kind == 'F']
-    assert clocks == sorted(clocks)
-    assert len(clocks) == n * m
-    for j in range(n):
-        assert [i for kind, jj, i in events if kind == 'F' and jj == j] == list(range(m))
+@pytest.mark.parametrize('n, m', [(1, 4), (3, 1), (3, 4), (4, 8), (2, 5)])
+def test_inline_forward_runs_in_schedule_order(n: int, m: int, checkpoint: str) -> None:
+    """Single-thread path only: there, tasks also run in the order clock_cycles
+    lists them within a cycle. With a thread per device, the tasks of one cycle
+    run concurrently and may interleave in any order."""
+    events = run(n, m, checkpoint, threaded=False)
+    forward = [(j, i) for kind, j, i in events if kind == 'F']
+    assert forward == [(j, i) for schedule in clock_cycles(m, n) for i, j in schedule]
 
 
-@pytest.mark.parametrize('threaded', [False, True], ids=['inline', 'threads'])
 @pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
 @pytest.mark.parametrize('n, m', [(1, 4), (3, 1), (3, 4), (4, 8), (2, 5)])
 def test_backward_runs_in_reverse_with_recomputation_right_before(n: int, m: int,

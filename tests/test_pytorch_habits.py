@@ -13,15 +13,10 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from helpers import assert_same_training_step, run_in_clock_order
+from helpers import assert_same_training_step, cpu_devices, run_in_clock_order
 from torchgpipe import GPipe
 
 MODES = ['always', 'except_last', 'never']
-PATHS = pytest.mark.parametrize('threaded', [False, True], ids=['inline', 'threads'])
-
-
-def devices(n: int, threaded: bool) -> List[str]:
-    return [f'cpu:{j}' for j in range(n)] if threaded else ['cpu'] * n
 
 
 def mlp() -> nn.Sequential:
@@ -29,7 +24,6 @@ def mlp() -> nn.Sequential:
                          nn.Linear(6, 6), nn.Tanh()).double()
 
 
-@PATHS
 @pytest.mark.parametrize('checkpoint', MODES)
 def test_backward_twice_through_a_retained_graph(checkpoint: str, threaded: bool) -> None:
     """The second backward recomputes again, from the same random numbers, and
@@ -37,7 +31,7 @@ def test_backward_twice_through_a_retained_graph(checkpoint: str, threaded: bool
     torch.manual_seed(0)
     model = mlp()
     reference = copy.deepcopy(model)
-    gpipe = GPipe(model, [2, 2, 2], devices=devices(3, threaded), chunks=3,
+    gpipe = GPipe(model, [2, 2, 2], devices=cpu_devices(3, threaded), chunks=3,
                   checkpoint=checkpoint)
     input = torch.randn(9, 6, dtype=torch.double)
 
@@ -53,10 +47,9 @@ def test_backward_twice_through_a_retained_graph(checkpoint: str, threaded: bool
             torch.testing.assert_close(p.grad, q.grad)
 
 
-@PATHS
 @pytest.mark.parametrize('checkpoint', MODES)
 def test_autograd_grad_twice_gives_the_same_gradients(checkpoint: str, threaded: bool) -> None:
-    gpipe = GPipe(mlp(), [3, 3], devices=devices(2, threaded), chunks=2, checkpoint=checkpoint)
+    gpipe = GPipe(mlp(), [3, 3], devices=cpu_devices(2, threaded), chunks=2, checkpoint=checkpoint)
     loss = gpipe(torch.randn(4, 6, dtype=torch.double)).sum()
     parameters = list(gpipe.parameters())
     first = torch.autograd.grad(loss, parameters, retain_graph=True)
@@ -78,7 +71,6 @@ def inplace_model() -> nn.Sequential:
                          nn.Linear(5, 5), nn.ReLU(inplace=True)).double()
 
 
-@PATHS
 @pytest.mark.parametrize('checkpoint', MODES)
 @pytest.mark.parametrize('balance', [[1, 2, 3], [3, 3], [1, 1, 1, 1, 1, 1]])
 def test_in_place_first_layer_of_a_partition_trains_identically(
@@ -86,7 +78,7 @@ def test_in_place_first_layer_of_a_partition_trains_identically(
     torch.manual_seed(0)
     model = inplace_model()
     reference = copy.deepcopy(model)
-    gpipe = GPipe(model, balance, devices=devices(len(balance), threaded), chunks=3,
+    gpipe = GPipe(model, balance, devices=cpu_devices(len(balance), threaded), chunks=3,
                   checkpoint=checkpoint)
     opt = torch.optim.SGD(gpipe.parameters(), lr=0.05)
     opt_ref = torch.optim.SGD(reference.parameters(), lr=0.05)
@@ -111,12 +103,11 @@ class SometimesInPlace(nn.Module):
         return x.mul_(2) if self.in_place else x * 2
 
 
-@PATHS
 def test_a_partition_that_starts_writing_into_its_input_is_an_error_then_works(
         threaded: bool) -> None:
     layer = SometimesInPlace()
     gpipe = GPipe(nn.Sequential(nn.Linear(3, 3), layer, nn.Linear(3, 3)), [1, 2],
-                  devices=devices(2, threaded), chunks=2, checkpoint='always')
+                  devices=cpu_devices(2, threaded), chunks=2, checkpoint='always')
     gpipe(torch.randn(4, 3)).sum().backward()
     layer.in_place = True
     with pytest.raises(RuntimeError, match='modified its input in place'):
@@ -150,13 +141,12 @@ def saved(module: nn.Module) -> nn.Module:
     return torch.load(buffer, weights_only=False)
 
 
-@PATHS
 @pytest.mark.parametrize('checkpoint', MODES)
 @pytest.mark.parametrize('copier', [deepcopy, pickled, saved])
 def test_a_copy_after_a_forward_trains_exactly_like_the_original(
         copier: Callable[[nn.Module], nn.Module], checkpoint: str, threaded: bool) -> None:
     torch.manual_seed(0)
-    gpipe = GPipe(inplace_model(), [2, 2, 2], devices=devices(3, threaded), chunks=3,
+    gpipe = GPipe(inplace_model(), [2, 2, 2], devices=cpu_devices(3, threaded), chunks=3,
                   checkpoint=checkpoint)
     gpipe(torch.randn(6, 5, dtype=torch.double)).sum().backward()
     gpipe.zero_grad()

@@ -16,25 +16,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
-from helpers import run_in_clock_order
+from helpers import cpu_devices, run_in_clock_order
 from torchgpipe import GPipe
 from torchgpipe.rng import Turns, restore_rng_states, save_rng_states
 
 MODES = ['always', 'except_last', 'never']
 
 
-def devices(n: int, threaded: bool) -> List[str]:
-    return [f'cpu:{j}' for j in range(n)] if threaded else ['cpu'] * n
-
-
-@pytest.mark.parametrize('threaded', [False, True], ids=['inline', 'threads'])
 @pytest.mark.parametrize('checkpoint', MODES)
 def test_stacked_dropout_gradient_is_output_over_input(checkpoint: str, threaded: bool) -> None:
     """Through dropout layers only, d(sum y)/dx = y / x exactly, if the backward
     uses the masks of the forward. A recomputation that drew other masks (as
     when another thread drew from the generator meanwhile) breaks it."""
     gpipe = GPipe(nn.Sequential(*[nn.Dropout(0.5) for _ in range(8)]), [2, 2, 2, 2],
-                  devices=devices(4, threaded), chunks=4, checkpoint=checkpoint)
+                  devices=cpu_devices(4, threaded), chunks=4, checkpoint=checkpoint)
     for _ in range(5):
         x = torch.rand(16, 64, dtype=torch.double).add_(0.5).requires_grad_()
         y = gpipe(x)
@@ -62,9 +57,9 @@ def test_threads_draw_what_one_thread_draws(checkpoint: str) -> None:
     both paths, step after step (the first steps learn which partitions draw)."""
     torch.manual_seed(0)
     model = dropout_model()
-    inline = GPipe(copy.deepcopy(model), [2, 3, 2], devices=devices(3, False), chunks=4,
+    inline = GPipe(copy.deepcopy(model), [2, 3, 2], devices=cpu_devices(3, False), chunks=4,
                    checkpoint=checkpoint)
-    threads = GPipe(copy.deepcopy(model), [2, 3, 2], devices=devices(3, True), chunks=4,
+    threads = GPipe(copy.deepcopy(model), [2, 3, 2], devices=cpu_devices(3, True), chunks=4,
                     checkpoint=checkpoint)
     for seed in range(4):
         input = torch.randn(8, 8, dtype=torch.double)
@@ -98,7 +93,7 @@ def test_dropout_transparency_on_threads(kinds: List[str], data: st.DataObject) 
 
     model = nn.Sequential(*[make_layer(k) for k in kinds]).double()
     reference = copy.deepcopy(model)
-    gpipe = GPipe(model, balance, devices=devices(n, True), chunks=chunks,
+    gpipe = GPipe(model, balance, devices=cpu_devices(n, True), chunks=chunks,
                   checkpoint=checkpoint)
     input = torch.randn(10, 6, dtype=torch.double)
     x1 = input.clone().requires_grad_()
@@ -126,7 +121,7 @@ class Noise(nn.Module):
 
 def test_which_partitions_draw_is_learned_per_training_mode() -> None:
     gpipe = GPipe(nn.Sequential(nn.Linear(4, 4), nn.Dropout(), Noise(), nn.Linear(4, 4)),
-                  [1, 1, 1, 1], devices=devices(4, True), chunks=2)
+                  [1, 1, 1, 1], devices=cpu_devices(4, True), chunks=2)
     traits = gpipe._run_state.traits
     gpipe(torch.randn(4, 4))
     assert [list(t.draws_random.values()) for t in traits] == [[False], [True], [True], [False]]
@@ -137,8 +132,8 @@ def test_which_partitions_draw_is_learned_per_training_mode() -> None:
 
 
 def test_one_thread_learns_nothing() -> None:
-    gpipe = GPipe(nn.Sequential(nn.Dropout(), nn.Linear(4, 4)), [1, 1], devices=devices(2, False),
-                  chunks=2)
+    gpipe = GPipe(nn.Sequential(nn.Dropout(), nn.Linear(4, 4)), [1, 1],
+                  devices=cpu_devices(2, False), chunks=2)
     gpipe(torch.randn(4, 4))
     assert all(t.draws_random == {} for t in gpipe._run_state.traits)
 

@@ -2,7 +2,8 @@
 
 Outputs, the input gradient and every parameter gradient equal those of the
 unwrapped model on the full batch, for any model, balance, chunks and
-checkpoint mode.
+checkpoint mode, with every partition in the calling thread or one worker
+thread per device (the ``threaded`` fixture of conftest.py).
 """
 import copy
 from typing import List, Tuple
@@ -13,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
-from helpers import assert_same_training_step, run_in_clock_order
+from helpers import assert_same_training_step, cpu_devices, run_in_clock_order
 from torchgpipe import GPipe
 
 WIDTH = 5
@@ -61,12 +62,6 @@ def pipelines(draw: st.DrawFn) -> Tuple[List[str], List[int], int, int, str]:
     return kinds, balance, chunks, batch_size, checkpoint
 
 
-def cpu_devices(n: int, threaded: bool) -> List[str]:
-    """n CPU devices: one shared device (tasks run in the calling thread), or
-    distinct indices (one worker thread each)."""
-    return [f'cpu:{j}' for j in range(n)] if threaded else ['cpu'] * n
-
-
 @settings(max_examples=80, deadline=None)
 @given(pipelines(), st.integers(0, 2**16), st.booleans())
 def test_outputs_and_gradients_equal_unwrapped(case: Tuple[List[str], List[int], int, int, str],
@@ -85,31 +80,32 @@ def test_outputs_and_gradients_equal_unwrapped(case: Tuple[List[str], List[int],
 
 @pytest.mark.parametrize('batch_size, chunks', [(10, 4), (3, 8), (7, 7), (1, 3)])
 @pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
-def test_uneven_and_small_batches(batch_size: int, chunks: int, checkpoint: str) -> None:
+def test_uneven_and_small_batches(batch_size: int, chunks: int, checkpoint: str,
+                                  threaded: bool) -> None:
     model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH),
                           nn.ReLU()).double()
     input = torch.randn(batch_size, WIDTH, dtype=torch.double)
     assert_same_training_step(
-        model, lambda m: GPipe(m, [1, 2, 1], devices=['cpu'] * 3, chunks=chunks,
+        model, lambda m: GPipe(m, [1, 2, 1], devices=cpu_devices(3, threaded), chunks=chunks,
                                checkpoint=checkpoint),
         input)
 
 
-def test_float32_matches_closely() -> None:
+def test_float32_matches_closely(threaded: bool) -> None:
     model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.ReLU()) for _ in range(6)])
     input = torch.randn(24, 16)
     assert_same_training_step(
-        model, lambda m: GPipe(m, [2, 2, 1, 1], devices=['cpu'] * 4, chunks=5),
+        model, lambda m: GPipe(m, [2, 2, 1, 1], devices=cpu_devices(4, threaded), chunks=5),
         input, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
-def test_dropout_is_replayed_in_recomputation(checkpoint: str) -> None:
+def test_dropout_is_replayed_in_recomputation(checkpoint: str, threaded: bool) -> None:
     """Dropout draws one mask per micro-batch; the recomputation must redraw the same.
 
     The reference is the unwrapped model run on the micro-batches in clock
-    order, which draws the same random numbers as GPipe. If the
-    recomputation drew new masks, the gradients would not match.
+    order, which draws the same random numbers as GPipe, with worker threads
+    too. If the recomputation drew new masks, the gradients would not match.
     """
     balance = [2, 3, 2]
     chunks = 4
@@ -117,7 +113,8 @@ def test_dropout_is_replayed_in_recomputation(checkpoint: str) -> None:
                           nn.Linear(8, 8), nn.Dropout(0.3), nn.Tanh(),
                           nn.Dropout(0.5), nn.Linear(8, 8)).double()
     reference = copy.deepcopy(model)
-    gpipe = GPipe(model, balance, devices=['cpu'] * 3, chunks=chunks, checkpoint=checkpoint)
+    gpipe = GPipe(model, balance, devices=cpu_devices(3, threaded), chunks=chunks,
+                  checkpoint=checkpoint)
     input = torch.randn(8, 8, dtype=torch.double)
 
     torch.manual_seed(1)
@@ -135,7 +132,6 @@ def test_dropout_is_replayed_in_recomputation(checkpoint: str) -> None:
         torch.testing.assert_close(p.grad, q.grad, msg=name)
 
 
-@pytest.mark.parametrize('threaded', [False, True], ids=['inline', 'threads'])
 @pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
 def test_autocast_is_carried_into_workers_and_recomputation(checkpoint: str,
                                                             threaded: bool) -> None:
@@ -169,7 +165,6 @@ def test_autocast_is_carried_into_workers_and_recomputation(checkpoint: str,
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize('threaded', [False, True], ids=['inline', 'threads'])
 def test_autocast_off_inside_autocast_region_stays_off(threaded: bool) -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     gpipe = GPipe(model, [1, 1], devices=cpu_devices(2, threaded), chunks=2)
@@ -208,7 +203,6 @@ class Merge(nn.Module):
         return pair[0] + pair[1]
 
 
-@pytest.mark.parametrize('threaded', [False, True], ids=['inline', 'threads'])
 @pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
 @pytest.mark.parametrize('balance', [[1, 1, 1, 1], [2, 2], [1, 3], [3, 1]])
 def test_tuples_at_every_boundary(balance: List[int], checkpoint: str, threaded: bool) -> None:
@@ -221,12 +215,13 @@ def test_tuples_at_every_boundary(balance: List[int], checkpoint: str, threaded:
 
 
 @pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
-def test_tuple_input_with_a_tensor_that_needs_no_grad(checkpoint: str) -> None:
+def test_tuple_input_with_a_tensor_that_needs_no_grad(checkpoint: str, threaded: bool) -> None:
     torch.manual_seed(0)
     layers = [PairLinear(), Masked(), PairLinear(), Masked(), Merge()]
     model = nn.Sequential(*layers).double()
     reference = copy.deepcopy(model)
-    gpipe = GPipe(model, [2, 2, 1], devices=['cpu'] * 3, chunks=3, checkpoint=checkpoint)
+    gpipe = GPipe(model, [2, 2, 1], devices=cpu_devices(3, threaded), chunks=3,
+                  checkpoint=checkpoint)
 
     x = torch.randn(6, WIDTH, dtype=torch.double, requires_grad=True)
     mask = (torch.rand(6, WIDTH) > 0.5).double()
@@ -267,10 +262,11 @@ class Head(nn.Module):
 
 
 @pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
-def test_integer_tensors_cross_boundaries(checkpoint: str) -> None:
+def test_integer_tensors_cross_boundaries(checkpoint: str, threaded: bool) -> None:
     model = nn.Sequential(Embed(), Head()).double()
     reference = copy.deepcopy(model)
-    gpipe = GPipe(model, [1, 1], devices=['cpu'] * 2, chunks=4, checkpoint=checkpoint)
+    gpipe = GPipe(model, [1, 1], devices=cpu_devices(2, threaded), chunks=4,
+                  checkpoint=checkpoint)
 
     ids = torch.randint(10, (8,))
     scale = torch.ones(8, 1, dtype=torch.double)
@@ -284,14 +280,19 @@ def test_integer_tensors_cross_boundaries(checkpoint: str) -> None:
         torch.testing.assert_close(p.grad, q.grad)
 
 
-@pytest.mark.parametrize('threaded', [False, True], ids=['inline', 'threads'])
 def test_input_requiring_grad_receives_it_and_no_grad_mode_builds_no_graph(
         threaded: bool) -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    graph_built: List[bool] = []
+    for layer in model:
+        layer.register_forward_hook(lambda m, args, y: graph_built.append(y.requires_grad))
     gpipe = GPipe(model, [2, 1], devices=cpu_devices(2, threaded), chunks=2)
     with torch.no_grad():
         output = gpipe(torch.randn(4, 4, requires_grad=True))
     assert not output.requires_grad
+    # Not in any layer either, whichever thread ran it: the output alone is
+    # assembled in the calling thread, where no_grad is on anyway.
+    assert len(graph_built) == 2 * len(model) and not any(graph_built)
 
     x = torch.randn(4, 4, requires_grad=True)
     gpipe(x).sum().backward()
@@ -299,12 +300,13 @@ def test_input_requiring_grad_receives_it_and_no_grad_mode_builds_no_graph(
 
 
 @pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
-def test_repeated_steps_match_unwrapped_training(checkpoint: str) -> None:
+def test_repeated_steps_match_unwrapped_training(checkpoint: str, threaded: bool) -> None:
     """A few SGD steps: parameters stay equal to those of the unwrapped model."""
     model = nn.Sequential(nn.Linear(6, 12), nn.ReLU(), nn.Linear(12, 12), nn.ReLU(),
                           nn.Linear(12, 3)).double()
     reference = copy.deepcopy(model)
-    gpipe = GPipe(model, [2, 2, 1], devices=['cpu'] * 3, chunks=4, checkpoint=checkpoint)
+    gpipe = GPipe(model, [2, 2, 1], devices=cpu_devices(3, threaded), chunks=4,
+                  checkpoint=checkpoint)
     opt_ref = torch.optim.SGD(reference.parameters(), lr=0.1)
     opt = torch.optim.SGD(gpipe.parameters(), lr=0.1)
     for step in range(5):

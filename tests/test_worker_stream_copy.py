@@ -5,6 +5,7 @@ from typing import List
 import pytest
 import torch
 
+from helpers import cpu_devices
 from torchgpipe.copy import Copy, Wait
 from torchgpipe.microbatch import Batch
 from torchgpipe.stream import (CPUStream, as_cuda, current_stream, default_stream, get_device,
@@ -63,6 +64,7 @@ def thread_names(devices: List[torch.device]) -> List[str]:
 
 
 def test_one_worker_thread_per_distinct_device_and_clean_shutdown() -> None:
+    """Threaded path only: distinct devices, one worker thread each."""
     cpu0, cpu1 = torch.device('cpu', 0), torch.device('cpu', 1)
     names = thread_names([cpu0, cpu1, cpu0])
     assert names[0] == names[2] != names[1]
@@ -71,6 +73,7 @@ def test_one_worker_thread_per_distinct_device_and_clean_shutdown() -> None:
 
 
 def test_a_single_device_computes_in_the_calling_thread() -> None:
+    """Single-thread path only: one shared device starts no thread."""
     assert thread_names([CPU] * 3) == [threading.current_thread().name] * 3
 
 
@@ -79,6 +82,11 @@ THREADED = [torch.device('cpu', 0), torch.device('cpu', 1)]
 
 @pytest.mark.parametrize('grad_mode', [True, False])
 def test_workers_inherit_grad_mode_and_autocast(grad_mode: bool) -> None:
+    """Threaded path only: inline tasks share the caller's thread and so its state.
+
+    At the GPipe level, both paths are checked by the autocast and no_grad
+    tests of test_transparency.py.
+    """
     seen = []
 
     def compute() -> Batch:
@@ -95,8 +103,8 @@ def test_workers_inherit_grad_mode_and_autocast(grad_mode: bool) -> None:
     assert [state for _, *state in seen] == [[grad_mode, True, torch.bfloat16, False]] * 2
 
 
-@pytest.mark.parametrize('devices', [[CPU], THREADED], ids=['inline', 'threads'])
-def test_worker_reports_exceptions_and_keeps_working(devices: List[torch.device]) -> None:
+def test_worker_reports_exceptions_and_keeps_working(threaded: bool) -> None:
+    devices = [torch.device(name) for name in cpu_devices(2, threaded)]
     error = RuntimeError('inside')
 
     def fail() -> Batch:
