@@ -35,7 +35,8 @@ leaf in the recomputation. For such a partition (see
 """
 import threading
 from collections import deque
-from typing import Any, Callable, ContextManager, Deque, Dict, List, Optional, Sequence, Tuple, cast
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, Deque, Dict, Optional, Sequence, Tuple, cast
 
 import torch
 from torch import Tensor
@@ -142,6 +143,36 @@ def is_recomputing() -> bool:
     return thread_local.is_recomputing
 
 
+@dataclass
+class Context:
+    """What a :class:`Checkpoint` and its :class:`Recompute` share, apart from tensors.
+
+    Tensors go through the autograd functions' arguments and saved tensors,
+    which autograd tracks and releases; this holds the rest, and the
+    one-element boxes through which the passes hand over their results.
+    """
+
+    #: The partition, as a function of a tensor or a tuple of tensors.
+    function: Function
+    #: Whether the function takes a tensor rather than a tuple.
+    atomic: bool
+    #: How many leading tensor arguments are the input (then parameters,
+    #: or generator states).
+    num_inputs: int
+    #: What earlier runs showed about the partition; the first pass learns
+    #: whether it modifies its input in place.
+    traits: PartitionTraits
+    #: Whether the recomputation may draw from the CPU generator, and so
+    #: must hold it alone.
+    exclusive_rng: bool
+    #: The states to replay, from Checkpoint.forward to Checkpointing.recompute.
+    first_pass: Deque[FirstPass] = field(default_factory=lambda: deque(maxlen=1))
+    #: The recomputed graph, from Recompute.backward to Checkpoint.backward.
+    recomputed: Deque[Recomputed] = field(default_factory=lambda: deque(maxlen=1))
+    #: The autocast state to recompute in.
+    autocast_states: Optional[AutocastStates] = None
+
+
 class Checkpointing:
     """Generates a pair of :class:`Checkpoint` and :class:`Recompute` for one batch.
 
@@ -162,24 +193,18 @@ class Checkpointing:
 
     def __init__(self, function: Function, batch: Batch, parameters: Sequence[Tensor] = (),
                  traits: Optional[PartitionTraits] = None, exclusive_rng: bool = True) -> None:
-        self.function = function
         self.batch = batch
         self.parameters = tuple(p for p in parameters if p.requires_grad)
-        self.traits = PartitionTraits() if traits is None else traits
-        self.exclusive_rng = exclusive_rng
-        # The slots Checkpoint, Recompute and Checkpoint.backward share. A
-        # one-element deque is a mutable box that autograd does not look into.
-        self.recomputed: Deque[Recomputed] = deque(maxlen=1)
-        self.first_pass: Deque[FirstPass] = deque(maxlen=1)
+        self.context = Context(function, batch.atomic, len(batch),
+                               PartitionTraits() if traits is None else traits, exclusive_rng)
 
     def checkpoint(self) -> Batch:
         """Runs the function without keeping activations; returns the output batch."""
         # The phony requires grad, so the output always has a backward node to
         # hang the recomputation on, even if no input requires grad.
         phony = get_phony(self.batch[0].device, requires_grad=True)
-        output = Checkpoint.apply(phony, self.recomputed, self.first_pass,  # type: ignore[no-untyped-call]
-                                  self.function, self.traits, self.batch.atomic,
-                                  len(self.batch), *self.batch, *self.parameters)
+        output = Checkpoint.apply(phony, self.context,  # type: ignore[no-untyped-call]
+                                  *self.batch, *self.parameters)
         if isinstance(output, tuple):
             # Only floating point tensors can carry gradients.
             output = tuple(x if x.is_floating_point() else x.detach() for x in output)
@@ -192,17 +217,15 @@ class Checkpointing:
             batch (Batch): the output batch :meth:`checkpoint` returned; its
                 first tensor is replaced by one that carries the dependency
         """
-        rng_states, autocast_states = self.first_pass.pop()
+        (cpu_rng_state, gpu_rng_state), self.context.autocast_states = \
+            self.context.first_pass.pop()
         # Every floating point output requires grad: it came out of Checkpoint
         # with a phony that does. With none, there is no backward to precede.
         index = batch.find(lambda x: x.requires_grad)
         if index is None:
             return
-        cpu_rng_state, gpu_rng_state = rng_states
-        rng_tensors = (cpu_rng_state,) if gpu_rng_state is None else rng_states
-        batch[index] = Recompute.apply(batch[index], self.recomputed,  # type: ignore[no-untyped-call]
-                                       autocast_states, self.function, self.traits,
-                                       self.exclusive_rng, self.batch.atomic, len(self.batch),
+        rng_tensors = (cpu_rng_state,) if gpu_rng_state is None else (cpu_rng_state, gpu_rng_state)
+        batch[index] = Recompute.apply(batch[index], self.context,  # type: ignore[no-untyped-call]
                                        *self.batch, *rng_tensors)
 
 
@@ -249,29 +272,47 @@ def call_on_copies(function: Function, input: Sequence[Tensor], atomic: bool,
 
 
 class Checkpoint(torch.autograd.Function):
-    """Runs the function without keeping activations; backward uses :class:`Recompute`'s graph."""
+    """Runs the function without keeping activations; backward uses :class:`Recompute`'s graph.
+
+    Why the parameters are arguments of Checkpoint, and what
+    :func:`reachable_leaves` is for::
+
+        without checkpointing             with checkpointing
+
+        W ──► F(0,j) ─┐                   W ──┬──► Checkpoint(0,j)
+        W ──► F(1,j) ─┤  engine sums          └──► Checkpoint(1,j)
+                      ▼  then once:                    │ backward: autograd.grad through
+                AccumulateGrad(W)                      │ the recomputed graph, returns
+                                                       ▼ dW as the gradient of input W
+                                              AccumulateGrad(W), once, after the
+                                              engine summed dW over micro-batches
+
+    The backward differentiates the recomputed graph with
+    :func:`torch.autograd.grad`, which returns gradients instead of
+    accumulating them. Returning each parameter's as the gradient of a
+    Checkpoint input leaves the accumulation to the engine, once per backward
+    pass as without checkpointing: hooks on it (DistributedDataParallel's)
+    fire as usual. ``autograd.grad`` needs the list of leaves to
+    differentiate for; :func:`reachable_leaves` walks the recomputed graph to
+    find them all, so leaves that are neither the input nor a parameter of
+    the partition (a tensor a layer captured) get their gradients too.
+    """
 
     @staticmethod
-    def forward(ctx: Any,
-                phony: Tensor,
-                recomputed: Deque[Recomputed],
-                first_pass: Deque[FirstPass],
-                function: Function,
-                traits: PartitionTraits,
-                input_atomic: bool,
-                num_inputs: int,
+    def forward(ctx: Any, phony: Tensor, context: Context,
                 *input_and_parameters: Tensor) -> TensorOrTensors:
-        ctx.recomputed = recomputed
-        input = input_and_parameters[:num_inputs]
-        ctx.parameters = input_and_parameters[num_inputs:]
+        ctx.context = context
+        input = input_and_parameters[:context.num_inputs]
+        ctx.parameters = input_and_parameters[context.num_inputs:]
         ctx.parameter_ids = {id(p) for p in ctx.parameters}
 
-        first_pass.append((save_rng_states(input[0].device), save_autocast_states()))
+        context.first_pass.append((save_rng_states(input[0].device), save_autocast_states()))
 
+        function, atomic, traits = context.function, context.atomic, context.traits
         with torch.no_grad(), enable_checkpointing():
             if traits.modifies_input is False:
                 versions = [x._version for x in input]
-                output = function(input[0] if input_atomic else input)
+                output = function(input[0] if atomic else input)
                 if any(x._version != v for x, v in zip(input, versions)):
                     # The input the recomputation needs is lost.
                     traits.modifies_input = True
@@ -282,13 +323,13 @@ class Checkpoint(torch.autograd.Function):
             else:
                 # Not known to leave its input alone: run on a copy, so the
                 # input saved for the recomputation stays as it is.
-                output, modified = call_on_copies(function, input, input_atomic)
+                output, modified = call_on_copies(function, input, atomic)
                 traits.modifies_input = bool(traits.modifies_input) or modified
         return output
 
     @staticmethod
     def backward(ctx: Any, *grad_output: Tensor) -> Tuple[Optional[Tensor], ...]:
-        output, input_leaf = ctx.recomputed.pop()
+        output, input_leaf = ctx.context.recomputed.pop()
         outputs = (output,) if isinstance(output, Tensor) else output
         pairs = [(o, g) for o, g in zip(outputs, grad_output) if o.requires_grad and g is not None]
 
@@ -309,10 +350,9 @@ class Checkpoint(torch.autograd.Function):
                     leaf = leaves[key]
                     leaf.grad = grad if leaf.grad is None else leaf.grad + grad
 
-        grad_input: List[Optional[Tensor]] = [None] * 7
-        grad_input.extend(grads.get(id(x)) for x in input_leaf)
-        grad_input.extend(grads.get(id(p)) for p in ctx.parameters)
-        return tuple(grad_input)
+        # None for the phony and the context, then the input and the parameters.
+        return (None, None, *(grads.get(id(x)) for x in input_leaf),
+                *(grads.get(id(p)) for p in ctx.parameters))
 
 
 def reachable_leaves(tensors: Sequence[Tensor]) -> Dict[int, Tensor]:
@@ -348,23 +388,9 @@ class Recompute(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any,
-                output: Tensor,
-                recomputed: Deque[Recomputed],
-                autocast_states: AutocastStates,
-                function: Function,
-                traits: PartitionTraits,
-                exclusive_rng: bool,
-                input_atomic: bool,
-                num_inputs: int,
+    def forward(ctx: Any, output: Tensor, context: Context,
                 *input_and_rng_states: Tensor) -> Tensor:
-        ctx.recomputed = recomputed
-        ctx.autocast_states = autocast_states
-        ctx.function = function
-        ctx.traits = traits
-        ctx.exclusive_rng = exclusive_rng
-        ctx.input_atomic = input_atomic
-        ctx.num_inputs = num_inputs
+        ctx.context = context
         # Saved tensors, not attributes: they are released by a backward
         # pass unless the graph is retained, and then they are kept for the
         # next recomputation.
@@ -373,20 +399,24 @@ class Recompute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor) -> Tuple[Optional[Tensor], ...]:
+        context: Context = ctx.context
         saved = ctx.saved_tensors
-        input, rng_tensors = saved[:ctx.num_inputs], saved[ctx.num_inputs:]
+        input, rng_tensors = saved[:context.num_inputs], saved[context.num_inputs:]
         rng_states = (rng_tensors[0], rng_tensors[1] if len(rng_tensors) > 1 else None)
         input_leaf = tuple(x.detach().requires_grad_(x.requires_grad) for x in input)
 
-        with restore_rng_states(input[0].device, rng_states, exclusive=ctx.exclusive_rng), \
-                restore_autocast_states(ctx.autocast_states), \
+        assert context.autocast_states is not None
+        with restore_rng_states(input[0].device, rng_states, exclusive=context.exclusive_rng), \
+                restore_autocast_states(context.autocast_states), \
                 torch.enable_grad(), enable_recomputing():
-            if ctx.traits.modifies_input:
+            if context.traits.modifies_input:
                 # In place on a leaf is an error, and would change the saved input.
-                output, _ = call_on_copies(ctx.function, input_leaf, ctx.input_atomic)
+                output, _ = call_on_copies(context.function, input_leaf, context.atomic)
             else:
-                output = ctx.function(input_leaf[0] if ctx.input_atomic else input_leaf)
+                output = context.function(input_leaf[0] if context.atomic else input_leaf)
 
-        ctx.recomputed.append((output, input_leaf))
+        context.recomputed.append((output, input_leaf))
 
-        return (grad_output,) + (None,) * (7 + len(saved))
+        # The output's gradient passes through; nothing for the context and
+        # the saved tensors.
+        return (grad_output, None, *(None for _ in saved))
