@@ -11,7 +11,7 @@ from typing import Any, ContextManager, Generator, List, Optional, Tuple
 
 import torch
 
-__all__ = ['AutocastStates', 'save_autocast_states', 'restore_autocast_states']
+__all__: List[str] = []
 
 #: The dtype of every enabled autocast, per device type, and the weight cast
 #: cache flag.

@@ -47,8 +47,8 @@ from torchgpipe.phony import get_phony
 from torchgpipe.rng import RNGStates, restore_rng_states, save_rng_states
 from torchgpipe.traits import PartitionTraits
 
-__all__ = ['is_checkpointing', 'is_recomputing', 'enable_checkpointing', 'enable_recomputing',
-           'Checkpointing', 'Checkpoint', 'Recompute', 'checkpoint']
+# The two flags are public (exported by the package); the rest is internal.
+__all__ = ['is_checkpointing', 'is_recomputing']
 
 Function = Callable[[TensorOrTensors], TensorOrTensors]
 

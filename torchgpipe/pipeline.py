@@ -31,7 +31,7 @@ from torchgpipe.stream import AbstractStream, is_cuda, use_device
 from torchgpipe.traits import PartitionTraits
 from torchgpipe.worker import ExcInfo, InQueue, OutQueue, Task, distinct_devices, spawn_workers
 
-__all__ = ['Pipeline', 'clock_cycles']
+__all__: List[str] = []
 
 
 def clock_cycles(m: int, n: int) -> Iterable[List[Tuple[int, int]]]:

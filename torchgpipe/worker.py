@@ -29,7 +29,7 @@ from torchgpipe.autocast import AutocastStates, restore_autocast_states, save_au
 from torchgpipe.microbatch import Batch
 from torchgpipe.stream import AbstractStream, use_device, use_stream
 
-__all__ = ['Task', 'worker', 'spawn_workers', 'distinct_devices']
+__all__: List[str] = []
 
 ExcInfo = Tuple[Type[BaseException], BaseException, TracebackType]
 
