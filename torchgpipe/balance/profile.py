@@ -20,11 +20,11 @@ from torch import Tensor, nn
 from torch.autograd.graph import saved_tensors_hooks
 
 from torchgpipe import microbatch
-from torchgpipe.microbatch import Batch, TensorOrTensors
+from torchgpipe.microbatch import Batch, TensorOrTensors, map_tensors
 from torchgpipe.skip.namespace import Namespace
 from torchgpipe.skip.tracker import SkipTracker, use_skip_tracker
 
-__all__ = ['layerwise_sandbox', 'profile_times', 'profile_sizes']
+__all__: List[str] = []
 
 
 def layerwise_sandbox(module: nn.Sequential,
@@ -238,9 +238,7 @@ def refuse_gradients(module: nn.Module) -> None:
 
 def to_device(values: TensorOrTensors, device: torch.device) -> TensorOrTensors:
     """Moves the sample to the device, detached from any graph of the user's."""
-    if isinstance(values, Tensor):
-        return detach_tensor(values.to(device))
-    return tuple(detach_tensor(x.to(device)) for x in values)
+    return map_tensors(lambda x: detach_tensor(x.to(device)), values)
 
 
 def fresh_input(values: TensorOrTensors) -> TensorOrTensors:
@@ -251,9 +249,7 @@ def fresh_input(values: TensorOrTensors) -> TensorOrTensors:
     copy (not a leaf), it may be modified in place, as by
     ``nn.ReLU(inplace=True)``, without touching the sample for the next pass.
     """
-    if isinstance(values, Tensor):
-        return detach_tensor(values).clone()
-    return tuple(detach_tensor(x).clone() for x in values)
+    return map_tensors(lambda x: detach_tensor(x).clone(), values)
 
 
 def detach_tensor(tensor: Tensor) -> Tensor:
