@@ -732,7 +732,7 @@ def test_namespaces_are_distinct_and_ordered() -> None:
 
 
 def test_tracker_keeps_its_old_misspelled_name() -> None:
-    """torchgpipe 0.0.7 spelled the class SkipTrackerThroughPotals; code importing it still works."""
+    """0.0.7 spelled the class SkipTrackerThroughPotals; code importing that name still works."""
     from torchgpipe.skip.tracker import SkipTrackerThroughPortals, SkipTrackerThroughPotals
 
     assert SkipTrackerThroughPotals is SkipTrackerThroughPortals

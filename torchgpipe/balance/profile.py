@@ -82,8 +82,10 @@ def profile_times(module: nn.Sequential, sample: TensorOrTensors, timeout: float
 
 def timed_pass(module: nn.Sequential, sample: TensorOrTensors, device: torch.device,
                elapsed: List[float]) -> None:
-    """Runs one forward and backward pass, layer by layer, adding each layer's
-    time in seconds to ``elapsed``."""
+    """Runs one forward and backward pass, layer by layer, adding each layer's time to ``elapsed``.
+
+    Times are in seconds.
+    """
     # Fresh copies every pass: one layer at a time on the device, and no
     # gradient carried over from the previous pass.
     tracker = SandboxSkipTracker()
@@ -200,12 +202,13 @@ def saved_by_forward(layer: nn.Module, values: TensorOrTensors,
 
 
 class SandboxSkipTracker(SkipTracker):
-    """Keeps detached skip tensors, so a popping layer's backward does not
-    reach into the stashing layer's graph.
+    """A skip tracker that hands each pop its tensor detached from the stashing layer's graph.
 
-    The stashed tensors themselves are kept aside until
-    :meth:`take_stashed`: they belong to the stashing layer, whose backward
-    pass (for time) or memory (for size) they are part of.
+    Detached, so that a popping layer's backward stays within that layer,
+    like the backward of every profiled layer. The stashed tensors
+    themselves are kept aside until :meth:`take_stashed`: they belong to the
+    stashing layer, whose backward pass (for time) or memory (for size)
+    they are part of.
     """
 
     def __init__(self) -> None:
@@ -219,7 +222,7 @@ class SandboxSkipTracker(SkipTracker):
         super().save(batch, ns, name, tensor)
 
     def take_stashed(self) -> List[Tensor]:
-        """The tensors stashed since the last call."""
+        """Returns the tensors stashed since the last call, and forgets them."""
         stashed = self.stashed
         self.stashed = []
         return stashed
