@@ -21,7 +21,7 @@ from torchgpipe.stream import (AbstractStream, current_stream, get_device, recor
 __all__: List[str] = []
 
 # Gradients may be undefined (None) in a backward pass.
-Tensors = Tuple[Optional[Tensor], ...]
+OptionalTensors = Tuple[Optional[Tensor], ...]
 
 
 class Copy(torch.autograd.Function):
@@ -34,7 +34,7 @@ class Copy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any,
                 prev_stream: AbstractStream, next_stream: AbstractStream,
-                *input: Optional[Tensor]) -> Tensors:
+                *input: Optional[Tensor]) -> OptionalTensors:
         ctx.prev_stream = prev_stream
         ctx.next_stream = next_stream
         return copy_tensors(prev_stream, next_stream, input)
@@ -45,7 +45,8 @@ class Copy(torch.autograd.Function):
         return (None, None) + grad_input
 
 
-def copy_tensors(source: AbstractStream, target: AbstractStream, tensors: Tensors) -> Tensors:
+def copy_tensors(source: AbstractStream, target: AbstractStream,
+                 tensors: OptionalTensors) -> OptionalTensors:
     """Copies tensors from ``source``'s device to ``target``'s, on those two streams.
 
     Args:
@@ -89,7 +90,7 @@ class Wait(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any,
                 prev_stream: AbstractStream, next_stream: AbstractStream,
-                *input: Optional[Tensor]) -> Tensors:
+                *input: Optional[Tensor]) -> OptionalTensors:
         ctx.prev_stream = prev_stream
         ctx.next_stream = next_stream
         return _wait(prev_stream, next_stream, input)
@@ -100,12 +101,14 @@ class Wait(torch.autograd.Function):
         return (None, None) + grad_input
 
 
-def _wait(source: AbstractStream, target: AbstractStream, tensors: Tensors) -> Tensors:
+def _wait(source: AbstractStream, target: AbstractStream,
+          tensors: OptionalTensors) -> OptionalTensors:
     """Makes ``target`` wait for ``source``, and hands the tensors over to ``target``."""
     wait_stream(target, source)
     for x in tensors:
         if x is not None:
-            # From now on the tensor is also used on the target stream.
+            # The target stream uses the tensor too: its memory must not be
+            # reused until the target is done with it.
             record_stream(x, target)
     # Detached: a Function must return new tensors, not its inputs.
     return tuple(x if x is None else x.detach() for x in tensors)

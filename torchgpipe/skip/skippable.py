@@ -4,8 +4,8 @@ A skippable layer's ``forward`` is a generator. It yields :class:`stash` to
 hand a tensor to a later layer and :class:`pop` to receive one from an
 earlier layer, and returns its output. :class:`Skippable` runs that generator
 and routes the commands to the current skip tracker
-(:mod:`torchgpipe.skip.tracker`), which is a plain dictionary outside GPipe
-and a set of portals inside it.
+(:mod:`torchgpipe.skip.tracker`): a plain dictionary outside GPipe, and
+inside it portals for the skips that cross partitions.
 """
 from typing import (Any, Callable, ClassVar, Dict, FrozenSet, Generator, Iterable, List,
                     Optional, Set, Tuple, Type, TypeVar, cast)
@@ -199,9 +199,9 @@ class Skippable(nn.Module):
 
         output = self.dispatch(input, handle_stash, handle_pop)
 
-        # The layout of the pipeline was planned from the declarations: a
-        # declared skip the call left out would leave a later pop waiting
-        # for a tensor that never comes.
+        # GPipe planned its portals from the declarations: a declared skip
+        # the call left out would fail later, at a pop or a portal far from
+        # its cause, so it is reported here.
         not_stashed = self.stashable_names - stashed_tensors.keys()
         if not_stashed:
             raise RuntimeError(f'{quote_names(not_stashed)} must be stashed but have not')
