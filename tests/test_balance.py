@@ -165,8 +165,9 @@ def test_balance_by_time_isolates_the_slow_layer() -> None:
 
 
 def test_balance_by_time_evens_out() -> None:
-    # [20 10 | 10 10 10] is 30/30 ms; any other split has a 40 ms side.
-    model = nn.Sequential(Sleep(0.02), Sleep(0.01), Sleep(0.01), Sleep(0.01), Sleep(0.01))
+    # [40 20 | 20 20 20] is 60/60 ms; any other split has an 80 ms side. The
+    # 20 ms margin absorbs the oversleeping of a loaded machine.
+    model = nn.Sequential(Sleep(0.04), Sleep(0.02), Sleep(0.02), Sleep(0.02), Sleep(0.02))
     balance = balance_by_time(2, model, torch.rand(4, 4), timeout=0.05, device=CPU)
     assert balance == [2, 3]
 

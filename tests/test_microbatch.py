@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchgpipe.microbatch import Batch, check, gather, scatter
+from torchgpipe.microbatch import Batch, check, gather, map_tensors, scatter
 
 
 def test_atomic_batch() -> None:
@@ -46,6 +46,16 @@ def test_tuple_batch() -> None:
     assert batch.find(lambda t: t.sum() > 0) is None
     assert Batch((x, y)).find(lambda t: t.sum() > 0) == 1
     assert 'atomic=False' in repr(batch)
+
+
+def test_map_tensors_keeps_the_form() -> None:
+    x, y = torch.zeros(1), torch.ones(1)
+    doubled = map_tensors(lambda t: t * 2, x)
+    assert isinstance(doubled, torch.Tensor) and torch.equal(doubled, x * 2)
+    pair = map_tensors(lambda t: t + 1, (x, y))
+    assert isinstance(pair, tuple) and len(pair) == 2
+    assert torch.equal(pair[0], x + 1) and torch.equal(pair[1], y + 1)
+    assert map_tensors(lambda t: t, ()) == ()
 
 
 def test_check() -> None:

@@ -729,3 +729,10 @@ def test_namespaces_are_distinct_and_ordered() -> None:
     assert a != 'namespace'
     with pytest.raises(TypeError):
         a < 'namespace'  # noqa: B015
+
+
+def test_tracker_keeps_its_old_misspelled_name() -> None:
+    """0.0.7 spelled the class SkipTrackerThroughPotals; code importing that name still works."""
+    from torchgpipe.skip.tracker import SkipTrackerThroughPortals, SkipTrackerThroughPotals
+
+    assert SkipTrackerThroughPotals is SkipTrackerThroughPortals

@@ -10,7 +10,7 @@ travel the same way back, on the same streams, in reverse::
     forward:  compute(j) ─Wait─► copy stream(j) ─Copy─► copy stream(j+1) ─Wait─► compute(j+1)
     backward: compute(j) ◄─Wait─ copy stream(j) ◄─Copy─ copy stream(j+1) ◄─Wait─ compute(j+1)
 """
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -18,19 +18,23 @@ from torch import Tensor
 from torchgpipe.stream import (AbstractStream, current_stream, get_device, record_stream,
                                use_stream, wait_stream)
 
-__all__ = ['Copy', 'Wait', 'copy_tensors']
+__all__: List[str] = []
 
 # Gradients may be undefined (None) in a backward pass.
-Tensors = Tuple[Optional[Tensor], ...]
+OptionalTensors = Tuple[Optional[Tensor], ...]
 
 
 class Copy(torch.autograd.Function):
-    """Copies tensors from ``prev_stream``'s device to ``next_stream``'s device."""
+    """Copies tensors to ``next_stream``'s device, and their gradients back.
+
+    Called as ``Copy.apply(prev_stream, next_stream, *tensors)``; returns the
+    copies, as a tuple.
+    """
 
     @staticmethod
     def forward(ctx: Any,
                 prev_stream: AbstractStream, next_stream: AbstractStream,
-                *input: Optional[Tensor]) -> Tensors:
+                *input: Optional[Tensor]) -> OptionalTensors:
         ctx.prev_stream = prev_stream
         ctx.next_stream = next_stream
         return copy_tensors(prev_stream, next_stream, input)
@@ -41,8 +45,18 @@ class Copy(torch.autograd.Function):
         return (None, None) + grad_input
 
 
-def copy_tensors(source: AbstractStream, target: AbstractStream, tensors: Tensors) -> Tensors:
-    """Copies tensors from ``source``'s device to ``target``'s, on those two streams."""
+def copy_tensors(source: AbstractStream, target: AbstractStream,
+                 tensors: OptionalTensors) -> OptionalTensors:
+    """Copies tensors from ``source``'s device to ``target``'s, on those two streams.
+
+    Args:
+        source: a stream of the tensors' device
+        target: a stream of the destination device
+        tensors: the tensors; ``None`` (an undefined gradient) passes as it is
+
+    Returns:
+        the copies, in order
+    """
     device = get_device(target)
     # Tensors produced here are consumed on the target device's current
     # stream (its compute stream, or the stream of the next Copy) once a Wait
@@ -66,12 +80,17 @@ def copy_tensors(source: AbstractStream, target: AbstractStream, tensors: Tensor
 
 
 class Wait(torch.autograd.Function):
-    """Makes ``next_stream`` wait for ``prev_stream``; the tensors pass through unchanged."""
+    """Makes ``next_stream`` wait for ``prev_stream``; the tensors pass through unchanged.
+
+    Called as ``Wait.apply(prev_stream, next_stream, *tensors)``. In the
+    backward pass, ``prev_stream`` waits for ``next_stream`` instead, before
+    the gradients go on.
+    """
 
     @staticmethod
     def forward(ctx: Any,
                 prev_stream: AbstractStream, next_stream: AbstractStream,
-                *input: Optional[Tensor]) -> Tensors:
+                *input: Optional[Tensor]) -> OptionalTensors:
         ctx.prev_stream = prev_stream
         ctx.next_stream = next_stream
         return _wait(prev_stream, next_stream, input)
@@ -82,11 +101,14 @@ class Wait(torch.autograd.Function):
         return (None, None) + grad_input
 
 
-def _wait(source: AbstractStream, target: AbstractStream, tensors: Tensors) -> Tensors:
+def _wait(source: AbstractStream, target: AbstractStream,
+          tensors: OptionalTensors) -> OptionalTensors:
+    """Makes ``target`` wait for ``source``, and hands the tensors over to ``target``."""
     wait_stream(target, source)
     for x in tensors:
         if x is not None:
-            # From now on the tensor is also used on the target stream.
+            # The target stream uses the tensor too: its memory must not be
+            # reused until the target is done with it.
             record_stream(x, target)
     # Detached: a Function must return new tensors, not its inputs.
     return tuple(x if x is None else x.detach() for x in tensors)

@@ -18,18 +18,18 @@ micro-batch ``i`` cannot run until ``B(i+1, j)`` has produced its input
 gradient, so everything before the fork on micro-batch ``i`` (its recomputation
 and ``B(i, j)``) runs after ``B(i+1, j)``.
 """
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from torchgpipe.phony import get_phony
 
-__all__ = ['fork', 'Fork', 'join', 'Join']
+__all__: List[str] = []
 
 
 def fork(input: Tensor) -> Tuple[Tensor, Tensor]:
-    """Branches a phony off the input, to be joined elsewhere with :func:`join`.
+    """Branches a phony off the input, to be joined into another tensor with :func:`join`.
 
     Args:
         input (torch.Tensor): the tensor to fork
@@ -46,7 +46,12 @@ def fork(input: Tensor) -> Tuple[Tensor, Tensor]:
 
 
 class Fork(torch.autograd.Function):
-    """``x -> (x, phony)``; backward waits for both gradients and passes ``x``'s."""
+    """The autograd function behind :func:`fork`: it returns ``input`` and a phony.
+
+    Its backward runs once the gradients of both outputs are in, which is
+    how it waits for the tensor the phony was joined into. It passes on
+    ``input``'s gradient and drops the phony's.
+    """
 
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, input: Tensor) -> Tuple[Tensor, Tensor]:
@@ -75,7 +80,11 @@ def join(input: Tensor, phony: Tensor) -> Tensor:
 
 
 class Join(torch.autograd.Function):
-    """``(x, phony) -> x``; backward passes ``x``'s gradient and releases the phony's."""
+    """The autograd function behind :func:`join`: it returns ``input`` and takes in a phony.
+
+    Its backward passes ``input``'s gradient on and gives the phony none;
+    once it has run, the phony's :class:`Fork` may run its backward.
+    """
 
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx,

@@ -10,7 +10,8 @@ import torch
 from torch import Tensor
 
 from torchgpipe._validation import describe
-__all__ = ['Batch', 'check', 'scatter', 'gather', 'Tensors', 'TensorOrTensors']
+
+__all__: List[str] = []
 
 Tensors = Tuple[Tensor, ...]
 TensorOrTensors = Union[Tensor, Tensors]
@@ -69,11 +70,19 @@ class Batch:
         return self._values
 
     def call(self, function: Function) -> 'Batch':
-        """Calls ``function`` on the value and wraps the result in a new batch."""
+        """Calls ``function`` on the value, as a layer is called, and wraps the result.
+
+        Args:
+            function (callable): takes and returns a tensor or a tuple of
+                tensors
+
+        Returns:
+            Batch: a new batch holding what ``function`` returned
+        """
         return Batch(function(self._values))
 
     def find(self, predicate: Callable[[Tensor], bool]) -> Optional[int]:
-        """The index of the first tensor satisfying ``predicate``, or ``None``."""
+        """Returns the index of the first tensor satisfying ``predicate``, or ``None``."""
         return next((i for i, x in enumerate(self) if predicate(x)), None)
 
     def __repr__(self) -> str:
@@ -118,6 +127,8 @@ class Batch:
         self._values = tuple(values)
 
     def _setitem_by_slice(self, index: slice, value: Sequence[Tensor]) -> None:
+        # Only [:], replacing every tensor at once: other slices would make a
+        # tuple batch of a different length, which no caller needs.
         if not (index.start is index.stop is index.step is None):
             raise NotImplementedError('only slice [:] supported')
         value = tuple(value)
@@ -207,7 +218,15 @@ def scatter(input: TensorOrTensors, chunks: int) -> List[Batch]:
 
 
 def gather(outputs: List[Batch]) -> TensorOrTensors:
-    """Concatenates the output micro-batches into a mini-batch along dimension 0."""
+    """Concatenates the output micro-batches into a mini-batch along dimension 0.
+
+    Args:
+        outputs (list of :class:`Batch`): the micro-batches, in order, all
+            of the same form (a tensor, or tuples of the same length)
+
+    Returns:
+        torch.Tensor or tuple of tensors: the mini-batch, in that form
+    """
     if len(outputs) == 1:
         # Nothing to concatenate: spare a copy.
         return outputs[0].values
@@ -215,3 +234,24 @@ def gather(outputs: List[Batch]) -> TensorOrTensors:
         return torch.cat([b.tensor for b in outputs])
     rotated = [b.tensors for b in outputs]
     return tuple(torch.cat(pieces) for pieces in zip(*rotated))
+
+
+def map_tensors(function: Callable[[Tensor], Tensor], values: TensorOrTensors) -> TensorOrTensors:
+    """Applies ``function`` to every tensor of a tensor or a tuple, keeping its form.
+
+    Args:
+        function (callable): takes and returns one tensor
+        values (torch.Tensor or tuple of tensors): the tensors
+
+    Returns:
+        torch.Tensor or tuple of tensors: ``function(values)`` for a tensor,
+        else the tuple of ``function(x)`` for every ``x`` of ``values``
+
+    Example::
+
+        >>> map_tensors(lambda x: x * 2, (torch.ones(1), torch.zeros(1)))
+        (tensor([2.]), tensor([0.]))
+    """
+    if isinstance(values, Tensor):
+        return function(values)
+    return tuple(function(x) for x in values)

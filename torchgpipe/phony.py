@@ -5,19 +5,19 @@ nodes to order them in the backward graph. It is empty so it costs no memory
 and no gradient arithmetic (footnote 3 of the paper), and it is cached per
 device so creating one in the hot path is free.
 """
-from typing import Dict, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 
 from torchgpipe.stream import default_stream, use_device, use_stream
 
-__all__ = ['get_phony']
+__all__: List[str] = []
 
 _phonies: Dict[Tuple[torch.device, bool], torch.Tensor] = {}
 
 
 def get_phony(device: torch.device, *, requires_grad: bool) -> torch.Tensor:
-    """Gets a phony: an empty tensor on the device, shared by every caller.
+    """Returns a phony: an empty tensor on the device, shared by every caller.
 
     Args:
         device (torch.device): the device of the phony

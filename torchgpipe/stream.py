@@ -7,15 +7,11 @@ that makes every stream operation below a no-op on CPU, so the pipeline can be
 written once and run on both.
 """
 from contextlib import nullcontext
-from typing import Any, ContextManager, Union, cast
+from typing import Any, ContextManager, List, Union, cast
 
 import torch
 
-__all__ = [
-    'CPUStream', 'AbstractStream', 'new_stream', 'current_stream', 'default_stream',
-    'use_device', 'use_stream', 'get_device', 'wait_stream', 'record_stream',
-    'is_cuda', 'as_cuda',
-]
+__all__: List[str] = []
 
 
 class CPUStreamType:
@@ -109,7 +105,7 @@ def record_stream(tensor: torch.Tensor, stream: AbstractStream) -> None:
 
 
 def is_cuda(stream: AbstractStream) -> bool:
-    """Whether the stream is a CUDA stream (not :data:`CPUStream`)."""
+    """Tells whether the stream is a CUDA stream rather than :data:`CPUStream`."""
     return stream is not CPUStream
 
 

@@ -1,22 +1,21 @@
-"""Automatic balancing: a ``balance`` for :class:`~torchgpipe.GPipe` from profiling.
+"""Automatic balancing: the ``balance`` argument of :class:`~torchgpipe.GPipe`, from profiling.
 
-Each layer of an :class:`nn.Sequential <torch.nn.Sequential>` is profiled,
-by time (:func:`balance_by_time`) or by memory (:func:`balance_by_size`), and
-the costs are split into contiguous partitions by
+Writing ``balance`` by hand means guessing what each layer costs. These
+functions measure it instead, layer by layer, by time
+(:func:`balance_by_time`) or by memory (:func:`balance_by_size`), and split
+the costs into contiguous partitions with
 :func:`torchgpipe.balance.blockpartition.solve`: the costliest partition is
 as cheap as possible, since the slowest (or fullest) device decides the
-pipeline's speed (or whether it fits), and among such splits the partitions
-are as even as possible.
+pipeline's speed (or whether the model fits), and among such splits the
+partitions are as even as possible.
 
 Example::
 
     from torchgpipe import GPipe
     from torchgpipe.balance import balance_by_time
 
-    partitions = torch.cuda.device_count()
     sample = torch.empty(128, 3, 224, 224)
-    balance = balance_by_time(partitions, model, sample)
-
+    balance = balance_by_time(torch.cuda.device_count(), model, sample)
     model = GPipe(model, balance, chunks=8)
 """
 import math
@@ -39,60 +38,48 @@ Device = Union[torch.device, int, str]
 
 
 def balance_cost(cost: List[int], partitions: int) -> List[int]:
-    """The number of layers in each block of the optimal partition of the costs."""
+    """Turns per-layer costs into a ``balance``: the layer count of each optimal block."""
     return [len(block) for block in blockpartition.solve(cost, partitions)]
 
 
 def balance_by_time(partitions: int, module: nn.Sequential, sample: TensorOrTensors, *,
                     timeout: float = 1.0, device: Device = torch.device('cuda')) -> List[int]:
-    """Naive automatic balancing by elapsed time per layer.
+    """Computes a ``balance`` that evens out the time of each partition.
 
-    Each layer runs its forward and backward passes on a copy of itself on
-    ``device``, one layer after the other, starting from ``sample``. After a
-    warm-up pass that is not counted (it pays for one-time initializations),
+    Every layer is timed, forward and backward, on a copy of itself on
+    ``device``, the layers one after the other starting from ``sample``. A
+    first pass pays for one-time initializations and is not counted; then
     whole passes are repeated until ``timeout`` seconds have passed since
-    the start, at least one. The layers are then split so that the slowest
-    partition is as fast as possible.
+    the start (at least one timed pass). The layers are then split so that
+    the slowest partition is as fast as possible, since it sets the pace of
+    the whole pipeline.
 
-    ``module`` is left as it was: its device, parameters, buffers and
-    training flag do not change, and no gradient is left behind. The random
-    number generators are restored too. Layers made with :func:`@skippable
-    <torchgpipe.skip.skippable>`, layers working in place, and tuples of
-    tensors between layers are supported.
-
-    Example::
-
-        sample = torch.empty(128, 3, 224, 224)
-        balance = balance_by_time(torch.cuda.device_count(), model, sample)
-        gpipe = GPipe(model, balance, chunks=8)
-
-    On CPU, profile there too:
-
-        >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU())
-        >>> balance = balance_by_time(2, model, torch.rand(16, 8), timeout=0.1, device='cpu')
-        >>> gpipe = GPipe(model, balance, devices=['cpu', 'cpu'], chunks=4)
-        >>> sum(balance)
-        4
+    Profiling leaves ``module`` untouched: its device, parameters, buffers
+    and training flag stay as they are, no gradient is left behind, and the
+    random number generators are restored. Layers made with
+    :func:`@skippable <torchgpipe.skip.skippable>`, layers that work in
+    place, and tuples of tensors between layers are all supported.
+    ``module`` and ``sample`` may be on any device: what is profiled is
+    copied to ``device``.
 
     Args:
-        partitions (int):
-            intended number of partitions
-        module (torch.nn.Sequential):
-            sequential module to be partitioned
-        sample (torch.Tensor or tuple of tensors):
-            example input with arbitrary batch size
+        partitions (int): how many partitions to split the layers into,
+            usually the number of devices
+        module (torch.nn.Sequential): the model to split
+        sample (torch.Tensor or tuple of tensors): an input of the model;
+            its batch size is free, but a batch like the training ones times
+            the layers as they will run
 
     Keyword Args:
-        timeout (float):
-            profiling iterates again if the timeout (in seconds) is not
-            exceeded (default: ``1.0``)
-        device ('cpu' or 'cuda' device):
-            CPU or CUDA device where each layer is profiled (default: the
+        timeout (float): how long to keep profiling, in seconds; more
+            passes average out noise (default: ``1.0``)
+        device ('cpu' or 'cuda' device): where to time the layers, ideally
+            a device like those the partitions will run on (default: the
             current CUDA device)
 
     Returns:
-        A list of number of layers in each partition. Use it for the
-        ``balance`` parameter of :class:`~torchgpipe.GPipe`.
+        list of ints: the number of layers of each partition, to pass to
+        :class:`~torchgpipe.GPipe` as ``balance``
 
     Raises:
         TypeError: ``module`` is not an :class:`nn.Sequential
@@ -103,9 +90,16 @@ def balance_by_time(partitions: int, module: nn.Sequential, sample: TensorOrTens
             a parameter already has a gradient (``'some parameter already has
             gradient'``)
 
-    .. note::
-        ``module`` and ``sample`` need not be on ``device``: the layers and
-        the sample are copied there.
+    Example::
+
+        >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU())
+        >>> balance = balance_by_time(2, model, torch.rand(16, 8), timeout=0.1, device='cpu')
+        >>> gpipe = GPipe(model, balance, devices=['cpu', 'cpu'], chunks=4)
+        >>> sum(balance)
+        4
+
+    On GPUs, time the layers on one of them, the current one by default:
+    ``balance_by_time(torch.cuda.device_count(), model, sample)``.
     """
     check_partitions(partitions, module)
     microbatch.check(sample, 'sample')
@@ -119,33 +113,33 @@ def balance_by_time(partitions: int, module: nn.Sequential, sample: TensorOrTens
 def balance_by_size(partitions: int, module: nn.Sequential, input: TensorOrTensors, *,
                     chunks: int = 1, param_scale: float = 2.0,
                     device: Device = torch.device('cuda')) -> List[int]:
-    """Naive automatic balancing by memory usage per layer.
+    """Computes a ``balance`` that evens out the memory each partition needs for training.
 
-    A layer's size is the memory its training needs on one device: the
-    activations its forward pass keeps for one micro-batch (the first of
-    ``chunks`` micro-batches of ``input``, the largest) plus ``param_scale``
-    times its parameters' bytes. The layers are then split so that the
-    fullest partition is as small as possible.
+    A layer's size is what its training keeps on a device: the activations
+    its forward pass keeps for one micro-batch (the first of the ``chunks``
+    micro-batches of ``input``, which is the largest) plus ``param_scale``
+    times the bytes of its parameters. The layers are then split so that
+    the fullest partition is as small as possible, since it decides whether
+    the model fits.
 
-    On CUDA, the activations are measured by the caching allocator's
-    statistics. On other devices (CPU), they are the bytes of the tensors
-    autograd saves for the backward pass
-    (:class:`torch.autograd.graph.saved_tensors_hooks`), together with the
-    layer's outputs and stashed skip tensors, each storage counted once.
+    On CUDA, the activations are the growth of the caching allocator's
+    allocated memory over the layer's forward pass. Elsewhere (on CPU), they
+    are the bytes of the tensors autograd saves for the backward pass (seen
+    through :class:`torch.autograd.graph.saved_tensors_hooks`), of the
+    layer's outputs and of its stashed skip tensors, each storage counted
+    once.
 
-    ``module`` is left as it was: its device, parameters, buffers and
-    training flag do not change, and no gradient is left behind. The random
-    number generators are restored too.
+    Profiling leaves ``module`` untouched: its device, parameters, buffers
+    and training flag stay as they are, no gradient is left behind, and the
+    random number generators are restored. ``module`` and ``input`` may be
+    on any device: what is profiled is copied to ``device``.
 
-    During training, the memory for parameters depends on the optimizer:
-    besides the parameters (1×) and their gradients (1×), optimizers keep
-    buffers of the same size per parameter to track statistics, such as the
-    momentum buffer of SGD. The default ``param_scale`` is 2 instead of 1
-    because of the gradients, which every optimizer needs. Choose
-    ``param_scale`` for your optimizer with this guide:
+    ``param_scale`` counts the parameter-sized tensors training keeps per
+    parameter: the parameter and its gradient (hence the default, 2), plus
+    the optimizer's state:
 
     =======================  ===============  ==============================================
-    Optimizer                ``param_scale``  Internal state kept per parameter
+    Optimizer                ``param_scale``  State per parameter, besides its gradient
     =======================  ===============  ==============================================
     SGD                      2                none
     SGD with momentum        3                ``momentum_buffer``
@@ -157,46 +151,24 @@ def balance_by_size(partitions: int, module: nn.Sequential, input: TensorOrTenso
                                               ``momentum``), (``grad_avg`` if ``centered``)
     =======================  ===============  ==============================================
 
-    Here's a simple example with the Adam optimizer::
-
-        balance = balance_by_size(
-            torch.cuda.device_count(),
-            model,
-
-            # Same size with mini-batch to train
-            torch.empty(1024, 3, 224, 224),
-
-            # Number of micro-batches to train with GPipe
-            chunks=8,
-
-            # 4 for Adam
-            param_scale=4.0,
-        )
-
-        gpipe = GPipe(model, balance, chunks=8)
-        adam = Adam(gpipe.parameters())
-
     Args:
-        partitions (int):
-            intended number of partitions
-        module (torch.nn.Sequential):
-            sequential module to be partitioned
-        input (torch.Tensor or tuple of tensors):
-            example mini-batch with the same size to train
+        partitions (int): how many partitions to split the layers into,
+            usually the number of devices
+        module (torch.nn.Sequential): the model to split
+        input (torch.Tensor or tuple of tensors): a mini-batch of the size
+            training will use, since activations grow with it
 
     Keyword Args:
-        chunks (int):
-            number of micro-batches will be used to train (default: ``1``)
-        param_scale (float):
-            how many copies of parameters would be allocated for training.
-            It depends on optimizer. See the above guide. (default: ``2.0``)
-        device ('cpu' or 'cuda' device):
-            device where each layer is profiled (default: the current CUDA
-            device)
+        chunks (int): the number of micro-batches GPipe will split each
+            mini-batch into (default: ``1``)
+        param_scale (float): parameter-sized tensors kept per parameter, as
+            in the table above (default: ``2.0``)
+        device ('cpu' or 'cuda' device): where to measure the layers
+            (default: the current CUDA device)
 
     Returns:
-        A list of number of layers in each partition. Use it for the
-        ``balance`` parameter of :class:`~torchgpipe.GPipe`.
+        list of ints: the number of layers of each partition, to pass to
+        :class:`~torchgpipe.GPipe` as ``balance``
 
     Raises:
         TypeError: ``module`` is not an :class:`nn.Sequential
@@ -206,13 +178,20 @@ def balance_by_size(partitions: int, module: nn.Sequential, input: TensorOrTenso
             layers, ``chunks`` is not a positive integer, ``param_scale`` is
             negative, ``input`` cannot be split into micro-batches (no
             tensor, no batch dimension, or sizes differing in dimension 0),
-            ``device`` is not
-            available, or a parameter already has a gradient (``'some
-            parameter already has gradient'``)
+            ``device`` is not available, or a parameter already has a
+            gradient (``'some parameter already has gradient'``)
 
-    .. note::
-        ``module`` and ``input`` need not be on ``device``: the layers and
-        the micro-batch are copied there.
+    Example::
+
+        >>> model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+        >>> balance = balance_by_size(2, model, torch.rand(512, 64), chunks=8,
+        ...                           param_scale=4.0, device='cpu')  # 4 for Adam
+        >>> len(balance), sum(balance)
+        (2, 3)
+
+    On GPUs, measure on one of them, the current one by default:
+    ``balance_by_size(torch.cuda.device_count(), model, input, chunks=8,
+    param_scale=4.0)``.
     """
     check_partitions(partitions, module)
     microbatch.check(input)
@@ -221,7 +200,8 @@ def balance_by_size(partitions: int, module: nn.Sequential, input: TensorOrTenso
                'give the number of parameter-sized copies training keeps, such as '
                'param_scale=4.0 for Adam')
     profile_device = check_device(device)
-    # Fails early, before profiling, if the input cannot be split.
+    # Before profiling, which may take long: an input that cannot be split
+    # fails now.
     microbatch.scatter(input, chunks)
 
     sizes = profile_sizes(module, input, chunks, param_scale, profile_device)
@@ -229,7 +209,14 @@ def balance_by_size(partitions: int, module: nn.Sequential, input: TensorOrTenso
 
 
 def check_partitions(partitions: int, module: nn.Sequential) -> None:
-    """Checks the module and that it has enough layers for the partitions."""
+    """Checks ``partitions``, and that ``module`` can be split into that many.
+
+    Raises:
+        TypeError: ``partitions`` is not an int, or ``module`` is not an
+            ``nn.Sequential``
+        ValueError: ``partitions`` is not positive or exceeds the number of
+            layers, or ``module`` holds a child or a parameter twice
+    """
     fix = 'give the number of devices to balance over, such as partitions=2'
     if isinstance(partitions, bool) or not isinstance(partitions, int):
         raise TypeError(describe('partitions must be an int',
@@ -246,7 +233,12 @@ def check_partitions(partitions: int, module: nn.Sequential) -> None:
 
 
 def check_real(name: str, value: object, fix: str) -> None:
-    """Checks that ``value`` is a finite, non-negative real number."""
+    """Checks that ``value`` is a finite, non-negative real number.
+
+    Raises:
+        TypeError: ``value`` is not a real number (``bool`` included)
+        ValueError: ``value`` is negative, infinite or NaN
+    """
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(describe(f'{name} must be a real number', f'{name}: {value!r}', fix))
     if not math.isfinite(value) or value < 0:
@@ -255,7 +247,17 @@ def check_real(name: str, value: object, fix: str) -> None:
 
 
 def check_device(value: object) -> torch.device:
-    """Resolves the device to profile on, and checks that it exists."""
+    """Resolves the device to profile on, and checks that it exists.
+
+    Returns:
+        torch.device: the device; a bare ``'cuda'`` gets the index of the
+        current CUDA device, so that every step of profiling uses the same one
+
+    Raises:
+        TypeError: ``value`` is not a device, a device string or an index
+        ValueError: ``value`` names no valid device, or the device is not
+            available
+    """
     device = parse_device('device', value, "use a device such as device='cpu' or device='cuda:0'")
     check_available('device', device, "profile on the CPU with device='cpu'")
     # torch's stubs type the index as int, but a bare 'cuda' has none.

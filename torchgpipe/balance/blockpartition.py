@@ -41,7 +41,7 @@ from bisect import bisect_left, bisect_right
 from itertools import accumulate
 from typing import List, Optional, Sequence, Tuple, TypeVar
 
-__all__ = ['solve']
+__all__: List[str] = []
 
 T = TypeVar('T', int, float)
 
@@ -52,8 +52,7 @@ PIVOT_SEED = 0
 
 
 def solve(sequence: Sequence[T], partitions: int = 1) -> List[List[T]]:
-    """Splits a sequence of costs into contiguous blocks with the smallest
-    possible largest block sum.
+    """Splits a sequence of costs into contiguous blocks whose largest sum is smallest.
 
     Among the partitions with that minimal largest block sum, it returns one
     whose smallest block sum is the largest, i.e. with the smallest spread
@@ -128,7 +127,7 @@ def exact_integers(sequence: Sequence[T]) -> List[int]:
 
 
 def min_bottleneck(prefix: List[int], partitions: int, rng: random.Random) -> int:
-    """The smallest largest block sum of any partition into ``partitions`` blocks."""
+    """Returns the smallest largest block sum of any partition into ``partitions`` blocks."""
     total = prefix[-1]
     largest = max(b - a for a, b in zip(prefix, prefix[1:]))
     average = -(-total // partitions)
@@ -154,7 +153,7 @@ def min_bottleneck(prefix: List[int], partitions: int, rng: random.Random) -> in
 
 
 def greedy_blocks(prefix: List[int], bound: int, limit: int) -> int:
-    """How many blocks of sum at most ``bound`` cover the sequence, greedily.
+    """Counts the blocks of sum at most ``bound`` that cover the sequence, greedily.
 
     ``bound`` must be at least the largest item. Blocks are taken as long as
     possible, which minimizes their number. The walk stops counting past
@@ -175,8 +174,11 @@ def greedy_blocks(prefix: List[int], bound: int, limit: int) -> int:
 
 def max_lower_bound(prefix: List[int], partitions: int, bottleneck: int,
                     rng: random.Random) -> int:
-    """The largest ``L`` such that exactly ``partitions`` blocks of sums in
-    ``[L, bottleneck]`` cover the sequence."""
+    """Returns the largest lower bound on block sums that still admits a partition.
+
+    That is the largest ``L`` such that exactly ``partitions`` blocks, each
+    of sum in ``[L, bottleneck]``, cover the sequence.
+    """
     def fits(lower: int) -> bool:
         reach = suffix_block_counts(prefix, partitions, lower, bottleneck)
         return bool(reach[0] >> partitions & 1)
@@ -198,8 +200,11 @@ def max_lower_bound(prefix: List[int], partitions: int, bottleneck: int,
 
 def random_run_sum(prefix: List[int], low: int, high: int,
                    rng: random.Random) -> Optional[int]:
-    """Draws uniformly one of the sums of non-empty contiguous runs that fall
-    in ``[low, high]``, counted with multiplicity; ``None`` if there is none."""
+    """Draws one run sum in ``[low, high]`` at random, or ``None`` if there is none.
+
+    The sums of all non-empty contiguous runs in range are counted with
+    multiplicity, and one of them is drawn uniformly.
+    """
     if low > high:
         return None
     starts = prefix[:-1]
@@ -219,9 +224,10 @@ def random_run_sum(prefix: List[int], low: int, high: int,
 
 
 def suffix_block_counts(prefix: List[int], partitions: int, lower: int, upper: int) -> List[int]:
-    """For every suffix, the numbers of blocks of sums in ``[lower, upper]``
-    it can be split into, as a bit set (bit ``c`` for ``c`` blocks, up to
-    ``partitions``).
+    """Finds, for every suffix, into how many blocks of sums in ``[lower, upper]`` it splits.
+
+    The counts are a bit set: bit ``c`` for ``c`` blocks, up to
+    ``partitions``.
 
     Returns:
         list: ``reach[i]`` for the suffix starting at item ``i``; ``reach[n]``
@@ -266,9 +272,9 @@ def suffix_block_counts(prefix: List[int], partitions: int, lower: int, upper: i
 
 def shortest_first_cuts(prefix: List[int], partitions: int, lower: int,
                         reach: List[int]) -> List[int]:
-    """Reads the cut positions (``0`` and ``n`` included) off the program,
-    taking the shortest block that leaves a feasible rest at each step.
+    """Reads the cut positions (``0`` and ``n`` included) off the dynamic program.
 
+    At each step it takes the shortest block that leaves a feasible rest.
     ``reach`` must come from :func:`suffix_block_counts` with bounds that
     admit ``partitions`` blocks. The search starts at the shortest block
     reaching ``lower``; as some end in the window of admissible ends has the

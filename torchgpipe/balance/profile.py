@@ -20,11 +20,11 @@ from torch import Tensor, nn
 from torch.autograd.graph import saved_tensors_hooks
 
 from torchgpipe import microbatch
-from torchgpipe.microbatch import Batch, TensorOrTensors
+from torchgpipe.microbatch import Batch, TensorOrTensors, map_tensors
 from torchgpipe.skip.namespace import Namespace
 from torchgpipe.skip.tracker import SkipTracker, use_skip_tracker
 
-__all__ = ['layerwise_sandbox', 'profile_times', 'profile_sizes']
+__all__: List[str] = []
 
 
 def layerwise_sandbox(module: nn.Sequential,
@@ -82,8 +82,10 @@ def profile_times(module: nn.Sequential, sample: TensorOrTensors, timeout: float
 
 def timed_pass(module: nn.Sequential, sample: TensorOrTensors, device: torch.device,
                elapsed: List[float]) -> None:
-    """Runs one forward and backward pass, layer by layer, adding each layer's
-    time in seconds to ``elapsed``."""
+    """Runs one forward and backward pass, layer by layer, adding each layer's time to ``elapsed``.
+
+    Times are in seconds.
+    """
     # Fresh copies every pass: one layer at a time on the device, and no
     # gradient carried over from the previous pass.
     tracker = SandboxSkipTracker()
@@ -200,12 +202,13 @@ def saved_by_forward(layer: nn.Module, values: TensorOrTensors,
 
 
 class SandboxSkipTracker(SkipTracker):
-    """Keeps detached skip tensors, so a popping layer's backward does not
-    reach into the stashing layer's graph.
+    """A skip tracker that hands each pop its tensor detached from the stashing layer's graph.
 
-    The stashed tensors themselves are kept aside until
-    :meth:`take_stashed`: they belong to the stashing layer, whose backward
-    pass (for time) or memory (for size) they are part of.
+    Detached, so that a popping layer's backward stays within that layer,
+    like the backward of every profiled layer. The stashed tensors
+    themselves are kept aside until :meth:`take_stashed`: they belong to the
+    stashing layer, whose backward pass (for time) or memory (for size)
+    they are part of.
     """
 
     def __init__(self) -> None:
@@ -219,7 +222,7 @@ class SandboxSkipTracker(SkipTracker):
         super().save(batch, ns, name, tensor)
 
     def take_stashed(self) -> List[Tensor]:
-        """The tensors stashed since the last call."""
+        """Returns the tensors stashed since the last call, and forgets them."""
         stashed = self.stashed
         self.stashed = []
         return stashed
@@ -238,9 +241,7 @@ def refuse_gradients(module: nn.Module) -> None:
 
 def to_device(values: TensorOrTensors, device: torch.device) -> TensorOrTensors:
     """Moves the sample to the device, detached from any graph of the user's."""
-    if isinstance(values, Tensor):
-        return detach_tensor(values.to(device))
-    return tuple(detach_tensor(x.to(device)) for x in values)
+    return map_tensors(lambda x: detach_tensor(x.to(device)), values)
 
 
 def fresh_input(values: TensorOrTensors) -> TensorOrTensors:
@@ -251,9 +252,7 @@ def fresh_input(values: TensorOrTensors) -> TensorOrTensors:
     copy (not a leaf), it may be modified in place, as by
     ``nn.ReLU(inplace=True)``, without touching the sample for the next pass.
     """
-    if isinstance(values, Tensor):
-        return detach_tensor(values).clone()
-    return tuple(detach_tensor(x).clone() for x in values)
+    return map_tensors(lambda x: detach_tensor(x).clone(), values)
 
 
 def detach_tensor(tensor: Tensor) -> Tensor:

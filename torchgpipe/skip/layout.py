@@ -1,62 +1,76 @@
-"""The skip layout: which partition stashes and which pops each skip tensor."""
+"""The skip layout: for every skip, the partition that stashes it and the one that pops it."""
 from typing import Dict, Iterable, List, Sequence, Tuple
 
 from torch import nn
 
 from torchgpipe.skip.namespace import Namespace
 
-__all__ = ['SkipLayout', 'inspect_skip_layout']
+__all__: List[str] = []
 
 
 class SkipLayout:
-    """Where each skip tensor goes from and to, by partition.
+    """The routes of a model's skips between its partitions, fixed when GPipe wraps it.
+
+    The pipeline asks it which skips to copy into each partition's input,
+    and the trackers ask it which skips need a portal at all: a skip popped
+    in the partition that stashed it stays on its device.
 
     Args:
         num_partitions (int): the number of partitions
-        skip_routes: for each ``(namespace, name)``, the partitions that
-            stash and pop it
+        skip_routes: ``(stashing partition, popping partition)`` for each
+            ``(namespace, name)``
     """
 
     def __init__(self, num_partitions: int,
                  skip_routes: Dict[Tuple[Namespace, str], Tuple[int, int]]) -> None:
         self.by_ns_name = skip_routes
+        # Indexed by the popping partition, which is where the pipeline needs
+        # them: each partition's copies are issued before it runs.
         self.by_partition: List[List[Tuple[int, Namespace, str]]] = \
             [[] for _ in range(num_partitions)]
         for (ns, name), (prev_j, next_j) in skip_routes.items():
             self.by_partition[next_j].append((prev_j, ns, name))
+        # One canonical order (by stashing partition, then key), whatever
+        # order the layers were found in.
         for routes in self.by_partition:
             routes.sort()
 
     def copy_policy(self, next_j: int) -> Iterable[Tuple[int, Namespace, str]]:
-        """Generates the skips that partition ``next_j`` pops from another partition.
+        """Yields the skips that partition ``next_j`` pops from an earlier partition.
 
         Yields:
-            (prev_j, ns, name): the stashing partition, namespace and name
+            ``(prev_j, ns, name)``: the partition that stashes the skip, and
+            its namespace and name
         """
         for prev_j, ns, name in self.by_partition[next_j]:
             if prev_j != next_j:
                 yield prev_j, ns, name
 
     def requires_copy(self, ns: Namespace, name: str) -> bool:
-        """Whether the skip is popped in another partition than it is stashed in."""
+        """Tells whether a skip crosses partitions, and so needs a portal.
+
+        A skip the layout does not know needs none either: the tracker keeps
+        it in its dictionary, like a skip that stays in its partition.
+        """
         prev_j, next_j = self.by_ns_name.get((ns, name), (-1, -1))
         return prev_j != next_j
 
 
 def inspect_skip_layout(partitions: Sequence[nn.Sequential]) -> SkipLayout:
-    """Finds, for each skip, the partitions that stash and pop it.
+    """Finds the route of every skip through the partitions.
 
-    Skippable layers nested in plain modules or sequentials are found too.
-    The partitions must hold a model that passed
-    :func:`~torchgpipe.skip.verify_skippables`.
+    Skippable layers nested inside the partitions' layers count too. The
+    partitions must hold a model that :func:`~torchgpipe.skip.verify_skippables`
+    accepts.
 
     Args:
-        partitions: the partitions, in order
+        partitions (sequence of nn.Sequential): the partitions, in order
 
     Returns:
-        SkipLayout: the layout
+        SkipLayout: the routes
     """
-    # Imported here: skippable imports this module's users.
+    # Imported here: the skippable module imports the tracker, which imports
+    # this module.
     from torchgpipe.skip.skippable import Skippable
 
     stashed_at: Dict[Tuple[Namespace, str], int] = {}

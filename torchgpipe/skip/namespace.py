@@ -1,4 +1,4 @@
-"""Namespaces: isolating skip names so the same skippable class can be used twice."""
+"""Namespaces: separate sets of skip names, so one name can serve several pairs of layers."""
 import uuid
 from functools import total_ordering
 from typing import Any
@@ -8,18 +8,20 @@ __all__ = ['Namespace']
 
 @total_ordering
 class Namespace:
-    """Namespace for isolating skip tensors used by :meth:`isolate()
+    """A set of skip names of its own, for :meth:`Skippable.isolate()
     <torchgpipe.skip.skippable.Skippable.isolate>`.
 
-    Every namespace is distinct from every other one. Names not isolated in
-    any namespace live in a shared default namespace.
+    Trackers store a skip under its namespace and its name, so a name
+    isolated in one namespace never meets the same name in another. Every
+    namespace differs from every other; the names a layer never isolates
+    share one default namespace. Namespaces compare and hash by a random
+    identifier, so they can be copied and pickled with the model.
 
     Example::
 
-        ns1 = Namespace()
-        ns2 = Namespace()
-        model = nn.Sequential(Layer1().isolate(ns1), Layer1().isolate(ns2),
-                              Layer3().isolate(ns2), Layer3().isolate(ns1))
+        >>> ns = Namespace()
+        >>> ns == ns, ns == Namespace()
+        (True, False)
     """
 
     __slots__ = ('id',)
@@ -33,8 +35,8 @@ class Namespace:
     def __hash__(self) -> int:
         return hash(self.id)
 
-    # Namespaces are ordered only so that (namespace, name) pairs can be
-    # sorted into deterministic error messages.
+    # Ordered only so that (namespace, name) keys can be sorted: the skip
+    # layout and the error messages then list a model's skips in one order.
     def __lt__(self, other: Any) -> bool:
         if isinstance(other, Namespace):
             return self.id < other.id
@@ -46,5 +48,6 @@ class Namespace:
         return NotImplemented
 
 
-#: The namespace of every skip name that was not isolated.
+#: Where every skip name lives until :meth:`isolate()
+#: <torchgpipe.skip.skippable.Skippable.isolate>` moves it.
 default_namespace = Namespace()

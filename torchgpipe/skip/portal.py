@@ -16,7 +16,7 @@ In the backward pass the gradient goes the exact reverse way:
 ``PortalBlue`` hands it to the stashed tensor. The phonies order the three:
 each one's backward runs after everything its phony was joined into.
 """
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -25,7 +25,7 @@ from torchgpipe.copy import copy_tensors
 from torchgpipe.phony import get_phony
 from torchgpipe.stream import AbstractStream
 
-__all__ = ['Portal', 'PortalBlue', 'PortalOrange', 'PortalCopy']
+__all__: List[str] = []
 
 
 class Portal:
@@ -55,7 +55,12 @@ class Portal:
     def blue(self, tensor: Tensor) -> Tensor:
         """Returns a phony whose backward gives ``tensor`` the portal's gradient.
 
-        Join the phony into the stashing layer's output.
+        Join the phony into the stashing layer's output, so that its backward
+        runs once the gradient is in the portal.
+
+        Args:
+            tensor (torch.Tensor): the stashed tensor, in the stashing
+                layer's graph
         """
         phony: Tensor = PortalBlue.apply(self, tensor)  # type: ignore[no-untyped-call]
         return phony
@@ -64,7 +69,12 @@ class Portal:
         """Returns the skip tensor, back in the graph, for a pop.
 
         Args:
-            phony: a phony forked off the popping layer's input
+            phony (torch.Tensor): a phony forked off the popping layer's
+                input, so that everything before the pop waits for the
+                gradient to be in the portal
+
+        Raises:
+            RuntimeError: every pop the portal was made for has happened
         """
         if self.tensor_life <= 0:
             raise RuntimeError('the skip tensor in this portal was already popped')
@@ -77,7 +87,8 @@ class Portal:
              phony: Tensor) -> Tensor:
         """Moves the skip tensor to ``next_stream``'s device; returns a phony.
 
-        Join the phony into the popping partition's input.
+        Join the phony into the popping partition's input: the gradient's
+        way back is then copied after that partition's backward pass.
         """
         phony = PortalCopy.apply(self, prev_stream, next_stream,  # type: ignore[no-untyped-call]
                                  phony)

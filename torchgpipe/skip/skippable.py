@@ -1,116 +1,109 @@
-"""The user interface of skip connections: ``@skippable``, ``stash`` and ``pop``."""
+"""Skippable layers: ``@skippable`` and the ``stash`` and ``pop`` commands.
+
+A skippable layer's ``forward`` is a generator. It yields :class:`stash` to
+hand a tensor to a later layer and :class:`pop` to receive one from an
+earlier layer, and returns its output. :class:`Skippable` runs that generator
+and routes the commands to the current skip tracker
+(:mod:`torchgpipe.skip.tracker`): a plain dictionary outside GPipe, and
+inside it portals for the skips that cross partitions.
+"""
 from typing import (Any, Callable, ClassVar, Dict, FrozenSet, Generator, Iterable, List,
-                    Optional, Set, Tuple, Type, TypeVar, Union, cast)
+                    Optional, Set, Tuple, Type, TypeVar, cast)
 
 from torch import Tensor, nn
 
-from torchgpipe.microbatch import Batch
+from torchgpipe.microbatch import Batch, TensorOrTensors
 from torchgpipe.skip.namespace import Namespace, default_namespace
 from torchgpipe.skip.tracker import current_skip_tracker
 
 __all__ = ['skippable', 'stash', 'pop', 'verify_skippables', 'Skippable']
 
-Tensors = Tuple[Tensor, ...]
-TensorOrTensors = Union[Tensor, Tensors]
-
-StashPop = Union['stash', 'pop']
-StashPopGenerator = Generator[StashPop, Optional[Tensor], TensorOrTensors]
-SkippableModule = nn.Module
-
 T = TypeVar('T', bound='Skippable')
 
 
 class Skippable(nn.Module):
-    """The base class of skippable modules.
+    """The base of every class :func:`@skippable <torchgpipe.skip.skippable>` returns.
 
-    Do not use this class directly. Define a subclass by
-    :func:`~torchgpipe.skip.skippable` instead.
+    The decorated class becomes the wrapped module, ``module``, built
+    with the arguments given to the skippable class; the class attributes
+    record which skip names it stashes and pops. Make subclasses with the
+    decorator, not by hand.
     """
 
-    module_cls: ClassVar[Type[SkippableModule]]
+    module_cls: ClassVar[Type[nn.Module]]
     stashable_names: ClassVar[FrozenSet[str]]
     poppable_names: ClassVar[FrozenSet[str]]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__()
         self.module = self.module_cls(*args, **kwargs)
+        # Only the names isolated by isolate(); the others use the default.
         self.namespaces: Dict[str, Namespace] = {}
 
     def __repr__(self) -> str:
         return f'@skippable({self.module})'
 
     def namespaced(self, name: str) -> Tuple[Namespace, str]:
-        """Prepends the namespace of a skip name."""
+        """Returns the key a tracker stores the skip ``name`` under: ``(namespace, name)``."""
         return self.namespaces.get(name, default_namespace), name
 
     def stashable(self) -> Iterable[Tuple[Namespace, str]]:
-        """Iterates over the namespaced names of the skip tensors to stash."""
+        """Yields the key of each name this layer stashes, in name order."""
         for name in sorted(self.stashable_names):
             yield self.namespaced(name)
 
     def poppable(self) -> Iterable[Tuple[Namespace, str]]:
-        """Iterates over the namespaced names of the skip tensors to pop."""
+        """Yields the key of each name this layer pops, in name order."""
         for name in sorted(self.poppable_names):
             yield self.namespaced(name)
 
     def isolate(self: T, ns: Namespace, *, only: Optional[Iterable[str]] = None) -> T:
-        r"""Isolates a specified subset or the whole set of skip tensors into a
-        namespace. In a single sequential module, skip tensors with the same
-        name are not allowed unless they are isolated by different namespaces.
+        """Moves skip names of this layer into the namespace ``ns``.
 
-        Here's an example using the same name for skip tensors twice. Each pair
-        of ``Layer1`` and ``Layer2`` is isolated with its own namespace ``ns1``
-        and ``ns2``. There is no conflict anymore::
-
-            ns1 = Namespace()
-            ns2 = Namespace()
-
-            model = nn.Sequential(
-                Layer1().isolate(ns1),
-                Layer1().isolate(ns2),
-                Layer2(),
-                Layer3().isolate(ns2),
-                Layer3().isolate(ns1),
-            )
-
-        When ``only`` parameter is omitted, all skip tensors are isolated. You
-        can isolate a subset of skip tensors by passing ``only`` parameter::
-
-            ns_alice = Namespace()
-            ns_bob = Namespace()
-
-            model = nn.Sequential(
-                ...
-                StashStashPop().isolate(ns_alice, only=['alice']) \
-                               .isolate(ns_bob, only=['bob']),
-                ...
-            )
+        A skip is matched by its namespace and its name, so two pairs of
+        layers may use the same name in one model once each pair is isolated
+        in a namespace of its own. Names never isolated share one default
+        namespace. Isolating again moves the names again.
 
         Args:
-            ns (Namespace): namespace for isolation
+            ns (Namespace): the namespace to move the names into
 
         Keyword Args:
-            only (iterable of strs): names of specific skip tensors to be
-                isolated (omit this option to isolate all skip tensors
-                declared in this module)
+            only (iterable of strs, optional): the names to move; by default
+                every name the layer stashes or pops
 
         Returns:
-            this module itself
+            this layer, so that calls can be chained and written inline in
+            an ``nn.Sequential``
 
         Raises:
-            ValueError: a name in ``only`` is not declared by this module
+            ValueError: ``only`` holds a name the layer does not declare
+
+        Example::
+
+            >>> @skippable(stash=['x'])
+            ... class Keep(nn.Module):
+            ...     def forward(self, input):
+            ...         yield stash('x', input)
+            ...         return input
+            >>> @skippable(pop=['x'])
+            ... class Add(nn.Module):
+            ...     def forward(self, input):
+            ...         x = yield pop('x')
+            ...         return input + x
+            >>> outer, inner = Namespace(), Namespace()
+            >>> model = nn.Sequential(Keep().isolate(outer), Keep().isolate(inner),
+            ...                       Add().isolate(inner), Add().isolate(outer))
+            >>> verify_skippables(model)  # without the namespaces, 'x' would clash
         """
-        names: Iterable[str]
-        if only is None:
-            names = self.stashable_names | self.poppable_names
-        else:
-            names = set(only)
-            undeclared = names - (self.stashable_names | self.poppable_names)
-            if undeclared:
-                raise ValueError(f'cannot isolate {sorted(undeclared)}: not declared by '
-                                 f'{type(self.module).__name__} (stash='
-                                 f'{sorted(self.stashable_names)}, '
-                                 f'pop={sorted(self.poppable_names)})')
+        declared = self.stashable_names | self.poppable_names
+        names = declared if only is None else set(only)
+        undeclared = names - declared
+        if undeclared:
+            raise ValueError(f'cannot isolate {sorted(undeclared)}: not declared by '
+                             f'{type(self.module).__name__} (stash='
+                             f'{sorted(self.stashable_names)}, '
+                             f'pop={sorted(self.poppable_names)})')
         for name in names:
             self.namespaces[name] = ns
         return self
@@ -118,38 +111,67 @@ class Skippable(nn.Module):
     def dispatch(self, input: TensorOrTensors,
                  handle_stash: Callable[[str, Optional[Tensor]], None],
                  handle_pop: Callable[[str], Optional[Tensor]]) -> Any:
-        """Runs the wrapped module's forward, handling its stash and pop commands."""
+        """Runs the wrapped module's ``forward``, answering its commands with two callbacks.
+
+        :meth:`forward` uses it with the current skip tracker behind the
+        callbacks. A module holding a skippable layer may call it directly to
+        take over the layer's skips, for example to pass a stashed tensor on
+        in its own output.
+
+        Args:
+            input (torch.Tensor or tuple of tensors): the wrapped module's input
+            handle_stash (callable): called as ``handle_stash(name, tensor)``
+                for every ``yield stash(name, tensor)``
+            handle_pop (callable): called as ``handle_pop(name)`` for every
+                ``yield pop(name)``; what it returns is sent back to the
+                generator as the popped tensor
+
+        Returns:
+            what the wrapped module's ``forward`` returns
+
+        Raises:
+            TypeError: the ``forward`` yielded something other than
+                :class:`stash` or :class:`pop`
+        """
         generator = self.module(input)
 
+        # @skippable() may decorate a module whose forward never yields:
+        # then calling it already computed the output.
         if not isinstance(generator, Generator):
-            # A forward without any yield is a plain function.
             return generator
 
         try:
-            op = next(generator)
+            command = next(generator)
             while True:
-                if isinstance(op, stash):
-                    handle_stash(op.name, op.tensor)
-                    op = next(generator)
-                elif isinstance(op, pop):
-                    op = generator.send(handle_pop(op.name))
+                if isinstance(command, stash):
+                    handle_stash(command.name, command.tensor)
+                    command = next(generator)
+                elif isinstance(command, pop):
+                    command = generator.send(handle_pop(command.name))
                 else:
-                    raise TypeError(f'{op!r} is not a command from @skippable')
+                    raise TypeError(f'{command!r} is not a command from @skippable')
         except StopIteration as stop:
             return stop.value
 
     def forward(self, input: TensorOrTensors) -> TensorOrTensors:
-        """Runs the wrapped module, carrying its skip tensors through the current tracker.
+        """Runs the wrapped module, taking and leaving its skips in the current tracker.
+
+        Args:
+            input (torch.Tensor or tuple of tensors): the wrapped module's input
+
+        Returns:
+            torch.Tensor or tuple of tensors: the wrapped module's output
 
         Raises:
-            RuntimeError: a skip name is stashed or popped without being
-                declared, popped before it is stashed or twice, or a declared
-                name is not stashed or popped
+            RuntimeError: a name is popped before it was stashed, popped
+                twice in one call, stashed or popped without being declared,
+                or declared but not stashed or popped by the call
         """
         skip_tracker = current_skip_tracker()
-        stashed_tensors: Dict[str, Optional[Tensor]] = {}
 
-        # Load the skip tensors this layer may pop.
+        # Every declared pop is taken out of the tracker before the module
+        # runs: inside GPipe, the tracker ties the popped tensors to the
+        # layer's input, which must happen before the module sees it.
         batch = Batch(input)
         poppable_tensors: Dict[str, Optional[Tensor]] = {}
         for ns, name in self.poppable():
@@ -158,6 +180,8 @@ class Skippable(nn.Module):
             except KeyError:
                 raise RuntimeError(f"'{name}' has not been stashed") from None
         input = batch.values
+
+        stashed_tensors: Dict[str, Optional[Tensor]] = {}
         popped: Set[str] = set()
 
         def handle_stash(name: str, tensor: Optional[Tensor]) -> None:
@@ -175,122 +199,119 @@ class Skippable(nn.Module):
 
         output = self.dispatch(input, handle_stash, handle_pop)
 
-        # Every declared skip name must be stashed and popped.
+        # GPipe planned its portals from the declarations: a declared skip
+        # the call left out would fail later, at a pop or a portal far from
+        # its cause, so it is reported here.
         not_stashed = self.stashable_names - stashed_tensors.keys()
         if not_stashed:
-            raise RuntimeError(f'{join_names(not_stashed)} must be stashed but have not')
+            raise RuntimeError(f'{quote_names(not_stashed)} must be stashed but have not')
         not_popped = self.poppable_names - popped
         if not_popped:
-            raise RuntimeError(f'{join_names(not_popped)} must be popped but have not')
+            raise RuntimeError(f'{quote_names(not_popped)} must be popped but have not')
 
-        # Save the stashed skip tensors.
+        # Saved only now, with the output: inside GPipe, the tracker ties the
+        # stashed tensors' gradients to it.
         batch = Batch(output)
         for ns, name in self.stashable():
             skip_tracker.save(batch, ns, name, stashed_tensors[name])
         return batch.values
 
 
-def join_names(names: Iterable[str]) -> str:
-    return ', '.join(repr(n) for n in sorted(names))
+def quote_names(names: Iterable[str]) -> str:
+    """Formats skip names for a message: ``'a', 'b'``, sorted."""
+    return ', '.join(repr(name) for name in sorted(names))
 
 
 def skippable(stash: Iterable[str] = (),
               pop: Iterable[str] = (),
-              ) -> Callable[[Type[SkippableModule]], Type[Skippable]]:
-    """The decorator to define a :class:`nn.Module <torch.nn.Module>` with skip
-    connections. Decorated modules are called "skippable". This functionality
-    works perfectly fine even when the module is not wrapped by
-    :class:`~torchgpipe.GPipe`.
+              ) -> Callable[[Type[nn.Module]], Type[Skippable]]:
+    """Makes a module class whose ``forward`` can stash and pop skip tensors.
 
-    Each skip tensor is managed by its name. Before manipulating skip tensors,
-    a skippable module must statically declare the names for skip tensors by
-    `stash` and/or `pop` parameters. Skip tensors with pre-declared name can be
-    stashed by ``yield stash(name, tensor)`` or popped by ``tensor = yield
-    pop(name)``.
+    A skip tensor goes from the layer that stashes it to a later layer that
+    pops it, past the layers in between. The decorated class's ``forward`` is
+    written as a generator: ``yield stash(name, tensor)`` hands a tensor
+    over, ``tensor = yield pop(name)`` receives it, and ``return`` gives the
+    layer's output as usual. Every name must be declared in the decorator,
+    and every call of ``forward`` must stash or pop each declared name once.
 
-    Here is an example with three layers. A skip tensor named "1to3" is
-    stashed and popped at the first and last layer, respectively::
-
-        @skippable(stash=['1to3'])
-        class Layer1(nn.Module):
-            def forward(self, input):
-                yield stash('1to3', input)
-                return f1(input)
-
-        class Layer2(nn.Module):
-            def forward(self, input):
-                return f2(input)
-
-        @skippable(pop=['1to3'])
-        class Layer3(nn.Module):
-            def forward(self, input):
-                skip_1to3 = yield pop('1to3')
-                return f3(input) + skip_1to3
-
-        model = nn.Sequential(Layer1(), Layer2(), Layer3())
-
-    One skippable module can stash or pop multiple skip tensors::
-
-        @skippable(stash=['alice', 'bob'], pop=['carol'])
-        class StashStashPop(nn.Module):
-            def forward(self, input):
-                yield stash('alice', f_alice(input))
-                yield stash('bob', f_bob(input))
-                carol = yield pop('carol')
-                return input + carol
-
-    Every skip tensor must be associated with exactly one pair of `stash` and
-    `pop`. :class:`~torchgpipe.GPipe` checks this restriction automatically
-    when wrapping a module. You can also check the restriction by
-    :func:`~torchgpipe.skip.verify_skippables` without
-    :class:`~torchgpipe.GPipe`.
+    Skippable layers work in any ``nn.Sequential``, with or without
+    :class:`~torchgpipe.GPipe`. Inside GPipe, a skip tensor is copied
+    straight from the stashing partition's device to the popping one. In
+    one model each name must be stashed by exactly one layer and popped by
+    exactly one later layer; :class:`~torchgpipe.GPipe` checks it with
+    :func:`verify_skippables`. To use a name more than once, isolate each
+    pair with :meth:`~torchgpipe.skip.skippable.Skippable.isolate`.
 
     .. note::
 
-        :func:`@skippable <skippable>` changes the type of the wrapped class.
-        But currently mypy does not understand class decorators that change
-        the type (mypy issue #3135). There are two workarounds:
-
-        1. Naively ignore type errors by ``# type: ignore``.
-        2. Use ``skippable()()`` as a function instead of a decorator.
+        The decorator returns a new class, a subclass of
+        :class:`~torchgpipe.skip.skippable.Skippable`, which type checkers
+        cannot see through a class decorator. Silence them with
+        ``# type: ignore``, or call the decorator as a function:
+        ``Layer = skippable(stash=['x'])(Layer)``.
 
     Args:
-        stash (iterable of strs): names of the skip tensors to stash
-        pop (iterable of strs): names of the skip tensors to pop
+        stash (iterable of strs): the names the layer stashes (default: none)
+        pop (iterable of strs): the names the layer pops (default: none)
 
     Returns:
-        a class decorator that returns a
-        :class:`~torchgpipe.skip.skippable.Skippable` subclass
+        a class decorator: it returns a
+        :class:`~torchgpipe.skip.skippable.Skippable` subclass of the
+        same name, whose instances wrap an instance of the decorated class
+
+    Raises:
+        TypeError: ``stash`` or ``pop`` is a string rather than a list of names
+
+    Example::
+
+        >>> @skippable(stash=['identity'])
+        ... class Save(nn.Module):
+        ...     def forward(self, input):
+        ...         yield stash('identity', input)
+        ...         return input * 2
+        >>> @skippable(pop=['identity'])
+        ... class AddBack(nn.Module):
+        ...     def forward(self, input):
+        ...         identity = yield pop('identity')
+        ...         return input + identity
+        >>> model = nn.Sequential(Save(), nn.ReLU(), AddBack())
+        >>> model(torch.tensor([[1.0, -1.0]]))
+        tensor([[ 3., -1.]])
     """
+    # A string is an iterable of names too, each one character long.
     if isinstance(stash, str) or isinstance(pop, str):
         raise TypeError("stash and pop take an iterable of names, such as ['1to3'], "
                         'not a single string')
     stashable_names = frozenset(stash)
     poppable_names = frozenset(pop)
 
-    def extend_skippable(module_cls: Type[SkippableModule]) -> Type[Skippable]:
-        name = module_cls.__name__
-        bases = (Skippable,)
+    def extend_skippable(module_cls: Type[nn.Module]) -> Type[Skippable]:
+        # The new class takes the decorated class's name, module and
+        # docstring, so that it reads as that class in reprs, pickles and
+        # documentation.
         attrs = {'module_cls': module_cls, 'stashable_names': stashable_names,
                  'poppable_names': poppable_names, '__module__': module_cls.__module__,
                  '__qualname__': module_cls.__qualname__, '__doc__': module_cls.__doc__}
-        return cast(Type[Skippable], type(name, bases, attrs))
+        return cast(Type[Skippable], type(module_cls.__name__, (Skippable,), attrs))
 
     return extend_skippable
 
 
 class stash:
-    """The command to stash a skip tensor.
-
-    ::
-
-        def forward(self, input):
-            yield stash('name', input)
-            return f(input)
+    """The command a skippable layer yields to stash a skip tensor.
 
     Args:
-        name (str): name of skip tensor
-        tensor (torch.Tensor or None): tensor to pass to the skip connection
+        name (str): a name declared in ``@skippable(stash=[...])``
+        tensor (torch.Tensor or None): the tensor to hand over; ``None`` is
+            handed over as it is, and popped as ``None``
+
+    Example::
+
+        @skippable(stash=['identity'])
+        class Save(nn.Module):
+            def forward(self, input):
+                yield stash('identity', input)
+                return input * 2
     """
 
     __slots__ = ('name', 'tensor')
@@ -304,19 +325,21 @@ class stash:
 
 
 class pop:
-    """The command to pop a skip tensor.
+    """The command a skippable layer yields to pop a skip tensor.
 
-    ::
-
-        def forward(self, input):
-            skip = yield pop('name')
-            return f(input) + skip
+    The ``yield`` expression evaluates to the tensor that an earlier layer
+    stashed under the same name (in the same namespace).
 
     Args:
-        name (str): name of skip tensor
+        name (str): a name declared in ``@skippable(pop=[...])``
 
-    Returns:
-        the skip tensor previously stashed by another layer under the same name
+    Example::
+
+        @skippable(pop=['identity'])
+        class AddBack(nn.Module):
+            def forward(self, input):
+                identity = yield pop('identity')
+                return input + identity
     """
 
     __slots__ = ('name',)
@@ -329,92 +352,82 @@ class pop:
 
 
 def verify_skippables(module: nn.Sequential) -> None:
-    """Verifies if the underlying skippable modules satisfy integrity.
+    """Checks that every skip name in a sequential model has one stash and one later pop.
 
-    Every skip tensor must have only one pair of `stash` and `pop`. If there
-    are one or more unmatched pairs, it will raise :exc:`TypeError` with the
-    detailed messages.
+    Skip names are matched within their namespace. Skippable layers nested
+    in the children of ``module`` (held by plain modules or sequentials, at
+    any depth) are checked too, in the order of the children that hold
+    them. Within one child, a pop may precede its stash, since the child's
+    ``forward`` decides the order it calls them in.
 
-    Skippable modules nested in the layers of ``module`` (in plain modules or
-    sequentials, at any depth) count as well, in the order of the layers that
-    hold them. Within one layer, a pop may match a stash registered after it,
-    as the layer's ``forward`` may call them in any order.
-
-    Here are a few failure cases. :func:`verify_skippables` will report failure
-    for these cases::
-
-        # Layer1 stashes "1to3".
-        # Layer3 pops "1to3".
-
-        nn.Sequential(Layer1(), Layer2())
-        #               └──── ?
-
-        nn.Sequential(Layer2(), Layer3())
-        #                   ? ────┘
-
-        nn.Sequential(Layer1(), Layer2(), Layer3(), Layer3())
-        #               └───────────────────┘       ^^^^^^
-
-        nn.Sequential(Layer1(), Layer1(), Layer2(), Layer3())
-        #             ^^^^^^      └───────────────────┘
-
-    To use the same name for multiple skip tensors, they must be isolated by
-    different namespaces. See :meth:`isolate()
-    <torchgpipe.skip.skippable.Skippable.isolate>`.
+    :class:`~torchgpipe.GPipe` calls it on the module it wraps; call it
+    yourself to check a model without GPipe.
 
     Args:
-        module (nn.Sequential): the module to verify
+        module (torch.nn.Sequential): the model to check
 
     Raises:
-        TypeError:
-            one or more pairs of `stash` and `pop` are not matched.
+        TypeError: a name is stashed or popped twice in one namespace,
+            stashed and never popped, popped before (or without) its stash,
+            or both stashed and popped by one layer. The message lists every
+            such problem, one per line, each naming the layer by its path in
+            ``module``.
+
+    Example::
+
+        >>> @skippable(pop=['gate'])
+        ... class Gated(nn.Module):
+        ...     def forward(self, input):
+        ...         return input * (yield pop('gate'))
+        >>> verify_skippables(nn.Sequential(Gated(), nn.ReLU()))
+        Traceback (most recent call last):
+          ...
+        TypeError: one or more pairs of stash and pop do not match:
+        <BLANKLINE>
+        * '0' declared 'gate' as poppable but it was not stashed
     """
     stashed: Set[Tuple[Namespace, str]] = set()
     popped: Set[Tuple[Namespace, str]] = set()
     msgs: List[str] = []
 
+    def declare(declared: Set[Tuple[Namespace, str]], key: Tuple[Namespace, str],
+                layer_name: str, kind: str) -> None:
+        # The first declaration of a key wins; each later one is a problem.
+        if key in declared:
+            msg = f"'{layer_name}' redeclared '{key[1]}' as {kind} but not isolated by namespace"
+            msgs.append(msg)
+        else:
+            declared.add(key)
+
     for child_name, child in module.named_children():
-        # Skippable layers may be nested in plain modules, whose forward may
-        # call them in any order: within one layer of the sequential, every
-        # stash counts before any pop. (A pop that runs before its stash is
-        # still a RuntimeError when it runs.)
         layers = [(layer_name, layer) for layer_name, layer
                   in child.named_modules(prefix=child_name) if isinstance(layer, Skippable)]
 
+        # Stashes of the whole child first, then its pops: the child's
+        # forward may call its nested layers in any order. (A pop that does
+        # run before its stash is still reported, by forward, when it runs.)
         for layer_name, layer in layers:
-            for name in layer.stashable_names & layer.poppable_names:
+            for name in sorted(layer.stashable_names & layer.poppable_names):
                 msg = f"'{layer_name}' declared '{name}' both as stashable and as poppable"
                 msgs.append(msg)
-
-            for ns, name in layer.stashable():
-                if name in layer.poppable_names:
-                    continue
-                if (ns, name) in stashed:
-                    msg = f"'{layer_name}' redeclared '{name}' as stashable " \
-                          'but not isolated by namespace'
-                    msgs.append(msg)
-                    continue
-                stashed.add((ns, name))
+            for key in layer.stashable():
+                if key[1] not in layer.poppable_names:
+                    declare(stashed, key, layer_name, 'stashable')
 
         for layer_name, layer in layers:
-            for ns, name in layer.poppable():
-                if name in layer.stashable_names:
+            for key in layer.poppable():
+                if key[1] in layer.stashable_names:
                     continue
-                if (ns, name) in popped:
-                    msg = f"'{layer_name}' redeclared '{name}' as poppable " \
-                          'but not isolated by namespace'
+                if key not in stashed:
+                    msg = f"'{layer_name}' declared '{key[1]}' as poppable but it was not stashed"
                     msgs.append(msg)
                     continue
-                if (ns, name) not in stashed:
-                    msg = f"'{layer_name}' declared '{name}' as poppable but it was not stashed"
-                    msgs.append(msg)
-                    continue
-                popped.add((ns, name))
+                declare(popped, key, layer_name, 'poppable')
 
-    for (_, name) in sorted(stashed - popped):
+    for _, name in sorted(stashed - popped):
         msg = f"no module declared '{name}' as poppable but stashed"
         msgs.append(msg)
 
     if msgs:
-        raise TypeError('one or more pairs of stash and pop do not match:\n\n%s'
-                        '' % '\n'.join('* %s' % x for x in msgs))
+        raise TypeError('one or more pairs of stash and pop do not match:\n\n'
+                        + '\n'.join(f'* {msg}' for msg in msgs))

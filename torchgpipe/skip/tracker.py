@@ -2,13 +2,14 @@
 
 Outside GPipe, a plain :class:`SkipTracker` keeps them in a dictionary, one
 tracker per thread. Inside GPipe, each micro-batch has a
-:class:`SkipTrackerThroughPotals` (the original's spelling) that sends skip
-tensors crossing partitions through portals, and keeps the others in its
-dictionary too.
+:class:`SkipTrackerThroughPortals`: it sends the skips that cross partitions
+through portals (:mod:`torchgpipe.skip.portal`) and keeps the others in its
+dictionary too. torchgpipe 0.0.7 spelled that class
+``SkipTrackerThroughPotals``; the old name still works.
 """
 import threading
 from contextlib import contextmanager
-from typing import Dict, Generator, Optional, Tuple
+from typing import Dict, Generator, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -22,41 +23,67 @@ from torchgpipe.skip.namespace import Namespace
 from torchgpipe.skip.portal import Portal
 from torchgpipe.stream import AbstractStream
 
-__all__ = ['SkipTracker', 'SkipTrackerThroughPotals', 'use_skip_tracker',
-           'current_skip_tracker']
+__all__: List[str] = []
 
 
 class SkipTracker:
-    """Tracks saved skip tensors in a dictionary.
+    """Keeps stashed skip tensors in a dictionary until they are popped.
 
-    It is the tracker outside of GPipe, and for skips within one partition.
+    It serves outside GPipe, where the whole model runs in one place, and
+    inside GPipe for the skips that stay within one partition.
     """
 
     def __init__(self) -> None:
         self.tensors: Dict[Tuple[Namespace, str], Optional[Tensor]] = {}
 
     def save(self, batch: Batch, ns: Namespace, name: str, tensor: Optional[Tensor]) -> None:
-        """Saves a stashed skip tensor; ``batch`` is the stashing layer's output."""
+        """Keeps a stashed skip tensor until its pop.
+
+        Args:
+            batch (Batch): the stashing layer's output; a subclass may tie the
+                skip to it
+            ns (Namespace): the skip's namespace
+            name (str): the skip's name
+            tensor (torch.Tensor or None): the stashed tensor
+        """
         self.tensors[(ns, name)] = tensor
 
     def load(self, batch: Batch, ns: Namespace, name: str) -> Optional[Tensor]:
-        """Takes out a stashed skip tensor; ``batch`` is the popping layer's input.
+        """Takes a stashed skip tensor out, for its pop.
+
+        Args:
+            batch (Batch): the popping layer's input; a subclass may tie the
+                skip to it
+            ns (Namespace): the skip's namespace
+            name (str): the skip's name
+
+        Returns:
+            torch.Tensor or None: the stashed tensor
 
         Raises:
-            KeyError: nothing was stashed under the name
+            KeyError: nothing is stashed under the key
         """
         return self.tensors.pop((ns, name))
 
     def copy(self, batch: Batch, prev_stream: AbstractStream, next_stream: AbstractStream,
              ns: Namespace, name: str) -> None:
+        """Refuses: only skips in portals move between devices.
+
+        Raises:
+            TypeError: always
+        """
         raise TypeError('copy is not supported for non-portal skip tensors')
 
 
-class SkipTrackerThroughPotals(SkipTracker):
-    """Tracks the skip tensors of one micro-batch in GPipe, through portals where they cross.
+class SkipTrackerThroughPortals(SkipTracker):
+    """Tracks the skip tensors of one micro-batch inside GPipe.
+
+    A skip that crosses partitions goes into a :class:`Portal
+    <torchgpipe.skip.portal.Portal>`, which the pipeline copies to the
+    popping partition's device; the others stay in the dictionary.
 
     Args:
-        skip_layout (SkipLayout): where each skip tensor is stashed and popped
+        skip_layout (SkipLayout): the partitions that stash and pop each skip
     """
 
     def __init__(self, skip_layout: SkipLayout) -> None:
@@ -65,6 +92,12 @@ class SkipTrackerThroughPotals(SkipTracker):
         self.portals: Dict[Tuple[Namespace, str], Portal] = {}
 
     def save(self, batch: Batch, ns: Namespace, name: str, tensor: Optional[Tensor]) -> None:
+        """Keeps a skip that crosses partitions in a portal, and any other one in the dictionary.
+
+        Raises:
+            RuntimeError: the skip requires grad but ``batch`` has no
+                floating point tensor to carry its gradient
+        """
         if not self.skip_layout.requires_copy(ns, name):
             super().save(batch, ns, name, tensor)
             return
@@ -95,6 +128,14 @@ class SkipTrackerThroughPotals(SkipTracker):
         batch[index] = join(batch[index], phony)
 
     def load(self, batch: Batch, ns: Namespace, name: str) -> Optional[Tensor]:
+        """Takes a skip out of its portal, or out of the dictionary.
+
+        Raises:
+            KeyError: nothing is stashed under the key
+            RuntimeError: the portal's skip was already popped as often as
+                it was made for, or it requires grad and ``batch`` has no
+                floating point tensor to carry its gradient
+        """
         if not self.skip_layout.requires_copy(ns, name):
             return super().load(batch, ns, name)
 
@@ -106,11 +147,23 @@ class SkipTrackerThroughPotals(SkipTracker):
 
     def copy(self, batch: Batch, prev_stream: AbstractStream, next_stream: AbstractStream,
              ns: Namespace, name: str) -> None:
-        """Moves a skip tensor to the popping partition's device, in its fence.
+        """Moves a skip tensor to the popping partition's device.
 
-        ``batch`` is the popping partition's input. The copy is forked off and
-        joined into it: the gradient's copy back runs after that partition's
-        backward, and before anything earlier in the pipeline (the stash).
+        The pipeline calls it before the popping partition runs. The copy is
+        forked off ``batch`` and joined back into it, so the gradient's copy
+        back runs after that partition's backward pass and before the
+        backward pass of the stashing partition.
+
+        Args:
+            batch (Batch): the popping partition's input
+            prev_stream: the copy stream of the stashing partition's device
+            next_stream: the copy stream of the popping partition's device
+            ns (Namespace): the skip's namespace
+            name (str): the skip's name
+
+        Raises:
+            RuntimeError: the skip requires grad but ``batch`` has no
+                floating point tensor to carry its gradient
         """
         # No portal: the stash did not go through this tracker. A module
         # that runs a skippable layer by its dispatch() handles the skip
@@ -125,15 +178,24 @@ class SkipTrackerThroughPotals(SkipTracker):
             batch[index] = join(batch[index], phony)
 
 
+#: torchgpipe 0.0.7's (misspelled) name of :class:`SkipTrackerThroughPortals`,
+#: kept for the code that imports it.
+SkipTrackerThroughPotals = SkipTrackerThroughPortals
+
+
 def fork_from_batch(batch: Batch, requires_grad: bool, name: str) -> Tuple[Tensor, Optional[int]]:
     """Forks a phony off the batch's first floating point tensor.
 
-    If a skip tensor that requires grad depends on it, the phony is made to
-    require grad too, or the skip's backward would never be reached.
+    When the skip requires grad, so does the phony: the skip's backward hangs
+    on it, and autograd would never reach a phony that does not.
 
     Returns:
-        (phony, index): the phony, and the index of the forked tensor
+        ``(phony, index)``: the phony, and the index of the forked tensor
         (``None`` if the batch has no floating point tensor)
+
+    Raises:
+        RuntimeError: the skip requires grad, grad is enabled, and the batch
+            has no floating point tensor
     """
     index = batch.find(lambda x: x.is_floating_point())
     if index is None:
@@ -149,6 +211,8 @@ def fork_from_batch(batch: Batch, requires_grad: bool, name: str) -> Tuple[Tenso
 
 
 class ThreadLocal(threading.local):
+    """Holds each thread's current tracker: worker threads run different micro-batches at once."""
+
     def __init__(self) -> None:
         self.skip_tracker: Optional[SkipTracker] = None
 
@@ -158,7 +222,11 @@ thread_local = ThreadLocal()
 
 @contextmanager
 def use_skip_tracker(skip_tracker: SkipTracker) -> Generator[None, None, None]:
-    """Makes ``skip_tracker`` the current tracker of this thread within the context."""
+    """Makes ``skip_tracker`` this thread's current tracker within the context.
+
+    Args:
+        skip_tracker (SkipTracker): the tracker skippable layers should use
+    """
     orig = thread_local.skip_tracker
     thread_local.skip_tracker = skip_tracker
     try:
@@ -168,7 +236,11 @@ def use_skip_tracker(skip_tracker: SkipTracker) -> Generator[None, None, None]:
 
 
 def current_skip_tracker() -> SkipTracker:
-    """Gets the current tracker of this thread, creating a default one if there is none."""
+    """Returns this thread's current tracker, making a plain one on first use.
+
+    Returns:
+        SkipTracker: the tracker skippable layers stash into and pop from
+    """
     skip_tracker = thread_local.skip_tracker
     if skip_tracker is None:
         skip_tracker = SkipTracker()
