@@ -77,7 +77,7 @@ nitpick_ignore_regex = [
     (r'py:class', r'torchgpipe\..*\.T'),  # TypeVars
     (r'py:.*', r'torchgpipe\.(microbatch\.(TensorOrTensors|Tensors)|gpipe\.Devices?|'
                r'checkpoint\.(Function|Recomputed|RNGStates|AutocastStates)|'
-               r'worker\.(ExcInfo|Result)|skip\.skippable\.(StashPopGenerator|SkippableModule))'),
+               r'worker\.(ExcInfo|Result))'),
 ]
 
 # -- HTML output -------------------------------------------------------------

@@ -26,7 +26,7 @@ from torchgpipe.dependency import fork, join
 from torchgpipe.microbatch import Batch, TensorOrTensors, check
 from torchgpipe.rng import Turns, training_flags
 from torchgpipe.skip.layout import SkipLayout
-from torchgpipe.skip.tracker import SkipTrackerThroughPotals, use_skip_tracker
+from torchgpipe.skip.tracker import SkipTrackerThroughPortals, use_skip_tracker
 from torchgpipe.stream import AbstractStream, is_cuda, use_device
 from torchgpipe.traits import PartitionTraits
 from torchgpipe.worker import ExcInfo, InQueue, OutQueue, Task, distinct_devices, spawn_workers
@@ -113,7 +113,7 @@ class Pipeline:
         # Checkpoints return their partition's parameter gradients.
         self.parameters = [tuple(p.parameters()) if checkpoint_stop else () for p in partitions]
         # Each micro-batch has its own skip tensors.
-        self.skip_trackers = [SkipTrackerThroughPotals(skip_layout) for _ in batches]
+        self.skip_trackers = [SkipTrackerThroughPortals(skip_layout) for _ in batches]
 
         # On one thread, tasks draw random numbers in issue order by nature.
         # With worker threads, a partition's tasks take turns with the CPU
@@ -227,7 +227,7 @@ class Pipeline:
             raise exc_info[1].with_traceback(exc_info[2])
 
 
-def partition_function(partition: nn.Sequential, j: int, skip_tracker: SkipTrackerThroughPotals,
+def partition_function(partition: nn.Sequential, j: int, skip_tracker: SkipTrackerThroughPortals,
                        ) -> Callable[[TensorOrTensors], TensorOrTensors]:
     """Wraps a partition into a function for a task.
 
