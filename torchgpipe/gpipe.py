@@ -1,13 +1,13 @@
 """The GPipe interface: partitioning a sequential module and running it as a pipeline."""
-import numbers
 from collections import OrderedDict
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union, cast
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from torchgpipe import microbatch
-from torchgpipe._validation import check_available, check_chunks, describe, parse_device
+from torchgpipe._validation import (as_int, check_available, check_chunks, describe,
+                                    parse_device)
 from torchgpipe.batchnorm import DeferredBatchNorm
 from torchgpipe.microbatch import TensorOrTensors
 from torchgpipe.pipeline import Pipeline
@@ -108,10 +108,12 @@ def check_balance(module: nn.Sequential, balance: object) -> List[int]:
         values = list(cast(Iterable[object], balance))
     except TypeError:
         raise type_error from None
-    if any(isinstance(x, bool) or not isinstance(x, numbers.Integral) for x in values):
+    # Integral values such as 2.0, NumPy integers or torch.tensor(2) count
+    # as ints, as in torchgpipe 0.0.7.
+    entries = [as_int(x) for x in values]
+    if None in entries:
         raise type_error
-    # Integral values such as NumPy integers count as ints.
-    result = [int(cast(numbers.Integral, x)) for x in values]
+    result = cast(List[int], entries)
 
     if sum(result) != layers:
         raise BalanceError(describe('module and sum of balance have different length',
@@ -249,9 +251,11 @@ class GPipe(nn.Module):
     Keyword Args:
         devices (iterable of devices): devices to use, as ``torch.device``,
             strings or CUDA indices (default: all CUDA devices)
-        chunks (int): number of micro-batches (default: ``1``)
+        chunks (int): number of micro-batches; an integral number such as
+            ``8.0`` or ``torch.tensor(8)`` is taken as an int (default: ``1``)
         checkpoint (str): when to enable checkpointing, one of ``'always'``,
-            ``'except_last'``, or ``'never'`` (default: ``'except_last'``)
+            ``'except_last'``, or ``'never'``, or an object whose ``str()``
+            is one of them (default: ``'except_last'``)
         deferred_batch_norm (bool): whether to use deferred BatchNorm moving
             statistics (default: ``False``)
 
@@ -322,7 +326,10 @@ class GPipe(nn.Module):
         except BalanceError as exc:
             raise ValueError(recommend_auto_balance(str(exc))) from None
         device_list = check_devices(devices, len(balance))
-        check_chunks(chunks)
+        chunks = check_chunks(chunks)
+        # As in 0.0.7, any object that reads as a mode is one, such as an
+        # enum member whose str() is 'always'.
+        checkpoint = str(checkpoint)
         if checkpoint not in ('always', 'except_last', 'never'):
             # Word for word as in 0.0.7 (users match on it).
             raise ValueError("checkpoint is not one of 'always', 'except_last', or 'never'")
