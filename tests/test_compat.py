@@ -11,11 +11,14 @@ import enum
 import os
 import subprocess
 import sys
+from collections import OrderedDict
+from typing import Callable, Dict, List
 
 import numpy as np
 import pytest
 import torch
-from torch import nn
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 import torchgpipe
 from helpers import assert_same_training_step, cpu_devices
@@ -160,3 +163,190 @@ def test_deferred_batchnorm_with_the_same_chunks_is_returned_as_is() -> None:
     assert DeferredBatchNorm.convert_deferred_batch_norm(deferred, 3) is deferred
     assert deferred.chunks == 3
     assert deferred.state_dict().keys() == state.keys()
+
+
+# -- state dicts -------------------------------------------------------------------------
+
+
+def bn_model() -> nn.Sequential:
+    """Named children, a BatchNorm inside a partition and one at a boundary."""
+    return nn.Sequential(OrderedDict([
+        ('stem', nn.Linear(3, 4)),
+        ('norm', nn.BatchNorm1d(4)),
+        ('act', nn.ReLU()),
+        ('head', nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, momentum=None))),
+        ('out', nn.Linear(4, 2)),
+    ]))
+
+
+BALANCE = [2, 3]
+CHUNKS = 3
+
+
+def make_gpipe(model: nn.Sequential, threaded: bool, deferred: bool) -> GPipe:
+    return GPipe(model, BALANCE, devices=cpu_devices(2, threaded), chunks=CHUNKS,
+                 deferred_batch_norm=deferred)
+
+
+def train(gpipe: GPipe, steps: int = 3) -> None:
+    optimizer = torch.optim.SGD(gpipe.parameters(), lr=0.1)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        gpipe(torch.randn(12, 3) * 2 + 1).pow(2).mean().backward()
+        optimizer.step()
+
+
+def gpipe_key(key: str) -> str:
+    """A key of bn_model() in GPipe's style."""
+    partition = 0 if key.split('.')[0] in ('stem', 'norm') else 1
+    return f'partitions.{partition}.{key}'
+
+
+def test_deferred_state_dict_has_the_keys_of_0_0_7(threaded: bool) -> None:
+    gpipe = make_gpipe(bn_model(), threaded, deferred=True)
+    train(gpipe)
+    state = gpipe.state_dict()
+
+    # 0.0.7's deferred layer: a BatchNorm's buffers, then 'sum' and
+    # 'sum_squares', zeros of the running statistics' shape between mini-batches.
+    expected: List[str] = []
+    for key in bn_model().state_dict():
+        expected.append(gpipe_key(key))
+        if key.endswith('num_batches_tracked'):
+            expected += [gpipe_key(key.replace('num_batches_tracked', name))
+                         for name in ('sum', 'sum_squares')]
+    assert list(state) == expected
+    for key in expected:
+        if key.endswith(('.sum', '.sum_squares')):
+            running_mean = state[key.rsplit('.', 1)[0] + '.running_mean']
+            assert torch.equal(state[key], torch.zeros_like(running_mean)), key
+
+    # A state dict of that shape loads strictly, with or without the sums.
+    other = make_gpipe(bn_model(), threaded, deferred=True)
+    other.load_state_dict(state)
+    without_sums = {k: v for k, v in state.items() if not k.endswith(('.sum', '.sum_squares'))}
+    other = make_gpipe(bn_model(), threaded, deferred=True)
+    other.load_state_dict(without_sums)
+    assert_same_state(other.state_dict(), state)
+    assert other.partitions[0].norm.num_batches_tracked == 3
+
+
+def assert_same_state(actual: Dict[str, Tensor], expected: Dict[str, Tensor]) -> None:
+    assert list(actual) == list(expected)
+    for key, value in expected.items():
+        torch.testing.assert_close(actual[key], value, msg=key)
+
+
+def eval_output(module: nn.Module, x: Tensor) -> Tensor:
+    module.eval()
+    with torch.no_grad():
+        return module(x)
+
+
+@pytest.mark.parametrize('deferred', [False, True], ids=['plain-bn', 'deferred-bn'])
+def test_unwrap_gives_the_plain_model_back(deferred: bool, threaded: bool) -> None:
+    gpipe = make_gpipe(bn_model(), threaded, deferred)
+    train(gpipe)
+    gpipe_state = copy.deepcopy(gpipe.state_dict())
+
+    plain = gpipe.unwrap('cpu')
+
+    # The original structure: names, order, classes (no deferred layer).
+    assert type(plain) is nn.Sequential
+    assert [(name, type(m)) for name, m in plain.named_modules()] == \
+        [(name, type(m)) for name, m in bn_model().named_modules()]
+    assert plain.training and all(m.training for m in plain.modules())
+    assert all(t.device == torch.device('cpu') for t in plain.state_dict().values())
+    for name, bn in plain.named_modules():
+        if isinstance(bn, _BatchNorm):
+            layer = gpipe.get_submodule(gpipe_key(name))
+            assert (bn.eps, bn.momentum, bn.affine) == (layer.eps, layer.momentum, layer.affine)
+
+    # The same values, sharing no storage with the pipeline.
+    gpipe_tensors = [*gpipe.parameters(), *gpipe.buffers()]
+    assert not {t.data_ptr() for t in gpipe_tensors} & \
+        {t.data_ptr() for t in [*plain.parameters(), *plain.buffers()]}
+    for key, value in plain.state_dict().items():
+        assert torch.equal(value, gpipe_state[gpipe_key(key)]), key
+
+    # Loads strictly into the user's original model, which then computes
+    # what the GPipe computes.
+    x = torch.randn(6, 3)
+    expected = eval_output(gpipe, x)
+    fresh = bn_model()
+    fresh.load_state_dict(plain.state_dict())
+    torch.testing.assert_close(eval_output(fresh, x), expected)
+    torch.testing.assert_close(eval_output(plain, x), expected)
+
+    # Changing the copy changes nothing in the pipeline.
+    with torch.no_grad():
+        for t in [*plain.parameters(), *plain.buffers()]:
+            t.add_(1)
+    assert_same_state(gpipe.state_dict(), gpipe_state)
+
+    # Round trip: the plain model's state loads strictly into a fresh GPipe,
+    # which computes the same and has the same state.
+    again = make_gpipe(bn_model(), threaded, deferred)
+    again.load_state_dict(fresh.state_dict())
+    torch.testing.assert_close(eval_output(again, x), expected)
+    assert_same_state(again.state_dict(), gpipe.state_dict())
+    assert_same_state(again.unwrap().state_dict(), fresh.state_dict())
+
+
+def test_unwrap_keeps_training_modes_and_shared_layers() -> None:
+    shared = nn.ReLU()
+    model = nn.Sequential(nn.Sequential(nn.Linear(2, 2), shared), nn.Dropout(),
+                          nn.Sequential(shared, nn.Linear(2, 2)))
+    gpipe = GPipe(model, [2, 1], devices=['cpu', 'cpu'])
+    gpipe.eval()
+    gpipe[1].train()
+
+    plain = gpipe.unwrap()
+
+    assert not plain.training and plain[1].training and not plain[0].training
+    assert plain[0][1] is plain[2][0] and plain[0][1] is not shared
+
+
+@pytest.mark.parametrize('device, error', [('gpu', ValueError), (1.5, TypeError)])
+def test_unwrap_device_is_checked(device: object, error: type) -> None:
+    with pytest.raises(error, match=r"\(device: .*\); use a device such as device='cpu'"):
+        GPipe(mlp(), [3], devices=['cpu']).unwrap(device)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize('style', ['plain', 'gpipe'])
+def test_load_state_dict_reports_keys_in_the_style_given(style: str, threaded: bool) -> None:
+    gpipe = make_gpipe(bn_model(), threaded, deferred=True)
+    state = bn_model().state_dict()
+    del state['out.bias']
+    state['extra.weight'] = torch.zeros(1)
+    state['stem.extra'] = torch.zeros(1)
+    rename: Callable[[str], str] = (lambda key: key) if style == 'plain' else gpipe_key
+    state = OrderedDict((rename(k), v) for k, v in state.items())
+
+    with pytest.raises(RuntimeError) as excinfo:
+        gpipe.load_state_dict(state)
+    message = str(excinfo.value)
+    assert f'Missing key(s) in state_dict: "{rename("out.bias")}"' in message
+    unexpected = message.split('Unexpected key(s) in state_dict: ')[1]
+    assert sorted(unexpected.strip(' .').split(', ')) == \
+        sorted([f'"{rename("extra.weight")}"', f'"{rename("stem.extra")}"'])
+
+    result = gpipe.load_state_dict(state, strict=False)
+    assert result.missing_keys == [rename('out.bias')]
+    assert sorted(result.unexpected_keys) == sorted([rename('extra.weight'),
+                                                     rename('stem.extra')])
+
+
+def test_load_state_dict_reads_batchnorm_versions_of_plain_keys(threaded: bool) -> None:
+    # BatchNorm's loading reads the layer's version in the metadata of a
+    # state dict: a current layer's state needs num_batches_tracked; one
+    # saved before PyTorch counted batches (version 1) goes without.
+    state = bn_model().state_dict()
+    del state['norm.num_batches_tracked']
+    gpipe = make_gpipe(bn_model(), threaded, deferred=True)
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: '
+                                           r'"norm.num_batches_tracked"\.'):
+        gpipe.load_state_dict(state)
+
+    getattr(state, '_metadata')['norm']['version'] = 1
+    gpipe.load_state_dict(state)
