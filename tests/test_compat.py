@@ -350,3 +350,63 @@ def test_load_state_dict_reads_batchnorm_versions_of_plain_keys(threaded: bool) 
 
     getattr(state, '_metadata')['norm']['version'] = 1
     gpipe.load_state_dict(state)
+
+
+# -- how many micro-batches 'except_last' checkpoints -------------------------------------
+
+
+def expected_checkpointed(mode: str, m: int, chunks: int) -> int:
+    """As torchgpipe 0.0.7: 'except_last' spares the last of ``chunks``."""
+    return {'always': m, 'except_last': min(m, chunks - 1), 'never': 0}[mode]
+
+
+@pytest.mark.parametrize('mode', ['always', 'except_last', 'never'])
+@pytest.mark.parametrize('batch', [8, 6, 2, 1], ids=lambda b: f'batch{b}')  # m = 4, 3, 2, 1
+def test_number_of_checkpointed_micro_batches(mode: str, batch: int, threaded: bool) -> None:
+    chunks = 4
+    # A plain BatchNorm updates its running statistics at every call: once
+    # per micro-batch, and once more per recomputation.
+    model = nn.Sequential(nn.BatchNorm1d(3), nn.Linear(5, 5))
+    bn = copy.deepcopy(model[0])
+    gpipe = GPipe(model, [1, 1], devices=cpu_devices(2, threaded), chunks=chunks,
+                  checkpoint=mode)
+
+    x = torch.randn(batch, 3, 5) * 2 + 1
+    micro_batches = x.chunk(chunks)
+    m = len(micro_batches)
+    gpipe(x).sum().backward()
+
+    # The reference: the forward of every micro-batch in order, then the
+    # recomputation of each checkpointed one, as the backward pass meets
+    # them (m-1 down to 0).
+    checkpointed = expected_checkpointed(mode, m, chunks)
+    for micro_batch in micro_batches:
+        bn(micro_batch)
+    for micro_batch in reversed(micro_batches[:checkpointed]):
+        bn(micro_batch)
+
+    actual = gpipe[0]
+    assert actual.num_batches_tracked == m + checkpointed
+    torch.testing.assert_close(actual.running_mean, bn.running_mean)
+    torch.testing.assert_close(actual.running_var, bn.running_var)
+
+
+def test_short_batch_is_fully_checkpointed_with_except_last(threaded: bool) -> None:
+    # The same, seen by a layer: checkpointing is observable from inside.
+    class Count(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.checkpointed = 0
+
+        def forward(self, x: Tensor) -> Tensor:
+            self.checkpointed += int(torchgpipe.is_checkpointing())
+            return x
+
+    counter = Count()
+    gpipe = GPipe(nn.Sequential(nn.Linear(3, 3), counter), [1, 1],
+                  devices=cpu_devices(2, threaded), chunks=4)
+    gpipe(torch.randn(3, 3, requires_grad=True)).sum().backward()  # m = 3 < chunks
+    assert counter.checkpointed == 3
+    counter.checkpointed = 0
+    gpipe(torch.randn(8, 3, requires_grad=True)).sum().backward()  # m = 4 == chunks
+    assert counter.checkpointed == 3

@@ -601,7 +601,11 @@ class GPipe(nn.Module):
             layer.chunks = m
 
         if self.training and torch.is_grad_enabled():
-            checkpoint_stop = {'always': m, 'except_last': m - 1, 'never': 0}[self.checkpoint]
+            # As in torchgpipe 0.0.7, 'except_last' spares the last of
+            # ``chunks`` micro-batches: a short mini-batch split into fewer
+            # micro-batches has all of them checkpointed.
+            checkpoint_stop = {'always': m, 'except_last': min(m, self.chunks - 1),
+                               'never': 0}[self.checkpoint]
         else:
             checkpoint_stop = 0
 
