@@ -219,7 +219,12 @@ def test_deferred_state_dict_has_the_keys_of_0_0_7(threaded: bool) -> None:
     for key in expected:
         if key.endswith(('.sum', '.sum_squares')):
             running_mean = state[key.rsplit('.', 1)[0] + '.running_mean']
+            assert state[key].dtype == running_mean.dtype, key
             assert torch.equal(state[key], torch.zeros_like(running_mean)), key
+    # Only in the state dict: the buffers, which DistributedDataParallel
+    # broadcasts, stay the BatchNorm layers'.
+    assert [name for name, _ in gpipe.named_buffers()] == \
+        [gpipe_key(name) for name, _ in bn_model().named_buffers()]
 
     # A state dict of that shape loads strictly, with or without the sums.
     other = make_gpipe(bn_model(), threaded, deferred=True)

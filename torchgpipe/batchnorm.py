@@ -86,12 +86,12 @@ class DeferredBatchNorm(_BatchNorm):
         ValueError: ``chunks`` is not a positive integer.
     """
 
-    # Accumulated over the micro-batches of the current mini-batch, and zeros
-    # of the running statistics' shape and dtype between mini-batches. They
-    # are persistent buffers, as in torchgpipe 0.0.7, so that a state dict
-    # has 0.0.7's keys; being transient, they may be missing from a state
-    # dict loaded into the layer (see _load_from_state_dict). Within a
-    # mini-batch they hold float64 sums, whatever the layer's dtype.
+    # Accumulated over the micro-batches of the current mini-batch. They are
+    # plain attributes, not buffers: they are transient (reset at every
+    # commit), ``module.half()`` must not lower their float64 precision, and
+    # DistributedDataParallel must not broadcast them as model state. Only
+    # the state dict shows them, as torchgpipe 0.0.7's buffers of the same
+    # names (see _save_to_state_dict).
     sum: Optional[Tensor]
     sum_squares: Optional[Tensor]
     count: int
@@ -123,8 +123,6 @@ class DeferredBatchNorm(_BatchNorm):
             self.register_parameter('bias', None)
 
         self.chunks = chunks
-        self.register_buffer('sum', None)
-        self.register_buffer('sum_squares', None)
         self._reset_accumulators()
 
     def extra_repr(self) -> str:
@@ -140,24 +138,39 @@ class DeferredBatchNorm(_BatchNorm):
             raise ValueError(f'expected 2D, 3D, 4D or 5D input (got {input.dim()}D input)')
 
     def _reset_accumulators(self) -> None:
-        if self.running_mean is not None:
-            self.sum = torch.zeros_like(self.running_mean)
-            self.sum_squares = torch.zeros_like(self.running_mean)
+        self.sum = None
+        self.sum_squares = None
         self.count = 0
         self.counter = 0
+
+    def _save_to_state_dict(self, destination: Dict[str, Any], prefix: str,
+                            keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.running_mean is None:
+            return
+        # torchgpipe 0.0.7 kept the sums as buffers of the running
+        # statistics' shape and dtype, zeros between mini-batches: its state
+        # dicts have these keys, and so do ours.
+        for name, value in (('sum', self.sum), ('sum_squares', self.sum_squares)):
+            if value is None:
+                destination[prefix + name] = torch.zeros_like(self.running_mean)
+            else:
+                destination[prefix + name] = value.to(self.running_mean.dtype)
 
     def _load_from_state_dict(self, state_dict: Dict[str, Any], prefix: str,
                               local_metadata: Dict[str, Any], strict: bool,
                               missing_keys: List[str], unexpected_keys: List[str],
                               error_msgs: List[str]) -> None:
+        # The sums are optional, and their values unused: a state dict of
+        # torchgpipe 0.0.7 has them (zeros between mini-batches), the state
+        # dict of a plain BatchNorm layer (a model trained without GPipe)
+        # has not, and both load strictly. Without the count of values they
+        # were accumulated from, sums could not be resumed anyway.
+        if self.running_mean is not None:
+            state_dict.pop(prefix + 'sum', None)
+            state_dict.pop(prefix + 'sum_squares', None)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
                                       missing_keys, unexpected_keys, error_msgs)
-        # The accumulators are optional: the state dict of a plain BatchNorm
-        # layer (the model trained without GPipe) has no such keys, and
-        # loads strictly all the same. They keep their values.
-        for name in ('sum', 'sum_squares'):
-            if prefix + name in missing_keys:
-                missing_keys.remove(prefix + name)
 
     def _accumulate(self, input: Tensor, mean: Tensor, unbiased_var: Tensor) -> None:
         """Adds the statistics of one micro-batch to the accumulators.
@@ -192,11 +205,13 @@ class DeferredBatchNorm(_BatchNorm):
             batch_sum = exact_mean * count
             batch_sum_squares = (biased_var + exact_mean * exact_mean) * count
 
-        assert self.sum is not None and self.sum_squares is not None
-        # .to() makes the sums float64 at the first micro-batch, and is a
-        # no-op after it unless the module moved in mid-mini-batch.
-        self.sum = self.sum.to(batch_sum) + batch_sum
-        self.sum_squares = self.sum_squares.to(batch_sum) + batch_sum_squares
+        if self.sum is None or self.sum_squares is None:
+            self.sum = batch_sum
+            self.sum_squares = batch_sum_squares
+        else:
+            # .to() is a no-op unless the module moved in mid-mini-batch.
+            self.sum = self.sum.to(batch_sum.device) + batch_sum
+            self.sum_squares = self.sum_squares.to(batch_sum.device) + batch_sum_squares
         self.count += count
 
     def _commit(self) -> None:
@@ -213,10 +228,9 @@ class DeferredBatchNorm(_BatchNorm):
             if self.momentum is None:
                 factor = 1.0 / float(self.num_batches_tracked)
 
-        # No value means every micro-batch was empty: like nn.BatchNorm on an
+        # No sum means every micro-batch was empty: like nn.BatchNorm on an
         # empty batch, count the batch but keep the statistics.
-        if self.count > 0:
-            assert self.sum is not None and self.sum_squares is not None
+        if self.sum is not None and self.sum_squares is not None:
             count = self.count
             mean = self.sum / count
             # Rounding can make a zero variance slightly negative.
@@ -343,7 +357,6 @@ class DeferredBatchNorm(_BatchNorm):
                        device=torch.device('meta'))
         share_state(layer, deferred)
         deferred.replaced_class = type(layer)
-        deferred._reset_accumulators()
         return deferred
 
 
