@@ -64,11 +64,21 @@ def assert_same_stats(actual: _BatchNorm, expected: _BatchNorm) -> None:
     assert torch.equal(actual.num_batches_tracked, expected.num_batches_tracked)
 
 
+def is_accumulator(name: str) -> bool:
+    """Whether a state dict key is one of the two accumulators
+    DeferredBatchNorm adds to a BatchNorm layer's state, as torchgpipe 0.0.7 did."""
+    return name.rsplit('.', 1)[-1] in ('sum', 'sum_squares')
+
+
 def assert_same_state(actual: nn.Module, expected: nn.Module) -> None:
-    """Parameters equal and buffers equal within float32 rounding."""
+    """Parameters equal and buffers equal within float32 rounding; the
+    deferred layers' accumulators are zeros between mini-batches."""
     expected_state = expected.state_dict()
     actual_state = actual.state_dict()
-    assert actual_state.keys() == expected_state.keys()
+    assert [k for k in actual_state if not is_accumulator(k)] == list(expected_state)
+    for name, value in actual_state.items():
+        if is_accumulator(name):
+            assert not value.any(), name
     for name, value in expected_state.items():
         torch.testing.assert_close(actual_state[name], value, rtol=1e-6, atol=1e-6, msg=name)
 
@@ -118,8 +128,9 @@ def test_running_stats_equal_full_batch(kind: str, momentum: Optional[float],
         deferred(micro_batch)
         if i < chunks - 1:
             # Nothing is committed before the last micro-batch.
-            for name, value in deferred.state_dict().items():
-                assert torch.equal(value, initial[name]), (i, name)
+            state = deferred.state_dict()
+            for name, value in initial.items():
+                assert torch.equal(state[name], value), (i, name)
 
     bn(x)
     assert_same_stats(deferred, bn)
@@ -276,8 +287,8 @@ def test_real_checkpoint_recomputation() -> None:
 @pytest.mark.parametrize('kind', list(KINDS))
 def test_without_running_stats_behaves_like_batchnorm(kind: str) -> None:
     bn = make_bn(kind, track_running_stats=False)
-    deferred = convert(bn, 2)
-    assert isinstance(deferred, DeferredBatchNorm)
+    deferred = DeferredBatchNorm(C, track_running_stats=False)
+    deferred.load_state_dict(bn.state_dict())
     assert deferred.running_mean is None and deferred.running_var is None
 
     for mode in (True, False):
@@ -345,8 +356,10 @@ def test_constructor() -> None:
             deferred.chunks, deferred.track_running_stats) == (C, 1e-3, None, False, 4, True)
     assert 'chunks=4' in repr(deferred)
 
+    # torchgpipe 0.0.7's keys: a BatchNorm layer's and its two accumulators.
     bn = nn.BatchNorm2d(C)
-    assert DeferredBatchNorm(C).state_dict().keys() == bn.state_dict().keys()
+    assert list(DeferredBatchNorm(C).state_dict()) == list(bn.state_dict()) + ['sum',
+                                                                                 'sum_squares']
 
 
 # -- conversion -------------------------------------------------------------------------
@@ -415,8 +428,12 @@ def test_convert_keeps_everything(kind: str, momentum: Optional[float], affine: 
                                   track_running_stats: bool) -> None:
     bn = make_bn(kind, momentum, affine, track_running_stats)
     bn.eps = 1e-3
-    if track_running_stats:
-        bn(make_input(kind, 8))
+    if not track_running_stats:
+        # Nothing to defer: left as it is, as torchgpipe 0.0.7 does.
+        assert DeferredBatchNorm.convert_deferred_batch_norm(bn, 3) is bn
+        assert type(bn) is KINDS[kind][0]
+        return
+    bn(make_input(kind, 8))
     bn.eval()
     params = dict(bn.named_parameters())
     buffers = dict(bn.named_buffers())
@@ -430,7 +447,7 @@ def test_convert_keeps_everything(kind: str, momentum: Optional[float], affine: 
     assert deferred.chunks == 3
     assert (deferred.num_features, deferred.eps, deferred.momentum, deferred.affine,
             deferred.track_running_stats, deferred.training) == \
-        (C, 1e-3, momentum, affine, track_running_stats, False)
+        (C, 1e-3, momentum, affine, True, False)
 
     # Same Parameter and buffer objects: an optimizer made earlier still works.
     assert dict(deferred.named_parameters()).keys() == params.keys()
@@ -439,8 +456,8 @@ def test_convert_keeps_everything(kind: str, momentum: Optional[float], affine: 
     assert dict(deferred.named_buffers()).keys() == buffers.keys()
     for name, b in deferred.named_buffers():
         assert b is buffers[name], name
-    for name, value in deferred.state_dict().items():
-        assert torch.equal(value, state[name]), name
+    for name, value in state.items():
+        assert torch.equal(deferred.state_dict()[name], value), name
 
 
 def test_convert_in_place_and_returns_module() -> None:

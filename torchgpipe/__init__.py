@@ -4,7 +4,11 @@ Wrap an :class:`nn.Sequential <torch.nn.Sequential>` in :class:`GPipe`, give it 
 ``balance`` (layers per device) and ``chunks`` (micro-batches), and train it as
 you would train the unwrapped module.
 """
-from torchgpipe._version import __version__
+# Imported through the submodule torchgpipe.__version__ (0.0.7's home of the
+# version), not straight from torchgpipe._version: importing a submodule binds
+# it as an attribute of the package, so the first import of it must happen
+# here, before this line binds the attribute to the string for good.
+from torchgpipe.__version__ import __version__
 from torchgpipe.checkpoint import is_checkpointing, is_recomputing
 from torchgpipe.gpipe import GPipe
 

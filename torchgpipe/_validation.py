@@ -36,21 +36,56 @@ def describe(requirement: str, received: str, fix: str) -> str:
     return f'{requirement} ({received}); {fix}'
 
 
-def check_chunks(chunks: object) -> None:
+def real_number(value: object) -> Optional[numbers.Real]:
+    """The real number ``value`` stands for: itself, or the value of a 0-dim
+    tensor; ``None`` for a bool (a bool counts no micro-batches or layers),
+    a bool tensor, or anything that is no real number."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype != torch.bool:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    return value
+
+
+def as_int(value: object) -> Optional[int]:
+    """The :class:`int` an integral number stands for, as torchgpipe 0.0.7
+    took it: ``3``, ``3.0``, a NumPy integer or a 0-dim tensor such as
+    ``torch.tensor(3)``.
+
+    Returns:
+        int or None: the value as an int; ``None`` for a non-integral number
+        (``2.5``) or anything :func:`real_number` refuses
+    """
+    number = real_number(value)
+    if number is None:
+        return None
+    if isinstance(number, numbers.Integral):
+        return int(number)
+    # NaN and the infinities are no integers either.
+    as_float = float(number)
+    return int(as_float) if as_float.is_integer() else None
+
+
+def check_chunks(chunks: object) -> int:
     """Checks the number of micro-batches, wherever it is given.
 
-    A bool or a non-number is of the wrong type; a number that is not a
-    positive :class:`int` (``0``, ``1.5``) is a wrong value, as in
-    torchgpipe 0.0.7.
+    An integral number that is not an :class:`int` (``8.0``, a NumPy
+    integer, ``torch.tensor(8)``) is accepted, as in torchgpipe 0.0.7. A
+    bool or a non-number is of the wrong type; a number that is not a
+    positive integer (``0``, ``1.5``) is a wrong value.
+
+    Returns:
+        int: the number of micro-batches
 
     Raises:
         TypeError: ``chunks`` is not a number
         ValueError: ``chunks`` is not a positive integer
     """
-    if isinstance(chunks, int) and not isinstance(chunks, bool) and chunks > 0:
-        return
+    value = as_int(chunks)
+    if value is not None and value > 0:
+        return value
     fix = 'give the number of micro-batches, such as chunks=8'
-    if isinstance(chunks, bool) or not isinstance(chunks, numbers.Real):
+    if real_number(chunks) is None:
         raise TypeError(describe('chunks must be an int', f'chunks: {chunks!r}', fix))
     raise ValueError(describe('number of chunks must be positive integer',
                               f'chunks: {chunks!r}', fix))

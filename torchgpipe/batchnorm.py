@@ -19,7 +19,7 @@ A checkpointed micro-batch runs its forward twice (Section 3.2.4 of the
 paper); the recomputation must not count the same samples again, so nothing
 is accumulated while :func:`torchgpipe.checkpoint.is_recomputing` is true.
 """
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional, Type
 
 import torch
 import torch.nn.functional as F
@@ -88,13 +88,18 @@ class DeferredBatchNorm(_BatchNorm):
 
     # Accumulated over the micro-batches of the current mini-batch. They are
     # plain attributes, not buffers: they are transient (reset at every
-    # commit), so they have no place in a state dict, whose keys thereby stay
-    # those of the original BatchNorm layer, and ``module.half()`` must not
-    # lower their float64 precision.
+    # commit), ``module.half()`` must not lower their float64 precision, and
+    # DistributedDataParallel must not broadcast them as model state. Only
+    # the state dict shows them, as torchgpipe 0.0.7's buffers of the same
+    # names (see _save_to_state_dict).
     sum: Optional[Tensor]
     sum_squares: Optional[Tensor]
     count: int
     counter: int
+
+    #: The class of the BatchNorm layer this one replaced, restored by
+    #: :func:`restore_batch_norm`; ``None`` for a layer made directly.
+    replaced_class: Optional[Type[_BatchNorm]] = None
 
     def __init__(self,
                  num_features: int,
@@ -108,7 +113,7 @@ class DeferredBatchNorm(_BatchNorm):
                  device: Optional[torch.device] = None,
                  dtype: Optional[torch.dtype] = None,
                  ) -> None:
-        check_chunks(chunks)
+        chunks = check_chunks(chunks)
 
         super().__init__(num_features, eps, momentum, affine, track_running_stats,
                          device=device, dtype=dtype)
@@ -137,6 +142,35 @@ class DeferredBatchNorm(_BatchNorm):
         self.sum_squares = None
         self.count = 0
         self.counter = 0
+
+    def _save_to_state_dict(self, destination: Dict[str, Any], prefix: str,
+                            keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.running_mean is None:
+            return
+        # torchgpipe 0.0.7 kept the sums as buffers of the running
+        # statistics' shape and dtype, zeros between mini-batches: its state
+        # dicts have these keys, and so do ours.
+        for name, value in (('sum', self.sum), ('sum_squares', self.sum_squares)):
+            if value is None:
+                destination[prefix + name] = torch.zeros_like(self.running_mean)
+            else:
+                destination[prefix + name] = value.to(self.running_mean.dtype)
+
+    def _load_from_state_dict(self, state_dict: Dict[str, Any], prefix: str,
+                              local_metadata: Dict[str, Any], strict: bool,
+                              missing_keys: List[str], unexpected_keys: List[str],
+                              error_msgs: List[str]) -> None:
+        # The sums are optional, and their values unused: a state dict of
+        # torchgpipe 0.0.7 has them (zeros between mini-batches), the state
+        # dict of a plain BatchNorm layer (a model trained without GPipe)
+        # has not, and both load strictly. Without the count of values they
+        # were accumulated from, sums could not be resumed anyway.
+        if self.running_mean is not None:
+            state_dict.pop(prefix + 'sum', None)
+            state_dict.pop(prefix + 'sum_squares', None)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
+                                      missing_keys, unexpected_keys, error_msgs)
 
     def _accumulate(self, input: Tensor, mean: Tensor, unbiased_var: Tensor) -> None:
         """Adds the statistics of one micro-batch to the accumulators.
@@ -263,20 +297,23 @@ class DeferredBatchNorm(_BatchNorm):
         place, in its parent, by a :class:`DeferredBatchNorm` sharing its
         weight and bias (the same :class:`~torch.nn.Parameter` objects, so an
         optimizer built before the conversion still updates them) and its
-        running statistics, with the same ``eps``, ``momentum``, ``affine``,
-        ``track_running_stats`` and training mode. A layer reached through
-        several parents is replaced by one shared :class:`DeferredBatchNorm`.
-        Layers that are already deferred are left as they are.
+        running statistics, with the same ``eps``, ``momentum``, ``affine``
+        and training mode. A layer reached through several parents is
+        replaced by one shared :class:`DeferredBatchNorm`. As in torchgpipe
+        0.0.7, a layer with ``track_running_stats=False`` (it has no running
+        statistics to defer) and a layer that is already deferred (whatever
+        its ``chunks``) are left as they are.
 
         Args:
             module (nn.Module): the module to convert; if it is itself a
                 BatchNorm layer, a new module is returned instead
-            chunks (int): number of micro-batches per mini-batch
+            chunks (int): number of micro-batches per mini-batch; an
+                integral number such as ``4.0`` is taken as an int
                 (default: ``1``)
 
         Returns:
             nn.Module: ``module``, or its replacement when ``module`` itself
-            is a BatchNorm layer
+            is a BatchNorm layer that is replaced
 
         Raises:
             TypeError: ``chunks`` is not a number.
@@ -293,7 +330,7 @@ class DeferredBatchNorm(_BatchNorm):
             >>> type(model[1]).__name__
             'DeferredBatchNorm'
         """
-        check_chunks(chunks)
+        chunks = check_chunks(chunks)
         # Checked before the first replacement, so that a failure leaves
         # ``module`` as it was.
         for name, layer in module.named_modules():
@@ -304,44 +341,96 @@ class DeferredBatchNorm(_BatchNorm):
                                           'forward has inferred num_features',
                                           f'{path}: {type(layer).__name__}',
                                           'run one forward pass first, such as model(sample)'))
-        return cls._convert(module, chunks, {})
+        return replace_layers(module, lambda layer: cls._from_batch_norm(layer, chunks))
 
     @classmethod
-    def _convert(cls, module: nn.Module, chunks: int,
-                 memo: Dict[int, nn.Module]) -> nn.Module:
-        if id(module) in memo:
-            return memo[id(module)]
-
-        converted = module
-        if isinstance(module, _BatchNorm) and not isinstance(module, DeferredBatchNorm):
-            converted = cls._from_batch_norm(module, chunks)
-        else:
-            for name, child in module.named_children():
-                new_child = cls._convert(child, chunks, memo)
-                if new_child is not child:
-                    module.add_module(name, new_child)
-
-        memo[id(module)] = converted
-        return converted
-
-    @classmethod
-    def _from_batch_norm(cls, module: _BatchNorm, chunks: int) -> 'DeferredBatchNorm':
+    def _from_batch_norm(cls, layer: nn.Module, chunks: int) -> Optional['DeferredBatchNorm']:
+        """The deferred replacement of a BatchNorm layer; ``None`` for any
+        other layer, for a layer already deferred, and for one without
+        running statistics (there is nothing to defer)."""
+        if (not isinstance(layer, _BatchNorm) or isinstance(layer, DeferredBatchNorm)
+                or not layer.track_running_stats):
+            return None
         # Built on the meta device: every tensor is replaced just below, so
         # allocating real storage for it would be wasted.
-        deferred = cls(module.num_features, module.eps, module.momentum, module.affine,
-                       chunks, track_running_stats=module.track_running_stats,
+        deferred = cls(layer.num_features, layer.eps, layer.momentum, layer.affine, chunks,
                        device=torch.device('meta'))
-
-        # Share, don't copy: the optimizer and whoever else holds the
-        # parameters and buffers keep seeing the live tensors.
-        deferred.weight = module.weight
-        deferred.bias = module.bias
-        deferred.running_mean = module.running_mean
-        deferred.running_var = module.running_var
-        deferred.num_batches_tracked = module.num_batches_tracked
-
-        deferred.train(module.training)
-        qconfig: Any = getattr(module, 'qconfig', None)
-        if qconfig is not None:
-            deferred.qconfig = qconfig
+        share_state(layer, deferred)
+        deferred.replaced_class = type(layer)
         return deferred
+
+
+def restore_batch_norm(module: nn.Module) -> nn.Module:
+    """Turns every :class:`DeferredBatchNorm` that
+    :meth:`~DeferredBatchNorm.convert_deferred_batch_norm` made in ``module``
+    back into the BatchNorm layer it replaced, in place.
+
+    The restored layer is of the replaced class (``nn.BatchNorm2d``, ...),
+    with the deferred layer's parameters and running statistics (the same
+    tensors), ``eps``, ``momentum`` and training mode; the accumulators of a
+    mini-batch in progress are dropped. A :class:`DeferredBatchNorm` made
+    directly has no class to return to and stays.
+
+    Returns:
+        nn.Module: ``module``, or its replacement when ``module`` itself is
+        a converted layer
+    """
+    def restore(layer: nn.Module) -> Optional[nn.Module]:
+        if not isinstance(layer, DeferredBatchNorm) or layer.replaced_class is None:
+            return None
+        restored = layer.replaced_class(layer.num_features, layer.eps, layer.momentum,
+                                        layer.affine, device=torch.device('meta'))
+        share_state(layer, restored)
+        return restored
+
+    return replace_layers(module, restore)
+
+
+def share_state(source: _BatchNorm, target: _BatchNorm) -> None:
+    """Gives ``target`` the parameters, running statistics, training mode and
+    quantization config of ``source``: the same objects, not copies."""
+    # Share, don't copy: the optimizer and whoever else holds the
+    # parameters and buffers keep seeing the live tensors.
+    target.weight = source.weight
+    target.bias = source.bias
+    target.running_mean = source.running_mean
+    target.running_var = source.running_var
+    target.num_batches_tracked = source.num_batches_tracked
+
+    target.train(source.training)
+    qconfig: Any = getattr(source, 'qconfig', None)
+    if qconfig is not None:
+        target.qconfig = qconfig
+
+
+def replace_layers(module: nn.Module,
+                   replace: Callable[[nn.Module], Optional[nn.Module]]) -> nn.Module:
+    """Replaces layers in ``module``, in place, in their parents.
+
+    Args:
+        module (nn.Module): the module to walk, itself included
+        replace (callable): the replacement of a layer, or ``None`` to keep
+            the layer and look into its children instead
+
+    Returns:
+        nn.Module: ``module``, or its replacement
+
+    A layer reached through several parents is replaced once, by one shared
+    replacement.
+    """
+    memo: Dict[int, nn.Module] = {}
+
+    def walk(layer: nn.Module) -> nn.Module:
+        if id(layer) in memo:
+            return memo[id(layer)]
+        replacement = replace(layer)
+        if replacement is None:
+            replacement = layer
+            for name, child in layer.named_children():
+                new_child = walk(child)
+                if new_child is not child:
+                    layer.add_module(name, new_child)
+        memo[id(layer)] = replacement
+        return replacement
+
+    return walk(module)

@@ -1,14 +1,16 @@
 """The GPipe interface: partitioning a sequential module and running it as a pipeline."""
-import numbers
+import copy
 from collections import OrderedDict
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union, cast
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Union, cast
 
 import torch
-from torch import Tensor, nn
+from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys
 
 from torchgpipe import microbatch
-from torchgpipe._validation import check_available, check_chunks, describe, parse_device
-from torchgpipe.batchnorm import DeferredBatchNorm
+from torchgpipe._validation import (as_int, check_available, check_chunks, describe,
+                                    parse_device)
+from torchgpipe.batchnorm import DeferredBatchNorm, restore_batch_norm
 from torchgpipe.microbatch import TensorOrTensors
 from torchgpipe.pipeline import Pipeline
 from torchgpipe.skip.layout import inspect_skip_layout
@@ -108,10 +110,12 @@ def check_balance(module: nn.Sequential, balance: object) -> List[int]:
         values = list(cast(Iterable[object], balance))
     except TypeError:
         raise type_error from None
-    if any(isinstance(x, bool) or not isinstance(x, numbers.Integral) for x in values):
+    # Integral values such as 2.0, NumPy integers or torch.tensor(2) count
+    # as ints, as in torchgpipe 0.0.7.
+    entries = [as_int(x) for x in values]
+    if None in entries:
         raise type_error
-    # Integral values such as NumPy integers count as ints.
-    result = [int(cast(numbers.Integral, x)) for x in values]
+    result = cast(List[int], entries)
 
     if sum(result) != layers:
         raise BalanceError(describe('module and sum of balance have different length',
@@ -249,9 +253,11 @@ class GPipe(nn.Module):
     Keyword Args:
         devices (iterable of devices): devices to use, as ``torch.device``,
             strings or CUDA indices (default: all CUDA devices)
-        chunks (int): number of micro-batches (default: ``1``)
+        chunks (int): number of micro-batches; an integral number such as
+            ``8.0`` or ``torch.tensor(8)`` is taken as an int (default: ``1``)
         checkpoint (str): when to enable checkpointing, one of ``'always'``,
-            ``'except_last'``, or ``'never'`` (default: ``'except_last'``)
+            ``'except_last'``, or ``'never'``, or an object whose ``str()``
+            is one of them (default: ``'except_last'``)
         deferred_batch_norm (bool): whether to use deferred BatchNorm moving
             statistics (default: ``False``)
 
@@ -322,7 +328,10 @@ class GPipe(nn.Module):
         except BalanceError as exc:
             raise ValueError(recommend_auto_balance(str(exc))) from None
         device_list = check_devices(devices, len(balance))
-        check_chunks(chunks)
+        chunks = check_chunks(chunks)
+        # As in 0.0.7, any object that reads as a mode is one, such as an
+        # enum member whose str() is 'always'.
+        checkpoint = str(checkpoint)
         if checkpoint not in ('always', 'except_last', 'never'):
             # Word for word as in 0.0.7 (users match on it).
             raise ValueError("checkpoint is not one of 'always', 'except_last', or 'never'")
@@ -403,6 +412,146 @@ class GPipe(nn.Module):
                 raise MOVING_DENIED
         return super().to(*args, **kwargs)
 
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
+                        assign: bool = False) -> _IncompatibleKeys:
+        """Copies parameters and buffers from ``state_dict``, as
+        :meth:`torch.nn.Module.load_state_dict`, in either of two key styles.
+
+        The keys may be those :meth:`~torch.nn.Module.state_dict` returns,
+        ``partitions.<j>.<child name>.<name>`` (as in torchgpipe 0.0.7), or
+        those of the unwrapped :class:`nn.Sequential <torch.nn.Sequential>`,
+        ``<child name>.<name>``: the state dict of a model trained without
+        GPipe, or of the one :meth:`unwrap` returns, loads directly. The
+        style is that of the keys GPipe knows; missing and unexpected keys
+        are reported in the style given.
+
+        With ``deferred_batch_norm=True``, a plain BatchNorm layer's state
+        loads into the deferred layer that replaced it, also with
+        ``strict=True``.
+
+        Args:
+            state_dict (dict): the state, in either style
+            strict (bool): whether the keys must match exactly
+                (default: ``True``)
+            assign (bool): as for :meth:`torch.nn.Module.load_state_dict`
+                (default: ``False``)
+
+        Returns:
+            ``NamedTuple`` with ``missing_keys`` and ``unexpected_keys``
+
+        Raises:
+            RuntimeError: with ``strict=True``, a key is missing or
+                unexpected; or a tensor has the wrong shape
+
+        Example::
+
+            >>> def make_model():
+            ...     return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+            >>> trained = make_model()  # trained without GPipe
+            >>> gpipe = GPipe(make_model(), balance=[2, 1], devices=['cpu', 'cpu'])
+            >>> gpipe.load_state_dict(trained.state_dict())
+            <All keys matched successfully>
+            >>> list(gpipe.state_dict())[0]
+            'partitions.0.0.weight'
+        """
+        # The child names are unique across partitions: each names its partition.
+        partition_of = {name: j for j, partition in enumerate(self._partitions())
+                        for name in partition._modules}
+
+        def in_gpipe_style(key: str) -> Optional[str]:
+            # The module path of metadata keys has no parameter name: '0'.
+            child = key.split('.', 1)[0]
+            return f'partitions.{partition_of[child]}.{key}' if child in partition_of else None
+
+        def is_own(key: str) -> bool:
+            parts = key.split('.', 3)
+            return (len(parts) > 2 and parts[0] == 'partitions'
+                    and str(partition_of.get(parts[2])) == parts[1])
+
+        load = super().load_state_dict
+        if any(map(is_own, state_dict)) or not any(map(in_gpipe_style, state_dict)):
+            return cast(_IncompatibleKeys, load(state_dict, strict, assign))
+
+        # Keys of no child stay as they are, to be reported unexpected.
+        renamed = {key: in_gpipe_style(key) or key for key in state_dict}
+        translated: Any = OrderedDict((renamed[key], value) for key, value in state_dict.items())
+        metadata = getattr(state_dict, '_metadata', None)
+        if metadata is not None:
+            # The versions of the layers, which BatchNorm's loading reads.
+            translated._metadata = OrderedDict(
+                (in_gpipe_style(path) or path, value) for path, value in metadata.items())
+        given = {new: old for old, new in renamed.items()}
+
+        def report_in_given_style(module: nn.Module, keys: _IncompatibleKeys) -> None:
+            # Every missing key is one of ours: 'partitions.<j>.<child name>...'.
+            keys.missing_keys[:] = [key.split('.', 2)[2] for key in keys.missing_keys]
+            keys.unexpected_keys[:] = [given.get(key, key) for key in keys.unexpected_keys]
+
+        hook = self.register_load_state_dict_post_hook(  # type: ignore[no-untyped-call]
+            report_in_given_style)
+        try:
+            return cast(_IncompatibleKeys, load(translated, strict, assign))
+        finally:
+            hook.remove()
+
+    def unwrap(self, device: Optional[Device] = None) -> nn.Sequential:
+        """The plain :class:`nn.Sequential <torch.nn.Sequential>` this GPipe
+        trains, on one device, for inference or export without torchgpipe.
+
+        The layers are deep copies, sharing nothing with this GPipe, under
+        their original names in the original order: the state dict of the
+        result has the keys of the module given to GPipe, and loads into it
+        with ``strict=True``. Layers replaced by ``deferred_batch_norm=True``
+        come back as the BatchNorm class they replaced (``nn.BatchNorm2d``,
+        ...), with the same running statistics, parameters, ``eps`` and
+        ``momentum``. Training modes are kept.
+
+        Args:
+            device (torch.device, str or int, optional): the device of the
+                whole result (default: the CPU, whose memory is usually the
+                only one that holds a model that needed several devices)
+
+        Returns:
+            nn.Sequential: the unwrapped module
+
+        Raises:
+            TypeError: ``device`` is not a device
+            ValueError: ``device`` is a CUDA device that does not exist here
+
+        Example::
+
+            >>> def make_model():
+            ...     return nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+            >>> gpipe = GPipe(make_model(), balance=[1, 1], devices=['cpu', 'cpu'],
+            ...               chunks=2, deferred_batch_norm=True)
+            >>> gpipe(torch.rand(8, 4)).sum().backward()  # training
+            >>> model = gpipe.unwrap('cpu')
+            >>> type(model[1]).__name__
+            'BatchNorm1d'
+            >>> make_model().load_state_dict(model.state_dict())
+            <All keys matched successfully>
+        """
+        if device is None:
+            target = torch.device('cpu')
+        else:
+            target = parse_device('device', device,
+                                  "use a device such as device='cpu' or device='cuda:0'")
+            check_available('device', target, "unwrap on the CPU with device='cpu'")
+
+        # One memo for all layers keeps what they share shared.
+        memo: Dict[int, Any] = {}
+        layers: 'OrderedDict[str, nn.Module]' = OrderedDict()
+        for partition in self._partitions():
+            for name, layer in partition.named_children():
+                # Moved layer by layer: a partition's device never holds a
+                # copy of more than one of its layers.
+                layers[name] = copy.deepcopy(layer, memo).to(target)
+
+        module = nn.Sequential(layers)
+        # Not train(): each layer keeps its own mode.
+        module.training = self.training
+        return cast(nn.Sequential, restore_batch_norm(module))
+
     def _ensure_copy_streams(self) -> List[List[AbstractStream]]:
         """Creates a copy stream per device per micro-batch, once."""
         copy_streams = self._run_state.copy_streams
@@ -452,7 +601,11 @@ class GPipe(nn.Module):
             layer.chunks = m
 
         if self.training and torch.is_grad_enabled():
-            checkpoint_stop = {'always': m, 'except_last': m - 1, 'never': 0}[self.checkpoint]
+            # As in torchgpipe 0.0.7, 'except_last' spares the last of
+            # ``chunks`` micro-batches: a short mini-batch split into fewer
+            # micro-batches has all of them checkpointed.
+            checkpoint_stop = {'always': m, 'except_last': min(m, self.chunks - 1),
+                               'never': 0}[self.checkpoint]
         else:
             checkpoint_stop = 0
 
