@@ -23,27 +23,28 @@ __all__ = ['GPipe', 'BalanceError', 'verify_module', 'split_module']
 Device = Union[torch.device, int, str]
 Devices = Union[Iterable[Device], List[Device]]
 
-MOVING_DENIED = TypeError('denied to move parameters and buffers, '
-                          'because GPipe should manage device placement')
+def deny_moving() -> TypeError:
+    """The error of moving a GPipe module as a whole: each partition has its own device."""
+    # The text is torchgpipe 0.0.7's: scripts may match on it.
+    return TypeError('denied to move parameters and buffers, '
+                     'because GPipe should manage device placement')
+
+
+#: What every balance error adds: torchgpipe.balance finds a balance itself.
+BALANCE_HINT = """\
+torchgpipe.balance can find a balance for you, from the time (balance_by_time)
+or the memory (balance_by_size) each layer takes on a sample batch:
+
+  from torchgpipe.balance import balance_by_time
+
+  balance = balance_by_time(len(devices), model, sample, device=devices[0])
+  model = GPipe(model, balance, devices=devices, chunks=8)
+"""
 
 
 def recommend_auto_balance(message: str) -> str:
-    """Expands a message with a recommendation to :mod:`torchgpipe.balance`."""
-    return f'''{message}
-
-If your model is still under development, its optimal balance would change
-frequently. In this case, we highly recommend 'torchgpipe.balance' for naive
-automatic balancing:
-
-  from torchgpipe import GPipe
-  from torchgpipe.balance import balance_by_time
-
-  partitions = torch.cuda.device_count()
-  sample = torch.empty(...)
-  balance = balance_by_time(partitions, model, sample)
-
-  model = GPipe(model, balance, ...)
-'''
+    """Appends :data:`BALANCE_HINT` to an error message about the balance."""
+    return f'{message}\n\n{BALANCE_HINT}'
 
 
 class BalanceError(ValueError):
@@ -229,22 +230,24 @@ def split_module(module: nn.Sequential, balance: Iterable[int],
 
 
 class GPipe(nn.Module):
-    """Wraps an arbitrary :class:`nn.Sequential <torch.nn.Sequential>` module
-    to train on GPipe_. If the module requires lots of memory, GPipe will be
-    very efficient.
+    """Trains an :class:`nn.Sequential <torch.nn.Sequential>` as a pipeline over
+    several devices, with the results of the unwrapped module (GPipe_).
 
     .. _GPipe: https://arxiv.org/abs/1811.06965
 
-    GPipe combines pipeline parallelism with checkpointing to reduce peak
-    memory required to train while minimizing device under-utilization.
+    The children of ``module`` are split into consecutive partitions, the
+    ``j``-th holding ``balance[j]`` layers on ``devices[j]``. Each mini-batch
+    is split into ``chunks`` micro-batches that flow through the partitions
+    one clock cycle apart, so the devices work at the same time; activations
+    inside a partition are dropped after the forward pass and recomputed for
+    the backward pass (``checkpoint``), so memory holds little more than the
+    activations at partition boundaries. Outputs and gradients are those of
+    ``module`` on the whole mini-batch.
 
-    You should determine the balance when defining a GPipe module, as
-    balancing will not be done automatically. The module will be partitioned
-    into multiple devices according to the given balance.
-
-    GPipe does not change the input and output signature of the module, with
-    one restriction: input and output, also at every partition boundary, have
-    to be a tensor or a tuple of tensors.
+    ``balance`` is not chosen for you: pick it by hand or with
+    :mod:`torchgpipe.balance`. Called, a GPipe module takes and returns what
+    ``module`` does, provided that it is a tensor or a tuple of tensors, here
+    and at every partition boundary.
 
     Args:
         module (torch.nn.Sequential): sequential module to be parallelized
@@ -287,27 +290,21 @@ class GPipe(nn.Module):
     #: The number of layers in each partition.
     balance: List[int]
 
-    #: The devices mapped to each partition.
-    #:
-    #: ``devices[-1]`` refers to the device of the last partition, which means
-    #: it is the output device. Probably, you need to use it to transfer the
-    #: target to calculate the loss without a device mismatch
-    #: :exc:`RuntimeError`. For example::
-    #:
-    #:     out_device = gpipe.devices[-1]
+    #: The device of each partition. The output is on ``devices[-1]``: put
+    #: the targets there before computing the loss::
     #:
     #:     for input, target in loader:
-    #:         target = target.to(out_device, non_blocking=True)
     #:         output = gpipe(input)
-    #:         loss = F.cross_entropy(output, target)
+    #:         loss = F.cross_entropy(output, target.to(gpipe.devices[-1]))
     #:
     devices: List[torch.device]
 
     #: The number of micro-batches.
     chunks: int = 1
 
-    #: The checkpoint mode to determine when to enable checkpointing. It is one
-    #: of ``'always'``, ``'except_last'``, or ``'never'``.
+    #: The checkpoint mode, which says which micro-batches are checkpointed,
+    #: ``'always'`` (all), ``'except_last'`` (all but the last of ``chunks``,
+    #: and all of a short batch that splits into fewer) or ``'never'``.
     checkpoint: str = 'except_last'
 
     def __init__(self, module: nn.Sequential, balance: Optional[Iterable[int]] = None, *,
@@ -383,10 +380,10 @@ class GPipe(nn.Module):
     # GPipe owns device placement: moving the whole module would break it.
 
     def cuda(self, device: Optional[Union[int, torch.device]] = None) -> 'GPipe':
-        raise MOVING_DENIED
+        raise deny_moving()
 
     def cpu(self) -> 'GPipe':
-        raise MOVING_DENIED
+        raise deny_moving()
 
     def to(self, *args: Any, **kwargs: Any) -> 'GPipe':
         """Casts parameters and buffers, as :meth:`torch.nn.Module.to`, but never moves them.
@@ -404,12 +401,12 @@ class GPipe(nn.Module):
         # - to(dtype[, non_blocking])
         #
         if 'device' in kwargs or 'tensor' in kwargs:
-            raise MOVING_DENIED
+            raise deny_moving()
         if args:
             if isinstance(args[0], (torch.device, int, str)):
-                raise MOVING_DENIED
+                raise deny_moving()
             if torch.is_tensor(args[0]):
-                raise MOVING_DENIED
+                raise deny_moving()
         return super().to(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
@@ -561,13 +558,12 @@ class GPipe(nn.Module):
         return copy_streams
 
     def forward(self, input: TensorOrTensors) -> TensorOrTensors:
-        """:class:`GPipe` is a fairly transparent module wrapper. It doesn't
-        modify the input and output signature of the underlying module. But
-        there's type restriction. Input and output have to be a
-        :class:`~torch.Tensor` or a tuple of tensors. This restriction is
-        applied at partition boundaries too.
+        """Runs a mini-batch through the pipeline.
 
-        An input that is not on the first partition's device is moved there.
+        The input is split along dimension 0 into micro-batches, which pass
+        through the partitions in clock cycles; their outputs are
+        concatenated back into one. An input that is not on the first
+        partition's device is moved there.
 
         Args:
             input (torch.Tensor or tensors): input mini-batch
