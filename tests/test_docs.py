@@ -362,7 +362,8 @@ def test_built_pages_load_nothing_from_the_internet(build: Build) -> None:
     style sheet, font or image is fetched from elsewhere. Links may point
     anywhere."""
     assert build.returncode == 0, build.stderr
-    remote = re.compile(r'<(?:script|img|iframe|source|audio|video|embed)\b[^>]*\bsrc="(?:https?:)?//'
+    remote = re.compile(r'<(?:script|img|iframe|source|audio|video|embed)\b[^>]*'
+                        r'\bsrc="(?:https?:)?//'
                         r'|<link\b[^>]*\bhref="(?:https?:)?//', re.I)
     found = {}
     for name in built_pages(build):
