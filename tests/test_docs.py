@@ -17,8 +17,11 @@ A README or ``.rst`` example runs as a script of its own, in a fresh
 namespace: write it self-contained, with CPU devices, and check what it
 claims with ``assert``. A failure points at the file and line of the block.
 
-Also checked: every figure the pages show exists, and every error message
-the library raises is explained in ``docs/troubleshooting.rst``.
+Also checked: every figure the pages show exists, every error message the
+library raises is explained in ``docs/troubleshooting.rst``, the README's
+demo passes on a few steps, and the documentation builds without warnings
+into pages that show no error box, link the words of parameter types only to
+classes, and load nothing from the internet.
 """
 import ast
 import doctest
@@ -137,6 +140,23 @@ def test_examples_are_found() -> None:
         assert found == declared, page
         for example in rst_examples(page):
             assert example.source.strip(), example.id
+
+
+def test_demo_matches_the_unwrapped_model_on_both_paths(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``examples/demo.py``, the README's first command, on a few steps."""
+    import runpy
+
+    demo = runpy.run_path(os.path.join(ROOT, 'examples', 'demo.py'), run_name='demo')
+    threads = torch.get_num_threads()
+    try:
+        status = demo['main'](['--steps', '3', '--batch-size', '16', '--chunks', '4'])
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert 'GPipe, 1 thread' in out and 'GPipe, 4 threads' in out, out
+    assert 'OK: on both paths' in out, out
 
 
 # -- docstrings ----------------------------------------------------------------
