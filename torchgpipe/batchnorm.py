@@ -17,7 +17,7 @@ updated them for a single call on the whole mini-batch.
 
 A checkpointed micro-batch runs its forward twice (Section 3.2.4 of the
 paper); the recomputation must not count the same samples again, so nothing
-is accumulated while :func:`torchgpipe.checkpoint.is_recomputing` is true.
+is accumulated while :func:`torchgpipe.is_recomputing` is true.
 """
 from typing import Any, Callable, Dict, List, Optional, Type
 
@@ -48,21 +48,21 @@ class DeferredBatchNorm(_BatchNorm):
     ``momentum``, or the cumulative average when ``momentum`` is ``None``,
     of the mean and the unbiased variance of the whole mini-batch.
 
-    Calls made while :func:`torchgpipe.checkpoint.is_recomputing` returns
+    Calls made while :func:`torchgpipe.is_recomputing` returns
     ``True`` (the recomputation of a checkpointed micro-batch) are
     normalized the same way but are not counted.
 
     In evaluation mode, or with ``track_running_stats=False``, it behaves
     exactly like ``nn.BatchNorm``.
 
-    The layer accepts 2D to 5D inputs of shape :math:`(N, C, *)`, so one
+    The layer accepts 2D to 5D inputs of shape ``(N, C, *)``, so one
     class stands in for ``BatchNorm1d``, ``BatchNorm2d`` and ``BatchNorm3d``.
 
     Usually you don't create it yourself: :class:`~torchgpipe.GPipe` with
     ``deferred_batch_norm=True`` calls :meth:`convert_deferred_batch_norm`.
 
     Args:
-        num_features (int): number of channels :math:`C`
+        num_features (int): number of channels ``C``
         eps (float): value added to the denominator for numerical stability
             (default: ``1e-5``)
         momentum (float or None): factor of the exponential moving average of
@@ -250,7 +250,7 @@ class DeferredBatchNorm(_BatchNorm):
         """Normalizes ``input`` and, in training, accumulates its statistics.
 
         Args:
-            input (Tensor): a micro-batch of shape :math:`(N, C, *)`
+            input (Tensor): a micro-batch of shape ``(N, C, *)``
 
         Returns:
             Tensor: the normalized micro-batch, of the same shape
