@@ -11,8 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
-from helpers import assert_same_training_step
-from test_transparency import cpu_devices
+from helpers import assert_same_training_step, cpu_devices
 from torchgpipe import GPipe
 from torchgpipe.skip import Namespace, pop, skippable, stash, verify_skippables
 from torchgpipe.skip.portal import Portal, PortalCopy
@@ -99,20 +98,11 @@ def partition_of(layer: int, balance: List[int]) -> int:
 
 
 def assert_same_as_without_gpipe(model: nn.Sequential, balance: List[int], chunks: int,
-                                 checkpoint: str, input: Tensor) -> None:
-    reference = copy.deepcopy(model)
-    gpipe = GPipe(model, balance, devices=['cpu'] * len(balance), chunks=chunks,
-                  checkpoint=checkpoint)
-    x1 = input.clone().requires_grad_()
-    x2 = input.clone().requires_grad_()
-    expected = reference(x1)
-    expected.pow(2).sum().backward()
-    actual = gpipe(x2)
-    actual.pow(2).sum().backward()
-    torch.testing.assert_close(actual, expected)
-    torch.testing.assert_close(x2.grad, x1.grad)
-    for (name, p), q in zip(gpipe.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, msg=name)
+                                 checkpoint: str, input: Tensor, threaded: bool) -> None:
+    assert_same_training_step(
+        model, lambda m: GPipe(m, balance, devices=cpu_devices(len(balance), threaded),
+                               chunks=chunks, checkpoint=checkpoint),
+        input)
 
 
 @pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
@@ -120,19 +110,20 @@ def assert_same_as_without_gpipe(model: nn.Sequential, balance: List[int], chunk
                                      [6, 2, 2, 6], [11, 2, 2, 1]])
 @pytest.mark.parametrize('chunks', [1, 3])
 def test_unet_equals_the_model_without_gpipe(balance: List[int], chunks: int,
-                                             checkpoint: str) -> None:
+                                             checkpoint: str, threaded: bool) -> None:
     assert_same_as_without_gpipe(unet(), balance, chunks, checkpoint,
-                                 torch.randn(7, W, dtype=torch.double))
+                                 torch.randn(7, W, dtype=torch.double), threaded)
 
 
 @settings(max_examples=30, deadline=None)
 @given(st.sets(st.integers(1, N_LAYERS - 1), max_size=3), st.integers(1, 5),
-       st.sampled_from(['always', 'except_last', 'never']), st.integers(1, 9))
-def test_unet_any_balance(cuts: set, chunks: int, checkpoint: str, batch: int) -> None:
+       st.sampled_from(['always', 'except_last', 'never']), st.integers(1, 9), st.booleans())
+def test_unet_any_balance(cuts: set, chunks: int, checkpoint: str, batch: int,
+                          threaded: bool) -> None:
     bounds = [0, *sorted(cuts), N_LAYERS]
     balance = [b - a for a, b in zip(bounds, bounds[1:])]
     assert_same_as_without_gpipe(unet(), balance, chunks, checkpoint,
-                                 torch.randn(batch, W, dtype=torch.double))
+                                 torch.randn(batch, W, dtype=torch.double), threaded)
 
 
 @pytest.fixture
@@ -173,14 +164,15 @@ def assert_one_copy_each_way(gpipe: GPipe, input: Tensor, crossing: int, chunks:
 @pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
 @pytest.mark.parametrize('balance', [[16], [8, 8], [4, 4, 4, 4], [1, 1, 13, 1], [2, 6, 5, 3]])
 def test_skip_tensors_cross_devices_once_each_way(balance: List[int], checkpoint: str,
-                                                 portal_copies: List[Tuple[str, int]]) -> None:
+                                                 portal_copies: List[Tuple[str, int]],
+                                                 threaded: bool) -> None:
     """Exactly one transfer per crossing skip per micro-batch, none for a skip within a partition.
 
     The skip tensor goes straight from the stashing partition to the popping
     one; the partitions between never see it.
     """
     chunks = 3
-    gpipe = GPipe(unet(), balance, devices=['cpu'] * len(balance), chunks=chunks,
+    gpipe = GPipe(unet(), balance, devices=cpu_devices(len(balance), threaded), chunks=chunks,
                   checkpoint=checkpoint)
     crossing = sum(partition_of(s, balance) != partition_of(p, balance) for s, p in SKIPS)
     assert_one_copy_each_way(gpipe, torch.randn(6, W, dtype=torch.double, requires_grad=True),
@@ -218,10 +210,10 @@ class PopNone(nn.Module):
 
 @pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
 @pytest.mark.parametrize('balance', [[3], [1, 2], [1, 1, 1]])
-def test_stash_none(balance: List[int], checkpoint: str) -> None:
+def test_stash_none(balance: List[int], checkpoint: str, threaded: bool) -> None:
     model = nn.Sequential(StashNone(), nn.Linear(W, W), PopNone()).double()
     assert_same_as_without_gpipe(model, balance, 2, checkpoint,
-                                 torch.randn(4, W, dtype=torch.double))
+                                 torch.randn(4, W, dtype=torch.double), threaded)
 
 
 @skippable(stash=['const'])
@@ -241,11 +233,11 @@ class PopConstant(nn.Module):
 
 
 @pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
-def test_skip_that_needs_no_grad(checkpoint: str) -> None:
+def test_skip_that_needs_no_grad(checkpoint: str, threaded: bool) -> None:
     model = nn.Sequential(StashConstant(), nn.Linear(W, W), PopConstant(),
                           nn.Linear(W, W)).double()
     assert_same_as_without_gpipe(model, [1, 2, 1], 3, checkpoint,
-                                 torch.randn(6, W, dtype=torch.double))
+                                 torch.randn(6, W, dtype=torch.double), threaded)
 
 
 @skippable(stash=['ids'])
@@ -272,10 +264,11 @@ class EmbedIds(nn.Module):
 
 @pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
 @pytest.mark.parametrize('balance', [[1, 1, 1], [2, 1], [1, 2]])
-def test_integer_skip_tensor_and_tuple_input(balance: List[int], checkpoint: str) -> None:
+def test_integer_skip_tensor_and_tuple_input(balance: List[int], checkpoint: str,
+                                             threaded: bool) -> None:
     model = nn.Sequential(KeepIds(), nn.Linear(W, W), EmbedIds()).double()
     reference = copy.deepcopy(model)
-    gpipe = GPipe(model, balance, devices=['cpu'] * len(balance), chunks=3,
+    gpipe = GPipe(model, balance, devices=cpu_devices(len(balance), threaded), chunks=3,
                   checkpoint=checkpoint)
     ids = torch.randint(10, (6,))
     x = torch.randn(6, W, dtype=torch.double)
@@ -402,7 +395,7 @@ def test_gpipe_verifies_skippables() -> None:
         GPipe(nn.Sequential(Stash(), Stash(), PopAdd()), [3], devices=['cpu'])
 
 
-def test_namespaces_isolate_the_same_class_twice() -> None:
+def test_namespaces_isolate_the_same_class_twice(threaded: bool) -> None:
     with pytest.raises(TypeError):
         verify_skippables(nn.Sequential(Stash(), Stash(), PopAdd(), PopAdd()))
     ns1, ns2 = Namespace(), Namespace()
@@ -411,7 +404,7 @@ def test_namespaces_isolate_the_same_class_twice() -> None:
     verify_skippables(model)
     assert ns1 != ns2 and ns1 == ns1 and 'Namespace' in repr(ns1)
     assert_same_as_without_gpipe(model.double(), [1, 1, 1, 1], 2, 'except_last',
-                                 torch.randn(4, W, dtype=torch.double))
+                                 torch.randn(4, W, dtype=torch.double), threaded)
 
 
 def test_isolate_only_some_names() -> None:
@@ -675,11 +668,13 @@ class PopWeighted(nn.Module):
 
 
 @pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
-def test_skip_requiring_grad_beside_a_main_path_that_does_not(checkpoint: str) -> None:
+def test_skip_requiring_grad_beside_a_main_path_that_does_not(checkpoint: str,
+                                                              threaded: bool) -> None:
     """Only the skip carries gradient: the portals must still bring it back."""
     model = nn.Sequential(StashWeighted(), nn.Identity(), nn.ReLU(), PopWeighted()).double()
     reference = copy.deepcopy(model)
-    gpipe = GPipe(model, [1, 1, 1, 1], devices=['cpu'] * 4, chunks=2, checkpoint=checkpoint)
+    gpipe = GPipe(model, [1, 1, 1, 1], devices=cpu_devices(4, threaded), chunks=2,
+                  checkpoint=checkpoint)
     x = torch.randn(4, W, dtype=torch.double)
     reference(x).pow(2).sum().backward()
     gpipe(x).pow(2).sum().backward()
