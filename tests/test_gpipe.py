@@ -150,7 +150,7 @@ def test_moving_is_denied_but_casting_works() -> None:
 
 def test_input_must_be_tensor_or_tuple_of_tensors() -> None:
     gpipe = GPipe(model3(), [2, 1], devices=CPU2, chunks=2)
-    for bad in ([torch.zeros(2, 2)], 'text', None, (torch.zeros(2, 2), 1.0), {'x': 1}):
+    for bad in ([torch.zeros(2, 2)], 'text', None, (torch.zeros(2, 2), [1.0]), {'x': 1}):
         with pytest.raises(TypeError, match='input must be a tensor or a tuple of tensors'):
             gpipe(bad)  # type: ignore[arg-type]
 
@@ -416,7 +416,7 @@ class CountCalls(nn.Module):
     (torch.tensor(1.0), ValueError, '(input: a 0-dimensional tensor); '),
     ((torch.zeros(8, 1), torch.tensor(1.0)), ValueError, '(input[1]: a 0-dimensional tensor)'),
     ([torch.zeros(8, 1)], TypeError, '(input: list); '),
-    ((torch.zeros(8, 1), 1.0), TypeError, '(input: a tuple holding float at index 1); '),
+    ((torch.zeros(8, 1), [1.0]), TypeError, '(input: a tuple holding list at index 1); '),
 ])
 def test_unsplittable_input_is_refused_before_any_layer_runs(
         input: Any, error: type, message: str, chunks: int, threaded: bool) -> None:

@@ -63,8 +63,10 @@ def test_check() -> None:
     check((torch.zeros(1), torch.zeros(1)))
     with pytest.raises(TypeError, match=re.escape('(input: list); use a tuple instead')):
         check([torch.zeros(1)])
-    with pytest.raises(TypeError, match=re.escape('(input: a tuple holding int at index 1); ')):
-        check((torch.zeros(1), 1))
+    with pytest.raises(TypeError, match=re.escape('(input: a tuple holding list at index 1); ')):
+        check((torch.zeros(1), [1]))
+    with pytest.raises(TypeError, match=re.escape('(input: a tuple of NoneType, int); ')):
+        check((None, 1))
     with pytest.raises(TypeError, match='^output of partition 2 must be'):
         check(None, 'output of partition 2')
 

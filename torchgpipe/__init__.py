@@ -11,5 +11,6 @@ you would train the unwrapped module.
 from torchgpipe.__version__ import __version__
 from torchgpipe.checkpoint import is_checkpointing, is_recomputing
 from torchgpipe.gpipe import GPipe
+from torchgpipe.microbatch import NoChunk
 
-__all__ = ['GPipe', 'is_checkpointing', 'is_recomputing', '__version__']
+__all__ = ['GPipe', 'NoChunk', 'is_checkpointing', 'is_recomputing', '__version__']

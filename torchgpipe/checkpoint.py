@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from torchgpipe.autocast import AutocastStates, restore_autocast_states, save_autocast_states
-from torchgpipe.microbatch import Batch, TensorOrTensors, Tensors
+from torchgpipe.microbatch import Batch, Layout, TensorOrTensors, Tensors
 from torchgpipe.phony import get_phony
 from torchgpipe.rng import RNGStates, restore_rng_states, save_rng_states
 from torchgpipe.traits import PartitionTraits
@@ -156,6 +156,9 @@ class Context:
     function: Function
     #: Whether the function takes a tensor rather than a tuple.
     atomic: bool
+    #: Where the input tensors go among the other values of the input
+    #: tuple (``None``: the input is tensors only).
+    layout: Optional[Layout]
     #: How many leading tensor arguments are the input (then parameters,
     #: or generator states).
     num_inputs: int
@@ -171,6 +174,17 @@ class Context:
     recomputed: Deque[Recomputed] = field(default_factory=lambda: deque(maxlen=1))
     #: The autocast state to recompute in.
     autocast_states: Optional[AutocastStates] = None
+    #: Where the output tensors go among the other values of the output
+    #: tuple: Checkpoint returns the tensors only.
+    output_layout: Optional[Layout] = None
+
+    def arguments(self, input: Tensors) -> TensorOrTensors:
+        """The function's argument, from the input tensors."""
+        if self.atomic:
+            return input[0]
+        if self.layout is None:
+            return input
+        return cast(Tensors, self.layout.fill(input))
 
 
 class Checkpointing:
@@ -195,7 +209,7 @@ class Checkpointing:
                  traits: Optional[PartitionTraits] = None, exclusive_rng: bool = True) -> None:
         self.batch = batch
         self.parameters = tuple(p for p in parameters if p.requires_grad)
-        self.context = Context(function, batch.atomic, len(batch),
+        self.context = Context(function, batch.atomic, batch.layout, len(batch),
                                PartitionTraits() if traits is None else traits, exclusive_rng)
 
     def checkpoint(self) -> Batch:
@@ -208,6 +222,9 @@ class Checkpointing:
         if isinstance(output, tuple):
             # Only floating point tensors can carry gradients.
             output = tuple(x if x.is_floating_point() else x.detach() for x in output)
+        layout = self.context.output_layout
+        if layout is not None:
+            return Batch(cast(Tensors, layout.fill(output)), layout)
         return Batch(output)
 
     def recompute(self, batch: Batch) -> None:
@@ -257,7 +274,7 @@ def checkpoint(function: Function, input: TensorOrTensors) -> TensorOrTensors:
     return output.values
 
 
-def call_on_copies(function: Function, input: Sequence[Tensor], atomic: bool,
+def call_on_copies(function: Function, input: Tensors, context: Context,
                    ) -> Tuple[TensorOrTensors, bool]:
     """Calls ``function`` on copies of the input tensors, so it may change them in place.
 
@@ -266,7 +283,7 @@ def call_on_copies(function: Function, input: Sequence[Tensor], atomic: bool,
         changed any of the copies in place
     """
     copies = tuple(x.clone() for x in input)
-    output = function(copies[0] if atomic else copies)
+    output = function(context.arguments(copies))
     # A fresh copy's version counter is 0; every in-place change bumps it.
     return output, any(x._version for x in copies)
 
@@ -308,11 +325,11 @@ class Checkpoint(torch.autograd.Function):
 
         context.first_pass.append((save_rng_states(input[0].device), save_autocast_states()))
 
-        function, atomic, traits = context.function, context.atomic, context.traits
+        function, traits = context.function, context.traits
         with torch.no_grad(), enable_checkpointing():
             if traits.modifies_input is False:
                 versions = [x._version for x in input]
-                output = function(input[0] if atomic else input)
+                output = function(context.arguments(input))
                 if any(x._version != v for x, v in zip(input, versions)):
                     # The input the recomputation needs is lost.
                     traits.modifies_input = True
@@ -323,14 +340,20 @@ class Checkpoint(torch.autograd.Function):
             else:
                 # Not known to leave its input alone: run on a copy, so the
                 # input saved for the recomputation stays as it is.
-                output, modified = call_on_copies(function, input, atomic)
+                output, modified = call_on_copies(function, input, context)
                 traits.modifies_input = bool(traits.modifies_input) or modified
-        return output
+        if isinstance(output, Tensor):
+            return output
+        # An autograd function returns tensors only: the other values of the
+        # output, and which tensors are NoChunk, go through the context.
+        batch = Batch(output)
+        context.output_layout = batch.layout
+        return output if batch.layout is None else tuple(batch)
 
     @staticmethod
     def backward(ctx: Any, *grad_output: Tensor) -> Tuple[Optional[Tensor], ...]:
         output, input_leaf = ctx.context.recomputed.pop()
-        outputs = (output,) if isinstance(output, Tensor) else output
+        outputs = (output,) if isinstance(output, Tensor) else tuple(Batch(output))
         pairs = [(o, g) for o, g in zip(outputs, grad_output) if o.requires_grad and g is not None]
 
         # Gradients by id() of the leaf: hashing tensors calls into Python.
@@ -411,9 +434,9 @@ class Recompute(torch.autograd.Function):
                 torch.enable_grad(), enable_recomputing():
             if context.traits.modifies_input:
                 # In place on a leaf is an error, and would change the saved input.
-                output, _ = call_on_copies(context.function, input_leaf, context.atomic)
+                output, _ = call_on_copies(context.function, input_leaf, context)
             else:
-                output = context.function(input_leaf[0] if context.atomic else input_leaf)
+                output = context.function(context.arguments(input_leaf))
 
         context.recomputed.append((output, input_leaf))
 

@@ -566,28 +566,38 @@ class GPipe(nn.Module):
         partition's device is moved there.
 
         Args:
-            input (torch.Tensor or tensors): input mini-batch
+            input (torch.Tensor or tuple): input mini-batch: a tensor, or a
+                tuple of tensors that may also hold ``None``, booleans,
+                numbers, strings and :class:`~torchgpipe.NoChunk` tensors,
+                which every micro-batch gets as they are
 
         Returns:
-            tensor or tensors: output mini-batch, on ``devices[-1]``
+            tensor or tuple: output mini-batch, on ``devices[-1]``; other
+            values than tensors, and NoChunk tensors (unwrapped), come from
+            the first micro-batch
 
         Raises:
-            TypeError: input is not a tensor or tensors.
+            TypeError: input is not a tensor or such a tuple.
         """
         microbatch.check(input)
         # Split first: an input that cannot be split fails before any work.
         batches = microbatch.scatter(input, self.chunks)
 
         if not self.devices:
-            # An empty sequential module is the identity.
-            return input
+            # An empty sequential module is the identity (NoChunk unwrapped).
+            return microbatch.Batch(input).plain
 
         # An input elsewhere than on the first device is moved there, by a
         # differentiable copy of each micro-batch.
         first_device = self.devices[0]
         if any(x.device != first_device for x in batches[0]):
+            # A NoChunk tensor, shared by every micro-batch, is moved once.
+            moved: Dict[int, torch.Tensor] = {}
             for batch in batches:
-                batch[:] = tuple(x.to(first_device) for x in batch)
+                for x in batch:
+                    if id(x) not in moved:
+                        moved[id(x)] = x.to(first_device)
+                batch[:] = tuple(moved[id(x)] for x in batch)
 
         # Checkpointing only pays off when there is a backward pass to come.
         m = len(batches)

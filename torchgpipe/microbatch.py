@@ -1,30 +1,130 @@
 """Micro-batches: splitting a mini-batch, carrying the pieces, and gathering them.
 
-A mini-batch is a tensor or a tuple of tensors. :func:`scatter` splits it along
+A mini-batch is a tensor or a tuple. :func:`scatter` splits its tensors along
 dimension 0 into micro-batches (:class:`Batch`), the pipeline runs each of
 them through every partition, and :func:`gather` concatenates the outputs.
+A tuple may also hold values that are not split: ``None``, booleans,
+numbers, strings, and tensors wrapped in :class:`NoChunk`; every micro-batch
+gets them as they are.
 """
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple, Union, cast, overload
+from typing import (Any, Callable, FrozenSet, Iterator, List, Optional, Sequence, Tuple, Union,
+                    cast, overload)
 
 import torch
 from torch import Tensor
 
 from torchgpipe._validation import describe
 
-__all__: List[str] = []
+__all__ = ['NoChunk']
 
 Tensors = Tuple[Tensor, ...]
 TensorOrTensors = Union[Tensor, Tensors]
 
 Function = Callable[[TensorOrTensors], TensorOrTensors]
 
+# The values a tuple at a boundary may hold besides tensors and NoChunk.
+PLAIN_TYPES = (type(None), bool, int, float, str)
+
+
+class NoChunk:
+    """Wraps a tensor that every micro-batch gets whole, instead of a slice of it.
+
+    Put it in the input tuple of :class:`~torchgpipe.GPipe`, or in what a
+    partition returns, for a tensor that has no batch dimension (a mask, a
+    bias, a lookup table). Layers receive the tensor itself, not the
+    wrapper, and every micro-batch receives the same tensor object, so a
+    tensor that requires grad gets the sum of its gradients over the
+    micro-batches, as without GPipe. At the end, the output holds the
+    tensor of the first micro-batch, unwrapped.
+
+    Args:
+        tensor (torch.Tensor): the tensor not to split
+
+    Raises:
+        TypeError: ``tensor`` is not a tensor
+
+    Example::
+
+        >>> class AddBias(nn.Module):
+        ...     def forward(self, input):
+        ...         x, bias = input  # the tensor itself, whole
+        ...         return x + bias, NoChunk(bias)  # passed on whole
+        >>> model = GPipe(nn.Sequential(AddBias(), AddBias()), balance=[1, 1],
+        ...               devices=['cpu', 'cpu'], chunks=4)
+        >>> output, bias = model((torch.zeros(8, 3), NoChunk(torch.ones(3))))
+        >>> output.shape, bias.shape
+        (torch.Size([8, 3]), torch.Size([3]))
+    """
+
+    __slots__ = ('tensor',)
+
+    def __init__(self, tensor: Tensor) -> None:
+        if not isinstance(tensor, Tensor):
+            raise TypeError(describe('NoChunk must wrap a tensor',
+                                     f'tensor: {type(tensor).__name__}',
+                                     'put a value that is not a tensor in the tuple as it is, '
+                                     'without NoChunk, such as (x, 0.5)'))
+        self.tensor = tensor
+
+    def __repr__(self) -> str:
+        return f'NoChunk({self.tensor!r})'
+
+
+class Layout:
+    """Where the tensors are in a tuple that holds other values too.
+
+    It holds no tensor: a checkpoint keeps it to rebuild its input from the
+    tensors it saved.
+
+    Args:
+        template: the tuple, with ``None`` in place of every tensor
+        indices: the positions of the tensors, NoChunk ones included
+        nochunk: the positions of the NoChunk tensors
+    """
+
+    __slots__ = ('template', 'indices', 'nochunk')
+
+    def __init__(self, template: Tuple[Any, ...], indices: Tuple[int, ...],
+                 nochunk: FrozenSet[int]) -> None:
+        self.template = template
+        self.indices = indices
+        self.nochunk = nochunk
+
+    @staticmethod
+    def of(values: Tuple[Any, ...]) -> Tuple['Layout', Tuple[Any, ...]]:
+        """The layout of ``values``, and ``values`` with every NoChunk unwrapped."""
+        plain = tuple(x.tensor if isinstance(x, NoChunk) else x for x in values)
+        indices = tuple(i for i, x in enumerate(plain) if isinstance(x, Tensor))
+        nochunk = frozenset(i for i, x in enumerate(values) if isinstance(x, NoChunk))
+        template = tuple(None if isinstance(x, Tensor) else x for x in plain)
+        return Layout(template, indices, nochunk), plain
+
+    def fill(self, tensors: Sequence[Tensor]) -> Tuple[Any, ...]:
+        """The tuple, with ``tensors`` in their places, unwrapped."""
+        values = list(self.template)
+        for i, x in zip(self.indices, tensors):
+            values[i] = x
+        return tuple(values)
+
+    def wrap(self, plain: Tuple[Any, ...]) -> Tuple[Any, ...]:
+        """``plain`` with its NoChunk tensors wrapped again."""
+        return tuple(NoChunk(x) if i in self.nochunk else x for i, x in enumerate(plain))
+
+
 
 class Batch:
-    """One micro-batch: a tensor (atomic) or a tuple of tensors.
+    """One micro-batch: a tensor (atomic) or a tuple.
 
-    It behaves like a sequence of tensors in both cases, so the pipeline can
-    copy, wait on and fork every tensor without caring which it is, while
-    :meth:`call` hands a layer the value in its original form.
+    It behaves like a sequence of its tensors in both cases, so the pipeline
+    can copy, wait on and fork every tensor without caring about the form
+    or about the other values of a tuple, while :meth:`call` hands a layer
+    the value in its original form.
+
+    Args:
+        values: a tensor, or a tuple of tensors, :class:`NoChunk` tensors
+            and other values
+        layout: the layout of ``values`` when its NoChunk tensors are
+            already unwrapped (``None``: found out here)
 
     Example::
 
@@ -34,13 +134,30 @@ class Batch:
         >>> batch[0] = torch.ones(2, 3)
         >>> batch.tensor.sum().item()
         6.0
+        >>> batch = Batch((torch.zeros(2), None, NoChunk(torch.ones(3))))
+        >>> len(batch), batch[1].size()
+        (2, torch.Size([3]))
     """
 
-    __slots__ = ('_values', 'atomic')
+    __slots__ = ('_values', 'atomic', '_layout')
 
-    def __init__(self, values: TensorOrTensors) -> None:
-        self._values = values
+    def __init__(self, values: TensorOrTensors, layout: Optional[Layout] = None) -> None:
         self.atomic = isinstance(values, Tensor)
+        # A layout only for tuples holding other values than tensors: a
+        # tensor or a tuple of tensors, the common case, costs no more.
+        if layout is None and not self.atomic:
+            for x in values:
+                if not isinstance(x, Tensor):
+                    layout, plain = Layout.of(cast(Tensors, values))
+                    values = cast(Tensors, plain)
+                    break
+        self._values = values
+        self._layout = layout
+
+    @property
+    def layout(self) -> Optional[Layout]:
+        """Where the tensors are among the other values, or ``None`` if all are tensors."""
+        return self._layout
 
     @property
     def tensor(self) -> Tensor:
@@ -55,26 +172,32 @@ class Batch:
 
     @property
     def tensors(self) -> Tensors:
-        """The tensors of a non-atomic batch.
+        """The tensors of a non-atomic batch, without its other values.
 
         Raises:
             AttributeError: the batch is a single tensor; use :attr:`tensor`
         """
         if self.atomic:
             raise AttributeError('batch is atomic')
-        return cast(Tensors, self._values)
+        return cast(Tensors, self._values) if self._layout is None else tuple(self)
 
     @property
     def values(self) -> TensorOrTensors:
-        """The tensor or the tuple of tensors, in the form a layer receives it."""
+        """The tensor or the tuple in the form it was given, with NoChunk tensors wrapped."""
+        if self._layout is None or not self._layout.nochunk:
+            return self._values
+        return cast(Tensors, self._layout.wrap(cast(Tensors, self._values)))
+
+    @property
+    def plain(self) -> TensorOrTensors:
+        """The tensor or the tuple as a layer receives it, with NoChunk tensors unwrapped."""
         return self._values
 
     def call(self, function: Function) -> 'Batch':
         """Calls ``function`` on the value, as a layer is called, and wraps the result.
 
         Args:
-            function (callable): takes and returns a tensor or a tuple of
-                tensors
+            function (callable): takes and returns a tensor or a tuple
 
         Returns:
             Batch: a new batch holding what ``function`` returned
@@ -86,19 +209,29 @@ class Batch:
         return next((i for i, x in enumerate(self) if predicate(x)), None)
 
     def __repr__(self) -> str:
-        return f'Batch[atomic={self.atomic!r}]({self._values!r})'
+        return f'Batch[atomic={self.atomic!r}]({self.values!r})'
 
     def __iter__(self) -> Iterator[Tensor]:
         if self.atomic:
             yield cast(Tensor, self._values)
-        else:
+        elif self._layout is None:
             yield from cast(Tensors, self._values)
+        else:
+            values = cast(Tensors, self._values)
+            for i in self._layout.indices:
+                yield values[i]
 
     def __len__(self) -> int:
-        return 1 if self.atomic else len(cast(Tensors, self._values))
+        if self.atomic:
+            return 1
+        if self._layout is None:
+            return len(cast(Tensors, self._values))
+        return len(self._layout.indices)
 
     def __getitem__(self, index: int) -> Tensor:
         if not self.atomic:
+            if self._layout is not None:
+                index = self._layout.indices[index]
             return cast(Tensors, self._values)[index]
         if index != 0:
             raise IndexError('atomic batch allows index 0 only')
@@ -122,6 +255,8 @@ class Batch:
                 raise IndexError('atomic batch allows index 0 only')
             self._values = value
             return
+        if self._layout is not None:
+            index = self._layout.indices[index]
         values = list(cast(Tensors, self._values))
         values[index] = value
         self._values = tuple(values)
@@ -136,29 +271,44 @@ class Batch:
             if len(value) != 1:
                 raise IndexError('atomic batch cannot be replaced with multiple tensors')
             self._values = value[0]
-        else:
+        elif self._layout is None:
             self._values = value
+        else:
+            self._values = cast(Tensors, self._layout.fill(value))
 
 
 def check(input: object, what: str = 'input') -> None:
-    """Checks that ``input`` is a tensor or a tuple of tensors.
+    """Checks that ``input`` is a tensor, or a tuple of tensors and other values allowed.
+
+    A tuple may hold, besides tensors, :class:`NoChunk` tensors, ``None``,
+    booleans, numbers and strings, but at least one tensor.
 
     Args:
         input: the value to check
         what (str): how to name the value in the error message
 
     Raises:
-        TypeError: ``input`` is neither a tensor nor a tuple of tensors
+        TypeError: ``input`` is neither a tensor nor such a tuple
     """
     requirement = f'{what} must be a tensor or a tuple of tensors'
     if isinstance(input, tuple):
+        has_tensor = False
         for index, x in enumerate(input):
-            if not isinstance(x, Tensor):
+            if isinstance(x, (Tensor, NoChunk)):
+                has_tensor = True
+            elif not isinstance(x, PLAIN_TYPES):
                 raise TypeError(describe(requirement,
                                          f'{what}: a tuple holding {type(x).__name__} '
                                          f'at index {index}',
-                                         'make it a tensor, such as torch.tensor(value), or '
-                                         'give the value to the layer another way'))
+                                         'make it a tensor, or a value a tuple may hold besides '
+                                         'tensors: None, bool, int, float, str or '
+                                         'NoChunk(tensor)'))
+        if input and not has_tensor:
+            raise TypeError(describe(f'{what} must hold at least one tensor',
+                                     f'{what}: a tuple of '
+                                     f'{", ".join(type(x).__name__ for x in input)}',
+                                     'give the tensors along with the other values, such as '
+                                     '(x, None)'))
         return
     if not isinstance(input, Tensor):
         if isinstance(input, list):
@@ -174,26 +324,36 @@ def scatter(input: TensorOrTensors, chunks: int) -> List[Batch]:
     It follows :func:`torch.chunk`: a batch that does not divide evenly gets a
     smaller last micro-batch, and a batch smaller than ``chunks`` gets fewer
     micro-batches. Every tensor of a tuple must have the same size in
-    dimension 0, whatever ``chunks`` is.
+    dimension 0, whatever ``chunks`` is. Other values of a tuple, and
+    :class:`NoChunk` tensors (unwrapped), are given to every micro-batch as
+    they are.
 
     Args:
-        input (torch.Tensor or tuple of tensors): the mini-batch
+        input (torch.Tensor or tuple): the mini-batch
         chunks (int): the number of micro-batches wanted
 
     Returns:
         list of :class:`Batch`: the micro-batches, in order
 
     Raises:
-        ValueError: the input is an empty tuple, a tensor has no batch
-            dimension, or the tensors of a tuple differ in size in dimension 0
+        ValueError: the input holds no tensor to split, a tensor to split
+            has no batch dimension, or the tensors to split differ in size
+            in dimension 0
     """
     atomic = isinstance(input, Tensor)
-    tensors: Tensors = (input,) if isinstance(input, Tensor) else input
-    if not tensors:
+    batch = Batch(input)
+    layout = batch.layout
+    indices: Sequence[int] = range(len(batch)) if layout is None else \
+        [i for i in layout.indices if i not in layout.nochunk]
+    if not indices:
+        received = 'input: ()' if not input else \
+            f'input: a tuple of {", ".join(type(x).__name__ for x in input)}'
         raise ValueError(describe('input must hold at least one tensor to be split into '
-                                  'micro-batches', 'input: ()',
+                                  'micro-batches', received,
                                   'give the mini-batch, such as gpipe(x) or gpipe((x, mask))'))
-    for index, x in enumerate(tensors):
+    values = cast(Tensors, batch.plain)
+    tensors = [batch[0]] if atomic else [values[i] for i in indices]
+    for index, x in zip(indices, tensors):
         if x.dim() == 0:
             raise ValueError(describe('input tensors must have a batch dimension (dimension 0) '
                                       'to be split into micro-batches',
@@ -203,7 +363,7 @@ def scatter(input: TensorOrTensors, chunks: int) -> List[Batch]:
                                       'x.expand(batch_size)'))
     # Same sizes, not only the same number of micro-batches: with 8 and 7
     # rows, both split into 4 pieces, but the last ones would not match.
-    if not atomic and any(x.size(0) != tensors[0].size(0) for x in tensors):
+    if any(x.size(0) != tensors[0].size(0) for x in tensors):
         raise ValueError(describe('tensors of the input tuple must have the same size in '
                                   'dimension 0',
                                   f'input: sizes {[x.size(0) for x in tensors]} in dimension 0',
@@ -211,41 +371,64 @@ def scatter(input: TensorOrTensors, chunks: int) -> List[Batch]:
 
     if chunks == 1:
         # One micro-batch is the input itself: no views, no autograd nodes.
-        return [Batch(input)]
+        return [batch]
     if atomic:
         return [Batch(x) for x in tensors[0].chunk(chunks)]
-    return [Batch(values) for values in zip(*[x.chunk(chunks) for x in tensors])]
+    if layout is None:
+        return [Batch(pieces) for pieces in zip(*[x.chunk(chunks) for x in tensors])]
+    # The other values, and NoChunk tensors, are shared by every micro-batch.
+    batches = []
+    for pieces in zip(*[x.chunk(chunks) for x in tensors]):
+        micro = list(values)
+        for i, piece in zip(indices, pieces):
+            micro[i] = piece
+        batches.append(Batch(cast(Tensors, tuple(micro)), layout))
+    return batches
 
 
 def gather(outputs: List[Batch]) -> TensorOrTensors:
     """Concatenates the output micro-batches into a mini-batch along dimension 0.
 
+    Other values than tensors, and :class:`NoChunk` tensors (unwrapped), are
+    taken from the first micro-batch.
+
     Args:
         outputs (list of :class:`Batch`): the micro-batches, in order, all
-            of the same form (a tensor, or tuples of the same length)
+            of the same form (a tensor, or tuples of the same layout)
 
     Returns:
-        torch.Tensor or tuple of tensors: the mini-batch, in that form
+        torch.Tensor or tuple: the mini-batch, in that form
     """
+    first = outputs[0]
     if len(outputs) == 1:
         # Nothing to concatenate: spare a copy.
-        return outputs[0].values
-    if outputs[0].atomic:
+        return first.plain
+    if first.atomic:
         return torch.cat([b.tensor for b in outputs])
-    rotated = [b.tensors for b in outputs]
-    return tuple(torch.cat(pieces) for pieces in zip(*rotated))
+    layout = first.layout
+    if layout is None:
+        rotated = [b.tensors for b in outputs]
+        return tuple(torch.cat(pieces) for pieces in zip(*rotated))
+    values = list(cast(Tensors, first.plain))
+    for i in layout.indices:
+        if i not in layout.nochunk:
+            values[i] = torch.cat([cast(Tensors, b.plain)[i] for b in outputs])
+    return cast(Tensors, tuple(values))
 
 
 def map_tensors(function: Callable[[Tensor], Tensor], values: TensorOrTensors) -> TensorOrTensors:
     """Applies ``function`` to every tensor of a tensor or a tuple, keeping its form.
 
+    Other values of a tuple are kept as they are; a :class:`NoChunk` gets
+    ``function`` of its tensor, wrapped again.
+
     Args:
         function (callable): takes and returns one tensor
-        values (torch.Tensor or tuple of tensors): the tensors
+        values (torch.Tensor or tuple): the tensors
 
     Returns:
-        torch.Tensor or tuple of tensors: ``function(values)`` for a tensor,
-        else the tuple of ``function(x)`` for every ``x`` of ``values``
+        torch.Tensor or tuple: ``function(values)`` for a tensor, else the
+        tuple of ``function(x)`` for every tensor ``x`` of ``values``
 
     Example::
 
@@ -254,4 +437,6 @@ def map_tensors(function: Callable[[Tensor], Tensor], values: TensorOrTensors) -
     """
     if isinstance(values, Tensor):
         return function(values)
-    return tuple(function(x) for x in values)
+    return cast(Tensors, tuple(function(x) if isinstance(x, Tensor)
+                               else NoChunk(function(x.tensor)) if isinstance(x, NoChunk)
+                               else x for x in cast(Tuple[Any, ...], values)))
