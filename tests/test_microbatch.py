@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchgpipe.microbatch import Batch, check, gather, map_tensors, scatter
+from torchgpipe.microbatch import Batch, NoChunk, check, gather, map_tensors, scatter
 
 
 def test_atomic_batch() -> None:
@@ -90,3 +90,51 @@ def test_scatter_follows_torch_chunk_and_gather_inverts_it(size: int, chunks: in
         assert torch.equal(gathered[0], x) and torch.equal(gathered[1], x * 10)
     else:
         assert torch.equal(gathered, x)
+
+
+# Entries of a mixed tuple: a batched tensor, a NoChunk tensor, or another value.
+ENTRIES = st.sampled_from(['batch', 'nochunk', None, True, 3, 2.5, 'text'])
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(ENTRIES, max_size=5), st.integers(1, 8), st.integers(1, 4))
+def test_scatter_shares_other_values_and_gather_takes_them_back(
+        kinds: list, size: int, chunks: int) -> None:
+    kinds = ['batch', *kinds]
+    x = torch.arange(size * 2.0).view(size, 2)
+    shared = torch.ones(3)
+    input = tuple(x * i if kind == 'batch' else NoChunk(shared) if kind == 'nochunk' else kind
+                  for i, kind in enumerate(kinds))
+    expected_pieces = x.chunk(chunks)
+    batches = scatter(input, chunks)
+    assert len(batches) == len(expected_pieces)
+    for batch, piece in zip(batches, expected_pieces):
+        values = batch.plain
+        assert len(batch) == sum(kind in ('batch', 'nochunk') for kind in kinds)
+        for i, (kind, value) in enumerate(zip(kinds, values)):
+            if kind == 'batch':
+                assert torch.equal(value, piece * i)
+            elif kind == 'nochunk':
+                assert value is shared
+                assert isinstance(batch.values[i], NoChunk)
+            else:
+                assert value is kind
+    # Every tensor can be replaced through the batch, in place, keeping the rest.
+    batch = batches[0]
+    batch[:] = tuple(t + 1 for t in batch)
+    assert [v for v in batch.plain if not isinstance(v, torch.Tensor)] == \
+        [k for k in kinds if k not in ('batch', 'nochunk')]
+    gathered = gather(scatter(input, chunks))
+    for i, (kind, value) in enumerate(zip(kinds, gathered)):
+        if kind == 'batch':
+            assert torch.equal(value, x * i)
+        else:
+            assert value is (shared if kind == 'nochunk' else kind)
+
+
+def test_map_tensors_keeps_other_values() -> None:
+    x, y = torch.ones(1), torch.zeros(2)
+    mapped = map_tensors(lambda t: t + 1, (x, NoChunk(y), None, 'a'))
+    assert isinstance(mapped, tuple) and mapped[2:] == (None, 'a')
+    assert torch.equal(mapped[0], x + 1)
+    assert isinstance(mapped[1], NoChunk) and torch.equal(mapped[1].tensor, y + 1)
