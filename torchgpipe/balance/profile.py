@@ -138,7 +138,7 @@ def profile_sizes(module: nn.Sequential, input: TensorOrTensors, chunks: int,
     """
     refuse_gradients(module)
     microbatch.check(input)
-    values = to_device(microbatch.scatter(input, chunks)[0].values, device)
+    values = to_device(microbatch.scatter(input, chunks)[0].plain, device)
 
     sizes = []
     tracker = SandboxSkipTracker()
