@@ -16,7 +16,7 @@ from torchgpipe.pipeline import Pipeline
 from torchgpipe.skip.layout import inspect_skip_layout
 from torchgpipe.skip.skippable import verify_skippables
 from torchgpipe.stream import AbstractStream, current_stream, new_stream, use_device
-from torchgpipe.tied import retie, tie_partitions
+from torchgpipe.tied import place_partitions, retie
 from torchgpipe.traits import RunState
 
 __all__ = ['GPipe', 'BalanceError', 'verify_module', 'split_module']
@@ -230,10 +230,7 @@ def split_module(module: nn.Sequential, balance: Iterable[int],
         layers: 'OrderedDict[str, nn.Module]' = OrderedDict(next(children) for _ in range(size))
         partitions.append(nn.Sequential(layers))
 
-    # Before moving: a tied parameter must move with its first partition only.
-    tie_partitions(partitions, devices)
-    for partition, device in zip(partitions, devices):
-        partition.to(device)
+    place_partitions(partitions, devices)
 
     return partitions, balance, devices[:len(balance)]
 

@@ -85,6 +85,10 @@ class TiedUses:
 
     def give_back(self, partition: nn.Module, input: Any, output: Any) -> None:
         """Forward hook, also after an exception: the uses hold their masters again."""
+        self.hold_masters()
+
+    def hold_masters(self) -> None:
+        """Makes each use hold its master, as a plain attribute."""
         for use in self.uses:
             object.__setattr__(use.user, use.user_name, use.master())
 
@@ -162,9 +166,9 @@ def find_ties(partitions: Sequence[nn.Module]) -> List[List[Tuple[str, Use]]]:
     return found
 
 
-def tie_partitions(partitions: Sequence[nn.Module], devices: Sequence[torch.device]) -> None:
-    """Makes the later uses of parameters shared across partitions borrow the
-    first partition's, before the partitions move to their devices.
+def place_partitions(partitions: Sequence[nn.Module], devices: Sequence[torch.device]) -> None:
+    """Moves each partition to its device; a parameter shared across
+    partitions stays with the first, and the later ones borrow it.
 
     Args:
         partitions: the partitions, not moved yet
@@ -174,16 +178,19 @@ def tie_partitions(partitions: Sequence[nn.Module], devices: Sequence[torch.devi
         ValueError: a buffer, or a layer with parameters or buffers, is in
             two partitions; nothing is changed then
     """
-    for partition, device, keys in zip(partitions, devices, find_ties(partitions)):
+    ties = find_ties(partitions)
+    all_tied: List[TiedUses] = []
+    for partition, device, keys in zip(partitions, devices, ties):
         if not keys:
             continue
         tied = TiedUses(keys, device)
+        all_tied.append(tied)
         for use in tied.uses:
-            # None keeps the slot, and so the order of the state dict, for
-            # retie(); nn.Module skips it everywhere (parameters(), to(),
-            # state_dict()).
+            # Emptied before any partition moves, or the later partition
+            # would move the master. None keeps the slot, and so the order of
+            # the state dict, for retie(); nn.Module skips it everywhere
+            # (parameters(), to(), state_dict()).
             use.user._parameters[use.user_name] = None
-            object.__setattr__(use.user, use.user_name, use.master())
         partition.register_forward_pre_hook(tied.lend)
         partition.register_forward_hook(tied.give_back, always_call=True)
         partition.register_state_dict_pre_hook(  # type: ignore[no-untyped-call]
@@ -191,6 +198,13 @@ def tie_partitions(partitions: Sequence[nn.Module], devices: Sequence[torch.devi
         partition.register_state_dict_post_hook(tied)  # type: ignore[no-untyped-call]
         partition.register_load_state_dict_pre_hook(  # type: ignore[no-untyped-call]
             tied.load)
+
+    for partition, device in zip(partitions, devices):
+        partition.to(device)
+    # After moving: a move to another kind of device (CPU to CUDA) makes a
+    # new master.
+    for tied in all_tied:
+        tied.hold_masters()
 
 
 def partition_parameters(partition: nn.Module) -> Tuple[Tensor, ...]:
