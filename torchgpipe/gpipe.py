@@ -280,8 +280,11 @@ class GPipe(nn.Module):
             or an argument has the wrong type (``balance`` not a list of ints,
             ``devices`` a single device, ``chunks`` not a number).
         ValueError: an argument has a wrong value, the balance does not fit
-            the module (the message recommends :mod:`torchgpipe.balance`), or
-            a CUDA device in use does not exist.
+            the module (the message recommends :mod:`torchgpipe.balance`), a
+            CUDA device in use does not exist, or a buffer (or a layer with
+            parameters or buffers) is in two partitions. Parameters alone
+            may be shared across partitions (tied weights: see
+            :ref:`guide-tied-weights`).
         IndexError: the number of devices is fewer than the number of
             partitions.
 
