@@ -284,3 +284,15 @@ def test_shared_layer_without_tensors_across_partitions() -> None:
                           nn.Sequential(activation))
     assert_same_training_step(model, lambda m: GPipe(m, [2, 2], devices=['cpu', 'cpu']),
                               torch.randn(BATCH, DIM))
+
+
+@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
+def test_two_later_uses_of_one_master(checkpoint: str, threaded: bool) -> None:
+    """Two layers of a later partition tied to one master: one copy serves both."""
+    first, second, third = (nn.Linear(DIM, DIM) for _ in range(3))
+    second.weight = third.weight = first.weight
+    model = nn.Sequential(first, nn.Tanh(), second, nn.Tanh(), third)
+    assert_same_training_step(
+        model, lambda m: GPipe(m, [2, 3], devices=cpu_devices(2, threaded), chunks=3,
+                               checkpoint=checkpoint),
+        torch.randn(BATCH, DIM))
