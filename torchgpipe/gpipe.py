@@ -16,6 +16,7 @@ from torchgpipe.pipeline import Pipeline
 from torchgpipe.skip.layout import inspect_skip_layout
 from torchgpipe.skip.skippable import verify_skippables
 from torchgpipe.stream import AbstractStream, current_stream, new_stream, use_device
+from torchgpipe.tied import place_partitions, retie
 from torchgpipe.traits import RunState
 
 __all__ = ['GPipe', 'BalanceError', 'verify_module', 'split_module']
@@ -54,9 +55,12 @@ class BalanceError(ValueError):
 def verify_module(module: nn.Sequential) -> None:
     """Checks that the module can be partitioned.
 
+    Parameters shared by children are allowed (tied weights): see
+    :func:`split_module`.
+
     Raises:
         TypeError: the module is not :class:`~torch.nn.Sequential`
-        ValueError: a child appears twice, or a parameter is shared by two children
+        ValueError: a child appears twice
     """
     if not isinstance(module, nn.Sequential):
         # The 0.0.7 messages of this function are matched on by users: they
@@ -67,10 +71,6 @@ def verify_module(module: nn.Sequential) -> None:
     # module once.
     if shares_objects(module._modules.items()):
         raise ValueError('module with duplicate children is not supported')
-
-    if shares_objects((name, parameter) for name, child in module.named_children()
-                      for parameter in child.parameters()):
-        raise ValueError('module with duplicate parameters in distinct children is not supported')
 
 
 def shares_objects(owned: Iterable[Tuple[str, object]]) -> bool:
@@ -199,6 +199,10 @@ def split_module(module: nn.Sequential, balance: Iterable[int],
 
     Every argument is checked before the first layer moves.
 
+    A parameter used by layers of several partitions (tied weights) stays
+    with its first partition; the layers of later partitions use a copy of
+    it on their device, made at each call (see :ref:`guide-tied-weights`).
+
     Args:
         module (nn.Sequential): the module to split
         balance (ints): the number of layers of each partition
@@ -213,18 +217,20 @@ def split_module(module: nn.Sequential, balance: Iterable[int],
         BalanceError: the balance does not sum to the number of layers, or
             has a non-positive entry
         IndexError: fewer devices than partitions
-        ValueError: a device in use is a CUDA device that does not exist here
+        ValueError: a device in use is a CUDA device that does not exist here;
+            or a buffer, or a layer with parameters or buffers, is in two
+            partitions
     """
     balance = check_balance(module, balance)
     devices = check_devices(devices, len(balance))
 
     children = iter(module.named_children())
     partitions = []
-    for size, device in zip(balance, devices):
+    for size in balance:
         layers: 'OrderedDict[str, nn.Module]' = OrderedDict(next(children) for _ in range(size))
-        partition = nn.Sequential(layers)
-        partition.to(device)
-        partitions.append(partition)
+        partitions.append(nn.Sequential(layers))
+
+    place_partitions(partitions, devices)
 
     return partitions, balance, devices[:len(balance)]
 
@@ -274,8 +280,11 @@ class GPipe(nn.Module):
             or an argument has the wrong type (``balance`` not a list of ints,
             ``devices`` a single device, ``chunks`` not a number).
         ValueError: an argument has a wrong value, the balance does not fit
-            the module (the message recommends :mod:`torchgpipe.balance`), or
-            a CUDA device in use does not exist.
+            the module (the message recommends :mod:`torchgpipe.balance`), a
+            CUDA device in use does not exist, or a buffer (or a layer with
+            parameters or buffers) is in two partitions. Parameters alone
+            may be shared across partitions (tied weights: see
+            :ref:`guide-tied-weights`).
         IndexError: the number of devices is fewer than the number of
             partitions.
 
@@ -542,7 +551,11 @@ class GPipe(nn.Module):
             for name, layer in partition.named_children():
                 # Moved layer by layer: a partition's device never holds a
                 # copy of more than one of its layers.
-                layers[name] = copy.deepcopy(layer, memo).to(target)
+                # Copied with the same memo as the master, a later use of a
+                # tied parameter gets it back as its own parameter.
+                layer_copy = copy.deepcopy(layer, memo)
+                retie(layer_copy)
+                layers[name] = layer_copy.to(target)
 
         module = nn.Sequential(layers)
         # Not train(): each layer keeps its own mode.

@@ -28,6 +28,7 @@ from torchgpipe.rng import Turns, training_flags
 from torchgpipe.skip.layout import SkipLayout
 from torchgpipe.skip.tracker import SkipTrackerThroughPortals, use_skip_tracker
 from torchgpipe.stream import AbstractStream, is_cuda, use_device
+from torchgpipe.tied import partition_parameters
 from torchgpipe.traits import PartitionTraits
 from torchgpipe.worker import ExcInfo, InQueue, OutQueue, Task, distinct_devices, spawn_workers
 
@@ -110,8 +111,9 @@ class Pipeline:
         self.skip_layout = skip_layout
         self.checkpoint_stop = checkpoint_stop
         self.traits = traits
-        # Checkpoints return their partition's parameter gradients.
-        self.parameters = [tuple(p.parameters()) if checkpoint_stop else () for p in partitions]
+        # Checkpoints return the gradients of their partition's parameters,
+        # and of the tied parameters of earlier partitions it uses.
+        self.parameters = [partition_parameters(p) if checkpoint_stop else () for p in partitions]
         # Each micro-batch has its own skip tensors.
         self.skip_trackers = [SkipTrackerThroughPortals(skip_layout) for _ in batches]
 

@@ -1,0 +1,230 @@
+"""Tied parameters: one parameter used by layers in several partitions.
+
+A parameter shared by layers of different partitions (an input embedding tied
+to the output projection, ``head.weight = embedding.weight``) has one master:
+the parameter itself, owned by the layer of its first partition, on that
+partition's device. The layers of later partitions own nothing of it: their
+slot is emptied (``None`` in ``_parameters``), so that ``parameters()``, the
+state of an optimizer and DistributedDataParallel see the master alone, once.
+Such a layer holds the master as a plain attribute between calls, and a
+differentiable copy of it on its own device during a call of its partition:
+the gradient of every use flows back through its copy into the master and is
+summed there, as in the unwrapped model.
+
+A buffer cannot be shared this way: a layer changes its buffers in place
+(BatchNorm's running statistics), and a copy would not carry the change back.
+"""
+from typing import Any, Dict, List, NamedTuple, Sequence, Tuple, cast
+
+import torch
+from torch import Tensor, nn
+
+from torchgpipe._validation import describe
+
+__all__: List[str] = []
+
+
+class Use(NamedTuple):
+    """A layer of a later partition using the parameter of an earlier one."""
+
+    #: The layer that owns the master, and the master's name there.
+    owner: nn.Module
+    owner_name: str
+    #: The layer of the later partition, and the name it uses the parameter by.
+    user: nn.Module
+    user_name: str
+
+    def master(self) -> nn.Parameter:
+        # Looked up at every use, never kept: load_state_dict(assign=True),
+        # or a conversion with overwritten parameters, replaces the master.
+        return cast(nn.Parameter, self.owner._parameters[self.owner_name])
+
+
+class TiedUses:
+    """The uses of earlier partitions' parameters in one partition, and the
+    hooks of that partition which lend the masters to them.
+
+    Called, it is the partition's state-dict post-hook (a method could not
+    be one: PyTorch marks the hook with an attribute).
+
+    Args:
+        keys: each state-dict key of a later use within the partition (a
+            layer reached by two paths has two), with its use
+        device: the partition's device
+    """
+
+    def __init__(self, keys: List[Tuple[str, Use]], device: torch.device) -> None:
+        self.keys = keys
+        # A layer shared within the partition uses a master once.
+        self.uses = list({(id(use.user), use.user_name): use for _, use in keys}.values())
+        self.device = device
+        self.keep_vars = False
+
+    def masters(self) -> Tuple[nn.Parameter, ...]:
+        """The distinct masters this partition uses."""
+        return tuple({id(p): p for p in (use.master() for use in self.uses)}.values())
+
+    def lend(self, partition: nn.Module, input: Any) -> None:
+        """Forward pre-hook: gives each use a copy of its master on this device."""
+        # A copy per call of the partition, that is per micro-batch and per
+        # pass, rather than one per forward: made inside the call, it follows
+        # the grad mode of the pass (none in the no_grad first pass of a
+        # checkpointed micro-batch; a graph back to the master in its
+        # recomputation, in the backward thread, and in an uncheckpointed
+        # call, in a worker thread), and belongs to that micro-batch's graph
+        # alone, freed with it. A copy made once per forward, outside the
+        # passes, would be in no recomputed graph. On the master's own device
+        # the "copy" is the master itself, as in the unwrapped model.
+        copies: Dict[int, Tensor] = {}
+        for use in self.uses:
+            master = use.master()
+            if id(master) not in copies:
+                copies[id(master)] = master.to(self.device)
+            # Past nn.Module.__setattr__, which would register a parameter.
+            object.__setattr__(use.user, use.user_name, copies[id(master)])
+
+    def give_back(self, partition: nn.Module, input: Any, output: Any) -> None:
+        """Forward hook, also after an exception: the uses hold their masters again."""
+        self.hold_masters()
+
+    def hold_masters(self) -> None:
+        """Makes each use hold its master, as a plain attribute."""
+        for use in self.uses:
+            object.__setattr__(use.user, use.user_name, use.master())
+
+    def note_keep_vars(self, partition: nn.Module, prefix: str, keep_vars: bool) -> None:
+        """State-dict pre-hook: the post-hook saves the masters as the others are saved."""
+        self.keep_vars = keep_vars
+
+    def __call__(self, partition: nn.Module, state_dict: Dict[str, Any], prefix: str,
+                 local_metadata: Dict[str, Any]) -> None:
+        """State-dict post-hook: saves the master under the key of each later
+        use too, as the unwrapped model has it."""
+        for path, use in self.keys:
+            master = use.master()
+            state_dict[prefix + path] = master if self.keep_vars else master.detach()
+
+    def load(self, partition: nn.Module, state_dict: Dict[str, Any], prefix: str,
+             local_metadata: Dict[str, Any], strict: bool, missing_keys: List[str],
+             unexpected_keys: List[str], error_msgs: List[str]) -> None:
+        """Load-state-dict pre-hook: takes the keys of the later uses out of
+        the state dict, so that no layer finds them unexpected, and reports
+        them missing if absent. The master loads from its own key."""
+        for path, _ in self.keys:
+            if state_dict.pop(prefix + path, None) is None:
+                missing_keys.append(prefix + path)
+
+
+def shared_error(name: str, j: int, later_name: str, k: int) -> ValueError:
+    """The error of a buffer, or a layer holding tensors, in two partitions."""
+    return ValueError(describe(
+        'a buffer, or a layer with parameters or buffers, cannot be in two partitions',
+        f"'{name}' of partition {j} is '{later_name}' of partition {k}",
+        'change the balance to put the layers sharing it in one partition; '
+        'across partitions, layers can share parameters only'))
+
+
+def find_ties(partitions: Sequence[nn.Module]) -> List[List[Tuple[str, Use]]]:
+    """Finds, for each partition, its uses of earlier partitions' parameters.
+
+    Returns:
+        for each partition, the state-dict key (within the partition) of each
+        later use, with the use
+
+    Raises:
+        ValueError: a buffer, or a layer with parameters or buffers, is in
+            two partitions
+    """
+    # Where a tensor, or a layer with tensors of its own, is first found:
+    # its partition and its name, as in the unwrapped model.
+    first: Dict[int, Tuple[int, str]] = {}
+    owners: Dict[int, Tuple[nn.Module, str]] = {}
+    found: List[List[Tuple[str, Use]]] = []
+    for k, partition in enumerate(partitions):
+        keys: List[Tuple[str, Use]] = []
+        # Every path: a layer reached by two has both in the state dict.
+        for path, module in partition.named_modules(remove_duplicate=False):
+            prefix = path + '.' if path else ''
+            parameters = [(n, p) for n, p in module._parameters.items() if p is not None]
+            buffers = [(n, b) for n, b in module._buffers.items() if b is not None]
+            if parameters or buffers:
+                j, name = first.setdefault(id(module), (k, path))
+                if j != k:
+                    raise shared_error(name, j, path, k)
+            for is_parameter, tensors in ((True, parameters), (False, buffers)):
+                for tensor_name, tensor in tensors:
+                    j, name = first.setdefault(id(tensor), (k, prefix + tensor_name))
+                    if j == k:
+                        owners.setdefault(id(tensor), (module, tensor_name))
+                    elif is_parameter:
+                        owner, owner_name = owners[id(tensor)]
+                        keys.append((prefix + tensor_name,
+                                     Use(owner, owner_name, module, tensor_name)))
+                    else:
+                        raise shared_error(name, j, prefix + tensor_name, k)
+        found.append(keys)
+    return found
+
+
+def place_partitions(partitions: Sequence[nn.Module], devices: Sequence[torch.device]) -> None:
+    """Moves each partition to its device; a parameter shared across
+    partitions stays with the first, and the later ones borrow it.
+
+    Args:
+        partitions: the partitions, not moved yet
+        devices: the device of each partition
+
+    Raises:
+        ValueError: a buffer, or a layer with parameters or buffers, is in
+            two partitions; nothing is changed then
+    """
+    ties = find_ties(partitions)
+    all_tied: List[TiedUses] = []
+    for partition, device, keys in zip(partitions, devices, ties):
+        if not keys:
+            continue
+        tied = TiedUses(keys, device)
+        all_tied.append(tied)
+        for use in tied.uses:
+            # Emptied before any partition moves, or the later partition
+            # would move the master. None keeps the slot, and so the order of
+            # the state dict, for retie(); nn.Module skips it everywhere
+            # (parameters(), to(), state_dict()).
+            use.user._parameters[use.user_name] = None
+        partition.register_forward_pre_hook(tied.lend)
+        partition.register_forward_hook(tied.give_back, always_call=True)
+        partition.register_state_dict_pre_hook(  # type: ignore[no-untyped-call]
+            tied.note_keep_vars)
+        partition.register_state_dict_post_hook(tied)  # type: ignore[no-untyped-call]
+        partition.register_load_state_dict_pre_hook(  # type: ignore[no-untyped-call]
+            tied.load)
+
+    for partition, device in zip(partitions, devices):
+        partition.to(device)
+    # After moving: a move to another kind of device (CPU to CUDA) makes a
+    # new master.
+    for tied in all_tied:
+        tied.hold_masters()
+
+
+def partition_parameters(partition: nn.Module) -> Tuple[Tensor, ...]:
+    """The parameters a partition computes with: its own, then the masters of
+    those it shares with earlier partitions.
+
+    A checkpoint returns the gradients of these: a master's, summed by the
+    autograd engine with its other uses', is accumulated once.
+    """
+    masters = [master for hook in partition._state_dict_hooks.values()
+               if isinstance(hook, TiedUses) for master in hook.masters()]
+    return (*partition.parameters(), *masters)
+
+
+def retie(module: nn.Module) -> None:
+    """Gives the layers of a copy of a later use their master back as a
+    parameter: the tie of a deep copy, made with the master's, is then as in
+    the unwrapped model."""
+    for layer in module.modules():
+        for name, parameter in list(layer._parameters.items()):
+            borrowed = layer.__dict__.get(name)
+            if parameter is None and isinstance(borrowed, nn.Parameter):
+                layer._parameters[name] = layer.__dict__.pop(name)
