@@ -10,6 +10,7 @@ you would train the unwrapped module.
 # here, before this line binds the attribute to the string for good.
 from torchgpipe.__version__ import __version__
 from torchgpipe.checkpoint import is_checkpointing, is_recomputing
+from torchgpipe.flatten import to_sequential
 from torchgpipe.gpipe import GPipe
 
-__all__ = ['GPipe', 'is_checkpointing', 'is_recomputing', '__version__']
+__all__ = ['GPipe', 'is_checkpointing', 'is_recomputing', 'to_sequential', '__version__']

@@ -45,6 +45,9 @@ class _Tracer(fx.Tracer):
 
     def __init__(self, leaf_modules: Sequence[LeafSpec]) -> None:
         super().__init__()
+        # Buffers read in forward become nodes, not constants: a causal mask
+        # sliced by a traced length (mask[:T, :T]) then traces.
+        self.proxy_buffer_attributes = True
         self.leaf_types = tuple(m for m in leaf_modules if isinstance(m, type))
         self.leaf_ids = {id(m) for m in leaf_modules if isinstance(m, nn.Module)}
 
@@ -246,7 +249,9 @@ def to_sequential(module: nn.Module, *,
                                             and all(isinstance(r, fx.Node) for r in result))):
         raise TypeError(f'module must return a tensor or a tuple of tensors to be flattened '
                         f'(it returns {result!r}); return a tuple of the tensors instead')
-    segments = _segments(graph, root)
+    # A run of shape computations alone would pass no tensor on: it is left
+    # out, as every child computes the shapes it reads itself.
+    segments = [s for s in _segments(graph, root) if not all(map(_is_shape, s))]
     last = len(segments) - 1
 
     # Where each value is held: the child that computes it; the inputs are
@@ -254,6 +259,7 @@ def to_sequential(module: nn.Module, *,
     holder: Dict[fx.Node, int] = {p: 0 for p in placeholders}
     for k, segment in enumerate(segments):
         holder.update((n, k) for n in segment)
+    segments = [_with_shapes(segment) for segment in segments]
     # needs[k]: the values child k reads from other children, in graph order.
     needs: List[List[fx.Node]] = []
     for k, segment in enumerate(segments):
@@ -262,11 +268,24 @@ def to_sequential(module: nn.Module, *,
         for n in segment + ([output_node] if k == last else []):
             wanted.update((a, None) for a in n.all_input_nodes if a not in inside)
         needs.append(list(wanted))
-    # passed[k]: what child k gives child k + 1. GPipe needs a tensor at
-    # every boundary, so a child that needs nothing of the previous one
-    # still receives the previous one's last value, and ignores it.
-    passed = [[a for a in needs[k + 1] if holder[a] == k] or [segments[k][-1]]
-              for k in range(last)]
+    # passed[k]: what child k gives child k + 1.
+    passed: List[List[fx.Node]] = []
+    for k in range(last):
+        passed.append([a for a in needs[k + 1] if holder[a] == k])
+        if passed[k]:
+            continue
+        # Child k + 1 needs nothing of child k, but GPipe needs a tensor at
+        # every boundary, and the backward pass of a partition reaches the
+        # stashes of its children only through the outputs of the next
+        # ones: so child k + 1 takes over a value child k would stash, and
+        # stashes or passes it on itself.
+        later = [a for j in range(k + 2, last + 1) for a in needs[j] if holder[a] == k]
+        if later:
+            holder[later[0]] = k + 1
+            passed[k].append(later[0])
+        else:
+            # Nothing of child k is used later: what it passes is ignored.
+            passed[k].append([n for n in segments[k] if not _is_shape(n)][-1])
 
     ns = Namespace()
     state = {id(t): key for key, t in module.state_dict(keep_vars=True).items()}
@@ -318,6 +337,38 @@ def to_sequential(module: nn.Module, *,
     return seq
 
 
+def _is_shape(node: fx.Node) -> bool:
+    """Whether a node computes a shape, a size or a number from shapes only.
+
+    Such values are no tensors, so they cannot go from child to child in
+    GPipe; each child that uses one computes it again from its tensor.
+    """
+    if node.op == 'call_method' and node.target in ('size', 'dim', 'numel'):
+        return True
+    if node.op == 'call_function' and node.target is getattr:
+        return node.args[1] in ('shape', 'ndim', 'dtype', 'device')
+    if node.op == 'call_function' and getattr(node.target, '__module__', '') in (
+            '_operator', 'operator'):
+        return bool(node.all_input_nodes) and all(_is_shape(a) for a in node.all_input_nodes)
+    return False
+
+
+def _with_shapes(segment: List[fx.Node]) -> List[fx.Node]:
+    """A child's nodes, preceded by the shape nodes of other children it reads."""
+    inside = set(segment)
+    copied: Dict[fx.Node, None] = {}
+
+    def collect(node: fx.Node) -> None:
+        for a in node.all_input_nodes:
+            if a not in inside and a not in copied and _is_shape(a):
+                collect(a)
+                copied[a] = None
+
+    for n in segment:
+        collect(n)
+    return list(copied) + segment
+
+
 def _keep_persistence(root: nn.Module, graph_module: fx.GraphModule,
                       segment: List[fx.Node], state: Dict[int, str]) -> None:
     """Leaves out of the state dict the tensors the original leaves out.
@@ -338,8 +389,9 @@ def _keep_persistence(root: nn.Module, graph_module: fx.GraphModule,
 
 def _child_name(segment: List[fx.Node]) -> str:
     """A child's name: its leaf module's, or its first operation's."""
-    computing = [n for n in segment if n.op != 'get_attr'] or segment
-    name = computing[0].name if computing else 'identity'
+    # Not named after the tensors it reads, nor the shapes it computes again.
+    computing = [n for n in segment if n.op != 'get_attr' and not _is_shape(n)] or segment
+    name = computing[0].name
     # nn.Sequential refuses a child named like one of its attributes.
     while hasattr(nn.Sequential, name):
         name += '_'
