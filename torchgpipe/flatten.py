@@ -208,10 +208,10 @@ def to_sequential(module: nn.Module, *,
         module (torch.nn.Module): the module to flatten
 
     Keyword Args:
-        leaf_modules (iterable of module classes or modules): modules kept
-            whole as one child each, besides those of ``torch.nn`` and
-            skippable layers: a module whose ``forward`` fx cannot trace
-            (default: none)
+        leaf_modules (iterable): module classes, or modules, kept whole as
+            one child each besides those of ``torch.nn`` and skippable
+            layers: a module whose ``forward`` fx cannot trace (default:
+            none)
         concrete_args (dict, optional): arguments of ``forward`` fixed to a
             value while tracing, given to :meth:`torch.fx.Tracer.trace`
 
