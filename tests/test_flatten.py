@@ -115,6 +115,21 @@ class Transformer(nn.Module):
         return self.ln_f(x) * self.scale
 
 
+class LibraryAttention(nn.Module):
+    """nn.MultiheadAttention returns a tuple whose second item is None here."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(W)
+        self.attn = nn.MultiheadAttention(W, 2, batch_first=True)
+        self.out = nn.Linear(W, W)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.norm(x)
+        h, _ = self.attn(h, h, h, need_weights=False)
+        return self.out(x + h)
+
+
 class CalledTwice(nn.Module):
     """One layer used at two places, with other layers before, between and after."""
 
@@ -183,6 +198,7 @@ MODELS: Dict[str, Tuple[Callable[[], nn.Module], Callable[[], Inputs]]] = {
     'resnet': (double(ResNet), vector),
     'unet': (double(UNet), vector),
     'transformer': (double(Transformer), sequence),
+    'library_attention': (double(LibraryAttention), sequence),
     'called_twice': (double(CalledTwice), vector),
     'two_heads': (double(TwoHeads), vector),
     'two_inputs': (double(TwoInputs), pair),
@@ -212,8 +228,8 @@ def assert_trains_like_original(original: nn.Module, gpipe: GPipe, inputs: Input
     gradients and parameter gradients must be equal. Returns the largest
     gradient difference seen."""
     reference = copy.deepcopy(original)
-    optimizer = torch.optim.SGD(original.parameters(), lr=0.1)
-    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    optimizer = torch.optim.SGD(original.parameters(), lr=0.01)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.01)
     worst = 0.0
     for _ in range(steps):
         x1 = tuple(x.detach().clone().requires_grad_() for x in inputs)

@@ -23,6 +23,7 @@ the child holding it stashes it and the child using it pops it
 partition that makes it to the partition that uses it.
 """
 import linecache
+import operator
 import os
 import traceback
 from collections import OrderedDict
@@ -104,7 +105,8 @@ def _trace(module: nn.Module, tracer: _Tracer,
         if not user:
             raise
         frame, lineno = user[-1]
-        failing = frame.f_locals.get('self')
+        code = frame.f_code
+        failing = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
         if not isinstance(failing, nn.Module):
             failing = module
         names = {id(m): name for name, m in module.named_modules()}
@@ -135,10 +137,20 @@ def _segments(graph: fx.Graph, root: nn.Module) -> List[List[fx.Node]]:
     for n in graph.nodes:
         if n.op in ('placeholder', 'output') or (n.op == 'get_attr' and n.users):
             continue
+        if n.op == 'call_function' and n.target is operator.getitem \
+                and n.args[0].op == 'call_module':
+            continue
         for a in n.all_input_nodes:
             if a.op == 'get_attr' and min(a.users, key=order.__getitem__) is n:
                 nodes.append(a)
         nodes.append(n)
+        # A leaf module returning a tuple keeps the indexing of its output,
+        # so that only the items used later leave its child: a tuple may
+        # hold more than tensors (nn.MultiheadAttention's weights are None
+        # when not needed).
+        if n.op == 'call_module':
+            nodes.extend(u for u in n.users if u.op == 'call_function'
+                         and u.target is operator.getitem)
     index = {n: i for i, n in enumerate(nodes)}
 
     # A module or a parameter used at several places must stay in one child
@@ -170,6 +182,9 @@ def _segments(graph: fx.Graph, root: nn.Module) -> List[List[fx.Node]]:
                 segments.append(rest)
             segments.append(attrs + [n])
             current = []
+        elif n.op == 'call_function' and n.target is operator.getitem and not current \
+                and segments and n.args[0] in segments[-1]:
+            segments[-1].append(n)
         else:
             current.append(n)
         reach = max(reach, span[i])
