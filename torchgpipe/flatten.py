@@ -155,7 +155,9 @@ def _segments(graph: fx.Graph, root: nn.Module) -> List[List[fx.Node]]:
 
     # A module or a parameter used at several places must stay in one child
     # (GPipe refuses a layer or a parameter held twice): the span from its
-    # first use to its last one is never cut.
+    # first use to its last one is never cut. Tied weights (an embedding
+    # and an output projection) join their modules this way too, until
+    # GPipe accepts a parameter shared between partitions.
     uses: Dict[object, List[int]] = {}
     for n in nodes:
         if n.op == 'call_module':
@@ -218,6 +220,16 @@ def to_sequential(module: nn.Module, *,
 
         seq = to_sequential(model)
         seq.load_state_dict({seq.state_dict_map[k]: v for k, v in checkpoint.items()})
+
+    .. note::
+
+        Values between children must be what GPipe carries: tensors. Shapes
+        and sizes (``x.size()``, ``x.shape``) are computed again by each
+        child that reads them; any other number, list or ``None`` passed
+        from one part of ``forward`` to a later one fails in GPipe, and so
+        would be kept inside one leaf module (``leaf_modules``). Parameters
+        and buffers that ``forward`` never reads are not in the sequential,
+        nor in ``state_dict_map``.
 
     Args:
         module (torch.nn.Module): the module to flatten
