@@ -430,3 +430,34 @@ def test_non_tensor_output_is_refused() -> None:
 
     with pytest.raises(TypeError, match='return a tuple of the tensors instead'):
         to_sequential(Listing())
+
+
+class ShapesAndMethods(nn.Module):
+    """Reads x.shape across a layer, and calls a method named like a Module's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(W, W)
+
+    def forward(self, x: Tensor) -> Tensor:
+        n = x.shape[-1]
+        h = self.fc(x).to(x.dtype)
+        return h / n
+
+
+def test_shapes_are_recomputed_and_names_never_clash() -> None:
+    original = ShapesAndMethods().double()
+    seq = to_sequential(original)
+    names = [name for name, _ in seq.named_children()]
+    assert names == ['fc', 'to_']
+    gpipe = GPipe(seq, [1, 1], chunks=2, devices=['cpu'] * 2)
+    assert_trains_like_original(original, gpipe, vector(), steps=1)
+
+
+def test_untraceable_root_is_named_too() -> None:
+    class Root(nn.Module):
+        def forward(me, x: Tensor) -> Tensor:  # noqa: N805 - self under another name
+            return x if len(x) > 2 else -x
+
+    with pytest.raises(RuntimeError, match=r'cannot trace the module itself \(Root\)'):
+        to_sequential(Root())
