@@ -10,7 +10,9 @@ you would train the unwrapped module.
 # here, before this line binds the attribute to the string for good.
 from torchgpipe.__version__ import __version__
 from torchgpipe.checkpoint import is_checkpointing, is_recomputing
+from torchgpipe.flatten import to_sequential
 from torchgpipe.gpipe import GPipe
 from torchgpipe.microbatch import NoChunk
 
-__all__ = ['GPipe', 'NoChunk', 'is_checkpointing', 'is_recomputing', '__version__']
+__all__ = ['GPipe', 'NoChunk', 'is_checkpointing', 'is_recomputing', 'to_sequential',
+           '__version__']

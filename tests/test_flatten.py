@@ -1,0 +1,463 @@
+"""to_sequential: models written as usual, flattened, pipelined, and trained like the original."""
+import copy
+import math
+import re
+from typing import Callable, Dict, List, Tuple, Union
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from helpers import cpu_devices
+from torchgpipe import GPipe, to_sequential
+from torchgpipe.balance import balance_by_size, balance_by_time
+from torchgpipe.skip.skippable import Skippable
+
+W = 8
+Inputs = Tuple[Tensor, ...]
+
+
+class Block(nn.Module):
+    """A pre-activation residual block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(W)
+        self.fc1 = nn.Linear(W, 2 * W)
+        self.fc2 = nn.Linear(2 * W, W)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class ResNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(W, W)
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.head = nn.Sequential(nn.ReLU(), nn.Linear(W, 3))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class UNet(nn.Module):
+    """Encoder features concatenated into the decoder, the last one first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = nn.ModuleList([nn.Linear(W, W), nn.Linear(W, W), nn.Linear(W, W)])
+        self.middle = nn.Linear(W, W)
+        self.up = nn.ModuleList([nn.Linear(2 * W, W) for _ in range(3)])
+
+    def forward(self, x: Tensor) -> Tensor:
+        features = []
+        for layer in self.down:
+            x = torch.tanh(layer(x))
+            features.append(x)
+        x = self.middle(x)
+        for layer, feature in zip(self.up, reversed(features)):
+            x = torch.tanh(layer(torch.cat([x, feature], dim=1)))
+        # Two features used once more, by one child that pops both.
+        return x + features[0] - features[1]
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, heads: int = 2, length: int = 5) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(W, 3 * W)
+        self.proj = nn.Linear(W, W)
+        self.register_buffer('mask', torch.tril(torch.ones(length, length)).bool())
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, C = x.size()
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q = q.view(B, T, self.heads, C // self.heads).transpose(1, 2)
+        k = k.view(B, T, self.heads, C // self.heads).transpose(1, 2)
+        v = v.view(B, T, self.heads, C // self.heads).transpose(1, 2)
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1))
+        att = att.masked_fill(~self.mask[:T, :T], float('-inf')).softmax(dim=-1)
+        y = (att @ v).transpose(1, 2).contiguous().view(B, T, C)
+        return self.proj(y)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(W)
+        self.attn = CausalSelfAttention()
+        self.ln_2 = nn.LayerNorm(W)
+        self.mlp = nn.Sequential(nn.Linear(W, 4 * W), nn.GELU(), nn.Linear(4 * W, W))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(5, W) / 10)
+        self.layers = nn.ModuleList(TransformerBlock() for _ in range(2))
+        self.ln_f = nn.LayerNorm(W)
+        # A non-persistent buffer: not in the state dict, in the sequential neither.
+        self.register_buffer('scale', torch.tensor(0.5), persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.pos[:x.size(1)]
+        for layer in self.layers:
+            x = layer(x)
+        return self.ln_f(x) * self.scale
+
+
+class LibraryAttention(nn.Module):
+    """nn.MultiheadAttention returns a tuple whose second item is None here."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(W)
+        self.attn = nn.MultiheadAttention(W, 2, batch_first=True)
+        self.out = nn.Linear(W, W)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.norm(x)
+        h, _ = self.attn(h, h, h, need_weights=False)
+        return self.out(x + h)
+
+
+class CalledTwice(nn.Module):
+    """One layer used at two places, with other layers before, between and after."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(W, W)
+        self.shared = nn.Linear(W, W)
+        self.middle = nn.Linear(W, W)
+        self.last = nn.Linear(W, W)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.first(x)
+        h = torch.relu(self.shared(x))
+        h = self.middle(h)
+        return self.last(self.shared(h) + x)
+
+
+class TwoHeads(nn.Module):
+    """Returns a tuple: two heads on a shared trunk."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(W, W)
+        self.left = nn.Linear(W, 2)
+        self.right = nn.Linear(W, 3)
+
+    def forward(self, x: Tensor) -> Tuple[Tensor, Tensor]:
+        h = torch.tanh(self.trunk(x))
+        return self.left(h), self.right(h)
+
+
+class TwoInputs(nn.Module):
+    """Two inputs: the second one is only used at the end, as a gate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(W, W)
+        self.b = nn.Linear(W, W)
+        self.gate = nn.Linear(W, W)
+
+    def forward(self, x: Tensor, y: Tensor) -> Tensor:
+        h = self.b(torch.relu(self.a(x)))
+        return h * torch.sigmoid(self.gate(y)) + x
+
+
+# In double precision: GPipe sums the gradients of micro-batches, whose
+# rounding differs from the full batch's by more than float32's tolerance.
+def vector(batch: int = 6) -> Inputs:
+    return (torch.randn(batch, W, dtype=torch.float64),)
+
+
+def sequence(batch: int = 6) -> Inputs:
+    return (torch.randn(batch, 5, W, dtype=torch.float64),)
+
+
+def pair(batch: int = 6) -> Inputs:
+    return (torch.randn(batch, W, dtype=torch.float64),
+            torch.randn(batch, W, dtype=torch.float64))
+
+
+def double(cls: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+    return lambda: cls().double()
+
+
+MODELS: Dict[str, Tuple[Callable[[], nn.Module], Callable[[], Inputs]]] = {
+    'resnet': (double(ResNet), vector),
+    'unet': (double(UNet), vector),
+    'transformer': (double(Transformer), sequence),
+    'library_attention': (double(LibraryAttention), sequence),
+    'called_twice': (double(CalledTwice), vector),
+    'two_heads': (double(TwoHeads), vector),
+    'two_inputs': (double(TwoInputs), pair),
+}
+
+
+def outputs(value: Union[Tensor, Tuple[Tensor, ...]]) -> Tuple[Tensor, ...]:
+    return value if isinstance(value, tuple) else (value,)
+
+
+def loss(value: Union[Tensor, Tuple[Tensor, ...]]) -> Tensor:
+    return sum((y.pow(2).sum() for y in outputs(value)), torch.zeros(()))
+
+
+def even(layers: int, partitions: int) -> List[int]:
+    return [layers // partitions + (j < layers % partitions) for j in range(partitions)]
+
+
+def gpipe_input(inputs: Inputs) -> Union[Tensor, Inputs]:
+    return inputs[0] if len(inputs) == 1 else inputs
+
+
+def assert_trains_like_original(original: nn.Module, gpipe: GPipe, inputs: Inputs,
+                                steps: int = 3) -> float:
+    """Trains ``gpipe`` with an optimizer on the ORIGINAL module's parameters
+    and a copy of ``original`` alongside; every step, outputs, input
+    gradients and parameter gradients must be equal. Returns the largest
+    gradient difference seen."""
+    reference = copy.deepcopy(original)
+    optimizer = torch.optim.SGD(original.parameters(), lr=0.01)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.01)
+    worst = 0.0
+    for _ in range(steps):
+        x1 = tuple(x.detach().clone().requires_grad_() for x in inputs)
+        x2 = tuple(x.detach().clone().requires_grad_() for x in inputs)
+        expected = reference(*x1)
+        loss(expected).backward()
+        actual = gpipe(gpipe_input(x2))
+        loss(actual).backward()
+
+        assert len(outputs(actual)) == len(outputs(expected))
+        for a, e in zip(outputs(actual), outputs(expected)):
+            torch.testing.assert_close(a, e)
+        for a, e in zip(x2, x1):
+            torch.testing.assert_close(a.grad, e.grad)
+        for (name, p), q in zip(original.named_parameters(), reference.parameters()):
+            if q.grad is None:
+                # Unused by this input: the data-dependent branch not taken.
+                assert p.grad is None, name
+                continue
+            torch.testing.assert_close(p.grad, q.grad, msg=name)
+            worst = max(worst, (p.grad - q.grad).abs().max().item())
+
+        optimizer.step()
+        reference_optimizer.step()
+        optimizer.zero_grad()
+        reference_optimizer.zero_grad()
+    return worst
+
+
+@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
+@pytest.mark.parametrize('name', list(MODELS))
+def test_gpipe_trains_the_flattened_model_like_the_original(name: str, checkpoint: str,
+                                                            threaded: bool) -> None:
+    factory, data = MODELS[name]
+    original = factory()
+    seq = to_sequential(original)
+    partitions = min(3, len(seq))
+    gpipe = GPipe(seq, even(len(seq), partitions), chunks=3, checkpoint=checkpoint,
+                  devices=cpu_devices(partitions, threaded))
+    assert_trains_like_original(original, gpipe, data())
+
+
+@pytest.mark.parametrize('name', list(MODELS))
+def test_any_cut_between_two_children(name: str) -> None:
+    factory, data = MODELS[name]
+    original = factory()
+    layers = len(to_sequential(original))
+    assert layers >= 3
+    for cut in range(1, layers):
+        # A fresh copy each time: the steps must not add up.
+        model = copy.deepcopy(original)
+        gpipe = GPipe(to_sequential(model), [cut, layers - cut], chunks=2,
+                      devices=['cpu'] * 2)
+        assert_trains_like_original(model, gpipe, data(), steps=1)
+
+
+@pytest.mark.parametrize('name', list(MODELS))
+def test_children_are_the_original_modules_and_parameters(name: str) -> None:
+    original = MODELS[name][0]()
+    seq = to_sequential(original)
+    assert {id(p) for p in seq.parameters()} == {id(p) for p in original.parameters()}
+    # Leaf modules are children themselves wherever no skip or glue must
+    # be attached to them.
+    leaves = {id(m) for m in original.modules() if not list(m.children())}
+    assert any(id(child) in leaves for child in seq)
+    for child in seq:
+        assert id(child) in leaves or isinstance(child, Skippable)
+
+
+def test_containers_are_flattened_with_meaningful_names() -> None:
+    seq = to_sequential(Transformer())
+    names = [name for name, _ in seq.named_children()]
+    assert '.' not in ''.join(names)
+    for expected in ['layers_0_ln_1', 'layers_0_attn_qkv', 'layers_0_attn_proj',
+                     'layers_0_mlp_0', 'layers_0_mlp_1', 'layers_1_mlp_2', 'ln_f']:
+        assert expected in names
+    # The glue code between them, named after its first operation: the
+    # position embedding's indexing, the attention from the split of q, k
+    # and v to the masked softmax, the residual additions.
+    assert {'getitem', 'split', 'add_1', 'mul'} <= set(names)
+    # The causal mask stays with the code that reads it.
+    mapping = getattr(seq, 'state_dict_map')
+    assert mapping['layers.0.attn.mask'].startswith('split.')
+
+
+def test_module_called_twice_is_one_child_from_first_call_to_last() -> None:
+    original = CalledTwice()
+    seq = to_sequential(original)
+    holders = [name for name, child in seq.named_children()
+               if any(p is original.shared.weight for p in child.parameters())]
+    assert len(holders) == 1
+    # 'middle', called between the two calls, is in the same child.
+    assert [name for name, child in seq.named_children()
+            if any(p is original.middle.weight for p in child.parameters())] == holders
+    assert seq[0] is original.first
+    assert seq[len(seq) - 1] is original.last
+
+
+def test_skips_go_straight_to_the_child_that_uses_them() -> None:
+    original = UNet()
+    seq = to_sequential(original)
+    # Only one tensor crosses each boundary: the features travel as skips.
+    x = torch.randn(2, W)
+    for child in seq:
+        assert isinstance(x, Tensor)
+        x = child(x)
+    stashing = [child for child in seq
+                if isinstance(child, Skippable) and child.stashable_names]
+    # The three features, once each, and the first two again for the end.
+    assert sum(len(child.stashable_names) for child in stashing) == 5
+
+
+def gpipe_key(gpipe: GPipe, seq_key: str) -> str:
+    [key] = [k for k in gpipe.state_dict() if re.fullmatch(r'partitions\.\d+\.' + re.escape(
+        seq_key), k)]
+    return key
+
+
+@pytest.mark.parametrize('name', list(MODELS))
+def test_state_dict_round_trip(name: str) -> None:
+    factory, data = MODELS[name]
+    trained = factory()
+    checkpoint = trained.state_dict()
+
+    original = factory()
+    seq = to_sequential(original)
+    mapping = getattr(seq, 'state_dict_map')
+    assert set(mapping) == set(checkpoint)
+    gpipe = GPipe(seq, even(len(seq), 2), chunks=2, devices=['cpu'] * 2)
+    gpipe.load_state_dict({gpipe_key(gpipe, mapping[k]): v for k, v in checkpoint.items()})
+
+    inputs = data()
+    for a, e in zip(outputs(gpipe(gpipe_input(inputs))), outputs(trained(*inputs))):
+        torch.testing.assert_close(a, e)
+
+    state = gpipe.state_dict()
+    back = factory()
+    back.load_state_dict({k: state[gpipe_key(gpipe, mapping[k])] for k in checkpoint})
+    for key, value in back.state_dict().items():
+        torch.testing.assert_close(value, checkpoint[key])
+
+
+@pytest.mark.parametrize('name', ['transformer', 'unet'])
+def test_balance_by_time_and_size(name: str) -> None:
+    factory, data = MODELS[name]
+    original = factory()
+    seq = to_sequential(original)
+    sample = gpipe_input(data())
+    for balance in [balance_by_time(3, seq, sample, timeout=0.1, device='cpu'),
+                    balance_by_size(3, seq, sample, chunks=2, device='cpu')]:
+        assert len(balance) == 3 and sum(balance) == len(seq)
+        gpipe = GPipe(seq, balance, chunks=2, devices=['cpu'] * 3)
+        assert_trains_like_original(original, gpipe, data(), steps=1)
+
+
+class DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(W, W)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.sum() > 0:
+            return self.fc(x)
+        return -x
+
+
+class WithDataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.before = nn.Linear(W, W)
+        self.branchy = DataDependent()
+        self.after = nn.Linear(W, W)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.after(self.branchy(self.before(x)))
+
+
+def test_untraceable_module_is_named_with_its_line_and_the_fix() -> None:
+    original = WithDataDependent().double()
+    with pytest.raises(RuntimeError) as info:
+        to_sequential(original)
+    message = str(info.value)
+    assert 'branchy (DataDependent)' in message
+    assert "'if x.sum() > 0:'" in message
+    assert f'{__file__}:' in message
+    assert 'leaf_modules=[DataDependent]' in message
+
+    seq = to_sequential(original, leaf_modules=[DataDependent])
+    assert original.branchy in list(seq)
+    gpipe = GPipe(seq, [1, 2], chunks=2, devices=['cpu'] * 2)
+    assert_trains_like_original(original, gpipe, vector(), steps=1)
+
+
+def test_non_tensor_output_is_refused() -> None:
+    class Listing(nn.Module):
+        def forward(self, x: Tensor) -> List[Tensor]:
+            return [x, x]
+
+    with pytest.raises(TypeError, match='return a tuple of the tensors instead'):
+        to_sequential(Listing())
+
+
+class ShapesAndMethods(nn.Module):
+    """Reads x.shape across a layer, and calls a method named like a Module's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(W, W)
+
+    def forward(self, x: Tensor) -> Tensor:
+        n = x.shape[-1]
+        h = self.fc(x).to(x.dtype)
+        return h / n
+
+
+def test_shapes_are_recomputed_and_names_never_clash() -> None:
+    original = ShapesAndMethods().double()
+    seq = to_sequential(original)
+    names = [name for name, _ in seq.named_children()]
+    assert names == ['fc', 'to_']
+    gpipe = GPipe(seq, [1, 1], chunks=2, devices=['cpu'] * 2)
+    assert_trains_like_original(original, gpipe, vector(), steps=1)
+
+
+def test_untraceable_root_is_named_too() -> None:
+    class Root(nn.Module):
+        def forward(me, x: Tensor) -> Tensor:  # noqa: N805 - self under another name
+            return x if len(x) > 2 else -x
+
+    with pytest.raises(RuntimeError, match=r'cannot trace the module itself \(Root\)'):
+        to_sequential(Root())

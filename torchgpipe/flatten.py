@@ -1,0 +1,426 @@
+"""Flattening a module into an ``nn.Sequential`` that GPipe can cut anywhere.
+
+:func:`to_sequential` traces a module's ``forward`` with :mod:`torch.fx` and
+cuts the traced graph into a row of children:
+
+* every *leaf* module called once (``nn.Linear``, ``nn.LayerNorm``, a module
+  named in ``leaf_modules``...) becomes a child of its own; containers
+  (``nn.Sequential``, ``nn.ModuleList`` loops, nested blocks) are traced
+  through, so they dissolve into their leaves;
+* the code between two leaf calls (``F.*`` calls, tensor methods, ``+``,
+  ``torch.cat``, indexing, parameters and buffers read in ``forward``)
+  becomes a small generated child, an :class:`torch.fx.GraphModule` that
+  holds the very parameters and buffers it reads;
+* a module called at several places, or a parameter read at several places,
+  cannot be two children (GPipe refuses a child or a parameter held twice),
+  so the first use, the last one and everything between become one
+  generated child.
+
+Each child passes the next one exactly the values it needs (a tensor, or a
+tuple of tensors). A value used further down travels as a skip connection:
+the child holding it stashes it and the child using it pops it
+(:mod:`torchgpipe.skip`), so that inside GPipe it goes straight from the
+partition that makes it to the partition that uses it.
+"""
+import linecache
+import operator
+import os
+import traceback
+from collections import OrderedDict
+from typing import (Any, Dict, Generator, Iterable, List, Optional, Sequence, Type, Union)
+
+import torch
+from torch import Tensor, fx, nn
+
+from torchgpipe.microbatch import TensorOrTensors
+from torchgpipe.skip.namespace import Namespace
+from torchgpipe.skip.skippable import Skippable, pop, skippable, stash
+
+__all__ = ['to_sequential']
+
+LeafSpec = Union[Type[nn.Module], nn.Module]
+
+
+class _Tracer(fx.Tracer):
+    """fx's tracer, which also keeps the given classes and instances whole."""
+
+    def __init__(self, leaf_modules: Sequence[LeafSpec]) -> None:
+        super().__init__()
+        # Buffers read in forward become nodes, not constants: a causal mask
+        # sliced by a traced length (mask[:T, :T]) then traces.
+        self.proxy_buffer_attributes = True
+        self.leaf_types = tuple(m for m in leaf_modules if isinstance(m, type))
+        self.leaf_ids = {id(m) for m in leaf_modules if isinstance(m, nn.Module)}
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        # A skippable layer's forward is a generator that talks to the skip
+        # tracker: it must stay a child, called by the sequential.
+        return (isinstance(m, self.leaf_types + (Skippable,)) or id(m) in self.leaf_ids
+                or super().is_leaf_module(m, module_qualified_name))
+
+
+class _Step(nn.Module):
+    """One generated child: runs its piece of the traced graph between pops and stashes.
+
+    Args:
+        graph_module (torch.fx.GraphModule): takes the values received from
+            the previous child, then the popped ones; returns the output for
+            the next child and the tuple of values to stash
+        tuple_input (bool): whether the previous child passes a tuple
+        pops (list of strs): the skip names to pop, in argument order
+        stashes (list of strs): the skip names to stash, in result order
+    """
+
+    def __init__(self, graph_module: fx.GraphModule, tuple_input: bool,
+                 pops: List[str], stashes: List[str]) -> None:
+        super().__init__()
+        self.graph = graph_module
+        self.tuple_input = tuple_input
+        self.pops = pops
+        self.stashes = stashes
+
+    def forward(self, input: TensorOrTensors) -> Generator[Any, Any, TensorOrTensors]:
+        inputs = input if self.tuple_input else (input,)
+        popped = []
+        for name in self.pops:
+            popped.append((yield pop(name)))
+        output, stashed = self.graph(*inputs, *popped)
+        for name, value in zip(self.stashes, stashed):
+            yield stash(name, value)
+        return output  # type: ignore[no-any-return]
+
+
+def _trace(module: nn.Module, tracer: _Tracer,
+           concrete_args: Optional[Dict[str, Any]]) -> fx.Graph:
+    """Traces ``module``, explaining a failure by the module and line that caused it."""
+    try:
+        return tracer.trace(module, concrete_args)
+    except Exception as exc:
+        # The innermost frame outside torch is the user's line that failed;
+        # its ``self`` is the module being traced there.
+        torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
+        user = [(frame, lineno) for frame, lineno in traceback.walk_tb(exc.__traceback__)
+                if not os.path.abspath(frame.f_code.co_filename).startswith(torch_dir)
+                and frame.f_code.co_filename != __file__]
+        if not user:
+            raise
+        frame, lineno = user[-1]
+        code = frame.f_code
+        failing = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
+        if not isinstance(failing, nn.Module):
+            failing = module
+        names = {id(m): name for name, m in module.named_modules()}
+        where = names.get(id(failing)) or 'the module itself'
+        cls = type(failing).__name__
+        line = linecache.getline(frame.f_code.co_filename, lineno).strip()
+        raise RuntimeError(
+            f'torch.fx cannot trace {where} ({cls}) at {frame.f_code.co_filename}:{lineno}: '
+            f'{line!r} ({type(exc).__name__}: {exc}); keep the module whole as one layer '
+            f'with to_sequential(module, leaf_modules=[{cls}]), or fix the argument that '
+            'decides the control flow with concrete_args') from exc
+
+
+def _attr(root: nn.Module, target: object) -> Any:
+    """The attribute of ``root`` at a qualified name such as ``'layers.0.weight'``."""
+    value: Any = root
+    for part in str(target).split('.'):
+        value = getattr(value, part)
+    return value
+
+
+def _segments(graph: fx.Graph, root: nn.Module) -> List[List[fx.Node]]:
+    """Cuts the graph's computing nodes into the runs of the children, in order."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    # Each get_attr node moves right before its first user, so that the
+    # tensor it reads goes to the child that uses it first.
+    nodes: List[fx.Node] = []
+    for n in graph.nodes:
+        if n.op in ('placeholder', 'output') or (n.op == 'get_attr' and n.users):
+            continue
+        if n.op == 'call_function' and n.target is operator.getitem \
+                and n.args[0].op == 'call_module':
+            continue
+        for a in n.all_input_nodes:
+            if a.op == 'get_attr' and min(a.users, key=order.__getitem__) is n:
+                nodes.append(a)
+        nodes.append(n)
+        # A leaf module returning a tuple keeps the indexing of its output,
+        # so that only the items used later leave its child: a tuple may
+        # hold more than tensors (nn.MultiheadAttention's weights are None
+        # when not needed).
+        if n.op == 'call_module':
+            nodes.extend(u for u in n.users if u.op == 'call_function'
+                         and u.target is operator.getitem)
+    index = {n: i for i, n in enumerate(nodes)}
+
+    # A module or a parameter used at several places must stay in one child
+    # (GPipe refuses a layer or a parameter held twice): the span from its
+    # first use to its last one is never cut. Tied weights (an embedding
+    # and an output projection) join their modules this way too, until
+    # GPipe accepts a parameter shared between partitions.
+    uses: Dict[object, List[int]] = {}
+    for n in nodes:
+        if n.op == 'call_module':
+            module = _attr(root, n.target)
+            for key in [id(module)] + [id(p) for p in module.parameters()]:
+                uses.setdefault(key, []).append(index[n])
+        elif n.op == 'get_attr' and isinstance(_attr(root, n.target), nn.Parameter):
+            uses.setdefault(id(_attr(root, n.target)), []).extend(index[u] for u in n.users)
+    span = list(range(len(nodes)))  # span[i]: the last node in the child of node i
+    for positions in uses.values():
+        for i in range(min(positions), max(positions) + 1):
+            span[i] = max(span[i], max(positions))
+
+    segments: List[List[fx.Node]] = []
+    current: List[fx.Node] = []
+    reach = -1
+    for i, n in enumerate(nodes):
+        if n.op == 'call_module' and reach < i and span[i] == i:
+            # A leaf module used at this place only is a child of its own,
+            # with the tensors read for it.
+            attrs = [a for a in current if a.op == 'get_attr' and n in a.users]
+            rest = [a for a in current if a not in attrs]
+            if rest:
+                segments.append(rest)
+            segments.append(attrs + [n])
+            current = []
+        elif n.op == 'call_function' and n.target is operator.getitem and not current \
+                and segments and n.args[0] in segments[-1]:
+            segments[-1].append(n)
+        else:
+            current.append(n)
+        reach = max(reach, span[i])
+    if current:
+        segments.append(current)
+    return segments
+
+
+def to_sequential(module: nn.Module, *,
+                  leaf_modules: Iterable[LeafSpec] = (),
+                  concrete_args: Optional[Dict[str, Any]] = None) -> nn.Sequential:
+    """Flattens a module into an ``nn.Sequential`` that GPipe can partition anywhere.
+
+    The module's ``forward`` is traced symbolically with :mod:`torch.fx`.
+    The result holds, in order, the leaf modules of ``module`` themselves
+    (the same objects, so an optimizer built on ``module.parameters()``
+    trains the sequential too) and small generated children for the code
+    between them. A value used later than by the next child travels as a
+    skip connection (:mod:`torchgpipe.skip`), in a namespace of its own.
+
+    Children are named after the traced nodes: a leaf module by its
+    qualified name with ``_`` for ``.`` (``layers_0_attn``), generated code
+    by its first operation (``add_3``, ``cat``). A module or parameter used
+    at several places cannot be two children: its first use, its last one
+    and everything between become one generated child.
+
+    The sequential takes what ``module`` takes: a tensor, or a tuple of
+    tensors for a ``forward`` of several arguments. Its attribute
+    ``state_dict_map`` maps each key of ``module.state_dict()`` to the
+    sequential's key of the same tensor, to move checkpoints across::
+
+        seq = to_sequential(model)
+        seq.load_state_dict({seq.state_dict_map[k]: v for k, v in checkpoint.items()})
+
+    .. note::
+
+        Values between children must be what GPipe carries: tensors. Shapes
+        and sizes (``x.size()``, ``x.shape``) are computed again by each
+        child that reads them; any other number, list or ``None`` passed
+        from one part of ``forward`` to a later one fails in GPipe, and so
+        would be kept inside one leaf module (``leaf_modules``). Parameters
+        and buffers that ``forward`` never reads are not in the sequential,
+        nor in ``state_dict_map``.
+
+    Args:
+        module (torch.nn.Module): the module to flatten
+
+    Keyword Args:
+        leaf_modules (iterable): module classes, or modules, kept whole as
+            one child each besides those of ``torch.nn`` and skippable
+            layers: a module whose ``forward`` fx cannot trace (default:
+            none)
+        concrete_args (dict, optional): arguments of ``forward`` fixed to a
+            value while tracing, given to :meth:`torch.fx.Tracer.trace`
+
+    Returns:
+        torch.nn.Sequential: the flattened module
+
+    Raises:
+        RuntimeError: fx cannot trace ``module``, for example because of
+            control flow that depends on a tensor; the message names the
+            module and the line
+        TypeError: ``module`` returns something other than a tensor or a
+            tuple of tensors
+
+    Example::
+
+        >>> class Residual(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.fc1, self.fc2 = nn.Linear(4, 4), nn.Linear(4, 4)
+        ...     def forward(self, x):
+        ...         return x + self.fc2(F.relu(self.fc1(x)))
+        >>> seq = to_sequential(Residual())
+        >>> [name for name, _ in seq.named_children()]
+        ['fc1', 'relu', 'fc2', 'add']
+    """
+    tracer = _Tracer(list(leaf_modules))
+    graph = _trace(module, tracer, concrete_args)
+    # The tracer may have put constant tensors on the root: read it from there.
+    root = tracer.root
+
+    placeholders = [n for n in graph.nodes if n.op == 'placeholder']
+    output_node = next(n for n in graph.nodes if n.op == 'output')
+    result = output_node.args[0]
+    if not (isinstance(result, fx.Node) or (isinstance(result, tuple)
+                                            and all(isinstance(r, fx.Node) for r in result))):
+        raise TypeError(f'module must return a tensor or a tuple of tensors to be flattened '
+                        f'(it returns {result!r}); return a tuple of the tensors instead')
+    # A run of shape computations alone would pass no tensor on: it is left
+    # out, as every child computes the shapes it reads itself.
+    segments = [s for s in _segments(graph, root) if not all(map(_is_shape, s))]
+    last = len(segments) - 1
+
+    # Where each value is held: the child that computes it; the inputs are
+    # held by the first child, which receives them.
+    holder: Dict[fx.Node, int] = {p: 0 for p in placeholders}
+    for k, segment in enumerate(segments):
+        holder.update((n, k) for n in segment)
+    segments = [_with_shapes(segment) for segment in segments]
+    # needs[k]: the values child k reads from other children, in graph order.
+    needs: List[List[fx.Node]] = []
+    for k, segment in enumerate(segments):
+        inside = set(segment)
+        wanted: Dict[fx.Node, None] = {}
+        for n in segment + ([output_node] if k == last else []):
+            wanted.update((a, None) for a in n.all_input_nodes if a not in inside)
+        needs.append(list(wanted))
+    # passed[k]: what child k gives child k + 1.
+    passed: List[List[fx.Node]] = []
+    for k in range(last):
+        passed.append([a for a in needs[k + 1] if holder[a] == k])
+        if passed[k]:
+            continue
+        # Child k + 1 needs nothing of child k, but GPipe needs a tensor at
+        # every boundary, and the backward pass of a partition reaches the
+        # stashes of its children only through the outputs of the next
+        # ones: so child k + 1 takes over a value child k would stash, and
+        # stashes or passes it on itself.
+        later = [a for j in range(k + 2, last + 1) for a in needs[j] if holder[a] == k]
+        if later:
+            holder[later[0]] = k + 1
+            passed[k].append(later[0])
+        else:
+            # Nothing of child k is used later: what it passes is ignored.
+            passed[k].append([n for n in segments[k] if not _is_shape(n)][-1])
+
+    ns = Namespace()
+    state = {id(t): key for key, t in module.state_dict(keep_vars=True).items()}
+    children: Dict[str, nn.Module] = {}
+    for k, segment in enumerate(segments):
+        inputs = placeholders if k == 0 else passed[k - 1]
+        pops = [a for a in needs[k] if holder[a] < k - 1]
+        # A value goes to every later child but the next one as a skip of
+        # its own: each skip name is popped once.
+        stashes = [(a, j) for j in range(k + 2, last + 1) for a in needs[j] if holder[a] == k]
+
+        name = _child_name(segment)
+        if k == last:
+            result_nodes = list(result) if isinstance(result, tuple) else [result]
+        else:
+            result_nodes = passed[k]
+        if (len(segment) == 1 and segment[0].op == 'call_module' and not pops
+                and not stashes and not segment[0].kwargs
+                and list(segment[0].args) == inputs and result_nodes == segment):
+            children[name] = _attr(root, segment[0].target)
+            continue
+
+        sub = fx.Graph()
+        env: Dict[fx.Node, fx.Node] = {}
+        for a in inputs + pops:
+            env[a] = sub.placeholder(a.name)
+        for n in segment:
+            env[n] = sub.node_copy(n, env.__getitem__)
+        if k == last:
+            output: Any = fx.node.map_arg(result, env.__getitem__)
+        elif len(passed[k]) == 1:
+            output = env[passed[k][0]]
+        else:
+            output = tuple(env[a] for a in passed[k])
+        sub.output((output, tuple(env[a] for a, _ in stashes)))
+        graph_module = fx.GraphModule(root, sub, class_name=name)
+        _keep_persistence(root, graph_module, segment, state)
+
+        pop_names = [f'{a.name}:{k}' for a in pops]
+        stash_names = [f'{a.name}:{j}' for a, j in stashes]
+        step_cls = skippable(stash=stash_names, pop=pop_names)(_Step)
+        step = step_cls(graph_module, len(inputs) != 1, pop_names, stash_names)
+        children[name] = step.isolate(ns)
+
+    seq = nn.Sequential(OrderedDict(children))
+    new_keys = {id(t): key for key, t in seq.state_dict(keep_vars=True).items()}
+    setattr(seq, 'state_dict_map', {key: new_keys[i] for i, key in state.items()
+                                    if i in new_keys})
+    return seq
+
+
+def _is_shape(node: fx.Node) -> bool:
+    """Whether a node computes a shape, a size or a number from shapes only.
+
+    Such values are no tensors, so they cannot go from child to child in
+    GPipe; each child that uses one computes it again from its tensor.
+    """
+    if node.op == 'call_method' and node.target in ('size', 'dim', 'numel'):
+        return True
+    if node.op == 'call_function' and node.target is getattr:
+        return node.args[1] in ('shape', 'ndim', 'dtype', 'device')
+    if node.op == 'call_function' and getattr(node.target, '__module__', '') in (
+            '_operator', 'operator'):
+        return bool(node.all_input_nodes) and all(_is_shape(a) for a in node.all_input_nodes)
+    return False
+
+
+def _with_shapes(segment: List[fx.Node]) -> List[fx.Node]:
+    """A child's nodes, preceded by the shape nodes of other children it reads."""
+    inside = set(segment)
+    copied: Dict[fx.Node, None] = {}
+
+    def collect(node: fx.Node) -> None:
+        for a in node.all_input_nodes:
+            if a not in inside and a not in copied and _is_shape(a):
+                collect(a)
+                copied[a] = None
+
+    for n in segment:
+        collect(n)
+    return list(copied) + segment
+
+
+def _keep_persistence(root: nn.Module, graph_module: fx.GraphModule,
+                      segment: List[fx.Node], state: Dict[int, str]) -> None:
+    """Leaves out of the state dict the tensors the original leaves out.
+
+    fx registers every tensor a generated child reads as a buffer, which
+    would add keys the original's checkpoints lack: a non-persistent buffer
+    such as a causal mask, or a constant tensor.
+    """
+    for n in segment:
+        if n.op != 'get_attr':
+            continue
+        value = _attr(root, n.target)
+        if isinstance(value, Tensor) and not isinstance(value, nn.Parameter) \
+                and id(value) not in state:
+            owner, _, field = str(n.target).rpartition('.')
+            graph_module.get_submodule(owner)._non_persistent_buffers_set.add(field)
+
+
+def _child_name(segment: List[fx.Node]) -> str:
+    """A child's name: its leaf module's, or its first operation's."""
+    # Not named after the tensors it reads, nor the shapes it computes again.
+    computing = [n for n in segment if n.op != 'get_attr' and not _is_shape(n)] or segment
+    name = computing[0].name
+    # nn.Sequential refuses a child named like one of its attributes.
+    while hasattr(nn.Sequential, name):
+        name += '_'
+    return name
+
