@@ -461,3 +461,93 @@ def test_untraceable_root_is_named_too() -> None:
 
     with pytest.raises(RuntimeError, match=r'cannot trace the module itself \(Root\)'):
         to_sequential(Root())
+
+
+V = 11
+
+
+class TiedLM(nn.Module):
+    """A language model whose output projection is its token embedding.
+
+    ``glue_head``: the projection is written in forward (``F.linear`` on
+    the embedding's weight) rather than an ``nn.Linear`` holding it.
+    """
+
+    def __init__(self, glue_head: bool) -> None:
+        super().__init__()
+        self.glue_head = glue_head
+        self.emb = nn.Embedding(V, W)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.norm = nn.LayerNorm(W)
+        self.head = nn.Linear(W, V, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        x = self.emb(tokens)
+        for block in self.blocks:
+            x = block(x)
+        x = self.norm(x)
+        if self.glue_head:
+            return F.linear(x, self.emb.weight)
+        return self.head(x)
+
+
+@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
+@pytest.mark.parametrize('glue_head', [False, True], ids=['linear_head', 'glue_head'])
+def test_tied_embedding_and_head_stay_children_of_their_own(glue_head: bool, checkpoint: str,
+                                                            threaded: bool) -> None:
+    original = TiedLM(glue_head).double()
+    seq = to_sequential(original)
+    # Every leaf is a child: the tie merges nothing.
+    assert len(seq) == 1 + 2 * 5 + 2
+    holders = [k for k, child in enumerate(seq)
+               if any(p is original.emb.weight for p in child.parameters())]
+    assert holders == [0, len(seq) - 1]
+    tokens = torch.randint(V, (6, 5))
+    for balance in [[1, len(seq) - 1], [len(seq) - 1, 1], even(len(seq), 3), [1, 6, 6]]:
+        model = copy.deepcopy(original)
+        gpipe = GPipe(to_sequential(model), balance, chunks=3, checkpoint=checkpoint,
+                      devices=cpu_devices(len(balance), threaded))
+        # The tied weight is listed once, as by the original.
+        assert [id(p) for p in gpipe.parameters()].count(id(model.emb.weight)) == 1
+        assert len(list(gpipe.parameters())) == len(list(model.parameters()))
+
+        reference = copy.deepcopy(model)
+        optimizer = torch.optim.SGD(gpipe.parameters(), lr=0.1)
+        reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+        for _ in range(3):
+            expected = reference(tokens)
+            F.cross_entropy(expected.flatten(0, 1), tokens.flatten()).backward()
+            actual = gpipe(tokens)
+            F.cross_entropy(actual.flatten(0, 1), tokens.flatten()).backward()
+            torch.testing.assert_close(actual, expected)
+            for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, msg=name)
+            optimizer.step()
+            reference_optimizer.step()
+            optimizer.zero_grad()
+            reference_optimizer.zero_grad()
+
+
+class SharedBuffer(nn.Module):
+    """Two layers holding one buffer: GPipe cannot share a buffer across partitions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.BatchNorm1d(W)
+        self.middle = nn.Linear(W, W)
+        self.second = nn.BatchNorm1d(W)
+        self.last = nn.Linear(W, W)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.last(self.second(self.middle(self.first(x))))
+
+
+def test_layers_sharing_a_buffer_are_one_child() -> None:
+    original = SharedBuffer().double()
+    # Tied after .double(), which converts each layer's buffers apart.
+    original.second.running_mean = original.first.running_mean
+    seq = to_sequential(original)
+    assert [name for name, _ in seq.named_children()] == ['first', 'last']
+    gpipe = GPipe(seq, [1, 1], chunks=1, devices=['cpu'] * 2)
+    assert_trains_like_original(original, gpipe, vector(), steps=2)

@@ -11,10 +11,12 @@ cuts the traced graph into a row of children:
   ``torch.cat``, indexing, parameters and buffers read in ``forward``)
   becomes a small generated child, an :class:`torch.fx.GraphModule` that
   holds the very parameters and buffers it reads;
-* a module called at several places, or a parameter read at several places,
-  cannot be two children (GPipe refuses a child or a parameter held twice),
-  so the first use, the last one and everything between become one
-  generated child.
+* a module called at several places, or a parameter read by glue code at
+  several places, cannot be two children (GPipe refuses a layer in two
+  partitions), so the first use, the last one and everything between become
+  one generated child. A parameter tied between two different modules (an
+  embedding and an output projection) joins nothing: GPipe shares it
+  across partitions.
 
 Each child passes the next one exactly the values it needs (a tensor, or a
 tuple of tensors). A value used further down travels as a skip connection:
@@ -153,16 +155,20 @@ def _segments(graph: fx.Graph, root: nn.Module) -> List[List[fx.Node]]:
                          and u.target is operator.getitem)
     index = {n: i for i, n in enumerate(nodes)}
 
-    # A module or a parameter used at several places must stay in one child
-    # (GPipe refuses a layer or a parameter held twice): the span from its
-    # first use to its last one is never cut. Tied weights (an embedding
-    # and an output projection) join their modules this way too, until
-    # GPipe accepts a parameter shared between partitions.
+    # A module called at several places, or a parameter read by glue code at
+    # several places, must stay in one child (GPipe refuses a layer in two
+    # partitions, and a read parameter would travel between children as a
+    # value): the span from its first use to its last one is never cut. So
+    # must a buffer shared by two modules, as GPipe cannot share a buffer
+    # between partitions. A parameter shared by two different leaf modules,
+    # or by a module and glue code (tied weights: an embedding and an output
+    # projection), does not join them: each stays a child of its own, and
+    # GPipe keeps the parameter once across partitions.
     uses: Dict[object, List[int]] = {}
     for n in nodes:
         if n.op == 'call_module':
             module = _attr(root, n.target)
-            for key in [id(module)] + [id(p) for p in module.parameters()]:
+            for key in [id(module)] + [id(b) for b in module.buffers()]:
                 uses.setdefault(key, []).append(index[n])
         elif n.op == 'get_attr' and isinstance(_attr(root, n.target), nn.Parameter):
             uses.setdefault(id(_attr(root, n.target)), []).extend(index[u] for u in n.users)
@@ -209,9 +215,12 @@ def to_sequential(module: nn.Module, *,
 
     Children are named after the traced nodes: a leaf module by its
     qualified name with ``_`` for ``.`` (``layers_0_attn``), generated code
-    by its first operation (``add_3``, ``cat``). A module or parameter used
-    at several places cannot be two children: its first use, its last one
-    and everything between become one generated child.
+    by its first operation (``add_3``, ``cat``). A module called at several
+    places, or a parameter read by glue code at several places, cannot be
+    two children: its first use, its last one and everything between become
+    one generated child. Parameters tied between different modules (an
+    embedding and the output projection) do not join them: each module
+    stays a child, and GPipe shares the parameter across partitions.
 
     The sequential takes what ``module`` takes: a tensor, or a tuple of
     tensors for a ``forward`` of several arguments. Its attribute
