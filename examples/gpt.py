@@ -64,14 +64,13 @@ class CausalSelfAttention(nn.Module):
                              persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        B, T, C = x.size()
-        q, k, v = self.qkv(x).split(C, dim=2)
-        q = q.view(B, T, self.heads, C // self.heads).transpose(1, 2)
-        k = k.view(B, T, self.heads, C // self.heads).transpose(1, 2)
-        v = v.view(B, T, self.heads, C // self.heads).transpose(1, 2)
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1))
-        att = att.masked_fill(~self.mask[:T, :T], float('-inf')).softmax(dim=-1)
-        y = (self.attn_drop(att) @ v).transpose(1, 2).contiguous().view(B, T, C)
+        B, T, C = x.shape
+        # (3, B, heads, T, head width): queries, keys and values of every head.
+        qkv = self.qkv(x).reshape(B, T, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv[0], qkv[1], qkv[2]
+        scores = q @ k.transpose(-2, -1) * (1.0 / math.sqrt(C // self.heads))
+        weights = F.softmax(scores.masked_fill(~self.mask[:T, :T], float('-inf')), dim=-1)
+        y = (self.attn_drop(weights) @ v).transpose(1, 2).reshape(B, T, C)
         return self.resid_drop(self.proj(y))
 
 
