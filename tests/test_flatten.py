@@ -551,3 +551,18 @@ def test_layers_sharing_a_buffer_are_one_child() -> None:
     assert [name for name, _ in seq.named_children()] == ['first', 'last']
     gpipe = GPipe(seq, [1, 1], chunks=1, devices=['cpu'] * 2)
     assert_trains_like_original(original, gpipe, vector(), steps=2)
+
+
+def test_state_dict_map_of_tied_weights_keeps_every_key() -> None:
+    trained = TiedLM(glue_head=False).double()
+    checkpoint = trained.state_dict()
+    original = TiedLM(glue_head=False).double()
+    seq = to_sequential(original)
+    mapping = getattr(seq, 'state_dict_map')
+    # Both keys of the tied weight, each to the key of its own module.
+    assert set(mapping) == set(checkpoint)
+    assert mapping['head.weight'] == 'head.weight'
+    assert mapping['emb.weight'].endswith('emb.weight')
+    seq.load_state_dict({mapping[k]: v for k, v in checkpoint.items()})
+    tokens = torch.randint(V, (4, 5))
+    torch.testing.assert_close(seq(tokens), trained(tokens))

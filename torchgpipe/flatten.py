@@ -29,7 +29,8 @@ import operator
 import os
 import traceback
 from collections import OrderedDict
-from typing import (Any, Dict, Generator, Iterable, List, Optional, Sequence, Type, Union)
+from typing import (Any, Dict, Generator, Iterable, List, Optional, Sequence, Tuple, Type,
+                    Union)
 
 import torch
 from torch import Tensor, fx, nn
@@ -367,10 +368,38 @@ def to_sequential(module: nn.Module, *,
         children[name] = step.isolate(ns)
 
     seq = nn.Sequential(OrderedDict(children))
-    new_keys = {id(t): key for key, t in seq.state_dict(keep_vars=True).items()}
-    setattr(seq, 'state_dict_map', {key: new_keys[i] for i, key in state.items()
-                                    if i in new_keys})
+    setattr(seq, 'state_dict_map', _state_dict_map(module, seq))
     return seq
+
+
+def _state_dict_map(module: nn.Module, seq: nn.Sequential) -> Dict[str, str]:
+    """Maps each key of ``module.state_dict()`` to the sequential's key of its tensor.
+
+    A tensor tied between modules has a key per module in both, so a key
+    goes to the key of the same slot (the same module, the same attribute)
+    first: ``head.weight`` to ``head.weight``, not to ``embedding.weight``.
+    A tensor that glue code reads moved into a generated child: its key
+    goes to the key of the same tensor.
+    """
+    def slots(m: nn.Module) -> Dict[str, Tuple[Tuple[int, str], int]]:
+        found = {}
+        for key, tensor in m.state_dict(keep_vars=True).items():
+            owner, _, name = key.rpartition('.')
+            found[key] = (id(m.get_submodule(owner)), name), id(tensor)
+        return found
+
+    new = slots(seq)
+    by_slot = {slot: key for key, (slot, _) in new.items()}
+    by_tensor: Dict[int, str] = {}
+    for key, (_, tensor) in new.items():
+        by_tensor.setdefault(tensor, key)
+    mapping = {}
+    for key, (slot, tensor) in slots(module).items():
+        if slot in by_slot:
+            mapping[key] = by_slot[slot]
+        elif tensor in by_tensor:
+            mapping[key] = by_tensor[tensor]
+    return mapping
 
 
 def _is_shape(node: fx.Node) -> bool:
