@@ -566,3 +566,28 @@ def test_state_dict_map_of_tied_weights_keeps_every_key() -> None:
     seq.load_state_dict({mapping[k]: v for k, v in checkpoint.items()})
     tokens = torch.randint(V, (4, 5))
     torch.testing.assert_close(seq(tokens), trained(tokens))
+
+
+class Switched(nn.Module):
+    """A branch on an argument that is no tensor, fixed with concrete_args."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(W, W)
+        self.fc2 = nn.Linear(W, W)
+
+    def forward(self, x: Tensor, scaled: bool = False) -> Tensor:
+        h = self.fc1(x)
+        if scaled:
+            h = h / 2
+        return self.fc2(h)
+
+
+@pytest.mark.parametrize('scaled', [False, True])
+def test_concrete_args_are_not_inputs_of_the_sequential(scaled: bool) -> None:
+    original = Switched().double()
+    seq = to_sequential(original, concrete_args={'scaled': scaled})
+    assert len(seq) == (3 if scaled else 2)
+    gpipe = GPipe(seq, [1, len(seq) - 1], chunks=2, devices=['cpu'] * 2)
+    x = vector()[0]
+    torch.testing.assert_close(gpipe(x), original(x, scaled))

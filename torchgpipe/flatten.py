@@ -24,6 +24,7 @@ the child holding it stashes it and the child using it pops it
 (:mod:`torchgpipe.skip`), so that inside GPipe it goes straight from the
 partition that makes it to the partition that uses it.
 """
+import inspect
 import linecache
 import operator
 import os
@@ -250,7 +251,8 @@ def to_sequential(module: nn.Module, *,
             layers: a module whose ``forward`` fx cannot trace (default:
             none)
         concrete_args (dict, optional): arguments of ``forward`` fixed to a
-            value while tracing, given to :meth:`torch.fx.Tracer.trace`
+            value while tracing, given to :meth:`torch.fx.Tracer.trace`;
+            the sequential does not take them (default: none)
 
     Returns:
         torch.nn.Sequential: the flattened module
@@ -276,6 +278,7 @@ def to_sequential(module: nn.Module, *,
     """
     tracer = _Tracer(list(leaf_modules))
     graph = _trace(module, tracer, concrete_args)
+    _drop_concrete_args(graph, module, concrete_args or {})
     # The tracer may have put constant tensors on the root: read it from there.
     root = tracer.root
 
@@ -370,6 +373,32 @@ def to_sequential(module: nn.Module, *,
     seq = nn.Sequential(OrderedDict(children))
     setattr(seq, 'state_dict_map', _state_dict_map(module, seq))
     return seq
+
+
+def _drop_concrete_args(graph: fx.Graph, module: nn.Module,
+                        concrete_args: Dict[str, Any]) -> None:
+    """Removes the inputs fixed by ``concrete_args``, and fx's checks of their values.
+
+    fx keeps a placeholder for each, read only by an assertion that the
+    value given is the one traced with: the sequential takes the other
+    inputs alone, as GPipe passes tensors only.
+    """
+    names = list(inspect.signature(module.forward).parameters)
+    placeholders = [n for n in graph.nodes if n.op == 'placeholder']
+    for name, placeholder in zip(names, placeholders):
+        if name not in concrete_args:
+            continue
+        doomed: Dict[fx.Node, None] = {}
+        pending = [placeholder]
+        while pending:
+            node = pending.pop()
+            if node not in doomed:
+                doomed[node] = None
+                pending.extend(node.users)
+        # Users first: fx erases a node only once nothing reads it.
+        for node in reversed(list(graph.nodes)):
+            if node in doomed:
+                graph.erase_node(node)
 
 
 def _state_dict_map(module: nn.Module, seq: nn.Sequential) -> Dict[str, str]:
