@@ -35,7 +35,7 @@ import os
 import socket
 import sys
 import time
-from typing import List, Optional, Sequence, Tuple
+from typing import List, NoReturn, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -208,8 +208,105 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
+def train(args: argparse.Namespace, devices: List[torch.device], rank: int,
+          world_size: int) -> bool:
+    """Trains this process's replica; returns whether all replicas ended identical."""
+    train_set, test_set = make_dataset(args.seed)
+
+    # The same initial weights everywhere (DDP also broadcasts rank 0's at creation).
+    torch.manual_seed(args.seed)
+    model = make_model()
+    balance = even_balance(len(model), len(devices))
+    gpipe = GPipe(model, balance, devices=devices, chunks=args.chunks,
+                  checkpoint=args.checkpoint, deferred_batch_norm=True)
+    # A pipeline spans several devices: DDP must not be given device_ids.
+    ddp = DistributedDataParallel(gpipe)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
+
+    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank,
+                                 shuffle=True, seed=args.seed, drop_last=True)
+    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler,
+                        drop_last=True)
+    in_device, out_device = gpipe.devices[0], gpipe.devices[-1]
+    comm_device = devices[0]
+
+    # One write per line: the processes share the terminal.
+    sys.stdout.write(f'rank {rank}/{world_size}: devices '
+                     f'{[str(d) for d in gpipe.devices]}, balance {gpipe.balance}\n')
+    sys.stdout.flush()
+    if rank == 0:
+        print(f'{world_size} replica(s) x batch {args.batch_size} = global batch '
+              f'{world_size * args.batch_size}; chunks={args.chunks} '
+              f'(micro-batch {-(-args.batch_size // args.chunks)}), '
+              f'checkpoint={args.checkpoint!r}, {args.steps} steps', flush=True)
+
+    step = 0
+    epoch = 0
+    running_loss = torch.zeros((), device=out_device)
+    since_log = 0
+    start = time.perf_counter()
+    while step < args.steps:
+        sampler.set_epoch(epoch)  # a different shuffle every epoch, agreed by all ranks
+        for x, y in loader:
+            x = x.to(in_device, non_blocking=True)
+            y = y.to(out_device, non_blocking=True)
+
+            optimizer.zero_grad()
+            loss = F.cross_entropy(ddp(x), y)
+            loss.backward()  # DDP all-reduces the gradients during the backward pass
+            optimizer.step()
+
+            step += 1
+            running_loss += loss.detach()
+            since_log += 1
+            if step % args.log_interval == 0 or step == args.steps:
+                mean_loss = global_mean(running_loss / since_log, comm_device)
+                running_loss.zero_()
+                since_log = 0
+                if rank == 0:
+                    print(f'step {step:4d}/{args.steps}  epoch {epoch}  '
+                          f'loss {mean_loss:.4f}', flush=True)
+            if step == args.steps:
+                break
+        epoch += 1
+    elapsed = time.perf_counter() - start
+
+    identical = replicas_identical(gpipe, comm_device)
+    if rank == 0:
+        samples = args.steps * args.batch_size * world_size
+        print(f'{samples / elapsed:.0f} samples/s over all replicas; test accuracy '
+              f'{accuracy(gpipe, test_set):.2%} (rank 0); replicas identical: {identical}',
+              flush=True)
+    return identical
+
+
+def end_job(status: int) -> NoReturn:
+    """Ends this process with exit status ``status``, once every rank is done.
+
+    Returning from ``main`` and letting Python exit fails in a few runs out of a
+    hundred, after the work is done: the rank dies of SIGABRT ("terminate called
+    without an active exception") or hangs. A gloo thread may still be freeing the
+    last all-reduce of the backward pass, and that needs the GIL (PyTorch's
+    backward stores a Python object in every collective it launches). If Python is
+    shutting down by then, it ends the thread inside a C++ destructor: SIGABRT. If
+    the DDP model, holding the last reference to the process group (after
+    ``destroy_process_group``), is freed by then, the group's destructor joins
+    gloo's threads while holding the GIL: a hang. ``os._exit`` waits for no
+    thread and frees nothing, so this ending does not destroy the group either.
+    """
+    dist.barrier()  # every rank is past its last collective
+    # os._exit skips Python's shutdown: flush what the process wrote.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Trains this process's replica; returns the exit status."""
+    """Trains this process's replica and ends the process (see :func:`end_job`).
+
+    Returns:
+        an exit status, only on an error found before joining the process group
+    """
     args = parse_args(argv)
     on_gpu = args.gpus_per_replica > 0
     if on_gpu and not torch.cuda.is_available():
@@ -226,75 +323,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     rank, world_size = init_distributed('nccl' if on_gpu else 'gloo')
     try:
-        train_set, test_set = make_dataset(args.seed)
-
-        # The same initial weights everywhere (DDP also broadcasts rank 0's at creation).
-        torch.manual_seed(args.seed)
-        model = make_model()
-        balance = even_balance(len(model), len(devices))
-        gpipe = GPipe(model, balance, devices=devices, chunks=args.chunks,
-                      checkpoint=args.checkpoint, deferred_batch_norm=True)
-        # A pipeline spans several devices: DDP must not be given device_ids.
-        ddp = DistributedDataParallel(gpipe)
-        optimizer = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
-
-        sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank,
-                                     shuffle=True, seed=args.seed, drop_last=True)
-        loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler,
-                            drop_last=True)
-        in_device, out_device = gpipe.devices[0], gpipe.devices[-1]
-        comm_device = devices[0]
-
-        # One write per line: the processes share the terminal.
-        sys.stdout.write(f'rank {rank}/{world_size}: devices '
-                         f'{[str(d) for d in gpipe.devices]}, balance {gpipe.balance}\n')
-        sys.stdout.flush()
-        if rank == 0:
-            print(f'{world_size} replica(s) x batch {args.batch_size} = global batch '
-                  f'{world_size * args.batch_size}; chunks={args.chunks} '
-                  f'(micro-batch {-(-args.batch_size // args.chunks)}), '
-                  f'checkpoint={args.checkpoint!r}, {args.steps} steps', flush=True)
-
-        step = 0
-        epoch = 0
-        running_loss = torch.zeros((), device=out_device)
-        since_log = 0
-        start = time.perf_counter()
-        while step < args.steps:
-            sampler.set_epoch(epoch)  # a different shuffle every epoch, agreed by all ranks
-            for x, y in loader:
-                x = x.to(in_device, non_blocking=True)
-                y = y.to(out_device, non_blocking=True)
-
-                optimizer.zero_grad()
-                loss = F.cross_entropy(ddp(x), y)
-                loss.backward()  # DDP all-reduces the gradients during the backward pass
-                optimizer.step()
-
-                step += 1
-                running_loss += loss.detach()
-                since_log += 1
-                if step % args.log_interval == 0 or step == args.steps:
-                    mean_loss = global_mean(running_loss / since_log, comm_device)
-                    running_loss.zero_()
-                    since_log = 0
-                    if rank == 0:
-                        print(f'step {step:4d}/{args.steps}  epoch {epoch}  '
-                              f'loss {mean_loss:.4f}', flush=True)
-                if step == args.steps:
-                    break
-            epoch += 1
-        elapsed = time.perf_counter() - start
-
-        identical = replicas_identical(gpipe, comm_device)
-        if rank == 0:
-            samples = args.steps * args.batch_size * world_size
-            print(f'{samples / elapsed:.0f} samples/s over all replicas; test accuracy '
-                  f'{accuracy(gpipe, test_set):.2%} (rank 0); replicas identical: {identical}',
-                  flush=True)
-        return 0 if identical else 1
-    finally:
+        identical = train(args, devices, rank, world_size)
+    except BaseException:
+        # The error ends the job anyway (torchrun stops the other ranks, stuck in a
+        # collective): leave the usual way, with the traceback.
         dist.destroy_process_group()
+        raise
+    end_job(0 if identical else 1)
 
 
 if __name__ == '__main__':
