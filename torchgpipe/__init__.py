@@ -13,6 +13,7 @@ from torchgpipe.checkpoint import is_checkpointing, is_recomputing
 from torchgpipe.flatten import to_sequential
 from torchgpipe.gpipe import GPipe
 from torchgpipe.microbatch import NoChunk
+from torchgpipe.timeline import trace
 
 __all__ = ['GPipe', 'NoChunk', 'is_checkpointing', 'is_recomputing', 'to_sequential',
-           '__version__']
+           'trace', '__version__']

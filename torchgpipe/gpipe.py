@@ -632,7 +632,8 @@ class GPipe(nn.Module):
         with use_device(self.devices[0]):
             copy_streams = self._ensure_copy_streams()
         pipeline = Pipeline(batches, self._partitions(), self.devices, copy_streams, streams,
-                            self._skip_layout, checkpoint_stop, self._run_state.traits)
+                            self._skip_layout, checkpoint_stop, self._run_state.traits,
+                            self._run_state.timeline)
         pipeline.run()
 
         return microbatch.gather(batches)

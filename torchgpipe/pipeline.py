@@ -15,10 +15,11 @@ With a worker thread per device, tasks that draw from the CPU generator take
 turns in that same order, so random numbers are drawn as on one thread (see
 :mod:`torchgpipe.rng`).
 """
-from typing import Callable, Iterable, List, Optional, Sequence, Tuple, cast
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, TypeVar, cast
 
 import torch
-from torch import nn
+from torch import Tensor, nn
+import torch.autograd.profiler
 
 from torchgpipe.checkpoint import Checkpointing
 from torchgpipe.copy import Copy, Wait
@@ -29,10 +30,13 @@ from torchgpipe.skip.layout import SkipLayout
 from torchgpipe.skip.tracker import SkipTrackerThroughPortals, use_skip_tracker
 from torchgpipe.stream import AbstractStream, is_cuda, use_device
 from torchgpipe.tied import partition_parameters
+from torchgpipe.timeline import Timeline
 from torchgpipe.traits import PartitionTraits
 from torchgpipe.worker import ExcInfo, InQueue, OutQueue, Task, distinct_devices, spawn_workers
 
 __all__: List[str] = []
+
+T = TypeVar('T')
 
 
 def clock_cycles(m: int, n: int) -> Iterable[List[Tuple[int, int]]]:
@@ -70,11 +74,19 @@ def depend(fork_from: Batch, join_to: Batch) -> None:
     join_to[j] = join(join_to[j], phony)
 
 
-def copy(batch: Batch, prev_stream: AbstractStream, next_stream: AbstractStream) -> None:
-    """Moves the batch to ``next_stream``'s device, in place."""
+def copy(batch: Batch, prev_stream: AbstractStream, next_stream: AbstractStream,
+         ) -> Optional[Tensor]:
+    """Moves the batch to ``next_stream``'s device, in place.
+
+    Returns:
+        torch.Tensor or None: a copied tensor (its node copies the gradients
+        back), or ``None`` if nothing had to move
+    """
     # Between CPU "devices" a copy is the identity: skip the autograd node.
-    if is_cuda(prev_stream) or is_cuda(next_stream):
-        batch[:] = Copy.apply(prev_stream, next_stream, *batch)  # type: ignore[no-untyped-call]
+    if not (is_cuda(prev_stream) or is_cuda(next_stream)) or not len(batch):
+        return None
+    batch[:] = Copy.apply(prev_stream, next_stream, *batch)  # type: ignore[no-untyped-call]
+    return batch[0]
 
 
 def wait(batch: Batch, prev_stream: AbstractStream, next_stream: AbstractStream) -> None:
@@ -96,13 +108,15 @@ class Pipeline:
         checkpoint_stop: micro-batches ``0 .. checkpoint_stop - 1`` are checkpointed
         traits: what earlier runs showed about each partition; this run adds
             what it learns
+        timeline: records every task, inside :func:`torchgpipe.trace`
     """
 
     def __init__(self, batches: List[Batch], partitions: Sequence[nn.Sequential],
                  devices: Sequence[torch.device],
                  copy_streams: Sequence[Sequence[AbstractStream]],
                  streams: Sequence[AbstractStream], skip_layout: SkipLayout,
-                 checkpoint_stop: int, traits: Sequence[PartitionTraits]) -> None:
+                 checkpoint_stop: int, traits: Sequence[PartitionTraits],
+                 timeline: Optional[Timeline] = None) -> None:
         self.batches = batches
         self.partitions = partitions
         self.devices = devices
@@ -111,6 +125,7 @@ class Pipeline:
         self.skip_layout = skip_layout
         self.checkpoint_stop = checkpoint_stop
         self.traits = traits
+        self.timeline = timeline
         # Checkpoints return the gradients of their partition's parameters,
         # and of the tied parameters of earlier partitions it uses.
         self.parameters = [partition_parameters(p) if checkpoint_stop else () for p in partitions]
@@ -138,6 +153,8 @@ class Pipeline:
         """Runs the pipeline; an exception of any task is raised here, as itself."""
         m = len(self.batches)
         n = len(self.partitions)
+        if self.timeline is not None:
+            self.timeline.begin_step(m, self.devices)
         with spawn_workers(self.devices) as (in_queues, out_queues):
             for schedule in clock_cycles(m, n):
                 self.fence(schedule)
@@ -168,12 +185,22 @@ class Pipeline:
             # input's Wait has synchronized the copy stream with the
             # gradients these portals send back.
             next_stream = copy_streams[j][i]
+            tracker = self.skip_trackers[i]
             for prev_j, ns, name in self.skip_layout.copy_policy(j):
                 prev_stream = copy_streams[prev_j][i]
-                self.skip_trackers[i].copy(batches[i], prev_stream, next_stream, ns, name)
+                self.move(i, j, 'skip', lambda: tracker.copy(batches[i], prev_stream,
+                                                             next_stream, ns, name))
 
             if j != 0:
-                copy(batches[i], copy_streams[j - 1][i], next_stream)
+                self.move(i, j, 'input',
+                          lambda: copy(batches[i], copy_streams[j - 1][i], next_stream))
+
+    def move(self, i: int, j: int, what: str, copy: Callable[[], Optional[Tensor]]) -> None:
+        """Runs a copy into partition ``j``: recorded, inside a trace, both ways."""
+        if self.timeline is None:
+            copy()
+        else:
+            self.timeline.copied(i, j, self.devices[j], what, copy)
 
     def compute(self, schedule: List[Tuple[int, int]],
                 in_queues: List[InQueue], out_queues: List[OutQueue]) -> None:
@@ -182,6 +209,10 @@ class Pipeline:
         streams = self.streams
         copy_streams = self.copy_streams
         n = len(self.partitions)
+        timeline = self.timeline
+        # Inside a trace: the autograd nodes of each task's input, where the
+        # walk through the task's backward stops.
+        boundaries: Dict[int, List[Any]] = {}
 
         for i, j in schedule:
             batch = batches[i]
@@ -197,6 +228,13 @@ class Pipeline:
                 compute, finalize = chk.checkpoint, chk.recompute
             else:
                 compute, finalize = batch_call(batch, function), None
+            # A process-wide flag, set by torch.profiler.profile: cheaper than
+            # a record_function per task whether or not anyone profiles.
+            if torch.autograd.profiler._is_profiler_enabled:
+                compute = labelled(f'torchgpipe F({i},{j})', compute)
+            if timeline is not None:
+                boundaries[i] = [x.grad_fn for x in batch if x.grad_fn is not None]
+                compute = timeline.timed('forward', i, j, self.devices[j], compute)
             if self.turns is not None and draws is not False:
                 compute = self.turns.take(compute)
             in_queues[j].put(Task(streams[j], compute=compute, finalize=finalize))
@@ -222,6 +260,8 @@ class Pipeline:
             # gradient's copy: F'(i, j) overlaps the copy of dx(i, j).
             with use_device(self.devices[j]):
                 task.finalize(batch)
+            if timeline is not None:
+                timeline.watch_backward(i, j, self.devices[j], batch, boundaries[i])
 
             batches[i] = batch
 
@@ -249,3 +289,11 @@ def batch_call(batch: Batch,
                function: Callable[[TensorOrTensors], TensorOrTensors]) -> Callable[[], Batch]:
     """Binds ``batch.call(function)`` for a worker."""
     return lambda: batch.call(function)
+
+
+def labelled(name: str, function: Callable[[], T]) -> Callable[[], T]:
+    """Wraps a task so that it shows as ``name`` in a :mod:`torch.profiler` trace."""
+    def run() -> T:
+        with torch.profiler.record_function(name):
+            return function()
+    return run

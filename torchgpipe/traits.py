@@ -14,9 +14,12 @@ These facts belong to one GPipe instance's run, not to its model: a copy of the
 GPipe starts with none (see :class:`RunState`).
 """
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 from torchgpipe.stream import AbstractStream
+
+if TYPE_CHECKING:
+    from torchgpipe.timeline import Timeline
 
 __all__: List[str] = []
 
@@ -35,7 +38,7 @@ class PartitionTraits:
 
 
 class RunState:
-    """The per-run state of a GPipe: copy streams and partition traits.
+    """The per-run state of a GPipe: copy streams, partition traits, the recording timeline.
 
     Streams cannot be copied or pickled, and what one instance learned is not
     a property of its model: ``copy.deepcopy``, ``pickle`` and ``torch.save``
@@ -51,6 +54,8 @@ class RunState:
         #: first use (creating a CUDA stream initializes CUDA).
         self.copy_streams: List[List[AbstractStream]] = []
         self.traits = [PartitionTraits() for _ in range(num_partitions)]
+        #: The timeline recording the runs, inside :func:`torchgpipe.trace`.
+        self.timeline: Optional['Timeline'] = None
 
     def __reduce__(self) -> Tuple[type, Tuple[int]]:
         return RunState, (self.num_partitions,)

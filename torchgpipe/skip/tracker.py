@@ -66,7 +66,7 @@ class SkipTracker:
         return self.tensors.pop((ns, name))
 
     def copy(self, batch: Batch, prev_stream: AbstractStream, next_stream: AbstractStream,
-             ns: Namespace, name: str) -> None:
+             ns: Namespace, name: str) -> Optional[Tensor]:
         """Refuses: only skips in portals move between devices.
 
         Raises:
@@ -146,7 +146,7 @@ class SkipTrackerThroughPortals(SkipTracker):
         return portal.orange(phony)
 
     def copy(self, batch: Batch, prev_stream: AbstractStream, next_stream: AbstractStream,
-             ns: Namespace, name: str) -> None:
+             ns: Namespace, name: str) -> Optional[Tensor]:
         """Moves a skip tensor to the popping partition's device.
 
         The pipeline calls it before the popping partition runs. The copy is
@@ -161,6 +161,10 @@ class SkipTrackerThroughPortals(SkipTracker):
             ns (Namespace): the skip's namespace
             name (str): the skip's name
 
+        Returns:
+            torch.Tensor or None: the copy's phony, whose backward node copies
+            the gradient back; ``None`` if there was nothing to copy
+
         Raises:
             RuntimeError: the skip requires grad but ``batch`` has no
                 floating point tensor to carry its gradient
@@ -171,11 +175,12 @@ class SkipTrackerThroughPortals(SkipTracker):
         # tracker reports the missing stash when it runs.
         portal = self.portals.get((ns, name))
         if portal is None or portal.tensor is None:
-            return
+            return None
         phony, index = fork_from_batch(batch, portal.requires_grad, name)
         phony = portal.copy(prev_stream, next_stream, phony)
         if index is not None:
             batch[index] = join(batch[index], phony)
+        return phony
 
 
 #: torchgpipe 0.0.7's (misspelled) name of :class:`SkipTrackerThroughPortals`,

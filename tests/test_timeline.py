@@ -1,0 +1,408 @@
+"""torchgpipe.trace: the timeline holds every task, in the order the schedule promises.
+
+No test here asserts a duration: only counts, orders and sums, which hold on
+any machine however loaded.
+"""
+import copy
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import jsonschema
+import pytest
+import torch
+from helpers import cpu_devices
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import Tensor, nn
+
+import torchgpipe
+from torchgpipe import GPipe
+from torchgpipe.pipeline import clock_cycles
+from torchgpipe.skip import pop, skippable, stash
+from torchgpipe.timeline import Event, Timeline, segments
+
+CHECKPOINT_STOP = {'always': lambda m, chunks: m,
+                   'except_last': lambda m, chunks: min(m, chunks - 1),
+                   'never': lambda m, chunks: 0}
+
+
+def mlp(layers: int) -> nn.Sequential:
+    return nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(layers)])
+
+
+def traced_step(model: GPipe, input: Tensor) -> Timeline:
+    with torchgpipe.trace(model) as timeline:
+        model(input).sum().backward()
+    return timeline
+
+
+def by_kind(events: List[Event], kind: str) -> Dict[Tuple[int, int], List[Event]]:
+    found: Dict[Tuple[int, int], List[Event]] = {}
+    for e in events:
+        if e.kind == kind:
+            found.setdefault((e.micro_batch, e.partition), []).append(e)
+    return found
+
+
+def assert_schedule(events: List[Event], m: int, n: int, stop: int,
+                    devices: List[str]) -> None:
+    """Every task once, forward by clock cycle, backward in reverse, F'(i,j) before B(i,j)."""
+    pairs = {(i, j) for i in range(m) for j in range(n)}
+    forward = by_kind(events, 'forward')
+    backward = by_kind(events, 'backward')
+    recompute = by_kind(events, 'recompute')
+    assert set(forward) == pairs and all(len(v) == 1 for v in forward.values())
+    assert set(backward) == pairs and all(len(v) == 1 for v in backward.values())
+    assert set(recompute) == {(i, j) for i, j in pairs if i < stop}
+    assert all(len(v) == 1 for v in recompute.values())
+
+    for e in events:
+        assert e.start <= e.end
+        assert e.device == devices[e.partition]
+        assert e.pieces and all(e.start <= a <= b <= e.end for a, b in e.pieces)
+
+    # Forward: on each device, tasks start in the order the clock issues them.
+    issued = [(i, j) for cycle in clock_cycles(m, n) for i, j in cycle]
+    for device in set(devices):
+        ran = sorted((forward[p][0] for p in pairs if devices[p[1]] == device),
+                     key=lambda e: e.start)
+        order = [p for p in issued if devices[p[1]] == device]
+        assert [(e.micro_batch, e.partition) for e in ran] == order
+
+    for j in range(n):
+        # Backward: on each partition, micro-batches m-1 .. 0.
+        starts = [backward[i, j][0].start for i in reversed(range(m))]
+        assert starts == sorted(starts)
+        for i in range(stop):
+            # The recomputation runs right before its backward, after the
+            # backward of the next micro-batch began.
+            assert recompute[i, j][0].end <= backward[i, j][0].start
+            if i + 1 < m:
+                assert backward[i + 1, j][0].start <= recompute[i, j][0].start
+
+
+@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
+def test_every_task_once_in_schedule_order(checkpoint: str, threaded: bool) -> None:
+    devices = cpu_devices(3, threaded)
+    model = GPipe(mlp(6), balance=[2, 2, 2], devices=devices, chunks=4, checkpoint=checkpoint)
+    timeline = traced_step(model, torch.randn(8, 4))
+    assert_schedule(timeline.events, 4, 3, CHECKPOINT_STOP[checkpoint](4, 4),
+                    [str(torch.device(d)) for d in devices])
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_schedule_for_any_balance_and_chunks(data: st.DataObject) -> None:
+    n = data.draw(st.integers(1, 4), label='partitions')
+    balance = data.draw(st.lists(st.integers(1, 2), min_size=n, max_size=n), label='balance')
+    chunks = data.draw(st.integers(1, 5), label='chunks')
+    batch = data.draw(st.integers(1, 6), label='batch')
+    checkpoint = data.draw(st.sampled_from(sorted(CHECKPOINT_STOP)), label='checkpoint')
+    threaded = data.draw(st.booleans(), label='threaded')
+    devices = cpu_devices(n, threaded)
+    model = GPipe(mlp(sum(balance)), balance=balance, devices=devices, chunks=chunks,
+                  checkpoint=checkpoint)
+    timeline = traced_step(model, torch.randn(batch, 4))
+    m = len(torch.empty(batch).chunk(chunks))  # as scatter splits the batch
+    assert timeline.steps[0].micro_batches == m
+    assert_schedule(timeline.events, m, n, CHECKPOINT_STOP[checkpoint](m, chunks),
+                    [str(torch.device(d)) for d in devices])
+
+
+@skippable(stash=['skip'])
+class Stash(nn.Module):
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        yield stash('skip', x)
+        return x
+
+
+@skippable(pop=['skip'])
+class Pop(nn.Module):
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        skip = yield pop('skip')
+        return x + skip
+
+
+def test_skip_copies_appear_both_ways(threaded: bool) -> None:
+    layers = nn.Sequential(nn.Linear(4, 4), Stash(), nn.Linear(4, 4), nn.Tanh(), Pop(),
+                           nn.Linear(4, 4))
+    devices = cpu_devices(3, threaded)
+    model = GPipe(layers, balance=[2, 2, 2], devices=devices, chunks=3)
+    events = traced_step(model, torch.randn(6, 4)).events
+
+    copies = [e for e in events if e.kind == 'copy']
+    # The skip goes from partition 0 straight to partition 2, one copy per
+    # micro-batch in the forward pass and one back in the backward pass.
+    forward = sorted(e.micro_batch for e in copies if e.detail == 'skip, forward')
+    back = sorted(e.micro_batch for e in copies if e.detail == 'skip, backward')
+    assert forward == back == [0, 1, 2]
+    assert {e.partition for e in copies} == {2}
+    assert {e.track for e in copies} == {f'{torch.device(devices[2])} copies'}
+    backward = by_kind(events, 'backward')
+    for e in copies:
+        if e.detail == 'skip, backward':
+            # Copied back after the popping partition's backward began,
+            # before the stashing partition's.
+            assert backward[e.micro_batch, 2][0].start <= e.start
+            assert e.end <= backward[e.micro_batch, 0][0].end
+    # No input copy between CPU devices: a copy there is the identity.
+    assert not any(e.detail.startswith('input') for e in copies)
+    assert_schedule(events, 3, 3, 2, [str(torch.device(d)) for d in devices])
+
+
+class Fail(nn.Module):
+    """Raises at its call number ``at``, once."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at: Optional[int] = at
+        self.calls = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        if self.calls - 1 == self.at:
+            self.at = None
+            raise ValueError('planned failure')
+        return x
+
+
+def test_failed_step_leaves_a_consistent_trace(threaded: bool) -> None:
+    devices = cpu_devices(3, threaded)
+    # Partition 1 fails at micro-batch 2, in clock cycle 3.
+    layers = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), Fail(at=2), nn.Linear(4, 4))
+    model = GPipe(layers, balance=[1, 2, 1], devices=devices, chunks=4)
+
+    with torchgpipe.trace(model) as timeline:
+        with pytest.raises(ValueError, match='planned failure'):
+            model(torch.randn(8, 4))
+        model(torch.randn(8, 4)).sum().backward()
+
+    failed = [e for e in timeline.events if e.failed]
+    assert [(e.kind, e.micro_batch, e.partition, e.step) for e in failed] == \
+        [('forward', 2, 1, 0)]
+    first = [e for e in timeline.events if e.step == 0]
+    # Nothing of step 0 ran after the failure's clock cycle, nor backward.
+    assert all(e.kind == 'forward' and e.micro_batch + e.partition <= 3 for e in first)
+    assert all(e.start <= e.end for e in first)
+    # The next step inside the same trace is whole.
+    second = [e for e in timeline.events if e.step == 1]
+    assert_schedule(second, 4, 3, 3, [str(torch.device(d)) for d in devices])
+    assert timeline.summary().step == 1
+
+
+def test_summary_adds_up(threaded: bool) -> None:
+    devices = cpu_devices(4, threaded)
+    model = GPipe(mlp(8), balance=[2, 2, 2, 2], devices=devices, chunks=8)
+    timeline = traced_step(model, torch.randn(16, 4))
+    summary = timeline.summary()
+    events = timeline.events
+
+    assert (summary.micro_batches, summary.partitions) == (8, 4)
+    assert summary.step_time == pytest.approx(max(e.end for e in events) -
+                                              min(e.start for e in events))
+    assert [d.device for d in summary.devices] == list(dict.fromkeys(
+        str(torch.device(d)) for d in devices))
+    for d in summary.devices:
+        assert d.busy + d.idle == pytest.approx(summary.step_time)
+        assert 0 <= d.bubble <= 1 and d.busy > 0
+    assert summary.predicted_bubble == pytest.approx(3 / 11)
+    for p in summary.partition_times:
+        ran = [e for e in events if e.partition == p.partition]
+        assert p.forward == pytest.approx(sum(e.busy for e in ran if e.kind == 'forward'))
+        assert p.backward == pytest.approx(sum(e.busy for e in ran if e.kind == 'backward'))
+        assert p.recompute == pytest.approx(sum(e.busy for e in ran if e.kind == 'recompute'))
+
+    path = summary.critical_path
+    # A chain: each task ends before the next starts, and the last ends the step.
+    assert all(a.end <= b.start for a, b in zip(path, path[1:]))
+    assert path[-1].end == max(e.end for e in events if e.kind != 'copy')
+    assert path[-1].kind == 'backward' and path[0].kind == 'forward'
+    assert 0 < summary.critical_path_time <= summary.step_time
+    assert set(summary.peak_memory) == {d.device for d in summary.devices}
+    assert all(v > 0 for v in summary.peak_memory.values())
+    text = str(summary)
+    assert 'bubble' in text and 'critical path' in text
+
+
+def test_segments_never_overlap_on_a_track(threaded: bool) -> None:
+    model = GPipe(mlp(4), balance=[2, 2], devices=cpu_devices(2, threaded), chunks=4,
+                  checkpoint='never')
+    events = traced_step(model, torch.randn(8, 4)).events
+    found = segments(events)
+    per_track: Dict[str, List[Tuple[float, float]]] = {}
+    for e, a, b in found:
+        per_track.setdefault(e.track, []).append((a, b))
+    for spans in per_track.values():
+        spans.sort()
+        assert all(b1 <= a2 for (_, b1), (a2, _) in zip(spans, spans[1:]))
+    # Every piece lies in a segment of its own event; a segment also spans
+    # the gaps between its pieces (glue nodes, the engine's own work).
+    for e in events:
+        mine = [(a, b) for owner, a, b in found if owner is e]
+        assert all(any(a <= p <= q <= b for a, b in mine) for p, q in e.pieces)
+    assert sum(b - a for _, a, b in found) >= sum(e.busy for e in events)
+
+
+# The parts of the Chrome trace event format the timeline uses.
+CHROME_TRACE = {
+    'type': 'object',
+    'required': ['traceEvents'],
+    'properties': {
+        'displayTimeUnit': {'enum': ['ms', 'ns']},
+        'traceEvents': {'type': 'array', 'items': {'oneOf': [
+            {'type': 'object',
+             'required': ['name', 'ph', 'ts', 'dur', 'pid', 'tid', 'args'],
+             'properties': {
+                 'ph': {'const': 'X'}, 'name': {'type': 'string'}, 'cat': {'type': 'string'},
+                 'ts': {'type': 'number'}, 'dur': {'type': 'number', 'minimum': 0},
+                 'pid': {'type': 'integer'}, 'tid': {'type': 'integer'},
+                 'args': {'type': 'object',
+                          'required': ['micro_batch', 'partition', 'kind'],
+                          'properties': {
+                              'micro_batch': {'type': 'integer', 'minimum': 0},
+                              'partition': {'type': 'integer', 'minimum': 0},
+                              'kind': {'enum': ['forward', 'recompute', 'backward', 'copy']}}}}},
+            {'type': 'object',
+             'required': ['name', 'ph', 'pid', 'args'],
+             'properties': {'ph': {'const': 'M'},
+                            'name': {'enum': ['process_name', 'thread_name',
+                                              'thread_sort_index']}}},
+        ]}},
+    },
+}
+
+
+def test_saved_json_is_a_chrome_trace(tmp_path: Path, threaded: bool) -> None:
+    layers = nn.Sequential(nn.Linear(4, 4), Stash(), nn.Linear(4, 4), Pop())
+    devices = cpu_devices(2, threaded)
+    model = GPipe(layers, balance=[2, 2], devices=devices, chunks=2)
+    timeline = traced_step(model, torch.randn(4, 4))
+    path = tmp_path / 'trace.json'
+    timeline.save(path)
+    document = json.loads(path.read_text())
+    jsonschema.validate(document, CHROME_TRACE)
+
+    names = {e['tid']: e['args']['name'] for e in document['traceEvents']
+             if e['ph'] == 'M' and e['name'] == 'thread_name'}
+    device_names = [str(torch.device(d)) for d in dict.fromkeys(devices)]
+    # A track per device, and per device that received copies.
+    assert sorted(names.values()) == sorted(device_names + [f'{device_names[-1]} copies'])
+    tasks = [e for e in document['traceEvents'] if e['ph'] == 'X']
+    kinds = Counter(e['args']['kind'] for e in tasks)
+    assert set(kinds) == {'forward', 'recompute', 'backward', 'copy'}
+    for e in tasks:
+        assert names[e['tid']].startswith(e['args']['device'])
+
+
+def test_plot_writes_an_image(tmp_path: Path, threaded: bool) -> None:
+    pytest.importorskip('matplotlib')
+    model = GPipe(mlp(4), balance=[2, 2], devices=cpu_devices(2, threaded), chunks=4)
+    timeline = traced_step(model, torch.randn(8, 4))
+    path = tmp_path / 'timeline.png'
+    timeline.plot(path)
+    assert path.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+
+
+def test_plot_without_matplotlib_says_what_to_install(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    model = GPipe(mlp(2), balance=[1, 1], devices=['cpu', 'cpu'], chunks=2)
+    timeline = traced_step(model, torch.randn(4, 4))
+    monkeypatch.setitem(sys.modules, 'matplotlib', None)
+    with pytest.raises(ModuleNotFoundError, match='pip install matplotlib'):
+        timeline.plot(tmp_path / 'timeline.png')
+    assert not (tmp_path / 'timeline.png').exists()
+
+
+def test_nothing_is_recorded_outside_the_trace(threaded: bool) -> None:
+    model = GPipe(mlp(4), balance=[2, 2], devices=cpu_devices(2, threaded), chunks=2)
+    assert model._run_state.timeline is None
+    with torchgpipe.trace(model) as timeline:
+        output = model(torch.randn(4, 4))
+    assert model._run_state.timeline is None
+    # The backward pass came after the trace ended: not recorded.
+    output.sum().backward()
+    assert {e.kind for e in timeline.events} == {'forward'}
+    # The next call, untraced, adds nothing either.
+    model(torch.randn(4, 4)).sum().backward()
+    assert len(timeline.steps) == 1
+
+
+def test_trace_ends_when_its_block_raises() -> None:
+    model = GPipe(mlp(2), balance=[1, 1], devices=['cpu', 'cpu'], chunks=2)
+    with pytest.raises(KeyError):
+        with torchgpipe.trace(model):
+            raise KeyError('user code')
+    assert model._run_state.timeline is None
+
+
+def test_each_backward_pass_of_a_retained_graph_is_recorded(threaded: bool) -> None:
+    model = GPipe(mlp(4), balance=[2, 2], devices=cpu_devices(2, threaded), chunks=2)
+    with torchgpipe.trace(model) as timeline:
+        loss = model(torch.randn(4, 4)).sum()
+        loss.backward(retain_graph=True)
+        loss.backward()
+    backward = by_kind(timeline.events, 'backward')
+    recompute = by_kind(timeline.events, 'recompute')
+    assert all(len(v) == 2 for v in backward.values()) and len(backward) == 4
+    assert all(len(v) == 2 for v in recompute.values()) and len(recompute) == 2
+
+
+def test_tracing_changes_no_result(threaded: bool) -> None:
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.Linear(4, 4), nn.ReLU())
+    traced = GPipe(layers, balance=[2, 2], devices=cpu_devices(2, threaded), chunks=3)
+    plain = copy.deepcopy(traced)
+    input = torch.randn(6, 4)
+
+    torch.manual_seed(1)
+    with torchgpipe.trace(traced):
+        traced(input).square().sum().backward()
+    torch.manual_seed(1)
+    plain(input).square().sum().backward()
+    for a, b in zip(traced.parameters(), plain.parameters()):
+        assert a.grad is not None and torch.equal(a.grad, b.grad)
+
+
+def test_bad_use_gets_clear_errors() -> None:
+    with pytest.raises(TypeError, match='trace\\(\\) watches a GPipe, got Sequential'):
+        with torchgpipe.trace(mlp(2)):
+            pass
+    model = GPipe(mlp(2), balance=[1, 1], devices=['cpu', 'cpu'], chunks=2)
+    with torchgpipe.trace(model) as timeline:
+        with pytest.raises(RuntimeError, match='traced already'):
+            with torchgpipe.trace(model):
+                pass
+        with pytest.raises(ValueError, match='recorded no step'):
+            timeline.summary()
+        model(torch.randn(2, 4))
+    with pytest.raises(ValueError, match='step must be in \\[-1, 0\\]'):
+        timeline.summary(step=1)
+    assert timeline.summary(step=-1).step == 0
+
+
+def test_a_copy_inside_a_trace_is_not_traced() -> None:
+    model = GPipe(mlp(2), balance=[1, 1], devices=['cpu', 'cpu'], chunks=2)
+    with torchgpipe.trace(model) as timeline:
+        clone = copy.deepcopy(model)
+        assert clone._run_state.timeline is None
+        clone(torch.randn(2, 4)).sum().backward()
+    assert timeline.steps == []
+
+
+def test_tasks_carry_profiler_labels(threaded: bool) -> None:
+    model = GPipe(mlp(4), balance=[2, 2], devices=cpu_devices(2, threaded), chunks=2)
+    options = {}
+    if threaded:
+        # torch.profiler records other threads than the caller's only when asked.
+        config = torch._C._profiler._ExperimentalConfig
+        if 'profile_all_threads' not in (config.__init__.__doc__ or ''):
+            pytest.skip('this PyTorch cannot profile worker threads')
+        options['experimental_config'] = config(profile_all_threads=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                **options) as profile:
+        model(torch.randn(4, 4)).sum().backward()
+    names = {e.key for e in profile.key_averages()}
+    assert {f'torchgpipe F({i},{j})' for i in range(2) for j in range(2)} <= names

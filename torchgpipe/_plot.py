@@ -1,0 +1,68 @@
+"""Draws a timeline as a Gantt chart (matplotlib, an optional dependency)."""
+import os
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple, Union
+
+if TYPE_CHECKING:
+    from torchgpipe.timeline import Event
+
+__all__: List[str] = []
+
+#: A colour per kind, and the legend's words for it.
+COLORS: Dict[str, str] = {'forward': '#4c72b0', 'recompute': '#8fb0de', 'backward': '#dd8452',
+                          'copy': '#55a868'}
+LABELS: Dict[str, str] = {'forward': 'forward F', 'recompute': "recompute F'",
+                          'backward': 'backward B', 'copy': 'copy'}
+
+
+def plot_timeline(segments: Sequence[Tuple['Event', float, float]],
+                  path: Union[str, 'os.PathLike[str]'], title: Optional[str]) -> None:
+    """Writes a chart: a row per track, a box per segment, its micro-batch inside.
+
+    Args:
+        segments: ``(event, start, end)``, as :func:`torchgpipe.timeline.segments` gives
+        path: the image file
+        title: the chart's title, if any
+    """
+    try:
+        import matplotlib
+    except ModuleNotFoundError as exc:
+        raise ModuleNotFoundError(
+            'Timeline.plot draws with matplotlib, which is not installed: '
+            'pip install matplotlib (Timeline.save writes a JSON trace without it)',
+            name=exc.name) from exc
+    matplotlib.use('Agg', force=False)
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    # Devices top to bottom in order, each followed by its copies' row.
+    tracks = sorted({e.track for e, _, _ in segments},
+                    key=lambda t: (t.removesuffix(' copies'), t.endswith(' copies')))
+    rows = {track: k for k, track in enumerate(tracks)}
+    end = max((b for _, _, b in segments), default=0.0)
+    start = min((a for _, a, _ in segments), default=0.0)
+    scale = 1e3  # milliseconds
+
+    figure, axes = plt.subplots(figsize=(12, 0.6 * len(tracks) + 1.6))
+    try:
+        for e, a, b in segments:
+            y = len(tracks) - 1 - rows[e.track]
+            left, width = (a - start) * scale, (b - a) * scale
+            axes.barh(y, width, left=left, height=0.8, color=COLORS[e.kind],
+                      edgecolor='black' if e.failed else 'white', linewidth=0.5)
+            # The micro-batch number, where the box is wide enough for it.
+            if width > (end - start) * scale / 150:
+                axes.text(left + width / 2, y, str(e.micro_batch), ha='center', va='center',
+                          fontsize=7, color='white' if e.kind != 'recompute' else 'black')
+        axes.set_yticks(range(len(tracks)), list(reversed(tracks)))
+        axes.set_xlabel('time (ms)')
+        axes.set_xlim(0, max((end - start) * scale, 1e-3))
+        kinds = [k for k in COLORS if any(e.kind == k for e, _, _ in segments)]
+        axes.legend(handles=[Patch(color=COLORS[k], label=LABELS[k]) for k in kinds],
+                    loc='upper center', bbox_to_anchor=(0.5, -0.18 - 0.1 / max(len(tracks), 1)),
+                    ncol=len(kinds) or 1, frameon=False)
+        if title:
+            axes.set_title(title)
+        figure.tight_layout()
+        figure.savefig(path, dpi=120)
+    finally:
+        plt.close(figure)

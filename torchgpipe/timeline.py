@@ -1,0 +1,700 @@
+"""The timeline of a pipeline: every task, where and when it really ran.
+
+:func:`trace` records, for each step of a :class:`~torchgpipe.GPipe` inside it,
+every forward task ``F(i,j)``, every recomputation ``F'(i,j)``, every backward
+task ``B(i,j)`` and every copy between devices, measured rather than
+simulated. Paper, Figure 7, drawn from a run::
+
+    cpu:0  F0 F1 F2 F3                  F'3 B3 F'2 B2 ...
+    cpu:1     F0 F1 F2 F3            F'3 B3 F'2 B2 ...
+    cpu:2        F0 F1 F2 F3      F'3 B3 ...
+    cpu:3           F0 F1 F2 F3 B3 B2 ...
+
+How each kind is caught:
+
+- forward tasks are timed by the worker that runs them, around the task;
+- copies between devices are timed where the scheduler issues them;
+- backward tasks and recomputations happen inside the autograd engine: when
+  a forward task is done, the pipeline hands its output to the recorder,
+  which walks the task's part of the autograd graph (from its outputs down
+  to its inputs' nodes, the parameters' accumulators and the portals of skip
+  connections) and hooks every node of it. ``B(i,j)`` spans from the first of
+  its nodes to start to the last to finish, once per backward pass (a graph
+  kept by ``retain_graph=True`` gives one per pass).
+
+The engine may run nodes of other tasks in between (on CPU it runs every
+node of a backward pass in one thread, by its own priorities), so an event
+keeps the *pieces* of time in which its own work ran; busy times add those up.
+
+On CPU the times are wall-clock (:func:`time.perf_counter`). On CUDA they are
+CUDA events recorded on the stream that ran the work, so they measure the
+device rather than the launch; they are read once the device is synchronized.
+
+Outside :func:`trace` none of this runs: a pipeline checks once per task
+whether a recorder is attached.
+"""
+import json
+import os
+import resource
+import sys
+import threading
+import time
+from bisect import insort
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import (Any, Callable, Dict, Generator, Iterable, List, Optional, Sequence, Tuple,
+                    TypeVar, Union)
+
+import torch
+from torch import Tensor
+
+__all__ = ['trace', 'Timeline', 'Event', 'StepInfo', 'Summary', 'DeviceSummary',
+           'PartitionSummary']
+
+#: The kinds of events, in the order the legend shows them.
+KINDS = ('forward', 'recompute', 'backward', 'copy')
+#: The kinds that keep a device busy (copies run on copy streams).
+COMPUTE_KINDS = ('forward', 'recompute', 'backward')
+
+# A moment: seconds from perf_counter on CPU, or a CUDA event to be read later.
+Stamp = Union[float, Any]
+T = TypeVar('T')
+
+
+@dataclass(frozen=True)
+class Event:
+    """One task of the pipeline, as it ran.
+
+    Times are in seconds since the trace began.
+    """
+
+    #: ``'forward'``, ``'recompute'``, ``'backward'`` or ``'copy'``.
+    kind: str
+    #: The micro-batch ``i``.
+    micro_batch: int
+    #: The partition ``j``; for a copy, the partition it copies to in the
+    #: forward pass, and from in the backward pass.
+    partition: int
+    #: The device the task ran on; for a copy, the device of its partition.
+    device: str
+    #: The row of the timeline, named after the device or the device's copies.
+    track: str
+    #: The name of the thread that ran it.
+    thread: str
+    #: When the task began and ended.
+    start: float
+    end: float
+    #: Which traced call of the GPipe it belongs to, from 0.
+    step: int
+    #: The intervals within ``start .. end`` in which the task's own work
+    #: ran, one for a forward task or a copy, one per autograd node otherwise.
+    pieces: Tuple[Tuple[float, float], ...] = ()
+    #: Whether the task raised an exception.
+    failed: bool = False
+    #: What a copy moved (``'input'`` or ``'skip'``) and in which pass
+    #: (``'forward'`` or ``'backward'``), e.g. ``'skip, backward'``; empty for tasks.
+    detail: str = ''
+
+    @property
+    def name(self) -> str:
+        """``F(i,j)``, ``F'(i,j)``, ``B(i,j)`` or ``C(i,j)``, as in the paper."""
+        prefix = {'forward': 'F', 'recompute': "F'", 'backward': 'B', 'copy': 'C'}[self.kind]
+        return f'{prefix}({self.micro_batch},{self.partition})'
+
+    @property
+    def duration(self) -> float:
+        """From start to end, in seconds."""
+        return self.end - self.start
+
+    @property
+    def busy(self) -> float:
+        """The time the task's own work ran in seconds, at most its duration."""
+        return sum(end - start for start, end in self.pieces)
+
+
+@dataclass(frozen=True)
+class DeviceSummary:
+    """How one device spent a step."""
+
+    device: str
+    #: Seconds in which at least one task ran on the device.
+    busy: float
+    #: The rest of the step.
+    idle: float
+
+    @property
+    def bubble(self) -> float:
+        """The idle fraction of the step."""
+        total = self.busy + self.idle
+        return self.idle / total if total > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class PartitionSummary:
+    """Seconds of each kind of task one partition ran in a step, over all micro-batches."""
+
+    partition: int
+    device: str
+    forward: float
+    recompute: float
+    backward: float
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.recompute + self.backward
+
+
+@dataclass(frozen=True)
+class Summary:
+    """What a step cost, device by device; see :meth:`Timeline.summary`."""
+
+    step: int
+    #: Micro-batches and partitions of the step.
+    micro_batches: int
+    partitions: int
+    #: The time from the first task's start to the last task's end, in seconds.
+    step_time: float
+    devices: List[DeviceSummary]
+    #: The time each partition's tasks ran, to compare for ``balance``.
+    partition_times: List[PartitionSummary]
+    #: The chain of tasks, each waiting for the one before, that ends last.
+    critical_path: List[Event]
+    #: The highest memory use seen during the trace, per device, in bytes;
+    #: on CUDA the allocator's peak, on CPU the process's peak resident
+    #: size (the same figure for every CPU device).
+    peak_memory: Dict[str, int]
+
+    @property
+    def bubble(self) -> float:
+        """The idle fraction of the step over all devices."""
+        idle = sum(d.idle for d in self.devices)
+        total = sum(d.busy + d.idle for d in self.devices)
+        return idle / total if total > 0 else 0.0
+
+    @property
+    def predicted_bubble(self) -> float:
+        """The GPipe paper's bubble, ``(n-1) / (m+n-1)``, for equal tasks and no overhead."""
+        n, m = self.partitions, self.micro_batches
+        return (n - 1) / (m + n - 1)
+
+    @property
+    def critical_path_time(self) -> float:
+        """The time the tasks of the critical path ran; the rest of the step went elsewhere."""
+        return sum(e.busy for e in self.critical_path)
+
+    def __str__(self) -> str:
+        ms = 1e3
+        lines = [f'step {self.step}: {self.micro_batches} micro-batches, {self.partitions} '
+                 f'partitions, {self.step_time * ms:.2f} ms',
+                 f'{"device":<12} {"busy ms":>9} {"idle ms":>9} {"bubble":>7} {"peak MiB":>9}']
+        for d in self.devices:
+            peak = self.peak_memory.get(d.device)
+            peak_text = '-' if peak is None else f'{peak / 2**20:.1f}'
+            lines.append(f'{d.device:<12} {d.busy * ms:>9.2f} {d.idle * ms:>9.2f} '
+                         f'{d.bubble:>7.1%} {peak_text:>9}')
+        lines.append(f'bubble {self.bubble:.1%} measured, {self.predicted_bubble:.1%} by '
+                     f'(n-1)/(m+n-1)')
+        lines.append(f'{"partition":<12} {"forward":>9} {"recompute":>9} {"backward":>9} '
+                     f'{"total ms":>9}')
+        for p in self.partition_times:
+            lines.append(f'{p.partition:<12} {p.forward * ms:>9.2f} {p.recompute * ms:>9.2f} '
+                         f'{p.backward * ms:>9.2f} {p.total * ms:>9.2f}')
+        path = ' '.join(e.name for e in self.critical_path)
+        lines.append(f'critical path: {self.critical_path_time * ms:.2f} ms in tasks of '
+                     f'{self.step_time * ms:.2f} ms: {path}')
+        return '\n'.join(lines)
+
+
+class Clock:
+    """Stamps moments on CPU or on a CUDA stream, and reads them in seconds since the start."""
+
+    def __init__(self) -> None:
+        self.origin = time.perf_counter()
+        # Per CUDA device: an event recorded at the origin, after a synchronize.
+        self.cuda_origins: Dict[int, Any] = {}
+
+    def stamp(self, device: torch.device) -> Stamp:
+        if device.type != 'cuda':
+            return time.perf_counter()
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in self.cuda_origins:
+            # The first use of a device: its events are read against this one.
+            torch.cuda.synchronize(index)
+            origin: Any = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            origin.record(torch.cuda.default_stream(index))
+            torch.cuda.synchronize(index)
+            self.cuda_origins[index] = (origin, time.perf_counter() - self.origin)
+        event: Any = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        event.record(torch.cuda.current_stream(index))
+        return event
+
+    def seconds(self, stamp: Stamp, device: torch.device) -> float:
+        if isinstance(stamp, float):
+            return stamp - self.origin
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        origin, offset = self.cuda_origins[index]
+        stamp.synchronize()
+        return float(offset + origin.elapsed_time(stamp) / 1e3)
+
+
+@dataclass
+class Span:
+    """An event being recorded: stamps not yet read."""
+
+    kind: str
+    micro_batch: int
+    partition: int
+    device: torch.device
+    track: str
+    step: int
+    detail: str = ''
+    thread: str = ''
+    pieces: List[Tuple[Stamp, Stamp]] = field(default_factory=list)
+    failed: bool = False
+
+
+@dataclass
+class StepInfo:
+    """One traced call of the GPipe."""
+
+    #: How many micro-batches the input was split into.
+    micro_batches: int
+    #: The device of each partition.
+    devices: List[str]
+
+
+class Timeline:
+    """What :func:`torchgpipe.trace` yields: the events recorded, and views of them.
+
+    The events of a step are complete once its backward pass is done; read
+    them after the ``with`` block, or at least after ``backward()``.
+    """
+
+    def __init__(self) -> None:
+        self.clock = Clock()
+        self.closed = False
+        #: Each traced call of the GPipe, in order; events refer to them by index.
+        self.steps: List[StepInfo] = []
+        self._spans: List[Span] = []
+        self._lock = threading.Lock()
+        self._memory_baseline: Dict[str, int] = {}
+        self._peak_memory: Dict[str, int] = {}
+
+    # Recording; called by the pipeline. ------------------------------------
+
+    def begin_step(self, micro_batches: int, devices: Sequence[torch.device]) -> int:
+        """Starts a step; returns its index."""
+        self.steps.append(StepInfo(micro_batches, [str(d) for d in devices]))
+        return len(self.steps) - 1
+
+    def _add(self, span: Span) -> Span:
+        span.thread = threading.current_thread().name
+        with self._lock:
+            self._spans.append(span)
+        return span
+
+    def timed(self, kind: str, i: int, j: int, device: torch.device,
+              function: Callable[[], T]) -> Callable[[], T]:
+        """Wraps a task to record it when it runs, wherever that is."""
+        step = len(self.steps) - 1
+
+        def run() -> T:
+            span = self._add(Span(kind, i, j, device, str(device), step))
+            start = self.clock.stamp(device)
+            try:
+                return function()
+            except BaseException:
+                span.failed = True
+                raise
+            finally:
+                span.pieces.append((start, self.clock.stamp(device)))
+        return run
+
+    def copied(self, i: int, j: int, device: torch.device, what: str,
+               copy: Callable[[], Optional[Tensor]]) -> None:
+        """Runs a copy into partition ``j`` and records it, if anything was copied, both ways.
+
+        Args:
+            what: ``'input'`` or ``'skip'``
+            copy: makes the copy; returns a copied tensor, or ``None`` if
+                nothing had to move
+        """
+        span = Span('copy', i, j, device, f'{device} copies', len(self.steps) - 1,
+                    f'{what}, forward')
+        start = self.clock.stamp(device)
+        copied = copy()
+        span.pieces.append((start, self.clock.stamp(device)))
+        if copied is None:
+            return
+        self._add(span)
+        if copied.grad_fn is not None:
+            self._hook(copied.grad_fn, {}, Span('copy', i, j, device, span.track, span.step,
+                                                f'{what}, backward'))
+
+    def watch_backward(self, i: int, j: int, device: torch.device, outputs: Iterable[Tensor],
+                       boundary: Iterable[Any]) -> None:
+        """Hooks the autograd nodes of task ``(i, j)``'s backward pass and recomputation.
+
+        Args:
+            outputs: the task's outputs (after its recomputation was attached)
+            boundary: the nodes of the task's inputs: the walk stops there
+        """
+        from torchgpipe.checkpoint import Recompute
+        from torchgpipe.copy import Copy, Wait
+        from torchgpipe.dependency import Fork, Join
+        glue = (Fork, Join, Copy, Wait)
+
+        step = len(self.steps) - 1
+        stop = set(boundary)
+        seen = set()
+        stack = [x.grad_fn for x in outputs if x.grad_fn is not None]
+        runs: Dict[str, Dict[int, Span]] = {'recompute': {}, 'backward': {}}
+        while stack:
+            node = stack.pop()
+            if node in stop or node in seen:
+                continue
+            seen.add(node)
+            forward_class = getattr(node, '_forward_cls', None)
+            if type(node).__name__ == 'AccumulateGrad' or _is_portal(forward_class):
+                continue
+            if forward_class is Recompute:
+                self._hook(node, runs['recompute'], Span('recompute', i, j, device,
+                                                         str(device), step))
+            elif forward_class not in glue:
+                self._hook(node, runs['backward'], Span('backward', i, j, device,
+                                                        str(device), step))
+            stack.extend(n for n, _ in node.next_functions if n is not None)
+
+    def _hook(self, node: Any, spans: Dict[int, Span], template: Span) -> None:
+        # One span per backward pass (graph task) through the task's nodes,
+        # opened by the first of them to start. Each node adds the piece of
+        # time from its start to its end. Nodes of one task run on one
+        # device's thread, in order, so on CUDA too the first stamp taken is
+        # the earliest on that device's stream.
+        started: Dict[int, Stamp] = {}
+
+        def pre(grad_outputs: Any) -> None:
+            if self.closed:
+                return
+            key = graph_task_id()
+            if key not in spans:
+                spans[key] = self._add(replace(template))
+            started[key] = self.clock.stamp(template.device)
+
+        def post(grad_inputs: Any, grad_outputs: Any) -> None:
+            start = started.pop(graph_task_id(), None)
+            if start is not None and not self.closed:
+                spans[graph_task_id()].pieces.append((start, self.clock.stamp(template.device)))
+
+        node.register_prehook(pre)
+        node.register_hook(post)
+
+    # Memory. ----------------------------------------------------------------
+
+    def start_memory(self, devices: Iterable[torch.device]) -> None:
+        for device in devices:
+            if device.type == 'cuda':
+                torch.cuda.reset_peak_memory_stats(device)
+        _reset_peak_rss()
+
+    def stop_memory(self, devices: Iterable[torch.device]) -> None:
+        rss = _peak_rss()
+        for device in devices:
+            if device.type == 'cuda':
+                self._peak_memory[str(device)] = torch.cuda.max_memory_allocated(device)
+            else:
+                self._peak_memory[str(device)] = rss
+
+    # Views. -----------------------------------------------------------------
+
+    @property
+    def events(self) -> List[Event]:
+        """Every event recorded so far, by start time."""
+        with self._lock:
+            spans = list(self._spans)
+        events: List[Event] = []
+        for s in spans:
+            if not s.pieces:
+                continue
+            pieces = tuple((self.clock.seconds(a, s.device), self.clock.seconds(b, s.device))
+                           for a, b in list(s.pieces))
+            events.append(Event(s.kind, s.micro_batch, s.partition, str(s.device), s.track,
+                                s.thread, min(a for a, _ in pieces), max(b for _, b in pieces),
+                                s.step, pieces, s.failed, s.detail))
+        events.sort(key=lambda e: (e.start, e.end))
+        return events
+
+    def summary(self, step: Optional[int] = None) -> Summary:
+        """The cost of a step: busy and idle time per device, bubble, critical path, memory.
+
+        Args:
+            step (int, optional): which traced call, from 0; negative counts
+                from the end (default: the last one)
+
+        Returns:
+            Summary: printable; its fields are documented in :class:`Summary`
+
+        Raises:
+            ValueError: no step was traced, or ``step`` is out of range
+        """
+        if not self.steps:
+            raise ValueError('the trace recorded no step: call the GPipe inside '
+                             '"with torchgpipe.trace(model)"')
+        index = len(self.steps) - 1 if step is None else step
+        if not -len(self.steps) <= index < len(self.steps):
+            raise ValueError(f'step must be in [{-len(self.steps)}, {len(self.steps) - 1}] '
+                             f'(the trace has {len(self.steps)} steps), got {step}')
+        index %= len(self.steps)
+        info = self.steps[index]
+        events = [e for e in self.events if e.step == index]
+        if not events:
+            return Summary(index, info.micro_batches, len(info.devices), 0.0, [], [], [],
+                           dict(self._peak_memory))
+        begin = min(e.start for e in events)
+        end = max(e.end for e in events)
+        window = end - begin
+
+        devices: List[DeviceSummary] = []
+        for device in dict.fromkeys(info.devices):
+            busy = union_length(piece for e in events
+                                if e.track == device and e.kind in COMPUTE_KINDS
+                                for piece in e.pieces)
+            devices.append(DeviceSummary(device, busy, window - busy))
+
+        partition_times: List[PartitionSummary] = []
+        for j, device in enumerate(info.devices):
+            total = {kind: 0.0 for kind in COMPUTE_KINDS}
+            for e in events:
+                if e.partition == j and e.kind in COMPUTE_KINDS:
+                    total[e.kind] += e.busy
+            partition_times.append(PartitionSummary(j, device, **total))
+
+        return Summary(index, info.micro_batches, len(info.devices), window, devices,
+                       partition_times, critical_path(events, len(info.devices)),
+                       dict(self._peak_memory))
+
+    def chrome_trace(self) -> Dict[str, Any]:
+        """The events as a Chrome trace (the ``traceEvents`` format Perfetto reads)."""
+        events = self.events
+        tracks = sorted({e.track for e in events}, key=lambda t: (t.endswith(' copies'), t))
+        tids = {track: k for k, track in enumerate(tracks)}
+        trace_events: List[Dict[str, Any]] = [
+            {'ph': 'M', 'name': 'process_name', 'pid': 0, 'tid': 0,
+             'args': {'name': 'torchgpipe'}}]
+        for track, tid in tids.items():
+            trace_events.append({'ph': 'M', 'name': 'thread_name', 'pid': 0, 'tid': tid,
+                                 'args': {'name': track}})
+            trace_events.append({'ph': 'M', 'name': 'thread_sort_index', 'pid': 0, 'tid': tid,
+                                 'args': {'sort_index': tid}})
+        for e, start, end in segments(events):
+            args: Dict[str, Any] = {'micro_batch': e.micro_batch, 'partition': e.partition,
+                                    'kind': e.kind, 'step': e.step, 'device': e.device,
+                                    'thread': e.thread}
+            if e.failed:
+                args['failed'] = True
+            if e.detail:
+                args['detail'] = e.detail
+            trace_events.append({'name': e.name, 'cat': e.kind, 'ph': 'X', 'pid': 0,
+                                 'tid': tids[e.track], 'ts': start * 1e6,
+                                 'dur': (end - start) * 1e6, 'args': args})
+        return {'traceEvents': trace_events, 'displayTimeUnit': 'ms'}
+
+    def save(self, path: Union[str, 'os.PathLike[str]']) -> None:
+        """Writes the timeline as a Chrome trace JSON file.
+
+        Open it in https://ui.perfetto.dev or ``chrome://tracing``: one track
+        per device and per device's copies; each event's ``args`` hold its
+        ``micro_batch``, ``partition`` and ``kind``.
+
+        Args:
+            path: where to write, usually ``*.json``
+        """
+        Path(path).write_text(json.dumps(self.chrome_trace()))
+
+    def plot(self, path: Union[str, 'os.PathLike[str]'], *, step: Optional[int] = None,
+             title: Optional[str] = None) -> None:
+        """Draws the timeline as a Gantt chart, one row per device, like the paper's Figure 7.
+
+        Args:
+            path: the image file to write (``.png``, or any format matplotlib knows)
+            step (int, optional): draw only this step (default: every event)
+            title (str, optional): the chart's title (default: the step's summary)
+
+        Raises:
+            ModuleNotFoundError: matplotlib is not installed
+        """
+        from torchgpipe._plot import plot_timeline
+        events = self.events
+        if step is not None:
+            index = step % len(self.steps) if self.steps else step
+            events = [e for e in events if e.step == index]
+        if title is None and self.steps:
+            s = self.summary(step)
+            title = (f'{s.partitions} partitions, {s.micro_batches} micro-batches: '
+                     f'bubble {s.bubble:.0%} (formula {s.predicted_bubble:.0%})')
+        plot_timeline(segments(events), path, title)
+
+
+def _is_portal(forward_class: Any) -> bool:
+    from torchgpipe.skip.portal import PortalBlue, PortalCopy, PortalOrange
+    return forward_class in (PortalBlue, PortalOrange, PortalCopy)
+
+
+def graph_task_id() -> int:
+    """The id of the backward pass running in this thread."""
+    return int(torch._C._current_graph_task_id())
+
+
+def segments(events: Sequence[Event]) -> List[Tuple[Event, float, float]]:
+    """The events' pieces on each track, runs of one event's pieces merged into one.
+
+    What a chart draws: boxes that never overlap on a track, however the
+    engine interleaved the tasks.
+    """
+    found: List[Tuple[Event, float, float]] = []
+    by_track: Dict[str, List[Tuple[float, float, int]]] = {}
+    for index, e in enumerate(events):
+        by_track.setdefault(e.track, []).extend((a, b, index) for a, b in e.pieces)
+    for pieces in by_track.values():
+        pieces.sort()
+        run_start, run_end, owner = pieces[0]
+        for start, end, index in pieces[1:]:
+            if index == owner:
+                run_end = max(run_end, end)
+                continue
+            found.append((events[owner], run_start, run_end))
+            run_start, run_end, owner = start, end, index
+        found.append((events[owner], run_start, run_end))
+    return found
+
+
+def union_length(intervals: Iterable[Tuple[float, float]]) -> float:
+    """The total length covered by intervals, overlaps counted once."""
+    total = 0.0
+    reach = float('-inf')
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def critical_path(events: Sequence[Event], n: int) -> List[Event]:
+    """The chain of tasks, each waiting for the one before it, that ends the step.
+
+    From the task that ends last, walks back to whichever of its
+    predecessors ended last before it started: the task before it on the same
+    device, or the task that produced its input (``F(i,j-1)`` for ``F(i,j)``,
+    ``B(i,j+1)`` for ``B(i,j)``, the last forward task for the backward tasks
+    of the last partition).
+    """
+    tasks = [e for e in events if e.kind in COMPUTE_KINDS]
+    if not tasks:
+        return []
+    by_key = {(e.kind, e.micro_batch, e.partition): e for e in tasks}
+    last_forward = max((e for e in tasks if e.kind == 'forward'), key=lambda e: e.end,
+                       default=None)
+    by_track: Dict[str, List[Tuple[float, int]]] = {}
+    for index, e in enumerate(tasks):
+        insort(by_track.setdefault(e.track, []), (e.end, index))
+
+    def predecessors(e: Event) -> List[Event]:
+        found: List[Event] = []
+        # The latest task on the same device that ended before this started.
+        for end, index in reversed(by_track[e.track]):
+            if end <= e.start and tasks[index] is not e:
+                found.append(tasks[index])
+                break
+        if e.kind == 'forward':
+            producer = by_key.get(('forward', e.micro_batch, e.partition - 1))
+        elif e.partition == n - 1:
+            producer = last_forward
+        else:
+            producer = by_key.get(('backward', e.micro_batch, e.partition + 1))
+        if producer is not None and producer.end <= e.start:
+            found.append(producer)
+        return found
+
+    path = [max(tasks, key=lambda e: e.end)]
+    while True:
+        before = predecessors(path[-1])
+        if not before:
+            break
+        path.append(max(before, key=lambda e: e.end))
+    path.reverse()
+    return path
+
+
+def _reset_peak_rss() -> None:
+    # Linux resets the process's peak resident size on writing 5 here.
+    try:
+        with open('/proc/self/clear_refs', 'w') as f:
+            f.write('5')
+    except OSError:
+        pass
+
+
+def _peak_rss() -> int:
+    try:
+        with open('/proc/self/status') as f:
+            for line in f:
+                if line.startswith('VmHWM:'):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    # Elsewhere: the peak since the process started (kilobytes on Linux, bytes on macOS).
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == 'darwin' else peak * 1024)
+
+
+@contextmanager
+def trace(module: Any) -> Generator[Timeline, None, None]:
+    """Records the timeline of every forward and backward pass of a GPipe within the context.
+
+    Args:
+        module (GPipe): the pipeline to watch
+
+    Yields:
+        Timeline: the recorder; read :attr:`~torchgpipe.timeline.Timeline.events`,
+        :meth:`~torchgpipe.timeline.Timeline.summary`,
+        :meth:`~torchgpipe.timeline.Timeline.save` or
+        :meth:`~torchgpipe.timeline.Timeline.plot` once the backward pass is done
+
+    Raises:
+        TypeError: ``module`` is not a GPipe
+        RuntimeError: the GPipe is traced already
+
+    Example::
+
+        >>> import torchgpipe
+        >>> model = GPipe(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)),
+        ...               balance=[2, 1], devices=['cpu:0', 'cpu:1'], chunks=4)
+        >>> with torchgpipe.trace(model) as timeline:
+        ...     model(torch.randn(16, 8)).sum().backward()
+        >>> sorted(e.name for e in timeline.events if e.kind == 'forward')
+        ['F(0,0)', 'F(0,1)', 'F(1,0)', 'F(1,1)', 'F(2,0)', 'F(2,1)', 'F(3,0)', 'F(3,1)']
+        >>> summary = timeline.summary()  # print() it for a table
+        >>> summary.micro_batches, summary.partitions
+        (4, 2)
+        >>> timeline.save('timeline.json')  # doctest: +SKIP
+        >>> timeline.plot('timeline.png')  # doctest: +SKIP
+    """
+    from torchgpipe.gpipe import GPipe
+    if not isinstance(module, GPipe):
+        raise TypeError(f'trace() watches a GPipe, got {type(module).__name__}: wrap the model '
+                        'first, e.g. trace(GPipe(model, balance, chunks=...))')
+    state = module._run_state
+    if state.timeline is not None:
+        raise RuntimeError('this GPipe is traced already: nest no trace() of the same GPipe '
+                           'in another; one trace records every step inside it')
+    timeline = Timeline()
+    devices = list(dict.fromkeys(module.devices))
+    timeline.start_memory(devices)
+    state.timeline = timeline
+    try:
+        yield timeline
+    finally:
+        state.timeline = None
+        timeline.stop_memory(devices)
+        timeline.closed = True
