@@ -406,3 +406,21 @@ def test_tasks_carry_profiler_labels(threaded: bool) -> None:
         model(torch.randn(4, 4)).sum().backward()
     names = {e.key for e in profile.key_averages()}
     assert {f'torchgpipe F({i},{j})' for i in range(2) for j in range(2)} <= names
+
+
+@pytest.mark.cuda
+def test_cuda_events_and_input_copies() -> None:
+    # Two partitions on one GPU (or two, when there are): every input crosses
+    # a copy stream, timed with CUDA events on the stream that ran it.
+    count = torch.cuda.device_count()
+    devices = ['cuda:0', 'cuda:1'] if count > 1 else ['cuda:0', 'cuda:0']
+    model = GPipe(mlp(4), balance=[2, 2], devices=devices, chunks=4)
+    timeline = traced_step(model, torch.randn(8, 4, device='cuda:0'))
+    events = timeline.events
+    assert_schedule([e for e in events if e.kind != 'copy'], 4, 2, 3, devices)
+    copies = [e for e in events if e.kind == 'copy']
+    assert sorted(e.micro_batch for e in copies if e.detail == 'input, forward') == [0, 1, 2, 3]
+    assert sorted(e.micro_batch for e in copies if e.detail == 'input, backward') == [0, 1, 2, 3]
+    assert all(e.partition == 1 and e.track == f'{devices[1]} copies' for e in copies)
+    summary = timeline.summary()
+    assert all(summary.peak_memory[d] > 0 for d in set(devices))

@@ -28,7 +28,7 @@ from torchgpipe.microbatch import Batch, TensorOrTensors, check
 from torchgpipe.rng import Turns, training_flags
 from torchgpipe.skip.layout import SkipLayout
 from torchgpipe.skip.tracker import SkipTrackerThroughPortals, use_skip_tracker
-from torchgpipe.stream import AbstractStream, is_cuda, use_device
+from torchgpipe.stream import AbstractStream, is_cuda, use_device, use_stream
 from torchgpipe.tied import partition_parameters
 from torchgpipe.timeline import Timeline
 from torchgpipe.traits import PartitionTraits
@@ -199,7 +199,9 @@ class Pipeline:
         """Runs a copy into partition ``j``: recorded, inside a trace, both ways."""
         if self.timeline is None:
             copy()
-        else:
+            return
+        # The copy runs on partition j's copy stream: time it there.
+        with use_stream(self.copy_streams[j][i]):
             self.timeline.copied(i, j, self.devices[j], what, copy)
 
     def compute(self, schedule: List[Tuple[int, int]],
