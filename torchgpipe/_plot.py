@@ -1,6 +1,6 @@
 """Draws a timeline as a Gantt chart (matplotlib, an optional dependency)."""
 import os
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
 
 if TYPE_CHECKING:
     from torchgpipe.timeline import Event
@@ -32,6 +32,27 @@ def plot_timeline(segments: Sequence[Tuple['Event', float, float]],
             name=exc.name) from exc
     matplotlib.use('Agg', force=False)
     import matplotlib.pyplot as plt
+
+    rows = len({e.track for e, _, _ in segments})
+    figure, axes = plt.subplots(figsize=(12, 0.6 * rows + 1.6))
+    try:
+        draw_timeline(axes, segments, title)
+        figure.tight_layout()
+        figure.savefig(path, dpi=120)
+    finally:
+        plt.close(figure)
+
+
+def draw_timeline(axes: Any, segments: Sequence[Tuple['Event', float, float]],
+                  title: Optional[str] = None, *, legend: bool = True) -> None:
+    """Draws the chart of :func:`plot_timeline` on matplotlib ``axes``, for a figure of one's own.
+
+    Args:
+        axes: where to draw
+        segments: ``(event, start, end)``, as :func:`torchgpipe.timeline.segments` gives
+        title: the chart's title, if any
+        legend: whether to put the legend of colours below the chart
+    """
     from matplotlib.patches import Patch
 
     # Devices top to bottom in order, each followed by its copies' row.
@@ -42,27 +63,22 @@ def plot_timeline(segments: Sequence[Tuple['Event', float, float]],
     start = min((a for _, a, _ in segments), default=0.0)
     scale = 1e3  # milliseconds
 
-    figure, axes = plt.subplots(figsize=(12, 0.6 * len(tracks) + 1.6))
-    try:
-        for e, a, b in segments:
-            y = len(tracks) - 1 - rows[e.track]
-            left, width = (a - start) * scale, (b - a) * scale
-            axes.barh(y, width, left=left, height=0.8, color=COLORS[e.kind],
-                      edgecolor='black' if e.failed else 'white', linewidth=0.5)
-            # The micro-batch number, where the box is wide enough for it.
-            if width > (end - start) * scale / 150:
-                axes.text(left + width / 2, y, str(e.micro_batch), ha='center', va='center',
-                          fontsize=7, color='white' if e.kind != 'recompute' else 'black')
-        axes.set_yticks(range(len(tracks)), list(reversed(tracks)))
-        axes.set_xlabel('time (ms)')
-        axes.set_xlim(0, max((end - start) * scale, 1e-3))
+    for e, a, b in segments:
+        y = len(tracks) - 1 - rows[e.track]
+        left, width = (a - start) * scale, (b - a) * scale
+        axes.barh(y, width, left=left, height=0.8, color=COLORS[e.kind],
+                  edgecolor='black' if e.failed else 'white', linewidth=0.5)
+        # The micro-batch number, where the box is wide enough for it.
+        if width > (end - start) * scale / 150:
+            axes.text(left + width / 2, y, str(e.micro_batch), ha='center', va='center',
+                      fontsize=7, color='white' if e.kind != 'recompute' else 'black')
+    axes.set_yticks(range(len(tracks)), list(reversed(tracks)))
+    axes.set_xlabel('time (ms)')
+    axes.set_xlim(0, max((end - start) * scale, 1e-3))
+    if legend:
         kinds = [k for k in COLORS if any(e.kind == k for e, _, _ in segments)]
         axes.legend(handles=[Patch(color=COLORS[k], label=LABELS[k]) for k in kinds],
                     loc='upper center', bbox_to_anchor=(0.5, -0.18 - 0.1 / max(len(tracks), 1)),
                     ncol=len(kinds) or 1, frameon=False)
-        if title:
-            axes.set_title(title)
-        figure.tight_layout()
-        figure.savefig(path, dpi=120)
-    finally:
-        plt.close(figure)
+    if title:
+        axes.set_title(title)
