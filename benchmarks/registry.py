@@ -6,11 +6,10 @@ summary of ``run_all``, the smoke tests and the documentation's list all come
 from here, so adding an experiment is writing its module and adding its name.
 """
 import importlib
-from typing import List
 
 from benchmarks.runner import Experiment
 
-__all__ = ['NAMES', 'load', 'experiments']
+__all__ = ['NAMES', 'load']
 
 NAMES = (
     'overhead',
@@ -32,7 +31,3 @@ def load(name: str) -> Experiment:
     experiment: Experiment = importlib.import_module(f'benchmarks.{name}').EXPERIMENT
     return experiment
 
-
-def experiments() -> List[Experiment]:
-    """Every registered experiment, in order."""
-    return [load(name) for name in NAMES]

@@ -82,13 +82,15 @@ def plot(document: Dict[str, Any], plt: Any) -> None:
     plt.title(f"{config['layers']} layer costs into {config['partitions']} partitions")
 
 
+#: The options of this experiment beyond those of every experiment.
+OPTIONS = [Option('--layers', 'layers', 'how many layer costs', minimum=1),
+           Option('--partitions', 'partitions', 'how many partitions', minimum=1),
+           Option('--runs', 'runs', 'timed runs per kind of cost', minimum=1),
+           Option('--seed', 'seed', 'seed of the random costs')]
+
 EXPERIMENT = Experiment(
     name='solver_speed', doc=__doc__, presets=PRESETS, smoke=SMOKE, run=run, table=table,
-    headline=headline, plot=plot, check=check,
-    options=[Option('--layers', 'layers', 'how many layer costs', minimum=1),
-             Option('--partitions', 'partitions', 'how many partitions', minimum=1),
-             Option('--runs', 'runs', 'timed runs per kind of cost', minimum=1),
-             Option('--seed', 'seed', 'seed of the random costs')])
+    headline=headline, plot=plot, check=check, options=OPTIONS)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:

@@ -129,17 +129,19 @@ def plot(document: Dict[str, Any], plt: Any) -> None:
     right.set_title('copies of the long skips')
 
 
+#: The options of this experiment beyond those of every experiment.
+OPTIONS = [Option('--steps', 'steps', 'SGD steps', minimum=1),
+           Option('--batch-size', 'batch', 'images per step', minimum=1),
+           Option('--chunks', 'chunks', 'micro-batches', minimum=1),
+           Option('--partitions', 'partitions', 'partitions, on CPU', minimum=1),
+           Option('--checkpoint', 'checkpoint', 'checkpoint mode', type=str,
+                  choices=['always', 'except_last', 'never']),
+           Option('--size', 'size', f'image height and width, a multiple of {SIDE}',
+                  minimum=SIDE)]
+
 EXPERIMENT = Experiment(
     name='unet_example', doc=__doc__, presets=PRESETS, smoke=SMOKE, run=run, table=table,
-    headline=headline, plot=plot, check=check,
-    options=[Option('--steps', 'steps', 'SGD steps', minimum=1),
-             Option('--batch-size', 'batch', 'images per step', minimum=1),
-             Option('--chunks', 'chunks', 'micro-batches', minimum=1),
-             Option('--partitions', 'partitions', 'partitions, on CPU', minimum=1),
-             Option('--checkpoint', 'checkpoint', 'checkpoint mode', type=str,
-                    choices=['always', 'except_last', 'never']),
-             Option('--size', 'size', f'image height and width, a multiple of {SIDE}',
-                    minimum=SIDE)])
+    headline=headline, plot=plot, check=check, options=OPTIONS)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
