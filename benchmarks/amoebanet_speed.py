@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python -m benchmarks.amoebanet_speed --preset cpu     # CPU devices, about a minute
+    python -m benchmarks.amoebanet_speed                  # CPU devices, about a minute
     python -m benchmarks.amoebanet_speed --preset paper   # Table 2, needs 8 CUDA devices
     python -m benchmarks.amoebanet_speed --preset paper --settings m1-n2,m4-n2,m32-n2
 
@@ -14,7 +14,8 @@ so no data loading is timed). With m = 1 every micro-batch is checkpointed
 (``checkpoint='always'``), as in the paper, for a fair comparison with
 GPipe's numbers; otherwise the default ``'except_last'``. The throughput in
 samples/s leaves the first epoch out and is that of the fastest remaining
-epoch (the mean is in the JSON); the speed-up is against (m, n) = (1, 2) of
+epoch (the range over those epochs is in the table, their median and mean
+in the JSON); the speed-up is against (m, n) = (1, 2) of
 the same run. On CPU the settings take turns epoch by epoch, so that a busy
 spell of the machine slows them alike; on CUDA they run one after the other.
 
@@ -31,13 +32,15 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import (Preset, Trainer, auto_balance, cpu_devices, cuda_devices,
-                               environment, finish, format_table, make_parser, measure_throughputs,
-                               parameter_count, threads, tune_malloc)
+from benchmarks.balance import auto_balance
+from benchmarks.devices import cpu_devices, cuda_devices
+from benchmarks.memory import parameter_count
 from benchmarks.models.amoebanet import amoebanetd
+from benchmarks.report import format_table
+from benchmarks.runner import Experiment, Figure, Option, Preset, main as run_main
+from benchmarks.speed import EPOCHS, format_throughput, throughput_whiskers
+from benchmarks.timing import Trainer, measure_settings
 from torchgpipe import GPipe
-
-EXPERIMENT = 'amoebanet_speed'
 
 
 def grid(ms: Sequence[int], ns: Sequence[int], batch: Dict[int, int]) -> List[Dict[str, Any]]:
@@ -96,19 +99,17 @@ def build(config: Dict[str, Any], setting: Dict[str, Any], info: Dict[str, Any])
 def run(config: Dict[str, Any]) -> Dict[str, Any]:
     if config['device'] == 'cuda':
         cuda_devices(max(r['partitions'] for r in config['rows']))  # fails early if missing
-    infos: Dict[str, Dict[str, Any]] = {r['name']: {} for r in config['rows']}
-    factories = {r['name']: functools.partial(build, config, r, infos[r['name']])
-                 for r in config['rows']}
-    measured = measure_throughputs(factories, config['epochs'],
-                                   interleave=config['device'] == 'cpu')
-    results = [dict(infos[name], **measured[name]) for name in factories]
+    batch = config.get('batch')
+    rows = [dict(r, batch=batch or r['batch']) for r in config['rows']]
+    results = measure_settings(rows, functools.partial(build, config), config['epochs'],
+                               config['device'])
     baseline = next((r for r in results if (r['chunks'], r['partitions']) == (1, 2)), None)
     for r in results:
         key = (r['chunks'], r['partitions'])
         r['speedup'] = r['throughput'] / baseline['throughput'] if baseline else None
         r['paper_speedup'] = PAPER_TORCHGPIPE.get(key)
         r['paper_gpipe_speedup'] = PAPER_GPIPE.get(key)
-    return {'results': results}
+    return {'results': results, 'devices': max((r['devices'] for r in results), key=len)}
 
 
 def grid_table(results: List[Dict[str, Any]], cell: Callable[[Dict[str, Any]], str]) -> str:
@@ -120,77 +121,57 @@ def grid_table(results: List[Dict[str, Any]], cell: Callable[[Dict[str, Any]], s
     return format_table(['AmoebaNet-D'] + [f'n = {n}' for n in ns], rows)
 
 
-def report(config: Dict[str, Any], outcome: Dict[str, Any]) -> None:
-    results = outcome['results']
-    print(f"AmoebaNet-D({config['num_layers']}, {config['num_filters']}), 3x"
-          f"{config['image_size']}x{config['image_size']}, {config['device'].upper()}; "
-          f"speed-up against (m, n) = (1, 2) (throughput of the fastest epoch after the "
-          f"first of {config['epochs']})")
-    print(grid_table(results, lambda r: (f"{r['speedup']:.2f} ({r['throughput']:.1f}/s)"
-                                         if r['speedup'] is not None
-                                         else f"{r['throughput']:.1f}/s")))
-    print('\npaper (Table 2), torchgpipe on NVIDIA Tesla P40 (GPipe on Cloud TPUv3 in '
-          'brackets):')
+def table(document: Dict[str, Any]) -> str:
+    config, results = document['settings'], document['results']
     paper = [{'chunks': m, 'partitions': n, 'ours': PAPER_TORCHGPIPE[m, n],
               'gpipe': PAPER_GPIPE[m, n]} for m, n in PAPER_TORCHGPIPE]
-    print(grid_table(paper, lambda r: f"{r['ours']:.2f} ({r['gpipe']:.2f})"))
-    print('\nbalance per setting: ' + ', '.join(f"{r['name']} {r['balance']}" for r in results))
+    return '\n'.join([
+        f"AmoebaNet-D({config['num_layers']}, {config['num_filters']}), 3x"
+        f"{config['image_size']}x{config['image_size']}, {config['device'].upper()}; "
+        f"speed-up against (m, n) = (1, 2) of the fastest epochs ({config['epochs']} epochs, "
+        'the first not counted)',
+        grid_table(results, lambda r: (f"{r['speedup']:.2f}" if r['speedup'] is not None
+                                       else '-')),
+        '', 'throughput per setting:',
+        format_table(['setting', 'batch', 'balance', 'throughput (fastest epoch)',
+                      'throughput range (epochs)'],
+                     [[r['name'], r['batch'], r['balance'], *format_throughput(r)]
+                      for r in results]),
+        '', 'paper (Table 2), speed-up of torchgpipe on NVIDIA Tesla P40 (of GPipe on Cloud '
+        'TPUv3 in brackets):',
+        grid_table(paper, lambda r: f"{r['ours']:.2f} ({r['gpipe']:.2f})")])
 
 
-def plot(config: Dict[str, Any], outcome: Dict[str, Any]) -> Callable[[Any], None]:
-    def draw(plt: Any) -> None:
-        results = outcome['results']
-        for m in sorted({r['chunks'] for r in results}):
-            points = sorted((r['partitions'], r['throughput']) for r in results
-                            if r['chunks'] == m)
-            plt.plot([p for p, _ in points], [t for _, t in points], marker='o', label=f'm = {m}')
-        plt.xscale('log', base=2)
-        plt.xticks(sorted({r['partitions'] for r in results}),
-                   [str(n) for n in sorted({r['partitions'] for r in results})])
-        plt.xlabel('partitions n')
-        plt.ylabel('throughput (samples/s)')
-        plt.title(f"AmoebaNet-D({config['num_layers']}, {config['num_filters']}) speed, "
-                  f"{config['device'].upper()} devices")
-        plt.legend()
+def headline(document: Dict[str, Any]) -> List[Figure]:
+    return [Figure(f"{r['name']}: speed-up against m1-n2", f"{r['speedup']:.2f}x")
+            for r in document['results'] if r['speedup'] is not None]
 
-    return draw
+
+def plot(document: Dict[str, Any], plt: Any) -> None:
+    config, results = document['settings'], document['results']
+    partitions = sorted({r['partitions'] for r in results})
+    for m in sorted({r['chunks'] for r in results}):
+        points = sorted((r for r in results if r['chunks'] == m), key=lambda r: r['partitions'])
+        plt.errorbar([r['partitions'] for r in points], [r['throughput'] for r in points],
+                     yerr=throughput_whiskers(points), marker='o', capsize=4, label=f'm = {m}')
+    plt.xscale('log', base=2)
+    plt.xticks(partitions, [str(n) for n in partitions])
+    plt.xlabel('partitions n')
+    plt.ylabel('throughput (samples/s): fastest epoch,\nwhisker to the slowest')
+    plt.title(f"AmoebaNet-D({config['num_layers']}, {config['num_filters']}) speed, "
+              f"{config['device'].upper()} devices")
+    plt.legend()
+
+
+EXPERIMENT = Experiment(
+    name='amoebanet_speed', doc=__doc__, presets=PRESETS, smoke=SMOKE, run=run, table=table,
+    headline=headline, plot=plot, settings=True, tune_malloc=True,
+    options=[EPOCHS, Option('--batch-size', 'batch', 'the batch size of every setting',
+                            minimum=1)])
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
-    parser = make_parser(EXPERIMENT, __doc__, PRESETS)
-    parser.add_argument('--settings', help='comma-separated (m, n) pairs of the preset to run '
-                        '(default: all), e.g. m1-n2,m4-n2')
-    parser.add_argument('--epochs', type=int, help='epochs per setting, at least 2')
-    parser.add_argument('--batch-size', type=int, help='the batch size of every setting')
-    args = parser.parse_args(argv)
-
-    config = dict(PRESETS[args.preset])
-    if args.smoke:
-        config.update(SMOKE)
-    if args.epochs is not None:
-        config['epochs'] = args.epochs
-    rows = [dict(r) for r in config['rows']]
-    if args.settings:
-        wanted = args.settings.split(',')
-        unknown = set(wanted) - {r['name'] for r in rows}
-        if unknown:
-            parser.error(f'unknown settings: {", ".join(sorted(unknown))}')
-        rows = [r for r in rows if r['name'] in wanted]
-    batch = args.batch_size or (config.pop('batch') if args.smoke else None)
-    if batch is not None:
-        for r in rows:
-            r['batch'] = batch
-    config['rows'] = rows
-
-    if config['device'] == 'cpu' and not args.smoke:
-        tune_malloc()  # process-wide, so not in smoke runs (which run inside the test suite)
-    with threads(args.threads):
-        outcome = run(config)
-        devices = max((r['devices'] for r in outcome['results']), key=len)
-        env = environment(devices)
-
-    report(config, outcome)
-    return finish(args, EXPERIMENT, config, outcome, env, plot(config, outcome))
+    return run_main(EXPERIMENT, argv)
 
 
 if __name__ == '__main__':

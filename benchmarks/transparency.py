@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python -m benchmarks.transparency --preset cpu
+    python -m benchmarks.transparency
 
 The paper backs GPipe's transparency with ResNet-101's accuracy on ImageNet
 trained with and without the pipeline. This is the same claim at a size that
@@ -18,18 +18,19 @@ order than the full batch).
 """
 import copy
 import sys
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from benchmarks.common import (Preset, cpu_devices, cuda_devices, environment, even_balance, finish,
-                               format_table, make_parser, parameter_count, progress, threads)
+from benchmarks.balance import even_balance
+from benchmarks.devices import cpu_devices, cuda_devices
+from benchmarks.memory import parameter_count
 from benchmarks.models.resnet import resnet
+from benchmarks.report import format_table, progress
+from benchmarks.runner import Experiment, Figure, Option, Preset, main as run_main
 from torchgpipe import GPipe
-
-EXPERIMENT = 'transparency'
 
 CHECKPOINTS = ['always', 'except_last', 'never']
 
@@ -119,65 +120,75 @@ def run(config: Dict[str, Any]) -> Dict[str, Any]:
             'max_parameter_difference': max(r['max_parameter_difference'] for r in results)}
 
 
-def report(config: Dict[str, Any], outcome: Dict[str, Any]) -> None:
-    print(f"ResNet blocks {config['layers']} width {config['width']}: {outcome['layers']} "
-          f"layers, {outcome['parameters']:,} parameters, float64, {config['steps']} SGD steps; "
-          f"unwrapped loss {outcome['initial_loss']:.4f} -> {outcome['final_loss']:.4f}")
-    print(format_table(
-        ['chunks', 'partitions', 'checkpoint', 'final loss', 'max |loss diff|',
-         'max |param diff|'],
-        [[r['chunks'], r['partitions'], r['checkpoint'], f"{r['final_loss']:.6f}",
-          f"{r['max_loss_difference']:.3g}", f"{r['max_parameter_difference']:.3g}"]
-         for r in outcome['results']]))
-    print(f"largest loss difference: {outcome['max_loss_difference']:.3g} "
-          f"(largest parameter difference {outcome['max_parameter_difference']:.3g})")
+def table(document: Dict[str, Any]) -> str:
+    config = document['settings']
+    return '\n'.join([
+        f"ResNet blocks {config['layers']} width {config['width']}: {document['layers']} "
+        f"layers, {document['parameters']:,} parameters, float64, {config['steps']} SGD steps; "
+        f"unwrapped loss {document['initial_loss']:.4f} -> {document['final_loss']:.4f}",
+        format_table(
+            ['chunks', 'partitions', 'checkpoint', 'final loss', 'max |loss diff|',
+             'max |param diff|'],
+            [[r['chunks'], r['partitions'], r['checkpoint'], f"{r['final_loss']:.6f}",
+              f"{r['max_loss_difference']:.3g}", f"{r['max_parameter_difference']:.3g}"]
+             for r in document['results']])])
 
 
-def plot(outcome: Dict[str, Any]) -> Callable[[Any], None]:
-    def draw(plt: Any) -> None:
-        fig = plt.gcf()
-        fig.set_size_inches(10, 4.2)
-        left = fig.add_subplot(1, 2, 1)
-        left.plot(outcome['losses'], color='black')
-        left.set_xlabel('step')
-        left.set_ylabel('loss')
-        left.set_title('training loss, unwrapped (GPipe: the same)')
-        right = fig.add_subplot(1, 2, 2)
-        results = outcome['results']
-        names = [f"m={r['chunks']} n={r['partitions']} {r['checkpoint']}" for r in results]
-        floor = 1e-18
-        for offset, key, label in ((-0.2, 'max_loss_difference', 'loss'),
-                                   (0.2, 'max_parameter_difference', 'parameters')):
-            values = [max(r[key], floor) for r in results]
-            right.barh([i + offset for i in range(len(results))], values, height=0.4,
-                       label=label)
-        right.set_yticks(range(len(results)))
-        right.set_yticklabels(names, fontsize='x-small')
-        right.set_xscale('log')
-        right.set_xlim(left=floor)
-        right.set_xlabel(f'largest |GPipe - unwrapped| (0 shown as {floor:g})')
-        right.set_title('difference over all steps')
-        right.legend(fontsize='small')
+def headline(document: Dict[str, Any]) -> List[Figure]:
+    return [Figure('largest loss difference', f"{document['max_loss_difference']:.3g}"),
+            Figure('largest parameter difference',
+                   f"{document['max_parameter_difference']:.3g}")]
 
-    return draw
+
+def plot(document: Dict[str, Any], plt: Any) -> None:
+    from matplotlib.ticker import LogLocator
+
+    fig = plt.gcf()
+    fig.set_size_inches(11, 4.4)
+    left = fig.add_subplot(1, 2, 1)
+    left.plot(document['losses'], color='black')
+    left.set_xlabel('step')
+    left.set_ylabel('loss')
+    left.set_title('training loss, unwrapped (GPipe: the same)')
+    right = fig.add_subplot(1, 2, 2)
+    results = document['results']
+    names = [f"m={r['chunks']} n={r['partitions']} {r['checkpoint']}" for r in results]
+    nonzero = [r[k] for r in results for k in ('max_loss_difference', 'max_parameter_difference')
+               if r[k] > 0]
+    # A log axis cannot show 0, which is what most settings give: a 0 is a
+    # marker at the axis' left end, labelled, instead of an invisible bar.
+    high = max(nonzero, default=1e-15) * 10
+    low = min(nonzero, default=1e-15) / 100
+    for offset, key, label, color in ((-0.2, 'max_loss_difference', 'loss', 'tab:blue'),
+                                      (0.2, 'max_parameter_difference', 'parameters',
+                                       'tab:orange')):
+        ys = [i + offset for i in range(len(results))]
+        values = [r[key] for r in results]
+        right.barh([y for y, v in zip(ys, values) if v > 0], [v for v in values if v > 0],
+                   height=0.4, left=low, label=label, color=color)
+        zeros = [y for y, v in zip(ys, values) if v == 0]
+        right.scatter([low] * len(zeros), zeros, marker='|', s=120, color=color, zorder=3)
+        for y in zeros:
+            right.annotate(f'0 ({label}: identical)', (low, y), xytext=(6, 0),
+                           textcoords='offset points', va='center', fontsize='x-small')
+    right.set_yticks(range(len(results)))
+    right.set_yticklabels(names, fontsize='x-small')
+    right.set_xscale('log')
+    right.set_xlim(low, high)
+    right.xaxis.set_major_locator(LogLocator(base=10, numticks=5))
+    right.set_xlabel('largest |GPipe - unwrapped| over all steps')
+    right.set_title('difference from the unwrapped model')
+    right.legend(fontsize='small', loc='lower right')
+
+
+EXPERIMENT = Experiment(
+    name='transparency', doc=__doc__, presets=PRESETS, smoke=SMOKE, run=run, table=table,
+    headline=headline, plot=plot,
+    options=[Option('--steps', 'steps', 'SGD steps', minimum=1)])
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
-    parser = make_parser(EXPERIMENT, __doc__, PRESETS)
-    parser.add_argument('--steps', type=int, help='SGD steps (default: from the preset)')
-    args = parser.parse_args(argv)
-
-    config = dict(PRESETS[args.preset])
-    if args.smoke:
-        config.update(SMOKE)
-    if args.steps is not None:
-        config['steps'] = args.steps
-    with threads(args.threads):
-        outcome = run(config)
-        env = environment(outcome['devices'])
-
-    report(config, outcome)
-    return finish(args, EXPERIMENT, config, outcome, env, plot(outcome))
+    return run_main(EXPERIMENT, argv)
 
 
 if __name__ == '__main__':

@@ -2,13 +2,13 @@
 
 Run from the repository root::
 
-    python -m benchmarks.unet_memory --preset cpu      # CPU, about half a minute
+    python -m benchmarks.unet_memory                   # CPU, about half a minute
     python -m benchmarks.unet_memory --preset paper    # Table 3, needs 8 CUDA devices
     python -m benchmarks.unet_memory --preset paper --settings naive-1,pipeline-1
 
 Every setting runs in a fresh process: the model is built on the ``meta``
 device, balanced by an estimate of each layer's memory (twice its parameters
-plus its output for one micro-batch; see ``benchmarks.common.size_balance``),
+plus its output for one micro-batch; see ``benchmarks.balance.size_balance``),
 and each layer is then allocated straight on its partition's device, so
 models larger than one device (or than the host) can be measured. After a
 warm-up step with a tiny batch, one training step (forward, loss, backward,
@@ -20,26 +20,26 @@ plain SGD) is measured:
 - on CPU, where all partitions share the host's memory, the memory usage is
   the parameters' bytes plus the peak increase of the process's resident set
   during the step (gradients, activations, temporaries), with freed tensors
-  returned to the system at once (see ``benchmarks.common``).
+  returned to the system at once (see ``benchmarks.memory``).
 
 Naive-1 is the plain model on one device; Pipeline-n is GPipe with n
 partitions and the default checkpointing ('except_last'). The paper does not
 state its number of micro-batches for this table; ``--chunks`` sets it.
 """
-import json
 import sys
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import (GiB, MiB, Preset, cpu_devices, cuda_devices, environment, finish,
-                               fix_malloc, format_table, make_parser, materialize, parameter_count,
-                               run_measure_subprocesses, size_balance, step_peak_memory, threads)
+from benchmarks.balance import materialize, size_balance
+from benchmarks.devices import cpu_devices, cuda_devices
+from benchmarks.memory import (GiB, MiB, fix_malloc, parameter_count, run_measure_subprocesses,
+                               step_peak_memory)
 from benchmarks.models.unet import unet
+from benchmarks.report import format_table
+from benchmarks.runner import Experiment, Figure, Option, Preset, main as run_main
 from torchgpipe import GPipe
-
-EXPERIMENT = 'unet_memory'
 
 
 def row(name: str, num_convs: int, channels: int, partitions: int,
@@ -73,7 +73,6 @@ PAPER = {'naive-1': ('362.2M', '20.3 GiB'), 'pipeline-1': ('2.21B', '20.5 GiB'),
 def measure(setting: Dict[str, Any]) -> Dict[str, Any]:
     """In a fresh process: the peak memory of one training step of one setting."""
     fix_malloc()
-    torch.set_num_threads(1)
     torch.manual_seed(0)
     partitions, chunks = setting['partitions'], setting['chunks']
     batch, size = setting['batch'], setting['image_size']
@@ -117,16 +116,20 @@ def measure(setting: Dict[str, Any]) -> Dict[str, Any]:
 def run(config: Dict[str, Any]) -> Dict[str, Any]:
     if config['device'] == 'cuda':
         cuda_devices(max(r['partitions'] for r in config['rows']))  # fails early if missing
+    # --chunks sets the micro-batches of every pipeline row (Naive-1 has none).
+    chunks = config.get('chunks')
     settings = [dict(r, device=config['device'], batch=config['batch'],
-                     image_size=config['image_size']) for r in config['rows']]
+                     image_size=config['image_size'],
+                     chunks=chunks if chunks and r['chunks'] else r['chunks'])
+                for r in config['rows']]
     # CPU settings each measure their own process, so two may overlap; on
     # CUDA they would share the devices.
     parallel = 2 if config['device'] == 'cpu' else 1
-    results = run_measure_subprocesses(f'benchmarks.{EXPERIMENT}', settings, parallel=parallel)
+    results = run_measure_subprocesses('benchmarks.unet_memory', settings, parallel=parallel)
     baseline = next((r for r in results if r['name'] == 'naive-1'), None)
     for r in results:
         r['memory_ratio'] = r['memory'] / baseline['memory'] if baseline else None
-    return {'results': results}
+    return {'results': results, 'devices': max((r['devices'] for r in results), key=len)}
 
 
 def human(n: float, unit: str = 'B') -> str:
@@ -138,10 +141,8 @@ def human(n: float, unit: str = 'B') -> str:
     return str(n)
 
 
-def report(config: Dict[str, Any], outcome: Dict[str, Any]) -> None:
-    results = outcome['results']
-    print(f"U-Net(B, C), 3x{config['image_size']}x{config['image_size']}, batch "
-          f"{config['batch']}, {config['device'].upper()} ({results[0]['method']})")
+def table(document: Dict[str, Any]) -> str:
+    config, results = document['settings'], document['results']
     rows = []
     for r in results:
         per_device = ', '.join(human(v) for v in r['per_device'].values())
@@ -150,74 +151,55 @@ def report(config: Dict[str, Any], outcome: Dict[str, Any]) -> None:
                      human(r['parameters'], ''), human(r['memory']),
                      f"{r['memory_ratio']:.2f}" if r['memory_ratio'] is not None else '-',
                      per_device, r['balance']] + list(paper))
-    print(format_table(['U-Net', '(B, C)', 'm', 'parameters', 'memory usage', 'vs naive',
-                        'per device', 'balance', 'paper params', 'paper memory'], rows))
+    lines = [f"U-Net(B, C), 3x{config['image_size']}x{config['image_size']}, batch "
+             f"{config['batch']}, {config['device'].upper()} ({results[0]['method']})",
+             format_table(['U-Net', '(B, C)', 'micro-batches', 'parameters', 'memory usage',
+                           'memory / naive-1', 'per device', 'balance', 'paper params',
+                           'paper memory'], rows)]
     if config['device'] != 'cuda':
-        print('paper (Table 3, P40): ' + ', '.join(f'{k} {p} params {m}'
-                                                   for k, (p, m) in PAPER.items()))
+        lines.append('paper (Table 3, P40): ' + ', '.join(f'{k} {p} params {m}'
+                                                          for k, (p, m) in PAPER.items()))
+    return '\n'.join(lines)
 
 
-def plot(config: Dict[str, Any], outcome: Dict[str, Any]) -> Callable[[Any], None]:
-    def draw(plt: Any) -> None:
-        results = outcome['results']
-        names = [r['name'] for r in results]
-        scale, unit = (GiB, 'GiB') if config['device'] == 'cuda' else (MiB, 'MiB')
-        bottoms = [0.0] * len(results)
-        width = max(len(r['per_device']) for r in results)
-        for d in range(width):
+def headline(document: Dict[str, Any]) -> List[Figure]:
+    return [Figure(f"{r['name']}: memory / naive-1", f"{r['memory_ratio']:.2f}x")
+            for r in document['results'] if r['memory_ratio'] is not None]
+
+
+def plot(document: Dict[str, Any], plt: Any) -> None:
+    config, results = document['settings'], document['results']
+    names = [r['name'] for r in results]
+    cuda = config['device'] == 'cuda'
+    scale, unit = (GiB, 'GiB') if cuda else (MiB, 'MiB')
+    bottoms = [0.0] * len(results)
+    if cuda:
+        for d in range(max(len(r['per_device']) for r in results)):
             values = [list(r['per_device'].values())[d] / scale if d < len(r['per_device'])
                       else 0.0 for r in results]
-            if config['device'] != 'cuda':
-                values = [r['memory'] / scale for r in results]
-            plt.bar(names, values, bottom=bottoms,
-                    label=f'device {d}' if config['device'] == 'cuda' else None)
+            plt.bar(names, values, bottom=bottoms, label=f'device {d}')
             bottoms = [b + v for b, v in zip(bottoms, values)]
-        for name, r, top in zip(names, results, bottoms):
-            plt.annotate(f"({r['num_convs']}, {r['channels']})\n"
-                         f"{human(r['parameters'], '')} params", (name, top),
-                         ha='center', va='bottom', fontsize='small')
-        plt.ylabel(f'memory usage ({unit})')
-        plt.ylim(top=max(bottoms) * 1.25)
-        plt.title(f"U-Net memory, {config['device'].upper()}")
-        if config['device'] == 'cuda':
-            plt.legend(fontsize='small')
+        plt.legend(fontsize='small')
+    else:
+        bottoms = [r['memory'] / scale for r in results]
+        plt.bar(names, bottoms)
+    for name, r, top in zip(names, results, bottoms):
+        plt.annotate(f"({r['num_convs']}, {r['channels']})\n"
+                     f"{human(r['parameters'], '')} params", (name, top),
+                     ha='center', va='bottom', fontsize='small')
+    plt.ylabel(f'memory usage ({unit})')
+    plt.ylim(top=max(bottoms) * 1.25)
+    plt.title(f"U-Net memory, {config['device'].upper()}")
 
-    return draw
+
+EXPERIMENT = Experiment(
+    name='unet_memory', doc=__doc__, presets=PRESETS, smoke=SMOKE, run=run, table=table,
+    headline=headline, plot=plot, settings=True, measure=measure,
+    options=[Option('--chunks', 'chunks', 'micro-batches of every pipeline row', minimum=1)])
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
-    parser = make_parser(EXPERIMENT, __doc__, PRESETS)
-    parser.add_argument('--settings', help='comma-separated rows of the preset to run '
-                        '(default: all), e.g. naive-1,pipeline-2')
-    parser.add_argument('--chunks', type=int, help='micro-batches of every pipeline setting')
-    parser.add_argument('--measure', help='(internal) measure one setting, print JSON')
-    args = parser.parse_args(argv)
-    if args.measure:
-        with threads(args.threads):
-            print(json.dumps(measure(json.loads(args.measure))))
-        return {}
-
-    config = dict(PRESETS[args.preset])
-    if args.smoke:
-        config.update(SMOKE)
-    rows: List[Dict[str, Any]] = [dict(r) for r in config['rows']]
-    if args.settings:
-        wanted = args.settings.split(',')
-        unknown = set(wanted) - {r['name'] for r in rows}
-        if unknown:
-            parser.error(f'unknown settings: {", ".join(sorted(unknown))}')
-        rows = [r for r in rows if r['name'] in wanted]
-    if args.chunks is not None:
-        rows = [dict(r, chunks=args.chunks if r['chunks'] else None) for r in rows]
-    config['rows'] = rows
-
-    with threads(args.threads):
-        outcome = run(config)
-        devices = max((r['devices'] for r in outcome['results']), key=len)
-        env = environment(devices)
-
-    report(config, outcome)
-    return finish(args, EXPERIMENT, config, outcome, env, plot(config, outcome))
+    return run_main(EXPERIMENT, argv)
 
 
 if __name__ == '__main__':

@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python -m benchmarks.unet_speed --preset cpu      # CPU devices, about a minute
+    python -m benchmarks.unet_speed                   # CPU devices, about a minute
     python -m benchmarks.unet_speed --preset paper    # Table 4, needs 8 CUDA devices
     python -m benchmarks.unet_speed --preset paper --settings naive-1,pipeline-2
 
@@ -11,8 +11,9 @@ or checkpointing; Pipeline-n trains it with GPipe on n partitions (the
 balance from ``torchgpipe.balance.balance_by_time``). Each setting trains
 with plain SGD for some epochs of a synthetic dataset (one random batch fed
 again and again, so no data loading is timed); the throughput in samples/s
-leaves the first epoch out and is that of the fastest remaining epoch (the
-mean is in the JSON). The speed-up is against Naive-1 of the same run. On
+leaves the first epoch out and is that of the fastest remaining epoch; the
+table also shows the range over those epochs (their median and mean are in
+the JSON). The speed-up is against Naive-1 of the same run. On
 CPU the settings take turns epoch by epoch, so that a busy spell of the
 machine slows them alike; on CUDA they run one after the other.
 
@@ -23,18 +24,20 @@ on as many cores as the machine has; Naive-1 uses one core.
 import functools
 import math
 import sys
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import (Preset, Trainer, auto_balance, cpu_devices, cuda_devices,
-                               environment, finish, format_table, make_parser, measure_throughputs,
-                               parameter_count, threads, tune_malloc)
+from benchmarks.balance import auto_balance
+from benchmarks.devices import cpu_devices, cuda_devices
+from benchmarks.memory import parameter_count
 from benchmarks.models.unet import unet
+from benchmarks.report import format_table
+from benchmarks.runner import Experiment, Figure, Preset, main as run_main
+from benchmarks.speed import EPOCHS, format_throughput, plot_throughputs
+from benchmarks.timing import Trainer, measure_settings
 from torchgpipe import GPipe
-
-EXPERIMENT = 'unet_speed'
 
 
 def row(name: str, batch: int, chunks: Optional[int], partitions: int) -> Dict[str, Any]:
@@ -94,81 +97,53 @@ def build(config: Dict[str, Any], setting: Dict[str, Any], info: Dict[str, Any])
 def run(config: Dict[str, Any]) -> Dict[str, Any]:
     if config['device'] == 'cuda':
         cuda_devices(max(r['partitions'] for r in config['rows']))  # fails early if missing
-    infos: Dict[str, Dict[str, Any]] = {r['name']: {} for r in config['rows']}
-    factories = {r['name']: functools.partial(build, config, r, infos[r['name']])
-                 for r in config['rows']}
-    measured = measure_throughputs(factories, config['epochs'],
-                                   interleave=config['device'] == 'cpu')
-    results = [dict(infos[name], **measured[name]) for name in factories]
+    batch = config.get('batch')
+    rows = [dict(r, batch=batch or r['batch']) for r in config['rows']]
+    results = measure_settings(rows, functools.partial(build, config), config['epochs'],
+                               config['device'])
     baseline = next((r for r in results if r['name'] == 'naive-1'), None)
     for r in results:
         r['speedup'] = r['throughput'] / baseline['throughput'] if baseline else None
         r['paper_speedup'] = PAPER[r['name']][1] if r['name'] in PAPER else None
-    return {'results': results}
+    return {'results': results, 'devices': max((r['devices'] for r in results), key=len)}
 
 
-def report(config: Dict[str, Any], outcome: Dict[str, Any]) -> None:
-    print(f"U-Net({config['num_convs']}, {config['channels']}), 3x{config['image_size']}x"
-          f"{config['image_size']}, {config['device'].upper()}; throughput of the fastest "
-          f"epoch after the first of {config['epochs']}")
+def table(document: Dict[str, Any]) -> str:
+    config = document['settings']
     rows = []
-    for r in outcome['results']:
+    for r in document['results']:
         rows.append([r['name'], r['batch'], r['chunks'] or 'x', r['balance'] or '-',
-                     f"{r['throughput']:.3f}/s",
+                     *format_throughput(r),
                      f"{r['speedup']:.3f}" if r['speedup'] is not None else '-',
                      r['paper_speedup'] if r['paper_speedup'] is not None else '-'])
-    print(format_table(['U-Net', 'batch', 'm', 'balance', 'throughput', 'speed-up',
-                        'paper (P40)'], rows))
+    return '\n'.join([
+        f"U-Net({config['num_convs']}, {config['channels']}), 3x{config['image_size']}x"
+        f"{config['image_size']}, {config['device'].upper()}; {config['epochs']} epochs, the "
+        'first not counted',
+        format_table(['U-Net', 'batch', 'micro-batches', 'balance', 'throughput (fastest epoch)',
+                      'throughput range (epochs)', 'speed-up (fastest)', 'paper speed-up (P40)'],
+                     rows)])
 
 
-def plot(config: Dict[str, Any], outcome: Dict[str, Any]) -> Callable[[Any], None]:
-    def draw(plt: Any) -> None:
-        results = outcome['results']
-        names = [r['name'] for r in results]
-        bars = plt.bar(names, [r['throughput'] for r in results], color='tab:blue')
-        for bar, r in zip(bars, results):
-            if r['speedup'] is not None:
-                plt.annotate(f"{r['speedup']:.2f}x", (bar.get_x() + bar.get_width() / 2,
-                                                      bar.get_height()),
-                             ha='center', va='bottom')
-        plt.ylabel('throughput (samples/s)')
-        plt.title(f"U-Net({config['num_convs']}, {config['channels']}) speed, "
-                  f"{config['device'].upper()} devices")
+def headline(document: Dict[str, Any]) -> List[Figure]:
+    return [Figure(f"{r['name']}: speed-up against naive-1", f"{r['speedup']:.2f}x")
+            for r in document['results'] if r['speedup'] is not None]
 
-    return draw
+
+def plot(document: Dict[str, Any], plt: Any) -> None:
+    config = document['settings']
+    plot_throughputs(plt, document['results'], [r['name'] for r in document['results']])
+    plt.title(f"U-Net({config['num_convs']}, {config['channels']}) speed, "
+              f"{config['device'].upper()} devices")
+
+
+EXPERIMENT = Experiment(name='unet_speed', doc=__doc__, presets=PRESETS, smoke=SMOKE, run=run,
+                        table=table, headline=headline, plot=plot, settings=True,
+                        options=[EPOCHS], tune_malloc=True)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
-    parser = make_parser(EXPERIMENT, __doc__, PRESETS)
-    parser.add_argument('--settings', help='comma-separated rows of the preset to run '
-                        '(default: all), e.g. naive-1,pipeline-2')
-    parser.add_argument('--epochs', type=int, help='epochs per setting, at least 2')
-    args = parser.parse_args(argv)
-
-    config = dict(PRESETS[args.preset])
-    if args.smoke:
-        config.update(SMOKE)
-    if args.epochs is not None:
-        config['epochs'] = args.epochs
-    if args.settings:
-        wanted = args.settings.split(',')
-        unknown = set(wanted) - {r['name'] for r in config['rows']}
-        if unknown:
-            parser.error(f'unknown settings: {", ".join(sorted(unknown))}')
-        config['rows'] = [r for r in config['rows'] if r['name'] in wanted]
-    if args.smoke:
-        batch = config.pop('batch')
-        config['rows'] = [dict(r, batch=batch) for r in config['rows']]
-
-    if config['device'] == 'cpu' and not args.smoke:
-        tune_malloc()  # process-wide, so not in smoke runs (which run inside the test suite)
-    with threads(args.threads):
-        outcome = run(config)
-        devices = max((r['devices'] for r in outcome['results']), key=len)
-        env = environment(devices)
-
-    report(config, outcome)
-    return finish(args, EXPERIMENT, config, outcome, env, plot(config, outcome))
+    return run_main(EXPERIMENT, argv)
 
 
 if __name__ == '__main__':

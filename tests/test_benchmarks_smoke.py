@@ -1,17 +1,17 @@
-"""Every benchmark's CPU preset runs in smoke mode and writes its results, so none of them rots.
+"""Every registered benchmark runs its CPU preset in smoke mode and writes its results.
 
 The benchmarks live in ``benchmarks/`` at the repository root (not in the
-wheel); each module's ``main(argv)`` is called in this process, with
-``--smoke`` (a couple of steps) and ``--output-dir`` in a temporary
-directory. Their figures are not checked here (timings are never asserted),
-except the transparency experiment's loss difference, which must be 0 up to
-float rounding.
+wheel); the experiments are those of ``benchmarks.registry``, so a new one is
+smoke-tested as soon as it is registered. Each runs in this process with
+``--smoke`` (a couple of steps) and ``--output-dir`` in a temporary directory.
+Their figures are not checked here (timings are never asserted), except the
+loss differences of the transparency experiments, which must be 0 up to float
+rounding.
 """
-import importlib
 import json
 import sys
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List
 
 import pytest
 import torch
@@ -20,11 +20,10 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import common  # noqa: E402
+from benchmarks import registry, report, runner, timing  # noqa: E402
+from benchmarks.memory import parameter_count  # noqa: E402
 from benchmarks.models.amoebanet import amoebanetd  # noqa: E402
 from benchmarks.models.resnet import resnet, resnet101  # noqa: E402
-
-EXPERIMENTS = ['overhead', 'transparency', 'unet_memory', 'unet_speed', 'amoebanet_speed']
 
 try:
     import matplotlib  # noqa: F401
@@ -33,109 +32,134 @@ except ImportError:
     HAVE_MATPLOTLIB = False
 
 
-def run_smoke(name: str, output_dir: Path) -> Dict[str, Any]:
-    module = importlib.import_module(f'benchmarks.{name}')
+def check_overhead(document: Dict[str, Any]) -> None:
+    results = document['results']
+    assert [r['name'] for r in results] == ['wrapper', 'scheduler', 'compute-bound', 'memory']
+    for r in results:
+        assert r['ratio'] > 0 and isinstance(r['within_target'], bool)
+    scheduler = results[1]
+    assert scheduler['floor_ratio'] > 0 and scheduler['gpipe_over_floor'] > 0
+    assert scheduler['target'] == max(12.0, 1.15 * scheduler['floor_ratio'])
+    for r in results[:3]:
+        for key in ('gpipe_ms', 'unwrapped_ms'):
+            assert r[key]['min'] <= r[key]['median'] <= r[key]['max']
+    assert document['grid'] and all('per_task_us' in g for g in document['grid'])
+    assert [r['name'] for r in document['threaded']] == ['scheduler (threads)',
+                                                         'compute-bound (threads)']
+
+
+def check_transparency(document: Dict[str, Any]) -> None:
+    results = document['results']
+    assert {r['checkpoint'] for r in results} == {'always', 'except_last', 'never'}
+    assert len({(r['chunks'], r['partitions']) for r in results}) >= 3
+    # float64 and the same seed: equal up to float rounding.
+    assert document['max_loss_difference'] < 1e-12
+    assert document['max_parameter_difference'] < 1e-12
+
+
+def check_unet_memory(document: Dict[str, Any]) -> None:
+    results = document['results']
+    assert [r['name'] for r in results] == ['naive-1', 'pipeline-1', 'pipeline-2', 'pipeline-4']
+    for r in results:
+        assert r['parameters'] > 0 and r['memory'] > r['parameter_bytes']
+        assert sum(r['balance']) > 0 and len(r['balance']) == r['partitions']
+    assert results[0]['memory_ratio'] == 1.0
+
+
+def check_speed(document: Dict[str, Any]) -> None:
+    results = document['results']
+    for r in results:
+        assert r['throughput'] > 0 and r['speedup'] > 0
+        assert len(r['epoch_seconds']) == 2
+        assert len(r['balance'] or [0]) == r['partitions']
+        spread = r['throughput_spread']
+        assert spread['min'] <= spread['median'] <= spread['max'] == r['throughput']
+    assert results[0]['speedup'] == 1.0
+
+
+def check_solver_speed(document: Dict[str, Any]) -> None:
+    for r in document['results']:
+        assert 0 < r['ms']['min'] <= r['ms']['median'] <= r['ms']['max']
+
+
+def check_unet_example(document: Dict[str, Any]) -> None:
+    r = document['results']
+    assert r['max_loss_difference'] < 1e-5
+    assert 0 < r['copies_with_portals'] < r['copies_through_partitions']
+
+
+#: What each experiment's results must hold beyond what every document holds.
+CHECKS: Dict[str, Callable[[Dict[str, Any]], None]] = {
+    'overhead': check_overhead, 'transparency': check_transparency,
+    'unet_memory': check_unet_memory, 'unet_speed': check_speed,
+    'amoebanet_speed': check_speed, 'solver_speed': check_solver_speed,
+    'unet_example': check_unet_example,
+}
+
+
+@pytest.mark.parametrize('name', registry.NAMES)
+def test_cpu_preset_smoke(name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    experiment = registry.load(name)
     threads = torch.get_num_threads()
-    returned = module.main(['--preset', 'cpu', '--smoke', '--output-dir', str(output_dir)])
+    returned = runner.main(experiment, ['--smoke', '--output-dir', str(tmp_path)])
     assert torch.get_num_threads() == threads, 'the benchmark left its thread setting behind'
-    path = output_dir / f'{name}-cpu.json'
-    assert path.is_file()
-    document: Dict[str, Any] = json.loads(path.read_text())
+
+    # A smoke run never takes the place of a real run's results.
+    assert not (tmp_path / f'{name}-cpu.json').exists()
+    document: Dict[str, Any] = json.loads((tmp_path / f'{name}-cpu-smoke.json').read_text())
     assert document == json.loads(json.dumps(returned, default=str))
-    return document
-
-
-def check_common(document: Dict[str, Any], name: str, output_dir: Path,
-                 capsys: pytest.CaptureFixture[str]) -> None:
     assert document['experiment'] == name
-    assert document['preset'] == 'cpu'
-    assert document['smoke'] is True
+    assert document['preset'] == 'cpu' and document['smoke'] is True
     assert isinstance(document['settings'], dict)
-    assert document['results']
+    assert document['results'] and document['headline']
+    assert all(f['within'] is None for f in document['headline'])
     env = document['environment']
-    for key in ('torch', 'torchgpipe', 'python', 'platform', 'devices', 'git_commit',
-                'torch_threads'):
-        assert key in env
-    assert env['torch'] == torch.__version__
-    assert env['torch_threads'] == 1
+    assert env['torch'] == torch.__version__ and env['torch_threads'] == 1
     assert env['devices'] and all(d.startswith('cpu') for d in env['devices'])
+    CHECKS.get(name, lambda document: None)(document)
 
     out = capsys.readouterr().out
+    assert runner.SMOKE_NOTE in out
     if HAVE_MATPLOTLIB:
-        assert (output_dir / f'{name}-cpu.png').is_file()
+        assert (tmp_path / f'{name}-cpu-smoke.png').is_file()
+        assert not (tmp_path / f'{name}-cpu.png').exists()
     else:
         assert 'plot skipped' in out
 
 
-@pytest.mark.parametrize('name', EXPERIMENTS)
-def test_cpu_preset_smoke(name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    document = run_smoke(name, tmp_path)
-    check_common(document, name, tmp_path, capsys)
-    results: List[Dict[str, Any]] = document['results']
-
-    if name == 'overhead':
-        assert [r['name'] for r in results] == ['wrapper', 'scheduler', 'compute-bound',
-                                                'memory']
-        for r in results:
-            assert r['ratio'] > 0
-            assert r['target'] == {'wrapper': 1.05, 'scheduler': 12.0, 'compute-bound': 1.33,
-                                   'memory': 0.39}[r['name']]
-            assert isinstance(r['pass'], bool)
-        assert document['grid'] and all('per_task_us' in g for g in document['grid'])
-        assert {m: d['step_peak'] > 0 for m, d in document['memory'].items()} == {
-            'unwrapped': True, 'never': True, 'except_last': True}
-
-    elif name == 'transparency':
-        assert {r['checkpoint'] for r in results} == {'always', 'except_last', 'never'}
-        assert len({(r['chunks'], r['partitions']) for r in results}) >= 3
-        # float64 and the same seed: equal up to float rounding.
-        assert document['max_loss_difference'] < 1e-12
-        assert document['max_parameter_difference'] < 1e-12
-
-    elif name == 'unet_memory':
-        assert [r['name'] for r in results] == ['naive-1', 'pipeline-1', 'pipeline-2',
-                                                'pipeline-4']
-        for r in results:
-            assert r['parameters'] > 0 and r['memory'] > r['parameter_bytes']
-            assert sum(r['balance']) > 0 and len(r['balance']) == r['partitions']
-        assert results[0]['memory_ratio'] == 1.0
-
-    else:
-        for r in results:
-            assert r['throughput'] > 0 and r['speedup'] > 0
-            assert len(r['epoch_seconds']) == 2
-            assert len(r['balance'] or [0]) == r['partitions']
-        assert results[0]['speedup'] == 1.0
-
-
-def test_run_all_summarizes(tmp_path: Path) -> None:
-    from benchmarks import run_all
-
-    summary = run_all.main(['--smoke', '--only', 'transparency', '--no-plot',
-                            '--output-dir', str(tmp_path)])
-    assert summary['smoke'] is True
-    assert [f['figure'] for f in summary['figures']] == ['largest loss difference']
-    assert json.loads((tmp_path / 'run_all-cpu.json').read_text()) == summary
-
-
-@pytest.mark.parametrize('name', EXPERIMENTS + ['run_all'])
+@pytest.mark.parametrize('name', registry.NAMES)
 def test_help(name: str, capsys: pytest.CaptureFixture[str]) -> None:
-    module = importlib.import_module(f'benchmarks.{name}')
+    module = __import__(f'benchmarks.{name}', fromlist=['main'])
     with pytest.raises(SystemExit) as exc_info:
         module.main(['--help'])
     assert exc_info.value.code == 0
     out = capsys.readouterr().out
     assert '--smoke' in out and '--output-dir' in out
-    if name != 'run_all':
-        assert 'presets:' in out and 'cpu' in out
+    assert 'presets:' in out and 'cpu' in out
 
 
-def test_plot_skipped_without_matplotlib(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                         capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setitem(sys.modules, 'matplotlib', None)
-    assert common.save_plot(tmp_path, 'x', 'cpu', lambda plt: None) is None
-    assert 'plot skipped' in capsys.readouterr().out
-    assert not list(tmp_path.iterdir())
+def test_run_all_summarizes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import run_all
+
+    summary = run_all.main(['--smoke', '--only', 'transparency', '--no-plot',
+                            '--output-dir', str(tmp_path)])
+    assert summary['smoke'] is True
+    assert [f['label'] for f in summary['figures']] == ['largest loss difference',
+                                                        'largest parameter difference']
+    assert json.loads((tmp_path / 'run_all-cpu-smoke.json').read_text()) == summary
+    assert not (tmp_path / 'run_all-cpu.json').exists()
+    with pytest.raises(SystemExit):
+        run_all.main(['--only', 'nonesuch'])
+    assert '--only: no experiment nonesuch' in capsys.readouterr().err
+
+
+def test_run_all_help_lists_every_experiment(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import run_all
+
+    with pytest.raises(SystemExit):
+        run_all.main(['--help'])
+    out = ' '.join(capsys.readouterr().out.split())
+    assert all(name in out for name in registry.NAMES)
 
 
 def test_amoebanet_passes_cell_pairs_between_layers() -> None:
@@ -153,7 +177,7 @@ def test_resnet101_is_resnet101() -> None:
     with torch.device('meta'):
         model = resnet101()
     assert len(model) == 1 + 5 * 33 + 3
-    assert common.parameter_count(model) == 44_549_160
+    assert parameter_count(model) == 44_549_160
 
 
 def test_tiny_resnet_on_gpipe_matches(threaded: bool) -> None:
@@ -171,19 +195,28 @@ def test_tiny_resnet_on_gpipe_matches(threaded: bool) -> None:
 def test_measure_throughputs(interleave: bool) -> None:
     built: List[str] = []
 
-    def factory(name: str) -> common.Trainer:
+    def factory(name: str) -> timing.Trainer:
         built.append(name)
         model = torch.nn.Linear(4, 1)
-        return common.Trainer(model, torch.rand(8, 4), torch.rand(8, 1),
+        return timing.Trainer(model, torch.rand(8, 4), torch.rand(8, 1),
                               torch.nn.functional.mse_loss, steps_per_epoch=2,
                               devices=[torch.device('cpu')])
 
-    results = common.measure_throughputs({'a': lambda: factory('a'), 'b': lambda: factory('b')},
+    results = timing.measure_throughputs({'a': lambda: factory('a'), 'b': lambda: factory('b')},
                                          3, interleave=interleave)
     assert built == ['a', 'b']
     for result in results.values():
         assert len(result['epoch_seconds']) == 3
         assert result['samples_per_epoch'] == 16
         assert result['throughput'] >= result['throughput_mean'] > 0
-    with pytest.raises(ValueError):
-        common.measure_throughputs({}, 1, interleave=interleave)
+        assert result['throughput_spread']['samples'] == 2
+    with pytest.raises(ValueError, match='epochs must be at least 2'):
+        timing.measure_throughputs({}, 1, interleave=interleave)
+
+
+def test_plot_skipped_without_matplotlib(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(sys.modules, 'matplotlib', None)
+    assert report.save_plot(tmp_path / 'x.png', lambda plt: None) is None
+    assert 'plot skipped' in capsys.readouterr().out
+    assert not list(tmp_path.iterdir())

@@ -1,0 +1,192 @@
+"""Memory: the peak one training step adds, measured in a fresh process per setting.
+
+On CUDA it is the allocator's peak of allocated bytes on each device. On CPU
+all partitions share the host's memory, so it is one figure: large
+allocations are forced to ``mmap`` (glibc's ``mallopt``, :func:`fix_malloc`)
+so that freed tensors leave the resident set at once, the kernel's
+high-water mark is reset right before the measured step
+(``/proc/self/clear_refs``), and the step's peak is the high-water mark minus
+the resident size before the step. Each setting runs in its own process
+(:func:`run_measure_subprocesses`), started as
+``python -m benchmarks.<experiment> --measure <json>``.
+
+The allocator matters to timings too: :func:`tune_malloc` makes glibc keep
+freed memory for reuse, as a caching allocator does, so that page faults do
+not penalize large batches.
+"""
+import gc
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from benchmarks import REPO_ROOT
+from benchmarks.devices import synchronize
+
+__all__ = ['GiB', 'MiB', 'parameter_count', 'fix_malloc', 'tune_malloc', 'malloc_tuned',
+           'step_peak_memory', 'run_measure_subprocesses']
+
+GiB = 1024 ** 3
+MiB = 1024 ** 2
+
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+
+_malloc_tuned = False
+
+
+def parameter_count(model: nn.Module) -> int:
+    """How many numbers the model's parameters hold."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def _mallopt(*options: Tuple[int, int]) -> bool:
+    try:
+        import ctypes
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    return all([bool(mallopt(option, value)) for option, value in options])
+
+
+def fix_malloc(threshold: int = 64 * 1024) -> bool:
+    """For memory measurements: allocations of ``threshold`` bytes or more by ``mmap`` (glibc).
+
+    Freed tensors then leave the resident set at once, instead of staying in
+    the heap for reuse, so the resident set follows the live bytes. Called
+    after the imports: serving the interpreter's start-up this way is slow.
+    """
+    return _mallopt((M_MMAP_THRESHOLD, threshold), (M_TRIM_THRESHOLD, 0))
+
+
+def tune_malloc() -> bool:
+    """For timings on CPU: keep freed memory for reuse instead of returning it (glibc).
+
+    By default glibc serves large blocks by ``mmap`` and returns freed heap
+    to the system, so a step allocating tensors of tens of MiB page-faults
+    on fresh zeroed pages again and again, which penalizes large batches
+    (the unwrapped model's) far more than micro-batches. With the largest
+    ``mmap`` threshold glibc allows and no trimming, every setting reuses its
+    memory, as it would with a caching allocator. Process-wide; harmless
+    apart from keeping the process's peak memory.
+    """
+    global _malloc_tuned
+    _malloc_tuned = _mallopt((M_MMAP_THRESHOLD, 32 * MiB), (M_TRIM_THRESHOLD, 1 << 30))
+    return _malloc_tuned
+
+
+def malloc_tuned() -> bool:
+    """Whether :func:`tune_malloc` has tuned this process's allocator."""
+    return _malloc_tuned
+
+
+def _proc_status(key: str) -> Optional[int]:
+    """A ``kB`` field of /proc/self/status in bytes (Linux only)."""
+    try:
+        with open('/proc/self/status') as status:
+            for line in status:
+                if line.startswith(key + ':'):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _reset_peak_rss() -> bool:
+    try:
+        with open('/proc/self/clear_refs', 'w') as clear_refs:
+            clear_refs.write('5')
+        return True
+    except OSError:
+        return False
+
+
+def _max_rss() -> int:
+    peak = _proc_status('VmHWM')
+    if peak is not None:
+        return peak
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return maxrss if sys.platform == 'darwin' else maxrss * 1024
+
+
+def _rss() -> int:
+    rss = _proc_status('VmRSS')
+    return rss if rss is not None else _max_rss()
+
+
+def step_peak_memory(step: Callable[[], None], devices: Sequence[torch.device],
+                     ) -> Dict[str, Any]:
+    """The peak memory one call of ``step`` adds, per CUDA device or for the host.
+
+    On CUDA, the allocator's peak of allocated bytes on each device. On CPU,
+    the resident set's high-water mark minus the resident size before the
+    step; meant for a fresh process (see :func:`run_measure_subprocesses`).
+    """
+    gc.collect()
+    cuda = [d for d in dict.fromkeys(devices) if d.type == 'cuda']
+    if cuda:
+        before = {}
+        for d in cuda:
+            torch.cuda.synchronize(d)
+            torch.cuda.reset_peak_memory_stats(d)
+            before[str(d)] = torch.cuda.memory_allocated(d)
+        step()
+        synchronize(cuda)
+        peaks = {str(d): torch.cuda.max_memory_allocated(d) for d in cuda}
+        return {'method': 'cuda max_memory_allocated', 'per_device': peaks,
+                'before': before, 'peak': sum(peaks.values()),
+                'step_peak': sum(peaks[k] - before[k] for k in peaks)}
+
+    reset = _reset_peak_rss()
+    resident = _rss()
+    step()
+    added = _max_rss() - resident
+    method = 'rss high-water mark (clear_refs)' if reset else 'ru_maxrss'
+    return {'method': method, 'per_device': {'host': added}, 'before': resident,
+            'peak': added, 'step_peak': added}
+
+
+def run_measure_subprocesses(module: str, settings: Sequence[Mapping[str, Any]], *,
+                             parallel: int = 1, timeout: float = 3600) -> List[Dict[str, Any]]:
+    """Runs ``python -m <module> --measure <json>`` per setting in fresh processes.
+
+    The children run with one OpenMP thread; a child measuring CPU memory
+    calls :func:`fix_malloc` first. At most ``parallel`` of them run at a
+    time (each measures its own resident set, so CPU measurements may
+    overlap).
+
+    Returns:
+        the JSON document each child printed last, in the order of ``settings``
+    """
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS='1', PYTHONPATH=os.pathsep.join(
+        p for p in (str(REPO_ROOT), env.get('PYTHONPATH')) if p))
+    pending = list(enumerate(settings))
+    running: List[Tuple[int, subprocess.Popen]] = []  # type: ignore[type-arg]
+    outputs: Dict[int, Dict[str, Any]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while pending or running:
+            while pending and len(running) < max(1, parallel):
+                index, setting = pending.pop(0)
+                command = [sys.executable, '-m', module, '--measure', json.dumps(dict(setting))]
+                running.append((index, subprocess.Popen(
+                    command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE, text=True)))
+            index, process = running.pop(0)
+            stdout, stderr = process.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            if process.returncode != 0:
+                raise RuntimeError(f'{module} --measure {json.dumps(dict(settings[index]))} '
+                                   f'failed ({process.returncode}):\n{stderr}')
+            outputs[index] = json.loads(stdout.strip().splitlines()[-1])
+    finally:
+        for _, process in running:
+            process.kill()
+            process.wait()
+    return [outputs[i] for i in range(len(settings))]
