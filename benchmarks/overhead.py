@@ -223,11 +223,7 @@ def memory_row(config: Dict[str, Any]) -> Row:
 #: The rows measured against targets, in order: ``row(config) -> dict``, each
 #: with ``name``, ``setting``, ``measured`` and ``against`` (what the ratio
 #: divides), ``ratio``, ``target`` and ``within_target``.
-#:
-#: Room for a row 'tracing': the same scheduler setting with tracing on
-#: against off (the cost of recording a timeline; off must cost nothing). It
-#: is a function like :func:`scheduler_row` timing both in one
-#: :func:`timed_row`, appended here with its bound in ``TARGETS``.
+#: (What tracing costs, on and off, is measured by :mod:`benchmarks.timeline`.)
 ROWS: Sequence[Callable[[Dict[str, Any]], Row]] = (wrapper_row, scheduler_row, compute_row,
                                                    memory_row)
 

@@ -19,8 +19,7 @@ NAMES = (
     'amoebanet_speed',
     'solver_speed',
     'unet_example',
-    # A 'timeline' experiment (benchmarks/timeline.py, recording the executed
-    # schedule) is added here, as one more name.
+    'timeline',
 )
 
 

@@ -20,7 +20,8 @@ does the rest the same way for all of them::
 4. print the table and the headline figures, with their verdicts against
    their targets, except in a smoke run, whose figures mean nothing;
 5. write ``<output-dir>/<experiment>-<preset>.json`` and the plot ``.png``
-   beside it, or ``<experiment>-<preset>-smoke.*`` for a smoke run
+   beside it (and ``<experiment>-<preset>-<name>.png`` for more plots), or
+   ``<experiment>-<preset>-smoke*`` for a smoke run
    (:func:`benchmarks.report.output_path`).
 
 Adding an experiment is a module declaring its :class:`Experiment` and one
@@ -103,6 +104,7 @@ class Experiment:
             ``settings``, the configuration)
         headline: the figures the summary of all experiments quotes
         plot: draws a result document with ``plot(document, pyplot)``
+        more_plots: further figures, by name: ``<experiment>-<preset>-<name>.png``
         options: the experiment's own options
         settings: whether ``--settings`` picks some of the preset's ``rows`` by name
         check: returns a usage error for a configuration its options cannot
@@ -120,6 +122,7 @@ class Experiment:
     table: Callable[[Dict[str, Any]], str]
     headline: Callable[[Dict[str, Any]], List[Figure]]
     plot: Optional[Callable[[Dict[str, Any], Any], None]] = None
+    more_plots: Mapping[str, Callable[[Dict[str, Any], Any], None]] = field(default_factory=dict)
     options: Sequence[Option] = field(default_factory=tuple)
     settings: bool = False
     check: Optional[Callable[[Dict[str, Any]], Optional[str]]] = None
@@ -242,8 +245,11 @@ def main(experiment: Experiment, argv: Optional[Sequence[str]] = None) -> Dict[s
     print(figures_table([(experiment.name, f) for f in figures], args.smoke))
     write_json(output_path(args.output_dir, experiment.name, args.preset, args.smoke, '.json'),
                document)
-    plot = experiment.plot
-    if plot is not None and not args.no_plot:
-        save_plot(output_path(args.output_dir, experiment.name, args.preset, args.smoke, '.png'),
-                  lambda plt: plot(document, plt))
+    plots = dict(experiment.more_plots)
+    if experiment.plot is not None:
+        plots[''] = experiment.plot
+    for name, draw in ([] if args.no_plot else sorted(plots.items())):
+        suffix = f'-{name}.png' if name else '.png'
+        save_plot(output_path(args.output_dir, experiment.name, args.preset, args.smoke, suffix),
+                  lambda plt, draw=draw: draw(document, plt))
     return document
