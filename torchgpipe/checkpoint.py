@@ -36,7 +36,8 @@ leaf in the recomputation. For such a partition (see
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Deque, Dict, Optional, Sequence, Tuple, cast
+from typing import (Any, Callable, ContextManager, Deque, Dict, Iterable, Optional, Sequence,
+                    Tuple, cast)
 
 import torch
 from torch import Tensor
@@ -354,47 +355,72 @@ class Checkpoint(torch.autograd.Function):
     def backward(ctx: Any, *grad_output: Tensor) -> Tuple[Optional[Tensor], ...]:
         output, input_leaf = ctx.context.recomputed.pop()
         outputs = (output,) if isinstance(output, Tensor) else tuple(Batch(output))
-        pairs = [(o, g) for o, g in zip(outputs, grad_output) if o.requires_grad and g is not None]
+        tensors = []
+        grad_tensors = []
+        for o, g in zip(outputs, grad_output):
+            if o.requires_grad and g is not None:
+                tensors.append(o)
+                grad_tensors.append(g)
 
         # Gradients by id() of the leaf: hashing tensors calls into Python.
         grads: Dict[int, Optional[Tensor]] = {}
-        if pairs:
-            tensors, grad_tensors = zip(*pairs)
+        if tensors:
             leaves = reachable_leaves(tensors)
             if leaves:
-                grads = dict(zip(leaves, torch.autograd.grad(tensors, list(leaves.values()),
-                                                             grad_tensors, allow_unused=True)))
+                grads = dict(zip(leaves, differentiate(tensors, grad_tensors, leaves.values())))
 
             # Leaves that are neither inputs nor declared parameters (tensors
             # a layer captured) get their gradients as a plain backward would.
-            for key in grads.keys() - {id(x) for x in input_leaf} - ctx.parameter_ids:
+            known = ctx.parameter_ids.union(map(id, input_leaf))
+            for key, leaf in leaves.items():
                 grad = grads[key]
-                if grad is not None:
-                    leaf = leaves[key]
+                if key not in known and grad is not None:
                     leaf.grad = grad if leaf.grad is None else leaf.grad + grad
 
         # None for the phony and the context, then the input and the parameters.
-        return (None, None, *(grads.get(id(x)) for x in input_leaf),
-                *(grads.get(id(p)) for p in ctx.parameters))
+        return (None, None, *map(grads.get, map(id, input_leaf)),
+                *map(grads.get, map(id, ctx.parameters)))
+
+
+def differentiate(tensors: Sequence[Tensor], grad_tensors: Sequence[Tensor],
+                  leaves: Iterable[Tensor]) -> Tuple[Optional[Tensor], ...]:
+    """The gradients of ``leaves``, as :func:`torch.autograd.grad` with ``allow_unused=True``.
+
+    It calls the autograd engine directly: the arguments are known to be
+    well-formed, and the checks of :func:`torch.autograd.grad` (shapes,
+    ``__torch_function__``, batched gradients) cost as much as a small
+    partition's backward kernels, once per checkpointed task.
+    """
+    return cast(Tuple[Optional[Tensor], ...], ENGINE.run_backward(
+        tuple(tensors), tuple(grad_tensors), False, False, tuple(leaves), True, False))
+
+
+# The autograd engine behind torch.autograd.grad and backward.
+ENGINE = cast(Any, torch.autograd.Variable)._execution_engine
 
 
 def reachable_leaves(tensors: Sequence[Tensor]) -> Dict[int, Tensor]:
     """Finds every leaf requiring grad that a backward from ``tensors`` reaches, by id()."""
-    leaves = {id(t): t for t in tensors if t.grad_fn is None}
-    seen = set()
-    stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
+    leaves = {}
+    stack = []
+    for t in tensors:
+        if t.grad_fn is None:
+            leaves[id(t)] = t
+        else:
+            stack.append(t.grad_fn)
+    seen = set(stack)
     while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if type(node) is AccumulateGrad:
-            variable = cast(Any, node).variable
-            leaves[id(variable)] = variable
-            continue
-        for next_node, _ in node.next_functions:
-            if next_node is not None:
-                stack.append(next_node)
+        for node, _ in stack.pop().next_functions:
+            if node is None or node in seen:
+                continue
+            if type(node) is AccumulateGrad:
+                # A leaf has one such node, and it leads nowhere: there is
+                # no need to remember it as seen.
+                variable = cast(Any, node).variable
+                leaves[id(variable)] = variable
+            else:
+                seen.add(node)
+                stack.append(node)
     return leaves
 
 
