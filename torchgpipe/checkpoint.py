@@ -313,15 +313,16 @@ class Checkpoint(torch.autograd.Function):
                                               AccumulateGrad(W), once, after the
                                               engine summed dW over micro-batches
 
-    The backward differentiates the recomputed graph with
-    :func:`torch.autograd.grad`, which returns gradients instead of
-    accumulating them. Returning each parameter's as the gradient of a
-    Checkpoint input leaves the accumulation to the engine, once per backward
-    pass as without checkpointing: hooks on it (DistributedDataParallel's)
-    fire as usual. ``autograd.grad`` needs the list of leaves to
-    differentiate for; :func:`reachable_leaves` walks the recomputed graph to
-    find them all, so leaves that are neither the input nor a parameter of
-    the partition (a tensor a layer captured) get their gradients too.
+    The backward differentiates the recomputed graph as
+    :func:`torch.autograd.grad` does (:func:`differentiate`), which returns
+    gradients instead of accumulating them. Returning each parameter's as the
+    gradient of a Checkpoint input leaves the accumulation to the engine, once
+    per backward pass as without checkpointing: hooks on it
+    (DistributedDataParallel's) fire as usual. Differentiating needs the list
+    of leaves to differentiate for; :func:`reachable_leaves` walks the
+    recomputed graph to find them all, so leaves that are neither the input
+    nor a parameter of the partition (a tensor a layer captured) get their
+    gradients too.
     """
 
     @staticmethod
