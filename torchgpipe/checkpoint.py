@@ -34,9 +34,7 @@ leaf in the recomputation. For such a partition (see
 :class:`~torchgpipe.traits.PartitionTraits`) both passes run on copies.
 """
 import threading
-from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Deque, Dict, Optional, Sequence, Tuple, cast
+from typing import Any, Callable, ContextManager, Dict, Iterable, Optional, Sequence, Tuple, cast
 
 import torch
 from torch import Tensor
@@ -143,40 +141,49 @@ def is_recomputing() -> bool:
     return thread_local.is_recomputing
 
 
-@dataclass
 class Context:
     """What a :class:`Checkpoint` and its :class:`Recompute` share, apart from tensors.
 
     Tensors go through the autograd functions' arguments and saved tensors,
-    which autograd tracks and releases; this holds the rest, and the
-    one-element boxes through which the passes hand over their results.
+    which autograd tracks and releases; this holds the rest, and the slots
+    through which the passes hand over their results. One is made for every
+    checkpointed task, hence a plain class with slots.
+
+    Args:
+        function: the partition, as a function of a tensor or a tuple of
+            tensors
+        atomic: whether the function takes a tensor rather than a tuple
+        layout: where the input tensors go among the other values of the
+            input tuple (``None``: the input is tensors only)
+        num_inputs: how many leading tensor arguments are the input (then
+            parameters, or generator states)
+        traits: what earlier runs showed about the partition; the first pass
+            learns whether it modifies its input in place
+        exclusive_rng: whether the recomputation may draw from the CPU
+            generator, and so must hold it alone
     """
 
-    #: The partition, as a function of a tensor or a tuple of tensors.
-    function: Function
-    #: Whether the function takes a tensor rather than a tuple.
-    atomic: bool
-    #: Where the input tensors go among the other values of the input
-    #: tuple (``None``: the input is tensors only).
-    layout: Optional[Layout]
-    #: How many leading tensor arguments are the input (then parameters,
-    #: or generator states).
-    num_inputs: int
-    #: What earlier runs showed about the partition; the first pass learns
-    #: whether it modifies its input in place.
-    traits: PartitionTraits
-    #: Whether the recomputation may draw from the CPU generator, and so
-    #: must hold it alone.
-    exclusive_rng: bool
-    #: The states to replay, from Checkpoint.forward to Checkpointing.recompute.
-    first_pass: Deque[FirstPass] = field(default_factory=lambda: deque(maxlen=1))
-    #: The recomputed graph, from Recompute.backward to Checkpoint.backward.
-    recomputed: Deque[Recomputed] = field(default_factory=lambda: deque(maxlen=1))
-    #: The autocast state to recompute in.
-    autocast_states: Optional[AutocastStates] = None
-    #: Where the output tensors go among the other values of the output
-    #: tuple: Checkpoint returns the tensors only.
-    output_layout: Optional[Layout] = None
+    __slots__ = ('function', 'atomic', 'layout', 'num_inputs', 'traits', 'exclusive_rng',
+                 'first_pass', 'recomputed', 'autocast_states', 'output_layout')
+
+    def __init__(self, function: Function, atomic: bool, layout: Optional[Layout],
+                 num_inputs: int, traits: PartitionTraits, exclusive_rng: bool) -> None:
+        self.function = function
+        self.atomic = atomic
+        self.layout = layout
+        self.num_inputs = num_inputs
+        self.traits = traits
+        self.exclusive_rng = exclusive_rng
+        #: The states to replay, from Checkpoint.forward to Checkpointing.recompute.
+        self.first_pass: Optional[FirstPass] = None
+        #: The recomputed graph, from Recompute.backward to Checkpoint.backward,
+        #: which takes it out so that it is freed after use.
+        self.recomputed: Optional[Recomputed] = None
+        #: The autocast state to recompute in.
+        self.autocast_states: Optional[AutocastStates] = None
+        #: Where the output tensors go among the other values of the output
+        #: tuple: Checkpoint returns the tensors only.
+        self.output_layout: Optional[Layout] = None
 
     def arguments(self, input: Tensors) -> TensorOrTensors:
         """The function's argument, from the input tensors."""
@@ -193,11 +200,11 @@ class Checkpointing:
     Args:
         function: the partition to run on the batch
         batch (Batch): the input micro-batch
-        parameters: the parameters of the function. Their gradients are
-            returned by the checkpoint's backward, summed by the autograd
-            engine over micro-batches and accumulated once per backward pass,
-            as without checkpointing (DistributedDataParallel relies on
-            that). Gradients of other leaves the function reaches are
+        parameters: the parameters of the function that require grad.
+            Their gradients are returned by the checkpoint's backward, summed
+            by the autograd engine over micro-batches and accumulated once per
+            backward pass, as without checkpointing (DistributedDataParallel
+            relies on that). Gradients of other leaves the function reaches are
             accumulated directly.
         traits: what earlier runs showed about the partition; whether it
             modifies its input in place is learned here
@@ -208,7 +215,7 @@ class Checkpointing:
     def __init__(self, function: Function, batch: Batch, parameters: Sequence[Tensor] = (),
                  traits: Optional[PartitionTraits] = None, exclusive_rng: bool = True) -> None:
         self.batch = batch
-        self.parameters = tuple(p for p in parameters if p.requires_grad)
+        self.parameters = parameters
         self.context = Context(function, batch.atomic, batch.layout, len(batch),
                                PartitionTraits() if traits is None else traits, exclusive_rng)
 
@@ -234,15 +241,17 @@ class Checkpointing:
             batch (Batch): the output batch :meth:`checkpoint` returned; its
                 first tensor is replaced by one that carries the dependency
         """
-        (cpu_rng_state, gpu_rng_state), self.context.autocast_states = \
-            self.context.first_pass.pop()
+        context = self.context
+        assert context.first_pass is not None
+        (cpu_rng_state, gpu_rng_state), context.autocast_states = context.first_pass
+        context.first_pass = None
         # Every floating point output requires grad: it came out of Checkpoint
         # with a phony that does. With none, there is no backward to precede.
         index = batch.find(lambda x: x.requires_grad)
         if index is None:
             return
         rng_tensors = (cpu_rng_state,) if gpu_rng_state is None else (cpu_rng_state, gpu_rng_state)
-        batch[index] = Recompute.apply(batch[index], self.context,  # type: ignore[no-untyped-call]
+        batch[index] = Recompute.apply(batch[index], context,  # type: ignore[no-untyped-call]
                                        *self.batch, *rng_tensors)
 
 
@@ -304,15 +313,16 @@ class Checkpoint(torch.autograd.Function):
                                               AccumulateGrad(W), once, after the
                                               engine summed dW over micro-batches
 
-    The backward differentiates the recomputed graph with
-    :func:`torch.autograd.grad`, which returns gradients instead of
-    accumulating them. Returning each parameter's as the gradient of a
-    Checkpoint input leaves the accumulation to the engine, once per backward
-    pass as without checkpointing: hooks on it (DistributedDataParallel's)
-    fire as usual. ``autograd.grad`` needs the list of leaves to
-    differentiate for; :func:`reachable_leaves` walks the recomputed graph to
-    find them all, so leaves that are neither the input nor a parameter of
-    the partition (a tensor a layer captured) get their gradients too.
+    The backward differentiates the recomputed graph as
+    :func:`torch.autograd.grad` does (:func:`differentiate`), which returns
+    gradients instead of accumulating them. Returning each parameter's as the
+    gradient of a Checkpoint input leaves the accumulation to the engine, once
+    per backward pass as without checkpointing: hooks on it
+    (DistributedDataParallel's) fire as usual. Differentiating needs the list
+    of leaves to differentiate for; :func:`reachable_leaves` walks the
+    recomputed graph to find them all, so leaves that are neither the input
+    nor a parameter of the partition (a tensor a layer captured) get their
+    gradients too.
     """
 
     @staticmethod
@@ -321,9 +331,8 @@ class Checkpoint(torch.autograd.Function):
         ctx.context = context
         input = input_and_parameters[:context.num_inputs]
         ctx.parameters = input_and_parameters[context.num_inputs:]
-        ctx.parameter_ids = {id(p) for p in ctx.parameters}
 
-        context.first_pass.append((save_rng_states(input[0].device), save_autocast_states()))
+        context.first_pass = (save_rng_states(input[0].device), save_autocast_states())
 
         function, traits = context.function, context.traits
         with torch.no_grad(), enable_checkpointing():
@@ -352,49 +361,78 @@ class Checkpoint(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grad_output: Tensor) -> Tuple[Optional[Tensor], ...]:
-        output, input_leaf = ctx.context.recomputed.pop()
+        context: Context = ctx.context
+        assert context.recomputed is not None
+        output, input_leaf = context.recomputed
+        context.recomputed = None
         outputs = (output,) if isinstance(output, Tensor) else tuple(Batch(output))
-        pairs = [(o, g) for o, g in zip(outputs, grad_output) if o.requires_grad and g is not None]
+        tensors = []
+        grad_tensors = []
+        for o, g in zip(outputs, grad_output):
+            if o.requires_grad and g is not None:
+                tensors.append(o)
+                grad_tensors.append(g)
 
         # Gradients by id() of the leaf: hashing tensors calls into Python.
         grads: Dict[int, Optional[Tensor]] = {}
-        if pairs:
-            tensors, grad_tensors = zip(*pairs)
+        leaves: Dict[int, Tensor] = {}
+        if tensors:
             leaves = reachable_leaves(tensors)
             if leaves:
-                grads = dict(zip(leaves, torch.autograd.grad(tensors, list(leaves.values()),
-                                                             grad_tensors, allow_unused=True)))
-
-            # Leaves that are neither inputs nor declared parameters (tensors
-            # a layer captured) get their gradients as a plain backward would.
-            for key in grads.keys() - {id(x) for x in input_leaf} - ctx.parameter_ids:
-                grad = grads[key]
-                if grad is not None:
-                    leaf = leaves[key]
-                    leaf.grad = grad if leaf.grad is None else leaf.grad + grad
+                grads = dict(zip(leaves, differentiate(tensors, grad_tensors, leaves.values())))
 
         # None for the phony and the context, then the input and the parameters.
-        return (None, None, *(grads.get(id(x)) for x in input_leaf),
-                *(grads.get(id(p)) for p in ctx.parameters))
+        result = (None, None, *(grads.pop(id(x), None) for x in input_leaf),
+                  *(grads.pop(id(p), None) for p in ctx.parameters))
+
+        # The leaves left are neither inputs nor declared parameters (tensors
+        # a layer captured): they get their gradients as a plain backward would.
+        for key, grad in grads.items():
+            if grad is not None:
+                leaf = leaves[key]
+                leaf.grad = grad if leaf.grad is None else leaf.grad + grad
+        return result
+
+
+def differentiate(tensors: Sequence[Tensor], grad_tensors: Sequence[Tensor],
+                  leaves: Iterable[Tensor]) -> Tuple[Optional[Tensor], ...]:
+    """The gradients of ``leaves``, as :func:`torch.autograd.grad` with ``allow_unused=True``.
+
+    It calls the autograd engine directly: the arguments are known to be
+    well-formed, and the checks of :func:`torch.autograd.grad` (shapes,
+    ``__torch_function__``, batched gradients) cost as much as a small
+    partition's backward kernels, once per checkpointed task.
+    """
+    return cast(Tuple[Optional[Tensor], ...], ENGINE.run_backward(
+        tuple(tensors), tuple(grad_tensors), False, False, tuple(leaves), True, False))
+
+
+# The autograd engine behind torch.autograd.grad and backward.
+ENGINE = cast(Any, torch.autograd.Variable)._execution_engine
 
 
 def reachable_leaves(tensors: Sequence[Tensor]) -> Dict[int, Tensor]:
     """Finds every leaf requiring grad that a backward from ``tensors`` reaches, by id()."""
-    leaves = {id(t): t for t in tensors if t.grad_fn is None}
-    seen = set()
-    stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
+    leaves = {}
+    stack = []
+    for t in tensors:
+        if t.grad_fn is None:
+            leaves[id(t)] = t
+        else:
+            stack.append(t.grad_fn)
+    seen = set(stack)
     while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if type(node) is AccumulateGrad:
-            variable = cast(Any, node).variable
-            leaves[id(variable)] = variable
-            continue
-        for next_node, _ in node.next_functions:
-            if next_node is not None:
-                stack.append(next_node)
+        for node, _ in stack.pop().next_functions:
+            if node is None or node in seen:
+                continue
+            if type(node) is AccumulateGrad:
+                # A leaf has one such node, and it leads nowhere: there is
+                # no need to remember it as seen.
+                variable = cast(Any, node).variable
+                leaves[id(variable)] = variable
+            else:
+                seen.add(node)
+                stack.append(node)
     return leaves
 
 
@@ -438,7 +476,7 @@ class Recompute(torch.autograd.Function):
             else:
                 output = context.function(context.arguments(input_leaf))
 
-        context.recomputed.append((output, input_leaf))
+        context.recomputed = (output, input_leaf)
 
         # The output's gradient passes through; nothing for the context and
         # the saved tensors.

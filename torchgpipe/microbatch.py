@@ -206,6 +206,9 @@ class Batch:
 
     def find(self, predicate: Callable[[Tensor], bool]) -> Optional[int]:
         """Returns the index of the first tensor satisfying ``predicate``, or ``None``."""
+        if self.atomic:
+            # The common case, several times per task: spare the iterators.
+            return 0 if predicate(cast(Tensor, self._values)) else None
         return next((i for i, x in enumerate(self) if predicate(x)), None)
 
     def __repr__(self) -> str:

@@ -127,8 +127,10 @@ class Pipeline:
         self.traits = traits
         self.timeline = timeline
         # Checkpoints return the gradients of their partition's parameters,
-        # and of the tied parameters of earlier partitions it uses.
-        self.parameters = [partition_parameters(p) if checkpoint_stop else () for p in partitions]
+        # and of the tied parameters of earlier partitions it uses: those
+        # that require grad, picked once here rather than in every task.
+        self.parameters = [tuple(p for p in partition_parameters(partition) if p.requires_grad)
+                           if checkpoint_stop else () for partition in partitions]
         # Each micro-batch has its own skip tensors.
         self.skip_trackers = [SkipTrackerThroughPortals(skip_layout) for _ in batches]
 
@@ -279,10 +281,12 @@ def partition_function(partition: nn.Sequential, j: int, skip_tracker: SkipTrack
     tracker as current: in the worker thread, and again in the thread of the
     backward pass when it is recomputed.
     """
+    what = f'output of partition {j}'
+
     def function(input: TensorOrTensors) -> TensorOrTensors:
         with use_skip_tracker(skip_tracker):
             output = partition(input)
-        check(output, f'output of partition {j}')
+        check(output, what)
         return cast(TensorOrTensors, output)
     return function
 

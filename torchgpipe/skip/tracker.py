@@ -8,8 +8,7 @@ dictionary too. torchgpipe 0.0.7 spelled that class
 ``SkipTrackerThroughPotals``; the old name still works.
 """
 import threading
-from contextlib import contextmanager
-from typing import Dict, Generator, List, Optional, Tuple
+from typing import ContextManager, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -225,19 +224,34 @@ class ThreadLocal(threading.local):
 thread_local = ThreadLocal()
 
 
-@contextmanager
-def use_skip_tracker(skip_tracker: SkipTracker) -> Generator[None, None, None]:
+def use_skip_tracker(skip_tracker: SkipTracker) -> ContextManager[None]:
     """Makes ``skip_tracker`` this thread's current tracker within the context.
 
     Args:
         skip_tracker (SkipTracker): the tracker skippable layers should use
     """
-    orig = thread_local.skip_tracker
-    thread_local.skip_tracker = skip_tracker
-    try:
-        yield
-    finally:
-        thread_local.skip_tracker = orig
+    return _UseSkipTracker(skip_tracker)
+
+
+class _UseSkipTracker:
+    """The context of :func:`use_skip_tracker`.
+
+    A class rather than a generator-based context manager: it is entered
+    for every task and every recomputation, and this is the cheaper of the two.
+    """
+
+    __slots__ = ('skip_tracker', 'orig')
+
+    def __init__(self, skip_tracker: SkipTracker) -> None:
+        self.skip_tracker = skip_tracker
+        self.orig: Optional[SkipTracker] = None
+
+    def __enter__(self) -> None:
+        self.orig = thread_local.skip_tracker
+        thread_local.skip_tracker = self.skip_tracker
+
+    def __exit__(self, *exc_info: object) -> None:
+        thread_local.skip_tracker = self.orig
 
 
 def current_skip_tracker() -> SkipTracker:
