@@ -1,7 +1,8 @@
 """The GPipe interface: partitioning a sequential module and running it as a pipeline."""
 import copy
 from collections import OrderedDict
-from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Union, cast
+from typing import (Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Union,
+                    cast)
 
 import torch
 from torch import nn
@@ -570,6 +571,38 @@ class GPipe(nn.Module):
                 copy_streams.append([new_stream(device) for _ in range(self.chunks)])
         return copy_streams
 
+    def _prepare(self, batches: List[microbatch.Batch]) -> int:
+        """Moves the micro-batches to the first device and readies the layers for them.
+
+        Returns:
+            int: how many of the first micro-batches are checkpointed
+        """
+        # An input elsewhere than on the first device is moved there, by a
+        # differentiable copy of each micro-batch.
+        first_device = self.devices[0]
+        if any(x.device != first_device for x in batches[0]):
+            # A NoChunk tensor, shared by every micro-batch, is moved once.
+            moved: Dict[int, torch.Tensor] = {}
+            for batch in batches:
+                for x in batch:
+                    if id(x) not in moved:
+                        moved[id(x)] = x.to(first_device)
+                batch[:] = tuple(moved[id(x)] for x in batch)
+
+        m = len(batches)
+        # A short batch splits into fewer micro-batches than chunks: deferred
+        # BatchNorm must commit its statistics after this many.
+        for layer in self._deferred_batch_norms:
+            layer.chunks = m
+
+        # Checkpointing only pays off when there is a backward pass to come.
+        if not (self.training and torch.is_grad_enabled()):
+            return 0
+        # As in torchgpipe 0.0.7, 'except_last' spares the last of ``chunks``
+        # micro-batches: a short mini-batch split into fewer micro-batches
+        # has all of them checkpointed.
+        return {'always': m, 'except_last': min(m, self.chunks - 1), 'never': 0}[self.checkpoint]
+
     def forward(self, input: TensorOrTensors) -> TensorOrTensors:
         """Runs a mini-batch through the pipeline.
 
@@ -600,34 +633,7 @@ class GPipe(nn.Module):
             # An empty sequential module is the identity (NoChunk unwrapped).
             return microbatch.Batch(input).plain
 
-        # An input elsewhere than on the first device is moved there, by a
-        # differentiable copy of each micro-batch.
-        first_device = self.devices[0]
-        if any(x.device != first_device for x in batches[0]):
-            # A NoChunk tensor, shared by every micro-batch, is moved once.
-            moved: Dict[int, torch.Tensor] = {}
-            for batch in batches:
-                for x in batch:
-                    if id(x) not in moved:
-                        moved[id(x)] = x.to(first_device)
-                batch[:] = tuple(moved[id(x)] for x in batch)
-
-        # Checkpointing only pays off when there is a backward pass to come.
-        m = len(batches)
-        # A short batch splits into fewer micro-batches than chunks: deferred
-        # BatchNorm must commit its statistics after this many.
-        for layer in self._deferred_batch_norms:
-            layer.chunks = m
-
-        if self.training and torch.is_grad_enabled():
-            # As in torchgpipe 0.0.7, 'except_last' spares the last of
-            # ``chunks`` micro-batches: a short mini-batch split into fewer
-            # micro-batches has all of them checkpointed.
-            checkpoint_stop = {'always': m, 'except_last': min(m, self.chunks - 1),
-                               'never': 0}[self.checkpoint]
-        else:
-            checkpoint_stop = 0
-
+        checkpoint_stop = self._prepare(batches)
         streams = [current_stream(d) for d in self.devices]
         with use_device(self.devices[0]):
             copy_streams = self._ensure_copy_streams()
@@ -637,3 +643,110 @@ class GPipe(nn.Module):
         pipeline.run()
 
         return microbatch.gather(batches)
+
+    def train_step(self, input: TensorOrTensors, target: TensorOrTensors,
+                   loss_fn: Callable[[TensorOrTensors, TensorOrTensors], torch.Tensor], *,
+                   schedule: str = '1f1b', reduction: str = 'mean') -> torch.Tensor:
+        """Runs the forward and backward passes of a mini-batch, scheduled by the pipeline.
+
+        After it, every parameter's ``.grad`` holds (added to what it held)
+        what ``loss_fn(model(input), target).backward()`` gives the
+        unwrapped model. Unlike :meth:`forward` followed by ``backward()``,
+        the backward pass of each partition runs in the worker of its
+        device, interleaved with forward passes as ``schedule`` says, so
+        devices work on forward and backward passes at once, CPU devices
+        with distinct indices included.
+
+        The input and the target are split into micro-batches alike; the
+        loss of each micro-batch is weighted by its share of the mini-batch
+        (``reduction='mean'``, for a loss averaged over the samples: the
+        default of PyTorch's losses) or not weighted (``reduction='sum'``,
+        for a summed loss), so that the gradients are those of the loss of
+        the whole mini-batch.
+
+        Args:
+            input (torch.Tensor or tuple): the mini-batch, as :meth:`forward` takes it
+            target (torch.Tensor or tuple): the target, split along dimension
+                0 like the input; moved to the last device
+            loss_fn (callable): ``loss_fn(output, target)`` of one
+                micro-batch, returning a tensor of one element
+            schedule (str): ``'1f1b'`` (default) starts backward passes as
+                early as it can, so that partition ``j`` keeps at most
+                ``n - j`` micro-batches' activations; ``'fill_drain'`` runs
+                every forward pass first, as :meth:`forward` does
+            reduction (str): ``'mean'`` (default) or ``'sum'``: how ``loss_fn``
+                reduces a micro-batch
+
+        Returns:
+            torch.Tensor: the loss of the mini-batch, on the last device,
+            without autograd history
+
+        Raises:
+            ValueError: an unknown ``schedule`` or ``reduction``, or a target
+                that does not split like the input
+            TypeError: ``loss_fn`` is not callable, or does not return a
+                tensor of one element
+            RuntimeError: called with gradients disabled, or with
+                torch.distributed running several processes (gradients are
+                not all-reduced across processes)
+
+        Example::
+
+            >>> model = GPipe(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)),
+            ...               balance=[2, 1], devices=['cpu:0', 'cpu:1'], chunks=4,
+            ...               checkpoint='never')
+            >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> input, target = torch.randn(16, 4), torch.randn(16, 2)
+            >>> optimizer.zero_grad()
+            >>> loss = model.train_step(input, target, F.mse_loss)
+            >>> optimizer.step()
+            >>> loss.shape
+            torch.Size([])
+        """
+        from torchgpipe.schedule import SCHEDULES
+        from torchgpipe.stepper import Step
+
+        if schedule not in SCHEDULES:
+            raise ValueError(describe(f'schedule must be one of {", ".join(map(repr, SCHEDULES))}',
+                                      f'schedule: {schedule!r}', "use schedule='1f1b'"))
+        if reduction not in ('mean', 'sum'):
+            raise ValueError(describe("reduction must be 'mean' or 'sum'",
+                                      f'reduction: {reduction!r}',
+                                      "say how loss_fn reduces a micro-batch, e.g. "
+                                      "reduction='mean' for F.cross_entropy"))
+        if not callable(loss_fn):
+            raise TypeError(describe('loss_fn must be callable', f'loss_fn: {loss_fn!r}',
+                                     'pass a function of (output, target), e.g. F.mse_loss'))
+        if not torch.is_grad_enabled():
+            raise RuntimeError('train_step runs a backward pass, but gradients are disabled '
+                               '(torch.no_grad() or torch.inference_mode()); call it outside '
+                               'of them, or call the module itself for inference')
+        if (torch.distributed.is_available() and torch.distributed.is_initialized()
+                and torch.distributed.get_world_size() > 1):
+            raise RuntimeError('train_step does not all-reduce gradients across processes; '
+                               'with DistributedDataParallel, call the DDP module and '
+                               'loss.backward() instead')
+        microbatch.check(input)
+        microbatch.check(target, 'target')
+        batches = microbatch.scatter(input, self.chunks)
+        targets = microbatch.scatter(target, self.chunks)
+        sizes = [b[0].size(0) for b in batches]
+        target_sizes = [t[0].size(0) for t in targets]
+        if sizes != target_sizes:
+            raise ValueError(describe('target must split into the micro-batches the input does',
+                                      f'input micro-batches of {sizes}, target of {target_sizes}',
+                                      'give a target with one row per sample of the input'))
+        if not self.devices:
+            raise ValueError('train_step needs at least one layer: this GPipe is empty')
+
+        checkpoint_stop = self._prepare(batches)
+        last_device = self.devices[-1]
+        for t in targets:
+            t[:] = tuple(x.to(last_device) for x in t)
+        total = sum(sizes)
+        weights = [size / total if reduction == 'mean' else 1.0 for size in sizes]
+        m, n = len(batches), len(self.devices)
+        step = Step(self._partitions(), self.devices, batches, [t.values for t in targets],
+                    loss_fn, weights, SCHEDULES[schedule](m, n), self._skip_layout,
+                    checkpoint_stop, self._run_state.traits, self._run_state.timeline)
+        return step.run()

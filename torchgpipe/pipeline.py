@@ -27,7 +27,7 @@ from torchgpipe.dependency import fork, join
 from torchgpipe.microbatch import Batch, TensorOrTensors, check
 from torchgpipe.rng import Turns, training_flags
 from torchgpipe.skip.layout import SkipLayout
-from torchgpipe.skip.tracker import SkipTrackerThroughPortals, use_skip_tracker
+from torchgpipe.skip.tracker import SkipTracker, SkipTrackerThroughPortals, use_skip_tracker
 from torchgpipe.stream import AbstractStream, is_cuda, use_device, use_stream
 from torchgpipe.tied import partition_parameters
 from torchgpipe.timeline import Timeline
@@ -273,7 +273,7 @@ class Pipeline:
             raise exc_info[1].with_traceback(exc_info[2])
 
 
-def partition_function(partition: nn.Sequential, j: int, skip_tracker: SkipTrackerThroughPortals,
+def partition_function(partition: nn.Sequential, j: int, skip_tracker: SkipTracker,
                        ) -> Callable[[TensorOrTensors], TensorOrTensors]:
     """Wraps a partition into a function for a task.
 

@@ -1,0 +1,482 @@
+"""GPipe.train_step: the gradients of the unwrapped model, by any schedule, on either path.
+
+The schedules are checked as data first (no model), then executed: every
+parameter's gradient and the loss equal the unwrapped model's, the order
+each partition ran its actions in is the schedule's (from the timeline), and
+a failure anywhere ends the step cleanly.
+"""
+import copy
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import cpu_devices
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import Tensor, nn
+
+import torchgpipe
+from torchgpipe import GPipe
+from torchgpipe.batchnorm import DeferredBatchNorm
+from torchgpipe.schedule import (SCHEDULES, Action, clock_order, depends_on, fill_drain,
+                                 in_flight, one_f_one_b)
+from torchgpipe.skip import Namespace, pop, skippable, stash
+
+# -- schedules, as data ---------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(m=st.integers(1, 12), n=st.integers(1, 6), name=st.sampled_from(sorted(SCHEDULES)))
+def test_every_schedule_runs_each_action_once_and_can_finish(m: int, n: int, name: str) -> None:
+    schedule = SCHEDULES[name](m, n)
+    assert len(schedule) == n
+    for j, actions in enumerate(schedule):
+        assert sorted((a.kind, a.i) for a in actions) == sorted(
+            [('F', i) for i in range(m)] + [('B', i) for i in range(m)])
+        assert all(a.j == j for a in actions)
+        # A micro-batch's backward comes after its forward.
+        assert all(actions.index(Action('F', a.i, j)) < actions.index(a)
+                   for a in actions if a.kind == 'B')
+    cycles = clock_order(schedule)
+    done = set()
+    for cycle in cycles:
+        assert len({a.j for a in cycle}) == len(cycle)  # one action per partition
+        for a in cycle:
+            assert all(d in done for d in depends_on(a, n))
+        done.update(cycle)
+    assert len(done) == 2 * m * n
+
+
+@settings(max_examples=60, deadline=None)
+@given(m=st.integers(1, 12), n=st.integers(1, 6))
+def test_one_f_one_b_warms_up_alternates_and_drains(m: int, n: int) -> None:
+    for j, actions in enumerate(one_f_one_b(m, n)):
+        warmup = min(n - j, m)
+        kinds = ''.join(a.kind for a in actions)
+        assert kinds == 'F' * warmup + 'BF' * (m - warmup) + 'B' * warmup
+        # Forward and backward passes each in micro-batch order.
+        assert [a.i for a in actions if a.kind == 'F'] == list(range(m))
+        assert [a.i for a in actions if a.kind == 'B'] == list(range(m))
+        assert in_flight(actions) == warmup
+
+
+@settings(max_examples=30, deadline=None)
+@given(m=st.integers(1, 12), n=st.integers(1, 6))
+def test_fill_drain_keeps_every_micro_batch_alive(m: int, n: int) -> None:
+    for j, actions in enumerate(fill_drain(m, n)):
+        assert [a.kind for a in actions] == ['F'] * m + ['B'] * m
+        assert [a.i for a in actions if a.kind == 'B'] == list(reversed(range(m)))
+        assert in_flight(actions) == m
+
+
+def test_a_schedule_that_cannot_finish_is_refused() -> None:
+    # Partition 0 waits for the gradient of micro-batch 0 before sending it.
+    schedule = [[Action('B', 0, 0), Action('F', 0, 0)], [Action('F', 0, 1), Action('B', 0, 1)]]
+    with pytest.raises(ValueError, match='cannot go on: B\\(0,0\\)'):
+        clock_order(schedule)
+
+
+# -- gradients ----------------------------------------------------------------------
+
+
+def named_grads(module: nn.Module) -> Dict[str, Tensor]:
+    """Gradients by the unwrapped model's names ('partitions.<j>.' dropped)."""
+    grads = {name: p.grad for name, p in module.named_parameters() if p.grad is not None}
+    if isinstance(module, GPipe):
+        grads = {name.split('.', 2)[2]: grad for name, grad in grads.items()}
+    return grads
+
+
+def assert_train_step_as_unwrapped(model: nn.Sequential, input: Any, target: Tensor,
+                                   loss_fn: Callable[[Any, Tensor], Tensor],
+                                   reduction: str = 'mean', **options: Any) -> GPipe:
+    reference = copy.deepcopy(model)
+    expected = loss_fn(reference(input), target)
+    expected.backward()
+    schedule = options.pop('schedule', '1f1b')
+    gpipe = GPipe(model, **options)
+    loss = gpipe.train_step(input, target, loss_fn, schedule=schedule, reduction=reduction)
+    assert loss.grad_fn is None
+    assert loss.device == torch.empty(0, device=gpipe.devices[-1]).device
+    torch.testing.assert_close(loss.cpu(), expected.detach().cpu())
+    expected_grads = named_grads(reference)
+    actual_grads = named_grads(gpipe)
+    assert actual_grads.keys() == expected_grads.keys()
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(actual_grads[name].cpu(), grad.cpu(), msg=name)
+    return gpipe
+
+
+def mlp(widths: List[int]) -> nn.Sequential:
+    layers: List[nn.Module] = []
+    for a, b in zip(widths, widths[1:]):
+        layers += [nn.Linear(a, b), nn.Tanh()]
+    return nn.Sequential(*layers)
+
+
+@pytest.mark.parametrize('schedule', sorted(SCHEDULES))
+@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
+def test_gradients_of_the_unwrapped_model(schedule: str, checkpoint: str, threaded: bool) -> None:
+    torch.manual_seed(0)
+    model = mlp([4, 8, 8, 8, 3])
+    # 10 samples in 4 chunks: micro-batches of 3, 3, 3 and 1, weighted so.
+    assert_train_step_as_unwrapped(model, torch.randn(10, 4), torch.randn(10, 3), F.mse_loss,
+                                   balance=[3, 2, 3], devices=cpu_devices(3, threaded),
+                                   chunks=4, checkpoint=checkpoint, schedule=schedule)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_gradients_for_any_model_balance_and_chunks(data: st.DataObject) -> None:
+    widths = data.draw(st.lists(st.integers(1, 6), min_size=2, max_size=6), label='widths')
+    model = mlp(widths)
+    n = data.draw(st.integers(1, min(4, len(model))), label='partitions')
+    cuts = sorted(data.draw(st.sets(st.integers(1, len(model) - 1), min_size=n - 1,
+                                    max_size=n - 1), label='cuts')) if n > 1 else []
+    bounds = [0, *cuts, len(model)]
+    balance = [b - a for a, b in zip(bounds, bounds[1:])]
+    batch = data.draw(st.integers(1, 9), label='batch')
+    threaded = data.draw(st.booleans(), label='threaded')
+    torch.manual_seed(data.draw(st.integers(0, 2**16), label='seed'))
+    assert_train_step_as_unwrapped(
+        model, torch.randn(batch, widths[0]), torch.randn(batch, widths[-1]), F.mse_loss,
+        balance=balance, devices=cpu_devices(n, threaded),
+        chunks=data.draw(st.integers(1, 5), label='chunks'),
+        checkpoint=data.draw(st.sampled_from(['always', 'except_last', 'never']),
+                             label='checkpoint'),
+        schedule=data.draw(st.sampled_from(sorted(SCHEDULES)), label='schedule'))
+
+
+def test_summed_loss(threaded: bool) -> None:
+    torch.manual_seed(0)
+    assert_train_step_as_unwrapped(
+        mlp([3, 5, 2]), torch.randn(7, 3), torch.randn(7, 2),
+        lambda output, target: F.mse_loss(output, target, reduction='sum'), reduction='sum',
+        balance=[2, 2], devices=cpu_devices(2, threaded), chunks=3)
+
+
+def test_cross_entropy_and_tuples(threaded: bool) -> None:
+    class Pair(nn.Module):
+        def forward(self, x: Tensor) -> Tuple[Tensor, Tensor]:
+            return x.tanh(), x.sigmoid()
+
+    class Join(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(8, 5)
+
+        def forward(self, pair: Tuple[Tensor, Tensor]) -> Tensor:
+            return self.linear(pair[0] * pair[1])
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), Pair(), Join())
+    assert_train_step_as_unwrapped(model, torch.randn(9, 6), torch.randint(5, (9,)),
+                                   F.cross_entropy, balance=[2, 1],
+                                   devices=cpu_devices(2, threaded), chunks=4)
+
+
+@skippable(stash=['skip'])
+class Stash(nn.Module):
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        yield stash('skip', x)
+        return x
+
+
+@skippable(pop=['skip'])
+class PopAdd(nn.Module):
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        skip = yield pop('skip')
+        return x + skip
+
+
+@pytest.mark.parametrize('schedule', sorted(SCHEDULES))
+@pytest.mark.parametrize('checkpoint', ['always', 'never'])
+def test_skips_across_and_within_partitions(schedule: str, checkpoint: str,
+                                            threaded: bool) -> None:
+    far, near = Namespace(), Namespace()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), Stash().isolate(far), nn.Linear(4, 4), nn.Tanh(),
+                          Stash().isolate(near), nn.Linear(4, 4), PopAdd().isolate(near),
+                          nn.Linear(4, 4), PopAdd().isolate(far), nn.Linear(4, 2))
+    # far: from partition 0 to 3; near: within partition 2.
+    assert_train_step_as_unwrapped(model, torch.randn(8, 4), torch.randn(8, 2), F.mse_loss,
+                                   balance=[2, 2, 3, 3], devices=cpu_devices(4, threaded),
+                                   chunks=4, checkpoint=checkpoint, schedule=schedule)
+
+
+@pytest.mark.parametrize('checkpoint', ['always', 'never'])
+def test_tied_weights_across_partitions(checkpoint: str, threaded: bool) -> None:
+    torch.manual_seed(0)
+    embedding = nn.Embedding(10, 6)
+    head = nn.Linear(6, 10)
+    head.weight = embedding.weight
+    model = nn.Sequential(embedding, nn.Linear(6, 6), nn.Tanh(), head)
+    tokens = torch.randint(10, (8,))
+    assert_train_step_as_unwrapped(model, tokens, torch.randint(10, (8,)), F.cross_entropy,
+                                   balance=[2, 2], devices=cpu_devices(2, threaded), chunks=4,
+                                   checkpoint=checkpoint)
+
+
+def test_a_model_flattened_by_to_sequential(threaded: bool) -> None:
+    class Residual(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(5, 5)
+            self.b = nn.Linear(5, 5)
+            self.out = nn.Linear(5, 2)
+
+        def forward(self, x: Tensor) -> Tensor:
+            h = torch.relu(self.a(x))
+            return self.out(h + self.b(h).tanh())
+
+    torch.manual_seed(0)
+    flat = torchgpipe.to_sequential(Residual())
+    assert_train_step_as_unwrapped(flat, torch.randn(6, 5), torch.randn(6, 2), F.mse_loss,
+                                   balance=[2, len(flat) - 2], devices=cpu_devices(2, threaded),
+                                   chunks=3)
+
+
+def test_in_place_first_layers(threaded: bool) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 4),
+                          nn.ReLU(inplace=True), nn.Linear(4, 4))
+    for _ in range(2):  # the first step learns, the second relies on it
+        assert_train_step_as_unwrapped(model, torch.randn(6, 4), torch.randn(6, 4), F.mse_loss,
+                                       balance=[1, 2, 2], devices=cpu_devices(3, threaded),
+                                       chunks=3, checkpoint='always')
+        model.zero_grad()
+
+
+def forward_path_step(gpipe: GPipe, input: Tensor, target: Tensor,
+                      loss_fn: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+    loss = loss_fn(gpipe(input), target)
+    loss.backward()
+    return loss.detach()
+
+
+def test_deferred_batch_norm_as_the_forward_path(threaded: bool) -> None:
+    # Batch norm in training normalizes each micro-batch: the reference is
+    # GPipe's own forward path, which the other tests hold to the unwrapped model.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 6),
+                          nn.BatchNorm1d(6), nn.Linear(6, 2))
+    options = dict(balance=[3, 3], devices=cpu_devices(2, threaded), chunks=4,
+                   deferred_batch_norm=True)
+    stepped = GPipe(copy.deepcopy(model), **options)
+    forwarded = GPipe(copy.deepcopy(model), **options)
+    input, target = torch.randn(16, 4), torch.randn(16, 2)
+    for _ in range(2):
+        loss = stepped.train_step(input, target, F.mse_loss)
+        expected = forward_path_step(forwarded, input, target, F.mse_loss)
+        torch.testing.assert_close(loss, expected)
+    assert any(isinstance(m, DeferredBatchNorm) for m in stepped.modules())
+    for (name, a), b in zip(stepped.state_dict().items(), forwarded.state_dict().values()):
+        torch.testing.assert_close(a, b, msg=name)
+    for (name, a), b in zip(stepped.named_parameters(), forwarded.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, msg=name)
+
+
+def dropout_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 8), nn.Dropout(0.3),
+                         nn.Linear(8, 2))
+
+
+@pytest.mark.parametrize('schedule', sorted(SCHEDULES))
+@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
+def test_dropout_draws_the_same_on_both_paths(schedule: str, checkpoint: str) -> None:
+    input, target = torch.randn(8, 4), torch.randn(8, 2)
+    results = []
+    for threaded in (False, True):
+        gpipe = GPipe(dropout_model(), balance=[2, 2, 1], devices=cpu_devices(3, threaded),
+                      chunks=4, checkpoint=checkpoint)
+        torch.manual_seed(1)
+        losses = [gpipe.train_step(input, target, F.mse_loss, schedule=schedule)
+                  for _ in range(2)]
+        results.append((losses, named_grads(gpipe), torch.get_rng_state()))
+    (losses1, grads1, state1), (losses2, grads2, state2) = results
+    assert all(torch.equal(a, b) for a, b in zip(losses1, losses2))
+    assert grads1.keys() == grads2.keys()
+    assert all(torch.equal(grads1[k], grads2[k]) for k in grads1)
+    assert torch.equal(state1, state2)
+
+
+@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
+def test_fill_drain_draws_what_the_forward_path_draws(checkpoint: str, threaded: bool) -> None:
+    # Both issue forward passes in GPipe's clock cycles.
+    input, target = torch.randn(8, 4), torch.randn(8, 2)
+    options = dict(balance=[2, 2, 1], devices=cpu_devices(3, threaded), chunks=4,
+                   checkpoint=checkpoint)
+    stepped = GPipe(dropout_model(), **options)
+    forwarded = GPipe(dropout_model(), **options)
+    torch.manual_seed(1)
+    loss = stepped.train_step(input, target, F.mse_loss, schedule='fill_drain')
+    torch.manual_seed(1)
+    expected = forward_path_step(forwarded, input, target, F.mse_loss)
+    torch.testing.assert_close(loss, expected)
+    for (name, a), b in zip(stepped.named_parameters(), forwarded.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, msg=name)
+
+
+# -- order, from the timeline ------------------------------------------------------
+
+
+@pytest.mark.parametrize('schedule', sorted(SCHEDULES))
+@pytest.mark.parametrize('checkpoint', ['always', 'never'])
+def test_each_partition_runs_its_actions_in_schedule_order(schedule: str, checkpoint: str,
+                                                           threaded: bool) -> None:
+    m, n = 6, 3
+    gpipe = GPipe(mlp([4, 4, 4, 4]), balance=[2, 2, 2], devices=cpu_devices(n, threaded),
+                  chunks=m, checkpoint=checkpoint)
+    with torchgpipe.trace(gpipe) as timeline:
+        gpipe.train_step(torch.randn(12, 4), torch.randn(12, 4), F.mse_loss, schedule=schedule)
+    events = timeline.events
+    for j, actions in enumerate(SCHEDULES[schedule](m, n)):
+        ran = [e for e in events if e.partition == j and e.kind in ('forward', 'backward')]
+        ran.sort(key=lambda e: e.start)
+        assert [f"{'F' if e.kind == 'forward' else 'B'}({e.micro_batch},{j})" for e in ran] \
+            == [str(a) for a in actions]
+        # Alive: forward done, backward not begun. 1F1B bounds it by n - j.
+        alive = peak = 0
+        for e in ran:
+            alive += 1 if e.kind == 'forward' else -1
+            peak = max(peak, alive)
+        assert peak == (min(n - j, m) if schedule == '1f1b' else m)
+        recompute = [e for e in events if e.partition == j and e.kind == 'recompute']
+        if checkpoint == 'always':
+            backward = {e.micro_batch: e for e in ran if e.kind == 'backward'}
+            assert sorted(e.micro_batch for e in recompute) == list(range(m))
+            assert all(e.end <= backward[e.micro_batch].start for e in recompute)
+        else:
+            assert recompute == []
+
+
+# -- failures --------------------------------------------------------------------
+
+
+class Fail(nn.Module):
+    """Raises in the forward or the backward pass of its ``at``-th call, once."""
+
+    def __init__(self, at: int, where: str) -> None:
+        super().__init__()
+        self.at: Optional[int] = at
+        self.where = where
+        self.calls = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        if self.calls - 1 != self.at:
+            return x
+        self.at = None
+        if self.where == 'forward':
+            raise ValueError('planned failure')
+        return FailBackward.apply(x)
+
+
+class FailBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        raise KeyError('planned failure in backward')
+
+
+@pytest.mark.parametrize('where', ['forward', 'backward'])
+@pytest.mark.parametrize('j', [0, 1, 2])
+@pytest.mark.parametrize('schedule', sorted(SCHEDULES))
+def test_a_failure_reaches_the_caller_and_the_next_step_works(where: str, j: int, schedule: str,
+                                                              threaded: bool) -> None:
+    layers: List[nn.Module] = [nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)]
+    layers.insert(j + 1, Fail(at=2, where=where))
+    gpipe = GPipe(nn.Sequential(*layers), balance=[2 if k == j else 1 for k in range(3)],
+                  devices=cpu_devices(3, threaded), chunks=4, checkpoint='never')
+    input, target = torch.randn(8, 4), torch.randn(8, 4)
+    error = ValueError if where == 'forward' else KeyError
+    with pytest.raises(error, match='planned failure'):
+        gpipe.train_step(input, target, F.mse_loss, schedule=schedule)
+    gpipe.zero_grad()
+    reference = copy.deepcopy(gpipe).unwrap()
+    loss = gpipe.train_step(input, target, F.mse_loss, schedule=schedule)
+    expected = F.mse_loss(reference(input), target)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach())
+
+
+# -- usage ---------------------------------------------------------------------
+
+
+def small() -> GPipe:
+    return GPipe(mlp([2, 2, 2]), balance=[2, 2], devices=['cpu', 'cpu'], chunks=2)
+
+
+@pytest.mark.parametrize('call, error, message', [
+    (lambda g: g.train_step(torch.ones(4, 2), torch.ones(4, 2), F.mse_loss, schedule='gpipe'),
+     ValueError, "schedule must be one of '1f1b', 'fill_drain'"),
+    (lambda g: g.train_step(torch.ones(4, 2), torch.ones(4, 2), F.mse_loss, reduction='none'),
+     ValueError, "reduction must be 'mean' or 'sum'"),
+    (lambda g: g.train_step(torch.ones(4, 2), torch.ones(4, 2), 'mse'),
+     TypeError, 'loss_fn must be callable'),
+    (lambda g: g.train_step(torch.ones(4, 2), torch.ones(3, 2), F.mse_loss),
+     ValueError, 'target must split into the micro-batches the input does'),
+    (lambda g: g.train_step(torch.ones(4, 2), torch.ones(4, 2),
+                            lambda o, t: F.mse_loss(o, t, reduction='none')),
+     TypeError, 'loss_fn must return a tensor of one element'),
+])
+def test_bad_use_gets_clear_errors(call: Callable[[GPipe], Any], error: type,
+                                   message: str) -> None:
+    gpipe = small()
+    with pytest.raises(error, match=message.replace('(', '\\(')):
+        call(gpipe)
+    assert all(p.grad is None for p in gpipe.parameters())
+
+
+def test_no_grad_is_refused() -> None:
+    with torch.no_grad(), pytest.raises(RuntimeError, match='gradients are disabled'):
+        small().train_step(torch.ones(4, 2), torch.ones(4, 2), F.mse_loss)
+
+
+def test_distributed_jobs_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    # DistributedDataParallel's hooks would not see the backward passes
+    # train_step runs: in a job of several processes it refuses to run.
+    monkeypatch.setattr(torch.distributed, 'is_initialized', lambda: True)
+    monkeypatch.setattr(torch.distributed, 'get_world_size', lambda *args: 2)
+    gpipe = small()
+    with pytest.raises(RuntimeError, match='does not all-reduce gradients across processes'):
+        gpipe.train_step(torch.ones(4, 2), torch.ones(4, 2), F.mse_loss)
+    monkeypatch.setattr(torch.distributed, 'get_world_size', lambda *args: 1)
+    gpipe.train_step(torch.ones(4, 2), torch.ones(4, 2), F.mse_loss)
+
+
+def test_unsplit_inputs_reach_every_micro_batch(threaded: bool) -> None:
+    class Scale(nn.Module):
+        def forward(self, pair: Tuple[Tensor, Tensor]) -> Tensor:
+            x, scale = pair
+            return x * scale
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Scale(), nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1))
+    input, scale, target = torch.randn(6, 3), torch.randn(3), torch.randn(6, 1)
+    reference = copy.deepcopy(model)
+    F.mse_loss(reference((input, scale)), target).backward()
+    gpipe = GPipe(model, balance=[2, 2], devices=cpu_devices(2, threaded), chunks=3)
+    gpipe.train_step((input, torchgpipe.NoChunk(scale)), target, F.mse_loss)
+    expected = named_grads(reference)
+    for name, grad in named_grads(gpipe).items():
+        torch.testing.assert_close(grad, expected[name], msg=name)
+
+
+@pytest.mark.cuda
+def test_gradients_on_cuda() -> None:
+    torch.manual_seed(0)
+    count = torch.cuda.device_count()
+    devices = ['cuda:0', 'cuda:1'] if count > 1 else ['cuda:0', 'cuda:0']
+    model = mlp([4, 8, 8, 2]).to('cuda:0')
+    input = torch.randn(8, 4, device='cuda:0')
+    target = torch.randn(8, 2, device='cuda:0')  # train_step moves it to the last device
+    for schedule in sorted(SCHEDULES):
+        assert_train_step_as_unwrapped(copy.deepcopy(model), input, target, F.mse_loss,
+                                       balance=[2, 2], devices=devices, chunks=4,
+                                       schedule=schedule)

@@ -1,0 +1,490 @@
+"""Training steps the library drives: each partition's forward and backward, in a schedule's order.
+
+:meth:`GPipe.forward <torchgpipe.GPipe.forward>` builds one autograd graph
+through every partition and leaves the backward pass to the caller's
+``loss.backward()``, which PyTorch runs in one thread on CPU. Here each
+partition's graph stands alone, cut at its input, and the worker that owns
+the partition runs its backward pass itself, when the schedule says::
+
+    partition j-1                           partition j
+    F  x ─► layers ─► y ───── y ──────────► x' = y.detach(), requiring grad
+                                             x' ─► layers ─► z ─► ...
+    B  backward(y, dy) ◄──── dy = x'.grad ◄─ backward(z, dz)
+
+A skip connection from partition ``a`` to ``b`` is cut the same way: ``b``
+pops a detached leaf, and sends its gradient back to ``a``, whose backward
+pass starts from both its output and the stashed tensor.
+
+The actions of a schedule (:mod:`torchgpipe.schedule`) are laid out in clock
+cycles; each device's worker runs its partitions' actions in that order,
+waiting in a :class:`Mailbox` for what others send. A checkpointed
+micro-batch runs its forward pass without keeping activations, and its
+backward action recomputes them first, replaying the random number
+generators and autocast.
+"""
+import functools
+import sys
+import threading
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import (Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple, TypeVar,
+                    cast)
+
+import torch
+from torch import Tensor, nn
+
+from torchgpipe.autocast import AutocastStates, restore_autocast_states, save_autocast_states
+from torchgpipe.checkpoint import enable_checkpointing, enable_recomputing
+from torchgpipe.microbatch import Batch, TensorOrTensors
+from torchgpipe.pipeline import partition_function
+from torchgpipe.rng import RNGStates, cpu_generator_lock, restore_rng_states, save_rng_states, \
+    training_flags
+from torchgpipe.schedule import Action, clock_order
+from torchgpipe.skip.layout import SkipLayout
+from torchgpipe.skip.namespace import Namespace
+from torchgpipe.skip.tracker import SkipTracker
+from torchgpipe.stream import as_cuda, current_stream, is_cuda, record_stream, use_device
+from torchgpipe.timeline import Timeline
+from torchgpipe.traits import PartitionTraits
+from torchgpipe.worker import ExcInfo, distinct_devices
+
+__all__: List[str] = []
+
+T = TypeVar('T')
+Key = Tuple[Namespace, str]
+LossFunction = Callable[[TensorOrTensors, TensorOrTensors], Tensor]
+
+
+class Stopped(Exception):
+    """Ends a worker waiting for a message that will not come: an action elsewhere failed."""
+
+
+class Mailbox:
+    """Messages between the workers, by key, and turns; :meth:`take` waits for a message.
+
+    Turns order the forward actions that draw random numbers: the ``k``-th
+    waits in :meth:`wait_turn` until the one before it has called
+    :meth:`end_turn`, so that on threads they draw in the order of one
+    thread. A stopped mailbox ends every wait.
+    """
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        self._messages: Dict[Tuple[Any, ...], Any] = {}
+        self._stopped = False
+        self._turn = 0
+
+    def put(self, key: Tuple[Any, ...], message: Any) -> None:
+        with self._condition:
+            self._messages[key] = message
+            self._condition.notify_all()
+
+    def take(self, key: Tuple[Any, ...]) -> Any:
+        """Waits for the message under ``key`` and takes it.
+
+        Raises:
+            Stopped: :meth:`stop` was called before the message came
+        """
+        with self._condition:
+            while key not in self._messages:
+                if self._stopped:
+                    raise Stopped()
+                self._condition.wait()
+            return self._messages.pop(key)
+
+    def wait_turn(self, turn: int) -> None:
+        """Waits until turn ``turn`` (counted from 0) has come.
+
+        Raises:
+            Stopped: :meth:`stop` was called before the turn came
+        """
+        with self._condition:
+            while self._turn != turn:
+                if self._stopped:
+                    raise Stopped()
+                self._condition.wait()
+
+    def end_turn(self) -> None:
+        """Lets the next turn come."""
+        with self._condition:
+            self._turn += 1
+            self._condition.notify_all()
+
+    def stop(self) -> None:
+        """Wakes every waiting worker with :class:`Stopped`, and every later one."""
+        with self._condition:
+            self._stopped = True
+            self._condition.notify_all()
+
+
+class Ready:
+    """Marks, on CUDA, the moment the tensors a worker sends are computed on its stream.
+
+    The receiving worker copies them on its own stream, which must wait for
+    that moment first. On CPU, where work is done when a call returns, it
+    holds nothing.
+    """
+
+    __slots__ = ('event',)
+
+    def __init__(self, device: torch.device) -> None:
+        self.event: Any = None
+        if device.type == 'cuda':
+            self.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self.event.record(as_cuda(current_stream(device)))
+
+    def receive(self, x: Tensor, device: torch.device) -> Tensor:
+        """``x`` on ``device``, without history, safe to use on ``device``'s current stream."""
+        stream = current_stream(device)
+        if self.event is not None and is_cuda(stream):
+            as_cuda(stream).wait_event(self.event)
+        y = x.detach().to(device)
+        if x.is_cuda and y is not x:
+            # The sender may drop x as soon as this returns: its memory must
+            # not be reused before the copy, queued on this stream, has run.
+            record_stream(x, stream)
+        return y
+
+
+def leaf(x: Optional[Tensor], device: torch.device, requires_grad: bool,
+         ready: Ready) -> Optional[Tensor]:
+    """Cuts the graph at a partition's input: a copy on ``device`` without history."""
+    if x is None:
+        return None
+    return ready.receive(x, device).requires_grad_(requires_grad and x.is_floating_point())
+
+
+class StepSkips(SkipTracker):
+    """The skip tensors of one micro-batch on one partition, cut at partition boundaries.
+
+    A skip stashed and popped in the same partition stays in the tracker's
+    dictionary. One that crosses partitions is put in ``shared`` (the
+    micro-batch's skips, seen by every partition) and remembered in
+    :attr:`sent`; its pop makes a detached leaf of it, remembered in
+    :attr:`received` with the partition it came from. When the partition
+    recomputes (``replay``), stashes are remembered again, with their new
+    graph, and pops give the leaves of the first pass.
+    """
+
+    def __init__(self, layout: SkipLayout, j: int, device: torch.device,
+                 shared: Dict[Key, Tuple[Optional[Tensor], bool, Ready]]) -> None:
+        super().__init__()
+        self.layout = layout
+        self.j = j
+        self.device = device
+        self.shared = shared
+        self.replay = False
+        #: The skips stashed here and popped by a later partition; the backward
+        #: pass starts from them too.
+        self.sent: Dict[Key, Optional[Tensor]] = {}
+        #: The skips popped here from an earlier partition, with the partition
+        #: they came from and their leaf.
+        self.received: Dict[Key, Tuple[int, Optional[Tensor]]] = {}
+
+    def save(self, batch: Batch, ns: Namespace, name: str, tensor: Optional[Tensor]) -> None:
+        if not self.layout.requires_copy(ns, name):
+            return super().save(batch, ns, name, tensor)
+        self.sent[(ns, name)] = tensor
+        if not self.replay:
+            # Whether it will require grad, also when stashed without grad
+            # (a checkpointed first pass): then the recomputation gives it one.
+            requires_grad = tensor is not None and (tensor.requires_grad or (
+                not torch.is_grad_enabled() and tensor.is_floating_point()))
+            self.shared[(ns, name)] = (tensor, requires_grad, Ready(self.device))
+
+    def load(self, batch: Batch, ns: Namespace, name: str) -> Optional[Tensor]:
+        if not self.layout.requires_copy(ns, name):
+            return super().load(batch, ns, name)
+        if self.replay:
+            return self.received[(ns, name)][1]
+        tensor, requires_grad, ready = self.shared.pop((ns, name))
+        popped = leaf(tensor, self.device, requires_grad, ready)
+        self.received[(ns, name)] = (self.layout.by_ns_name[(ns, name)][0], popped)
+        return popped
+
+
+@dataclass
+class Pass:
+    """What the forward action of a micro-batch leaves for its backward action."""
+
+    input: Batch
+    skips: StepSkips
+    output: Optional[Batch] = None
+    #: The weighted loss, with its graph (last partition, not checkpointed).
+    loss: Optional[Tensor] = None
+    #: The states to recompute from (checkpointed micro-batches).
+    replay: Optional[Tuple[RNGStates, AutocastStates]] = None
+    #: For each output tensor, whether the next partition's leaf requires grad.
+    sent_grad: List[bool] = field(default_factory=list)
+
+
+class Stage:
+    """One partition in a training step: runs its actions, keeps what they pass on."""
+
+    def __init__(self, step: 'Step', j: int, partition: nn.Sequential,
+                 device: torch.device) -> None:
+        self.step = step
+        self.j = j
+        self.partition = partition
+        self.device = device
+        self.passes: Dict[int, Pass] = {}
+
+    def run(self, action: Action) -> None:
+        if action.kind == 'F':
+            self.record('forward', action.i, lambda: self.forward(action.i))
+        else:
+            self.backward(action.i)
+
+    def record(self, kind: str, i: int, work: Callable[[], T]) -> T:
+        timeline = self.step.timeline
+        if timeline is None:
+            return work()
+        return timeline.timed(kind, i, self.j, self.device, work)()
+
+    def call(self, input: Batch, skips: StepSkips) -> Batch:
+        """Runs the partition on ``input``, on copies unless it is known to leave its input alone.
+
+        The input must stay as it is: a recomputation runs from it again,
+        and a leaf requiring grad cannot be changed in place at all.
+        """
+        traits = self.step.traits[self.j]
+        function = partition_function(self.partition, self.j, skips)
+        if traits.modifies_input is False:
+            versions = [x._version for x in input]
+            output = input.call(function)
+            if any(x._version != v for x, v in zip(input, versions)):
+                traits.modifies_input = True
+                raise RuntimeError('a partition modified its input in place in a training '
+                                   'step, though it had not before; call train_step again: '
+                                   'it copies the input of this partition from now on')
+            return output
+        copies = Batch(input.plain, input.layout)
+        copies[:] = tuple(x.clone() for x in input)
+        output = copies.call(function)
+        # A fresh copy's version counter is 0; every in-place change bumps it.
+        modified = any(x._version for x in copies)
+        traits.modifies_input = bool(traits.modifies_input) or modified
+        return output
+
+    def forward(self, i: int) -> None:
+        step, j, n = self.step, self.j, self.step.n
+        if j == 0:
+            input = step.batches[i]
+        else:
+            output, sent_grad, ready = step.mailbox.take(('F', i, j))
+            input = Batch(output.plain, output.layout)
+            input[:] = tuple(cast(Tensor, leaf(x, self.device, g, ready))
+                             for x, g in zip(output, sent_grad))
+        skips = StepSkips(step.layout, j, self.device, step.skips[i])
+        current = Pass(input, skips)
+        checkpointed = i < step.checkpoint_stop
+        with step.random_lock(j):
+            # Not known yet whether the partition draws random numbers: the
+            # generator is held, so any change of its state is its doing.
+            probe = torch.get_rng_state() if step.draws_random(j) is None else None
+            if checkpointed:
+                current.replay = (save_rng_states(self.device), save_autocast_states())
+                with torch.no_grad(), enable_checkpointing():
+                    output = self.call(input, skips)
+            else:
+                with torch.enable_grad():
+                    output = self.call(input, skips)
+            if probe is not None:
+                drew = not torch.equal(probe, torch.get_rng_state())
+                step.traits[j].draws_random.setdefault(step.rng_keys[j], drew)
+        current.output = output
+        if j < n - 1:
+            # Without a graph (checkpointed), a floating point output will
+            # have one after the recomputation: the next leaf requires grad.
+            current.sent_grad = [x.requires_grad or (checkpointed and x.is_floating_point())
+                                 for x in output]
+            step.mailbox.put(('F', i, j + 1), (output, current.sent_grad, Ready(self.device)))
+        else:
+            with torch.enable_grad() if not checkpointed else nullcontext():
+                loss = step.loss(i, output)
+            step.losses[i] = loss.detach()
+            current.loss = None if checkpointed else loss
+        self.passes[i] = current
+
+    def recompute(self, i: int, current: Pass) -> None:
+        assert current.replay is not None
+        rng_states, autocast_states = current.replay
+        current.skips.replay = True
+        with restore_rng_states(self.device, rng_states, exclusive=self.step.threaded), \
+                restore_autocast_states(autocast_states), torch.enable_grad(), \
+                enable_recomputing():
+            current.output = self.call(current.input, current.skips)
+            if self.j == self.step.n - 1:
+                current.loss = self.step.loss(i, current.output)
+
+    def backward(self, i: int) -> None:
+        current = self.passes.pop(i)
+        if current.replay is not None:
+            self.record('recompute', i, lambda: self.recompute(i, current))
+        self.record('backward', i, lambda: self.backpropagate(i, current))
+
+    def backpropagate(self, i: int, current: Pass) -> None:
+        step, j = self.step, self.j
+        tensors: List[Tensor] = []
+        grads: List[Optional[Tensor]] = []
+        if current.loss is not None:
+            tensors.append(current.loss)
+            grads.append(None)
+        else:
+            assert current.output is not None
+            received, ready = step.mailbox.take(('B', i, j))
+            for x, g in zip(current.output, received):
+                if x.requires_grad and g is not None:
+                    tensors.append(x)
+                    grads.append(ready.receive(g, x.device))
+        for key, tensor in current.skips.sent.items():
+            g, ready = step.mailbox.take(('S', i, key))
+            if tensor is not None and tensor.requires_grad and g is not None:
+                tensors.append(tensor)
+                grads.append(ready.receive(g, tensor.device))
+        if tensors:
+            torch.autograd.backward(tensors, grads)
+
+        ready = Ready(self.device)
+        if j > 0:
+            step.mailbox.put(('B', i, j - 1), ([x.grad for x in current.input], ready))
+        for key, (_, popped) in current.skips.received.items():
+            step.mailbox.put(('S', i, key), (None if popped is None else popped.grad, ready))
+
+
+class Step:
+    """Runs one training step of a schedule over the partitions.
+
+    Args:
+        partitions: the partitions, in order
+        devices: the device of each partition
+        batches: the input micro-batches, on the first device
+        targets: the target of each micro-batch
+        loss_fn: ``loss_fn(output, target)`` of one micro-batch
+        weights: what each micro-batch's loss is multiplied by
+        actions: the schedule, a list of actions per partition
+        layout: where the skips go
+        checkpoint_stop: micro-batches ``0 .. checkpoint_stop - 1`` are checkpointed
+        traits: what runs showed about each partition (whether it draws random numbers)
+        timeline: records the actions, inside :func:`torchgpipe.trace`
+    """
+
+    def __init__(self, partitions: Sequence[nn.Sequential], devices: Sequence[torch.device],
+                 batches: List[Batch], targets: List[TensorOrTensors], loss_fn: LossFunction,
+                 weights: Sequence[float], actions: Sequence[Sequence[Action]],
+                 layout: SkipLayout, checkpoint_stop: int, traits: Sequence[PartitionTraits],
+                 timeline: Optional[Timeline]) -> None:
+        self.n = len(partitions)
+        self.devices = devices
+        self.batches = batches
+        self.targets = targets
+        self.loss_fn = loss_fn
+        self.weights = weights
+        self.layout = layout
+        self.checkpoint_stop = checkpoint_stop
+        self.traits = traits
+        self.timeline = timeline
+        self.mailbox = Mailbox()
+        self.skips: List[Dict[Key, Tuple[Optional[Tensor], bool, Ready]]] = [{} for _ in batches]
+        self.losses: Dict[int, Tensor] = {}
+        self.stages = [Stage(self, j, p, d) for j, (p, d) in enumerate(zip(partitions, devices))]
+        self.order = [a for cycle in clock_order(actions) for a in cycle]
+        self.threaded = len(distinct_devices(devices)) > 1
+        self.rng_keys = [training_flags(p) for p in partitions]
+
+    def loss(self, i: int, output: Batch) -> Tensor:
+        """The weighted loss of micro-batch ``i``."""
+        loss = self.loss_fn(output.values, self.targets[i])
+        if not isinstance(loss, Tensor) or loss.numel() != 1:
+            shape = f' of shape {tuple(loss.shape)}' if isinstance(loss, Tensor) else ''
+            raise TypeError('loss_fn must return a tensor of one element (a reduced loss), '
+                            f'got {type(loss).__name__}{shape}; reduce it, e.g. with '
+                            "reduction='mean'")
+        return loss * self.weights[i]
+
+    def draws_random(self, j: int) -> Optional[bool]:
+        return self.traits[j].draws_random.get(self.rng_keys[j])
+
+    def random_lock(self, j: int) -> ContextManager[Any]:
+        """Holds the CPU generator while partition ``j`` runs a forward pass, if it may draw.
+
+        With workers, a recomputation elsewhere swaps the generator's state
+        for its own while it runs: a forward pass that draws must not run
+        meanwhile.
+        """
+        if not self.threaded or self.draws_random(j) is False:
+            return nullcontext()
+        # Taken after the input came: never held while waiting for another worker.
+        return cpu_generator_lock
+
+    def run(self) -> Tensor:
+        """Runs the step; returns the loss of the mini-batch, without graph.
+
+        An exception of any action is raised here, as itself, once every
+        worker has stopped.
+        """
+        if self.timeline is not None:
+            self.timeline.begin_step(len(self.batches), self.devices)
+        # The actions of each device, in clock order. On threads, forward
+        # actions of partitions that may draw random numbers take turns in
+        # that order, so they draw what they would on one thread.
+        turns = 0
+        queues: Dict[torch.device, List[Tuple[int, Callable[[], None]]]] = {}
+        for index, action in enumerate(self.order):
+            work: Callable[[], None] = functools.partial(self.stages[action.j].run, action)
+            if self.threaded and action.kind == 'F' and self.draws_random(action.j) is not False:
+                work = self.in_turn(turns, work)
+                turns += 1
+            device = distinct_devices([self.devices[action.j]])[0]
+            queues.setdefault(device, []).append((index, work))
+
+        if not self.threaded:
+            for device, works in queues.items():
+                with use_device(device):
+                    for _, work in works:
+                        work()
+        else:
+            self.run_on_threads(queues)
+        return cast(Tensor, sum(self.losses[i].to(self.devices[-1])
+                                for i in range(len(self.batches))))
+
+    def in_turn(self, turn: int, work: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            self.mailbox.wait_turn(turn)
+            try:
+                work()
+            finally:
+                self.mailbox.end_turn()
+        return run
+
+    def run_on_threads(self, queues: Dict[torch.device, List[Tuple[int, Callable[[], None]]]]
+                       ) -> None:
+        failures: List[Tuple[int, ExcInfo]] = []
+        grad_mode = torch.is_grad_enabled()
+        autocast_states = save_autocast_states()
+
+        def worker(device: torch.device, works: List[Tuple[int, Callable[[], None]]]) -> None:
+            torch.set_grad_enabled(grad_mode)
+            with use_device(device), restore_autocast_states(autocast_states):
+                for index, work in works:
+                    try:
+                        work()
+                    except Stopped:
+                        return
+                    except BaseException:
+                        failures.append((index, cast(ExcInfo, sys.exc_info())))
+                        self.mailbox.stop()
+                        return
+
+        threads = [threading.Thread(target=worker, args=(device, works), daemon=True,
+                                    name=f'torchgpipe worker ({device})')
+                   for device, works in queues.items()]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if failures:
+            # The failure that came first in the schedule; the others may
+            # follow from it.
+            _, (_, exc, tb) = min(failures, key=lambda f: f[0])
+            raise exc.with_traceback(tb)
