@@ -586,15 +586,13 @@ def critical_path(events: Sequence[Event], n: int) -> List[Event]:
     From the task that ends last, walks back to whichever of its
     predecessors ended last before it started: the task before it on the same
     device, or the task that produced its input (``F(i,j-1)`` for ``F(i,j)``,
-    ``B(i,j+1)`` for ``B(i,j)``, the last forward task for the backward tasks
-    of the last partition).
+    ``B(i,j+1)`` for ``B(i,j)``, ``F(i,j)`` for the backward task of the last
+    partition ``j``).
     """
     tasks = [e for e in events if e.kind in COMPUTE_KINDS]
     if not tasks:
         return []
     by_key = {(e.kind, e.micro_batch, e.partition): e for e in tasks}
-    last_forward = max((e for e in tasks if e.kind == 'forward'), key=lambda e: e.end,
-                       default=None)
     by_track: Dict[str, List[Tuple[float, int]]] = {}
     for index, e in enumerate(tasks):
         insort(by_track.setdefault(e.track, []), (e.end, index))
@@ -609,7 +607,7 @@ def critical_path(events: Sequence[Event], n: int) -> List[Event]:
         if e.kind == 'forward':
             producer = by_key.get(('forward', e.micro_batch, e.partition - 1))
         elif e.partition == n - 1:
-            producer = last_forward
+            producer = by_key.get(('forward', e.micro_batch, e.partition))
         else:
             producer = by_key.get(('backward', e.micro_batch, e.partition + 1))
         if producer is not None and producer.end <= e.start:
