@@ -3,12 +3,13 @@
 No test here asserts a duration: only counts, orders and sums, which hold on
 any machine however loaded.
 """
+import contextlib
 import copy
 import json
 import sys
 from collections import Counter
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import jsonschema
 import pytest
@@ -392,8 +393,7 @@ def test_a_copy_inside_a_trace_is_not_traced() -> None:
     assert timeline.steps == []
 
 
-def test_tasks_carry_profiler_labels(threaded: bool) -> None:
-    model = GPipe(mlp(4), balance=[2, 2], devices=cpu_devices(2, threaded), chunks=2)
+def profiled_names(run: Callable[[], object], threaded: bool) -> Set[str]:
     options = {}
     if threaded:
         # torch.profiler records other threads than the caller's only when asked.
@@ -403,9 +403,42 @@ def test_tasks_carry_profiler_labels(threaded: bool) -> None:
         options['experimental_config'] = config(profile_all_threads=True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                 **options) as profile:
-        model(torch.randn(4, 4)).sum().backward()
-    names = {e.key for e in profile.key_averages()}
-    assert {f'torchgpipe F({i},{j})' for i in range(2) for j in range(2)} <= names
+        run()
+    return {e.key for e in profile.key_averages()}
+
+
+def test_tasks_carry_profiler_labels(threaded: bool) -> None:
+    model = GPipe(mlp(4), balance=[2, 2], devices=cpu_devices(2, threaded), chunks=2,
+                  checkpoint='except_last')
+    names = profiled_names(lambda: model(torch.randn(4, 4)).sum().backward(), threaded)
+    pairs = [(i, j) for i in range(2) for j in range(2)]
+    assert {f'torchgpipe F({i},{j})' for i, j in pairs} <= names
+    # The checkpointed micro-batch's recomputation and backward pass, too.
+    assert {f"torchgpipe F'(0,{j})" for j in range(2)} <= names
+    assert {f'torchgpipe B(0,{j})' for j in range(2)} <= names
+    # The last is not checkpointed: its backward pass is plain autograd nodes.
+    assert not {f"torchgpipe F'(1,{j})" for j in range(2)} & names
+
+
+def test_train_step_actions_carry_profiler_labels(threaded: bool) -> None:
+    model = GPipe(mlp(4), balance=[2, 2], devices=cpu_devices(2, threaded), chunks=2,
+                  checkpoint='except_last')
+    names = profiled_names(lambda: model.train_step(torch.randn(4, 4), torch.randn(4, 4),
+                                                    torch.nn.functional.mse_loss), threaded)
+    pairs = [(i, j) for i in range(2) for j in range(2)]
+    assert {f'torchgpipe F({i},{j})' for i, j in pairs} <= names
+    assert {f'torchgpipe B({i},{j})' for i, j in pairs} <= names
+    assert {f"torchgpipe F'(0,{j})" for j in range(2)} <= names
+
+
+def test_nothing_is_labelled_without_a_profiler(monkeypatch: pytest.MonkeyPatch) -> None:
+    opened = []
+    monkeypatch.setattr(torch.profiler, 'record_function',
+                        lambda name: opened.append(name) or contextlib.nullcontext())
+    model = GPipe(mlp(4), balance=[2, 2], devices=['cpu', 'cpu'], chunks=2)
+    model(torch.randn(4, 4)).sum().backward()
+    model.train_step(torch.randn(4, 4), torch.randn(4, 4), torch.nn.functional.mse_loss)
+    assert opened == []
 
 
 @pytest.mark.cuda

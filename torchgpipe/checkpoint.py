@@ -43,6 +43,7 @@ from torchgpipe.autocast import AutocastStates, restore_autocast_states, save_au
 from torchgpipe.microbatch import Batch, Layout, TensorOrTensors, Tensors
 from torchgpipe.phony import get_phony
 from torchgpipe.rng import RNGStates, restore_rng_states, save_rng_states
+from torchgpipe.timeline import label
 from torchgpipe.traits import PartitionTraits
 
 # The two flags are public (exported by the package); the rest is internal.
@@ -161,14 +162,18 @@ class Context:
             learns whether it modifies its input in place
         exclusive_rng: whether the recomputation may draw from the CPU
             generator, and so must hold it alone
+        name: the task's ``(i,j)``, for the labels of a profiler
     """
 
     __slots__ = ('function', 'atomic', 'layout', 'num_inputs', 'traits', 'exclusive_rng',
-                 'first_pass', 'recomputed', 'autocast_states', 'output_layout')
+                 'name', 'first_pass', 'recomputed', 'autocast_states', 'output_layout')
 
     def __init__(self, function: Function, atomic: bool, layout: Optional[Layout],
-                 num_inputs: int, traits: PartitionTraits, exclusive_rng: bool) -> None:
+                 num_inputs: int, traits: PartitionTraits, exclusive_rng: bool,
+                 name: str) -> None:
         self.function = function
+        #: The task's ``(i,j)``, for the profiler's labels of its backward pass.
+        self.name = name
         self.atomic = atomic
         self.layout = layout
         self.num_inputs = num_inputs
@@ -213,11 +218,13 @@ class Checkpointing:
     """
 
     def __init__(self, function: Function, batch: Batch, parameters: Sequence[Tensor] = (),
-                 traits: Optional[PartitionTraits] = None, exclusive_rng: bool = True) -> None:
+                 traits: Optional[PartitionTraits] = None, exclusive_rng: bool = True,
+                 name: str = '') -> None:
         self.batch = batch
         self.parameters = parameters
         self.context = Context(function, batch.atomic, batch.layout, len(batch),
-                               PartitionTraits() if traits is None else traits, exclusive_rng)
+                               PartitionTraits() if traits is None else traits, exclusive_rng,
+                               name)
 
     def checkpoint(self) -> Batch:
         """Runs the function without keeping activations; returns the output batch."""
@@ -361,6 +368,12 @@ class Checkpoint(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grad_output: Tensor) -> Tuple[Optional[Tensor], ...]:
+        with label(f'B{ctx.context.name}'):
+            return Checkpoint.backpropagate(ctx, *grad_output)
+
+    @staticmethod
+    def backpropagate(ctx: Any, *grad_output: Tensor) -> Tuple[Optional[Tensor], ...]:
+        """The backward pass through the recomputed graph."""
         context: Context = ctx.context
         assert context.recomputed is not None
         output, input_leaf = context.recomputed
@@ -460,6 +473,12 @@ class Recompute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor) -> Tuple[Optional[Tensor], ...]:
+        with label(f"F'{ctx.context.name}"):
+            return Recompute.recompute(ctx, grad_output)
+
+    @staticmethod
+    def recompute(ctx: Any, grad_output: Tensor) -> Tuple[Optional[Tensor], ...]:
+        """Recomputes the checkpoint's function, and passes the gradient on."""
         context: Context = ctx.context
         saved = ctx.saved_tensors
         input, rng_tensors = saved[:context.num_inputs], saved[context.num_inputs:]

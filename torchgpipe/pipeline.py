@@ -30,7 +30,7 @@ from torchgpipe.skip.layout import SkipLayout
 from torchgpipe.skip.tracker import SkipTracker, SkipTrackerThroughPortals, use_skip_tracker
 from torchgpipe.stream import AbstractStream, is_cuda, use_device, use_stream
 from torchgpipe.tied import partition_parameters
-from torchgpipe.timeline import Timeline
+from torchgpipe.timeline import Timeline, label
 from torchgpipe.traits import PartitionTraits
 from torchgpipe.worker import ExcInfo, InQueue, OutQueue, Task, distinct_devices, spawn_workers
 
@@ -228,14 +228,13 @@ class Pipeline:
             function = partition_function(self.partitions[j], j, self.skip_trackers[i])
             if i < self.checkpoint_stop:
                 chk = Checkpointing(function, batch, self.parameters[j], self.traits[j],
+                                    name=f'({i},{j})',
                                     exclusive_rng=draws is not False)
                 compute, finalize = chk.checkpoint, chk.recompute
             else:
                 compute, finalize = batch_call(batch, function), None
-            # A process-wide flag, set by torch.profiler.profile: cheaper than
-            # a record_function per task whether or not anyone profiles.
             if torch.autograd.profiler._is_profiler_enabled:
-                compute = labelled(f'torchgpipe F({i},{j})', compute)
+                compute = labelled(f'F({i},{j})', compute)
             if timeline is not None:
                 boundaries[i] = [x.grad_fn for x in batch if x.grad_fn is not None]
                 compute = timeline.timed('forward', i, j, self.devices[j], compute)
@@ -298,8 +297,8 @@ def batch_call(batch: Batch,
 
 
 def labelled(name: str, function: Callable[[], T]) -> Callable[[], T]:
-    """Wraps a task so that it shows as ``name`` in a :mod:`torch.profiler` trace."""
+    """Wraps a task so that it shows as ``torchgpipe <name>`` in a :mod:`torch.profiler` trace."""
     def run() -> T:
-        with torch.profiler.record_function(name):
+        with label(name):
             return function()
     return run

@@ -44,7 +44,7 @@ from torchgpipe.skip.layout import SkipLayout
 from torchgpipe.skip.namespace import Namespace
 from torchgpipe.skip.tracker import SkipTracker
 from torchgpipe.stream import as_cuda, current_stream, is_cuda, record_stream, use_device
-from torchgpipe.timeline import Timeline
+from torchgpipe.timeline import PREFIXES, Timeline, label
 from torchgpipe.traits import PartitionTraits
 from torchgpipe.worker import ExcInfo, distinct_devices
 
@@ -236,10 +236,12 @@ class Stage:
             self.backward(action.i)
 
     def record(self, kind: str, i: int, work: Callable[[], T]) -> T:
-        timeline = self.step.timeline
-        if timeline is None:
-            return work()
-        return timeline.timed(kind, i, self.j, self.device, work)()
+        """Runs an action's work, labelled for a profiler and recorded by a timeline."""
+        with label(f"{PREFIXES[kind]}({i},{self.j})"):
+            timeline = self.step.timeline
+            if timeline is None:
+                return work()
+            return timeline.timed(kind, i, self.j, self.device, work)()
 
     def call(self, input: Batch, skips: StepSkips) -> Batch:
         """Runs the partition on ``input``, on copies unless it is known to leave its input alone.

@@ -40,11 +40,11 @@ import sys
 import threading
 import time
 from bisect import insort
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import (Any, Callable, Dict, Generator, Iterable, List, Optional, Sequence, Tuple,
-                    TypeVar, Union)
+from typing import (Any, Callable, ContextManager, Dict, Generator, Iterable, List, Optional,
+                    Sequence, Tuple, TypeVar, Union)
 
 import torch
 from torch import Tensor
@@ -54,6 +54,8 @@ __all__ = ['trace', 'Timeline', 'Event', 'StepInfo', 'Summary', 'DeviceSummary',
 
 #: The kinds of events, in the order the legend shows them.
 KINDS = ('forward', 'recompute', 'backward', 'copy')
+#: How the name of an event of each kind starts.
+PREFIXES = {'forward': 'F', 'recompute': "F'", 'backward': 'B', 'copy': 'C'}
 #: The kinds that keep a device busy (copies run on copy streams).
 COMPUTE_KINDS = ('forward', 'recompute', 'backward')
 
@@ -99,8 +101,7 @@ class Event:
     @property
     def name(self) -> str:
         """``F(i,j)``, ``F'(i,j)``, ``B(i,j)`` or ``C(i,j)``, as in the paper."""
-        prefix = {'forward': 'F', 'recompute': "F'", 'backward': 'B', 'copy': 'C'}[self.kind]
-        return f'{prefix}({self.micro_batch},{self.partition})'
+        return f'{PREFIXES[self.kind]}({self.micro_batch},{self.partition})'
 
     @property
     def duration(self) -> float:
@@ -534,6 +535,15 @@ class Timeline:
             title = (f'{s.partitions} partitions, {s.micro_batches} micro-batches: '
                      f'bubble {s.bubble:.0%} (formula {s.predicted_bubble:.0%})')
         plot_timeline(segments(events), path, title)
+
+
+def label(name: str) -> ContextManager[Any]:
+    """Labels a task ``torchgpipe <name>`` in a :mod:`torch.profiler` trace, if one is recorded."""
+    # A process-wide flag, set by torch.profiler.profile: cheaper than a
+    # record_function per task whether or not anyone profiles.
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(f'torchgpipe {name}')
+    return nullcontext()
 
 
 def _is_portal(forward_class: Any) -> bool:
