@@ -6,6 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from torchgpipe.pipeline import clock_cycles
+from torchgpipe.skip import pop, skippable, stash
 
 
 def cpu_devices(n: int, threaded: bool) -> List[str]:
@@ -100,3 +101,21 @@ def assert_same_random_step(reference: nn.Sequential, gpipe: nn.Module, input: T
     for (name, p), q in zip(gpipe.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
     return actual, expected
+
+
+@skippable(stash=['skip'])
+class Stash(nn.Module):
+    """Stashes its input as the skip ``'skip'``."""
+
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        yield stash('skip', x)
+        return x
+
+
+@skippable(pop=['skip'])
+class PopAdd(nn.Module):
+    """Adds the skip ``'skip'`` to its input."""
+
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        skip = yield pop('skip')
+        return x + skip

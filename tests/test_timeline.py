@@ -14,7 +14,7 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 import jsonschema
 import pytest
 import torch
-from helpers import cpu_devices
+from helpers import PopAdd, Stash, cpu_devices
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
@@ -22,7 +22,6 @@ from torch import Tensor, nn
 import torchgpipe
 from torchgpipe import GPipe
 from torchgpipe.pipeline import clock_cycles
-from torchgpipe.skip import pop, skippable, stash
 from torchgpipe.timeline import Event, Timeline, segments
 
 CHECKPOINT_STOP = {'always': lambda m, chunks: m,
@@ -113,22 +112,8 @@ def test_schedule_for_any_balance_and_chunks(data: st.DataObject) -> None:
                     [str(torch.device(d)) for d in devices])
 
 
-@skippable(stash=['skip'])
-class Stash(nn.Module):
-    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
-        yield stash('skip', x)
-        return x
-
-
-@skippable(pop=['skip'])
-class Pop(nn.Module):
-    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
-        skip = yield pop('skip')
-        return x + skip
-
-
 def test_skip_copies_appear_both_ways(threaded: bool) -> None:
-    layers = nn.Sequential(nn.Linear(4, 4), Stash(), nn.Linear(4, 4), nn.Tanh(), Pop(),
+    layers = nn.Sequential(nn.Linear(4, 4), Stash(), nn.Linear(4, 4), nn.Tanh(), PopAdd(),
                            nn.Linear(4, 4))
     devices = cpu_devices(3, threaded)
     model = GPipe(layers, balance=[2, 2, 2], devices=devices, chunks=3)
@@ -277,7 +262,7 @@ CHROME_TRACE = {
 
 
 def test_saved_json_is_a_chrome_trace(tmp_path: Path, threaded: bool) -> None:
-    layers = nn.Sequential(nn.Linear(4, 4), Stash(), nn.Linear(4, 4), Pop())
+    layers = nn.Sequential(nn.Linear(4, 4), Stash(), nn.Linear(4, 4), PopAdd())
     devices = cpu_devices(2, threaded)
     model = GPipe(layers, balance=[2, 2], devices=devices, chunks=2)
     timeline = traced_step(model, torch.randn(4, 4))

@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import cpu_devices
+from helpers import PopAdd, Stash, cpu_devices
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
@@ -21,7 +21,7 @@ from torchgpipe import GPipe
 from torchgpipe.batchnorm import DeferredBatchNorm
 from torchgpipe.schedule import (SCHEDULES, Action, clock_order, depends_on, fill_drain,
                                  in_flight, one_f_one_b)
-from torchgpipe.skip import Namespace, pop, skippable, stash
+from torchgpipe.skip import Namespace
 
 # -- schedules, as data ---------------------------------------------------------
 
@@ -174,20 +174,6 @@ def test_cross_entropy_and_tuples(threaded: bool) -> None:
     assert_train_step_as_unwrapped(model, torch.randn(9, 6), torch.randint(5, (9,)),
                                    F.cross_entropy, balance=[2, 1],
                                    devices=cpu_devices(2, threaded), chunks=4)
-
-
-@skippable(stash=['skip'])
-class Stash(nn.Module):
-    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
-        yield stash('skip', x)
-        return x
-
-
-@skippable(pop=['skip'])
-class PopAdd(nn.Module):
-    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
-        skip = yield pop('skip')
-        return x + skip
 
 
 @pytest.mark.parametrize('schedule', sorted(SCHEDULES))
