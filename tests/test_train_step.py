@@ -6,6 +6,8 @@ each partition ran its actions in is the schedule's (from the timeline), and
 a failure anywhere ends the step cleanly.
 """
 import copy
+import gc
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pytest
@@ -466,3 +468,33 @@ def test_gradients_on_cuda() -> None:
         assert_train_step_as_unwrapped(copy.deepcopy(model), input, target, F.mse_loss,
                                        balance=[2, 2], devices=devices, chunks=4,
                                        schedule=schedule)
+
+
+class Keep(nn.Module):
+    """Remembers a weak reference to every output, to see whether any outlives a step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outputs: List[Any] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = x * 2
+        self.outputs.append(weakref.ref(y))
+        return y
+
+
+@pytest.mark.parametrize('where', ['forward', 'backward'])
+def test_a_failed_step_leaves_no_activation_behind(where: str, threaded: bool) -> None:
+    keep = Keep()
+    model = nn.Sequential(nn.Linear(4, 4), keep, nn.Linear(4, 4), Fail(at=2, where=where),
+                          nn.Linear(4, 4))
+    gpipe = GPipe(model, balance=[2, 3], devices=cpu_devices(2, threaded), chunks=4,
+                  checkpoint='never')
+
+    def step() -> None:
+        gpipe.train_step(torch.randn(8, 4), torch.randn(8, 4), F.mse_loss)
+
+    with pytest.raises((ValueError, KeyError)):
+        step()
+    gc.collect()
+    assert keep.outputs and all(ref() is None for ref in keep.outputs)
