@@ -161,7 +161,7 @@ class StepSkips(SkipTracker):
     dictionary. One that crosses partitions is put in ``shared`` (the
     micro-batch's skips, seen by every partition) and remembered in
     :attr:`sent`; its pop makes a detached leaf of it, remembered in
-    :attr:`received` with the partition it came from. When the partition
+    :attr:`received`. When the partition
     recomputes (``replay``), stashes are remembered again, with their new
     graph, and pops give the leaves of the first pass.
     """
@@ -177,9 +177,8 @@ class StepSkips(SkipTracker):
         #: The skips stashed here and popped by a later partition; the backward
         #: pass starts from them too.
         self.sent: Dict[Key, Optional[Tensor]] = {}
-        #: The skips popped here from an earlier partition, with the partition
-        #: they came from and their leaf.
-        self.received: Dict[Key, Tuple[int, Optional[Tensor]]] = {}
+        #: The leaves of the skips popped here from an earlier partition.
+        self.received: Dict[Key, Optional[Tensor]] = {}
 
     def save(self, batch: Batch, ns: Namespace, name: str, tensor: Optional[Tensor]) -> None:
         if not self.layout.requires_copy(ns, name):
@@ -196,10 +195,10 @@ class StepSkips(SkipTracker):
         if not self.layout.requires_copy(ns, name):
             return super().load(batch, ns, name)
         if self.replay:
-            return self.received[(ns, name)][1]
+            return self.received[(ns, name)]
         tensor, requires_grad, ready = self.shared.pop((ns, name))
         popped = leaf(tensor, self.device, requires_grad, ready)
-        self.received[(ns, name)] = (self.layout.by_ns_name[(ns, name)][0], popped)
+        self.received[(ns, name)] = popped
         return popped
 
 
@@ -350,7 +349,7 @@ class Stage:
         ready = Ready(self.device)
         if j > 0:
             step.mailbox.put(('B', i, j - 1), ([x.grad for x in current.input], ready))
-        for key, (_, popped) in current.skips.received.items():
+        for key, popped in current.skips.received.items():
             step.mailbox.put(('S', i, key), (None if popped is None else popped.grad, ready))
 
 
