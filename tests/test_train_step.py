@@ -320,6 +320,7 @@ def test_each_partition_runs_its_actions_in_schedule_order(schedule: str, checkp
     with torchgpipe.trace(gpipe) as timeline:
         gpipe.train_step(torch.randn(12, 4), torch.randn(12, 4), F.mse_loss, schedule=schedule)
     events = timeline.events
+    by_action = {(e.kind, e.micro_batch, e.partition): e for e in events}
     for j, actions in enumerate(SCHEDULES[schedule](m, n)):
         ran = [e for e in events if e.partition == j and e.kind in ('forward', 'backward')]
         ran.sort(key=lambda e: e.start)
@@ -331,6 +332,13 @@ def test_each_partition_runs_its_actions_in_schedule_order(schedule: str, checkp
             alive += 1 if e.kind == 'forward' else -1
             peak = max(peak, alive)
         assert peak == (min(n - j, m) if schedule == '1f1b' else m)
+        # An action's event is its work, not its wait for another worker: it
+        # begins once what it needs has come.
+        for e in ran:
+            if e.kind == 'forward' and j > 0:
+                assert e.start >= by_action[('forward', e.micro_batch, j - 1)].end
+            if e.kind == 'backward' and j < n - 1:
+                assert e.start >= by_action[('backward', e.micro_batch, j + 1)].end
         recompute = [e for e in events if e.partition == j and e.kind == 'recompute']
         if checkpoint == 'always':
             backward = {e.micro_batch: e for e in ran if e.kind == 'backward'}

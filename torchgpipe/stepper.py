@@ -229,10 +229,25 @@ class Stage:
         self.passes: Dict[int, Pass] = {}
 
     def run(self, action: Action) -> None:
+        """Runs an action: waits for what it needs, then does (and records) its work.
+
+        Waiting for another worker's message is no part of the work: a
+        timeline shows it as the gap it is.
+        """
+        i = action.i
         if action.kind == 'F':
-            self.record('forward', action.i, lambda: self.forward(action.i))
-        else:
-            self.backward(action.i)
+            input = self.receive(i)
+            with self.step.random_lock(self.j):
+                self.record('forward', i, lambda: self.forward(i, input))
+            self.send_output(i)
+            return
+        current = self.passes.pop(i)
+        # Recomputed before the gradient is awaited: the two overlap.
+        if current.replay is not None:
+            self.record('recompute', i, lambda: self.recompute(i, current))
+        tensors, grads = self.gradients(i, current)
+        self.record('backward', i, lambda: self.backpropagate(tensors, grads))
+        self.send_gradients(i, current)
 
     def record(self, kind: str, i: int, work: Callable[[], T]) -> T:
         """Runs an action's work, labelled for a profiler and recorded by a timeline."""
@@ -267,45 +282,53 @@ class Stage:
         traits.modifies_input = bool(traits.modifies_input) or modified
         return output
 
-    def forward(self, i: int) -> None:
+    def receive(self, i: int) -> Batch:
+        """The input of micro-batch ``i``: the mini-batch's, or what the partition before sent."""
+        if self.j == 0:
+            return self.step.batches[i]
+        output, sent_grad, ready = self.step.mailbox.take(('F', i, self.j))
+        input = Batch(output.plain, output.layout)
+        input[:] = tuple(cast(Tensor, leaf(x, self.device, g, ready))
+                         for x, g in zip(output, sent_grad))
+        return input
+
+    def forward(self, i: int, input: Batch) -> None:
         step, j, n = self.step, self.j, self.step.n
-        if j == 0:
-            input = step.batches[i]
-        else:
-            output, sent_grad, ready = step.mailbox.take(('F', i, j))
-            input = Batch(output.plain, output.layout)
-            input[:] = tuple(cast(Tensor, leaf(x, self.device, g, ready))
-                             for x, g in zip(output, sent_grad))
         skips = StepSkips(step.layout, j, self.device, step.skips[i])
         current = Pass(input, skips)
         checkpointed = i < step.checkpoint_stop
-        with step.random_lock(j):
-            # Not known yet whether the partition draws random numbers: the
-            # generator is held, so any change of its state is its doing.
-            probe = torch.get_rng_state() if step.draws_random(j) is None else None
-            if checkpointed:
-                current.replay = (save_rng_states(self.device), save_autocast_states())
-                with torch.no_grad(), enable_checkpointing():
-                    output = self.call(input, skips)
-            else:
-                with torch.enable_grad():
-                    output = self.call(input, skips)
-            if probe is not None:
-                drew = not torch.equal(probe, torch.get_rng_state())
-                step.traits[j].draws_random.setdefault(step.rng_keys[j], drew)
+        # Not known yet whether the partition draws random numbers: the
+        # generator is held (random_lock), so any change of its state is its doing.
+        probe = torch.get_rng_state() if step.draws_random(j) is None else None
+        if checkpointed:
+            current.replay = (save_rng_states(self.device), save_autocast_states())
+            with torch.no_grad(), enable_checkpointing():
+                output = self.call(input, skips)
+        else:
+            with torch.enable_grad():
+                output = self.call(input, skips)
+        if probe is not None:
+            drew = not torch.equal(probe, torch.get_rng_state())
+            step.traits[j].draws_random.setdefault(step.rng_keys[j], drew)
         current.output = output
         if j < n - 1:
             # Without a graph (checkpointed), a floating point output will
             # have one after the recomputation: the next leaf requires grad.
             current.sent_grad = [x.requires_grad or (checkpointed and x.is_floating_point())
                                  for x in output]
-            step.mailbox.put(('F', i, j + 1), (output, current.sent_grad, Ready(self.device)))
         else:
             with torch.enable_grad() if not checkpointed else nullcontext():
                 loss = step.loss(i, output)
             step.losses[i] = loss.detach()
             current.loss = None if checkpointed else loss
         self.passes[i] = current
+
+    def send_output(self, i: int) -> None:
+        """Sends micro-batch ``i``'s output to the next partition."""
+        if self.j < self.step.n - 1:
+            current = self.passes[i]
+            self.step.mailbox.put(('F', i, self.j + 1),
+                                  (current.output, current.sent_grad, Ready(self.device)))
 
     def recompute(self, i: int, current: Pass) -> None:
         assert current.replay is not None
@@ -318,13 +341,12 @@ class Stage:
             if self.j == self.step.n - 1:
                 current.loss = self.step.loss(i, current.output)
 
-    def backward(self, i: int) -> None:
-        current = self.passes.pop(i)
-        if current.replay is not None:
-            self.record('recompute', i, lambda: self.recompute(i, current))
-        self.record('backward', i, lambda: self.backpropagate(i, current))
+    def gradients(self, i: int, current: Pass) -> Tuple[List[Tensor], List[Optional[Tensor]]]:
+        """Waits for the gradients of micro-batch ``i``'s outputs and sent skips.
 
-    def backpropagate(self, i: int, current: Pass) -> None:
+        Returns:
+            the tensors to backpropagate from, and their gradients
+        """
         step, j = self.step, self.j
         tensors: List[Tensor] = []
         grads: List[Optional[Tensor]] = []
@@ -343,9 +365,15 @@ class Stage:
             if tensor is not None and tensor.requires_grad and g is not None:
                 tensors.append(tensor)
                 grads.append(ready.receive(g, tensor.device))
+        return tensors, grads
+
+    def backpropagate(self, tensors: List[Tensor], grads: List[Optional[Tensor]]) -> None:
         if tensors:
             torch.autograd.backward(tensors, grads)
 
+    def send_gradients(self, i: int, current: Pass) -> None:
+        """Sends the gradients of micro-batch ``i``'s input and popped skips back."""
+        step, j = self.step, self.j
         ready = Ready(self.device)
         if j > 0:
             step.mailbox.put(('B', i, j - 1), ([x.grad for x in current.input], ready))
