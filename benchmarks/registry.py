@@ -20,6 +20,7 @@ NAMES = (
     'solver_speed',
     'unet_example',
     'timeline',
+    'schedules',
 )
 
 
