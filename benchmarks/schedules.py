@@ -37,15 +37,14 @@ it slower than one thread here, not faster.
 
 Then one step each of 1F1B and fill-drain (``'never'``, 4 partitions) runs
 inside :func:`torchgpipe.trace`; the JSON keeps their events, and
-``schedules-<preset>-timelines.png`` draws them one above the other. Each
-action's recorded span includes its wait for the message it needs from the
-neighbouring partition; :func:`without_waits` cuts it off, so the charts and
-utilizations show work only.
+``schedules-<preset>-timelines.png`` draws them one above the other (an
+action's event is its work: the wait for a neighbour's message is left
+blank), with the devices' busy fraction from the timeline's summary.
 """
 import copy
 import sys
-from dataclasses import asdict, replace
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from dataclasses import asdict
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -61,7 +60,7 @@ from benchmarks.runner import Experiment, Figure, Preset, main as run_main
 from benchmarks.timeline import row_events
 from benchmarks.timing import time_steps
 from torchgpipe import GPipe
-from torchgpipe.timeline import Event, segments
+from torchgpipe.timeline import segments
 
 Step = Callable[[], None]
 Row = Dict[str, Any]
@@ -177,51 +176,14 @@ def compute_rows(config: Dict[str, Any]) -> Dict[str, Any]:
         with torchgpipe.trace(never) as timeline:
             train_step(never, input, schedule)()
         summary = timeline.summary()
-        events = without_waits(timeline.events)
+        events = timeline.events
         timelines.append({'name': title, 'schedule': schedule,
                           'traced_step_time': summary.step_time,
-                          'utilization': utilization(events),
-                          'traced_utilization': 1 - summary.bubble,
+                          'utilization': 1 - summary.bubble,
                           'predicted_bubble': summary.predicted_bubble,
                           'summary': str(summary),
                           'events': [asdict(e) for e in events]})
     return {'rows': rows, 'timelines': timelines, 'devices': [str(d) for d in devices]}
-
-
-def without_waits(events: Sequence[Event]) -> List[Event]:
-    """The events of a ``train_step``, each starting when what it waits for has come.
-
-    A worker of ``train_step`` runs its actions in order, and the span
-    recorded for an action includes its wait for the message it needs: the
-    output of ``F(i,j-1)`` for ``F(i,j)``, the gradient of ``B(i,j+1)`` for
-    ``B(i,j)``, each sent at the end of that action. The wait is idle time,
-    and counted as work it hides the bubble (partition 0's first backward
-    action would span the whole warm-up of the others), so it is cut off the
-    front of each action here: its start becomes the end of the action it
-    waits for, when that is later.
-    """
-    ends: Dict[Tuple[str, int, int], float] = {
-        (e.kind, e.micro_batch, e.partition): e.end for e in events}
-    waited = {'forward': -1, 'backward': 1}
-    cut = []
-    for e in events:
-        start = e.start
-        if e.kind in waited:
-            start = max(start, ends.get((e.kind, e.micro_batch, e.partition + waited[e.kind]),
-                                        start))
-        start = min(start, e.end)
-        pieces = tuple((max(a, start), b) for a, b in e.pieces if b > start)
-        cut.append(replace(e, start=start, pieces=pieces))
-    return cut
-
-
-def utilization(events: Sequence[Event]) -> float:
-    """The devices' busy fraction of the step: time in tasks over devices times step time."""
-    pieces = segments([e for e in events if e.kind != 'copy'])
-    begin = min(a for _, a, _ in pieces)
-    end = max(b for _, _, b in pieces)
-    tracks = {e.track for e, _, _ in pieces}
-    return sum(b - a for _, a, b in pieces) / (len(tracks) * (end - begin))
 
 
 def parallelism_rows(config: Dict[str, Any]) -> List[Row]:
@@ -321,9 +283,8 @@ def table(document: Dict[str, Any]) -> str:
              f"MiB, fill-drain {memory['against_mib']:.1f} MiB, unwrapped "
              f"{memory['unwrapped_mib']:.1f} MiB"]
     for t in document['timelines']:
-        lines += ['', f"traced step, {t['name']} (as recorded, waits for messages counted as "
-                  f"busy): {t['summary']}",
-                  f"utilization without the waits: {t['utilization']:.0%} (ideal, "
+        lines += ['', f"traced step, {t['name']}: {t['summary']}",
+                  f"utilization: {t['utilization']:.0%} (ideal, "
                   f"1 - (n-1)/(m+n-1): {1 - t['predicted_bubble']:.0%})"]
     return '\n'.join(lines)
 
