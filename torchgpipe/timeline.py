@@ -52,8 +52,6 @@ from torch import Tensor
 __all__ = ['trace', 'Timeline', 'Event', 'StepInfo', 'Summary', 'DeviceSummary',
            'PartitionSummary']
 
-#: The kinds of events, in the order the legend shows them.
-KINDS = ('forward', 'recompute', 'backward', 'copy')
 #: How the name of an event of each kind starts.
 PREFIXES = {'forward': 'F', 'recompute': "F'", 'backward': 'B', 'copy': 'C'}
 #: The kinds that keep a device busy (copies run on copy streams).
@@ -279,7 +277,6 @@ class Timeline:
         self.steps: List[StepInfo] = []
         self._spans: List[Span] = []
         self._lock = threading.Lock()
-        self._memory_baseline: Dict[str, int] = {}
         self._peak_memory: Dict[str, int] = {}
 
     # Recording; called by the pipeline. ------------------------------------
