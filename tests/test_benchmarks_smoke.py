@@ -9,6 +9,7 @@ loss differences of the transparency experiments, which must be 0 up to float
 rounding.
 """
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any, Callable, Dict, List
@@ -93,7 +94,9 @@ def check_schedules(document: Dict[str, Any]) -> None:
     assert [r['name'] for r in results] == ['compute-bound', 'memory', 'parallelism',
                                             'two threads', 'fill-drain', '1F1B, checkpointed']
     for r in results:
-        assert r['ratio'] > 0
+        # A smoke run's memory is a few KiB of noise in the process's
+        # resident size: only the timings are sure to be positive.
+        assert math.isfinite(r['ratio']) and (r['name'] == 'memory' or r['ratio'] > 0)
         assert ('target' in r) == (r['name'] in ('compute-bound', 'memory', 'parallelism'))
     assert [t['schedule'] for t in document['timelines']] == ['1f1b', 'fill_drain']
     for t in document['timelines']:
