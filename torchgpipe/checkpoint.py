@@ -162,18 +162,18 @@ class Context:
             learns whether it modifies its input in place
         exclusive_rng: whether the recomputation may draw from the CPU
             generator, and so must hold it alone
-        name: the task's ``(i,j)``, for the labels of a profiler
+        task: the task's ``(i, j)``, for the labels of a profiler
     """
 
     __slots__ = ('function', 'atomic', 'layout', 'num_inputs', 'traits', 'exclusive_rng',
-                 'name', 'first_pass', 'recomputed', 'autocast_states', 'output_layout')
+                 'task', 'first_pass', 'recomputed', 'autocast_states', 'output_layout')
 
     def __init__(self, function: Function, atomic: bool, layout: Optional[Layout],
                  num_inputs: int, traits: PartitionTraits, exclusive_rng: bool,
-                 name: str) -> None:
+                 task: Tuple[int, int]) -> None:
         self.function = function
-        #: The task's ``(i,j)``, for the profiler's labels of its backward pass.
-        self.name = name
+        #: The task's ``(i, j)``, for the profiler's labels of its backward pass.
+        self.task = task
         self.atomic = atomic
         self.layout = layout
         self.num_inputs = num_inputs
@@ -215,16 +215,17 @@ class Checkpointing:
             modifies its input in place is learned here
         exclusive_rng: whether the recomputation may draw from the CPU
             generator, and so must hold it alone
+        task: the task's ``(i, j)``, which labels its backward pass for a profiler
     """
 
     def __init__(self, function: Function, batch: Batch, parameters: Sequence[Tensor] = (),
                  traits: Optional[PartitionTraits] = None, exclusive_rng: bool = True,
-                 name: str = '') -> None:
+                 task: Tuple[int, int] = (0, 0)) -> None:
         self.batch = batch
         self.parameters = parameters
         self.context = Context(function, batch.atomic, batch.layout, len(batch),
                                PartitionTraits() if traits is None else traits, exclusive_rng,
-                               name)
+                               task)
 
     def checkpoint(self) -> Batch:
         """Runs the function without keeping activations; returns the output batch."""
@@ -368,7 +369,7 @@ class Checkpoint(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grad_output: Tensor) -> Tuple[Optional[Tensor], ...]:
-        with label(f'B{ctx.context.name}'):
+        with label('backward', ctx.context.task):
             return Checkpoint.backpropagate(ctx, *grad_output)
 
     @staticmethod
@@ -473,7 +474,7 @@ class Recompute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor) -> Tuple[Optional[Tensor], ...]:
-        with label(f"F'{ctx.context.name}"):
+        with label('recompute', ctx.context.task):
             return Recompute.recompute(ctx, grad_output)
 
     @staticmethod

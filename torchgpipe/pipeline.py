@@ -228,13 +228,13 @@ class Pipeline:
             function = partition_function(self.partitions[j], j, self.skip_trackers[i])
             if i < self.checkpoint_stop:
                 chk = Checkpointing(function, batch, self.parameters[j], self.traits[j],
-                                    name=f'({i},{j})',
+                                    task=(i, j),
                                     exclusive_rng=draws is not False)
                 compute, finalize = chk.checkpoint, chk.recompute
             else:
                 compute, finalize = batch_call(batch, function), None
             if torch.autograd.profiler._is_profiler_enabled:
-                compute = labelled(f'F({i},{j})', compute)
+                compute = labelled((i, j), compute)
             if timeline is not None:
                 boundaries[i] = [x.grad_fn for x in batch if x.grad_fn is not None]
                 compute = timeline.timed('forward', i, j, self.devices[j], compute)
@@ -296,9 +296,9 @@ def batch_call(batch: Batch,
     return lambda: batch.call(function)
 
 
-def labelled(name: str, function: Callable[[], T]) -> Callable[[], T]:
-    """Wraps a task so that it shows as ``torchgpipe <name>`` in a :mod:`torch.profiler` trace."""
+def labelled(task: Tuple[int, int], function: Callable[[], T]) -> Callable[[], T]:
+    """Wraps forward task ``(i, j)`` so that it shows as ``torchgpipe F(i,j)`` in a profile."""
     def run() -> T:
-        with label(name):
+        with label('forward', task):
             return function()
     return run

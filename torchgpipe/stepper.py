@@ -44,7 +44,7 @@ from torchgpipe.skip.layout import SkipLayout
 from torchgpipe.skip.namespace import Namespace
 from torchgpipe.skip.tracker import SkipTracker
 from torchgpipe.stream import as_cuda, current_stream, is_cuda, record_stream, use_device
-from torchgpipe.timeline import PREFIXES, Timeline, label
+from torchgpipe.timeline import Timeline, label
 from torchgpipe.traits import PartitionTraits
 from torchgpipe.worker import ExcInfo, distinct_devices
 
@@ -251,7 +251,7 @@ class Stage:
 
     def record(self, kind: str, i: int, work: Callable[[], T]) -> T:
         """Runs an action's work, labelled for a profiler and recorded by a timeline."""
-        with label(f"{PREFIXES[kind]}({i},{self.j})"):
+        with label(kind, (i, self.j)):
             timeline = self.step.timeline
             if timeline is None:
                 return work()

@@ -534,12 +534,15 @@ class Timeline:
         plot_timeline(segments(events), path, title)
 
 
-def label(name: str) -> ContextManager[Any]:
-    """Labels a task ``torchgpipe <name>`` in a :mod:`torch.profiler` trace, if one is recorded."""
+def label(kind: str, task: Tuple[int, int]) -> ContextManager[Any]:
+    """Labels task ``(i, j)`` of a kind ``torchgpipe F(i,j)`` (or ``F'``, ``B``) for a profiler.
+
+    Nothing is done, the label not even formatted, unless a profiler records.
+    """
     # A process-wide flag, set by torch.profiler.profile: cheaper than a
     # record_function per task whether or not anyone profiles.
     if torch.autograd.profiler._is_profiler_enabled:
-        return torch.profiler.record_function(f'torchgpipe {name}')
+        return torch.profiler.record_function(f'torchgpipe {PREFIXES[kind]}({task[0]},{task[1]})')
     return nullcontext()
 
 
