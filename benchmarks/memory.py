@@ -17,17 +17,17 @@ not penalize large batches.
 import gc
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from benchmarks import REPO_ROOT
 from benchmarks.devices import synchronize
+from torchgpipe.timeline import peak_rss, proc_status, reset_peak_rss
 
 __all__ = ['GiB', 'MiB', 'parameter_count', 'fix_malloc', 'tune_malloc', 'malloc_tuned',
            'step_peak_memory', 'run_measure_subprocesses']
@@ -86,38 +86,9 @@ def malloc_tuned() -> bool:
     return _malloc_tuned
 
 
-def _proc_status(key: str) -> Optional[int]:
-    """A ``kB`` field of /proc/self/status in bytes (Linux only)."""
-    try:
-        with open('/proc/self/status') as status:
-            for line in status:
-                if line.startswith(key + ':'):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def _reset_peak_rss() -> bool:
-    try:
-        with open('/proc/self/clear_refs', 'w') as clear_refs:
-            clear_refs.write('5')
-        return True
-    except OSError:
-        return False
-
-
-def _max_rss() -> int:
-    peak = _proc_status('VmHWM')
-    if peak is not None:
-        return peak
-    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return maxrss if sys.platform == 'darwin' else maxrss * 1024
-
-
 def _rss() -> int:
-    rss = _proc_status('VmRSS')
-    return rss if rss is not None else _max_rss()
+    rss = proc_status('VmRSS')
+    return rss if rss is not None else peak_rss()
 
 
 def step_peak_memory(step: Callable[[], None], devices: Sequence[torch.device],
@@ -143,10 +114,10 @@ def step_peak_memory(step: Callable[[], None], devices: Sequence[torch.device],
                 'before': before, 'peak': sum(peaks.values()),
                 'step_peak': sum(peaks[k] - before[k] for k in peaks)}
 
-    reset = _reset_peak_rss()
+    reset = reset_peak_rss()
     resident = _rss()
     step()
-    added = _max_rss() - resident
+    added = peak_rss() - resident
     method = 'rss high-water mark (clear_refs)' if reset else 'ru_maxrss'
     return {'method': method, 'per_device': {'host': added}, 'before': resident,
             'peak': added, 'step_peak': added}

@@ -33,6 +33,7 @@ device rather than the launch; they are read once the device is synchronized.
 Outside :func:`trace` none of this runs: a pipeline checks once per task
 whether a recorder is attached.
 """
+import functools
 import json
 import os
 import resource
@@ -338,11 +339,7 @@ class Timeline:
             outputs: the task's outputs (after its recomputation was attached)
             boundary: the nodes of the task's inputs: the walk stops there
         """
-        from torchgpipe.checkpoint import Recompute
-        from torchgpipe.copy import Copy, Wait
-        from torchgpipe.dependency import Fork, Join
-        glue = (Fork, Join, Copy, Wait)
-
+        recompute, glue, ends = node_classes()
         step = len(self.steps) - 1
         stop = set(boundary)
         seen = set()
@@ -354,9 +351,9 @@ class Timeline:
                 continue
             seen.add(node)
             forward_class = getattr(node, '_forward_cls', None)
-            if type(node).__name__ == 'AccumulateGrad' or _is_portal(forward_class):
+            if type(node).__name__ == 'AccumulateGrad' or forward_class in ends:
                 continue
-            if forward_class is Recompute:
+            if forward_class is recompute:
                 self._hook(node, runs['recompute'], Span('recompute', i, j, device,
                                                          str(device), step))
             elif forward_class not in glue:
@@ -394,10 +391,10 @@ class Timeline:
         for device in devices:
             if device.type == 'cuda':
                 torch.cuda.reset_peak_memory_stats(device)
-        _reset_peak_rss()
+        reset_peak_rss()
 
     def stop_memory(self, devices: Iterable[torch.device]) -> None:
-        rss = _peak_rss()
+        rss = peak_rss()
         for device in devices:
             if device.type == 'cuda':
                 self._peak_memory[str(device)] = torch.cuda.max_memory_allocated(device)
@@ -546,9 +543,21 @@ def label(kind: str, task: Tuple[int, int]) -> ContextManager[Any]:
     return nullcontext()
 
 
-def _is_portal(forward_class: Any) -> bool:
+@functools.lru_cache(maxsize=None)
+def node_classes() -> Tuple[type, Tuple[type, ...], Tuple[type, ...]]:
+    """The autograd functions a walk through a task's backward pass tells apart.
+
+    Returns:
+        :class:`~torchgpipe.checkpoint.Recompute`; the glue between tasks,
+        walked through but not recorded (fork/join, copy/wait); and the
+        portals of skips, where the task ends
+    """
+    # Imported here, once: these modules import this one (for its labels).
+    from torchgpipe.checkpoint import Recompute
+    from torchgpipe.copy import Copy, Wait
+    from torchgpipe.dependency import Fork, Join
     from torchgpipe.skip.portal import PortalBlue, PortalCopy, PortalOrange
-    return forward_class in (PortalBlue, PortalOrange, PortalCopy)
+    return Recompute, (Fork, Join, Copy, Wait), (PortalBlue, PortalOrange, PortalCopy)
 
 
 def graph_task_id() -> int:
@@ -634,26 +643,36 @@ def critical_path(events: Sequence[Event], n: int) -> List[Event]:
     return path
 
 
-def _reset_peak_rss() -> None:
-    # Linux resets the process's peak resident size on writing 5 here.
+def proc_status(key: str) -> Optional[int]:
+    """A ``kB`` field of ``/proc/self/status`` in bytes, or ``None`` where there is none."""
     try:
-        with open('/proc/self/clear_refs', 'w') as f:
-            f.write('5')
-    except OSError:
-        pass
-
-
-def _peak_rss() -> int:
-    try:
-        with open('/proc/self/status') as f:
-            for line in f:
-                if line.startswith('VmHWM:'):
+        with open('/proc/self/status') as status:
+            for line in status:
+                if line.startswith(key + ':'):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
+    return None
+
+
+def reset_peak_rss() -> bool:
+    """Resets the process's peak resident size (Linux); returns whether it could."""
+    try:
+        with open('/proc/self/clear_refs', 'w') as clear_refs:
+            clear_refs.write('5')
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss() -> int:
+    """The process's peak resident size in bytes, since :func:`reset_peak_rss` where it works."""
+    peak = proc_status('VmHWM')
+    if peak is not None:
+        return peak
     # Elsewhere: the peak since the process started (kilobytes on Linux, bytes on macOS).
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak if sys.platform == 'darwin' else peak * 1024)
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(maxrss if sys.platform == 'darwin' else maxrss * 1024)
 
 
 @contextmanager
