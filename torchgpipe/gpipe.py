@@ -14,8 +14,10 @@ from torchgpipe._validation import (as_int, check_available, check_chunks, descr
 from torchgpipe.batchnorm import DeferredBatchNorm, restore_batch_norm
 from torchgpipe.microbatch import TensorOrTensors
 from torchgpipe.pipeline import Pipeline
+from torchgpipe.schedule import SCHEDULES
 from torchgpipe.skip.layout import inspect_skip_layout
 from torchgpipe.skip.skippable import verify_skippables
+from torchgpipe.stepper import Step
 from torchgpipe.stream import AbstractStream, current_stream, new_stream, use_device
 from torchgpipe.tied import place_partitions, retie
 from torchgpipe.traits import RunState
@@ -703,9 +705,6 @@ class GPipe(nn.Module):
             >>> loss.shape
             torch.Size([])
         """
-        from torchgpipe.schedule import SCHEDULES
-        from torchgpipe.stepper import Step
-
         if schedule not in SCHEDULES:
             raise ValueError(describe(f'schedule must be one of {", ".join(map(repr, SCHEDULES))}',
                                       f'schedule: {schedule!r}', "use schedule='1f1b'"))
