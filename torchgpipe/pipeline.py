@@ -25,7 +25,7 @@ from torchgpipe.checkpoint import Checkpointing
 from torchgpipe.copy import Copy, Wait
 from torchgpipe.dependency import fork, join
 from torchgpipe.microbatch import Batch, TensorOrTensors, check
-from torchgpipe.rng import Turns, training_flags
+from torchgpipe.rng import Turns, cpu_rng_state, training_flags
 from torchgpipe.skip.layout import SkipLayout
 from torchgpipe.skip.tracker import SkipTracker, SkipTrackerThroughPortals, use_skip_tracker
 from torchgpipe.stream import AbstractStream, is_cuda, use_device, use_stream
@@ -166,9 +166,9 @@ class Pipeline:
                 # Task by task, so that a change of the CPU generator's state
                 # is the doing of the task that just ran.
                 for i, j in schedule:
-                    before = torch.get_rng_state()
+                    before = cpu_rng_state()
                     self.compute([(i, j)], in_queues, out_queues)
-                    drew = not torch.equal(before, torch.get_rng_state())
+                    drew = not torch.equal(before, cpu_rng_state())
                     self.traits[j].draws_random.setdefault(self.rng_keys[j], drew)
 
     def fence(self, schedule: List[Tuple[int, int]]) -> None:

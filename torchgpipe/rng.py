@@ -29,6 +29,24 @@ generator per CUDA device. Two promises rest on them:
    :data:`cpu_generator_lock`: on CUDA, the autograd engine runs the backward
    of each device in its own thread, so recomputations of different devices
    could otherwise interleave.
+
+3. **No deadlock with the GIL.** PyTorch guards each generator with a C++
+   mutex. Reading a state (``torch.get_rng_state()``) holds that mutex while
+   it wraps the state in a new Python tensor, which may start the garbage
+   collector, which may run Python code and hand the GIL to another thread.
+   If that thread then asks for the same mutex *while holding the GIL* (which
+   every state read or write does), neither can go on::
+
+       worker A                            worker B
+       get_rng_state: mutex ─► allocate    (holds the GIL)
+         └► GC ─► finalizer yields GIL ──► get_rng_state: waits for mutex
+       waits for the GIL ◄──────────────── holds the GIL: deadlock
+
+   Kernels that draw (dropout) take the mutex with the GIL released, so they
+   cannot close such a circle. Every read and write of a generator's state
+   here goes through :data:`state_lock`, a Python lock, which a thread waits
+   for with the GIL released: at most one thread is ever inside a state call,
+   and the one waiting for it does not hold what that call needs.
 """
 import threading
 from contextlib import contextmanager
@@ -45,13 +63,32 @@ RNGStates = Tuple[Tensor, Optional[Tensor]]
 #: Held by a recomputation while it draws from the CPU generator.
 cpu_generator_lock = threading.RLock()
 
+#: Held around every read or write of a generator's state (see point 3 above).
+state_lock = threading.Lock()
+
 T = TypeVar('T')
 
 
 def save_rng_states(device: torch.device) -> RNGStates:
     """Captures the CPU generator's state, and the CUDA one if the device is CUDA."""
-    gpu_rng_state = torch.cuda.get_rng_state(device) if device.type == 'cuda' else None
-    return torch.get_rng_state(), gpu_rng_state
+    with state_lock:
+        gpu_rng_state = torch.cuda.get_rng_state(device) if device.type == 'cuda' else None
+        return torch.get_rng_state(), gpu_rng_state
+
+
+def cpu_rng_state() -> Tensor:
+    """The CPU generator's state: compared before and after a task, it tells whether it drew."""
+    with state_lock:
+        return torch.get_rng_state()
+
+
+def set_rng_states(device: torch.device, states: RNGStates) -> None:
+    """Puts the generators in the given states (the CUDA one only if one was saved)."""
+    cpu_state, gpu_state = states
+    with state_lock:
+        torch.set_rng_state(cpu_state)
+        if gpu_state is not None:
+            torch.cuda.set_rng_state(gpu_state, device)
 
 
 @contextmanager
@@ -65,19 +102,14 @@ def restore_rng_states(device: torch.device, states: RNGStates, *,
         exclusive: hold :data:`cpu_generator_lock` throughout, because the
             context may draw from the CPU generator
     """
-    cpu_rng_state, gpu_rng_state = states
     with cpu_generator_lock if exclusive else _NO_LOCK:
-        saved_cpu = torch.get_rng_state()
-        saved_gpu = torch.cuda.get_rng_state(device) if gpu_rng_state is not None else None
-        torch.set_rng_state(cpu_rng_state)
-        if gpu_rng_state is not None:
-            torch.cuda.set_rng_state(gpu_rng_state, device)
+        # States saved on a CUDA device come with its generator's state.
+        saved = save_rng_states(device)
+        set_rng_states(device, states)
         try:
             yield
         finally:
-            torch.set_rng_state(saved_cpu)
-            if saved_gpu is not None:
-                torch.cuda.set_rng_state(saved_gpu, device)
+            set_rng_states(device, saved)
 
 
 class _NoLock:

@@ -37,8 +37,8 @@ from torchgpipe.autocast import AutocastStates, restore_autocast_states, save_au
 from torchgpipe.checkpoint import enable_checkpointing, enable_recomputing
 from torchgpipe.microbatch import Batch, TensorOrTensors
 from torchgpipe.pipeline import partition_function
-from torchgpipe.rng import RNGStates, cpu_generator_lock, restore_rng_states, save_rng_states, \
-    training_flags
+from torchgpipe.rng import RNGStates, cpu_generator_lock, cpu_rng_state, restore_rng_states, \
+    save_rng_states, training_flags
 from torchgpipe.schedule import Action, clock_order
 from torchgpipe.skip.layout import SkipLayout
 from torchgpipe.skip.namespace import Namespace
@@ -299,7 +299,7 @@ class Stage:
         checkpointed = i < step.checkpoint_stop
         # Not known yet whether the partition draws random numbers: the
         # generator is held (random_lock), so any change of its state is its doing.
-        probe = torch.get_rng_state() if step.draws_random(j) is None else None
+        probe = cpu_rng_state() if step.draws_random(j) is None else None
         if checkpointed:
             current.replay = (save_rng_states(self.device), save_autocast_states())
             with torch.no_grad(), enable_checkpointing():
@@ -308,7 +308,7 @@ class Stage:
             with torch.enable_grad():
                 output = self.call(input, skips)
         if probe is not None:
-            drew = not torch.equal(probe, torch.get_rng_state())
+            drew = not torch.equal(probe, cpu_rng_state())
             step.traits[j].draws_random.setdefault(step.rng_keys[j], drew)
         current.output = output
         if j < n - 1:
