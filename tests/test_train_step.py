@@ -7,6 +7,7 @@ a failure anywhere ends the step cleanly.
 """
 import copy
 import gc
+import re
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -271,17 +272,45 @@ def dropout_model() -> nn.Sequential:
                          nn.Linear(8, 2))
 
 
+def noisy_mse(output: Tensor, target: Tensor) -> Tensor:
+    """A loss that draws random numbers: the target, jittered."""
+    return F.mse_loss(output, target + 0.01 * torch.randn_like(target))
+
+
+def dropout_mse(output: Tensor, target: Tensor) -> Tensor:
+    """A loss with dropout in it."""
+    return F.mse_loss(F.dropout(output, 0.5), target)
+
+
+def plain_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
+                         nn.Linear(8, 2))
+
+
 @pytest.mark.parametrize('schedule', sorted(SCHEDULES))
 @pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
-def test_dropout_draws_the_same_on_both_paths(schedule: str, checkpoint: str) -> None:
+@pytest.mark.parametrize('model, loss_fn', [
+    (dropout_model, F.mse_loss),
+    (plain_model, noisy_mse),
+    (plain_model, dropout_mse),
+    (dropout_model, noisy_mse),
+], ids=['dropout-in-model', 'randn-in-loss', 'dropout-in-loss', 'both'])
+def test_random_draws_are_the_same_on_both_paths(
+        schedule: str, checkpoint: str, model: Callable[[], nn.Sequential],
+        loss_fn: Callable[[Tensor, Tensor], Tensor]) -> None:
+    # The loss is part of the last partition's work: its draws take turns
+    # with the partitions' on threads, as on one thread. What the forward
+    # path learned about the partitions, without a loss, must not mislead.
     input, target = torch.randn(8, 4), torch.randn(8, 2)
     results = []
     for threaded in (False, True):
-        gpipe = GPipe(dropout_model(), balance=[2, 2, 1], devices=cpu_devices(3, threaded),
+        gpipe = GPipe(model(), balance=[2, 2, 1], devices=cpu_devices(3, threaded),
                       chunks=4, checkpoint=checkpoint)
         torch.manual_seed(1)
-        losses = [gpipe.train_step(input, target, F.mse_loss, schedule=schedule)
-                  for _ in range(2)]
+        forward_path_step(gpipe, input, target, F.mse_loss)
+        losses = [gpipe.train_step(input, target, loss_fn, schedule=schedule)
+                  for _ in range(3)]
         results.append((losses, named_grads(gpipe), torch.get_rng_state()))
     (losses1, grads1, state1), (losses2, grads2, state2) = results
     assert all(torch.equal(a, b) for a, b in zip(losses1, losses2))
@@ -419,12 +448,29 @@ def small() -> GPipe:
      ValueError, 'target must split into the micro-batches the input does'),
     (lambda g: g.train_step(torch.ones(4, 2), torch.ones(4, 2),
                             lambda o, t: F.mse_loss(o, t, reduction='none')),
-     TypeError, 'loss_fn must return a tensor of one element'),
-])
+     TypeError, 'loss_fn must return a tensor of one element (a reduced loss) (loss_fn '
+     'returned Tensor of shape (2, 2)); reduce the loss inside loss_fn'),
+    (lambda g: g.train_step(torch.ones(4, 2), torch.ones(4, 2), F.mse_loss,
+                            schedule=['1f1b']),
+     TypeError, "schedule must be one of '1f1b', 'fill_drain' (schedule: ['1f1b'])"),
+    (lambda g: g.train_step(torch.ones(4, 2), torch.ones(4, 2), F.mse_loss,
+                            reduction=['mean']),
+     TypeError, "reduction must be 'mean' or 'sum' (reduction: ['mean'])"),
+    (lambda g: g.train_step(torch.ones(0, 2), torch.ones(0, 2), F.mse_loss),
+     ValueError, 'train_step needs at least one sample (input: a mini-batch of 0 rows)'),
+    (lambda g: g.train_step(torch.ones(4, 2), torch.tensor(1.0), F.mse_loss),
+     ValueError, 'target tensors must have a batch dimension (dimension 0) to be split into '
+     'micro-batches (target: a 0-dimensional tensor)'),
+    (lambda g: g.train_step(torch.ones(10, 2), (torch.ones(10, 2), torch.ones(7, 2)),
+                            lambda o, t: F.mse_loss(o, t[0])),
+     ValueError, 'tensors of the target tuple must have the same size in dimension 0 '
+     '(target: sizes [10, 7] in dimension 0)'),
+], ids=['schedule', 'reduction', 'loss_fn', 'target-rows', 'unreduced-loss',
+        'schedule-type', 'reduction-type', 'empty-batch', '0-dim-target', 'target-tuple'])
 def test_bad_use_gets_clear_errors(call: Callable[[GPipe], Any], error: type,
                                    message: str) -> None:
     gpipe = small()
-    with pytest.raises(error, match=message.replace('(', '\\(')):
+    with pytest.raises(error, match=re.escape(message)):
         call(gpipe)
     assert all(p.grad is None for p in gpipe.parameters())
 
@@ -462,6 +508,31 @@ def test_unsplit_inputs_reach_every_micro_batch(threaded: bool) -> None:
     expected = named_grads(reference)
     for name, grad in named_grads(gpipe).items():
         torch.testing.assert_close(grad, expected[name], msg=name)
+
+
+def test_unsplit_targets_reach_loss_fn_unwrapped(threaded: bool) -> None:
+    # A NoChunk tensor of the target tuple reaches every micro-batch's loss
+    # whole and unwrapped, as a NoChunk input reaches the layers.
+    torch.manual_seed(0)
+    model = mlp([3, 4, 2])
+    input, target, weight = torch.randn(6, 3), torch.randn(6, 2), torch.rand(2)
+    seen: List[type] = []
+
+    def weighted_mse(output: Tensor, target: Tuple[Tensor, Tensor]) -> Tensor:
+        seen.append(type(target[1]))
+        return ((output - target[0]).pow(2) * target[1]).mean()
+
+    reference = copy.deepcopy(model)
+    expected = weighted_mse(reference(input), (target, weight))
+    expected.backward()
+    seen.clear()
+    gpipe = GPipe(model, balance=[2, 2], devices=cpu_devices(2, threaded), chunks=3)
+    loss = gpipe.train_step(input, (target, torchgpipe.NoChunk(weight)), weighted_mse)
+    assert seen and set(seen) == {Tensor}
+    torch.testing.assert_close(loss, expected.detach())
+    expected_grads = named_grads(reference)
+    for name, grad in named_grads(gpipe).items():
+        torch.testing.assert_close(grad, expected_grads[name], msg=name)
 
 
 @pytest.mark.cuda

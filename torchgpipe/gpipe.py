@@ -669,9 +669,15 @@ class GPipe(nn.Module):
         Args:
             input (torch.Tensor or tuple): the mini-batch, as :meth:`forward` takes it
             target (torch.Tensor or tuple): the target, split along dimension
-                0 like the input; moved to the last device
+                0 like the input (a :class:`~torchgpipe.NoChunk` tensor of a
+                tuple is given whole, unwrapped, to every micro-batch's
+                loss); moved to the last device
             loss_fn (callable): ``loss_fn(output, target)`` of one
-                micro-batch, returning a tensor of one element
+                micro-batch, returning a tensor of one element. It is called
+                once per micro-batch, and once more for each checkpointed
+                micro-batch, when its backward action recomputes the last
+                partition: then :func:`~torchgpipe.is_recomputing` is true,
+                and random numbers it draws are the first call's
             schedule (str): ``'1f1b'`` (default) starts backward passes as
                 early as it can, so that partition ``j`` keeps at most
                 ``n - j`` micro-batches' activations; ``'fill_drain'`` runs
@@ -684,10 +690,11 @@ class GPipe(nn.Module):
             without autograd history
 
         Raises:
-            ValueError: an unknown ``schedule`` or ``reduction``, or a target
-                that does not split like the input
-            TypeError: ``loss_fn`` is not callable, or does not return a
-                tensor of one element
+            ValueError: an unknown ``schedule`` or ``reduction``, a target
+                that does not split like the input, or an empty mini-batch
+            TypeError: ``schedule`` or ``reduction`` is not a string,
+                ``loss_fn`` is not callable, or does not return a tensor of
+                one element
             RuntimeError: called with gradients disabled, or with
                 torch.distributed running several processes (gradients are
                 not all-reduced across processes)
@@ -705,14 +712,17 @@ class GPipe(nn.Module):
             >>> loss.shape
             torch.Size([])
         """
-        if schedule not in SCHEDULES:
-            raise ValueError(describe(f'schedule must be one of {", ".join(map(repr, SCHEDULES))}',
-                                      f'schedule: {schedule!r}', "use schedule='1f1b'"))
-        if reduction not in ('mean', 'sum'):
-            raise ValueError(describe("reduction must be 'mean' or 'sum'",
-                                      f'reduction: {reduction!r}',
-                                      "say how loss_fn reduces a micro-batch, e.g. "
-                                      "reduction='mean' for F.cross_entropy"))
+        # A str of another value is a ValueError; anything else (a list, say) a TypeError.
+        if not isinstance(schedule, str) or schedule not in SCHEDULES:
+            error = ValueError if isinstance(schedule, str) else TypeError
+            raise error(describe(f'schedule must be one of {", ".join(map(repr, SCHEDULES))}',
+                                 f'schedule: {schedule!r}', "use schedule='1f1b'"))
+        if not isinstance(reduction, str) or reduction not in ('mean', 'sum'):
+            error = ValueError if isinstance(reduction, str) else TypeError
+            raise error(describe("reduction must be 'mean' or 'sum'",
+                                 f'reduction: {reduction!r}',
+                                 "say how loss_fn reduces a micro-batch, e.g. "
+                                 "reduction='mean' for F.cross_entropy"))
         if not callable(loss_fn):
             raise TypeError(describe('loss_fn must be callable', f'loss_fn: {loss_fn!r}',
                                      'pass a function of (output, target), e.g. F.mse_loss'))
@@ -728,13 +738,20 @@ class GPipe(nn.Module):
         microbatch.check(input)
         microbatch.check(target, 'target')
         batches = microbatch.scatter(input, self.chunks)
-        targets = microbatch.scatter(target, self.chunks)
+        targets = microbatch.scatter(target, self.chunks, 'target')
         sizes = [b[0].size(0) for b in batches]
         target_sizes = [t[0].size(0) for t in targets]
         if sizes != target_sizes:
             raise ValueError(describe('target must split into the micro-batches the input does',
                                       f'input micro-batches of {sizes}, target of {target_sizes}',
                                       'give a target with one row per sample of the input'))
+        if not sum(sizes):
+            # The unwrapped model's mean loss would be nan: a step on an
+            # empty batch is a data loader's leftover, not a training step.
+            raise ValueError(describe('train_step needs at least one sample',
+                                      'input: a mini-batch of 0 rows',
+                                      'skip empty batches, e.g. with drop_last=True in the '
+                                      'DataLoader'))
         if not self.devices:
             raise ValueError('train_step needs at least one layer: this GPipe is empty')
 
@@ -745,7 +762,9 @@ class GPipe(nn.Module):
         total = sum(sizes)
         weights = [size / total if reduction == 'mean' else 1.0 for size in sizes]
         m, n = len(batches), len(self.devices)
-        step = Step(self._partitions(), self.devices, batches, [t.values for t in targets],
+        # The loss function sees the target as a layer sees its input:
+        # NoChunk tensors unwrapped.
+        step = Step(self._partitions(), self.devices, batches, [t.plain for t in targets],
                     loss_fn, weights, SCHEDULES[schedule](m, n), self._skip_layout,
                     checkpoint_stop, self._run_state.traits, self._run_state.timeline)
         return step.run()

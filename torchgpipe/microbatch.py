@@ -321,7 +321,7 @@ def check(input: object, what: str = 'input') -> None:
         raise TypeError(describe(requirement, f'{what}: {type(input).__name__}', fix))
 
 
-def scatter(input: TensorOrTensors, chunks: int) -> List[Batch]:
+def scatter(input: TensorOrTensors, chunks: int, what: str = 'input') -> List[Batch]:
     """Splits the input along dimension 0 into at most ``chunks`` micro-batches.
 
     It follows :func:`torch.chunk`: a batch that does not divide evenly gets a
@@ -334,6 +334,8 @@ def scatter(input: TensorOrTensors, chunks: int) -> List[Batch]:
     Args:
         input (torch.Tensor or tuple): the mini-batch
         chunks (int): the number of micro-batches wanted
+        what (str): how to name the value in error messages (``'target'``
+            for :meth:`~torchgpipe.GPipe.train_step`'s target)
 
     Returns:
         list of :class:`Batch`: the micro-batches, in order
@@ -349,27 +351,27 @@ def scatter(input: TensorOrTensors, chunks: int) -> List[Batch]:
     indices: Sequence[int] = range(len(batch)) if layout is None else \
         [i for i in layout.indices if i not in layout.nochunk]
     if not indices:
-        received = 'input: ()' if not input else \
-            f'input: a tuple of {", ".join(type(x).__name__ for x in input)}'
-        raise ValueError(describe('input must hold at least one tensor to be split into '
+        received = f'{what}: ()' if not input else \
+            f'{what}: a tuple of {", ".join(type(x).__name__ for x in input)}'
+        raise ValueError(describe(f'{what} must hold at least one tensor to be split into '
                                   'micro-batches', received,
                                   'give the mini-batch, such as gpipe(x) or gpipe((x, mask))'))
     values = cast(Tensors, batch.plain)
     tensors = [batch[0]] if atomic else [values[i] for i in indices]
     for index, x in zip(indices, tensors):
         if x.dim() == 0:
-            raise ValueError(describe('input tensors must have a batch dimension (dimension 0) '
+            raise ValueError(describe(f'{what} tensors must have a batch dimension (dimension 0) '
                                       'to be split into micro-batches',
-                                      f"{'input' if atomic else f'input[{index}]'}: "
+                                      f"{what if atomic else f'{what}[{index}]'}: "
                                       f'a 0-dimensional tensor',
                                       'give it one entry per sample, such as '
                                       'x.expand(batch_size)'))
     # Same sizes, not only the same number of micro-batches: with 8 and 7
     # rows, both split into 4 pieces, but the last ones would not match.
     if any(x.size(0) != tensors[0].size(0) for x in tensors):
-        raise ValueError(describe('tensors of the input tuple must have the same size in '
+        raise ValueError(describe(f'tensors of the {what} tuple must have the same size in '
                                   'dimension 0',
-                                  f'input: sizes {[x.size(0) for x in tensors]} in dimension 0',
+                                  f'{what}: sizes {[x.size(0) for x in tensors]} in dimension 0',
                                   'give every tensor one entry per sample of the mini-batch'))
 
     if chunks == 1:

@@ -33,6 +33,7 @@ from typing import (Any, Callable, ContextManager, Dict, List, Optional, Sequenc
 import torch
 from torch import Tensor, nn
 
+from torchgpipe._validation import describe
 from torchgpipe.autocast import AutocastStates, restore_autocast_states, save_autocast_states
 from torchgpipe.checkpoint import enable_checkpointing, enable_recomputing
 from torchgpipe.microbatch import Batch, TensorOrTensors
@@ -298,7 +299,8 @@ class Stage:
         current = Pass(input, skips)
         checkpointed = i < step.checkpoint_stop
         # Not known yet whether the partition draws random numbers: the
-        # generator is held (random_lock), so any change of its state is its doing.
+        # generator is held (random_lock), so any change of its state is its
+        # doing, or its loss's: the loss is part of the last partition's work.
         probe = cpu_rng_state() if step.draws_random(j) is None else None
         if checkpointed:
             current.replay = (save_rng_states(self.device), save_autocast_states())
@@ -307,9 +309,6 @@ class Stage:
         else:
             with torch.enable_grad():
                 output = self.call(input, skips)
-        if probe is not None:
-            drew = not torch.equal(probe, cpu_rng_state())
-            step.traits[j].draws_random.setdefault(step.rng_keys[j], drew)
         current.output = output
         if j < n - 1:
             # Without a graph (checkpointed), a floating point output will
@@ -321,6 +320,11 @@ class Stage:
                 loss = step.loss(i, output)
             step.losses[i] = loss.detach()
             current.loss = None if checkpointed else loss
+        if probe is not None:
+            drew = not torch.equal(probe, cpu_rng_state())
+            step.traits[j].draws_random.setdefault(step.rng_keys[j], drew)
+            if j == n - 1:
+                step.loss_draws = drew
         self.passes[i] = current
 
     def send_output(self, i: int) -> None:
@@ -420,19 +424,32 @@ class Step:
         self.order = [a for cycle in clock_order(actions) for a in cycle]
         self.threaded = len(distinct_devices(devices)) > 1
         self.rng_keys = [training_flags(p) for p in partitions]
+        #: Whether the last partition's forward, loss included, drew in this step.
+        self.loss_draws: Optional[bool] = None
 
     def loss(self, i: int, output: Batch) -> Tensor:
         """The weighted loss of micro-batch ``i``."""
         loss = self.loss_fn(output.values, self.targets[i])
         if not isinstance(loss, Tensor) or loss.numel() != 1:
             shape = f' of shape {tuple(loss.shape)}' if isinstance(loss, Tensor) else ''
-            raise TypeError('loss_fn must return a tensor of one element (a reduced loss), '
-                            f'got {type(loss).__name__}{shape}; reduce it, e.g. with '
-                            "reduction='mean'")
+            raise TypeError(describe('loss_fn must return a tensor of one element (a reduced '
+                                     'loss)', f'loss_fn returned {type(loss).__name__}{shape}',
+                                     'reduce the loss inside loss_fn, e.g. F.mse_loss(output, '
+                                     'target) with its default reduction, or .mean() of a '
+                                     'per-sample loss'))
         return loss * self.weights[i]
 
     def draws_random(self, j: int) -> Optional[bool]:
-        return self.traits[j].draws_random.get(self.rng_keys[j])
+        """Whether partition ``j``'s forward actions may draw from the CPU generator, if known.
+
+        The loss is part of the last partition's forward actions. It may be
+        another function at every call, so whether the two together draw is
+        learned anew in every step, by the first of them (:attr:`loss_draws`).
+        """
+        drew = self.traits[j].draws_random.get(self.rng_keys[j])
+        if j == self.n - 1 and drew is False:
+            return self.loss_draws
+        return drew
 
     def random_lock(self, j: int) -> ContextManager[Any]:
         """Holds the CPU generator while partition ``j`` runs a forward pass, if it may draw.
