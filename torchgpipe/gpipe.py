@@ -622,18 +622,22 @@ class GPipe(nn.Module):
         Returns:
             tensor or tuple: output mini-batch, on ``devices[-1]``; other
             values than tensors, and NoChunk tensors (unwrapped), come from
-            the first micro-batch
+            the first micro-batch. A GPipe of an empty ``nn.Sequential``
+            returns the input as it is (NoChunk tensors unwrapped), without
+            splitting it: it may then be a 0-dim tensor or an empty tuple
 
         Raises:
             TypeError: input is not a tensor or such a tuple.
+            ValueError: input cannot be split into micro-batches.
         """
         microbatch.check(input)
+        if not self.devices:
+            # An empty sequential module is the identity (NoChunk unwrapped),
+            # as in 0.0.7: nothing is split, so the input needs no batch
+            # dimension (a 0-dim tensor, an empty tuple come back as well).
+            return microbatch.Batch(input).plain
         # Split first: an input that cannot be split fails before any work.
         batches = microbatch.scatter(input, self.chunks)
-
-        if not self.devices:
-            # An empty sequential module is the identity (NoChunk unwrapped).
-            return microbatch.Batch(input).plain
 
         checkpoint_stop = self._prepare(batches)
         streams = [current_stream(d) for d in self.devices]
@@ -684,8 +688,8 @@ class GPipe(nn.Module):
             without autograd history
 
         Raises:
-            ValueError: an unknown ``schedule`` or ``reduction``, or a target
-                that does not split like the input
+            ValueError: an unknown ``schedule`` or ``reduction``, a target
+                that does not split like the input, or a GPipe without layers
             TypeError: ``loss_fn`` is not callable, or does not return a
                 tensor of one element
             RuntimeError: called with gradients disabled, or with
@@ -725,6 +729,10 @@ class GPipe(nn.Module):
             raise RuntimeError('train_step does not all-reduce gradients across processes; '
                                'with DistributedDataParallel, call the DDP module and '
                                'loss.backward() instead')
+        # Before the input is split: an empty GPipe's forward takes inputs
+        # that cannot be, and the error must say what is really wrong.
+        if not self.devices:
+            raise ValueError('train_step needs at least one layer: this GPipe is empty')
         microbatch.check(input)
         microbatch.check(target, 'target')
         batches = microbatch.scatter(input, self.chunks)
@@ -735,9 +743,6 @@ class GPipe(nn.Module):
             raise ValueError(describe('target must split into the micro-batches the input does',
                                       f'input micro-batches of {sizes}, target of {target_sizes}',
                                       'give a target with one row per sample of the input'))
-        if not self.devices:
-            raise ValueError('train_step needs at least one layer: this GPipe is empty')
-
         checkpoint_stop = self._prepare(batches)
         last_device = self.devices[-1]
         for t in targets:
