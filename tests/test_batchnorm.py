@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from torchgpipe.batchnorm import DeferredBatchNorm
+from torchgpipe.batchnorm import DeferredBatchNorm, restore_batch_norm
 from torchgpipe.checkpoint import checkpoint, enable_recomputing
 
 C = 3
@@ -475,14 +475,42 @@ def test_convert_in_place_and_returns_module() -> None:
     assert [id(b) for b in model.buffers()] == [id(b) for b in buffers]
 
 
-def test_convert_leaves_deferred_and_others_alone() -> None:
-    deferred = DeferredBatchNorm(C, chunks=5)
-    model = nn.Sequential(nn.Linear(C, C), deferred, nn.LayerNorm(C))
+def test_convert_replaces_deferred_layers_of_other_chunks_only() -> None:
+    # As torchgpipe 0.0.7 does: a deferred layer is kept only if it already
+    # commits after the number of micro-batches asked for.
+    same, other = DeferredBatchNorm(C, chunks=2), DeferredBatchNorm(C, chunks=5)
+    model = nn.Sequential(nn.Linear(C, C), same, other, nn.LayerNorm(C))
     before = list(model)
     DeferredBatchNorm.convert_deferred_batch_norm(model, 2)
-    assert list(model) == before
-    assert model[1].chunks == 5
-    assert DeferredBatchNorm.convert_deferred_batch_norm(deferred, 2) is deferred
+    assert [model[0], model[1], model[3]] == [before[0], same, before[3]]
+    assert isinstance(model[2], DeferredBatchNorm) and model[2] is not other
+    assert model[2].chunks == 2
+    # Shared, not copied, as in the conversion of a plain BatchNorm layer.
+    for name, value in [*other.named_parameters(), *other.named_buffers()]:
+        assert getattr(model[2], name) is value, name
+
+
+def test_reconversion_to_other_chunks_commits_once_per_new_mini_batch() -> None:
+    bn = make_bn('2d')
+    deferred = convert(bn, 2)
+    chunks = 3
+    reconverted = DeferredBatchNorm.convert_deferred_batch_norm(deferred, chunks)
+    for step in range(2):
+        x = make_input('2d', 12, offset=float(step))
+        for micro_batch in torch.chunk(x, chunks):
+            assert torch.equal(reconverted(micro_batch), batchnorm_output(bn, micro_batch))
+        bn(x)
+        assert_same_stats(reconverted, bn)
+    assert reconverted is not deferred and deferred.chunks == 2
+
+
+def test_reconverted_layer_is_restored_to_the_original_class() -> None:
+    model = nn.Sequential(nn.BatchNorm1d(C))
+    DeferredBatchNorm.convert_deferred_batch_norm(model, 2)
+    DeferredBatchNorm.convert_deferred_batch_norm(model, 4)
+    assert model[0].chunks == 4
+    restore_batch_norm(model)
+    assert type(model[0]) is nn.BatchNorm1d
 
 
 def test_convert_shared_batchnorm_once() -> None:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.nn.parameter import UninitializedTensorMixin
 
-from torchgpipe import GPipe
+from torchgpipe import GPipe, NoChunk
 from torchgpipe.batchnorm import DeferredBatchNorm
 from torchgpipe.gpipe import BalanceError, split_module, verify_module
 from torchgpipe.skip import skippable, stash
@@ -156,10 +156,37 @@ def test_input_must_be_tensor_or_tuple_of_tensors() -> None:
             gpipe(bad)  # type: ignore[arg-type]
 
 
-def test_empty_sequential_is_identity() -> None:
+EMPTY_INPUTS = {
+    'tensor': torch.randn(4, 2),
+    '0-dim tensor': torch.tensor(42.0),  # 0.0.7's own test
+    'tuple': (torch.randn(4, 2), torch.randn(3, 1)),
+    'tuple of a 0-dim tensor': (torch.tensor(42.0),),
+    'tuple of other values': (torch.tensor(1.0), None, 0.5, 'text', True),
+    'empty tuple': (),
+}
+
+
+@pytest.mark.parametrize('input', EMPTY_INPUTS.values(), ids=list(EMPTY_INPUTS))
+def test_empty_sequential_returns_its_input_unchanged(input: Any) -> None:
+    # chunks=4: nothing is split, so inputs that cannot be come back too.
+    gpipe = GPipe(nn.Sequential(), [], chunks=4)
+    output = gpipe(input)
+    if isinstance(input, torch.Tensor):
+        assert output is input
+    else:
+        assert type(output) is tuple and len(output) == len(input)
+        assert all(a is b for a, b in zip(output, input))
+
+
+def test_empty_sequential_unwraps_nochunk_and_refuses_what_gpipe_refuses() -> None:
     gpipe = GPipe(nn.Sequential(), [], devices=[])
-    x = torch.randn(2, 2)
-    assert gpipe(x) is x
+    x, mask = torch.randn(4, 2), torch.ones(2)
+    output = gpipe((x, NoChunk(mask)))
+    assert output[0] is x and output[1] is mask  # what a layer would receive
+    # Only a tensor or a tuple is an input, with layers or without (as in 0.0.7).
+    for bad in (42, None, [x]):
+        with pytest.raises(TypeError, match='input must be a tensor or a tuple of tensors'):
+            gpipe(bad)
 
 
 def test_verify_module_and_split_module_directly() -> None:

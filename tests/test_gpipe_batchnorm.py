@@ -88,3 +88,35 @@ def test_without_deferral_statistics_follow_micro_batches(threaded: bool) -> Non
     assert batch_norms(reference)[0].num_batches_tracked == 1
     assert not torch.allclose(batch_norms(gpipe)[0].running_var,
                               batch_norms(reference)[0].running_var)
+
+
+@pytest.mark.parametrize('by', ['convert_deferred_batch_norm', 'GPipe'])
+def test_deferred_layer_run_with_other_chunks_commits_once_per_mini_batch(by: str,
+                                                                          threaded: bool) -> None:
+    """A layer deferred over 2 micro-batches, converted again for 4 (by the
+    classmethod, or by GPipe's deferred_batch_norm=True), gives the running
+    statistics of the unwrapped model: one commit per mini-batch of 4.
+
+    GPipe also tells every deferred layer of its partitions how many
+    micro-batches each call makes, so the statistics would hold without the
+    conversion too; the conversion must still replace the layer, leaving the
+    one given as it was."""
+    make_model: Callable[[], nn.Sequential] = MODELS['1d'][0]  # type: ignore[assignment]
+    model = make_model()
+    reference = copy.deepcopy(model)
+    old = DeferredBatchNorm.convert_deferred_batch_norm(model[2], chunks=2)
+    model[2] = old
+    if by == 'convert_deferred_batch_norm':
+        model[2] = DeferredBatchNorm.convert_deferred_batch_norm(old, chunks=4)
+    gpipe = GPipe(model, [2, 3], devices=cpu_devices(2, threaded), chunks=4,
+                  deferred_batch_norm=(by == 'GPipe'))
+
+    for _ in range(2):
+        x = torch.randn(8, 4) * 3 + 1
+        reference(x).sum().backward()
+        gpipe(x).sum().backward()
+        expected, actual = batch_norms(reference)[0], batch_norms(gpipe)[0]
+        torch.testing.assert_close(actual.running_mean, expected.running_mean)
+        torch.testing.assert_close(actual.running_var, expected.running_var)
+        assert actual.num_batches_tracked == expected.num_batches_tracked
+    assert gpipe[2] is not old and gpipe[2].chunks == 4 and old.chunks == 2

@@ -6,6 +6,7 @@ any machine however loaded.
 import contextlib
 import copy
 import json
+import re
 import sys
 from collections import Counter
 from pathlib import Path
@@ -300,6 +301,73 @@ def test_plot_without_matplotlib_says_what_to_install(tmp_path: Path,
     with pytest.raises(ModuleNotFoundError, match='pip install matplotlib'):
         timeline.plot(tmp_path / 'timeline.png')
     assert not (tmp_path / 'timeline.png').exists()
+
+
+def drawn_by_plot(timeline: Timeline, monkeypatch: pytest.MonkeyPatch,
+                  step: Optional[int]) -> Tuple[List[Event], Optional[str]]:
+    """The events and the title that ``timeline.plot(step=step)`` draws."""
+    import torchgpipe._plot
+    drawn: List[Tuple[List[Event], Optional[str]]] = []
+    monkeypatch.setattr(torchgpipe._plot, 'plot_timeline',
+                        lambda segments, path, title: drawn.append(
+                            ([e for e, _, _ in segments], title)))
+    timeline.plot('unused.png', step=step)
+    (result,) = drawn
+    return result
+
+
+# "steps 0 to 1: 2 partitions, 2 to 4 micro-batches: bubble 31% to 40% (formula 20% to 33%)"
+TITLE = re.compile(r'steps? (\d+)(?: to (\d+))?: (\d+)(?: to (\d+))? partitions, '
+                   r'(\d+)(?: to (\d+))? micro-batches: bubble (\d+%)(?: to (\d+%))? '
+                   r'\(formula (\d+%)(?: to (\d+%))?\)')
+
+
+@pytest.mark.parametrize('step', [None, 0, -1])
+def test_plot_title_gives_the_figures_of_the_steps_drawn(step: Optional[int], threaded: bool,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    model = GPipe(mlp(4), balance=[2, 2], devices=cpu_devices(2, threaded), chunks=4)
+    with torchgpipe.trace(model) as timeline:
+        # Steps of 4 and 2 micro-batches: their figures differ.
+        for batch in (8, 2):
+            model(torch.randn(batch, 4)).sum().backward()
+
+    events, title = drawn_by_plot(timeline, monkeypatch, step)
+    steps = sorted({e.step for e in events})
+    assert steps == ([0, 1] if step is None else [step % 2])
+    summaries = [timeline.summary(k) for k in steps]
+
+    def extent(values: List[float], spec: str) -> Tuple[str, str]:
+        return format(min(values), spec), format(max(values), spec)
+
+    match = TITLE.fullmatch(title or '')
+    assert match, title
+    # Each figure as (lowest, highest); a single value stands for both.
+    figures = [(low, high or low) for low, high in zip(match.groups()[::2],
+                                                       match.groups()[1::2])]
+    assert figures == [extent(steps, 'd'),
+                       extent([s.partitions for s in summaries], 'd'),
+                       extent([s.micro_batches for s in summaries], 'd'),
+                       extent([s.bubble for s in summaries], '.0%'),
+                       extent([s.predicted_bubble for s in summaries], '.0%')]
+
+
+@pytest.mark.parametrize('steps, step, title', [
+    (0, None, None), (0, 0, 'my title'), (2, 5, 'my title'), (2, -3, None),
+])
+def test_plot_refuses_what_summary_refuses_before_writing(steps: int, step: Optional[int],
+                                                          title: Optional[str],
+                                                          tmp_path: Path) -> None:
+    model = GPipe(mlp(2), balance=[1, 1], devices=['cpu', 'cpu'], chunks=2)
+    with torchgpipe.trace(model) as timeline:
+        for _ in range(steps):
+            model(torch.randn(2, 4))
+    with pytest.raises(ValueError) as expected:
+        timeline.summary(step)
+    path = tmp_path / 'timeline.png'
+    with pytest.raises(ValueError) as raised:
+        timeline.plot(path, step=step, title=title)
+    assert str(raised.value) == str(expected.value)
+    assert not path.exists()
 
 
 def test_nothing_is_recorded_outside_the_trace(threaded: bool) -> None:

@@ -475,6 +475,15 @@ def test_bad_use_gets_clear_errors(call: Callable[[GPipe], Any], error: type,
     assert all(p.grad is None for p in gpipe.parameters())
 
 
+def test_an_empty_gpipe_refuses_train_step_whatever_the_input() -> None:
+    # Its forward returns any input, even one that cannot be split: the
+    # error is about the missing layers, not about the input.
+    gpipe = GPipe(nn.Sequential(), [], devices=[])
+    for input in (torch.ones(4, 2), torch.tensor(1.0)):
+        with pytest.raises(ValueError, match='train_step needs at least one layer'):
+            gpipe.train_step(input, input, F.mse_loss)
+
+
 def test_no_grad_is_refused() -> None:
     with torch.no_grad(), pytest.raises(RuntimeError, match='gradients are disabled'):
         small().train_step(torch.ones(4, 2), torch.ones(4, 2), F.mse_loss)

@@ -300,13 +300,19 @@ class DeferredBatchNorm(_BatchNorm):
         running statistics, with the same ``eps``, ``momentum``, ``affine``
         and training mode. A layer reached through several parents is
         replaced by one shared :class:`DeferredBatchNorm`. As in torchgpipe
-        0.0.7, a layer with ``track_running_stats=False`` (it has no running
-        statistics to defer) and a layer that is already deferred (whatever
-        its ``chunks``) are left as they are.
+        0.0.7, a layer that is already deferred is left as it is when its
+        ``chunks`` is the one asked for, and replaced like any other
+        BatchNorm layer when it is not: it would otherwise commit its
+        statistics after the wrong number of micro-batches. Its replacement
+        shares its parameters and running statistics in the same way, and
+        starts a new mini-batch: sums accumulated by the old layer in the
+        middle of one are not carried over. A layer with
+        ``track_running_stats=False`` has no running statistics to defer
+        and is left as it is.
 
         Args:
             module (nn.Module): the module to convert; if it is itself a
-                BatchNorm layer, a new module is returned instead
+                BatchNorm layer to replace, a new module is returned instead
             chunks (int): number of micro-batches per mini-batch; an
                 integral number such as ``4.0`` is taken as an int
                 (default: ``1``)
@@ -329,6 +335,10 @@ class DeferredBatchNorm(_BatchNorm):
             4
             >>> type(model[1]).__name__
             'DeferredBatchNorm'
+            >>> DeferredBatchNorm.convert_deferred_batch_norm(model[1], chunks=4) is model[1]
+            True
+            >>> DeferredBatchNorm.convert_deferred_batch_norm(model[1], chunks=8).chunks
+            8
         """
         chunks = check_chunks(chunks)
         # Checked before the first replacement, so that a failure leaves
@@ -346,17 +356,22 @@ class DeferredBatchNorm(_BatchNorm):
     @classmethod
     def _from_batch_norm(cls, layer: nn.Module, chunks: int) -> Optional['DeferredBatchNorm']:
         """The deferred replacement of a BatchNorm layer; ``None`` for any
-        other layer, for a layer already deferred, and for one without
-        running statistics (there is nothing to defer)."""
-        if (not isinstance(layer, _BatchNorm) or isinstance(layer, DeferredBatchNorm)
-                or not layer.track_running_stats):
+        other layer, for a layer already deferred over ``chunks``
+        micro-batches, and for one without running statistics (there is
+        nothing to defer)."""
+        if not isinstance(layer, _BatchNorm) or not layer.track_running_stats:
+            return None
+        if isinstance(layer, DeferredBatchNorm) and layer.chunks == chunks:
             return None
         # Built on the meta device: every tensor is replaced just below, so
         # allocating real storage for it would be wasted.
         deferred = cls(layer.num_features, layer.eps, layer.momentum, layer.affine, chunks,
                        device=torch.device('meta'))
         share_state(layer, deferred)
-        deferred.replaced_class = type(layer)
+        # A deferred layer passes on the class it replaced (None if it was
+        # made directly), so that restore_batch_norm returns to the original.
+        deferred.replaced_class = (layer.replaced_class if isinstance(layer, DeferredBatchNorm)
+                                   else type(layer))
         return deferred
 
 

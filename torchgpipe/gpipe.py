@@ -622,18 +622,22 @@ class GPipe(nn.Module):
         Returns:
             tensor or tuple: output mini-batch, on ``devices[-1]``; other
             values than tensors, and NoChunk tensors (unwrapped), come from
-            the first micro-batch
+            the first micro-batch. A GPipe of an empty ``nn.Sequential``
+            returns the input as it is (NoChunk tensors unwrapped), without
+            splitting it: it may then be a 0-dim tensor or an empty tuple
 
         Raises:
             TypeError: input is not a tensor or such a tuple.
+            ValueError: input cannot be split into micro-batches.
         """
         microbatch.check(input)
+        if not self.devices:
+            # An empty sequential module is the identity (NoChunk unwrapped),
+            # as in 0.0.7: nothing is split, so the input needs no batch
+            # dimension (a 0-dim tensor, an empty tuple come back as well).
+            return microbatch.Batch(input).plain
         # Split first: an input that cannot be split fails before any work.
         batches = microbatch.scatter(input, self.chunks)
-
-        if not self.devices:
-            # An empty sequential module is the identity (NoChunk unwrapped).
-            return microbatch.Batch(input).plain
 
         checkpoint_stop = self._prepare(batches)
         streams = [current_stream(d) for d in self.devices]
@@ -691,7 +695,8 @@ class GPipe(nn.Module):
 
         Raises:
             ValueError: an unknown ``schedule`` or ``reduction``, a target
-                that does not split like the input, or an empty mini-batch
+                that does not split like the input, an empty mini-batch, or
+                a GPipe without layers
             TypeError: ``schedule`` or ``reduction`` is not a string,
                 ``loss_fn`` is not callable, or does not return a tensor of
                 one element
@@ -735,6 +740,10 @@ class GPipe(nn.Module):
             raise RuntimeError('train_step does not all-reduce gradients across processes; '
                                'with DistributedDataParallel, call the DDP module and '
                                'loss.backward() instead')
+        # Before the input is split: an empty GPipe's forward takes inputs
+        # that cannot be, and the error must say what is really wrong.
+        if not self.devices:
+            raise ValueError('train_step needs at least one layer: this GPipe is empty')
         microbatch.check(input)
         microbatch.check(target, 'target')
         batches = microbatch.scatter(input, self.chunks)
@@ -752,9 +761,6 @@ class GPipe(nn.Module):
                                       'input: a mini-batch of 0 rows',
                                       'skip empty batches, e.g. with drop_last=True in the '
                                       'DataLoader'))
-        if not self.devices:
-            raise ValueError('train_step needs at least one layer: this GPipe is empty')
-
         checkpoint_stop = self._prepare(batches)
         last_device = self.devices[-1]
         for t in targets:

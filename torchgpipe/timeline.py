@@ -433,16 +433,31 @@ class Timeline:
         Raises:
             ValueError: no step was traced, or ``step`` is out of range
         """
+        index = self._step_index(step)
+        return self._summarize(index, [e for e in self.events if e.step == index])
+
+    def _check_traced(self) -> None:
+        """Raises ValueError if no step was traced: there is nothing to show."""
         if not self.steps:
             raise ValueError('the trace recorded no step: call the GPipe inside '
                              '"with torchgpipe.trace(model)"')
+
+    def _step_index(self, step: Optional[int]) -> int:
+        """The index of ``step`` (default: the last one), from 0.
+
+        Raises:
+            ValueError: no step was traced, or ``step`` is out of range
+        """
+        self._check_traced()
         index = len(self.steps) - 1 if step is None else step
         if not -len(self.steps) <= index < len(self.steps):
             raise ValueError(f'step must be in [{-len(self.steps)}, {len(self.steps) - 1}] '
                              f'(the trace has {len(self.steps)} steps), got {step}')
-        index %= len(self.steps)
+        return index % len(self.steps)
+
+    def _summarize(self, index: int, events: List[Event]) -> Summary:
+        """The summary of step ``index``, from its events."""
         info = self.steps[index]
-        events = [e for e in self.events if e.step == index]
         if not events:
             return Summary(index, info.micro_batches, len(info.devices), 0.0, [], [], [],
                            dict(self._peak_memory))
@@ -513,22 +528,48 @@ class Timeline:
 
         Args:
             path: the image file to write (``.png``, or any format matplotlib knows)
-            step (int, optional): draw only this step (default: every event)
-            title (str, optional): the chart's title (default: the step's summary)
+            step (int, optional): draw only this step, counted as in
+                :meth:`summary` (default: every step)
+            title (str, optional): the chart's title (default: the figures
+                of what is drawn: the steps, partitions and micro-batches,
+                and the measured bubble beside the paper's formula; for
+                several steps, the lowest and the highest of them)
 
         Raises:
+            ValueError: no step was traced, or ``step`` is out of range, as
+                in :meth:`summary`; no file is written then
             ModuleNotFoundError: matplotlib is not installed
         """
         from torchgpipe._plot import plot_timeline
-        events = self.events
-        if step is not None:
-            index = step % len(self.steps) if self.steps else step
-            events = [e for e in events if e.step == index]
-        if title is None and self.steps:
-            s = self.summary(step)
-            title = (f'{s.partitions} partitions, {s.micro_batches} micro-batches: '
-                     f'bubble {s.bubble:.0%} (formula {s.predicted_bubble:.0%})')
+        # Checked before anything is drawn: an empty chart would hide the mistake.
+        self._check_traced()
+        indices = range(len(self.steps)) if step is None else [self._step_index(step)]
+        by_step: Dict[int, List[Event]] = {k: [] for k in indices}
+        events = [e for e in self.events if e.step in by_step]
+        for e in events:
+            by_step[e.step].append(e)
+        if title is None:
+            title = chart_title([self._summarize(k, found) for k, found in by_step.items()])
         plot_timeline(segments(events), path, title)
+
+
+def chart_title(summaries: Sequence[Summary]) -> str:
+    """The title of a chart of these steps: which, and their figures.
+
+    One step reads ``step 2: 4 partitions, 8 micro-batches: bubble 40%
+    (formula 27%)``; for several, each figure becomes the range it takes
+    over them, such as ``bubble 38% to 45%``.
+    """
+    def spread(values: Iterable[float], spec: str) -> str:
+        texts = [format(v, spec) for v in sorted(values)]
+        return texts[0] if texts[0] == texts[-1] else f'{texts[0]} to {texts[-1]}'
+
+    which = 'step' if len(summaries) == 1 else 'steps'
+    return (f'{which} {spread((s.step for s in summaries), "d")}: '
+            f'{spread((s.partitions for s in summaries), "d")} partitions, '
+            f'{spread((s.micro_batches for s in summaries), "d")} micro-batches: '
+            f'bubble {spread((s.bubble for s in summaries), ".0%")} '
+            f'(formula {spread((s.predicted_bubble for s in summaries), ".0%")})')
 
 
 def label(kind: str, task: Tuple[int, int]) -> ContextManager[Any]:
