@@ -120,3 +120,58 @@ def test_deferred_layer_run_with_other_chunks_commits_once_per_mini_batch(by: st
         torch.testing.assert_close(actual.running_var, expected.running_var)
         assert actual.num_batches_tracked == expected.num_batches_tracked
     assert gpipe[2] is not old and gpipe[2].chunks == 4 and old.chunks == 2
+
+
+class FailOnce(nn.Module):
+    """Raises at its ``at``-th call (counted from 0), once."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at, self.calls = at, 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        if self.calls - 1 == self.at:
+            raise ValueError('planned failure')
+        return x
+
+
+def forward_step(gpipe: GPipe, x: Tensor) -> None:
+    gpipe(x).pow(2).mean().backward()
+
+
+def step_by_train_step(gpipe: GPipe, x: Tensor) -> None:
+    gpipe.train_step(x, torch.zeros(x.size(0), 1), lambda y, t: (y - t).pow(2).mean())
+
+
+@pytest.mark.parametrize('step', [forward_step, step_by_train_step], ids=['forward', 'train_step'])
+@pytest.mark.parametrize('at', [1, 3], ids=['during', 'after-the-commit'])
+def test_a_failed_step_leaves_running_statistics_as_they_were(
+        step: Callable[[GPipe, Tensor], None], at: int, threaded: bool) -> None:
+    """A step that fails leaves no accumulated sums behind for the next to commit,
+    and undoes nothing it committed: the statistics are those of the good steps only.
+    Failing at the last micro-batch of the second partition comes after the first
+    partition's layer has seen every micro-batch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 6),
+                          nn.BatchNorm1d(6), nn.Linear(6, 1))
+    reference = copy.deepcopy(model)
+    model.insert(4, FailOnce(at))
+    gpipe = GPipe(model, balance=[3, 4], devices=cpu_devices(2, threaded), chunks=4,
+                  deferred_batch_norm=True)
+    before = copy.deepcopy(gpipe.state_dict())
+    with pytest.raises(ValueError, match='planned failure'):
+        step(gpipe, torch.randn(16, 4) * 3 + 1)
+    for name, value in gpipe.state_dict().items():
+        assert torch.equal(value, before[name]), name
+
+    x = torch.randn(16, 4)
+    step(gpipe, x)
+    # The reference sees the good mini-batch only; the second BatchNorm sees
+    # activations normalized per micro-batch, so compare the first one.
+    reference(x)
+    layer = gpipe[1]
+    assert isinstance(layer, DeferredBatchNorm)
+    torch.testing.assert_close(layer.running_mean, reference[1].running_mean)
+    torch.testing.assert_close(layer.running_var, reference[1].running_var)
+    assert layer.num_batches_tracked == 1

@@ -18,8 +18,14 @@ updated them for a single call on the whole mini-batch.
 A checkpointed micro-batch runs its forward twice (Section 3.2.4 of the
 paper); the recomputation must not count the same samples again, so nothing
 is accumulated while :func:`torchgpipe.is_recomputing` is true.
+
+Inside GPipe, a step may fail halfway (an exception in a layer, Ctrl-C), after
+some layers saw every micro-batch and others only a few. So GPipe holds the
+commit until the whole step is done (:func:`deferred_step`): a step that
+fails commits nothing and leaves no sums behind for the next to mix in.
 """
-from typing import Any, Callable, Dict, List, Optional, Type
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Type
 
 import torch
 import torch.nn.functional as F
@@ -100,6 +106,10 @@ class DeferredBatchNorm(_BatchNorm):
     #: The class of the BatchNorm layer this one replaced, restored by
     #: :func:`restore_batch_norm`; ``None`` for a layer made directly.
     replaced_class: Optional[Type[_BatchNorm]] = None
+
+    #: Whether :func:`deferred_step` commits the statistics at the end of a
+    #: step, rather than the layer itself after ``chunks`` micro-batches.
+    held: bool = False
 
     def __init__(self,
                  num_features: int,
@@ -282,7 +292,7 @@ class DeferredBatchNorm(_BatchNorm):
                               True, 1.0, self.eps)
 
         self._accumulate(input, mean, unbiased_var)
-        if self.counter == self.chunks:
+        if self.counter == self.chunks and not self.held:
             self._commit()
 
         return output
@@ -373,6 +383,40 @@ class DeferredBatchNorm(_BatchNorm):
         deferred.replaced_class = (layer.replaced_class if isinstance(layer, DeferredBatchNorm)
                                    else type(layer))
         return deferred
+
+
+@contextmanager
+def deferred_step(layers: Sequence[DeferredBatchNorm], chunks: int) -> Iterator[None]:
+    """Runs a step of ``chunks`` micro-batches, committing the layers' statistics at its end.
+
+    Within the context, the layers accumulate the statistics of every
+    micro-batch without committing them. If the context ends normally, each
+    layer that saw micro-batches in training commits once, for the whole
+    mini-batch. If it ends by an exception (``KeyboardInterrupt`` too), the
+    sums are dropped, and the running statistics stay as they were before
+    the step, whichever layers had seen every micro-batch.
+
+    Args:
+        layers: the deferred BatchNorm layers of the pipeline
+        chunks: the number of micro-batches of the step
+    """
+    for layer in layers:
+        # Leftovers of a call outside a step would mix into this one.
+        layer._reset_accumulators()
+        layer.chunks = chunks
+        layer.held = True
+    try:
+        yield
+    except BaseException:
+        for layer in layers:
+            layer._reset_accumulators()
+        raise
+    finally:
+        for layer in layers:
+            layer.held = False
+    for layer in layers:
+        if layer.counter:
+            layer._commit()
 
 
 def restore_batch_norm(module: nn.Module) -> nn.Module:

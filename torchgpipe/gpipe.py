@@ -11,7 +11,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from torchgpipe import microbatch
 from torchgpipe._validation import (as_int, check_available, check_chunks, describe,
                                     parse_device)
-from torchgpipe.batchnorm import DeferredBatchNorm, restore_batch_norm
+from torchgpipe.batchnorm import DeferredBatchNorm, deferred_step, restore_batch_norm
 from torchgpipe.microbatch import TensorOrTensors
 from torchgpipe.pipeline import Pipeline
 from torchgpipe.schedule import SCHEDULES
@@ -592,11 +592,6 @@ class GPipe(nn.Module):
                 batch[:] = tuple(moved[id(x)] for x in batch)
 
         m = len(batches)
-        # A short batch splits into fewer micro-batches than chunks: deferred
-        # BatchNorm must commit its statistics after this many.
-        for layer in self._deferred_batch_norms:
-            layer.chunks = m
-
         # Checkpointing only pays off when there is a backward pass to come.
         if not (self.training and torch.is_grad_enabled()):
             return 0
@@ -646,7 +641,10 @@ class GPipe(nn.Module):
         pipeline = Pipeline(batches, self._partitions(), self.devices, copy_streams, streams,
                             self._skip_layout, checkpoint_stop, self._run_state.traits,
                             self._run_state.timeline)
-        pipeline.run()
+        # A short batch splits into fewer micro-batches than chunks: deferred
+        # BatchNorm commits once after this many, or not at all if the step fails.
+        with deferred_step(self._deferred_batch_norms, len(batches)):
+            pipeline.run()
 
         return microbatch.gather(batches)
 
@@ -773,4 +771,5 @@ class GPipe(nn.Module):
         step = Step(self._partitions(), self.devices, batches, [t.plain for t in targets],
                     loss_fn, weights, SCHEDULES[schedule](m, n), self._skip_layout,
                     checkpoint_stop, self._run_state.traits, self._run_state.timeline)
-        return step.run()
+        with deferred_step(self._deferred_batch_norms, m):
+            return step.run()
