@@ -5,13 +5,17 @@ leaves no worker thread behind (checked after every test by conftest), and
 the next call works; with every partition in the calling thread and with
 one worker thread per device (the ``threaded`` fixture of conftest.py).
 """
+import _thread
 import copy
-from typing import List, Set, Tuple
+import time
+from typing import Callable, List, Set, Tuple
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
+from conftest import worker_threads
 from helpers import cpu_devices
 from torchgpipe import GPipe, is_recomputing
 
@@ -104,3 +108,56 @@ def test_wrong_boundary_type_raises_type_error_in_first_cycle(threaded: bool) ->
     # Partition 1 never ran: the error surfaced in the first clock cycle.
     assert log == set()
 
+
+
+class InterruptOnce(nn.Module):
+    """Interrupts the calling thread (as Ctrl-C does) at its ``at``-th call, then
+    keeps its worker busy a while: the interrupt comes while tasks still run."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at = at
+        self.calls = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        if self.calls - 1 == self.at:
+            _thread.interrupt_main()
+            time.sleep(0.2)
+        return x
+
+
+def forward_step(gpipe: GPipe, x: Tensor, target: Tensor) -> None:
+    F.mse_loss(gpipe(x), target).backward()
+
+
+def train_step(gpipe: GPipe, x: Tensor, target: Tensor) -> None:
+    gpipe.train_step(x, target, F.mse_loss)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize('step', [forward_step, train_step], ids=['forward', 'train_step'])
+@pytest.mark.parametrize('j', [0, 2])
+def test_ctrl_c_returns_after_every_worker_stopped(step: Callable[[GPipe, Tensor, Tensor], None],
+                                                  j: int, threaded: bool) -> None:
+    """KeyboardInterrupt reaches the caller only once no worker runs any more, so
+    nothing changes gradients behind its back: the next step is the unwrapped model's."""
+    torch.manual_seed(0)
+    layers: List[nn.Module] = [nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(),
+                               nn.Linear(4, 4), nn.Tanh()]
+    layers.insert(2 * j + 1, InterruptOnce(at=1))
+    gpipe = GPipe(nn.Sequential(*layers), balance=[3 if k == j else 2 for k in range(3)],
+                  devices=cpu_devices(3, threaded), chunks=4)
+    x, target = torch.randn(8, 4), torch.randn(8, 4)
+    with pytest.raises(KeyboardInterrupt):
+        step(gpipe, x, target)
+    assert worker_threads() == [], 'a worker was still running when Ctrl-C reached the caller'
+
+    gpipe.zero_grad()
+    reference = copy.deepcopy(gpipe).unwrap()
+    step(gpipe, x, target)
+    F.mse_loss(reference(x), target).backward()
+    expected = {name: p.grad for name, p in reference.named_parameters()}
+    for name, p in gpipe.named_parameters():
+        key = name.split('.', 2)[2]
+        torch.testing.assert_close(p.grad, expected[key], msg=key)

@@ -47,7 +47,7 @@ from torchgpipe.skip.tracker import SkipTracker
 from torchgpipe.stream import as_cuda, current_stream, is_cuda, record_stream, use_device
 from torchgpipe.timeline import Timeline, label
 from torchgpipe.traits import PartitionTraits
-from torchgpipe.worker import ExcInfo, distinct_devices
+from torchgpipe.worker import ExcInfo, distinct_devices, join
 
 __all__: List[str] = []
 
@@ -116,6 +116,11 @@ class Mailbox:
         with self._condition:
             self._stopped = True
             self._condition.notify_all()
+
+    @property
+    def stopped(self) -> bool:
+        """Whether :meth:`stop` was called: a worker starts no further action."""
+        return self._stopped
 
 
 class Ready:
@@ -513,6 +518,8 @@ class Step:
             torch.set_grad_enabled(grad_mode)
             with use_device(device), restore_autocast_states(autocast_states):
                 for index, work in works:
+                    if self.mailbox.stopped:
+                        return
                     try:
                         work()
                     except Stopped:
@@ -525,10 +532,17 @@ class Step:
         threads = [threading.Thread(target=worker, args=(device, works), daemon=True,
                                     name=f'torchgpipe worker ({device})')
                    for device, works in queues.items()]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        try:
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        except BaseException:
+            # Ctrl-C in the calling thread: the workers stop before their
+            # next action, and the step returns only once none is running.
+            self.mailbox.stop()
+            join(threads)
+            raise
         if failures:
             # The failure that came first in the schedule; the others may
             # follow from it.

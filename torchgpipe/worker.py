@@ -163,14 +163,36 @@ def spawn_workers(devices: Iterable[torch.device],
             thread = threading.Thread(
                 target=worker, args=(*queues, device, grad_mode, autocast_states),
                 name=f'torchgpipe worker ({device})', daemon=True)
-            thread.start()
-            threads.append(thread)
+            # Known before it starts: a Ctrl-C that interrupts start() must
+            # still send it the None that stops it.
             workers[device] = queues
+            threads.append(thread)
+            thread.start()
 
         yield ([workers[d][0] for d in devices], [workers[d][1] for d in devices])
     finally:
         for in_queue, _ in workers.values():
             in_queue.put(None)
         # Joined so that no thread outlives the call, whatever happened.
-        for thread in threads:
-            thread.join()
+        join(threads)
+
+
+def join(threads: Iterable[threading.Thread]) -> None:
+    """Waits until every thread has ended, even through Ctrl-C.
+
+    It is called once the threads were told to stop, to return only when
+    none is left to change tensors behind the caller's back. Each finishes
+    at most the task it is running; a ``KeyboardInterrupt`` meanwhile is
+    raised once they all have. A thread that is not alive yet (a Ctrl-C
+    interrupted its ``start()``) is not waited for: it was told to stop
+    before it could begin, and stops at once.
+    """
+    interrupted: Optional[KeyboardInterrupt] = None
+    for thread in threads:
+        while thread.is_alive():
+            try:
+                thread.join()
+            except KeyboardInterrupt as exc:
+                interrupted = exc
+    if interrupted is not None:
+        raise interrupted
