@@ -2,14 +2,14 @@
 import copy
 import math
 import re
-from typing import Callable, Dict, List, Tuple, Union
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from helpers import cpu_devices
+from helpers import COPIERS, cpu_devices
 from torchgpipe import GPipe, to_sequential
 from torchgpipe.balance import balance_by_size, balance_by_time
 from torchgpipe.skip.skippable import Skippable
@@ -222,13 +222,19 @@ def gpipe_input(inputs: Inputs) -> Union[Tensor, Inputs]:
 
 
 def assert_trains_like_original(original: nn.Module, gpipe: GPipe, inputs: Inputs,
-                                steps: int = 3) -> float:
+                                steps: int = 3,
+                                trained: Optional[Dict[str, nn.Parameter]] = None) -> float:
     """Trains ``gpipe`` with an optimizer on the ORIGINAL module's parameters
     and a copy of ``original`` alongside; every step, outputs, input
     gradients and parameter gradients must be equal. Returns the largest
-    gradient difference seen."""
+    gradient difference seen.
+
+    ``trained`` gives the parameters ``gpipe`` holds instead, by the names
+    of the original's, when it runs a copy of the flattened module."""
+    if trained is None:
+        trained = dict(original.named_parameters())
     reference = copy.deepcopy(original)
-    optimizer = torch.optim.SGD(original.parameters(), lr=0.01)
+    optimizer = torch.optim.SGD(trained.values(), lr=0.01)
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.01)
     worst = 0.0
     for _ in range(steps):
@@ -244,7 +250,7 @@ def assert_trains_like_original(original: nn.Module, gpipe: GPipe, inputs: Input
             torch.testing.assert_close(a, e)
         for a, e in zip(x2, x1):
             torch.testing.assert_close(a.grad, e.grad)
-        for (name, p), q in zip(original.named_parameters(), reference.parameters()):
+        for (name, p), q in zip(trained.items(), reference.parameters()):
             if q.grad is None:
                 # Unused by this input: the data-dependent branch not taken.
                 assert p.grad is None, name
@@ -270,6 +276,32 @@ def test_gpipe_trains_the_flattened_model_like_the_original(name: str, checkpoin
     gpipe = GPipe(seq, even(len(seq), partitions), chunks=3, checkpoint=checkpoint,
                   devices=cpu_devices(partitions, threaded))
     assert_trains_like_original(original, gpipe, data())
+
+
+@pytest.mark.parametrize('copier', COPIERS)
+@pytest.mark.parametrize('name', list(MODELS))
+def test_a_copy_of_the_flattened_model_trains_like_the_original(
+        name: str, copier: Callable[[nn.Module], nn.Module], threaded: bool) -> None:
+    factory, data = MODELS[name]
+    original = factory()
+    seq = to_sequential(original)
+    clone = copier(seq)
+
+    # The copy has tensors of its own, under the keys of the sequential,
+    # which its state_dict_map still gives for the original's keys.
+    assert clone.state_dict_map == seq.state_dict_map
+    state, cloned_state = seq.state_dict(), clone.state_dict()
+    assert list(cloned_state) == list(state)
+    for key, tensor in state.items():
+        assert torch.equal(cloned_state[key], tensor), key
+    assert {id(p) for p in clone.parameters()}.isdisjoint(id(p) for p in original.parameters())
+
+    trained = {key: clone.get_parameter(clone.state_dict_map[key])
+               for key, _ in original.named_parameters()}
+    partitions = min(3, len(clone))
+    gpipe = GPipe(clone, even(len(clone), partitions), chunks=3,
+                  devices=cpu_devices(partitions, threaded))
+    assert_trains_like_original(original, gpipe, data(), steps=2, trained=trained)
 
 
 @pytest.mark.parametrize('name', list(MODELS))
