@@ -2,6 +2,7 @@
 import copy
 import math
 import re
+import warnings
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import pytest
@@ -623,3 +624,74 @@ def test_concrete_args_are_not_inputs_of_the_sequential(scaled: bool) -> None:
     gpipe = GPipe(seq, [1, len(seq) - 1], chunks=2, devices=['cpu'] * 2)
     x = vector()[0]
     torch.testing.assert_close(gpipe(x), original(x, scaled))
+
+
+class Counted(nn.Module):
+    """Counts the calls of its forward, tracing included."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(W, W)
+        self.calls = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        return torch.relu(self.fc(x))
+
+
+def scripted() -> nn.Module:
+    with warnings.catch_warnings():
+        # Deprecated in favour of torch.export, but still what users have.
+        warnings.simplefilter('ignore', DeprecationWarning)
+        return torch.jit.script(Counted())
+
+
+def traced() -> nn.Module:
+    with warnings.catch_warnings():
+        # The trace warns that the counter is a Python value it bakes in.
+        warnings.simplefilter('ignore')
+        return torch.jit.trace(Counted(), torch.randn(2, W))
+
+
+def twice(x: Tensor) -> Tensor:
+    return 2 * x
+
+
+@pytest.mark.parametrize('module, leaf_modules, words', [
+    (scripted, (), ['module must be a Python nn.Module', 'RecursiveScriptModule of Counted',
+                    'pass the module you gave torch.jit.script']),
+    (traced, (), ['module must be a Python nn.Module', 'TopLevelTracedModule of Counted',
+                  'torch.jit.trace']),
+    (lambda: twice, (), ['module must be an nn.Module', 'module: <function twice at',
+                         'wrap it in an nn.Module whose forward calls it']),
+    (Counted, 'Linear', ["leaf_modules must be an iterable of module classes or modules, not a "
+                         "name (leaf_modules: 'Linear')", 'leaf_modules=[Linear]']),
+    (Counted, nn.Linear, ["leaf_modules: <class 'torch.nn.modules.linear.Linear'>",
+                          'give a list of module classes or modules']),
+    (Counted, ['Linear'], ["leaf_modules[0] must be a module class or a module "
+                           "(leaf_modules[0]: 'Linear')", 'leaf_modules=[']),
+    (Counted, [nn.Linear, F.relu], ['leaf_modules[1] must be', '<function relu at']),
+    (Counted, [int], ["leaf_modules[0]: <class 'int'>"]),
+    (Counted, [nn.Linear, None], ['leaf_modules[1]: None']),
+], ids=['script', 'trace', 'function', 'string', 'class_alone', 'name_in_list',
+        'function_in_list', 'other_class', 'none'])
+def test_wrong_arguments_are_refused_before_tracing_naming_value_and_fix(
+        module: Callable[[], object], leaf_modules: object, words: List[str]) -> None:
+    given = module()
+    with pytest.raises(TypeError) as error:
+        to_sequential(given, leaf_modules=leaf_modules)  # type: ignore[arg-type]
+    message = str(error.value)
+    for word in words:
+        assert word in message
+    # One sentence: requirement (value received); fix.
+    assert '\n' not in message and message.count('; ') == 1
+    if isinstance(given, Counted):
+        assert given.calls == 0
+
+
+def test_leaf_modules_may_be_any_iterable_of_classes_and_modules() -> None:
+    model = nn.Sequential(Counted(), nn.Linear(W, W))
+    assert len(to_sequential(model)) == 3  # Counted is traced through
+    for leaf_modules in ([Counted], (Counted,), iter([model[0]]), nn.ModuleList([model[0]])):
+        seq = to_sequential(model, leaf_modules=leaf_modules)
+        assert list(seq) == list(model)

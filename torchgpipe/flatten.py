@@ -36,6 +36,7 @@ from typing import (Any, Dict, Generator, Iterable, List, Optional, Sequence, Tu
 import torch
 from torch import Tensor, fx, nn
 
+from torchgpipe._validation import brief, describe
 from torchgpipe.microbatch import TensorOrTensors
 from torchgpipe.skip.namespace import Namespace
 from torchgpipe.skip.skippable import Skippable, pop, skippable, stash
@@ -293,8 +294,11 @@ def to_sequential(module: nn.Module, *,
         RuntimeError: fx cannot trace ``module``, for example because of
             control flow that depends on a tensor; the message names the
             module and the line
-        TypeError: ``module`` returns something other than a tensor or a
-            tuple of tensors
+        TypeError: ``module`` is not an ``nn.Module`` (a function) or is a
+            TorchScript module; ``leaf_modules`` is not an iterable (a
+            single class, a string) or holds something other than module
+            classes and modules; or ``module`` returns something other than
+            a tensor or a tuple of tensors
 
     Example::
 
@@ -308,7 +312,7 @@ def to_sequential(module: nn.Module, *,
         >>> [name for name, _ in seq.named_children()]
         ['fc1', 'relu', 'fc2', 'add']
     """
-    tracer = _Tracer(list(leaf_modules))
+    tracer = _Tracer(_check_arguments(module, leaf_modules))
     graph = _trace(module, tracer, concrete_args)
     _drop_concrete_args(graph, module, concrete_args or {})
     # The tracer may have put constant tensors on the root: read it from there.
@@ -406,6 +410,52 @@ def to_sequential(module: nn.Module, *,
     seq = nn.Sequential(OrderedDict(children))
     setattr(seq, 'state_dict_map', _state_dict_map(module, seq))
     return seq
+
+
+def _check_arguments(module: object, leaf_modules: object) -> List[LeafSpec]:
+    """Checks the arguments of :func:`to_sequential` before it traces anything.
+
+    fx would otherwise fail deep inside on a TorchScript module or a
+    function, and silently ignore a string of leaf modules.
+
+    Returns:
+        list: the classes and modules of ``leaf_modules``
+
+    Raises:
+        TypeError: as :func:`to_sequential` says
+    """
+    # TorchScript modules are nn.Modules too, but compiled: no Python
+    # forward is left to trace.
+    if isinstance(module, torch.jit.ScriptModule):
+        raise TypeError(describe('module must be a Python nn.Module to be flattened, '
+                                 'not a TorchScript module',
+                                 f'module: {type(module).__name__} of {module.original_name}',
+                                 'pass the module you gave torch.jit.script or torch.jit.trace'))
+    if not isinstance(module, nn.Module):
+        raise TypeError(describe('module must be an nn.Module to be flattened',
+                                 f'module: {brief(module)}',
+                                 'wrap it in an nn.Module whose forward calls it'))
+
+    fix = 'give a list of module classes or modules, such as leaf_modules=[nn.LSTM, model.head]'
+    # A string is an iterable too, of one-letter strings.
+    if isinstance(leaf_modules, str):
+        raise TypeError(describe('leaf_modules must be an iterable of module classes or modules, '
+                                 'not a name', f'leaf_modules: {leaf_modules!r}',
+                                 f'give the class itself, in a list: '
+                                 f'leaf_modules=[{leaf_modules}]'))
+    try:
+        given = list(leaf_modules)  # type: ignore[call-overload]
+    except TypeError:
+        raise TypeError(describe('leaf_modules must be an iterable of module classes or modules',
+                                 f'leaf_modules: {brief(leaf_modules)}', fix)) from None
+    leaves: List[LeafSpec] = []
+    for i, leaf in enumerate(given):
+        if not (isinstance(leaf, nn.Module)
+                or (isinstance(leaf, type) and issubclass(leaf, nn.Module))):
+            raise TypeError(describe(f'leaf_modules[{i}] must be a module class or a module',
+                                     f'leaf_modules[{i}]: {brief(leaf)}', fix))
+        leaves.append(leaf)
+    return leaves
 
 
 def _drop_concrete_args(graph: fx.Graph, module: nn.Module,
