@@ -327,7 +327,7 @@ def skippable(stash: Iterable[str] = (),
         ``Layer = skippable(stash=['x'])(Layer)``.
 
     Layers copy as other modules do, with :func:`copy.deepcopy`,
-    :mod:`pickle` and :func:`torch.save`, when the decorated class is defined
+    ``pickle`` and :func:`torch.save`, when the decorated class is defined
     at module level: pickle saves classes by name, so a class defined in a
     function cannot be loaded again.
 
