@@ -265,6 +265,10 @@ def to_sequential(module: nn.Module, *,
         seq = to_sequential(model)
         seq.load_state_dict({seq.state_dict_map[k]: v for k, v in checkpoint.items()})
 
+    The sequential copies like any module (:func:`copy.deepcopy`, ``pickle``,
+    :func:`torch.save`), ``state_dict_map`` included, and a copy trains like
+    the original.
+
     .. note::
 
         Values between children must be what GPipe carries: tensors. Shapes
