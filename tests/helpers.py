@@ -1,5 +1,7 @@
 """Reference computations the tests compare GPipe against."""
 import copy
+import io
+import pickle
 from typing import Callable, List, Sequence, Tuple
 
 import torch
@@ -52,6 +54,25 @@ def assert_same_training_step(model: nn.Sequential,
             assert gpipe_params[name].grad is None, name
         else:
             torch.testing.assert_close(gpipe_params[name].grad, p.grad, **tolerance, msg=name)
+
+
+def deepcopy(module: nn.Module) -> nn.Module:
+    return copy.deepcopy(module)
+
+
+def pickled(module: nn.Module) -> nn.Module:
+    return pickle.loads(pickle.dumps(module))
+
+
+def saved(module: nn.Module) -> nn.Module:
+    buffer = io.BytesIO()
+    torch.save(module, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+#: The three ways a user copies a module; parametrize a test with them.
+COPIERS = [deepcopy, pickled, saved]
 
 
 def run_in_clock_order(model: nn.Sequential, balance: Sequence[int], input: Tensor,

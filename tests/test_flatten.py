@@ -2,14 +2,15 @@
 import copy
 import math
 import re
-from typing import Callable, Dict, List, Tuple, Union
+import warnings
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from helpers import cpu_devices
+from helpers import COPIERS, cpu_devices
 from torchgpipe import GPipe, to_sequential
 from torchgpipe.balance import balance_by_size, balance_by_time
 from torchgpipe.skip.skippable import Skippable
@@ -222,13 +223,19 @@ def gpipe_input(inputs: Inputs) -> Union[Tensor, Inputs]:
 
 
 def assert_trains_like_original(original: nn.Module, gpipe: GPipe, inputs: Inputs,
-                                steps: int = 3) -> float:
+                                steps: int = 3,
+                                trained: Optional[Dict[str, nn.Parameter]] = None) -> float:
     """Trains ``gpipe`` with an optimizer on the ORIGINAL module's parameters
     and a copy of ``original`` alongside; every step, outputs, input
     gradients and parameter gradients must be equal. Returns the largest
-    gradient difference seen."""
+    gradient difference seen.
+
+    ``trained`` gives the parameters ``gpipe`` holds instead, by the names
+    of the original's, when it runs a copy of the flattened module."""
+    if trained is None:
+        trained = dict(original.named_parameters())
     reference = copy.deepcopy(original)
-    optimizer = torch.optim.SGD(original.parameters(), lr=0.01)
+    optimizer = torch.optim.SGD(trained.values(), lr=0.01)
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.01)
     worst = 0.0
     for _ in range(steps):
@@ -244,7 +251,7 @@ def assert_trains_like_original(original: nn.Module, gpipe: GPipe, inputs: Input
             torch.testing.assert_close(a, e)
         for a, e in zip(x2, x1):
             torch.testing.assert_close(a.grad, e.grad)
-        for (name, p), q in zip(original.named_parameters(), reference.parameters()):
+        for (name, p), q in zip(trained.items(), reference.parameters()):
             if q.grad is None:
                 # Unused by this input: the data-dependent branch not taken.
                 assert p.grad is None, name
@@ -270,6 +277,32 @@ def test_gpipe_trains_the_flattened_model_like_the_original(name: str, checkpoin
     gpipe = GPipe(seq, even(len(seq), partitions), chunks=3, checkpoint=checkpoint,
                   devices=cpu_devices(partitions, threaded))
     assert_trains_like_original(original, gpipe, data())
+
+
+@pytest.mark.parametrize('copier', COPIERS)
+@pytest.mark.parametrize('name', list(MODELS))
+def test_a_copy_of_the_flattened_model_trains_like_the_original(
+        name: str, copier: Callable[[nn.Module], nn.Module], threaded: bool) -> None:
+    factory, data = MODELS[name]
+    original = factory()
+    seq = to_sequential(original)
+    clone = copier(seq)
+
+    # The copy has tensors of its own, under the keys of the sequential,
+    # which its state_dict_map still gives for the original's keys.
+    assert clone.state_dict_map == seq.state_dict_map
+    state, cloned_state = seq.state_dict(), clone.state_dict()
+    assert list(cloned_state) == list(state)
+    for key, tensor in state.items():
+        assert torch.equal(cloned_state[key], tensor), key
+    assert {id(p) for p in clone.parameters()}.isdisjoint(id(p) for p in original.parameters())
+
+    trained = {key: clone.get_parameter(clone.state_dict_map[key])
+               for key, _ in original.named_parameters()}
+    partitions = min(3, len(clone))
+    gpipe = GPipe(clone, even(len(clone), partitions), chunks=3,
+                  devices=cpu_devices(partitions, threaded))
+    assert_trains_like_original(original, gpipe, data(), steps=2, trained=trained)
 
 
 @pytest.mark.parametrize('name', list(MODELS))
@@ -591,3 +624,74 @@ def test_concrete_args_are_not_inputs_of_the_sequential(scaled: bool) -> None:
     gpipe = GPipe(seq, [1, len(seq) - 1], chunks=2, devices=['cpu'] * 2)
     x = vector()[0]
     torch.testing.assert_close(gpipe(x), original(x, scaled))
+
+
+class Counted(nn.Module):
+    """Counts the calls of its forward, tracing included."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(W, W)
+        self.calls = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        return torch.relu(self.fc(x))
+
+
+def scripted() -> nn.Module:
+    with warnings.catch_warnings():
+        # Deprecated in favour of torch.export, but still what users have.
+        warnings.simplefilter('ignore', DeprecationWarning)
+        return torch.jit.script(Counted())
+
+
+def traced() -> nn.Module:
+    with warnings.catch_warnings():
+        # The trace warns that the counter is a Python value it bakes in.
+        warnings.simplefilter('ignore')
+        return torch.jit.trace(Counted(), torch.randn(2, W))
+
+
+def twice(x: Tensor) -> Tensor:
+    return 2 * x
+
+
+@pytest.mark.parametrize('module, leaf_modules, words', [
+    (scripted, (), ['module must be a Python nn.Module', 'RecursiveScriptModule of Counted',
+                    'pass the module you gave torch.jit.script']),
+    (traced, (), ['module must be a Python nn.Module', 'TopLevelTracedModule of Counted',
+                  'torch.jit.trace']),
+    (lambda: twice, (), ['module must be an nn.Module', 'module: <function twice at',
+                         'wrap it in an nn.Module whose forward calls it']),
+    (Counted, 'Linear', ["leaf_modules must be an iterable of module classes or modules, not a "
+                         "name (leaf_modules: 'Linear')", 'leaf_modules=[Linear]']),
+    (Counted, nn.Linear, ["leaf_modules: <class 'torch.nn.modules.linear.Linear'>",
+                          'give a list of module classes or modules']),
+    (Counted, ['Linear'], ["leaf_modules[0] must be a module class or a module "
+                           "(leaf_modules[0]: 'Linear')", 'leaf_modules=[']),
+    (Counted, [nn.Linear, F.relu], ['leaf_modules[1] must be', '<function relu at']),
+    (Counted, [int], ["leaf_modules[0]: <class 'int'>"]),
+    (Counted, [nn.Linear, None], ['leaf_modules[1]: None']),
+], ids=['script', 'trace', 'function', 'string', 'class_alone', 'name_in_list',
+        'function_in_list', 'other_class', 'none'])
+def test_wrong_arguments_are_refused_before_tracing_naming_value_and_fix(
+        module: Callable[[], object], leaf_modules: object, words: List[str]) -> None:
+    given = module()
+    with pytest.raises(TypeError) as error:
+        to_sequential(given, leaf_modules=leaf_modules)  # type: ignore[arg-type]
+    message = str(error.value)
+    for word in words:
+        assert word in message
+    # One sentence: requirement (value received); fix.
+    assert '\n' not in message and message.count('; ') == 1
+    if isinstance(given, Counted):
+        assert given.calls == 0
+
+
+def test_leaf_modules_may_be_any_iterable_of_classes_and_modules() -> None:
+    model = nn.Sequential(Counted(), nn.Linear(W, W))
+    assert len(to_sequential(model)) == 3  # Counted is traced through
+    for leaf_modules in ([Counted], (Counted,), iter([model[0]]), nn.ModuleList([model[0]])):
+        seq = to_sequential(model, leaf_modules=leaf_modules)
+        assert list(seq) == list(model)

@@ -5,15 +5,13 @@ place at a partition boundary, and copies of a module that has already run
 (``copy.deepcopy``, ``pickle``, ``torch.save``), on both execution paths.
 """
 import copy
-import io
-import pickle
 from typing import Callable, List
 
 import pytest
 import torch
 from torch import Tensor, nn
 
-from helpers import assert_same_training_step, cpu_devices, run_in_clock_order
+from helpers import COPIERS, assert_same_training_step, cpu_devices, run_in_clock_order
 from torchgpipe import GPipe
 
 MODES = ['always', 'except_last', 'never']
@@ -126,23 +124,8 @@ def assert_close_step(gpipe: nn.Module, reference: nn.Module, input: Tensor) -> 
         torch.testing.assert_close(p.grad, q.grad)
 
 
-def deepcopy(module: nn.Module) -> nn.Module:
-    return copy.deepcopy(module)
-
-
-def pickled(module: nn.Module) -> nn.Module:
-    return pickle.loads(pickle.dumps(module))
-
-
-def saved(module: nn.Module) -> nn.Module:
-    buffer = io.BytesIO()
-    torch.save(module, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=False)
-
-
 @pytest.mark.parametrize('checkpoint', MODES)
-@pytest.mark.parametrize('copier', [deepcopy, pickled, saved])
+@pytest.mark.parametrize('copier', COPIERS)
 def test_a_copy_after_a_forward_trains_exactly_like_the_original(
         copier: Callable[[nn.Module], nn.Module], checkpoint: str, threaded: bool) -> None:
     torch.manual_seed(0)

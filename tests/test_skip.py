@@ -3,7 +3,7 @@ import copy
 import gc
 import threading
 import warnings
-from typing import Any, Dict, Generator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Generator, List, Optional, Tuple
 
 import pytest
 import torch
@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
-from helpers import assert_same_training_step, cpu_devices
+from helpers import COPIERS, assert_same_training_step, cpu_devices
 from torchgpipe import GPipe
 from torchgpipe.skip import Namespace, pop, skippable, stash, verify_skippables
 from torchgpipe.skip.portal import Portal, PortalCopy
@@ -681,6 +681,30 @@ def test_skip_requiring_grad_beside_a_main_path_that_does_not(checkpoint: str,
     weight = gpipe.partitions[0][0].module.weight
     assert weight.grad is not None
     torch.testing.assert_close(weight.grad, reference[0].module.weight.grad)
+
+
+@pytest.mark.parametrize('copier', COPIERS)
+def test_module_level_skippables_copied_inside_gpipe_train_like_the_original(
+        copier: Callable[[nn.Module], nn.Module], threaded: bool) -> None:
+    """pickle finds classes by name, and @skippable gives the decorated
+    class's name to the class it makes: both must still be found."""
+    ns = Namespace()
+    model = nn.Sequential(StashWeighted().isolate(ns), nn.Linear(W, W), nn.Tanh(),
+                          PopWeighted().isolate(ns)).double()
+    input = torch.randn(6, W, dtype=torch.double)
+
+    def copied_after_a_step(model: nn.Sequential) -> nn.Module:
+        gpipe = GPipe(model, [1, 2, 1], devices=cpu_devices(3, threaded), chunks=3)
+        gpipe(input).sum().backward()
+        gpipe.zero_grad()
+        clone = copier(gpipe)
+        # The classes themselves, not classes made again.
+        assert type(clone[0]) is StashWeighted
+        assert type(clone[0].module) is StashWeighted.module_cls
+        assert clone[0].module.weight is not gpipe[0].module.weight
+        return clone
+
+    assert_same_training_step(model, copied_after_a_step, input)
 
 
 def test_a_skip_gradient_needs_a_floating_point_tensor_to_travel_on() -> None:

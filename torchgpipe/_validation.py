@@ -36,6 +36,16 @@ def describe(requirement: str, received: str, fix: str) -> str:
     return f'{requirement} ({received}); {fix}'
 
 
+def brief(value: object) -> str:
+    """A value as a message shows it: its ``repr`` when that is one short
+    line, else only its type (a module's or a tensor's ``repr`` can fill a
+    screen)."""
+    text = repr(value)
+    if len(text) <= 60 and '\n' not in text:
+        return text
+    return f'a {type(value).__name__} object'
+
+
 def real_number(value: object) -> Optional[numbers.Real]:
     """The real number ``value`` stands for: itself, or the value of a 0-dim
     tensor; ``None`` for a bool (a bool counts no micro-batches or layers),

@@ -36,6 +36,7 @@ from typing import (Any, Dict, Generator, Iterable, List, Optional, Sequence, Tu
 import torch
 from torch import Tensor, fx, nn
 
+from torchgpipe._validation import brief, describe
 from torchgpipe.microbatch import TensorOrTensors
 from torchgpipe.skip.namespace import Namespace
 from torchgpipe.skip.skippable import Skippable, pop, skippable, stash
@@ -46,9 +47,13 @@ LeafSpec = Union[Type[nn.Module], nn.Module]
 
 
 class _Tracer(fx.Tracer):
-    """fx's tracer, which also keeps the given classes and instances whole."""
+    """fx's tracer, which also keeps the given classes and instances whole.
 
-    def __init__(self, leaf_modules: Sequence[LeafSpec]) -> None:
+    fx also makes one with no argument, to trace a generated child's code
+    again when it loads a pickled child (see :class:`_Step`).
+    """
+
+    def __init__(self, leaf_modules: Sequence[LeafSpec] = ()) -> None:
         super().__init__()
         # Buffers read in forward become nodes, not constants: a causal mask
         # sliced by a traced length (mask[:T, :T]) then traces.
@@ -73,15 +78,43 @@ class _Step(nn.Module):
         tuple_input (bool): whether the previous child passes a tuple
         pops (list of strs): the skip names to pop, in argument order
         stashes (list of strs): the skip names to stash, in result order
+        transient (list of strs): the qualified names, in ``graph_module``,
+            of the tensors to leave out of the state dict
     """
 
     def __init__(self, graph_module: fx.GraphModule, tuple_input: bool,
-                 pops: List[str], stashes: List[str]) -> None:
+                 pops: List[str], stashes: List[str], transient: List[str]) -> None:
         super().__init__()
         self.graph = graph_module
         self.tuple_input = tuple_input
         self.pops = pops
         self.stashes = stashes
+        self.transient = transient
+        self._leave_out_transient()
+
+    # How a step is copied (pickle, torch.save, copy.deepcopy):
+    #
+    # * this class is found by its name, and the skippable class generated
+    #   around it is made again from it and the skip names (see Skippable);
+    # * the graph module copies itself, as fx does: deepcopy builds it again
+    #   from a copy of its graph; pickle saves the source fx generated from
+    #   the graph (fx's choice: its Graph format may change between
+    #   versions) and, on load, runs it and traces it again into a graph,
+    #   with the tracer class the graph names (fx.Graph(tracer_cls=...)):
+    #   ours, which keeps buffers as nodes as when the model was traced;
+    # * both ways fx registers every tensor the code reads as a persistent
+    #   buffer again, so the step marks its transient tensors once more.
+    #
+    # The step asks nothing else of the graph module: another way to
+    # capture the graph only needs a module that copies itself.
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        super().__setstate__(state)  # type: ignore[no-untyped-call]
+        self._leave_out_transient()
+
+    def _leave_out_transient(self) -> None:
+        for name in self.transient:
+            owner, _, field = name.rpartition('.')
+            self.graph.get_submodule(owner)._non_persistent_buffers_set.add(field)
 
     def forward(self, input: TensorOrTensors) -> Generator[Any, Any, TensorOrTensors]:
         inputs = input if self.tuple_input else (input,)
@@ -232,6 +265,10 @@ def to_sequential(module: nn.Module, *,
         seq = to_sequential(model)
         seq.load_state_dict({seq.state_dict_map[k]: v for k, v in checkpoint.items()})
 
+    The sequential copies like any module (:func:`copy.deepcopy`, ``pickle``,
+    :func:`torch.save`), ``state_dict_map`` included, and a copy trains like
+    the original.
+
     .. note::
 
         Values between children must be what GPipe carries: tensors. Shapes
@@ -261,8 +298,11 @@ def to_sequential(module: nn.Module, *,
         RuntimeError: fx cannot trace ``module``, for example because of
             control flow that depends on a tensor; the message names the
             module and the line
-        TypeError: ``module`` returns something other than a tensor or a
-            tuple of tensors
+        TypeError: ``module`` is not an ``nn.Module`` (a function) or is a
+            TorchScript module; ``leaf_modules`` is not an iterable (a
+            single class, a string) or holds something other than module
+            classes and modules; or ``module`` returns something other than
+            a tensor or a tuple of tensors
 
     Example::
 
@@ -276,7 +316,7 @@ def to_sequential(module: nn.Module, *,
         >>> [name for name, _ in seq.named_children()]
         ['fc1', 'relu', 'fc2', 'add']
     """
-    tracer = _Tracer(list(leaf_modules))
+    tracer = _Tracer(_check_arguments(module, leaf_modules))
     graph = _trace(module, tracer, concrete_args)
     _drop_concrete_args(graph, module, concrete_args or {})
     # The tracer may have put constant tensors on the root: read it from there.
@@ -348,7 +388,8 @@ def to_sequential(module: nn.Module, *,
             children[name] = _attr(root, segment[0].target)
             continue
 
-        sub = fx.Graph()
+        # Named for fx's pickling, which traces the child's code again.
+        sub = fx.Graph(tracer_cls=_Tracer)
         env: Dict[fx.Node, fx.Node] = {}
         for a in inputs + pops:
             env[a] = sub.placeholder(a.name)
@@ -362,17 +403,63 @@ def to_sequential(module: nn.Module, *,
             output = tuple(env[a] for a in passed[k])
         sub.output((output, tuple(env[a] for a, _ in stashes)))
         graph_module = fx.GraphModule(root, sub, class_name=name)
-        _keep_persistence(root, graph_module, segment, state)
 
         pop_names = [f'{a.name}:{k}' for a in pops]
         stash_names = [f'{a.name}:{j}' for a, j in stashes]
         step_cls = skippable(stash=stash_names, pop=pop_names)(_Step)
-        step = step_cls(graph_module, len(inputs) != 1, pop_names, stash_names)
+        step = step_cls(graph_module, len(inputs) != 1, pop_names, stash_names,
+                        _transient(root, segment, state))
         children[name] = step.isolate(ns)
 
     seq = nn.Sequential(OrderedDict(children))
     setattr(seq, 'state_dict_map', _state_dict_map(module, seq))
     return seq
+
+
+def _check_arguments(module: object, leaf_modules: object) -> List[LeafSpec]:
+    """Checks the arguments of :func:`to_sequential` before it traces anything.
+
+    fx would otherwise fail deep inside on a TorchScript module or a
+    function, and silently ignore a string of leaf modules.
+
+    Returns:
+        list: the classes and modules of ``leaf_modules``
+
+    Raises:
+        TypeError: as :func:`to_sequential` says
+    """
+    # TorchScript modules are nn.Modules too, but compiled: no Python
+    # forward is left to trace.
+    if isinstance(module, torch.jit.ScriptModule):
+        raise TypeError(describe('module must be a Python nn.Module to be flattened, '
+                                 'not a TorchScript module',
+                                 f'module: {type(module).__name__} of {module.original_name}',
+                                 'pass the module you gave torch.jit.script or torch.jit.trace'))
+    if not isinstance(module, nn.Module):
+        raise TypeError(describe('module must be an nn.Module to be flattened',
+                                 f'module: {brief(module)}',
+                                 'wrap it in an nn.Module whose forward calls it'))
+
+    fix = 'give a list of module classes or modules, such as leaf_modules=[nn.LSTM, model.head]'
+    # A string is an iterable too, of one-letter strings.
+    if isinstance(leaf_modules, str):
+        raise TypeError(describe('leaf_modules must be an iterable of module classes or modules, '
+                                 'not a name', f'leaf_modules: {leaf_modules!r}',
+                                 f'give the class itself, in a list: '
+                                 f'leaf_modules=[{leaf_modules}]'))
+    try:
+        given = list(leaf_modules)  # type: ignore[call-overload]
+    except TypeError:
+        raise TypeError(describe('leaf_modules must be an iterable of module classes or modules',
+                                 f'leaf_modules: {brief(leaf_modules)}', fix)) from None
+    leaves: List[LeafSpec] = []
+    for i, leaf in enumerate(given):
+        if not (isinstance(leaf, nn.Module)
+                or (isinstance(leaf, type) and issubclass(leaf, nn.Module))):
+            raise TypeError(describe(f'leaf_modules[{i}] must be a module class or a module',
+                                     f'leaf_modules[{i}]: {brief(leaf)}', fix))
+        leaves.append(leaf)
+    return leaves
 
 
 def _drop_concrete_args(graph: fx.Graph, module: nn.Module,
@@ -463,22 +550,25 @@ def _with_shapes(segment: List[fx.Node]) -> List[fx.Node]:
     return list(copied) + segment
 
 
-def _keep_persistence(root: nn.Module, graph_module: fx.GraphModule,
-                      segment: List[fx.Node], state: Dict[int, str]) -> None:
-    """Leaves out of the state dict the tensors the original leaves out.
+def _transient(root: nn.Module, segment: List[fx.Node], state: Dict[int, str]) -> List[str]:
+    """The tensors a generated child reads that the original leaves out of its state dict.
 
     fx registers every tensor a generated child reads as a buffer, which
     would add keys the original's checkpoints lack: a non-persistent buffer
     such as a causal mask, or a constant tensor.
+
+    Returns:
+        list of strs: their qualified names, as the child's graph module has them
     """
+    names = []
     for n in segment:
         if n.op != 'get_attr':
             continue
         value = _attr(root, n.target)
         if isinstance(value, Tensor) and not isinstance(value, nn.Parameter) \
                 and id(value) not in state:
-            owner, _, field = str(n.target).rpartition('.')
-            graph_module.get_submodule(owner)._non_persistent_buffers_set.add(field)
+            names.append(str(n.target))
+    return names
 
 
 def _child_name(segment: List[fx.Node]) -> str:

@@ -7,8 +7,9 @@ and routes the commands to the current skip tracker
 (:mod:`torchgpipe.skip.tracker`): a plain dictionary outside GPipe, and
 inside it portals for the skips that cross partitions.
 """
+import sys
 from typing import (Any, Callable, ClassVar, Dict, FrozenSet, Generator, Iterable, List,
-                    Optional, Set, Tuple, Type, TypeVar, cast)
+                    Optional, Set, SupportsIndex, Tuple, Type, TypeVar, cast)
 
 from torch import Tensor, nn
 
@@ -19,6 +20,10 @@ from torchgpipe.skip.tracker import current_skip_tracker
 __all__ = ['skippable', 'stash', 'pop', 'verify_skippables', 'Skippable']
 
 T = TypeVar('T', bound='Skippable')
+
+# The key under which a pickled skippable layer keeps its wrapped module's
+# state when the wrapped module's class cannot be saved by name.
+WRAPPED_STATE = 'skippable_wrapped_state'
 
 
 class Skippable(nn.Module):
@@ -42,6 +47,52 @@ class Skippable(nn.Module):
 
     def __repr__(self) -> str:
         return f'@skippable({self.module})'
+
+    # pickle saves a class by reference, as its module and qualified name,
+    # and refuses one that this name does not find again. The class the
+    # decorator makes takes the decorated class's name, so that name finds
+    # at most one of the two classes:
+    #
+    #   @skippable(...)            the name means the skippable class; the
+    #   class Layer(nn.Module)     decorated one, the wrapped module's class,
+    #                              is only found as Layer.module_cls
+    #
+    #   skippable(...)(Layer)      the name still means the decorated class;
+    #   called at run time         the skippable class is found by no name
+    #                              (to_sequential's generated children)
+    #
+    # So a layer is saved by reference to the class its name finds, and the
+    # other class is reached from that one: the wrapped module is saved as
+    # its state alone and rebuilt as an instance of Layer.module_cls, or the
+    # skippable class is made again from the decorated class and the skip
+    # names. No code is saved. Where no name finds its class (a class
+    # defined in a function), pickle refuses, as for any local class.
+    # copy.deepcopy goes through the same two methods.
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
+        cls = type(self)
+        if found_by_name(cls):
+            return super().__reduce_ex__(protocol)
+        return (remade, (cls.module_cls, sorted(cls.stashable_names),
+                         sorted(cls.poppable_names)), self.__getstate__())
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state: Dict[str, Any] = super().__getstate__()  # type: ignore[no-untyped-call]
+        wrapped = self._modules.get('module')
+        if type(wrapped) is self.module_cls and not found_by_name(self.module_cls):
+            # None keeps the slot, and so the order, of the child.
+            state['_modules'] = dict(state['_modules'], module=None)
+            state[WRAPPED_STATE] = wrapped.__getstate__()  # type: ignore[no-untyped-call]
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        state = dict(state)
+        wrapped_state = state.pop(WRAPPED_STATE, None)
+        super().__setstate__(state)  # type: ignore[no-untyped-call]
+        if wrapped_state is not None:
+            module = self.module_cls.__new__(self.module_cls)
+            module.__setstate__(wrapped_state)  # type: ignore[no-untyped-call]
+            self._modules['module'] = module
 
     def namespaced(self, name: str) -> Tuple[Namespace, str]:
         """Returns the key a tracker stores the skip ``name`` under: ``(namespace, name)``."""
@@ -217,6 +268,31 @@ class Skippable(nn.Module):
         return batch.values
 
 
+def found_by_name(cls: type) -> bool:
+    """Whether pickle finds ``cls`` again by its module and qualified name."""
+    found: object = sys.modules.get(cls.__module__)
+    for part in cls.__qualname__.split('.'):
+        # A class defined in a function has '<locals>' in its name: not found.
+        found = getattr(found, part, None)
+    return found is cls
+
+
+def remade(module_cls: Type[nn.Module], stash: List[str], pop: List[str]) -> Skippable:
+    """An empty layer of a skippable class made again, for pickle to fill in.
+
+    Args:
+        module_cls (type): the decorated class, which pickle found by its name
+        stash (list of strs): the names the layer stashes
+        pop (list of strs): the names the layer pops
+
+    Returns:
+        Skippable: an instance of ``skippable(stash, pop)(module_cls)``,
+        not initialized
+    """
+    cls = skippable(stash=stash, pop=pop)(module_cls)
+    return cls.__new__(cls)
+
+
 def quote_names(names: Iterable[str]) -> str:
     """Formats skip names for a message: ``'a', 'b'``, sorted."""
     return ', '.join(repr(name) for name in sorted(names))
@@ -249,6 +325,11 @@ def skippable(stash: Iterable[str] = (),
         cannot see through a class decorator. Silence them with
         ``# type: ignore``, or call the decorator as a function:
         ``Layer = skippable(stash=['x'])(Layer)``.
+
+    Layers copy as other modules do, with :func:`copy.deepcopy`,
+    ``pickle`` and :func:`torch.save`, when the decorated class is defined
+    at module level: pickle saves classes by name, so a class defined in a
+    function cannot be loaded again.
 
     Args:
         stash (iterable of strs): the names the layer stashes (default: none)
