@@ -21,7 +21,7 @@ is accumulated while :func:`torchgpipe.is_recomputing` is true.
 
 Inside GPipe, a step may fail halfway (an exception in a layer, Ctrl-C), after
 some layers saw every micro-batch and others only a few. So GPipe holds the
-commit until the whole step is done (:func:`deferred_step`): a step that
+commit until the whole step is done (``deferred_step``): a step that
 fails commits nothing and leaves no sums behind for the next to mix in.
 """
 from contextlib import contextmanager
@@ -107,7 +107,7 @@ class DeferredBatchNorm(_BatchNorm):
     #: :func:`restore_batch_norm`; ``None`` for a layer made directly.
     replaced_class: Optional[Type[_BatchNorm]] = None
 
-    #: Whether :func:`deferred_step` commits the statistics at the end of a
+    #: Whether GPipe (``deferred_step``) commits the statistics at the end of a
     #: step, rather than the layer itself after ``chunks`` micro-batches.
     held: bool = False
 

@@ -44,7 +44,7 @@ generator per CUDA device. Two promises rest on them:
 
    Kernels that draw (dropout) take the mutex with the GIL released, so they
    cannot close such a circle. Every read and write of a generator's state
-   here goes through :data:`state_lock`, a Python lock, which a thread waits
+   here goes through ``state_lock``, a Python lock, which a thread waits
    for with the GIL released: at most one thread is ever inside a state call,
    and the one waiting for it does not hold what that call needs.
 """
