@@ -492,8 +492,12 @@ def test_untraceable_root_is_named_too() -> None:
         def forward(me, x: Tensor) -> Tensor:  # noqa: N805 - self under another name
             return x if len(x) > 2 else -x
 
-    with pytest.raises(RuntimeError, match=r'cannot trace the module itself \(Root\)'):
+    with pytest.raises(RuntimeError, match=r'cannot trace the module itself \(Root\)') as error:
         to_sequential(Root())
+    # The module itself cannot be one of its own leaves: the fix is another.
+    message = str(error.value)
+    assert 'leaf_modules=[Root]' not in message
+    assert 'move that code into a submodule' in message
 
 
 V = 11
@@ -673,8 +677,11 @@ def twice(x: Tensor) -> Tensor:
     (Counted, [nn.Linear, F.relu], ['leaf_modules[1] must be', '<function relu at']),
     (Counted, [int], ["leaf_modules[0]: <class 'int'>"]),
     (Counted, [nn.Linear, None], ['leaf_modules[1]: None']),
+    (lambda: GPipe(nn.Sequential(Counted(), nn.Linear(W, W)), [1, 1], devices=['cpu'] * 2),
+     (), ['module must not be a GPipe to be flattened', 'GPipe of 2 layers',
+          'to_sequential(gpipe.unwrap())']),
 ], ids=['script', 'trace', 'function', 'string', 'class_alone', 'name_in_list',
-        'function_in_list', 'other_class', 'none'])
+        'function_in_list', 'other_class', 'none', 'gpipe'])
 def test_wrong_arguments_are_refused_before_tracing_naming_value_and_fix(
         module: Callable[[], object], leaf_modules: object, words: List[str]) -> None:
     given = module()

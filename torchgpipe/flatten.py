@@ -37,6 +37,7 @@ import torch
 from torch import Tensor, fx, nn
 
 from torchgpipe._validation import brief, describe
+from torchgpipe.gpipe import GPipe
 from torchgpipe.microbatch import TensorOrTensors
 from torchgpipe.skip.namespace import Namespace
 from torchgpipe.skip.skippable import Skippable, pop, skippable, stash
@@ -150,11 +151,18 @@ def _trace(module: nn.Module, tracer: _Tracer,
         where = names.get(id(failing)) or 'the module itself'
         cls = type(failing).__name__
         line = linecache.getline(frame.f_code.co_filename, lineno).strip()
+        if failing is module:
+            # The module itself cannot be a leaf of its own flattening.
+            fix = ('move that code into a submodule and keep the submodule whole with '
+                   'leaf_modules=[<its class>], or make it static: fix the argument that '
+                   'decides the control flow with concrete_args')
+        else:
+            fix = (f'keep the module whole as one layer with to_sequential(module, '
+                   f'leaf_modules=[{cls}]), or fix the argument that decides the control '
+                   'flow with concrete_args')
         raise RuntimeError(
             f'torch.fx cannot trace {where} ({cls}) at {frame.f_code.co_filename}:{lineno}: '
-            f'{line!r} ({type(exc).__name__}: {exc}); keep the module whole as one layer '
-            f'with to_sequential(module, leaf_modules=[{cls}]), or fix the argument that '
-            'decides the control flow with concrete_args') from exc
+            f'{line!r} ({type(exc).__name__}: {exc}); {fix}') from exc
 
 
 def _attr(root: nn.Module, target: object) -> Any:
@@ -439,6 +447,10 @@ def _check_arguments(module: object, leaf_modules: object) -> List[LeafSpec]:
         raise TypeError(describe('module must be an nn.Module to be flattened',
                                  f'module: {brief(module)}',
                                  'wrap it in an nn.Module whose forward calls it'))
+    if isinstance(module, GPipe):
+        raise TypeError(describe('module must not be a GPipe to be flattened: it is '
+                                 'a pipeline already', f'module: GPipe of {len(module)} layers',
+                                 'flatten the model it wraps, to_sequential(gpipe.unwrap())'))
 
     fix = 'give a list of module classes or modules, such as leaf_modules=[nn.LSTM, model.head]'
     # A string is an iterable too, of one-letter strings.
