@@ -361,6 +361,36 @@ def test_module_called_twice_is_one_child_from_first_call_to_last() -> None:
     assert seq[len(seq) - 1] is original.last
 
 
+class SharedDropout(nn.Module):
+    """A module without state called first and last, as T5 uses its dropout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(W, W)
+        self.dropout = nn.Dropout(0.0)
+        self.layers = nn.ModuleList(nn.Linear(W, W) for _ in range(4))
+        self.norm = nn.LayerNorm(W)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.dropout(self.embed(x))
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.dropout(self.norm(x))
+
+
+def test_module_without_state_called_twice_does_not_merge_what_lies_between(
+        threaded: bool) -> None:
+    original = SharedDropout().double()
+    seq = to_sequential(original)
+    # Every layer with parameters stays a child of its own, so the model
+    # can be balanced: nothing is merged between the two calls.
+    holders = [name for name, child in seq.named_children() if list(child.parameters())]
+    assert len(holders) == 6
+    assert sum(child is original.dropout for child in seq) == 1
+    gpipe = GPipe(seq, [3, len(seq) - 6, 3], chunks=2, devices=cpu_devices(3, threaded))
+    assert_trains_like_original(original, gpipe, vector())
+
+
 def test_skips_go_straight_to_the_child_that_uses_them() -> None:
     original = UNet()
     seq = to_sequential(original)

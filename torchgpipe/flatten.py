@@ -11,12 +11,13 @@ cuts the traced graph into a row of children:
   ``torch.cat``, indexing, parameters and buffers read in ``forward``)
   becomes a small generated child, an :class:`torch.fx.GraphModule` that
   holds the very parameters and buffers it reads;
-* a module called at several places, or a parameter read by glue code at
-  several places, cannot be two children (GPipe refuses a layer in two
-  partitions), so the first use, the last one and everything between become
-  one generated child. A parameter tied between two different modules (an
-  embedding and an output projection) joins nothing: GPipe shares it
-  across partitions.
+* a module with parameters or buffers called at several places, or a
+  parameter read by glue code at several places, cannot be two children
+  (GPipe refuses a layer in two partitions), so the first use, the last one
+  and everything between become one generated child. A module without
+  either (a dropout, an activation) joins nothing: each call is a child. A
+  parameter tied between two different modules (an embedding and an output
+  projection) joins nothing either: GPipe shares it across partitions.
 
 Each child passes the next one exactly the values it needs (a tensor, or a
 tuple of tensors). A value used further down travels as a skip connection:
@@ -206,11 +207,17 @@ def _segments(graph: fx.Graph, root: nn.Module) -> List[List[fx.Node]]:
     # between partitions. A parameter shared by two different leaf modules,
     # or by a module and glue code (tied weights: an embedding and an output
     # projection), does not join them: each stays a child of its own, and
-    # GPipe keeps the parameter once across partitions.
+    # GPipe keeps the parameter once across partitions. A module with neither
+    # parameters nor buffers (a dropout, an activation) holds nothing a
+    # partition must own: each of its calls may be a child of its own, so
+    # that a dropout used after the embeddings and after the last layer
+    # does not make one child of the whole model.
     uses: Dict[object, List[int]] = {}
     for n in nodes:
         if n.op == 'call_module':
             module = _attr(root, n.target)
+            if _stateless(module):
+                continue
             for key in [id(module)] + [id(b) for b in module.buffers()]:
                 uses.setdefault(key, []).append(index[n])
         elif n.op == 'get_attr' and isinstance(_attr(root, n.target), nn.Parameter):
@@ -258,12 +265,14 @@ def to_sequential(module: nn.Module, *,
 
     Children are named after the traced nodes: a leaf module by its
     qualified name with ``_`` for ``.`` (``layers_0_attn``), generated code
-    by its first operation (``add_3``, ``cat``). A module called at several
-    places, or a parameter read by glue code at several places, cannot be
-    two children: its first use, its last one and everything between become
-    one generated child. Parameters tied between different modules (an
-    embedding and the output projection) do not join them: each module
-    stays a child, and GPipe shares the parameter across partitions.
+    by its first operation (``add_3``, ``cat``). A module with parameters
+    or buffers called at several places, or a parameter read by glue code
+    at several places, cannot be two children: its first use, its last one
+    and everything between become one generated child (a module with
+    neither, such as a dropout, is a child at each call). Parameters tied
+    between different modules (an embedding and the output projection) do
+    not join them: each module stays a child, and GPipe shares the
+    parameter across partitions.
 
     The sequential takes what ``module`` takes: a tensor, or a tuple of
     tensors for a ``forward`` of several arguments. Its attribute
@@ -390,9 +399,14 @@ def to_sequential(module: nn.Module, *,
             result_nodes = list(result) if isinstance(result, tuple) else [result]
         else:
             result_nodes = passed[k]
+        # A stateless module called at several places is a child itself at
+        # its first call only: GPipe refuses the same child twice, so its
+        # other calls are generated children that call it.
         if (len(segment) == 1 and segment[0].op == 'call_module' and not pops
                 and not stashes and not segment[0].kwargs
-                and list(segment[0].args) == inputs and result_nodes == segment):
+                and list(segment[0].args) == inputs and result_nodes == segment
+                and all(child is not _attr(root, segment[0].target)
+                        for child in children.values())):
             children[name] = _attr(root, segment[0].target)
             continue
 
@@ -581,6 +595,11 @@ def _transient(root: nn.Module, segment: List[fx.Node], state: Dict[int, str]) -
                 and id(value) not in state:
             names.append(str(n.target))
     return names
+
+
+def _stateless(module: nn.Module) -> bool:
+    """Whether ``module`` has no parameter and no buffer, itself or in its submodules."""
+    return next(module.parameters(), None) is None and next(module.buffers(), None) is None
 
 
 def _child_name(segment: List[fx.Node]) -> str:
