@@ -9,9 +9,10 @@ dependency fails CI instead of passing on a machine that happens to have it.
 
 Also checked, so that no extra goes untested:
 
-* every extra of ``pyproject.toml`` has a set-up command, and each has one;
-* every extra that a documentation page or ``docs/conf.py`` names is one of
-  them;
+* every extra of ``pyproject.toml`` has exactly one set-up command, and
+  every set-up command installs exactly one extra, one that it declares;
+* every extra that a documentation page or ``docs/conf.py`` names has a
+  set-up command;
 * every set-up command pins ``torch==2.13.0``, whose CPU build lies on the
   CI machine's disk (unpinned, pip would fetch a multi-gigabyte CUDA build).
 
