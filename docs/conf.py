@@ -1,8 +1,10 @@
 """Sphinx configuration of the torchgpipe documentation.
 
-Build (warnings are errors, every cross-reference checked)::
+Build (warnings are errors, every cross-reference checked) with the command
+README.md gives beside the test command (CI runs it there, in a fresh venv),
+here on two lines::
 
-    python -m pip install -q -e ".[docs]"
+    python -m pip install -q torch==2.13.0 -e ".[docs]"
     python -m sphinx -W --keep-going -n -b html docs docs/_build/html
 
 The diagrams under ``_static/`` are SVG files drawn by ``diagrams.py``. They

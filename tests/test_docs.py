@@ -3,7 +3,8 @@
 What runs, each example as its own test case:
 
 * ``README.md``: every fenced block opened with ```` ```python ````. Blocks in
-  other languages (```` ```bash ````) are not run.
+  other languages (```` ```bash ````) are not run here: ``.ci/run`` runs the
+  README's set-up commands, each in a fresh venv.
 * ``docs/*.rst``: every ``.. code-block:: python`` directive, unless it has
   the option ``:class: no-run``, which marks a snippet that needs CUDA or
   stands for part of a program. Literal blocks introduced by ``::`` and
