@@ -732,3 +732,40 @@ def test_leaf_modules_may_be_any_iterable_of_classes_and_modules() -> None:
     for leaf_modules in ([Counted], (Counted,), iter([model[0]]), nn.ModuleList([model[0]])):
         seq = to_sequential(model, leaf_modules=leaf_modules)
         assert list(seq) == list(model)
+
+
+class Checked(nn.Module):
+    """Checks its input's width with torch._assert before any layer (as
+    torchvision's VisionTransformer does), and has optional arguments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(W, W)
+        self.fc2 = nn.Linear(W, W)
+
+    def forward(self, x: Tensor, mask: Optional[Tensor] = None,
+                is_causal: bool = False) -> Tensor:
+        torch._assert(x.shape[1] == W, 'wrong width')
+        h = self.fc1(x)
+        if mask is not None:
+            h = h + mask
+        if is_causal:
+            h = -h
+        return self.fc2(h)
+
+
+def test_checks_and_optional_arguments_behave_as_in_the_original(threaded: bool) -> None:
+    """A child made of torch._assert alone would pass its None on; optional
+    arguments are taken at their defaults, as in ``original(x)``, rather than
+    becoming inputs traced as if given (``mask is not None`` held while tracing)."""
+    original = Checked().double()
+    seq = to_sequential(original)
+    x = vector()[0]
+    torch.testing.assert_close(seq(x), original(x))
+    gpipe = GPipe(seq, [1, len(seq) - 1], chunks=2, devices=cpu_devices(2, threaded))
+    assert_trains_like_original(original, gpipe, vector())
+    with pytest.raises(AssertionError, match='wrong width'):
+        seq(torch.randn(2, W + 1, dtype=torch.double))
+    # A default fixed otherwise, as before, with concrete_args.
+    causal = to_sequential(original, concrete_args={'is_causal': True})
+    torch.testing.assert_close(causal(x), original(x, is_causal=True))

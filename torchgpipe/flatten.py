@@ -274,8 +274,10 @@ def to_sequential(module: nn.Module, *,
     not join them: each module stays a child, and GPipe shares the
     parameter across partitions.
 
-    The sequential takes what ``module`` takes: a tensor, or a tuple of
-    tensors for a ``forward`` of several arguments. Its attribute
+    The sequential takes the arguments of ``module.forward`` that have no
+    default value: a tensor, or a tuple of tensors for several. Arguments
+    with a default (``mask=None``, ``is_causal=False``) take it, as in a
+    call ``module(x)``, unless ``concrete_args`` fixes another. Its attribute
     ``state_dict_map`` maps each key of ``module.state_dict()`` to the
     sequential's key of the same tensor, to move checkpoints across::
 
@@ -306,7 +308,8 @@ def to_sequential(module: nn.Module, *,
             none)
         concrete_args (dict, optional): arguments of ``forward`` fixed to a
             value while tracing, given to :meth:`torch.fx.Tracer.trace`;
-            the sequential does not take them (default: none)
+            the sequential does not take them (default: none; arguments
+            with a default value are fixed to it)
 
     Returns:
         torch.nn.Sequential: the flattened module
@@ -334,8 +337,12 @@ def to_sequential(module: nn.Module, *,
         ['fc1', 'relu', 'fc2', 'add']
     """
     tracer = _Tracer(_check_arguments(module, leaf_modules))
+    # Called as the module is usually called: an argument with a default
+    # (mask=None, is_causal=False) takes it, unless concrete_args says else.
+    # Traced as an input instead, a None default would be taken for a tensor.
+    concrete_args = {**_defaults(module), **(concrete_args or {})}
     graph = _trace(module, tracer, concrete_args)
-    _drop_concrete_args(graph, module, concrete_args or {})
+    _drop_concrete_args(graph, module, concrete_args)
     # The tracer may have put constant tensors on the root: read it from there.
     root = tracer.root
 
@@ -348,7 +355,7 @@ def to_sequential(module: nn.Module, *,
                         f'(it returns {result!r}); return a tuple of the tensors instead')
     # A run of shape computations alone would pass no tensor on: it is left
     # out, as every child computes the shapes it reads itself.
-    segments = [s for s in _segments(graph, root) if not all(map(_is_shape, s))]
+    segments = _merge_checks([s for s in _segments(graph, root) if not all(map(_is_shape, s))])
     last = len(segments) - 1
 
     # Where each value is held: the child that computes it; the inputs are
@@ -488,6 +495,41 @@ def _check_arguments(module: object, leaf_modules: object) -> List[LeafSpec]:
     return leaves
 
 
+def _defaults(module: nn.Module) -> Dict[str, Any]:
+    """The arguments of ``module.forward`` that have a default value, with it."""
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return {name: p.default for name, p in inspect.signature(module.forward).parameters.items()
+            if p.kind in kinds and p.default is not inspect.Parameter.empty}
+
+
+def _is_check(node: fx.Node) -> bool:
+    """Whether ``node`` only checks a condition (``torch._assert``), making no value."""
+    return node.op == 'call_function' and node.target is torch._assert
+
+
+def _merge_checks(segments: List[List[fx.Node]]) -> List[List[fx.Node]]:
+    """Joins each run of checks alone to the child after it (or, at the end, before it).
+
+    A child must pass a value on, and ``torch._assert`` (with the shapes it
+    reads) makes none: as a child of its own it would hand ``None`` to the
+    next one.
+    """
+    merged: List[List[fx.Node]] = []
+    pending: List[fx.Node] = []
+    for segment in segments:
+        if all(_is_shape(n) or _is_check(n) for n in segment):
+            pending += segment
+            continue
+        merged.append(pending + segment)
+        pending = []
+    if pending:
+        if merged:
+            merged[-1] += pending
+        else:
+            merged.append(pending)
+    return merged
+
+
 def _drop_concrete_args(graph: fx.Graph, module: nn.Module,
                         concrete_args: Dict[str, Any]) -> None:
     """Removes the inputs fixed by ``concrete_args``, and fx's checks of their values.
@@ -604,8 +646,10 @@ def _stateless(module: nn.Module) -> bool:
 
 def _child_name(segment: List[fx.Node]) -> str:
     """A child's name: its leaf module's, or its first operation's."""
-    # Not named after the tensors it reads, nor the shapes it computes again.
-    computing = [n for n in segment if n.op != 'get_attr' and not _is_shape(n)] or segment
+    # Not named after the tensors it reads, the shapes it computes again, nor
+    # the checks it runs first.
+    computing = [n for n in segment
+                 if n.op != 'get_attr' and not _is_shape(n) and not _is_check(n)] or segment
     name = computing[0].name
     # nn.Sequential refuses a child named like one of its attributes.
     while hasattr(nn.Sequential, name):
