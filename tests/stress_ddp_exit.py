@@ -9,12 +9,19 @@ trains :class:`~torch.nn.parallel.DistributedDataParallel` over a small model fo
 three steps, then ends. A rank fails if it exits with a non-zero status, dies of a
 signal (SIGABRT after "terminate called without an active exception") or is still
 running after ``--timeout`` seconds (a hang: it is killed). Runs stop after
-``--runs`` runs or once ``--budget`` seconds have passed, whichever comes first::
+``--runs`` runs of each job or once ``--budget`` seconds have passed, whichever
+comes first::
 
     python tests/stress_ddp_exit.py --job gpipe --ending bare --runs 100
     python tests/stress_ddp_exit.py --job gpipe --ending end_job --runs 100
     python tests/stress_ddp_exit.py --job example --runs 100
     python tests/stress_ddp_exit.py --job gpipe-threaded --ending bare --launcher fork
+    python tests/stress_ddp_exit.py --job sequential gpipe --checkpoint always never \\
+        --ending bare --runs 100
+
+Several jobs (and, for the GPipe jobs, several ``--checkpoint`` modes) are run in
+turn, one run of each after the other, up to ``--runs`` runs each: they share the
+machine's load, so their failure rates can be compared. A line per job reports them.
 
 Jobs:
 
@@ -22,6 +29,8 @@ Jobs:
 * ``gpipe``: DDP over GPipe on ``devices=['cpu', 'cpu']`` (no worker thread);
 * ``gpipe-threaded``: DDP over GPipe on ``devices=['cpu:0', 'cpu:1']`` (a worker
   thread per partition);
+* the two GPipe jobs checkpoint in the mode ``--checkpoint`` (by default GPipe's
+  ``except_last``);
 * ``example``: ``examples/ddp_pipeline.py --steps 3``, which ends its own way.
 
 Endings: ``bare`` is the usual one, ``destroy_process_group()`` and a return from
@@ -47,7 +56,7 @@ import sys
 import tempfile
 import time
 from types import ModuleType
-from typing import IO, Any, Counter, List, NamedTuple, Optional, Sequence, Tuple
+from typing import IO, Any, Counter, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -62,6 +71,7 @@ if ROOT not in sys.path:
 EXAMPLE = os.path.join(ROOT, 'examples', 'ddp_pipeline.py')
 JOBS = ['sequential', 'gpipe', 'gpipe-threaded', 'example']
 ENDINGS = ['bare', 'end_job']
+CHECKPOINTS = ['always', 'except_last', 'never']
 WORLD_SIZE = 2
 STEPS = 3
 FEATURES = 8
@@ -83,7 +93,7 @@ end_job = load_example().end_job
 # --- one rank -----------------------------------------------------------------------------
 
 
-def build(job: str, group: Optional[dist.ProcessGroup]
+def build(job: str, checkpoint: str, group: Optional[dist.ProcessGroup]
           ) -> Tuple[nn.Module, torch.optim.Optimizer]:
     """DDP over the job's model (in ``group``, the default group if None), and its optimizer."""
     from torchgpipe import GPipe  # once ROOT is on sys.path
@@ -92,9 +102,10 @@ def build(job: str, group: Optional[dist.ProcessGroup]
     model: nn.Module = nn.Sequential(nn.Linear(FEATURES, 16), nn.ReLU(),
                                      nn.Linear(16, FEATURES))
     if job == 'gpipe':
-        model = GPipe(model, [2, 1], devices=['cpu', 'cpu'], chunks=4)
+        model = GPipe(model, [2, 1], devices=['cpu', 'cpu'], chunks=4, checkpoint=checkpoint)
     elif job == 'gpipe-threaded':
-        model = GPipe(model, [2, 1], devices=['cpu:0', 'cpu:1'], chunks=4)
+        model = GPipe(model, [2, 1], devices=['cpu:0', 'cpu:1'], chunks=4,
+                      checkpoint=checkpoint)
     ddp = DistributedDataParallel(model, process_group=group)
     return ddp, torch.optim.SGD(ddp.parameters(), lr=0.1)
 
@@ -132,7 +143,7 @@ def keep_a_gloo_thread_busy(group: dist.ProcessGroup) -> None:
         dist.all_reduce(tensor, group=group)
 
 
-def rank_main(job: str, ending: str, hazard: bool) -> int:
+def rank_main(job: str, checkpoint: str, ending: str, hazard: bool) -> int:
     """One rank of a run, in the process group torchrun-style variables describe.
 
     The steps and the ending share one frame, as in a short training script: the
@@ -144,7 +155,7 @@ def rank_main(job: str, ending: str, hazard: bool) -> int:
     dist.init_process_group('gloo')
     try:
         group = dist.new_group(backend='gloo') if hazard else None
-        ddp, optimizer = build(job, group)
+        ddp, optimizer = build(job, checkpoint, group)
         for _ in range(STEPS):
             step(ddp, optimizer)
         if group is not None:
@@ -189,16 +200,29 @@ def outcome(returncode: Optional[int]) -> str:
     return f'exit {returncode}'
 
 
-def start_rank(rank: int, port: int, args: argparse.Namespace) -> Rank:
+class Job(NamedTuple):
+    """One job of a stress run: what the ranks train, and GPipe's checkpoint mode."""
+
+    name: str
+    checkpoint: str
+
+    def __str__(self) -> str:
+        if self.name in ('gpipe', 'gpipe-threaded'):
+            return f'{self.name} (checkpoint {self.checkpoint})'
+        return self.name
+
+
+def start_rank(rank: int, port: int, job: Job, args: argparse.Namespace) -> Rank:
     """Starts one rank of a run, in a fresh interpreter (spawn) or a fork of this one."""
     env = {'RANK': str(rank), 'LOCAL_RANK': str(rank), 'WORLD_SIZE': str(WORLD_SIZE),
            'LOCAL_WORLD_SIZE': str(WORLD_SIZE), 'MASTER_ADDR': '127.0.0.1',
            'MASTER_PORT': str(port)}
-    if args.job == 'example':
+    if job.name == 'example':
         argv = [EXAMPLE, '--steps', str(STEPS)]
     else:
-        argv = [os.path.abspath(__file__), '--as-rank', '--job', args.job,
-                '--ending', args.ending] + (['--hazard'] if args.hazard else [])
+        argv = [os.path.abspath(__file__), '--as-rank', '--job', job.name,
+                '--checkpoint', job.checkpoint, '--ending', args.ending
+                ] + (['--hazard'] if args.hazard else [])
     stderr = tempfile.TemporaryFile()
     if args.launcher == 'spawn':
         path = os.pathsep.join(p for p in [ROOT, os.environ.get('PYTHONPATH')] if p)
@@ -216,7 +240,7 @@ def start_rank(rank: int, port: int, args: argparse.Namespace) -> Rank:
     os.dup2(devnull, 1)
     os.dup2(stderr.fileno(), 2)
     sys.argv = argv
-    if args.job == 'example':
+    if job.name == 'example':
         runpy.run_path(EXAMPLE, run_name='__main__')
         sys.exit(0)
     sys.exit(main(argv[1:]))
@@ -244,47 +268,70 @@ def wait_rank(rank: Rank, deadline: float) -> Tuple[str, str]:
     rank.stderr.seek(0)
     stderr = rank.stderr.read().decode(errors='replace')
     rank.stderr.close()
-    return outcome(returncode), stderr[-500:]
+    return outcome(returncode), stderr[-2000:]
 
 
-def run_once(args: argparse.Namespace) -> List[Tuple[str, str]]:
+def run_once(job: Job, args: argparse.Namespace) -> List[Tuple[str, str]]:
     """Runs the two-process job once; returns ``(outcome, end of stderr)`` per rank."""
     port = free_port()
-    ranks = [start_rank(rank, port, args) for rank in range(WORLD_SIZE)]
+    ranks = [start_rank(rank, port, job, args) for rank in range(WORLD_SIZE)]
     deadline = time.monotonic() + args.timeout
     return [wait_rank(rank, deadline) for rank in ranks]
 
 
-def stress(args: argparse.Namespace) -> Tuple[int, int, Counter[str], List[str]]:
-    """Runs the job up to ``--runs`` times, starting no run after ``--budget`` seconds.
+class Tally:
+    """The runs of one job: how many, how many failed, how its ranks ended."""
 
-    Returns:
-        (runs done, runs with a failed rank, outcome counts over all ranks,
-        description of the first few failures)
+    def __init__(self) -> None:
+        self.done = 0
+        self.failed = 0
+        self.counts: Counter[str] = collections.Counter()
+        #: A description of the first few failed ranks.
+        self.failures: List[str] = []
+
+    def add(self, results: List[Tuple[str, str]]) -> None:
+        self.counts.update(result for result, _ in results)
+        if any(result != 'ok' for result, _ in results):
+            self.failed += 1
+            if len(self.failures) < 3:
+                self.failures.extend(f'run {self.done}, rank {rank}: {result}\n'
+                                     f'{stderr.strip()}'
+                                     for rank, (result, stderr) in enumerate(results)
+                                     if result != 'ok')
+        self.done += 1
+
+
+def stress(jobs: Sequence[Job], args: argparse.Namespace) -> Dict[Job, Tally]:
+    """Runs every job up to ``--runs`` times, in turn, starting no run after ``--budget`` s.
+
+    One run of each job, then one more of each, and so on: the jobs see the same
+    load of the machine, whatever else runs on it meanwhile.
     """
     start = time.monotonic()
-    done = failed = 0
-    counts: Counter[str] = collections.Counter()
-    failures: List[str] = []
-    while done < args.runs and time.monotonic() - start < args.budget:
-        results = run_once(args)
-        counts.update(result for result, _ in results)
-        if any(result != 'ok' for result, _ in results):
-            failed += 1
-            if len(failures) < 3:
-                failures.extend(f'run {done}, rank {rank}: {result}\n{stderr.strip()}'
-                                for rank, (result, stderr) in enumerate(results)
-                                if result != 'ok')
-        done += 1
-    return done, failed, counts, failures
+    tallies = {job: Tally() for job in jobs}
+    for _ in range(args.runs):
+        for job in jobs:
+            if time.monotonic() - start >= args.budget:
+                return tallies
+            results = run_once(job, args)
+            tallies[job].add(results)
+            if args.verbose and any(result != 'ok' for result, _ in results):
+                print(f'{job}, run {tallies[job].done - 1}: '
+                      f'{[result for result, _ in results]}', flush=True)
+    return tallies
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description='Runs a two-process gloo DDP job many times and counts the ranks that '
                     'do not end cleanly.')
-    parser.add_argument('--job', choices=JOBS, default='gpipe',
-                        help='what each rank trains (default: gpipe)')
+    parser.add_argument('--job', choices=JOBS, nargs='+', default=['gpipe'],
+                        help='what each rank trains; several jobs run in turn '
+                             '(default: gpipe)')
+    parser.add_argument('--checkpoint', choices=CHECKPOINTS, nargs='+',
+                        default=['except_last'],
+                        help="GPipe's checkpoint mode in the gpipe jobs; several modes "
+                             'run in turn (default: except_last)')
     parser.add_argument('--ending', choices=ENDINGS, default='end_job',
                         help='how each rank ends; ignored by --job example '
                              '(default: end_job)')
@@ -295,35 +342,52 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                              'or fork it from this process once torch is imported: ten '
                              'times faster, same exit (default: spawn)')
     parser.add_argument('--runs', type=int, default=100,
-                        help='at most this many runs (default: 100)')
+                        help='at most this many runs of each job (default: 100)')
     parser.add_argument('--budget', type=float, default=900.0,
                         help='start no run after this many seconds (default: 900)')
     parser.add_argument('--timeout', type=float, default=40.0,
                         help='a rank still running this many seconds into a run hangs '
                              '(default: 40)')
+    parser.add_argument('--verbose', action='store_true',
+                        help='print every failed run as it happens')
     parser.add_argument('--as-rank', action='store_true', help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.hazard and args.job == 'example':
+    if args.as_rank and len(args.job) + len(args.checkpoint) != 2:
+        parser.error('a rank runs one job in one checkpoint mode')
+    if args.hazard and 'example' in args.job:
         parser.error('--hazard needs a job of this script, not --job example')
     return args
+
+
+def jobs_of(args: argparse.Namespace) -> List[Job]:
+    """The jobs to run: every GPipe job in every checkpoint mode, the others once."""
+    jobs: List[Job] = []
+    for name in args.job:
+        if name in ('gpipe', 'gpipe-threaded'):
+            jobs.extend(Job(name, checkpoint) for checkpoint in args.checkpoint)
+        else:
+            jobs.append(Job(name, args.checkpoint[0]))
+    return list(dict.fromkeys(jobs))  # each once, in order
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     if args.as_rank:
-        return rank_main(args.job, args.ending, args.hazard)
+        return rank_main(args.job[0], args.checkpoint[0], args.ending, args.hazard)
     if args.launcher == 'fork':
         # DDP imports it when first built: once here, rather than in every fork.
         import torch._dynamo  # noqa: F401
-    ending = 'its own' if args.job == 'example' else args.ending
-    done, failed, counts, failures = stress(args)
-    rate = failed / done if done else 0.0
-    print(f'job {args.job}, ending {ending}{", hazard" if args.hazard else ""}, '
-          f'{args.launcher}: '
-          f'{failed}/{done} runs failed ({rate:.1%}); rank outcomes {dict(counts)}')
-    for failure in failures:
-        print(failure)
-    return 1 if failed else 0
+    tallies = stress(jobs_of(args), args)
+    for job, tally in tallies.items():
+        ending = 'its own' if job.name == 'example' else args.ending
+        rate = tally.failed / tally.done if tally.done else 0.0
+        print(f'job {job}, ending {ending}{", hazard" if args.hazard else ""}, '
+              f'{args.launcher}: {tally.failed}/{tally.done} runs failed ({rate:.1%}); '
+              f'rank outcomes {dict(tally.counts)}', flush=True)
+    for job, tally in tallies.items():
+        for failure in tally.failures:
+            print(f'{job}: {failure}')
+    return 1 if any(tally.failed for tally in tallies.values()) else 0
 
 
 if __name__ == '__main__':

@@ -28,6 +28,7 @@ The successful configurations are all trained in one spawn (a module-scoped
 fixture): starting processes that import torch costs a few seconds each,
 training these tiny models costs milliseconds.
 """
+import contextvars
 import multiprocessing
 import os
 import socket
@@ -35,6 +36,7 @@ import subprocess
 import sys
 import time
 import traceback
+import weakref
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Dict, Generator, Iterator, List, NamedTuple, Optional, Tuple
@@ -619,3 +621,80 @@ def test_end_job_ends_every_rank_while_a_gloo_thread_needs_the_gil() -> None:
     result = subprocess.run(command, capture_output=True, text=True, timeout=90)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "rank outcomes {'ok': 2}" in result.stdout
+
+
+# The context variable whose value tells how long copies of the backward's context live.
+BACKWARD_MARK: 'contextvars.ContextVar[object]' = contextvars.ContextVar('backward_mark')
+
+
+class Mark:
+    """The value of :data:`BACKWARD_MARK` during one backward pass (weakly referenceable)."""
+
+
+def backward_marked(loss: Tensor) -> 'weakref.ReferenceType[Mark]':
+    """Runs ``loss.backward()`` with a fresh :class:`Mark` in :data:`BACKWARD_MARK`.
+
+    PyTorch's backward pass stashes a copy of the current ``contextvars`` context
+    in its thread-local state, which the copies of that state (in every
+    collective launched meanwhile) keep. The mark is in no context but that copy
+    once the variable is reset: it lives as long as a copy does.
+
+    Returns:
+        a weak reference to the mark
+    """
+    mark = Mark()
+    ref = weakref.ref(mark)
+    token = BACKWARD_MARK.set(mark)
+    del mark
+    try:
+        loss.backward()
+    finally:
+        BACKWARD_MARK.reset(token)
+    return ref
+
+
+def test_a_gloo_work_launched_in_backward_keeps_the_backward_context() -> None:
+    """The hazard at the end of a DDP job, and the control of the next test.
+
+    A gloo all-reduce launched during a backward pass, as DDP's are, keeps the
+    backward's context until the work object is freed: by a gloo thread, which
+    then needs the GIL, when that thread holds the last reference. (If PyTorch
+    stops keeping it, the end of a job may no longer need ``end_job``: see
+    "Ending a job" in docs/scaling_out.rst.)
+    """
+    group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
+    works = []
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2
+    y.register_hook(lambda grad: works.append(group.allreduce([grad.clone()])))
+    ref = backward_marked(y.sum())
+    works[0].wait()
+    assert ref() is not None
+    works.clear()
+    # The gloo thread may hold the work a moment more: the group's destructor,
+    # at return, joins it, which must not happen while it waits for the GIL.
+    deadline = time.monotonic() + 10
+    while ref() is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ref() is None
+
+
+@pytest.mark.parametrize('checkpoint', CHECKPOINTS)
+@pytest.mark.parametrize('devices', [['cpu', 'cpu'], ['cpu:0', 'cpu:1']],
+                         ids=['one-thread', 'worker-threads'])
+def test_gpipe_keeps_no_copy_of_the_backward_context(devices: List[str],
+                                                      checkpoint: str) -> None:
+    """Once ``backward()`` returns, nothing of GPipe holds the backward's context.
+
+    Only the collectives DDP launches keep it (previous test), as over the plain
+    ``nn.Sequential``: GPipe adds nothing that a gloo thread, or Python's
+    shutdown, would free late. Not the autograd graph it builds, the
+    checkpoints' recomputation (a backward pass inside the backward pass), nor
+    its worker threads.
+    """
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    gpipe = GPipe(model, [2, 1], devices=devices, chunks=4, checkpoint=checkpoint)
+    loss = gpipe(torch.randn(8, 4)).sum()
+    ref = backward_marked(loss)
+    assert ref() is None
+    assert all(p.grad is not None for p in gpipe.parameters())
