@@ -5,8 +5,9 @@ leaves no worker thread behind (checked after every test by conftest), and
 the next call works; with every partition in the calling thread and with
 one worker thread per device (the ``threaded`` fixture of conftest.py).
 """
-import _thread
 import copy
+import signal
+import threading
 import time
 from typing import Callable, List, Set, Tuple
 
@@ -111,19 +112,22 @@ def test_wrong_boundary_type_raises_type_error_in_first_cycle(threaded: bool) ->
 
 
 class InterruptOnce(nn.Module):
-    """Interrupts the calling thread (as Ctrl-C does) at its ``at``-th call, then
-    keeps its worker busy a while: the interrupt comes while tasks still run."""
+    """Sends the main thread SIGINT, as Ctrl-C does, at its ``at``-th call, then
+    keeps its thread busy a while: on worker threads, the interrupt comes
+    while tasks still run, and wakes the caller wherever it waits."""
 
     def __init__(self, at: int) -> None:
         super().__init__()
         self.at = at
         self.calls = 0
+        self.finished = False
 
     def forward(self, x: Tensor) -> Tensor:
         self.calls += 1
         if self.calls - 1 == self.at:
-            _thread.interrupt_main()
-            time.sleep(0.2)
+            signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+            time.sleep(0.5)
+            self.finished = True
         return x
 
 
@@ -145,13 +149,17 @@ def test_ctrl_c_returns_after_every_worker_stopped(step: Callable[[GPipe, Tensor
     torch.manual_seed(0)
     layers: List[nn.Module] = [nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(),
                                nn.Linear(4, 4), nn.Tanh()]
-    layers.insert(2 * j + 1, InterruptOnce(at=1))
+    interrupt = InterruptOnce(at=1)
+    layers.insert(2 * j + 1, interrupt)
     gpipe = GPipe(nn.Sequential(*layers), balance=[3 if k == j else 2 for k in range(3)],
                   devices=cpu_devices(3, threaded), chunks=4)
     x, target = torch.randn(8, 4), torch.randn(8, 4)
     with pytest.raises(KeyboardInterrupt):
         step(gpipe, x, target)
     assert worker_threads() == [], 'a worker was still running when Ctrl-C reached the caller'
+    # On a worker, the interrupting task ran to its end before the call returned
+    # (in the calling thread, the interrupt ends it).
+    assert interrupt.finished == threaded
 
     gpipe.zero_grad()
     reference = copy.deepcopy(gpipe).unwrap()

@@ -47,7 +47,7 @@ from torchgpipe.skip.tracker import SkipTracker
 from torchgpipe.stream import as_cuda, current_stream, is_cuda, record_stream, use_device
 from torchgpipe.timeline import Timeline, label
 from torchgpipe.traits import PartitionTraits
-from torchgpipe.worker import ExcInfo, distinct_devices, join
+from torchgpipe.worker import Crew, ExcInfo, distinct_devices
 
 __all__: List[str] = []
 
@@ -305,7 +305,7 @@ class Stage:
         checkpointed = i < step.checkpoint_stop
         # Not known yet whether the partition draws random numbers: the
         # generator is held (random_lock), so any change of its state is its
-        # doing, or its loss's: the loss is part of the last partition's work.
+        # doing, or its loss's (the loss is part of the last partition's work).
         probe = cpu_rng_state() if step.draws_random(j) is None else None
         if checkpointed:
             current.replay = (save_rng_states(self.device), save_autocast_states())
@@ -314,6 +314,11 @@ class Stage:
         else:
             with torch.enable_grad():
                 output = self.call(input, skips)
+        if probe is not None:
+            # The partition's own draws, without its loss's: the forward
+            # path, which has no loss, shares what is learned here.
+            drew = not torch.equal(probe, cpu_rng_state())
+            step.traits[j].draws_random.setdefault(step.rng_keys[j], drew)
         current.output = output
         if j < n - 1:
             # Without a graph (checkpointed), a floating point output will
@@ -325,11 +330,8 @@ class Stage:
                 loss = step.loss(i, output)
             step.losses[i] = loss.detach()
             current.loss = None if checkpointed else loss
-        if probe is not None:
-            drew = not torch.equal(probe, cpu_rng_state())
-            step.traits[j].draws_random.setdefault(step.rng_keys[j], drew)
-            if j == n - 1:
-                step.loss_draws = drew
+            if probe is not None:
+                step.loss_draws = not torch.equal(probe, cpu_rng_state())
         self.passes[i] = current
 
     def send_output(self, i: int) -> None:
@@ -529,19 +531,17 @@ class Step:
                         self.mailbox.stop()
                         return
 
-        threads = [threading.Thread(target=worker, args=(device, works), daemon=True,
-                                    name=f'torchgpipe worker ({device})')
-                   for device, works in queues.items()]
+        crew = Crew()
         try:
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join()
+            for device, works in queues.items():
+                crew.start(functools.partial(worker, device, works),
+                           name=f'torchgpipe worker ({device})')
+            crew.wait()
         except BaseException:
             # Ctrl-C in the calling thread: the workers stop before their
             # next action, and the step returns only once none is running.
             self.mailbox.stop()
-            join(threads)
+            crew.stop()
             raise
         if failures:
             # The failure that came first in the schedule; the others may

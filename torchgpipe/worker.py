@@ -14,13 +14,14 @@ grad enabled and autocast off. The workers take both from the caller, so
 CPU devices with distinct indices (``'cpu:0'``, ``'cpu:1'``) count as distinct
 devices: their partitions get threads of their own and may run concurrently.
 """
+import functools
 import sys
 import threading
 from collections import deque
 from contextlib import contextmanager
 from queue import Queue
 from types import TracebackType
-from typing import (Callable, Deque, Dict, Generator, Iterable, List, Optional, Protocol, Tuple,
+from typing import (Callable, Deque, Generator, Iterable, List, Optional, Protocol, Tuple,
                     Type, Union, cast)
 
 import torch
@@ -90,17 +91,79 @@ def run(task: Task) -> Result:
 
 
 def worker(in_queue: 'Queue[Optional[Task]]', out_queue: 'Queue[Result]', device: torch.device,
-           grad_mode: bool, autocast_states: AutocastStates) -> None:
-    """The main loop of a worker thread: computes tasks until it gets ``None``."""
+           grad_mode: bool, autocast_states: AutocastStates, stopping: threading.Event) -> None:
+    """The main loop of a worker thread: computes tasks until it gets ``None``, or is stopped."""
     torch.set_grad_enabled(grad_mode)
     with use_device(device), restore_autocast_states(autocast_states):
         while True:
             task = in_queue.get()
-            if task is None:
+            if task is None or stopping.is_set():
                 break
             out_queue.put(run(task))
             # Do not keep the last task and its tensors alive while idle.
             del task
+
+
+class Crew:
+    """Worker threads that the calling thread can stop, and wait for even through Ctrl-C.
+
+    ``Thread.join`` cannot be trusted once a ``KeyboardInterrupt`` has hit
+    it: on some Python versions (3.11.7 among them) the interrupted join
+    marks the thread as ended while it still runs, and ``is_alive()`` turns
+    false. So each thread says itself when it begins and when it ends, with
+    events, and the caller waits for those.
+
+    Stopping is a handshake on two flags, each set before the other is
+    read: a thread sets *begun*, then runs its work only if *stopping* is
+    not set; :meth:`stop` sets *stopping*, then waits for every thread that
+    has begun. So a thread either is waited for, or does nothing: none works
+    after :meth:`stop` returns, even if ``start()`` was interrupted.
+    """
+
+    def __init__(self) -> None:
+        #: Set by :meth:`stop`; workers check it before each piece of work.
+        self.stopping = threading.Event()
+        self._lifetimes: List[Tuple[threading.Event, threading.Event]] = []
+
+    def start(self, target: Callable[[], None], name: str) -> None:
+        """Starts a daemon thread running ``target`` unless the crew is stopping."""
+        begun, ended = threading.Event(), threading.Event()
+
+        def run() -> None:
+            try:
+                begun.set()
+                if not self.stopping.is_set():
+                    target()
+            finally:
+                ended.set()
+
+        # Known before it starts, so that stop() sees its begun flag.
+        self._lifetimes.append((begun, ended))
+        threading.Thread(target=run, name=name, daemon=True).start()
+
+    def wait(self) -> None:
+        """Waits until every thread has ended; a Ctrl-C interrupts the wait."""
+        for _, ended in self._lifetimes:
+            ended.wait()
+
+    def stop(self) -> None:
+        """Stops the threads, and waits until every one that began has ended.
+
+        Each finishes at most the piece of work it is doing. A
+        ``KeyboardInterrupt`` meanwhile is raised once they all have.
+        """
+        interrupted: Optional[KeyboardInterrupt] = None
+        while True:
+            try:
+                self.stopping.set()
+                for begun, ended in self._lifetimes:
+                    if begun.is_set():
+                        ended.wait()
+                break
+            except KeyboardInterrupt as exc:
+                interrupted = exc
+        if interrupted is not None:
+            raise interrupted
 
 
 class InlineWorker:
@@ -153,46 +216,22 @@ def spawn_workers(devices: Iterable[torch.device],
         yield [inline] * len(devices), [inline] * len(devices)
         return
 
-    workers: Dict[torch.device, Tuple['Queue[Optional[Task]]', 'Queue[Result]']] = {}
-    threads: List[threading.Thread] = []
+    queues = {d: (cast('Queue[Optional[Task]]', Queue()), cast('Queue[Result]', Queue()))
+              for d in distinct}
+    crew = Crew()
     grad_mode = torch.is_grad_enabled()
     autocast_states = save_autocast_states()
     try:
         for device in distinct:
-            queues: Tuple['Queue[Optional[Task]]', 'Queue[Result]'] = (Queue(), Queue())
-            thread = threading.Thread(
-                target=worker, args=(*queues, device, grad_mode, autocast_states),
-                name=f'torchgpipe worker ({device})', daemon=True)
-            # Known before it starts: a Ctrl-C that interrupts start() must
-            # still send it the None that stops it.
-            workers[device] = queues
-            threads.append(thread)
-            thread.start()
-
-        yield ([workers[d][0] for d in devices], [workers[d][1] for d in devices])
+            crew.start(functools.partial(worker, *queues[device], device, grad_mode,
+                                         autocast_states, crew.stopping),
+                       name=f'torchgpipe worker ({device})')
+        yield ([queues[d][0] for d in devices], [queues[d][1] for d in devices])
     finally:
-        for in_queue, _ in workers.values():
+        # Every thread ends without running a task left in its queue (after a
+        # failure or Ctrl-C), those waiting for one woken by a None; the call
+        # returns only once none is left to change tensors behind its back.
+        crew.stopping.set()
+        for in_queue, _ in queues.values():
             in_queue.put(None)
-        # Joined so that no thread outlives the call, whatever happened.
-        join(threads)
-
-
-def join(threads: Iterable[threading.Thread]) -> None:
-    """Waits until every thread has ended, even through Ctrl-C.
-
-    It is called once the threads were told to stop, to return only when
-    none is left to change tensors behind the caller's back. Each finishes
-    at most the task it is running; a ``KeyboardInterrupt`` meanwhile is
-    raised once they all have. A thread that is not alive yet (a Ctrl-C
-    interrupted its ``start()``) is not waited for: it was told to stop
-    before it could begin, and stops at once.
-    """
-    interrupted: Optional[KeyboardInterrupt] = None
-    for thread in threads:
-        while thread.is_alive():
-            try:
-                thread.join()
-            except KeyboardInterrupt as exc:
-                interrupted = exc
-    if interrupted is not None:
-        raise interrupted
+        crew.stop()
