@@ -105,8 +105,9 @@ def restore_rng_states(device: torch.device, states: RNGStates, *,
     with cpu_generator_lock if exclusive else _NO_LOCK:
         # States saved on a CUDA device come with its generator's state.
         saved = save_rng_states(device)
-        set_rng_states(device, states)
         try:
+            # Inside: an interrupt right after it must still put them back.
+            set_rng_states(device, states)
             yield
         finally:
             set_rng_states(device, saved)
