@@ -8,7 +8,7 @@ from typing import Callable, Dict, List, Optional, Tuple, Union
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor, fx, nn
 
 from helpers import COPIERS, cpu_devices
 from torchgpipe import GPipe, to_sequential
@@ -296,6 +296,8 @@ def test_a_copy_of_the_flattened_model_trains_like_the_original(
     for key, tensor in state.items():
         assert torch.equal(cloned_state[key], tensor), key
     assert {id(p) for p in clone.parameters()}.isdisjoint(id(p) for p in original.parameters())
+    # Its children are of the classes of the original's: generated ones too.
+    assert [type(child) for child in clone] == [type(child) for child in seq]
 
     trained = {key: clone.get_parameter(clone.state_dict_map[key])
                for key, _ in original.named_parameters()}
@@ -766,6 +768,9 @@ def test_checks_and_optional_arguments_behave_as_in_the_original(threaded: bool)
     assert_trains_like_original(original, gpipe, vector())
     with pytest.raises(AssertionError, match='wrong width'):
         seq(torch.randn(2, W + 1, dtype=torch.double))
-    # A default fixed otherwise, as before, with concrete_args.
+    # A default fixed otherwise, as before, with concrete_args; or kept an input.
     causal = to_sequential(original, concrete_args={'is_causal': True})
     torch.testing.assert_close(causal(x), original(x, is_causal=True))
+    masked = to_sequential(original, concrete_args={'mask': fx.PH})
+    mask = torch.randn(W, dtype=torch.double)
+    torch.testing.assert_close(masked((x, mask)), original(x, mask))

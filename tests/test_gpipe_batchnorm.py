@@ -91,7 +91,7 @@ def test_without_deferral_statistics_follow_micro_batches(threaded: bool) -> Non
 
 
 @pytest.mark.parametrize('by', ['convert_deferred_batch_norm', 'GPipe'])
-def test_deferred_layer_run_with_other_chunks_commits_once_per_mini_batch(by: str,
+def test_deferred_layer_of_other_chunks_is_replaced_and_commits_once_per_mini_batch(by: str,
                                                                           threaded: bool) -> None:
     """A layer deferred over 2 micro-batches, converted again for 4 (by the
     classmethod, or by GPipe's deferred_batch_norm=True), gives the running

@@ -41,7 +41,7 @@ from torchgpipe._validation import brief, describe
 from torchgpipe.gpipe import GPipe
 from torchgpipe.microbatch import TensorOrTensors
 from torchgpipe.skip.namespace import Namespace
-from torchgpipe.skip.skippable import Skippable, pop, skippable, stash
+from torchgpipe.skip.skippable import Skippable, pop, skippable_class, stash
 
 __all__ = ['to_sequential']
 
@@ -277,9 +277,10 @@ def to_sequential(module: nn.Module, *,
     The sequential takes the arguments of ``module.forward`` that have no
     default value: a tensor, or a tuple of tensors for several. Arguments
     with a default (``mask=None``, ``is_causal=False``) take it, as in a
-    call ``module(x)``, unless ``concrete_args`` fixes another. Its attribute
-    ``state_dict_map`` maps each key of ``module.state_dict()`` to the
-    sequential's key of the same tensor, to move checkpoints across::
+    call ``module(x)``, unless ``concrete_args`` fixes another
+    (``concrete_args={'mask': torch.fx.PH}`` makes ``mask`` an input too).
+    Its attribute ``state_dict_map`` maps each key of ``module.state_dict()``
+    to the sequential's key of the same tensor, to move checkpoints across::
 
         seq = to_sequential(model)
         seq.load_state_dict({seq.state_dict_map[k]: v for k, v in checkpoint.items()})
@@ -309,7 +310,8 @@ def to_sequential(module: nn.Module, *,
         concrete_args (dict, optional): arguments of ``forward`` fixed to a
             value while tracing, given to :meth:`torch.fx.Tracer.trace`;
             the sequential does not take them (default: none; arguments
-            with a default value are fixed to it)
+            with a default value are fixed to it, unless given
+            ``torch.fx.PH``: then the sequential takes them as inputs)
 
     Returns:
         torch.nn.Sequential: the flattened module
@@ -340,7 +342,10 @@ def to_sequential(module: nn.Module, *,
     # Called as the module is usually called: an argument with a default
     # (mask=None, is_causal=False) takes it, unless concrete_args says else.
     # Traced as an input instead, a None default would be taken for a tensor.
-    concrete_args = {**_defaults(module), **(concrete_args or {})}
+    # torch.fx.PH (fx's placeholder) keeps such an argument an input.
+    concrete_args = {name: value
+                     for name, value in {**_defaults(module), **(concrete_args or {})}.items()
+                     if value is not fx.PH}  # type: ignore[attr-defined]
     graph = _trace(module, tracer, concrete_args)
     _drop_concrete_args(graph, module, concrete_args)
     # The tracer may have put constant tensors on the root: read it from there.
@@ -435,7 +440,7 @@ def to_sequential(module: nn.Module, *,
 
         pop_names = [f'{a.name}:{k}' for a in pops]
         stash_names = [f'{a.name}:{j}' for a, j in stashes]
-        step_cls = skippable(stash=stash_names, pop=pop_names)(_Step)
+        step_cls = skippable_class(_Step, tuple(sorted(stash_names)), tuple(sorted(pop_names)))
         step = step_cls(graph_module, len(inputs) != 1, pop_names, stash_names,
                         _transient(root, segment, state))
         children[name] = step.isolate(ns)

@@ -73,8 +73,8 @@ class Skippable(nn.Module):
         cls = type(self)
         if found_by_name(cls):
             return super().__reduce_ex__(protocol)
-        return (remade, (cls.module_cls, sorted(cls.stashable_names),
-                         sorted(cls.poppable_names)), self.__getstate__())
+        return (remade, (cls.module_cls, tuple(sorted(cls.stashable_names)),
+                         tuple(sorted(cls.poppable_names))), self.__getstate__())
 
     def __getstate__(self) -> Dict[str, Any]:
         state: Dict[str, Any] = super().__getstate__()  # type: ignore[no-untyped-call]
@@ -277,20 +277,39 @@ def found_by_name(cls: type) -> bool:
     return found is cls
 
 
-def remade(module_cls: Type[nn.Module], stash: List[str], pop: List[str]) -> Skippable:
+def remade(module_cls: Type[nn.Module], stash: Tuple[str, ...],
+           pop: Tuple[str, ...]) -> Skippable:
     """An empty layer of a skippable class made again, for pickle to fill in.
 
     Args:
         module_cls (type): the decorated class, which pickle found by its name
-        stash (list of strs): the names the layer stashes
-        pop (list of strs): the names the layer pops
+        stash (tuple of strs): the names the layer stashes, sorted
+        pop (tuple of strs): the names the layer pops, sorted
 
     Returns:
-        Skippable: an instance of ``skippable(stash, pop)(module_cls)``,
-        not initialized
+        Skippable: an instance of :func:`skippable_class`, not initialized
     """
-    cls = skippable(stash=stash, pop=pop)(module_cls)
+    cls = skippable_class(module_cls, stash, pop)
     return cls.__new__(cls)
+
+
+# The classes skippable_class made, by its arguments.
+_classes: Dict[Tuple[type, Tuple[str, ...], Tuple[str, ...]], Type[Skippable]] = {}
+
+
+def skippable_class(module_cls: Type[nn.Module], stash: Tuple[str, ...],
+                    pop: Tuple[str, ...]) -> Type[Skippable]:
+    """``skippable(stash, pop)(module_cls)``, made once for each set of arguments.
+
+    Classes made at run time (by :func:`~torchgpipe.to_sequential`, and again
+    when their layers are unpickled or copied) are shared this way, so that a
+    copy's layer is of its original's class.
+    """
+    key = (module_cls, stash, pop)
+    cls = _classes.get(key)
+    if cls is None:
+        cls = _classes[key] = skippable(stash=stash, pop=pop)(module_cls)
+    return cls
 
 
 def quote_names(names: Iterable[str]) -> str:
