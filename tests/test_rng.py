@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from helpers import assert_same_random_step, cpu_devices
 from torchgpipe import GPipe
-from torchgpipe.rng import Turns, restore_rng_states, save_rng_states
+from torchgpipe.rng import Turns, cpu_generator_lock, restore_rng_states, save_rng_states
 
 MODES = ['always', 'except_last', 'never']
 
@@ -162,6 +162,38 @@ def test_restore_puts_the_generator_back() -> None:
     with restore_rng_states(device, states, exclusive=True):
         assert torch.equal(torch.rand(3), expected)
     assert torch.equal(torch.get_rng_state(), outside)
+
+
+def test_a_replay_that_draws_nothing_leaves_the_cpu_generator_to_other_threads() -> None:
+    """A recomputation known not to draw from the CPU generator does not swap its
+    state: a thread drawing meanwhile, holding the generator as a recomputation
+    that draws does (each CUDA device has its own backward thread), gets the
+    numbers it would get alone."""
+    device = torch.device('cpu')
+    torch.manual_seed(1)
+    other = save_rng_states(device)
+    torch.manual_seed(0)
+    expected = [torch.rand(1) for _ in range(3000)]
+    stop = threading.Event()
+
+    def replay_nothing() -> None:
+        while not stop.is_set():
+            with restore_rng_states(device, other, exclusive=False):
+                pass
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    replayer = threading.Thread(target=replay_nothing)
+    try:
+        replayer.start()
+        with cpu_generator_lock:
+            torch.manual_seed(0)
+            drawn = [torch.rand(1) for _ in range(3000)]
+    finally:
+        stop.set()
+        replayer.join()
+        sys.setswitchinterval(interval)
+    assert all(torch.equal(a, b) for a, b in zip(drawn, expected))
 
 
 @pytest.mark.cuda

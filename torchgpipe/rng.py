@@ -28,7 +28,9 @@ generator per CUDA device. Two promises rest on them:
    A recomputation that draws from the CPU generator holds
    :data:`cpu_generator_lock`: on CUDA, the autograd engine runs the backward
    of each device in its own thread, so recomputations of different devices
-   could otherwise interleave.
+   could otherwise interleave. One of a partition known to draw nothing from
+   it leaves the CPU generator alone: swapping its state, even for a moment,
+   would change the numbers of a recomputation drawing meanwhile.
 
 3. **No deadlock with the GIL.** PyTorch guards each generator with a C++
    mutex. Reading a state (``torch.get_rng_state()``) holds that mutex while
@@ -82,11 +84,13 @@ def cpu_rng_state() -> Tensor:
         return torch.get_rng_state()
 
 
-def set_rng_states(device: torch.device, states: RNGStates) -> None:
-    """Puts the generators in the given states (the CUDA one only if one was saved)."""
+def set_rng_states(device: torch.device,
+                   states: Tuple[Optional[Tensor], Optional[Tensor]]) -> None:
+    """Puts the generators in the given states, each only if a state is given."""
     cpu_state, gpu_state = states
     with state_lock:
-        torch.set_rng_state(cpu_state)
+        if cpu_state is not None:
+            torch.set_rng_state(cpu_state)
         if gpu_state is not None:
             torch.cuda.set_rng_state(gpu_state, device)
 
@@ -99,15 +103,22 @@ def restore_rng_states(device: torch.device, states: RNGStates, *,
     Args:
         device: the device the states were saved on
         states: what :func:`save_rng_states` returned
-        exclusive: hold :data:`cpu_generator_lock` throughout, because the
-            context may draw from the CPU generator
+        exclusive: the context may draw from the CPU generator: replay it
+            too, holding :data:`cpu_generator_lock` throughout. Otherwise the
+            CPU generator, which other threads may be drawing from, is left
+            alone, and only the device's own generator is replayed
     """
     with cpu_generator_lock if exclusive else _NO_LOCK:
         # States saved on a CUDA device come with its generator's state.
-        saved = save_rng_states(device)
+        saved: Tuple[Optional[Tensor], Optional[Tensor]] = save_rng_states(device)
+        replayed: Tuple[Optional[Tensor], Optional[Tensor]] = states
+        if not exclusive:
+            # Swapping the shared CPU state without the lock would hand a
+            # thread that draws meanwhile the numbers of this replay.
+            replayed, saved = (None, states[1]), (None, saved[1])
         try:
             # Inside: an interrupt right after it must still put them back.
-            set_rng_states(device, states)
+            set_rng_states(device, replayed)
             yield
         finally:
             set_rng_states(device, saved)

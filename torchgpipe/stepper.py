@@ -345,7 +345,8 @@ class Stage:
         assert current.replay is not None
         rng_states, autocast_states = current.replay
         current.skips.replay = True
-        with restore_rng_states(self.device, rng_states, exclusive=self.step.threaded), \
+        with restore_rng_states(self.device, rng_states,
+                                exclusive=self.step.draws_random(self.j) is not False), \
                 restore_autocast_states(autocast_states), torch.enable_grad(), \
                 enable_recomputing():
             current.output = self.call(current.input, current.skips)
