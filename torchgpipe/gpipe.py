@@ -752,7 +752,8 @@ class GPipe(nn.Module):
             raise ValueError(describe('target must split into the micro-batches the input does',
                                       f'input micro-batches of {sizes}, target of {target_sizes}',
                                       'give a target with one row per sample of the input'))
-        if not sum(sizes):
+        total = sum(sizes)
+        if not total:
             # The unwrapped model's mean loss would be nan: a step on an
             # empty batch is a data loader's leftover, not a training step.
             raise ValueError(describe('train_step needs at least one sample',
@@ -763,7 +764,6 @@ class GPipe(nn.Module):
         last_device = self.devices[-1]
         for t in targets:
             t[:] = tuple(x.to(last_device) for x in t)
-        total = sum(sizes)
         weights = [size / total if reduction == 'mean' else 1.0 for size in sizes]
         m, n = len(batches), len(self.devices)
         # The loss function sees the target as a layer sees its input:

@@ -108,6 +108,10 @@ def restore_rng_states(device: torch.device, states: RNGStates, *,
             CPU generator, which other threads may be drawing from, is left
             alone, and only the device's own generator is replayed
     """
+    if not exclusive and states[1] is None:
+        # Nothing to replay: no device generator, and the CPU one left alone.
+        yield
+        return
     with cpu_generator_lock if exclusive else _NO_LOCK:
         # States saved on a CUDA device come with its generator's state.
         saved: Tuple[Optional[Tensor], Optional[Tensor]] = save_rng_states(device)
