@@ -2,9 +2,10 @@
 import copy
 import io
 import pickle
-from typing import Callable, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from torchgpipe.pipeline import clock_cycles
@@ -140,3 +141,64 @@ class PopAdd(nn.Module):
     def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
         skip = yield pop('skip')
         return x + skip
+
+
+def assert_flattened_trains_like_original(original: nn.Module, inputs: Dict[str, Any],
+                                          select: Callable[[Any], Tensor], threaded: bool,
+                                          partitions: int = 3, chunks: int = 4,
+                                          seq: Optional[nn.Sequential] = None) -> nn.Sequential:
+    """Flattens ``original`` (unless ``seq`` is given), pipelines it and checks it trains alike.
+
+    The sequential must hold the original's own parameters. GPipe, on a
+    balance from balance_by_time, must give the original's output and every
+    parameter gradient, called as the original is called (keyword inputs,
+    structured output through ``seq.interface``), by forward + backward and
+    by train_step with 1F1B. ``select`` picks from the original's output
+    the tensor the loss is computed from.
+
+    Returns:
+        the sequential
+    """
+    from torchgpipe import GPipe, to_sequential
+    from torchgpipe.balance import balance_by_time
+
+    if seq is None:
+        seq = to_sequential(original)
+    own = {id(p) for p in original.parameters()}
+    held = list(seq.parameters())
+    assert held and all(id(p) in own for p in held)
+    reference = copy.deepcopy(original)
+    input = seq.interface.inputs(**inputs)
+    balance = balance_by_time(partitions, seq, input, timeout=0.1, device='cpu')
+    gpipe = GPipe(seq, balance, devices=cpu_devices(partitions, threaded), chunks=chunks)
+
+    def parameter_grads(model: nn.Module) -> Dict[str, Tensor]:
+        return {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+    def assert_same_grads(got: Dict[str, Tensor], wanted: Dict[str, Tensor]) -> None:
+        assert wanted.keys() <= got.keys(), wanted.keys() - got.keys()
+        for name, grad in wanted.items():
+            torch.testing.assert_close(got[name], grad, msg=lambda m, name=name: f'{name}: {m}')
+        # A checkpointed partition's backward gives an output the loss does
+        # not use a zero gradient: the parameters only it reads get zeros.
+        for name in got.keys() - wanted.keys():
+            assert not got[name].any(), name
+
+    expected = select(reference(**inputs))
+    target = torch.randn_like(expected)
+    F.mse_loss(expected, target).backward()
+    wanted = parameter_grads(reference)
+    assert wanted
+
+    actual = select(seq.interface.outputs(gpipe(input)))
+    torch.testing.assert_close(actual, expected)
+    F.mse_loss(actual, target).backward()
+    assert_same_grads(parameter_grads(original), wanted)
+
+    original.zero_grad(set_to_none=True)
+    loss = gpipe.train_step(
+        input, target, lambda output, t: F.mse_loss(select(seq.interface.outputs(output)), t))
+    torch.testing.assert_close(loss, F.mse_loss(expected, target).detach())
+    assert_same_grads(parameter_grads(original), wanted)
+    original.zero_grad(set_to_none=True)
+    return seq

@@ -10,7 +10,7 @@ import math
 import re
 import sys
 import time
-from typing import Any, ClassVar, Iterator, List, Sequence, Tuple
+from typing import Any, ClassVar, Generator, Iterator, List, Sequence, Tuple
 
 import pytest
 import torch
@@ -508,3 +508,30 @@ def test_skippable_layers_on_cuda() -> None:
     assert balance_by_time(3, model, torch.rand(4, 4), timeout=0.05) == [2, 1, 2]
     balance = balance_by_size(2, model, torch.rand(4, 4))
     assert len(balance) == 2 and sum(balance) == 5
+
+
+@skippable(stash=['residual'])
+class KeepResidual(nn.Module):
+    def forward(self, x: Tensor) -> Generator[Any, None, Tensor]:
+        yield stash('residual', x)
+        return x * 2
+
+
+@skippable(pop=['residual'])
+class AddIntoResidual(nn.Module):
+    def forward(self, x: Tensor) -> Generator[Any, Tensor, Tensor]:
+        residual = yield pop('residual')
+        return residual.add_(x)  # in place, as to_sequential's generated code may do
+
+
+@pytest.mark.parametrize('balance_by', [balance_by_time, balance_by_size])
+def test_profiling_a_layer_that_modifies_a_popped_skip_in_place(balance_by: Any) -> None:
+    model = nn.Sequential(KeepResidual(), nn.Linear(4, 4), AddIntoResidual())
+    sample = torch.randn(8, 4, requires_grad=True)
+    kept = sample.detach().clone()
+    if balance_by is balance_by_time:
+        balance = balance_by(2, model, sample, timeout=0.05, device='cpu')
+    else:
+        balance = balance_by(2, model, sample, chunks=2, device='cpu')
+    assert sum(balance) == 3
+    assert torch.equal(sample, kept)

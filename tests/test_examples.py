@@ -23,3 +23,14 @@ def test_gpt_example_trains_like_the_module_on_both_paths(
     # and both paths against each other with dropout.
     assert out.count('  OK: ') == 3, out
     assert 'tokens/s' in out, out
+
+
+def test_transformers_example_matches_the_unwrapped_model(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    example = runpy.run_path(os.path.join(ROOT, 'examples', 'transformers_lm.py'),
+                             run_name='transformers_lm')
+    status = example['main'](['--steps', '2', '--layers', '2', '--batch-size', '8',
+                              '--length', '16'])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert out.count('  OK') == 2, out

@@ -489,12 +489,13 @@ def test_untraceable_module_is_named_with_its_line_and_the_fix() -> None:
 
 
 def test_non_tensor_output_is_refused() -> None:
-    class Listing(nn.Module):
-        def forward(self, x: Tensor) -> List[Tensor]:
-            return [x, x]
+    class Counting(nn.Module):
+        def forward(self, x: Tensor) -> Tuple[Tensor, int]:
+            return x, 3
 
-    with pytest.raises(TypeError, match='return a tuple of the tensors instead'):
-        to_sequential(Listing())
+    with pytest.raises(TypeError, match=r'module must return tensors to be flattened '
+                                        r'\(output: \(x, 3\)\); return the tensors alone'):
+        to_sequential(Counting())
 
 
 class ShapesAndMethods(nn.Module):

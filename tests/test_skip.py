@@ -755,3 +755,42 @@ def test_tracker_keeps_its_old_misspelled_name() -> None:
     from torchgpipe.skip.tracker import SkipTrackerThroughPortals, SkipTrackerThroughPotals
 
     assert SkipTrackerThroughPotals is SkipTrackerThroughPortals
+
+
+@skippable(stash=['skip'])
+class StashBesideATuple(nn.Module):
+    """Stashes its input and returns two tensors: the stash's phony joins the first."""
+
+    def forward(self, x: Tensor) -> Generator[Any, None, Tuple[Tensor, Tensor]]:
+        yield stash('skip', x * 3)
+        return x * 2, x * 5
+
+
+class Swap(nn.Module):
+    def forward(self, pair: Tuple[Tensor, Tensor]) -> Tuple[Tensor, Tensor]:
+        a, b = pair
+        return b * 1, a * 1
+
+
+@skippable(pop=['skip'])
+class PopIntoATuple(nn.Module):
+    def forward(self, pair: Tuple[Tensor, Tensor]) -> Generator[Any, Tensor, Tensor]:
+        skip = yield pop('skip')
+        return pair[0] * pair[1] + skip
+
+
+@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
+@pytest.mark.parametrize('chunks', [1, 3])
+def test_skip_gradient_waits_for_every_tensor_of_the_popping_input(
+        checkpoint: str, chunks: int, threaded: bool) -> None:
+    """The stashing layer's first output reaches the popping partition second.
+
+    The gradient of every tensor crossing into the popping partition must
+    wait for the skip's gradient to be in its portal: otherwise the
+    stashing partition's backward pass may take the portal's gradient
+    before it is there, and the skip's gradient is lost.
+    """
+    model = nn.Sequential(StashBesideATuple(), Swap(), PopIntoATuple())
+    assert_same_training_step(
+        model, lambda m: GPipe(m, [2, 1], devices=cpu_devices(2, threaded), chunks=chunks,
+                               checkpoint=checkpoint), torch.randn(6, 4))

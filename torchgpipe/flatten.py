@@ -36,8 +36,10 @@ from typing import (Any, Dict, Generator, Iterable, List, Optional, Sequence, Tu
 
 import torch
 from torch import Tensor, fx, nn
+from torch.utils import _pytree as pytree
 
 from torchgpipe._validation import brief, describe
+from torchgpipe.capture import Captured, Interface, capture, is_check, is_shape
 from torchgpipe.gpipe import GPipe
 from torchgpipe.microbatch import TensorOrTensors
 from torchgpipe.skip.namespace import Namespace
@@ -82,16 +84,21 @@ class _Step(nn.Module):
         stashes (list of strs): the skip names to stash, in result order
         transient (list of strs): the qualified names, in ``graph_module``,
             of the tensors to leave out of the state dict
+        captured_training (bool, optional): the mode the graph was recorded
+            in, when its operations depend on it (torch.export records
+            dropout as on or off); ``None`` when they do not
     """
 
     def __init__(self, graph_module: fx.GraphModule, tuple_input: bool,
-                 pops: List[str], stashes: List[str], transient: List[str]) -> None:
+                 pops: List[str], stashes: List[str], transient: List[str],
+                 captured_training: Optional[bool] = None) -> None:
         super().__init__()
         self.graph = graph_module
         self.tuple_input = tuple_input
         self.pops = pops
         self.stashes = stashes
         self.transient = transient
+        self.captured_training = captured_training
         self._leave_out_transient()
 
     # How a step is copied (pickle, torch.save, copy.deepcopy):
@@ -119,6 +126,17 @@ class _Step(nn.Module):
             self.graph.get_submodule(owner)._non_persistent_buffers_set.add(field)
 
     def forward(self, input: TensorOrTensors) -> Generator[Any, Any, TensorOrTensors]:
+        if self.captured_training is not None and self.training != self.captured_training:
+            # Running the operations recorded in the other mode would be
+            # silently wrong: dropout on in evaluation, or off in training.
+            mode, other = ('training', 'evaluation') if self.captured_training \
+                else ('evaluation', 'training')
+            raise RuntimeError(describe(
+                f'this part of the sequential was captured in {mode} mode by torch.export '
+                f'and cannot run in {other} mode', f'{type(self).__name__}: '
+                f'training={self.training}', f'capture the model in {other} mode too: '
+                f'to_sequential(model.{"train" if other == "training" else "eval"}()), '
+                'and use each sequential in its mode (they share the parameters)'))
         inputs = input if self.tuple_input else (input,)
         popped = []
         for name in self.pops:
@@ -141,8 +159,15 @@ def _trace(module: nn.Module, tracer: _Tracer,
         user = [(frame, lineno) for frame, lineno in traceback.walk_tb(exc.__traceback__)
                 if not os.path.abspath(frame.f_code.co_filename).startswith(torch_dir)
                 and frame.f_code.co_filename != __file__]
+        # Any trace fx fails, export may capture: it runs forward on an
+        # example, so it follows branches on sizes and any signature.
+        export = ('give an example input to capture it with torch.export instead: '
+                  f'to_sequential(module, example_inputs={_example_of(module)})')
         if not user:
-            raise
+            # fx failed on its own, before any line of forward ran: a
+            # signature it cannot read, such as a decorator's (*args, **kwargs).
+            raise RuntimeError(f'torch.fx cannot trace the module ({type(module).__name__}) '
+                               f'({type(exc).__name__}: {exc}); {export}') from exc
         frame, lineno = user[-1]
         code = frame.f_code
         failing = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
@@ -155,26 +180,38 @@ def _trace(module: nn.Module, tracer: _Tracer,
         if failing is module:
             # The module itself cannot be a leaf of its own flattening.
             fix = ('move that code into a submodule and keep the submodule whole with '
-                   'leaf_modules=[<its class>], or make it static: fix the argument that '
-                   'decides the control flow with concrete_args')
+                   'leaf_modules=[<its class>], make it static: fix the argument that '
+                   f'decides the control flow with concrete_args, or {export}')
         else:
             fix = (f'keep the module whole as one layer with to_sequential(module, '
-                   f'leaf_modules=[{cls}]), or fix the argument that decides the control '
-                   'flow with concrete_args')
+                   f'leaf_modules=[{cls}]), fix the argument that decides the control '
+                   f'flow with concrete_args, or {export}')
         raise RuntimeError(
             f'torch.fx cannot trace {where} ({cls}) at {frame.f_code.co_filename}:{lineno}: '
             f'{line!r} ({type(exc).__name__}: {exc}); {fix}') from exc
 
 
-def _attr(root: nn.Module, target: object) -> Any:
+def _example_of(module: nn.Module) -> str:
+    """How to give an example for ``module``: its main input by name, if it has a name."""
+    names = [name for name, p in inspect.signature(module.forward).parameters.items()
+             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    # transformers models name their main input (pixel_values, input_ids).
+    main = getattr(module, 'main_input_name', None)
+    name = main if isinstance(main, str) and main in names else names[0] if names else None
+    return 'x' if name is None or name in ('x', 'input') else f"{{'{name}': x}}"
+
+
+def _attr(root: Union[nn.Module, Dict[str, Any]], target: object) -> Any:
     """The attribute of ``root`` at a qualified name such as ``'layers.0.weight'``."""
+    if isinstance(root, dict):
+        return root[str(target)]
     value: Any = root
     for part in str(target).split('.'):
         value = getattr(value, part)
     return value
 
 
-def _segments(graph: fx.Graph, root: nn.Module) -> List[List[fx.Node]]:
+def _segments(graph: fx.Graph, root: Union[nn.Module, Dict[str, Any]]) -> List[List[fx.Node]]:
     """Cuts the graph's computing nodes into the runs of the children, in order."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     # Each get_attr node moves right before its first user, so that the
@@ -252,11 +289,20 @@ def _segments(graph: fx.Graph, root: nn.Module) -> List[List[fx.Node]]:
 
 
 def to_sequential(module: nn.Module, *,
+                  example_inputs: Any = None,
                   leaf_modules: Iterable[LeafSpec] = (),
                   concrete_args: Optional[Dict[str, Any]] = None) -> nn.Sequential:
     """Flattens a module into an ``nn.Sequential`` that GPipe can partition anywhere.
 
-    The module's ``forward`` is traced symbolically with :mod:`torch.fx`.
+    The graph of ``module.forward`` is captured in one of two ways. Without
+    an example, it is traced symbolically with :mod:`torch.fx`: no input
+    needed, every size symbolic. With ``example_inputs``, or the
+    ``dummy_inputs`` a model gives (the models of Hugging Face
+    transformers), :func:`torch.export.export` runs it on fake tensors of
+    the example's shapes: it follows branches on sizes and reads any
+    signature (``(self, *args, **kwargs)``), and calls of modules whose
+    ``forward`` takes one tensor are folded back into calls of the modules.
+
     The result holds, in order, the leaf modules of ``module`` themselves
     (the same objects, so an optimizer built on ``module.parameters()``
     trains the sequential too) and small generated children for the code
@@ -274,8 +320,13 @@ def to_sequential(module: nn.Module, *,
     not join them: each module stays a child, and GPipe shares the
     parameter across partitions.
 
-    The sequential takes the arguments of ``module.forward`` that have no
-    default value: a tensor, or a tuple of tensors for several. Arguments
+    The sequential takes a tensor, or a tuple of tensors: with torch.fx,
+    the arguments of ``module.forward`` that have no default value; with
+    torch.export, the tensors of the example. Its attribute ``interface``
+    (:class:`~torchgpipe.capture.Interface`) arranges a call of the
+    original (``input_ids=ids, attention_mask=mask``) into that input, and
+    the tensors the sequential returns into what the original returns (a
+    dict, a ``ModelOutput``...). With torch.fx, arguments
     with a default (``mask=None``, ``is_causal=False``) take it, as in a
     call ``module(x)``, unless ``concrete_args`` fixes another
     (``concrete_args={'mask': torch.fx.PH}`` makes ``mask`` an input too).
@@ -297,12 +348,20 @@ def to_sequential(module: nn.Module, *,
         from one part of ``forward`` to a later one fails in GPipe, and so
         would be kept inside one leaf module (``leaf_modules``). Parameters
         and buffers that ``forward`` never reads are not in the sequential,
-        nor in ``state_dict_map``.
+        nor in ``state_dict_map``. Code captured by torch.export runs the
+        operations of the mode (``training``) the module was in: it refuses
+        to run in the other one (capture the module in each mode).
 
     Args:
         module (torch.nn.Module): the module to flatten
 
     Keyword Args:
+        example_inputs (optional): an example of the input, to capture with
+            :func:`torch.export.export`: a tensor, a tuple of positional
+            arguments, or a dict of keyword arguments of ``forward``; give
+            at least 2 of each size, which may then be anything (default:
+            the module's ``dummy_inputs`` if it has them, else none: trace
+            with torch.fx)
         leaf_modules (iterable): module classes, or modules, kept whole as
             one child each besides those of ``torch.nn`` and skippable
             layers: a module whose ``forward`` fx cannot trace (default:
@@ -318,13 +377,16 @@ def to_sequential(module: nn.Module, *,
 
     Raises:
         RuntimeError: fx cannot trace ``module``, for example because of
-            control flow that depends on a tensor; the message names the
-            module and the line
+            control flow that depends on a tensor (the message names the
+            module and the line); torch.export cannot capture it; or the
+            captured code updates a buffer outside the module holding it
         TypeError: ``module`` is not an ``nn.Module`` (a function) or is a
             TorchScript module; ``leaf_modules`` is not an iterable (a
             single class, a string) or holds something other than module
-            classes and modules; or ``module`` returns something other than
-            a tensor or a tuple of tensors
+            classes and modules; ``example_inputs`` does not fit
+            ``forward``, or comes with ``leaf_modules`` or
+            ``concrete_args``; or ``module`` returns other values than
+            tensors
 
     Example::
 
@@ -338,29 +400,25 @@ def to_sequential(module: nn.Module, *,
         >>> [name for name, _ in seq.named_children()]
         ['fc1', 'relu', 'fc2', 'add']
     """
-    tracer = _Tracer(_check_arguments(module, leaf_modules))
-    # Called as the module is usually called: an argument with a default
-    # (mask=None, is_causal=False) takes it, unless concrete_args says else.
-    # Traced as an input instead, a None default would be taken for a tensor.
-    # torch.fx.PH (fx's placeholder) keeps such an argument an input.
-    concrete_args = {name: value
-                     for name, value in {**_defaults(module), **(concrete_args or {})}.items()
-                     if value is not fx.PH}  # type: ignore[attr-defined]
-    graph = _trace(module, tracer, concrete_args)
-    _drop_concrete_args(graph, module, concrete_args)
-    # The tracer may have put constant tensors on the root: read it from there.
-    root = tracer.root
+    leaves = _check_arguments(module, leaf_modules)
+    example = example_inputs if example_inputs is not None else _dummy_inputs(module)
+    if example is not None:
+        if leaves or concrete_args is not None:
+            raise TypeError(describe(
+                'leaf_modules and concrete_args apply to the torch.fx capture, not to '
+                'torch.export', 'example_inputs: given' if example_inputs is not None else
+                f'module: {type(module).__name__}, which gives dummy_inputs',
+                'leave them out: calls of modules whose forward takes one tensor stay whole'))
+        graph, root, interface = capture(module, example)
+    else:
+        graph, root, interface = _capture_fx(module, leaves, concrete_args)
 
     placeholders = [n for n in graph.nodes if n.op == 'placeholder']
     output_node = next(n for n in graph.nodes if n.op == 'output')
     result = output_node.args[0]
-    if not (isinstance(result, fx.Node) or (isinstance(result, tuple)
-                                            and all(isinstance(r, fx.Node) for r in result))):
-        raise TypeError(f'module must return a tensor or a tuple of tensors to be flattened '
-                        f'(it returns {result!r}); return a tuple of the tensors instead')
     # A run of shape computations alone would pass no tensor on: it is left
     # out, as every child computes the shapes it reads itself.
-    segments = _merge_checks([s for s in _segments(graph, root) if not all(map(_is_shape, s))])
+    segments = _merge_checks([s for s in _segments(graph, root) if not all(map(is_shape, s))])
     last = len(segments) - 1
 
     # Where each value is held: the child that computes it; the inputs are
@@ -381,6 +439,16 @@ def to_sequential(module: nn.Module, *,
     passed: List[List[fx.Node]] = []
     for k in range(last):
         passed.append([a for a in needs[k + 1] if holder[a] == k])
+        later = [a for j in range(k + 2, last + 1) for a in needs[j] if holder[a] == k]
+        if passed[k] and all(_floating(a) is False for a in passed[k]):
+            # The gradient of a stash (or of anything upstream) leaves a
+            # partition through a floating point tensor of its output: when
+            # child k would pass integers alone (token ids) and stash a
+            # float (a mask), child k + 1 takes over that float.
+            carrier = next((a for a in later if _floating(a)), None)
+            if carrier is not None:
+                holder[carrier] = k + 1
+                passed[k].append(carrier)
         if passed[k]:
             continue
         # Child k + 1 needs nothing of child k, but GPipe needs a tensor at
@@ -388,15 +456,15 @@ def to_sequential(module: nn.Module, *,
         # stashes of its children only through the outputs of the next
         # ones: so child k + 1 takes over a value child k would stash, and
         # stashes or passes it on itself.
-        later = [a for j in range(k + 2, last + 1) for a in needs[j] if holder[a] == k]
         if later:
             holder[later[0]] = k + 1
             passed[k].append(later[0])
         else:
             # Nothing of child k is used later: what it passes is ignored.
-            passed[k].append([n for n in segments[k] if not _is_shape(n)][-1])
+            passed[k].append([n for n in segments[k] if not is_shape(n)][-1])
 
     ns = Namespace()
+    users = {id(m) for m in module.modules()}
     state = {id(t): key for key, t in module.state_dict(keep_vars=True).items()}
     children: Dict[str, nn.Module] = {}
     for k, segment in enumerate(segments):
@@ -442,12 +510,61 @@ def to_sequential(module: nn.Module, *,
         stash_names = [f'{a.name}:{j}' for a, j in stashes]
         step_cls = skippable_class(_Step, tuple(sorted(stash_names)), tuple(sorted(pop_names)))
         step = step_cls(graph_module, len(inputs) != 1, pop_names, stash_names,
-                        _transient(root, segment, state))
+                        _transient(root, segment, state), interface.training)
+        # In the module's mode, as the user's modules are; the step's own
+        # modules alone: its graph module may hold the user's modules, each
+        # in its own mode.
+        for part in step.modules():
+            if id(part) not in users:
+                part.training = module.training
         children[name] = step.isolate(ns)
 
     seq = nn.Sequential(OrderedDict(children))
     setattr(seq, 'state_dict_map', _state_dict_map(module, seq))
+    setattr(seq, 'interface', interface)
     return seq
+
+
+def _capture_fx(module: nn.Module, leaves: List[LeafSpec],
+                concrete_args: Optional[Dict[str, Any]]) -> Captured:
+    """Traces ``module`` with :mod:`torch.fx`, with symbolic values: no example needed."""
+    tracer = _Tracer(leaves)
+    # Called as the module is usually called: an argument with a default
+    # (mask=None, is_causal=False) takes it, unless concrete_args says else.
+    # Traced as an input instead, a None default would be taken for a tensor.
+    # torch.fx.PH (fx's placeholder) keeps such an argument an input.
+    concrete_args = {name: value
+                     for name, value in {**_defaults(module), **(concrete_args or {})}.items()
+                     if value is not fx.PH}  # type: ignore[attr-defined]
+    graph = _trace(module, tracer, concrete_args)
+    _drop_concrete_args(graph, module, concrete_args)
+    names = [n.name for n in graph.nodes if n.op == 'placeholder']
+    # A dict, a dataclass... of tensors is returned as the tuple of them,
+    # which the interface arranges back.
+    output = next(n for n in graph.nodes if n.op == 'output')
+    leaves, structure = pytree.tree_flatten(output.args[0])
+    if not all(isinstance(leaf, fx.Node) for leaf in leaves):
+        raise TypeError(describe('module must return tensors to be flattened',
+                                 f'output: {output.args[0]!r}', 'return the tensors alone'))
+    plain = isinstance(output.args[0], fx.Node) or (
+        type(output.args[0]) is tuple and all(isinstance(r, fx.Node) for r in output.args[0]))
+    output.args = (leaves[0] if len(leaves) == 1 else tuple(leaves),)
+    # The tracer may have put constant tensors on the root: read it from there.
+    return Captured(graph, tracer.root,
+                    Interface(names, concrete_args, None if plain else structure))
+
+
+def _dummy_inputs(module: nn.Module) -> Optional[Dict[str, Any]]:
+    """The example a model gives of its inputs, as transformers models do, if any.
+
+    Only the arguments ``forward`` names are kept: transformers gives an
+    encoder alone the inputs of its decoder too.
+    """
+    dummy = getattr(module, 'dummy_inputs', None)
+    if not isinstance(dummy, dict):
+        return None
+    named = inspect.signature(module.forward).parameters
+    return {key: value for key, value in dummy.items() if key in named} or None
 
 
 def _check_arguments(module: object, leaf_modules: object) -> List[LeafSpec]:
@@ -507,11 +624,6 @@ def _defaults(module: nn.Module) -> Dict[str, Any]:
             if p.kind in kinds and p.default is not inspect.Parameter.empty}
 
 
-def _is_check(node: fx.Node) -> bool:
-    """Whether ``node`` only checks a condition (``torch._assert``), making no value."""
-    return node.op == 'call_function' and node.target is torch._assert
-
-
 def _merge_checks(segments: List[List[fx.Node]]) -> List[List[fx.Node]]:
     """Joins each run of checks alone to the child after it (or, at the end, before it).
 
@@ -522,7 +634,7 @@ def _merge_checks(segments: List[List[fx.Node]]) -> List[List[fx.Node]]:
     merged: List[List[fx.Node]] = []
     pending: List[fx.Node] = []
     for segment in segments:
-        if all(_is_shape(n) or _is_check(n) for n in segment):
+        if all(is_shape(n) or is_check(n) for n in segment):
             pending += segment
             continue
         merged.append(pending + segment)
@@ -591,22 +703,6 @@ def _state_dict_map(module: nn.Module, seq: nn.Sequential) -> Dict[str, str]:
     return mapping
 
 
-def _is_shape(node: fx.Node) -> bool:
-    """Whether a node computes a shape, a size or a number from shapes only.
-
-    Such values are no tensors, so they cannot go from child to child in
-    GPipe; each child that uses one computes it again from its tensor.
-    """
-    if node.op == 'call_method' and node.target in ('size', 'dim', 'numel'):
-        return True
-    if node.op == 'call_function' and node.target is getattr:
-        return node.args[1] in ('shape', 'ndim', 'dtype', 'device')
-    if node.op == 'call_function' and getattr(node.target, '__module__', '') in (
-            '_operator', 'operator'):
-        return bool(node.all_input_nodes) and all(_is_shape(a) for a in node.all_input_nodes)
-    return False
-
-
 def _with_shapes(segment: List[fx.Node]) -> List[fx.Node]:
     """A child's nodes, preceded by the shape nodes of other children it reads."""
     inside = set(segment)
@@ -614,7 +710,7 @@ def _with_shapes(segment: List[fx.Node]) -> List[fx.Node]:
 
     def collect(node: fx.Node) -> None:
         for a in node.all_input_nodes:
-            if a not in inside and a not in copied and _is_shape(a):
+            if a not in inside and a not in copied and is_shape(a):
                 collect(a)
                 copied[a] = None
 
@@ -623,7 +719,8 @@ def _with_shapes(segment: List[fx.Node]) -> List[fx.Node]:
     return list(copied) + segment
 
 
-def _transient(root: nn.Module, segment: List[fx.Node], state: Dict[int, str]) -> List[str]:
+def _transient(root: Union[nn.Module, Dict[str, Any]], segment: List[fx.Node],
+               state: Dict[int, str]) -> List[str]:
     """The tensors a generated child reads that the original leaves out of its state dict.
 
     fx registers every tensor a generated child reads as a buffer, which
@@ -644,6 +741,12 @@ def _transient(root: nn.Module, segment: List[fx.Node], state: Dict[int, str]) -
     return names
 
 
+def _floating(node: fx.Node) -> Optional[bool]:
+    """Whether a node makes a floating point tensor, if the graph says (export's does)."""
+    value = node.meta.get('val')
+    return value.is_floating_point() if isinstance(value, Tensor) else None
+
+
 def _stateless(module: nn.Module) -> bool:
     """Whether ``module`` has no parameter and no buffer, itself or in its submodules."""
     return next(module.parameters(), None) is None and next(module.buffers(), None) is None
@@ -654,7 +757,7 @@ def _child_name(segment: List[fx.Node]) -> str:
     # Not named after the tensors it reads, the shapes it computes again, nor
     # the checks it runs first.
     computing = [n for n in segment
-                 if n.op != 'get_attr' and not _is_shape(n) and not _is_check(n)] or segment
+                 if n.op != 'get_attr' and not is_shape(n) and not is_check(n)] or segment
     name = computing[0].name
     # nn.Sequential refuses a child named like one of its attributes.
     while hasattr(nn.Sequential, name):

@@ -408,9 +408,18 @@ def gather(outputs: List[Batch]) -> TensorOrTensors:
     if len(outputs) == 1:
         # Nothing to concatenate: spare a copy.
         return first.plain
+    layout = first.layout
+    for k, x in enumerate(first):
+        position = k if layout is None else layout.indices[k]
+        if x.dim() == 0 and (layout is None or position not in layout.nochunk):
+            where = 'output' if first.atomic else f'output[{position}]'
+            raise ValueError(describe(
+                'output tensors must have a batch dimension (dimension 0) to be gathered '
+                'from micro-batches', f'{where}: a 0-dimensional tensor, such as a loss',
+                'compute the loss from the output, outside the model (train_step takes a '
+                'loss_fn), or return one value per sample'))
     if first.atomic:
         return torch.cat([b.tensor for b in outputs])
-    layout = first.layout
     if layout is None:
         rotated = [b.tensors for b in outputs]
         return tuple(torch.cat(pieces) for pieces in zip(*rotated))

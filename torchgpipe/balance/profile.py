@@ -39,8 +39,13 @@ def layerwise_sandbox(module: nn.Sequential,
         layer_copy = copy.deepcopy(layer)
         layer_copy.to(device)
         # Balancing is for training: profile what training runs (dropout,
-        # batch statistics), whatever mode the user's module is in.
+        # batch statistics), whatever mode the user's module is in; except
+        # in code to_sequential recorded in one mode, which runs in no other.
         layer_copy.train()
+        for part in layer_copy.modules():
+            captured = getattr(part, 'captured_training', None)
+            if captured is not None:
+                part.training = captured
         yield layer_copy
 
 
@@ -205,7 +210,10 @@ class SandboxSkipTracker(SkipTracker):
     """A skip tracker that hands each pop its tensor detached from the stashing layer's graph.
 
     Detached, so that a popping layer's backward stays within that layer,
-    like the backward of every profiled layer. The stashed tensors
+    like the backward of every profiled layer, and copied, as every layer's
+    input is (:func:`fresh_input`), so that a layer may modify it in place
+    (``x += skip``, as generated code of :func:`~torchgpipe.to_sequential`
+    does). The stashed tensors
     themselves are kept aside until :meth:`take_stashed`: they belong to the
     stashing layer, whose backward pass (for time) or memory (for size)
     they are part of.
@@ -218,7 +226,7 @@ class SandboxSkipTracker(SkipTracker):
     def save(self, batch: Batch, ns: Namespace, name: str, tensor: Optional[Tensor]) -> None:
         if tensor is not None:
             self.stashed.append(tensor)
-            tensor = detach_tensor(tensor)
+            tensor = detach_tensor(tensor).clone()
         super().save(batch, ns, name, tensor)
 
     def take_stashed(self) -> List[Tensor]:

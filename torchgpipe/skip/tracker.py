@@ -188,14 +188,24 @@ SkipTrackerThroughPotals = SkipTrackerThroughPortals
 
 
 def fork_from_batch(batch: Batch, requires_grad: bool, name: str) -> Tuple[Tensor, Optional[int]]:
-    """Forks a phony off the batch's first floating point tensor.
+    """Forks a phony off every floating point tensor of the batch that may carry a gradient.
 
     When the skip requires grad, so does the phony: the skip's backward hangs
     on it, and autograd would never reach a phony that does not.
 
+    Every tensor, not only the first: the gradient leaves the batch through
+    each of them, and each must wait for the phony's backward (the skip's
+    gradient put in its portal, or copied back). A gradient that went on
+    without it could reach the stashing layer's backward first, which would
+    find the portal empty::
+
+        stash ──(joined into a)──► (a, b) ─► swap ─► (b, a) ─► pop
+                                                        │
+        forked off b alone: a's gradient does not wait ─┘
+
     Returns:
-        ``(phony, index)``: the phony, and the index of the forked tensor
-        (``None`` if the batch has no floating point tensor)
+        ``(phony, index)``: the phony, and the index of the first forked
+        tensor (``None`` if the batch has no floating point tensor)
 
     Raises:
         RuntimeError: the skip requires grad, grad is enabled, and the batch
@@ -211,6 +221,12 @@ def fork_from_batch(batch: Batch, requires_grad: bool, name: str) -> Tuple[Tenso
     if requires_grad and not x.requires_grad:
         x = join(x, get_phony(x.device, requires_grad=True))
     batch[index], phony = fork(x)
+    # The others need to wait only if a gradient may flow through them.
+    for i in range(index + 1, len(batch)):
+        other = batch[i]
+        if other.is_floating_point() and other.requires_grad:
+            batch[i], other_phony = fork(other)
+            phony = join(phony, other_phony)
     return phony, index
 
 
