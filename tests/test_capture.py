@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from helpers import COPIERS, assert_flattened_trains_like_original, cpu_devices
+from test_flatten import DataDependent
 from torchgpipe import GPipe, to_sequential
 from torchgpipe.balance import balance_by_time
 
@@ -237,19 +238,10 @@ def test_interface_errors() -> None:
 
 
 def test_what_export_cannot_capture_is_named() -> None:
-    class ValueBranch(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.fc = nn.Linear(W, W)
-
-        def forward(self, x: Tensor) -> Tensor:
-            if x.sum() > 0:
-                return self.fc(x)
-            return x
-
+    # A branch on the values of a tensor: no capture makes one graph of it.
     with pytest.raises(RuntimeError, match=r'torch.export cannot capture the module '
-                                           r'\(ValueBranch\)'):
-        to_sequential(ValueBranch(), example_inputs=torch.randn(2, W))
+                                           r'\(DataDependent\)'):
+        to_sequential(DataDependent(), example_inputs=torch.randn(2, W))
 
     class Counting(nn.Module):
         def __init__(self) -> None:

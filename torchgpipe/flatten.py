@@ -1,7 +1,9 @@
 """Flattening a module into an ``nn.Sequential`` that GPipe can cut anywhere.
 
-:func:`to_sequential` traces a module's ``forward`` with :mod:`torch.fx` and
-cuts the traced graph into a row of children:
+:func:`to_sequential` traces a module's ``forward`` with :mod:`torch.fx`
+(or, given an example, has :mod:`torchgpipe.capture` capture it with
+:func:`torch.export.export`, into a graph of the same form) and cuts the
+graph into a row of children:
 
 * every *leaf* module called once (``nn.Linear``, ``nn.LayerNorm``, a module
   named in ``leaf_modules``...) becomes a child of its own; containers
