@@ -1,6 +1,7 @@
 """to_sequential with torch.export: models fx cannot trace, keyword inputs, structured outputs."""
+import copy
 import functools
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import pytest
 import torch
@@ -170,11 +171,11 @@ def test_generated_children_refuse_the_other_mode() -> None:
     torch.testing.assert_close(evaluating(x), model(x))
     # The profiler runs layers in training mode, but not those recorded in another.
     assert sum(balance_by_time(2, evaluating, x, timeout=0.05, device='cpu')) == len(evaluating)
-    # The folded calls are the user's modules: they follow the mode.
-    dropout = nn.Sequential(nn.Linear(W, W), nn.Dropout(0.5))
-    seq = to_sequential(dropout.train(), example_inputs=x)
-    assert seq[1] is dropout[1]
-    torch.testing.assert_close(seq.eval()(x), dropout.eval()(x))
+    # The folded calls are the user's modules, in their modes.
+    dropout = nn.Sequential(nn.Linear(W, W), nn.Dropout(0.5)).eval()
+    seq = to_sequential(dropout, example_inputs=x)
+    assert seq[1] is dropout[1] and not seq[1].training
+    torch.testing.assert_close(seq(x), dropout(x))
 
 
 @pytest.mark.parametrize('copier', COPIERS)
@@ -278,3 +279,129 @@ def test_structured_output_through_fx(threaded: bool) -> None:
     expected = model(x)
     assert out.keys() == expected.keys() and isinstance(out['pair'], list)
     torch.testing.assert_close(out, expected)
+
+
+class Bottleneck(nn.Module):
+    """A residual block as torchvision writes it: ``out += identity``, an update in place."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(channels, channels, 1), nn.Conv2d(channels, channels, 1)
+        self.bn = nn.BatchNorm2d(channels)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        identity = x
+        out = self.relu(self.conv1(x))
+        out = self.bn(self.conv2(out))
+        out += identity
+        return self.relu(out)
+
+
+@pytest.mark.parametrize('checkpoint', ['always', 'except_last'])
+def test_updates_in_place_of_values_from_other_children(checkpoint: str,
+                                                        threaded: bool) -> None:
+    """A child that updated a popped skip in place changed it under its recomputation."""
+    model = nn.Sequential(Bottleneck(2), Bottleneck(2)).double().eval()
+    x = torch.randn(4, 2, 3, 3, dtype=torch.float64)
+    seq = to_sequential(model, example_inputs=x)
+    for cut in range(1, len(seq)):
+        reference = copy.deepcopy(model)
+        gpipe = GPipe(seq, [cut, len(seq) - cut], devices=cpu_devices(2, threaded), chunks=2,
+                      checkpoint=checkpoint)
+        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+        reference(x1).pow(2).sum().backward()
+        gpipe(x2).pow(2).sum().backward()
+        torch.testing.assert_close(x2.grad, x1.grad)
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+        model.zero_grad(set_to_none=True)
+
+
+def test_mode_check_runs_when_the_mode_recorded_nothing() -> None:
+    class NoisyInTraining(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(W, W), nn.Linear(W, W)
+
+        def forward(self, x: Tensor) -> Tensor:
+            if self.training:  # recorded as nothing in evaluation mode
+                x = x * torch.rand_like(x)
+            return self.fc2(self.fc1(x))
+
+    seq = to_sequential(NoisyInTraining().eval(), example_inputs=torch.randn(2, W))
+    seq.train()
+    with pytest.raises(RuntimeError, match='captured in evaluation mode'):
+        seq(torch.randn(2, W))
+
+
+def test_buffer_updated_through_a_view_is_refused() -> None:
+    class Counting(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(W, W)
+            self.register_buffer('count', torch.zeros(2))
+
+        def forward(self, x: Tensor) -> Tensor:
+            self.count[0] += 1
+            return self.fc(x)
+
+    with pytest.raises(RuntimeError, match=r'updates a buffer .* \(updated: count\)'):
+        to_sequential(Counting(), example_inputs=torch.randn(2, W))
+
+
+def test_inputs_in_the_order_of_forward() -> None:
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(W, W)
+
+        def forward(self, input: Tensor, mask: Tensor) -> Tensor:
+            return self.fc(input) * mask
+
+    model = Masked()
+    x, mask = torch.randn(4, W), torch.rand(4, W)
+    seq = to_sequential(model, example_inputs={'mask': mask[:2], 'input': x[:2]})
+    assert seq.interface.names == ('input', 'mask')
+    torch.testing.assert_close(seq(seq.interface.inputs(x, mask)), model(x, mask))
+    # fx renames a node named after a builtin; the interface keeps the argument's name.
+    traced = to_sequential(model)
+    assert traced.interface.names == ('input', 'mask')
+    torch.testing.assert_close(traced(traced.interface.inputs(input=x, mask=mask)),
+                               model(x, mask))
+
+
+@pytest.mark.parametrize('context', ['no_grad', 'autocast'])
+def test_module_called_in_a_context_stays_in_it(context: str) -> None:
+    class InContext(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.out = nn.Linear(W, W), nn.Linear(W, W)
+
+        def forward(self, x: Tensor) -> Tensor:
+            manager = torch.no_grad() if context == 'no_grad' else \
+                torch.autocast('cpu', enabled=False)
+            with manager:
+                h = self.fc(x)
+            return self.out(h) + x
+
+    model = InContext()
+    x = torch.randn(4, W, requires_grad=True)
+    seq = to_sequential(model, example_inputs=torch.randn(2, W))
+    assert model.fc not in list(seq), 'folded out of its context'
+    torch.testing.assert_close(seq(x), model(x))
+
+
+def test_examples_export_would_misread_are_refused() -> None:
+    model = LanguageModel()
+    with pytest.raises(ValueError, match=r"example_inputs\['input_ids'\] must hold at least 2 "
+                                         r'samples \(input_ids: shape \(1, 6\)\)'):
+        to_sequential(model, example_inputs=ids(1))
+
+    class Pair(nn.Module):
+        def forward(self, pair: Tuple[Tensor, Tensor]) -> Tensor:
+            return pair[0] + pair[1]
+
+    with pytest.raises(TypeError, match=r"example_inputs\['pair'\] must be a tensor or a "
+                                        r'constant \(pair: a tuple of tensors\)'):
+        to_sequential(Pair(), example_inputs=((torch.ones(2), torch.ones(2)),))

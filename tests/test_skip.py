@@ -794,3 +794,36 @@ def test_skip_gradient_waits_for_every_tensor_of_the_popping_input(
     assert_same_training_step(
         model, lambda m: GPipe(m, [2, 1], devices=cpu_devices(2, threaded), chunks=chunks,
                                checkpoint=checkpoint), torch.randn(6, 4))
+
+
+class DropFirst(nn.Module):
+    def forward(self, pair: Tuple[Tensor, Tensor]) -> Tensor:
+        return pair[1] * 1
+
+
+class DetachFirst(nn.Module):
+    def forward(self, pair: Tuple[Tensor, Tensor]) -> Tuple[Tensor, Tensor]:
+        return pair[0].detach(), pair[1] * 1
+
+
+@skippable(pop=['skip'])
+class PopOntoTheLast(nn.Module):
+    def forward(self, input: Any) -> Generator[Any, Tensor, Tensor]:
+        skip = yield pop('skip')
+        last = input[-1] if isinstance(input, tuple) else input
+        return last + skip
+
+
+@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
+@pytest.mark.parametrize('middle', [DropFirst, DetachFirst])
+def test_skip_gradient_survives_a_dropped_first_output(
+        middle: Callable[[], nn.Module], checkpoint: str, threaded: bool) -> None:
+    """The stashing layer's first output never reaches the loss.
+
+    The skip's gradient leaves its portal once the outputs of the stashing
+    layer have their gradients: hung on the first output alone, it never did.
+    """
+    model = nn.Sequential(StashBesideATuple(), middle(), PopOntoTheLast())
+    assert_same_training_step(
+        model, lambda m: GPipe(m, [2, 1], devices=cpu_devices(2, threaded), chunks=3,
+                               checkpoint=checkpoint), torch.randn(6, 4))

@@ -26,7 +26,8 @@ Those operations were recorded in the mode the module was in (the
 mode, and the generated children refuse to run in the other one.
 """
 import inspect
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+import operator
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from torch import Tensor, fx, nn
@@ -256,19 +257,19 @@ def capture(module: nn.Module, example: Any) -> Captured:
     env: Dict[fx.Node, fx.Node] = {}
     root: Dict[str, Any] = {}
     names: List[str] = []
-    inputs = iter(spec for spec in signature.input_specs)
-    leaves, _ = pytree.tree_flatten_with_path(kwargs)
-    user = iter(leaves)
+    inputs = iter(signature.input_specs)
+    # _bind gave arguments that are not nested: one placeholder each.
+    user = iter(kwargs.items())
     for node in source.nodes:
         if node.op == 'placeholder':
             spec = next(inputs)
             if spec.kind == InputKind.USER_INPUT:
-                path, value = next(user)
+                name, value = next(user)
                 if not isinstance(value, Tensor):
                     continue  # a constant: export used its value
                 env[node] = graph.placeholder(node.name)
                 env[node].meta = dict(node.meta)
-                names.append(pytree.keystr(path).strip("[]'\""))
+                names.append(name)
                 continue
             target = str(spec.target)
             if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
@@ -279,15 +280,10 @@ def capture(module: nn.Module, example: Any) -> Captured:
             env[node] = graph.get_attr(target)
             env[node].meta = dict(node.meta)
         elif node.op == 'output':
-            outputs = []
-            for spec, value in zip(signature.output_specs, node.args[0]):
+            for spec in signature.output_specs:
                 if spec.kind != OutputKind.USER_OUTPUT:
                     _refuse_update(str(spec.target))
-                if not isinstance(value, fx.Node):
-                    raise TypeError(describe('module must return tensors to be flattened',
-                                             f'output: {value!r} among them',
-                                             'return the tensors alone'))
-                outputs.append(env[value])
+            outputs = [env[value] for value in output_nodes(node.args[0], node.args[0])]
             graph.output(outputs[0] if len(outputs) == 1 else tuple(outputs))
         elif node.target not in _DROPPED:
             if node.op == 'get_attr':
@@ -297,16 +293,7 @@ def capture(module: nn.Module, example: Any) -> Captured:
             env[node] = graph.node_copy(node, env.__getitem__)
 
     _fold(graph, module, root)
-    # An update in place of a buffer left in the generated code would run
-    # once per micro-batch, and again when a micro-batch is recomputed.
-    for node in graph.nodes:
-        schema = getattr(node.target, '_schema', None)
-        if schema is None or not schema.is_mutable:
-            continue
-        for argument, value in zip(schema.arguments, node.args):
-            if argument.alias_info is not None and argument.alias_info.is_write \
-                    and isinstance(value, fx.Node) and value.op == 'get_attr':
-                _refuse_update(str(value.target))
+    _out_of_place(graph)
     # Parameters that forward never reads, or read only in folded calls.
     for node in list(graph.nodes):
         if node.op == 'get_attr' and not node.users:
@@ -314,7 +301,7 @@ def capture(module: nn.Module, example: Any) -> Captured:
     # What the sequential does not take: the constants given, and the
     # defaults of forward's arguments left out.
     defaults = {name: p.default for name, p in inspect.signature(module.forward).parameters.items()
-                if p.default is not inspect.Parameter.empty}
+                if p.default is not p.empty}
     fixed = {name: value for name, value in {**defaults, **kwargs}.items() if name not in names}
     return Captured(graph, root, Interface(names, fixed, exported.call_spec.out_spec,
                                            module.training))
@@ -329,31 +316,64 @@ def _refuse_update(buffer: str) -> None:
         'module that updates it whole with leaf_modules'))
 
 
+def named_arguments(module: nn.Module) -> List[str]:
+    """The arguments of ``module.forward`` that can be given by name, in order."""
+    return [name for name, p in inspect.signature(module.forward).parameters.items()
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def output_nodes(leaves: Sequence[Any], shown: object) -> List[fx.Node]:
+    """The nodes of a graph's outputs, checked to be values the graph computes.
+
+    Raises:
+        TypeError: an output is a constant (a number, ``None``): the
+            sequential returns tensors only
+    """
+    if not all(isinstance(leaf, fx.Node) for leaf in leaves):
+        raise TypeError(describe('module must return tensors to be flattened',
+                                 f'output: {shown!r}', 'return the tensors alone'))
+    return list(leaves)
+
+
 def _bind(module: nn.Module, example: Any) -> Dict[str, Any]:
-    """The example as keyword arguments of ``module.forward``, by parameter name."""
-    signature = inspect.signature(module.forward)
-    named = [name for name, p in signature.parameters.items()
-             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    """The example as keyword arguments of ``module.forward``, in the order of its signature.
+
+    In that order, so that the sequential takes its inputs in the order a
+    positional call gives them.
+    """
+    named = named_arguments(module)
     if isinstance(example, dict):
         unknown = [key for key in example if key not in named]
         if unknown:
             raise TypeError(describe('example_inputs must name arguments of module.forward',
                                      f'example_inputs: {", ".join(map(repr, unknown))} unknown',
                                      f'use the names of forward: {", ".join(named)}'))
-        kwargs = dict(example)
+        given = dict(example)
     else:
         args = example if isinstance(example, tuple) else (example,)
         if len(args) > len(named):
             raise TypeError(describe(f'example_inputs holds {len(args)} arguments but '
                                      f'module.forward names {len(named)}',
-                                     f'module.forward: {signature}',
+                                     f'module.forward: {inspect.signature(module.forward)}',
                                      'give them by name, in a dict'))
-        kwargs = dict(zip(named, args))
+        given = dict(zip(named, args))
+    for name, value in given.items():
+        if isinstance(value, (tuple, list, dict)) and pytree.tree_leaves(value) and any(
+                isinstance(leaf, Tensor) for leaf in pytree.tree_leaves(value)):
+            raise TypeError(describe(f'example_inputs[{name!r}] must be a tensor or a constant',
+                                     f'{name}: a {type(value).__name__} of tensors',
+                                     'give each tensor as an argument of its own'))
+        if isinstance(value, Tensor) and value.dim() and value.size(0) < 2:
+            # export takes a size of 0 or 1 for a constant: a micro-batch of
+            # another size would run code made for that one.
+            raise ValueError(describe(f'example_inputs[{name!r}] must hold at least 2 samples',
+                                      f'{name}: shape {tuple(value.shape)}',
+                                      'give an example batch of 2 or more'))
     # A cache of keys and values serves generation, not training, and is
     # no tensor: transformers models make none when asked.
-    if 'use_cache' in named and 'use_cache' not in kwargs:
-        kwargs['use_cache'] = False
-    return kwargs
+    if 'use_cache' in named and 'use_cache' not in given:
+        given['use_cache'] = False
+    return {name: given[name] for name in named if name in given}
 
 
 def _any_size(value: Any) -> Any:
@@ -414,6 +434,8 @@ def _fold(graph: fx.Graph, module: nn.Module, root: Dict[str, Any]) -> None:
         escaping = [n for n in body if any(u not in inside for u in n.users)]
         if (len(values) != 1 or len(escaping) != 1
                 or not all(id(root[str(a.target)]) in own for a in attrs)
+                or not all(_plain(n, inside) for n in body)
+                or not isinstance(next(iter(values)).meta.get('val'), Tensor)
                 or not isinstance(escaping[0].meta.get('val'), Tensor)):
             continue
         (value,) = values
@@ -425,3 +447,85 @@ def _fold(graph: fx.Graph, module: nn.Module, root: Dict[str, Any]) -> None:
         result.replace_all_uses_with(call)
         for node in reversed(body):
             graph.erase_node(node)
+
+
+def _plain(node: fx.Node, inside: Set[fx.Node]) -> bool:
+    """Whether a node of a module's call is an operation a call of the module would run.
+
+    Not a higher-order operation (the body of ``torch.no_grad()`` or
+    ``torch.autocast``, whose items carry the stack of the modules called
+    within): folded into a call, the module would run outside that context.
+    """
+    if isinstance(node.target, torch._ops.OpOverload) or is_shape(node):
+        return True
+    return node.target is operator.getitem and node.args[0] in inside
+
+
+def _returns_alias(node: fx.Node) -> bool:
+    """Whether a node returns a view of (or, in place, the same tensor as) its first argument."""
+    schema = getattr(node.target, '_schema', None)
+    return (node.op == 'call_function' and schema is not None and bool(schema.returns)
+            and schema.returns[0].alias_info is not None and bool(node.args)
+            and isinstance(node.args[0], fx.Node))
+
+
+def _base(node: fx.Node) -> fx.Node:
+    """The tensor whose memory ``node`` is a view of (itself if it is no view)."""
+    while _returns_alias(node):
+        node = node.args[0]  # type: ignore[assignment]
+    return node
+
+
+def _functional(op: Any) -> Optional[Any]:
+    """The operation that returns what the in-place ``op`` writes (``add`` for ``add_``)."""
+    name = op._schema.name.split('::')[-1]
+    if not name.endswith('_'):
+        return None
+    packet = getattr(torch.ops.aten, name[:-1], None)
+    return getattr(packet, op._overloadname, None) if packet is not None else None
+
+
+def _out_of_place(graph: fx.Graph) -> None:
+    """Turns the updates in place export recorded (``out += identity``) into new values.
+
+    Generated code runs once per micro-batch, and again when a checkpointed
+    micro-batch is recomputed: an update of a tensor another child made (a
+    skip it popped, its input) would be seen by that recomputation, or be
+    made twice. ``x.add_(y)`` becomes ``x2 = x + y``, and what read ``x``
+    after the update reads ``x2``. An update of a view, or of a tensor that
+    has views, is left as it is (the update shows through every alias);
+    an update of a buffer is refused.
+
+    Raises:
+        RuntimeError: the code updates a buffer (or a view of one)
+    """
+    for node in list(graph.nodes):
+        schema = getattr(node.target, '_schema', None)
+        if node.op != 'call_function' or schema is None or not schema.is_mutable:
+            continue
+        written = [value for argument, value in zip(schema.arguments, node.args)
+                   if argument.alias_info is not None and argument.alias_info.is_write
+                   and isinstance(value, fx.Node)]
+        for value in written:
+            if _base(value).op == 'get_attr':
+                _refuse_update(str(_base(value).target))
+        functional = _functional(node.target)
+        if functional is None or written != [node.args[0]]:
+            continue
+        target: fx.Node = node.args[0]
+        position = {n: i for i, n in enumerate(graph.nodes)}
+        # Aliases of the target: its views, and the updates in place before
+        # this one that stayed (those after it are turned in their turn).
+        aliased = any(_returns_alias(u) and (not u.target._schema.is_mutable  # type: ignore
+                                             or position[u] < position[node])
+                      for u in target.users if u is not node)
+        if _returns_alias(target) or aliased:
+            continue
+        with graph.inserting_before(node):
+            value = graph.call_function(functional, node.args, node.kwargs)
+        value.meta = dict(node.meta)
+        for user in list(target.users):
+            if user not in (node, value) and position[user] > position[node]:
+                user.replace_input_with(target, value)
+        node.replace_all_uses_with(value)
+        graph.erase_node(node)

@@ -41,7 +41,8 @@ from torch import Tensor, fx, nn
 from torch.utils import _pytree as pytree
 
 from torchgpipe._validation import brief, describe
-from torchgpipe.capture import Captured, Interface, capture, is_check, is_shape
+from torchgpipe.capture import (Captured, Interface, capture, is_check, is_shape, named_arguments,
+                                output_nodes)
 from torchgpipe.gpipe import GPipe
 from torchgpipe.microbatch import TensorOrTensors
 from torchgpipe.skip.namespace import Namespace
@@ -86,9 +87,10 @@ class _Step(nn.Module):
         stashes (list of strs): the skip names to stash, in result order
         transient (list of strs): the qualified names, in ``graph_module``,
             of the tensors to leave out of the state dict
-        captured_training (bool, optional): the mode the graph was recorded
-            in, when its operations depend on it (torch.export records
-            dropout as on or off); ``None`` when they do not
+        captured_training (bool, optional): the mode torch.export recorded
+            the graph in (its operations may depend on it: dropout recorded
+            on or off), in which alone the step runs; ``None`` for a graph
+            traced by torch.fx
     """
 
     def __init__(self, graph_module: fx.GraphModule, tuple_input: bool,
@@ -195,8 +197,7 @@ def _trace(module: nn.Module, tracer: _Tracer,
 
 def _example_of(module: nn.Module) -> str:
     """How to give an example for ``module``: its main input by name, if it has a name."""
-    names = [name for name, p in inspect.signature(module.forward).parameters.items()
-             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    names = named_arguments(module)
     # transformers models name their main input (pixel_values, input_ids).
     main = getattr(module, 'main_input_name', None)
     name = main if isinstance(main, str) and main in names else names[0] if names else None
@@ -483,8 +484,12 @@ def to_sequential(module: nn.Module, *,
             result_nodes = passed[k]
         # A stateless module called at several places is a child itself at
         # its first call only: GPipe refuses the same child twice, so its
-        # other calls are generated children that call it.
+        # other calls are generated children that call it. With torch.export,
+        # the first child is always generated: the check of the mode the
+        # graph was recorded in then runs on every call, even when the code
+        # that depends on the mode recorded nothing.
         if (len(segment) == 1 and segment[0].op == 'call_module' and not pops
+                and not (k == 0 and interface.training is not None)
                 and not stashes and not segment[0].kwargs
                 and list(segment[0].args) == inputs and result_nodes == segment
                 and all(child is not _attr(root, segment[0].target)
@@ -540,17 +545,16 @@ def _capture_fx(module: nn.Module, leaves: List[LeafSpec],
                      if value is not fx.PH}  # type: ignore[attr-defined]
     graph = _trace(module, tracer, concrete_args)
     _drop_concrete_args(graph, module, concrete_args)
-    names = [n.name for n in graph.nodes if n.op == 'placeholder']
+    # By the argument's name: fx renames a node that would shadow a builtin.
+    names = [str(n.target) for n in graph.nodes if n.op == 'placeholder']
     # A dict, a dataclass... of tensors is returned as the tuple of them,
     # which the interface arranges back.
     output = next(n for n in graph.nodes if n.op == 'output')
-    leaves, structure = pytree.tree_flatten(output.args[0])
-    if not all(isinstance(leaf, fx.Node) for leaf in leaves):
-        raise TypeError(describe('module must return tensors to be flattened',
-                                 f'output: {output.args[0]!r}', 'return the tensors alone'))
+    flat, structure = pytree.tree_flatten(output.args[0])
+    results = output_nodes(flat, output.args[0])
     plain = isinstance(output.args[0], fx.Node) or (
         type(output.args[0]) is tuple and all(isinstance(r, fx.Node) for r in output.args[0]))
-    output.args = (leaves[0] if len(leaves) == 1 else tuple(leaves),)
+    output.args = (results[0] if len(results) == 1 else tuple(results),)
     # The tracer may have put constant tensors on the root: read it from there.
     return Captured(graph, tracer.root,
                     Interface(names, concrete_args, None if plain else structure))
@@ -565,7 +569,7 @@ def _dummy_inputs(module: nn.Module) -> Optional[Dict[str, Any]]:
     dummy = getattr(module, 'dummy_inputs', None)
     if not isinstance(dummy, dict):
         return None
-    named = inspect.signature(module.forward).parameters
+    named = named_arguments(module)
     return {key: value for key, value in dummy.items() if key in named} or None
 
 

@@ -226,8 +226,14 @@ class SandboxSkipTracker(SkipTracker):
     def save(self, batch: Batch, ns: Namespace, name: str, tensor: Optional[Tensor]) -> None:
         if tensor is not None:
             self.stashed.append(tensor)
-            tensor = detach_tensor(tensor).clone()
+            tensor = detach_tensor(tensor)
         super().save(batch, ns, name, tensor)
+
+    def load(self, batch: Batch, ns: Namespace, name: str) -> Optional[Tensor]:
+        tensor = super().load(batch, ns, name)
+        # A copy for the popping layer, made as it pops (not counted in the
+        # stashing layer's memory), which that layer may change in place.
+        return None if tensor is None else tensor.clone()
 
     def take_stashed(self) -> List[Tensor]:
         """Returns the tensors stashed since the last call, and forgets them."""

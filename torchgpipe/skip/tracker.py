@@ -119,12 +119,19 @@ class SkipTrackerThroughPortals(SkipTracker):
         if not phony.requires_grad:
             return
         # The phony's backward (the gradient's exit from the portal) must
-        # run after everything downstream of the stash: join it there.
+        # run after everything downstream of the stash: join it there. Into
+        # every output that carries a gradient, not only the first: the
+        # phony's backward runs once every joined output that the loss
+        # reaches has given its gradient, and would never run if the one
+        # output it hung on were dropped or detached downstream.
         index = batch.find(lambda x: x.is_floating_point())
         if index is None:
             raise RuntimeError(f"skip tensor '{name}' requires grad, but the stashing layer's "
                                'output has no floating point tensor to carry its gradient')
-        batch[index] = join(batch[index], phony)
+        carriers = [i for i in range(index, len(batch))
+                    if batch[i].is_floating_point() and batch[i].requires_grad] or [index]
+        for i in carriers:
+            batch[i] = join(batch[i], phony)
 
     def load(self, batch: Batch, ns: Namespace, name: str) -> Optional[Tensor]:
         """Takes a skip out of its portal, or out of the dictionary.
