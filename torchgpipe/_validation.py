@@ -2,7 +2,7 @@
 
 An argument of the wrong type raises :exc:`TypeError`; an argument of the
 right type but a wrong value raises :exc:`ValueError` (or the subclass the
-contract names, such as :class:`~torchgpipe.gpipe.BalanceError`, or
+contract names, such as :class:`BalanceError`, or
 :exc:`IndexError` for too few devices). Every message says, in this order,
 what is required, what was received, and how to fix it::
 
@@ -14,11 +14,15 @@ as requirements, word for word) and copy the fix. Arguments are checked
 before anything is changed: a failed call leaves the user's module as it was.
 """
 import numbers
-from typing import List, Optional
+from typing import Dict, Iterable, List, Optional, Tuple, Union, cast
 
 import torch
+from torch import nn
 
 __all__: List[str] = []
+
+#: What a device argument may be: a device, a CUDA index, or a name such as 'cuda:0'.
+Device = Union[torch.device, int, str]
 
 
 def describe(requirement: str, received: str, fix: str) -> str:
@@ -151,3 +155,174 @@ def check_available(name: str, device: torch.device, no_cuda_fix: str) -> None:
         raise ValueError(describe(f'{name} is {device} but only {count} CUDA devices are visible',
                                   f'{name}: {str(device)!r}',
                                   f"use an index below {count}, such as 'cuda:0'"))
+
+
+# The wrapper's own arguments: the module, its balance, its devices.
+
+
+def deny_moving() -> TypeError:
+    """The error of moving a GPipe module as a whole: each partition has its own device."""
+    # The text is torchgpipe 0.0.7's: scripts may match on it.
+    return TypeError('denied to move parameters and buffers, '
+                     'because GPipe should manage device placement')
+
+
+#: What every balance error adds: torchgpipe.balance finds a balance itself.
+BALANCE_HINT = """\
+torchgpipe.balance can find a balance for you, from the time (balance_by_time)
+or the memory (balance_by_size) each layer takes on a sample batch:
+
+  from torchgpipe.balance import balance_by_time
+
+  balance = balance_by_time(len(devices), model, sample, device=devices[0])
+  model = GPipe(model, balance, devices=devices, chunks=8)
+"""
+
+
+def recommend_auto_balance(message: str) -> str:
+    """Appends :data:`BALANCE_HINT` to an error message about the balance."""
+    return f'{message}\n\n{BALANCE_HINT}'
+
+
+class BalanceError(ValueError):
+    """The balance does not fit the module."""
+
+
+def verify_module(module: nn.Sequential) -> None:
+    """Checks that the module can be partitioned.
+
+    Parameters shared by children are allowed (tied weights): see
+    :func:`split_module`.
+
+    Raises:
+        TypeError: the module is not :class:`~torch.nn.Sequential`
+        ValueError: a child appears twice
+    """
+    if not isinstance(module, nn.Sequential):
+        # The 0.0.7 messages of this function are matched on by users: they
+        # stay word for word; docs/troubleshooting.rst gives the fix.
+        raise TypeError('module must be nn.Sequential to be partitioned')
+
+    # Sequential's own iteration would hide a repeated child: it lists each
+    # module once.
+    if shares_objects(module._modules.items()):
+        raise ValueError('module with duplicate children is not supported')
+
+
+def shares_objects(owned: Iterable[Tuple[str, object]]) -> bool:
+    """Whether an object is found under two names."""
+    owners: Dict[int, str] = {}
+    return any(owners.setdefault(id(obj), name) != name for name, obj in owned)
+
+
+def example_balance(layers: int) -> List[int]:
+    """A balance fitting ``layers`` layers, to show in error messages: two
+    even partitions (one for a single layer)."""
+    partitions = min(2, layers)
+    return [layers // partitions + (j < layers % partitions) for j in range(partitions)]
+
+
+def check_balance(module: nn.Sequential, balance: object) -> List[int]:
+    """Checks the balance against the module.
+
+    Returns:
+        list of ints: the balance
+
+    Raises:
+        TypeError: the balance is not an iterable of ints
+        BalanceError: the balance does not sum to the number of layers, or
+            has a non-positive entry
+    """
+    layers = len(module)
+    example = example_balance(layers)
+
+    type_error = TypeError(describe(
+        'balance must be a list of ints, the number of layers of each partition',
+        f'balance: {balance!r}',
+        f'give one int per partition, such as balance={example} for {layers} layers'))
+    # A string is iterable, but its characters are no numbers of layers.
+    if isinstance(balance, (str, bytes)):
+        raise type_error
+    try:
+        values = list(cast(Iterable[object], balance))
+    except TypeError:
+        raise type_error from None
+    # Integral values such as 2.0, NumPy integers or torch.tensor(2) count
+    # as ints, as in torchgpipe 0.0.7.
+    entries = [as_int(x) for x in values]
+    if None in entries:
+        raise type_error
+    result = cast(List[int], entries)
+
+    if sum(result) != layers:
+        raise BalanceError(describe('module and sum of balance have different length',
+                                    f'module: {layers}, sum of balance: {sum(result)}',
+                                    f'make the numbers add up to the {layers} layers, '
+                                    f'such as balance={example}'))
+    if any(x <= 0 for x in result):
+        raise BalanceError(describe('all balance numbers must be positive integer',
+                                    f'balance: {result!r}',
+                                    f'give every partition at least one layer, '
+                                    f'such as balance={example}'))
+    return result
+
+
+def device_example(device: object) -> str:
+    """How a single device argument is written in an example of a correct
+    call; ``'cpu'`` for anything else."""
+    if isinstance(device, (str, int, torch.device)) and not isinstance(device, bool):
+        try:
+            return str(torch.device(device))
+        except RuntimeError:
+            pass
+    return 'cpu'
+
+
+def check_devices(devices: object, partitions: int) -> List[torch.device]:
+    """Checks the devices and that there is one for each partition.
+
+    Args:
+        devices: the ``devices`` argument of :class:`GPipe`; ``None`` for
+            every CUDA device
+        partitions (int): the number of partitions
+
+    Returns:
+        list of torch.device: every device given (not only the first
+        ``partitions``)
+
+    Raises:
+        TypeError: ``devices`` is not an iterable of devices
+        ValueError: a device is not valid, or is a CUDA device that does not exist here
+        IndexError: fewer devices than partitions
+    """
+    if devices is None:
+        devices = range(torch.cuda.device_count())
+
+    single = isinstance(devices, (str, int, torch.device)) and not isinstance(devices, bool)
+    example = [device_example(devices if single else None)] * partitions
+    fix = f'give one device per partition, such as devices={example}'
+    type_error = TypeError(describe('devices must be a list of devices, one per partition',
+                                    f'devices: {devices!r}', fix))
+    # A string is iterable, but its characters are no devices.
+    if single:
+        raise type_error
+    try:
+        values = list(cast(Iterable[object], devices))
+    except TypeError:
+        raise type_error from None
+    device_list = [parse_device(f'devices[{i}]', value, fix) for i, value in enumerate(values)]
+
+    if len(device_list) < partitions:
+        # Fill up with the last device: one device may hold several partitions.
+        last = [str(d) for d in device_list[-1:]] or ['cpu']
+        example = [str(d) for d in device_list] + last * (partitions - len(device_list))
+        raise IndexError(describe('too few devices to hold given partitions',
+                                  f'devices: {len(device_list)}, partitions: {partitions}',
+                                  f'give one device per partition, such as devices={example}, '
+                                  f'or use fewer partitions'))
+
+    # Only the devices in use must exist: extra ones are ignored.
+    no_cuda_fix = f"run on the CPU, such as devices={['cpu'] * partitions}"
+    for i, device in enumerate(device_list[:partitions]):
+        check_available(f'devices[{i}]', device, no_cuda_fix)
+    return device_list

@@ -1,5 +1,4 @@
 """The GPipe interface: partitioning a sequential module and running it as a pipeline."""
-import copy
 from collections import OrderedDict
 from typing import (Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Union,
                     cast)
@@ -8,10 +7,11 @@ import torch
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from torchgpipe import microbatch
-from torchgpipe._validation import (as_int, check_available, check_chunks, describe,
-                                    parse_device)
-from torchgpipe.batchnorm import DeferredBatchNorm, deferred_step, restore_batch_norm
+from torchgpipe import microbatch, plain
+from torchgpipe._validation import (BalanceError, Device, check_balance, check_chunks,
+                                    check_devices, deny_moving, describe, example_balance,
+                                    recommend_auto_balance, verify_module)
+from torchgpipe.batchnorm import DeferredBatchNorm, deferred_step
 from torchgpipe.microbatch import TensorOrTensors
 from torchgpipe.pipeline import Pipeline
 from torchgpipe.schedule import SCHEDULES
@@ -19,181 +19,12 @@ from torchgpipe.skip.layout import inspect_skip_layout
 from torchgpipe.skip.skippable import verify_skippables
 from torchgpipe.stepper import Step
 from torchgpipe.stream import AbstractStream, current_stream, new_stream, use_device
-from torchgpipe.tied import place_partitions, retie
+from torchgpipe.tied import place_partitions
 from torchgpipe.traits import RunState
 
 __all__ = ['GPipe', 'BalanceError', 'verify_module', 'split_module']
 
-Device = Union[torch.device, int, str]
 Devices = Union[Iterable[Device], List[Device]]
-
-def deny_moving() -> TypeError:
-    """The error of moving a GPipe module as a whole: each partition has its own device."""
-    # The text is torchgpipe 0.0.7's: scripts may match on it.
-    return TypeError('denied to move parameters and buffers, '
-                     'because GPipe should manage device placement')
-
-
-#: What every balance error adds: torchgpipe.balance finds a balance itself.
-BALANCE_HINT = """\
-torchgpipe.balance can find a balance for you, from the time (balance_by_time)
-or the memory (balance_by_size) each layer takes on a sample batch:
-
-  from torchgpipe.balance import balance_by_time
-
-  balance = balance_by_time(len(devices), model, sample, device=devices[0])
-  model = GPipe(model, balance, devices=devices, chunks=8)
-"""
-
-
-def recommend_auto_balance(message: str) -> str:
-    """Appends :data:`BALANCE_HINT` to an error message about the balance."""
-    return f'{message}\n\n{BALANCE_HINT}'
-
-
-class BalanceError(ValueError):
-    """The balance does not fit the module."""
-
-
-def verify_module(module: nn.Sequential) -> None:
-    """Checks that the module can be partitioned.
-
-    Parameters shared by children are allowed (tied weights): see
-    :func:`split_module`.
-
-    Raises:
-        TypeError: the module is not :class:`~torch.nn.Sequential`
-        ValueError: a child appears twice
-    """
-    if not isinstance(module, nn.Sequential):
-        # The 0.0.7 messages of this function are matched on by users: they
-        # stay word for word; docs/troubleshooting.rst gives the fix.
-        raise TypeError('module must be nn.Sequential to be partitioned')
-
-    # Sequential's own iteration would hide a repeated child: it lists each
-    # module once.
-    if shares_objects(module._modules.items()):
-        raise ValueError('module with duplicate children is not supported')
-
-
-def shares_objects(owned: Iterable[Tuple[str, object]]) -> bool:
-    """Whether an object is found under two names."""
-    owners: Dict[int, str] = {}
-    return any(owners.setdefault(id(obj), name) != name for name, obj in owned)
-
-
-def example_balance(layers: int) -> List[int]:
-    """A balance fitting ``layers`` layers, to show in error messages: two
-    even partitions (one for a single layer)."""
-    partitions = min(2, layers)
-    return [layers // partitions + (j < layers % partitions) for j in range(partitions)]
-
-
-def check_balance(module: nn.Sequential, balance: object) -> List[int]:
-    """Checks the balance against the module.
-
-    Returns:
-        list of ints: the balance
-
-    Raises:
-        TypeError: the balance is not an iterable of ints
-        BalanceError: the balance does not sum to the number of layers, or
-            has a non-positive entry
-    """
-    layers = len(module)
-    example = example_balance(layers)
-
-    type_error = TypeError(describe(
-        'balance must be a list of ints, the number of layers of each partition',
-        f'balance: {balance!r}',
-        f'give one int per partition, such as balance={example} for {layers} layers'))
-    # A string is iterable, but its characters are no numbers of layers.
-    if isinstance(balance, (str, bytes)):
-        raise type_error
-    try:
-        values = list(cast(Iterable[object], balance))
-    except TypeError:
-        raise type_error from None
-    # Integral values such as 2.0, NumPy integers or torch.tensor(2) count
-    # as ints, as in torchgpipe 0.0.7.
-    entries = [as_int(x) for x in values]
-    if None in entries:
-        raise type_error
-    result = cast(List[int], entries)
-
-    if sum(result) != layers:
-        raise BalanceError(describe('module and sum of balance have different length',
-                                    f'module: {layers}, sum of balance: {sum(result)}',
-                                    f'make the numbers add up to the {layers} layers, '
-                                    f'such as balance={example}'))
-    if any(x <= 0 for x in result):
-        raise BalanceError(describe('all balance numbers must be positive integer',
-                                    f'balance: {result!r}',
-                                    f'give every partition at least one layer, '
-                                    f'such as balance={example}'))
-    return result
-
-
-def device_example(device: object) -> str:
-    """How a single device argument is written in an example of a correct
-    call; ``'cpu'`` for anything else."""
-    if isinstance(device, (str, int, torch.device)) and not isinstance(device, bool):
-        try:
-            return str(torch.device(device))
-        except RuntimeError:
-            pass
-    return 'cpu'
-
-
-def check_devices(devices: object, partitions: int) -> List[torch.device]:
-    """Checks the devices and that there is one for each partition.
-
-    Args:
-        devices: the ``devices`` argument of :class:`GPipe`; ``None`` for
-            every CUDA device
-        partitions (int): the number of partitions
-
-    Returns:
-        list of torch.device: every device given (not only the first
-        ``partitions``)
-
-    Raises:
-        TypeError: ``devices`` is not an iterable of devices
-        ValueError: a device is not valid, or is a CUDA device that does not exist here
-        IndexError: fewer devices than partitions
-    """
-    if devices is None:
-        devices = range(torch.cuda.device_count())
-
-    single = isinstance(devices, (str, int, torch.device)) and not isinstance(devices, bool)
-    example = [device_example(devices if single else None)] * partitions
-    fix = f'give one device per partition, such as devices={example}'
-    type_error = TypeError(describe('devices must be a list of devices, one per partition',
-                                    f'devices: {devices!r}', fix))
-    # A string is iterable, but its characters are no devices.
-    if single:
-        raise type_error
-    try:
-        values = list(cast(Iterable[object], devices))
-    except TypeError:
-        raise type_error from None
-    device_list = [parse_device(f'devices[{i}]', value, fix) for i, value in enumerate(values)]
-
-    if len(device_list) < partitions:
-        # Fill up with the last device: one device may hold several partitions.
-        last = [str(d) for d in device_list[-1:]] or ['cpu']
-        example = [str(d) for d in device_list] + last * (partitions - len(device_list))
-        raise IndexError(describe('too few devices to hold given partitions',
-                                  f'devices: {len(device_list)}, partitions: {partitions}',
-                                  f'give one device per partition, such as devices={example}, '
-                                  f'or use fewer partitions'))
-
-    # Only the devices in use must exist: extra ones are ignored.
-    no_cuda_fix = f"run on the CPU, such as devices={['cpu'] * partitions}"
-    for i, device in enumerate(device_list[:partitions]):
-        check_available(f'devices[{i}]', device, no_cuda_fix)
-    return device_list
-
 
 def split_module(module: nn.Sequential, balance: Iterable[int],
                  devices: List[torch.device],
@@ -463,45 +294,7 @@ class GPipe(nn.Module):
             >>> list(gpipe.state_dict())[0]
             'partitions.0.0.weight'
         """
-        # The child names are unique across partitions: each names its partition.
-        partition_of = {name: j for j, partition in enumerate(self._partitions())
-                        for name in partition._modules}
-
-        def in_gpipe_style(key: str) -> Optional[str]:
-            # The module path of metadata keys has no parameter name: '0'.
-            child = key.split('.', 1)[0]
-            return f'partitions.{partition_of[child]}.{key}' if child in partition_of else None
-
-        def is_own(key: str) -> bool:
-            parts = key.split('.', 3)
-            return (len(parts) > 2 and parts[0] == 'partitions'
-                    and str(partition_of.get(parts[2])) == parts[1])
-
-        load = super().load_state_dict
-        if any(map(is_own, state_dict)) or not any(map(in_gpipe_style, state_dict)):
-            return cast(_IncompatibleKeys, load(state_dict, strict, assign))
-
-        # Keys of no child stay as they are, to be reported unexpected.
-        renamed = {key: in_gpipe_style(key) or key for key in state_dict}
-        translated: Any = OrderedDict((renamed[key], value) for key, value in state_dict.items())
-        metadata = getattr(state_dict, '_metadata', None)
-        if metadata is not None:
-            # The versions of the layers, which BatchNorm's loading reads.
-            translated._metadata = OrderedDict(
-                (in_gpipe_style(path) or path, value) for path, value in metadata.items())
-        given = {new: old for old, new in renamed.items()}
-
-        def report_in_given_style(module: nn.Module, keys: _IncompatibleKeys) -> None:
-            # Every missing key is one of ours: 'partitions.<j>.<child name>...'.
-            keys.missing_keys[:] = [key.split('.', 2)[2] for key in keys.missing_keys]
-            keys.unexpected_keys[:] = [given.get(key, key) for key in keys.unexpected_keys]
-
-        hook = self.register_load_state_dict_post_hook(  # type: ignore[no-untyped-call]
-            report_in_given_style)
-        try:
-            return cast(_IncompatibleKeys, load(translated, strict, assign))
-        finally:
-            hook.remove()
+        return plain.load_state_dict(self, self._partitions(), state_dict, strict, assign)
 
     def unwrap(self, device: Optional[Device] = None) -> nn.Sequential:
         """The plain :class:`nn.Sequential <torch.nn.Sequential>` this GPipe
@@ -540,30 +333,7 @@ class GPipe(nn.Module):
             >>> make_model().load_state_dict(model.state_dict())
             <All keys matched successfully>
         """
-        if device is None:
-            target = torch.device('cpu')
-        else:
-            target = parse_device('device', device,
-                                  "use a device such as device='cpu' or device='cuda:0'")
-            check_available('device', target, "unwrap on the CPU with device='cpu'")
-
-        # One memo for all layers keeps what they share shared.
-        memo: Dict[int, Any] = {}
-        layers: 'OrderedDict[str, nn.Module]' = OrderedDict()
-        for partition in self._partitions():
-            for name, layer in partition.named_children():
-                # Moved layer by layer: a partition's device never holds a
-                # copy of more than one of its layers.
-                # Copied with the same memo as the master, a later use of a
-                # tied parameter gets it back as its own parameter.
-                layer_copy = copy.deepcopy(layer, memo)
-                retie(layer_copy)
-                layers[name] = layer_copy.to(target)
-
-        module = nn.Sequential(layers)
-        # Not train(): each layer keeps its own mode.
-        module.training = self.training
-        return cast(nn.Sequential, restore_batch_norm(module))
+        return plain.unwrap(self._partitions(), self.training, device)
 
     def _ensure_copy_streams(self) -> List[List[AbstractStream]]:
         """Creates a copy stream per device per micro-batch, once."""

@@ -20,21 +20,19 @@ Example::
 """
 import math
 import numbers
-from typing import List, Optional, Union
+from typing import List, Optional
 
 import torch
 from torch import nn
 
 from torchgpipe import microbatch
-from torchgpipe._validation import check_available, check_chunks, describe, parse_device
+from torchgpipe._validation import (Device, check_available, check_chunks, describe, parse_device,
+                                    verify_module)
 from torchgpipe.balance import blockpartition
 from torchgpipe.balance.profile import profile_sizes, profile_times
-from torchgpipe.gpipe import verify_module
 from torchgpipe.microbatch import TensorOrTensors
 
 __all__ = ['balance_by_time', 'balance_by_size']
-
-Device = Union[torch.device, int, str]
 
 
 def balance_cost(cost: List[int], partitions: int) -> List[int]:
