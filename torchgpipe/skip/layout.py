@@ -4,6 +4,7 @@ from typing import Dict, Iterable, List, Sequence, Tuple
 from torch import nn
 
 from torchgpipe.skip.namespace import Namespace
+from torchgpipe.skip.skippable import Skippable
 
 __all__: List[str] = []
 
@@ -69,10 +70,6 @@ def inspect_skip_layout(partitions: Sequence[nn.Sequential]) -> SkipLayout:
     Returns:
         SkipLayout: the routes
     """
-    # Imported here: the skippable module imports the tracker, which imports
-    # this module.
-    from torchgpipe.skip.skippable import Skippable
-
     stashed_at: Dict[Tuple[Namespace, str], int] = {}
     popped_at: Dict[Tuple[Namespace, str], int] = {}
 

@@ -8,7 +8,7 @@ dictionary too. torchgpipe 0.0.7 spelled that class
 ``SkipTrackerThroughPotals``; the old name still works.
 """
 import threading
-from typing import ContextManager, Dict, List, Optional, Tuple
+from typing import ContextManager, Dict, List, Optional, Protocol, Tuple
 
 import torch
 from torch import Tensor
@@ -17,7 +17,6 @@ from torchgpipe.checkpoint import is_checkpointing
 from torchgpipe.dependency import fork, join
 from torchgpipe.microbatch import Batch
 from torchgpipe.phony import get_phony
-from torchgpipe.skip.layout import SkipLayout
 from torchgpipe.skip.namespace import Namespace
 from torchgpipe.skip.portal import Portal
 from torchgpipe.stream import AbstractStream
@@ -74,6 +73,17 @@ class SkipTracker:
         raise TypeError('copy is not supported for non-portal skip tensors')
 
 
+class Routes(Protocol):
+    """What the tracker asks of a :class:`~torchgpipe.skip.layout.SkipLayout`.
+
+    A protocol, so that the tracker needs nothing of the module that finds
+    the routes (it reads the skippable layers, which use this tracker).
+    """
+
+    def requires_copy(self, ns: Namespace, name: str) -> bool:
+        """Whether the skip is stashed and popped in different partitions."""
+
+
 class SkipTrackerThroughPortals(SkipTracker):
     """Tracks the skip tensors of one micro-batch inside GPipe.
 
@@ -83,9 +93,10 @@ class SkipTrackerThroughPortals(SkipTracker):
 
     Args:
         skip_layout (SkipLayout): the partitions that stash and pop each skip
+            (:class:`~torchgpipe.skip.layout.SkipLayout`)
     """
 
-    def __init__(self, skip_layout: SkipLayout) -> None:
+    def __init__(self, skip_layout: 'Routes') -> None:
         super().__init__()
         self.skip_layout = skip_layout
         self.portals: Dict[Tuple[Namespace, str], Portal] = {}
