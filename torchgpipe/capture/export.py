@@ -1,4 +1,4 @@
-"""Capturing a graph with torch.export for :func:`~torchgpipe.to_sequential`.
+"""Capturing a graph with :func:`torch.export.export`, for :func:`~torchgpipe.to_sequential`.
 
 :mod:`torch.fx` traces ``forward`` with symbolic values and no example: it
 keeps every shape symbolic and needs no input, but it fails on code that
@@ -22,12 +22,12 @@ where a branch depends on a size. :func:`capture` gives
 * what is left between those calls runs as recorded: ATen operations.
 
 Those operations were recorded in the mode the module was in (the
-``training`` flag decides dropout and such); :class:`Interface` keeps that
-mode, and the generated children refuse to run in the other one.
+``training`` flag decides dropout and such); the :class:`Interface` keeps
+that mode, and the generated children refuse to run in the other one.
 """
 import inspect
 import operator
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 from torch import Tensor, fx, nn
@@ -36,192 +36,15 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
 from torchgpipe._validation import describe
-from torchgpipe.microbatch import TensorOrTensors
+from torchgpipe.capture.graph import Captured, is_shape, named_arguments, output_nodes
+from torchgpipe.capture.interface import Interface
 
 __all__: List[str] = []
 
 
-class Interface:
-    """How to call a flattened sequential as the original module was called.
-
-    :func:`~torchgpipe.to_sequential` puts one on the sequential it returns,
-    as ``seq.interface``. The sequential (and GPipe around it) takes one
-    tensor, or a tuple of tensors in the order of ``names``, and returns
-    a tensor or a tuple of tensors; :meth:`inputs` and :meth:`outputs`
-    translate from and to the original's way.
-
-    Args:
-        names (tuple of strs): the original's arguments the sequential
-            takes, in order
-        fixed (dict): the arguments fixed while capturing, with their value
-        structure: how the original arranges the tensors it returns, or
-            ``None`` for a tensor or a tuple of tensors as the sequential
-        training (bool, optional): the mode the graph was captured in, when
-            the generated children depend on it
-
-    Example::
-
-        >>> from torchgpipe import to_sequential
-        >>> class Scale(nn.Module):
-        ...     def forward(self, x, scale, inverse=False):
-        ...         return {'y': x / scale if inverse else x * scale}
-        >>> seq = to_sequential(Scale(), example_inputs={'x': torch.ones(2, 3),
-        ...                                              'scale': torch.ones(2, 1)})
-        >>> seq.interface.names
-        ('x', 'scale')
-        >>> output = seq(seq.interface.inputs(torch.ones(4, 3), scale=torch.full((4, 1), 2.)))
-        >>> seq.interface.outputs(output)
-        {'y': tensor([[2., 2., 2.],
-                [2., 2., 2.],
-                [2., 2., 2.],
-                [2., 2., 2.]])}
-    """
-
-    def __init__(self, names: Sequence[str], fixed: Dict[str, Any],
-                 structure: Optional[pytree.TreeSpec] = None,
-                 training: Optional[bool] = None) -> None:
-        self.names = tuple(names)
-        self.fixed = dict(fixed)
-        self.structure = structure
-        self.training = training
-
-    def __repr__(self) -> str:
-        return f'Interface(names={self.names})'
-
-    # pickle and copy.deepcopy: a TreeSpec's leaves do not copy quietly
-    # (torch warns about the class they are made again with), so the
-    # structure travels as nested tuples and is built again.
-    def __getstate__(self) -> Dict[str, Any]:
-        state = dict(self.__dict__)
-        state['structure'] = _encode(self.structure)
-        return state
-
-    def __setstate__(self, state: Dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self.structure = None if state['structure'] is None else _decode(state['structure'])
-
-    def inputs(self, *args: Any, **kwargs: Any) -> TensorOrTensors:
-        """Arranges arguments given as to the original module into the sequential's input.
-
-        Returns:
-            torch.Tensor or tuple: the one input tensor, or the tuple of them
-            in the order of ``names``
-
-        Raises:
-            TypeError: an input is missing, unknown or given twice, or an
-                argument fixed while capturing is given another value
-        """
-        if len(args) > len(self.names):
-            raise TypeError(describe(f'inputs takes at most {len(self.names)} positional '
-                                     'arguments', f'{len(args)} given',
-                                     f'give them by name: {", ".join(self.names)}'))
-        given = dict(zip(self.names, args))
-        for name, value in kwargs.items():
-            if name in given:
-                raise TypeError(describe(f'inputs got {name!r} twice', f'{name}: given twice',
-                                         'give it once, by position or by name'))
-            if name in self.fixed and name not in self.names:
-                if value is not self.fixed[name] and value != self.fixed[name]:
-                    raise TypeError(describe(
-                        f'{name} was fixed to {self.fixed[name]!r} when the model was captured',
-                        f'{name}: {value!r}', f'capture the model with {name} in '
-                        f'to_sequential(module, example_inputs=...) to make it an input'))
-                continue
-            if name not in self.names:
-                raise TypeError(describe(f'the sequential takes no input {name!r}',
-                                         f'{name}: given', 'give only '
-                                         f'{", ".join(self.names)}, or capture the model with '
-                                         f'{name} in to_sequential(module, example_inputs=...)'))
-            given[name] = value
-        missing = [name for name in self.names if name not in given]
-        if missing:
-            raise TypeError(describe(f'the sequential needs {", ".join(missing)}',
-                                     f'given: {", ".join(given) or "nothing"}',
-                                     f'give every one of {", ".join(self.names)}'))
-        values = tuple(given[name] for name in self.names)
-        return values[0] if len(values) == 1 else values
-
-    def outputs(self, output: TensorOrTensors) -> Any:
-        """Arranges the sequential's output as the original module returns it.
-
-        Args:
-            output (torch.Tensor or tuple): what the sequential (or GPipe
-                around it) returned
-
-        Returns:
-            the original's output: a ``ModelOutput`` of transformers, a
-            dict, a dataclass... holding those tensors
-        """
-        if self.structure is None:
-            return output
-        leaves = list(output) if isinstance(output, tuple) else [output]
-        return pytree.tree_unflatten(leaves, self.structure)
-
-
-def _encode(spec: Optional[pytree.TreeSpec]) -> Any:
-    """A tree structure as nested tuples: ``None`` for a leaf, else (type, context, children)."""
-    if spec is None or spec.is_leaf():
-        return None
-    # children() in recent releases of torch, the field children_specs before.
-    children = spec.children() if callable(getattr(spec, 'children', None)) \
-        else spec.children_specs
-    return (spec.type, spec.context, [_encode(child) for child in children])
-
-
-def _decode(encoded: Any) -> pytree.TreeSpec:
-    """The tree structure :func:`_encode` encoded."""
-    if encoded is None:
-        return pytree.tree_structure(0)
-    kind, context, children = encoded
-    return pytree.TreeSpec(kind, context, [_decode(child) for child in children])
-
-
-class Captured(NamedTuple):
-    """A graph to cut into children, and what its nodes name."""
-
-    #: placeholders: the sequential's inputs; output: a node or a tuple of nodes
-    graph: fx.Graph
-    #: what ``get_attr`` and ``call_module`` targets name: a module or a dict
-    root: Union[nn.Module, Dict[str, Any]]
-    interface: Interface
-
-
-# The sizes export reads from a tensor.
-_SIZES = (torch.ops.aten.sym_size.int, torch.ops.aten.sym_numel.default,
-          torch.ops.aten.sym_stride.int, torch.ops.aten.sym_storage_offset.default)
-# The checks of a condition, in fx's traces and in export's.
-_CHECKS = (torch._assert, torch.ops.aten._assert_scalar.default,
-           torch.ops.aten.sym_constrain_range_for_size.default)
 # Checks export adds for its own guarantees: that a ``.to()`` got the dtype
 # it was traced with. Each operation checks its operands anyway.
 _DROPPED = (torch.ops.aten._assert_tensor_metadata.default,)
-
-
-def is_shape(node: fx.Node) -> bool:
-    """Whether a node computes a shape, a size or a number from shapes only.
-
-    Such values are no tensors, so they cannot go from child to child in
-    GPipe; each child that uses one computes it again from its tensor.
-    """
-    if node.op == 'call_method' and node.target in ('size', 'dim', 'numel'):
-        return True
-    if node.op != 'call_function':
-        return False
-    if node.target is getattr:
-        return node.args[1] in ('shape', 'ndim', 'dtype', 'device')
-    if node.target in _SIZES:
-        return True
-    # Arithmetic on sizes: Python's operators (fx), and torch.sym_max and
-    # such (export).
-    if getattr(node.target, '__module__', '') in ('_operator', 'operator') \
-            or getattr(node.target, '__name__', '').startswith('sym_'):
-        return bool(node.all_input_nodes) and all(is_shape(a) for a in node.all_input_nodes)
-    return False
-
-
-def is_check(node: fx.Node) -> bool:
-    """Whether ``node`` only checks a condition (``torch._assert``), making no value."""
-    return node.op == 'call_function' and node.target in _CHECKS
 
 
 def capture(module: nn.Module, example: Any) -> Captured:
@@ -314,25 +137,6 @@ def _refuse_update(buffer: str) -> None:
         f'updated: {buffer}', 'update it in a module of its own whose forward takes one tensor '
         '(its calls stay whole), or flatten with torch.fx, without example_inputs, keeping the '
         'module that updates it whole with leaf_modules'))
-
-
-def named_arguments(module: nn.Module) -> List[str]:
-    """The arguments of ``module.forward`` that can be given by name, in order."""
-    return [name for name, p in inspect.signature(module.forward).parameters.items()
-            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-
-
-def output_nodes(leaves: Sequence[Any], shown: object) -> List[fx.Node]:
-    """The nodes of a graph's outputs, checked to be values the graph computes.
-
-    Raises:
-        TypeError: an output is a constant (a number, ``None``): the
-            sequential returns tensors only
-    """
-    if not all(isinstance(leaf, fx.Node) for leaf in leaves):
-        raise TypeError(describe('module must return tensors to be flattened',
-                                 f'output: {shown!r}', 'return the tensors alone'))
-    return list(leaves)
 
 
 def _bind(module: nn.Module, example: Any) -> Dict[str, Any]:

@@ -1,0 +1,156 @@
+"""Capturing a graph with :mod:`torch.fx`, for :func:`~torchgpipe.to_sequential`.
+
+``forward`` runs on symbolic values: no example is needed and every size
+stays symbolic. Modules of ``torch.nn``, skippable layers and the
+``leaf_modules`` a user names are kept whole, as ``call_module`` nodes.
+When fx fails, the error names the module and the line, and a change that
+works.
+"""
+import inspect
+import linecache
+import os
+import traceback
+from typing import Any, Dict, List, Optional, Sequence, Type, Union
+
+import torch
+from torch import fx, nn
+from torch.utils import _pytree as pytree
+
+from torchgpipe.capture.graph import Captured, named_arguments, output_nodes
+from torchgpipe.capture.interface import Interface
+from torchgpipe.skip.skippable import Skippable
+
+__all__: List[str] = []
+
+
+LeafSpec = Union[Type[nn.Module], nn.Module]
+
+class Tracer(fx.Tracer):
+    """fx's tracer, which also keeps the given classes and instances whole.
+
+    fx also makes one with no argument, to trace a generated child's code
+    again when it loads a pickled child (see :class:`_Step`).
+    """
+
+    def __init__(self, leaf_modules: Sequence[LeafSpec] = ()) -> None:
+        super().__init__()
+        # Buffers read in forward become nodes, not constants: a causal mask
+        # sliced by a traced length (mask[:T, :T]) then traces.
+        self.proxy_buffer_attributes = True
+        self.leaf_types = tuple(m for m in leaf_modules if isinstance(m, type))
+        self.leaf_ids = {id(m) for m in leaf_modules if isinstance(m, nn.Module)}
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        # A skippable layer's forward is a generator that talks to the skip
+        # tracker: it must stay a child, called by the sequential.
+        return (isinstance(m, self.leaf_types + (Skippable,)) or id(m) in self.leaf_ids
+                or super().is_leaf_module(m, module_qualified_name))
+
+def capture(module: nn.Module, leaves: List[LeafSpec],
+                concrete_args: Optional[Dict[str, Any]]) -> Captured:
+    """Traces ``module`` with :mod:`torch.fx`, with symbolic values: no example needed."""
+    tracer = Tracer(leaves)
+    # Called as the module is usually called: an argument with a default
+    # (mask=None, is_causal=False) takes it, unless concrete_args says else.
+    # Traced as an input instead, a None default would be taken for a tensor.
+    # torch.fx.PH (fx's placeholder) keeps such an argument an input.
+    concrete_args = {name: value
+                     for name, value in {**_defaults(module), **(concrete_args or {})}.items()
+                     if value is not fx.PH}  # type: ignore[attr-defined]
+    graph = _trace(module, tracer, concrete_args)
+    _drop_concrete_args(graph, module, concrete_args)
+    # By the argument's name: fx renames a node that would shadow a builtin.
+    names = [str(n.target) for n in graph.nodes if n.op == 'placeholder']
+    # A dict, a dataclass... of tensors is returned as the tuple of them,
+    # which the interface arranges back.
+    output = next(n for n in graph.nodes if n.op == 'output')
+    flat, structure = pytree.tree_flatten(output.args[0])
+    results = output_nodes(flat, output.args[0])
+    plain = isinstance(output.args[0], fx.Node) or (
+        type(output.args[0]) is tuple and all(isinstance(r, fx.Node) for r in output.args[0]))
+    output.args = (results[0] if len(results) == 1 else tuple(results),)
+    # The tracer may have put constant tensors on the root: read it from there.
+    return Captured(graph, tracer.root,
+                    Interface(names, concrete_args, None if plain else structure))
+
+def _trace(module: nn.Module, tracer: Tracer,
+           concrete_args: Optional[Dict[str, Any]]) -> fx.Graph:
+    """Traces ``module``, explaining a failure by the module and line that caused it."""
+    try:
+        return tracer.trace(module, concrete_args)
+    except Exception as exc:
+        # The innermost frame outside torch is the user's line that failed;
+        # its ``self`` is the module being traced there.
+        torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
+        user = [(frame, lineno) for frame, lineno in traceback.walk_tb(exc.__traceback__)
+                if not os.path.abspath(frame.f_code.co_filename).startswith(torch_dir)
+                and frame.f_code.co_filename != __file__]
+        # Any trace fx fails, export may capture: it runs forward on an
+        # example, so it follows branches on sizes and any signature.
+        export = ('give an example input to capture it with torch.export instead: '
+                  f'to_sequential(module, example_inputs={_example_of(module)})')
+        if not user:
+            # fx failed on its own, before any line of forward ran: a
+            # signature it cannot read, such as a decorator's (*args, **kwargs).
+            raise RuntimeError(f'torch.fx cannot trace the module ({type(module).__name__}) '
+                               f'({type(exc).__name__}: {exc}); {export}') from exc
+        frame, lineno = user[-1]
+        code = frame.f_code
+        failing = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
+        if not isinstance(failing, nn.Module):
+            failing = module
+        names = {id(m): name for name, m in module.named_modules()}
+        where = names.get(id(failing)) or 'the module itself'
+        cls = type(failing).__name__
+        line = linecache.getline(frame.f_code.co_filename, lineno).strip()
+        if failing is module:
+            # The module itself cannot be a leaf of its own flattening.
+            fix = ('move that code into a submodule and keep the submodule whole with '
+                   'leaf_modules=[<its class>], make it static: fix the argument that '
+                   f'decides the control flow with concrete_args, or {export}')
+        else:
+            fix = (f'keep the module whole as one layer with to_sequential(module, '
+                   f'leaf_modules=[{cls}]), fix the argument that decides the control '
+                   f'flow with concrete_args, or {export}')
+        raise RuntimeError(
+            f'torch.fx cannot trace {where} ({cls}) at {frame.f_code.co_filename}:{lineno}: '
+            f'{line!r} ({type(exc).__name__}: {exc}); {fix}') from exc
+
+def _example_of(module: nn.Module) -> str:
+    """How to give an example for ``module``: its main input by name, if it has a name."""
+    names = named_arguments(module)
+    # transformers models name their main input (pixel_values, input_ids).
+    main = getattr(module, 'main_input_name', None)
+    name = main if isinstance(main, str) and main in names else names[0] if names else None
+    return 'x' if name is None or name in ('x', 'input') else f"{{'{name}': x}}"
+
+def _defaults(module: nn.Module) -> Dict[str, Any]:
+    """The arguments of ``module.forward`` that have a default value, with it."""
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return {name: p.default for name, p in inspect.signature(module.forward).parameters.items()
+            if p.kind in kinds and p.default is not inspect.Parameter.empty}
+
+def _drop_concrete_args(graph: fx.Graph, module: nn.Module,
+                        concrete_args: Dict[str, Any]) -> None:
+    """Removes the inputs fixed by ``concrete_args``, and fx's checks of their values.
+
+    fx keeps a placeholder for each, read only by an assertion that the
+    value given is the one traced with: the sequential takes the other
+    inputs alone, as GPipe passes tensors only.
+    """
+    names = list(inspect.signature(module.forward).parameters)
+    placeholders = [n for n in graph.nodes if n.op == 'placeholder']
+    for name, placeholder in zip(names, placeholders):
+        if name not in concrete_args:
+            continue
+        doomed: Dict[fx.Node, None] = {}
+        pending = [placeholder]
+        while pending:
+            node = pending.pop()
+            if node not in doomed:
+                doomed[node] = None
+                pending.extend(node.users)
+        # Users first: fx erases a node only once nothing reads it.
+        for node in reversed(list(graph.nodes)):
+            if node in doomed:
+                graph.erase_node(node)

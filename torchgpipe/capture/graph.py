@@ -1,0 +1,79 @@
+"""The form of a captured graph, which both captures give and the cutting reads.
+
+A :class:`Captured` graph has the sequential's inputs as placeholders,
+``get_attr`` nodes for the tensors it reads and ``call_module`` nodes for the
+modules kept whole (both naming objects of the user's model, through
+``root``), and an output node returning a node or a tuple of nodes. Sizes
+and checks are told apart from the values that flow (:func:`is_shape`,
+:func:`is_check`): each child computes the sizes it reads again.
+"""
+import inspect
+from typing import Any, Dict, List, NamedTuple, Sequence, Union
+
+import torch
+from torch import fx, nn
+
+from torchgpipe._validation import describe
+from torchgpipe.capture.interface import Interface
+
+__all__: List[str] = []
+
+
+class Captured(NamedTuple):
+    """A graph to cut into children, and what its nodes name."""
+
+    #: placeholders: the sequential's inputs; output: a node or a tuple of nodes
+    graph: fx.Graph
+    #: what ``get_attr`` and ``call_module`` targets name: a module or a dict
+    root: Union[nn.Module, Dict[str, Any]]
+    interface: Interface
+
+# The sizes export reads from a tensor.
+_SIZES = (torch.ops.aten.sym_size.int, torch.ops.aten.sym_numel.default,
+          torch.ops.aten.sym_stride.int, torch.ops.aten.sym_storage_offset.default)
+
+# The checks of a condition, in fx's traces and in export's.
+_CHECKS = (torch._assert, torch.ops.aten._assert_scalar.default,
+           torch.ops.aten.sym_constrain_range_for_size.default)
+
+def is_shape(node: fx.Node) -> bool:
+    """Whether a node computes a shape, a size or a number from shapes only.
+
+    Such values are no tensors, so they cannot go from child to child in
+    GPipe; each child that uses one computes it again from its tensor.
+    """
+    if node.op == 'call_method' and node.target in ('size', 'dim', 'numel'):
+        return True
+    if node.op != 'call_function':
+        return False
+    if node.target is getattr:
+        return node.args[1] in ('shape', 'ndim', 'dtype', 'device')
+    if node.target in _SIZES:
+        return True
+    # Arithmetic on sizes: Python's operators (fx), and torch.sym_max and
+    # such (export).
+    if getattr(node.target, '__module__', '') in ('_operator', 'operator') \
+            or getattr(node.target, '__name__', '').startswith('sym_'):
+        return bool(node.all_input_nodes) and all(is_shape(a) for a in node.all_input_nodes)
+    return False
+
+def is_check(node: fx.Node) -> bool:
+    """Whether ``node`` only checks a condition (``torch._assert``), making no value."""
+    return node.op == 'call_function' and node.target in _CHECKS
+
+def named_arguments(module: nn.Module) -> List[str]:
+    """The arguments of ``module.forward`` that can be given by name, in order."""
+    return [name for name, p in inspect.signature(module.forward).parameters.items()
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+def output_nodes(leaves: Sequence[Any], shown: object) -> List[fx.Node]:
+    """The nodes of a graph's outputs, checked to be values the graph computes.
+
+    Raises:
+        TypeError: an output is a constant (a number, ``None``): the
+            sequential returns tensors only
+    """
+    if not all(isinstance(leaf, fx.Node) for leaf in leaves):
+        raise TypeError(describe('module must return tensors to be flattened',
+                                 f'output: {shown!r}', 'return the tensors alone'))
+    return list(leaves)

@@ -1,0 +1,261 @@
+"""Cutting a captured graph into the children of a sequential.
+
+:func:`segments` decides where the cuts go: a module kept whole and called
+once is a child of its own; the code between such calls becomes a
+:class:`GeneratedChild`, a :class:`torch.fx.GraphModule` of its own piece of
+the graph that pops the values it needs from earlier children and stashes
+those later children need (:mod:`torchgpipe.skip`). What cannot be in two
+partitions (a module with state called twice, a parameter read at two
+places) is never cut.
+"""
+import operator
+from typing import Any, Dict, Generator, List, Optional, Union
+
+from torch import Tensor, fx, nn
+
+from torchgpipe._validation import describe
+from torchgpipe.capture.graph import is_check, is_shape
+from torchgpipe.microbatch import TensorOrTensors
+from torchgpipe.skip.skippable import pop, stash
+
+__all__: List[str] = []
+
+
+class GeneratedChild(nn.Module):
+    """One generated child: runs its piece of the traced graph between pops and stashes.
+
+    Args:
+        graph_module (torch.fx.GraphModule): takes the values received from
+            the previous child, then the popped ones; returns the output for
+            the next child and the tuple of values to stash
+        tuple_input (bool): whether the previous child passes a tuple
+        pops (list of strs): the skip names to pop, in argument order
+        stashes (list of strs): the skip names to stash, in result order
+        transient (list of strs): the qualified names, in ``graph_module``,
+            of the tensors to leave out of the state dict
+        captured_training (bool, optional): the mode torch.export recorded
+            the graph in (its operations may depend on it: dropout recorded
+            on or off), in which alone the step runs; ``None`` for a graph
+            traced by torch.fx
+    """
+
+    def __init__(self, graph_module: fx.GraphModule, tuple_input: bool,
+                 pops: List[str], stashes: List[str], transient: List[str],
+                 captured_training: Optional[bool] = None) -> None:
+        super().__init__()
+        self.graph = graph_module
+        self.tuple_input = tuple_input
+        self.pops = pops
+        self.stashes = stashes
+        self.transient = transient
+        self.captured_training = captured_training
+        self._leave_outtransient()
+
+    # How a step is copied (pickle, torch.save, copy.deepcopy):
+    #
+    # * this class is found by its name, and the skippable class generated
+    #   around it is made again from it and the skip names (see Skippable);
+    # * the graph module copies itself, as fx does: deepcopy builds it again
+    #   from a copy of its graph; pickle saves the source fx generated from
+    #   the graph (fx's choice: its Graph format may change between
+    #   versions) and, on load, runs it and traces it again into a graph,
+    #   with the tracer class the graph names (fx.Graph(tracer_cls=...)):
+    #   ours, which keeps buffers as nodes as when the model was traced;
+    # * both ways fx registers every tensor the code reads as a persistent
+    #   buffer again, so the step marks its transient tensors once more.
+    #
+    # The step asks nothing else of the graph module: another way to
+    # capture the graph only needs a module that copies itself.
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        super().__setstate__(state)  # type: ignore[no-untyped-call]
+        self._leave_outtransient()
+
+    def _leave_outtransient(self) -> None:
+        for name in self.transient:
+            owner, _, field = name.rpartition('.')
+            self.graph.get_submodule(owner)._non_persistent_buffers_set.add(field)
+
+    def forward(self, input: TensorOrTensors) -> Generator[Any, Any, TensorOrTensors]:
+        if self.captured_training is not None and self.training != self.captured_training:
+            # Running the operations recorded in the other mode would be
+            # silently wrong: dropout on in evaluation, or off in training.
+            mode, other = ('training', 'evaluation') if self.captured_training \
+                else ('evaluation', 'training')
+            raise RuntimeError(describe(
+                f'this part of the sequential was captured in {mode} mode by torch.export '
+                f'and cannot run in {other} mode', f'{type(self).__name__}: '
+                f'training={self.training}', f'capture the model in {other} mode too: '
+                f'to_sequential(model.{"train" if other == "training" else "eval"}()), '
+                'and use each sequential in its mode (they share the parameters)'))
+        inputs = input if self.tuple_input else (input,)
+        popped = []
+        for name in self.pops:
+            popped.append((yield pop(name)))
+        output, stashed = self.graph(*inputs, *popped)
+        for name, value in zip(self.stashes, stashed):
+            yield stash(name, value)
+        return output  # type: ignore[no-any-return]
+
+def attr(root: Union[nn.Module, Dict[str, Any]], target: object) -> Any:
+    """The attribute of ``root`` at a qualified name such as ``'layers.0.weight'``."""
+    if isinstance(root, dict):
+        return root[str(target)]
+    value: Any = root
+    for part in str(target).split('.'):
+        value = getattr(value, part)
+    return value
+
+def segments(graph: fx.Graph, root: Union[nn.Module, Dict[str, Any]]) -> List[List[fx.Node]]:
+    """Cuts the graph's computing nodes into the runs of the children, in order."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    # Each get_attr node moves right before its first user, so that the
+    # tensor it reads goes to the child that uses it first.
+    nodes: List[fx.Node] = []
+    for n in graph.nodes:
+        if n.op in ('placeholder', 'output') or (n.op == 'get_attr' and n.users):
+            continue
+        if n.op == 'call_function' and n.target is operator.getitem \
+                and n.args[0].op == 'call_module':
+            continue
+        for a in n.all_input_nodes:
+            if a.op == 'get_attr' and min(a.users, key=order.__getitem__) is n:
+                nodes.append(a)
+        nodes.append(n)
+        # A leaf module returning a tuple keeps the indexing of its output,
+        # so that only the items used later leave its child: a tuple may
+        # hold more than tensors (nn.MultiheadAttention's weights are None
+        # when not needed).
+        if n.op == 'call_module':
+            nodes.extend(u for u in n.users if u.op == 'call_function'
+                         and u.target is operator.getitem)
+    index = {n: i for i, n in enumerate(nodes)}
+
+    # A module called at several places, or a parameter read by glue code at
+    # several places, must stay in one child (GPipe refuses a layer in two
+    # partitions, and a read parameter would travel between children as a
+    # value): the span from its first use to its last one is never cut. So
+    # must a buffer shared by two modules, as GPipe cannot share a buffer
+    # between partitions. A parameter shared by two different leaf modules,
+    # or by a module and glue code (tied weights: an embedding and an output
+    # projection), does not join them: each stays a child of its own, and
+    # GPipe keeps the parameter once across partitions. A module with neither
+    # parameters nor buffers (a dropout, an activation) holds nothing a
+    # partition must own: each of its calls may be a child of its own, so
+    # that a dropout used after the embeddings and after the last layer
+    # does not make one child of the whole model.
+    uses: Dict[object, List[int]] = {}
+    for n in nodes:
+        if n.op == 'call_module':
+            module = attr(root, n.target)
+            if stateless(module):
+                continue
+            for key in [id(module)] + [id(b) for b in module.buffers()]:
+                uses.setdefault(key, []).append(index[n])
+        elif n.op == 'get_attr' and isinstance(attr(root, n.target), nn.Parameter):
+            uses.setdefault(id(attr(root, n.target)), []).extend(index[u] for u in n.users)
+    span = list(range(len(nodes)))  # span[i]: the last node in the child of node i
+    for positions in uses.values():
+        for i in range(min(positions), max(positions) + 1):
+            span[i] = max(span[i], max(positions))
+
+    segments: List[List[fx.Node]] = []
+    current: List[fx.Node] = []
+    reach = -1
+    for i, n in enumerate(nodes):
+        if n.op == 'call_module' and reach < i and span[i] == i:
+            # A leaf module used at this place only is a child of its own,
+            # with the tensors read for it.
+            attrs = [a for a in current if a.op == 'get_attr' and n in a.users]
+            rest = [a for a in current if a not in attrs]
+            if rest:
+                segments.append(rest)
+            segments.append(attrs + [n])
+            current = []
+        elif n.op == 'call_function' and n.target is operator.getitem and not current \
+                and segments and n.args[0] in segments[-1]:
+            segments[-1].append(n)
+        else:
+            current.append(n)
+        reach = max(reach, span[i])
+    if current:
+        segments.append(current)
+    return segments
+
+def merge_checks(segments: List[List[fx.Node]]) -> List[List[fx.Node]]:
+    """Joins each run of checks alone to the child after it (or, at the end, before it).
+
+    A child must pass a value on, and ``torch._assert`` (with the shapes it
+    reads) makes none: as a child of its own it would hand ``None`` to the
+    next one.
+    """
+    merged: List[List[fx.Node]] = []
+    pending: List[fx.Node] = []
+    for segment in segments:
+        if all(is_shape(n) or is_check(n) for n in segment):
+            pending += segment
+            continue
+        merged.append(pending + segment)
+        pending = []
+    if pending:
+        if merged:
+            merged[-1] += pending
+        else:
+            merged.append(pending)
+    return merged
+
+def with_shapes(segment: List[fx.Node]) -> List[fx.Node]:
+    """A child's nodes, preceded by the shape nodes of other children it reads."""
+    inside = set(segment)
+    copied: Dict[fx.Node, None] = {}
+
+    def collect(node: fx.Node) -> None:
+        for a in node.all_input_nodes:
+            if a not in inside and a not in copied and is_shape(a):
+                collect(a)
+                copied[a] = None
+
+    for n in segment:
+        collect(n)
+    return list(copied) + segment
+
+def transient(root: Union[nn.Module, Dict[str, Any]], segment: List[fx.Node],
+               state: Dict[int, str]) -> List[str]:
+    """The tensors a generated child reads that the original leaves out of its state dict.
+
+    fx registers every tensor a generated child reads as a buffer, which
+    would add keys the original's checkpoints lack: a non-persistent buffer
+    such as a causal mask, or a constant tensor.
+
+    Returns:
+        list of strs: their qualified names, as the child's graph module has them
+    """
+    names = []
+    for n in segment:
+        if n.op != 'get_attr':
+            continue
+        value = attr(root, n.target)
+        if isinstance(value, Tensor) and not isinstance(value, nn.Parameter) \
+                and id(value) not in state:
+            names.append(str(n.target))
+    return names
+
+def floating(node: fx.Node) -> Optional[bool]:
+    """Whether a node makes a floating point tensor, if the graph says (export's does)."""
+    value = node.meta.get('val')
+    return value.is_floating_point() if isinstance(value, Tensor) else None
+
+def stateless(module: nn.Module) -> bool:
+    """Whether ``module`` has no parameter and no buffer, itself or in its submodules."""
+    return next(module.parameters(), None) is None and next(module.buffers(), None) is None
+
+def child_name(segment: List[fx.Node]) -> str:
+    """A child's name: its leaf module's, or its first operation's."""
+    # Not named after the tensors it reads, the shapes it computes again, nor
+    # the checks it runs first.
+    computing = [n for n in segment
+                 if n.op != 'get_attr' and not is_shape(n) and not is_check(n)] or segment
+    name = computing[0].name
+    # nn.Sequential refuses a child named like one of its attributes.
+    while hasattr(nn.Sequential, name):
+        name += '_'
+    return name
