@@ -40,11 +40,11 @@ import torch
 from torch import Tensor
 
 from torchgpipe.autocast import AutocastStates, restore_autocast_states, save_autocast_states
-from torchgpipe.microbatch import Batch, Layout, TensorOrTensors, Tensors
+from torchgpipe.microbatch import Batch, Layout, TensorOrTensors, Tensors, arrange
 from torchgpipe.phony import get_phony
 from torchgpipe.rng import RNGStates, restore_rng_states, save_rng_states
 from torchgpipe.timeline import label
-from torchgpipe.traits import PartitionTraits
+from torchgpipe.traits import PartitionTraits, call_on_copies
 
 # The two flags are public (exported by the package); the rest is internal.
 __all__ = ['is_checkpointing', 'is_recomputing']
@@ -192,11 +192,7 @@ class Context:
 
     def arguments(self, input: Tensors) -> TensorOrTensors:
         """The function's argument, from the input tensors."""
-        if self.atomic:
-            return input[0]
-        if self.layout is None:
-            return input
-        return cast(Tensors, self.layout.fill(input))
+        return arrange(self.atomic, self.layout, input)
 
 
 class Checkpointing:
@@ -291,20 +287,6 @@ def checkpoint(function: Function, input: TensorOrTensors) -> TensorOrTensors:
     return output.values
 
 
-def call_on_copies(function: Function, input: Tensors, context: Context,
-                   ) -> Tuple[TensorOrTensors, bool]:
-    """Calls ``function`` on copies of the input tensors, so it may change them in place.
-
-    Returns:
-        (output, modified): what the function returned, and whether it
-        changed any of the copies in place
-    """
-    copies = tuple(x.clone() for x in input)
-    output = function(context.arguments(copies))
-    # A fresh copy's version counter is 0; every in-place change bumps it.
-    return output, any(x._version for x in copies)
-
-
 class Checkpoint(torch.autograd.Function):
     """Runs the function without keeping activations; backward uses :class:`Recompute`'s graph.
 
@@ -342,23 +324,8 @@ class Checkpoint(torch.autograd.Function):
 
         context.first_pass = (save_rng_states(input[0].device), save_autocast_states())
 
-        function, traits = context.function, context.traits
         with torch.no_grad(), enable_checkpointing():
-            if traits.modifies_input is False:
-                versions = [x._version for x in input]
-                output = function(context.arguments(input))
-                if any(x._version != v for x, v in zip(input, versions)):
-                    # The input the recomputation needs is lost.
-                    traits.modifies_input = True
-                    raise RuntimeError(
-                        'a partition modified its input in place in a checkpointed pass, '
-                        'though it had not in its earlier checkpointed passes; call GPipe '
-                        'again: it copies the input of this partition from now on')
-            else:
-                # Not known to leave its input alone: run on a copy, so the
-                # input saved for the recomputation stays as it is.
-                output, modified = call_on_copies(function, input, context)
-                traits.modifies_input = bool(traits.modifies_input) or modified
+            output = context.traits.call(context.function, input, context.arguments, 'GPipe')
         if isinstance(output, Tensor):
             return output
         # An autograd function returns tensors only: the other values of the
@@ -492,7 +459,7 @@ class Recompute(torch.autograd.Function):
                 torch.enable_grad(), enable_recomputing():
             if context.traits.modifies_input:
                 # In place on a leaf is an error, and would change the saved input.
-                output, _ = call_on_copies(context.function, input_leaf, context)
+                output, _ = call_on_copies(context.function, input_leaf, context.arguments)
             else:
                 output = context.function(context.arguments(input_leaf))
 

@@ -193,6 +193,10 @@ class Batch:
         """The tensor or the tuple as a layer receives it, with NoChunk tensors unwrapped."""
         return self._values
 
+    def with_tensors(self, tensors: Sequence[Tensor]) -> TensorOrTensors:
+        """:attr:`plain`, with ``tensors`` in place of the batch's own (copies of them, say)."""
+        return arrange(self.atomic, self._layout, tensors)
+
     def call(self, function: Function) -> 'Batch':
         """Calls ``function`` on the value, as a layer is called, and wraps the result.
 
@@ -278,6 +282,22 @@ class Batch:
             self._values = value
         else:
             self._values = cast(Tensors, self._layout.fill(value))
+
+
+def arrange(atomic: bool, layout: Optional[Layout], tensors: Sequence[Tensor]) -> TensorOrTensors:
+    """The value a layer receives, from its tensors and the form of the batch they came from.
+
+    Args:
+        atomic (bool): whether the batch was a single tensor
+        layout (Layout, optional): where the tensors go in a tuple that holds
+            other values too
+        tensors (sequence of tensors): the tensors, in the batch's order
+    """
+    if atomic:
+        return tensors[0]
+    if layout is None:
+        return tuple(tensors)
+    return cast(Tensors, layout.fill(tensors))
 
 
 def check(input: object, what: str = 'input') -> None:

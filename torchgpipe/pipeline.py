@@ -149,7 +149,7 @@ class Pipeline:
         if self.turns is None:
             # Nothing runs concurrently: every recomputation may draw.
             return True
-        return self.traits[j].draws_random.get(self.rng_keys[j])
+        return self.traits[j].draws(self.rng_keys[j])
 
     def run(self) -> None:
         """Runs the pipeline; an exception of any task is raised here, as itself."""
@@ -168,8 +168,7 @@ class Pipeline:
                 for i, j in schedule:
                     before = cpu_rng_state()
                     self.compute([(i, j)], in_queues, out_queues)
-                    drew = not torch.equal(before, cpu_rng_state())
-                    self.traits[j].draws_random.setdefault(self.rng_keys[j], drew)
+                    self.traits[j].learn_draws(self.rng_keys[j], before)
 
     def fence(self, schedule: List[Tuple[int, int]]) -> None:
         """Issues the dependencies and copies the tasks of a clock cycle need."""

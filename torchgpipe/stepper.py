@@ -269,24 +269,9 @@ class Stage:
         The input must stay as it is: a recomputation runs from it again,
         and a leaf requiring grad cannot be changed in place at all.
         """
-        traits = self.step.traits[self.j]
         function = partition_function(self.partition, self.j, skips)
-        if traits.modifies_input is False:
-            versions = [x._version for x in input]
-            output = input.call(function)
-            if any(x._version != v for x, v in zip(input, versions)):
-                traits.modifies_input = True
-                raise RuntimeError('a partition modified its input in place in a training '
-                                   'step, though it had not before; call train_step again: '
-                                   'it copies the input of this partition from now on')
-            return output
-        copies = Batch(input.plain, input.layout)
-        copies[:] = tuple(x.clone() for x in input)
-        output = copies.call(function)
-        # A fresh copy's version counter is 0; every in-place change bumps it.
-        modified = any(x._version for x in copies)
-        traits.modifies_input = bool(traits.modifies_input) or modified
-        return output
+        return Batch(self.step.traits[self.j].call(function, tuple(input), input.with_tensors,
+                                                   'train_step'))
 
     def receive(self, i: int) -> Batch:
         """The input of micro-batch ``i``: the mini-batch's, or what the partition before sent."""
@@ -317,8 +302,7 @@ class Stage:
         if probe is not None:
             # The partition's own draws, without its loss's: the forward
             # path, which has no loss, shares what is learned here.
-            drew = not torch.equal(probe, cpu_rng_state())
-            step.traits[j].draws_random.setdefault(step.rng_keys[j], drew)
+            step.traits[j].learn_draws(step.rng_keys[j], probe)
         current.output = output
         if j < n - 1:
             # Without a graph (checkpointed), a floating point output will
@@ -454,7 +438,7 @@ class Step:
         another function at every call, so whether the two together draw is
         learned anew in every step, by the first of them (:attr:`loss_draws`).
         """
-        drew = self.traits[j].draws_random.get(self.rng_keys[j])
+        drew = self.traits[j].draws(self.rng_keys[j])
         if j == self.n - 1 and drew is False:
             return self.loss_draws
         return drew

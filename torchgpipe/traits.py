@@ -14,14 +14,21 @@ These facts belong to one GPipe instance's run, not to its model: a copy of the
 GPipe starts with none (see :class:`RunState`).
 """
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple, TypeVar
 
+import torch
+from torch import Tensor
+
+from torchgpipe.rng import cpu_rng_state
 from torchgpipe.stream import AbstractStream
 
 if TYPE_CHECKING:
     from torchgpipe.timeline import Timeline
 
 __all__: List[str] = []
+
+T = TypeVar('T')
+R = TypeVar('R')
 
 
 @dataclass
@@ -35,6 +42,71 @@ class PartitionTraits:
     #: Whether a task drew from the CPU generator, for each setting of the
     #: partition's ``training`` flags (dropout draws only in training).
     draws_random: Dict[Tuple[bool, ...], bool] = field(default_factory=dict)
+
+    def draws(self, flags: Tuple[bool, ...]) -> Optional[bool]:
+        """Whether a task draws from the CPU generator with these ``training`` flags, if known."""
+        return self.draws_random.get(flags)
+
+    def learn_draws(self, flags: Tuple[bool, ...], before: Tensor) -> bool:
+        """Learns whether the task that just ran drew, from the generator's state before it.
+
+        The caller holds the generator (or runs alone) while the task runs,
+        so that a change of its state is the task's doing. The first answer
+        for a setting of the flags is kept.
+
+        Returns:
+            bool: whether this task drew
+        """
+        drew = not torch.equal(before, cpu_rng_state())
+        self.draws_random.setdefault(flags, drew)
+        return drew
+
+    def call(self, function: Callable[[T], R], input: Tuple[Tensor, ...],
+             arguments: Callable[[Tuple[Tensor, ...]], T], again: str) -> R:
+        """Calls ``function`` on the partition's input, or on copies unless it leaves it alone.
+
+        The input must stay as it is: a recomputation runs from it again,
+        and a leaf that requires grad cannot be changed in place at all. A
+        partition not known to leave its input alone runs on copies, which
+        shows whether it changes them (:attr:`modifies_input`).
+
+        Args:
+            function: the partition's function
+            input: the input tensors
+            arguments: makes ``function``'s argument from tensors
+            again: what to call again after the error below (``'GPipe'``)
+
+        Raises:
+            RuntimeError: a partition known to leave its input alone changed
+                it; from now on it runs on copies
+        """
+        if self.modifies_input is False:
+            versions = [x._version for x in input]
+            output = function(arguments(input))
+            if any(x._version != v for x, v in zip(input, versions)):
+                # The input a recomputation needs is lost.
+                self.modifies_input = True
+                raise RuntimeError(f'a partition modified its input in place, though it had '
+                                   f'not before; call {again} again: it copies the input of '
+                                   'this partition from now on')
+            return output
+        output, modified = call_on_copies(function, input, arguments)
+        self.modifies_input = bool(self.modifies_input) or modified
+        return output
+
+
+def call_on_copies(function: Callable[[T], R], input: Tuple[Tensor, ...],
+                   arguments: Callable[[Tuple[Tensor, ...]], T]) -> Tuple[R, bool]:
+    """Calls ``function`` on copies of the input tensors, so it may change them in place.
+
+    Returns:
+        (output, modified): what the function returned, and whether it
+        changed any of the copies in place
+    """
+    copies = tuple(x.clone() for x in input)
+    output = function(arguments(copies))
+    # A fresh copy's version counter is 0; every in-place change bumps it.
+    return output, any(x._version for x in copies)
 
 
 class RunState:
