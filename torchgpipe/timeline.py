@@ -164,8 +164,8 @@ class Summary:
     #: on CUDA the allocator's peak, on CPU the process's peak resident
     #: size (the same figure for every CPU device).
     peak_memory: Dict[str, int]
-    #: What the step was: ``'forward'`` for a call of the GPipe (and the
-    #: backward pass through its output), or ``"train_step (schedule '1f1b')"``.
+    #: What the step was, ``'forward'`` for a call of the GPipe (and the
+    #: backward pass through its output) or ``"train_step (schedule '1f1b')"``.
     kind: str = 'forward'
 
     @property
