@@ -339,7 +339,8 @@ def plot_timelines(document: Dict[str, Any], plt: Any) -> None:
         draw_timeline(ax, segments(row_events(t)),
                       f"{t['name']} ('never', {len(document['devices'])} partitions, "
                       f"{document['settings']['chunks']} micro-batches): "
-                      f"{t['traced_step_time'] * 1e3:.0f} ms, utilization {t['utilization']:.0%}",
+                      f"traced step {t['traced_step_time'] * 1e3:.0f} ms, "
+                      f"utilization {t['utilization']:.0%}",
                       legend=last)
         if not last:
             ax.set_xlabel('')

@@ -296,22 +296,35 @@ def chart_title(row: Dict[str, Any]) -> str:
 
 
 def plot(document: Dict[str, Any], plt: Any) -> None:
-    """Figure 7: the timeline of every setting's traced step, one chart each."""
+    """Figure 7: the timeline of every setting's traced step, one chart each, on one time scale.
+
+    The longest step sets the scale of all, so that their lengths compare at
+    a glance; the time axis is labelled under the last chart only, and the
+    legend sits below that label. The legend belongs to the last chart's
+    axes, so the runner's tight layout makes room for it.
+    """
     from matplotlib.patches import Patch
+    from matplotlib.transforms import offset_copy
 
     from torchgpipe._plot import COLORS, LABELS, draw_timeline
     rows = document['results']
     figure = plt.gcf()
-    figure.set_size_inches(12, 2.3 * len(rows) + 0.6)
-    axes = figure.subplots(len(rows), 1)
+    figure.set_size_inches(12, 2.1 * len(rows) + 0.8)
+    axes = figure.subplots(len(rows), 1, sharex=True)
     kinds = set()
-    for ax, row in zip(axes, rows):
+    for k, (ax, row) in enumerate(zip(axes, rows)):
         events = row_events(row)
         kinds |= {e.kind for e in events}
         draw_timeline(ax, segments(events), chart_title(row), legend=False)
-    figure.legend(handles=[Patch(color=COLORS[k], label=LABELS[k]) for k in COLORS if k in kinds],
-                  loc='lower center', ncol=len(kinds), frameon=False)
-    figure.tight_layout(rect=(0, 0.03, 1, 1))
+        if k < len(rows) - 1:
+            ax.set_xlabel('')
+    axes[0].set_xlim(0, max(row['traced_step_time'] for row in rows) * 1e3)
+    # Anchored 36 points below the last chart: under its tick labels and its x label.
+    below = offset_copy(axes[-1].transAxes, fig=figure, y=-36, units='points')
+    axes[-1].legend(handles=[Patch(color=COLORS[k], label=LABELS[k])
+                             for k in COLORS if k in kinds],
+                    loc='upper center', bbox_to_anchor=(0.5, 0), bbox_transform=below,
+                    ncol=len(kinds), frameon=False)
 
 
 def plot_full(document: Dict[str, Any], plt: Any) -> None:

@@ -100,6 +100,8 @@ nitpick_ignore_regex = [
 html_theme = 'furo'
 html_title = f'torchgpipe {release}'
 html_static_path = ['_static']
+# Wraps the long error messages of the troubleshooting page.
+html_css_files = ['messages.css']
 
 
 # -- Docstrings as a reader sees them -------------------------------------------

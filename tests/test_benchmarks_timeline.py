@@ -1,7 +1,7 @@
 """The timeline experiment's ablations switch off what they say, and only that."""
 import sys
 from pathlib import Path
-from typing import Set
+from typing import Any, Dict, Sequence, Set
 
 import torch
 from torch import Tensor, nn
@@ -62,3 +62,44 @@ def test_components_switch_off_the_dependencies_and_the_copy_streams() -> None:
     # Copies go on each partition's compute stream, one per micro-batch.
     assert streams == [[current_stream(d)] * 2 for d in pipe.devices]
     assert 'ForkBackward' in node_names(pipe(input))
+
+
+def test_plot_shares_the_time_axis_and_keeps_the_legend_off_its_label() -> None:
+    import pytest
+    matplotlib = pytest.importorskip('matplotlib')
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+
+    from benchmarks.timeline import plot
+
+    def row(name: str, length: float, kinds: Sequence[str]) -> Dict[str, Any]:
+        events = [{'kind': kind, 'micro_batch': 0, 'partition': 0, 'device': 'cpu:0',
+                   'track': 'cpu:0', 'thread': 't', 'start': k * length / len(kinds),
+                   'end': (k + 1) * length / len(kinds), 'step': 0,
+                   'pieces': [[k * length / len(kinds), (k + 1) * length / len(kinds)]],
+                   'failed': False, 'detail': ''} for k, kind in enumerate(kinds)]
+        return {'name': name, 'traced_step_time': length, 'utilization': 1.0,
+                'events': events}
+
+    document = {'results': [row('long', 0.4, ['forward', 'recompute', 'backward']),
+                            row('short', 0.1, ['forward', 'backward'])]}
+    plt.figure()
+    try:
+        plot(document, plt)
+        plt.tight_layout()  # as benchmarks.report.save_plot does after drawing
+        figure = plt.gcf()
+        figure.canvas.draw()
+        renderer = figure.canvas.get_renderer()
+        first, last = figure.axes
+        label = last.xaxis.label.get_window_extent(renderer)
+        legend = last.get_legend()
+        box = legend.get_window_extent(renderer)
+        texts = [t.get_text() for t in legend.get_texts()]
+        limits = first.get_xlim(), last.get_xlim()
+    finally:
+        plt.close('all')
+    # One time scale, set by the longest step (in ms).
+    assert limits[0] == limits[1] == pytest.approx((0, 400))
+    # The legend names every kind drawn, and lies wholly below the time label.
+    assert texts == ['forward F', "recompute F'", 'backward B']
+    assert box.y1 < label.y0

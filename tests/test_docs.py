@@ -393,3 +393,20 @@ def test_built_pages_load_nothing_from_the_internet(build: Build) -> None:
         if loads:
             found[name] = loads
     assert not found, found
+
+
+@pytest.mark.timeout(300)
+def test_troubleshooting_messages_wrap(build: Build) -> None:
+    """The long error messages wrap inside their boxes: the page loads the
+    style sheet that says so, and its selector matches the page."""
+    assert build.returncode == 0, build.stderr
+    with open(os.path.join(DOCS, '_static', 'messages.css'), encoding='utf-8') as f:
+        css = f.read()
+    selector = re.search(r'^(section#(\S+) div\.highlight-text pre) \{[^}]*'
+                         r'white-space: pre-wrap;', css, re.M)
+    assert selector, css
+    with open(os.path.join(build.html, 'troubleshooting.html'), encoding='utf-8') as f:
+        page = f.read()
+    assert re.search(r'<link [^>]*href="_static/messages\.css[?"]', page)
+    assert f'<section id="{selector.group(2)}">' in page
+    assert '<div class="highlight-text notranslate">' in page

@@ -214,6 +214,21 @@ def test_summary_adds_up(threaded: bool) -> None:
     assert 'bubble' in text and 'critical path' in text
 
 
+@pytest.mark.parametrize('schedule', [None, '1f1b', 'fill_drain'])
+def test_summary_says_what_the_step_was(schedule: Optional[str], threaded: bool) -> None:
+    model = GPipe(mlp(4), balance=[2, 2], devices=cpu_devices(2, threaded), chunks=2)
+    input, target = torch.randn(4, 4), torch.randn(4, 4)
+    with torchgpipe.trace(model) as timeline:
+        if schedule is None:
+            model(input).sum().backward()
+        else:
+            model.train_step(input, target, torch.nn.functional.mse_loss, schedule=schedule)
+    kind = 'forward' if schedule is None else f"train_step (schedule '{schedule}')"
+    summary = timeline.summary()
+    assert summary.kind == kind
+    assert str(summary).splitlines()[0].startswith(f'step 0, {kind}: 2 micro-batches, ')
+
+
 def test_segments_never_overlap_on_a_track(threaded: bool) -> None:
     model = GPipe(mlp(4), balance=[2, 2], devices=cpu_devices(2, threaded), chunks=4,
                   checkpoint='never')

@@ -540,6 +540,6 @@ class GPipe(nn.Module):
         # NoChunk tensors unwrapped.
         step = Step(self._partitions(), self.devices, batches, [t.plain for t in targets],
                     loss_fn, weights, SCHEDULES[schedule](m, n), self._skip_layout,
-                    checkpoint_stop, self._run_state.traits, self._run_state.timeline)
+                    checkpoint_stop, self._run_state.traits, self._run_state.timeline, schedule)
         with deferred_step(self._deferred_batch_norms, m):
             return step.run()

@@ -392,13 +392,14 @@ class Step:
         checkpoint_stop: micro-batches ``0 .. checkpoint_stop - 1`` are checkpointed
         traits: what runs showed about each partition (whether it draws random numbers)
         timeline: records the actions, inside :func:`torchgpipe.trace`
+        schedule: the schedule's name, for the timeline
     """
 
     def __init__(self, partitions: Sequence[nn.Sequential], devices: Sequence[torch.device],
                  batches: List[Batch], targets: List[TensorOrTensors], loss_fn: LossFunction,
                  weights: Sequence[float], actions: Sequence[Sequence[Action]],
                  layout: SkipLayout, checkpoint_stop: int, traits: Sequence[PartitionTraits],
-                 timeline: Optional[Timeline]) -> None:
+                 timeline: Optional[Timeline], schedule: str = '') -> None:
         self.n = len(partitions)
         self.devices = devices
         self.batches = batches
@@ -409,6 +410,7 @@ class Step:
         self.checkpoint_stop = checkpoint_stop
         self.traits = traits
         self.timeline = timeline
+        self.schedule = schedule
         self.mailbox = Mailbox()
         self.skips: List[Dict[Key, Tuple[Optional[Tensor], bool, Ready]]] = [{} for _ in batches]
         self.losses: Dict[int, Tensor] = {}
@@ -462,7 +464,8 @@ class Step:
         worker has stopped.
         """
         if self.timeline is not None:
-            self.timeline.begin_step(len(self.batches), self.devices)
+            self.timeline.begin_step(len(self.batches), self.devices,
+                                     f'train_step (schedule {self.schedule!r})')
         # The actions of each device, in clock order. On threads, forward
         # actions of partitions that may draw random numbers take turns in
         # that order, so they draw what they would on one thread.

@@ -164,6 +164,9 @@ class Summary:
     #: on CUDA the allocator's peak, on CPU the process's peak resident
     #: size (the same figure for every CPU device).
     peak_memory: Dict[str, int]
+    #: What the step was, ``'forward'`` for a call of the GPipe (and the
+    #: backward pass through its output) or ``"train_step (schedule '1f1b')"``.
+    kind: str = 'forward'
 
     @property
     def bubble(self) -> float:
@@ -185,8 +188,8 @@ class Summary:
 
     def __str__(self) -> str:
         ms = 1e3
-        lines = [f'step {self.step}: {self.micro_batches} micro-batches, {self.partitions} '
-                 f'partitions, {self.step_time * ms:.2f} ms',
+        lines = [f'step {self.step}, {self.kind}: {self.micro_batches} micro-batches, '
+                 f'{self.partitions} partitions, {self.step_time * ms:.2f} ms',
                  f'{"device":<12} {"busy ms":>9} {"idle ms":>9} {"bubble":>7} {"peak MiB":>9}']
         for d in self.devices:
             peak = self.peak_memory.get(d.device)
@@ -262,6 +265,8 @@ class StepInfo:
     micro_batches: int
     #: The device of each partition.
     devices: List[str]
+    #: What the step was; see :attr:`Summary.kind`.
+    kind: str = 'forward'
 
 
 class Timeline:
@@ -282,9 +287,10 @@ class Timeline:
 
     # Recording; called by the pipeline. ------------------------------------
 
-    def begin_step(self, micro_batches: int, devices: Sequence[torch.device]) -> int:
+    def begin_step(self, micro_batches: int, devices: Sequence[torch.device],
+                   kind: str = 'forward') -> int:
         """Starts a step; returns its index."""
-        self.steps.append(StepInfo(micro_batches, [str(d) for d in devices]))
+        self.steps.append(StepInfo(micro_batches, [str(d) for d in devices], kind))
         return len(self.steps) - 1
 
     def _add(self, span: Span) -> Span:
@@ -460,7 +466,7 @@ class Timeline:
         info = self.steps[index]
         if not events:
             return Summary(index, info.micro_batches, len(info.devices), 0.0, [], [], [],
-                           dict(self._peak_memory))
+                           dict(self._peak_memory), info.kind)
         begin = min(e.start for e in events)
         end = max(e.end for e in events)
         window = end - begin
@@ -482,7 +488,7 @@ class Timeline:
 
         return Summary(index, info.micro_batches, len(info.devices), window, devices,
                        partition_times, critical_path(events, len(info.devices)),
-                       dict(self._peak_memory))
+                       dict(self._peak_memory), info.kind)
 
     def chrome_trace(self) -> Dict[str, Any]:
         """The events as a Chrome trace (the ``traceEvents`` format Perfetto reads)."""
