@@ -1,9 +1,8 @@
 """Draws a timeline as a Gantt chart (matplotlib, an optional dependency)."""
 import os
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
-if TYPE_CHECKING:
-    from torchgpipe.timeline import Event
+from torchgpipe.events import Event
 
 __all__: List[str] = []
 
@@ -14,7 +13,7 @@ LABELS: Dict[str, str] = {'forward': 'forward F', 'recompute': "recompute F'",
                           'backward': 'backward B', 'copy': 'copy'}
 
 
-def plot_timeline(segments: Sequence[Tuple['Event', float, float]],
+def plot_timeline(segments: Sequence[Tuple[Event, float, float]],
                   path: Union[str, 'os.PathLike[str]'], title: Optional[str]) -> None:
     """Writes a chart: a row per track, a box per segment, its micro-batch inside.
 
@@ -43,7 +42,7 @@ def plot_timeline(segments: Sequence[Tuple['Event', float, float]],
         plt.close(figure)
 
 
-def draw_timeline(axes: Any, segments: Sequence[Tuple['Event', float, float]],
+def draw_timeline(axes: Any, segments: Sequence[Tuple[Event, float, float]],
                   title: Optional[str] = None, *, legend: bool = True) -> None:
     """Draws the chart of :func:`plot_timeline` on matplotlib ``axes``, for a figure of one's own.
 

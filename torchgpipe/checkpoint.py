@@ -43,7 +43,7 @@ from torchgpipe.autocast import AutocastStates, restore_autocast_states, save_au
 from torchgpipe.microbatch import Batch, Layout, TensorOrTensors, Tensors, arrange
 from torchgpipe.phony import get_phony
 from torchgpipe.rng import RNGStates, restore_rng_states, save_rng_states
-from torchgpipe.timeline import label
+from torchgpipe._record import label
 from torchgpipe.traits import PartitionTraits, call_on_copies
 
 # The two flags are public (exported by the package); the rest is internal.

@@ -410,7 +410,7 @@ class GPipe(nn.Module):
             copy_streams = self._ensure_copy_streams()
         pipeline = Pipeline(batches, self._partitions(), self.devices, copy_streams, streams,
                             self._skip_layout, checkpoint_stop, self._run_state.traits,
-                            self._run_state.timeline)
+                            self._run_state.recorder)
         # A short batch splits into fewer micro-batches than chunks: deferred
         # BatchNorm commits once after this many, or not at all if the step fails.
         with deferred_step(self._deferred_batch_norms, len(batches)):
@@ -540,6 +540,6 @@ class GPipe(nn.Module):
         # NoChunk tensors unwrapped.
         step = Step(self._partitions(), self.devices, batches, [t.plain for t in targets],
                     loss_fn, weights, SCHEDULES[schedule](m, n), self._skip_layout,
-                    checkpoint_stop, self._run_state.traits, self._run_state.timeline, schedule)
+                    checkpoint_stop, self._run_state.traits, self._run_state.recorder, schedule)
         with deferred_step(self._deferred_batch_norms, m):
             return step.run()

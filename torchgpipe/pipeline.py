@@ -30,7 +30,7 @@ from torchgpipe.skip.layout import SkipLayout
 from torchgpipe.skip.tracker import SkipTracker, SkipTrackerThroughPortals, use_skip_tracker
 from torchgpipe.stream import AbstractStream, is_cuda, use_device, use_stream
 from torchgpipe.tied import partition_parameters
-from torchgpipe.timeline import Timeline, label
+from torchgpipe._record import Recorder, label
 from torchgpipe.traits import PartitionTraits
 from torchgpipe.worker import ExcInfo, InQueue, OutQueue, Task, distinct_devices, spawn_workers
 
@@ -108,7 +108,7 @@ class Pipeline:
         checkpoint_stop: micro-batches ``0 .. checkpoint_stop - 1`` are checkpointed
         traits: what earlier runs showed about each partition; this run adds
             what it learns
-        timeline: records every task, inside :func:`torchgpipe.trace`
+        recorder: records every task, inside :func:`torchgpipe.trace`
     """
 
     def __init__(self, batches: List[Batch], partitions: Sequence[nn.Sequential],
@@ -116,7 +116,7 @@ class Pipeline:
                  copy_streams: Sequence[Sequence[AbstractStream]],
                  streams: Sequence[AbstractStream], skip_layout: SkipLayout,
                  checkpoint_stop: int, traits: Sequence[PartitionTraits],
-                 timeline: Optional[Timeline] = None) -> None:
+                 recorder: Optional[Recorder] = None) -> None:
         self.batches = batches
         self.partitions = partitions
         self.devices = devices
@@ -125,7 +125,7 @@ class Pipeline:
         self.skip_layout = skip_layout
         self.checkpoint_stop = checkpoint_stop
         self.traits = traits
-        self.timeline = timeline
+        self.recorder = recorder
         # Checkpoints return the gradients of their partition's parameters,
         # and of the tied parameters of earlier partitions it uses: those
         # that require grad, picked once here rather than in every task.
@@ -155,8 +155,8 @@ class Pipeline:
         """Runs the pipeline; an exception of any task is raised here, as itself."""
         m = len(self.batches)
         n = len(self.partitions)
-        if self.timeline is not None:
-            self.timeline.begin_step(m, self.devices)
+        if self.recorder is not None:
+            self.recorder.begin_step(m, self.devices)
         with spawn_workers(self.devices) as (in_queues, out_queues):
             for schedule in clock_cycles(m, n):
                 self.fence(schedule)
@@ -198,12 +198,12 @@ class Pipeline:
 
     def move(self, i: int, j: int, what: str, copy: Callable[[], Optional[Tensor]]) -> None:
         """Runs a copy into partition ``j``: recorded, inside a trace, both ways."""
-        if self.timeline is None:
+        if self.recorder is None:
             copy()
             return
         # The copy runs on partition j's copy stream: time it there.
         with use_stream(self.copy_streams[j][i]):
-            self.timeline.copied(i, j, self.devices[j], what, copy)
+            self.recorder.copied(i, j, self.devices[j], what, copy)
 
     def compute(self, schedule: List[Tuple[int, int]],
                 in_queues: List[InQueue], out_queues: List[OutQueue]) -> None:
@@ -212,7 +212,7 @@ class Pipeline:
         streams = self.streams
         copy_streams = self.copy_streams
         n = len(self.partitions)
-        timeline = self.timeline
+        recorder = self.recorder
         # Inside a trace: the autograd nodes of each task's input, where the
         # walk through the task's backward stops.
         boundaries: Dict[int, List[Any]] = {}
@@ -234,9 +234,9 @@ class Pipeline:
                 compute, finalize = batch_call(batch, function), None
             if torch.autograd.profiler._is_profiler_enabled:
                 compute = labelled((i, j), compute)
-            if timeline is not None:
+            if recorder is not None:
                 boundaries[i] = [x.grad_fn for x in batch if x.grad_fn is not None]
-                compute = timeline.timed('forward', i, j, self.devices[j], compute)
+                compute = recorder.timed('forward', i, j, self.devices[j], compute)
             if self.turns is not None and draws is not False:
                 compute = self.turns.take(compute)
             in_queues[j].put(Task(streams[j], compute=compute, finalize=finalize))
@@ -262,8 +262,8 @@ class Pipeline:
             # gradient's copy: F'(i, j) overlaps the copy of dx(i, j).
             with use_device(self.devices[j]):
                 task.finalize(batch)
-            if timeline is not None:
-                timeline.watch_backward(i, j, self.devices[j], batch, boundaries[i])
+            if recorder is not None:
+                recorder.watch_backward(i, j, self.devices[j], batch, boundaries[i])
 
             batches[i] = batch
 

@@ -45,7 +45,7 @@ from torchgpipe.skip.layout import SkipLayout
 from torchgpipe.skip.namespace import Namespace
 from torchgpipe.skip.tracker import SkipTracker
 from torchgpipe.stream import as_cuda, current_stream, is_cuda, record_stream, use_device
-from torchgpipe.timeline import Timeline, label
+from torchgpipe._record import Recorder, label
 from torchgpipe.traits import PartitionTraits
 from torchgpipe.worker import Crew, ExcInfo, distinct_devices
 
@@ -258,10 +258,10 @@ class Stage:
     def record(self, kind: str, i: int, work: Callable[[], T]) -> T:
         """Runs an action's work, labelled for a profiler and recorded by a timeline."""
         with label(kind, (i, self.j)):
-            timeline = self.step.timeline
-            if timeline is None:
+            recorder = self.step.recorder
+            if recorder is None:
                 return work()
-            return timeline.timed(kind, i, self.j, self.device, work)()
+            return recorder.timed(kind, i, self.j, self.device, work)()
 
     def call(self, input: Batch, skips: StepSkips) -> Batch:
         """Runs the partition on ``input``, on copies unless it is known to leave its input alone.
@@ -391,7 +391,7 @@ class Step:
         layout: where the skips go
         checkpoint_stop: micro-batches ``0 .. checkpoint_stop - 1`` are checkpointed
         traits: what runs showed about each partition (whether it draws random numbers)
-        timeline: records the actions, inside :func:`torchgpipe.trace`
+        recorder: records the actions, inside :func:`torchgpipe.trace`
         schedule: the schedule's name, for the timeline
     """
 
@@ -399,7 +399,7 @@ class Step:
                  batches: List[Batch], targets: List[TensorOrTensors], loss_fn: LossFunction,
                  weights: Sequence[float], actions: Sequence[Sequence[Action]],
                  layout: SkipLayout, checkpoint_stop: int, traits: Sequence[PartitionTraits],
-                 timeline: Optional[Timeline], schedule: str = '') -> None:
+                 recorder: Optional[Recorder], schedule: str = '') -> None:
         self.n = len(partitions)
         self.devices = devices
         self.batches = batches
@@ -409,7 +409,7 @@ class Step:
         self.layout = layout
         self.checkpoint_stop = checkpoint_stop
         self.traits = traits
-        self.timeline = timeline
+        self.recorder = recorder
         self.schedule = schedule
         self.mailbox = Mailbox()
         self.skips: List[Dict[Key, Tuple[Optional[Tensor], bool, Ready]]] = [{} for _ in batches]
@@ -463,8 +463,8 @@ class Step:
         An exception of any action is raised here, as itself, once every
         worker has stopped.
         """
-        if self.timeline is not None:
-            self.timeline.begin_step(len(self.batches), self.devices,
+        if self.recorder is not None:
+            self.recorder.begin_step(len(self.batches), self.devices,
                                      f'train_step (schedule {self.schedule!r})')
         # The actions of each device, in clock order. On threads, forward
         # actions of partitions that may draw random numbers take turns in

@@ -40,173 +40,30 @@ import resource
 import sys
 import threading
 import time
-from bisect import insort
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import (Any, Callable, ContextManager, Dict, Generator, Iterable, List, Optional,
+from typing import (Any, Callable, Dict, Generator, Iterable, List, Optional,
                     Sequence, Tuple, TypeVar, Union)
 
 import torch
 from torch import Tensor
 
-__all__ = ['trace', 'Timeline', 'Event', 'StepInfo', 'Summary', 'DeviceSummary',
-           'PartitionSummary']
+from torchgpipe.checkpoint import Recompute
+from torchgpipe.copy import Copy, Wait
+from torchgpipe.dependency import Fork, Join
+from torchgpipe.events import (DeviceSummary, Event, PartitionSummary, Summary, chart_title,
+                               segments, summarize)
+from torchgpipe.gpipe import GPipe
+from torchgpipe.skip.portal import PortalBlue, PortalCopy, PortalOrange
 
-#: How the name of an event of each kind starts.
-PREFIXES = {'forward': 'F', 'recompute': "F'", 'backward': 'B', 'copy': 'C'}
-#: The kinds that keep a device busy (copies run on copy streams).
-COMPUTE_KINDS = ('forward', 'recompute', 'backward')
+__all__ = ['trace', 'Timeline', 'Event', 'StepInfo', 'Summary', 'DeviceSummary',
+           'PartitionSummary', 'segments']
+
 
 # A moment: seconds from perf_counter on CPU, or a CUDA event to be read later.
 Stamp = Union[float, Any]
 T = TypeVar('T')
-
-
-@dataclass(frozen=True)
-class Event:
-    """One task of the pipeline, as it ran.
-
-    Times are in seconds since the trace began.
-    """
-
-    #: ``'forward'``, ``'recompute'``, ``'backward'`` or ``'copy'``.
-    kind: str
-    #: The micro-batch ``i``.
-    micro_batch: int
-    #: The partition ``j``; for a copy, the partition it copies to in the
-    #: forward pass, and from in the backward pass.
-    partition: int
-    #: The device the task ran on; for a copy, the device of its partition.
-    device: str
-    #: The row of the timeline, named after the device or the device's copies.
-    track: str
-    #: The name of the thread that ran it.
-    thread: str
-    #: When the task began and ended.
-    start: float
-    end: float
-    #: Which traced call of the GPipe it belongs to, from 0.
-    step: int
-    #: The intervals within ``start .. end`` in which the task's own work
-    #: ran, one for a forward task or a copy, one per autograd node otherwise.
-    pieces: Tuple[Tuple[float, float], ...] = ()
-    #: Whether the task raised an exception.
-    failed: bool = False
-    #: What a copy moved (``'input'`` or ``'skip'``) and in which pass
-    #: (``'forward'`` or ``'backward'``), e.g. ``'skip, backward'``; empty for tasks.
-    detail: str = ''
-
-    @property
-    def name(self) -> str:
-        """``F(i,j)``, ``F'(i,j)``, ``B(i,j)`` or ``C(i,j)``, as in the paper."""
-        return f'{PREFIXES[self.kind]}({self.micro_batch},{self.partition})'
-
-    @property
-    def duration(self) -> float:
-        """From start to end, in seconds."""
-        return self.end - self.start
-
-    @property
-    def busy(self) -> float:
-        """The time the task's own work ran in seconds, at most its duration."""
-        return sum(end - start for start, end in self.pieces)
-
-
-@dataclass(frozen=True)
-class DeviceSummary:
-    """How one device spent a step."""
-
-    device: str
-    #: Seconds in which at least one task ran on the device.
-    busy: float
-    #: The rest of the step.
-    idle: float
-
-    @property
-    def bubble(self) -> float:
-        """The idle fraction of the step."""
-        total = self.busy + self.idle
-        return self.idle / total if total > 0 else 0.0
-
-
-@dataclass(frozen=True)
-class PartitionSummary:
-    """Seconds of each kind of task one partition ran in a step, over all micro-batches."""
-
-    partition: int
-    device: str
-    forward: float
-    recompute: float
-    backward: float
-
-    @property
-    def total(self) -> float:
-        return self.forward + self.recompute + self.backward
-
-
-@dataclass(frozen=True)
-class Summary:
-    """What a step cost, device by device; see :meth:`Timeline.summary`."""
-
-    step: int
-    #: Micro-batches and partitions of the step.
-    micro_batches: int
-    partitions: int
-    #: The time from the first task's start to the last task's end, in seconds.
-    step_time: float
-    devices: List[DeviceSummary]
-    #: The time each partition's tasks ran, to compare for ``balance``.
-    partition_times: List[PartitionSummary]
-    #: The chain of tasks, each waiting for the one before, that ends last.
-    critical_path: List[Event]
-    #: The highest memory use seen during the trace, per device, in bytes;
-    #: on CUDA the allocator's peak, on CPU the process's peak resident
-    #: size (the same figure for every CPU device).
-    peak_memory: Dict[str, int]
-    #: What the step was, ``'forward'`` for a call of the GPipe (and the
-    #: backward pass through its output) or ``"train_step (schedule '1f1b')"``.
-    kind: str = 'forward'
-
-    @property
-    def bubble(self) -> float:
-        """The idle fraction of the step over all devices."""
-        idle = sum(d.idle for d in self.devices)
-        total = sum(d.busy + d.idle for d in self.devices)
-        return idle / total if total > 0 else 0.0
-
-    @property
-    def predicted_bubble(self) -> float:
-        """The GPipe paper's bubble, ``(n-1) / (m+n-1)``, for equal tasks and no overhead."""
-        n, m = self.partitions, self.micro_batches
-        return (n - 1) / (m + n - 1)
-
-    @property
-    def critical_path_time(self) -> float:
-        """The time the tasks of the critical path ran; the rest of the step went elsewhere."""
-        return sum(e.busy for e in self.critical_path)
-
-    def __str__(self) -> str:
-        ms = 1e3
-        lines = [f'step {self.step}, {self.kind}: {self.micro_batches} micro-batches, '
-                 f'{self.partitions} partitions, {self.step_time * ms:.2f} ms',
-                 f'{"device":<12} {"busy ms":>9} {"idle ms":>9} {"bubble":>7} {"peak MiB":>9}']
-        for d in self.devices:
-            peak = self.peak_memory.get(d.device)
-            peak_text = '-' if peak is None else f'{peak / 2**20:.1f}'
-            lines.append(f'{d.device:<12} {d.busy * ms:>9.2f} {d.idle * ms:>9.2f} '
-                         f'{d.bubble:>7.1%} {peak_text:>9}')
-        lines.append(f'bubble {self.bubble:.1%} measured, {self.predicted_bubble:.1%} by '
-                     f'(n-1)/(m+n-1)')
-        lines.append(f'{"partition":<12} {"forward":>9} {"recompute":>9} {"backward":>9} '
-                     f'{"total ms":>9}')
-        for p in self.partition_times:
-            lines.append(f'{p.partition:<12} {p.forward * ms:>9.2f} {p.recompute * ms:>9.2f} '
-                         f'{p.backward * ms:>9.2f} {p.total * ms:>9.2f}')
-        path = ' '.join(e.name for e in self.critical_path)
-        lines.append(f'critical path: {self.critical_path_time * ms:.2f} ms in tasks of '
-                     f'{self.step_time * ms:.2f} ms: {path}')
-        return '\n'.join(lines)
 
 
 class Clock:
@@ -464,31 +321,8 @@ class Timeline:
     def _summarize(self, index: int, events: List[Event]) -> Summary:
         """The summary of step ``index``, from its events."""
         info = self.steps[index]
-        if not events:
-            return Summary(index, info.micro_batches, len(info.devices), 0.0, [], [], [],
-                           dict(self._peak_memory), info.kind)
-        begin = min(e.start for e in events)
-        end = max(e.end for e in events)
-        window = end - begin
-
-        devices: List[DeviceSummary] = []
-        for device in dict.fromkeys(info.devices):
-            busy = union_length(piece for e in events
-                                if e.track == device and e.kind in COMPUTE_KINDS
-                                for piece in e.pieces)
-            devices.append(DeviceSummary(device, busy, window - busy))
-
-        partition_times: List[PartitionSummary] = []
-        for j, device in enumerate(info.devices):
-            total = {kind: 0.0 for kind in COMPUTE_KINDS}
-            for e in events:
-                if e.partition == j and e.kind in COMPUTE_KINDS:
-                    total[e.kind] += e.busy
-            partition_times.append(PartitionSummary(j, device, **total))
-
-        return Summary(index, info.micro_batches, len(info.devices), window, devices,
-                       partition_times, critical_path(events, len(info.devices)),
-                       dict(self._peak_memory), info.kind)
+        return summarize(index, info.micro_batches, info.devices, info.kind, events,
+                         dict(self._peak_memory))
 
     def chrome_trace(self) -> Dict[str, Any]:
         """The events as a Chrome trace (the ``traceEvents`` format Perfetto reads)."""
@@ -559,37 +393,6 @@ class Timeline:
         plot_timeline(segments(events), path, title)
 
 
-def chart_title(summaries: Sequence[Summary]) -> str:
-    """The title of a chart of these steps: which, and their figures.
-
-    One step reads ``step 2: 4 partitions, 8 micro-batches: bubble 40%
-    (formula 27%)``; for several, each figure becomes the range it takes
-    over them, such as ``bubble 38% to 45%``.
-    """
-    def spread(values: Iterable[float], spec: str) -> str:
-        texts = [format(v, spec) for v in sorted(values)]
-        return texts[0] if texts[0] == texts[-1] else f'{texts[0]} to {texts[-1]}'
-
-    which = 'step' if len(summaries) == 1 else 'steps'
-    return (f'{which} {spread((s.step for s in summaries), "d")}: '
-            f'{spread((s.partitions for s in summaries), "d")} partitions, '
-            f'{spread((s.micro_batches for s in summaries), "d")} micro-batches: '
-            f'bubble {spread((s.bubble for s in summaries), ".0%")} '
-            f'(formula {spread((s.predicted_bubble for s in summaries), ".0%")})')
-
-
-def label(kind: str, task: Tuple[int, int]) -> ContextManager[Any]:
-    """Labels task ``(i, j)`` of a kind ``torchgpipe F(i,j)`` (or ``F'``, ``B``) for a profiler.
-
-    Nothing is done, the label not even formatted, unless a profiler records.
-    """
-    # A process-wide flag, set by torch.profiler.profile: cheaper than a
-    # record_function per task whether or not anyone profiles.
-    if torch.autograd.profiler._is_profiler_enabled:
-        return torch.profiler.record_function(f'torchgpipe {PREFIXES[kind]}({task[0]},{task[1]})')
-    return nullcontext()
-
-
 @functools.lru_cache(maxsize=None)
 def node_classes() -> Tuple[type, Tuple[type, ...], Tuple[type, ...]]:
     """The autograd functions a walk through a task's backward pass tells apart.
@@ -599,95 +402,12 @@ def node_classes() -> Tuple[type, Tuple[type, ...], Tuple[type, ...]]:
         walked through but not recorded (fork/join, copy/wait); and the
         portals of skips, where the task ends
     """
-    # Imported here, once: these modules import this one (for its labels).
-    from torchgpipe.checkpoint import Recompute
-    from torchgpipe.copy import Copy, Wait
-    from torchgpipe.dependency import Fork, Join
-    from torchgpipe.skip.portal import PortalBlue, PortalCopy, PortalOrange
     return Recompute, (Fork, Join, Copy, Wait), (PortalBlue, PortalOrange, PortalCopy)
 
 
 def graph_task_id() -> int:
     """The id of the backward pass running in this thread."""
     return int(torch._C._current_graph_task_id())
-
-
-def segments(events: Sequence[Event]) -> List[Tuple[Event, float, float]]:
-    """The events' pieces on each track, runs of one event's pieces merged into one.
-
-    What a chart draws: boxes that never overlap on a track, however the
-    engine interleaved the tasks.
-    """
-    found: List[Tuple[Event, float, float]] = []
-    by_track: Dict[str, List[Tuple[float, float, int]]] = {}
-    for index, e in enumerate(events):
-        by_track.setdefault(e.track, []).extend((a, b, index) for a, b in e.pieces)
-    for pieces in by_track.values():
-        pieces.sort()
-        run_start, run_end, owner = pieces[0]
-        for start, end, index in pieces[1:]:
-            if index == owner:
-                run_end = max(run_end, end)
-                continue
-            found.append((events[owner], run_start, run_end))
-            run_start, run_end, owner = start, end, index
-        found.append((events[owner], run_start, run_end))
-    return found
-
-
-def union_length(intervals: Iterable[Tuple[float, float]]) -> float:
-    """The total length covered by intervals, overlaps counted once."""
-    total = 0.0
-    reach = float('-inf')
-    for start, end in sorted(intervals):
-        if end > reach:
-            total += end - max(start, reach)
-            reach = end
-    return total
-
-
-def critical_path(events: Sequence[Event], n: int) -> List[Event]:
-    """The chain of tasks, each waiting for the one before it, that ends the step.
-
-    From the task that ends last, walks back to whichever of its
-    predecessors ended last before it started: the task before it on the same
-    device, or the task that produced its input (``F(i,j-1)`` for ``F(i,j)``,
-    ``B(i,j+1)`` for ``B(i,j)``, ``F(i,j)`` for the backward task of the last
-    partition ``j``).
-    """
-    tasks = [e for e in events if e.kind in COMPUTE_KINDS]
-    if not tasks:
-        return []
-    by_key = {(e.kind, e.micro_batch, e.partition): e for e in tasks}
-    by_track: Dict[str, List[Tuple[float, int]]] = {}
-    for index, e in enumerate(tasks):
-        insort(by_track.setdefault(e.track, []), (e.end, index))
-
-    def predecessors(e: Event) -> List[Event]:
-        found: List[Event] = []
-        # The latest task on the same device that ended before this started.
-        for end, index in reversed(by_track[e.track]):
-            if end <= e.start and tasks[index] is not e:
-                found.append(tasks[index])
-                break
-        if e.kind == 'forward':
-            producer = by_key.get(('forward', e.micro_batch, e.partition - 1))
-        elif e.partition == n - 1:
-            producer = by_key.get(('forward', e.micro_batch, e.partition))
-        else:
-            producer = by_key.get(('backward', e.micro_batch, e.partition + 1))
-        if producer is not None and producer.end <= e.start:
-            found.append(producer)
-        return found
-
-    path = [max(tasks, key=lambda e: e.end)]
-    while True:
-        before = predecessors(path[-1])
-        if not before:
-            break
-        path.append(max(before, key=lambda e: e.end))
-    path.reverse()
-    return path
 
 
 def proc_status(key: str) -> Optional[int]:
@@ -754,21 +474,20 @@ def trace(module: Any) -> Generator[Timeline, None, None]:
         >>> timeline.save('timeline.json')  # doctest: +SKIP
         >>> timeline.plot('timeline.png')  # doctest: +SKIP
     """
-    from torchgpipe.gpipe import GPipe
     if not isinstance(module, GPipe):
         raise TypeError(f'trace() watches a GPipe, got {type(module).__name__}: wrap the model '
                         'first, e.g. trace(GPipe(model, balance, chunks=...))')
     state = module._run_state
-    if state.timeline is not None:
+    if state.recorder is not None:
         raise RuntimeError('this GPipe is traced already: nest no trace() of the same GPipe '
                            'in another; one trace records every step inside it')
     timeline = Timeline()
     devices = list(dict.fromkeys(module.devices))
     timeline.start_memory(devices)
-    state.timeline = timeline
+    state.recorder = timeline
     try:
         yield timeline
     finally:
-        state.timeline = None
+        state.recorder = None
         timeline.stop_memory(devices)
         timeline.closed = True

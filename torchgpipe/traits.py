@@ -14,16 +14,15 @@ These facts belong to one GPipe instance's run, not to its model: a copy of the
 GPipe starts with none (see :class:`RunState`).
 """
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple, TypeVar
+from typing import Callable, Dict, List, Optional, Tuple, TypeVar
 
 import torch
 from torch import Tensor
 
+from torchgpipe._record import Recorder
 from torchgpipe.rng import cpu_rng_state
 from torchgpipe.stream import AbstractStream
 
-if TYPE_CHECKING:
-    from torchgpipe.timeline import Timeline
 
 __all__: List[str] = []
 
@@ -110,7 +109,7 @@ def call_on_copies(function: Callable[[T], R], input: Tuple[Tensor, ...],
 
 
 class RunState:
-    """The per-run state of a GPipe: copy streams, partition traits, the recording timeline.
+    """The per-run state of a GPipe: copy streams, partition traits, the recorder attached.
 
     Streams cannot be copied or pickled, and what one instance learned is not
     a property of its model: ``copy.deepcopy``, ``pickle`` and ``torch.save``
@@ -126,8 +125,8 @@ class RunState:
         #: first use (creating a CUDA stream initializes CUDA).
         self.copy_streams: List[List[AbstractStream]] = []
         self.traits = [PartitionTraits() for _ in range(num_partitions)]
-        #: The timeline recording the runs, inside :func:`torchgpipe.trace`.
-        self.timeline: Optional['Timeline'] = None
+        #: The recorder of the runs (a timeline, inside :func:`torchgpipe.trace`).
+        self.recorder: Optional[Recorder] = None
 
     def __reduce__(self) -> Tuple[type, Tuple[int]]:
         return RunState, (self.num_partitions,)

@@ -1,0 +1,99 @@
+"""The shape of the package: its modules import each other without a circle.
+
+Every import counts, at the top of a module, inside a function or under
+``TYPE_CHECKING``: each is a dependency a reader follows. The engine sits at
+the bottom, instrumentation (``torchgpipe._record``) is a leaf it calls, and
+the timeline and to_sequential sit on top.
+"""
+import ast
+from pathlib import Path
+from typing import Dict, List, Set
+
+PACKAGE = Path(__file__).resolve().parent.parent / 'torchgpipe'
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix('').parts)
+    if parts[-1] == '__init__':
+        parts.pop()
+    return '.'.join(parts)
+
+
+def imports() -> Dict[str, Set[str]]:
+    """Each module of the package, and the modules of the package it imports."""
+    paths = {module_name(path): path for path in PACKAGE.rglob('*.py')}
+    graph: Dict[str, Set[str]] = {}
+    for name, path in paths.items():
+        package = name if path.name == '__init__.py' else name.rpartition('.')[0]
+        found: Set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ''
+                if node.level:
+                    anchor = package.split('.')[:len(package.split('.')) - node.level + 1]
+                    base = '.'.join(anchor + ([base] if base else []))
+                for alias in node.names:
+                    # 'from torchgpipe import microbatch' imports a module.
+                    found.add(f'{base}.{alias.name}' if f'{base}.{alias.name}' in paths
+                              else base)
+        graph[name] = {module for module in found if module in paths and module != name}
+    return graph
+
+
+def cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
+    """The circles of imports: strongly connected components of more than one module."""
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    found: List[List[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circle() -> None:
+    graph = imports()
+    assert 'torchgpipe.pipeline' in graph and 'torchgpipe.microbatch' in graph['torchgpipe.gpipe']
+    circles = cycles(graph)
+    assert not circles, '\n'.join(
+        ' <-> '.join(c) + '\n  ' + '\n  '.join(f'{v} imports {sorted(graph[v] & set(c))}'
+                                            for v in c) for c in circles)
+
+
+def test_the_engine_knows_no_timeline() -> None:
+    graph = imports()
+    engine = ['torchgpipe.pipeline', 'torchgpipe.stepper', 'torchgpipe.checkpoint',
+              'torchgpipe.worker', 'torchgpipe.copy', 'torchgpipe.traits']
+    for module in engine:
+        assert 'torchgpipe.timeline' not in graph[module], module
+        assert 'torchgpipe.events' not in graph[module], module
+    assert graph['torchgpipe._record'] == set(), 'the recording interface is a leaf'
+
+
+def test_the_cycle_finder_finds_circles() -> None:
+    graph = {'a': {'b'}, 'b': {'c'}, 'c': {'a'}, 'd': {'a'}}
+    assert cycles(graph) == [['a', 'b', 'c']]
+    assert cycles({'a': {'b'}, 'b': set()}) == []

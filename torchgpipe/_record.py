@@ -1,0 +1,54 @@
+"""The recording interface: what the engine tells an attached recorder, and labels.
+
+The engine (the pipeline, train_step's executor, checkpointing) calls this
+module, never the timeline: a :class:`Recorder` sits in a GPipe's run state
+(:class:`~torchgpipe.traits.RunState`) while :func:`torchgpipe.trace` is
+active, and is ``None`` otherwise, which costs a pipeline one check per
+task. :class:`~torchgpipe.timeline.Timeline` implements it, above the
+engine. :func:`label` names tasks for PyTorch's profiler, whoever records.
+"""
+from contextlib import nullcontext
+from typing import (Any, Callable, ContextManager, Iterable, List, Optional, Protocol, Sequence,
+                    Tuple, TypeVar)
+
+import torch
+from torch import Tensor
+
+__all__: List[str] = []
+
+T = TypeVar('T')
+
+#: How the name of an event of each kind starts.
+PREFIXES = {'forward': 'F', 'recompute': "F'", 'backward': 'B', 'copy': 'C'}
+
+
+def label(kind: str, task: Tuple[int, int]) -> ContextManager[Any]:
+    """Labels task ``(i, j)`` of a kind ``torchgpipe F(i,j)`` (or ``F'``, ``B``) for a profiler.
+
+    Nothing is done, the label not even formatted, unless a profiler records.
+    """
+    # A process-wide flag, set by torch.profiler.profile: cheaper than a
+    # record_function per task whether or not anyone profiles.
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(f'torchgpipe {PREFIXES[kind]}({task[0]},{task[1]})')
+    return nullcontext()
+
+
+class Recorder(Protocol):
+    """What the engine calls on a recorder attached to a GPipe."""
+
+    def begin_step(self, micro_batches: int, devices: Sequence[torch.device],
+                   kind: str = 'forward') -> int:
+        """Starts a step (a call of the GPipe, or a train_step); returns its index."""
+
+    def timed(self, kind: str, i: int, j: int, device: torch.device,
+              function: Callable[[], T]) -> Callable[[], T]:
+        """Wraps the work of task ``(i, j)`` of a kind (``'forward'``...) to be timed."""
+
+    def copied(self, i: int, j: int, device: torch.device, what: str,
+               copy: Callable[[], Optional[Tensor]]) -> None:
+        """Runs and records a copy into partition ``j`` (``what``: ``'input'`` or ``'skip'``)."""
+
+    def watch_backward(self, i: int, j: int, device: torch.device, outputs: Iterable[Tensor],
+                       boundary: Iterable[Any]) -> None:
+        """Watches the backward pass of task ``(i, j)``, from its outputs to ``boundary``."""
