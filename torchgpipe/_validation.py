@@ -326,3 +326,43 @@ def check_devices(devices: object, partitions: int) -> List[torch.device]:
     for i, device in enumerate(device_list[:partitions]):
         check_available(f'devices[{i}]', device, no_cuda_fix)
     return device_list
+
+
+def check_step(schedule: object, schedules: Iterable[str], reduction: object,
+               loss_fn: object) -> None:
+    """Checks the arguments of :meth:`GPipe.train_step <torchgpipe.GPipe.train_step>`.
+
+    And the state it runs in: gradients enabled, one process (the
+    gradients are not all-reduced across processes).
+
+    Raises:
+        TypeError: ``schedule`` or ``reduction`` is not a string, or
+            ``loss_fn`` is not callable
+        ValueError: an unknown ``schedule`` or ``reduction``
+        RuntimeError: gradients are disabled, or torch.distributed runs
+            several processes
+    """
+    names = list(schedules)
+    # A str of another value is a ValueError; anything else (a list, say) a TypeError.
+    if not isinstance(schedule, str) or schedule not in names:
+        error = ValueError if isinstance(schedule, str) else TypeError
+        raise error(describe(f'schedule must be one of {", ".join(map(repr, names))}',
+                             f'schedule: {schedule!r}', "use schedule='1f1b'"))
+    if not isinstance(reduction, str) or reduction not in ('mean', 'sum'):
+        error = ValueError if isinstance(reduction, str) else TypeError
+        raise error(describe("reduction must be 'mean' or 'sum'",
+                             f'reduction: {reduction!r}',
+                             "say how loss_fn reduces a micro-batch, e.g. "
+                             "reduction='mean' for F.cross_entropy"))
+    if not callable(loss_fn):
+        raise TypeError(describe('loss_fn must be callable', f'loss_fn: {loss_fn!r}',
+                                 'pass a function of (output, target), e.g. F.mse_loss'))
+    if not torch.is_grad_enabled():
+        raise RuntimeError('train_step runs a backward pass, but gradients are disabled '
+                           '(torch.no_grad() or torch.inference_mode()); call it outside '
+                           'of them, or call the module itself for inference')
+    if (torch.distributed.is_available() and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() > 1):
+        raise RuntimeError('train_step does not all-reduce gradients across processes; '
+                           'with DistributedDataParallel, call the DDP module and '
+                           'loss.backward() instead')

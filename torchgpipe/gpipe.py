@@ -9,15 +9,15 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from torchgpipe import microbatch, plain
 from torchgpipe._validation import (BalanceError, Device, check_balance, check_chunks,
-                                    check_devices, deny_moving, describe, example_balance,
-                                    recommend_auto_balance, verify_module)
+                                    check_devices, check_step, deny_moving, describe,
+                                    example_balance, recommend_auto_balance, verify_module)
 from torchgpipe.batchnorm import DeferredBatchNorm, deferred_step
 from torchgpipe.microbatch import TensorOrTensors
 from torchgpipe.pipeline import Pipeline
 from torchgpipe.schedule import SCHEDULES
 from torchgpipe.skip.layout import inspect_skip_layout
 from torchgpipe.skip.skippable import verify_skippables
-from torchgpipe.stepper import Step
+from torchgpipe.stepper import Step, split_step
 from torchgpipe.stream import AbstractStream, current_stream, new_stream, use_device
 from torchgpipe.tied import place_partitions
 from torchgpipe.traits import RunState
@@ -485,60 +485,16 @@ class GPipe(nn.Module):
             >>> loss.shape
             torch.Size([])
         """
-        # A str of another value is a ValueError; anything else (a list, say) a TypeError.
-        if not isinstance(schedule, str) or schedule not in SCHEDULES:
-            error = ValueError if isinstance(schedule, str) else TypeError
-            raise error(describe(f'schedule must be one of {", ".join(map(repr, SCHEDULES))}',
-                                 f'schedule: {schedule!r}', "use schedule='1f1b'"))
-        if not isinstance(reduction, str) or reduction not in ('mean', 'sum'):
-            error = ValueError if isinstance(reduction, str) else TypeError
-            raise error(describe("reduction must be 'mean' or 'sum'",
-                                 f'reduction: {reduction!r}',
-                                 "say how loss_fn reduces a micro-batch, e.g. "
-                                 "reduction='mean' for F.cross_entropy"))
-        if not callable(loss_fn):
-            raise TypeError(describe('loss_fn must be callable', f'loss_fn: {loss_fn!r}',
-                                     'pass a function of (output, target), e.g. F.mse_loss'))
-        if not torch.is_grad_enabled():
-            raise RuntimeError('train_step runs a backward pass, but gradients are disabled '
-                               '(torch.no_grad() or torch.inference_mode()); call it outside '
-                               'of them, or call the module itself for inference')
-        if (torch.distributed.is_available() and torch.distributed.is_initialized()
-                and torch.distributed.get_world_size() > 1):
-            raise RuntimeError('train_step does not all-reduce gradients across processes; '
-                               'with DistributedDataParallel, call the DDP module and '
-                               'loss.backward() instead')
+        check_step(schedule, SCHEDULES, reduction, loss_fn)
         # Before the input is split: an empty GPipe's forward takes inputs
         # that cannot be, and the error must say what is really wrong.
         if not self.devices:
             raise ValueError('train_step needs at least one layer: this GPipe is empty')
-        microbatch.check(input)
-        microbatch.check(target, 'target')
-        batches = microbatch.scatter(input, self.chunks)
-        targets = microbatch.scatter(target, self.chunks, 'target')
-        sizes = [b[0].size(0) for b in batches]
-        target_sizes = [t[0].size(0) for t in targets]
-        if sizes != target_sizes:
-            raise ValueError(describe('target must split into the micro-batches the input does',
-                                      f'input micro-batches of {sizes}, target of {target_sizes}',
-                                      'give a target with one row per sample of the input'))
-        total = sum(sizes)
-        if not total:
-            # The unwrapped model's mean loss would be nan: a step on an
-            # empty batch is a data loader's leftover, not a training step.
-            raise ValueError(describe('train_step needs at least one sample',
-                                      'input: a mini-batch of 0 rows',
-                                      'skip empty batches, e.g. with drop_last=True in the '
-                                      'DataLoader'))
+        batches, targets, weights = split_step(input, target, self.chunks, reduction,
+                                               self.devices[-1])
         checkpoint_stop = self._prepare(batches)
-        last_device = self.devices[-1]
-        for t in targets:
-            t[:] = tuple(x.to(last_device) for x in t)
-        weights = [size / total if reduction == 'mean' else 1.0 for size in sizes]
         m, n = len(batches), len(self.devices)
-        # The loss function sees the target as a layer sees its input:
-        # NoChunk tensors unwrapped.
-        step = Step(self._partitions(), self.devices, batches, [t.plain for t in targets],
+        step = Step(self._partitions(), self.devices, batches, targets,
                     loss_fn, weights, SCHEDULES[schedule](m, n), self._skip_layout,
                     checkpoint_stop, self._run_state.traits, self._run_state.recorder, schedule)
         with deferred_step(self._deferred_batch_norms, m):

@@ -17,14 +17,13 @@ pass starts from both its output and the stashed tensor.
 
 The actions of a schedule (:mod:`torchgpipe.schedule`) are laid out in clock
 cycles; each device's worker runs its partitions' actions in that order,
-waiting in a :class:`Mailbox` for what others send. A checkpointed
+waiting in a :class:`~torchgpipe.mailbox.Mailbox` for what others send. A checkpointed
 micro-batch runs its forward pass without keeping activations, and its
 backward action recomputes them first, replaying the random number
 generators and autocast.
 """
 import functools
 import sys
-import threading
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import (Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple, TypeVar,
@@ -33,179 +32,26 @@ from typing import (Any, Callable, ContextManager, Dict, List, Optional, Sequenc
 import torch
 from torch import Tensor, nn
 
+from torchgpipe._record import Recorder, label
 from torchgpipe._validation import describe
 from torchgpipe.autocast import AutocastStates, restore_autocast_states, save_autocast_states
 from torchgpipe.checkpoint import enable_checkpointing, enable_recomputing
+from torchgpipe import microbatch
 from torchgpipe.microbatch import Batch, TensorOrTensors
 from torchgpipe.pipeline import partition_function
 from torchgpipe.rng import RNGStates, cpu_generator_lock, cpu_rng_state, restore_rng_states, \
     save_rng_states, training_flags
 from torchgpipe.schedule import Action, clock_order
 from torchgpipe.skip.layout import SkipLayout
-from torchgpipe.skip.namespace import Namespace
-from torchgpipe.skip.tracker import SkipTracker
-from torchgpipe.stream import as_cuda, current_stream, is_cuda, record_stream, use_device
-from torchgpipe._record import Recorder, label
+from torchgpipe.stream import use_device
 from torchgpipe.traits import PartitionTraits
+from torchgpipe.mailbox import Key, Mailbox, Ready, Stopped, StepSkips, leaf
 from torchgpipe.worker import Crew, ExcInfo, distinct_devices
 
 __all__: List[str] = []
 
 T = TypeVar('T')
-Key = Tuple[Namespace, str]
 LossFunction = Callable[[TensorOrTensors, TensorOrTensors], Tensor]
-
-
-class Stopped(Exception):
-    """Ends a worker waiting for a message that will not come: an action elsewhere failed."""
-
-
-class Mailbox:
-    """Messages between the workers, by key, and turns; :meth:`take` waits for a message.
-
-    Turns order the forward actions that draw random numbers: the ``k``-th
-    waits in :meth:`wait_turn` until the one before it has called
-    :meth:`end_turn`, so that on threads they draw in the order of one
-    thread. A stopped mailbox ends every wait.
-    """
-
-    def __init__(self) -> None:
-        self._condition = threading.Condition()
-        self._messages: Dict[Tuple[Any, ...], Any] = {}
-        self._stopped = False
-        self._turn = 0
-
-    def put(self, key: Tuple[Any, ...], message: Any) -> None:
-        with self._condition:
-            self._messages[key] = message
-            self._condition.notify_all()
-
-    def take(self, key: Tuple[Any, ...]) -> Any:
-        """Waits for the message under ``key`` and takes it.
-
-        Raises:
-            Stopped: :meth:`stop` was called before the message came
-        """
-        with self._condition:
-            while key not in self._messages:
-                if self._stopped:
-                    raise Stopped()
-                self._condition.wait()
-            return self._messages.pop(key)
-
-    def wait_turn(self, turn: int) -> None:
-        """Waits until turn ``turn`` (counted from 0) has come.
-
-        Raises:
-            Stopped: :meth:`stop` was called before the turn came
-        """
-        with self._condition:
-            while self._turn != turn:
-                if self._stopped:
-                    raise Stopped()
-                self._condition.wait()
-
-    def end_turn(self) -> None:
-        """Lets the next turn come."""
-        with self._condition:
-            self._turn += 1
-            self._condition.notify_all()
-
-    def stop(self) -> None:
-        """Wakes every waiting worker with :class:`Stopped`, and every later one."""
-        with self._condition:
-            self._stopped = True
-            self._condition.notify_all()
-
-    @property
-    def stopped(self) -> bool:
-        """Whether :meth:`stop` was called: a worker starts no further action."""
-        return self._stopped
-
-
-class Ready:
-    """Marks, on CUDA, the moment the tensors a worker sends are computed on its stream.
-
-    The receiving worker copies them on its own stream, which must wait for
-    that moment first. On CPU, where work is done when a call returns, it
-    holds nothing.
-    """
-
-    __slots__ = ('event',)
-
-    def __init__(self, device: torch.device) -> None:
-        self.event: Any = None
-        if device.type == 'cuda':
-            self.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            self.event.record(as_cuda(current_stream(device)))
-
-    def receive(self, x: Tensor, device: torch.device) -> Tensor:
-        """``x`` on ``device``, without history, safe to use on ``device``'s current stream."""
-        stream = current_stream(device)
-        if self.event is not None and is_cuda(stream):
-            as_cuda(stream).wait_event(self.event)
-        y = x.detach().to(device)
-        if x.is_cuda and y is not x:
-            # The sender may drop x as soon as this returns: its memory must
-            # not be reused before the copy, queued on this stream, has run.
-            record_stream(x, stream)
-        return y
-
-
-def leaf(x: Optional[Tensor], device: torch.device, requires_grad: bool,
-         ready: Ready) -> Optional[Tensor]:
-    """Cuts the graph at a partition's input: a copy on ``device`` without history."""
-    if x is None:
-        return None
-    return ready.receive(x, device).requires_grad_(requires_grad and x.is_floating_point())
-
-
-class StepSkips(SkipTracker):
-    """The skip tensors of one micro-batch on one partition, cut at partition boundaries.
-
-    A skip stashed and popped in the same partition stays in the tracker's
-    dictionary. One that crosses partitions is put in ``shared`` (the
-    micro-batch's skips, seen by every partition) and remembered in
-    :attr:`sent`; its pop makes a detached leaf of it, remembered in
-    :attr:`received`. When the partition
-    recomputes (``replay``), stashes are remembered again, with their new
-    graph, and pops give the leaves of the first pass.
-    """
-
-    def __init__(self, layout: SkipLayout, j: int, device: torch.device,
-                 shared: Dict[Key, Tuple[Optional[Tensor], bool, Ready]]) -> None:
-        super().__init__()
-        self.layout = layout
-        self.j = j
-        self.device = device
-        self.shared = shared
-        self.replay = False
-        #: The skips stashed here and popped by a later partition; the backward
-        #: pass starts from them too.
-        self.sent: Dict[Key, Optional[Tensor]] = {}
-        #: The leaves of the skips popped here from an earlier partition.
-        self.received: Dict[Key, Optional[Tensor]] = {}
-
-    def save(self, batch: Batch, ns: Namespace, name: str, tensor: Optional[Tensor]) -> None:
-        if not self.layout.requires_copy(ns, name):
-            return super().save(batch, ns, name, tensor)
-        self.sent[(ns, name)] = tensor
-        if not self.replay:
-            # Whether it will require grad, also when stashed without grad
-            # (a checkpointed first pass): then the recomputation gives it one.
-            requires_grad = tensor is not None and (tensor.requires_grad or (
-                not torch.is_grad_enabled() and tensor.is_floating_point()))
-            self.shared[(ns, name)] = (tensor, requires_grad, Ready(self.device))
-
-    def load(self, batch: Batch, ns: Namespace, name: str) -> Optional[Tensor]:
-        if not self.layout.requires_copy(ns, name):
-            return super().load(batch, ns, name)
-        if self.replay:
-            return self.received[(ns, name)]
-        tensor, requires_grad, ready = self.shared.pop((ns, name))
-        popped = leaf(tensor, self.device, requires_grad, ready)
-        self.received[(ns, name)] = popped
-        return popped
 
 
 @dataclass
@@ -536,3 +382,42 @@ class Step:
             # follow from it.
             _, (_, exc, tb) = min(failures, key=lambda f: f[0])
             raise exc.with_traceback(tb)
+
+
+def split_step(input: TensorOrTensors, target: TensorOrTensors, chunks: int, reduction: str,
+               last_device: torch.device
+               ) -> Tuple[List[Batch], List[TensorOrTensors], List[float]]:
+    """Splits a training step's input and target into micro-batches, checked before any work.
+
+    Returns:
+        (batches, targets, weights): the input's micro-batches; the target's,
+        on the last device, as the loss function sees them (NoChunk tensors
+        unwrapped, as a layer sees its input); and the weight of each
+        micro-batch's loss
+
+    Raises:
+        TypeError: the input or the target is not a tensor or a tuple of them
+        ValueError: they cannot be split alike, or the mini-batch is empty
+    """
+    microbatch.check(input)
+    microbatch.check(target, 'target')
+    batches = microbatch.scatter(input, chunks)
+    targets = microbatch.scatter(target, chunks, 'target')
+    sizes = [b[0].size(0) for b in batches]
+    target_sizes = [t[0].size(0) for t in targets]
+    if sizes != target_sizes:
+        raise ValueError(describe('target must split into the micro-batches the input does',
+                                  f'input micro-batches of {sizes}, target of {target_sizes}',
+                                  'give a target with one row per sample of the input'))
+    total = sum(sizes)
+    if not total:
+        # The unwrapped model's mean loss would be nan: a step on an
+        # empty batch is a data loader's leftover, not a training step.
+        raise ValueError(describe('train_step needs at least one sample',
+                                  'input: a mini-batch of 0 rows',
+                                  'skip empty batches, e.g. with drop_last=True in the '
+                                  'DataLoader'))
+    for t in targets:
+        t[:] = tuple(x.to(last_device) for x in t)
+    weights = [size / total if reduction == 'mean' else 1.0 for size in sizes]
+    return batches, [t.plain for t in targets], weights
