@@ -1,7 +1,7 @@
 """Skippable layers: ``@skippable`` and the ``stash`` and ``pop`` commands.
 
-A skippable layer's ``forward`` is a generator. It yields :class:`stash` to
-hand a tensor to a later layer and :class:`pop` to receive one from an
+A skippable layer's ``forward`` is a generator. It yields :class:`~torchgpipe.skip.stash` to
+hand a tensor to a later layer and :class:`~torchgpipe.skip.pop` to receive one from an
 earlier layer, and returns its output. :class:`Skippable` runs that generator
 and routes the commands to the current skip tracker
 (:mod:`torchgpipe.skip.tracker`): a plain dictionary outside GPipe, and
@@ -14,6 +14,7 @@ from typing import (Any, Callable, ClassVar, Dict, FrozenSet, Generator, Iterabl
 from torch import Tensor, nn
 
 from torchgpipe.microbatch import Batch, TensorOrTensors
+from torchgpipe.skip.commands import pop, stash
 from torchgpipe.skip.namespace import Namespace, default_namespace
 from torchgpipe.skip.tracker import current_skip_tracker
 
@@ -395,60 +396,6 @@ def skippable(stash: Iterable[str] = (),
         return cast(Type[Skippable], type(module_cls.__name__, (Skippable,), attrs))
 
     return extend_skippable
-
-
-class stash:
-    """The command a skippable layer yields to stash a skip tensor.
-
-    Args:
-        name (str): a name declared in ``@skippable(stash=[...])``
-        tensor (torch.Tensor or None): the tensor to hand over; ``None`` is
-            handed over as it is, and popped as ``None``
-
-    Example::
-
-        @skippable(stash=['identity'])
-        class Save(nn.Module):
-            def forward(self, input):
-                yield stash('identity', input)
-                return input * 2
-    """
-
-    __slots__ = ('name', 'tensor')
-
-    def __init__(self, name: str, tensor: Optional[Tensor]) -> None:
-        self.name = name
-        self.tensor = tensor
-
-    def __repr__(self) -> str:
-        return f'stash({self.name!r})'
-
-
-class pop:
-    """The command a skippable layer yields to pop a skip tensor.
-
-    The ``yield`` expression evaluates to the tensor that an earlier layer
-    stashed under the same name (in the same namespace).
-
-    Args:
-        name (str): a name declared in ``@skippable(pop=[...])``
-
-    Example::
-
-        @skippable(pop=['identity'])
-        class AddBack(nn.Module):
-            def forward(self, input):
-                identity = yield pop('identity')
-                return input + identity
-    """
-
-    __slots__ = ('name',)
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __repr__(self) -> str:
-        return f'pop({self.name!r})'
 
 
 def verify_skippables(module: nn.Sequential) -> None:
