@@ -34,7 +34,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
 from torchgpipe._validation import check_chunks, describe
-from torchgpipe.checkpoint import is_recomputing
+from torchgpipe.phase import is_recomputing
 
 __all__ = ['DeferredBatchNorm']
 

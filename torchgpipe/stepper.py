@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from torchgpipe._record import Recorder, label
 from torchgpipe._validation import describe
 from torchgpipe.autocast import AutocastStates, restore_autocast_states, save_autocast_states
-from torchgpipe.checkpoint import enable_checkpointing, enable_recomputing
+from torchgpipe.phase import enable_checkpointing, enable_recomputing
 from torchgpipe import microbatch
 from torchgpipe.microbatch import Batch, TensorOrTensors
 from torchgpipe.pipeline import partition_function

@@ -13,7 +13,7 @@ from typing import ContextManager, Dict, List, Optional, Protocol, Tuple
 import torch
 from torch import Tensor
 
-from torchgpipe.checkpoint import is_checkpointing
+from torchgpipe.phase import is_checkpointing
 from torchgpipe.dependency import fork, join
 from torchgpipe.microbatch import Batch
 from torchgpipe.phony import get_phony

@@ -1,0 +1,96 @@
+"""Which pass of a forward runs: the first pass of a checkpointed micro-batch, or its recomputation.
+
+A checkpointed micro-batch runs each partition's forward twice (see
+:mod:`torchgpipe.checkpoint`). Layers may ask which pass they are in, to
+avoid side effects twice (:func:`is_recomputing`); the skip tracker asks
+too, since a checkpointed stash is popped twice. The flags are per thread:
+workers run different micro-batches at once.
+"""
+import threading
+from typing import ContextManager, List
+
+__all__: List[str] = []
+
+
+class ThreadLocal(threading.local):
+    def __init__(self) -> None:
+        self.is_checkpointing = False
+        self.is_recomputing = False
+
+
+thread_local = ThreadLocal()
+
+
+class _EnableFlag:
+    """Sets a flag of :data:`thread_local` within the context.
+
+    A class rather than a generator-based context manager: it is entered
+    for every checkpointed task, and this is the cheaper of the two.
+    """
+
+    __slots__ = ('name', 'orig')
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.orig = False
+
+    def __enter__(self) -> None:
+        self.orig = getattr(thread_local, self.name)
+        setattr(thread_local, self.name, True)
+
+    def __exit__(self, *exc_info: object) -> None:
+        setattr(thread_local, self.name, self.orig)
+
+
+def enable_checkpointing() -> ContextManager[None]:
+    """Makes :func:`is_checkpointing` return ``True`` within the context."""
+    return _EnableFlag('is_checkpointing')
+
+
+def enable_recomputing() -> ContextManager[None]:
+    """Makes :func:`is_recomputing` return ``True`` within the context."""
+    return _EnableFlag('is_recomputing')
+
+
+def is_checkpointing() -> bool:
+    """Whether the current forward propagation is under checkpointing.
+
+    A checkpointed forward runs twice: once without keeping activations
+    (here this returns ``True``) and once more, to recompute them, just
+    before its backward (see :func:`is_recomputing`).
+
+    Returns:
+        bool: ``True`` if it's under checkpointing
+
+    Example::
+
+        class Probe(nn.Module):
+            def forward(self, input):
+                if is_checkpointing():
+                    print('first pass of a checkpointed micro-batch')
+                return input
+    """
+    return thread_local.is_checkpointing
+
+
+def is_recomputing() -> bool:
+    """Whether the current forward propagation is under checkpoint recomputation.
+
+    Use this to prevent duplicated side effects at forward propagation.
+
+    Returns:
+        bool: ``True`` if it's under checkpoint recomputation
+
+    Example::
+
+        class Counter(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.counter = 0
+
+            def forward(self, input):
+                if not is_recomputing():
+                    self.counter += 1
+                return input
+    """
+    return thread_local.is_recomputing
