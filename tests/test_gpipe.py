@@ -449,3 +449,25 @@ def test_unsplittable_input_is_refused_before_any_layer_runs(
     with pytest.raises(error, match=re.escape(message)):
         gpipe(input)
     assert gpipe[0].calls == counter.calls == 0
+
+
+@pytest.mark.parametrize('style', ['gpipe', 'plain'])
+def test_load_state_dict_goes_through_the_classes_between_gpipe_and_module(style: str) -> None:
+    loads = []
+
+    class Logging(nn.Module):
+        def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+            loads.append(style)
+            return super().load_state_dict(*args, **kwargs)
+
+    class Logged(GPipe, Logging):
+        pass
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    gpipe = Logged(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), balance=[1, 1],
+                   devices=['cpu', 'cpu'])
+    state = model.state_dict() if style == 'plain' else \
+        GPipe(model, balance=[1, 1], devices=['cpu', 'cpu']).state_dict()
+    gpipe.load_state_dict(state)
+    assert loads == [style]
+    torch.testing.assert_close(gpipe[1].weight, model[1].weight)

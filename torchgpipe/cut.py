@@ -49,7 +49,7 @@ class GeneratedChild(nn.Module):
         self.stashes = stashes
         self.transient = transient
         self.captured_training = captured_training
-        self._leave_outtransient()
+        self._leave_out_transient()
 
     # How a step is copied (pickle, torch.save, copy.deepcopy):
     #
@@ -68,9 +68,9 @@ class GeneratedChild(nn.Module):
     # capture the graph only needs a module that copies itself.
     def __setstate__(self, state: Dict[str, Any]) -> None:
         super().__setstate__(state)  # type: ignore[no-untyped-call]
-        self._leave_outtransient()
+        self._leave_out_transient()
 
-    def _leave_outtransient(self) -> None:
+    def _leave_out_transient(self) -> None:
         for name in self.transient:
             owner, _, field = name.rpartition('.')
             self.graph.get_submodule(owner)._non_persistent_buffers_set.add(field)

@@ -294,7 +294,10 @@ class GPipe(nn.Module):
             >>> list(gpipe.state_dict())[0]
             'partitions.0.0.weight'
         """
-        return plain.load_state_dict(self, self._partitions(), state_dict, strict, assign)
+        # Through super(): a class between GPipe and nn.Module loads too.
+        return plain.load_state_dict(
+            self, self._partitions(), state_dict,
+            lambda state: super(GPipe, self).load_state_dict(state, strict, assign))
 
     def unwrap(self, device: Optional[Device] = None) -> nn.Sequential:
         """The plain :class:`nn.Sequential <torch.nn.Sequential>` this GPipe

@@ -9,7 +9,7 @@ of the GPipe methods of the same names.
 """
 import copy
 from collections import OrderedDict
-from typing import Any, Dict, List, Mapping, Optional, cast
+from typing import Any, Callable, Dict, List, Mapping, Optional, cast
 
 import torch
 from torch import nn
@@ -23,8 +23,8 @@ __all__: List[str] = []
 
 
 def load_state_dict(module: nn.Module, partitions: List[nn.Sequential],
-                    state_dict: Mapping[str, Any], strict: bool,
-                    assign: bool) -> _IncompatibleKeys:
+                    state_dict: Mapping[str, Any],
+                    load: Callable[[Mapping[str, Any]], Any]) -> _IncompatibleKeys:
     """Loads ``state_dict`` into a GPipe ``module``, in whichever key style it has.
 
     Missing and unexpected keys are reported in the style given.
@@ -32,7 +32,10 @@ def load_state_dict(module: nn.Module, partitions: List[nn.Sequential],
     Args:
         module (torch.nn.Module): the GPipe
         partitions (list of nn.Sequential): its partitions
-        state_dict, strict, assign: as :meth:`torch.nn.Module.load_state_dict` takes them
+        state_dict (dict): the state, in either style
+        load (callable): the loading of the GPipe's own keys, as its base
+            classes do it (``super().load_state_dict`` with the caller's
+            ``strict`` and ``assign``)
     """
     # The child names are unique across partitions: each names its partition.
     partition_of = {name: j for j, partition in enumerate(partitions)
@@ -48,12 +51,8 @@ def load_state_dict(module: nn.Module, partitions: List[nn.Sequential],
         return (len(parts) > 2 and parts[0] == 'partitions'
                 and str(partition_of.get(parts[2])) == parts[1])
 
-    def load(state: Mapping[str, Any]) -> _IncompatibleKeys:
-        # nn.Module's own loading: GPipe's method is the one calling this.
-        return cast(_IncompatibleKeys, nn.Module.load_state_dict(module, state, strict, assign))
-
     if any(map(is_own, state_dict)) or not any(map(in_gpipe_style, state_dict)):
-        return load(state_dict)
+        return cast(_IncompatibleKeys, load(state_dict))
 
     # Keys of no child stay as they are, to be reported unexpected.
     renamed = {key: in_gpipe_style(key) or key for key in state_dict}
@@ -73,7 +72,7 @@ def load_state_dict(module: nn.Module, partitions: List[nn.Sequential],
     hook = module.register_load_state_dict_post_hook(  # type: ignore[no-untyped-call]
         report_in_given_style)
     try:
-        return load(translated)
+        return cast(_IncompatibleKeys, load(translated))
     finally:
         hook.remove()
 

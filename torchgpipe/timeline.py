@@ -33,7 +33,6 @@ device rather than the launch; they are read once the device is synchronized.
 Outside :func:`trace` none of this runs: a pipeline checks once per task
 whether a recorder is attached.
 """
-import functools
 import json
 import os
 import resource
@@ -393,7 +392,6 @@ class Timeline:
         plot_timeline(segments(events), path, title)
 
 
-@functools.lru_cache(maxsize=None)
 def node_classes() -> Tuple[type, Tuple[type, ...], Tuple[type, ...]]:
     """The autograd functions a walk through a task's backward pass tells apart.
 

@@ -34,8 +34,9 @@ R = TypeVar('R')
 class PartitionTraits:
     """The habits of one partition, as far as runs have shown them."""
 
-    #: Whether a checkpointed first pass changed its input tensors in place;
-    #: ``None`` until one has run.
+    #: Whether a run on copies of its input (a checkpointed first pass, or a
+    #: train_step's forward action) changed them in place; ``None`` until
+    #: one has run.
     modifies_input: Optional[bool] = None
 
     #: Whether a task drew from the CPU generator, for each setting of the

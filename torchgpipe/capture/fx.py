@@ -29,7 +29,7 @@ class Tracer(fx.Tracer):
     """fx's tracer, which also keeps the given classes and instances whole.
 
     fx also makes one with no argument, to trace a generated child's code
-    again when it loads a pickled child (see :class:`_Step`).
+    again when it loads a pickled child (see :class:`~torchgpipe.cut.GeneratedChild`).
     """
 
     def __init__(self, leaf_modules: Sequence[LeafSpec] = ()) -> None:
