@@ -35,10 +35,7 @@ whether a recorder is attached.
 """
 import json
 import os
-import resource
-import sys
 import threading
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -48,6 +45,7 @@ from typing import (Any, Callable, Dict, Generator, Iterable, List, Optional,
 import torch
 from torch import Tensor
 
+from torchgpipe._clock import Clock, Stamp, peak_rss, reset_peak_rss
 from torchgpipe.checkpoint import Recompute
 from torchgpipe.copy import Copy, Wait
 from torchgpipe.dependency import Fork, Join
@@ -60,41 +58,7 @@ __all__ = ['trace', 'Timeline', 'Event', 'StepInfo', 'Summary', 'DeviceSummary',
            'PartitionSummary', 'segments']
 
 
-# A moment: seconds from perf_counter on CPU, or a CUDA event to be read later.
-Stamp = Union[float, Any]
 T = TypeVar('T')
-
-
-class Clock:
-    """Stamps moments on CPU or on a CUDA stream, and reads them in seconds since the start."""
-
-    def __init__(self) -> None:
-        self.origin = time.perf_counter()
-        # Per CUDA device: an event recorded at the origin, after a synchronize.
-        self.cuda_origins: Dict[int, Any] = {}
-
-    def stamp(self, device: torch.device) -> Stamp:
-        if device.type != 'cuda':
-            return time.perf_counter()
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if index not in self.cuda_origins:
-            # The first use of a device: its events are read against this one.
-            torch.cuda.synchronize(index)
-            origin: Any = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-            origin.record(torch.cuda.default_stream(index))
-            torch.cuda.synchronize(index)
-            self.cuda_origins[index] = (origin, time.perf_counter() - self.origin)
-        event: Any = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-        event.record(torch.cuda.current_stream(index))
-        return event
-
-    def seconds(self, stamp: Stamp, device: torch.device) -> float:
-        if isinstance(stamp, float):
-            return stamp - self.origin
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        origin, offset = self.cuda_origins[index]
-        stamp.synchronize()
-        return float(offset + origin.elapsed_time(stamp) / 1e3)
 
 
 @dataclass
@@ -406,38 +370,6 @@ def node_classes() -> Tuple[type, Tuple[type, ...], Tuple[type, ...]]:
 def graph_task_id() -> int:
     """The id of the backward pass running in this thread."""
     return int(torch._C._current_graph_task_id())
-
-
-def proc_status(key: str) -> Optional[int]:
-    """A ``kB`` field of ``/proc/self/status`` in bytes, or ``None`` where there is none."""
-    try:
-        with open('/proc/self/status') as status:
-            for line in status:
-                if line.startswith(key + ':'):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def reset_peak_rss() -> bool:
-    """Resets the process's peak resident size (Linux); returns whether it could."""
-    try:
-        with open('/proc/self/clear_refs', 'w') as clear_refs:
-            clear_refs.write('5')
-        return True
-    except OSError:
-        return False
-
-
-def peak_rss() -> int:
-    """The process's peak resident size in bytes, since :func:`reset_peak_rss` where it works."""
-    peak = proc_status('VmHWM')
-    if peak is not None:
-        return peak
-    # Elsewhere: the peak since the process started (kilobytes on Linux, bytes on macOS).
-    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(maxrss if sys.platform == 'darwin' else maxrss * 1024)
 
 
 @contextmanager
