@@ -89,7 +89,7 @@ nitpick_ignore_regex = [
     # from names: "'cpu' or 'cuda' device".
     (r'py:class', r"'cpu'|'cuda'|'cuda' device"),
     # Internal type aliases without a docstring of their own.
-    (r'py:class', r'torchgpipe\..*\.[TR]'),  # TypeVars
+    (r'py:class', r'torchgpipe\..*\.(T|R)'),  # TypeVars
     (r'py:.*', r'torchgpipe\.(microbatch\.(TensorOrTensors|Tensors)|gpipe\.Devices?|'
                r'checkpoint\.(Function|Recomputed|RNGStates|AutocastStates)|'
                r'worker\.(ExcInfo|Result))'),

@@ -56,3 +56,14 @@ def test_wheel_installs_into_a_clean_venv_and_trains(dist: Path, tmp_path: Path)
     result = subprocess.run([str(python), '-c', script], check=True, capture_output=True,
                             text=True, cwd=tmp_path)
     assert result.stdout.strip() == torchgpipe.__version__
+
+
+def test_ci_reads_one_set_up_command_per_extra() -> None:
+    """.ci/run takes its commands from README.md through .ci/commands.py, which checks
+    every extra that pyproject.toml declares or the docs name; a failure there stops CI
+    before any test runs (a docs regex that looks like an extra, '.[TR]', did)."""
+    result = subprocess.run([sys.executable, str(ROOT / '.ci' / 'commands.py')],
+                            capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    stages = [line.split('\t')[0] for line in result.stdout.splitlines()]
+    assert stages == ['examples', 'dev', 'docs', 'benchmarks']
