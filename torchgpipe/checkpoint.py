@@ -39,7 +39,8 @@ import torch
 from torch import Tensor
 
 from torchgpipe.autocast import AutocastStates, restore_autocast_states, save_autocast_states
-from torchgpipe.microbatch import Batch, Layout, TensorOrTensors, Tensors, arrange
+from torchgpipe.microbatch import Batch, TensorOrTensors, Tensors, arrange
+from torchgpipe.nochunk import Layout
 from torchgpipe.phase import (enable_checkpointing, enable_recomputing, is_checkpointing,
                               is_recomputing)
 from torchgpipe.phony import get_phony

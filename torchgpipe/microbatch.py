@@ -4,16 +4,17 @@ A mini-batch is a tensor or a tuple. :func:`scatter` splits its tensors along
 dimension 0 into micro-batches (:class:`Batch`), the pipeline runs each of
 them through every partition, and :func:`gather` concatenates the outputs.
 A tuple may also hold values that are not split: ``None``, booleans,
-numbers, strings, and tensors wrapped in :class:`NoChunk`; every micro-batch
+numbers, strings, and tensors wrapped in :class:`~torchgpipe.NoChunk`; every micro-batch
 gets them as they are.
 """
-from typing import (Any, Callable, FrozenSet, Iterator, List, Optional, Sequence, Tuple, Union,
+from typing import (Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union,
                     cast, overload)
 
 import torch
 from torch import Tensor
 
 from torchgpipe._validation import describe
+from torchgpipe.nochunk import PLAIN_TYPES, Layout, NoChunk
 
 __all__ = ['NoChunk']
 
@@ -21,95 +22,6 @@ Tensors = Tuple[Tensor, ...]
 TensorOrTensors = Union[Tensor, Tensors]
 
 Function = Callable[[TensorOrTensors], TensorOrTensors]
-
-# The values a tuple at a boundary may hold besides tensors and NoChunk.
-PLAIN_TYPES = (type(None), bool, int, float, str)
-
-
-class NoChunk:
-    """Wraps a tensor that every micro-batch gets whole, instead of a slice of it.
-
-    Put it in the input tuple of :class:`~torchgpipe.GPipe`, or in what a
-    partition returns, for a tensor that has no batch dimension (a mask, a
-    bias, a lookup table). Layers receive the tensor itself, not the
-    wrapper, and every micro-batch receives the same tensor object, so a
-    tensor that requires grad gets the sum of its gradients over the
-    micro-batches, as without GPipe. At the end, the output holds the
-    tensor of the first micro-batch, unwrapped.
-
-    Args:
-        tensor (torch.Tensor): the tensor not to split
-
-    Raises:
-        TypeError: ``tensor`` is not a tensor
-
-    Example::
-
-        >>> class AddBias(nn.Module):
-        ...     def forward(self, input):
-        ...         x, bias = input  # the tensor itself, whole
-        ...         return x + bias, NoChunk(bias)  # passed on whole
-        >>> model = GPipe(nn.Sequential(AddBias(), AddBias()), balance=[1, 1],
-        ...               devices=['cpu', 'cpu'], chunks=4)
-        >>> output, bias = model((torch.zeros(8, 3), NoChunk(torch.ones(3))))
-        >>> output.shape, bias.shape
-        (torch.Size([8, 3]), torch.Size([3]))
-    """
-
-    __slots__ = ('tensor',)
-
-    def __init__(self, tensor: Tensor) -> None:
-        if not isinstance(tensor, Tensor):
-            raise TypeError(describe('NoChunk must wrap a tensor',
-                                     f'tensor: {type(tensor).__name__}',
-                                     'put a value that is not a tensor in the tuple as it is, '
-                                     'without NoChunk, such as (x, 0.5)'))
-        self.tensor = tensor
-
-    def __repr__(self) -> str:
-        return f'NoChunk({self.tensor!r})'
-
-
-class Layout:
-    """Where the tensors are in a tuple that holds other values too.
-
-    It holds no tensor: a checkpoint keeps it to rebuild its input from the
-    tensors it saved.
-
-    Args:
-        template: the tuple, with ``None`` in place of every tensor
-        indices: the positions of the tensors, NoChunk ones included
-        nochunk: the positions of the NoChunk tensors
-    """
-
-    __slots__ = ('template', 'indices', 'nochunk')
-
-    def __init__(self, template: Tuple[Any, ...], indices: Tuple[int, ...],
-                 nochunk: FrozenSet[int]) -> None:
-        self.template = template
-        self.indices = indices
-        self.nochunk = nochunk
-
-    @staticmethod
-    def of(values: Tuple[Any, ...]) -> Tuple['Layout', Tuple[Any, ...]]:
-        """The layout of ``values``, and ``values`` with every NoChunk unwrapped."""
-        plain = tuple(x.tensor if isinstance(x, NoChunk) else x for x in values)
-        indices = tuple(i for i, x in enumerate(plain) if isinstance(x, Tensor))
-        nochunk = frozenset(i for i, x in enumerate(values) if isinstance(x, NoChunk))
-        template = tuple(None if isinstance(x, Tensor) else x for x in plain)
-        return Layout(template, indices, nochunk), plain
-
-    def fill(self, tensors: Sequence[Tensor]) -> Tuple[Any, ...]:
-        """The tuple, with ``tensors`` in their places, unwrapped."""
-        values = list(self.template)
-        for i, x in zip(self.indices, tensors):
-            values[i] = x
-        return tuple(values)
-
-    def wrap(self, plain: Tuple[Any, ...]) -> Tuple[Any, ...]:
-        """``plain`` with its NoChunk tensors wrapped again."""
-        return tuple(NoChunk(x) if i in self.nochunk else x for i, x in enumerate(plain))
-
 
 
 class Batch:
@@ -121,7 +33,7 @@ class Batch:
     the value in its original form.
 
     Args:
-        values: a tensor, or a tuple of tensors, :class:`NoChunk` tensors
+        values: a tensor, or a tuple of tensors, :class:`~torchgpipe.NoChunk` tensors
             and other values
         layout: the layout of ``values`` when its NoChunk tensors are
             already unwrapped (``None``: found out here)
@@ -303,7 +215,7 @@ def arrange(atomic: bool, layout: Optional[Layout], tensors: Sequence[Tensor]) -
 def check(input: object, what: str = 'input') -> None:
     """Checks that ``input`` is a tensor, or a tuple of tensors and other values allowed.
 
-    A tuple may hold, besides tensors, :class:`NoChunk` tensors, ``None``,
+    A tuple may hold, besides tensors, :class:`~torchgpipe.NoChunk` tensors, ``None``,
     booleans, numbers and strings, but at least one tensor.
 
     Args:
@@ -348,7 +260,7 @@ def scatter(input: TensorOrTensors, chunks: int, what: str = 'input') -> List[Ba
     smaller last micro-batch, and a batch smaller than ``chunks`` gets fewer
     micro-batches. Every tensor of a tuple must have the same size in
     dimension 0, whatever ``chunks`` is. Other values of a tuple, and
-    :class:`NoChunk` tensors (unwrapped), are given to every micro-batch as
+    :class:`~torchgpipe.NoChunk` tensors (unwrapped), are given to every micro-batch as
     they are.
 
     Args:
@@ -414,7 +326,7 @@ def scatter(input: TensorOrTensors, chunks: int, what: str = 'input') -> List[Ba
 def gather(outputs: List[Batch]) -> TensorOrTensors:
     """Concatenates the output micro-batches into a mini-batch along dimension 0.
 
-    Other values than tensors, and :class:`NoChunk` tensors (unwrapped), are
+    Other values than tensors, and :class:`~torchgpipe.NoChunk` tensors (unwrapped), are
     taken from the first micro-batch.
 
     Args:
@@ -453,7 +365,7 @@ def gather(outputs: List[Batch]) -> TensorOrTensors:
 def map_tensors(function: Callable[[Tensor], Tensor], values: TensorOrTensors) -> TensorOrTensors:
     """Applies ``function`` to every tensor of a tensor or a tuple, keeping its form.
 
-    Other values of a tuple are kept as they are; a :class:`NoChunk` gets
+    Other values of a tuple are kept as they are; a :class:`~torchgpipe.NoChunk` gets
     ``function`` of its tensor, wrapped again.
 
     Args:
