@@ -66,8 +66,8 @@ autodoc_typehints = 'signature'
 autodoc_type_aliases = {
     'TensorOrTensors': 'torchgpipe.microbatch.TensorOrTensors',
     'Tensors': 'torchgpipe.microbatch.Tensors',
-    'Device': 'torchgpipe.gpipe.Device',
-    'Devices': 'torchgpipe.gpipe.Devices',
+    'Device': 'torchgpipe._validation.Device',
+    'Devices': 'torchgpipe._validation.Devices',
 }
 
 # Every cross-reference must resolve. There is no network at build time, so no
@@ -90,7 +90,7 @@ nitpick_ignore_regex = [
     (r'py:class', r"'cpu'|'cuda'|'cuda' device"),
     # Internal type aliases without a docstring of their own.
     (r'py:class', r'torchgpipe\..*\.(T|R)'),  # TypeVars
-    (r'py:.*', r'torchgpipe\.(microbatch\.(TensorOrTensors|Tensors)|gpipe\.Devices?|'
+    (r'py:.*', r'torchgpipe\.(microbatch\.(TensorOrTensors|Tensors)|_validation\.Devices?|'
                r'checkpoint\.(Function|Recomputed|RNGStates|AutocastStates)|'
                r'worker\.(ExcInfo|Result))'),
 ]

@@ -110,3 +110,11 @@ def test_the_cycle_finder_finds_circles() -> None:
     graph = {'a': {'b'}, 'b': {'c'}, 'c': {'a'}, 'd': {'a'}}
     assert cycles(graph) == [['a', 'b', 'c']]
     assert cycles({'a': {'b'}, 'b': set()}) == []
+
+
+def test_modules_are_small() -> None:
+    """A module holds one concern a reader can take in: none over 450 lines."""
+    sizes = {module_name(path): len(path.read_text().splitlines())
+             for path in PACKAGE.rglob('*.py')}
+    assert len(sizes) > 40
+    assert not {name: n for name, n in sizes.items() if n > 450}

@@ -23,6 +23,8 @@ __all__: List[str] = []
 
 #: What a device argument may be: a device, a CUDA index, or a name such as 'cuda:0'.
 Device = Union[torch.device, int, str]
+#: What a ``devices`` argument may be: any iterable of them.
+Devices = Union[Iterable[Device], List[Device]]
 
 
 def describe(requirement: str, received: str, fix: str) -> str:

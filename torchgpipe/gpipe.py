@@ -1,72 +1,26 @@
 """The GPipe interface: partitioning a sequential module and running it as a pipeline."""
-from collections import OrderedDict
-from typing import (Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Union,
-                    cast)
+from typing import Any, Callable, Iterable, Iterator, List, Mapping, Optional, Union, cast
 
 import torch
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from torchgpipe import microbatch, plain
-from torchgpipe._validation import (BalanceError, Device, check_balance, check_chunks,
+from torchgpipe._validation import (BalanceError, Device, Devices, check_balance, check_chunks,
                                     check_devices, check_step, deny_moving, describe,
                                     example_balance, recommend_auto_balance, verify_module)
 from torchgpipe.batchnorm import DeferredBatchNorm, deferred_step
 from torchgpipe.microbatch import TensorOrTensors
+from torchgpipe.partition import split_module
 from torchgpipe.pipeline import Pipeline
 from torchgpipe.schedule import SCHEDULES
 from torchgpipe.skip.layout import inspect_skip_layout
 from torchgpipe.skip.skippable import verify_skippables
 from torchgpipe.stepper import Step, split_step
 from torchgpipe.stream import AbstractStream, current_stream, new_stream, use_device
-from torchgpipe.tied import place_partitions
 from torchgpipe.traits import RunState
 
 __all__ = ['GPipe', 'BalanceError', 'verify_module', 'split_module']
-
-Devices = Union[Iterable[Device], List[Device]]
-
-def split_module(module: nn.Sequential, balance: Iterable[int],
-                 devices: List[torch.device],
-                 ) -> Tuple[List[nn.Sequential], List[int], List[torch.device]]:
-    """Splits a module into partitions by the balance, each moved to its device.
-
-    Every argument is checked before the first layer moves.
-
-    A parameter used by layers of several partitions (tied weights) stays
-    with its first partition; the layers of later partitions use a copy of
-    it on their device, made at each call (see :ref:`guide-tied-weights`).
-
-    Args:
-        module (nn.Sequential): the module to split
-        balance (ints): the number of layers of each partition
-        devices (list of torch.device): the devices, one per partition at least
-
-    Returns:
-        (partitions, balance, devices): the partitions (with the children's
-        original names), the balance as a list, and the devices in use
-
-    Raises:
-        TypeError: the balance is not an iterable of ints
-        BalanceError: the balance does not sum to the number of layers, or
-            has a non-positive entry
-        IndexError: fewer devices than partitions
-        ValueError: a device in use is a CUDA device that does not exist here;
-            or a buffer, or a layer with parameters or buffers, is in two
-            partitions
-    """
-    balance = check_balance(module, balance)
-    devices = check_devices(devices, len(balance))
-
-    children = iter(module.named_children())
-    partitions = []
-    for size in balance:
-        layers: 'OrderedDict[str, nn.Module]' = OrderedDict(next(children) for _ in range(size))
-        partitions.append(nn.Sequential(layers))
-
-    place_partitions(partitions, devices)
-
-    return partitions, balance, devices[:len(balance)]
 
 
 class GPipe(nn.Module):
@@ -354,15 +308,7 @@ class GPipe(nn.Module):
         """
         # An input elsewhere than on the first device is moved there, by a
         # differentiable copy of each micro-batch.
-        first_device = self.devices[0]
-        if any(x.device != first_device for x in batches[0]):
-            # A NoChunk tensor, shared by every micro-batch, is moved once.
-            moved: Dict[int, torch.Tensor] = {}
-            for batch in batches:
-                for x in batch:
-                    if id(x) not in moved:
-                        moved[id(x)] = x.to(first_device)
-                batch[:] = tuple(moved[id(x)] for x in batch)
+        microbatch.move(batches, self.devices[0])
 
         m = len(batches)
         # Checkpointing only pays off when there is a backward pass to come.

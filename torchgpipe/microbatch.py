@@ -7,7 +7,7 @@ A tuple may also hold values that are not split: ``None``, booleans,
 numbers, strings, and tensors wrapped in :class:`~torchgpipe.NoChunk`; every micro-batch
 gets them as they are.
 """
-from typing import (Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union,
+from typing import (Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union,
                     cast, overload)
 
 import torch
@@ -386,3 +386,20 @@ def map_tensors(function: Callable[[Tensor], Tensor], values: TensorOrTensors) -
     return cast(Tensors, tuple(function(x) if isinstance(x, Tensor)
                                else NoChunk(function(x.tensor)) if isinstance(x, NoChunk)
                                else x for x in cast(Tuple[Any, ...], values)))
+
+
+def move(batches: List[Batch], device: torch.device) -> None:
+    """Moves the micro-batches to ``device``, in place, by differentiable copies.
+
+    Nothing is done when the first micro-batch is there already. A
+    :class:`~torchgpipe.NoChunk` tensor, shared by every micro-batch, is
+    moved once, and stays shared.
+    """
+    if all(x.device == device for x in batches[0]):
+        return
+    moved: Dict[int, Tensor] = {}
+    for batch in batches:
+        for x in batch:
+            if id(x) not in moved:
+                moved[id(x)] = x.to(device)
+        batch[:] = tuple(moved[id(x)] for x in batch)

@@ -1,0 +1,60 @@
+"""Splitting a sequential module into partitions, each on its device.
+
+:func:`~torchgpipe.gpipe.split_module` is what :class:`~torchgpipe.GPipe` does with the module
+it wraps: it checks the balance and the devices, cuts the children into
+partitions (keeping their names), and places each partition on its device,
+sharing tied parameters across them (``torchgpipe.tied``).
+"""
+from collections import OrderedDict
+from typing import Iterable, List, Tuple
+
+import torch
+from torch import nn
+
+from torchgpipe._validation import check_balance, check_devices
+from torchgpipe.tied import place_partitions
+
+__all__ = ['split_module']
+
+
+def split_module(module: nn.Sequential, balance: Iterable[int],
+                 devices: List[torch.device],
+                 ) -> Tuple[List[nn.Sequential], List[int], List[torch.device]]:
+    """Splits a module into partitions by the balance, each moved to its device.
+
+    Every argument is checked before the first layer moves.
+
+    A parameter used by layers of several partitions (tied weights) stays
+    with its first partition; the layers of later partitions use a copy of
+    it on their device, made at each call (see :ref:`guide-tied-weights`).
+
+    Args:
+        module (nn.Sequential): the module to split
+        balance (ints): the number of layers of each partition
+        devices (list of torch.device): the devices, one per partition at least
+
+    Returns:
+        (partitions, balance, devices): the partitions (with the children's
+        original names), the balance as a list, and the devices in use
+
+    Raises:
+        TypeError: the balance is not an iterable of ints
+        BalanceError: the balance does not sum to the number of layers, or
+            has a non-positive entry
+        IndexError: fewer devices than partitions
+        ValueError: a device in use is a CUDA device that does not exist here;
+            or a buffer, or a layer with parameters or buffers, is in two
+            partitions
+    """
+    balance = check_balance(module, balance)
+    devices = check_devices(devices, len(balance))
+
+    children = iter(module.named_children())
+    partitions = []
+    for size in balance:
+        layers: 'OrderedDict[str, nn.Module]' = OrderedDict(next(children) for _ in range(size))
+        partitions.append(nn.Sequential(layers))
+
+    place_partitions(partitions, devices)
+
+    return partitions, balance, devices[:len(balance)]
