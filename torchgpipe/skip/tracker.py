@@ -96,7 +96,7 @@ class SkipTrackerThroughPortals(SkipTracker):
             (:class:`~torchgpipe.skip.layout.SkipLayout`)
     """
 
-    def __init__(self, skip_layout: 'Routes') -> None:
+    def __init__(self, skip_layout: Routes) -> None:
         super().__init__()
         self.skip_layout = skip_layout
         self.portals: Dict[Tuple[Namespace, str], Portal] = {}
