@@ -68,6 +68,7 @@ autodoc_type_aliases = {
     'Tensors': 'torchgpipe.microbatch.Tensors',
     'Device': 'torchgpipe._validation.Device',
     'Devices': 'torchgpipe._validation.Devices',
+    'LossFunction': 'torchgpipe.stepper.LossFunction',
 }
 
 # Every cross-reference must resolve. There is no network at build time, so no
@@ -92,7 +93,7 @@ nitpick_ignore_regex = [
     (r'py:class', r'torchgpipe\..*\.(T|R)'),  # TypeVars
     (r'py:.*', r'torchgpipe\.(microbatch\.(TensorOrTensors|Tensors)|_validation\.Devices?|'
                r'checkpoint\.(Function|Recomputed|RNGStates|AutocastStates)|'
-               r'worker\.(ExcInfo|Result))'),
+               r'worker\.(ExcInfo|Result)|stepper\.LossFunction)'),
 ]
 
 # -- HTML output -------------------------------------------------------------

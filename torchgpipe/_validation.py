@@ -334,15 +334,13 @@ def check_step(schedule: object, schedules: Iterable[str], reduction: object,
                loss_fn: object) -> None:
     """Checks the arguments of :meth:`GPipe.train_step <torchgpipe.GPipe.train_step>`.
 
-    And the state it runs in: gradients enabled, one process (the
-    gradients are not all-reduced across processes).
+    And the state it runs in: gradients enabled.
 
     Raises:
         TypeError: ``schedule`` or ``reduction`` is not a string, or
             ``loss_fn`` is not callable
         ValueError: an unknown ``schedule`` or ``reduction``
-        RuntimeError: gradients are disabled, or torch.distributed runs
-            several processes
+        RuntimeError: gradients are disabled
     """
     names = list(schedules)
     # A str of another value is a ValueError; anything else (a list, say) a TypeError.
@@ -363,8 +361,17 @@ def check_step(schedule: object, schedules: Iterable[str], reduction: object,
         raise RuntimeError('train_step runs a backward pass, but gradients are disabled '
                            '(torch.no_grad() or torch.inference_mode()); call it outside '
                            'of them, or call the module itself for inference')
+
+
+def check_one_process() -> None:
+    """Checks that :meth:`GPipe.train_step <torchgpipe.GPipe.train_step>` runs in one process.
+
+    Raises:
+        RuntimeError: torch.distributed runs several processes, whose
+            gradients train_step alone would not average
+    """
     if (torch.distributed.is_available() and torch.distributed.is_initialized()
             and torch.distributed.get_world_size() > 1):
         raise RuntimeError('train_step does not all-reduce gradients across processes; '
-                           'with DistributedDataParallel, call the DDP module and '
-                           'loss.backward() instead')
+                           'under DistributedDataParallel, call torchgpipe.distributed.'
+                           'train_step(ddp_model, input, target, loss_fn) instead')

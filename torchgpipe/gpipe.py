@@ -7,16 +7,17 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from torchgpipe import microbatch, plain
 from torchgpipe._validation import (BalanceError, Device, Devices, check_balance, check_chunks,
-                                    check_devices, check_step, deny_moving, describe,
-                                    example_balance, recommend_auto_balance, verify_module)
+                                    check_devices, check_one_process, check_step, deny_moving,
+                                    describe, example_balance, recommend_auto_balance,
+                                    verify_module)
 from torchgpipe.batchnorm import DeferredBatchNorm, deferred_step
 from torchgpipe.microbatch import TensorOrTensors
 from torchgpipe.partition import split_module
 from torchgpipe.pipeline import Pipeline
-from torchgpipe.schedule import SCHEDULES
+from torchgpipe.schedule import SCHEDULES, checkpoint_stop
 from torchgpipe.skip.layout import inspect_skip_layout
 from torchgpipe.skip.skippable import verify_skippables
-from torchgpipe.stepper import Step, split_step
+from torchgpipe.stepper import LossFunction, Step, split_step
 from torchgpipe.stream import AbstractStream, current_stream, new_stream, use_device
 from torchgpipe.traits import RunState
 
@@ -188,15 +189,7 @@ class GPipe(nn.Module):
         Raises:
             TypeError: a device is given; GPipe manages device placement
         """
-        # Deny these usages:
-        #
-        # - to(device[, dtype, non_blocking])
-        # - to(tensor[, non_blocking])
-        #
-        # But allow this:
-        #
-        # - to(dtype[, non_blocking])
-        #
+        # to(device, ...) and to(tensor, ...) would move; to(dtype, ...) only casts.
         if 'device' in kwargs or 'tensor' in kwargs:
             raise deny_moving()
         if args:
@@ -310,14 +303,7 @@ class GPipe(nn.Module):
         # differentiable copy of each micro-batch.
         microbatch.move(batches, self.devices[0])
 
-        m = len(batches)
-        # Checkpointing only pays off when there is a backward pass to come.
-        if not (self.training and torch.is_grad_enabled()):
-            return 0
-        # As in torchgpipe 0.0.7, 'except_last' spares the last of ``chunks``
-        # micro-batches: a short mini-batch split into fewer micro-batches
-        # has all of them checkpointed.
-        return {'always': m, 'except_last': min(m, self.chunks - 1), 'never': 0}[self.checkpoint]
+        return checkpoint_stop(self.checkpoint, self.chunks, len(batches), self.training)
 
     def forward(self, input: TensorOrTensors) -> TensorOrTensors:
         """Runs a mini-batch through the pipeline.
@@ -417,9 +403,9 @@ class GPipe(nn.Module):
             TypeError: ``schedule`` or ``reduction`` is not a string,
                 ``loss_fn`` is not callable, or does not return a tensor of
                 one element
-            RuntimeError: called with gradients disabled, or with
-                torch.distributed running several processes (gradients are
-                not all-reduced across processes)
+            RuntimeError: called with gradients disabled, or in a
+                torch.distributed job of several processes (for data
+                parallelism, use :func:`torchgpipe.distributed.train_step`)
 
         Example::
 
@@ -435,6 +421,13 @@ class GPipe(nn.Module):
             torch.Size([])
         """
         check_step(schedule, SCHEDULES, reduction, loss_fn)
+        check_one_process()
+        return self._train_step(input, target, loss_fn, schedule, reduction)
+
+    def _train_step(self, input: TensorOrTensors, target: TensorOrTensors,
+                    loss_fn: LossFunction, schedule: str, reduction: str,
+                    done: Optional[Callable[[int], None]] = None) -> torch.Tensor:
+        """:meth:`train_step` with checked arguments; ``done(j)`` as for :class:`Step`."""
         # Before the input is split: an empty GPipe's forward takes inputs
         # that cannot be, and the error must say what is really wrong.
         if not self.devices:
@@ -445,6 +438,9 @@ class GPipe(nn.Module):
         m, n = len(batches), len(self.devices)
         step = Step(self._partitions(), self.devices, batches, targets,
                     loss_fn, weights, SCHEDULES[schedule](m, n), self._skip_layout,
-                    checkpoint_stop, self._run_state.traits, self._run_state.recorder, schedule)
+                    checkpoint_stop, self._run_state.traits, self._run_state.recorder, schedule,
+                    done=done)
         with deferred_step(self._deferred_batch_norms, m):
-            return step.run()
+            loss = step.run()
+        assert loss is not None  # every partition is here
+        return loss

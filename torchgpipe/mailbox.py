@@ -132,21 +132,22 @@ class StepSkips(SkipTracker):
     """The skip tensors of one micro-batch on one partition, cut at partition boundaries.
 
     A skip stashed and popped in the same partition stays in the tracker's
-    dictionary. One that crosses partitions is put in ``shared`` (the
-    micro-batch's skips, seen by every partition) and remembered in
-    :attr:`sent`; its pop makes a detached leaf of it, remembered in
-    :attr:`received`. When the partition
+    dictionary. One that crosses partitions is sent to the popping
+    partition, as the message ``('K', i, key)`` of micro-batch ``i``, and
+    remembered in :attr:`sent`; its pop takes the message and makes a
+    detached leaf of it, remembered in :attr:`received`. When the partition
     recomputes (``replay``), stashes are remembered again, with their new
     graph, and pops give the leaves of the first pass.
     """
 
-    def __init__(self, layout: SkipLayout, j: int, device: torch.device,
-                 shared: Dict[Key, Tuple[Optional[Tensor], bool, Ready]]) -> None:
+    def __init__(self, layout: SkipLayout, j: int, device: torch.device, mailbox: Mailbox,
+                 i: int) -> None:
         super().__init__()
         self.layout = layout
         self.j = j
         self.device = device
-        self.shared = shared
+        self.mailbox = mailbox
+        self.i = i
         self.replay = False
         #: The skips stashed here and popped by a later partition; the backward
         #: pass starts from them too.
@@ -163,14 +164,15 @@ class StepSkips(SkipTracker):
             # (a checkpointed first pass): then the recomputation gives it one.
             requires_grad = tensor is not None and (tensor.requires_grad or (
                 not torch.is_grad_enabled() and tensor.is_floating_point()))
-            self.shared[(ns, name)] = (tensor, requires_grad, Ready(self.device))
+            self.mailbox.put(('K', self.i, (ns, name)), (tensor, requires_grad,
+                                                          Ready(self.device)))
 
     def load(self, batch: Batch, ns: Namespace, name: str) -> Optional[Tensor]:
         if not self.layout.requires_copy(ns, name):
             return super().load(batch, ns, name)
         if self.replay:
             return self.received[(ns, name)]
-        tensor, requires_grad, ready = self.shared.pop((ns, name))
+        tensor, requires_grad, ready = self.mailbox.take(('K', self.i, (ns, name)))
         popped = leaf(tensor, self.device, requires_grad, ready)
         self.received[(ns, name)] = popped
         return popped

@@ -45,7 +45,7 @@ from torchgpipe.schedule import Action, clock_order
 from torchgpipe.skip.layout import SkipLayout
 from torchgpipe.stream import use_device
 from torchgpipe.traits import PartitionTraits
-from torchgpipe.mailbox import Key, Mailbox, Ready, Stopped, StepSkips, leaf
+from torchgpipe.mailbox import Mailbox, Ready, Stopped, StepSkips, leaf
 from torchgpipe.worker import Crew, ExcInfo, distinct_devices
 
 __all__: List[str] = []
@@ -99,6 +99,10 @@ class Stage:
             self.record('recompute', i, lambda: self.recompute(i, current))
         tensors, grads = self.gradients(i, current)
         self.record('backward', i, lambda: self.backpropagate(tensors, grads))
+        if action == self.step.last[self.j] and self.step.done is not None:
+            # The partition's gradients are final: they may be all-reduced
+            # while the partitions before it still run backward passes.
+            self.step.done(self.j)
         self.send_gradients(i, current)
 
     def record(self, kind: str, i: int, work: Callable[[], T]) -> T:
@@ -131,7 +135,7 @@ class Stage:
 
     def forward(self, i: int, input: Batch) -> None:
         step, j, n = self.step, self.j, self.step.n
-        skips = StepSkips(step.layout, j, self.device, step.skips[i])
+        skips = StepSkips(step.layout, j, self.device, step.mailbox, i)
         current = Pass(input, skips)
         checkpointed = i < step.checkpoint_stop
         # Not known yet whether the partition draws random numbers: the
@@ -217,17 +221,21 @@ class Stage:
         """Sends the gradients of micro-batch ``i``'s input and popped skips back."""
         step, j = self.step, self.j
         ready = Ready(self.device)
-        if j > 0:
-            step.mailbox.put(('B', i, j - 1), ([x.grad for x in current.input], ready))
+        # The skips first: a mailbox to other processes holds them back until
+        # the main message goes, and sends them right after it.
         for key, popped in current.skips.received.items():
             step.mailbox.put(('S', i, key), (None if popped is None else popped.grad, ready))
+        if j > 0:
+            step.mailbox.put(('B', i, j - 1), ([x.grad for x in current.input], ready))
 
 
 class Step:
     """Runs one training step of a schedule over the partitions.
 
     Args:
-        partitions: the partitions, in order
+        partitions: the partitions, in order; ``None`` for a partition that
+            runs elsewhere (in another process), whose messages ``mailbox``
+            carries
         devices: the device of each partition
         batches: the input micro-batches, on the first device
         targets: the target of each micro-batch
@@ -239,13 +247,20 @@ class Step:
         traits: what runs showed about each partition (whether it draws random numbers)
         recorder: records the actions, inside :func:`torchgpipe.trace`
         schedule: the schedule's name, for the timeline
+        mailbox: what carries messages between partitions (default: a new
+            :class:`~torchgpipe.mailbox.Mailbox`, for partitions of this process)
+        done: called with ``j`` once partition ``j``'s gradients are final,
+            before it sends its last gradients back
     """
 
-    def __init__(self, partitions: Sequence[nn.Sequential], devices: Sequence[torch.device],
+    def __init__(self, partitions: Sequence[Optional[nn.Sequential]],
+                 devices: Sequence[torch.device],
                  batches: List[Batch], targets: List[TensorOrTensors], loss_fn: LossFunction,
                  weights: Sequence[float], actions: Sequence[Sequence[Action]],
                  layout: SkipLayout, checkpoint_stop: int, traits: Sequence[PartitionTraits],
-                 recorder: Optional[Recorder], schedule: str = '') -> None:
+                 recorder: Optional[Recorder], schedule: str = '', *,
+                 mailbox: Optional[Mailbox] = None,
+                 done: Optional[Callable[[int], None]] = None) -> None:
         self.n = len(partitions)
         self.devices = devices
         self.batches = batches
@@ -257,13 +272,16 @@ class Step:
         self.traits = traits
         self.recorder = recorder
         self.schedule = schedule
-        self.mailbox = Mailbox()
-        self.skips: List[Dict[Key, Tuple[Optional[Tensor], bool, Ready]]] = [{} for _ in batches]
+        self.mailbox = Mailbox() if mailbox is None else mailbox
+        self.done = done
         self.losses: Dict[int, Tensor] = {}
-        self.stages = [Stage(self, j, p, d) for j, (p, d) in enumerate(zip(partitions, devices))]
-        self.order = [a for cycle in clock_order(actions) for a in cycle]
-        self.threaded = len(distinct_devices(devices)) > 1
-        self.rng_keys = [training_flags(p) for p in partitions]
+        self.stages = {j: Stage(self, j, p, devices[j])
+                       for j, p in enumerate(partitions) if p is not None}
+        #: The last action of each partition here.
+        self.last = {j: actions[j][-1] for j in self.stages if actions[j]}
+        self.order = [a for cycle in clock_order(actions) for a in cycle if a.j in self.stages]
+        self.threaded = len(distinct_devices([devices[j] for j in self.stages])) > 1
+        self.rng_keys = [training_flags(p) if p is not None else () for p in partitions]
         #: Whether the last partition's forward, loss included, drew in this step.
         self.loss_draws: Optional[bool] = None
 
@@ -303,8 +321,10 @@ class Step:
         # Taken after the input came: never held while waiting for another worker.
         return cpu_generator_lock
 
-    def run(self) -> Tensor:
+    def run(self) -> Optional[Tensor]:
         """Runs the step; returns the loss of the mini-batch, without graph.
+
+        Without the last partition here, there is no loss to return: ``None``.
 
         An exception of any action is raised here, as itself, once every
         worker has stopped.
@@ -332,6 +352,8 @@ class Step:
                         work()
         else:
             self.run_on_threads(queues)
+        if self.n - 1 not in self.stages:
+            return None
         return cast(Tensor, sum(self.losses[i].to(self.devices[-1])
                                 for i in range(len(self.batches))))
 

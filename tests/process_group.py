@@ -1,0 +1,190 @@
+"""Running a function in every process of a gloo group, for the tests of torch.distributed jobs.
+
+:func:`run_distributed` spawns ``world_size`` processes (the ``spawn`` start
+method) that join a gloo process group on 127.0.0.1 and run a module-level
+function. Children send their results to the parent as plain Python data over
+a pipe (tensors through multiprocessing queues need file-descriptor sharing,
+which fails here). The parent never waits longer than a deadline, and
+whenever it stops waiting (success, a child's error, a timeout or a pytest
+timeout) it terminates and reaps every child, so no process outlives its
+test (the fixture :func:`no_child_left` checks it). Having reported, a child
+ends as the example does (``end_job``), and the parent checks that every
+child exited with status 0.
+"""
+import multiprocessing
+import socket
+import time
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import stress_ddp_exit
+
+WORLD_SIZE = 2
+# Collectives (and the rendezvous) give up after this long; a failing rank
+# must end its test well before it (starting the two processes alone takes up
+# to 15 s on two cores).
+GLOO_TIMEOUT = 60.0
+# The parent's deadline for all children to report.
+SPAWN_TIMEOUT = 90.0
+
+
+class WorkerFailed(RuntimeError):
+    """A child process raised, died or timed out.
+
+    Attributes:
+        rank: the rank that failed first
+        type_name: the name of the exception's type in the child
+        error: the exception itself when it could be pickled, also set as ``__cause__``
+    """
+
+    def __init__(self, message: str, rank: int, type_name: str = '',
+                 error: Optional[BaseException] = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.type_name = type_name
+        self.error = error
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(('127.0.0.1', 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _child(rank: int, world_size: int, port: int, fn: Callable[..., Any],
+           args: Tuple[Any, ...], conn: Connection) -> None:
+    """Entry point of a child: joins the process group, runs ``fn``, reports to the parent.
+
+    The report is ``('ok', result)`` or ``('error', time, type name, message,
+    traceback, exception or None)``. The time lets the parent tell the first
+    failure from the ones it caused on other ranks.
+
+    After an ``'ok'``, the child ends as the example does (``end_job``):
+    Python's usual exit aborts or hangs in a few runs out of a hundred.
+    """
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=rank,
+                                world_size=world_size,
+                                timeout=timedelta(seconds=GLOO_TIMEOUT))
+        conn.send(('ok', fn(rank, world_size, *args)))
+    except BaseException as exc:  # everything must reach the parent
+        when = time.time()
+        try:
+            conn.send(('error', when, type(exc).__name__, str(exc), traceback.format_exc(), exc))
+        except Exception:  # the exception does not pickle: send it as text only
+            conn.send(('error', when, type(exc).__name__, str(exc), traceback.format_exc(),
+                       None))
+        return  # the parent terminates the other ranks, maybe stuck in a collective
+    finally:
+        conn.close()
+    stress_ddp_exit.end_job(0)
+
+
+def _stop(processes: List[multiprocessing.process.BaseProcess]) -> None:
+    """Terminates (then kills, if need be) and reaps every process still alive."""
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    for process in processes:
+        process.join(5)
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+def run_distributed(fn: Callable[..., Any], *args: Any, world_size: int = WORLD_SIZE,
+                    timeout: float = SPAWN_TIMEOUT) -> List[Any]:
+    """Runs ``fn(rank, world_size, *args)`` in ``world_size`` processes of a gloo group.
+
+    ``fn`` and ``args`` must be picklable (``fn`` a module-level function).
+
+    Returns:
+        the value ``fn`` returned on each rank, in rank order
+
+    Raises:
+        WorkerFailed: a rank raised (the earliest error is reported and chained),
+            exited without reporting, or the deadline passed; the other ranks are
+            terminated at once rather than left to time out
+    """
+    ctx = multiprocessing.get_context('spawn')
+    port = free_port()
+    processes: List[multiprocessing.process.BaseProcess] = []
+    pending: Dict[Connection, int] = {}
+    try:
+        for rank in range(world_size):
+            receiver, sender = ctx.Pipe(duplex=False)
+            process = ctx.Process(target=_child, name=f'torchgpipe-test-rank-{rank}',
+                                  args=(rank, world_size, port, fn, args, sender), daemon=True)
+            process.start()
+            sender.close()  # the child holds the only write end: EOF means it died
+            processes.append(process)
+            pending[receiver] = rank
+
+        results: List[Any] = [None] * world_size
+        deadline = time.monotonic() + timeout
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                ranks = sorted(pending.values())
+                raise WorkerFailed(f'ranks {ranks} did not finish within {timeout} s', ranks[0])
+            errors = []
+            for conn in wait(list(pending), timeout=remaining):
+                assert isinstance(conn, Connection)
+                rank = pending.pop(conn)
+                try:
+                    report = conn.recv()
+                except EOFError:
+                    process = processes[rank]
+                    process.join(5)
+                    raise WorkerFailed(f'rank {rank} exited (code {process.exitcode}) '
+                                       f'without reporting', rank) from None
+                finally:
+                    conn.close()
+                if report[0] == 'ok':
+                    results[rank] = report[1]
+                else:
+                    errors.append((report[1], rank) + tuple(report[2:]))
+            if errors:
+                # Another rank's failure may be a consequence (a closed connection):
+                # collect what has already arrived and report the earliest.
+                for conn in wait(list(pending), timeout=0.2):
+                    assert isinstance(conn, Connection)
+                    rank = pending.pop(conn)
+                    try:
+                        report = conn.recv()
+                    except EOFError:
+                        continue
+                    if report[0] == 'error':
+                        errors.append((report[1], rank) + tuple(report[2:]))
+                errors.sort(key=lambda e: e[0])
+                _, rank, type_name, message, child_traceback, error = errors[0]
+                others = ''.join(f'\n(then rank {e[1]} raised {e[2]}: {e[3]})' for e in errors[1:])
+                raise WorkerFailed(f'rank {rank} raised {type_name}: {message}{others}\n\n'
+                                   f'traceback in rank {rank}:\n{child_traceback}',
+                                   rank, type_name, error) from error
+        # Having reported, every rank must still end cleanly: no SIGABRT, no hang.
+        for rank, process in enumerate(processes):
+            process.join(max(deadline - time.monotonic(), 0))
+            if process.exitcode != 0:
+                raise WorkerFailed(f'rank {rank} reported, then ended with exit code '
+                                   f'{process.exitcode} (None: still running)', rank)
+        return results
+    finally:
+        _stop(processes)
+        for conn in pending:
+            conn.close()
+
+
+@pytest.fixture(autouse=True)
+def no_child_left() -> Iterator[None]:
+    yield
+    assert multiprocessing.active_children() == [], 'a child process outlived its test'
