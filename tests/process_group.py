@@ -12,12 +12,13 @@ ends as the example does (``end_job``), and the parent checks that every
 child exited with status 0.
 """
 import multiprocessing
+import os
 import socket
 import time
 import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Collection, Dict, Iterator, List, Optional, Tuple
 
 import pytest
 import torch
@@ -60,7 +61,7 @@ def free_port() -> int:
 
 
 def _child(rank: int, world_size: int, port: int, fn: Callable[..., Any],
-           args: Tuple[Any, ...], conn: Connection) -> None:
+           args: Tuple[Any, ...], conn: Connection, alone: bool) -> None:
     """Entry point of a child: joins the process group, runs ``fn``, reports to the parent.
 
     The report is ``('ok', result)`` or ``('error', time, type name, message,
@@ -69,6 +70,7 @@ def _child(rank: int, world_size: int, port: int, fn: Callable[..., Any],
 
     After an ``'ok'``, the child ends as the example does (``end_job``):
     Python's usual exit aborts or hangs in a few runs out of a hundred.
+    ``alone``: other ranks may be dead, so it ends without the barrier.
     """
     try:
         torch.set_num_threads(1)
@@ -86,6 +88,8 @@ def _child(rank: int, world_size: int, port: int, fn: Callable[..., Any],
         return  # the parent terminates the other ranks, maybe stuck in a collective
     finally:
         conn.close()
+    if alone:
+        os._exit(0)
     stress_ddp_exit.end_job(0)
 
 
@@ -102,10 +106,12 @@ def _stop(processes: List[multiprocessing.process.BaseProcess]) -> None:
 
 
 def run_distributed(fn: Callable[..., Any], *args: Any, world_size: int = WORLD_SIZE,
-                    timeout: float = SPAWN_TIMEOUT) -> List[Any]:
+                    timeout: float = SPAWN_TIMEOUT, dies: Collection[int] = ()) -> List[Any]:
     """Runs ``fn(rank, world_size, *args)`` in ``world_size`` processes of a gloo group.
 
     ``fn`` and ``args`` must be picklable (``fn`` a module-level function).
+    The ranks in ``dies`` are expected to die without reporting (their
+    result is ``None``), and to end killed by a signal.
 
     Returns:
         the value ``fn`` returned on each rank, in rank order
@@ -123,7 +129,8 @@ def run_distributed(fn: Callable[..., Any], *args: Any, world_size: int = WORLD_
         for rank in range(world_size):
             receiver, sender = ctx.Pipe(duplex=False)
             process = ctx.Process(target=_child, name=f'torchgpipe-test-rank-{rank}',
-                                  args=(rank, world_size, port, fn, args, sender), daemon=True)
+                                  args=(rank, world_size, port, fn, args, sender, bool(dies)),
+                                  daemon=True)
             process.start()
             sender.close()  # the child holds the only write end: EOF means it died
             processes.append(process)
@@ -145,6 +152,8 @@ def run_distributed(fn: Callable[..., Any], *args: Any, world_size: int = WORLD_
                 except EOFError:
                     process = processes[rank]
                     process.join(5)
+                    if rank in dies:
+                        continue
                     raise WorkerFailed(f'rank {rank} exited (code {process.exitcode}) '
                                        f'without reporting', rank) from None
                 finally:
@@ -174,7 +183,12 @@ def run_distributed(fn: Callable[..., Any], *args: Any, world_size: int = WORLD_
         # Having reported, every rank must still end cleanly: no SIGABRT, no hang.
         for rank, process in enumerate(processes):
             process.join(max(deadline - time.monotonic(), 0))
-            if process.exitcode != 0:
+            if rank in dies:
+                if process.exitcode is None or process.exitcode >= 0:
+                    raise WorkerFailed(f'rank {rank} was to die of a signal, but ended with '
+                                       f'exit code {process.exitcode} (None: still running)',
+                                       rank)
+            elif process.exitcode != 0:
                 raise WorkerFailed(f'rank {rank} reported, then ended with exit code '
                                    f'{process.exitcode} (None: still running)', rank)
         return results

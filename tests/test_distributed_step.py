@@ -181,6 +181,6 @@ def plain_train_step(rank: int, world_size: int) -> None:
 def test_model_must_be_a_gpipe_under_ddp() -> None:
     model = gpipe(CONFIGS[0])
     x, y = global_batch(0)
-    with pytest.raises(TypeError, match=r'model must be a GPipe wrapped in '
-                       r'DistributedDataParallel \(model: GPipe\)'):
+    with pytest.raises(TypeError, match=r'model must be a GPipe or a DistributedGPipe wrapped '
+                       r'in DistributedDataParallel \(model: GPipe\)'):
         torchgpipe.distributed.train_step(model, x, y, F.mse_loss)  # type: ignore[arg-type]

@@ -4,7 +4,12 @@
   on data-parallel replicas wrapped in
   :class:`~torch.nn.parallel.DistributedDataParallel`, gradients averaged
   as DDP averages them.
+- :class:`DistributedGPipe`: a pipeline whose partitions are the processes
+  of a group, one each, exchanging activations and gradients by
+  point-to-point operations.
 """
 from torchgpipe.distributed.ddp import train_step
+from torchgpipe.distributed.pipe import DistributedGPipe
+from torchgpipe.distributed.wire import PeerFailed
 
-__all__ = ['train_step']
+__all__ = ['DistributedGPipe', 'PeerFailed', 'train_step']

@@ -16,6 +16,7 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from torchgpipe._validation import check_step, describe
+from torchgpipe.distributed.pipe import DistributedGPipe
 from torchgpipe.distributed.reduce import AllReduce, pieces
 from torchgpipe.gpipe import GPipe
 from torchgpipe.microbatch import TensorOrTensors
@@ -51,8 +52,10 @@ def train_step(model: DistributedDataParallel, input: TensorOrTensors,
     communication hook registered on ``model`` is not used.
 
     Args:
-        model (torch.nn.parallel.DistributedDataParallel): a :class:`~torchgpipe.GPipe` wrapped
-            in :class:`~torch.nn.parallel.DistributedDataParallel`
+        model (torch.nn.parallel.DistributedDataParallel): a :class:`~torchgpipe.GPipe`,
+            or a :class:`~torchgpipe.distributed.DistributedGPipe` (its
+            replicas: the ranks holding the same partition), wrapped in
+            :class:`~torch.nn.parallel.DistributedDataParallel`
         input, target, loss_fn, schedule, reduction: as for
             :meth:`GPipe.train_step <torchgpipe.GPipe.train_step>`
 
@@ -76,9 +79,10 @@ def train_step(model: DistributedDataParallel, input: TensorOrTensors,
             optimizer.step()
     """
     module = model.module if isinstance(model, DistributedDataParallel) else None
-    if not isinstance(module, GPipe):
+    if not isinstance(module, (GPipe, DistributedGPipe)):
         wrapped = f' of {type(module).__name__}' if module is not None else ''
-        raise TypeError(describe('model must be a GPipe wrapped in DistributedDataParallel',
+        raise TypeError(describe('model must be a GPipe or a DistributedGPipe wrapped in '
+                                 'DistributedDataParallel',
                                  f'model: {type(model).__name__}{wrapped}',
                                  'pass DistributedDataParallel(GPipe(...)); without data '
                                  'parallelism, call gpipe.train_step(...)'))
@@ -94,8 +98,10 @@ def train_step(model: DistributedDataParallel, input: TensorOrTensors,
     if not model.require_backward_grad_sync:  # inside no_sync()
         return module._train_step(input, target, loss_fn, schedule, reduction)
     names = {id(p): name for name, p in module.named_parameters()}
+    partitions = dict(enumerate(module.partitions)) if isinstance(module, GPipe) else \
+        {module.rank: module}
     reducer = AllReduce({j: [p for p in partition.parameters() if names[id(p)] not in ignored]
-                         for j, partition in enumerate(module.partitions)}, group)
+                         for j, partition in partitions.items()}, group)
     loss = module._train_step(input, target, loss_fn, schedule, reduction, reducer.done)
     reducer.wait()
     return loss

@@ -1,0 +1,414 @@
+"""DistributedGPipe: a pipeline whose partitions are processes of a gloo group.
+
+Each test spawns its processes once (tests/process_group.py) and runs every
+configuration in them: the ranks train a model in float64 for a few steps
+and send back their losses, gradients, parameters and buffers, under the
+unwrapped model's names. The parent trains the same model in one process,
+with :meth:`GPipe.train_step <torchgpipe.GPipe.train_step>` on both
+execution paths (the cross-process pipeline must give the very same
+numbers: same micro-batches, same order of additions) and unwrapped (equal
+up to rounding: the unwrapped model adds the micro-batches' gradients in
+another order).
+"""
+import copy
+import itertools
+import os
+import pickle
+import signal
+from pathlib import Path
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+import torchgpipe.distributed
+from process_group import no_child_left  # noqa: F401 (an autouse fixture)
+from process_group import GLOO_TIMEOUT, run_distributed
+from test_distributed import FEATURES, TOLERANCE, build
+from torchgpipe import GPipe
+from torchgpipe.distributed import DistributedGPipe
+
+pytestmark = pytest.mark.timeout(180)
+
+BATCH = 16
+CHUNKS = 4
+STEPS = 2
+Result = Dict[str, Any]
+
+
+class Pack(nn.Module):
+    """Sends other values than tensors across the partition boundary after it."""
+
+    def forward(self, x: Tensor) -> Tuple[Any, ...]:
+        return (x, None, 2.0, 'scale')
+
+
+class Unpack(nn.Module):
+    def forward(self, packed: Tuple[Any, ...]) -> Tensor:
+        x, nothing, factor, word = packed
+        assert nothing is None and word == 'scale'
+        return x * factor
+
+
+def packed() -> Tuple[nn.Sequential, List[int]]:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(FEATURES, FEATURES), Pack(), Unpack(),
+                         nn.Linear(FEATURES, FEATURES)).double(), [2, 2]
+
+
+class Config(NamedTuple):
+    model: str
+    balance: Tuple[int, ...]
+    schedule: str
+    checkpoint: str
+
+    @property
+    def id(self) -> str:
+        return f'{self.model}-{list(self.balance)}-{self.schedule}-{self.checkpoint}'
+
+
+def model(name: str) -> nn.Sequential:
+    return packed()[0] if name == 'packed' else build(name)[0]
+
+
+SCHEDULE_CHECKPOINTS = list(itertools.product(['1f1b', 'fill_drain'],
+                                              ['always', 'except_last', 'never']))
+# unet's two skips cross from partition 0 to 1 with [5, 5], popped in the
+# reverse order of their stashes; with [3, 2, 5] one leaps over the middle rank.
+TWO_RANKS = [Config(m, b, s, c) for (m, b), (s, c) in itertools.product(
+    [('mlp', (3, 2)), ('unet', (5, 5)), ('batchnorm', (3, 4)), ('packed', (2, 2))],
+    SCHEDULE_CHECKPOINTS)]
+THREE_RANKS = [Config('unet', (3, 2, 5), s, c) for s, c in SCHEDULE_CHECKPOINTS]
+
+
+def batch(step: int, size: int = BATCH) -> Tuple[Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(2000 + step)
+    return (torch.randn(size, FEATURES, generator=gen, dtype=torch.float64),
+            torch.randn(size, FEATURES, generator=gen, dtype=torch.float64))
+
+
+def snapshot(module: nn.Module, prefix: int = 0) -> Dict[str, Dict[str, Any]]:
+    """Gradients, parameters and buffers under the unwrapped model's names."""
+    def name(n: str) -> str:
+        return n.split('.', prefix)[prefix] if prefix else n
+    return {'grads': {name(n): None if p.grad is None else p.grad.tolist()
+                      for n, p in module.named_parameters()},
+            'params': {name(n): p.tolist() for n, p in module.named_parameters()},
+            'buffers': {name(n): b.tolist() for n, b in module.named_buffers()}}
+
+
+def train(pipe: nn.Module, config: Config, step_fn: Any, size: int = BATCH) -> Result:
+    """Trains with SGD; returns the losses and, after each step, a snapshot (before the update)."""
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    losses, snapshots = [], []
+    prefix = 2 if isinstance(pipe, GPipe) else 0
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        losses.append(float(step_fn(*batch(step, size), F.mse_loss, schedule=config.schedule)))
+        snapshots.append(snapshot(pipe, prefix))
+        optimizer.step()
+    return {'losses': losses, 'snapshots': snapshots}
+
+
+def train_pipelines(rank: int, world_size: int, configs: List[Config]) -> Dict[str, Result]:
+    results = {}
+    for config in configs:
+        pipe = DistributedGPipe(model(config.model), config.balance, chunks=CHUNKS,
+                                checkpoint=config.checkpoint,
+                                deferred_batch_norm=config.model == 'batchnorm')
+        results[config.id] = train(pipe, config, pipe.train_step)
+    return results
+
+
+def one_process(config: Config, threads: bool) -> Result:
+    devices = [f'cpu:{j}' if threads else 'cpu' for j in range(len(config.balance))]
+    gpipe = GPipe(model(config.model), list(config.balance), devices=devices, chunks=CHUNKS,
+                  checkpoint=config.checkpoint,
+                  deferred_batch_norm=config.model == 'batchnorm')
+    return train(gpipe, config, gpipe.train_step)
+
+
+def unwrapped(config: Config) -> Result:
+    plain = model(config.model)
+
+    def step(input: Tensor, target: Tensor, loss_fn: Any, schedule: str) -> Tensor:
+        loss = loss_fn(plain(input), target)
+        loss.backward()
+        return loss.detach()
+    return train(plain, config, step)
+
+
+def merge(ranks: List[Result]) -> Result:
+    """One result from the ranks': each holds its partition's tensors, and all the losses."""
+    merged: Result = {'losses': ranks[-1]['losses'], 'snapshots': []}
+    for step in range(len(merged['losses'])):
+        joined: Dict[str, Dict[str, Any]] = {'grads': {}, 'params': {}, 'buffers': {}}
+        for result in ranks:
+            for kind in joined:
+                joined[kind].update(result['snapshots'][step][kind])
+        merged['snapshots'].append(joined)
+    for result in ranks:  # every rank returns the last rank's loss
+        assert result['losses'] == merged['losses']
+    return merged
+
+
+def assert_equal(actual: Result, expected: Result, exact: bool) -> None:
+    tolerance = {'rtol': 0, 'atol': 0} if exact else TOLERANCE
+    torch.testing.assert_close(torch.tensor(actual['losses']),
+                               torch.tensor(expected['losses']), **tolerance)
+    for step, (a, e) in enumerate(zip(actual['snapshots'], expected['snapshots'])):
+        for kind in e:
+            assert a[kind].keys() == e[kind].keys(), kind
+            for name in e[kind]:
+                torch.testing.assert_close(torch.tensor(a[kind][name]),
+                                           torch.tensor(e[kind][name]), **tolerance,
+                                           msg=lambda m: f'step {step} {kind} {name}: {m}')
+
+
+@pytest.fixture(scope='module')
+def two_ranks() -> List[Dict[str, Result]]:
+    return run_distributed(train_pipelines, TWO_RANKS, timeout=150)
+
+
+@pytest.fixture(scope='module')
+def three_ranks() -> List[Dict[str, Result]]:
+    return run_distributed(train_pipelines, THREE_RANKS, world_size=3, timeout=150)
+
+
+@pytest.mark.parametrize('config', TWO_RANKS + THREE_RANKS, ids=lambda c: c.id)
+def test_the_same_as_one_process_and_the_unwrapped_model(
+        two_ranks: List[Dict[str, Result]], three_ranks: List[Dict[str, Result]],
+        config: Config) -> None:
+    ranks = two_ranks if len(config.balance) == 2 else three_ranks
+    actual = merge([r[config.id] for r in ranks])
+    for threads in (False, True):
+        assert_equal(actual, one_process(config, threads), exact=True)
+    if config.model != 'batchnorm':  # statistics per micro-batch in a pipeline
+        assert_equal(actual, unwrapped(config), exact=False)
+
+
+# --- pipeline x data parallelism ----------------------------------------------------------
+
+
+def train_grid(rank: int, world_size: int) -> Result:
+    """Ranks 0-1 and 2-3 are two pipelines; 0-2 and 1-3 the replicas of each partition."""
+    pipelines = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    replicas = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    config = Config('unet', (5, 5), '1f1b', 'except_last')
+    pipe = DistributedGPipe(model(config.model), config.balance, chunks=CHUNKS,
+                            checkpoint=config.checkpoint, group=pipelines[rank // 2])
+    ddp = DistributedDataParallel(pipe, process_group=replicas[rank % 2])
+    shard = slice((rank // 2) * BATCH, (rank // 2 + 1) * BATCH)
+
+    def step(input: Tensor, target: Tensor, loss_fn: Any, schedule: str) -> Tensor:
+        return torchgpipe.distributed.train_step(ddp, input[shard], target[shard], loss_fn,
+                                                 schedule=schedule)
+    return train(pipe, config, step, 2 * BATCH)
+
+
+def test_pipelines_replicated_over_a_second_dimension_of_ranks() -> None:
+    ranks = run_distributed(train_grid, world_size=4, timeout=150)
+    config = Config('unet', (5, 5), '1f1b', 'except_last')
+    # The reference: the unwrapped model on the whole global batch of both
+    # pipelines (the mean of the two shards' mean losses is its mean loss).
+    plain = model(config.model)
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        F.mse_loss(plain(batch(step, 2 * BATCH)[0]), batch(step, 2 * BATCH)[1]).backward()
+        expected = snapshot(plain)
+        for result in ranks:  # both replicas of a partition hold the averages
+            for name, grad in result['snapshots'][step]['grads'].items():
+                torch.testing.assert_close(torch.tensor(grad),
+                                           torch.tensor(expected['grads'][name]), **TOLERANCE)
+        optimizer.step()
+
+
+# --- faults -------------------------------------------------------------------------------
+
+
+class Boom(RuntimeError):
+    pass
+
+
+class BackwardFails(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        raise Boom('boom in a backward pass')
+
+
+class Fault(nn.Module):
+    """Fails on rank ``rank`` at its ``at``-th forward (or backward) pass, counted from 0.
+
+    ``how``: ``'forward'`` or ``'backward'`` raises :class:`Boom`, ``'kill'``
+    kills the process (SIGKILL) in the forward pass.
+    """
+
+    def __init__(self, rank: int, at: int, how: str) -> None:
+        super().__init__()
+        self.rank, self.at, self.how = rank, at, how
+        self.calls = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.rank < 0 or dist.get_rank() != self.rank:  # -1: never fails
+            return x
+        self.calls += 1
+        if self.calls - 1 != self.at:
+            return x
+        if self.how == 'kill':
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.how == 'forward':
+            raise Boom('boom in a forward pass')
+        return BackwardFails.apply(x)
+
+
+def faulty(rank: int, at: int, how: str) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(FEATURES, FEATURES), Fault(rank, at, how),
+                         nn.Linear(FEATURES, FEATURES), Fault(rank, at, how)).double()
+
+
+def fail_once(rank: int, world_size: int, fault_rank: int, how: str,
+              checkpoints: Optional[str]) -> Result:
+    """Trains until a step fails (the second); returns what each rank raised, and then."""
+    # The third micro-batch of the second step (no recomputation: one call each).
+    pipe = DistributedGPipe(faulty(fault_rank, CHUNKS + 2, how), [2, 2], chunks=CHUNKS,
+                            checkpoint='never')
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+
+    def loss_fn(output: Tensor, target: Tensor) -> Tensor:
+        if how == 'loss' and step == 1:
+            raise Boom('boom in loss_fn')
+        return F.mse_loss(output, target)
+
+    for step in range(2):
+        optimizer.zero_grad()
+        if step == 1 and checkpoints:
+            torch.save({'model': pipe.state_dict(), 'optimizer': optimizer.state_dict()},
+                       Path(checkpoints) / f'rank{rank}.pt')
+        try:
+            pipe.train_step(*batch(step), loss_fn)
+        except BaseException as exc:
+            error = (type(exc).__name__, str(exc))
+            break
+        optimizer.step()
+    else:
+        raise AssertionError('no step failed')
+    try:
+        pipe.train_step(*batch(0), F.mse_loss)
+    except RuntimeError as exc:
+        after = str(exc)
+    return {'error': error, 'after': after}
+
+
+@pytest.mark.parametrize('fault_rank, how', [(1, 'forward'), (0, 'backward'), (1, 'loss')])
+def test_a_rank_that_fails_makes_every_rank_raise(fault_rank: int, how: str) -> None:
+    results = run_distributed(fail_once, fault_rank, how, None, timeout=GLOO_TIMEOUT)
+    for rank, result in enumerate(results):
+        kind, message = result['error']
+        if rank == fault_rank:
+            assert kind == 'Boom', message  # its own error, unchanged
+        else:
+            assert kind == 'PeerFailed'
+            assert message.startswith(f'rank {fault_rank} (partition {fault_rank}) failed: '
+                                      f'Boom: boom in ')
+        # No second chance: the ranks no longer agree on the messages left.
+        assert result['after'].startswith('an earlier train_step failed')
+
+
+def test_a_killed_rank_makes_the_others_raise() -> None:
+    # The deadline is below gloo's timeout: the connection's end is noticed.
+    results = run_distributed(fail_once, 1, 'kill', None, timeout=GLOO_TIMEOUT - 10, dies=[1])
+    kind, message = results[0]['error']
+    assert kind == 'PeerFailed'
+    assert message.startswith('lost rank 1 (partition 1) while waiting for its message')
+    assert results[1] is None
+
+
+def resume(rank: int, world_size: int, checkpoints: str) -> Result:
+    """Starts again from the checkpoint of every rank, as a restarted job would."""
+    state: Dict[str, Any] = {}
+    for path in sorted(Path(checkpoints).glob('rank*.pt')):
+        state.update(torch.load(path)['model'])  # the unwrapped model's whole state dict
+    pipe = DistributedGPipe(faulty(-1, 0, 'forward'), [2, 2], chunks=CHUNKS, checkpoint='never')
+    pipe.load_state_dict(state)
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    optimizer.load_state_dict(torch.load(Path(checkpoints) / f'rank{rank}.pt')['optimizer'])
+    pipe.train_step(*batch(1), F.mse_loss)
+    optimizer.step()
+    return snapshot(pipe)
+
+
+def test_a_failed_job_restarts_from_its_checkpoint(tmp_path: Path) -> None:
+    run_distributed(fail_once, 1, 'forward', str(tmp_path), timeout=GLOO_TIMEOUT)
+    ranks = run_distributed(resume, str(tmp_path), timeout=GLOO_TIMEOUT)
+    plain = faulty(-1, 0, 'forward')
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+    for step in range(2):
+        optimizer.zero_grad()
+        F.mse_loss(plain(batch(step)[0]), batch(step)[1]).backward()
+        optimizer.step()
+    expected = snapshot(plain)
+    for kind in ('grads', 'params'):
+        actual = {**ranks[0][kind], **ranks[1][kind]}
+        assert actual.keys() == expected[kind].keys()
+        for name in expected[kind]:
+            torch.testing.assert_close(torch.tensor(actual[name]),
+                                       torch.tensor(expected[kind][name]), **TOLERANCE)
+
+
+# --- bad use ------------------------------------------------------------------------------
+
+
+def test_torch_distributed_must_be_initialized_first() -> None:
+    with pytest.raises(RuntimeError, match=r'DistributedGPipe needs torch.distributed: call '
+                       r"torch.distributed.init_process_group\('gloo'\)"):
+        DistributedGPipe(model('mlp'), [3, 2])
+
+
+def refusals(rank: int, world_size: int) -> List[str]:
+    first, tied = nn.Linear(FEATURES, FEATURES), nn.Linear(FEATURES, FEATURES)
+    tied.weight = first.weight
+    attempts = [
+        lambda: DistributedGPipe(model('mlp'), [1, 1, 3]),
+        lambda: DistributedGPipe(nn.Sequential(first, nn.Tanh(), tied), [2, 1]),
+        lambda: DistributedGPipe(model('mlp'), [3, 2], device='gpu'),
+        lambda: DistributedGPipe(model('mlp'), [3, 2], checkpoint='sometimes'),
+    ]
+    pipe = DistributedGPipe(model('mlp'), [3, 2])
+    attempts += [lambda: pipe(batch(0)[0]), lambda: copy.deepcopy(pipe),
+                 lambda: pickle.dumps(pipe)]
+    messages = []
+    for attempt in attempts:
+        try:
+            attempt()
+        except (TypeError, ValueError) as exc:
+            messages.append(f'{type(exc).__name__}: {exc}')
+    return messages
+
+
+def test_bad_arguments_are_refused_before_any_message() -> None:
+    messages = run_distributed(refusals, timeout=GLOO_TIMEOUT)[0]
+    assert messages == [
+        'ValueError: balance must give one partition per rank of the group (balance: '
+        '[1, 1, 3], ranks: 2); give 2 numbers of layers, or run 3 processes',
+        'ValueError: a parameter is shared by layers of two partitions, in two processes '
+        '(2.weight of partition 1); put the layers that share it in one partition, or use '
+        'GPipe, whose partitions may share parameters',
+        "ValueError: device is not a valid device (device: 'gpu'); give this process's "
+        "device, such as device='cpu'",
+        "ValueError: checkpoint is not one of 'always', 'except_last', or 'never'",
+        'TypeError: a DistributedGPipe is not called: train it with train_step(input, '
+        'target, loss_fn) on every rank; for inference, load the state dicts of all ranks '
+        'into the unwrapped module, or into a GPipe',
+    ] + ['TypeError: a DistributedGPipe belongs to its processes and cannot be copied or '
+         'pickled; save its state_dict() instead, which has the keys of the unwrapped '
+         'module'] * 2

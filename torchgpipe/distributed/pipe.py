@@ -1,0 +1,230 @@
+"""DistributedGPipe: a pipeline whose partitions are the processes of a group, one each."""
+from collections import OrderedDict
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Union, cast
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.nn.modules.module import _IncompatibleKeys
+
+from torchgpipe import microbatch
+from torchgpipe._validation import (check_available, check_balance, check_chunks, check_step,
+                                    describe, parse_device, verify_module)
+from torchgpipe.batchnorm import DeferredBatchNorm, deferred_step
+from torchgpipe.distributed.wire import Wire
+from torchgpipe.microbatch import TensorOrTensors
+from torchgpipe.schedule import SCHEDULES, checkpoint_stop
+from torchgpipe.skip.layout import inspect_skip_layout
+from torchgpipe.skip.skippable import verify_skippables
+from torchgpipe.stepper import LossFunction, Step, split_step
+from torchgpipe.tied import find_ties
+from torchgpipe.traits import PartitionTraits, RunState
+
+__all__ = ['DistributedGPipe']
+
+
+class DistributedGPipe(nn.Module):
+    """Trains an :class:`nn.Sequential <torch.nn.Sequential>` as a pipeline
+    whose partitions are the processes of a :mod:`torch.distributed` group.
+
+    Every process runs the same script (under ``torchrun``, say) and builds
+    the same ``module``; the process of rank ``j`` in ``group`` keeps the
+    ``j``-th partition, ``balance[j]`` layers, on ``device``, and drops the
+    others. :meth:`train_step` then trains the whole pipeline: activations
+    and gradients travel between the processes by torch.distributed's
+    point-to-point operations (``isend``/``irecv``), skip connections
+    included, in the order of a schedule (1F1B or fill-drain), with
+    checkpointing as :class:`~torchgpipe.GPipe` does it. After it, each
+    process's parameters hold the gradients the unwrapped module would give
+    them.
+
+    The module's layers keep their names: the state dict of this process
+    has the keys of its layers in the unwrapped module (``'3.weight'``), and
+    :meth:`load_state_dict` takes the unwrapped module's whole state dict.
+
+    Args:
+        module (torch.nn.Sequential): the whole module, the same on every rank
+        balance (ints): the number of layers of each partition, one per rank
+            of ``group``
+
+    Keyword Args:
+        chunks (int): number of micro-batches (default: ``1``)
+        checkpoint (str): ``'always'``, ``'except_last'`` (default) or
+            ``'never'``, as for :class:`~torchgpipe.GPipe`
+        group (torch.distributed.ProcessGroup, optional): the processes of the pipeline, the
+            ``j``-th running partition ``j`` (default: the default group)
+        device (torch.device, str or int, optional): this process's device
+            (default: the CPU)
+        deferred_batch_norm (bool): as for :class:`~torchgpipe.GPipe`
+            (default: ``False``)
+
+    Raises:
+        RuntimeError: torch.distributed is not initialized
+        TypeError, ValueError: as for :class:`~torchgpipe.GPipe`; also, a
+            balance of another length than the group's size, or a parameter
+            shared by layers of two partitions (tied weights cross processes
+            only in :class:`~torchgpipe.GPipe`)
+
+    Example::
+
+        # torchrun --nproc_per_node 2 train.py
+        dist.init_process_group('gloo')
+        model = nn.Sequential(...)               # the same on every rank
+        pipe = DistributedGPipe(model, balance=[4, 4], chunks=8)
+        optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        for input, target in loader:             # the same batches on every rank
+            optimizer.zero_grad()
+            loss = pipe.train_step(input, target, F.cross_entropy)
+            optimizer.step()
+    """
+
+    def __init__(self, module: nn.Sequential, balance: Iterable[int], *, chunks: int = 1,
+                 checkpoint: str = 'except_last', group: Optional[dist.ProcessGroup] = None,
+                 device: Optional[Union[torch.device, str, int]] = None,
+                 deferred_batch_norm: bool = False) -> None:
+        super().__init__()
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError('DistributedGPipe needs torch.distributed: call '
+                               "torch.distributed.init_process_group('gloo') (or 'nccl') "
+                               'first, on every rank')
+        verify_module(module)
+        balance = check_balance(module, balance)
+        size = dist.get_world_size(group)
+        if len(balance) != size:
+            raise ValueError(describe('balance must give one partition per rank of the group',
+                                      f'balance: {balance}, ranks: {size}',
+                                      f'give {size} numbers of layers, or run '
+                                      f'{len(balance)} processes'))
+        self.chunks = check_chunks(chunks)
+        self.checkpoint = str(checkpoint)
+        if self.checkpoint not in ('always', 'except_last', 'never'):
+            raise ValueError("checkpoint is not one of 'always', 'except_last', or 'never'")
+        fix = "give this process's device, such as device='cpu'"
+        self.device = torch.device('cpu') if device is None else parse_device('device', device,
+                                                                               fix)
+        check_available('device', self.device, fix)
+        verify_skippables(module)
+        if deferred_batch_norm:
+            module = cast(nn.Sequential,
+                          DeferredBatchNorm.convert_deferred_batch_norm(module, self.chunks))
+
+        children = iter(module.named_children())
+        partitions = [nn.Sequential(OrderedDict(next(children) for _ in range(n)))
+                      for n in balance]
+        for k, ties in enumerate(find_ties(partitions)):
+            if ties:
+                raise ValueError(describe(
+                    'a parameter is shared by layers of two partitions, in two processes',
+                    f'{ties[0][0]} of partition {k}',
+                    'put the layers that share it in one partition, or use GPipe, '
+                    'whose partitions may share parameters'))
+        self.balance = balance
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.ranks = [dist.get_global_rank(group, j) if group is not None else j
+                      for j in range(size)]
+        layout = inspect_skip_layout(partitions)
+        self._routes = {key: route for key, route in layout.by_ns_name.items()
+                        if route[0] != route[1]}
+        self._skip_layout = layout
+        # The layers of the other partitions are dropped with ``module``.
+        for name, layer in partitions[self.rank].named_children():
+            self.add_module(name, layer.to(self.device))
+        self._others = [name for j, p in enumerate(partitions) if j != self.rank
+                        for name, _ in p.named_children()]
+        self._deferred_batch_norms = [m for m in self.modules()
+                                      if isinstance(m, DeferredBatchNorm)]
+        self._run_state = RunState(1)
+        #: Why the pipeline cannot run any more, after a failed step.
+        self._broken: Optional[str] = None
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused: a pipeline across processes has no output in any one of them to return.
+
+        Raises:
+            TypeError: always
+        """
+        raise TypeError('a DistributedGPipe is not called: train it with train_step(input, '
+                        'target, loss_fn) on every rank; for inference, load the state dicts '
+                        'of all ranks into the unwrapped module, or into a GPipe')
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError('a DistributedGPipe belongs to its processes and cannot be copied or '
+                        'pickled; save its state_dict() instead, which has the keys of the '
+                        'unwrapped module')
+
+    def partition(self) -> nn.Sequential:
+        """The layers of this process's partition, as a sequential module sharing them."""
+        return nn.Sequential(OrderedDict(self.named_children()))
+
+    def train_step(self, input: TensorOrTensors, target: TensorOrTensors,
+                   loss_fn: LossFunction, *, schedule: str = '1f1b',
+                   reduction: str = 'mean') -> Tensor:
+        """Runs a training step of the pipeline; every rank of the group calls it.
+
+        Every rank passes the same mini-batch: the first partition's rank
+        takes the input, the last one's the target (and computes the loss);
+        the others only look at their size, which sets the micro-batches.
+        The arguments are those of :meth:`GPipe.train_step
+        <torchgpipe.GPipe.train_step>`.
+
+        Returns:
+            torch.Tensor: the loss of the mini-batch, on every rank (on its
+            device), without autograd history
+
+        Raises:
+            PeerFailed: another rank failed in this step, or stopped
+                answering (within the process group's timeout). Every rank
+                raises, the one that failed its own error: restart the job,
+                from a checkpoint
+            RuntimeError: an earlier step failed: this pipeline's ranks no
+                longer agree on their messages
+            ValueError, TypeError: as for :meth:`GPipe.train_step
+                <torchgpipe.GPipe.train_step>`
+        """
+        check_step(schedule, SCHEDULES, reduction, loss_fn)
+        if self._broken is not None:
+            raise RuntimeError(f'an earlier train_step failed ({self._broken}): the ranks of '
+                               'this pipeline no longer agree on the messages between them; '
+                               'restart the job, from a checkpoint')
+        return self._train_step(input, target, loss_fn, schedule, reduction)
+
+    def _train_step(self, input: TensorOrTensors, target: TensorOrTensors,
+                    loss_fn: LossFunction, schedule: str, reduction: str,
+                    done: Optional[Callable[[int], None]] = None) -> Tensor:
+        n, here = len(self.balance), self.rank
+        batches, targets, weights = split_step(input, target, self.chunks, reduction,
+                                               self.device)
+        if here == 0:
+            microbatch.move(batches, self.device)
+        m = len(batches)
+        partitions: List[Optional[nn.Sequential]] = [None] * n
+        partitions[here] = self.partition()
+        traits = [PartitionTraits() for _ in range(n)]
+        traits[here] = self._run_state.traits[0]
+        wire = Wire(self.ranks, here, self._routes, self.device, self.group)
+        step = Step(partitions, [self.device] * n, batches, targets, loss_fn, weights,
+                    SCHEDULES[schedule](m, n), self._skip_layout,
+                    checkpoint_stop(self.checkpoint, self.chunks, m, self.training), traits,
+                    None, schedule, mailbox=wire, done=done)
+        try:
+            with deferred_step(self._deferred_batch_norms, m):
+                loss = step.run()
+            return wire.finish(loss)
+        except BaseException as exc:
+            self._broken = f'{type(exc).__name__} on rank {dist.get_rank()}'
+            # Ranks waiting for this one's messages raise PeerFailed, and tell
+            # the ranks waiting for theirs in turn.
+            wire.fail(exc)
+            raise
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
+                        assign: bool = False) -> _IncompatibleKeys:
+        """Loads this process's layers from the unwrapped module's state dict, or from its own.
+
+        Keys of layers in other processes are ignored, also with ``strict=True``.
+        """
+        others = set(self._others)
+        mine: Dict[str, Any] = {k: v for k, v in state_dict.items()
+                                if k.split('.', 1)[0] not in others}
+        return cast(_IncompatibleKeys, super().load_state_dict(mine, strict, assign))
