@@ -31,7 +31,7 @@ from torchgpipe.mailbox import Key, Mailbox, Ready
 
 __all__: List[str] = []
 
-#: A skip's route: (the partition that stashes it, the one that pops it).
+#: The route of a skip, (the partition that stashes it, the one that pops it).
 Route = Tuple[int, int]
 
 
@@ -58,7 +58,7 @@ class Wire(Mailbox):
         self.routes = routes
         self.device = device
         self.group = group
-        #: Each skip's index: its order among the messages of one action.
+        #: The index of each skip, which orders the skips of one action.
         self.index = {key: k for k, key in enumerate(routes)}
         #: The skips popped and stashed here, by index.
         self.popped = [key for key in routes if routes[key][1] == here]
