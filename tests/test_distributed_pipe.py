@@ -14,6 +14,7 @@ import copy
 import itertools
 import os
 import pickle
+import random
 import signal
 from pathlib import Path
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
@@ -28,9 +29,10 @@ from torch.nn.parallel import DistributedDataParallel
 import torchgpipe.distributed
 from process_group import no_child_left  # noqa: F401 (an autouse fixture)
 from process_group import GLOO_TIMEOUT, run_distributed
-from test_distributed import FEATURES, TOLERANCE, build
+from test_distributed import FEATURES, TOLERANCE, PopAdd, Stash, build
 from torchgpipe import GPipe
 from torchgpipe.distributed import DistributedGPipe
+from torchgpipe.skip import Namespace
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -72,6 +74,8 @@ class Config(NamedTuple):
 
 
 def model(name: str) -> nn.Sequential:
+    if ' ' in name:
+        return layered(name)
     return packed()[0] if name == 'packed' else build(name)[0]
 
 
@@ -103,7 +107,8 @@ def snapshot(module: nn.Module, prefix: int = 0) -> Dict[str, Dict[str, Any]]:
 
 def train(pipe: nn.Module, config: Config, step_fn: Any, size: int = BATCH) -> Result:
     """Trains with SGD; returns the losses and, after each step, a snapshot (before the update)."""
-    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    # A partition may hold no parameter (a stash alone, say).
+    optimizer = torch.optim.SGD(list(pipe.parameters()) or [torch.zeros(1)], lr=0.1)
     losses, snapshots = [], []
     prefix = 2 if isinstance(pipe, GPipe) else 0
     for step in range(STEPS):
@@ -189,6 +194,48 @@ def test_the_same_as_one_process_and_the_unwrapped_model(
         assert_equal(actual, one_process(config, threads), exact=True)
     if config.model != 'batchnorm':  # statistics per micro-batch in a pipeline
         assert_equal(actual, unwrapped(config), exact=False)
+
+
+# --- many layouts of skips ---------------------------------------------------------------
+
+
+def random_layout(seed: int) -> Config:
+    """A random stack of linear layers and skips (nested, crossed, anywhere), cut for 3 ranks."""
+    rng = random.Random(seed)
+    layers = ['linear'] * rng.randint(3, 6)
+    for k in range(rng.randint(1, 3)):
+        a = rng.randint(0, len(layers))
+        layers.insert(a, f'stash{k}')
+        layers.insert(rng.randint(a + 1, len(layers)), f'pop{k}')
+    cuts = sorted(rng.sample(range(1, len(layers)), 2))
+    balance = (cuts[0], cuts[1] - cuts[0], len(layers) - cuts[1])
+    return Config(' '.join(layers), balance, rng.choice(['1f1b', 'fill_drain']),
+                  rng.choice(['always', 'except_last', 'never']))
+
+
+def layered(spec: str) -> nn.Sequential:
+    torch.manual_seed(0)
+    namespaces: Dict[str, Namespace] = {}
+    layers: List[nn.Module] = []
+    for word in spec.split():
+        ns = namespaces.setdefault(word[-1], Namespace())
+        layers.append(nn.Linear(FEATURES, FEATURES) if word == 'linear' else
+                      Stash().isolate(ns) if word.startswith('stash') else PopAdd().isolate(ns))
+    return nn.Sequential(*layers).double()
+
+
+LAYOUTS = [random_layout(seed) for seed in range(16)]
+
+
+@pytest.fixture(scope='module')
+def layouts() -> List[Dict[str, Result]]:
+    return run_distributed(train_pipelines, LAYOUTS, world_size=3, timeout=150)
+
+
+@pytest.mark.parametrize('config', LAYOUTS, ids=lambda c: c.id)
+def test_any_layout_of_skips_across_three_ranks(layouts: List[Dict[str, Result]],
+                                                config: Config) -> None:
+    assert_equal(merge([r[config.id] for r in layouts]), one_process(config, False), exact=True)
 
 
 # --- pipeline x data parallelism ----------------------------------------------------------
