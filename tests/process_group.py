@@ -61,7 +61,7 @@ def free_port() -> int:
 
 
 def _child(rank: int, world_size: int, port: int, fn: Callable[..., Any],
-           args: Tuple[Any, ...], conn: Connection, alone: bool) -> None:
+           args: Tuple[Any, ...], conn: Connection, alone: bool, backend: str) -> None:
     """Entry point of a child: joins the process group, runs ``fn``, reports to the parent.
 
     The report is ``('ok', result)`` or ``('error', time, type name, message,
@@ -74,7 +74,7 @@ def _child(rank: int, world_size: int, port: int, fn: Callable[..., Any],
     """
     try:
         torch.set_num_threads(1)
-        dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=rank,
+        dist.init_process_group(backend, init_method=f'tcp://127.0.0.1:{port}', rank=rank,
                                 world_size=world_size,
                                 timeout=timedelta(seconds=GLOO_TIMEOUT))
         conn.send(('ok', fn(rank, world_size, *args)))
@@ -106,8 +106,9 @@ def _stop(processes: List[multiprocessing.process.BaseProcess]) -> None:
 
 
 def run_distributed(fn: Callable[..., Any], *args: Any, world_size: int = WORLD_SIZE,
-                    timeout: float = SPAWN_TIMEOUT, dies: Collection[int] = ()) -> List[Any]:
-    """Runs ``fn(rank, world_size, *args)`` in ``world_size`` processes of a gloo group.
+                    timeout: float = SPAWN_TIMEOUT, dies: Collection[int] = (),
+                    backend: str = 'gloo') -> List[Any]:
+    """Runs ``fn(rank, world_size, *args)`` in ``world_size`` processes of a group (gloo).
 
     ``fn`` and ``args`` must be picklable (``fn`` a module-level function).
     The ranks in ``dies`` are expected to die without reporting (their
@@ -129,7 +130,8 @@ def run_distributed(fn: Callable[..., Any], *args: Any, world_size: int = WORLD_
         for rank in range(world_size):
             receiver, sender = ctx.Pipe(duplex=False)
             process = ctx.Process(target=_child, name=f'torchgpipe-test-rank-{rank}',
-                                  args=(rank, world_size, port, fn, args, sender, bool(dies)),
+                                  args=(rank, world_size, port, fn, args, sender, bool(dies),
+                                        backend),
                                   daemon=True)
             process.start()
             sender.close()  # the child holds the only write end: EOF means it died

@@ -238,6 +238,29 @@ def test_any_layout_of_skips_across_three_ranks(layouts: List[Dict[str, Result]]
     assert_equal(merge([r[config.id] for r in layouts]), one_process(config, False), exact=True)
 
 
+def train_on_gpus(rank: int, world_size: int, configs: List[Config]) -> Dict[str, Result]:
+    results = {}
+    for config in configs:
+        pipe = DistributedGPipe(model(config.model), config.balance, chunks=CHUNKS,
+                                checkpoint=config.checkpoint, device=f'cuda:{rank}')
+
+        def step(input: Tensor, target: Tensor, loss_fn: Any, schedule: str) -> Tensor:
+            return pipe.train_step(input.cuda(rank), target.cuda(rank), loss_fn,
+                                   schedule=schedule)
+        results[config.id] = train(pipe, config, step)
+    return results
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason='needs 2 CUDA devices, for NCCL')
+def test_two_gpus_over_nccl_give_the_results_of_one_process() -> None:
+    configs = [c for c in TWO_RANKS if c.model in ('unet', 'packed')]
+    ranks = run_distributed(train_on_gpus, configs, backend='nccl', timeout=150)
+    for config in configs:
+        assert_equal(merge([r[config.id] for r in ranks]), one_process(config, False),
+                     exact=False)
+
+
 # --- pipeline x data parallelism ----------------------------------------------------------
 
 
