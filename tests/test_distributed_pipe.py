@@ -453,6 +453,8 @@ def refusals(rank: int, world_size: int) -> List[str]:
         lambda: DistributedGPipe(model('mlp'), [3, 2], device='gpu'),
         lambda: DistributedGPipe(model('mlp'), [3, 2], checkpoint='sometimes'),
     ]
+    alone = [dist.new_group([0]), dist.new_group([1])]  # every rank creates every group
+    attempts.append(lambda: DistributedGPipe(model('mlp'), [5], group=alone[1 - rank]))
     pipe = DistributedGPipe(model('mlp'), [3, 2])
     attempts += [lambda: pipe(batch(0)[0]), lambda: copy.deepcopy(pipe),
                  lambda: pickle.dumps(pipe)]
@@ -476,6 +478,8 @@ def test_bad_arguments_are_refused_before_any_message() -> None:
         "ValueError: device is not a valid device (device: 'gpu'); give this process's "
         "device, such as device='cpu'",
         "ValueError: checkpoint is not one of 'always', 'except_last', or 'never'",
+        'ValueError: this process must be in group (rank 0); build the DistributedGPipe only '
+        'on the ranks of its group, giving each rank its own pipeline group',
         'TypeError: a DistributedGPipe is not called: train it with train_step(input, '
         'target, loss_fn) on every rank; for inference, load the state dicts of all ranks '
         'into the unwrapped module, or into a GPipe',

@@ -89,6 +89,10 @@ class DistributedGPipe(nn.Module):
                                'first, on every rank')
         verify_module(module)
         balance = check_balance(module, balance)
+        if dist.get_rank(group) < 0:
+            raise ValueError(describe('this process must be in group', f'rank {dist.get_rank()}',
+                                      'build the DistributedGPipe only on the ranks of its '
+                                      'group, giving each rank its own pipeline group'))
         size = dist.get_world_size(group)
         if len(balance) != size:
             raise ValueError(describe('balance must give one partition per rank of the group',
