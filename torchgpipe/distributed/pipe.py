@@ -11,7 +11,7 @@ from torchgpipe import microbatch
 from torchgpipe._validation import (check_available, check_balance, check_chunks, check_step,
                                     describe, parse_device, verify_module)
 from torchgpipe.batchnorm import DeferredBatchNorm, deferred_step
-from torchgpipe.distributed.wire import Wire
+from torchgpipe.distributed.wire import Channels, Wire
 from torchgpipe.microbatch import TensorOrTensors
 from torchgpipe.schedule import SCHEDULES, checkpoint_stop
 from torchgpipe.skip.layout import inspect_skip_layout
@@ -139,6 +139,8 @@ class DistributedGPipe(nn.Module):
         self._deferred_batch_norms = [m for m in self.modules()
                                       if isinstance(m, DeferredBatchNorm)]
         self._run_state = RunState(1)
+        #: The capacity of the channel to each rank (see Channels).
+        self._capacities: Dict[int, int] = {}
         #: Why the pipeline cannot run any more, after a failed step.
         self._broken: Optional[str] = None
 
@@ -206,7 +208,8 @@ class DistributedGPipe(nn.Module):
         partitions[here] = self.partition()
         traits = [PartitionTraits() for _ in range(n)]
         traits[here] = self._run_state.traits[0]
-        wire = Wire(self.ranks, here, self._routes, self.device, self.group)
+        wire = Wire(Channels(self.device, self.group, self._capacities), self.ranks, here,
+                    self._routes, m)
         step = Step(partitions, [self.device] * n, batches, targets, loss_fn, weights,
                     SCHEDULES[schedule](m, n), self._skip_layout,
                     checkpoint_stop(self.checkpoint, self.chunks, m, self.training), traits,

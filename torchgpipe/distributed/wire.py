@@ -4,12 +4,8 @@
 :class:`~torchgpipe.mailbox.Mailbox`. :class:`Wire` is the mailbox of a
 partition whose neighbours live in other processes: a message to another
 rank is pickled, its tensors apart, and sent with torch.distributed's
-point-to-point operations; a message from another rank is received when the
-partition takes it.
-
-Every message is three or more sends in a row to one peer::
-
-    size (int64) ─► header (pickled: kind, shapes and types, body) ─► tensor ─► ...
+point-to-point operations as one buffer (:class:`Channels`); a message from
+another rank is taken when it has come.
 
 Sends never wait (``isend``): a rank only waits for what it needs, so a
 schedule that :func:`~torchgpipe.schedule.clock_order` accepts runs without
@@ -35,6 +31,10 @@ __all__: List[str] = []
 Route = Tuple[int, int]
 
 
+#: The capacity a channel starts with, in bytes: enough for a message without tensors.
+SMALL = 4096
+
+
 class PeerFailed(RuntimeError):
     """Another rank of the pipeline failed during the step, or stopped answering."""
 
@@ -43,21 +43,19 @@ class Wire(Mailbox):
     """The mailbox of partition ``here``, whose neighbours are in other processes.
 
     Args:
+        channels: the channels to the other ranks
         ranks: the global rank of each partition
         here: the index of the partition of this process
         routes: the route of each skip that crosses partitions, by key
-        device: where received tensors go
-        group: the process group of ``ranks``
     """
 
-    def __init__(self, ranks: Sequence[int], here: int, routes: Dict[Key, Route],
-                 device: torch.device, group: Optional[dist.ProcessGroup]) -> None:
+    def __init__(self, channels: 'Channels', ranks: Sequence[int], here: int,
+                 routes: Dict[Key, Route], m: int) -> None:
         super().__init__()
+        self.channels = channels
         self.ranks = ranks
         self.here = here
         self.routes = routes
-        self.device = device
-        self.group = group
         #: The index of each skip, which orders the skips of one action.
         self.index = {key: k for k, key in enumerate(routes)}
         #: The skips popped and stashed here, by index.
@@ -65,8 +63,16 @@ class Wire(Mailbox):
         self.stashed = [key for key in routes if routes[key][0] == here]
         #: Skips to send after the main message of their micro-batch.
         self.held: List[Tuple[int, Tuple[Any, ...], Any]] = []
-        #: Sends in flight, with what they send.
-        self.sending: List[Tuple[Any, Tensor]] = []
+        #: How many messages each partition is still to send here in this
+        #: step: ``m`` per neighbour and per skip, and one at the end.
+        self.remaining = [0 if j == here else 1 for j in range(len(ranks))]
+        for j in (here - 1, here + 1):
+            if 0 <= j < len(ranks):
+                self.remaining[j] += m
+        for key in self.popped:
+            self.remaining[routes[key][0]] += m
+        for key in self.stashed:
+            self.remaining[routes[key][1]] += m
 
     def put(self, key: Tuple[Any, ...], message: Any) -> None:
         kind, i, x = key
@@ -95,19 +101,7 @@ class Wire(Mailbox):
 
     def send(self, j: int, kind: str, message: Any) -> None:
         """Sends ``message`` to partition ``j``, without waiting."""
-        tensors: List[Tensor] = []
-        body = io.BytesIO()
-        pickler = pickle.Pickler(body, protocol=pickle.HIGHEST_PROTOCOL)
-        pickler.persistent_id = lambda obj: persist(obj, tensors)  # type: ignore[method-assign]
-        pickler.dump(message)
-        header = pickle.dumps((kind, [(t.shape, t.dtype) for t in tensors], body.getvalue()))
-        data = torch.frombuffer(bytearray(header), dtype=torch.uint8)
-        size = torch.tensor([len(header)], dtype=torch.int64)
-        for t in [size, data] + tensors:
-            if t.numel():
-                t = t.detach().to(self.device).contiguous()
-                work = dist.isend(t, self.ranks[j], group=self.group)
-                self.sending.append((work, t))
+        self.channels.send(self.ranks[j], kind, message)
 
     def receive(self, j: int) -> Any:
         """Waits for the next message from partition ``j``.
@@ -116,29 +110,15 @@ class Wire(Mailbox):
             PeerFailed: partition ``j``'s rank failed, or the connection to it
                 broke or timed out
         """
-        size = self.receive_tensor(j, torch.Size([1]), torch.int64)
-        header = self.receive_tensor(j, torch.Size([int(size.item())]), torch.uint8)
-        kind, metas, body = pickle.loads(header.cpu().numpy().tobytes())
-        tensors = [self.receive_tensor(j, shape, dtype) for shape, dtype in metas]
-        unpickler = pickle.Unpickler(io.BytesIO(body))
-        unpickler.persistent_load = lambda pid: restore(  # type: ignore[method-assign]
-            pid, tensors, self.device)
-        message = unpickler.load()
+        self.remaining[j] -= 1
+        try:
+            kind, message = self.channels.receive(self.ranks[j], ahead=self.remaining[j] > 0)
+        except RuntimeError as exc:
+            raise PeerFailed(f'lost rank {self.ranks[j]} (partition {j}) while waiting for '
+                             f'its message: {exc}') from exc
         if kind == 'failure':
             raise PeerFailed(f'rank {self.ranks[j]} (partition {j}) failed: {message}')
         return message
-
-    def receive_tensor(self, j: int, shape: torch.Size, dtype: torch.dtype) -> Tensor:
-        t = torch.empty(shape, dtype=dtype, device=self.device)
-        if t.numel():
-            try:
-                work = dist.irecv(t, self.ranks[j], group=self.group)
-                assert work is not None  # None only for ranks outside the group
-                work.wait()
-            except RuntimeError as exc:
-                raise PeerFailed(f'lost rank {self.ranks[j]} (partition {j}) while waiting for '
-                                 f'its message: {exc}') from exc
-        return t
 
     def finish(self, loss: Optional[Tensor]) -> Tensor:
         """Ends the step on every rank: returns the loss the last partition sends everyone.
@@ -158,9 +138,7 @@ class Wire(Mailbox):
                 received = self.receive(j)
                 if j == len(self.ranks) - 1:
                     loss = received
-        for work, _ in self.sending:
-            work.wait()
-        self.sending.clear()
+        self.channels.wait_sent()
         assert loss is not None
         return loss
 
@@ -178,6 +156,137 @@ class Wire(Mailbox):
                     self.send(j, 'failure', description)
                 except RuntimeError:
                     pass  # that rank is gone already
+
+
+class Channels:
+    """Messages to and from the other ranks of a group, each pair of ranks one ordered channel.
+
+    A message is one buffer of bytes: the length of a pickle (the kind, the
+    shape and type of each tensor, the message with its tensors taken out),
+    the pickle, then the tensors' bytes, each at an offset aligned for its
+    type (the received tensors are views of the buffer)::
+
+        | length | pickle | pad | tensor 0 | pad | tensor 1 | ...
+
+    The receiving rank starts receiving the next message from a rank as soon
+    as the last one has come, if another is to come in the step, so that it
+    travels while the rank computes. Not knowing its size, it receives into
+    a buffer of the channel's *capacity*, which both ends know: a message
+    larger than it is preceded by a message that raises it. NCCL, unlike
+    gloo, receives only messages of the buffer's exact size: for it every
+    message is padded to the capacity.
+
+    Args:
+        device: where buffers are (received tensors, and what NCCL sends)
+        group: the process group
+        capacities: the capacity of each channel, by global rank, kept by the
+            caller from step to step (both ends change it alike)
+    """
+
+    def __init__(self, device: torch.device, group: Optional[dist.ProcessGroup],
+                 capacities: Dict[int, int]) -> None:
+        self.device = device
+        self.group = group
+        self.capacities = capacities
+        self.exact = dist.get_backend(group) == 'nccl'
+        #: The next message being received from each rank, by global rank.
+        self.ahead: Dict[int, Tuple[Any, Tensor]] = {}
+        #: Sends in flight, with what they send.
+        self.sending: List[Tuple[Any, Tensor]] = []
+
+    def capacity(self, rank: int) -> int:
+        return self.capacities.setdefault(rank, SMALL)
+
+    def send(self, rank: int, kind: str, message: Any) -> None:
+        """Sends ``message`` to ``rank``, without waiting."""
+        tensors: List[Tensor] = []
+        body = io.BytesIO()
+        pickler = pickle.Pickler(body, protocol=pickle.HIGHEST_PROTOCOL)
+        pickler.persistent_id = lambda obj: persist(obj, tensors)  # type: ignore[method-assign]
+        pickler.dump(message)
+        data = pickle.dumps((kind, [(t.shape, t.dtype) for t in tensors], body.getvalue()))
+        offsets = []
+        end = align(8 + len(data))
+        for t in tensors:
+            offsets.append(end)
+            end = align(end + t.numel() * t.element_size())
+        if end > self.capacity(rank):
+            # Small enough for the buffer waiting for it: the new capacity.
+            self.post_send(rank, self.pack(pickle.dumps(('grow', [], pickle.dumps(end))), rank))
+            self.capacities[rank] = end
+        buffer = self.pack(data, rank, end)
+        for t, offset in zip(tensors, offsets):
+            view(buffer, offset, t.shape, t.dtype).copy_(t.detach())
+        self.post_send(rank, buffer)
+
+    def pack(self, data: bytes, rank: int, size: int = 0) -> Tensor:
+        """A buffer starting with ``data``'s length and ``data``, of ``size`` bytes at least."""
+        size = self.capacity(rank) if self.exact else max(size, align(8 + len(data)))
+        buffer = torch.empty(size, dtype=torch.uint8)
+        buffer[:8] = torch.frombuffer(bytearray(len(data).to_bytes(8, 'little')),
+                                      dtype=torch.uint8)
+        buffer[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        return buffer.to(self.device)
+
+    def post_send(self, rank: int, buffer: Tensor) -> None:
+        work = dist.isend(buffer, rank, group=self.group)
+        self.sending.append((work, buffer))
+
+    def receive(self, rank: int, ahead: bool) -> Tuple[str, Any]:
+        """Waits for the next message from ``rank``; returns its kind and the message.
+
+        With ``ahead``, starts receiving the next one.
+
+        Raises:
+            RuntimeError: the connection broke or timed out
+        """
+        while True:
+            if rank not in self.ahead:
+                self.post(rank)
+            work, buffer = self.ahead.pop(rank)
+            work.wait()
+            raw = buffer[:8].cpu().numpy().tobytes()
+            length = int.from_bytes(raw, 'little')
+            kind, metas, body = pickle.loads(buffer[8:8 + length].cpu().numpy().tobytes())
+            if kind != 'grow':
+                break
+            self.capacities[rank] = pickle.loads(body)
+        if ahead:
+            self.post(rank)
+        tensors = []
+        offset = align(8 + length)
+        for shape, dtype in metas:
+            tensors.append(view(buffer, offset, shape, dtype))
+            offset = align(offset + tensors[-1].numel() * tensors[-1].element_size())
+        unpickler = pickle.Unpickler(io.BytesIO(body))
+        unpickler.persistent_load = lambda pid: restore(  # type: ignore[method-assign]
+            pid, tensors, self.device)
+        return kind, unpickler.load()
+
+    def post(self, rank: int) -> None:
+        """Starts receiving the next message from ``rank``, into a buffer of the capacity."""
+        buffer = torch.empty(self.capacity(rank), dtype=torch.uint8, device=self.device)
+        self.ahead[rank] = (dist.irecv(buffer, rank, group=self.group), buffer)
+
+    def wait_sent(self) -> None:
+        """Waits for every send to arrive."""
+        for work, _ in self.sending:
+            work.wait()
+        self.sending.clear()
+
+
+def align(offset: int) -> int:
+    """``offset`` rounded up to a multiple of 64 bytes, which suits any type's alignment."""
+    return -(-offset // 64) * 64
+
+
+def view(buffer: Tensor, offset: int, shape: Any, dtype: torch.dtype) -> Tensor:
+    """The tensor of ``shape`` and ``dtype`` in ``buffer``'s bytes from ``offset``."""
+    numel = 1
+    for size in shape:
+        numel *= size
+    size = numel * torch.empty((), dtype=dtype).element_size()
+    return buffer[offset:offset + size].view(dtype).view(shape)
 
 
 def persist(obj: Any, tensors: List[Tensor]) -> Optional[Tuple[str, int]]:

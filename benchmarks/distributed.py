@@ -1,0 +1,262 @@
+"""Across processes: DistributedGPipe against torch.distributed.pipelining, on 2 ranks of 1 thread.
+
+Run from the repository root::
+
+    python -m benchmarks.distributed                  # 2 CPU ranks over gloo (~1 min)
+    python -m benchmarks.distributed --preset cuda    # 2 GPUs over NCCL, one per rank
+
+The model and batch of ``benchmarks.schedules``' parallelism row: 8 x
+(Conv2d(32, 32, 3, padding=1) + ReLU) on 32x32 images, batch 64, chunks 8,
+2 partitions of 4 blocks, no checkpointing, an MSE loss. Two processes of a
+gloo group, one intra-op thread each, one partition each, train it three
+ways, in turns round after round:
+
+- the anchor: ``torch.distributed.pipelining``'s ``Schedule1F1B`` over a
+  ``PipelineStage`` per rank;
+- :class:`torchgpipe.distributed.DistributedGPipe` with ``schedule='1f1b'``
+  (target: at most 1.10x the anchor's step), and ``'fill_drain'`` for
+  information.
+
+Each step starts after a barrier; its time is the slowest rank's. Between
+rounds, while rank 1 waits, rank 0 times two more steps for comparison, in
+the same run: the one-process ``GPipe.train_step`` 1F1B on ``cpu:0`` and
+``cpu:1`` (a worker thread each, one intra-op thread each: the same two
+cores as the two ranks) and the unwrapped model on one thread. The figures
+are the fastest step of the rounds, with the medians beside them.
+"""
+import os
+import socket
+import sys
+import time
+from datetime import timedelta
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+from benchmarks.devices import cpu_devices
+from benchmarks.overhead import convnet, ms
+from benchmarks.report import format_spread, format_table
+from benchmarks.runner import Experiment, Figure, Preset, main as run_main
+from benchmarks.timing import spread
+
+PRESETS: Dict[str, Preset] = {
+    'cpu': Preset('8 convolutions, batch 64 of 32x32, chunks 8, 2 CPU ranks over gloo (~1 min)',
+                  backend='gloo', batch=64, image_size=32, chunks=8, rounds=10),
+    'cuda': Preset('the same on 2 GPUs over NCCL, one per rank, batch 256 of 64x64',
+                   backend='nccl', batch=256, image_size=64, chunks=8, rounds=10),
+}
+
+SMOKE = dict(batch=8, image_size=8, rounds=1)
+
+#: The largest ratio allowed: torchgpipe's 1F1B step over the anchor's.
+TARGET = 1.10
+
+ANCHOR = 'pipelining Schedule1F1B, 2 ranks'
+OURS = "DistributedGPipe 1F1B, 2 ranks"
+FILL_DRAIN = "DistributedGPipe fill-drain, 2 ranks"
+ONE_PROCESS = "GPipe.train_step 1F1B, cpu:0/cpu:1, 1 process"
+UNWRAPPED = 'unwrapped, 1 thread'
+# In rank 1 a step whose time rank 0 alone measures: nothing to do.
+RANK_0_ONLY = (ONE_PROCESS, UNWRAPPED)
+
+Step = Callable[[], None]
+
+
+def device_of(config: Dict[str, Any], rank: int) -> torch.device:
+    return torch.device('cuda', rank) if config['backend'] == 'nccl' else torch.device('cpu')
+
+
+def sync(device: torch.device) -> None:
+    if device.type == 'cuda':
+        torch.cuda.synchronize(device)
+
+
+def ranks_steps(config: Dict[str, Any], rank: int) -> Dict[str, Step]:
+    """The steps this rank runs, by name, each on a copy of the same initial model."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    from torchgpipe import GPipe
+    from torchgpipe.distributed import DistributedGPipe
+
+    device = device_of(config, rank)
+    torch.manual_seed(0)
+    model = convnet()
+    size, chunks = config['image_size'], config['chunks']
+    input = torch.randn(config['batch'], 32, size, size, device=device)
+    target = torch.zeros_like(input)
+    half = len(model) // 2
+
+    def copy() -> nn.Sequential:
+        fresh = convnet()
+        fresh.load_state_dict(model.state_dict())
+        return fresh
+
+    stage = PipelineStage(nn.Sequential(*list(copy())[rank * half:(rank + 1) * half]).to(device),
+                          rank, 2, device)
+    anchor = Schedule1F1B(stage, n_microbatches=chunks, loss_fn=F.mse_loss)
+
+    def anchor_step() -> None:
+        if rank == 0:
+            anchor.step(input)
+        else:
+            anchor.step(target=target, losses=[])
+        sync(device)
+
+    pipe = DistributedGPipe(copy(), [half, half], chunks=chunks, checkpoint='never',
+                            device=device)
+
+    def ours(schedule: str) -> Step:
+        def step() -> None:
+            pipe.train_step(input, target, F.mse_loss, schedule=schedule)
+            sync(device)
+        return step
+
+    steps = {ANCHOR: anchor_step, OURS: ours('1f1b'), FILL_DRAIN: ours('fill_drain')}
+    if rank == 0 and config['backend'] == 'gloo':
+        gpipe = GPipe(copy(), [half, half], devices=cpu_devices(2), chunks=chunks,
+                      checkpoint='never')
+        plain = copy()
+        steps[ONE_PROCESS] = lambda: gpipe._train_step(input, target, F.mse_loss, '1f1b',
+                                                       'mean')
+
+        def unwrapped() -> None:
+            F.mse_loss(plain(input), target).backward()
+        steps[UNWRAPPED] = unwrapped
+    return steps
+
+
+def rank_main(rank: int, config: Dict[str, Any], port: int, results: Any) -> None:
+    """One rank: times every step, round after round, and sends rank 0's table to the parent."""
+    torch.set_num_threads(1)
+    dist.init_process_group(config['backend'], init_method=f'tcp://127.0.0.1:{port}',
+                            rank=rank, world_size=2, timeout=timedelta(seconds=120))
+    steps = ranks_steps(config, rank)
+    names = [ANCHOR, OURS, FILL_DRAIN] + list(RANK_0_ONLY if config['backend'] == 'gloo' else ())
+    seconds: Dict[str, List[float]] = {name: [] for name in names}
+    for r in range(config['rounds'] + 1):  # the first round warms up
+        # Turns rotate, so that slow spells of the machine hit every step alike.
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            dist.barrier()
+            start = time.perf_counter()
+            if name in steps:
+                steps[name]()
+            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            if name not in RANK_0_ONLY:
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank's time
+            if r:
+                seconds[name].append(float(elapsed))
+    if rank == 0:
+        results.put({name: spread(s) for name, s in seconds.items() if name in steps})
+    dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)  # no Python shutdown: see docs/scaling_out.rst, "Ending a job"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(('127.0.0.1', 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def run(config: Dict[str, Any]) -> Dict[str, Any]:
+    if config['backend'] == 'nccl' and torch.cuda.device_count() < 2:
+        raise SystemExit('--preset cuda needs 2 CUDA devices (one per rank); '
+                         f'{torch.cuda.device_count()} visible')
+    ctx = mp.get_context('spawn')
+    results = ctx.SimpleQueue()
+    port = free_port()
+    ranks = [ctx.Process(target=rank_main, args=(rank, config, port, results), daemon=True)
+             for rank in range(2)]
+    for process in ranks:
+        process.start()
+    try:
+        deadline = time.monotonic() + 60 + 20 * config['rounds']
+        while results.empty():
+            if time.monotonic() > deadline or any(p.exitcode not in (None, 0) for p in ranks):
+                raise RuntimeError('the ranks did not report: exit codes '
+                                   f'{[p.exitcode for p in ranks]} (None: running)')
+            time.sleep(0.1)
+        times = results.get()
+    finally:
+        for process in ranks:
+            process.join(10)
+            if process.is_alive():
+                process.kill()
+                process.join()
+    rows = [ratio(OURS, ANCHOR, times), ratio(FILL_DRAIN, ANCHOR, times)]
+    if ONE_PROCESS in times:
+        rows += [ratio(ONE_PROCESS, ANCHOR, times), ratio(OURS, ONE_PROCESS, times),
+                 ratio(OURS, UNWRAPPED, times)]
+    return {'results': rows, 'times': {name: ms(t) for name, t in times.items()},
+            'target': TARGET}
+
+
+def ratio(measured: str, against: str, times: Dict[str, Dict[str, float]]) -> Dict[str, Any]:
+    row = {'measured': measured, 'against': against,
+           'ratio': times[measured]['min'] / times[against]['min'],
+           'ratio_median': times[measured]['median'] / times[against]['median']}
+    if (measured, against) == (OURS, ANCHOR):
+        row['target'] = TARGET
+        row['within_target'] = row['ratio'] <= TARGET
+    return row
+
+
+def table(document: Dict[str, Any]) -> str:
+    results = document['results']
+    headers = ['ratio of', 'ratio (fastest)', 'ratio (medians)', 'target']
+    cells = [[f"{r['measured']} / {r['against']}", f"{r['ratio']:.3f}x",
+              f"{r['ratio_median']:.3f}x", f"<= {r['target']:g}x" if 'target' in r else '-']
+             for r in results]
+    if not document['smoke']:
+        headers.append('within target')
+        cells = [row + ['-' if 'target' not in r else 'yes' if r['within_target'] else 'NO']
+                 for row, r in zip(cells, results)]
+    return '\n'.join(['steps timed side by side in one run, one intra-op thread per rank '
+                      '(per worker):', format_table(headers, cells), '',
+                      'step times, ms: fastest (median, max) of the rounds',
+                      format_table(['step', 'time'], [[name, format_spread(t)] for name, t
+                                                      in document['times'].items()])])
+
+
+def headline(document: Dict[str, Any]) -> List[Figure]:
+    row = document['results'][0]
+    return [Figure(f"{row['measured']} / {row['against']}", f"{row['ratio']:.3f}x",
+                   f"<= {TARGET:g}x", row['within_target'])]
+
+
+def plot(document: Dict[str, Any], plt: Any) -> None:
+    """The step times as bars: the fastest, with a whisker to the median."""
+    times = document['times']
+    names = list(times)
+    figure = plt.gcf()
+    figure.set_size_inches(9, 4)
+    axes = plt.gca()
+    fastest = [times[n]['min'] for n in names]
+    medians = [times[n]['median'] for n in names]
+    axes.barh(range(len(names)), fastest,
+              xerr=[[0] * len(names), [m - f for m, f in zip(medians, fastest)]], capsize=4,
+              color=['tab:gray' if n == ANCHOR else 'tab:blue' for n in names])
+    axes.set_yticks(list(range(len(names))))
+    axes.set_yticklabels(names, fontsize='small')
+    axes.invert_yaxis()
+    axes.set_xlabel('step time, ms (fastest; whisker to the median)')
+    axes.set_title('a pipeline of 2 ranks against torch.distributed.pipelining (grey)',
+                   fontsize='medium')
+    figure.tight_layout()
+
+
+EXPERIMENT = Experiment(name='distributed', doc=__doc__, presets=PRESETS, smoke=SMOKE, run=run,
+                        table=table, headline=headline, plot=plot)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    return run_main(EXPERIMENT, argv)
+
+
+if __name__ == '__main__':
+    main(sys.argv[1:])
