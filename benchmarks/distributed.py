@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python -m benchmarks.distributed                  # 2 CPU ranks over gloo (~1 min)
+    python -m benchmarks.distributed                  # 2 CPU ranks over gloo (~40 s)
     python -m benchmarks.distributed --preset cuda    # 2 GPUs over NCCL, one per rank
 
 The model and batch of ``benchmarks.schedules``' parallelism row: 8 x
@@ -44,8 +44,8 @@ from benchmarks.runner import Experiment, Figure, Preset, main as run_main
 from benchmarks.timing import spread
 
 PRESETS: Dict[str, Preset] = {
-    'cpu': Preset('8 convolutions, batch 64 of 32x32, chunks 8, 2 CPU ranks over gloo (~1 min)',
-                  backend='gloo', batch=64, image_size=32, chunks=8, rounds=10),
+    'cpu': Preset('8 convolutions, batch 64 of 32x32, chunks 8, 2 CPU ranks over gloo (~40 s)',
+                  backend='gloo', batch=64, image_size=32, chunks=8, rounds=30),
     'cuda': Preset('the same on 2 GPUs over NCCL, one per rank, batch 256 of 64x64',
                    backend='nccl', batch=256, image_size=64, chunks=8, rounds=10),
 }

@@ -1,0 +1,157 @@
+"""A pipeline whose partitions are processes: DistributedGPipe under torchrun.
+
+Every process runs this same script. It builds the same model (same seed),
+keeps its own partition of it (rank ``r`` holds partition ``r``), and trains
+the whole pipeline with :meth:`~torchgpipe.distributed.DistributedGPipe.train_step`:
+activations go forward and gradients back between the processes by
+torch.distributed's point-to-point operations, micro-batch by micro-batch,
+in the order of 1F1B (or fill-drain). Every rank reads the same batches.
+
+On CPU, two processes over gloo on one machine::
+
+    torchrun --nproc_per_node 2 examples/distributed_pipeline.py
+
+On GPUs (one per process, NCCL)::
+
+    torchrun --nproc_per_node 4 examples/distributed_pipeline.py --gpus
+
+A checkpoint is saved every ``--save-every`` steps in ``--checkpoint-dir``
+(one file per rank, with the keys of the unwrapped model); a restarted job
+resumes from it, as ``torchrun --max-restarts 3`` restarts one after a rank
+fails. ``--verify`` also trains the unwrapped model on rank 0 (in float64)
+and checks that its losses are the pipeline's.
+"""
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Dict, List, NoReturn, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from torchgpipe.distributed import DistributedGPipe
+
+FEATURES = 32
+CLASSES = 4
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or '').splitlines()[0])
+    parser.add_argument('--steps', type=int, default=20)
+    parser.add_argument('--batch-size', type=int, default=64)
+    parser.add_argument('--chunks', type=int, default=8)
+    parser.add_argument('--schedule', choices=['1f1b', 'fill_drain'], default='1f1b')
+    parser.add_argument('--checkpoint', choices=['always', 'except_last', 'never'],
+                        default='except_last')
+    parser.add_argument('--checkpoint-dir', type=Path, help='where to save and resume from')
+    parser.add_argument('--save-every', type=int, default=10)
+    parser.add_argument('--gpus', action='store_true', help='one GPU per process, NCCL')
+    parser.add_argument('--verify', action='store_true',
+                        help='compare the losses with the unwrapped model (float64)')
+    return parser.parse_args(argv)
+
+
+def make_model(layers: int) -> nn.Sequential:
+    """``layers`` blocks, then a classifier: the same weights on every rank."""
+    torch.manual_seed(0)
+    blocks: List[nn.Module] = [nn.Linear(FEATURES, FEATURES)]
+    for _ in range(layers - 2):
+        blocks += [nn.Sequential(nn.Linear(FEATURES, FEATURES), nn.Tanh())]
+    blocks.append(nn.Linear(FEATURES, CLASSES))
+    return nn.Sequential(*blocks)
+
+
+def batch(step: int, size: int) -> List[Tensor]:
+    """The step's batch: the same on every rank."""
+    gen = torch.Generator().manual_seed(step)
+    input = torch.randn(size, FEATURES, generator=gen)
+    return [input, (input[:, :CLASSES].sum(1) > 0).long() + 2 * (input[:, 0] > 1).long()]
+
+
+def end_job(status: int) -> NoReturn:
+    """Ends the process once every rank is done (see "Ending a job" in the docs)."""
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    if args.gpus and not torch.cuda.is_available():
+        print('--gpus needs CUDA, but no CUDA device is visible', file=sys.stderr)
+        return 2
+    local_rank = int(os.environ.get('LOCAL_RANK', 0))
+    if args.gpus:
+        torch.cuda.set_device(local_rank)
+    else:
+        torch.set_num_threads(1)  # the processes share the CPU cores
+    dist.init_process_group('nccl' if args.gpus else 'gloo')
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    device = torch.device('cuda', local_rank) if args.gpus else torch.device('cpu')
+
+    layers = 2 * world_size + 2
+    balance = [2] * world_size
+    balance[-1] += 2
+    dtype = torch.float64 if args.verify else torch.float32
+    pipe = DistributedGPipe(make_model(layers).to(dtype), balance, chunks=args.chunks,
+                            checkpoint=args.checkpoint, device=device)
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+
+    start = 0
+    resumed: Dict[str, Tensor] = {}
+    saved: Optional[Path] = None
+    if args.checkpoint_dir is not None:
+        saved = args.checkpoint_dir / f'rank{rank}.pt'
+    if saved is not None and saved.exists():
+        state = torch.load(saved)
+        pipe.load_state_dict(state['model'])
+        optimizer.load_state_dict(state['optimizer'])
+        start = state['step']
+        if rank == 0:
+            print(f'resumed from step {start}', flush=True)
+            # The checkpoints of all ranks together: the unwrapped model's state dict.
+            for path in sorted(saved.parent.glob('rank*.pt')):
+                resumed.update(torch.load(path)['model'])
+
+    losses = []
+    for step in range(start, args.steps):
+        input, target = batch(step, args.batch_size)
+        optimizer.zero_grad()
+        loss = pipe.train_step(input.to(dtype), target, F.cross_entropy,
+                               schedule=args.schedule)
+        optimizer.step()
+        losses.append(float(loss))
+        if rank == 0:
+            print(f'step {step}: loss {float(loss):.4f}', flush=True)
+        if saved is not None and (step + 1) % args.save_every == 0:
+            saved.parent.mkdir(parents=True, exist_ok=True)
+            torch.save({'model': pipe.state_dict(), 'optimizer': optimizer.state_dict(),
+                        'step': step + 1}, saved)
+
+    status = 0
+    if args.verify and rank == 0:
+        plain = make_model(layers).to(dtype)
+        if resumed:
+            plain.load_state_dict(resumed)
+        plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+        expected = []
+        for step in range(start, args.steps):
+            input, target = batch(step, args.batch_size)
+            plain_optimizer.zero_grad()
+            loss = F.cross_entropy(plain(input.to(dtype)), target)
+            loss.backward()
+            plain_optimizer.step()
+            expected.append(float(loss))
+        same = torch.allclose(torch.tensor(losses), torch.tensor(expected), rtol=1e-9)
+        print(f"  {'OK' if same else 'FAILED'}: the losses of {len(losses)} steps are the "
+              'unwrapped model\'s', flush=True)
+        status = 0 if same else 1
+    end_job(status)
+
+
+if __name__ == '__main__':
+    sys.exit(main())
