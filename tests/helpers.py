@@ -202,3 +202,16 @@ def assert_flattened_trains_like_original(original: nn.Module, inputs: Dict[str,
     assert_same_grads(parameter_grads(original), wanted)
     original.zero_grad(set_to_none=True)
     return seq
+
+
+class RaiseInBackward(torch.autograd.Function):
+    """The identity, whose backward pass raises ``error``: ``RaiseInBackward.apply(x, error)``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, error: BaseException) -> Tensor:
+        ctx.error = error
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tuple[Tensor, None]:
+        raise ctx.error

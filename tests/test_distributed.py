@@ -46,6 +46,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 
 import stress_ddp_exit
+from helpers import RaiseInBackward
 from process_group import no_child_left  # noqa: F401 (an autouse fixture)
 from process_group import GLOO_TIMEOUT, WORLD_SIZE, WorkerFailed, run_distributed
 from torchgpipe import GPipe
@@ -360,16 +361,6 @@ class InjectedFailure(Exception):
     """Raised on purpose by :class:`FailOnRank`."""
 
 
-class FailInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, input: Tensor) -> Tensor:
-        return input.view_as(input)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:
-        raise InjectedFailure(f'injected failure in backward on rank {dist.get_rank()}')
-
-
 class FailOnRank(nn.Module):
     """The identity, except on ``rank`` at ``step``: raises in forward or in backward there."""
 
@@ -388,7 +379,8 @@ class FailOnRank(nn.Module):
             return x
         if self.where == 'forward':
             raise InjectedFailure(f'injected failure in forward on rank {self.rank}')
-        return FailInBackward.apply(x)  # type: ignore[no-any-return]
+        return RaiseInBackward.apply(  # type: ignore[no-any-return]
+            x, InjectedFailure(f'injected failure in backward on rank {dist.get_rank()}'))
 
 
 def train_until_failure(rank: int, world_size: int, where: str) -> None:

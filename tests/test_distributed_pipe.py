@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 import torchgpipe.distributed
+from helpers import RaiseInBackward
 from process_group import no_child_left  # noqa: F401 (an autouse fixture)
 from process_group import GLOO_TIMEOUT, run_distributed
 from test_distributed import FEATURES, TOLERANCE, PopAdd, Stash, build
@@ -305,16 +306,6 @@ class Boom(RuntimeError):
     pass
 
 
-class BackwardFails(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor) -> Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:
-        raise Boom('boom in a backward pass')
-
-
 class Fault(nn.Module):
     """Fails on rank ``rank`` at its ``at``-th forward (or backward) pass, counted from 0.
 
@@ -337,7 +328,7 @@ class Fault(nn.Module):
             os.kill(os.getpid(), signal.SIGKILL)
         if self.how == 'forward':
             raise Boom('boom in a forward pass')
-        return BackwardFails.apply(x)
+        return RaiseInBackward.apply(x, Boom('boom in a backward pass'))
 
 
 def faulty(rank: int, at: int, how: str) -> nn.Sequential:

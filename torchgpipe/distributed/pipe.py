@@ -143,6 +143,8 @@ class DistributedGPipe(nn.Module):
         self._capacities: Dict[int, int] = {}
         #: Why the pipeline cannot run any more, after a failed step.
         self._broken: Optional[str] = None
+        #: The channels of a failed step, whose transfers may still run.
+        self._abandoned: Optional[Channels] = None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Refused: a pipeline across processes has no output in any one of them to return.
@@ -223,6 +225,7 @@ class DistributedGPipe(nn.Module):
             # Ranks waiting for this one's messages raise PeerFailed, and tell
             # the ranks waiting for theirs in turn.
             wire.fail(exc)
+            self._abandoned = wire.channels
             raise
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,

@@ -47,6 +47,7 @@ class Wire(Mailbox):
         ranks: the global rank of each partition
         here: the index of the partition of this process
         routes: the route of each skip that crosses partitions, by key
+        m: the number of micro-batches of the step
     """
 
     def __init__(self, channels: 'Channels', ranks: Sequence[int], here: int,
@@ -145,9 +146,10 @@ class Wire(Mailbox):
     def fail(self, error: BaseException) -> None:
         """Tells every other rank that this one failed, so none waits for it forever.
 
-        The sends already in flight are kept, never waited for: the step is
+        The sends and receives in flight are never waited for: the step is
         over, and so is this pipeline (its ranks would not agree on which
-        messages are left).
+        messages are left). The caller keeps :attr:`channels` alive, so that
+        their buffers outlive them.
         """
         description = f'{type(error).__name__}: {error}'
         for j in range(len(self.ranks)):
