@@ -64,8 +64,9 @@ def train_step(model: DistributedDataParallel, input: TensorOrTensors,
         device, without autograd history
 
     Raises:
-        TypeError: ``model`` is not a GPipe wrapped in DistributedDataParallel;
-            or as for :meth:`GPipe.train_step <torchgpipe.GPipe.train_step>`
+        TypeError: ``model`` is not a GPipe (or a DistributedGPipe) wrapped in
+            DistributedDataParallel; or as for :meth:`GPipe.train_step
+            <torchgpipe.GPipe.train_step>`
         ValueError, RuntimeError: as for :meth:`GPipe.train_step <torchgpipe.GPipe.train_step>`
 
     Example::
