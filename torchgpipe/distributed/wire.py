@@ -148,7 +148,7 @@ class Wire(Mailbox):
 
         The sends and receives in flight are never waited for: the step is
         over, and so is this pipeline (its ranks would not agree on which
-        messages are left). The caller keeps :attr:`channels` alive, so that
+        messages are left). The caller keeps ``channels`` alive, so that
         their buffers outlive them.
         """
         description = f'{type(error).__name__}: {error}'
