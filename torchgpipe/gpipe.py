@@ -339,12 +339,12 @@ class GPipe(nn.Module):
         # Split first: an input that cannot be split fails before any work.
         batches = microbatch.scatter(input, self.chunks)
 
-        checkpoint_stop = self._prepare(batches)
+        stop = self._prepare(batches)
         streams = [current_stream(d) for d in self.devices]
         with use_device(self.devices[0]):
             copy_streams = self._ensure_copy_streams()
         pipeline = Pipeline(batches, self._partitions(), self.devices, copy_streams, streams,
-                            self._skip_layout, checkpoint_stop, self._run_state.traits,
+                            self._skip_layout, stop, self._run_state.traits,
                             self._run_state.recorder)
         # A short batch splits into fewer micro-batches than chunks: deferred
         # BatchNorm commits once after this many, or not at all if the step fails.
@@ -434,11 +434,11 @@ class GPipe(nn.Module):
             raise ValueError('train_step needs at least one layer: this GPipe is empty')
         batches, targets, weights = split_step(input, target, self.chunks, reduction,
                                                self.devices[-1])
-        checkpoint_stop = self._prepare(batches)
+        stop = self._prepare(batches)
         m, n = len(batches), len(self.devices)
         step = Step(self._partitions(), self.devices, batches, targets,
                     loss_fn, weights, SCHEDULES[schedule](m, n), self._skip_layout,
-                    checkpoint_stop, self._run_state.traits, self._run_state.recorder, schedule,
+                    stop, self._run_state.traits, self._run_state.recorder, schedule,
                     done=done)
         with deferred_step(self._deferred_batch_norms, m):
             loss = step.run()
