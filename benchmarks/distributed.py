@@ -22,7 +22,9 @@ rounds, while rank 1 waits, rank 0 times two more steps for comparison, in
 the same run: the one-process ``GPipe.train_step`` 1F1B on ``cpu:0`` and
 ``cpu:1`` (a worker thread each, one intra-op thread each: the same two
 cores as the two ranks) and the unwrapped model on one thread. The figures
-are the fastest step of the rounds, with the medians beside them.
+are the fastest step of the rounds, with the medians beside them. On CPU,
+each rank keeps freed memory for reuse (:func:`benchmarks.memory.tune_malloc`),
+as the other CPU timings do.
 """
 import os
 import socket
@@ -38,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks.devices import cpu_devices
+from benchmarks.memory import tune_malloc
 from benchmarks.overhead import convnet, ms
 from benchmarks.report import format_spread, format_table
 from benchmarks.runner import Experiment, Figure, Preset, main as run_main
@@ -132,6 +135,11 @@ def ranks_steps(config: Dict[str, Any], rank: int) -> Dict[str, Step]:
 def rank_main(rank: int, config: Dict[str, Any], port: int, results: Any) -> None:
     """One rank: times every step, round after round, and sends rank 0's table to the parent."""
     torch.set_num_threads(1)
+    if config['backend'] == 'gloo':
+        # As the other CPU timings do (benchmarks.memory.tune_malloc): freed
+        # memory is reused, as a caching allocator would, rather than page-faulted
+        # in again, in every rank, for every step alike.
+        tune_malloc()
     dist.init_process_group(config['backend'], init_method=f'tcp://127.0.0.1:{port}',
                             rank=rank, world_size=2, timeout=timedelta(seconds=120))
     steps = ranks_steps(config, rank)
