@@ -184,3 +184,19 @@ def test_model_must_be_a_gpipe_under_ddp() -> None:
     with pytest.raises(TypeError, match=r'model must be a GPipe or a DistributedGPipe wrapped '
                        r'in DistributedDataParallel \(model: GPipe\)'):
         torchgpipe.distributed.train_step(model, x, y, F.mse_loss)  # type: ignore[arg-type]
+
+
+def many_threaded_steps(rank: int, world_size: int, steps: int) -> int:
+    """Steps on 3 worker threads, each partition's all-reduce launched by whichever finishes."""
+    model = DistributedDataParallel(gpipe(Config('unet', '1f1b', 'never', True)))
+    for step in range(steps):
+        x, y = global_batch(step)
+        torchgpipe.distributed.train_step(model, x[:8], y[:8], F.mse_loss,
+                                          schedule=SCHEDULES[step % 2])
+    return steps
+
+
+def test_the_all_reduce_lock_under_many_threaded_steps() -> None:
+    # Bounded: a deadlock between the workers, the lock and the collectives
+    # ends in the deadline instead of a result.
+    assert run_distributed(many_threaded_steps, 200, timeout=90) == [200, 200]
