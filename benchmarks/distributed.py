@@ -25,6 +25,13 @@ cores as the two ranks) and the unwrapped model on one thread. The figures
 are the fastest step of the rounds, with the medians beside them. On CPU,
 each rank keeps freed memory for reuse (:func:`benchmarks.memory.tune_malloc`),
 as the other CPU timings do.
+
+Every step does the same work: the forward and backward passes of the whole
+mini-batch from the same initial parameters (gradients accumulate, no
+optimizer; the anchor returns no outputs, as ``train_step`` does not). The
+parameters never change, so every step's mini-batch loss is the same: the
+largest relative difference between the steps' losses is reported, and must
+be float rounding.
 """
 import os
 import socket
@@ -39,8 +46,8 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.devices import cpu_devices
-from benchmarks.memory import tune_malloc
+from benchmarks.devices import cpu_devices, cuda_devices
+from benchmarks.memory import malloc_tuned, tune_malloc
 from benchmarks.overhead import convnet, ms
 from benchmarks.report import format_spread, format_table
 from benchmarks.runner import Experiment, Figure, Preset, main as run_main
@@ -66,7 +73,8 @@ UNWRAPPED = 'unwrapped, 1 thread'
 # In rank 1 a step whose time rank 0 alone measures: nothing to do.
 RANK_0_ONLY = (ONE_PROCESS, UNWRAPPED)
 
-Step = Callable[[], None]
+#: One step; returns the mini-batch loss where this rank has it, else None.
+Step = Callable[[], Optional[torch.Tensor]]
 
 
 def device_of(config: Dict[str, Any], rank: int) -> torch.device:
@@ -102,20 +110,25 @@ def ranks_steps(config: Dict[str, Any], rank: int) -> Dict[str, Step]:
                           rank, 2, device)
     anchor = Schedule1F1B(stage, n_microbatches=chunks, loss_fn=F.mse_loss)
 
-    def anchor_step() -> None:
+    def anchor_step() -> Optional[torch.Tensor]:
         if rank == 0:
-            anchor.step(input)
-        else:
-            anchor.step(target=target, losses=[])
+            anchor.step(input, return_outputs=False)
+            sync(device)
+            return None
+        losses: List[torch.Tensor] = []
+        anchor.step(target=target, losses=losses, return_outputs=False)
         sync(device)
+        # Micro-batches of equal sizes: the mean of their losses is the mini-batch's.
+        return torch.stack(losses).mean()
 
     pipe = DistributedGPipe(copy(), [half, half], chunks=chunks, checkpoint='never',
                             device=device)
 
     def ours(schedule: str) -> Step:
-        def step() -> None:
-            pipe.train_step(input, target, F.mse_loss, schedule=schedule)
+        def step() -> Optional[torch.Tensor]:
+            loss = pipe.train_step(input, target, F.mse_loss, schedule=schedule)
             sync(device)
+            return loss
         return step
 
     steps = {ANCHOR: anchor_step, OURS: ours('1f1b'), FILL_DRAIN: ours('fill_drain')}
@@ -123,11 +136,18 @@ def ranks_steps(config: Dict[str, Any], rank: int) -> Dict[str, Step]:
         gpipe = GPipe(copy(), [half, half], devices=cpu_devices(2), chunks=chunks,
                       checkpoint='never')
         plain = copy()
+        # The public GPipe.train_step refuses to run inside a torch.distributed
+        # job of several processes (for data parallelism it points to
+        # torchgpipe.distributed.train_step); the job here is the other
+        # steps', so the step is timed through _train_step, which is what
+        # train_step runs after its checks.
         steps[ONE_PROCESS] = lambda: gpipe._train_step(input, target, F.mse_loss, '1f1b',
                                                        'mean')
 
-        def unwrapped() -> None:
-            F.mse_loss(plain(input), target).backward()
+        def unwrapped() -> torch.Tensor:
+            loss = F.mse_loss(plain(input), target)
+            loss.backward()
+            return loss.detach()
         steps[UNWRAPPED] = unwrapped
     return steps
 
@@ -135,30 +155,47 @@ def ranks_steps(config: Dict[str, Any], rank: int) -> Dict[str, Step]:
 def rank_main(rank: int, config: Dict[str, Any], port: int, results: Any) -> None:
     """One rank: times every step, round after round, and sends rank 0's table to the parent."""
     torch.set_num_threads(1)
+    device = device_of(config, rank)
     if config['backend'] == 'gloo':
         # As the other CPU timings do (benchmarks.memory.tune_malloc): freed
         # memory is reused, as a caching allocator would, rather than page-faulted
         # in again, in every rank, for every step alike.
         tune_malloc()
+    else:
+        # NCCL's barriers and the anchor's exchange of shapes (object
+        # collectives) run on the current device: this rank's, not cuda:0.
+        torch.cuda.set_device(device)
     dist.init_process_group(config['backend'], init_method=f'tcp://127.0.0.1:{port}',
-                            rank=rank, world_size=2, timeout=timedelta(seconds=120))
+                            rank=rank, world_size=2, timeout=timedelta(seconds=120),
+                            device_id=device if device.type == 'cuda' else None)
     steps = ranks_steps(config, rank)
     names = [ANCHOR, OURS, FILL_DRAIN] + list(RANK_0_ONLY if config['backend'] == 'gloo' else ())
     seconds: Dict[str, List[float]] = {name: [] for name in names}
+    losses: Dict[str, float] = {}
     for r in range(config['rounds'] + 1):  # the first round warms up
         # Turns rotate, so that slow spells of the machine hit every step alike.
         for name in names[r % len(names):] + names[:r % len(names)]:
             dist.barrier()
             start = time.perf_counter()
-            if name in steps:
-                steps[name]()
-            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            loss = steps[name]() if name in steps else None
+            # On the device: NCCL has no CPU tensors (CPU to CPU for gloo).
+            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64,
+                                   device=device)
             if name not in RANK_0_ONLY:
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank's time
             if r:
                 seconds[name].append(float(elapsed))
+            if loss is not None:
+                losses[name] = float(loss)
+    # The loss of each step where it is computed: the last rank's, for the
+    # steps of both ranks, and rank 0's for its own.
+    gathered: List[Any] = [None, None]
+    dist.all_gather_object(gathered, losses)
     if rank == 0:
-        results.put({name: spread(s) for name, s in seconds.items() if name in steps})
+        results.put({'times': {name: spread(s) for name, s in seconds.items() if name in steps},
+                     'losses': {**gathered[1], **{n: gathered[0][n] for n in RANK_0_ONLY
+                                                  if n in gathered[0]}},
+                     'malloc_tuned': malloc_tuned()})
     dist.barrier()
     sys.stdout.flush()
     os._exit(0)  # no Python shutdown: see docs/scaling_out.rst, "Ending a job"
@@ -172,9 +209,8 @@ def free_port() -> int:
 
 
 def run(config: Dict[str, Any]) -> Dict[str, Any]:
-    if config['backend'] == 'nccl' and torch.cuda.device_count() < 2:
-        raise SystemExit('--preset cuda needs 2 CUDA devices (one per rank); '
-                         f'{torch.cuda.device_count()} visible')
+    if config['backend'] == 'nccl':
+        cuda_devices(2)  # exits with a message without 2 CUDA devices, one per rank
     ctx = mp.get_context('spawn')
     results = ctx.SimpleQueue()
     port = free_port()
@@ -189,25 +225,30 @@ def run(config: Dict[str, Any]) -> Dict[str, Any]:
                 raise RuntimeError('the ranks did not report: exit codes '
                                    f'{[p.exitcode for p in ranks]} (None: running)')
             time.sleep(0.1)
-        times = results.get()
+        reported = results.get()
     finally:
         for process in ranks:
             process.join(10)
             if process.is_alive():
                 process.kill()
                 process.join()
+    times, losses = reported['times'], reported['losses']
     rows = [ratio(OURS, ANCHOR, times), ratio(FILL_DRAIN, ANCHOR, times)]
     if ONE_PROCESS in times:
         rows += [ratio(ONE_PROCESS, ANCHOR, times), ratio(OURS, ONE_PROCESS, times),
                  ratio(OURS, UNWRAPPED, times)]
+    reference = losses[ANCHOR]
     return {'results': rows, 'times': {name: ms(t) for name, t in times.items()},
-            'target': TARGET}
+            'target': TARGET, 'losses': losses,
+            'max_loss_difference': max(abs(v - reference) for v in losses.values())
+            / abs(reference),
+            'ranks_malloc_tuned': reported['malloc_tuned']}
 
 
 def ratio(measured: str, against: str, times: Dict[str, Dict[str, float]]) -> Dict[str, Any]:
-    row = {'measured': measured, 'against': against,
-           'ratio': times[measured]['min'] / times[against]['min'],
-           'ratio_median': times[measured]['median'] / times[against]['median']}
+    row: Dict[str, Any] = {'measured': measured, 'against': against,
+                           'ratio': times[measured]['min'] / times[against]['min'],
+                           'ratio_median': times[measured]['median'] / times[against]['median']}
     if (measured, against) == (OURS, ANCHOR):
         row['target'] = TARGET
         row['within_target'] = row['ratio'] <= TARGET
@@ -228,7 +269,9 @@ def table(document: Dict[str, Any]) -> str:
                       '(per worker):', format_table(headers, cells), '',
                       'step times, ms: fastest (median, max) of the rounds',
                       format_table(['step', 'time'], [[name, format_spread(t)] for name, t
-                                                      in document['times'].items()])])
+                                                      in document['times'].items()]),
+                      '', 'the same mini-batch loss in every step: largest relative '
+                      f"difference {document['max_loss_difference']:.1e}"])
 
 
 def headline(document: Dict[str, Any]) -> List[Figure]:

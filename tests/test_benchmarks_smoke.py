@@ -105,12 +105,35 @@ def check_schedules(document: Dict[str, Any]) -> None:
         assert {'forward', 'backward'} <= kinds
 
 
+def check_distributed(document: Dict[str, Any]) -> None:
+    from benchmarks import distributed
+
+    names = [distributed.ANCHOR, distributed.OURS, distributed.FILL_DRAIN,
+             distributed.ONE_PROCESS, distributed.UNWRAPPED]
+    assert list(document['times']) == names
+    for t in document['times'].values():
+        assert 0 < t['min'] <= t['median'] <= t['max'] and t['samples'] >= 1
+    results = document['results']
+    assert [(r['measured'], r['against']) for r in results] == [
+        (distributed.OURS, distributed.ANCHOR), (distributed.FILL_DRAIN, distributed.ANCHOR),
+        (distributed.ONE_PROCESS, distributed.ANCHOR), (distributed.OURS, distributed.ONE_PROCESS),
+        (distributed.OURS, distributed.UNWRAPPED)]
+    assert all(r['ratio'] > 0 and r['ratio_median'] > 0 for r in results)
+    assert results[0]['target'] == distributed.TARGET
+    assert all('target' not in r for r in results[1:])
+    # Every step trains the same mini-batch from the same parameters: the same loss.
+    assert set(document['losses']) == set(names)
+    assert document['max_loss_difference'] < 1e-5
+    assert document['ranks_malloc_tuned'] in (True, False)
+
+
 #: What each experiment's results must hold beyond what every document holds.
 CHECKS: Dict[str, Callable[[Dict[str, Any]], None]] = {
     'overhead': check_overhead, 'transparency': check_transparency,
     'unet_memory': check_unet_memory, 'unet_speed': check_speed,
     'amoebanet_speed': check_speed, 'solver_speed': check_solver_speed,
     'unet_example': check_unet_example, 'schedules': check_schedules,
+    'distributed': check_distributed,
 }
 
 
