@@ -119,7 +119,7 @@ def ranks_steps(config: Dict[str, Any], rank: int) -> Dict[str, Step]:
         anchor.step(target=target, losses=losses, return_outputs=False)
         sync(device)
         # Micro-batches of equal sizes: the mean of their losses is the mini-batch's.
-        return torch.stack(losses).mean()
+        return torch.stack(losses).detach().mean()
 
     pipe = DistributedGPipe(copy(), [half, half], chunks=chunks, checkpoint='never',
                             device=device)

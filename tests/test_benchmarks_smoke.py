@@ -10,6 +10,7 @@ rounding.
 """
 import json
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Any, Callable, Dict, List
@@ -138,7 +139,7 @@ CHECKS: Dict[str, Callable[[Dict[str, Any]], None]] = {
 
 
 @pytest.mark.parametrize('name', registry.NAMES)
-def test_cpu_preset_smoke(name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cpu_preset_smoke(name: str, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     experiment = registry.load(name)
     threads = torch.get_num_threads()
     returned = runner.main(experiment, ['--smoke', '--output-dir', str(tmp_path)])
@@ -158,8 +159,11 @@ def test_cpu_preset_smoke(name: str, tmp_path: Path, capsys: pytest.CaptureFixtu
     assert env['devices'] and all(d.startswith('cpu') for d in env['devices'])
     CHECKS.get(name, lambda document: None)(document)
 
-    out = capsys.readouterr().out
+    # capfd, not capsys: the output of processes the benchmark starts too.
+    out, err = capfd.readouterr()
     assert runner.SMOKE_NOTE in out
+    # As CI's benchmarks stage does: a benchmark's run prints no Python warning.
+    assert not re.search(r':[0-9]+: [A-Za-z]*Warning: ', out + err), err
     if HAVE_MATPLOTLIB:
         assert (tmp_path / f'{name}-cpu-smoke.png').is_file()
         assert not (tmp_path / f'{name}-cpu.png').exists()
