@@ -262,6 +262,38 @@ def test_two_gpus_over_nccl_give_the_results_of_one_process() -> None:
                      exact=False)
 
 
+# --- the wire's memory -------------------------------------------------------------------
+
+
+def pooled_blocks(rank: int, world_size: int, schedules: List[str]) -> Dict[str, List[Any]]:
+    """The free blocks of each size in the wire's pool after each of 4 steps, per schedule."""
+    # The wire goes through torch alone: Tensor.numpy() needs numpy, which
+    # torch does not require.
+    def no_numpy(self: Tensor, *args: Any, **kwargs: Any) -> Any:
+        raise AssertionError('Tensor.numpy() called')
+    torch.Tensor.numpy = no_numpy  # type: ignore[method-assign]
+    pools: Dict[str, List[Any]] = {}
+    for schedule in schedules:
+        pipe = DistributedGPipe(model('unet'), [5, 5], chunks=CHUNKS)
+        pools[schedule] = []
+        for step in range(4):
+            float(pipe.train_step(*batch(step), F.mse_loss, schedule=schedule))
+            pools[schedule].append({size: len(free) for size, free in pipe._blocks.free.items()})
+    return pools
+
+
+def test_the_memory_of_messages_is_reused_from_step_to_step() -> None:
+    schedules = ['1f1b', 'fill_drain']
+    for pools in run_distributed(pooled_blocks, schedules, timeout=150):
+        for schedule in schedules:
+            after = pools[schedule]
+            # Every block came back once its tensors were gone ...
+            assert sum(after[1].values()) > 0, schedule
+            # ... and later steps took those again, rather than new ones (the
+            # first step also had the messages that set the channels' capacity).
+            assert after[1] == after[2] == after[3], (schedule, after)
+
+
 # --- pipeline x data parallelism ----------------------------------------------------------
 
 

@@ -11,6 +11,7 @@ from torchgpipe import microbatch
 from torchgpipe._validation import (check_available, check_balance, check_chunks, check_step,
                                     describe, parse_device, verify_module)
 from torchgpipe.batchnorm import DeferredBatchNorm, deferred_step
+from torchgpipe.distributed.blocks import Blocks
 from torchgpipe.distributed.wire import Channels, Wire
 from torchgpipe.microbatch import TensorOrTensors
 from torchgpipe.schedule import SCHEDULES, checkpoint_stop
@@ -141,9 +142,11 @@ class DistributedGPipe(nn.Module):
         self._run_state = RunState(1)
         #: The capacity of the channel to each rank (see Channels).
         self._capacities: Dict[int, int] = {}
+        #: The CPU memory of the messages, reused from step to step.
+        self._blocks = Blocks()
         #: Why the pipeline cannot run any more, after a failed step.
         self._broken: Optional[str] = None
-        #: The channels of a failed step, whose transfers may still run.
+        #: The channels of a failed step, whose sends may still run.
         self._abandoned: Optional[Channels] = None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -210,8 +213,8 @@ class DistributedGPipe(nn.Module):
         partitions[here] = self.partition()
         traits = [PartitionTraits() for _ in range(n)]
         traits[here] = self._run_state.traits[0]
-        wire = Wire(Channels(self.device, self.group, self._capacities), self.ranks, here,
-                    self._routes, m)
+        wire = Wire(Channels(self.device, self.group, self._capacities, self._blocks),
+                    self.ranks, here, self._routes)
         step = Step(partitions, [self.device] * n, batches, targets, loss_fn, weights,
                     SCHEDULES[schedule](m, n), self._skip_layout,
                     checkpoint_stop(self.checkpoint, self.chunks, m, self.training), traits,

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from torchgpipe.distributed.blocks import Blocks
 from torchgpipe.mailbox import Key, Mailbox, Ready
 
 __all__: List[str] = []
@@ -47,11 +48,10 @@ class Wire(Mailbox):
         ranks: the global rank of each partition
         here: the index of the partition of this process
         routes: the route of each skip that crosses partitions, by key
-        m: the number of micro-batches of the step
     """
 
     def __init__(self, channels: 'Channels', ranks: Sequence[int], here: int,
-                 routes: Dict[Key, Route], m: int) -> None:
+                 routes: Dict[Key, Route]) -> None:
         super().__init__()
         self.channels = channels
         self.ranks = ranks
@@ -64,16 +64,6 @@ class Wire(Mailbox):
         self.stashed = [key for key in routes if routes[key][0] == here]
         #: Skips to send after the main message of their micro-batch.
         self.held: List[Tuple[int, Tuple[Any, ...], Any]] = []
-        #: How many messages each partition is still to send here in this
-        #: step: ``m`` per neighbour and per skip, and one at the end.
-        self.remaining = [0 if j == here else 1 for j in range(len(ranks))]
-        for j in (here - 1, here + 1):
-            if 0 <= j < len(ranks):
-                self.remaining[j] += m
-        for key in self.popped:
-            self.remaining[routes[key][0]] += m
-        for key in self.stashed:
-            self.remaining[routes[key][1]] += m
 
     def put(self, key: Tuple[Any, ...], message: Any) -> None:
         kind, i, x = key
@@ -111,9 +101,8 @@ class Wire(Mailbox):
             PeerFailed: partition ``j``'s rank failed, or the connection to it
                 broke or timed out
         """
-        self.remaining[j] -= 1
         try:
-            kind, message = self.channels.receive(self.ranks[j], ahead=self.remaining[j] > 0)
+            kind, message = self.channels.receive(self.ranks[j])
         except RuntimeError as exc:
             raise PeerFailed(f'lost rank {self.ranks[j]} (partition {j}) while waiting for '
                              f'its message: {exc}') from exc
@@ -140,6 +129,7 @@ class Wire(Mailbox):
                 if j == len(self.ranks) - 1:
                     loss = received
         self.channels.wait_sent()
+        self.channels.blocks.trim()
         assert loss is not None
         return loss
 
@@ -170,29 +160,31 @@ class Channels:
 
         | length | pickle | pad | tensor 0 | pad | tensor 1 | ...
 
-    The receiving rank starts receiving the next message from a rank as soon
-    as the last one has come, if another is to come in the step, so that it
-    travels while the rank computes. Not knowing its size, it receives into
-    a buffer of the channel's *capacity*, which both ends know: a message
+    A message is received when the step needs it. Not knowing its size, the
+    receiving rank receives into a buffer of the channel's *capacity*, which
+    both ends know: a message
     larger than it is preceded by a message that raises it. NCCL, unlike
     gloo, receives only messages of the buffer's exact size: for it every
-    message is padded to the capacity.
+    message is padded to the capacity. On the CPU, buffers are blocks of a
+    pool (:class:`~torchgpipe.distributed.blocks.Blocks`), reused once the
+    tensors viewing them are gone; on a GPU, the caching allocator reuses
+    memory the same way.
 
     Args:
         device: where buffers are (received tensors, and what NCCL sends)
         group: the process group
         capacities: the capacity of each channel, by global rank, kept by the
             caller from step to step (both ends change it alike)
+        blocks: the pool of CPU buffers, kept by the caller from step to step
     """
 
     def __init__(self, device: torch.device, group: Optional[dist.ProcessGroup],
-                 capacities: Dict[int, int]) -> None:
+                 capacities: Dict[int, int], blocks: Blocks) -> None:
         self.device = device
         self.group = group
         self.capacities = capacities
+        self.blocks = blocks
         self.exact = dist.get_backend(group) == 'nccl'
-        #: The next message being received from each rank, by global rank.
-        self.ahead: Dict[int, Tuple[Any, Tensor]] = {}
         #: Sends in flight, with what they send.
         self.sending: List[Tuple[Any, Tensor]] = []
 
@@ -213,7 +205,7 @@ class Channels:
             offsets.append(end)
             end = align(end + t.numel() * t.element_size())
         if end > self.capacity(rank):
-            # Small enough for the buffer waiting for it: the new capacity.
+            # It fits the buffer of the old capacity the receiver takes it in.
             self.post_send(rank, self.pack(pickle.dumps(('grow', [], pickle.dumps(end))), rank))
             self.capacities[rank] = end
         buffer = self.pack(data, rank, end)
@@ -224,37 +216,38 @@ class Channels:
     def pack(self, data: bytes, rank: int, size: int = 0) -> Tensor:
         """A buffer starting with ``data``'s length and ``data``, of ``size`` bytes at least."""
         size = self.capacity(rank) if self.exact else max(size, align(8 + len(data)))
-        buffer = torch.empty(size, dtype=torch.uint8)
-        buffer[:8] = torch.frombuffer(bytearray(len(data).to_bytes(8, 'little')),
-                                      dtype=torch.uint8)
-        buffer[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        return buffer.to(self.device)
+        buffer = self.buffer(size)
+        head = bytearray(len(data).to_bytes(8, 'little') + data)
+        buffer[:len(head)].copy_(torch.frombuffer(head, dtype=torch.uint8))
+        return buffer
+
+    def buffer(self, size: int) -> Tensor:
+        """An uninitialized buffer of ``size`` bytes on the device."""
+        if self.device.type == 'cpu':
+            return self.blocks.take(size)
+        return torch.empty(size, dtype=torch.uint8, device=self.device)
 
     def post_send(self, rank: int, buffer: Tensor) -> None:
         work = dist.isend(buffer, rank, group=self.group)
         self.sending.append((work, buffer))
 
-    def receive(self, rank: int, ahead: bool) -> Tuple[str, Any]:
+    def receive(self, rank: int) -> Tuple[str, Any]:
         """Waits for the next message from ``rank``; returns its kind and the message.
-
-        With ``ahead``, starts receiving the next one.
 
         Raises:
             RuntimeError: the connection broke or timed out
         """
+        # Not received ahead of time, while the rank computes: on CPU ranks
+        # the transfer then takes a core from the computation, and measured
+        # 1F1B steps 7-10 % slower (docs/scaling_out.rst, "Measured").
         while True:
-            if rank not in self.ahead:
-                self.post(rank)
-            work, buffer = self.ahead.pop(rank)
-            work.wait()
-            raw = buffer[:8].cpu().numpy().tobytes()
-            length = int.from_bytes(raw, 'little')
-            kind, metas, body = pickle.loads(buffer[8:8 + length].cpu().numpy().tobytes())
+            buffer = self.buffer(self.capacity(rank))
+            dist.recv(buffer, rank, group=self.group)
+            length = int.from_bytes(read(buffer, 0, 8), 'little')
+            kind, metas, body = pickle.loads(read(buffer, 8, 8 + length))
             if kind != 'grow':
                 break
             self.capacities[rank] = pickle.loads(body)
-        if ahead:
-            self.post(rank)
         tensors = []
         offset = align(8 + length)
         for shape, dtype in metas:
@@ -264,11 +257,6 @@ class Channels:
         unpickler.persistent_load = lambda pid: restore(  # type: ignore[method-assign]
             pid, tensors, self.device)
         return kind, unpickler.load()
-
-    def post(self, rank: int) -> None:
-        """Starts receiving the next message from ``rank``, into a buffer of the capacity."""
-        buffer = torch.empty(self.capacity(rank), dtype=torch.uint8, device=self.device)
-        self.ahead[rank] = (dist.irecv(buffer, rank, group=self.group), buffer)
 
     def wait_sent(self) -> None:
         """Waits for every send to arrive."""
@@ -280,6 +268,14 @@ class Channels:
 def align(offset: int) -> int:
     """``offset`` rounded up to a multiple of 64 bytes, which suits any type's alignment."""
     return -(-offset // 64) * 64
+
+
+def read(buffer: Tensor, start: int, stop: int) -> bytearray:
+    """A copy of ``buffer``'s bytes from ``start`` to ``stop``, on the host."""
+    # Through torch alone: Tensor.numpy() would need numpy, which torch does not.
+    data = bytearray(stop - start)
+    torch.frombuffer(data, dtype=torch.uint8).copy_(buffer[start:stop])
+    return data
 
 
 def view(buffer: Tensor, offset: int, shape: Any, dtype: torch.dtype) -> Tensor:
