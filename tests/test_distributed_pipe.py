@@ -266,18 +266,23 @@ def test_two_gpus_over_nccl_give_the_results_of_one_process() -> None:
 
 
 def pooled_blocks(rank: int, world_size: int, schedules: List[str]) -> Dict[str, List[Any]]:
-    """The free blocks of each size in the wire's pool after each of 4 steps, per schedule."""
+    """The free blocks of each size in the wire's pool after each of 4 steps, per schedule.
+
+    Also the bytes of the storage of each loss returned, in ``'losses'``.
+    """
     # The wire goes through torch alone: Tensor.numpy() needs numpy, which
     # torch does not require.
     def no_numpy(self: Tensor, *args: Any, **kwargs: Any) -> Any:
         raise AssertionError('Tensor.numpy() called')
     torch.Tensor.numpy = no_numpy  # type: ignore[method-assign]
-    pools: Dict[str, List[Any]] = {}
+    pools: Dict[str, List[Any]] = {'losses': []}
     for schedule in schedules:
         pipe = DistributedGPipe(model('unet'), [5, 5], chunks=CHUNKS)
         pools[schedule] = []
         for step in range(4):
-            float(pipe.train_step(*batch(step), F.mse_loss, schedule=schedule))
+            loss = pipe.train_step(*batch(step), F.mse_loss, schedule=schedule)
+            pools['losses'].append(loss.untyped_storage().nbytes())
+            del loss
             pools[schedule].append({size: len(free) for size, free in pipe._blocks.free.items()})
     return pools
 
@@ -292,6 +297,8 @@ def test_the_memory_of_messages_is_reused_from_step_to_step() -> None:
             # ... and later steps took those again, rather than new ones (the
             # first step also had the messages that set the channels' capacity).
             assert after[1] == after[2] == after[3], (schedule, after)
+        # A loss kept for logging holds its own bytes, not a message's buffer.
+        assert pools['losses'] == [torch.finfo(torch.float64).bits // 8] * 8
 
 
 # --- pipeline x data parallelism ----------------------------------------------------------

@@ -127,7 +127,9 @@ class Wire(Mailbox):
             if j != self.here:
                 received = self.receive(j)
                 if j == len(self.ranks) - 1:
-                    loss = received
+                    # A copy: the received loss is a view of a message's
+                    # buffer, which a loss kept for logging would hold.
+                    loss = received.clone()
         self.channels.wait_sent()
         self.channels.blocks.trim()
         assert loss is not None
