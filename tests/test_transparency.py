@@ -10,12 +10,14 @@ from typing import List, Tuple
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
 from helpers import (assert_same_random_step, assert_same_training_step, cpu_devices,
                      run_in_clock_order)
+from test_train_step import assert_train_step_as_unwrapped
 from torchgpipe import GPipe
 
 WIDTH = 5
@@ -309,3 +311,54 @@ def test_repeated_steps_match_unwrapped_training(checkpoint: str, threaded: bool
             optimizer.step()
     for p, q in zip(gpipe.parameters(), reference.parameters()):
         torch.testing.assert_close(p, q)
+
+
+class Branches(nn.Module):
+    """Several linear branches of one input; the layers after it use some of them."""
+
+    def __init__(self, count: int) -> None:
+        super().__init__()
+        self.branches = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(count))
+
+    def forward(self, x: Tensor) -> Tuple[Tensor, ...]:
+        return tuple(branch(x) for branch in self.branches)
+
+
+class Pick(nn.Module):
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+
+    def forward(self, branches: Tuple[Tensor, ...]) -> Tensor:
+        return branches[self.index]
+
+
+@st.composite
+def unused_branches(draw: st.DrawFn) -> Tuple[nn.Sequential, List[int], int, str]:
+    """Branches, a pick of one, then more layers, cut anywhere (the pick may be at a boundary)."""
+    count = draw(st.integers(2, 3))
+    tail = draw(st.lists(st.sampled_from(LAYER_KINDS), max_size=3))
+    layers = [Branches(count), Pick(draw(st.integers(0, count - 1))),
+              *(make_layer(k) for k in tail)]
+    cuts = sorted(draw(st.sets(st.integers(1, len(layers) - 1), max_size=3)))
+    bounds = [0, *cuts, len(layers)]
+    balance = [b - a for a, b in zip(bounds, bounds[1:])]
+    return (nn.Sequential(*layers).double(), balance, draw(st.integers(1, 4)),
+            draw(st.sampled_from(['always', 'except_last', 'never'])))
+
+
+@settings(max_examples=60, deadline=None)
+@given(unused_branches(), st.booleans(), st.sampled_from(['call', '1f1b', 'fill_drain']))
+def test_parameters_of_unused_outputs_get_no_gradient(case: Tuple[nn.Sequential, List[int],
+                                                                  int, str],
+                                                      threaded: bool, how: str) -> None:
+    """None, as unwrapped, not zeros: an optimizer skips a None gradient, not a zero one."""
+    model, balance, chunks, checkpoint = case
+    options = dict(balance=balance, devices=cpu_devices(len(balance), threaded), chunks=chunks,
+                   checkpoint=checkpoint)
+    input = torch.randn(6, WIDTH, dtype=torch.double)
+    if how == 'call':
+        assert_same_training_step(model, lambda m: GPipe(m, **options), input)
+    else:
+        target = torch.randn(6, WIDTH, dtype=torch.double)
+        assert_train_step_as_unwrapped(model, input, target, F.mse_loss, schedule=how, **options)

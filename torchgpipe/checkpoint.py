@@ -237,6 +237,10 @@ class Checkpoint(torch.autograd.Function):
     def forward(ctx: Any, phony: Tensor, context: Context,
                 *input_and_parameters: Tensor) -> TensorOrTensors:
         ctx.context = context
+        # Outputs nothing used get no gradient (None, skipped by the
+        # backward), not zeros, which would give the parameters they came
+        # from gradients of zero where the unwrapped model leaves them None.
+        ctx.set_materialize_grads(False)
         input = input_and_parameters[:context.num_inputs]
         ctx.parameters = input_and_parameters[context.num_inputs:]
 
@@ -351,6 +355,7 @@ class Recompute(torch.autograd.Function):
     def forward(ctx: Any, output: Tensor, context: Context,
                 *input_and_rng_states: Tensor) -> Tensor:
         ctx.context = context
+        ctx.set_materialize_grads(False)  # as Checkpoint's: None passes on as None
         # Saved tensors, not attributes: they are released by a backward
         # pass unless the graph is retained, and then they are kept for the
         # next recomputation.
@@ -358,12 +363,12 @@ class Recompute(torch.autograd.Function):
         return output.detach()
 
     @staticmethod
-    def backward(ctx: Any, grad_output: Tensor) -> Tuple[Optional[Tensor], ...]:
+    def backward(ctx: Any, grad_output: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
         with label('recompute', ctx.context.task):
             return Recompute.recompute(ctx, grad_output)
 
     @staticmethod
-    def recompute(ctx: Any, grad_output: Tensor) -> Tuple[Optional[Tensor], ...]:
+    def recompute(ctx: Any, grad_output: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
         """Recomputes the checkpoint's function, and passes the gradient on."""
         context: Context = ctx.context
         saved = ctx.saved_tensors

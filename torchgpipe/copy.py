@@ -37,6 +37,8 @@ class Copy(torch.autograd.Function):
                 *input: Optional[Tensor]) -> OptionalTensors:
         ctx.prev_stream = prev_stream
         ctx.next_stream = next_stream
+        # An output nothing used gets None, not zeros: see Fork.
+        ctx.set_materialize_grads(False)
         return copy_tensors(prev_stream, next_stream, input)
 
     @staticmethod
@@ -93,6 +95,8 @@ class Wait(torch.autograd.Function):
                 *input: Optional[Tensor]) -> OptionalTensors:
         ctx.prev_stream = prev_stream
         ctx.next_stream = next_stream
+        # An output nothing used gets None, not zeros: see Fork.
+        ctx.set_materialize_grads(False)
         return _wait(prev_stream, next_stream, input)
 
     @staticmethod

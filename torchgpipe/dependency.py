@@ -55,12 +55,16 @@ class Fork(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, input: Tensor) -> Tuple[Tensor, Tensor]:
+        # An input nothing used gets no gradient (None), not zeros: zeros
+        # would give its parameters gradients of zero, where the unwrapped
+        # model leaves them None (which optimizers skip).
+        ctx.set_materialize_grads(False)
         phony = get_phony(input.device, requires_grad=False)
         return input.detach(), phony.detach()
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx,
-                 grad_input: Tensor, grad_grad: Optional[Tensor]) -> Tensor:
+                 grad_input: Optional[Tensor], grad_grad: Optional[Tensor]) -> Optional[Tensor]:
         return grad_input
 
 
@@ -89,9 +93,10 @@ class Join(torch.autograd.Function):
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx,
                 input: Tensor, phony: Tensor) -> Tensor:
+        ctx.set_materialize_grads(False)  # as Fork's: None passes on as None
         return input.detach()
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx,
-                 grad_input: Tensor) -> Tuple[Tensor, None]:
+                 grad_input: Optional[Tensor]) -> Tuple[Optional[Tensor], None]:
         return grad_input, None
