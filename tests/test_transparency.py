@@ -362,3 +362,41 @@ def test_parameters_of_unused_outputs_get_no_gradient(case: Tuple[nn.Sequential,
     else:
         target = torch.randn(6, WIDTH, dtype=torch.double)
         assert_train_step_as_unwrapped(model, input, target, F.mse_loss, schedule=how, **options)
+
+
+@st.composite
+def unused_final_outputs(draw: st.DrawFn) -> Tuple[nn.Sequential, List[int], int, str,
+                                                   List[int]]:
+    """Layers ending in branches, of which the loss uses a random subset."""
+    head = draw(st.lists(st.sampled_from(LAYER_KINDS), max_size=3))
+    count = draw(st.integers(2, 3))
+    layers = [*(make_layer(k) for k in head), Branches(count)]
+    cuts = sorted(draw(st.sets(st.integers(1, len(layers) - 1), max_size=2))) \
+        if len(layers) > 1 else []
+    bounds = [0, *cuts, len(layers)]
+    used = sorted(draw(st.sets(st.integers(0, count - 1), min_size=1, max_size=count - 1)))
+    return (nn.Sequential(*layers).double(), [b - a for a, b in zip(bounds, bounds[1:])],
+            draw(st.integers(1, 4)), draw(st.sampled_from(['always', 'except_last', 'never'])),
+            used)
+
+
+@settings(max_examples=60, deadline=None)
+@given(unused_final_outputs(), st.booleans(), st.sampled_from(['call', '1f1b', 'fill_drain']))
+def test_outputs_the_loss_leaves_out_get_no_gradient(
+        case: Tuple[nn.Sequential, List[int], int, str, List[int]],
+        threaded: bool, how: str) -> None:
+    """The last partition's outputs the loss does not use: it trains as unwrapped."""
+    model, balance, chunks, checkpoint, used = case
+    options = dict(balance=balance, devices=cpu_devices(len(balance), threaded), chunks=chunks,
+                   checkpoint=checkpoint)
+    input = torch.randn(6, WIDTH, dtype=torch.double)
+    target = torch.randn(6, WIDTH, dtype=torch.double)
+
+    def loss_fn(output: Tuple[Tensor, ...], target: Tensor = target) -> Tensor:
+        return sum((F.mse_loss(output[k], target) for k in used), torch.zeros(()))
+
+    if how == 'call':
+        assert_same_training_step(model, lambda m: GPipe(m, **options), input,
+                                  loss_fn=loss_fn)
+    else:
+        assert_train_step_as_unwrapped(model, input, target, loss_fn, schedule=how, **options)

@@ -160,8 +160,9 @@ class Checkpointing:
         """Schedules the recomputation right before the checkpoint's backward.
 
         Args:
-            batch (Batch): the output batch :meth:`checkpoint` returned; its
-                first tensor is replaced by one that carries the dependency
+            batch (Batch): the output batch :meth:`checkpoint` returned; each
+                tensor that requires grad is replaced by one that carries the
+                dependency
         """
         context = self.context
         assert context.first_pass is not None
@@ -169,12 +170,15 @@ class Checkpointing:
         context.first_pass = None
         # Every floating point output requires grad: it came out of Checkpoint
         # with a phony that does. With none, there is no backward to precede.
-        index = batch.find(lambda x: x.requires_grad)
-        if index is None:
-            return
+        # A Recompute on each, not on the first alone: the checkpoint's
+        # backward runs once any output has a gradient, and an output nothing
+        # used never gets one. The first Recompute to run recomputes; the
+        # others find the graph there and pass their gradients on.
         rng_tensors = (cpu_rng_state,) if gpu_rng_state is None else (cpu_rng_state, gpu_rng_state)
-        batch[index] = Recompute.apply(batch[index], context,  # type: ignore[no-untyped-call]
-                                       *self.batch, *rng_tensors)
+        for index in range(len(batch)):
+            if batch[index].requires_grad:
+                batch[index] = Recompute.apply(  # type: ignore[no-untyped-call]
+                    batch[index], context, *self.batch, *rng_tensors)
 
 
 def checkpoint(function: Function, input: TensorOrTensors) -> TensorOrTensors:
@@ -348,7 +352,9 @@ class Recompute(torch.autograd.Function):
     """Recomputes the function of a :class:`Checkpoint` during the backward pass.
 
     Its forward passes an output of the checkpoint through, so its backward
-    runs when that output's gradient arrives, before the checkpoint's.
+    runs when that output's gradient arrives, before the checkpoint's. Each
+    output that may carry a gradient has one; the first whose gradient
+    arrives recomputes.
     """
 
     @staticmethod
@@ -360,10 +366,14 @@ class Recompute(torch.autograd.Function):
         # pass unless the graph is retained, and then they are kept for the
         # next recomputation.
         ctx.save_for_backward(*input_and_rng_states)
+        ctx.saved_count = len(input_and_rng_states)
         return output.detach()
 
     @staticmethod
     def backward(ctx: Any, grad_output: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
+        if ctx.context.recomputed is not None:
+            # Another output's Recompute ran first: the graph is there.
+            return (grad_output, None, *(None for _ in range(ctx.saved_count)))
         with label('recompute', ctx.context.task):
             return Recompute.recompute(ctx, grad_output)
 
