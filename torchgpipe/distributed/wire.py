@@ -164,10 +164,9 @@ class Channels:
 
     A message is received when the step needs it. Not knowing its size, the
     receiving rank receives into a buffer of the channel's *capacity*, which
-    both ends know: a message
-    larger than it is preceded by a message that raises it. NCCL, unlike
-    gloo, receives only messages of the buffer's exact size: for it every
-    message is padded to the capacity. On the CPU, buffers are blocks of a
+    both ends know: a message larger than it is preceded by a message that
+    raises it. NCCL, unlike gloo, receives only messages of the buffer's
+    exact size: for it every message is padded to the capacity. On the CPU, buffers are blocks of a
     pool (:class:`~torchgpipe.distributed.blocks.Blocks`), reused once the
     tensors viewing them are gone; on a GPU, the caching allocator reuses
     memory the same way.
