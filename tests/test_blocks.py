@@ -95,3 +95,38 @@ def test_no_block_is_lent_twice_and_freed_blocks_are_reused(ops: List[Tuple[str,
     for size in SIZES:
         # No more blocks were ever made than were in use at once.
         assert len(seen[size]) <= peak[size]
+
+
+def test_two_threads_taking_and_dropping_never_share_a_block() -> None:
+    """A bounded stress: blocks go back from whichever thread drops the last tensor."""
+    blocks = Blocks()
+    failures: List[str] = []
+    handed: List[torch.Tensor] = []  # tensors one thread takes and the other drops
+
+    def work(mark: int) -> None:
+        kept: List[torch.Tensor] = []
+        for k in range(2000):
+            kept.append(blocks.take(64).fill_(mark))
+            if k % 3 == 0:
+                handed.append(kept.pop(0))  # list.append is atomic
+            if len(kept) > 3:
+                kept.pop(0)
+            if handed and k % 2 == mark % 2:
+                try:
+                    handed.pop()
+                except IndexError:
+                    pass  # the other thread took it
+            if not all(bool((t == mark).all()) for t in kept):
+                failures.append(f'thread {mark}: a kept block was lent again')
+                return
+
+    threads = [threading.Thread(target=work, args=(mark,), daemon=True) for mark in (1, 2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(thread.is_alive() for thread in threads), 'the stress did not finish'
+    assert not failures, failures
+    handed.clear()
+    # Everything was given back: far fewer blocks were made than taken.
+    assert 0 < len(blocks.free[64]) < 100
