@@ -216,6 +216,27 @@ def test_stash_none(balance: List[int], checkpoint: str, threaded: bool) -> None
                                  torch.randn(4, W, dtype=torch.double), threaded)
 
 
+@skippable(pop=['skip'])
+class PopOnly(nn.Module):
+    """Returns the popped skip and ignores its input: only the skip carries a gradient."""
+
+    def forward(self, x: Tensor) -> Generator[Any, Any, Tensor]:
+        skip = yield pop('skip')
+        return skip
+
+
+@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
+@pytest.mark.parametrize('balance', [[5], [3, 2], [2, 3], [1, 2, 2], [2, 1, 1, 1]])
+@pytest.mark.parametrize('chunks', [1, 2, 3])
+def test_a_pop_that_ignores_its_input(balance: List[int], chunks: int, checkpoint: str,
+                                      threaded: bool) -> None:
+    """The layers before the stash get the skip's gradient; those between, none (None)."""
+    model = nn.Sequential(nn.Linear(W, W), Stash(), nn.Linear(W, W), PopOnly(),
+                          nn.Linear(W, W)).double()
+    assert_same_as_without_gpipe(model, balance, chunks, checkpoint,
+                                 torch.randn(6, W, dtype=torch.double), threaded)
+
+
 @skippable(stash=['const'])
 class StashConstant(nn.Module):
     """Stashes a tensor that does not require grad."""

@@ -33,7 +33,7 @@ would overwrite the input saved for the recomputation, and cannot run on a
 leaf in the recomputation. For such a partition (see
 :class:`~torchgpipe.traits.PartitionTraits`) both passes run on copies.
 """
-from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple, cast
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, cast
 
 import torch
 from torch import Tensor
@@ -41,8 +41,8 @@ from torch import Tensor
 from torchgpipe.autocast import AutocastStates, restore_autocast_states, save_autocast_states
 from torchgpipe.microbatch import Batch, TensorOrTensors, Tensors, arrange
 from torchgpipe.nochunk import Layout
-from torchgpipe.phase import (enable_checkpointing, enable_recomputing, is_checkpointing,
-                              is_recomputing)
+from torchgpipe.phase import (collect_roots, enable_checkpointing, enable_recomputing,
+                              is_checkpointing, is_recomputing)
 from torchgpipe.phony import get_phony
 from torchgpipe.rng import RNGStates, restore_rng_states, save_rng_states
 from torchgpipe._record import label
@@ -53,9 +53,10 @@ __all__ = ['is_checkpointing', 'is_recomputing']
 
 Function = Callable[[TensorOrTensors], TensorOrTensors]
 
-# What Recompute leaves for Checkpoint.backward: the recomputed output and the
-# input leaves it was computed from.
-Recomputed = Tuple[TensorOrTensors, Tensors]
+# What Recompute leaves for Checkpoint.backward: the recomputed output, the
+# input leaves it was computed from, and the roots the recomputation added
+# (phase.add_root).
+Recomputed = Tuple[TensorOrTensors, Tensors, List[Tensor]]
 # What the first pass leaves for Recompute: the states to replay it from.
 FirstPass = Tuple[RNGStates, AutocastStates]
 
@@ -270,7 +271,7 @@ class Checkpoint(torch.autograd.Function):
         """The backward pass through the recomputed graph."""
         context: Context = ctx.context
         assert context.recomputed is not None
-        output, input_leaf = context.recomputed
+        output, input_leaf, roots = context.recomputed
         context.recomputed = None
         outputs = (output,) if isinstance(output, Tensor) else tuple(Batch(output))
         tensors = []
@@ -279,6 +280,13 @@ class Checkpoint(torch.autograd.Function):
             if o.requires_grad and g is not None:
                 tensors.append(o)
                 grad_tensors.append(g)
+        # Roots whose backward must run whatever the outputs' gradients (a
+        # skip's portal phony: its backward hands the skip's gradient to the
+        # stashed tensor). Each is empty, and so is its gradient. Reached from
+        # an output too, its node still runs once.
+        for root in roots:
+            tensors.append(root)
+            grad_tensors.append(root.detach())
 
         # Gradients by id() of the leaf: hashing tensors calls into Python.
         grads: Dict[int, Optional[Tensor]] = {}
@@ -387,16 +395,17 @@ class Recompute(torch.autograd.Function):
         input_leaf = tuple(x.detach().requires_grad_(x.requires_grad) for x in input)
 
         assert context.autocast_states is not None
+        roots: List[Tensor] = []
         with restore_rng_states(input[0].device, rng_states, exclusive=context.exclusive_rng), \
                 restore_autocast_states(context.autocast_states), \
-                torch.enable_grad(), enable_recomputing():
+                torch.enable_grad(), enable_recomputing(), collect_roots(roots):
             if context.traits.modifies_input:
                 # In place on a leaf is an error, and would change the saved input.
                 output, _ = call_on_copies(context.function, input_leaf, context.arguments)
             else:
                 output = context.function(context.arguments(input_leaf))
 
-        context.recomputed = (output, input_leaf)
+        context.recomputed = (output, input_leaf, roots)
 
         # The output's gradient passes through; nothing for the context and
         # the saved tensors.

@@ -7,7 +7,10 @@ too, since a checkpointed stash is popped twice. The flags are per thread:
 workers run different micro-batches at once.
 """
 import threading
-from typing import ContextManager, List
+from contextlib import contextmanager
+from typing import ContextManager, Iterator, List, Optional
+
+from torch import Tensor
 
 __all__: List[str] = []
 
@@ -16,6 +19,8 @@ class ThreadLocal(threading.local):
     def __init__(self) -> None:
         self.is_checkpointing = False
         self.is_recomputing = False
+        #: Where :func:`add_root` puts its tensors, in a recomputation.
+        self.roots: Optional[List[Tensor]] = None
 
 
 thread_local = ThreadLocal()
@@ -50,6 +55,28 @@ def enable_checkpointing() -> ContextManager[None]:
 def enable_recomputing() -> ContextManager[None]:
     """Makes :func:`is_recomputing` return ``True`` within the context."""
     return _EnableFlag('is_recomputing')
+
+
+@contextmanager
+def collect_roots(roots: List[Tensor]) -> Iterator[None]:
+    """Makes :func:`add_root` append to ``roots`` within the context."""
+    orig, thread_local.roots = thread_local.roots, roots
+    try:
+        yield
+    finally:
+        thread_local.roots = orig
+
+
+def add_root(tensor: Tensor) -> None:
+    """Makes the backward pass of a recomputed graph start from ``tensor`` too.
+
+    The checkpoint's backward differentiates its recomputed graph from the
+    outputs that got a gradient. A node that must run even when none did (a
+    skip's portal, whose gradient comes from elsewhere) is given here.
+    Outside a recomputation, nothing happens.
+    """
+    if thread_local.roots is not None:
+        thread_local.roots.append(tensor)
 
 
 def is_checkpointing() -> bool:

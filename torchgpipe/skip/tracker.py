@@ -13,7 +13,7 @@ from typing import ContextManager, Dict, List, Optional, Protocol, Tuple
 import torch
 from torch import Tensor
 
-from torchgpipe.phase import is_checkpointing
+from torchgpipe.phase import add_root, is_checkpointing
 from torchgpipe.dependency import fork, join
 from torchgpipe.microbatch import Batch
 from torchgpipe.phony import get_phony
@@ -129,6 +129,10 @@ class SkipTrackerThroughPortals(SkipTracker):
         phony = portal.blue(tensor)
         if not phony.requires_grad:
             return
+        # In a recomputation, the checkpoint's backward runs the phony's even
+        # if no output it is joined into gets a gradient (a pop that ignores
+        # its input): the skip's gradient comes through the portal alone.
+        add_root(phony)
         # The phony's backward (the gradient's exit from the portal) must
         # run after everything downstream of the stash: join it there. Into
         # every output that carries a gradient, not only the first: the
