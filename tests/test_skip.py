@@ -7,11 +7,13 @@ from typing import Any, Callable, Dict, Generator, List, Optional, Tuple
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
 from helpers import COPIERS, assert_same_training_step, cpu_devices
+from test_train_step import assert_train_step_as_unwrapped
 from torchgpipe import GPipe
 from torchgpipe.skip import Namespace, pop, skippable, stash, verify_skippables
 from torchgpipe.skip.portal import Portal, PortalCopy
@@ -235,6 +237,21 @@ def test_a_pop_that_ignores_its_input(balance: List[int], chunks: int, checkpoin
                           nn.Linear(W, W)).double()
     assert_same_as_without_gpipe(model, balance, chunks, checkpoint,
                                  torch.randn(6, W, dtype=torch.double), threaded)
+
+
+@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
+@pytest.mark.parametrize('balance', [[3, 2], [1, 2, 2]])
+@pytest.mark.parametrize('schedule', ['1f1b', 'fill_drain'])
+def test_a_pop_that_ignores_its_input_in_train_step(balance: List[int], schedule: str,
+                                                    checkpoint: str, threaded: bool) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(W, W), Stash(), nn.Linear(W, W), PopOnly(),
+                          nn.Linear(W, W)).double()
+    assert_train_step_as_unwrapped(model, torch.randn(6, W, dtype=torch.double),
+                                   torch.randn(6, W, dtype=torch.double), F.mse_loss,
+                                   schedule=schedule, balance=balance,
+                                   devices=cpu_devices(len(balance), threaded), chunks=3,
+                                   checkpoint=checkpoint)
 
 
 @skippable(stash=['const'])
