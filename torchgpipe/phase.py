@@ -7,8 +7,7 @@ too, since a checkpointed stash is popped twice. The flags are per thread:
 workers run different micro-batches at once.
 """
 import threading
-from contextlib import contextmanager
-from typing import ContextManager, Iterator, List, Optional
+from typing import Any, ContextManager, List, Optional
 
 from torch import Tensor
 
@@ -26,22 +25,23 @@ class ThreadLocal(threading.local):
 thread_local = ThreadLocal()
 
 
-class _EnableFlag:
-    """Sets a flag of :data:`thread_local` within the context.
+class _Setting:
+    """Sets an attribute of :data:`thread_local` within the context.
 
     A class rather than a generator-based context manager: it is entered
     for every checkpointed task, and this is the cheaper of the two.
     """
 
-    __slots__ = ('name', 'orig')
+    __slots__ = ('name', 'value', 'orig')
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, value: Any = True) -> None:
         self.name = name
-        self.orig = False
+        self.value = value
+        self.orig: Any = None
 
     def __enter__(self) -> None:
         self.orig = getattr(thread_local, self.name)
-        setattr(thread_local, self.name, True)
+        setattr(thread_local, self.name, self.value)
 
     def __exit__(self, *exc_info: object) -> None:
         setattr(thread_local, self.name, self.orig)
@@ -49,22 +49,17 @@ class _EnableFlag:
 
 def enable_checkpointing() -> ContextManager[None]:
     """Makes :func:`is_checkpointing` return ``True`` within the context."""
-    return _EnableFlag('is_checkpointing')
+    return _Setting('is_checkpointing')
 
 
 def enable_recomputing() -> ContextManager[None]:
     """Makes :func:`is_recomputing` return ``True`` within the context."""
-    return _EnableFlag('is_recomputing')
+    return _Setting('is_recomputing')
 
 
-@contextmanager
-def collect_roots(roots: List[Tensor]) -> Iterator[None]:
+def collect_roots(roots: List[Tensor]) -> ContextManager[None]:
     """Makes :func:`add_root` append to ``roots`` within the context."""
-    orig, thread_local.roots = thread_local.roots, roots
-    try:
-        yield
-    finally:
-        thread_local.roots = orig
+    return _Setting('roots', roots)
 
 
 def add_root(tensor: Tensor) -> None:
