@@ -731,7 +731,10 @@ def test_wrong_arguments_are_refused_before_tracing_naming_value_and_fix(
 
 def test_leaf_modules_may_be_any_iterable_of_classes_and_modules() -> None:
     model = nn.Sequential(Counted(), nn.Linear(W, W))
-    assert len(to_sequential(model)) == 3  # Counted is traced through
+    # Traced through, Counted would count once, while tracing, and never again.
+    with pytest.raises(RuntimeError, match=r"changes the module's state.*\(changed: 0\.calls\)"):
+        to_sequential(model)
+    assert model[0].calls == 0
     for leaf_modules in ([Counted], (Counted,), iter([model[0]]), nn.ModuleList([model[0]])):
         seq = to_sequential(model, leaf_modules=leaf_modules)
         assert list(seq) == list(model)

@@ -25,19 +25,24 @@ Those operations were recorded in the mode the module was in (the
 ``training`` flag decides dropout and such); the :class:`Interface` keeps
 that mode, and the generated children refuse to run in the other one.
 """
+import contextlib
 import inspect
+import itertools
 import operator
-from typing import Any, Dict, List, Optional, Set, Tuple
+import warnings
+from typing import Any, Dict, Generator, List, Optional, Set, Tuple
 
 import torch
 from torch import Tensor, fx, nn
 from torch.export import Dim
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
+from torch.utils.hooks import RemovableHandle
 
 from torchgpipe._validation import describe
-from torchgpipe.capture.graph import Captured, is_shape, named_arguments, output_nodes
+from torchgpipe.capture.graph import Captured, has_hooks, is_shape, named_arguments, output_nodes
 from torchgpipe.capture.interface import Interface
+from torchgpipe.capture.untouched import Untouched
 
 __all__: List[str] = []
 
@@ -65,14 +70,28 @@ def capture(module: nn.Module, example: Any) -> Captured:
     """
     kwargs = _bind(module, example)
     shapes = {name: pytree.tree_map(_any_size, value) for name, value in kwargs.items()}
-    try:
-        exported = torch.export.export(module, (), kwargs, dynamic_shapes=shapes, strict=False)
-    except Exception as exc:
-        raise RuntimeError(describe(
-            f'torch.export cannot capture the module ({type(module).__name__})',
-            f'{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ""}',
-            'capture a submodule that holds the layers to pipeline, or change the code '
-            'torch.export names (see its message, chained above)')) from exc
+    # Positional as far as they go, as a call module(x, mask) gives them:
+    # a forward pre-hook reads its inputs from args.
+    positional = [name for name, p in inspect.signature(module.forward).parameters.items()
+                  if p.kind == p.POSITIONAL_OR_KEYWORD]
+    leading = list(itertools.takewhile(kwargs.__contains__, positional))
+    args = tuple(kwargs[name] for name in leading)
+    rest = {name: value for name, value in kwargs.items() if name not in leading}
+    untouched = Untouched(module)
+    # export puts back what forward assigns: the hook sees it before.
+    noting = module.register_forward_hook(untouched.note, always_call=True)
+    with _removed(noting), untouched, warnings.catch_warnings():
+        # export warns of a tensor assigned to the module; Untouched says more.
+        warnings.filterwarnings('ignore', message='The tensor attribute')
+        try:
+            exported = torch.export.export(module, args, rest, dynamic_shapes=shapes,
+                                           strict=False)
+        except Exception as exc:
+            raise RuntimeError(describe(
+                f'torch.export cannot capture the module ({type(module).__name__})',
+                f'{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ""}',
+                'capture a submodule that holds the layers to pipeline, or change the code '
+                'torch.export names (see its message, chained above)')) from exc
 
     signature = exported.graph_signature
     source = exported.graph
@@ -128,6 +147,15 @@ def capture(module: nn.Module, example: Any) -> Captured:
     fixed = {name: value for name, value in {**defaults, **kwargs}.items() if name not in names}
     return Captured(graph, root, Interface(names, fixed, exported.call_spec.out_spec,
                                            module.training))
+
+
+@contextlib.contextmanager
+def _removed(handle: RemovableHandle) -> Generator[None, None, None]:
+    """Removes the hook of ``handle`` on leaving."""
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _refuse_update(buffer: str) -> None:
@@ -188,13 +216,15 @@ def _any_size(value: Any) -> Any:
 
 
 def _foldable(module: nn.Module) -> bool:
-    """Whether calls of ``module`` become calls again: a leaf whose forward takes one value."""
-    if isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
-        return False
-    leaf = (type(module).__module__.startswith('torch.nn')
-            or next(module.children(), None) is None)
-    if not leaf:
-        return False
+    """Whether calls of ``module`` become calls again: a leaf, or a module with hooks
+    (see :func:`~torchgpipe.capture.graph.has_hooks`), whose forward takes one value."""
+    if not has_hooks(module):
+        if isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
+            return False
+        leaf = (type(module).__module__.startswith('torch.nn')
+                or next(module.children(), None) is None)
+        if not leaf:
+            return False
     try:
         parameters = list(inspect.signature(module.forward).parameters.values())
     except (TypeError, ValueError):

@@ -1,23 +1,25 @@
 """Capturing a graph with :mod:`torch.fx`, for :func:`~torchgpipe.to_sequential`.
 
 ``forward`` runs on symbolic values: no example is needed and every size
-stays symbolic. Modules of ``torch.nn``, skippable layers and the
-``leaf_modules`` a user names are kept whole, as ``call_module`` nodes.
-When fx fails, the error names the module and the line, and a change that
-works.
+stays symbolic. Modules of ``torch.nn``, skippable layers, modules with
+hooks and the ``leaf_modules`` a user names are kept whole, as
+``call_module`` nodes. When fx fails, the error names the module and the
+line, and a change that works.
 """
 import inspect
 import linecache
 import os
 import traceback
-from typing import Any, Dict, List, Optional, Sequence, Type, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, Union
 
 import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from torchgpipe.capture.graph import Captured, named_arguments, output_nodes
+from torchgpipe._validation import describe
+from torchgpipe.capture.graph import Captured, has_hooks, named_arguments, output_nodes, resolve
 from torchgpipe.capture.interface import Interface
+from torchgpipe.capture.untouched import Untouched
 from torchgpipe.skip.skippable import Skippable
 
 __all__: List[str] = []
@@ -40,11 +42,46 @@ class Tracer(fx.Tracer):
         self.leaf_types = tuple(m for m in leaf_modules if isinstance(m, type))
         self.leaf_ids = {id(m) for m in leaf_modules if isinstance(m, nn.Module)}
 
+        #: the constant tensors forward makes, by the name get_attr nodes read them by
+        self.constants: Dict[str, Any] = {}
+
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         # A skippable layer's forward is a generator that talks to the skip
-        # tracker: it must stay a child, called by the sequential.
+        # tracker: it must stay a child, called by the sequential. A module
+        # with hooks stays whole so that they run at each call, as the user
+        # wrote them: traced through, their Python would run once, here.
         return (isinstance(m, self.leaf_types + (Skippable,)) or id(m) in self.leaf_ids
-                or super().is_leaf_module(m, module_qualified_name))
+                or has_hooks(m) or super().is_leaf_module(m, module_qualified_name))
+
+    def create_arg(self, a: Any) -> Any:
+        # fx keeps a constant tensor as an attribute of the module it traces,
+        # which is the user's: kept here instead.
+        if isinstance(a, torch.Tensor) and a not in self.tensor_attrs:
+            name = f'_tensor_constant{len(self.constants)}'
+            self.constants[name] = a
+            self.tensor_attrs[a] = name
+        return super().create_arg(a)
+
+    def create_args_for_root(self, root_fn: Any, is_module: bool,
+                             concrete_args: Any = None) -> Tuple[Any, List[Any]]:
+        fn, args = super().create_args_for_root(root_fn, is_module, concrete_args)
+        if not (is_module and has_hooks(self.root)):
+            return fn, args
+        # fx calls the root's forward, not the root: its own hooks would be
+        # left out. Called through nn.Module's call, they are traced too.
+        if self.root._backward_pre_hooks or self.root._backward_hooks:
+            raise RuntimeError(describe(
+                'to_sequential cannot capture backward hooks of the module itself',
+                f'module: {type(self.root).__name__} with backward hooks',
+                'register them on a submodule, which then stays whole, or on the tensors'))
+        if fn is not root_fn:
+            raise RuntimeError(describe(
+                'torch.fx cannot trace the hooks of a module whose forward takes *args, '
+                '**kwargs or nested inputs', f'module: {type(self.root).__name__} with hooks',
+                'give an example input to capture it with torch.export, which runs them'))
+        call: Callable[..., Any] = nn.Module._call_impl
+        return (lambda module, *inputs: call(module, *inputs)), args
+
 
 def capture(module: nn.Module, leaves: List[LeafSpec],
                 concrete_args: Optional[Dict[str, Any]]) -> Captured:
@@ -57,7 +94,8 @@ def capture(module: nn.Module, leaves: List[LeafSpec],
     concrete_args = {name: value
                      for name, value in {**_defaults(module), **(concrete_args or {})}.items()
                      if value is not fx.PH}  # type: ignore[attr-defined]
-    graph = _trace(module, tracer, concrete_args)
+    with Untouched(module):
+        graph = _trace(module, tracer, concrete_args)
     _drop_concrete_args(graph, module, concrete_args)
     # By the argument's name: fx renames a node that would shadow a builtin.
     names = [str(n.target) for n in graph.nodes if n.op == 'placeholder']
@@ -69,8 +107,7 @@ def capture(module: nn.Module, leaves: List[LeafSpec],
     plain = isinstance(output.args[0], fx.Node) or (
         type(output.args[0]) is tuple and all(isinstance(r, fx.Node) for r in output.args[0]))
     output.args = (results[0] if len(results) == 1 else tuple(results),)
-    # The tracer may have put constant tensors on the root: read it from there.
-    return Captured(graph, tracer.root,
+    return Captured(graph, resolve(graph, module, tracer.constants),
                     Interface(names, concrete_args, None if plain else structure))
 
 def _trace(module: nn.Module, tracer: Tracer,

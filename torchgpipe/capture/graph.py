@@ -66,6 +66,37 @@ def named_arguments(module: nn.Module) -> List[str]:
     return [name for name, p in inspect.signature(module.forward).parameters.items()
             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
+def has_hooks(module: nn.Module) -> bool:
+    """Whether ``module`` has hooks that run when it is called.
+
+    Such a module stays whole, a child of its own, where it can: its hooks
+    then run at each call, as written. Traced through, their Python would
+    run once, while capturing.
+    """
+    return bool(module._forward_pre_hooks or module._forward_hooks
+                or module._backward_pre_hooks or module._backward_hooks)
+
+def resolve(graph: fx.Graph, module: nn.Module, extra: Dict[str, Any]) -> Dict[str, Any]:
+    """What each ``get_attr`` and ``call_module`` node of ``graph`` names.
+
+    Looked up in ``extra`` (the constants a capture made), else in ``module``.
+
+    Captures give the cutting this dict, not the user's module: nothing is
+    put on the module to be found there.
+    """
+    found = {}
+    for node in graph.nodes:
+        if node.op in ('get_attr', 'call_module'):
+            target = str(node.target)
+            if target not in extra:
+                value: Any = module
+                for part in target.split('.'):
+                    value = getattr(value, part)
+                found[target] = value
+            else:
+                found[target] = extra[target]
+    return found
+
 def output_nodes(leaves: Sequence[Any], shown: object) -> List[fx.Node]:
     """The nodes of a graph's outputs, checked to be values the graph computes.
 

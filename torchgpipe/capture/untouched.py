@@ -1,0 +1,143 @@
+"""A capture leaves the module it is given as it was, and names what ``forward`` changed.
+
+Both captures run the user's ``forward`` as Python: fx on symbolic values,
+export on fake tensors. What that code assigns (``self.count += 1``,
+``self.avg = h.mean()``) would land in the user's model as a number counted
+once, a :class:`torch.fx.Proxy` or a fake tensor, and what it registers (a
+hook) would stay registered. The captured graph repeats none of it: at each
+call of the sequential the assignment would not happen again. So
+:class:`Untouched` takes a shallow snapshot of every module's attributes (and
+of the dicts inside: parameters, buffers, submodules, hooks) before a
+capture, puts all of it back after, and raises an error naming each change
+that ``forward`` made: silently dropping an effect would be a wrong result.
+"""
+from types import TracebackType
+from typing import Any, Dict, List, Optional, Tuple, Type
+
+from torch import Tensor, fx, nn
+
+from torchgpipe._validation import describe
+
+__all__: List[str] = []
+
+
+class Untouched:
+    """Restores every module of ``module`` after a capture; refuses changes ``forward`` made.
+
+    Used as ``with Untouched(module): ...`` around a capture. On leaving, each
+    module's attributes are put back as they were; then, unless the capture
+    itself failed, a change is an error.
+
+    Raises:
+        RuntimeError: ``forward`` assigned, added or removed an attribute of
+            a module, changed its parameters, buffers, submodules or hooks,
+            or updated a tensor it holds in place
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        # (module, its qualified name, its attributes, copies of the dicts among them)
+        self.saved: List[Tuple[nn.Module, str, Dict[str, Any], Dict[str, Dict[Any, Any]]]] = []
+        self.versions: Dict[int, Tuple[str, Tensor, int]] = {}
+
+    def __enter__(self) -> 'Untouched':
+        for path, m in self.module.named_modules(remove_duplicate=True):
+            attributes = dict(m.__dict__)
+            dicts = {k: dict(v) for k, v in attributes.items() if isinstance(v, dict)}
+            self.saved.append((m, path, attributes, dicts))
+            # Tensors are not copied (parameters may be large): an update in
+            # place shows in the version counter, and is named, not undone.
+            for name, value in _tensors(attributes):
+                self.versions.setdefault(id(value), (_join(path, name), value, value._version))
+        return self
+
+    def note(self, *hook_arguments: Any) -> None:
+        """Notes what has changed so far; a forward hook of the module, for export.
+
+        export puts the attributes ``forward`` assigned back itself once it
+        is done, so the changes must be seen before: at the end of ``forward``.
+        Only those: meanwhile, export has its own fake parameters and hooks
+        in the modules' dicts.
+        """
+        self.noted = self.changes(attributes_only=True)
+
+    def __exit__(self, kind: Optional[Type[BaseException]], error: Optional[BaseException],
+                 traceback: Optional[TracebackType]) -> None:
+        changed = list(dict.fromkeys(getattr(self, 'noted', []) + self.changes()))
+        self.restore()
+        if kind is None and changed:
+            raise RuntimeError(describe(
+                "to_sequential cannot flatten a forward that changes the module's state: the "
+                'captured code would not repeat the change at each call',
+                f'changed: {", ".join(changed)}',
+                'move that code out of forward, or into a module kept whole (leaf_modules= '
+                'with torch.fx; with torch.export, a module whose forward takes one tensor); '
+                'the module was left as it was'))
+
+    def changes(self, attributes_only: bool = False) -> List[str]:
+        """The qualified names of what changed since the snapshot.
+
+        Args:
+            attributes_only: leave out the dicts of parameters, buffers,
+                submodules and hooks, and the tensors' versions
+        """
+        changed: List[str] = []
+        for m, path, attributes, dicts in self.saved:
+            current = m.__dict__
+            for name in sorted(current.keys() | attributes.keys()):
+                if name not in attributes or name not in current \
+                        or not _same(current[name], attributes[name]):
+                    changed.append(_join(path, name))
+            if attributes_only:
+                continue
+            for name, saved in dicts.items():
+                inside = attributes[name]
+                added_or_removed = inside.keys() ^ saved.keys()
+                replaced = [k for k in inside.keys() & saved.keys() if inside[k] is not saved[k]]
+                if added_or_removed or replaced:
+                    # Hooks are kept by handle numbers: name the dict of them.
+                    keys = sorted(k for k in [*added_or_removed, *replaced] if isinstance(k, str))
+                    changed.extend(_join(path, k) for k in keys or [name])
+        for name, tensor, version in self.versions.values():
+            if not attributes_only and tensor._version != version:
+                changed.append(f'{name} (updated in place)')
+        return changed
+
+    def restore(self) -> None:
+        """Puts every module back as it was."""
+        for m, _, attributes, dicts in self.saved:
+            m.__dict__.clear()
+            m.__dict__.update(attributes)
+            for name, saved in dicts.items():
+                attributes[name].clear()
+                attributes[name].update(saved)
+
+
+def _tensors(attributes: Dict[str, Any]) -> List[Tuple[str, Tensor]]:
+    """The tensors among a module's attributes: its parameters, buffers and plain tensors."""
+    found = [(k, v) for k, v in attributes.items() if isinstance(v, Tensor)]
+    for kind in ('_parameters', '_buffers'):
+        found += [(k, v) for k, v in attributes.get(kind, {}).items() if isinstance(v, Tensor)]
+    return found
+
+
+def _same(value: Any, saved: Any) -> bool:
+    """Whether an attribute holds what it held: the same object, or an equal value.
+
+    Equal is enough for plain values: export puts back a copy of each
+    container it finds (``normalized_shape``, a tuple). Tensors, and
+    anything whose comparison is no plain ``bool`` (an fx proxy), must be
+    the same object.
+    """
+    if value is saved:
+        return True
+    if isinstance(value, (Tensor, fx.Proxy)) or isinstance(saved, Tensor):
+        return False
+    try:
+        return type(value) is type(saved) and bool(value == saved)
+    except Exception:
+        return False
+
+
+def _join(path: str, name: str) -> str:
+    return f'{path}.{name}' if path else name
