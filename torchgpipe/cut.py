@@ -14,7 +14,8 @@ from typing import Any, Dict, Generator, List, Optional, Union
 from torch import Tensor, fx, nn
 
 from torchgpipe._validation import describe
-from torchgpipe.capture.graph import is_check, is_shape
+from torchgpipe.capture import alias
+from torchgpipe.capture.graph import attr, is_check, is_shape
 from torchgpipe.microbatch import TensorOrTensors
 from torchgpipe.skip.skippable import pop, stash
 
@@ -96,15 +97,6 @@ class GeneratedChild(nn.Module):
             yield stash(name, value)
         return output  # type: ignore[no-any-return]
 
-def attr(root: Union[nn.Module, Dict[str, Any]], target: object) -> Any:
-    """The attribute of ``root`` at a qualified name such as ``'layers.0.weight'``."""
-    if isinstance(root, dict):
-        return root[str(target)]
-    value: Any = root
-    for part in str(target).split('.'):
-        value = getattr(value, part)
-    return value
-
 def segments(graph: fx.Graph, root: Union[nn.Module, Dict[str, Any]]) -> List[List[fx.Node]]:
     """Cuts the graph's computing nodes into the runs of the children, in order."""
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -153,6 +145,10 @@ def segments(graph: fx.Graph, root: Union[nn.Module, Dict[str, Any]]) -> List[Li
                 uses.setdefault(key, []).append(index[n])
         elif n.op == 'get_attr' and isinstance(attr(root, n.target), nn.Parameter):
             uses.setdefault(id(attr(root, n.target)), []).extend(index[u] for u in n.users)
+    # Memory updated in place and read elsewhere by another name stays in
+    # one child with its readers (see torchgpipe.capture.alias).
+    for k, group in enumerate(alias.shared_memory(nodes, root)):
+        uses[('memory', k)] = [index[n] for n in group]
     span = list(range(len(nodes)))  # span[i]: the last node in the child of node i
     for positions in uses.values():
         for i in range(min(positions), max(positions) + 1):

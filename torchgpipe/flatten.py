@@ -37,9 +37,9 @@ from torch import fx, nn
 from torchgpipe._validation import brief, describe
 from torchgpipe.capture import export, fx as fx_capture
 from torchgpipe.capture.fx import LeafSpec
-from torchgpipe.capture.graph import is_shape, named_arguments
+from torchgpipe.capture.graph import attr, is_shape, named_arguments
 from torchgpipe import cut
-from torchgpipe.cut import GeneratedChild, attr, child_name, floating, transient, with_shapes
+from torchgpipe.cut import GeneratedChild, child_name, floating, transient, with_shapes
 from torchgpipe.gpipe import GPipe
 from torchgpipe.skip.namespace import Namespace
 from torchgpipe.skip.skippable import skippable_class

@@ -30,7 +30,7 @@ import inspect
 import itertools
 import operator
 import warnings
-from typing import Any, Dict, Generator, List, Optional, Set, Tuple
+from typing import Any, Dict, Generator, List, Set, Tuple
 
 import torch
 from torch import Tensor, fx, nn
@@ -39,7 +39,8 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
-from torchgpipe._validation import describe
+from torchgpipe._validation import brief, describe
+from torchgpipe.capture import alias
 from torchgpipe.capture.graph import Captured, has_hooks, is_shape, named_arguments, output_nodes
 from torchgpipe.capture.interface import Interface
 from torchgpipe.capture.untouched import Untouched
@@ -124,7 +125,7 @@ def capture(module: nn.Module, example: Any) -> Captured:
         elif node.op == 'output':
             for spec in signature.output_specs:
                 if spec.kind != OutputKind.USER_OUTPUT:
-                    _refuse_update(str(spec.target))
+                    alias.refuse_update(str(spec.target))
             outputs = [env[value] for value in output_nodes(node.args[0], node.args[0])]
             graph.output(outputs[0] if len(outputs) == 1 else tuple(outputs))
         elif node.target not in _DROPPED:
@@ -135,7 +136,7 @@ def capture(module: nn.Module, example: Any) -> Captured:
             env[node] = graph.node_copy(node, env.__getitem__)
 
     _fold(graph, module, root)
-    _out_of_place(graph)
+    alias.out_of_place(graph, root)
     # Parameters that forward never reads, or read only in folded calls.
     for node in list(graph.nodes):
         if node.op == 'get_attr' and not node.users:
@@ -156,15 +157,6 @@ def _removed(handle: RemovableHandle) -> Generator[None, None, None]:
         yield
     finally:
         handle.remove()
-
-
-def _refuse_update(buffer: str) -> None:
-    """Raises the error for a buffer updated by code outside the module holding it."""
-    raise RuntimeError(describe(
-        'to_sequential cannot flatten code that updates a buffer outside the module holding it',
-        f'updated: {buffer}', 'update it in a module of its own whose forward takes one tensor '
-        '(its calls stay whole), or flatten with torch.fx, without example_inputs, keeping the '
-        'module that updates it whole with leaf_modules'))
 
 
 def _bind(module: nn.Module, example: Any) -> Dict[str, Any]:
@@ -190,6 +182,10 @@ def _bind(module: nn.Module, example: Any) -> Dict[str, Any]:
                                      'give them by name, in a dict'))
         given = dict(zip(named, args))
     for name, value in given.items():
+        if type(value).__module__ == 'numpy':
+            raise TypeError(describe(f'example_inputs[{name!r}] must be a tensor, not a '
+                                     'numpy array', f'{name}: {type(value).__name__}',
+                                     f'give torch.from_numpy({name}) instead'))
         if isinstance(value, (tuple, list, dict)) and pytree.tree_leaves(value) and any(
                 isinstance(leaf, Tensor) for leaf in pytree.tree_leaves(value)):
             raise TypeError(describe(f'example_inputs[{name!r}] must be a tensor or a constant',
@@ -201,6 +197,20 @@ def _bind(module: nn.Module, example: Any) -> Dict[str, Any]:
             raise ValueError(describe(f'example_inputs[{name!r}] must hold at least 2 samples',
                                       f'{name}: shape {tuple(value.shape)}',
                                       'give an example batch of 2 or more'))
+    if not any(isinstance(value, Tensor) for value in given.values()):
+        raise TypeError(describe('example_inputs must hold a tensor: the sequential takes '
+                                 'the tensors of the example', 'example_inputs: '
+                                 f'{brief(example)}', 'give an example batch of the inputs '
+                                 f'of forward, such as {{{named[0]!r}: x}}' if named else
+                                 'give an example batch of the inputs of forward'))
+    # One tensor given for two arguments would be one input of the graph:
+    # export reads both arguments from it. Each argument gets its own memory.
+    storages: Set[int] = set()
+    for name, value in given.items():
+        if isinstance(value, Tensor):
+            if value.untyped_storage().data_ptr() in storages:
+                given[name] = value.detach().clone().requires_grad_(value.requires_grad)
+            storages.add(value.untyped_storage().data_ptr())
     # A cache of keys and values serves generation, not training, and is
     # no tensor: transformers models make none when asked.
     if 'use_cache' in named and 'use_cache' not in given:
@@ -293,73 +303,3 @@ def _plain(node: fx.Node, inside: Set[fx.Node]) -> bool:
     if isinstance(node.target, torch._ops.OpOverload) or is_shape(node):
         return True
     return node.target is operator.getitem and node.args[0] in inside
-
-
-def _returns_alias(node: fx.Node) -> bool:
-    """Whether a node returns a view of (or, in place, the same tensor as) its first argument."""
-    schema = getattr(node.target, '_schema', None)
-    return (node.op == 'call_function' and schema is not None and bool(schema.returns)
-            and schema.returns[0].alias_info is not None and bool(node.args)
-            and isinstance(node.args[0], fx.Node))
-
-
-def _base(node: fx.Node) -> fx.Node:
-    """The tensor whose memory ``node`` is a view of (itself if it is no view)."""
-    while _returns_alias(node):
-        node = node.args[0]  # type: ignore[assignment]
-    return node
-
-
-def _functional(op: Any) -> Optional[Any]:
-    """The operation that returns what the in-place ``op`` writes (``add`` for ``add_``)."""
-    name = op._schema.name.split('::')[-1]
-    if not name.endswith('_'):
-        return None
-    packet = getattr(torch.ops.aten, name[:-1], None)
-    return getattr(packet, op._overloadname, None) if packet is not None else None
-
-
-def _out_of_place(graph: fx.Graph) -> None:
-    """Turns the updates in place export recorded (``out += identity``) into new values.
-
-    Generated code runs once per micro-batch, and again when a checkpointed
-    micro-batch is recomputed: an update of a tensor another child made (a
-    skip it popped, its input) would be seen by that recomputation, or be
-    made twice. ``x.add_(y)`` becomes ``x2 = x + y``, and what read ``x``
-    after the update reads ``x2``. An update of a view, or of a tensor that
-    has views, is left as it is (the update shows through every alias);
-    an update of a buffer is refused.
-
-    Raises:
-        RuntimeError: the code updates a buffer (or a view of one)
-    """
-    for node in list(graph.nodes):
-        schema = getattr(node.target, '_schema', None)
-        if node.op != 'call_function' or schema is None or not schema.is_mutable:
-            continue
-        written = [value for argument, value in zip(schema.arguments, node.args)
-                   if argument.alias_info is not None and argument.alias_info.is_write
-                   and isinstance(value, fx.Node)]
-        for value in written:
-            if _base(value).op == 'get_attr':
-                _refuse_update(str(_base(value).target))
-        functional = _functional(node.target)
-        if functional is None or written != [node.args[0]]:
-            continue
-        target: fx.Node = node.args[0]
-        position = {n: i for i, n in enumerate(graph.nodes)}
-        # Aliases of the target: its views, and the updates in place before
-        # this one that stayed (those after it are turned in their turn).
-        aliased = any(_returns_alias(u) and (not u.target._schema.is_mutable  # type: ignore
-                                             or position[u] < position[node])
-                      for u in target.users if u is not node)
-        if _returns_alias(target) or aliased:
-            continue
-        with graph.inserting_before(node):
-            value = graph.call_function(functional, node.args, node.kwargs)
-        value.meta = dict(node.meta)
-        for user in list(target.users):
-            if user not in (node, value) and position[user] > position[node]:
-                user.replace_input_with(target, value)
-        node.replace_all_uses_with(value)
-        graph.erase_node(node)

@@ -17,6 +17,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from torchgpipe._validation import describe
+from torchgpipe.capture import alias
 from torchgpipe.capture.graph import Captured, has_hooks, named_arguments, output_nodes, resolve
 from torchgpipe.capture.interface import Interface
 from torchgpipe.capture.untouched import Untouched
@@ -107,8 +108,9 @@ def capture(module: nn.Module, leaves: List[LeafSpec],
     plain = isinstance(output.args[0], fx.Node) or (
         type(output.args[0]) is tuple and all(isinstance(r, fx.Node) for r in output.args[0]))
     output.args = (results[0] if len(results) == 1 else tuple(results),)
-    return Captured(graph, resolve(graph, module, tracer.constants),
-                    Interface(names, concrete_args, None if plain else structure))
+    root = resolve(graph, module, tracer.constants)
+    alias.out_of_place(graph, root)
+    return Captured(graph, root, Interface(names, concrete_args, None if plain else structure))
 
 def _trace(module: nn.Module, tracer: Tracer,
            concrete_args: Optional[Dict[str, Any]]) -> fx.Graph:

@@ -66,6 +66,15 @@ def named_arguments(module: nn.Module) -> List[str]:
     return [name for name, p in inspect.signature(module.forward).parameters.items()
             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
+def attr(root: Union[nn.Module, Dict[str, Any]], target: object) -> Any:
+    """The attribute of ``root`` at a qualified name such as ``'layers.0.weight'``."""
+    if isinstance(root, dict):
+        return root[str(target)]
+    value: Any = root
+    for part in str(target).split('.'):
+        value = getattr(value, part)
+    return value
+
 def has_hooks(module: nn.Module) -> bool:
     """Whether ``module`` has hooks that run when it is called.
 
