@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, U
 
 import torch
 from torch import fx, nn
+from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch.utils import _pytree as pytree
 
 from torchgpipe._validation import describe
@@ -103,7 +104,7 @@ def capture(module: nn.Module, leaves: List[LeafSpec],
     # A dict, a dataclass... of tensors is returned as the tuple of them,
     # which the interface arranges back.
     output = next(n for n in graph.nodes if n.op == 'output')
-    flat, structure = pytree.tree_flatten(output.args[0])
+    flat, structure = pytree.tree_flatten(_mutable(output.args[0]))
     results = output_nodes(flat, output.args[0])
     plain = isinstance(output.args[0], fx.Node) or (
         type(output.args[0]) is tuple and all(isinstance(r, fx.Node) for r in output.args[0]))
@@ -111,6 +112,16 @@ def capture(module: nn.Module, leaves: List[LeafSpec],
     root = resolve(graph, module, tracer.constants)
     alias.out_of_place(graph, root)
     return Captured(graph, root, Interface(names, concrete_args, None if plain else structure))
+
+def _mutable(value: Any) -> Any:
+    """``value`` with fx's immutable dicts and lists as plain ones, as forward returned them."""
+    if isinstance(value, immutable_dict):
+        return {key: _mutable(item) for key, item in value.items()}
+    if isinstance(value, immutable_list):
+        return [_mutable(item) for item in value]
+    if type(value) is tuple:
+        return tuple(_mutable(item) for item in value)
+    return value
 
 def _trace(module: nn.Module, tracer: Tracer,
            concrete_args: Optional[Dict[str, Any]]) -> fx.Graph:

@@ -125,10 +125,19 @@ class Interface:
         Returns:
             the original's output: a ``ModelOutput`` of transformers, a
             dict, a dataclass... holding those tensors
+
+        Raises:
+            TypeError: ``output`` holds another number of tensors than the
+                sequential returns
         """
         if self.structure is None:
             return output
         leaves = list(output) if isinstance(output, tuple) else [output]
+        if len(leaves) != self.structure.num_leaves:
+            raise TypeError(describe(f'outputs takes the {self.structure.num_leaves} tensors '
+                                     'the sequential returns', f'output: {len(leaves)} '
+                                     'tensors', 'give it what the sequential, or GPipe around '
+                                     'it, returned'))
         return pytree.tree_unflatten(leaves, self.structure)
 
 def _encode(spec: Optional[pytree.TreeSpec]) -> Any:
