@@ -95,6 +95,12 @@ def to_sequential(module: nn.Module, *,
         seq = to_sequential(model)
         seq.load_state_dict({seq.state_dict_map[k]: v for k, v in checkpoint.items()})
 
+    Everything ``forward`` does besides computing is repeated at each call
+    of the sequential or refused, never dropped: hooks of submodules keep
+    them whole, updates in place become new values, and a buffer updated
+    or an attribute assigned outside a module kept whole is refused (see
+    :ref:`any-model-effects`). The module given is left exactly as it was.
+
     The sequential copies like any module (:func:`copy.deepcopy`, ``pickle``,
     :func:`torch.save`), ``state_dict_map`` included, and a copy trains like
     the original.
@@ -137,8 +143,11 @@ def to_sequential(module: nn.Module, *,
     Raises:
         RuntimeError: fx cannot trace ``module``, for example because of
             control flow that depends on a tensor (the message names the
-            module and the line); torch.export cannot capture it; or the
-            captured code updates a buffer outside the module holding it
+            module and the line); torch.export cannot capture it; the
+            captured code updates a buffer outside the module holding it;
+            or ``forward`` changes the module's state (assigns an
+            attribute), which the captured graph would not repeat. The
+            module is left as it was in every case
         TypeError: ``module`` is not an ``nn.Module`` (a function) or is a
             TorchScript module; ``leaf_modules`` is not an iterable (a
             single class, a string) or holds something other than module
