@@ -25,19 +25,17 @@ Those operations were recorded in the mode the module was in (the
 ``training`` flag decides dropout and such); the :class:`Interface` keeps
 that mode, and the generated children refuse to run in the other one.
 """
-import contextlib
 import inspect
 import itertools
 import operator
 import warnings
-from typing import Any, Dict, Generator, List, Set, Tuple
+from typing import Any, Dict, List, Set, Tuple
 
 import torch
 from torch import Tensor, fx, nn
 from torch.export import Dim
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
-from torch.utils.hooks import RemovableHandle
 
 from torchgpipe._validation import brief, describe
 from torchgpipe.capture import alias
@@ -81,7 +79,8 @@ def capture(module: nn.Module, example: Any) -> Captured:
     untouched = Untouched(module)
     # export puts back what forward assigns: the hook sees it before.
     noting = module.register_forward_hook(untouched.note, always_call=True)
-    with _removed(noting), untouched, warnings.catch_warnings():
+    # The handle removes the hook on leaving, after Untouched has put all back.
+    with noting, untouched, warnings.catch_warnings():
         # export warns of a tensor assigned to the module; Untouched says more.
         warnings.filterwarnings('ignore', message='The tensor attribute')
         try:
@@ -148,15 +147,6 @@ def capture(module: nn.Module, example: Any) -> Captured:
     fixed = {name: value for name, value in {**defaults, **kwargs}.items() if name not in names}
     return Captured(graph, root, Interface(names, fixed, exported.call_spec.out_spec,
                                            module.training))
-
-
-@contextlib.contextmanager
-def _removed(handle: RemovableHandle) -> Generator[None, None, None]:
-    """Removes the hook of ``handle`` on leaving."""
-    try:
-        yield
-    finally:
-        handle.remove()
 
 
 def _bind(module: nn.Module, example: Any) -> Dict[str, Any]:
