@@ -97,3 +97,53 @@ def test_default_devices_are_every_cuda_device() -> None:
     n = torch.cuda.device_count()
     gpipe = GPipe(nn.Sequential(*[nn.Linear(2, 2) for _ in range(n)]), [1] * n)
     assert gpipe.devices == [torch.device('cuda', j) for j in range(n)]
+
+
+def test_placement_moves_every_tensor_in_place() -> None:
+    """Moving to CUDA keeps every parameter, gradient and buffer object: a
+    module outside the pipeline that holds one sees it moved, and a state
+    dict loaded into it reaches the pipeline."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 4))
+    model(torch.randn(3, 4)).sum().backward()
+    outer = nn.Module()
+    outer.register_buffer('mean', model[1].running_mean)
+    before = [*model.parameters(), *(p.grad for p in model.parameters()), *model.buffers()]
+
+    gpipe = GPipe(model, [2, 2], devices=devices(2))
+
+    after = [*model.parameters(), *(p.grad for p in model.parameters()), *model.buffers()]
+    assert all(a is b for a, b in zip(after, before))
+    for partition, device in zip(gpipe.partitions, gpipe.devices):
+        for t in [*partition.parameters(), *partition.buffers()]:
+            assert t.device == device and (t.grad is None or t.grad.device == device)
+    assert outer.mean is gpipe[1].running_mean and outer.mean.is_cuda
+    outer.load_state_dict({'mean': torch.full((4,), 3.0)})
+    assert gpipe[1].running_mean.eq(3.0).all()
+
+
+def test_bare_cuda_is_the_current_device_and_nothing_is_copied() -> None:
+    from torchgpipe.placement import same_memory
+    current = torch.device('cuda', torch.cuda.current_device())
+    assert same_memory(torch.device('cuda'), current)
+    assert not same_memory(torch.device('cpu'), current)
+    model = nn.Sequential(nn.Linear(2, 2)).to(current)
+    pointers = [p.data_ptr() for p in model.parameters()]
+    GPipe(model, [1], devices=['cuda'])
+    assert [p.data_ptr() for p in model.parameters()] == pointers
+
+
+def test_tied_weights_across_cuda_devices() -> None:
+    """A later partition on another GPU computes with a copy of the master
+    (on one GPU, with the master): the gradients are the unwrapped model's."""
+    embedding = nn.Embedding(10, 4)
+    head = nn.Linear(4, 10)
+    head.weight = embedding.weight
+    model = nn.Sequential(embedding, nn.Linear(4, 4), nn.Tanh(), head).double()
+    reference = copy.deepcopy(model)
+    gpipe = GPipe(model, [2, 2], devices=devices(2), chunks=3)
+    assert gpipe[3].weight is gpipe[0].weight and gpipe[0].weight.is_cuda
+    x = torch.randint(10, (6,))
+    reference(x).logsumexp(1).mean().backward()
+    gpipe(x).logsumexp(1).mean().backward()
+    for (name, p), q in zip(reference.named_parameters(), gpipe.parameters()):
+        torch.testing.assert_close(q.grad.cpu(), p.grad, msg=name)

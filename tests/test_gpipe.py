@@ -9,7 +9,8 @@ import torch
 from torch import nn
 from torch.nn.parameter import UninitializedTensorMixin
 
-from torchgpipe import GPipe, NoChunk
+from helpers import cpu_devices
+from torchgpipe import GPipe, NoChunk, to_sequential
 from torchgpipe.batchnorm import DeferredBatchNorm
 from torchgpipe.gpipe import BalanceError, split_module, verify_module
 from torchgpipe.skip import skippable, stash
@@ -471,3 +472,118 @@ def test_load_state_dict_goes_through_the_classes_between_gpipe_and_module(style
     gpipe.load_state_dict(state)
     assert loads == [style]
     torch.testing.assert_close(gpipe[1].weight, model[1].weight)
+
+
+# ---------------------------------------------------------------------------
+# Placement never replaces a tensor the user holds
+
+
+def tensors_and_grads(model: nn.Module) -> list:
+    """Every parameter, gradient and buffer, with the address of its data."""
+    tensors = [*model.parameters(), *(p.grad for p in model.parameters()), *model.buffers()]
+    return [(t, t.data_ptr()) for t in tensors]
+
+
+def test_placement_keeps_every_parameter_and_buffer(threaded: bool) -> None:
+    """Every CPU device ('cpu', 'cpu:0', 'cpu:1', ...) is the one CPU memory:
+    nothing is copied, so every tensor is the object it was, with its data."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU(),
+                          nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    model(torch.randn(5, 3)).sum().backward()  # gradients and statistics to keep
+    before = tensors_and_grads(model)
+
+    gpipe = GPipe(model, [2, 2, 2], devices=cpu_devices(3, threaded))
+
+    after = tensors_and_grads(model)
+    assert all(a is b and a_ptr == b_ptr for (a, a_ptr), (b, b_ptr) in zip(after, before))
+    assert all(a is b for (a, _), (b, _) in zip(tensors_and_grads(gpipe), before))
+
+
+class AddShift(nn.Module):
+    """Adds a buffer it shares with another module (not in its state dict)."""
+
+    def __init__(self, shift: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer('shift', shift, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.shift
+
+
+class Shifted(nn.Module):
+    """A model whose buffer is held by a layer of its pipeline too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer('shift', torch.zeros(4))
+        self.body = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), AddShift(self.shift),
+                                  nn.Linear(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def changed_state(model: nn.Module) -> dict:
+    return {key: torch.randn_like(value) for key, value in model.state_dict().items()}
+
+
+def test_loading_the_original_after_wrapping_reaches_the_pipeline(threaded: bool) -> None:
+    model = Shifted()
+    gpipe = GPipe(model.body, [2, 2], devices=cpu_devices(2, threaded), chunks=2)
+    assert gpipe[2].shift is model.shift
+
+    model.load_state_dict(changed_state(model))
+    x = torch.randn(6, 4)
+    torch.testing.assert_close(gpipe(x), model(x), rtol=0, atol=0)
+
+
+class GlueShift(nn.Module):
+    """A buffer read by code between layers: to_sequential's generated child holds it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 4)
+        self.fc2 = nn.Linear(4, 4)
+        self.fc3 = nn.Linear(4, 4)
+        self.register_buffer('shift', torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(torch.tanh(self.fc2(self.fc1(x) + self.shift)))
+
+
+@pytest.mark.parametrize('cut', [1, 2, 3])
+def test_loading_the_original_reaches_a_generated_child(cut: int, threaded: bool) -> None:
+    """A checkpoint loaded into the original model after wrapping its
+    flattened sequential changes the pipeline as it changes the original,
+    wherever the balance cuts."""
+    model = GlueShift()
+    seq = to_sequential(model)
+    balance = [cut, len(seq) - cut]
+    gpipe = GPipe(seq, balance, devices=cpu_devices(2, threaded), chunks=3)
+    x = torch.randn(6, 4)
+    torch.testing.assert_close(gpipe(x), model(x))
+
+    model.load_state_dict(changed_state(model))
+    torch.testing.assert_close(gpipe(x), model(x))
+
+
+def test_a_tensor_that_moves_keeps_its_object(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tensor in another memory than its partition's device (CPU to CUDA)
+    moves in place: every module holding it sees it moved. Here a copy to
+    'cpu:1' stands in for a move, by denying that CPU devices share memory."""
+    from torchgpipe import placement
+    monkeypatch.setattr(placement, 'same_memory', lambda a, b: False)
+
+    model = Shifted()
+    model.body(torch.randn(2, 4)).sum().backward()
+    before = tensors_and_grads(model)
+    values = [t.clone() for t, _ in before]
+
+    placement.place(model.body, torch.device('cpu:1'))
+
+    after = tensors_and_grads(model)
+    assert all(a is b for (a, _), (b, _) in zip(after, before))
+    assert all(a_ptr != b_ptr for (_, a_ptr), (_, b_ptr) in zip(after, before))
+    assert all(torch.equal(t, v) for (t, _), v in zip(after, values))
+    assert model.body[2].shift is model.shift
+    assert model.body[0].weight.grad is before[0][0].grad

@@ -31,7 +31,10 @@ class GPipe(nn.Module):
     .. _GPipe: https://arxiv.org/abs/1811.06965
 
     The children of ``module`` are split into consecutive partitions, the
-    ``j``-th holding ``balance[j]`` layers on ``devices[j]``. Each mini-batch
+    ``j``-th holding ``balance[j]`` layers on ``devices[j]``; their
+    parameters and buffers move there in place, each staying the tensor
+    object it was, and one already in that device's memory (every CPU
+    device is one memory) is not copied. Each mini-batch
     is split into ``chunks`` micro-batches that flow through the partitions
     one clock cycle apart, so the devices work at the same time; activations
     inside a partition are dropped after the forward pass and recomputed for

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from torchgpipe._validation import describe
 from torchgpipe.nochunk import PLAIN_TYPES, Layout, NoChunk
+from torchgpipe.placement import same_memory
 
 __all__ = ['NoChunk']
 
@@ -391,11 +392,12 @@ def map_tensors(function: Callable[[Tensor], Tensor], values: TensorOrTensors) -
 def move(batches: List[Batch], device: torch.device) -> None:
     """Moves the micro-batches to ``device``, in place, by differentiable copies.
 
-    Nothing is done when the first micro-batch is there already. A
+    Nothing is done when the first micro-batch is in the memory of
+    ``device`` already (on the CPU, for any CPU device). A
     :class:`~torchgpipe.NoChunk` tensor, shared by every micro-batch, is
     moved once, and stays shared.
     """
-    if all(x.device == device for x in batches[0]):
+    if all(same_memory(x.device, device) for x in batches[0]):
         return
     moved: Dict[int, Tensor] = {}
     for batch in batches:

@@ -24,9 +24,13 @@ def split_module(module: nn.Sequential, balance: Iterable[int],
 
     Every argument is checked before the first layer moves.
 
-    A parameter used by layers of several partitions (tied weights) stays
-    with its first partition; the layers of later partitions use a copy of
-    it on their device, made at each call (see :ref:`guide-tied-weights`).
+    Every parameter and buffer moves in place, keeping its object (a module
+    of the user's holding it sees it moved), and one already in the memory
+    of its partition's device (any CPU device, for a tensor on the CPU) is
+    not copied. A parameter used by layers of several partitions (tied
+    weights) stays with its first partition; the layers of later partitions
+    use it, or a copy of it made at each call if their device is in another
+    memory (see :ref:`guide-tied-weights`).
 
     Args:
         module (nn.Sequential): the module to split

@@ -6,10 +6,12 @@ the parameter itself, owned by the layer of its first partition, on that
 partition's device. The layers of later partitions own nothing of it: their
 slot is emptied (``None`` in ``_parameters``), so that ``parameters()``, the
 state of an optimizer and DistributedDataParallel see the master alone, once.
-Such a layer holds the master as a plain attribute between calls, and a
-differentiable copy of it on its own device during a call of its partition:
-the gradient of every use flows back through its copy into the master and is
-summed there, as in the unwrapped model.
+Such a layer holds the master as a plain attribute between calls. During a
+call of its partition it uses the master itself if the master is in the
+memory of its device (every CPU device is one memory), else a differentiable
+copy of it on its device (another CUDA device): the gradient of every use
+flows back, through its copy if there is one, into the master and is summed
+there, as in the unwrapped model.
 
 A buffer cannot be shared this way: a layer changes its buffers in place
 (BatchNorm's running statistics), and a copy would not carry the change back.
@@ -20,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from torchgpipe._validation import describe
+from torchgpipe.placement import place, same_memory
 
 __all__: List[str] = []
 
@@ -65,7 +68,7 @@ class TiedUses:
         return tuple({id(p): p for p in (use.master() for use in self.uses)}.values())
 
     def lend(self, partition: nn.Module, input: Any) -> None:
-        """Forward pre-hook: gives each use a copy of its master on this device."""
+        """Forward pre-hook: gives each use its master, or a copy of it on this device."""
         # A copy per call of the partition, that is per micro-batch and per
         # pass, rather than one per forward: made inside the call, it follows
         # the grad mode of the pass (none in the no_grad first pass of a
@@ -73,13 +76,15 @@ class TiedUses:
         # recomputation, in the backward thread, and in an uncheckpointed
         # call, in a worker thread), and belongs to that micro-batch's graph
         # alone, freed with it. A copy made once per forward, outside the
-        # passes, would be in no recomputed graph. On the master's own device
-        # the "copy" is the master itself, as in the unwrapped model.
+        # passes, would be in no recomputed graph. In the master's own
+        # memory (any CPU device, when the master is on the CPU) the "copy"
+        # is the master itself, as in the unwrapped model.
         copies: Dict[int, Tensor] = {}
         for use in self.uses:
             master = use.master()
             if id(master) not in copies:
-                copies[id(master)] = master.to(self.device)
+                copies[id(master)] = (master if same_memory(master.device, self.device)
+                                      else master.to(self.device))
             # Past nn.Module.__setattr__, which would register a parameter.
             object.__setattr__(use.user, use.user_name, copies[id(master)])
 
@@ -170,6 +175,11 @@ def place_partitions(partitions: Sequence[nn.Module], devices: Sequence[torch.de
     """Moves each partition to its device; a parameter shared across
     partitions stays with the first, and the later ones borrow it.
 
+    Every tensor keeps its object (:func:`~torchgpipe.placement.place`): one
+    already in the memory of its partition's device (any CPU device, for a
+    tensor on the CPU) is left as it is, one that must move (CPU to CUDA)
+    moves in place, so the user's modules holding it see it moved.
+
     Args:
         partitions: the partitions, not moved yet
         devices: the device of each partition
@@ -200,9 +210,9 @@ def place_partitions(partitions: Sequence[nn.Module], devices: Sequence[torch.de
             tied.load)
 
     for partition, device in zip(partitions, devices):
-        partition.to(device)
-    # After moving: a move to another kind of device (CPU to CUDA) makes a
-    # new master.
+        place(partition, device)
+    # After moving: a move to a device whose tensors cannot take another's
+    # data in place (the 'meta' device) makes a new master.
     for tied in all_tied:
         tied.hold_masters()
 

@@ -14,6 +14,7 @@ from torchgpipe.batchnorm import DeferredBatchNorm, deferred_step
 from torchgpipe.distributed.blocks import Blocks
 from torchgpipe.distributed.wire import Channels, Wire
 from torchgpipe.microbatch import TensorOrTensors
+from torchgpipe.placement import place
 from torchgpipe.schedule import SCHEDULES, checkpoint_stop
 from torchgpipe.skip.layout import inspect_skip_layout
 from torchgpipe.skip.skippable import verify_skippables
@@ -133,8 +134,11 @@ class DistributedGPipe(nn.Module):
                         if route[0] != route[1]}
         self._skip_layout = layout
         # The layers of the other partitions are dropped with ``module``.
+        # Placed in place: a tensor of the user's model stays the one the
+        # user holds (see torchgpipe.placement).
         for name, layer in partitions[self.rank].named_children():
-            self.add_module(name, layer.to(self.device))
+            place(layer, self.device)
+            self.add_module(name, layer)
         self._others = [name for j, p in enumerate(partitions) if j != self.rank
                         for name, _ in p.named_children()]
         self._deferred_batch_norms = [m for m in self.modules()
