@@ -296,3 +296,48 @@ def test_two_later_uses_of_one_master(checkpoint: str, threaded: bool) -> None:
         model, lambda m: GPipe(m, [2, 3], devices=cpu_devices(2, threaded), chunks=3,
                                checkpoint=checkpoint),
         torch.randn(BATCH, DIM))
+
+
+
+def tied_step(devices: List[str], dtype: torch.dtype, checkpoint: str,
+              how: str) -> List[Tensor]:
+    """The output, then every gradient, of one step of a model whose
+    embedding and head are tied across four partitions."""
+    torch.manual_seed(0)
+    embedding = nn.Embedding(VOCAB, DIM)
+    head = nn.Linear(DIM, VOCAB)
+    head.weight = embedding.weight
+    model = nn.Sequential(embedding, nn.Linear(DIM, DIM), nn.Tanh(), nn.Linear(DIM, DIM),
+                          nn.Tanh(), nn.Linear(DIM, DIM), nn.Tanh(), head).to(dtype)
+    gpipe = GPipe(model, [2, 2, 2, 2], devices=devices, chunks=4, checkpoint=checkpoint)
+    x = torch.randint(VOCAB, (4 * BATCH,))
+    if how == 'backward':
+        output = gpipe(x)
+        output.logsumexp(1).mean().backward()
+    else:
+        output = gpipe.train_step(x, x, nn.functional.cross_entropy)
+    assert gpipe[7].weight is gpipe[0].weight
+    return [output.detach(), *(p.grad for p in gpipe.parameters())]
+
+
+@pytest.mark.parametrize('how', ['backward', 'train_step'])
+@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
+@pytest.mark.parametrize('dtype', [torch.float64, torch.float32], ids=['float64', 'float32'])
+def test_both_paths_bit_for_bit_but_the_tied_gradient(dtype: torch.dtype, checkpoint: str,
+                                                      how: str) -> None:
+    """With one thread and with a worker thread per device, the output and
+    every gradient are the same bits, but the tied parameter's: the same
+    terms (its uses in two partitions, four micro-batches each), added by
+    the autograd engine in the order its nodes run, which differs between
+    threads (docs/guide.rst, "Random numbers and determinism"). The tied
+    master is used as itself on every CPU device, never through a copy."""
+    inline = tied_step(cpu_devices(4, threaded=False), dtype, checkpoint, how)
+    threads = tied_step(cpu_devices(4, threaded=True), dtype, checkpoint, how)
+    assert len(inline) == len(threads) == 1 + 8
+    assert torch.equal(inline[0], threads[0])
+    # The master is parameters()[0]; it may differ in its last bits.
+    scale = inline[1].abs().max().item()
+    torch.testing.assert_close(inline[1], threads[1], rtol=0,
+                               atol=8 * torch.finfo(dtype).eps * scale)
+    for a, b in zip(inline[2:], threads[2:]):
+        assert torch.equal(a, b)
