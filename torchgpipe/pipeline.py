@@ -12,9 +12,12 @@ device in the same order on every run::
     dev 2                  F(0,2)  F(1,2)  F(2,2)
 
 With a worker thread per device, tasks that draw from the CPU generator take
-turns in that same order, so random numbers are drawn as on one thread (see
-:mod:`torchgpipe.rng`).
+turns in that same order, so random numbers are drawn as on one thread. On
+either path, each holds the CPU generator while it runs, so that tasks of
+another pipeline, in another thread, cannot draw between a first pass and
+the state its recomputation replays (see :mod:`torchgpipe.rng`).
 """
+import functools
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, TypeVar, cast
 
 import torch
@@ -25,7 +28,7 @@ from torchgpipe.checkpoint import Checkpointing
 from torchgpipe.copy import Copy, Wait
 from torchgpipe.dependency import fork, join
 from torchgpipe.microbatch import Batch, TensorOrTensors, check
-from torchgpipe.rng import Turns, cpu_rng_state, training_flags
+from torchgpipe.rng import Turns, cpu_generator_held, cpu_rng_state, training_flags
 from torchgpipe.skip.layout import SkipLayout
 from torchgpipe.skip.tracker import SkipTracker, SkipTrackerThroughPortals, use_skip_tracker
 from torchgpipe.stream import AbstractStream, is_cuda, use_device, use_stream
@@ -137,7 +140,8 @@ class Pipeline:
         # On one thread, tasks draw random numbers in issue order by nature.
         # With worker threads, a partition's tasks take turns with the CPU
         # generator if it draws from it (True), run freely if not (False),
-        # and run alone, to find out, if that is not known yet (None).
+        # and take turns and watch it, to find out, if that is not known
+        # yet (None).
         self.turns: Optional[Turns] = None
         self.rng_keys: List[Tuple[bool, ...]] = []
         if len(distinct_devices(devices)) > 1:
@@ -147,7 +151,8 @@ class Pipeline:
     def draws_random(self, j: int) -> Optional[bool]:
         """Whether partition ``j`` draws from the CPU generator, if known."""
         if self.turns is None:
-            # Nothing runs concurrently: every recomputation may draw.
+            # No task of this pipeline runs beside another: nothing is
+            # learned, and every task may draw (and holds the generator).
             return True
         return self.traits[j].draws(self.rng_keys[j])
 
@@ -160,15 +165,7 @@ class Pipeline:
         with spawn_workers(self.devices) as (in_queues, out_queues):
             for schedule in clock_cycles(m, n):
                 self.fence(schedule)
-                if all(self.draws_random(j) is not None for _, j in schedule):
-                    self.compute(schedule, in_queues, out_queues)
-                    continue
-                # Task by task, so that a change of the CPU generator's state
-                # is the doing of the task that just ran.
-                for i, j in schedule:
-                    before = cpu_rng_state()
-                    self.compute([(i, j)], in_queues, out_queues)
-                    self.traits[j].learn_draws(self.rng_keys[j], before)
+                self.compute(schedule, in_queues, out_queues)
 
     def fence(self, schedule: List[Tuple[int, int]]) -> None:
         """Issues the dependencies and copies the tasks of a clock cycle need."""
@@ -237,8 +234,13 @@ class Pipeline:
             if recorder is not None:
                 boundaries[i] = [x.grad_fn for x in batch if x.grad_fn is not None]
                 compute = recorder.timed('forward', i, j, self.devices[j], compute)
-            if self.turns is not None and draws is not False:
-                compute = self.turns.take(compute)
+            if draws is not False:
+                # The lock inside the turn: never held while waiting for it.
+                learn = (functools.partial(self.traits[j].learn_draws, self.rng_keys[j])
+                         if draws is None else None)
+                compute = holding_cpu_generator(compute, learn)
+                if self.turns is not None:
+                    compute = self.turns.take(compute)
             in_queues[j].put(Task(streams[j], compute=compute, finalize=finalize))
 
         # Collect every result of the cycle, even after a failure, so no task
@@ -293,6 +295,35 @@ def batch_call(batch: Batch,
                function: Callable[[TensorOrTensors], TensorOrTensors]) -> Callable[[], Batch]:
     """Binds ``batch.call(function)`` for a worker."""
     return lambda: batch.call(function)
+
+
+def holding_cpu_generator(compute: Callable[[], T],
+                          learn: Optional[Callable[[Tensor], object]]) -> Callable[[], T]:
+    """Wraps a task that may draw from the CPU generator to hold it while it runs.
+
+    A checkpointed first pass saves the generator's state, then draws; the
+    lock, held throughout, keeps every other pipeline's tasks from drawing
+    in between, so that the recomputation replays exactly (see
+    :mod:`torchgpipe.rng`). The task waits for nothing of another task.
+
+    Args:
+        compute: the task
+        learn: for a partition not known yet to draw or not, called with the
+            generator's state before the task, once it ran, still holding
+            the generator: any change of the state is the task's doing
+
+    Returns:
+        the task, holding the generator while it runs
+    """
+    def run() -> T:
+        with cpu_generator_held(True):
+            if learn is None:
+                return compute()
+            before = cpu_rng_state()
+            output = compute()
+            learn(before)
+            return output
+    return run
 
 
 def labelled(task: Tuple[int, int], function: Callable[[], T]) -> Callable[[], T]:

@@ -1,7 +1,8 @@
 """Random numbers in the pipeline: replayed by recomputations, drawn in one order.
 
 PyTorch has one CPU generator per process, shared by every thread, and one
-generator per CUDA device. Two promises rest on them:
+generator per CUDA device. Two promises rest on them (1 and 2), kept across
+threads by two rules (3 and 4):
 
 1. **Replay.** A recomputation draws exactly the random numbers its first pass
    drew. The first pass saves the CPU generator's state (and its CUDA
@@ -20,19 +21,47 @@ generator per CUDA device. Two promises rest on them:
    single-thread run. Tasks that draw nothing run freely.
 
    Which partitions draw is learned, not guessed: the first time a partition
-   runs (for each setting of its modules' ``training`` flags), its task runs
-   alone, and the pipeline compares the CPU generator's state before and
-   after. A CUDA device's generator needs no turns: only
-   its own worker draws from it, in issue order.
+   runs (for each setting of its modules' ``training`` flags), its task
+   compares the CPU generator's state before and after it, holding the
+   generator (point 3). A CUDA device's generator needs no turns: only its
+   own worker draws from it, in issue order.
 
-   A recomputation that draws from the CPU generator holds
-   :data:`cpu_generator_lock`: on CUDA, the autograd engine runs the backward
-   of each device in its own thread, so recomputations of different devices
-   could otherwise interleave. One of a partition known to draw nothing from
-   it leaves the CPU generator alone: swapping its state, even for a moment,
-   would change the numbers of a recomputation drawing meanwhile.
+3. **One holder at a time, across pipelines.** Turns order the tasks of one
+   pipeline; other pipelines, in other threads, draw from the same CPU
+   generator. A recomputation restores the state its first pass saved: if
+   another task drew between that save and the first pass's last draw, the
+   recomputation replays other numbers (another dropout mask), silently. So
+   every task that may draw from the CPU generator holds
+   :data:`cpu_generator_lock` while it runs (:func:`cpu_generator_held`),
+   on either path and in either engine: a first pass from before it saves
+   the state until after its last draw, an uncheckpointed pass, a probe
+   that learns whether its partition draws (its look at the state
+   included), and a recomputation (on CUDA, the autograd engine runs the
+   backward of each device in its own thread, and recomputations of
+   different devices could otherwise interleave). It takes the lock last,
+   after its turn and after anything it waits for from another task, and
+   waits for nothing while holding it: no two tasks can wait for each other.
 
-3. **No deadlock with the GIL.** PyTorch guards each generator with a C++
+   Tasks of a partition known to draw nothing take no lock, so they never
+   wait for another pipeline: that keeps the worker threads overlapping. A
+   recomputation of such a partition leaves the CPU generator alone:
+   swapping its state, even for a moment, would change the numbers of a
+   task drawing meanwhile.
+
+   A pipeline may run inside a task that holds the lock (a GPipe nested in
+   a partition of another): its worker threads would wait for ever for a
+   lock their caller holds while it waits for them. So workers take the
+   caller's hold with them, as they take its grad mode and autocast state
+   (:func:`holding_for_caller`): their tasks draw under it, in the turns of
+   their own pipeline, while the caller waits.
+
+   The lock only orders the library's own tasks. A thread that draws from
+   the CPU generator outside any pipeline (``torch.randn`` in a data
+   loading thread, say) can draw between a first pass's save and its
+   draws, and no library can replay that: such a thread should draw from a
+   :class:`torch.Generator` of its own.
+
+4. **No deadlock with the GIL.** PyTorch guards each generator with a C++
    mutex. Reading a state (``torch.get_rng_state()``) holds that mutex while
    it wraps the state in a new Python tensor, which may start the garbage
    collector, which may run Python code and hand the GIL to another thread.
@@ -52,7 +81,7 @@ generator per CUDA device. Two promises rest on them:
 """
 import threading
 from contextlib import contextmanager
-from typing import Callable, Generator, List, Optional, Tuple, TypeVar
+from typing import Any, Callable, ContextManager, Generator, List, Optional, Tuple, TypeVar, cast
 
 import torch
 from torch import Tensor, nn
@@ -62,10 +91,14 @@ __all__: List[str] = []
 #: The CPU generator's state, and the CUDA device's if the task runs on one.
 RNGStates = Tuple[Tensor, Optional[Tensor]]
 
-#: Held by a recomputation while it draws from the CPU generator.
+#: Held by every task while it may draw from the CPU generator (see point 3 above).
+#: Reentrant: a partition may run a checkpoint of its own inside its task.
 cpu_generator_lock = threading.RLock()
 
-#: Held around every read or write of a generator's state (see point 3 above).
+#: ``held`` is true in a worker thread started by a thread that held the lock.
+_caller = threading.local()
+
+#: Held around every read or write of a generator's state (see point 4 above).
 state_lock = threading.Lock()
 
 T = TypeVar('T')
@@ -112,7 +145,7 @@ def restore_rng_states(device: torch.device, states: RNGStates, *,
         # Nothing to replay: no device generator, and the CPU one left alone.
         yield
         return
-    with cpu_generator_lock if exclusive else _NO_LOCK:
+    with cpu_generator_held(exclusive):
         # States saved on a CUDA device come with its generator's state.
         saved: Tuple[Optional[Tensor], Optional[Tensor]] = save_rng_states(device)
         replayed: Tuple[Optional[Tensor], Optional[Tensor]] = states
@@ -137,6 +170,55 @@ class _NoLock:
 
 
 _NO_LOCK = _NoLock()
+
+
+def cpu_generator_held(may_draw: bool) -> ContextManager[object]:
+    """What a task holds while it runs: :data:`cpu_generator_lock`, if it may draw from it.
+
+    Both engines run every task in it, and every recomputation
+    (:func:`restore_rng_states`): the one rule of point 3 above. Enter it
+    only once the task's turn has come and all it waits for from other
+    tasks is there; inside, wait for nothing.
+
+    Args:
+        may_draw: whether the task may draw from the CPU generator: false
+            only for a partition known to draw nothing, whose task then
+            holds nothing and runs beside any other
+
+    Returns:
+        the context to run the task in
+    """
+    if not may_draw or getattr(_caller, 'held', False):
+        # A worker of a caller holding the lock draws under its hold.
+        return _NO_LOCK
+    return cpu_generator_lock
+
+
+def cpu_generator_owned() -> bool:
+    """Whether the calling thread holds the CPU generator: its lock, or its caller's hold.
+
+    Read in the thread that starts worker threads, and given to
+    :func:`holding_for_caller` in each of them.
+    """
+    return bool(getattr(_caller, 'held', False)) or cast(Any, cpu_generator_lock)._is_owned()
+
+
+@contextmanager
+def holding_for_caller(held: bool) -> Generator[None, None, None]:
+    """Runs a worker thread's tasks under its caller's hold of the CPU generator, if any.
+
+    The caller waits for its workers while it holds the generator: they
+    must not wait for it (see point 3 above).
+
+    Args:
+        held: what :func:`cpu_generator_owned` said in the thread that
+            started the worker
+    """
+    _caller.held = held
+    try:
+        yield
+    finally:
+        _caller.held = False
 
 
 def training_flags(module: nn.Module) -> Tuple[bool, ...]:

@@ -39,8 +39,8 @@ from torchgpipe.phase import enable_checkpointing, enable_recomputing
 from torchgpipe import microbatch
 from torchgpipe.microbatch import Batch, TensorOrTensors
 from torchgpipe.pipeline import partition_function
-from torchgpipe.rng import RNGStates, cpu_generator_lock, cpu_rng_state, restore_rng_states, \
-    save_rng_states, training_flags
+from torchgpipe.rng import RNGStates, cpu_generator_held, cpu_generator_owned, cpu_rng_state, \
+    holding_for_caller, restore_rng_states, save_rng_states, training_flags
 from torchgpipe.schedule import Action, clock_order
 from torchgpipe.skip.layout import SkipLayout
 from torchgpipe.stream import use_device
@@ -312,14 +312,15 @@ class Step:
     def random_lock(self, j: int) -> ContextManager[Any]:
         """Holds the CPU generator while partition ``j`` runs a forward pass, if it may draw.
 
-        With workers, a recomputation elsewhere swaps the generator's state
-        for its own while it runs: a forward pass that draws must not run
-        meanwhile.
+        On either path: a recomputation elsewhere (on another worker, or of
+        another pipeline in another thread) swaps the generator's state for
+        its own while it runs, and a task of another pipeline could draw
+        between a checkpointed pass's save of the state and its draws, so
+        a forward pass that may draw holds the generator throughout.
         """
-        if not self.threaded or self.draws_random(j) is False:
-            return nullcontext()
-        # Taken after the input came: never held while waiting for another worker.
-        return cpu_generator_lock
+        # Taken after the turn and the input came: never held while waiting
+        # for another worker.
+        return cpu_generator_held(self.draws_random(j) is not False)
 
     def run(self) -> Optional[Tensor]:
         """Runs the step; returns the loss of the mini-batch, without graph.
@@ -371,10 +372,12 @@ class Step:
         failures: List[Tuple[int, ExcInfo]] = []
         grad_mode = torch.is_grad_enabled()
         autocast_states = save_autocast_states()
+        held = cpu_generator_owned()
 
         def worker(device: torch.device, works: List[Tuple[int, Callable[[], None]]]) -> None:
             torch.set_grad_enabled(grad_mode)
-            with use_device(device), restore_autocast_states(autocast_states):
+            with use_device(device), restore_autocast_states(autocast_states), \
+                    holding_for_caller(held):
                 for index, work in works:
                     if self.mailbox.stopped:
                         return

@@ -9,7 +9,9 @@ which spares a thread switch per task.
 
 Grad mode and autocast are thread-local in PyTorch; a new thread starts with
 grad enabled and autocast off. The workers take both from the caller, so
-``torch.no_grad()`` and ``torch.autocast()`` around a GPipe call work.
+``torch.no_grad()`` and ``torch.autocast()`` around a GPipe call work. They
+take its hold of the CPU generator too: a GPipe inside a partition of
+another runs while its caller holds it (see :mod:`torchgpipe.rng`).
 
 CPU devices with distinct indices (``'cpu:0'``, ``'cpu:1'``) count as distinct
 devices: their partitions get threads of their own and may run concurrently.
@@ -28,6 +30,7 @@ import torch
 
 from torchgpipe.autocast import AutocastStates, restore_autocast_states, save_autocast_states
 from torchgpipe.microbatch import Batch
+from torchgpipe.rng import cpu_generator_owned, holding_for_caller
 from torchgpipe.stream import AbstractStream, use_device, use_stream
 
 __all__: List[str] = []
@@ -91,10 +94,16 @@ def run(task: Task) -> Result:
 
 
 def worker(in_queue: 'Queue[Optional[Task]]', out_queue: 'Queue[Result]', device: torch.device,
-           grad_mode: bool, autocast_states: AutocastStates, stopping: threading.Event) -> None:
-    """The main loop of a worker thread: computes tasks until it gets ``None``, or is stopped."""
+           grad_mode: bool, autocast_states: AutocastStates, stopping: threading.Event,
+           held: bool) -> None:
+    """The main loop of a worker thread: computes tasks until it gets ``None``, or is stopped.
+
+    If ``held``, the caller holds the CPU generator while it waits for the
+    tasks: they draw under its hold.
+    """
     torch.set_grad_enabled(grad_mode)
-    with use_device(device), restore_autocast_states(autocast_states):
+    with use_device(device), restore_autocast_states(autocast_states), \
+            holding_for_caller(held):
         while True:
             task = in_queue.get()
             if task is None or stopping.is_set():
@@ -221,10 +230,11 @@ def spawn_workers(devices: Iterable[torch.device],
     crew = Crew()
     grad_mode = torch.is_grad_enabled()
     autocast_states = save_autocast_states()
+    held = cpu_generator_owned()
     try:
         for device in distinct:
             crew.start(functools.partial(worker, *queues[device], device, grad_mode,
-                                         autocast_states, crew.stopping),
+                                         autocast_states, crew.stopping, held),
                        name=f'torchgpipe worker ({device})')
         yield ([queues[d][0] for d in devices], [queues[d][1] for d in devices])
     finally:
