@@ -290,6 +290,27 @@ def test_backward_hook_of_the_model_is_refused() -> None:
         to_sequential(model)
 
 
+def test_hooks_of_a_model_fx_calls_through_a_wrapper_are_refused_before_tracing() -> None:
+    class KeywordOnly(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(W, W)
+
+        def forward(self, x: Tensor, *, scale: float = 1.0) -> Tensor:
+            return self.fc(x) * scale
+
+    model = KeywordOnly()
+    model.register_forward_hook(forward_hook)
+    with pytest.raises(RuntimeError, match=r'^torch.fx cannot trace the hooks of a module whose '
+                                           r'forward takes .* keyword-only arguments '
+                                           r'\(module: KeywordOnly with hooks\)'):
+        to_sequential(model)
+    # torch.export runs them.
+    x = torch.randn(4, W)
+    seq = to_sequential(model, example_inputs=x[:2])
+    torch.testing.assert_close(seq(x), model(x))
+
+
 # Also: what the interface and the example are given.
 
 def test_fx_outputs_are_plain_dicts_and_lists() -> None:

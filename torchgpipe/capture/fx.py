@@ -71,23 +71,39 @@ class Tracer(fx.Tracer):
             return fn, args
         # fx calls the root's forward, not the root: its own hooks would be
         # left out. Called through nn.Module's call, they are traced too.
-        if self.root._backward_pre_hooks or self.root._backward_hooks:
-            raise RuntimeError(describe(
-                'to_sequential cannot capture backward hooks of the module itself',
-                f'module: {type(self.root).__name__} with backward hooks',
-                'register them on a submodule, which then stays whole, or on the tensors'))
-        if fn is not root_fn:
-            raise RuntimeError(describe(
-                'torch.fx cannot trace the hooks of a module whose forward takes *args, '
-                '**kwargs or nested inputs', f'module: {type(self.root).__name__} with hooks',
-                'give an example input to capture it with torch.export, which runs them'))
+        # check_root_hooks refused what fx would have wrapped (*args, **kwargs).
+        assert fn is root_fn, 'a root with hooks whose forward fx wraps'
         call: Callable[..., Any] = nn.Module._call_impl
         return (lambda module, *inputs: call(module, *inputs)), args
+
+
+def check_root_hooks(module: nn.Module) -> None:
+    """Refuses hooks of the module itself that its trace cannot run, before tracing.
+
+    Raises:
+        RuntimeError: the module has backward hooks, or hooks and a
+            ``forward`` that takes ``*args``, ``**kwargs`` or keyword-only
+            arguments (which fx calls through a wrapper of its own)
+    """
+    if module._backward_pre_hooks or module._backward_hooks:
+        raise RuntimeError(describe(
+            'to_sequential cannot capture backward hooks of the module itself',
+            f'module: {type(module).__name__} with backward hooks',
+            'register them on a submodule, which then stays whole, or on the tensors'))
+    kinds = {p.kind for p in inspect.signature(module.forward).parameters.values()}
+    if has_hooks(module) and kinds & {inspect.Parameter.VAR_POSITIONAL,
+                                      inspect.Parameter.VAR_KEYWORD,
+                                      inspect.Parameter.KEYWORD_ONLY}:
+        raise RuntimeError(describe(
+            'torch.fx cannot trace the hooks of a module whose forward takes *args, '
+            '**kwargs or keyword-only arguments', f'module: {type(module).__name__} with hooks',
+            'give an example input to capture it with torch.export, which runs them'))
 
 
 def capture(module: nn.Module, leaves: List[LeafSpec],
                 concrete_args: Optional[Dict[str, Any]]) -> Captured:
     """Traces ``module`` with :mod:`torch.fx`, with symbolic values: no example needed."""
+    check_root_hooks(module)
     tracer = Tracer(leaves)
     # Called as the module is usually called: an argument with a default
     # (mask=None, is_causal=False) takes it, unless concrete_args says else.
