@@ -160,6 +160,54 @@ def test_demo_matches_the_unwrapped_model_on_both_paths(
     assert 'OK: on both paths' in out, out
 
 
+# The documented spelling, run as a user's script would: `import torchgpipe`
+# and nothing else of the package before torchgpipe.distributed.train_step.
+DOCUMENTED_SPELLING = """
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import torchgpipe
+
+assert 'torchgpipe.distributed' not in sys.modules, 'loaded by import torchgpipe'
+with tempfile.NamedTemporaryFile() as store:
+    dist.init_process_group('gloo', init_method=f'file://{store.name}', rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+        gpipe = torchgpipe.GPipe(model, balance=[2, 1], devices=['cpu', 'cpu'], chunks=2)
+        ddp = DistributedDataParallel(gpipe)
+        input, target = torch.randn(6, 4), torch.tensor([0, 1, 2, 0, 1, 2])
+        loss = torchgpipe.distributed.train_step(ddp, input, target, F.cross_entropy,
+                                                 schedule='1f1b')
+        assert torch.allclose(loss, F.cross_entropy(model(input), target))
+    finally:
+        dist.destroy_process_group()
+print('trained through torchgpipe.distributed.train_step')
+"""
+
+
+def test_documented_spelling_of_distributed_train_step_runs_after_import_torchgpipe() -> None:
+    """README.md, docs/scaling_out.rst and the error of ``gpipe.train_step``
+    under DDP write ``torchgpipe.distributed.train_step(...)``: it works
+    after ``import torchgpipe`` alone, in a fresh process, and that import
+    does not load the submodule before it is used."""
+    import subprocess
+    import sys
+
+    for path in ['README.md', os.path.join('docs', 'scaling_out.rst')]:
+        assert 'torchgpipe.distributed.train_step(' in read(path), path
+    done = subprocess.run([sys.executable, '-c', DOCUMENTED_SPELLING], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert 'trained through torchgpipe.distributed.train_step' in done.stdout
+
+
 # -- docstrings ----------------------------------------------------------------
 
 def package_modules() -> List[str]:
