@@ -208,6 +208,18 @@ def test_documented_spelling_of_distributed_train_step_runs_after_import_torchgp
     assert 'trained through torchgpipe.distributed.train_step' in done.stdout
 
 
+def test_front_pages_tour_the_tools_beyond_gpipe() -> None:
+    """A newcomer reads the index and getting started first: both name each
+    tool past the plain GPipe, with a link to the page that explains it."""
+    tools = {'to_sequential': 'any_model', 'train_step': 'schedules', 'trace': 'timeline',
+             'DistributedGPipe': 'scaling_out'}
+    for page in ['index.rst', 'getting_started.rst']:
+        text = read(os.path.join('docs', page))
+        for name, target in tools.items():
+            assert re.search(r':(func|meth|class):`[^`]*\b' + name + '>?`', text), (page, name)
+            assert f':doc:`{target}`' in text, (page, target)
+
+
 # -- docstrings ----------------------------------------------------------------
 
 def package_modules() -> List[str]:
