@@ -220,6 +220,33 @@ def test_front_pages_tour_the_tools_beyond_gpipe() -> None:
             assert f':doc:`{target}`' in text, (page, target)
 
 
+def user_pages() -> List[str]:
+    """The pages of the index's table of contents captioned "User documentation"."""
+    toc = re.search(r'^\.\. toctree::\n(?:   :.*\n)*?   :caption: User documentation\n'
+                    r'(?:   :.*\n)*\n((?:   \S.*\n)+)', read(os.path.join('docs', 'index.rst')),
+                    re.M)
+    assert toc, 'the user documentation table of contents of docs/index.rst'
+    return [os.path.join('docs', name.strip() + '.rst') for name in toc.group(1).splitlines()]
+
+
+def test_user_pages_leave_maintainer_material_to_internals() -> None:
+    """How a fault of PyTorch was found (gdb), stress counts and their
+    statistics, and which wheels install together are for maintainers:
+    docs/internals.rst holds them. What users need is said plainly, such as
+    that the NCCL path is untested."""
+    pages = user_pages()
+    assert len(pages) >= 8 and os.path.join('docs', 'scaling_out.rst') in pages, pages
+    maintainer = ['gdb', "Fisher's exact", 'stress_ddp_exit', "project's machines",
+                  'core of an aborted', 'Python Package Index is built']
+    for page in pages:
+        text = ' '.join(read(page).split())
+        assert not [m for m in maintainer if m in text], page
+    internals = ' '.join(read(os.path.join('docs', 'internals.rst')).split())
+    assert 'gdb' in internals and "Fisher's exact" in internals
+    scaling_out = ' '.join(read(os.path.join('docs', 'scaling_out.rst')).split())
+    assert 'This path is untested' in scaling_out and 'NCCL is untested' in scaling_out
+
+
 # -- docstrings ----------------------------------------------------------------
 
 def package_modules() -> List[str]:
