@@ -67,3 +67,28 @@ def test_ci_reads_one_set_up_command_per_extra() -> None:
     assert result.returncode == 0, result.stderr
     stages = [line.split('\t')[0] for line in result.stdout.splitlines()]
     assert stages == ['examples', 'dev', 'docs', 'benchmarks']
+
+
+def test_readme_gives_every_set_up_command_in_a_code_block() -> None:
+    """A command to copy sits in a ```bash block of its own, never inside a
+    sentence; the two right after the minimal example are the demo and the
+    test suite, and the docs build comes later, in its own block."""
+    import importlib.util
+    import re
+
+    spec = importlib.util.spec_from_file_location('ci_commands', ROOT / '.ci' / 'commands.py')
+    assert spec is not None and spec.loader is not None
+    commands = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(commands)
+
+    readme = (ROOT / 'README.md').read_text(encoding='utf-8')
+    fence = re.compile(r'^```(\w*)[ \t]*\n(.*?)^```', re.M | re.S)
+    prose = fence.sub('', readme)
+    assert commands.readme_commands(prose) == [], 'a set-up command in a sentence'
+    blocks = [(m.group(1), commands.readme_commands(m.group(0))) for m in fence.finditer(readme)]
+    assert blocks[0][0] == 'python', 'the minimal example comes first'
+    set_up = [extras for language, extras in blocks if language == 'bash' and extras]
+    assert all(len(extras) == 1 for extras in set_up), set_up
+    assert [language for language, _ in blocks[1:3]] == ['bash', 'bash']
+    assert ['.[examples]' in blocks[1][1][0], '.[dev]' in blocks[2][1][0]] == [True, True]
+    assert sum('.[docs]' in extras[0] for extras in set_up) == 1
