@@ -247,6 +247,29 @@ def test_user_pages_leave_maintainer_material_to_internals() -> None:
     assert 'This path is untested' in scaling_out and 'NCCL is untested' in scaling_out
 
 
+def test_the_six_properties_the_tests_cite_are_listed_with_their_tests() -> None:
+    """Tests cite "Property 1" to "Property 6" (SPEC's properties of GPipe);
+    docs/guide.rst lists all six, each with test files that exist, and every
+    test module citing a property is among that property's files."""
+    guide = read(os.path.join('docs', 'guide.rst'))
+    rows = re.split(r'^   \* - Property ', guide, flags=re.M)[1:]
+    assert [row[0] for row in rows] == list('123456')
+    listed = {}
+    for row in rows:
+        row = row.split('\n\n')[0]  # the table ends at the first blank line
+        files = re.findall(r'``(tests/\w+\.py)``', row)
+        assert files, row
+        for path in files:
+            assert os.path.isfile(os.path.join(ROOT, path)), path
+        listed[row[0]] = set(files)
+    tests = os.path.join(ROOT, 'tests')
+    for name in sorted(os.listdir(tests)):
+        if name.endswith('.py') and name != 'test_docs.py':
+            with open(os.path.join(tests, name), encoding='utf-8') as f:
+                for number in re.findall(r'\bPropert(?:y|ies) ([1-6])\b', f.read()):
+                    assert f'tests/{name}' in listed[number], (name, number)
+
+
 # -- docstrings ----------------------------------------------------------------
 
 def package_modules() -> List[str]:
