@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from helpers import assert_same_random_step, cpu_devices
 from torchgpipe import GPipe
-from torchgpipe.rng import Turns, cpu_generator_lock, restore_rng_states, save_rng_states
+from torchgpipe.rng import cpu_generator_lock, restore_rng_states, save_rng_states
 
 MODES = ['always', 'except_last', 'never']
 
@@ -127,31 +127,6 @@ def test_one_thread_learns_nothing() -> None:
                   devices=cpu_devices(2, False), chunks=2)
     gpipe(torch.randn(4, 4))
     assert all(t.draws_random == {} for t in gpipe._run_state.traits)
-
-
-def test_turns_run_in_the_order_they_were_taken() -> None:
-    turns = Turns()
-    order: List[int] = []
-    tasks = [turns.take(lambda k=k: order.append(k)) for k in range(6)]
-    # Started last first, each still waits for the one taken before it.
-    threads = [threading.Thread(target=task) for task in reversed(tasks)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=10)
-    assert order == list(range(6))
-
-
-def test_a_failed_turn_hands_over_to_the_next() -> None:
-    turns = Turns()
-
-    def fail() -> None:
-        raise ValueError('boom')
-
-    first, second = turns.take(fail), turns.take(lambda: 'ran')
-    with pytest.raises(ValueError):
-        first()
-    assert second() == 'ran'
 
 
 def test_restore_puts_the_generator_back() -> None:

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 import torchgpipe
 from torchgpipe import GPipe
 from torchgpipe.batchnorm import DeferredBatchNorm
-from torchgpipe.schedule import (SCHEDULES, Action, clock_order, depends_on, fill_drain,
+from torchgpipe.schedule import (SCHEDULES, Action, Kind, clock_order, depends_on, fill_drain,
                                  in_flight, one_f_one_b)
 from torchgpipe.skip import Namespace
 
@@ -35,12 +35,12 @@ def test_every_schedule_runs_each_action_once_and_can_finish(m: int, n: int, nam
     schedule = SCHEDULES[name](m, n)
     assert len(schedule) == n
     for j, actions in enumerate(schedule):
-        assert sorted((a.kind, a.i) for a in actions) == sorted(
+        assert sorted((a.kind.value, a.i) for a in actions) == sorted(
             [('F', i) for i in range(m)] + [('B', i) for i in range(m)])
         assert all(a.j == j for a in actions)
         # A micro-batch's backward comes after its forward.
-        assert all(actions.index(Action('F', a.i, j)) < actions.index(a)
-                   for a in actions if a.kind == 'B')
+        assert all(actions.index(Action(Kind.F, a.i, j)) < actions.index(a)
+                   for a in actions if a.kind is Kind.B)
     cycles = clock_order(schedule)
     done = set()
     for cycle in cycles:
@@ -56,11 +56,11 @@ def test_every_schedule_runs_each_action_once_and_can_finish(m: int, n: int, nam
 def test_one_f_one_b_warms_up_alternates_and_drains(m: int, n: int) -> None:
     for j, actions in enumerate(one_f_one_b(m, n)):
         warmup = min(n - j, m)
-        kinds = ''.join(a.kind for a in actions)
+        kinds = ''.join(a.kind.value for a in actions)
         assert kinds == 'F' * warmup + 'BF' * (m - warmup) + 'B' * warmup
         # Forward and backward passes each in micro-batch order.
-        assert [a.i for a in actions if a.kind == 'F'] == list(range(m))
-        assert [a.i for a in actions if a.kind == 'B'] == list(range(m))
+        assert [a.i for a in actions if a.kind is Kind.F] == list(range(m))
+        assert [a.i for a in actions if a.kind is Kind.B] == list(range(m))
         assert in_flight(actions) == warmup
 
 
@@ -68,14 +68,15 @@ def test_one_f_one_b_warms_up_alternates_and_drains(m: int, n: int) -> None:
 @given(m=st.integers(1, 12), n=st.integers(1, 6))
 def test_fill_drain_keeps_every_micro_batch_alive(m: int, n: int) -> None:
     for j, actions in enumerate(fill_drain(m, n)):
-        assert [a.kind for a in actions] == ['F'] * m + ['B'] * m
-        assert [a.i for a in actions if a.kind == 'B'] == list(reversed(range(m)))
+        assert [a.kind for a in actions] == [Kind.F] * m + [Kind.B] * m
+        assert [a.i for a in actions if a.kind is Kind.B] == list(reversed(range(m)))
         assert in_flight(actions) == m
 
 
 def test_a_schedule_that_cannot_finish_is_refused() -> None:
     # Partition 0 waits for the gradient of micro-batch 0 before sending it.
-    schedule = [[Action('B', 0, 0), Action('F', 0, 0)], [Action('F', 0, 1), Action('B', 0, 1)]]
+    schedule = [[Action(Kind.B, 0, 0), Action(Kind.F, 0, 0)],
+                [Action(Kind.F, 0, 1), Action(Kind.B, 0, 1)]]
     with pytest.raises(ValueError, match='cannot go on: B\\(0,0\\)'):
         clock_order(schedule)
 

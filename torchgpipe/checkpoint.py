@@ -21,10 +21,10 @@ the Wait for the gradient's copy stream between the two::
 On CUDA, the recomputation's kernels thus queue before the wait, and run
 while the gradient is still being copied.
 
-The recomputation replays the forward exactly: the random number generators
-(:mod:`torchgpipe.rng`) and the autocast state (:mod:`torchgpipe.autocast`) of
-the first pass are restored, so dropout draws the same masks and mixed
-precision computes in the same dtypes. Recompute keeps what it replays from
+The recomputation replays the forward exactly: the two passes run in the
+contexts of :mod:`torchgpipe.replay`, which a training step's recomputation
+uses too, so dropout draws the same masks and mixed precision computes in the
+same dtypes. Recompute keeps what it replays from
 (the input and the generator states) as saved tensors, so a graph kept by
 ``retain_graph=True`` can be backpropagated through again, recomputing again.
 
@@ -38,13 +38,14 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 from torch import Tensor
 
-from torchgpipe.autocast import AutocastStates, restore_autocast_states, save_autocast_states
+from torchgpipe.autocast import AutocastStates
 from torchgpipe.microbatch import Batch, TensorOrTensors, Tensors, arrange
 from torchgpipe.nochunk import Layout
-from torchgpipe.phase import (collect_roots, enable_checkpointing, enable_recomputing,
+# enable_checkpointing and enable_recomputing are reached here by users of 0.0.7.
+from torchgpipe.phase import (collect_roots, enable_checkpointing, enable_recomputing,  # noqa: F401
                               is_checkpointing, is_recomputing)
 from torchgpipe.phony import get_phony
-from torchgpipe.rng import RNGStates, restore_rng_states, save_rng_states
+from torchgpipe.replay import FirstPass, first_pass, recomputation
 from torchgpipe._record import label
 from torchgpipe.traits import PartitionTraits, call_on_copies
 
@@ -57,8 +58,6 @@ Function = Callable[[TensorOrTensors], TensorOrTensors]
 # input leaves it was computed from, and the roots the recomputation added
 # (phase.add_root).
 Recomputed = Tuple[TensorOrTensors, Tensors, List[Tensor]]
-# What the first pass leaves for Recompute: the states to replay it from.
-FirstPass = Tuple[RNGStates, AutocastStates]
 
 
 class Context:
@@ -249,9 +248,7 @@ class Checkpoint(torch.autograd.Function):
         input = input_and_parameters[:context.num_inputs]
         ctx.parameters = input_and_parameters[context.num_inputs:]
 
-        context.first_pass = (save_rng_states(input[0].device), save_autocast_states())
-
-        with torch.no_grad(), enable_checkpointing():
+        with first_pass(input[0].device) as context.first_pass:
             output = context.traits.call(context.function, input, context.arguments, 'GPipe')
         if isinstance(output, Tensor):
             return output
@@ -396,9 +393,8 @@ class Recompute(torch.autograd.Function):
 
         assert context.autocast_states is not None
         roots: List[Tensor] = []
-        with restore_rng_states(input[0].device, rng_states, exclusive=context.exclusive_rng), \
-                restore_autocast_states(context.autocast_states), \
-                torch.enable_grad(), enable_recomputing(), collect_roots(roots):
+        with recomputation(input[0].device, (rng_states, context.autocast_states),
+                           exclusive=context.exclusive_rng), collect_roots(roots):
             if context.traits.modifies_input:
                 # In place on a leaf is an error, and would change the saved input.
                 output, _ = call_on_copies(context.function, input_leaf, context.arguments)

@@ -2,13 +2,22 @@
 
 Each partition's graph stands alone in a training step (:mod:`torchgpipe.stepper`):
 a worker sends the next partition its output, detached, and the previous
-one the gradient of its input, through a :class:`Mailbox`. A
-:class:`Ready` marks when, on CUDA, what is sent is computed; :func:`leaf`
+one the gradient of its input, through a :class:`Mailbox`. Messages are
+filed under typed keys, one class per kind of message::
+
+    partition j-1                                   partition j
+    F(i,j-1) ── Activation(i, j): Parcel ─────────► F(i,j)
+    B(i,j-1) ◄─ Gradient(i, j-1): Reply ─────────── B(i,j)
+    a stash  ── Skip(i, key): Parcel ─────────────► its pop (any later partition)
+    B        ◄─ SkipGradient(i, key): Reply ──────── B
+
+A :class:`Ready` marks when, on CUDA, what is sent is computed; :func:`leaf`
 makes the receiving side's input. Skip connections that cross partitions
 are cut the same way, by :class:`StepSkips`.
 """
 import threading
-from typing import Any, Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -18,37 +27,81 @@ from torchgpipe.skip.layout import SkipLayout
 from torchgpipe.skip.namespace import Namespace
 from torchgpipe.skip.tracker import SkipTracker
 from torchgpipe.stream import as_cuda, current_stream, is_cuda, record_stream
+from torchgpipe.worker import Stopped
 
 __all__: List[str] = []
 
-Key = Tuple[Namespace, str]
+#: A skip's name: its namespace and its name in it.
+SkipKey = Tuple[Namespace, str]
 
 
-class Stopped(Exception):
-    """Ends a worker waiting for a message that will not come: an action elsewhere failed."""
+@dataclass(frozen=True, slots=True)
+class Activation:
+    """The key of micro-batch ``i``'s output of partition ``j - 1``: partition ``j``'s input."""
+
+    i: int
+    j: int
+
+
+@dataclass(frozen=True, slots=True)
+class Gradient:
+    """The key of the gradient of micro-batch ``i``'s output of partition ``j``."""
+
+    i: int
+    j: int
+
+
+@dataclass(frozen=True, slots=True)
+class Skip:
+    """The key of micro-batch ``i``'s skip tensor ``key``, sent to the partition popping it."""
+
+    i: int
+    key: SkipKey
+
+
+@dataclass(frozen=True, slots=True)
+class SkipGradient:
+    """The key of the gradient of micro-batch ``i``'s skip ``key``, sent back to its stash."""
+
+    i: int
+    key: SkipKey
+
+
+Key = Union[Activation, Gradient, Skip, SkipGradient]
+
+
+class Parcel(NamedTuple):
+    """What goes forward: tensors (or one), whether each will require grad, and when ready."""
+
+    tensors: Any
+    requires_grad: Any
+    ready: 'Ready'
+
+
+class Reply(NamedTuple):
+    """What goes backward: the gradients (or one, ``None`` where there is none), and when ready."""
+
+    grads: Any
+    ready: 'Ready'
 
 
 class Mailbox:
-    """Messages between the workers, by key, and turns; :meth:`take` waits for a message.
+    """Messages between the workers, by key; :meth:`take` waits for a message.
 
-    Turns order the forward actions that draw random numbers: the ``k``-th
-    waits in :meth:`wait_turn` until the one before it has called
-    :meth:`end_turn`, so that on threads they draw in the order of one
-    thread. A stopped mailbox ends every wait.
+    A stopped mailbox ends every wait with :class:`~torchgpipe.worker.Stopped`.
     """
 
     def __init__(self) -> None:
         self._condition = threading.Condition()
-        self._messages: Dict[Tuple[Any, ...], Any] = {}
+        self._messages: Dict[Key, Any] = {}
         self._stopped = False
-        self._turn = 0
 
-    def put(self, key: Tuple[Any, ...], message: Any) -> None:
+    def put(self, key: Key, message: Any) -> None:
         with self._condition:
             self._messages[key] = message
             self._condition.notify_all()
 
-    def take(self, key: Tuple[Any, ...]) -> Any:
+    def take(self, key: Key) -> Any:
         """Waits for the message under ``key`` and takes it.
 
         Raises:
@@ -61,26 +114,11 @@ class Mailbox:
                 self._condition.wait()
             return self._messages.pop(key)
 
-    def wait_turn(self, turn: int) -> None:
-        """Waits until turn ``turn`` (counted from 0) has come.
-
-        Raises:
-            Stopped: :meth:`stop` was called before the turn came
-        """
-        with self._condition:
-            while self._turn != turn:
-                if self._stopped:
-                    raise Stopped()
-                self._condition.wait()
-
-    def end_turn(self) -> None:
-        """Lets the next turn come."""
-        with self._condition:
-            self._turn += 1
-            self._condition.notify_all()
-
     def stop(self) -> None:
-        """Wakes every waiting worker with :class:`Stopped`, and every later one."""
+        """Ends every wait for a message, now and later, with a ``Stopped``.
+
+        A worker then starts no further action.
+        """
         with self._condition:
             self._stopped = True
             self._condition.notify_all()
@@ -133,7 +171,7 @@ class StepSkips(SkipTracker):
 
     A skip stashed and popped in the same partition stays in the tracker's
     dictionary. One that crosses partitions is sent to the popping
-    partition, as the message ``('K', i, key)`` of micro-batch ``i``, and
+    partition, as the message :class:`Skip` of micro-batch ``i``, and
     remembered in :attr:`sent`; its pop takes the message and makes a
     detached leaf of it, remembered in :attr:`received`. When the partition
     recomputes (``replay``), stashes are remembered again, with their new
@@ -151,9 +189,9 @@ class StepSkips(SkipTracker):
         self.replay = False
         #: The skips stashed here and popped by a later partition; the backward
         #: pass starts from them too.
-        self.sent: Dict[Key, Optional[Tensor]] = {}
+        self.sent: Dict[SkipKey, Optional[Tensor]] = {}
         #: The leaves of the skips popped here from an earlier partition.
-        self.received: Dict[Key, Optional[Tensor]] = {}
+        self.received: Dict[SkipKey, Optional[Tensor]] = {}
 
     def save(self, batch: Batch, ns: Namespace, name: str, tensor: Optional[Tensor]) -> None:
         if not self.layout.requires_copy(ns, name):
@@ -164,15 +202,15 @@ class StepSkips(SkipTracker):
             # (a checkpointed first pass): then the recomputation gives it one.
             requires_grad = tensor is not None and (tensor.requires_grad or (
                 not torch.is_grad_enabled() and tensor.is_floating_point()))
-            self.mailbox.put(('K', self.i, (ns, name)), (tensor, requires_grad,
-                                                          Ready(self.device)))
+            self.mailbox.put(Skip(self.i, (ns, name)),
+                             Parcel(tensor, requires_grad, Ready(self.device)))
 
     def load(self, batch: Batch, ns: Namespace, name: str) -> Optional[Tensor]:
         if not self.layout.requires_copy(ns, name):
             return super().load(batch, ns, name)
         if self.replay:
             return self.received[(ns, name)]
-        tensor, requires_grad, ready = self.mailbox.take(('K', self.i, (ns, name)))
+        tensor, requires_grad, ready = self.mailbox.take(Skip(self.i, (ns, name)))
         popped = leaf(tensor, self.device, requires_grad, ready)
         self.received[(ns, name)] = popped
         return popped

@@ -28,14 +28,15 @@ from torchgpipe.checkpoint import Checkpointing
 from torchgpipe.copy import Copy, Wait
 from torchgpipe.dependency import fork, join
 from torchgpipe.microbatch import Batch, TensorOrTensors, check
-from torchgpipe.rng import Turns, cpu_generator_held, cpu_rng_state, training_flags
+from torchgpipe.rng import cpu_generator_held, training_flags, watch
 from torchgpipe.skip.layout import SkipLayout
 from torchgpipe.skip.tracker import SkipTracker, SkipTrackerThroughPortals, use_skip_tracker
 from torchgpipe.stream import AbstractStream, is_cuda, use_device, use_stream
 from torchgpipe.tied import partition_parameters
 from torchgpipe._record import Recorder, label
 from torchgpipe.traits import PartitionTraits
-from torchgpipe.worker import ExcInfo, InQueue, OutQueue, Task, distinct_devices, spawn_workers
+from torchgpipe.worker import (ExcInfo, InQueue, OutQueue, Task, Turns, distinct_devices,
+                               spawn_workers)
 
 __all__: List[str] = []
 
@@ -163,9 +164,16 @@ class Pipeline:
         if self.recorder is not None:
             self.recorder.begin_step(m, self.devices)
         with spawn_workers(self.devices) as (in_queues, out_queues):
-            for schedule in clock_cycles(m, n):
-                self.fence(schedule)
-                self.compute(schedule, in_queues, out_queues)
+            try:
+                for schedule in clock_cycles(m, n):
+                    self.fence(schedule)
+                    self.compute(schedule, in_queues, out_queues)
+            except BaseException:
+                # Ctrl-C: the workers skip the tasks left in their queues,
+                # whose turns then never end; no task may wait for them.
+                if self.turns is not None:
+                    self.turns.stop()
+                raise
 
     def fence(self, schedule: List[Tuple[int, int]]) -> None:
         """Issues the dependencies and copies the tasks of a clock cycle need."""
@@ -298,7 +306,7 @@ def batch_call(batch: Batch,
 
 
 def holding_cpu_generator(compute: Callable[[], T],
-                          learn: Optional[Callable[[Tensor], object]]) -> Callable[[], T]:
+                          learn: Optional[Callable[[bool], None]]) -> Callable[[], T]:
     """Wraps a task that may draw from the CPU generator to hold it while it runs.
 
     A checkpointed first pass saves the generator's state, then draws; the
@@ -308,9 +316,8 @@ def holding_cpu_generator(compute: Callable[[], T],
 
     Args:
         compute: the task
-        learn: for a partition not known yet to draw or not, called with the
-            generator's state before the task, once it ran, still holding
-            the generator: any change of the state is the task's doing
+        learn: for a partition not known yet to draw or not, told whether
+            the task drew (:func:`~torchgpipe.rng.watch`)
 
     Returns:
         the task, holding the generator while it runs
@@ -319,9 +326,8 @@ def holding_cpu_generator(compute: Callable[[], T],
         with cpu_generator_held(True):
             if learn is None:
                 return compute()
-            before = cpu_rng_state()
-            output = compute()
-            learn(before)
+            output, drew = watch(compute)
+            learn(drew)
             return output
     return run
 

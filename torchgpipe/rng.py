@@ -16,7 +16,8 @@ threads by two rules (3 and 4):
    them drew from the shared CPU generator at once, each would get numbers
    meant for the other, the first pass of a checkpointed task could not be
    replayed, and the results would depend on thread timing. So tasks that
-   draw from the CPU generator *take turns* (:class:`Turns`): each waits for
+   draw from the CPU generator *take turns*
+   (:class:`~torchgpipe.worker.Turns`): each waits for
    the previous drawing task in issue order, which is the order of the
    single-thread run. Tasks that draw nothing run freely.
 
@@ -104,6 +105,7 @@ state_lock = threading.Lock()
 T = TypeVar('T')
 
 
+
 def save_rng_states(device: torch.device) -> RNGStates:
     """Captures the CPU generator's state, and the CUDA one if the device is CUDA."""
     with state_lock:
@@ -115,6 +117,20 @@ def cpu_rng_state() -> Tensor:
     """The CPU generator's state: compared before and after a task, it tells whether it drew."""
     with state_lock:
         return torch.get_rng_state()
+
+
+def watch(compute: Callable[[], T]) -> Tuple[T, bool]:
+    """Runs a task, and tells whether it drew from the CPU generator: the probe of point 2.
+
+    Run it holding the generator (:func:`cpu_generator_held`): a change of
+    the generator's state is then the task's doing.
+
+    Returns:
+        what ``compute`` returned, and whether it drew
+    """
+    before = cpu_rng_state()
+    output = compute()
+    return output, not torch.equal(before, cpu_rng_state())
 
 
 def set_rng_states(device: torch.device,
@@ -224,37 +240,3 @@ def holding_for_caller(held: bool) -> Generator[None, None, None]:
 def training_flags(module: nn.Module) -> Tuple[bool, ...]:
     """The ``training`` flag of every module in ``module``: whether it draws may depend on them."""
     return tuple(m.training for m in module.modules())
-
-
-class Turns:
-    """Hands the CPU generator to tasks one at a time, in the order they were issued.
-
-    Each task wrapped by :meth:`take` waits until the task wrapped before it
-    has finished (succeeded or failed), so tasks running on different threads
-    draw random numbers in the order a single thread would.
-
-    Example::
-
-        >>> turns = Turns()
-        >>> first, second = turns.take(lambda: 1), turns.take(lambda: 2)
-        >>> first(), second()
-        (1, 2)
-    """
-
-    def __init__(self) -> None:
-        self._last = threading.Event()
-        self._last.set()
-
-    def take(self, compute: Callable[[], T]) -> Callable[[], T]:
-        """Wraps ``compute`` to run after every task wrapped before it."""
-        before, done = self._last, threading.Event()
-        self._last = done
-
-        def compute_in_turn() -> T:
-            before.wait()
-            try:
-                return compute()
-            finally:
-                done.set()
-
-        return compute_in_turn

@@ -22,6 +22,7 @@ Fill-drain keeps every micro-batch's activations until the backward passes
 start; 1F1B starts backward passes as soon as it can, so partition ``j``
 never holds more than ``n - j`` micro-batches' activations, whatever ``m``.
 """
+import enum
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Sequence
 
@@ -30,16 +31,25 @@ import torch
 __all__: List[str] = []
 
 
+class Kind(enum.Enum):
+    """What an action does to one micro-batch on one partition."""
+
+    #: The forward pass (without keeping activations, if checkpointed).
+    F = 'F'
+    #: The backward pass, after the recomputation if checkpointed.
+    B = 'B'
+
+
 @dataclass(frozen=True)
 class Action:
-    """One action of a schedule: ``kind`` (``'F'`` or ``'B'``) of micro-batch ``i`` on ``j``."""
+    """One action of a schedule: ``kind`` of micro-batch ``i`` on partition ``j``."""
 
-    kind: str
+    kind: Kind
     i: int
     j: int
 
     def __str__(self) -> str:
-        return f'{self.kind}({self.i},{self.j})'
+        return f'{self.kind.value}({self.i},{self.j})'
 
 
 Schedule = List[List[Action]]
@@ -53,8 +63,8 @@ def fill_drain(m: int, n: int) -> Schedule:
         >>> [' '.join(map(str, actions)) for actions in fill_drain(2, 2)]
         ['F(0,0) F(1,0) B(1,0) B(0,0)', 'F(0,1) F(1,1) B(1,1) B(0,1)']
     """
-    return [[Action('F', i, j) for i in range(m)] + [Action('B', i, j) for i in reversed(range(m))]
-            for j in range(n)]
+    return [[Action(Kind.F, i, j) for i in range(m)]
+            + [Action(Kind.B, i, j) for i in reversed(range(m))] for j in range(n)]
 
 
 def one_f_one_b(m: int, n: int) -> Schedule:
@@ -68,10 +78,10 @@ def one_f_one_b(m: int, n: int) -> Schedule:
     schedule = []
     for j in range(n):
         warmup = min(n - j, m)
-        actions = [Action('F', i, j) for i in range(warmup)]
+        actions = [Action(Kind.F, i, j) for i in range(warmup)]
         for i in range(m - warmup):
-            actions += [Action('B', i, j), Action('F', warmup + i, j)]
-        actions += [Action('B', i, j) for i in range(m - warmup, m)]
+            actions += [Action(Kind.B, i, j), Action(Kind.F, warmup + i, j)]
+        actions += [Action(Kind.B, i, j) for i in range(m - warmup, m)]
         schedule.append(actions)
     return schedule
 
@@ -103,9 +113,9 @@ def depends_on(action: Action, n: int) -> List[Action]:
     gradient ``B(i,j+1)`` sends back. (Skip connections add nothing: a skip
     from partition ``a`` to ``b`` travels with these, since ``a < b``.)
     """
-    if action.kind == 'F':
-        return [Action('F', action.i, action.j - 1)] if action.j > 0 else []
-    return [Action('B', action.i, action.j + 1)] if action.j < n - 1 else []
+    if action.kind is Kind.F:
+        return [Action(Kind.F, action.i, action.j - 1)] if action.j > 0 else []
+    return [Action(Kind.B, action.i, action.j + 1)] if action.j < n - 1 else []
 
 
 def clock_order(schedule: Sequence[Sequence[Action]]) -> List[List[Action]]:
@@ -146,6 +156,6 @@ def in_flight(actions: Sequence[Action]) -> int:
     """How many micro-batches a partition holds at most: forward done, backward not."""
     alive = peak = 0
     for action in actions:
-        alive += 1 if action.kind == 'F' else -1
+        alive += 1 if action.kind is Kind.F else -1
         peak = max(peak, alive)
     return peak

@@ -16,37 +16,34 @@ pops a detached leaf, and sends its gradient back to ``a``, whose backward
 pass starts from both its output and the stashed tensor.
 
 The actions of a schedule (:mod:`torchgpipe.schedule`) are laid out in clock
-cycles; each device's worker runs its partitions' actions in that order,
-waiting in a :class:`~torchgpipe.mailbox.Mailbox` for what others send. A checkpointed
-micro-batch runs its forward pass without keeping activations, and its
-backward action recomputes them first, replaying the random number
-generators and autocast.
+cycles and issued at once, each to the worker of its partition's device
+(:mod:`torchgpipe.worker`, as the forward path's tasks), which runs them in
+that order, waiting in a :class:`~torchgpipe.mailbox.Mailbox` for what
+others send. Forward actions that may draw random numbers take the same
+turns and hold the CPU generator as the forward path's tasks
+(:mod:`torchgpipe.rng`). A checkpointed micro-batch runs its forward pass
+without keeping activations, and its backward action recomputes them first,
+in the same replay as the forward path's (:mod:`torchgpipe.replay`).
 """
-import functools
-import sys
-from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import (Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple, TypeVar,
-                    cast)
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, TypeVar, cast
 
 import torch
 from torch import Tensor, nn
 
 from torchgpipe._record import Recorder, label
 from torchgpipe._validation import describe
-from torchgpipe.autocast import AutocastStates, restore_autocast_states, save_autocast_states
-from torchgpipe.phase import enable_checkpointing, enable_recomputing
 from torchgpipe import microbatch
+from torchgpipe.mailbox import (Activation, Gradient, Mailbox, Parcel, Ready, Reply,
+                                SkipGradient, StepSkips, leaf)
 from torchgpipe.microbatch import Batch, TensorOrTensors
 from torchgpipe.pipeline import partition_function
-from torchgpipe.rng import RNGStates, cpu_generator_held, cpu_generator_owned, cpu_rng_state, \
-    holding_for_caller, restore_rng_states, save_rng_states, training_flags
-from torchgpipe.schedule import Action, clock_order
+from torchgpipe.replay import FirstPass, first_pass, recomputation
+from torchgpipe.rng import cpu_generator_held, training_flags, watch
+from torchgpipe.schedule import Action, Kind, clock_order
 from torchgpipe.skip.layout import SkipLayout
-from torchgpipe.stream import use_device
 from torchgpipe.traits import PartitionTraits
-from torchgpipe.mailbox import Mailbox, Ready, Stopped, StepSkips, leaf
-from torchgpipe.worker import Crew, ExcInfo, distinct_devices
+from torchgpipe.worker import ExcInfo, Stopped, Task, Turns, distinct_devices, spawn_workers
 
 __all__: List[str] = []
 
@@ -64,21 +61,70 @@ class Pass:
     #: The weighted loss, with its graph (last partition, not checkpointed).
     loss: Optional[Tensor] = None
     #: The states to recompute from (checkpointed micro-batches).
-    replay: Optional[Tuple[RNGStates, AutocastStates]] = None
+    replay: Optional[FirstPass] = None
     #: For each output tensor, whether the next partition's leaf requires grad.
     sent_grad: List[bool] = field(default_factory=list)
 
 
-class Stage:
-    """One partition in a training step: runs its actions, keeps what they pass on."""
+@dataclass
+class Shared:
+    """What every stage of a step reads: the step's data, and where messages go."""
 
-    def __init__(self, step: 'Step', j: int, partition: nn.Sequential,
-                 device: torch.device) -> None:
-        self.step = step
+    #: The number of partitions.
+    n: int
+    #: The input micro-batches (read by partition 0).
+    batches: List[Batch]
+    #: The weighted loss of micro-batch ``i``'s output (the last partition's).
+    loss: Callable[[int, Batch], Tensor]
+    layout: SkipLayout
+    #: Micro-batches ``0 .. checkpoint_stop - 1`` are checkpointed.
+    checkpoint_stop: int
+    mailbox: Mailbox
+    recorder: Optional[Recorder]
+    #: Called with ``j`` once partition ``j``'s gradients are final.
+    done: Optional[Callable[[int], None]]
+
+
+class Stage:
+    """One partition in a training step: runs its actions, keeps what they pass on.
+
+    Args:
+        shared: what every stage of the step reads
+        j: the partition's index
+        partition: the partition
+        device: its device
+        traits: what runs showed about it; this one adds what it learns
+        last: its last action in the schedule
+    """
+
+    def __init__(self, shared: Shared, j: int, partition: nn.Sequential, device: torch.device,
+                 traits: PartitionTraits, last: Optional[Action]) -> None:
+        self.shared = shared
         self.j = j
         self.partition = partition
         self.device = device
+        self.traits = traits
+        self.last = last
+        self.flags = training_flags(partition)
+        self.is_last = j == shared.n - 1
         self.passes: Dict[int, Pass] = {}
+        #: The loss of each micro-batch, without graph (the last partition's).
+        self.losses: Dict[int, Tensor] = {}
+        #: Whether the forward action, loss included, drew in this step (the
+        #: last partition's, learned by its first forward action).
+        self.loss_draws: Optional[bool] = None
+
+    def draws_random(self) -> Optional[bool]:
+        """Whether the partition's forward actions may draw from the CPU generator, if known.
+
+        The loss is part of the last partition's forward actions. It may be
+        another function at every call, so whether the two together draw is
+        learned anew in every step, by the first of them (:attr:`loss_draws`).
+        """
+        drew = self.traits.draws(self.flags)
+        if self.is_last and drew is False:
+            return self.loss_draws
+        return drew
 
     def run(self, action: Action) -> None:
         """Runs an action: waits for what it needs, then does (and records) its work.
@@ -86,10 +132,16 @@ class Stage:
         Waiting for another worker's message is no part of the work: a
         timeline shows it as the gap it is.
         """
+        if self.shared.mailbox.stopped:
+            # An action elsewhere failed: start nothing more.
+            raise Stopped()
         i = action.i
-        if action.kind == 'F':
+        if action.kind is Kind.F:
             input = self.receive(i)
-            with self.step.random_lock(self.j):
+            # Held after the turn and the input came, never while waiting for
+            # another worker; throughout, as a forward path's task (see
+            # torchgpipe.rng): a first pass from before it saves the state.
+            with cpu_generator_held(self.draws_random() is not False):
                 self.record('forward', i, lambda: self.forward(i, input))
             self.send_output(i)
             return
@@ -99,16 +151,16 @@ class Stage:
             self.record('recompute', i, lambda: self.recompute(i, current))
         tensors, grads = self.gradients(i, current)
         self.record('backward', i, lambda: self.backpropagate(tensors, grads))
-        if action == self.step.last[self.j] and self.step.done is not None:
+        if action == self.last and self.shared.done is not None:
             # The partition's gradients are final: they may be all-reduced
             # while the partitions before it still run backward passes.
-            self.step.done(self.j)
+            self.shared.done(self.j)
         self.send_gradients(i, current)
 
     def record(self, kind: str, i: int, work: Callable[[], T]) -> T:
         """Runs an action's work, labelled for a profiler and recorded by a timeline."""
         with label(kind, (i, self.j)):
-            recorder = self.step.recorder
+            recorder = self.shared.recorder
             if recorder is None:
                 return work()
             return recorder.timed(kind, i, self.j, self.device, work)()
@@ -120,72 +172,75 @@ class Stage:
         and a leaf requiring grad cannot be changed in place at all.
         """
         function = partition_function(self.partition, self.j, skips)
-        return Batch(self.step.traits[self.j].call(function, tuple(input), input.with_tensors,
-                                                   'train_step'))
+        return Batch(self.traits.call(function, tuple(input), input.with_tensors, 'train_step'))
 
     def receive(self, i: int) -> Batch:
         """The input of micro-batch ``i``: the mini-batch's, or what the partition before sent."""
         if self.j == 0:
-            return self.step.batches[i]
-        output, sent_grad, ready = self.step.mailbox.take(('F', i, self.j))
+            return self.shared.batches[i]
+        output, sent_grad, ready = self.shared.mailbox.take(Activation(i, self.j))
         input = Batch(output.plain, output.layout)
         input[:] = tuple(cast(Tensor, leaf(x, self.device, g, ready))
                          for x, g in zip(output, sent_grad))
         return input
 
     def forward(self, i: int, input: Batch) -> None:
-        step, j, n = self.step, self.j, self.step.n
-        skips = StepSkips(step.layout, j, self.device, step.mailbox, i)
+        shared = self.shared
+        skips = StepSkips(shared.layout, self.j, self.device, shared.mailbox, i)
         current = Pass(input, skips)
-        checkpointed = i < step.checkpoint_stop
+        checkpointed = i < shared.checkpoint_stop
         # Not known yet whether the partition draws random numbers: the
-        # generator is held (random_lock), so any change of its state is its
-        # doing, or its loss's (the loss is part of the last partition's work).
-        probe = cpu_rng_state() if step.draws_random(j) is None else None
+        # generator is held, so any change of its state is its doing, or its
+        # loss's (the loss is part of the last partition's work).
+        probing = self.draws_random() is None
+        drew = False
         if checkpointed:
-            current.replay = (save_rng_states(self.device), save_autocast_states())
-            with torch.no_grad(), enable_checkpointing():
-                output = self.call(input, skips)
+            with first_pass(self.device) as current.replay:
+                output, drew = self.probed(probing, lambda: self.call(input, skips))
         else:
             with torch.enable_grad():
-                output = self.call(input, skips)
-        if probe is not None:
+                output, drew = self.probed(probing, lambda: self.call(input, skips))
+        if probing:
             # The partition's own draws, without its loss's: the forward
             # path, which has no loss, shares what is learned here.
-            step.traits[j].learn_draws(step.rng_keys[j], probe)
+            self.traits.learn_draws(self.flags, drew)
         current.output = output
-        if j < n - 1:
+        if not self.is_last:
             # Without a graph (checkpointed), a floating point output will
             # have one after the recomputation: the next leaf requires grad.
             current.sent_grad = [x.requires_grad or (checkpointed and x.is_floating_point())
                                  for x in output]
         else:
-            with torch.enable_grad() if not checkpointed else nullcontext():
-                loss = step.loss(i, output)
-            step.losses[i] = loss.detach()
+            with torch.set_grad_enabled(not checkpointed):
+                loss, loss_drew = self.probed(probing, lambda: shared.loss(i, output))
+            self.losses[i] = loss.detach()
             current.loss = None if checkpointed else loss
-            if probe is not None:
-                step.loss_draws = not torch.equal(probe, cpu_rng_state())
+            if probing:
+                self.loss_draws = drew or loss_drew
         self.passes[i] = current
+
+    @staticmethod
+    def probed(probing: bool, compute: Callable[[], T]) -> Tuple[T, bool]:
+        """Runs ``compute``; if ``probing``, tells whether it drew (else, says it did not)."""
+        if probing:
+            return watch(compute)
+        return compute(), False
 
     def send_output(self, i: int) -> None:
         """Sends micro-batch ``i``'s output to the next partition."""
-        if self.j < self.step.n - 1:
+        if not self.is_last:
             current = self.passes[i]
-            self.step.mailbox.put(('F', i, self.j + 1),
-                                  (current.output, current.sent_grad, Ready(self.device)))
+            self.shared.mailbox.put(Activation(i, self.j + 1),
+                                    Parcel(current.output, current.sent_grad, Ready(self.device)))
 
     def recompute(self, i: int, current: Pass) -> None:
         assert current.replay is not None
-        rng_states, autocast_states = current.replay
         current.skips.replay = True
-        with restore_rng_states(self.device, rng_states,
-                                exclusive=self.step.draws_random(self.j) is not False), \
-                restore_autocast_states(autocast_states), torch.enable_grad(), \
-                enable_recomputing():
+        with recomputation(self.device, current.replay,
+                           exclusive=self.draws_random() is not False):
             current.output = self.call(current.input, current.skips)
-            if self.j == self.step.n - 1:
-                current.loss = self.step.loss(i, current.output)
+            if self.is_last:
+                current.loss = self.shared.loss(i, current.output)
 
     def gradients(self, i: int, current: Pass) -> Tuple[List[Tensor], List[Optional[Tensor]]]:
         """Waits for the gradients of micro-batch ``i``'s outputs and sent skips.
@@ -193,7 +248,7 @@ class Stage:
         Returns:
             the tensors to backpropagate from, and their gradients
         """
-        step, j = self.step, self.j
+        mailbox = self.shared.mailbox
         tensors: List[Tensor] = []
         grads: List[Optional[Tensor]] = []
         if current.loss is not None:
@@ -201,13 +256,13 @@ class Stage:
             grads.append(None)
         else:
             assert current.output is not None
-            received, ready = step.mailbox.take(('B', i, j))
+            received, ready = mailbox.take(Gradient(i, self.j))
             for x, g in zip(current.output, received):
                 if x.requires_grad and g is not None:
                     tensors.append(x)
                     grads.append(ready.receive(g, x.device))
         for key, tensor in current.skips.sent.items():
-            g, ready = step.mailbox.take(('S', i, key))
+            g, ready = mailbox.take(SkipGradient(i, key))
             if tensor is not None and tensor.requires_grad and g is not None:
                 tensors.append(tensor)
                 grads.append(ready.receive(g, tensor.device))
@@ -219,14 +274,15 @@ class Stage:
 
     def send_gradients(self, i: int, current: Pass) -> None:
         """Sends the gradients of micro-batch ``i``'s input and popped skips back."""
-        step, j = self.step, self.j
+        mailbox = self.shared.mailbox
         ready = Ready(self.device)
         # The skips first: a mailbox to other processes holds them back until
         # the main message goes, and sends them right after it.
         for key, popped in current.skips.received.items():
-            step.mailbox.put(('S', i, key), (None if popped is None else popped.grad, ready))
-        if j > 0:
-            step.mailbox.put(('B', i, j - 1), ([x.grad for x in current.input], ready))
+            mailbox.put(SkipGradient(i, key),
+                        Reply(None if popped is None else popped.grad, ready))
+        if self.j > 0:
+            mailbox.put(Gradient(i, self.j - 1), Reply([x.grad for x in current.input], ready))
 
 
 class Step:
@@ -263,27 +319,17 @@ class Step:
                  done: Optional[Callable[[int], None]] = None) -> None:
         self.n = len(partitions)
         self.devices = devices
-        self.batches = batches
         self.targets = targets
         self.loss_fn = loss_fn
         self.weights = weights
-        self.layout = layout
-        self.checkpoint_stop = checkpoint_stop
-        self.traits = traits
-        self.recorder = recorder
         self.schedule = schedule
-        self.mailbox = Mailbox() if mailbox is None else mailbox
-        self.done = done
-        self.losses: Dict[int, Tensor] = {}
-        self.stages = {j: Stage(self, j, p, devices[j])
+        self.shared = Shared(self.n, batches, self.loss, layout, checkpoint_stop,
+                             Mailbox() if mailbox is None else mailbox, recorder, done)
+        self.stages = {j: Stage(self.shared, j, p, devices[j], traits[j],
+                                actions[j][-1] if actions[j] else None)
                        for j, p in enumerate(partitions) if p is not None}
-        #: The last action of each partition here.
-        self.last = {j: actions[j][-1] for j in self.stages if actions[j]}
+        #: This process's actions, in clock order.
         self.order = [a for cycle in clock_order(actions) for a in cycle if a.j in self.stages]
-        self.threaded = len(distinct_devices([devices[j] for j in self.stages])) > 1
-        self.rng_keys = [training_flags(p) if p is not None else () for p in partitions]
-        #: Whether the last partition's forward, loss included, drew in this step.
-        self.loss_draws: Optional[bool] = None
 
     def loss(self, i: int, output: Batch) -> Tensor:
         """The weighted loss of micro-batch ``i``."""
@@ -297,31 +343,6 @@ class Step:
                                      'per-sample loss'))
         return loss * self.weights[i]
 
-    def draws_random(self, j: int) -> Optional[bool]:
-        """Whether partition ``j``'s forward actions may draw from the CPU generator, if known.
-
-        The loss is part of the last partition's forward actions. It may be
-        another function at every call, so whether the two together draw is
-        learned anew in every step, by the first of them (:attr:`loss_draws`).
-        """
-        drew = self.traits[j].draws(self.rng_keys[j])
-        if j == self.n - 1 and drew is False:
-            return self.loss_draws
-        return drew
-
-    def random_lock(self, j: int) -> ContextManager[Any]:
-        """Holds the CPU generator while partition ``j`` runs a forward pass, if it may draw.
-
-        On either path: a recomputation elsewhere (on another worker, or of
-        another pipeline in another thread) swaps the generator's state for
-        its own while it runs, and a task of another pipeline could draw
-        between a checkpointed pass's save of the state and its draws, so
-        a forward pass that may draw holds the generator throughout.
-        """
-        # Taken after the turn and the input came: never held while waiting
-        # for another worker.
-        return cpu_generator_held(self.draws_random(j) is not False)
-
     def run(self) -> Optional[Tensor]:
         """Runs the step; returns the loss of the mini-batch, without graph.
 
@@ -330,83 +351,64 @@ class Step:
         An exception of any action is raised here, as itself, once every
         worker has stopped.
         """
-        if self.recorder is not None:
-            self.recorder.begin_step(len(self.batches), self.devices,
-                                     f'train_step (schedule {self.schedule!r})')
-        # The actions of each device, in clock order. On threads, forward
-        # actions of partitions that may draw random numbers take turns in
-        # that order, so they draw what they would on one thread.
-        turns = 0
-        queues: Dict[torch.device, List[Tuple[int, Callable[[], None]]]] = {}
-        for index, action in enumerate(self.order):
-            work: Callable[[], None] = functools.partial(self.stages[action.j].run, action)
-            if self.threaded and action.kind == 'F' and self.draws_random(action.j) is not False:
-                work = self.in_turn(turns, work)
-                turns += 1
-            device = distinct_devices([self.devices[action.j]])[0]
-            queues.setdefault(device, []).append((index, work))
-
-        if not self.threaded:
-            for device, works in queues.items():
-                with use_device(device):
-                    for _, work in works:
-                        work()
-        else:
-            self.run_on_threads(queues)
-        if self.n - 1 not in self.stages:
-            return None
-        return cast(Tensor, sum(self.losses[i].to(self.devices[-1])
-                                for i in range(len(self.batches))))
-
-    def in_turn(self, turn: int, work: Callable[[], None]) -> Callable[[], None]:
-        def run() -> None:
-            self.mailbox.wait_turn(turn)
-            try:
-                work()
-            finally:
-                self.mailbox.end_turn()
-        return run
-
-    def run_on_threads(self, queues: Dict[torch.device, List[Tuple[int, Callable[[], None]]]]
-                       ) -> None:
+        shared = self.shared
+        if shared.recorder is not None:
+            shared.recorder.begin_step(len(shared.batches), self.devices,
+                                       f'train_step (schedule {self.schedule!r})')
+        # The workers' queues of each partition here.
+        queue = {j: k for k, j in enumerate(self.stages)}
+        devices = [self.devices[j] for j in self.stages]
+        # On threads, forward actions of partitions that may draw random
+        # numbers take turns in clock order, so they draw what they would on
+        # one thread; on one thread, they run in that order anyway.
+        turns = Turns() if len(distinct_devices(devices)) > 1 else None
         failures: List[Tuple[int, ExcInfo]] = []
-        grad_mode = torch.is_grad_enabled()
-        autocast_states = save_autocast_states()
-        held = cpu_generator_owned()
-
-        def worker(device: torch.device, works: List[Tuple[int, Callable[[], None]]]) -> None:
-            torch.set_grad_enabled(grad_mode)
-            with use_device(device), restore_autocast_states(autocast_states), \
-                    holding_for_caller(held):
-                for index, work in works:
-                    if self.mailbox.stopped:
-                        return
-                    try:
-                        work()
-                    except Stopped:
-                        return
-                    except BaseException:
-                        failures.append((index, cast(ExcInfo, sys.exc_info())))
-                        self.mailbox.stop()
-                        return
-
-        crew = Crew()
-        try:
-            for device, works in queues.items():
-                crew.start(functools.partial(worker, device, works),
-                           name=f'torchgpipe worker ({device})')
-            crew.wait()
-        except BaseException:
-            # Ctrl-C in the calling thread: the workers stop before their
-            # next action, and the step returns only once none is running.
-            self.mailbox.stop()
-            crew.stop()
-            raise
+        with spawn_workers(devices) as (in_queues, out_queues):
+            try:
+                for action in self.order:
+                    work = self.work(action, turns)
+                    in_queues[queue[action.j]].put(Task(None, compute=work, finalize=None))
+                for index, action in enumerate(self.order):
+                    ok, payload = out_queues[queue[action.j]].get()
+                    if not ok:
+                        failures.append((index, cast(ExcInfo, payload)))
+            except BaseException:
+                # Ctrl-C: the workers skip what is left in their queues; no
+                # action may wait for a message or a turn of theirs.
+                self.stop(turns)
+                raise
+        # The failure that came first in the schedule; the others (Stopped
+        # among them) may follow from it.
+        failures = [f for f in failures if not isinstance(f[1][1], Stopped)] or failures
         if failures:
-            # The failure that came first in the schedule; the others may
-            # follow from it.
             _, (_, exc, tb) = min(failures, key=lambda f: f[0])
             raise exc.with_traceback(tb)
+        last = self.stages.get(self.n - 1)
+        if last is None:
+            return None
+        return cast(Tensor, sum(last.losses[i].to(self.devices[-1])
+                                for i in range(len(shared.batches))))
+
+    def work(self, action: Action, turns: Optional[Turns]) -> Callable[[], None]:
+        """The task of an action: on failure, it stops every other action first."""
+        stage = self.stages[action.j]
+
+        def run() -> None:
+            try:
+                stage.run(action)
+            except BaseException:
+                self.stop(turns)
+                raise
+
+        if turns is not None and action.kind is Kind.F and stage.draws_random() is not False:
+            return turns.take(run)
+        return run
+
+    def stop(self, turns: Optional[Turns]) -> None:
+        """Ends every wait of the step's actions, for a message or a turn."""
+        self.shared.mailbox.stop()
+        if turns is not None:
+            turns.stop()
 
 
 def split_step(input: TensorOrTensors, target: TensorOrTensors, chunks: int, reduction: str,

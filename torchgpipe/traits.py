@@ -16,11 +16,9 @@ GPipe starts with none (see :class:`RunState`).
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple, TypeVar
 
-import torch
 from torch import Tensor
 
 from torchgpipe._record import Recorder
-from torchgpipe.rng import cpu_rng_state
 from torchgpipe.stream import AbstractStream
 
 
@@ -47,19 +45,14 @@ class PartitionTraits:
         """Whether a task draws from the CPU generator with these ``training`` flags, if known."""
         return self.draws_random.get(flags)
 
-    def learn_draws(self, flags: Tuple[bool, ...], before: Tensor) -> bool:
-        """Learns whether the task that just ran drew, from the generator's state before it.
+    def learn_draws(self, flags: Tuple[bool, ...], drew: bool) -> None:
+        """Learns whether a task with these ``training`` flags draws: the first answer is kept.
 
-        The caller holds the generator (or runs alone) while the task runs,
-        so that a change of its state is the task's doing. The first answer
-        for a setting of the flags is kept.
-
-        Returns:
-            bool: whether this task drew
+        Args:
+            flags: the partition's ``training`` flags when the task ran
+            drew: what :func:`~torchgpipe.rng.watch` said of the task
         """
-        drew = not torch.equal(before, cpu_rng_state())
         self.draws_random.setdefault(flags, drew)
-        return drew
 
     def call(self, function: Callable[[T], R], input: Tuple[Tensor, ...],
              arguments: Callable[[Tuple[Tensor, ...]], T], again: str) -> R:

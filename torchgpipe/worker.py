@@ -1,11 +1,19 @@
-"""Workers: one thread per device, computing the tasks of each clock cycle.
+"""Workers: one thread per device, running the tasks both engines issue.
 
 The tasks of one clock cycle are independent (Section 3.2.1), so the devices
 can work on them at the same time. Each distinct device gets one thread, fed
 through a queue; partitions sharing a device share its thread, so tasks on one
 device run in the order they were issued. A pipeline whose partitions all
 share one device has nothing to overlap: its tasks run in the calling thread,
-which spares a thread switch per task.
+which spares a thread switch per task. The forward path
+(:mod:`torchgpipe.pipeline`) issues a clock cycle at a time and collects its
+results; a training step (:mod:`torchgpipe.stepper`) issues every action at
+once, and its tasks wait for each other's messages.
+
+Tasks on different threads that draw from the CPU generator take
+:class:`Turns` in issue order (see :mod:`torchgpipe.rng`). A task waiting for
+something that will not come, because the run stopped, ends with
+:class:`Stopped`.
 
 Grad mode and autocast are thread-local in PyTorch; a new thread starts with
 grad enabled and autocast off. The workers take both from the caller, so
@@ -20,11 +28,11 @@ import functools
 import sys
 import threading
 from collections import deque
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from queue import Queue
 from types import TracebackType
 from typing import (Callable, Deque, Generator, Iterable, List, Optional, Protocol, Tuple,
-                    Type, Union, cast)
+                    Type, TypeVar, Union, cast)
 
 import torch
 
@@ -37,6 +45,66 @@ __all__: List[str] = []
 
 ExcInfo = Tuple[Type[BaseException], BaseException, TracebackType]
 
+T = TypeVar('T')
+
+
+class Stopped(Exception):
+    """Ends a task waiting for something that will not come: the run it belongs to stopped."""
+
+
+class Turns:
+    """Runs tasks one at a time, in the order they were issued, whatever thread runs them.
+
+    Each task wrapped by :meth:`take` waits until the task wrapped before it
+    has finished (succeeded or failed), so tasks on different threads draw
+    random numbers in the order one thread would. :meth:`stop` ends every
+    wait with :class:`Stopped`: after a failure or Ctrl-C, tasks left in the
+    queues are skipped, and a turn after theirs never comes.
+
+    Example::
+
+        >>> turns = Turns()
+        >>> first, second = turns.take(lambda: 1), turns.take(lambda: 2)
+        >>> first(), second()
+        (1, 2)
+    """
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        self._issued = 0
+        self._turn = 0
+        self._stopped = False
+
+    def take(self, compute: Callable[[], T]) -> Callable[[], T]:
+        """Wraps ``compute`` to run after every task wrapped before it.
+
+        Raises (the wrapper):
+            Stopped: :meth:`stop` was called before the turn came
+        """
+        turn = self._issued
+        self._issued += 1
+
+        def compute_in_turn() -> T:
+            with self._condition:
+                while self._turn != turn:
+                    if self._stopped:
+                        raise Stopped()
+                    self._condition.wait()
+            try:
+                return compute()
+            finally:
+                with self._condition:
+                    self._turn += 1
+                    self._condition.notify_all()
+
+        return compute_in_turn
+
+    def stop(self) -> None:
+        """Ends every wait for a turn, now and later, with :class:`Stopped`."""
+        with self._condition:
+            self._stopped = True
+            self._condition.notify_all()
+
 
 class Task:
     """A task: a computation for a worker, and a finalization for the scheduler.
@@ -46,31 +114,36 @@ class Task:
     (the recomputation), which must be created in clock-cycle order.
 
     Args:
-        stream: the stream to compute on
-        compute: produces the output batch
+        stream: the stream to compute on (``None``: the worker's current one)
+        compute: produces the output batch (a training step's action: ``None``)
         finalize: post-processes the output batch, if given
     """
 
-    def __init__(self, stream: AbstractStream, *, compute: Callable[[], Batch],
+    __slots__ = ('stream', '_compute', '_finalize')
+
+    def __init__(self, stream: Optional[AbstractStream], *,
+                 compute: Callable[[], Optional[Batch]],
                  finalize: Optional[Callable[[Batch], None]]) -> None:
         self.stream = stream
         self._compute = compute
         self._finalize = finalize
 
-    def compute(self) -> Batch:
+    def compute(self) -> Optional[Batch]:
+        if self.stream is None:
+            return self._compute()
         with use_stream(self.stream):
             return self._compute()
 
     def finalize(self, batch: Batch) -> None:
         if self._finalize is None:
             return
-        with use_stream(self.stream):
+        with use_stream(self.stream) if self.stream is not None else nullcontext():
             self._finalize(batch)
 
 
 # What a worker reports for each task: (True, (task, output batch)) or
 # (False, exc_info).
-Result = Tuple[bool, Union[Tuple[Task, Batch], ExcInfo]]
+Result = Tuple[bool, Union[Tuple[Task, Optional[Batch]], ExcInfo]]
 
 
 class InQueue(Protocol):
@@ -151,9 +224,13 @@ class Crew:
         threading.Thread(target=run, name=name, daemon=True).start()
 
     def wait(self) -> None:
-        """Waits until every thread has ended; a Ctrl-C interrupts the wait."""
-        for _, ended in self._lifetimes:
-            ended.wait()
+        """Waits until every thread has ended, or, after a Ctrl-C meanwhile, stops them first."""
+        try:
+            for _, ended in self._lifetimes:
+                ended.wait()
+        except BaseException:
+            self.stop()
+            raise
 
     def stop(self) -> None:
         """Stops the threads, and waits until every one that began has ended.
@@ -206,10 +283,14 @@ def distinct_devices(devices: Iterable[torch.device]) -> List[torch.device]:
 @contextmanager
 def spawn_workers(devices: Iterable[torch.device],
                   ) -> Generator[Tuple[List[InQueue], List[OutQueue]], None, None]:
-    """Starts one worker per distinct device, and stops and joins them on exit.
+    """Starts one worker per distinct device, and joins them on exit.
 
-    With a single distinct device, no thread starts: the tasks run in the
-    calling thread.
+    On a normal exit, the workers finish the tasks left in their queues
+    first. On an exception (a failed task re-raised, or Ctrl-C), they skip
+    them: each finishes at most the task it is running. Either way the
+    context ends only once no worker is left to change tensors behind the
+    caller's back. With a single distinct device, no thread starts: the
+    tasks run in the calling thread, as they are put.
 
     Args:
         devices: the device of each partition
@@ -237,11 +318,17 @@ def spawn_workers(devices: Iterable[torch.device],
                                          autocast_states, crew.stopping, held),
                        name=f'torchgpipe worker ({device})')
         yield ([queues[d][0] for d in devices], [queues[d][1] for d in devices])
-    finally:
-        # Every thread ends without running a task left in its queue (after a
-        # failure or Ctrl-C), those waiting for one woken by a None; the call
-        # returns only once none is left to change tensors behind its back.
+    except BaseException:
+        # Tasks left in the queues are skipped: a worker checks the flag
+        # before each.
         crew.stopping.set()
+        raise
+    finally:
+        # A None after the last task ends each worker, also one waiting for
+        # a task.
         for in_queue, _ in queues.values():
             in_queue.put(None)
-        crew.stop()
+        if crew.stopping.is_set():
+            crew.stop()
+        else:
+            crew.wait()

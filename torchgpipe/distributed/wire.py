@@ -11,9 +11,11 @@ Sends never wait (``isend``): a rank only waits for what it needs, so a
 schedule that :func:`~torchgpipe.schedule.clock_order` accepts runs without
 deadlock. Between two ranks, messages are received in the order they were
 sent, whatever the backend (NCCL has no tags). That order is made one by
-sending the skips of a micro-batch (``'K'`` forward, ``'S'`` backward) right
-after the main message of the same action, ``'F'`` or ``'B'``, sorted by the
-skip's index, and receiving them, in that order, right after it.
+sending the skips of a micro-batch (:class:`~torchgpipe.mailbox.Skip` forward,
+:class:`~torchgpipe.mailbox.SkipGradient` backward) right after the main
+message of the same action (:class:`~torchgpipe.mailbox.Activation` or
+:class:`~torchgpipe.mailbox.Gradient`), sorted by the skip's index, and
+receiving them, in that order, right after it.
 """
 import io
 import pickle
@@ -24,7 +26,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from torchgpipe.distributed.blocks import Blocks
-from torchgpipe.mailbox import Key, Mailbox, Ready
+from torchgpipe.mailbox import (Activation, Key, Mailbox, Ready, Skip, SkipGradient,
+                                SkipKey)
 
 __all__: List[str] = []
 
@@ -51,7 +54,7 @@ class Wire(Mailbox):
     """
 
     def __init__(self, channels: 'Channels', ranks: Sequence[int], here: int,
-                 routes: Dict[Key, Route]) -> None:
+                 routes: Dict[SkipKey, Route]) -> None:
         super().__init__()
         self.channels = channels
         self.ranks = ranks
@@ -63,31 +66,31 @@ class Wire(Mailbox):
         self.popped = [key for key in routes if routes[key][1] == here]
         self.stashed = [key for key in routes if routes[key][0] == here]
         #: Skips to send after the main message of their micro-batch.
-        self.held: List[Tuple[int, Tuple[Any, ...], Any]] = []
+        self.held: List[Tuple[int, Key, Any]] = []
 
-    def put(self, key: Tuple[Any, ...], message: Any) -> None:
-        kind, i, x = key
-        if kind in 'KS':
-            self.held.append((self.index[x], key, message))
+    def put(self, key: Key, message: Any) -> None:
+        if isinstance(key, (Skip, SkipGradient)):
+            self.held.append((self.index[key.key], key, message))
             return
-        self.send(x, 'message', message)
+        # Both main messages are keyed by the partition they go to.
+        self.send(key.j, 'message', message)
         # The skips of this action follow its main message.
         self.held.sort(key=lambda h: h[0])
-        for _, (skind, _, skey), smessage in self.held:
-            a, b = self.routes[skey]
-            self.send(b if skind == 'K' else a, 'message', smessage)
+        for _, skip, smessage in self.held:
+            assert isinstance(skip, (Skip, SkipGradient))
+            a, b = self.routes[skip.key]
+            self.send(b if isinstance(skip, Skip) else a, 'message', smessage)
         self.held.clear()
 
-    def take(self, key: Tuple[Any, ...]) -> Any:
-        kind, i, x = key
-        if kind in 'KS':
+    def take(self, key: Key) -> Any:
+        if isinstance(key, (Skip, SkipGradient)):
             return super().take(key)  # received with the main message
-        message = self.receive(x - 1 if kind == 'F' else x + 1)
-        skips = self.popped if kind == 'F' else self.stashed
-        for skey in skips:
+        forward = isinstance(key, Activation)
+        message = self.receive(key.j - 1 if forward else key.j + 1)
+        for skey in self.popped if forward else self.stashed:
             a, b = self.routes[skey]
-            other = a if kind == 'F' else b
-            super().put(('K' if kind == 'F' else 'S', i, skey), self.receive(other))
+            super().put(Skip(key.i, skey) if forward else SkipGradient(key.i, skey),
+                        self.receive(a if forward else b))
         return message
 
     def send(self, j: int, kind: str, message: Any) -> None:

@@ -1,0 +1,197 @@
+"""Workers: one thread per distinct device, the turns their tasks take, and how they end.
+
+Both engines run their tasks on these workers: the forward path a clock
+cycle at a time, a training step every action at once.
+"""
+import threading
+import time
+from typing import List
+
+import pytest
+import torch
+
+from helpers import cpu_devices
+from torchgpipe.microbatch import Batch
+from torchgpipe.stream import CPUStream
+from torchgpipe.worker import Stopped, Task, Turns, spawn_workers
+
+CPU = torch.device('cpu')
+
+
+def run(tasks: List[Task], devices: List[torch.device]) -> list:
+    results = []
+    with spawn_workers(devices) as (in_queues, out_queues):
+        for j, task in enumerate(tasks):
+            in_queues[j].put(task)
+        for j in range(len(tasks)):
+            results.append(out_queues[j].get())
+    return results
+
+
+def thread_names(devices: List[torch.device]) -> List[str]:
+    """The name of the thread that computed each partition's task."""
+    names = [''] * len(devices)
+
+    def task(j: int) -> Task:
+        def compute() -> Batch:
+            names[j] = threading.current_thread().name
+            return Batch(torch.zeros(1))
+        return Task(CPUStream, compute=compute, finalize=None)
+
+    results = run([task(j) for j in range(len(devices))], devices)
+    assert all(ok for ok, _ in results)
+    return names
+
+
+def test_one_worker_thread_per_distinct_device_and_clean_shutdown() -> None:
+    """Threaded path only: distinct devices, one worker thread each."""
+    cpu0, cpu1 = torch.device('cpu', 0), torch.device('cpu', 1)
+    names = thread_names([cpu0, cpu1, cpu0])
+    assert names[0] == names[2] != names[1]
+    assert all(name.startswith('torchgpipe worker') for name in names)
+    # (conftest checks after every test that no worker thread is left.)
+
+
+def test_a_single_device_computes_in_the_calling_thread() -> None:
+    """Single-thread path only: one shared device starts no thread."""
+    assert thread_names([CPU] * 3) == [threading.current_thread().name] * 3
+
+
+THREADED = [torch.device('cpu', 0), torch.device('cpu', 1)]
+
+
+@pytest.mark.parametrize('grad_mode', [True, False])
+def test_workers_inherit_grad_mode_and_autocast(grad_mode: bool) -> None:
+    """Threaded path only: inline tasks share the caller's thread and so its state.
+
+    At the GPipe level, both paths are checked by the autocast and no_grad
+    tests of test_transparency.py.
+    """
+    seen = []
+
+    def compute() -> Batch:
+        seen.append((threading.current_thread().name, torch.is_grad_enabled(),
+                     torch.is_autocast_enabled('cpu'), torch.get_autocast_dtype('cpu'),
+                     torch.is_autocast_cache_enabled()))
+        return Batch(torch.zeros(1))
+
+    tasks = [Task(CPUStream, compute=compute, finalize=None) for _ in THREADED]
+    with torch.set_grad_enabled(grad_mode), \
+            torch.autocast('cpu', dtype=torch.bfloat16, cache_enabled=False):
+        run(tasks, THREADED)
+    assert all(name.startswith('torchgpipe worker') for name, *_ in seen)
+    assert [state for _, *state in seen] == [[grad_mode, True, torch.bfloat16, False]] * 2
+
+
+def test_worker_reports_exceptions_and_keeps_working(threaded: bool) -> None:
+    devices = [torch.device(name) for name in cpu_devices(2, threaded)]
+    error = RuntimeError('inside')
+
+    def fail() -> Batch:
+        raise error
+
+    ok_task = Task(CPUStream, compute=lambda: Batch(torch.ones(1)), finalize=None)
+    with spawn_workers(devices) as (in_queues, out_queues):
+        in_queues[0].put(Task(CPUStream, compute=fail, finalize=None))
+        in_queues[0].put(ok_task)
+        ok, payload = out_queues[0].get()
+        assert not ok and payload[1] is error
+        ok, payload = out_queues[0].get()
+        assert ok and payload[0] is ok_task
+
+
+def test_task_finalize() -> None:
+    finalized = []
+    task = Task(CPUStream, compute=lambda: Batch(torch.ones(1)), finalize=finalized.append)
+    batch = task.compute()
+    task.finalize(batch)
+    assert finalized == [batch]
+    Task(CPUStream, compute=lambda: batch, finalize=None).finalize(batch)
+
+
+def test_turns_run_in_the_order_they_were_taken() -> None:
+    turns = Turns()
+    order: List[int] = []
+    tasks = [turns.take(lambda k=k: order.append(k)) for k in range(6)]
+    # Started last first, each still waits for the one taken before it.
+    threads = [threading.Thread(target=task) for task in reversed(tasks)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=10)
+    assert order == list(range(6))
+
+
+def test_a_failed_turn_hands_over_to_the_next() -> None:
+    turns = Turns()
+
+    def fail() -> None:
+        raise ValueError('boom')
+
+    first, second = turns.take(fail), turns.take(lambda: 'ran')
+    with pytest.raises(ValueError):
+        first()
+    assert second() == 'ran'
+
+
+def test_a_stopped_turn_ends_every_wait_for_it() -> None:
+    """A task skipped after Ctrl-C never ends its turn: those after it must not wait for ever."""
+    turns = Turns()
+    skipped, waiting = turns.take(lambda: None), turns.take(lambda: 'ran')
+    del skipped  # never runs
+    outcome: List[object] = []
+
+    def run() -> None:
+        try:
+            outcome.append(waiting())
+        except Stopped as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    turns.stop()
+    thread.join(timeout=10)
+    assert not thread.is_alive() and isinstance(outcome[0], Stopped)
+    with pytest.raises(Stopped):
+        turns.take(lambda: None)()
+
+
+def test_join_running_workers(threaded: bool) -> None:
+    """A normal exit lets every task already queued finish, as in torchgpipe 0.0.7."""
+    devices = [torch.device(name) for name in cpu_devices(2, threaded)]
+    done: List[int] = []
+
+    def task(k: int) -> Task:
+        def compute() -> Batch:
+            time.sleep(0.05)
+            done.append(k)
+            return Batch(torch.zeros(1))
+        return Task(CPUStream, compute=compute, finalize=None)
+
+    with spawn_workers(devices) as (in_queues, _):
+        for k in range(4):
+            in_queues[k % 2].put(task(k))
+    assert sorted(done) == [0, 1, 2, 3]
+
+
+def test_an_exception_skips_the_queued_tasks() -> None:
+    """After a failure or Ctrl-C, each worker finishes at most the task it is running."""
+    devices = [torch.device('cpu', 0), torch.device('cpu', 1)]
+    started = threading.Event()
+    done: List[int] = []
+
+    def task(k: int) -> Task:
+        def compute() -> Batch:
+            started.set()
+            time.sleep(0.2)
+            done.append(k)
+            return Batch(torch.zeros(1))
+        return Task(CPUStream, compute=compute, finalize=None)
+
+    with pytest.raises(KeyboardInterrupt):
+        with spawn_workers(devices) as (in_queues, _):
+            for k in range(4):
+                in_queues[0].put(task(k))
+            started.wait(10)
+            raise KeyboardInterrupt
+    assert done == [0]
