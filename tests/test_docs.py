@@ -270,6 +270,17 @@ def test_the_six_properties_the_tests_cite_are_listed_with_their_tests() -> None
                     assert f'tests/{name}' in listed[number], (name, number)
 
 
+def test_schedules_page_says_train_step_works_under_ddp() -> None:
+    """torchgpipe.distributed.train_step runs train_step's schedules on DDP
+    replicas: the schedules page says so, in its prose and in its table."""
+    page = read(os.path.join('docs', 'schedules.rst'))
+    assert 'Not DistributedDataParallel' not in page
+    row = re.search(r'^DistributedDataParallel +(\S+) +(.*)$', page, re.M)
+    assert row and row.group(1) == 'yes', row
+    assert row.group(2).startswith('yes') and 'torchgpipe.distributed.train_step' in row.group(2)
+    assert ':func:`torchgpipe.distributed.train_step`' in page
+
+
 # -- docstrings ----------------------------------------------------------------
 
 def package_modules() -> List[str]:
