@@ -1,9 +1,10 @@
-"""Shared fixtures: both execution paths, and no worker thread left behind."""
+"""Shared fixtures: both execution paths, the three checkpoint modes, no thread left behind."""
 import threading
 from typing import Iterator
 
 import pytest
 import torch
+from helpers import CHECKPOINT_MODES
 
 
 def worker_threads() -> list:
@@ -24,6 +25,16 @@ def threaded(request: pytest.FixtureRequest) -> bool:
     True: one worker thread per device (distinct CPU indices).
     """
     return bool(request.param)
+
+
+@pytest.fixture(params=CHECKPOINT_MODES)
+def checkpoint(request: pytest.FixtureRequest) -> str:
+    """Runs the test in each of GPipe's checkpoint modes: 'always', 'except_last', 'never'.
+
+    A test for some modes only parametrizes ``checkpoint`` itself, which
+    overrides this fixture.
+    """
+    return str(request.param)
 
 
 @pytest.fixture(autouse=True, scope='session')

@@ -12,6 +12,43 @@ from torchgpipe.pipeline import clock_cycles
 from torchgpipe.skip import pop, skippable, stash
 
 
+#: GPipe's three checkpoint modes. The ``checkpoint`` fixture of conftest.py
+#: runs a test in each; use this list for a strategy or a product of parameters.
+CHECKPOINT_MODES = ['always', 'except_last', 'never']
+
+
+def mlp(*widths: int, depth: Optional[int] = None,
+        activation: Callable[[], nn.Module] = nn.Tanh, last_activation: bool = True,
+        blocks: bool = False, dtype: Optional[torch.dtype] = None) -> nn.Sequential:
+    """A multilayer perceptron: a Linear layer from each width to the next, each
+    followed by an ``activation``.
+
+    ``mlp(3, 4, 2)`` is Linear(3, 4), Tanh, Linear(4, 2), Tanh. One width and a
+    ``depth`` give that many square layers: ``mlp(4, depth=3)`` is three
+    Linear(4, 4) + Tanh. ``last_activation=False`` ends on the last Linear;
+    ``blocks=True`` makes each Linear and its activation one child (a
+    ``balance`` then counts layers); ``dtype`` converts the parameters once
+    built, so the initial values do not depend on it.
+
+    The parameters are drawn from PyTorch's generator, in layer order, exactly
+    as the same layers written out by hand would draw them.
+    """
+    if depth is not None:
+        if len(widths) != 1:
+            raise ValueError('give one width with depth, or the widths without it')
+        widths = widths * (depth + 1)
+    if len(widths) < 2:
+        raise ValueError('an mlp needs at least two widths (or a width and a depth)')
+    layers: List[nn.Module] = []
+    for k, (a, b) in enumerate(zip(widths, widths[1:])):
+        layer: List[nn.Module] = [nn.Linear(a, b)]
+        if last_activation or k < len(widths) - 2:
+            layer.append(activation())
+        layers += [nn.Sequential(*layer)] if blocks else layer
+    model = nn.Sequential(*layers)
+    return model if dtype is None else model.to(dtype)
+
+
 def cpu_devices(n: int, threaded: bool) -> List[str]:
     """n CPU devices for one of GPipe's two execution paths.
 

@@ -13,12 +13,11 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings, strategies as st
 from torch import Tensor, nn
 
-from helpers import cpu_devices
+from helpers import CHECKPOINT_MODES, cpu_devices
 from torchgpipe import GPipe, to_sequential
 
 W = 6
 CAPTURES = ['fx', 'export']
-CHECKPOINTS = ['always', 'except_last', 'never']
 
 
 def flatten(model: nn.Module, capture: str, example: Any) -> nn.Sequential:
@@ -139,7 +138,6 @@ class ViewUpdated(nn.Module):
 
 
 @pytest.mark.parametrize('capture', CAPTURES)
-@pytest.mark.parametrize('checkpoint', CHECKPOINTS)
 def test_update_of_a_view_is_seen_by_every_reader(capture: str, checkpoint: str,
                                                   threaded: bool) -> None:
     model = ViewUpdated().double()
@@ -395,7 +393,7 @@ class Random(nn.Module):
            # relu_(relu_(h)) fails the unwrapped model's backward: ReLU keeps its result.
            lambda p: all(p[i:i + 2] != ['relu_inplace'] * 2 for i in range(len(p)))),
        capture=st.sampled_from(CAPTURES), same_input=st.booleans(),
-       checkpoint=st.sampled_from(CHECKPOINTS), threaded=st.booleans(),
+       checkpoint=st.sampled_from(CHECKPOINT_MODES), threaded=st.booleans(),
        hooked_model=st.booleans())
 def test_capture_leaves_the_model_and_equals_it_in_gpipe(
         pieces: List[str], capture: str, same_input: bool, checkpoint: str, threaded: bool,

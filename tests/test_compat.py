@@ -21,15 +21,11 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 import torchgpipe
-from helpers import assert_same_training_step, cpu_devices
+from helpers import assert_same_training_step, cpu_devices, mlp
 from torchgpipe import GPipe
 from torchgpipe.batchnorm import DeferredBatchNorm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def mlp() -> nn.Sequential:
-    return nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
 
 
 # -- integral numbers, mode objects ----------------------------------------------------
@@ -43,10 +39,11 @@ def test_integral_chunks_are_stored_as_int(chunks: object, threaded: bool) -> No
         return GPipe(model, [2, 1], devices=cpu_devices(2, threaded),
                      chunks=chunks)  # type: ignore[arg-type]
 
-    gpipe = gpipe_factory(mlp())
+    gpipe = gpipe_factory(mlp(3, 4, 2, last_activation=False))
     assert type(gpipe.chunks) is int and gpipe.chunks == 4
     # Splits into 4 micro-batches and trains like the unwrapped model.
-    assert_same_training_step(mlp(), gpipe_factory, torch.randn(8, 3))
+    assert_same_training_step(mlp(3, 4, 2, last_activation=False), gpipe_factory,
+                              torch.randn(8, 3))
 
     deferred = DeferredBatchNorm(4, chunks=chunks)  # type: ignore[arg-type]
     assert type(deferred.chunks) is int and deferred.chunks == 4
@@ -62,7 +59,8 @@ def test_integral_chunks_are_stored_as_int(chunks: object, threaded: bool) -> No
 ], ids=repr)
 def test_non_integral_chunks_stay_errors(chunks: object, error: type) -> None:
     with pytest.raises(error, match='chunks'):
-        GPipe(mlp(), [3], devices=['cpu'], chunks=chunks)  # type: ignore[arg-type]
+        GPipe(mlp(3, 4, 2, last_activation=False), [3], devices=['cpu'],
+              chunks=chunks)  # type: ignore[arg-type]
     with pytest.raises(error, match='chunks'):
         DeferredBatchNorm(4, chunks=chunks)  # type: ignore[arg-type]
 
@@ -76,10 +74,11 @@ def test_integral_balance_entries_are_stored_as_ints(balance: object, threaded: 
         return GPipe(model, balance, devices=cpu_devices(2, threaded),  # type: ignore[arg-type]
                      chunks=2)
 
-    gpipe = gpipe_factory(mlp())
+    gpipe = gpipe_factory(mlp(3, 4, 2, last_activation=False))
     assert gpipe.balance == [2, 1] and all(type(x) is int for x in gpipe.balance)
     assert [len(p) for p in gpipe.partitions] == [2, 1]
-    assert_same_training_step(mlp(), gpipe_factory, torch.randn(4, 3))
+    assert_same_training_step(mlp(3, 4, 2, last_activation=False), gpipe_factory,
+                              torch.randn(4, 3))
 
 
 class Mode(enum.Enum):
@@ -97,9 +96,10 @@ def test_checkpoint_mode_object_is_stored_as_its_str(mode: Mode, threaded: bool)
         return GPipe(model, [2, 1], devices=cpu_devices(2, threaded), chunks=2,
                      checkpoint=mode)  # type: ignore[arg-type]
 
-    gpipe = gpipe_factory(mlp())
+    gpipe = gpipe_factory(mlp(3, 4, 2, last_activation=False))
     assert type(gpipe.checkpoint) is str and gpipe.checkpoint == mode.value
-    assert_same_training_step(mlp(), gpipe_factory, torch.randn(4, 3))
+    assert_same_training_step(mlp(3, 4, 2, last_activation=False), gpipe_factory,
+                              torch.randn(4, 3))
 
     class Sometimes:
         def __str__(self) -> str:
@@ -107,7 +107,8 @@ def test_checkpoint_mode_object_is_stored_as_its_str(mode: Mode, threaded: bool)
 
     with pytest.raises(ValueError, match="checkpoint is not one of 'always', 'except_last', "
                                          "or 'never'"):
-        GPipe(mlp(), [3], devices=['cpu'], checkpoint=Sometimes())  # type: ignore[arg-type]
+        GPipe(mlp(3, 4, 2, last_activation=False), [3], devices=['cpu'],
+              checkpoint=Sometimes())  # type: ignore[arg-type]
 
 
 # -- the version module ------------------------------------------------------------------
@@ -315,7 +316,8 @@ def test_unwrap_keeps_training_modes_and_shared_layers() -> None:
 @pytest.mark.parametrize('device, error', [('gpu', ValueError), (1.5, TypeError)])
 def test_unwrap_device_is_checked(device: object, error: type) -> None:
     with pytest.raises(error, match=r"\(device: .*\); use a device such as device='cpu'"):
-        GPipe(mlp(), [3], devices=['cpu']).unwrap(device)  # type: ignore[arg-type]
+        GPipe(mlp(3, 4, 2, last_activation=False), [3],
+              devices=['cpu']).unwrap(device)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize('style', ['plain', 'gpipe'])
@@ -365,16 +367,16 @@ def expected_checkpointed(mode: str, m: int, chunks: int) -> int:
     return {'always': m, 'except_last': min(m, chunks - 1), 'never': 0}[mode]
 
 
-@pytest.mark.parametrize('mode', ['always', 'except_last', 'never'])
 @pytest.mark.parametrize('batch', [8, 6, 2, 1], ids=lambda b: f'batch{b}')  # m = 4, 3, 2, 1
-def test_number_of_checkpointed_micro_batches(mode: str, batch: int, threaded: bool) -> None:
+def test_number_of_checkpointed_micro_batches(checkpoint: str, batch: int,
+                                              threaded: bool) -> None:
     chunks = 4
     # A plain BatchNorm updates its running statistics at every call: once
     # per micro-batch, and once more per recomputation.
     model = nn.Sequential(nn.BatchNorm1d(3), nn.Linear(5, 5))
     bn = copy.deepcopy(model[0])
     gpipe = GPipe(model, [1, 1], devices=cpu_devices(2, threaded), chunks=chunks,
-                  checkpoint=mode)
+                  checkpoint=checkpoint)
 
     x = torch.randn(batch, 3, 5) * 2 + 1
     micro_batches = x.chunk(chunks)
@@ -384,7 +386,7 @@ def test_number_of_checkpointed_micro_batches(mode: str, batch: int, threaded: b
     # The reference: the forward of every micro-batch in order, then the
     # recomputation of each checkpointed one, as the backward pass meets
     # them (m-1 down to 0).
-    checkpointed = expected_checkpointed(mode, m, chunks)
+    checkpointed = expected_checkpointed(checkpoint, m, chunks)
     for micro_batch in micro_batches:
         bn(micro_batch)
     for micro_batch in reversed(micro_batches[:checkpointed]):

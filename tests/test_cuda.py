@@ -44,7 +44,6 @@ def test_copy_runs_on_copy_streams_and_gradients_come_back() -> None:
     torch.testing.assert_close(x.grad, torch.full_like(x, 2.0))
 
 
-@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
 def test_transparency_on_cuda(checkpoint: str) -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.Tanh()).double()
     input = torch.randn(12, 8, dtype=torch.double, device=devices(1)[0])

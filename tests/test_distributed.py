@@ -46,7 +46,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 
 import stress_ddp_exit
-from helpers import RaiseInBackward
+from helpers import CHECKPOINT_MODES, RaiseInBackward, mlp
 from process_group import no_child_left  # noqa: F401 (an autouse fixture)
 from process_group import GLOO_TIMEOUT, WORLD_SIZE, WorkerFailed, run_distributed
 from torchgpipe import GPipe
@@ -60,8 +60,6 @@ STEPS = 3
 FEATURES = 4
 # Differences are rounding in float64 (about 1e-16): anything visible is a bug.
 TOLERANCE = {'rtol': 1e-10, 'atol': 1e-12}
-
-CHECKPOINTS = ['always', 'except_last', 'never']
 
 # Plain Python data a child sends back: {name: nested lists}.
 Tensors = Dict[str, Any]
@@ -90,12 +88,8 @@ class PopAdd(nn.Module):
         return x + skip * self.scale
 
 
-def mlp() -> Tuple[nn.Sequential, List[int]]:
-    return nn.Sequential(
-        nn.Linear(FEATURES, 8), nn.Tanh(),
-        nn.Linear(8, 8), nn.Tanh(),
-        nn.Linear(8, FEATURES),
-    ), [2, 2, 1]
+def perceptron() -> Tuple[nn.Sequential, List[int]]:
+    return mlp(FEATURES, 8, 8, FEATURES, last_activation=False), [2, 2, 1]
 
 
 def unet() -> Tuple[nn.Sequential, List[int]]:
@@ -128,7 +122,7 @@ def batchnorm() -> Tuple[nn.Sequential, List[int]]:
 
 
 MODELS: Dict[str, Callable[[], Tuple[nn.Sequential, List[int]]]] = {
-    'mlp': mlp, 'unet': unet, 'batchnorm': batchnorm,
+    'mlp': perceptron, 'unet': unet, 'batchnorm': batchnorm,
 }
 
 
@@ -175,7 +169,7 @@ class Config(NamedTuple):
 
 
 CONFIGS = [Config(model, checkpoint)
-           for model in MODELS for checkpoint in CHECKPOINTS] + [
+           for model in MODELS for checkpoint in CHECKPOINT_MODES] + [
     Config('unet', 'except_last', (('static_graph', True),)),
     Config('unet', 'always', (('find_unused_parameters', True),)),
     Config('mlp', 'always', accumulate=True),
@@ -503,7 +497,6 @@ def test_a_gloo_work_launched_in_backward_keeps_the_backward_context() -> None:
     assert ref() is None
 
 
-@pytest.mark.parametrize('checkpoint', CHECKPOINTS)
 @pytest.mark.parametrize('devices', [['cpu', 'cpu'], ['cpu:0', 'cpu:1']],
                          ids=['one-thread', 'worker-threads'])
 def test_gpipe_keeps_no_copy_of_the_backward_context(devices: List[str],

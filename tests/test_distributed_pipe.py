@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 import torchgpipe.distributed
-from helpers import RaiseInBackward
+from helpers import CHECKPOINT_MODES, RaiseInBackward
 from process_group import no_child_left  # noqa: F401 (an autouse fixture)
 from process_group import GLOO_TIMEOUT, run_distributed
 from test_distributed import FEATURES, TOLERANCE, PopAdd, Stash, build
@@ -88,8 +88,7 @@ def model(name: str) -> nn.Sequential:
     return packed()[0] if name == 'packed' else build(name)[0]
 
 
-SCHEDULE_CHECKPOINTS = list(itertools.product(['1f1b', 'fill_drain'],
-                                              ['always', 'except_last', 'never']))
+SCHEDULE_CHECKPOINTS = list(itertools.product(['1f1b', 'fill_drain'], CHECKPOINT_MODES))
 # unet's two skips cross from partition 0 to 1 with [5, 5], popped in the
 # reverse order of their stashes; with [3, 2, 5] one leaps over the middle rank.
 TWO_RANKS = [Config(m, b, s, c) for (m, b), (s, c) in itertools.product(
@@ -222,7 +221,7 @@ def random_layout(seed: int) -> Config:
     cuts = sorted(rng.sample(range(1, len(layers)), 2))
     balance = (cuts[0], cuts[1] - cuts[0], len(layers) - cuts[1])
     return Config(' '.join(layers), balance, rng.choice(['1f1b', 'fill_drain']),
-                  rng.choice(['always', 'except_last', 'never']))
+                  rng.choice(CHECKPOINT_MODES))
 
 
 def layered(spec: str) -> nn.Sequential:

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 import torchgpipe.distributed
+from helpers import CHECKPOINT_MODES
 from process_group import no_child_left  # noqa: F401 (an autouse fixture)
 from process_group import run_distributed
 from test_distributed import BATCH, CHUNKS, FEATURES, TOLERANCE, build, global_batch
@@ -29,7 +30,6 @@ pytestmark = pytest.mark.timeout(180)
 
 STEPS = 2
 SCHEDULES = ['1f1b', 'fill_drain']
-CHECKPOINTS = ['always', 'except_last', 'never']
 
 
 class Config(NamedTuple):
@@ -72,7 +72,7 @@ def model_and_balance(name: str) -> Tuple[nn.Sequential, List[int]]:
 
 CONFIGS = [Config(model, schedule, checkpoint, threads, reference)
            for (model, reference), schedule, checkpoint, threads in itertools.product(
-               [('unet', 'plain'), ('batchnorm', 'gpipe')], SCHEDULES, CHECKPOINTS,
+               [('unet', 'plain'), ('batchnorm', 'gpipe')], SCHEDULES, CHECKPOINT_MODES,
                [False, True])] + [
     Config('unused', '1f1b', 'except_last', True),
     Config('unet', '1f1b', 'always', True, accumulate=True),

@@ -266,7 +266,6 @@ def assert_trains_like_original(original: nn.Module, gpipe: GPipe, inputs: Input
     return worst
 
 
-@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
 @pytest.mark.parametrize('name', list(MODELS))
 def test_gpipe_trains_the_flattened_model_like_the_original(name: str, checkpoint: str,
                                                             threaded: bool) -> None:
@@ -562,7 +561,6 @@ class TiedLM(nn.Module):
         return self.head(x)
 
 
-@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
 @pytest.mark.parametrize('glue_head', [False, True], ids=['linear_head', 'glue_head'])
 def test_tied_embedding_and_head_stay_children_of_their_own(glue_head: bool, checkpoint: str,
                                                             threaded: bool) -> None:

@@ -46,7 +46,6 @@ def batch_norms(module: nn.Module) -> list:
     return [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
 
-@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
 @pytest.mark.parametrize('batch_size, chunks', [(8, 4), (6, 4), (9, 2)])  # 6 → 3 chunks
 @pytest.mark.parametrize('kind', sorted(MODELS))
 def test_running_statistics_equal_the_unwrapped_full_batch(kind: str, batch_size: int,

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 import torchgpipe.worker
-from helpers import cpu_devices
+from helpers import cpu_devices, mlp
 from torchgpipe import GPipe
 
 
@@ -66,17 +66,10 @@ def saved(monkeypatch: pytest.MonkeyPatch) -> Iterator[SavedBytes]:
     yield counter
 
 
-def deep_mlp(depth: int = 16, width: int = 64) -> nn.Sequential:
-    layers = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.ReLU()]
-    return nn.Sequential(*layers)
-
-
 def saved_bytes_of_forward(saved: SavedBytes, checkpoint: str, threaded: bool) -> int:
     balance = [8, 8, 8, 8]
-    gpipe = GPipe(deep_mlp(), balance, devices=cpu_devices(len(balance), threaded), chunks=4,
-                  checkpoint=checkpoint)
+    gpipe = GPipe(mlp(64, depth=16, activation=nn.ReLU), balance,
+                  devices=cpu_devices(len(balance), threaded), chunks=4, checkpoint=checkpoint)
     input = torch.randn(64, 64)
     with saved.hooks():
         output = gpipe(input)

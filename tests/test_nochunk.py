@@ -78,7 +78,6 @@ def compare(model: nn.Sequential, gpipe_factory: Any, batch_size: int) -> None:
         torch.testing.assert_close(actual, expected)
 
 
-@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
 @pytest.mark.parametrize('chunks', [1, 3])
 @pytest.mark.parametrize('balance', BALANCES, ids=['1', '2', '3'])
 def test_non_batch_values_cross_partitions_as_without_gpipe(

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
-from helpers import COPIERS, assert_same_training_step, cpu_devices
+from helpers import CHECKPOINT_MODES, COPIERS, assert_same_training_step, cpu_devices
 from test_train_step import assert_train_step_as_unwrapped
 from torchgpipe import GPipe
 from torchgpipe.skip import Namespace, pop, skippable, stash, verify_skippables
@@ -107,7 +107,6 @@ def assert_same_as_without_gpipe(model: nn.Sequential, balance: List[int], chunk
         input)
 
 
-@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
 @pytest.mark.parametrize('balance', [[16], [8, 8], [4, 4, 4, 4], [2, 6, 5, 3], [1, 1, 13, 1],
                                      [6, 2, 2, 6], [11, 2, 2, 1]])
 @pytest.mark.parametrize('chunks', [1, 3])
@@ -119,7 +118,7 @@ def test_unet_equals_the_model_without_gpipe(balance: List[int], chunks: int,
 
 @settings(max_examples=30, deadline=None)
 @given(st.sets(st.integers(1, N_LAYERS - 1), max_size=3), st.integers(1, 5),
-       st.sampled_from(['always', 'except_last', 'never']), st.integers(1, 9), st.booleans())
+       st.sampled_from(CHECKPOINT_MODES), st.integers(1, 9), st.booleans())
 def test_unet_any_balance(cuts: set, chunks: int, checkpoint: str, batch: int,
                           threaded: bool) -> None:
     bounds = [0, *sorted(cuts), N_LAYERS]
@@ -163,7 +162,6 @@ def assert_one_copy_each_way(gpipe: GPipe, input: Tensor, crossing: int, chunks:
     assert all(kind == 'backward' for kind, _ in transfers)
 
 
-@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
 @pytest.mark.parametrize('balance', [[16], [8, 8], [4, 4, 4, 4], [1, 1, 13, 1], [2, 6, 5, 3]])
 def test_skip_tensors_cross_devices_once_each_way(balance: List[int], checkpoint: str,
                                                  portal_copies: List[Tuple[str, int]],
@@ -210,7 +208,6 @@ class PopNone(nn.Module):
         return x + 1
 
 
-@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
 @pytest.mark.parametrize('balance', [[3], [1, 2], [1, 1, 1]])
 def test_stash_none(balance: List[int], checkpoint: str, threaded: bool) -> None:
     model = nn.Sequential(StashNone(), nn.Linear(W, W), PopNone()).double()
@@ -227,7 +224,6 @@ class PopOnly(nn.Module):
         return skip
 
 
-@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
 @pytest.mark.parametrize('balance', [[5], [3, 2], [2, 3], [1, 2, 2], [2, 1, 1, 1]])
 @pytest.mark.parametrize('chunks', [1, 2, 3])
 def test_a_pop_that_ignores_its_input(balance: List[int], chunks: int, checkpoint: str,
@@ -239,7 +235,6 @@ def test_a_pop_that_ignores_its_input(balance: List[int], chunks: int, checkpoin
                                  torch.randn(6, W, dtype=torch.double), threaded)
 
 
-@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
 @pytest.mark.parametrize('balance', [[3, 2], [1, 2, 2]])
 @pytest.mark.parametrize('schedule', ['1f1b', 'fill_drain'])
 def test_a_pop_that_ignores_its_input_in_train_step(balance: List[int], schedule: str,
@@ -270,7 +265,6 @@ class PopConstant(nn.Module):
         return x * const
 
 
-@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
 def test_skip_that_needs_no_grad(checkpoint: str, threaded: bool) -> None:
     model = nn.Sequential(StashConstant(), nn.Linear(W, W), PopConstant(),
                           nn.Linear(W, W)).double()
@@ -300,7 +294,6 @@ class EmbedIds(nn.Module):
         return x + self.embedding(ids)
 
 
-@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
 @pytest.mark.parametrize('balance', [[1, 1, 1], [2, 1], [1, 2]])
 def test_integer_skip_tensor_and_tuple_input(balance: List[int], checkpoint: str,
                                              threaded: bool) -> None:
@@ -513,7 +506,6 @@ NESTED_SKIPS = [(0, 5), (2, 3), (4, 4)]
 
 
 @pytest.mark.parametrize('threaded', [False, True])
-@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
 @pytest.mark.parametrize('balance', [[6], [3, 3], [1, 5], [4, 2], [2, 2, 2], [1, 1, 1, 1, 1, 1]])
 def test_nested_skippables_equal_the_model_without_gpipe(balance: List[int], checkpoint: str,
                                                         threaded: bool) -> None:
@@ -600,7 +592,6 @@ def carried_in_tuples() -> nn.Sequential:
 
 
 @pytest.mark.parametrize('threaded', [False, True])
-@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
 @pytest.mark.parametrize('balance', [[5], [1, 4], [2, 3], [4, 1], [1, 2, 2],
                                      [1, 1, 1, 1, 1]])
 def test_skip_carried_by_wrappers_calling_dispatch(balance: List[int], checkpoint: str,
@@ -705,7 +696,6 @@ class PopWeighted(nn.Module):
         return x + weighted
 
 
-@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
 def test_skip_requiring_grad_beside_a_main_path_that_does_not(checkpoint: str,
                                                               threaded: bool) -> None:
     """Only the skip carries gradient: the portals must still bring it back."""
@@ -817,7 +807,6 @@ class PopIntoATuple(nn.Module):
         return pair[0] * pair[1] + skip
 
 
-@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
 @pytest.mark.parametrize('chunks', [1, 3])
 def test_skip_gradient_waits_for_every_tensor_of_the_popping_input(
         checkpoint: str, chunks: int, threaded: bool) -> None:
@@ -852,7 +841,6 @@ class PopOntoTheLast(nn.Module):
         return last + skip
 
 
-@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
 @pytest.mark.parametrize('middle', [DropFirst, DetachFirst])
 def test_skip_gradient_survives_a_dropped_first_output(
         middle: Callable[[], nn.Module], checkpoint: str, threaded: bool) -> None:

@@ -52,7 +52,6 @@ def assert_same_parameters(gpipe: nn.Module, reference: nn.Module, grads: bool =
             torch.testing.assert_close(actual[name].grad, p.grad, msg=name)
 
 
-@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
 @pytest.mark.parametrize('balance', BALANCES.values(), ids=BALANCES.keys())
 def test_training_steps_as_unwrapped(balance: List[int], checkpoint: str,
                                      threaded: bool) -> None:
@@ -84,7 +83,6 @@ def test_training_steps_as_unwrapped(balance: List[int], checkpoint: str,
         assert gpipe[HEAD].weight is gpipe[0].weight
 
 
-@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
 @pytest.mark.parametrize('balance', BALANCES.values(), ids=BALANCES.keys())
 def test_same_training_step(balance: List[int], checkpoint: str, threaded: bool) -> None:
     devices = cpu_devices(len(balance), threaded)
@@ -94,7 +92,6 @@ def test_same_training_step(balance: List[int], checkpoint: str, threaded: bool)
         tokens(), loss_fn)
 
 
-@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
 @pytest.mark.parametrize('balance', BALANCES.values(), ids=BALANCES.keys())
 def test_gradient_flows_to_the_master_through_autograd(balance: List[int], checkpoint: str,
                                                        threaded: bool) -> None:
@@ -286,7 +283,6 @@ def test_shared_layer_without_tensors_across_partitions() -> None:
                               torch.randn(BATCH, DIM))
 
 
-@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
 def test_two_later_uses_of_one_master(checkpoint: str, threaded: bool) -> None:
     """Two layers of a later partition tied to one master: one copy serves both."""
     first, second, third = (nn.Linear(DIM, DIM) for _ in range(3))
@@ -321,7 +317,6 @@ def tied_step(devices: List[str], dtype: torch.dtype, checkpoint: str,
 
 
 @pytest.mark.parametrize('how', ['backward', 'train_step'])
-@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
 @pytest.mark.parametrize('dtype', [torch.float64, torch.float32], ids=['float64', 'float32'])
 def test_both_paths_bit_for_bit_but_the_tied_gradient(dtype: torch.dtype, checkpoint: str,
                                                       how: str) -> None:

@@ -15,7 +15,7 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 import jsonschema
 import pytest
 import torch
-from helpers import PopAdd, Stash, cpu_devices
+from helpers import PopAdd, Stash, cpu_devices, mlp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
@@ -28,10 +28,6 @@ from torchgpipe.timeline import Event, Timeline, segments
 CHECKPOINT_STOP = {'always': lambda m, chunks: m,
                    'except_last': lambda m, chunks: min(m, chunks - 1),
                    'never': lambda m, chunks: 0}
-
-
-def mlp(layers: int) -> nn.Sequential:
-    return nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(layers)])
 
 
 def traced_step(model: GPipe, input: Tensor) -> Timeline:
@@ -85,10 +81,10 @@ def assert_schedule(events: List[Event], m: int, n: int, stop: int,
                 assert backward[i + 1, j][0].start <= recompute[i, j][0].start
 
 
-@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
 def test_every_task_once_in_schedule_order(checkpoint: str, threaded: bool) -> None:
     devices = cpu_devices(3, threaded)
-    model = GPipe(mlp(6), balance=[2, 2, 2], devices=devices, chunks=4, checkpoint=checkpoint)
+    model = GPipe(mlp(4, depth=6, blocks=True), balance=[2, 2, 2], devices=devices, chunks=4,
+                  checkpoint=checkpoint)
     timeline = traced_step(model, torch.randn(8, 4))
     assert_schedule(timeline.events, 4, 3, CHECKPOINT_STOP[checkpoint](4, 4),
                     [str(torch.device(d)) for d in devices])
@@ -104,8 +100,8 @@ def test_schedule_for_any_balance_and_chunks(data: st.DataObject) -> None:
     checkpoint = data.draw(st.sampled_from(sorted(CHECKPOINT_STOP)), label='checkpoint')
     threaded = data.draw(st.booleans(), label='threaded')
     devices = cpu_devices(n, threaded)
-    model = GPipe(mlp(sum(balance)), balance=balance, devices=devices, chunks=chunks,
-                  checkpoint=checkpoint)
+    model = GPipe(mlp(4, depth=sum(balance), blocks=True), balance=balance, devices=devices,
+                  chunks=chunks, checkpoint=checkpoint)
     timeline = traced_step(model, torch.randn(batch, 4))
     m = len(torch.empty(batch).chunk(chunks))  # as scatter splits the batch
     assert timeline.steps[0].micro_batches == m
@@ -182,7 +178,7 @@ def test_failed_step_leaves_a_consistent_trace(threaded: bool) -> None:
 
 def test_summary_adds_up(threaded: bool) -> None:
     devices = cpu_devices(4, threaded)
-    model = GPipe(mlp(8), balance=[2, 2, 2, 2], devices=devices, chunks=8)
+    model = GPipe(mlp(4, depth=8, blocks=True), balance=[2, 2, 2, 2], devices=devices, chunks=8)
     timeline = traced_step(model, torch.randn(16, 4))
     summary = timeline.summary()
     events = timeline.events
@@ -216,7 +212,8 @@ def test_summary_adds_up(threaded: bool) -> None:
 
 @pytest.mark.parametrize('schedule', [None, '1f1b', 'fill_drain'])
 def test_summary_says_what_the_step_was(schedule: Optional[str], threaded: bool) -> None:
-    model = GPipe(mlp(4), balance=[2, 2], devices=cpu_devices(2, threaded), chunks=2)
+    model = GPipe(mlp(4, depth=4, blocks=True), balance=[2, 2], devices=cpu_devices(2, threaded),
+                  chunks=2)
     input, target = torch.randn(4, 4), torch.randn(4, 4)
     with torchgpipe.trace(model) as timeline:
         if schedule is None:
@@ -230,8 +227,8 @@ def test_summary_says_what_the_step_was(schedule: Optional[str], threaded: bool)
 
 
 def test_segments_never_overlap_on_a_track(threaded: bool) -> None:
-    model = GPipe(mlp(4), balance=[2, 2], devices=cpu_devices(2, threaded), chunks=4,
-                  checkpoint='never')
+    model = GPipe(mlp(4, depth=4, blocks=True), balance=[2, 2], devices=cpu_devices(2, threaded),
+                  chunks=4, checkpoint='never')
     events = traced_step(model, torch.randn(8, 4)).events
     found = segments(events)
     per_track: Dict[str, List[Tuple[float, float]]] = {}
@@ -301,7 +298,8 @@ def test_saved_json_is_a_chrome_trace(tmp_path: Path, threaded: bool) -> None:
 
 def test_plot_writes_an_image(tmp_path: Path, threaded: bool) -> None:
     pytest.importorskip('matplotlib')
-    model = GPipe(mlp(4), balance=[2, 2], devices=cpu_devices(2, threaded), chunks=4)
+    model = GPipe(mlp(4, depth=4, blocks=True), balance=[2, 2], devices=cpu_devices(2, threaded),
+                  chunks=4)
     timeline = traced_step(model, torch.randn(8, 4))
     path = tmp_path / 'timeline.png'
     timeline.plot(path)
@@ -310,7 +308,7 @@ def test_plot_writes_an_image(tmp_path: Path, threaded: bool) -> None:
 
 def test_plot_without_matplotlib_says_what_to_install(tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    model = GPipe(mlp(2), balance=[1, 1], devices=['cpu', 'cpu'], chunks=2)
+    model = GPipe(mlp(4, depth=2, blocks=True), balance=[1, 1], devices=['cpu', 'cpu'], chunks=2)
     timeline = traced_step(model, torch.randn(4, 4))
     monkeypatch.setitem(sys.modules, 'matplotlib', None)
     with pytest.raises(ModuleNotFoundError, match='pip install matplotlib'):
@@ -340,7 +338,8 @@ TITLE = re.compile(r'steps? (\d+)(?: to (\d+))?: (\d+)(?: to (\d+))? partitions,
 @pytest.mark.parametrize('step', [None, 0, -1])
 def test_plot_title_gives_the_figures_of_the_steps_drawn(step: Optional[int], threaded: bool,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    model = GPipe(mlp(4), balance=[2, 2], devices=cpu_devices(2, threaded), chunks=4)
+    model = GPipe(mlp(4, depth=4, blocks=True), balance=[2, 2], devices=cpu_devices(2, threaded),
+                  chunks=4)
     with torchgpipe.trace(model) as timeline:
         # Steps of 4 and 2 micro-batches: their figures differ.
         for batch in (8, 2):
@@ -372,7 +371,7 @@ def test_plot_title_gives_the_figures_of_the_steps_drawn(step: Optional[int], th
 def test_plot_refuses_what_summary_refuses_before_writing(steps: int, step: Optional[int],
                                                           title: Optional[str],
                                                           tmp_path: Path) -> None:
-    model = GPipe(mlp(2), balance=[1, 1], devices=['cpu', 'cpu'], chunks=2)
+    model = GPipe(mlp(4, depth=2, blocks=True), balance=[1, 1], devices=['cpu', 'cpu'], chunks=2)
     with torchgpipe.trace(model) as timeline:
         for _ in range(steps):
             model(torch.randn(2, 4))
@@ -386,7 +385,8 @@ def test_plot_refuses_what_summary_refuses_before_writing(steps: int, step: Opti
 
 
 def test_nothing_is_recorded_outside_the_trace(threaded: bool) -> None:
-    model = GPipe(mlp(4), balance=[2, 2], devices=cpu_devices(2, threaded), chunks=2)
+    model = GPipe(mlp(4, depth=4, blocks=True), balance=[2, 2], devices=cpu_devices(2, threaded),
+                  chunks=2)
     assert model._run_state.recorder is None
     with torchgpipe.trace(model) as timeline:
         output = model(torch.randn(4, 4))
@@ -400,7 +400,7 @@ def test_nothing_is_recorded_outside_the_trace(threaded: bool) -> None:
 
 
 def test_trace_ends_when_its_block_raises() -> None:
-    model = GPipe(mlp(2), balance=[1, 1], devices=['cpu', 'cpu'], chunks=2)
+    model = GPipe(mlp(4, depth=2, blocks=True), balance=[1, 1], devices=['cpu', 'cpu'], chunks=2)
     with pytest.raises(KeyError):
         with torchgpipe.trace(model):
             raise KeyError('user code')
@@ -408,7 +408,8 @@ def test_trace_ends_when_its_block_raises() -> None:
 
 
 def test_each_backward_pass_of_a_retained_graph_is_recorded(threaded: bool) -> None:
-    model = GPipe(mlp(4), balance=[2, 2], devices=cpu_devices(2, threaded), chunks=2)
+    model = GPipe(mlp(4, depth=4, blocks=True), balance=[2, 2], devices=cpu_devices(2, threaded),
+                  chunks=2)
     with torchgpipe.trace(model) as timeline:
         loss = model(torch.randn(4, 4)).sum()
         loss.backward(retain_graph=True)
@@ -437,9 +438,9 @@ def test_tracing_changes_no_result(threaded: bool) -> None:
 
 def test_bad_use_gets_clear_errors() -> None:
     with pytest.raises(TypeError, match='trace\\(\\) watches a GPipe, got Sequential'):
-        with torchgpipe.trace(mlp(2)):
+        with torchgpipe.trace(mlp(4, depth=2, blocks=True)):
             pass
-    model = GPipe(mlp(2), balance=[1, 1], devices=['cpu', 'cpu'], chunks=2)
+    model = GPipe(mlp(4, depth=2, blocks=True), balance=[1, 1], devices=['cpu', 'cpu'], chunks=2)
     with torchgpipe.trace(model) as timeline:
         with pytest.raises(RuntimeError, match='traced already'):
             with torchgpipe.trace(model):
@@ -453,7 +454,7 @@ def test_bad_use_gets_clear_errors() -> None:
 
 
 def test_a_copy_inside_a_trace_is_not_traced() -> None:
-    model = GPipe(mlp(2), balance=[1, 1], devices=['cpu', 'cpu'], chunks=2)
+    model = GPipe(mlp(4, depth=2, blocks=True), balance=[1, 1], devices=['cpu', 'cpu'], chunks=2)
     with torchgpipe.trace(model) as timeline:
         clone = copy.deepcopy(model)
         assert clone._run_state.recorder is None
@@ -476,8 +477,8 @@ def profiled_names(run: Callable[[], object], threaded: bool) -> Set[str]:
 
 
 def test_tasks_carry_profiler_labels(threaded: bool) -> None:
-    model = GPipe(mlp(4), balance=[2, 2], devices=cpu_devices(2, threaded), chunks=2,
-                  checkpoint='except_last')
+    model = GPipe(mlp(4, depth=4, blocks=True), balance=[2, 2], devices=cpu_devices(2, threaded),
+                  chunks=2, checkpoint='except_last')
     names = profiled_names(lambda: model(torch.randn(4, 4)).sum().backward(), threaded)
     pairs = [(i, j) for i in range(2) for j in range(2)]
     assert {f'torchgpipe F({i},{j})' for i, j in pairs} <= names
@@ -489,8 +490,8 @@ def test_tasks_carry_profiler_labels(threaded: bool) -> None:
 
 
 def test_train_step_actions_carry_profiler_labels(threaded: bool) -> None:
-    model = GPipe(mlp(4), balance=[2, 2], devices=cpu_devices(2, threaded), chunks=2,
-                  checkpoint='except_last')
+    model = GPipe(mlp(4, depth=4, blocks=True), balance=[2, 2], devices=cpu_devices(2, threaded),
+                  chunks=2, checkpoint='except_last')
     names = profiled_names(lambda: model.train_step(torch.randn(4, 4), torch.randn(4, 4),
                                                     torch.nn.functional.mse_loss), threaded)
     pairs = [(i, j) for i in range(2) for j in range(2)]
@@ -503,7 +504,7 @@ def test_nothing_is_labelled_without_a_profiler(monkeypatch: pytest.MonkeyPatch)
     opened = []
     monkeypatch.setattr(torch.profiler, 'record_function',
                         lambda name: opened.append(name) or contextlib.nullcontext())
-    model = GPipe(mlp(4), balance=[2, 2], devices=['cpu', 'cpu'], chunks=2)
+    model = GPipe(mlp(4, depth=4, blocks=True), balance=[2, 2], devices=['cpu', 'cpu'], chunks=2)
     model(torch.randn(4, 4)).sum().backward()
     model.train_step(torch.randn(4, 4), torch.randn(4, 4), torch.nn.functional.mse_loss)
     assert opened == []
@@ -515,7 +516,7 @@ def test_cuda_events_and_input_copies() -> None:
     # a copy stream, timed with CUDA events on the stream that ran it.
     count = torch.cuda.device_count()
     devices = ['cuda:0', 'cuda:1'] if count > 1 else ['cuda:0', 'cuda:0']
-    model = GPipe(mlp(4), balance=[2, 2], devices=devices, chunks=4)
+    model = GPipe(mlp(4, depth=4, blocks=True), balance=[2, 2], devices=devices, chunks=4)
     timeline = traced_step(model, torch.randn(8, 4, device='cuda:0'))
     events = timeline.events
     assert_schedule([e for e in events if e.kind != 'copy'], 4, 2, 3, devices)

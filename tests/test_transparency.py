@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
-from helpers import (assert_same_random_step, assert_same_training_step, cpu_devices,
-                     run_in_clock_order)
+from helpers import (CHECKPOINT_MODES, assert_same_random_step, assert_same_training_step,
+                     cpu_devices, run_in_clock_order)
 from test_train_step import assert_train_step_as_unwrapped
 from torchgpipe import GPipe
 
@@ -61,7 +61,7 @@ def pipelines(draw: st.DrawFn) -> Tuple[List[str], List[int], int, int, str]:
     balance = [b - a for a, b in zip(bounds, bounds[1:])]
     chunks = draw(st.integers(1, 8))
     batch_size = draw(st.integers(1, 12))
-    checkpoint = draw(st.sampled_from(['always', 'except_last', 'never']))
+    checkpoint = draw(st.sampled_from(CHECKPOINT_MODES))
     return kinds, balance, chunks, batch_size, checkpoint
 
 
@@ -82,7 +82,6 @@ def test_outputs_and_gradients_equal_unwrapped(case: Tuple[List[str], List[int],
 
 
 @pytest.mark.parametrize('batch_size, chunks', [(10, 4), (3, 8), (7, 7), (1, 3)])
-@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
 def test_uneven_and_small_batches(batch_size: int, chunks: int, checkpoint: str,
                                   threaded: bool) -> None:
     model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH),
@@ -102,7 +101,6 @@ def test_float32_matches_closely(threaded: bool) -> None:
         input, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
 def test_dropout_is_replayed_in_recomputation(checkpoint: str, threaded: bool) -> None:
     """Dropout draws one mask per micro-batch; the recomputation must redraw the same.
 
@@ -125,7 +123,6 @@ def test_dropout_is_replayed_in_recomputation(checkpoint: str, threaded: bool) -
         assert not torch.allclose(actual, copy.deepcopy(reference).eval()(input))
 
 
-@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
 def test_autocast_is_carried_into_workers_and_recomputation(checkpoint: str,
                                                             threaded: bool) -> None:
     """Under torch.autocast, every partition computes in bfloat16, also when recomputed.
@@ -196,7 +193,6 @@ class Merge(nn.Module):
         return pair[0] + pair[1]
 
 
-@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
 @pytest.mark.parametrize('balance', [[1, 1, 1, 1], [2, 2], [1, 3], [3, 1]])
 def test_tuples_at_every_boundary(balance: List[int], checkpoint: str, threaded: bool) -> None:
     model = nn.Sequential(Split(), PairLinear(), PairLinear(), Merge()).double()
@@ -207,7 +203,6 @@ def test_tuples_at_every_boundary(balance: List[int], checkpoint: str, threaded:
         input)
 
 
-@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
 def test_tuple_input_with_a_tensor_that_needs_no_grad(checkpoint: str, threaded: bool) -> None:
     torch.manual_seed(0)
     layers = [PairLinear(), Masked(), PairLinear(), Masked(), Merge()]
@@ -254,7 +249,6 @@ class Head(nn.Module):
         return ids, self.linear(h).squeeze(1) + ids.double()
 
 
-@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
 def test_integer_tensors_cross_boundaries(checkpoint: str, threaded: bool) -> None:
     model = nn.Sequential(Embed(), Head()).double()
     reference = copy.deepcopy(model)
@@ -292,7 +286,6 @@ def test_input_requiring_grad_receives_it_and_no_grad_mode_builds_no_graph(
     assert x.grad is not None and x.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
 def test_repeated_steps_match_unwrapped_training(checkpoint: str, threaded: bool) -> None:
     """A few SGD steps: parameters stay equal to those of the unwrapped model."""
     model = nn.Sequential(nn.Linear(6, 12), nn.ReLU(), nn.Linear(12, 12), nn.ReLU(),
@@ -344,7 +337,7 @@ def unused_branches(draw: st.DrawFn) -> Tuple[nn.Sequential, List[int], int, str
     bounds = [0, *cuts, len(layers)]
     balance = [b - a for a, b in zip(bounds, bounds[1:])]
     return (nn.Sequential(*layers).double(), balance, draw(st.integers(1, 4)),
-            draw(st.sampled_from(['always', 'except_last', 'never'])))
+            draw(st.sampled_from(CHECKPOINT_MODES)))
 
 
 @settings(max_examples=60, deadline=None)
@@ -376,7 +369,7 @@ def unused_final_outputs(draw: st.DrawFn) -> Tuple[nn.Sequential, List[int], int
     bounds = [0, *cuts, len(layers)]
     used = sorted(draw(st.sets(st.integers(0, count - 1), min_size=1, max_size=count - 1)))
     return (nn.Sequential(*layers).double(), [b - a for a, b in zip(bounds, bounds[1:])],
-            draw(st.integers(1, 4)), draw(st.sampled_from(['always', 'except_last', 'never'])),
+            draw(st.integers(1, 4)), draw(st.sampled_from(CHECKPOINT_MODES)),
             used)
 
 
