@@ -297,10 +297,11 @@ class GPipe(nn.Module):
         return copy_streams
 
     def _prepare(self, batches: List[microbatch.Batch]) -> int:
-        """Moves the micro-batches to the first device and readies the layers for them.
+        """Moves the micro-batches to the first device, for either engine.
 
         Returns:
-            int: how many of the first micro-batches are checkpointed
+            int: how many of the first micro-batches are checkpointed, in
+            this mode (none in evaluation or without grad)
         """
         # An input elsewhere than on the first device is moved there, by a
         # differentiable copy of each micro-batch.
