@@ -164,32 +164,33 @@ def accuracy(model: GPipe, dataset: TensorDataset) -> float:
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """Parses the command line."""
     parser = argparse.ArgumentParser(
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description='Train data-parallel replicas of a GPipe pipeline with '
                     'DistributedDataParallel. Launch with torchrun, e.g. '
                     '"torchrun --nproc_per_node 2 examples/ddp_pipeline.py".')
     parser.add_argument('--steps', type=int, default=300,
-                        help='training steps (default: 300)')
+                        help='training steps')
     parser.add_argument('--batch-size', type=int, default=64,
                         help='mini-batch size per replica; the global batch is this times '
-                             'the number of processes (default: 64)')
+                             'the number of processes')
     parser.add_argument('--chunks', type=int, default=4,
-                        help='micro-batches per replica mini-batch (default: 4)')
+                        help='micro-batches per replica mini-batch')
     parser.add_argument('--checkpoint', choices=['always', 'except_last', 'never'],
                         default='except_last',
-                        help='GPipe checkpoint mode (default: except_last)')
+                        help='GPipe checkpoint mode')
     parser.add_argument('--gpus-per-replica', type=int, default=0, metavar='N',
                         help='CUDA devices per pipeline replica, one partition each, over '
-                             'NCCL; local rank r uses cuda:r*N..r*N+N-1 '
-                             '(default: 0, train on CPU over gloo)')
+                             'NCCL; local rank r uses cuda:r*N..r*N+N-1; 0 trains on CPU '
+                             'over gloo')
     parser.add_argument('--partitions', type=int, default=2,
-                        help='partitions of each replica on CPU (default: 2); with '
+                        help='partitions of each replica on CPU; with '
                              '--gpus-per-replica N there are N')
     parser.add_argument('--lr', type=float, default=0.05,
-                        help='SGD learning rate (default: 0.05)')
+                        help='SGD learning rate')
     parser.add_argument('--seed', type=int, default=0,
-                        help='seed of the data, the weights and the shuffling (default: 0)')
+                        help='seed of the data, the weights and the shuffling')
     parser.add_argument('--log-interval', type=int, default=50,
-                        help='print the loss every this many steps (default: 50)')
+                        help='print the loss every this many steps')
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error('--steps must be at least 1')
@@ -274,9 +275,12 @@ def train(args: argparse.Namespace, devices: List[torch.device], rank: int,
     identical = replicas_identical(gpipe, comm_device)
     if rank == 0:
         samples = args.steps * args.batch_size * world_size
-        print(f'{samples / elapsed:.0f} samples/s over all replicas; test accuracy '
-              f'{accuracy(gpipe, test_set):.2%} (rank 0); replicas identical: {identical}',
-              flush=True)
+        print(f"{'OK' if identical else 'FAIL'}: {world_size} replica(s) of a "
+              f'{len(gpipe.partitions)}-partition GPipe pipeline trained {args.steps} steps '
+              "under DistributedDataParallel and their parameters are "
+              f"{'' if identical else 'not '}"
+              f'identical; test accuracy {accuracy(gpipe, test_set):.2%} (rank 0), '
+              f'{samples / elapsed:.0f} samples/s over all replicas', flush=True)
     return identical
 
 

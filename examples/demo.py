@@ -197,17 +197,18 @@ def evaluate(model: nn.Module, test_x: Tensor, test_y: Tensor,
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """Parses the command line."""
     parser = argparse.ArgumentParser(
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description='Train a small CNN with torchgpipe.GPipe over 4 CPU partitions, in one '
                     'thread and with a worker thread per device, and check that both match '
                     'the same model trained without GPipe.')
     parser.add_argument('--steps', type=int, default=128,
-                        help='SGD steps for each run (default: 128, two epochs at batch 64)')
+                        help='SGD steps for each run (128 are two epochs at batch 64)')
     parser.add_argument('--batch-size', type=int, default=64,
-                        help='mini-batch size (default: 64)')
+                        help='mini-batch size')
     parser.add_argument('--chunks', type=int, default=8,
-                        help='micro-batches per mini-batch for GPipe (default: 8)')
+                        help='micro-batches per mini-batch for GPipe')
     parser.add_argument('--seed', type=int, default=0,
-                        help='seed for the data, the weights and the batch order (default: 0)')
+                        help='seed for the data, the weights and the batch order')
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error('--steps must be at least 1')
@@ -241,7 +242,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     torch.manual_seed(args.seed)
     model = make_model().to(DTYPE)
-    print(f'{len(model)} layers, balance {BALANCE}, chunks={args.chunks}, '
+    print(f'A CNN of {len(model)} layers trained three times: with GPipe over '
+          f'{PARTITIONS} CPU partitions in one thread, with GPipe and a worker thread per '
+          f'device, and without GPipe; balance {BALANCE}, chunks={args.chunks}, '
           f"checkpoint='except_last'; {args.steps} steps of batch {args.batch_size}",
           flush=True)
 

@@ -39,15 +39,20 @@ CLASSES = 4
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=(__doc__ or '').splitlines()[0])
-    parser.add_argument('--steps', type=int, default=20)
-    parser.add_argument('--batch-size', type=int, default=64)
-    parser.add_argument('--chunks', type=int, default=8)
-    parser.add_argument('--schedule', choices=['1f1b', 'fill_drain'], default='1f1b')
+    parser = argparse.ArgumentParser(description=(__doc__ or '').splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument('--steps', type=int, default=20, help='training steps')
+    parser.add_argument('--batch-size', type=int, default=64,
+                        help='mini-batch size, the same batch on every rank')
+    parser.add_argument('--chunks', type=int, default=8, help='micro-batches per mini-batch')
+    parser.add_argument('--schedule', choices=['1f1b', 'fill_drain'], default='1f1b',
+                        help='order of the forward and backward passes')
     parser.add_argument('--checkpoint', choices=['always', 'except_last', 'never'],
-                        default='except_last')
-    parser.add_argument('--checkpoint-dir', type=Path, help='where to save and resume from')
-    parser.add_argument('--save-every', type=int, default=10)
+                        default='except_last', help='which micro-batches are recomputed')
+    parser.add_argument('--checkpoint-dir', type=Path,
+                        help='where to save and resume from; unset, nothing is saved')
+    parser.add_argument('--save-every', type=int, default=10,
+                        help='save a checkpoint every this many steps')
     parser.add_argument('--gpus', action='store_true', help='one GPU per process, NCCL')
     parser.add_argument('--verify', action='store_true',
                         help='compare the losses with the unwrapped model (float64)')
@@ -100,6 +105,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     pipe = DistributedGPipe(make_model(layers).to(dtype), balance, chunks=args.chunks,
                             checkpoint=args.checkpoint, device=device)
     optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    if rank == 0:
+        backend = 'NCCL, one GPU each' if args.gpus else 'gloo, on CPU'
+        print(f'DistributedGPipe over {world_size} processes ({backend}): a model of '
+              f'{layers} layers, balance {balance} (rank r holds partition r), '
+              f'chunks={args.chunks}, schedule {args.schedule!r}, '
+              f'checkpoint={args.checkpoint!r}; {args.steps} steps of batch '
+              f'{args.batch_size}', flush=True)
 
     start = 0
     resumed: Dict[str, Tensor] = {}
@@ -133,6 +145,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         'step': step + 1}, saved)
 
     status = 0
+    if rank == 0:
+        ran = (f'{len(losses)} steps of DistributedGPipe over {world_size} processes, '
+               f'schedule {args.schedule!r}, final loss {losses[-1]:.4f}' if losses else
+               f'no step to run (the checkpoint is at step {start} of {args.steps})')
     if args.verify and rank == 0:
         plain = make_model(layers).to(dtype)
         if resumed:
@@ -145,11 +161,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             loss = F.cross_entropy(plain(input.to(dtype)), target)
             loss.backward()
             plain_optimizer.step()
-            expected.append(float(loss))
+            expected.append(loss.item())
         same = torch.allclose(torch.tensor(losses), torch.tensor(expected), rtol=1e-9)
-        print(f"  {'OK' if same else 'FAILED'}: the losses of {len(losses)} steps are the "
-              'unwrapped model\'s', flush=True)
+        print(f"{'OK' if same else 'FAILED'}: the losses of {len(losses)} steps are "
+              f"{'' if same else 'not '}the unwrapped model's ({ran})", flush=True)
         status = 0 if same else 1
+    elif rank == 0:
+        print(f'Done: {ran}; --verify compares the losses with the unwrapped model',
+              flush=True)
     end_job(status)
 
 

@@ -166,19 +166,21 @@ def train(model: nn.Module, batches: Sequence[Tuple[Tensor, Tensor]], seed: int,
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description='Train a small GPT written as a usual nn.Module through to_sequential '
                     'and GPipe over 4 CPU partitions, and check it trains like the module.')
-    parser.add_argument('--steps', type=int, default=40, help='steps per run (default: 40)')
-    parser.add_argument('--batch-size', type=int, default=32, help='(default: 32)')
+    parser.add_argument('--steps', type=int, default=40, help='steps per run')
+    parser.add_argument('--batch-size', type=int, default=32, help='sequences per batch')
     parser.add_argument('--chunks', type=int, default=4,
-                        help='micro-batches per batch (default: 4)')
-    parser.add_argument('--layers', type=int, default=4, help='blocks (default: 4)')
-    parser.add_argument('--width', type=int, default=64, help='embedding width (default: 64)')
+                        help='micro-batches per batch')
+    parser.add_argument('--layers', type=int, default=4, help='blocks')
+    parser.add_argument('--width', type=int, default=64, help='embedding width')
     parser.add_argument('--length', type=int, default=32,
-                        help='characters per sequence (default: 32)')
+                        help='characters per sequence')
     parser.add_argument('--dropout', type=float, default=0.1,
-                        help='dropout of the runs with dropout (default: 0.1)')
-    parser.add_argument('--seed', type=int, default=0, help='(default: 0)')
+                        help='dropout of the runs with dropout')
+    parser.add_argument('--seed', type=int, default=0,
+                        help='seed of the text, the weights and the batches')
     args = parser.parse_args(argv)
     if min(args.steps, args.batch_size, args.chunks, args.layers) < 1:
         parser.error('--steps, --batch-size, --chunks and --layers must be at least 1')
@@ -196,9 +198,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     model = GPT(args.layers, args.width, 4, args.length, args.dropout).to(DTYPE)
     seq = to_sequential(model)
     balance = balance_by_time(PARTITIONS, seq, batches[0][0], timeout=0.5, device='cpu')
-    print(f'{len(seq)} children from a GPT of {args.layers} blocks, balance {balance}, '
-          f'chunks={args.chunks}; {args.steps} steps of {args.batch_size} x {args.length} '
-          'tokens', flush=True)
+    print(f'A GPT of {args.layers} blocks, flattened by to_sequential into {len(seq)} '
+          f'children, trained as the module and by GPipe over {PARTITIONS} CPU partitions '
+          f'(in one thread and with a worker thread each, without and with dropout); '
+          f'balance {balance}, chunks={args.chunks}; {args.steps} steps of '
+          f'{args.batch_size} x {args.length} tokens', flush=True)
 
     paths = {'1 thread': ['cpu'] * PARTITIONS,
              '4 threads': [f'cpu:{j}' for j in range(PARTITIONS)]}

@@ -17,7 +17,9 @@ unwrapped model's for the same batch, in float64 (``rtol=1e-9``); the script
 exits with status 1 otherwise.
 
 Run it with ``python examples/transformers_lm.py`` (``--help`` lists the
-options); it needs the ``examples`` extra (transformers).
+options). It needs transformers, which the ``dev`` extra installs, or
+``python -m pip install "transformers>=5,<6"``; the ``examples`` extra of the
+demo does not.
 """
 import argparse
 import copy
@@ -47,13 +49,16 @@ def batch_of_patterns(batch_size: int, length: int, vocabulary: int) -> Tensor:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument('--steps', type=int, default=10)
-    parser.add_argument('--batch-size', type=int, default=16)
-    parser.add_argument('--length', type=int, default=32)
-    parser.add_argument('--layers', type=int, default=4)
-    parser.add_argument('--chunks', type=int, default=4)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument('--steps', type=int, default=10, help='training steps')
+    parser.add_argument('--batch-size', type=int, default=16, help='sequences per mini-batch')
+    parser.add_argument('--length', type=int, default=32, help='tokens per sequence')
+    parser.add_argument('--layers', type=int, default=4, help='decoder layers of the model')
+    parser.add_argument('--chunks', type=int, default=4, help='micro-batches per mini-batch')
     args = parser.parse_args(argv)
+    if min(args.steps, args.batch_size, args.length, args.layers, args.chunks) < 1:
+        parser.error('--steps, --batch-size, --length, --layers and --chunks must be at least 1')
     torch.manual_seed(0)
 
     config = transformers.LlamaConfig(
@@ -67,7 +72,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     balance = balance_by_time(PARTITIONS, seq, sample, device='cpu')
     pipe = GPipe(seq, balance, devices=[f'cpu:{j}' for j in range(PARTITIONS)],
                  chunks=args.chunks)
-    print(f'{len(seq)} children, balance {balance}, inputs {seq.interface.names}')
+    print(f'transformers LlamaForCausalLM ({args.layers} layers, random weights, float64) '
+          f'flattened by to_sequential into {len(seq)} children, inputs '
+          f'{seq.interface.names}; GPipe on {PARTITIONS} CPU devices, balance {balance}, '
+          f'chunks={args.chunks}, train_step with 1F1B; {args.steps} steps of '
+          f'{args.batch_size} x {args.length} tokens', flush=True)
 
     def loss_fn(output: Any, ids: Tensor) -> Tensor:
         # The sequential returns the tensors of the model's output; the
@@ -85,10 +94,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f'step {step}: loss {loss.item():.6f}, without GPipe {expected.item():.6f}'
               f'{"  OK" if same else "  MISMATCH"}')
         if not same:
+            print(f'FAIL: at step {step}, the pipeline\'s loss is not the unwrapped '
+                  'model\'s (rtol=1e-9)', file=sys.stderr)
             return 1
         for opt in (optimizer, reference_optimizer):
             opt.step()
             opt.zero_grad()
+    print(f'OK: at each of {args.steps} steps, the pipeline\'s loss is the unwrapped '
+          f'model\'s (rtol=1e-9); final loss {loss.item():.6f}')
     return 0
 
 

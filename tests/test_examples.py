@@ -1,19 +1,34 @@
-"""examples/gpt.py: a GPT written as a usual module, flattened and pipelined, on a few steps."""
+"""The scripts of examples/: each runs a few steps, says what ran, and ends with one summary line.
+
+The summary line is the last line an example prints: ``OK: ...`` when what
+it checks holds (``Done: ...`` for a run that checks nothing), so a reader,
+or a script, looks at one line. Every option's help gives its default.
+"""
+import ast
 import os
+import re
 import runpy
 import socket
 import subprocess
 import sys
+from typing import List
 
 import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, 'examples')
+# A Python warning in an example's output, as .ci/run finds them.
+WARNING = re.compile(r':[0-9]+: [A-Za-z]*Warning: ')
+
+
+def lines(out: str) -> List[str]:
+    return [line for line in out.splitlines() if line.strip()]
 
 
 def test_gpt_example_trains_like_the_module_on_both_paths(
         capsys: pytest.CaptureFixture[str]) -> None:
-    gpt = runpy.run_path(os.path.join(ROOT, 'examples', 'gpt.py'), run_name='gpt')
+    gpt = runpy.run_path(os.path.join(EXAMPLES, 'gpt.py'), run_name='gpt')
     threads = torch.get_num_threads()
     try:
         status = gpt['main'](['--steps', '2', '--batch-size', '8', '--layers', '2',
@@ -22,42 +37,97 @@ def test_gpt_example_trains_like_the_module_on_both_paths(
         torch.set_num_threads(threads)
     out = capsys.readouterr().out
     assert status == 0, out
+    assert lines(out)[0].startswith('A GPT of 2 blocks, flattened by to_sequential'), out
     # Each comparison was made and passed: both paths against the module,
     # and both paths against each other with dropout.
     assert out.count('  OK: ') == 3, out
     assert 'tokens/s' in out, out
+    assert lines(out)[-1] == 'OK: GPipe trains the flattened GPT like the module, on both paths'
 
 
 def test_transformers_example_matches_the_unwrapped_model(
         capsys: pytest.CaptureFixture[str]) -> None:
-    example = runpy.run_path(os.path.join(ROOT, 'examples', 'transformers_lm.py'),
+    # transformers is in the dev extra, not in the demo's (examples).
+    pytest.importorskip('transformers')
+    example = runpy.run_path(os.path.join(EXAMPLES, 'transformers_lm.py'),
                              run_name='transformers_lm')
     status = example['main'](['--steps', '2', '--layers', '2', '--batch-size', '8',
                               '--length', '16'])
     out = capsys.readouterr().out
     assert status == 0, out
+    first = lines(out)[0]
+    assert first.startswith('transformers LlamaForCausalLM (2 layers'), out
+    assert 'GPipe on 4 CPU devices' in first and 'train_step with 1F1B' in first, out
     assert out.count('  OK') == 2, out
+    assert re.fullmatch(r"OK: at each of 2 steps, the pipeline's loss is the unwrapped "
+                        r"model's \(rtol=1e-9\); final loss \d+\.\d+", lines(out)[-1]), out
 
 
-@pytest.mark.timeout(180)
+def torchrun(script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``script`` of examples/ under torchrun, 2 CPU ranks on this machine."""
+    with socket.socket() as sock:
+        sock.bind(('127.0.0.1', 0))
+        port = sock.getsockname()[1]
+    done = subprocess.run(
+        [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', '2',
+         '--master_addr', '127.0.0.1', '--master_port', str(port),
+         os.path.join(EXAMPLES, script), *args],
+        capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert not WARNING.search(done.stdout + done.stderr), done.stdout + done.stderr
+    return done
+
+
+@pytest.mark.timeout(240)
 def test_distributed_pipeline_example_trains_like_the_unwrapped_model_and_resumes(
         tmp_path: 'os.PathLike[str]') -> None:
-    """examples/distributed_pipeline.py under torchrun, 2 CPU ranks; then resumed."""
-    def torchrun(steps: int) -> str:
-        with socket.socket() as sock:
-            sock.bind(('127.0.0.1', 0))
-            port = sock.getsockname()[1]
-        done = subprocess.run(
-            [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', '2',
-             '--master_addr', '127.0.0.1', '--master_port', str(port),
-             os.path.join(ROOT, 'examples', 'distributed_pipeline.py'), '--steps', str(steps),
-             '--verify', '--checkpoint-dir', str(tmp_path), '--save-every', '2',
-             '--batch-size', '16', '--chunks', '4'],
-            capture_output=True, text=True, timeout=120, cwd=ROOT)
-        assert done.returncode == 0, done.stdout + done.stderr
-        return done.stdout
-    out = torchrun(3)
-    assert 'OK: the losses of 3 steps' in out, out
-    out = torchrun(5)  # resumes from the checkpoint of step 2
+    """examples/distributed_pipeline.py under torchrun, 2 CPU ranks; then resumed.
+    ``--verify`` trains the unwrapped model beside it, without a warning."""
+    def run(steps: int, *args: str) -> List[str]:
+        return lines(torchrun('distributed_pipeline.py', '--steps', str(steps), *args,
+                              '--checkpoint-dir', str(tmp_path), '--save-every', '2',
+                              '--batch-size', '16', '--chunks', '4').stdout)
+    out = run(3, '--verify')
+    assert out[0].startswith('DistributedGPipe over 2 processes (gloo, on CPU)'), out
+    assert re.fullmatch(r"OK: the losses of 3 steps are the unwrapped model's \(3 steps of "
+                        r"DistributedGPipe over 2 processes, schedule '1f1b', final loss "
+                        r"\d+\.\d+\)", out[-1]), out
+    out = run(5, '--verify')  # resumes from the checkpoint of step 2
     assert 'resumed from step 2' in out, out
-    assert 'OK: the losses of 3 steps' in out, out
+    assert out[-1].startswith("OK: the losses of 3 steps are the unwrapped model's"), out
+    out = run(6)  # resumes from step 4; checks nothing
+    assert out[-1].startswith('Done: 2 steps of DistributedGPipe over 2 processes'), out
+
+
+@pytest.mark.timeout(240)
+def test_ddp_example_ends_with_identical_replicas() -> None:
+    """examples/ddp_pipeline.py: two replicas of a GPipe under DDP, 2 CPU ranks."""
+    out = lines(torchrun('ddp_pipeline.py', '--steps', '2', '--log-interval', '1',
+                         '--batch-size', '16').stdout)
+    assert any(line.startswith('2 replica(s) x batch 16 = global batch 32') for line in out)
+    assert re.fullmatch(r'OK: 2 replica\(s\) of a 2-partition GPipe pipeline trained 2 steps '
+                        r'under DistributedDataParallel and their parameters are identical; '
+                        r'.* samples/s over all replicas', out[-1]), out
+
+
+@pytest.mark.parametrize('name', sorted(n for n in os.listdir(EXAMPLES) if n.endswith('.py')))
+def test_every_option_says_its_default(name: str) -> None:
+    """Every example's parser shows defaults (ArgumentDefaultsHelpFormatter),
+    and every option has a help text for it to follow."""
+    with open(os.path.join(EXAMPLES, name), encoding='utf-8') as f:
+        tree = ast.parse(f.read())
+    parsers = options = 0
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        keywords = {k.arg: k.value for k in node.keywords}
+        if node.func.attr == 'ArgumentParser':
+            parsers += 1
+            formatter = keywords.get('formatter_class')
+            assert isinstance(formatter, ast.Attribute), name
+            assert formatter.attr == 'ArgumentDefaultsHelpFormatter', name
+        elif node.func.attr == 'add_argument':
+            options += 1
+            assert 'help' in keywords, (name, ast.unparse(node))
+            assert '(default' not in ast.unparse(keywords['help']), (name, ast.unparse(node))
+    assert parsers == 1 and options >= 4, name

@@ -92,3 +92,15 @@ def test_readme_gives_every_set_up_command_in_a_code_block() -> None:
     assert [language for language, _ in blocks[1:3]] == ['bash', 'bash']
     assert ['.[examples]' in blocks[1][1][0], '.[dev]' in blocks[2][1][0]] == [True, True]
     assert sum('.[docs]' in extras[0] for extras in set_up) == 1
+
+
+def test_the_demos_extra_stays_small() -> None:
+    """``.[examples]`` installs what examples/demo.py, the README's first
+    command, imports; transformers (for examples/transformers_lm.py, with its
+    own dependencies) comes with ``.[dev]`` only."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / 'pyproject.toml').read_text(encoding='utf-8'))[
+        'project']['optional-dependencies']
+    assert not [d for d in extras['examples'] if d.startswith('transformers')], extras['examples']
+    assert [d for d in extras['dev'] if d.startswith('transformers')], extras['dev']
