@@ -333,7 +333,7 @@ def table(document: Dict[str, Any]) -> str:
              'times of the fastest step):',
              format_table(['chunks', 'partitions', 'checkpoint', 'GPipe step (ms)',
                            'GPipe median (ms)', 'GPipe / unwrapped', 'loop step (ms)',
-                           'loop / unwrapped', 'per task (us)'],
+                           'loop / unwrapped', 'per task (µs)'],
                           [[g['chunks'], g['partitions'], g['checkpoint'],
                             f"{g['step_ms']['min']:.2f}", f"{g['step_ms']['median']:.2f}",
                             f"{g['ratio']:.2f}x", f"{g['loop_ms']:.2f}", f"{g['loop_ratio']:.2f}x",
@@ -356,41 +356,55 @@ def headline(document: Dict[str, Any]) -> List[Figure]:
 
 
 def plot(document: Dict[str, Any], plt: Any) -> None:
+    """Left, one panel per ratio: its own linear axis from 0, the bar (fastest
+    steps), a whisker to the medians' ratio, the target as a dashed line
+    (and the scheduler's floor as a dot), each named by a label beside it
+    rather than a legend that could hide the line. Right, the scheduler's
+    cost per task."""
     fig = plt.gcf()
-    fig.set_size_inches(11, 4.4)
-    left = fig.add_subplot(1, 2, 1)
+    fig.set_size_inches(12, 4.6)
     rows = document['results']
-    x = range(len(rows))
-    ratios = [r['ratio'] for r in rows]
-    # A whisker from the fastest steps' ratio (the bar) to the medians' ratio.
-    medians = [r.get('ratio_median', r['ratio']) for r in rows]
-    whiskers = [[max(0.0, r - m) for r, m in zip(ratios, medians)],
-                [max(0.0, m - r) for r, m in zip(ratios, medians)]]
+    grid = fig.add_gridspec(1, len(rows) + 1, width_ratios=[1] * len(rows) + [3])
     # A smoke run's figures mean nothing: no verdict colours.
     colors = (['tab:blue'] * len(rows) if document['smoke'] else
               ['tab:green' if r['within_target'] else 'tab:red' for r in rows])
-    left.bar(x, ratios, yerr=whiskers, capsize=4, color=colors)
-    left.scatter(x, [r['target'] for r in rows], marker='_', s=800, color='black',
-                 label='target', zorder=3)
-    scheduler = [i for i, r in enumerate(rows) if 'floor_ratio' in r]
-    left.scatter(scheduler, [rows[i]['floor_ratio'] for i in scheduler], marker='o',
-                 color='tab:gray', label='floor / unwrapped', zorder=3)
-    left.set_xticks(list(x))
-    left.set_xticklabels([f"{r['name']}\n{r['measured']} /\n{r['against']}".replace("'", '')
-                          for r in rows], fontsize='small')
-    left.set_yscale('log')
-    left.set_ylabel('ratio (fastest; whisker to the medians)')
-    left.set_title('CPU targets (lower is better)')
-    left.legend(fontsize='small')
-    right = fig.add_subplot(1, 2, 2)
+    for i, (r, color) in enumerate(zip(rows, colors)):
+        ax = fig.add_subplot(grid[0, i])
+        ratio = r['ratio']
+        median = r.get('ratio_median', ratio)
+        ax.bar([0], [ratio], width=0.5, color=color,
+               yerr=[[max(0.0, ratio - median)], [max(0.0, median - ratio)]], capsize=4)
+        top = max(ratio, median, r['target'], r.get('floor_ratio', 0.0))
+        ax.set_xlim(-0.9, 0.9)
+        ax.set_ylim(0, top * 1.25)
+        # The target's and the floor's values beside the bar, off their marks.
+        ax.axhline(r['target'], color='black', linestyle='--', linewidth=1.2)
+        ax.annotate(f"target\n{r['target']:.2f}x", (-0.85, r['target']), xytext=(0, 2),
+                    textcoords='offset points', ha='left', va='bottom', fontsize='x-small')
+        if 'floor_ratio' in r:
+            ax.plot([0.6], [r['floor_ratio']], marker='o', color='tab:gray')
+            ax.annotate(f"floor\n{r['floor_ratio']:.2f}x", (0.6, r['floor_ratio']),
+                        xytext=(0, -5), textcoords='offset points', ha='center', va='top',
+                        fontsize='x-small', color='dimgray')
+        ax.set_xticks([0])
+        ax.set_xticklabels([f"{r['measured']} /\n{r['against']}".replace("'", '')],
+                           fontsize='small')
+        ax.set_title(f"{r['name']}\n{ratio:.2f}x", fontsize='medium')
+        ax.tick_params(axis='y', labelsize='small')
+        if i == 0:
+            ax.set_ylabel('ratio (fastest; whisker to the medians)')
+    fig.suptitle('GPipe against its CPU targets: lower is better, each ratio on a linear '
+                 'scale of its own', fontsize='medium')
+    right = fig.add_subplot(grid[0, len(rows)])
     for partitions in sorted({g['partitions'] for g in document['grid']}):
         for checkpoint in ('never', 'except_last'):
             points = [g for g in document['grid']
                       if g['partitions'] == partitions and g['checkpoint'] == checkpoint]
             right.plot([g['chunks'] for g in points], [g['per_task_us'] for g in points],
                        marker='o', label=f'{partitions} partitions, {checkpoint}')
+    right.set_ylim(bottom=0)
     right.set_xlabel('chunks')
-    right.set_ylabel('us per micro-batch per partition')
+    right.set_ylabel('µs per micro-batch per partition')
     right.set_title('scheduler cost per task (fastest steps)')
     right.legend(fontsize='small')
 

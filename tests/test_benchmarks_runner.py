@@ -191,12 +191,51 @@ def test_overhead_plot_labels_each_ratio() -> None:
     plt.figure()
     try:
         overhead.plot(overhead_document(), plt)
-        left = plt.gcf().axes[0]
-        labels = [' '.join(t.get_text().split()) for t in left.get_xticklabels()]
+        panels = plt.gcf().axes[:4]
+        labels = [' '.join(t.get_text().split()) for ax in panels
+                  for t in ax.get_xticklabels()]
+        titles = [' '.join(ax.get_title().split()) for ax in panels]
     finally:
         plt.close('all')
-    assert labels[0] == 'wrapper GPipe / unwrapped'
-    assert labels[3] == 'memory except_last / never'
+    assert labels[0] == 'GPipe / unwrapped' and titles[0] == 'wrapper 1.00x'
+    assert labels[3] == 'except_last / never' and titles[3] == 'memory 0.25x'
+
+
+@needs_matplotlib
+def test_overhead_plot_is_linear_in_microseconds_with_labels_off_the_targets() -> None:
+    """Bars on linear axes from 0 (a log scale makes a ratio's bar length
+    meaningless), "µs", and nothing covering a target line: the ratio panels
+    label target and floor beside their marks, with no legend, and the legend
+    of the per-task chart lies inside that chart."""
+    from benchmarks import overhead
+
+    plt.figure()
+    try:
+        overhead.plot(overhead_document(), plt)
+        fig = plt.gcf()
+        fig.tight_layout()
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()  # type: ignore[attr-defined]
+        *panels, right = fig.axes
+        assert len(panels) == 4
+        for ax, row in zip(panels, overhead_document()['results']):
+            assert ax.get_yscale() == 'linear' and ax.get_xscale() == 'linear'
+            assert ax.get_ylim()[0] == 0
+            assert ax.get_legend() is None
+            target, = [line for line in ax.get_lines() if line.get_linestyle() == '--']
+            assert list(target.get_ydata()) == [row['target']] * 2
+            y = ax.transData.transform((0, row['target']))[1]
+            for text in ax.texts:
+                box = text.get_window_extent(renderer)
+                assert not box.y0 < y < box.y1, text.get_text()  # beside the line, not on it
+        assert right.get_yscale() == 'linear' and right.get_ylim()[0] == 0
+        assert 'µs' in right.get_ylabel() and 'us ' not in right.get_ylabel()
+        legend = right.get_legend()
+        assert legend is not None
+        assert right.bbox.contains(*legend.get_window_extent(renderer).p0)
+    finally:
+        plt.close('all')
+    assert 'per task (µs)' in overhead.table(overhead_document())
 
 
 def test_overhead_table_heads_ratios_and_targets() -> None:
