@@ -27,7 +27,7 @@ from torch import nn
 
 from benchmarks import REPO_ROOT
 from benchmarks.devices import synchronize
-from torchgpipe._clock import peak_rss, proc_status, reset_peak_rss
+from torchgpipe.timeline.clock import peak_rss, proc_status, reset_peak_rss
 
 __all__ = ['GiB', 'MiB', 'parameter_count', 'fix_malloc', 'tune_malloc', 'malloc_tuned',
            'step_peak_memory', 'run_measure_subprocesses']

@@ -328,7 +328,7 @@ def plot(document: Dict[str, Any], plt: Any) -> None:
 
 def plot_timelines(document: Dict[str, Any], plt: Any) -> None:
     """The traced steps of 1F1B and fill-drain, one above the other, on one time scale."""
-    from torchgpipe._plot import draw_timeline
+    from torchgpipe.timeline.plot import draw_timeline
     timelines = document['timelines']
     figure = plt.gcf()
     figure.set_size_inches(12, 2.4 * len(timelines) + 1.0)

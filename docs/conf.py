@@ -66,9 +66,9 @@ autodoc_typehints = 'signature'
 autodoc_type_aliases = {
     'TensorOrTensors': 'torchgpipe.microbatch.TensorOrTensors',
     'Tensors': 'torchgpipe.microbatch.Tensors',
-    'Device': 'torchgpipe._validation.Device',
-    'Devices': 'torchgpipe._validation.Devices',
-    'LossFunction': 'torchgpipe.stepper.LossFunction',
+    'Device': 'torchgpipe.validation.Device',
+    'Devices': 'torchgpipe.validation.Devices',
+    'LossFunction': 'torchgpipe.train.step.LossFunction',
 }
 
 # Every cross-reference must resolve. There is no network at build time, so no

@@ -6,7 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchgpipe.microbatch import Batch, NoChunk, check, gather, map_tensors, scatter
+from torchgpipe import NoChunk
+from torchgpipe.microbatch import Batch, check, gather, map_tensors, scatter
 
 
 def test_atomic_batch() -> None:

@@ -2,12 +2,15 @@
 
 Every import counts, at the top of a module, inside a function or under
 ``TYPE_CHECKING``: each is a dependency a reader follows. The engine sits at
-the bottom, instrumentation (``torchgpipe._record``) is a leaf it calls, and
+the bottom, instrumentation (``torchgpipe.record``) is a leaf it calls, and
 the timeline and to_sequential sit on top.
 """
 import ast
+import sys
 from pathlib import Path
 from typing import Dict, List, Set
+
+import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / 'torchgpipe'
 
@@ -86,11 +89,12 @@ def test_no_import_circle() -> None:
 def test_the_engine_knows_no_timeline() -> None:
     graph = imports()
     # What sits above the engine: the timeline, to_sequential, balancing.
-    above = ('torchgpipe.timeline', 'torchgpipe.events', 'torchgpipe._plot',
-             'torchgpipe.flatten', 'torchgpipe.cut', 'torchgpipe.capture', 'torchgpipe.balance')
+    above = ('torchgpipe.timeline', 'torchgpipe.flatten', 'torchgpipe.capture',
+             'torchgpipe.balance')
     engine = [module for module in graph if module != 'torchgpipe'
               and not any(module == a or module.startswith(a + '.') for a in above)]
-    assert {'torchgpipe.pipeline', 'torchgpipe.stepper', 'torchgpipe.mailbox'} <= set(engine)
+    assert {'torchgpipe.pipeline', 'torchgpipe.train.step',
+            'torchgpipe.train.mailbox'} <= set(engine)
 
     def reachable(module: str) -> Set[str]:
         seen: Set[str] = set()
@@ -102,8 +106,60 @@ def test_the_engine_knows_no_timeline() -> None:
         return seen
 
     for module in engine:
-        assert not reachable(module) & {'torchgpipe.timeline', 'torchgpipe.events'}, module
-    assert graph['torchgpipe._record'] == set(), 'the recording interface is a leaf'
+        assert not {m for m in reachable(module) if m.startswith('torchgpipe.timeline')}, module
+    assert graph['torchgpipe.record'] == set(), 'the recording interface is a leaf'
+
+
+DOCS = PACKAGE.parent / 'docs' / 'internals.rst'
+
+
+def layers() -> Dict[str, int]:
+    """The layer of each unit (a module or a subpackage of the package), from internals.rst.
+
+    Its table is the literal block under "Layers": one line per layer, the
+    layer's number, its name, then its units.
+    """
+    text = DOCS.read_text()
+    table = text[text.index('\nLayers\n'):].split('::\n\n', 1)[1].split('\n\n', 1)[0]
+    found: Dict[str, int] = {}
+    for line in table.splitlines():
+        number, _, *units = line.split()
+        for unit in units:
+            assert unit not in found, f'{unit} is in two layers'
+            found[f'torchgpipe.{unit}'] = int(number)
+    return found
+
+
+def unit(module: str) -> str:
+    """The unit of a module: ``torchgpipe.train.step`` is in ``torchgpipe.train``."""
+    return '.'.join(module.split('.')[:2])
+
+
+def test_every_unit_imports_only_its_layer_and_below() -> None:
+    graph = imports()
+    layer = layers()
+    units = {unit(m) for m in graph} - {'torchgpipe', 'torchgpipe.__version__',
+                                        'torchgpipe._version'}
+    assert units == set(layer), 'docs/internals.rst lists every unit once, and no other'
+    upward = sorted(f'{module} imports {imported}'
+                    for module, imported_set in graph.items() if unit(module) in layer
+                    for imported in imported_set
+                    if unit(imported) in layer and layer[unit(imported)] > layer[unit(module)])
+    assert not upward, '\n'.join(upward)
+    package_graph: Dict[str, Set[str]] = {u: set() for u in units}
+    for module, imported_set in graph.items():
+        if unit(module) in units:
+            package_graph[unit(module)] |= {unit(m) for m in imported_set
+                                            if unit(m) in units and unit(m) != unit(module)}
+    assert not cycles(package_graph), cycles(package_graph)
+
+
+def test_the_layer_check_finds_an_upward_import(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = imports()
+    broken = {**real, 'torchgpipe.stream': real['torchgpipe.stream'] | {'torchgpipe.gpipe'}}
+    monkeypatch.setattr(sys.modules[__name__], 'imports', lambda: broken)
+    with pytest.raises(AssertionError, match='torchgpipe.stream imports torchgpipe.gpipe'):
+        test_every_unit_imports_only_its_layer_and_below()
 
 
 def test_the_cycle_finder_finds_circles() -> None:

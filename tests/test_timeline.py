@@ -319,9 +319,9 @@ def test_plot_without_matplotlib_says_what_to_install(tmp_path: Path,
 def drawn_by_plot(timeline: Timeline, monkeypatch: pytest.MonkeyPatch,
                   step: Optional[int]) -> Tuple[List[Event], Optional[str]]:
     """The events and the title that ``timeline.plot(step=step)`` draws."""
-    import torchgpipe._plot
+    import torchgpipe.timeline.plot
     drawn: List[Tuple[List[Event], Optional[str]]] = []
-    monkeypatch.setattr(torchgpipe._plot, 'plot_timeline',
+    monkeypatch.setattr(torchgpipe.timeline.plot, 'plot_timeline',
                         lambda segments, path, title: drawn.append(
                             ([e for e, _, _ in segments], title)))
     timeline.plot('unused.png', step=step)

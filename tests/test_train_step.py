@@ -22,7 +22,7 @@ from torch import Tensor, nn
 import torchgpipe
 from torchgpipe import GPipe
 from torchgpipe.batchnorm import DeferredBatchNorm
-from torchgpipe.schedule import (SCHEDULES, Action, Kind, clock_order, depends_on, fill_drain,
+from torchgpipe.train.schedule import (SCHEDULES, Action, Kind, clock_order, depends_on, fill_drain,
                                  in_flight, one_f_one_b)
 from torchgpipe.skip import Namespace
 

@@ -15,10 +15,10 @@ import types
 # it as an attribute of the package, so the first import of it must happen
 # here, before this line binds the attribute to the string for good.
 from torchgpipe.__version__ import __version__
-from torchgpipe.checkpoint import is_checkpointing, is_recomputing
+from torchgpipe.phase import is_checkpointing, is_recomputing
 from torchgpipe.flatten import to_sequential
 from torchgpipe.gpipe import GPipe
-from torchgpipe.microbatch import NoChunk
+from torchgpipe.nochunk import NoChunk
 from torchgpipe.timeline import trace
 
 

@@ -33,8 +33,8 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
-from torchgpipe._layers import replace_layers, share_state
-from torchgpipe._validation import check_chunks, describe
+from torchgpipe.layers import replace_layers, share_state
+from torchgpipe.validation import check_chunks, describe
 from torchgpipe.phase import is_recomputing
 
 __all__ = ['DeferredBatchNorm']

@@ -46,7 +46,7 @@ from torchgpipe.phase import (collect_roots, enable_checkpointing, enable_recomp
                               is_checkpointing, is_recomputing)
 from torchgpipe.phony import get_phony
 from torchgpipe.replay import FirstPass, first_pass, recomputation
-from torchgpipe._record import label
+from torchgpipe.record import label
 from torchgpipe.traits import PartitionTraits, call_on_copies
 
 # The two flags are public (exported by the package); the rest is internal.

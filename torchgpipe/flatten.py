@@ -3,7 +3,7 @@
 :func:`to_sequential` has :mod:`torchgpipe.capture` capture a module's
 ``forward`` (with :mod:`torch.fx`, or given an example with
 :func:`torch.export.export`, into a graph of one form), has
-:mod:`torchgpipe.cut` cut the graph into a row of children, and puts them
+:mod:`torchgpipe.capture.cut` cut the graph into a row of children, and puts them
 in an ``nn.Sequential``:
 
 * every *leaf* module called once (``nn.Linear``, ``nn.LayerNorm``, a module
@@ -34,12 +34,12 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import fx, nn
 
-from torchgpipe._validation import brief, describe
+from torchgpipe.validation import brief, describe
 from torchgpipe.capture import export, fx as fx_capture
 from torchgpipe.capture.fx import LeafSpec
 from torchgpipe.capture.graph import attr, is_shape, named_arguments
-from torchgpipe import cut
-from torchgpipe.cut import GeneratedChild, child_name, floating, transient, with_shapes
+from torchgpipe.capture import cut
+from torchgpipe.capture.cut import GeneratedChild, child_name, floating, transient, with_shapes
 from torchgpipe.gpipe import GPipe
 from torchgpipe.skip.namespace import Namespace
 from torchgpipe.skip.skippable import skippable_class

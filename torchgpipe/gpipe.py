@@ -6,7 +6,7 @@ from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from torchgpipe import microbatch, plain
-from torchgpipe._validation import (BalanceError, Device, Devices, check_balance, check_chunks,
+from torchgpipe.validation import (BalanceError, Device, Devices, check_balance, check_chunks,
                                     check_devices, check_one_process, check_step, deny_moving,
                                     describe, example_balance, recommend_auto_balance,
                                     verify_module)
@@ -14,10 +14,10 @@ from torchgpipe.batchnorm import DeferredBatchNorm, deferred_step
 from torchgpipe.microbatch import TensorOrTensors
 from torchgpipe.partition import split_module
 from torchgpipe.pipeline import Pipeline
-from torchgpipe.schedule import SCHEDULES, checkpoint_stop
+from torchgpipe.train.schedule import SCHEDULES, checkpoint_stop
 from torchgpipe.skip.layout import inspect_skip_layout
 from torchgpipe.skip.skippable import verify_skippables
-from torchgpipe.stepper import LossFunction, Step, split_step
+from torchgpipe.train.step import LossFunction, Step, split_step
 from torchgpipe.stream import AbstractStream, current_stream, new_stream, use_device
 from torchgpipe.traits import RunState
 

@@ -13,7 +13,7 @@ from typing import (Any, Callable, Dict, Iterator, List, Optional, Sequence, Tup
 import torch
 from torch import Tensor
 
-from torchgpipe._validation import describe
+from torchgpipe.validation import describe
 from torchgpipe.nochunk import PLAIN_TYPES, Layout, NoChunk
 from torchgpipe.placement import same_memory
 

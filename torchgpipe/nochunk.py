@@ -9,7 +9,7 @@ from typing import Any, FrozenSet, Sequence, Tuple
 
 from torch import Tensor
 
-from torchgpipe._validation import describe
+from torchgpipe.validation import describe
 
 __all__ = ['NoChunk']
 

@@ -1,4 +1,4 @@
-"""Splitting a sequential module into partitions, each on its device.
+"""Partitions: splitting a sequential module into them, and running one as a task's function.
 
 :func:`~torchgpipe.gpipe.split_module` is what :class:`~torchgpipe.GPipe` does with the module
 it wraps: it checks the balance and the devices, cuts the children into
@@ -6,13 +6,15 @@ partitions (keeping their names), and places each partition on its device,
 sharing tied parameters across them (``torchgpipe.tied``).
 """
 from collections import OrderedDict
-from typing import Iterable, List, Tuple
+from typing import Callable, Iterable, List, Tuple, cast
 
 import torch
 from torch import nn
 
-from torchgpipe._validation import check_balance, check_devices
+from torchgpipe.microbatch import TensorOrTensors, check
+from torchgpipe.skip.tracker import SkipTracker, use_skip_tracker
 from torchgpipe.tied import place_partitions
+from torchgpipe.validation import check_balance, check_devices
 
 __all__ = ['split_module']
 
@@ -62,3 +64,21 @@ def split_module(module: nn.Sequential, balance: Iterable[int],
     place_partitions(partitions, devices)
 
     return partitions, balance, devices[:len(balance)]
+
+
+def partition_function(partition: nn.Sequential, j: int, skip_tracker: SkipTracker,
+                       ) -> Callable[[TensorOrTensors], TensorOrTensors]:
+    """Wraps a partition into a function for a task.
+
+    The function checks the output type, and runs with the micro-batch's skip
+    tracker as current: in the worker thread, and again in the thread of the
+    backward pass when it is recomputed.
+    """
+    what = f'output of partition {j}'
+
+    def function(input: TensorOrTensors) -> TensorOrTensors:
+        with use_skip_tracker(skip_tracker):
+            output = partition(input)
+        check(output, what)
+        return cast(TensorOrTensors, output)
+    return function

@@ -27,13 +27,14 @@ import torch.autograd.profiler
 from torchgpipe.checkpoint import Checkpointing
 from torchgpipe.copy import Copy, Wait
 from torchgpipe.dependency import fork, join
-from torchgpipe.microbatch import Batch, TensorOrTensors, check
+from torchgpipe.microbatch import Batch, TensorOrTensors
 from torchgpipe.rng import cpu_generator_held, training_flags, watch
 from torchgpipe.skip.layout import SkipLayout
-from torchgpipe.skip.tracker import SkipTracker, SkipTrackerThroughPortals, use_skip_tracker
+from torchgpipe.skip.tracker import SkipTrackerThroughPortals
 from torchgpipe.stream import AbstractStream, is_cuda, use_device, use_stream
+from torchgpipe.partition import partition_function
 from torchgpipe.tied import partition_parameters
-from torchgpipe._record import Recorder, label
+from torchgpipe.record import Recorder, label
 from torchgpipe.traits import PartitionTraits
 from torchgpipe.worker import (ExcInfo, InQueue, OutQueue, Task, Turns, distinct_devices,
                                spawn_workers)
@@ -279,24 +280,6 @@ class Pipeline:
 
         if exc_info is not None:
             raise exc_info[1].with_traceback(exc_info[2])
-
-
-def partition_function(partition: nn.Sequential, j: int, skip_tracker: SkipTracker,
-                       ) -> Callable[[TensorOrTensors], TensorOrTensors]:
-    """Wraps a partition into a function for a task.
-
-    The function checks the output type, and runs with the micro-batch's skip
-    tracker as current: in the worker thread, and again in the thread of the
-    backward pass when it is recomputed.
-    """
-    what = f'output of partition {j}'
-
-    def function(input: TensorOrTensors) -> TensorOrTensors:
-        with use_skip_tracker(skip_tracker):
-            output = partition(input)
-        check(output, what)
-        return cast(TensorOrTensors, output)
-    return function
 
 
 def batch_call(batch: Batch,

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from torchgpipe._validation import Device, check_available, parse_device
+from torchgpipe.validation import Device, check_available, parse_device
 from torchgpipe.batchnorm import restore_batch_norm
 from torchgpipe.tied import retie
 

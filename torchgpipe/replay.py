@@ -2,7 +2,7 @@
 
 Both engines checkpoint. The forward path does it with the autograd functions
 of :mod:`torchgpipe.checkpoint`, whose recomputation the caller's
-``loss.backward()`` triggers; a training step (:mod:`torchgpipe.stepper`)
+``loss.backward()`` triggers; a training step (:mod:`torchgpipe.train.step`)
 recomputes in its backward action. Either way, the two passes of a micro-batch
 run in the two contexts below, which makes them compute alike::
 

@@ -21,7 +21,7 @@ from typing import Any, Dict, List, NamedTuple, Sequence, Tuple, cast
 import torch
 from torch import Tensor, nn
 
-from torchgpipe._validation import describe
+from torchgpipe.validation import describe
 from torchgpipe.placement import place, same_memory
 
 __all__: List[str] = []

@@ -18,7 +18,7 @@ from typing import Callable, Dict, List, Optional, Tuple, TypeVar
 
 from torch import Tensor
 
-from torchgpipe._record import Recorder
+from torchgpipe.record import Recorder
 from torchgpipe.stream import AbstractStream
 
 

@@ -7,7 +7,7 @@ device run in the order they were issued. A pipeline whose partitions all
 share one device has nothing to overlap: its tasks run in the calling thread,
 which spares a thread switch per task. The forward path
 (:mod:`torchgpipe.pipeline`) issues a clock cycle at a time and collects its
-results; a training step (:mod:`torchgpipe.stepper`) issues every action at
+results; a training step (:mod:`torchgpipe.train.step`) issues every action at
 once, and its tasks wait for each other's messages.
 
 Tasks on different threads that draw from the CPU generator take

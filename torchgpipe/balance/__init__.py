@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from torchgpipe import microbatch
-from torchgpipe._validation import (Device, check_available, check_chunks, describe, parse_device,
+from torchgpipe.validation import (Device, check_available, check_chunks, describe, parse_device,
                                     verify_module)
 from torchgpipe.balance import blockpartition
 from torchgpipe.balance.profile import profile_sizes, profile_times

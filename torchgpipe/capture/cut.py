@@ -13,7 +13,7 @@ from typing import Any, Dict, Generator, List, Optional, Union
 
 from torch import Tensor, fx, nn
 
-from torchgpipe._validation import describe
+from torchgpipe.validation import describe
 from torchgpipe.capture import alias
 from torchgpipe.capture.graph import attr, is_check, is_shape
 from torchgpipe.microbatch import TensorOrTensors

@@ -17,7 +17,7 @@ from torch import fx, nn
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch.utils import _pytree as pytree
 
-from torchgpipe._validation import describe
+from torchgpipe.validation import describe
 from torchgpipe.capture import alias
 from torchgpipe.capture.graph import Captured, has_hooks, named_arguments, output_nodes, resolve
 from torchgpipe.capture.interface import Interface
@@ -33,7 +33,7 @@ class Tracer(fx.Tracer):
     """fx's tracer, which also keeps the given classes and instances whole.
 
     fx also makes one with no argument, to trace a generated child's code
-    again when it loads a pickled child (see :class:`~torchgpipe.cut.GeneratedChild`).
+    again when it loads a pickled child (see :class:`~torchgpipe.capture.cut.GeneratedChild`).
     """
 
     def __init__(self, leaf_modules: Sequence[LeafSpec] = ()) -> None:

@@ -9,7 +9,7 @@ from typing import Any, Dict, Optional, Sequence
 
 from torch.utils import _pytree as pytree
 
-from torchgpipe._validation import describe
+from torchgpipe.validation import describe
 from torchgpipe.microbatch import TensorOrTensors
 
 __all__ = ['Interface']

@@ -15,13 +15,13 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from torchgpipe._validation import check_step, describe
+from torchgpipe.validation import check_step, describe
 from torchgpipe.distributed.pipe import DistributedGPipe
 from torchgpipe.distributed.reduce import AllReduce, pieces
 from torchgpipe.gpipe import GPipe
 from torchgpipe.microbatch import TensorOrTensors
-from torchgpipe.schedule import SCHEDULES
-from torchgpipe.stepper import LossFunction
+from torchgpipe.train.schedule import SCHEDULES
+from torchgpipe.train.step import LossFunction
 
 __all__ = ['train_step']
 

@@ -8,17 +8,17 @@ from torch import Tensor, nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from torchgpipe import microbatch
-from torchgpipe._validation import (check_available, check_balance, check_chunks, check_step,
+from torchgpipe.validation import (check_available, check_balance, check_chunks, check_step,
                                     describe, parse_device, verify_module)
 from torchgpipe.batchnorm import DeferredBatchNorm, deferred_step
 from torchgpipe.distributed.blocks import Blocks
 from torchgpipe.distributed.wire import Channels, Wire
 from torchgpipe.microbatch import TensorOrTensors
 from torchgpipe.placement import place
-from torchgpipe.schedule import SCHEDULES, checkpoint_stop
+from torchgpipe.train.schedule import SCHEDULES, checkpoint_stop
 from torchgpipe.skip.layout import inspect_skip_layout
 from torchgpipe.skip.skippable import verify_skippables
-from torchgpipe.stepper import LossFunction, Step, split_step
+from torchgpipe.train.step import LossFunction, Step, split_step
 from torchgpipe.tied import find_ties
 from torchgpipe.traits import PartitionTraits, RunState
 

@@ -1,20 +1,20 @@
 """The wire: a training step's messages between partitions in different processes.
 
-:class:`~torchgpipe.stepper.Step` sends and takes its messages through a
-:class:`~torchgpipe.mailbox.Mailbox`. :class:`Wire` is the mailbox of a
+:class:`~torchgpipe.train.step.Step` sends and takes its messages through a
+:class:`~torchgpipe.train.mailbox.Mailbox`. :class:`Wire` is the mailbox of a
 partition whose neighbours live in other processes: a message to another
 rank is pickled, its tensors apart, and sent with torch.distributed's
 point-to-point operations as one buffer (:class:`Channels`); a message from
 another rank is taken when it has come.
 
 Sends never wait (``isend``): a rank only waits for what it needs, so a
-schedule that :func:`~torchgpipe.schedule.clock_order` accepts runs without
+schedule that :func:`~torchgpipe.train.schedule.clock_order` accepts runs without
 deadlock. Between two ranks, messages are received in the order they were
 sent, whatever the backend (NCCL has no tags). That order is made one by
-sending the skips of a micro-batch (:class:`~torchgpipe.mailbox.Skip` forward,
-:class:`~torchgpipe.mailbox.SkipGradient` backward) right after the main
-message of the same action (:class:`~torchgpipe.mailbox.Activation` or
-:class:`~torchgpipe.mailbox.Gradient`), sorted by the skip's index, and
+sending the skips of a micro-batch (:class:`~torchgpipe.train.mailbox.Skip` forward,
+:class:`~torchgpipe.train.mailbox.SkipGradient` backward) right after the main
+message of the same action (:class:`~torchgpipe.train.mailbox.Activation` or
+:class:`~torchgpipe.train.mailbox.Gradient`), sorted by the skip's index, and
 receiving them, in that order, right after it.
 """
 import io
@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from torchgpipe.distributed.blocks import Blocks
-from torchgpipe.mailbox import (Activation, Key, Mailbox, Ready, Skip, SkipGradient,
+from torchgpipe.train.mailbox import (Activation, Key, Mailbox, Ready, Skip, SkipGradient,
                                 SkipKey)
 
 __all__: List[str] = []

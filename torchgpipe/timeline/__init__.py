@@ -45,14 +45,14 @@ from typing import (Any, Callable, Dict, Generator, Iterable, List, Optional,
 import torch
 from torch import Tensor
 
-from torchgpipe._clock import Clock, Stamp, peak_rss, reset_peak_rss
 from torchgpipe.checkpoint import Recompute
 from torchgpipe.copy import Copy, Wait
 from torchgpipe.dependency import Fork, Join
-from torchgpipe.events import (DeviceSummary, Event, PartitionSummary, Summary, chart_title,
-                               segments, summarize)
 from torchgpipe.gpipe import GPipe
 from torchgpipe.skip.portal import PortalBlue, PortalCopy, PortalOrange
+from torchgpipe.timeline.clock import Clock, Stamp, peak_rss, reset_peak_rss
+from torchgpipe.timeline.events import (DeviceSummary, Event, PartitionSummary, Summary,
+                                        chart_title, segments, summarize)
 
 __all__ = ['trace', 'Timeline', 'Event', 'StepInfo', 'Summary', 'DeviceSummary',
            'PartitionSummary', 'segments']
@@ -343,7 +343,7 @@ class Timeline:
                 in :meth:`summary`; no file is written then
             ModuleNotFoundError: matplotlib is not installed
         """
-        from torchgpipe._plot import plot_timeline
+        from torchgpipe.timeline.plot import plot_timeline
         # Checked before anything is drawn: an empty chart would hide the mistake.
         self._check_traced()
         indices = range(len(self.steps)) if step is None else [self._step_index(step)]

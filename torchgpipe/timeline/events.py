@@ -11,7 +11,7 @@ from bisect import insort
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Sequence, Tuple
 
-from torchgpipe._record import PREFIXES
+from torchgpipe.record import PREFIXES
 
 __all__ = ['Event', 'Summary', 'DeviceSummary', 'PartitionSummary']
 

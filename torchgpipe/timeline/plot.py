@@ -2,7 +2,7 @@
 import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
-from torchgpipe.events import Event
+from torchgpipe.timeline.events import Event
 
 __all__: List[str] = []
 

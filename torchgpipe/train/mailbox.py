@@ -1,6 +1,6 @@
 """What the workers of a training step send each other, and how they wait for it.
 
-Each partition's graph stands alone in a training step (:mod:`torchgpipe.stepper`):
+Each partition's graph stands alone in a training step (:mod:`torchgpipe.train.step`):
 a worker sends the next partition its output, detached, and the previous
 one the gradient of its input, through a :class:`Mailbox`. Messages are
 filed under typed keys, one class per kind of message::

@@ -3,7 +3,7 @@
 A schedule is a list of actions per partition: ``F(i,j)``, the forward pass of
 micro-batch ``i`` on partition ``j``, and ``B(i,j)``, its backward pass (with
 the recomputation first, if the micro-batch is checkpointed). Short pure
-functions generate the lists; :mod:`torchgpipe.stepper` runs any of them; the
+functions generate the lists; :mod:`torchgpipe.train.step` runs any of them; the
 timeline records the actions under the same names. A new schedule is a new
 generator, not a new engine.
 

@@ -15,10 +15,10 @@ A skip connection from partition ``a`` to ``b`` is cut the same way: ``b``
 pops a detached leaf, and sends its gradient back to ``a``, whose backward
 pass starts from both its output and the stashed tensor.
 
-The actions of a schedule (:mod:`torchgpipe.schedule`) are laid out in clock
+The actions of a schedule (:mod:`torchgpipe.train.schedule`) are laid out in clock
 cycles and issued at once, each to the worker of its partition's device
 (:mod:`torchgpipe.worker`, as the forward path's tasks), which runs them in
-that order, waiting in a :class:`~torchgpipe.mailbox.Mailbox` for what
+that order, waiting in a :class:`~torchgpipe.train.mailbox.Mailbox` for what
 others send. Forward actions that may draw random numbers take the same
 turns and hold the CPU generator as the forward path's tasks
 (:mod:`torchgpipe.rng`). A checkpointed micro-batch runs its forward pass
@@ -31,16 +31,16 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, TypeVar, cas
 import torch
 from torch import Tensor, nn
 
-from torchgpipe._record import Recorder, label
-from torchgpipe._validation import describe
+from torchgpipe.record import Recorder, label
+from torchgpipe.validation import describe
 from torchgpipe import microbatch
-from torchgpipe.mailbox import (Activation, Gradient, Mailbox, Parcel, Ready, Reply,
+from torchgpipe.train.mailbox import (Activation, Gradient, Mailbox, Parcel, Ready, Reply,
                                 SkipGradient, StepSkips, leaf)
 from torchgpipe.microbatch import Batch, TensorOrTensors
-from torchgpipe.pipeline import partition_function
+from torchgpipe.partition import partition_function
 from torchgpipe.replay import FirstPass, first_pass, recomputation
 from torchgpipe.rng import cpu_generator_held, training_flags, watch
-from torchgpipe.schedule import Action, Kind, clock_order
+from torchgpipe.train.schedule import Action, Kind, clock_order
 from torchgpipe.skip.layout import SkipLayout
 from torchgpipe.traits import PartitionTraits
 from torchgpipe.worker import ExcInfo, Stopped, Task, Turns, distinct_devices, spawn_workers
@@ -304,7 +304,7 @@ class Step:
         recorder: records the actions, inside :func:`torchgpipe.trace`
         schedule: the schedule's name, for the timeline
         mailbox: what carries messages between partitions (default: a new
-            :class:`~torchgpipe.mailbox.Mailbox`, for partitions of this process)
+            :class:`~torchgpipe.train.mailbox.Mailbox`, for partitions of this process)
         done: called with ``j`` once partition ``j``'s gradients are final,
             before it sends its last gradients back
     """
