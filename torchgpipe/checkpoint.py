@@ -181,6 +181,19 @@ class Checkpointing:
                     batch[index], context, *self.batch, *rng_tensors)
 
 
+def checkpoint_stop(checkpoint: str, chunks: int, m: int, training: bool) -> int:
+    """How many of the first of ``m`` micro-batches the checkpoint mode ``checkpoint`` checkpoints.
+
+    None without a backward pass to come (in evaluation mode, or with
+    gradients disabled). As in torchgpipe 0.0.7, ``'except_last'`` spares
+    the last of ``chunks`` micro-batches: a short mini-batch split into fewer
+    micro-batches has all of them checkpointed.
+    """
+    if not (training and torch.is_grad_enabled()):
+        return 0
+    return {'always': m, 'except_last': min(m, chunks - 1), 'never': 0}[checkpoint]
+
+
 def checkpoint(function: Function, input: TensorOrTensors) -> TensorOrTensors:
     """Makes a checkpoint with a simple interface, like :func:`torch.utils.checkpoint.checkpoint`.
 

@@ -10,7 +10,7 @@ travel the same way back, on the same streams, in reverse::
     forward:  compute(j) ─Wait─► copy stream(j) ─Copy─► copy stream(j+1) ─Wait─► compute(j+1)
     backward: compute(j) ◄─Wait─ copy stream(j) ◄─Copy─ copy stream(j+1) ◄─Wait─ compute(j+1)
 """
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -35,16 +35,29 @@ class Copy(torch.autograd.Function):
     def forward(ctx: Any,
                 prev_stream: AbstractStream, next_stream: AbstractStream,
                 *input: Optional[Tensor]) -> OptionalTensors:
-        ctx.prev_stream = prev_stream
-        ctx.next_stream = next_stream
-        # An output nothing used gets None, not zeros: see Fork.
-        ctx.set_materialize_grads(False)
-        return copy_tensors(prev_stream, next_stream, input)
+        return hand_over(ctx, copy_tensors, prev_stream, next_stream, input)
 
     @staticmethod
     def backward(ctx: Any, *grad_output: Optional[Tensor]) -> Tuple[Any, ...]:
-        grad_input = copy_tensors(ctx.next_stream, ctx.prev_stream, grad_output)
-        return (None, None) + grad_input
+        return hand_back(ctx, copy_tensors, grad_output)
+
+
+Move = Callable[[AbstractStream, AbstractStream, OptionalTensors], OptionalTensors]
+
+
+def hand_over(ctx: Any, move: Move, prev_stream: AbstractStream, next_stream: AbstractStream,
+              input: OptionalTensors) -> OptionalTensors:
+    """The forward pass of :class:`Copy` and :class:`Wait`: ``move`` from ``prev_stream`` on."""
+    ctx.prev_stream = prev_stream
+    ctx.next_stream = next_stream
+    # An output nothing used gets None, not zeros: see Fork.
+    ctx.set_materialize_grads(False)
+    return move(prev_stream, next_stream, input)
+
+
+def hand_back(ctx: Any, move: Move, grad_output: OptionalTensors) -> Tuple[Any, ...]:
+    """Their backward pass: the gradients ``move`` the other way; none for the streams."""
+    return (None, None) + move(ctx.next_stream, ctx.prev_stream, grad_output)
 
 
 def copy_tensors(source: AbstractStream, target: AbstractStream,
@@ -93,16 +106,11 @@ class Wait(torch.autograd.Function):
     def forward(ctx: Any,
                 prev_stream: AbstractStream, next_stream: AbstractStream,
                 *input: Optional[Tensor]) -> OptionalTensors:
-        ctx.prev_stream = prev_stream
-        ctx.next_stream = next_stream
-        # An output nothing used gets None, not zeros: see Fork.
-        ctx.set_materialize_grads(False)
-        return _wait(prev_stream, next_stream, input)
+        return hand_over(ctx, _wait, prev_stream, next_stream, input)
 
     @staticmethod
     def backward(ctx: Any, *grad_output: Optional[Tensor]) -> Tuple[Any, ...]:
-        grad_input = _wait(ctx.next_stream, ctx.prev_stream, grad_output)
-        return (None, None) + grad_input
+        return hand_back(ctx, _wait, grad_output)
 
 
 def _wait(source: AbstractStream, target: AbstractStream,

@@ -6,20 +6,21 @@ from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from torchgpipe import microbatch, plain
-from torchgpipe.validation import (BalanceError, Device, Devices, check_balance, check_chunks,
-                                    check_devices, check_one_process, check_step, deny_moving,
-                                    describe, example_balance, recommend_auto_balance,
-                                    verify_module)
 from torchgpipe.batchnorm import DeferredBatchNorm, deferred_step
+from torchgpipe.checkpoint import checkpoint_stop
 from torchgpipe.microbatch import TensorOrTensors
 from torchgpipe.partition import split_module
 from torchgpipe.pipeline import Pipeline
-from torchgpipe.train.schedule import SCHEDULES, checkpoint_stop
 from torchgpipe.skip.layout import inspect_skip_layout
 from torchgpipe.skip.skippable import verify_skippables
-from torchgpipe.train.step import LossFunction, Step, split_step
+from torchgpipe.state import RunState
 from torchgpipe.stream import AbstractStream, current_stream, new_stream, use_device
-from torchgpipe.traits import RunState
+from torchgpipe.train.schedule import SCHEDULES
+from torchgpipe.train.step import LossFunction, Step, split_step
+from torchgpipe.validation import (BalanceError, Device, Devices, check_balance, check_chunks,
+                                   check_devices, check_one_process, check_step, deny_moving,
+                                   describe, example_balance, recommend_auto_balance,
+                                   verify_module)
 
 __all__ = ['GPipe', 'BalanceError', 'verify_module', 'split_module']
 
@@ -306,7 +307,6 @@ class GPipe(nn.Module):
         # An input elsewhere than on the first device is moved there, by a
         # differentiable copy of each micro-batch.
         microbatch.move(batches, self.devices[0])
-
         return checkpoint_stop(self.checkpoint, self.chunks, len(batches), self.training)
 
     def forward(self, input: TensorOrTensors) -> TensorOrTensors:

@@ -2,7 +2,7 @@
 
 The engine (the pipeline, train_step's executor, checkpointing) calls this
 module, never the timeline: a :class:`Recorder` sits in a GPipe's run state
-(:class:`~torchgpipe.traits.RunState`) while :func:`torchgpipe.trace` is
+(:class:`~torchgpipe.state.RunState`) while :func:`torchgpipe.trace` is
 active, and is ``None`` otherwise, which costs a pipeline one check per
 task. :class:`~torchgpipe.timeline.Timeline` implements it, above the
 engine. :func:`label` names tasks for PyTorch's profiler, whoever records.

@@ -11,15 +11,13 @@ read off the modules reliably (any custom layer may have them):
 
 Until a habit is known, the pipeline assumes the cautious answer and watches.
 These facts belong to one GPipe instance's run, not to its model: a copy of the
-GPipe starts with none (see :class:`RunState`).
+GPipe starts with none (see :class:`~torchgpipe.state.RunState`).
 """
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple, TypeVar
 
 from torch import Tensor
 
-from torchgpipe.record import Recorder
-from torchgpipe.stream import AbstractStream
 
 
 __all__: List[str] = []
@@ -100,27 +98,3 @@ def call_on_copies(function: Callable[[T], R], input: Tuple[Tensor, ...],
     output = function(arguments(copies))
     # A fresh copy's version counter is 0; every in-place change bumps it.
     return output, any(x._version for x in copies)
-
-
-class RunState:
-    """The per-run state of a GPipe: copy streams, partition traits, the recorder attached.
-
-    Streams cannot be copied or pickled, and what one instance learned is not
-    a property of its model: ``copy.deepcopy``, ``pickle`` and ``torch.save``
-    of a GPipe give it a fresh, empty run state.
-
-    Args:
-        num_partitions: the number of partitions
-    """
-
-    def __init__(self, num_partitions: int) -> None:
-        self.num_partitions = num_partitions
-        #: For each partition, one copy stream per micro-batch, created on
-        #: first use (creating a CUDA stream initializes CUDA).
-        self.copy_streams: List[List[AbstractStream]] = []
-        self.traits = [PartitionTraits() for _ in range(num_partitions)]
-        #: The recorder of the runs (a timeline, inside :func:`torchgpipe.trace`).
-        self.recorder: Optional[Recorder] = None
-
-    def __reduce__(self) -> Tuple[type, Tuple[int]]:
-        return RunState, (self.num_partitions,)

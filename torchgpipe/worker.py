@@ -193,7 +193,8 @@ class Crew:
     it: on some Python versions (3.11.7 among them) the interrupted join
     marks the thread as ended while it still runs, and ``is_alive()`` turns
     false. So each thread says itself when it begins and when it ends, with
-    events, and the caller waits for those.
+    events, and the caller waits for those, and joins a thread only once
+    it has ended.
 
     Stopping is a handshake on two flags, each set before the other is
     read: a thread sets *begun*, then runs its work only if *stopping* is
@@ -205,7 +206,7 @@ class Crew:
     def __init__(self) -> None:
         #: Set by :meth:`stop`; workers check it before each piece of work.
         self.stopping = threading.Event()
-        self._lifetimes: List[Tuple[threading.Event, threading.Event]] = []
+        self._lifetimes: List[Tuple[threading.Event, threading.Event, threading.Thread]] = []
 
     def start(self, target: Callable[[], None], name: str) -> None:
         """Starts a daemon thread running ``target`` unless the crew is stopping."""
@@ -220,14 +221,16 @@ class Crew:
                 ended.set()
 
         # Known before it starts, so that stop() sees its begun flag.
-        self._lifetimes.append((begun, ended))
-        threading.Thread(target=run, name=name, daemon=True).start()
+        thread = threading.Thread(target=run, name=name, daemon=True)
+        self._lifetimes.append((begun, ended, thread))
+        thread.start()
 
     def wait(self) -> None:
         """Waits until every thread has ended, or, after a Ctrl-C meanwhile, stops them first."""
         try:
-            for _, ended in self._lifetimes:
+            for _, ended, thread in self._lifetimes:
                 ended.wait()
+                thread.join()
         except BaseException:
             self.stop()
             raise
@@ -242,9 +245,12 @@ class Crew:
         while True:
             try:
                 self.stopping.set()
-                for begun, ended in self._lifetimes:
+                for begun, ended, thread in self._lifetimes:
                     if begun.is_set():
                         ended.wait()
+                        # Its work is done: the join only waits for the
+                        # thread to leave threading's list of live threads.
+                        thread.join()
                 break
             except KeyboardInterrupt as exc:
                 interrupted = exc

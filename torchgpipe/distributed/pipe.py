@@ -15,12 +15,14 @@ from torchgpipe.distributed.blocks import Blocks
 from torchgpipe.distributed.wire import Channels, Wire
 from torchgpipe.microbatch import TensorOrTensors
 from torchgpipe.placement import place
-from torchgpipe.train.schedule import SCHEDULES, checkpoint_stop
+from torchgpipe.checkpoint import checkpoint_stop
+from torchgpipe.train.schedule import SCHEDULES
 from torchgpipe.skip.layout import inspect_skip_layout
 from torchgpipe.skip.skippable import verify_skippables
 from torchgpipe.train.step import LossFunction, Step, split_step
 from torchgpipe.tied import find_ties
-from torchgpipe.traits import PartitionTraits, RunState
+from torchgpipe.state import RunState
+from torchgpipe.traits import PartitionTraits
 
 __all__ = ['DistributedGPipe']
 

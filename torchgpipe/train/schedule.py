@@ -26,8 +26,6 @@ import enum
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Sequence
 
-import torch
-
 __all__: List[str] = []
 
 
@@ -91,19 +89,6 @@ SCHEDULES: Dict[str, Callable[[int, int], Schedule]] = {
     '1f1b': one_f_one_b,
     'fill_drain': fill_drain,
 }
-
-
-def checkpoint_stop(checkpoint: str, chunks: int, m: int, training: bool) -> int:
-    """How many of the first of ``m`` micro-batches the checkpoint mode ``checkpoint`` checkpoints.
-
-    None without a backward pass to come (in evaluation mode, or with
-    gradients disabled). As in torchgpipe 0.0.7, ``'except_last'`` spares
-    the last of ``chunks`` micro-batches: a short mini-batch split into fewer
-    micro-batches has all of them checkpointed.
-    """
-    if not (training and torch.is_grad_enabled()):
-        return 0
-    return {'always': m, 'except_last': min(m, chunks - 1), 'never': 0}[checkpoint]
 
 
 def depends_on(action: Action, n: int) -> List[Action]:

@@ -1,0 +1,37 @@
+"""What one GPipe instance keeps from run to run: copy streams, partition traits, the recorder.
+
+None of it is a property of the model: streams cannot be copied or pickled,
+and what one instance's runs learned of its partitions
+(:mod:`torchgpipe.traits`) need not hold for another's.
+"""
+from typing import List, Optional, Tuple
+
+from torchgpipe.record import Recorder
+from torchgpipe.stream import AbstractStream
+from torchgpipe.traits import PartitionTraits
+
+__all__: List[str] = []
+
+
+class RunState:
+    """The per-run state of a GPipe: copy streams, partition traits, the recorder attached.
+
+    Streams cannot be copied or pickled, and what one instance learned is not
+    a property of its model: ``copy.deepcopy``, ``pickle`` and ``torch.save``
+    of a GPipe give it a fresh, empty run state.
+
+    Args:
+        num_partitions: the number of partitions
+    """
+
+    def __init__(self, num_partitions: int) -> None:
+        self.num_partitions = num_partitions
+        #: For each partition, one copy stream per micro-batch, created on
+        #: first use (creating a CUDA stream initializes CUDA).
+        self.copy_streams: List[List[AbstractStream]] = []
+        self.traits = [PartitionTraits() for _ in range(num_partitions)]
+        #: The recorder of the runs (a timeline, inside :func:`torchgpipe.trace`).
+        self.recorder: Optional[Recorder] = None
+
+    def __reduce__(self) -> Tuple[type, Tuple[int]]:
+        return RunState, (self.num_partitions,)
