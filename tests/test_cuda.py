@@ -10,7 +10,7 @@ from torch import nn
 
 from helpers import assert_same_training_step
 from torchgpipe import GPipe
-from torchgpipe.copy import Copy, Wait
+from torchgpipe.copy import Copy, Ready, Wait
 from torchgpipe.stream import (current_stream, default_stream, get_device, is_cuda, new_stream,
                                use_stream, wait_stream)
 
@@ -146,3 +146,14 @@ def test_tied_weights_across_cuda_devices() -> None:
     gpipe(x).logsumexp(1).mean().backward()
     for (name, p), q in zip(reference.named_parameters(), gpipe.parameters()):
         torch.testing.assert_close(q.grad.cpu(), p.grad, msg=name)
+
+
+def test_a_copy_to_the_cpu_is_done_when_it_returns() -> None:
+    """The CPU reads a copy at once: unlike a copy to a stream's device, it must not be async."""
+    source = devices(1)[0]
+    x = torch.randn(1 << 22, device=source)
+    expected = x.sum().item()
+    y, = Copy.apply(current_stream(source), current_stream(torch.device('cpu')), x)
+    assert y.device.type == 'cpu' and y.sum().item() == pytest.approx(expected, rel=1e-5)
+    z = Ready(source).receive(x * 2, torch.device('cpu'))
+    assert z.sum().item() == pytest.approx(2 * expected, rel=1e-5)

@@ -8,7 +8,7 @@ the timeline and to_sequential sit on top.
 import ast
 import sys
 from pathlib import Path
-from typing import Dict, List, Set
+from typing import Dict, List, Set, Tuple
 
 import pytest
 
@@ -174,3 +174,57 @@ def test_modules_are_small() -> None:
              for path in PACKAGE.rglob('*.py')}
     assert len(sizes) > 40
     assert not {name: n for name, n in sizes.items() if n > 450}
+
+
+def imported_names(module: str) -> Set[Tuple[str, str]]:
+    """Each ``(module, name)`` that ``from module import name`` brings into a module."""
+    path = PACKAGE.parent / (module.replace('.', '/') + '.py')
+    return {(node.module or '', alias.name) for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ImportFrom) for alias in node.names}
+
+
+#: Each mechanism both engines need, the one place that implements it, and
+#: what each engine (forward path, training step) takes from there.
+MECHANISMS = {
+    'a worker thread per device': ('torchgpipe.worker', {
+        'torchgpipe.pipeline': {'spawn_workers'}, 'torchgpipe.train.step': {'spawn_workers'}}),
+    'turns on the CPU generator': ('torchgpipe.worker', {
+        'torchgpipe.pipeline': {'Turns'}, 'torchgpipe.train.step': {'Turns'}}),
+    'the probe of random draws': ('torchgpipe.rng', {
+        'torchgpipe.pipeline': {'watch', 'cpu_generator_held'},
+        'torchgpipe.train.step': {'watch', 'cpu_generator_held'}}),
+    'the replay of a checkpointed micro-batch': ('torchgpipe.replay', {
+        'torchgpipe.checkpoint': {'first_pass', 'recomputation'},
+        'torchgpipe.train.step': {'first_pass', 'recomputation'}}),
+    'moving a batch between devices': ('torchgpipe.copy', {
+        'torchgpipe.pipeline': {'Copy', 'Wait'}, 'torchgpipe.train.step': {'Ready'}}),
+    'skips crossing partitions': ('torchgpipe.skip.tracker', {
+        'torchgpipe.pipeline': {'SkipTrackerThroughPortals'},
+        'torchgpipe.train.mailbox': {'SkipTrackerAcross'}}),
+}
+
+
+@pytest.mark.parametrize('mechanism', sorted(MECHANISMS))
+def test_both_engines_take_each_mechanism_from_its_one_place(mechanism: str) -> None:
+    home, users = MECHANISMS[mechanism]
+    for user, names in users.items():
+        assert {(home, name) for name in names} <= imported_names(user), (user, names)
+
+
+def test_one_module_starts_threads_and_one_reads_generator_states() -> None:
+    """No engine keeps a worker loop or a generator probe of its own."""
+    sources = {module_name(path): path.read_text() for path in PACKAGE.rglob('*.py')}
+    assert [m for m, text in sources.items() if 'threading.Thread(' in text] == \
+        ['torchgpipe.worker']
+    assert [m for m, text in sources.items() if 'get_rng_state(' in text
+            and 'torch.get_rng_state()' in text.replace('torch.cuda', '')] == ['torchgpipe.rng']
+    from torchgpipe.copy import Copy, Ready, Wait, copy_tensors, hand_over
+    from torchgpipe.skip.tracker import SkipTrackerAcross, SkipTrackerThroughPortals
+    from torchgpipe.train.mailbox import StepSkips
+    assert issubclass(SkipTrackerThroughPortals, SkipTrackerAcross)
+    assert issubclass(StepSkips, SkipTrackerAcross)
+    # Both ways of moving a batch end in the same copy.
+    for code in (Copy.forward, Ready.receive):
+        assert 'copy_tensors' in code.__code__.co_names or hand_over.__name__ in \
+            code.__code__.co_names, code
+    assert copy_tensors.__module__ == Wait.__module__

@@ -1,4 +1,9 @@
-"""Copy and Wait: moving a micro-batch between devices and streams, both ways.
+"""Moving a micro-batch between devices and streams: Copy and Wait, and Ready.
+
+Both engines move tensors with :func:`copy_tensors`. The forward path, whose
+backward pass is one autograd graph, does it through two autograd functions
+(below); a training step, whose partitions send each other messages, with
+:class:`Ready` (at the end).
 
 ``Copy`` moves tensors to the device of ``next_stream``, issuing the copy on
 ``prev_stream`` (source device) and ``next_stream`` (destination device) so
@@ -15,8 +20,8 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from torchgpipe.stream import (AbstractStream, current_stream, get_device, record_stream,
-                               use_stream, wait_stream)
+from torchgpipe.stream import (AbstractStream, as_cuda, current_stream, get_device, is_cuda,
+                               record_stream, use_stream, wait_stream)
 
 __all__: List[str] = []
 
@@ -85,7 +90,9 @@ def copy_tensors(source: AbstractStream, target: AbstractStream,
             if x is None:
                 output.append(x)
                 continue
-            y = x.to(device, non_blocking=True)
+            # Not blocking the host only where the consumer is a stream:
+            # on the CPU, the next line of Python reads the copy.
+            y = x.to(device, non_blocking=device.type == 'cuda')
             # x was allocated on another stream and is read by the copy;
             # y was allocated on the copy stream and is read by its consumer.
             record_stream(x, source)
@@ -124,3 +131,32 @@ def _wait(source: AbstractStream, target: AbstractStream,
             record_stream(x, target)
     # Detached: a Function must return new tensors, not its inputs.
     return tuple(x if x is None else x.detach() for x in tensors)
+
+
+class Ready:
+    """Marks, on CUDA, the moment the tensors a worker sends are computed on its stream.
+
+    The receiving worker's stream waits for that moment, then moves them
+    with :func:`copy_tensors`, as the forward path's :class:`Copy` does. On
+    CPU, where work is done when a call returns, it holds nothing.
+    """
+
+    __slots__ = ('event',)
+
+    def __init__(self, device: torch.device) -> None:
+        self.event: Any = None
+        if device.type == 'cuda':
+            self.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self.event.record(as_cuda(current_stream(device)))
+
+    def receive(self, x: Tensor, device: torch.device) -> Tensor:
+        """``x`` on ``device``, without history, safe to use on ``device``'s current stream."""
+        target = current_stream(device)
+        if self.event is not None and is_cuda(target):
+            as_cuda(target).wait_event(self.event)
+        # The copy runs on the current stream of x's device, which PyTorch
+        # makes wait for the target stream first, and the target for it
+        # after.
+        y, = copy_tensors(current_stream(x.device), target, (x.detach(),))
+        assert y is not None
+        return y

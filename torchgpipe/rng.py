@@ -119,15 +119,22 @@ def cpu_rng_state() -> Tensor:
         return torch.get_rng_state()
 
 
-def watch(compute: Callable[[], T]) -> Tuple[T, bool]:
+def watch(compute: Callable[[], T], probing: bool = True) -> Tuple[T, bool]:
     """Runs a task, and tells whether it drew from the CPU generator: the probe of point 2.
 
     Run it holding the generator (:func:`cpu_generator_held`): a change of
     the generator's state is then the task's doing.
 
+    Args:
+        compute: the task
+        probing: whether to watch (otherwise, the task runs as it is, and
+            is said to have drawn nothing)
+
     Returns:
         what ``compute`` returned, and whether it drew
     """
+    if not probing:
+        return compute(), False
     before = cpu_rng_state()
     output = compute()
     return output, not torch.equal(before, cpu_rng_state())

@@ -26,7 +26,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from torchgpipe.distributed.blocks import Blocks
-from torchgpipe.train.mailbox import (Activation, Key, Mailbox, Ready, Skip, SkipGradient,
+from torchgpipe.copy import Ready
+from torchgpipe.train.mailbox import (Activation, Key, Mailbox, Skip, SkipGradient,
                                 SkipKey)
 
 __all__: List[str] = []

@@ -2,11 +2,13 @@
 
 Outside GPipe, a plain :class:`SkipTracker` keeps them in a dictionary, one
 tracker per thread. Inside GPipe, each micro-batch has a
-:class:`SkipTrackerThroughPortals`: it sends the skips that cross partitions
-through portals (:mod:`torchgpipe.skip.portal`) and keeps the others in its
-dictionary too. torchgpipe 0.0.7 spelled that class
+:class:`SkipTrackerAcross`, which keeps the skips that stay within a
+partition in its dictionary too and hands those that cross partitions to its
+engine: in the forward path, :class:`SkipTrackerThroughPortals` sends them
+through portals (:mod:`torchgpipe.skip.portal`). torchgpipe 0.0.7 spelled that class
 ``SkipTrackerThroughPotals``; the old name still works.
 """
+import abc
 import threading
 from typing import ContextManager, Dict, List, Optional, Protocol, Tuple
 
@@ -84,8 +86,49 @@ class Routes(Protocol):
         """Whether the skip is stashed and popped in different partitions."""
 
 
-class SkipTrackerThroughPortals(SkipTracker):
-    """Tracks the skip tensors of one micro-batch inside GPipe.
+class SkipTrackerAcross(SkipTracker, abc.ABC):
+    """The skip tracker of one micro-batch in either engine: one way for skips to cross partitions.
+
+    A skip stashed and popped in the same partition stays in the
+    dictionary. One that crosses partitions (the layout says which) is
+    handed to :meth:`send` at its stash and taken from :meth:`receive` at
+    its pop: how it travels is the engine's. The forward path builds one
+    autograd graph through every partition, and carries it in a portal
+    (:class:`SkipTrackerThroughPortals`); a training step cuts the graph at
+    partition boundaries, and sends it as a message
+    (:class:`~torchgpipe.train.mailbox.StepSkips`).
+
+    Args:
+        skip_layout (SkipLayout): the partitions that stash and pop each skip
+            (:class:`~torchgpipe.skip.layout.SkipLayout`)
+    """
+
+    def __init__(self, skip_layout: Routes) -> None:
+        super().__init__()
+        self.skip_layout = skip_layout
+
+    def save(self, batch: Batch, ns: Namespace, name: str, tensor: Optional[Tensor]) -> None:
+        if self.skip_layout.requires_copy(ns, name):
+            self.send(batch, ns, name, tensor)
+        else:
+            super().save(batch, ns, name, tensor)
+
+    def load(self, batch: Batch, ns: Namespace, name: str) -> Optional[Tensor]:
+        if self.skip_layout.requires_copy(ns, name):
+            return self.receive(batch, ns, name)
+        return super().load(batch, ns, name)
+
+    @abc.abstractmethod
+    def send(self, batch: Batch, ns: Namespace, name: str, tensor: Optional[Tensor]) -> None:
+        """Sends a skip stashed here to the partition that pops it."""
+
+    @abc.abstractmethod
+    def receive(self, batch: Batch, ns: Namespace, name: str) -> Optional[Tensor]:
+        """Gives a skip popped here, from the partition that stashed it."""
+
+
+class SkipTrackerThroughPortals(SkipTrackerAcross):
+    """Tracks the skip tensors of one micro-batch in the forward path.
 
     A skip that crosses partitions goes into a :class:`Portal
     <torchgpipe.skip.portal.Portal>`, which the pipeline copies to the
@@ -97,21 +140,16 @@ class SkipTrackerThroughPortals(SkipTracker):
     """
 
     def __init__(self, skip_layout: Routes) -> None:
-        super().__init__()
-        self.skip_layout = skip_layout
+        super().__init__(skip_layout)
         self.portals: Dict[Tuple[Namespace, str], Portal] = {}
 
-    def save(self, batch: Batch, ns: Namespace, name: str, tensor: Optional[Tensor]) -> None:
-        """Keeps a skip that crosses partitions in a portal, and any other one in the dictionary.
+    def send(self, batch: Batch, ns: Namespace, name: str, tensor: Optional[Tensor]) -> None:
+        """Keeps a skip that crosses partitions in a portal.
 
         Raises:
             RuntimeError: the skip requires grad but ``batch`` has no
                 floating point tensor to carry its gradient
         """
-        if not self.skip_layout.requires_copy(ns, name):
-            super().save(batch, ns, name, tensor)
-            return
-
         portal = self.portals.get((ns, name))
         if portal is None:
             # A checkpointed micro-batch is popped twice: in the first pass
@@ -148,8 +186,8 @@ class SkipTrackerThroughPortals(SkipTracker):
         for i in carriers:
             batch[i] = join(batch[i], phony)
 
-    def load(self, batch: Batch, ns: Namespace, name: str) -> Optional[Tensor]:
-        """Takes a skip out of its portal, or out of the dictionary.
+    def receive(self, batch: Batch, ns: Namespace, name: str) -> Optional[Tensor]:
+        """Takes a skip out of its portal.
 
         Raises:
             KeyError: nothing is stashed under the key
@@ -157,9 +195,6 @@ class SkipTrackerThroughPortals(SkipTracker):
                 it was made for, or it requires grad and ``batch`` has no
                 floating point tensor to carry its gradient
         """
-        if not self.skip_layout.requires_copy(ns, name):
-            return super().load(batch, ns, name)
-
         portal = self.portals[(ns, name)]
         # Forked off the popping layer's input: everything before the pop
         # waits in the backward pass until the gradient is in the portal.

@@ -11,8 +11,9 @@ filed under typed keys, one class per kind of message::
     a stash  ── Skip(i, key): Parcel ─────────────► its pop (any later partition)
     B        ◄─ SkipGradient(i, key): Reply ──────── B
 
-A :class:`Ready` marks when, on CUDA, what is sent is computed; :func:`leaf`
-makes the receiving side's input. Skip connections that cross partitions
+A :class:`~torchgpipe.copy.Ready` marks when, on CUDA, what is sent is
+computed, and moves it as the forward path's copies do; :func:`leaf` makes
+the receiving side's input. Skip connections that cross partitions
 are cut the same way, by :class:`StepSkips`.
 """
 import threading
@@ -22,11 +23,11 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
+from torchgpipe.copy import Ready
 from torchgpipe.microbatch import Batch
 from torchgpipe.skip.layout import SkipLayout
 from torchgpipe.skip.namespace import Namespace
-from torchgpipe.skip.tracker import SkipTracker
-from torchgpipe.stream import as_cuda, current_stream, is_cuda, record_stream
+from torchgpipe.skip.tracker import SkipTrackerAcross
 from torchgpipe.worker import Stopped
 
 __all__: List[str] = []
@@ -75,14 +76,14 @@ class Parcel(NamedTuple):
 
     tensors: Any
     requires_grad: Any
-    ready: 'Ready'
+    ready: Ready
 
 
 class Reply(NamedTuple):
     """What goes backward: the gradients (or one, ``None`` where there is none), and when ready."""
 
     grads: Any
-    ready: 'Ready'
+    ready: Ready
 
 
 class Mailbox:
@@ -129,35 +130,6 @@ class Mailbox:
         return self._stopped
 
 
-class Ready:
-    """Marks, on CUDA, the moment the tensors a worker sends are computed on its stream.
-
-    The receiving worker copies them on its own stream, which must wait for
-    that moment first. On CPU, where work is done when a call returns, it
-    holds nothing.
-    """
-
-    __slots__ = ('event',)
-
-    def __init__(self, device: torch.device) -> None:
-        self.event: Any = None
-        if device.type == 'cuda':
-            self.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            self.event.record(as_cuda(current_stream(device)))
-
-    def receive(self, x: Tensor, device: torch.device) -> Tensor:
-        """``x`` on ``device``, without history, safe to use on ``device``'s current stream."""
-        stream = current_stream(device)
-        if self.event is not None and is_cuda(stream):
-            as_cuda(stream).wait_event(self.event)
-        y = x.detach().to(device)
-        if x.is_cuda and y is not x:
-            # The sender may drop x as soon as this returns: its memory must
-            # not be reused before the copy, queued on this stream, has run.
-            record_stream(x, stream)
-        return y
-
-
 def leaf(x: Optional[Tensor], device: torch.device, requires_grad: bool,
          ready: Ready) -> Optional[Tensor]:
     """Cuts the graph at a partition's input: a copy on ``device`` without history."""
@@ -166,7 +138,7 @@ def leaf(x: Optional[Tensor], device: torch.device, requires_grad: bool,
     return ready.receive(x, device).requires_grad_(requires_grad and x.is_floating_point())
 
 
-class StepSkips(SkipTracker):
+class StepSkips(SkipTrackerAcross):
     """The skip tensors of one micro-batch on one partition, cut at partition boundaries.
 
     A skip stashed and popped in the same partition stays in the tracker's
@@ -180,8 +152,7 @@ class StepSkips(SkipTracker):
 
     def __init__(self, layout: SkipLayout, j: int, device: torch.device, mailbox: Mailbox,
                  i: int) -> None:
-        super().__init__()
-        self.layout = layout
+        super().__init__(layout)
         self.j = j
         self.device = device
         self.mailbox = mailbox
@@ -193,9 +164,7 @@ class StepSkips(SkipTracker):
         #: The leaves of the skips popped here from an earlier partition.
         self.received: Dict[SkipKey, Optional[Tensor]] = {}
 
-    def save(self, batch: Batch, ns: Namespace, name: str, tensor: Optional[Tensor]) -> None:
-        if not self.layout.requires_copy(ns, name):
-            return super().save(batch, ns, name, tensor)
+    def send(self, batch: Batch, ns: Namespace, name: str, tensor: Optional[Tensor]) -> None:
         self.sent[(ns, name)] = tensor
         if not self.replay:
             # Whether it will require grad, also when stashed without grad
@@ -205,9 +174,7 @@ class StepSkips(SkipTracker):
             self.mailbox.put(Skip(self.i, (ns, name)),
                              Parcel(tensor, requires_grad, Ready(self.device)))
 
-    def load(self, batch: Batch, ns: Namespace, name: str) -> Optional[Tensor]:
-        if not self.layout.requires_copy(ns, name):
-            return super().load(batch, ns, name)
+    def receive(self, batch: Batch, ns: Namespace, name: str) -> Optional[Tensor]:
         if self.replay:
             return self.received[(ns, name)]
         tensor, requires_grad, ready = self.mailbox.take(Skip(self.i, (ns, name)))

@@ -34,7 +34,8 @@ from torch import Tensor, nn
 from torchgpipe.record import Recorder, label
 from torchgpipe.validation import describe
 from torchgpipe import microbatch
-from torchgpipe.train.mailbox import (Activation, Gradient, Mailbox, Parcel, Ready, Reply,
+from torchgpipe.copy import Ready
+from torchgpipe.train.mailbox import (Activation, Gradient, Mailbox, Parcel, Reply,
                                 SkipGradient, StepSkips, leaf)
 from torchgpipe.microbatch import Batch, TensorOrTensors
 from torchgpipe.partition import partition_function
@@ -196,10 +197,10 @@ class Stage:
         drew = False
         if checkpointed:
             with first_pass(self.device) as current.replay:
-                output, drew = self.probed(probing, lambda: self.call(input, skips))
+                output, drew = watch(lambda: self.call(input, skips), probing)
         else:
             with torch.enable_grad():
-                output, drew = self.probed(probing, lambda: self.call(input, skips))
+                output, drew = watch(lambda: self.call(input, skips), probing)
         if probing:
             # The partition's own draws, without its loss's: the forward
             # path, which has no loss, shares what is learned here.
@@ -212,19 +213,12 @@ class Stage:
                                  for x in output]
         else:
             with torch.set_grad_enabled(not checkpointed):
-                loss, loss_drew = self.probed(probing, lambda: shared.loss(i, output))
+                loss, loss_drew = watch(lambda: shared.loss(i, output), probing)
             self.losses[i] = loss.detach()
             current.loss = None if checkpointed else loss
             if probing:
                 self.loss_draws = drew or loss_drew
         self.passes[i] = current
-
-    @staticmethod
-    def probed(probing: bool, compute: Callable[[], T]) -> Tuple[T, bool]:
-        """Runs ``compute``; if ``probing``, tells whether it drew (else, says it did not)."""
-        if probing:
-            return watch(compute)
-        return compute(), False
 
     def send_output(self, i: int) -> None:
         """Sends micro-batch ``i``'s output to the next partition."""
