@@ -91,9 +91,9 @@ nitpick_ignore_regex = [
     (r'py:class', r"'cpu'|'cuda'|'cuda' device"),
     # Internal type aliases without a docstring of their own.
     (r'py:class', r'torchgpipe\..*\.(T|R)'),  # TypeVars
-    (r'py:.*', r'torchgpipe\.(microbatch\.(TensorOrTensors|Tensors)|_validation\.Devices?|'
-               r'checkpoint\.(Function|Recomputed|RNGStates|AutocastStates)|'
-               r'worker\.(ExcInfo|Result)|stepper\.LossFunction)'),
+    (r'py:.*', r'torchgpipe\.(microbatch\.(TensorOrTensors|Tensors)|validation\.Devices?|'
+               r'checkpoint\.(Function|Recomputed)|replay\.FirstPass|rng\.RNGStates|'
+               r'autocast\.AutocastStates|worker\.(ExcInfo|Result)|train\.step\.LossFunction)'),
 ]
 
 # -- HTML output -------------------------------------------------------------

@@ -23,6 +23,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import registry, report, runner, timing  # noqa: E402
+from helpers import CHECKPOINT_MODES  # noqa: E402
 from benchmarks.memory import parameter_count  # noqa: E402
 from benchmarks.models.amoebanet import amoebanetd  # noqa: E402
 from benchmarks.models.resnet import resnet, resnet101  # noqa: E402
@@ -52,7 +53,7 @@ def check_overhead(document: Dict[str, Any]) -> None:
 
 def check_transparency(document: Dict[str, Any]) -> None:
     results = document['results']
-    assert {r['checkpoint'] for r in results} == {'always', 'except_last', 'never'}
+    assert {r['checkpoint'] for r in results} == set(CHECKPOINT_MODES)
     assert len({(r['chunks'], r['partitions']) for r in results}) >= 3
     # float64 and the same seed: equal up to float rounding.
     assert document['max_loss_difference'] < 1e-12

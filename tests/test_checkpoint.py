@@ -48,10 +48,9 @@ def test_checkpoint_counts_per_mode(chunks: int, threaded: bool) -> None:
     assert counts('never', m, threaded) == Counter(plain=m)
 
 
-@pytest.mark.parametrize('mode', ['always', 'except_last', 'never'])
-def test_no_checkpointing_in_eval_mode_or_without_grad(mode: str, threaded: bool) -> None:
-    assert counts(mode, 4, threaded, train=False) == Counter(plain=4)
-    assert counts(mode, 4, threaded, grad=False) == Counter(plain=4)
+def test_no_checkpointing_in_eval_mode_or_without_grad(checkpoint: str, threaded: bool) -> None:
+    assert counts(checkpoint, 4, threaded, train=False) == Counter(plain=4)
+    assert counts(checkpoint, 4, threaded, grad=False) == Counter(plain=4)
 
 
 def test_flags_are_off_outside_and_restored() -> None:

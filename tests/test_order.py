@@ -56,7 +56,6 @@ def run(n: int, m: int, checkpoint: str, threaded: bool) -> List[Event]:
     return events
 
 
-@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
 @pytest.mark.parametrize('n, m', [(1, 4), (3, 1), (3, 4), (4, 8), (2, 5)])
 def test_forward_runs_cycle_by_cycle(n: int, m: int, checkpoint: str, threaded: bool) -> None:
     """Every task runs once, never before a task of an earlier clock cycle, and
@@ -70,7 +69,6 @@ def test_forward_runs_cycle_by_cycle(n: int, m: int, checkpoint: str, threaded: 
         assert [i for jj, i in forward if jj == j] == list(range(m))
 
 
-@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
 @pytest.mark.parametrize('n, m', [(1, 4), (3, 1), (3, 4), (4, 8), (2, 5)])
 def test_inline_forward_runs_in_schedule_order(n: int, m: int, checkpoint: str) -> None:
     """Single-thread path only: there, tasks also run in the order clock_cycles
@@ -81,7 +79,6 @@ def test_inline_forward_runs_in_schedule_order(n: int, m: int, checkpoint: str) 
     assert forward == [(j, i) for schedule in clock_cycles(m, n) for i, j in schedule]
 
 
-@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
 @pytest.mark.parametrize('n, m', [(1, 4), (3, 1), (3, 4), (4, 8), (2, 5)])
 def test_backward_runs_in_reverse_with_recomputation_right_before(n: int, m: int,
                                                                     checkpoint: str,

@@ -19,14 +19,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
-from helpers import assert_same_random_step, cpu_devices
+from helpers import CHECKPOINT_MODES, assert_same_random_step, cpu_devices
 from torchgpipe import GPipe
 from torchgpipe.rng import cpu_generator_lock, restore_rng_states, save_rng_states
 
-MODES = ['always', 'except_last', 'never']
 
 
-@pytest.mark.parametrize('checkpoint', MODES)
 def test_stacked_dropout_gradient_is_output_over_input(checkpoint: str, threaded: bool) -> None:
     """Through dropout layers only, d(sum y)/dx = y / x exactly, if the backward
     uses the masks of the forward. A recomputation that drew other masks (as
@@ -54,7 +52,6 @@ def step(model: nn.Module, input: Tensor, seed: int) -> Tuple[Tensor, List[Tenso
     return torch.cat([output.detach().flatten(), after]), [p.grad for p in model.parameters()]
 
 
-@pytest.mark.parametrize('checkpoint', MODES)
 def test_threads_draw_what_one_thread_draws(checkpoint: str) -> None:
     """Outputs, gradients and the generator's state afterwards are identical on
     both paths, step after step (the first steps learn which partitions draw)."""
@@ -91,7 +88,7 @@ def test_dropout_transparency_on_threads(kinds: List[str], data: st.DataObject) 
                                     max_size=n - 1), label='cuts'))
     balance = [b - a for a, b in zip([0, *cuts], [*cuts, len(kinds)])]
     chunks = data.draw(st.integers(1, 5), label='chunks')
-    checkpoint = data.draw(st.sampled_from(MODES), label='checkpoint')
+    checkpoint = data.draw(st.sampled_from(CHECKPOINT_MODES), label='checkpoint')
     torch.manual_seed(data.draw(st.integers(0, 2**16), label='seed'))
 
     model = nn.Sequential(*[make_layer(k) for k in kinds]).double()

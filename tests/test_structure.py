@@ -228,3 +228,32 @@ def test_one_module_starts_threads_and_one_reads_generator_states() -> None:
         assert 'copy_tensors' in code.__code__.co_names or hand_over.__name__ in \
             code.__code__.co_names, code
     assert copy_tensors.__module__ == Wait.__module__
+
+
+#: Lines that say nothing on their own: a repeat of them is no repeated logic.
+TRIVIAL = {'"""', ')', ']', '}', '):', 'else:', 'try:', 'finally:', 'pass', 'return', 'yield',
+           '...', 'Args:', 'Returns:', 'Raises:', 'Example::'}
+
+
+def repeated_runs(sources: Dict[str, str], length: int = 6) -> List[Tuple[str, str]]:
+    """Places where ``length`` consecutive lines (of substance) repeat lines met before."""
+    seen: Dict[Tuple[str, ...], Tuple[str, int]] = {}
+    repeats = []
+    for name, text in sorted(sources.items()):
+        lines = [(k, line.strip()) for k, line in enumerate(text.splitlines(), 1)]
+        lines = [(k, t) for k, t in lines if t and t not in TRIVIAL and not t.startswith('#')]
+        for w in range(len(lines) - length + 1):
+            run = tuple(t for _, t in lines[w:w + length])
+            first = seen.setdefault(run, (name, lines[w][0]))
+            if first[0] != name or lines[w][0] - first[1] >= length:
+                repeats.append((f'{first[0]}:{first[1]}', f'{name}:{lines[w][0]}'))
+    return repeats
+
+
+def test_no_run_of_six_identical_lines_repeats() -> None:
+    """Each piece is written once: no six lines of substance appear twice in the package."""
+    sources = {module_name(path): path.read_text() for path in PACKAGE.rglob('*.py')}
+    assert not repeated_runs(sources)
+    twin = ('def f(x):\n    y = x + 1\n    z = y * 2\n    w = z - 3\n    v = w / 4\n'
+            '    u = v % 5\n    return u\n')
+    assert repeated_runs({'a': twin, 'b': twin.replace('def f', 'def g')}) == [('a:2', 'b:2')]

@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import PopAdd, Stash, cpu_devices
+from helpers import CHECKPOINT_MODES, PopAdd, Stash, cpu_devices, mlp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
@@ -112,18 +112,10 @@ def assert_train_step_as_unwrapped(model: nn.Sequential, input: Any, target: Ten
     return gpipe
 
 
-def mlp(widths: List[int]) -> nn.Sequential:
-    layers: List[nn.Module] = []
-    for a, b in zip(widths, widths[1:]):
-        layers += [nn.Linear(a, b), nn.Tanh()]
-    return nn.Sequential(*layers)
-
-
 @pytest.mark.parametrize('schedule', sorted(SCHEDULES))
-@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
 def test_gradients_of_the_unwrapped_model(schedule: str, checkpoint: str, threaded: bool) -> None:
     torch.manual_seed(0)
-    model = mlp([4, 8, 8, 8, 3])
+    model = mlp(4, 8, 8, 8, 3)
     # 10 samples in 4 chunks: micro-batches of 3, 3, 3 and 1, weighted so.
     assert_train_step_as_unwrapped(model, torch.randn(10, 4), torch.randn(10, 3), F.mse_loss,
                                    balance=[3, 2, 3], devices=cpu_devices(3, threaded),
@@ -134,7 +126,7 @@ def test_gradients_of_the_unwrapped_model(schedule: str, checkpoint: str, thread
 @given(data=st.data())
 def test_gradients_for_any_model_balance_and_chunks(data: st.DataObject) -> None:
     widths = data.draw(st.lists(st.integers(1, 6), min_size=2, max_size=6), label='widths')
-    model = mlp(widths)
+    model = mlp(*widths)
     n = data.draw(st.integers(1, min(4, len(model))), label='partitions')
     cuts = sorted(data.draw(st.sets(st.integers(1, len(model) - 1), min_size=n - 1,
                                     max_size=n - 1), label='cuts')) if n > 1 else []
@@ -147,7 +139,7 @@ def test_gradients_for_any_model_balance_and_chunks(data: st.DataObject) -> None
         model, torch.randn(batch, widths[0]), torch.randn(batch, widths[-1]), F.mse_loss,
         balance=balance, devices=cpu_devices(n, threaded),
         chunks=data.draw(st.integers(1, 5), label='chunks'),
-        checkpoint=data.draw(st.sampled_from(['always', 'except_last', 'never']),
+        checkpoint=data.draw(st.sampled_from(CHECKPOINT_MODES),
                              label='checkpoint'),
         schedule=data.draw(st.sampled_from(sorted(SCHEDULES)), label='schedule'))
 
@@ -155,7 +147,7 @@ def test_gradients_for_any_model_balance_and_chunks(data: st.DataObject) -> None
 def test_summed_loss(threaded: bool) -> None:
     torch.manual_seed(0)
     assert_train_step_as_unwrapped(
-        mlp([3, 5, 2]), torch.randn(7, 3), torch.randn(7, 2),
+        mlp(3, 5, 2), torch.randn(7, 3), torch.randn(7, 2),
         lambda output, target: F.mse_loss(output, target, reduction='sum'), reduction='sum',
         balance=[2, 2], devices=cpu_devices(2, threaded), chunks=3)
 
@@ -290,7 +282,6 @@ def plain_model() -> nn.Sequential:
 
 
 @pytest.mark.parametrize('schedule', sorted(SCHEDULES))
-@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
 @pytest.mark.parametrize('model, loss_fn', [
     (dropout_model, F.mse_loss),
     (plain_model, noisy_mse),
@@ -320,7 +311,6 @@ def test_random_draws_are_the_same_on_both_paths(
     assert torch.equal(state1, state2)
 
 
-@pytest.mark.parametrize('checkpoint', ['always', 'except_last', 'never'])
 def test_fill_drain_draws_what_the_forward_path_draws(checkpoint: str, threaded: bool) -> None:
     # Both issue forward passes in GPipe's clock cycles.
     input, target = torch.randn(8, 4), torch.randn(8, 2)
@@ -345,7 +335,7 @@ def test_fill_drain_draws_what_the_forward_path_draws(checkpoint: str, threaded:
 def test_each_partition_runs_its_actions_in_schedule_order(schedule: str, checkpoint: str,
                                                            threaded: bool) -> None:
     m, n = 6, 3
-    gpipe = GPipe(mlp([4, 4, 4, 4]), balance=[2, 2, 2], devices=cpu_devices(n, threaded),
+    gpipe = GPipe(mlp(4, 4, 4, 4), balance=[2, 2, 2], devices=cpu_devices(n, threaded),
                   chunks=m, checkpoint=checkpoint)
     with torchgpipe.trace(gpipe) as timeline:
         gpipe.train_step(torch.randn(12, 4), torch.randn(12, 4), F.mse_loss, schedule=schedule)
@@ -435,7 +425,7 @@ def test_a_failure_reaches_the_caller_and_the_next_step_works(where: str, j: int
 
 
 def small() -> GPipe:
-    return GPipe(mlp([2, 2, 2]), balance=[2, 2], devices=['cpu', 'cpu'], chunks=2)
+    return GPipe(mlp(2, 2, 2), balance=[2, 2], devices=['cpu', 'cpu'], chunks=2)
 
 
 @pytest.mark.parametrize('call, error, message', [
@@ -524,7 +514,7 @@ def test_unsplit_targets_reach_loss_fn_unwrapped(threaded: bool) -> None:
     # A NoChunk tensor of the target tuple reaches every micro-batch's loss
     # whole and unwrapped, as a NoChunk input reaches the layers.
     torch.manual_seed(0)
-    model = mlp([3, 4, 2])
+    model = mlp(3, 4, 2)
     input, target, weight = torch.randn(6, 3), torch.randn(6, 2), torch.rand(2)
     seen: List[type] = []
 
@@ -550,7 +540,7 @@ def test_gradients_on_cuda() -> None:
     torch.manual_seed(0)
     count = torch.cuda.device_count()
     devices = ['cuda:0', 'cuda:1'] if count > 1 else ['cuda:0', 'cuda:0']
-    model = mlp([4, 8, 8, 2]).to('cuda:0')
+    model = mlp(4, 8, 8, 2).to('cuda:0')
     input = torch.randn(8, 4, device='cuda:0')
     target = torch.randn(8, 2, device='cuda:0')  # train_step moves it to the last device
     for schedule in sorted(SCHEDULES):

@@ -195,3 +195,30 @@ def test_an_exception_skips_the_queued_tasks() -> None:
             started.wait(10)
             raise KeyboardInterrupt
     assert done == [0]
+
+
+@pytest.mark.timeout(60)
+def test_an_exception_wakes_a_task_waiting_for_a_skipped_turn() -> None:
+    """The one Ctrl-C handshake: the turn of a task skipped in its queue never comes, so
+    spawn_workers wakes every wait (its ``wake``) before it waits for the workers."""
+    devices = [torch.device('cpu', 0), torch.device('cpu', 1)]
+    turns = Turns()
+    skipped = turns.take(lambda: Batch(torch.zeros(1)))
+    waiting = turns.take(lambda: Batch(torch.ones(1)))
+    waits = threading.Event()
+
+    def wait_for_turn() -> Batch:
+        waits.set()
+        return waiting()
+
+    with pytest.raises(KeyboardInterrupt):
+        with spawn_workers(devices, wake=turns.stop) as (in_queues, out_queues):
+            in_queues[1].put(Task(CPUStream, compute=wait_for_turn, finalize=None))
+            waits.wait(10)
+            # Queued behind a task that never ends before the interrupt: skipped.
+            in_queues[0].put(Task(CPUStream, compute=lambda: (time.sleep(0.2), Batch(
+                torch.zeros(1)))[1], finalize=None))
+            in_queues[0].put(Task(CPUStream, compute=skipped, finalize=None))
+            raise KeyboardInterrupt
+    ok, payload = out_queues[1].get()
+    assert not ok and isinstance(payload[1], Stopped)

@@ -151,12 +151,17 @@ class Ready:
 
     def receive(self, x: Tensor, device: torch.device) -> Tensor:
         """``x`` on ``device``, without history, safe to use on ``device``'s current stream."""
-        target = current_stream(device)
-        if self.event is not None and is_cuda(target):
-            as_cuda(target).wait_event(self.event)
-        # The copy runs on the current stream of x's device, which PyTorch
-        # makes wait for the target stream first, and the target for it
-        # after.
-        y, = copy_tensors(current_stream(x.device), target, (x.detach(),))
+        if self.event is None and device.type == 'cpu' and x.device.type == 'cpu':
+            # Every CPU device is one memory, and its work is done: nothing moves.
+            return x.detach()
+        target, source = current_stream(device), current_stream(x.device)
+        if self.event is not None:
+            # The copy runs on the current stream of x's device (PyTorch makes
+            # it wait for the target's, and the target's for it after), and
+            # on a CPU target nothing else waits: both wait for the sender.
+            for stream in {target, source}:
+                if is_cuda(stream):
+                    as_cuda(stream).wait_event(self.event)
+        y, = copy_tensors(source, target, (x.detach(),))
         assert y is not None
         return y

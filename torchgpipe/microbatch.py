@@ -17,7 +17,7 @@ from torchgpipe.validation import describe
 from torchgpipe.nochunk import PLAIN_TYPES, Layout, NoChunk
 from torchgpipe.placement import same_memory
 
-__all__ = ['NoChunk']
+__all__: List[str] = []
 
 Tensors = Tuple[Tensor, ...]
 TensorOrTensors = Union[Tensor, Tensors]

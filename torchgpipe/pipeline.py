@@ -164,17 +164,13 @@ class Pipeline:
         n = len(self.partitions)
         if self.recorder is not None:
             self.recorder.begin_step(m, self.devices)
-        with spawn_workers(self.devices) as (in_queues, out_queues):
-            try:
-                for schedule in clock_cycles(m, n):
-                    self.fence(schedule)
-                    self.compute(schedule, in_queues, out_queues)
-            except BaseException:
-                # Ctrl-C: the workers skip the tasks left in their queues,
-                # whose turns then never end; no task may wait for them.
-                if self.turns is not None:
-                    self.turns.stop()
-                raise
+        # On Ctrl-C the workers skip the tasks left in their queues, whose
+        # turns then never end: no task may wait for them.
+        wake = None if self.turns is None else self.turns.stop
+        with spawn_workers(self.devices, wake) as (in_queues, out_queues):
+            for schedule in clock_cycles(m, n):
+                self.fence(schedule)
+                self.compute(schedule, in_queues, out_queues)
 
     def fence(self, schedule: List[Tuple[int, int]]) -> None:
         """Issues the dependencies and copies the tasks of a clock cycle need."""

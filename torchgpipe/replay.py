@@ -16,7 +16,7 @@ so dropout draws the same masks (:mod:`torchgpipe.rng`) and mixed precision
 computes in the same dtypes (:mod:`torchgpipe.autocast`).
 """
 from contextlib import contextmanager
-from typing import Generator, List, Optional, Tuple
+from typing import Generator, List, Tuple
 
 import torch
 
@@ -53,8 +53,8 @@ def first_pass(device: torch.device) -> Generator[FirstPass, None, None]:
 
 
 @contextmanager
-def recomputation(device: torch.device, states: FirstPass, *, exclusive: bool,
-                  rng_states: Optional[RNGStates] = None) -> Generator[None, None, None]:
+def recomputation(device: torch.device, states: FirstPass, *,
+                  exclusive: bool) -> Generator[None, None, None]:
     """Runs a recomputation from what its :func:`first_pass` saved.
 
     Args:
@@ -63,10 +63,7 @@ def recomputation(device: torch.device, states: FirstPass, *, exclusive: bool,
         exclusive: whether the recomputation may draw from the CPU
             generator: then it replays that generator too, holding it
             alone (see :func:`~torchgpipe.rng.restore_rng_states`)
-        rng_states: the generator states to replay, in place of those in
-            ``states`` (the autograd function keeps them as saved tensors)
     """
-    with restore_rng_states(device, states[0] if rng_states is None else rng_states,
-                            exclusive=exclusive), \
+    with restore_rng_states(device, states[0], exclusive=exclusive), \
             restore_autocast_states(states[1]), torch.enable_grad(), enable_recomputing():
         yield

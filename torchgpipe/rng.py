@@ -105,7 +105,6 @@ state_lock = threading.Lock()
 T = TypeVar('T')
 
 
-
 def save_rng_states(device: torch.device) -> RNGStates:
     """Captures the CPU generator's state, and the CUDA one if the device is CUDA."""
     with state_lock:

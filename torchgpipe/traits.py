@@ -19,7 +19,6 @@ from typing import Callable, Dict, List, Optional, Tuple, TypeVar
 from torch import Tensor
 
 
-
 __all__: List[str] = []
 
 T = TypeVar('T')

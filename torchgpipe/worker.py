@@ -225,26 +225,38 @@ class Crew:
         self._lifetimes.append((begun, ended, thread))
         thread.start()
 
-    def wait(self) -> None:
-        """Waits until every thread has ended, or, after a Ctrl-C meanwhile, stops them first."""
+    def wait(self, wake: Optional[Callable[[], None]] = None) -> None:
+        """Waits until every thread has ended, or, after a Ctrl-C meanwhile, stops them first.
+
+        Args:
+            wake: as for :meth:`stop`
+        """
         try:
             for _, ended, thread in self._lifetimes:
                 ended.wait()
                 thread.join()
         except BaseException:
-            self.stop()
+            self.stop(wake)
             raise
 
-    def stop(self) -> None:
+    def stop(self, wake: Optional[Callable[[], None]] = None) -> None:
         """Stops the threads, and waits until every one that began has ended.
 
         Each finishes at most the piece of work it is doing. A
         ``KeyboardInterrupt`` meanwhile is raised once they all have.
+
+        Args:
+            wake: ends every wait of the threads' work for one another (for
+                a turn, a message), which would otherwise never end; called
+                again on every try, so that a Ctrl-C that cut it short
+                cannot leave a thread waiting
         """
         interrupted: Optional[KeyboardInterrupt] = None
         while True:
             try:
                 self.stopping.set()
+                if wake is not None:
+                    wake()
                 for begun, ended, thread in self._lifetimes:
                     if begun.is_set():
                         ended.wait()
@@ -287,7 +299,7 @@ def distinct_devices(devices: Iterable[torch.device]) -> List[torch.device]:
 
 
 @contextmanager
-def spawn_workers(devices: Iterable[torch.device],
+def spawn_workers(devices: Iterable[torch.device], wake: Optional[Callable[[], None]] = None,
                   ) -> Generator[Tuple[List[InQueue], List[OutQueue]], None, None]:
     """Starts one worker per distinct device, and joins them on exit.
 
@@ -300,6 +312,9 @@ def spawn_workers(devices: Iterable[torch.device],
 
     Args:
         devices: the device of each partition
+        wake: ends every wait of a task for another (:meth:`Turns.stop`, a
+            mailbox's ``stop``): on an exception, the tasks skipped would
+            leave those waits without an end
 
     Yields:
         (in_queues, out_queues): the queues of each partition's worker, in
@@ -335,6 +350,6 @@ def spawn_workers(devices: Iterable[torch.device],
         for in_queue, _ in queues.values():
             in_queue.put(None)
         if crew.stopping.is_set():
-            crew.stop()
+            crew.stop(wake)
         else:
-            crew.wait()
+            crew.wait(wake)

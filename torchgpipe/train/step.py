@@ -25,6 +25,8 @@ turns and hold the CPU generator as the forward path's tasks
 without keeping activations, and its backward action recomputes them first,
 in the same replay as the forward path's (:mod:`torchgpipe.replay`).
 """
+import functools
+import sys
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, TypeVar, cast
 
@@ -349,32 +351,30 @@ class Step:
         if shared.recorder is not None:
             shared.recorder.begin_step(len(shared.batches), self.devices,
                                        f'train_step (schedule {self.schedule!r})')
-        # The workers' queues of each partition here.
-        queue = {j: k for k, j in enumerate(self.stages)}
         devices = [self.devices[j] for j in self.stages]
         # On threads, forward actions of partitions that may draw random
         # numbers take turns in clock order, so they draw what they would on
         # one thread; on one thread, they run in that order anyway.
         turns = Turns() if len(distinct_devices(devices)) > 1 else None
+        # One task per device: its partitions' actions in clock order. (A
+        # task per action would wake the calling thread at every action.)
+        queue = {j: k for k, j in enumerate(self.stages)}
+        tasks: Dict[torch.device, Tuple[int, List[Tuple[int, Callable[[], None]]]]] = {}
+        for index, action in enumerate(self.order):
+            device = distinct_devices([self.devices[action.j]])[0]
+            _, works = tasks.setdefault(device, (queue[action.j], []))
+            works.append((index, self.work(action, turns)))
         failures: List[Tuple[int, ExcInfo]] = []
-        with spawn_workers(devices) as (in_queues, out_queues):
-            try:
-                for action in self.order:
-                    work = self.work(action, turns)
-                    in_queues[queue[action.j]].put(Task(None, compute=work, finalize=None))
-                for index, action in enumerate(self.order):
-                    ok, payload = out_queues[queue[action.j]].get()
-                    if not ok:
-                        failures.append((index, cast(ExcInfo, payload)))
-            except BaseException:
-                # Ctrl-C: the workers skip what is left in their queues; no
-                # action may wait for a message or a turn of theirs.
-                self.stop(turns)
-                raise
-        # The failure that came first in the schedule; the others (Stopped
-        # among them) may follow from it.
-        failures = [f for f in failures if not isinstance(f[1][1], Stopped)] or failures
+        # On Ctrl-C the workers stop after the action they run; no action
+        # may wait for a message or a turn of theirs.
+        with spawn_workers(devices, lambda: self.stop(turns)) as (in_queues, out_queues):
+            for k, works in tasks.values():
+                in_queues[k].put(Task(None, compute=functools.partial(
+                    self.run_works, works, turns, failures), finalize=None))
+            for k, _ in tasks.values():
+                out_queues[k].get()
         if failures:
+            # The first failure in the schedule; the others may follow from it.
             _, (_, exc, tb) = min(failures, key=lambda f: f[0])
             raise exc.with_traceback(tb)
         last = self.stages.get(self.n - 1)
@@ -384,19 +384,25 @@ class Step:
                                 for i in range(len(shared.batches))))
 
     def work(self, action: Action, turns: Optional[Turns]) -> Callable[[], None]:
-        """The task of an action: on failure, it stops every other action first."""
-        stage = self.stages[action.j]
-
-        def run() -> None:
-            try:
-                stage.run(action)
-            except BaseException:
-                self.stop(turns)
-                raise
-
-        if turns is not None and action.kind is Kind.F and stage.draws_random() is not False:
+        """Runs an action, in its turn if it is a forward action that may draw random numbers."""
+        run = functools.partial(self.stages[action.j].run, action)
+        if turns is not None and action.kind is Kind.F and \
+                self.stages[action.j].draws_random() is not False:
             return turns.take(run)
         return run
+
+    def run_works(self, works: List[Tuple[int, Callable[[], None]]], turns: Optional[Turns],
+                  failures: List[Tuple[int, ExcInfo]]) -> None:
+        """Runs the actions of one device in order; a failure stops every other action."""
+        for index, work in works:
+            try:
+                work()
+            except Stopped:
+                return  # an action elsewhere failed, or Ctrl-C
+            except BaseException:
+                failures.append((index, cast(ExcInfo, sys.exc_info())))
+                self.stop(turns)
+                return
 
     def stop(self, turns: Optional[Turns]) -> None:
         """Ends every wait of the step's actions, for a message or a turn."""
