@@ -80,7 +80,7 @@ nitpick_ignore_regex = [
     (r'py:.*', r'(torch|Tensor|nn|F)(\..*)?'),
     # The standard library and typing.
     (r'py:.*', r'(typing|collections|contextlib|threading|queue|types|abc|numbers|copy|os|'
-               r'pathlib)\..*'),
+               r'pathlib|fractions)\..*'),
     (r'py:.*', r'(Any|Callable|ContextManager|Deque|Dict|FrozenSet|Generator|Iterable|'
                r'Iterator|List|Optional|Protocol|Sequence|Set|Tuple|Type|TypeVar|Union|'
                r'ClassVar|T)'),

@@ -2,7 +2,8 @@
 import copy
 import io
 import pickle
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+import random
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -10,6 +11,7 @@ from torch import Tensor, nn
 
 from torchgpipe.pipeline import clock_cycles
 from torchgpipe.skip import pop, skippable, stash
+from torchgpipe.train.schedule import Action, Kind, Schedule
 
 
 #: GPipe's three checkpoint modes. The ``checkpoint`` fixture of conftest.py
@@ -252,3 +254,46 @@ class RaiseInBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tuple[Tensor, None]:
         raise ctx.error
+
+
+def schedule_devices(schedule: str, n: int, threaded: bool) -> List[str]:
+    """The devices ``n`` partitions run a built-in schedule on, on either execution path.
+
+    Threaded, a schedule with several partitions per worker needs their
+    devices to repeat as it places them: interleaved 1F1B loops over two
+    devices (with an even ``n``), ZBV folds the partitions into a V over
+    ``n / 2``; the others take a device each. Inline, ``['cpu'] * n`` runs
+    any of them.
+    """
+    if not threaded:
+        return ['cpu'] * n
+    if schedule == 'interleaved_1f1b' and n % 2 == 0:
+        return ['cpu:0', 'cpu:1'] * (n // 2)
+    if schedule == 'zbv':
+        return [f'cpu:{min(j, n - 1 - j)}' for j in range(n)]
+    return cpu_devices(n, threaded)
+
+
+def random_order(m: int, n: int, placement: List[int], split: List[bool],
+                 rng: random.Random) -> Schedule:
+    """Runs a random valid schedule: any ready action of any worker, one at a time."""
+    p = max(placement) + 1
+    todo = {Action(Kind.F, i, j) for i in range(m) for j in range(n)}
+    for i in range(m):
+        for j in range(n):
+            todo |= {Action(Kind.I, i, j), Action(Kind.W, i, j)} if split[j] else \
+                {Action(Kind.B, i, j)}
+    done: Set[Action] = set()
+    workers: List[List[Action]] = [[] for _ in range(p)]
+    back = lambda i, j: Action(Kind.I if split[j] else Kind.B, i, j)  # noqa: E731
+    while todo:
+        ready = [a for a in todo
+                 if (a.kind is Kind.F and (a.j == 0 or Action(Kind.F, a.i, a.j - 1) in done))
+                 or (a.kind in (Kind.B, Kind.I) and Action(Kind.F, a.i, a.j) in done
+                     and (a.j == n - 1 or back(a.i, a.j + 1) in done))
+                 or (a.kind is Kind.W and Action(Kind.I, a.i, a.j) in done)]
+        action = rng.choice(sorted(ready, key=str))
+        todo.remove(action)
+        done.add(action)
+        workers[placement[action.j]].append(action)
+    return Schedule(workers)

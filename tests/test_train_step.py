@@ -1,12 +1,13 @@
 """GPipe.train_step: the gradients of the unwrapped model, by any schedule, on either path.
 
-The schedules are checked as data first (no model), then executed: every
-parameter's gradient and the loss equal the unwrapped model's, the order
-each partition ran its actions in is the schedule's (from the timeline), and
-a failure anywhere ends the step cleanly.
+Every built-in schedule (test_schedules.py checks them as data) and schedules
+of one's own: every parameter's gradient and the loss equal the unwrapped
+model's, the order each worker ran its actions in is the schedule's (from the
+timeline), and a failure anywhere ends the step cleanly.
 """
 import copy
 import gc
+import random
 import re
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -14,7 +15,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import CHECKPOINT_MODES, PopAdd, Stash, cpu_devices, mlp
+from helpers import (CHECKPOINT_MODES, PopAdd, Stash, cpu_devices, mlp, random_order,
+                     schedule_devices)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
@@ -22,64 +24,8 @@ from torch import Tensor, nn
 import torchgpipe
 from torchgpipe import GPipe
 from torchgpipe.batchnorm import DeferredBatchNorm
-from torchgpipe.train.schedule import (SCHEDULES, Action, Kind, clock_order, depends_on, fill_drain,
-                                 in_flight, one_f_one_b)
+from torchgpipe.train.generators import SCHEDULES, named, resolve
 from torchgpipe.skip import Namespace
-
-# -- schedules, as data ---------------------------------------------------------
-
-
-@settings(max_examples=60, deadline=None)
-@given(m=st.integers(1, 12), n=st.integers(1, 6), name=st.sampled_from(sorted(SCHEDULES)))
-def test_every_schedule_runs_each_action_once_and_can_finish(m: int, n: int, name: str) -> None:
-    schedule = SCHEDULES[name](m, n)
-    assert len(schedule) == n
-    for j, actions in enumerate(schedule):
-        assert sorted((a.kind.value, a.i) for a in actions) == sorted(
-            [('F', i) for i in range(m)] + [('B', i) for i in range(m)])
-        assert all(a.j == j for a in actions)
-        # A micro-batch's backward comes after its forward.
-        assert all(actions.index(Action(Kind.F, a.i, j)) < actions.index(a)
-                   for a in actions if a.kind is Kind.B)
-    cycles = clock_order(schedule)
-    done = set()
-    for cycle in cycles:
-        assert len({a.j for a in cycle}) == len(cycle)  # one action per partition
-        for a in cycle:
-            assert all(d in done for d in depends_on(a, n))
-        done.update(cycle)
-    assert len(done) == 2 * m * n
-
-
-@settings(max_examples=60, deadline=None)
-@given(m=st.integers(1, 12), n=st.integers(1, 6))
-def test_one_f_one_b_warms_up_alternates_and_drains(m: int, n: int) -> None:
-    for j, actions in enumerate(one_f_one_b(m, n)):
-        warmup = min(n - j, m)
-        kinds = ''.join(a.kind.value for a in actions)
-        assert kinds == 'F' * warmup + 'BF' * (m - warmup) + 'B' * warmup
-        # Forward and backward passes each in micro-batch order.
-        assert [a.i for a in actions if a.kind is Kind.F] == list(range(m))
-        assert [a.i for a in actions if a.kind is Kind.B] == list(range(m))
-        assert in_flight(actions) == warmup
-
-
-@settings(max_examples=30, deadline=None)
-@given(m=st.integers(1, 12), n=st.integers(1, 6))
-def test_fill_drain_keeps_every_micro_batch_alive(m: int, n: int) -> None:
-    for j, actions in enumerate(fill_drain(m, n)):
-        assert [a.kind for a in actions] == [Kind.F] * m + [Kind.B] * m
-        assert [a.i for a in actions if a.kind is Kind.B] == list(reversed(range(m)))
-        assert in_flight(actions) == m
-
-
-def test_a_schedule_that_cannot_finish_is_refused() -> None:
-    # Partition 0 waits for the gradient of micro-batch 0 before sending it.
-    schedule = [[Action(Kind.B, 0, 0), Action(Kind.F, 0, 0)],
-                [Action(Kind.F, 0, 1), Action(Kind.B, 0, 1)]]
-    with pytest.raises(ValueError, match='cannot go on: B\\(0,0\\)'):
-        clock_order(schedule)
-
 
 # -- gradients ----------------------------------------------------------------------
 
@@ -112,14 +58,18 @@ def assert_train_step_as_unwrapped(model: nn.Sequential, input: Any, target: Ten
     return gpipe
 
 
-@pytest.mark.parametrize('schedule', sorted(SCHEDULES))
-def test_gradients_of_the_unwrapped_model(schedule: str, checkpoint: str, threaded: bool) -> None:
+@pytest.mark.parametrize('chunks', [2, 4, 5])
+@pytest.mark.parametrize('schedule', SCHEDULES)
+def test_gradients_of_the_unwrapped_model(schedule: str, chunks: int, checkpoint: str,
+                                          threaded: bool) -> None:
     torch.manual_seed(0)
     model = mlp(4, 8, 8, 8, 3)
-    # 10 samples in 4 chunks: micro-batches of 3, 3, 3 and 1, weighted so.
+    # 10 samples in 2, 4 or 5 chunks on 4 partitions: m < p, m not a multiple
+    # of p (3, 3, 3 and 1, weighted so), m = p.
     assert_train_step_as_unwrapped(model, torch.randn(10, 4), torch.randn(10, 3), F.mse_loss,
-                                   balance=[3, 2, 3], devices=cpu_devices(3, threaded),
-                                   chunks=4, checkpoint=checkpoint, schedule=schedule)
+                                   balance=[2, 2, 2, 2], devices=schedule_devices(schedule, 4,
+                                                                                threaded),
+                                   chunks=chunks, checkpoint=checkpoint, schedule=schedule)
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -134,14 +84,43 @@ def test_gradients_for_any_model_balance_and_chunks(data: st.DataObject) -> None
     balance = [b - a for a, b in zip(bounds, bounds[1:])]
     batch = data.draw(st.integers(1, 9), label='batch')
     threaded = data.draw(st.booleans(), label='threaded')
+    schedule = data.draw(st.sampled_from([s for s in SCHEDULES if s != 'zbv' or n % 2 == 0]),
+                         label='schedule')
     torch.manual_seed(data.draw(st.integers(0, 2**16), label='seed'))
     assert_train_step_as_unwrapped(
         model, torch.randn(batch, widths[0]), torch.randn(batch, widths[-1]), F.mse_loss,
-        balance=balance, devices=cpu_devices(n, threaded),
+        balance=balance, devices=schedule_devices(schedule, n, threaded),
         chunks=data.draw(st.integers(1, 5), label='chunks'),
         checkpoint=data.draw(st.sampled_from(CHECKPOINT_MODES),
                              label='checkpoint'),
-        schedule=data.draw(st.sampled_from(sorted(SCHEDULES)), label='schedule'))
+        schedule=schedule)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_a_schedule_of_ones_own_any_valid_order(data: st.DataObject) -> None:
+    # Random valid orders: any action of any worker once what it waits for
+    # ran, backward passes whole or split, partitions placed anywhere;
+    # skips from partition 0 to 3 and within 2, a checkpoint mode, a path.
+    m = data.draw(st.integers(1, 5), label='m')
+    p = data.draw(st.integers(1, 3), label='workers')
+    placement = [data.draw(st.integers(0, p - 1), label=f'worker of {j}') for j in range(4)]
+    placement = [sorted(set(placement)).index(w) for w in placement]
+    split = [data.draw(st.booleans(), label=f'split {j}') for j in range(4)]
+    schedule = random_order(m, 4, placement, split,
+                            random.Random(data.draw(st.integers(0, 2**16), label='seed')))
+    threaded = data.draw(st.booleans(), label='threaded')
+    devices = [f'cpu:{w}' if threaded else 'cpu' for w in placement]
+    far, near = Namespace(), Namespace()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), Stash().isolate(far), nn.Linear(4, 4), nn.Tanh(),
+                          Stash().isolate(near), nn.Linear(4, 4), PopAdd().isolate(near),
+                          nn.Linear(4, 4), PopAdd().isolate(far), nn.Linear(4, 2))
+    assert_train_step_as_unwrapped(
+        model, torch.randn(2 * m, 4), torch.randn(2 * m, 2), F.mse_loss,
+        balance=[2, 2, 3, 3], devices=devices, chunks=m,
+        checkpoint=data.draw(st.sampled_from(CHECKPOINT_MODES), label='checkpoint'),
+        schedule=str(schedule) if data.draw(st.booleans(), label='as text') else schedule)
 
 
 def test_summed_loss(threaded: bool) -> None:
@@ -172,7 +151,7 @@ def test_cross_entropy_and_tuples(threaded: bool) -> None:
                                    devices=cpu_devices(2, threaded), chunks=4)
 
 
-@pytest.mark.parametrize('schedule', sorted(SCHEDULES))
+@pytest.mark.parametrize('schedule', SCHEDULES)
 @pytest.mark.parametrize('checkpoint', ['always', 'never'])
 def test_skips_across_and_within_partitions(schedule: str, checkpoint: str,
                                             threaded: bool) -> None:
@@ -183,12 +162,16 @@ def test_skips_across_and_within_partitions(schedule: str, checkpoint: str,
                           nn.Linear(4, 4), PopAdd().isolate(far), nn.Linear(4, 2))
     # far: from partition 0 to 3; near: within partition 2.
     assert_train_step_as_unwrapped(model, torch.randn(8, 4), torch.randn(8, 2), F.mse_loss,
-                                   balance=[2, 2, 3, 3], devices=cpu_devices(4, threaded),
+                                   balance=[2, 2, 3, 3],
+                                   devices=schedule_devices(schedule, 4, threaded),
                                    chunks=4, checkpoint=checkpoint, schedule=schedule)
 
 
+@pytest.mark.parametrize('schedule', SCHEDULES)
 @pytest.mark.parametrize('checkpoint', ['always', 'never'])
-def test_tied_weights_across_partitions(checkpoint: str, threaded: bool) -> None:
+def test_tied_weights_across_partitions(schedule: str, checkpoint: str, threaded: bool) -> None:
+    # Each shared parameter's gradient counted once, by every schedule (ZBV
+    # puts the embedding and the head on one worker, as two partitions).
     torch.manual_seed(0)
     embedding = nn.Embedding(10, 6)
     head = nn.Linear(6, 10)
@@ -196,8 +179,44 @@ def test_tied_weights_across_partitions(checkpoint: str, threaded: bool) -> None
     model = nn.Sequential(embedding, nn.Linear(6, 6), nn.Tanh(), head)
     tokens = torch.randint(10, (8,))
     assert_train_step_as_unwrapped(model, tokens, torch.randint(10, (8,)), F.cross_entropy,
-                                   balance=[2, 2], devices=cpu_devices(2, threaded), chunks=4,
-                                   checkpoint=checkpoint)
+                                   balance=[1, 1, 1, 1],
+                                   devices=schedule_devices(schedule, 4, threaded), chunks=4,
+                                   checkpoint=checkpoint, schedule=schedule)
+
+
+class Twice(nn.Module):
+    """One weight used before and after a layer that depends on the input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.other = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.other(torch.tanh(self.linear(x)))
+        return self.linear(y) + self.other.bias.sum()
+
+
+class Hooked(nn.Linear):
+    """A hook on its output, whose node also computes the weight's gradient: a split
+    backward pass starts W there again, and must not apply the hook twice."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = super().forward(x)
+        if y.requires_grad:  # not in a checkpointed first pass
+            y.register_hook(lambda grad: grad * 2)
+        return y
+
+
+@pytest.mark.parametrize('schedule', ['zb_h1', 'zbv'])
+def test_split_backward_of_shared_weights_and_hooks(schedule: str, checkpoint: str,
+                                                    threaded: bool) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(Hooked(4, 4), Twice(), Hooked(4, 4), Twice())
+    assert_train_step_as_unwrapped(model, torch.randn(6, 4), torch.randn(6, 4), F.mse_loss,
+                                   balance=[1, 1, 1, 1],
+                                   devices=schedule_devices(schedule, 4, threaded), chunks=3,
+                                   checkpoint=checkpoint, schedule=schedule)
 
 
 def test_a_model_flattened_by_to_sequential(threaded: bool) -> None:
@@ -237,19 +256,20 @@ def forward_path_step(gpipe: GPipe, input: Tensor, target: Tensor,
     return loss.detach()
 
 
-def test_deferred_batch_norm_as_the_forward_path(threaded: bool) -> None:
+@pytest.mark.parametrize('schedule', SCHEDULES)
+def test_deferred_batch_norm_as_the_forward_path(schedule: str, threaded: bool) -> None:
     # Batch norm in training normalizes each micro-batch: the reference is
     # GPipe's own forward path, which the other tests hold to the unwrapped model.
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 6),
                           nn.BatchNorm1d(6), nn.Linear(6, 2))
-    options = dict(balance=[3, 3], devices=cpu_devices(2, threaded), chunks=4,
-                   deferred_batch_norm=True)
+    options = dict(balance=[2, 1, 2, 1], devices=schedule_devices(schedule, 4, threaded),
+                   chunks=4, deferred_batch_norm=True)
     stepped = GPipe(copy.deepcopy(model), **options)
     forwarded = GPipe(copy.deepcopy(model), **options)
     input, target = torch.randn(16, 4), torch.randn(16, 2)
     for _ in range(2):
-        loss = stepped.train_step(input, target, F.mse_loss)
+        loss = stepped.train_step(input, target, F.mse_loss, schedule=schedule)
         expected = forward_path_step(forwarded, input, target, F.mse_loss)
         torch.testing.assert_close(loss, expected)
     assert any(isinstance(m, DeferredBatchNorm) for m in stepped.modules())
@@ -281,7 +301,7 @@ def plain_model() -> nn.Sequential:
                          nn.Linear(8, 2))
 
 
-@pytest.mark.parametrize('schedule', sorted(SCHEDULES))
+@pytest.mark.parametrize('schedule', SCHEDULES)
 @pytest.mark.parametrize('model, loss_fn', [
     (dropout_model, F.mse_loss),
     (plain_model, noisy_mse),
@@ -295,14 +315,16 @@ def test_random_draws_are_the_same_on_both_paths(
     # with the partitions' on threads, as on one thread. What the forward
     # path learned about the partitions, without a loss, must not mislead.
     input, target = torch.randn(8, 4), torch.randn(8, 2)
+    # The same schedule on both paths (interleaved 1F1B's depends on the devices).
+    plan = resolve(schedule, 4, 4, schedule_devices(schedule, 4, True))
     results = []
     for threaded in (False, True):
-        gpipe = GPipe(model(), balance=[2, 2, 1], devices=cpu_devices(3, threaded),
-                      chunks=4, checkpoint=checkpoint)
+        gpipe = GPipe(model(), balance=[2, 1, 1, 1],
+                      devices=schedule_devices(schedule, 4, threaded), chunks=4,
+                      checkpoint=checkpoint)
         torch.manual_seed(1)
         forward_path_step(gpipe, input, target, F.mse_loss)
-        losses = [gpipe.train_step(input, target, loss_fn, schedule=schedule)
-                  for _ in range(3)]
+        losses = [gpipe.train_step(input, target, loss_fn, schedule=plan) for _ in range(3)]
         results.append((losses, named_grads(gpipe), torch.get_rng_state()))
     (losses1, grads1, state1), (losses2, grads2, state2) = results
     assert all(torch.equal(a, b) for a, b in zip(losses1, losses2))
@@ -330,40 +352,48 @@ def test_fill_drain_draws_what_the_forward_path_draws(checkpoint: str, threaded:
 # -- order, from the timeline ------------------------------------------------------
 
 
-@pytest.mark.parametrize('schedule', sorted(SCHEDULES))
+KINDS = {'forward': 'F', 'backward': 'B', 'input': 'I', 'weight': 'W'}
+
+
+@pytest.mark.parametrize('schedule', SCHEDULES)
 @pytest.mark.parametrize('checkpoint', ['always', 'never'])
-def test_each_partition_runs_its_actions_in_schedule_order(schedule: str, checkpoint: str,
-                                                           threaded: bool) -> None:
-    m, n = 6, 3
-    gpipe = GPipe(mlp(4, 4, 4, 4), balance=[2, 2, 2], devices=cpu_devices(n, threaded),
-                  chunks=m, checkpoint=checkpoint)
+def test_each_worker_runs_its_actions_in_schedule_order(schedule: str, checkpoint: str,
+                                                        threaded: bool) -> None:
+    m, n = 6, 4
+    devices = schedule_devices(schedule, n, threaded)
+    gpipe = GPipe(mlp(4, 4, 4, 4, 4), balance=[2, 2, 2, 2], devices=devices, chunks=m,
+                  checkpoint=checkpoint)
     with torchgpipe.trace(gpipe) as timeline:
         gpipe.train_step(torch.randn(12, 4), torch.randn(12, 4), F.mse_loss, schedule=schedule)
     events = timeline.events
-    by_action = {(e.kind, e.micro_batch, e.partition): e for e in events}
-    for j, actions in enumerate(SCHEDULES[schedule](m, n)):
-        ran = [e for e in events if e.partition == j and e.kind in ('forward', 'backward')]
-        ran.sort(key=lambda e: e.start)
-        assert [f"{'F' if e.kind == 'forward' else 'B'}({e.micro_batch},{j})" for e in ran] \
-            == [str(a) for a in actions]
-        # Alive: forward done, backward not begun. 1F1B bounds it by n - j.
-        alive = peak = 0
-        for e in ran:
-            alive += 1 if e.kind == 'forward' else -1
-            peak = max(peak, alive)
-        assert peak == (min(n - j, m) if schedule == '1f1b' else m)
+    by_action = {(KINDS.get(e.kind), e.micro_batch, e.partition): e for e in events}
+    plan = named(schedule, m, n, len(set(devices)))
+    for actions in plan.workers:
+        mine = {a.j for a in actions}
+        ran = sorted((e for e in events if e.partition in mine and e.kind in KINDS),
+                     key=lambda e: e.start)
+        assert [f'{e.partition}{KINDS[e.kind]}{e.micro_batch}' for e in ran] == \
+            [str(a) for a in actions]
         # An action's event is its work, not its wait for another worker: it
         # begins once what it needs has come.
         for e in ran:
-            if e.kind == 'forward' and j > 0:
-                assert e.start >= by_action[('forward', e.micro_batch, j - 1)].end
-            if e.kind == 'backward' and j < n - 1:
-                assert e.start >= by_action[('backward', e.micro_batch, j + 1)].end
+            i, j, kind = e.micro_batch, e.partition, KINDS[e.kind]
+            if kind == 'F' and j > 0:
+                assert e.start >= by_action[('F', i, j - 1)].end
+            if kind in 'BI' and j < n - 1:
+                sender = by_action.get(('B', i, j + 1)) or by_action[('I', i, j + 1)]
+                assert e.start >= sender.end
+            if kind == 'W':
+                assert e.start >= by_action[('I', i, j)].end
+    # Recomputed once per checkpointed micro-batch, before its B or I.
+    for j in range(n):
         recompute = [e for e in events if e.partition == j and e.kind == 'recompute']
         if checkpoint == 'always':
-            backward = {e.micro_batch: e for e in ran if e.kind == 'backward'}
             assert sorted(e.micro_batch for e in recompute) == list(range(m))
-            assert all(e.end <= backward[e.micro_batch].start for e in recompute)
+            for e in recompute:
+                backward = by_action.get(('B', e.micro_batch, j)) or \
+                    by_action[('I', e.micro_batch, j)]
+                assert e.end <= backward.start
         else:
             assert recompute == []
 
@@ -401,14 +431,14 @@ class FailBackward(torch.autograd.Function):
 
 
 @pytest.mark.parametrize('where', ['forward', 'backward'])
-@pytest.mark.parametrize('j', [0, 1, 2])
-@pytest.mark.parametrize('schedule', sorted(SCHEDULES))
+@pytest.mark.parametrize('j', [0, 1, 3])
+@pytest.mark.parametrize('schedule', SCHEDULES)
 def test_a_failure_reaches_the_caller_and_the_next_step_works(where: str, j: int, schedule: str,
                                                               threaded: bool) -> None:
-    layers: List[nn.Module] = [nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)]
+    layers: List[nn.Module] = [nn.Linear(4, 4) for _ in range(4)]
     layers.insert(j + 1, Fail(at=2, where=where))
-    gpipe = GPipe(nn.Sequential(*layers), balance=[2 if k == j else 1 for k in range(3)],
-                  devices=cpu_devices(3, threaded), chunks=4, checkpoint='never')
+    gpipe = GPipe(nn.Sequential(*layers), balance=[2 if k == j else 1 for k in range(4)],
+                  devices=schedule_devices(schedule, 4, threaded), chunks=4, checkpoint='never')
     input, target = torch.randn(8, 4), torch.randn(8, 4)
     error = ValueError if where == 'forward' else KeyError
     with pytest.raises(error, match='planned failure'):
@@ -425,12 +455,14 @@ def test_a_failure_reaches_the_caller_and_the_next_step_works(where: str, j: int
 
 
 def small() -> GPipe:
-    return GPipe(mlp(2, 2, 2), balance=[2, 2], devices=['cpu', 'cpu'], chunks=2)
+    return GPipe(mlp(2, 2, 2), balance=[2, 2], devices=['cpu:0', 'cpu:1'], chunks=2)
 
 
 @pytest.mark.parametrize('call, error, message', [
     (lambda g: g.train_step(torch.ones(4, 2), torch.ones(4, 2), F.mse_loss, schedule='gpipe'),
-     ValueError, "schedule must be one of '1f1b', 'fill_drain'"),
+     ValueError, "schedule must be one of 'fill_drain', '1f1b', 'interleaved_1f1b', 'zb_h1', "
+     "'zbv', or a schedule of its actions (text such as '0F0 0B0', or a list of action "
+     "lists) (schedule: 'gpipe'); use schedule='1f1b'"),
     (lambda g: g.train_step(torch.ones(4, 2), torch.ones(4, 2), F.mse_loss, reduction='none'),
      ValueError, "reduction must be 'mean' or 'sum'"),
     (lambda g: g.train_step(torch.ones(4, 2), torch.ones(4, 2), 'mse'),
@@ -443,7 +475,16 @@ def small() -> GPipe:
      'returned Tensor of shape (2, 2)); reduce the loss inside loss_fn'),
     (lambda g: g.train_step(torch.ones(4, 2), torch.ones(4, 2), F.mse_loss,
                             schedule=['1f1b']),
-     TypeError, "schedule must be one of '1f1b', 'fill_drain' (schedule: ['1f1b'])"),
+     TypeError, "or a list of action lists) (schedule: ['1f1b'])"),
+    (lambda g: g.train_step(torch.ones(4, 2), torch.ones(4, 2), F.mse_loss,
+                            schedule='0F0 0B0 0F1 0B1\n1F1 1F0 1B0 1B1'),
+     ValueError, 'the schedule cannot go on: 0B0 can never run, for it waits for 1B0'),
+    (lambda g: g.train_step(torch.ones(4, 2), torch.ones(4, 2), F.mse_loss,
+                            schedule='0F0 0F1 0B0 0B1 1F0 1F1 1B0 1B1 1X1'),
+     ValueError, "schedule action '1X1' is not of the form"),
+    (lambda g: g.train_step(torch.ones(4, 2), torch.ones(4, 2), F.mse_loss, schedule='zbv'),
+     ValueError, "schedule 'zbv' runs partitions [0, 1] on one worker, but they are on "
+     "['cpu:0', 'cpu:1']; give them one device, e.g. devices=['cpu:0', 'cpu:0']"),
     (lambda g: g.train_step(torch.ones(4, 2), torch.ones(4, 2), F.mse_loss,
                             reduction=['mean']),
      TypeError, "reduction must be 'mean' or 'sum' (reduction: ['mean'])"),
@@ -457,7 +498,8 @@ def small() -> GPipe:
      ValueError, 'tensors of the target tuple must have the same size in dimension 0 '
      '(target: sizes [10, 7] in dimension 0)'),
 ], ids=['schedule', 'reduction', 'loss_fn', 'target-rows', 'unreduced-loss',
-        'schedule-type', 'reduction-type', 'empty-batch', '0-dim-target', 'target-tuple'])
+        'schedule-type', 'schedule-stuck', 'schedule-text', 'schedule-placement',
+        'reduction-type', 'empty-batch', '0-dim-target', 'target-tuple'])
 def test_bad_use_gets_clear_errors(call: Callable[[GPipe], Any], error: type,
                                    message: str) -> None:
     gpipe = small()
@@ -543,7 +585,7 @@ def test_gradients_on_cuda() -> None:
     model = mlp(4, 8, 8, 2).to('cuda:0')
     input = torch.randn(8, 4, device='cuda:0')
     target = torch.randn(8, 2, device='cuda:0')  # train_step moves it to the last device
-    for schedule in sorted(SCHEDULES):
+    for schedule in SCHEDULES:
         assert_train_step_as_unwrapped(copy.deepcopy(model), input, target, F.mse_loss,
                                        balance=[2, 2], devices=devices, chunks=4,
                                        schedule=schedule)

@@ -15,12 +15,15 @@ from torchgpipe.skip.layout import inspect_skip_layout
 from torchgpipe.skip.skippable import verify_skippables
 from torchgpipe.state import RunState
 from torchgpipe.stream import AbstractStream, current_stream, new_stream, use_device
-from torchgpipe.train.schedule import SCHEDULES
-from torchgpipe.train.step import LossFunction, Step, split_step
+from torchgpipe.train.generators import check_schedule, resolve
+from torchgpipe.train.schedule import ScheduleLike
+from torchgpipe.train.inputs import split_step
+from torchgpipe.train.step import LossFunction, Step
 from torchgpipe.validation import (BalanceError, Device, Devices, check_balance, check_chunks,
                                    check_devices, check_one_process, check_step, deny_moving,
                                    describe, example_balance, recommend_auto_balance,
                                    verify_module)
+from torchgpipe.worker import distinct_devices
 
 __all__ = ['GPipe', 'BalanceError', 'verify_module', 'split_module']
 
@@ -359,7 +362,7 @@ class GPipe(nn.Module):
 
     def train_step(self, input: TensorOrTensors, target: TensorOrTensors,
                    loss_fn: Callable[[TensorOrTensors, TensorOrTensors], torch.Tensor], *,
-                   schedule: str = '1f1b', reduction: str = 'mean') -> torch.Tensor:
+                   schedule: ScheduleLike = '1f1b', reduction: str = 'mean') -> torch.Tensor:
         """Runs the forward and backward passes of a mini-batch, scheduled by the pipeline.
 
         After it, every parameter's ``.grad`` holds (added to what it held)
@@ -389,10 +392,9 @@ class GPipe(nn.Module):
                 micro-batch, when its backward action recomputes the last
                 partition: then :func:`~torchgpipe.is_recomputing` is true,
                 and random numbers it draws are the first call's
-            schedule (str): ``'1f1b'`` (default) starts backward passes as
-                early as it can, so that partition ``j`` keeps at most
-                ``n - j`` micro-batches' activations; ``'fill_drain'`` runs
-                every forward pass first, as :meth:`forward` does
+            schedule (str or schedule): ``'1f1b'`` (default), ``'fill_drain'``,
+                ``'interleaved_1f1b'``, ``'zb_h1'``, ``'zbv'``, or a schedule of
+                one's own: see :doc:`/schedules` for what each keeps and leaves idle
             reduction (str): ``'mean'`` (default) or ``'sum'``: how ``loss_fn``
                 reduces a micro-batch
 
@@ -401,12 +403,11 @@ class GPipe(nn.Module):
             without autograd history
 
         Raises:
-            ValueError: an unknown ``schedule`` or ``reduction``, a target
-                that does not split like the input, an empty mini-batch, or
-                a GPipe without layers
-            TypeError: ``schedule`` or ``reduction`` is not a string,
-                ``loss_fn`` is not callable, or does not return a tensor of
-                one element
+            ValueError: an unknown ``schedule`` or ``reduction``, a schedule
+                that does not fit the step or the devices, a target that does
+                not split like the input, an empty mini-batch, or no layers
+            TypeError: ``schedule`` or ``reduction`` of another type, or
+                ``loss_fn`` not callable or not returning one element
             RuntimeError: called with gradients disabled, or in a
                 torch.distributed job of several processes (for data
                 parallelism, use :func:`torchgpipe.distributed.train_step`)
@@ -424,26 +425,25 @@ class GPipe(nn.Module):
             >>> loss.shape
             torch.Size([])
         """
-        check_step(schedule, SCHEDULES, reduction, loss_fn)
+        check_schedule(schedule)
+        check_step(reduction, loss_fn)
         check_one_process()
         return self._train_step(input, target, loss_fn, schedule, reduction)
 
     def _train_step(self, input: TensorOrTensors, target: TensorOrTensors,
-                    loss_fn: LossFunction, schedule: str, reduction: str,
+                    loss_fn: LossFunction, schedule: ScheduleLike, reduction: str,
                     done: Optional[Callable[[int], None]] = None) -> torch.Tensor:
         """:meth:`train_step` with checked arguments; ``done(j)`` as for :class:`Step`."""
-        # Before the input is split: an empty GPipe's forward takes inputs
-        # that cannot be, and the error must say what is really wrong.
+        # Before the input is split: that of an empty GPipe's forward fails.
         if not self.devices:
             raise ValueError('train_step needs at least one layer: this GPipe is empty')
         batches, targets, weights = split_step(input, target, self.chunks, reduction,
                                                self.devices[-1])
-        stop = self._prepare(batches)
         m, n = len(batches), len(self.devices)
-        step = Step(self._partitions(), self.devices, batches, targets,
-                    loss_fn, weights, SCHEDULES[schedule](m, n), self._skip_layout,
-                    stop, self._run_state.traits, self._run_state.recorder, schedule,
-                    done=done)
+        plan = resolve(schedule, m, n, [distinct_devices([d])[0] for d in self.devices])
+        step = Step(self._partitions(), self.devices, batches, targets, loss_fn, weights, plan,
+                    self._skip_layout, self._prepare(batches), self._run_state.traits,
+                    self._run_state.recorder, done=done)
         with deferred_step(self._deferred_batch_norms, m):
             loss = step.run()
         assert loss is not None  # every partition is here

@@ -19,7 +19,8 @@ __all__: List[str] = []
 T = TypeVar('T')
 
 #: How the name of an event of each kind starts.
-PREFIXES = {'forward': 'F', 'recompute': "F'", 'backward': 'B', 'copy': 'C'}
+PREFIXES = {'forward': 'F', 'recompute': "F'", 'backward': 'B', 'input': 'I', 'weight': 'W',
+            'copy': 'C'}
 
 
 def label(kind: str, task: Tuple[int, int]) -> ContextManager[Any]:

@@ -330,24 +330,17 @@ def check_devices(devices: object, partitions: int) -> List[torch.device]:
     return device_list
 
 
-def check_step(schedule: object, schedules: Iterable[str], reduction: object,
-               loss_fn: object) -> None:
+def check_step(reduction: object, loss_fn: object) -> None:
     """Checks the arguments of :meth:`GPipe.train_step <torchgpipe.GPipe.train_step>`.
 
-    And the state it runs in: gradients enabled.
+    And the state it runs in: gradients enabled. (The schedule is checked by
+    :func:`torchgpipe.train.generators.check_schedule`.)
 
     Raises:
-        TypeError: ``schedule`` or ``reduction`` is not a string, or
-            ``loss_fn`` is not callable
-        ValueError: an unknown ``schedule`` or ``reduction``
+        TypeError: ``reduction`` is not a string, or ``loss_fn`` is not callable
+        ValueError: an unknown ``reduction``
         RuntimeError: gradients are disabled
     """
-    names = list(schedules)
-    # A str of another value is a ValueError; anything else (a list, say) a TypeError.
-    if not isinstance(schedule, str) or schedule not in names:
-        error = ValueError if isinstance(schedule, str) else TypeError
-        raise error(describe(f'schedule must be one of {", ".join(map(repr, names))}',
-                             f'schedule: {schedule!r}', "use schedule='1f1b'"))
     if not isinstance(reduction, str) or reduction not in ('mean', 'sum'):
         error = ValueError if isinstance(reduction, str) else TypeError
         raise error(describe("reduction must be 'mean' or 'sum'",

@@ -20,14 +20,15 @@ from torchgpipe.distributed.pipe import DistributedGPipe
 from torchgpipe.distributed.reduce import AllReduce, pieces
 from torchgpipe.gpipe import GPipe
 from torchgpipe.microbatch import TensorOrTensors
-from torchgpipe.train.schedule import SCHEDULES
+from torchgpipe.train.generators import check_schedule
+from torchgpipe.train.schedule import ScheduleLike
 from torchgpipe.train.step import LossFunction
 
 __all__ = ['train_step']
 
 
 def train_step(model: DistributedDataParallel, input: TensorOrTensors,
-               target: TensorOrTensors, loss_fn: LossFunction, *, schedule: str = '1f1b',
+               target: TensorOrTensors, loss_fn: LossFunction, *, schedule: ScheduleLike = '1f1b',
                reduction: str = 'mean') -> Tensor:
     """Runs :meth:`GPipe.train_step <torchgpipe.GPipe.train_step>` on one
     data-parallel replica, averaging the gradients over the replicas as DDP does.
@@ -87,7 +88,8 @@ def train_step(model: DistributedDataParallel, input: TensorOrTensors,
                                  f'model: {type(model).__name__}{wrapped}',
                                  'pass DistributedDataParallel(GPipe(...)); without data '
                                  'parallelism, call gpipe.train_step(...)'))
-    check_step(schedule, SCHEDULES, reduction, loss_fn)
+    check_schedule(schedule)
+    check_step(reduction, loss_fn)
     group = model.process_group
     ignored = model.parameters_to_ignore
     # DDP's forward broadcasts the buffers unless the step before it ran

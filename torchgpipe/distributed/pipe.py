@@ -16,10 +16,12 @@ from torchgpipe.distributed.wire import Channels, Wire
 from torchgpipe.microbatch import TensorOrTensors
 from torchgpipe.placement import place
 from torchgpipe.checkpoint import checkpoint_stop
-from torchgpipe.train.schedule import SCHEDULES
+from torchgpipe.train.generators import check_schedule, resolve
+from torchgpipe.train.schedule import ScheduleLike
 from torchgpipe.skip.layout import inspect_skip_layout
 from torchgpipe.skip.skippable import verify_skippables
-from torchgpipe.train.step import LossFunction, Step, split_step
+from torchgpipe.train.inputs import split_step
+from torchgpipe.train.step import LossFunction, Step
 from torchgpipe.tied import find_ties
 from torchgpipe.state import RunState
 from torchgpipe.traits import PartitionTraits
@@ -175,7 +177,7 @@ class DistributedGPipe(nn.Module):
         return nn.Sequential(OrderedDict(self.named_children()))
 
     def train_step(self, input: TensorOrTensors, target: TensorOrTensors,
-                   loss_fn: LossFunction, *, schedule: str = '1f1b',
+                   loss_fn: LossFunction, *, schedule: ScheduleLike = '1f1b',
                    reduction: str = 'mean') -> Tensor:
         """Runs a training step of the pipeline; every rank of the group calls it.
 
@@ -199,7 +201,8 @@ class DistributedGPipe(nn.Module):
             ValueError, TypeError: as for :meth:`GPipe.train_step
                 <torchgpipe.GPipe.train_step>`
         """
-        check_step(schedule, SCHEDULES, reduction, loss_fn)
+        check_schedule(schedule)
+        check_step(reduction, loss_fn)
         if self._broken is not None:
             raise RuntimeError(f'an earlier train_step failed ({self._broken}): the ranks of '
                                'this pipeline no longer agree on the messages between them; '
@@ -207,7 +210,7 @@ class DistributedGPipe(nn.Module):
         return self._train_step(input, target, loss_fn, schedule, reduction)
 
     def _train_step(self, input: TensorOrTensors, target: TensorOrTensors,
-                    loss_fn: LossFunction, schedule: str, reduction: str,
+                    loss_fn: LossFunction, schedule: ScheduleLike, reduction: str,
                     done: Optional[Callable[[int], None]] = None) -> Tensor:
         n, here = len(self.balance), self.rank
         batches, targets, weights = split_step(input, target, self.chunks, reduction,
@@ -215,6 +218,8 @@ class DistributedGPipe(nn.Module):
         if here == 0:
             microbatch.move(batches, self.device)
         m = len(batches)
+        # One partition per rank: a worker of the schedule is a rank.
+        plan = resolve(schedule, m, n, list(range(n)))
         partitions: List[Optional[nn.Sequential]] = [None] * n
         partitions[here] = self.partition()
         traits = [PartitionTraits() for _ in range(n)]
@@ -222,9 +227,9 @@ class DistributedGPipe(nn.Module):
         wire = Wire(Channels(self.device, self.group, self._capacities, self._blocks),
                     self.ranks, here, self._routes)
         step = Step(partitions, [self.device] * n, batches, targets, loss_fn, weights,
-                    SCHEDULES[schedule](m, n), self._skip_layout,
+                    plan, self._skip_layout,
                     checkpoint_stop(self.checkpoint, self.chunks, m, self.training), traits,
-                    None, schedule, mailbox=wire, done=done)
+                    None, mailbox=wire, done=done)
         try:
             with deferred_step(self._deferred_batch_norms, m):
                 loss = step.run()

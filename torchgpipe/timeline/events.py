@@ -16,7 +16,7 @@ from torchgpipe.record import PREFIXES
 __all__ = ['Event', 'Summary', 'DeviceSummary', 'PartitionSummary']
 
 #: The kinds that keep a device busy (copies run on copy streams).
-COMPUTE_KINDS = ('forward', 'recompute', 'backward')
+COMPUTE_KINDS = ('forward', 'recompute', 'backward', 'input', 'weight')
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,8 @@ class Event:
     Times are in seconds since the trace began.
     """
 
-    #: ``'forward'``, ``'recompute'``, ``'backward'`` or ``'copy'``.
+    #: ``'forward'``, ``'recompute'``, ``'backward'``, ``'copy'``, or the two
+    #: halves of a split backward pass: ``'input'`` (I) and ``'weight'`` (W).
     kind: str
     #: The micro-batch ``i``.
     micro_batch: int
@@ -55,7 +56,7 @@ class Event:
 
     @property
     def name(self) -> str:
-        """``F(i,j)``, ``F'(i,j)``, ``B(i,j)`` or ``C(i,j)``, as in the paper."""
+        """``F(i,j)``, ``F'(i,j)``, ``B(i,j)``, ``I(i,j)``, ``W(i,j)`` or ``C(i,j)``."""
         return f'{PREFIXES[self.kind]}({self.micro_batch},{self.partition})'
 
     @property
@@ -94,6 +95,7 @@ class PartitionSummary:
     device: str
     forward: float
     recompute: float
+    #: The backward passes, whole or split (I and W).
     backward: float
 
     @property
@@ -192,10 +194,11 @@ def summarize(step: int, micro_batches: int, devices: Sequence[str], kind: str,
 
     partition_times: List[PartitionSummary] = []
     for j, device in enumerate(devices):
-        total = {k: 0.0 for k in COMPUTE_KINDS}
+        total = {'forward': 0.0, 'recompute': 0.0, 'backward': 0.0}
         for e in events:
             if e.partition == j and e.kind in COMPUTE_KINDS:
-                total[e.kind] += e.busy
+                # A split backward pass (I, W) counts as the backward pass.
+                total[e.kind if e.kind in total else 'backward'] += e.busy
         partition_times.append(PartitionSummary(j, device, **total))
 
     return Summary(step, micro_batches, len(devices), window, device_summaries,
@@ -281,10 +284,13 @@ def critical_path(events: Sequence[Event], n: int) -> List[Event]:
                 break
         if e.kind == 'forward':
             producer = by_key.get(('forward', e.micro_batch, e.partition - 1))
+        elif e.kind == 'weight':
+            producer = by_key.get(('input', e.micro_batch, e.partition))
         elif e.partition == n - 1:
             producer = by_key.get(('forward', e.micro_batch, e.partition))
         else:
-            producer = by_key.get(('backward', e.micro_batch, e.partition + 1))
+            producer = by_key.get(('backward', e.micro_batch, e.partition + 1)) or \
+                by_key.get(('input', e.micro_batch, e.partition + 1))
         if producer is not None and producer.end <= e.start:
             found.append(producer)
         return found

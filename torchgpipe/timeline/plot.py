@@ -8,9 +8,10 @@ __all__: List[str] = []
 
 #: A colour per kind, and the legend's words for it.
 COLORS: Dict[str, str] = {'forward': '#4c72b0', 'recompute': '#8fb0de', 'backward': '#dd8452',
-                          'copy': '#55a868'}
+                          'input': '#c44e52', 'weight': '#e8c07d', 'copy': '#55a868'}
 LABELS: Dict[str, str] = {'forward': 'forward F', 'recompute': "recompute F'",
-                          'backward': 'backward B', 'copy': 'copy'}
+                          'backward': 'backward B', 'input': 'input gradients I',
+                          'weight': 'weight gradients W', 'copy': 'copy'}
 
 
 def plot_timeline(segments: Sequence[Tuple[Event, float, float]],

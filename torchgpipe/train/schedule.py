@@ -1,30 +1,30 @@
-"""Schedules as data: what each partition does, in which order, for one training step.
+"""Schedules as data: which actions each worker runs, in which order, for one training step.
 
-A schedule is a list of actions per partition: ``F(i,j)``, the forward pass of
-micro-batch ``i`` on partition ``j``, and ``B(i,j)``, its backward pass (with
-the recomputation first, if the micro-batch is checkpointed). Short pure
-functions generate the lists; :mod:`torchgpipe.train.step` runs any of them; the
-timeline records the actions under the same names. A new schedule is a new
-generator, not a new engine.
+A worker is a device's thread in one process, or a rank across processes;
+it owns one partition or several (virtual stages). An action is one of four
+kinds of work on micro-batch ``i`` of partition ``j``, written as in
+torch.distributed.pipelining: ``{j}{kind}{i}``::
 
-Fill-drain (GPipe) and 1F1B, for ``m = 4`` micro-batches on ``n = 3``
-partitions, as :func:`clock_order` lays them out (one column per clock)::
+    0F1   forward pass (without keeping activations, if checkpointed)
+    1B0   backward pass, whole (after the recomputation, if checkpointed)
+    2I0   backward pass for the partition's inputs only: sends their gradients
+    2W0   the rest: the gradients of the partition's parameters, from what 2I0 kept
 
-    fill_drain   0: F0 F1 F2 F3             B3 B2 B1 B0
-                 1:    F0 F1 F2 F3       B3 B2 B1 B0
-                 2:       F0 F1 F2 F3 B3 B2 B1 B0
+A :class:`Schedule` is each worker's list of actions, one line per worker::
 
-    one_f_one_b  0: F0 F1 F2       B0 F3 B1    B2    B3
-                 1:    F0 F1    B0 F2 B1 F3 B2    B3
-                 2:       F0 B0 F1 B1 F2 B2 F3 B3
+    >>> print(Schedule.parse('0F0 0F1 0B0 0B1\\n1F0 1B0 1F1 1B1'))
+    0F0 0F1 0B0 0B1
+    1F0 1B0 1F1 1B1
 
-Fill-drain keeps every micro-batch's activations until the backward passes
-start; 1F1B starts backward passes as soon as it can, so partition ``j``
-never holds more than ``n - j`` micro-batches' activations, whatever ``m``.
+:meth:`Schedule.check` proves, before any work, that a schedule runs each
+action once and can finish; :mod:`torchgpipe.train.generators` writes the
+built-in ones; :mod:`torchgpipe.train.step` runs any of them.
 """
 import enum
+import re
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Sequence
+from fractions import Fraction
+from typing import Callable, Dict, Iterable, List, Sequence, Tuple, Union
 
 __all__: List[str] = []
 
@@ -34,8 +34,12 @@ class Kind(enum.Enum):
 
     #: The forward pass (without keeping activations, if checkpointed).
     F = 'F'
-    #: The backward pass, after the recomputation if checkpointed.
+    #: The whole backward pass, after the recomputation if checkpointed.
     B = 'B'
+    #: The backward pass for the partition's inputs only, which the partition before waits for.
+    I = 'I'  # noqa: E741 (the letter of the notation)
+    #: The gradients of the partition's parameters, from what ``I`` kept.
+    W = 'W'
 
 
 @dataclass(frozen=True)
@@ -47,100 +51,262 @@ class Action:
     j: int
 
     def __str__(self) -> str:
-        return f'{self.kind.value}({self.i},{self.j})'
+        return f'{self.j}{self.kind.value}{self.i}'
+
+    @classmethod
+    def parse(cls, text: str) -> 'Action':
+        """The action written ``text``, such as ``'0F1'``.
+
+        Raises:
+            ValueError: ``text`` is not ``{partition}{F|B|I|W}{micro-batch}``
+        """
+        match = _ACTION.fullmatch(text.strip())
+        if match is None:
+            raise ValueError(f"schedule action {text!r} is not of the form "
+                             "'{partition}{F|B|I|W}{micro-batch}'; write e.g. '0F1' for the "
+                             'forward pass of micro-batch 1 on partition 0')
+        j, kind, i = match.groups()
+        return cls(Kind(kind), int(i), int(j))
 
 
-Schedule = List[List[Action]]
+_ACTION = re.compile(r'(\d+)([FBIW])(\d+)')
+
+#: What a schedule may be given as: a Schedule, its text, or action lists.
+ScheduleLike = Union['Schedule', str, Sequence[Sequence[Union[Action, str]]]]
 
 
-def fill_drain(m: int, n: int) -> Schedule:
-    """GPipe's schedule: every forward pass, then every backward pass in reverse order.
+class Schedule:
+    """Each worker's actions, in the order the worker runs them.
+
+    Args:
+        workers: one list of actions per worker
+        name: the name of a built-in schedule; ``'own'`` for others
 
     Example::
 
-        >>> [' '.join(map(str, actions)) for actions in fill_drain(2, 2)]
-        ['F(0,0) F(1,0) B(1,0) B(0,0)', 'F(0,1) F(1,1) B(1,1) B(0,1)']
+        >>> schedule = Schedule([[Action(Kind.F, 0, 0), Action(Kind.B, 0, 0)]])
+        >>> str(schedule)
+        '0F0 0B0'
+        >>> Schedule.parse(str(schedule)) == schedule
+        True
     """
-    return [[Action(Kind.F, i, j) for i in range(m)]
-            + [Action(Kind.B, i, j) for i in reversed(range(m))] for j in range(n)]
+
+    def __init__(self, workers: Iterable[Iterable[Action]], name: str = 'own') -> None:
+        self.workers: List[List[Action]] = [list(actions) for actions in workers]
+        self.name = name
+
+    def __str__(self) -> str:
+        return '\n'.join(' '.join(map(str, actions)) for actions in self.workers)
+
+    def __repr__(self) -> str:
+        return f'Schedule.parse({str(self)!r})'
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Schedule) and self.workers == other.workers
+
+    @classmethod
+    def parse(cls, schedule: ScheduleLike) -> 'Schedule':
+        """A schedule from its text (a line per worker), or from lists of actions or their text.
+
+        Raises:
+            ValueError: an action is not of the form ``{partition}{kind}{micro-batch}``
+            TypeError: ``schedule`` is none of these
+        """
+        if isinstance(schedule, Schedule):
+            return schedule
+        if isinstance(schedule, str):
+            return cls([Action.parse(a) for a in re.split(r'[\s,]+', line.strip()) if a]
+                       for line in schedule.strip().splitlines())
+        if not isinstance(schedule, Sequence) or \
+                any(isinstance(w, str) or not isinstance(w, Sequence) for w in schedule):
+            raise TypeError(f'a schedule must be a name, its text or a list of action lists, '
+                            f'not {type(schedule).__name__}; write e.g. '
+                            f"[['0F0', '0B0'], ['1F0', '1B0']]")
+        return cls([a if isinstance(a, Action) else Action.parse(str(a)) for a in actions]
+                   for actions in schedule)
+
+    def placement(self) -> Dict[int, int]:
+        """The worker of each partition.
+
+        Raises:
+            ValueError: two workers run actions of one partition
+        """
+        worker: Dict[int, int] = {}
+        for w, actions in enumerate(self.workers):
+            for action in actions:
+                if worker.setdefault(action.j, w) != w:
+                    raise ValueError(f'schedule runs partition {action.j} on workers '
+                                     f'{worker[action.j]} and {w} ({action}); give all actions '
+                                     'of a partition to one worker')
+        return worker
+
+    def splits(self) -> bool:
+        """Whether some backward pass is split into ``I`` and ``W``."""
+        return any(a.kind is Kind.I for actions in self.workers for a in actions)
+
+    def check(self, m: int, n: int) -> List[List[Action]]:
+        """Proves the schedule can run a step of ``m`` micro-batches on ``n`` partitions.
+
+        Every action runs once: for each micro-batch and partition, ``F``, and
+        ``B`` or else both ``I`` and ``W``. And it can finish: laid out in
+        clock cycles, every action can run once what it waits for ran.
+
+        Returns:
+            the actions of each clock cycle (see :func:`clock_order`)
+
+        Raises:
+            ValueError: an action is missing, unknown, twice, or can never run
+        """
+        self.placement()
+        seen: Dict[Action, int] = {}
+        for w, actions in enumerate(self.workers):
+            for action in actions:
+                if not (0 <= action.j < n and 0 <= action.i < m):
+                    raise ValueError(f'schedule action {action} is outside the step: it has '
+                                     f'partitions 0..{n - 1} and micro-batches 0..{m - 1}')
+                if action in seen:
+                    raise ValueError(f'schedule runs {action} twice; run each action once')
+                seen[action] = w
+        for j in range(n):
+            for i in range(m):
+                b, i_, w = (Action(k, i, j) in seen for k in (Kind.B, Kind.I, Kind.W))
+                if b and (i_ or w):
+                    raise ValueError(f'schedule runs both {j}B{i} and a split of it '
+                                     f'({j}I{i}, {j}W{i}); run one of the two')
+                missing = [Action(Kind.F, i, j)] if Action(Kind.F, i, j) not in seen else []
+                if not (b or i_ or w):
+                    missing.append(Action(Kind.B, i, j))
+                elif not b:
+                    missing += [Action(k, i, j) for k, ran in ((Kind.I, i_), (Kind.W, w))
+                                if not ran]
+                if missing:
+                    raise ValueError(f'schedule never runs {missing[0]}; every micro-batch '
+                                     'needs F, and B or both I and W, on every partition')
+        return clock_order(self.workers, n)
 
 
-def one_f_one_b(m: int, n: int) -> Schedule:
-    """1F1B: ``n - j`` forward passes to warm up, then one backward and one forward, then drain.
+def depends_on(action: Action, n: int, split: Callable[[int, int], bool]) -> List[Action]:
+    """The actions that ``action`` waits for.
 
-    Example::
-
-        >>> [' '.join(map(str, actions)) for actions in one_f_one_b(3, 2)]
-        ['F(0,0) F(1,0) B(0,0) F(2,0) B(1,0) B(2,0)', 'F(0,1) B(0,1) F(1,1) B(1,1) F(2,1) B(2,1)']
-    """
-    schedule = []
-    for j in range(n):
-        warmup = min(n - j, m)
-        actions = [Action(Kind.F, i, j) for i in range(warmup)]
-        for i in range(m - warmup):
-            actions += [Action(Kind.B, i, j), Action(Kind.F, warmup + i, j)]
-        actions += [Action(Kind.B, i, j) for i in range(m - warmup, m)]
-        schedule.append(actions)
-    return schedule
-
-
-#: The schedules :meth:`torchgpipe.GPipe.train_step` knows, by name.
-SCHEDULES: Dict[str, Callable[[int, int], Schedule]] = {
-    '1f1b': one_f_one_b,
-    'fill_drain': fill_drain,
-}
-
-
-def depends_on(action: Action, n: int) -> List[Action]:
-    """The actions of other partitions that ``action`` waits for.
-
-    ``F(i,j)`` needs the output of ``F(i,j-1)``; ``B(i,j)`` needs the
-    gradient ``B(i,j+1)`` sends back. (Skip connections add nothing: a skip
+    ``F(i,j)`` needs the output of ``F(i,j-1)``; ``B`` or ``I`` of ``(i,j)``
+    needs ``F(i,j)`` and the gradient that ``B`` or ``I`` of ``(i,j+1)`` sends
+    back; ``W(i,j)`` needs ``I(i,j)``. (Skip connections add nothing: a skip
     from partition ``a`` to ``b`` travels with these, since ``a < b``.)
+
+    Args:
+        action: the action
+        n: the number of partitions
+        split: whether the backward pass of ``(i, j)`` is split into I and W
     """
+    i, j = action.i, action.j
     if action.kind is Kind.F:
-        return [Action(Kind.F, action.i, action.j - 1)] if action.j > 0 else []
-    return [Action(Kind.B, action.i, action.j + 1)] if action.j < n - 1 else []
+        return [Action(Kind.F, i, j - 1)] if j > 0 else []
+    if action.kind is Kind.W:
+        return [Action(Kind.I, i, j)]
+    needs = [Action(Kind.F, i, j)]
+    if j < n - 1:
+        needs.append(Action(Kind.I if split(i, j + 1) else Kind.B, i, j + 1))
+    return needs
 
 
-def clock_order(schedule: Sequence[Sequence[Action]]) -> List[List[Action]]:
+def clock_order(workers: Sequence[Sequence[Action]], n: int) -> List[List[Action]]:
     """Lays a schedule out in clock cycles, every action taking one cycle.
 
-    At each cycle every partition runs its next action if what it waits for
+    At each cycle every worker runs its next action if what it waits for
     ran in an earlier cycle. Running the actions cycle by cycle (or each
-    partition's in order, on threads of their own) therefore never waits
+    worker's in order, on threads of their own) therefore never waits
     for an action that waits in turn.
 
     Returns:
-        the actions of each cycle, in partition order
+        the actions of each cycle, in worker order
 
     Raises:
-        ValueError: the schedule can never finish (an action waits for one
-            that comes after it)
+        ValueError: the schedule can never finish; the message names the
+            first worker's action that can never run, and what it waits for
     """
-    n = len(schedule)
+    split = {(a.i, a.j) for actions in workers for a in actions if a.kind is Kind.I}
+    needs = {a: depends_on(a, n, lambda i, j: (i, j) in split)
+             for actions in workers for a in actions}
     done = set()
-    position = [0] * n
+    position = [0] * len(workers)
     cycles: List[List[Action]] = []
-    while any(position[j] < len(schedule[j]) for j in range(n)):
-        cycle = [schedule[j][position[j]] for j in range(n) if position[j] < len(schedule[j])]
-        cycle = [a for a in cycle if all(d in done for d in depends_on(a, n))]
+    while True:
+        heads = [actions[position[w]] for w, actions in enumerate(workers)
+                 if position[w] < len(actions)]
+        if not heads:
+            return cycles
+        cycle = [a for a in heads if all(d in done for d in needs[a])]
         if not cycle:
-            stuck = [str(schedule[j][position[j]]) for j in range(n)
-                     if position[j] < len(schedule[j])]
-            raise ValueError(f'the schedule cannot go on: {", ".join(stuck)} wait for actions '
-                             'that come after them')
-        for action in cycle:
-            position[action.j] += 1
+            # Rather the action that waits for one after it on its own worker:
+            # the order to fix is there.
+            own = {a: w for w, actions in enumerate(workers) for a in actions[position[w]:]}
+            stuck = next((a for a in heads if any(own.get(d) == own[a] for d in needs[a])),
+                         heads[0])
+            missing = ', '.join(str(d) for d in needs[stuck] if d not in done)
+            raise ValueError(f'the schedule cannot go on: {stuck} can never run, for it waits '
+                             f'for {missing}, which waits in turn (each worker runs its '
+                             'actions in order); move the action that sends what it waits '
+                             'for before it')
+        for w, actions in enumerate(workers):
+            if position[w] < len(actions) and actions[position[w]] in cycle:
+                position[w] += 1
         done.update(cycle)
         cycles.append(cycle)
-    return cycles
 
 
 def in_flight(actions: Sequence[Action]) -> int:
-    """How many micro-batches a partition holds at most: forward done, backward not."""
+    """How many micro-batches' activations a worker keeps at most: forward done, backward not.
+
+    ``I`` keeps them: ``W`` still reads the layers' inputs.
+    """
     alive = peak = 0
     for action in actions:
-        alive += 1 if action.kind is Kind.F else -1
-        peak = max(peak, alive)
+        if action.kind is Kind.F:
+            alive += 1
+            peak = max(peak, alive)
+        elif action.kind is not Kind.I:
+            alive -= 1
     return peak
+
+
+#: The time an action takes, in any unit.
+Cost = Callable[[Action], Fraction]
+
+
+def simulate(workers: Sequence[Sequence[Action]], n: int, cost: Cost
+             ) -> Dict[Action, Tuple[Fraction, Fraction]]:
+    """When each action starts and ends if they take ``cost`` and messages take no time.
+
+    Each worker runs its actions in order, each as soon as the worker is free
+    and what it waits for has ended.
+
+    Returns:
+        the start and the end of each action
+    """
+    times: Dict[Action, Tuple[Fraction, Fraction]] = {}
+    split = {(a.i, a.j) for actions in workers for a in actions if a.kind is Kind.I}
+    for cycle in clock_order(workers, n):
+        for action in cycle:
+            w = next(w for w, actions in enumerate(workers) if action in actions)
+            index = workers[w].index(action)
+            start = times[workers[w][index - 1]][1] if index else Fraction(0)
+            for need in depends_on(action, n, lambda i, j: (i, j) in split):
+                start = max(start, times[need][1])
+            times[action] = (start, start + cost(action))
+    return times
+
+
+def idle(workers: Sequence[Sequence[Action]], n: int, cost: Cost) -> Fraction:
+    """The idle time per worker of a step: the span of the step less its work, averaged.
+
+    Example::
+
+        >>> from torchgpipe.train.generators import one_f_one_b
+        >>> unit = lambda a: Fraction(2 if a.kind is Kind.B else 1)
+        >>> idle(one_f_one_b(8, 4).workers, 4, unit)  # (p - 1)(F + B)
+        Fraction(9, 1)
+    """
+    times = simulate(workers, n, cost)
+    span = max((end for _, end in times.values()), default=Fraction(0))
+    work = sum((cost(a) for actions in workers for a in actions), Fraction(0))
+    return span - work / len(workers) if workers else Fraction(0)

@@ -35,7 +35,6 @@ from torch import Tensor, nn
 
 from torchgpipe.record import Recorder, label
 from torchgpipe.validation import describe
-from torchgpipe import microbatch
 from torchgpipe.copy import Ready
 from torchgpipe.train.mailbox import (Activation, Gradient, Mailbox, Parcel, Reply,
                                 SkipGradient, StepSkips, leaf)
@@ -43,7 +42,8 @@ from torchgpipe.microbatch import Batch, TensorOrTensors
 from torchgpipe.partition import partition_function
 from torchgpipe.replay import FirstPass, first_pass, recomputation
 from torchgpipe.rng import cpu_generator_held, training_flags, watch
-from torchgpipe.train.schedule import Action, Kind, clock_order
+from torchgpipe.train.schedule import Action, Kind, Schedule, clock_order
+from torchgpipe.train.split import WeightPass, input_pass
 from torchgpipe.skip.layout import SkipLayout
 from torchgpipe.traits import PartitionTraits
 from torchgpipe.worker import ExcInfo, Stopped, Task, Turns, distinct_devices, spawn_workers
@@ -97,7 +97,7 @@ class Stage:
         partition: the partition
         device: its device
         traits: what runs showed about it; this one adds what it learns
-        last: its last action in the schedule
+        last: its last action that accumulates gradients of its parameters (B or W)
     """
 
     def __init__(self, shared: Shared, j: int, partition: nn.Sequential, device: torch.device,
@@ -111,6 +111,8 @@ class Stage:
         self.flags = training_flags(partition)
         self.is_last = j == shared.n - 1
         self.passes: Dict[int, Pass] = {}
+        #: What each micro-batch's ``I`` left for its ``W``.
+        self.weights: Dict[int, WeightPass] = {}
         #: The loss of each micro-batch, without graph (the last partition's).
         self.losses: Dict[int, Tensor] = {}
         #: Whether the forward action, loss included, drew in this step (the
@@ -148,17 +150,35 @@ class Stage:
                 self.record('forward', i, lambda: self.forward(i, input))
             self.send_output(i)
             return
+        if action.kind is Kind.W:
+            self.record('weight', i, self.weights.pop(i).run)
+            self.finish(action)
+            return
         current = self.passes.pop(i)
         # Recomputed before the gradient is awaited: the two overlap.
         if current.replay is not None:
             self.record('recompute', i, lambda: self.recompute(i, current))
         tensors, grads = self.gradients(i, current)
-        self.record('backward', i, lambda: self.backpropagate(tensors, grads))
-        if action == self.last and self.shared.done is not None:
-            # The partition's gradients are final: they may be all-reduced
-            # while the partitions before it still run backward passes.
-            self.shared.done(self.j)
+        if action.kind is Kind.B:
+            self.record('backward', i, lambda: self.backpropagate(tensors, grads))
+            self.finish(action)
+        else:
+            self.weights[i] = self.record('input', i, lambda: input_pass(
+                tensors, grads, self.leaves(current)))
         self.send_gradients(i, current)
+
+    def finish(self, action: Action) -> None:
+        """Says so once the partition's gradients are final, after its last ``B`` or ``W``."""
+        if action == self.last and self.shared.done is not None:
+            # They may be all-reduced while the partitions before it still
+            # run backward passes.
+            self.shared.done(self.j)
+
+    def leaves(self, current: Pass) -> List[Tensor]:
+        """The leaves the graph of a micro-batch was cut at, whose gradients go back."""
+        inputs = [x for x in current.input if self.j > 0 and x is not None and x.requires_grad]
+        return inputs + [x for x in current.skips.received.values()
+                         if x is not None and x.requires_grad]
 
     def record(self, kind: str, i: int, work: Callable[[], T]) -> T:
         """Runs an action's work, labelled for a profiler and recorded by a timeline."""
@@ -293,12 +313,12 @@ class Step:
         targets: the target of each micro-batch
         loss_fn: ``loss_fn(output, target)`` of one micro-batch
         weights: what each micro-batch's loss is multiplied by
-        actions: the schedule, a list of actions per partition
+        schedule: each worker's actions, checked (:meth:`Schedule.check
+            <torchgpipe.train.schedule.Schedule.check>`)
         layout: where the skips go
         checkpoint_stop: micro-batches ``0 .. checkpoint_stop - 1`` are checkpointed
         traits: what runs showed about each partition (whether it draws random numbers)
         recorder: records the actions, inside :func:`torchgpipe.trace`
-        schedule: the schedule's name, for the timeline
         mailbox: what carries messages between partitions (default: a new
             :class:`~torchgpipe.train.mailbox.Mailbox`, for partitions of this process)
         done: called with ``j`` once partition ``j``'s gradients are final,
@@ -308,9 +328,9 @@ class Step:
     def __init__(self, partitions: Sequence[Optional[nn.Sequential]],
                  devices: Sequence[torch.device],
                  batches: List[Batch], targets: List[TensorOrTensors], loss_fn: LossFunction,
-                 weights: Sequence[float], actions: Sequence[Sequence[Action]],
+                 weights: Sequence[float], schedule: Schedule,
                  layout: SkipLayout, checkpoint_stop: int, traits: Sequence[PartitionTraits],
-                 recorder: Optional[Recorder], schedule: str = '', *,
+                 recorder: Optional[Recorder], *,
                  mailbox: Optional[Mailbox] = None,
                  done: Optional[Callable[[int], None]] = None) -> None:
         self.n = len(partitions)
@@ -321,11 +341,14 @@ class Step:
         self.schedule = schedule
         self.shared = Shared(self.n, batches, self.loss, layout, checkpoint_stop,
                              Mailbox() if mailbox is None else mailbox, recorder, done)
-        self.stages = {j: Stage(self.shared, j, p, devices[j], traits[j],
-                                actions[j][-1] if actions[j] else None)
+        # Each partition's last action that accumulates its parameters' gradients.
+        last = {a.j: a for actions in schedule.workers for a in actions
+                if a.kind in (Kind.B, Kind.W)}
+        self.stages = {j: Stage(self.shared, j, p, devices[j], traits[j], last.get(j))
                        for j, p in enumerate(partitions) if p is not None}
         #: This process's actions, in clock order.
-        self.order = [a for cycle in clock_order(actions) for a in cycle if a.j in self.stages]
+        self.order = [a for cycle in clock_order(schedule.workers, self.n) for a in cycle
+                      if a.j in self.stages]
 
     def loss(self, i: int, output: Batch) -> Tensor:
         """The weighted loss of micro-batch ``i``."""
@@ -350,7 +373,7 @@ class Step:
         shared = self.shared
         if shared.recorder is not None:
             shared.recorder.begin_step(len(shared.batches), self.devices,
-                                       f'train_step (schedule {self.schedule!r})')
+                                       f'train_step (schedule {self.schedule.name!r})')
         devices = [self.devices[j] for j in self.stages]
         # On threads, forward actions of partitions that may draw random
         # numbers take turns in clock order, so they draw what they would on
@@ -409,42 +432,3 @@ class Step:
         self.shared.mailbox.stop()
         if turns is not None:
             turns.stop()
-
-
-def split_step(input: TensorOrTensors, target: TensorOrTensors, chunks: int, reduction: str,
-               last_device: torch.device
-               ) -> Tuple[List[Batch], List[TensorOrTensors], List[float]]:
-    """Splits a training step's input and target into micro-batches, checked before any work.
-
-    Returns:
-        (batches, targets, weights): the input's micro-batches; the target's,
-        on the last device, as the loss function sees them (NoChunk tensors
-        unwrapped, as a layer sees its input); and the weight of each
-        micro-batch's loss
-
-    Raises:
-        TypeError: the input or the target is not a tensor or a tuple of them
-        ValueError: they cannot be split alike, or the mini-batch is empty
-    """
-    microbatch.check(input)
-    microbatch.check(target, 'target')
-    batches = microbatch.scatter(input, chunks)
-    targets = microbatch.scatter(target, chunks, 'target')
-    sizes = [b[0].size(0) for b in batches]
-    target_sizes = [t[0].size(0) for t in targets]
-    if sizes != target_sizes:
-        raise ValueError(describe('target must split into the micro-batches the input does',
-                                  f'input micro-batches of {sizes}, target of {target_sizes}',
-                                  'give a target with one row per sample of the input'))
-    total = sum(sizes)
-    if not total:
-        # The unwrapped model's mean loss would be nan: a step on an
-        # empty batch is a data loader's leftover, not a training step.
-        raise ValueError(describe('train_step needs at least one sample',
-                                  'input: a mini-batch of 0 rows',
-                                  'skip empty batches, e.g. with drop_last=True in the '
-                                  'DataLoader'))
-    for t in targets:
-        t[:] = tuple(x.to(last_device) for x in t)
-    weights = [size / total if reduction == 'mean' else 1.0 for size in sizes]
-    return batches, [t.plain for t in targets], weights

@@ -1,0 +1,320 @@
+"""The built-in schedules: short pure functions of the micro-batches ``m`` and partitions ``n``.
+
+Fill-drain (GPipe) and 1F1B have one partition per worker. Interleaved 1F1B
+loops ``v`` partitions over ``p = n / v`` workers (partition ``j`` on worker
+``j % p``), ZB-H1 splits 1F1B's backward passes into ``I`` and ``W``, and ZBV
+gives each of ``p = n / 2`` workers two partitions in a V (``w`` and
+``n - 1 - w``) and splits them too. For ``m = 4``, ``n = 3`` (``m = 4``,
+``n = 4`` for ZBV), one column per clock of unit actions::
+
+    fill_drain  0: F0 F1 F2 F3             B3 B2 B1 B0
+                1:    F0 F1 F2 F3       B3 B2 B1 B0
+                2:       F0 F1 F2 F3 B3 B2 B1 B0
+
+    1f1b        0: F0 F1 F2       B0 F3 B1    B2    B3
+                1:    F0 F1    B0 F2 B1 F3 B2    B3
+                2:       F0 B0 F1 B1 F2 B2 F3 B3
+
+The schedules whose order is not a fixed pattern are laid out by
+:func:`greedy`, which simulates the step with the costs of the paper's
+analysis (``F = I = W = 1``, ``B = 2``; halved for half-size partitions)
+and lets each free worker pick its next action by the schedule's rule. What
+they leave idle, per worker, is what :data:`BUBBLES` says beside each.
+"""
+import functools
+from fractions import Fraction
+from typing import Callable, Dict, Hashable, List, NamedTuple, Optional, Sequence
+
+from torchgpipe.validation import describe
+from torchgpipe.train.schedule import Action, Kind, Schedule, ScheduleLike
+
+__all__: List[str] = []
+
+
+def fill_drain(m: int, n: int) -> Schedule:
+    """GPipe's schedule: every forward pass, then every backward pass in reverse order.
+
+    Example::
+
+        >>> print(fill_drain(2, 2))
+        0F0 0F1 0B1 0B0
+        1F0 1F1 1B1 1B0
+    """
+    return Schedule([Action(Kind.F, i, j) for i in range(m)]
+                    + [Action(Kind.B, i, j) for i in reversed(range(m))] for j in range(n))
+
+
+def one_f_one_b(m: int, n: int) -> Schedule:
+    """1F1B: ``n - j`` forward passes to warm up, then one backward and one forward, then drain.
+
+    Example::
+
+        >>> print(one_f_one_b(3, 2))
+        0F0 0F1 0B0 0F2 0B1 0B2
+        1F0 1B0 1F1 1B1 1F2 1B2
+    """
+    workers = []
+    for j in range(n):
+        warmup = min(n - j, m)
+        actions = [Action(Kind.F, i, j) for i in range(warmup)]
+        for i in range(m - warmup):
+            actions += [Action(Kind.B, i, j), Action(Kind.F, warmup + i, j)]
+        actions += [Action(Kind.B, i, j) for i in range(m - warmup, m)]
+        workers.append(actions)
+    return Schedule(workers)
+
+
+class Worker(NamedTuple):
+    """What a schedule's rule sees of a worker when it picks the worker's next action."""
+
+    #: The worker's index.
+    w: int
+    #: Micro-batches (of any of its partitions) whose forward pass ran and whose
+    #: activations are still kept (no B or W yet).
+    alive: int
+
+
+#: A rule: the action a free worker runs next, among those it can run now (or None: wait).
+Rule = Callable[[Worker, List[Action]], Optional[Action]]
+
+
+def greedy(m: int, n: int, placement: Sequence[int], split: bool, rule: Rule) -> Schedule:
+    """Lays out a schedule by simulating it: each worker, when free, runs what ``rule`` picks.
+
+    Each partition runs its forward passes, its backward passes (``B``, or
+    ``I`` if ``split``) and its ``W`` each in micro-batch order; a worker
+    may run any of its partitions' next actions once what they wait for has
+    ended. Costs are the paper's: ``F = I = W = 1``, ``B = 2``, divided by the
+    partitions per worker. The result can finish by construction.
+
+    Args:
+        m: micro-batches
+        n: partitions
+        placement: the worker of each partition
+        split: whether backward passes are split into ``I`` and ``W``
+        rule: picks a worker's next action
+    """
+    p = max(placement) + 1
+    size = Fraction(p, n)
+    cost = {Kind.F: size, Kind.B: 2 * size, Kind.I: size, Kind.W: size}
+    back = Kind.I if split else Kind.B
+    # The next micro-batch of each partition's forward, backward and W.
+    nf, nb, nw = [0] * n, [0] * n, [0] * n
+    end: Dict[Action, Fraction] = {}
+    free = [Fraction(0)] * p
+    alive = [0] * p
+    workers: List[List[Action]] = [[] for _ in range(p)]
+    now = Fraction(0)
+    left = m * n * (3 if split else 2)
+    while left:
+        for w in range(p):
+            if free[w] > now:
+                continue
+            ready = []
+            for j in (j for j in range(n) if placement[j] == w):
+                if nf[j] < m and (j == 0 or end.get(Action(Kind.F, nf[j], j - 1), now + 1) <= now):
+                    ready.append(Action(Kind.F, nf[j], j))
+                if nb[j] < nf[j] and end[Action(Kind.F, nb[j], j)] <= now and (
+                        j == n - 1 or end.get(Action(back, nb[j], j + 1), now + 1) <= now):
+                    ready.append(Action(back, nb[j], j))
+                if split and nw[j] < nb[j]:
+                    ready.append(Action(Kind.W, nw[j], j))
+            action = rule(Worker(w, alive[w]), ready) if ready else None
+            if action is None:
+                continue
+            counters = {Kind.F: nf, Kind.B: nb, Kind.I: nb, Kind.W: nw}[action.kind]
+            counters[action.j] += 1
+            alive[w] += {Kind.F: 1, Kind.B: -1, Kind.I: 0, Kind.W: -1}[action.kind]
+            free[w] = end[action] = now + cost[action.kind]
+            workers[w].append(action)
+            left -= 1
+        later = [t for t in free if t > now]
+        assert later or not left, 'a greedy schedule never waits for nothing'
+        now = min(later, default=now)
+    return Schedule(workers)
+
+
+def zb_h1(m: int, n: int) -> Schedule:
+    """ZB-H1 (zero bubble at 1F1B's memory): 1F1B with the backward pass split, W put off.
+
+    Partition ``j`` warms up with ``n - j`` forward passes, as in 1F1B, then
+    runs ``I`` (which the partition before waits for), the ``W`` of ``j``
+    micro-batches before, and the next forward pass; the ``W`` left run at
+    the end, where 1F1B waits. Every partition keeps at most ``min(n, m)``
+    micro-batches: 1F1B's first partition's peak.
+
+    Example::
+
+        >>> print(zb_h1(3, 2))
+        0F0 0F1 0I0 0W0 0F2 0I1 0W1 0I2 0W2
+        1F0 1I0 1F1 1I1 1W0 1F2 1I2 1W1 1W2
+    """
+    workers = []
+    for j in range(n):
+        warmup = min(n - j, m)
+        actions = [Action(Kind.F, i, j) for i in range(warmup)]
+        for i in range(m):
+            actions.append(Action(Kind.I, i, j))
+            if i >= j:
+                actions.append(Action(Kind.W, i - j, j))
+            if warmup + i < m:
+                actions.append(Action(Kind.F, warmup + i, j))
+        actions += [Action(Kind.W, i, j) for i in range(max(m - j, 0), m)]
+        workers.append(actions)
+    return Schedule(workers)
+
+
+def interleaved_1f1b(m: int, n: int, p: int) -> Schedule:
+    """Interleaved 1F1B: ``v = n / p`` partitions per worker, in a loop.
+
+    Partition ``j`` runs on worker ``j % p``. A worker takes micro-batches in
+    rounds of ``p``: their forward passes through its first partition, then
+    its second, and so on; backward passes in the same rounds, last partition
+    first. After ``(v - 1) p + p - 1 - w`` forward passes to warm up, worker
+    ``w`` alternates one forward and one backward pass; it keeps at most
+    ``v p - w`` partitions' activations (``p - w / v`` of 1F1B's partitions).
+
+    Raises:
+        ValueError: ``n`` is not a multiple of ``p``
+    """
+    if n % p:
+        raise ValueError(f"schedule 'interleaved_1f1b' needs the same number of partitions on "
+                         f'each of its {p} devices, but there are {n} partitions; give a '
+                         f'balance of a multiple of {p} entries')
+    v = n // p
+    rounds = [range(start, min(start + p, m)) for start in range(0, m, p)]
+    workers = []
+    for w in range(p):
+        forward = [Action(Kind.F, i, k * p + w) for r in rounds for k in range(v) for i in r]
+        backward = [Action(Kind.B, i, k * p + w)
+                    for r in rounds for k in reversed(range(v)) for i in r]
+        warmup = min((v - 1) * p + p - 1 - w, len(forward))
+        actions = forward[:warmup]
+        for f, b in zip(forward[warmup:], backward):
+            actions += [f, b]
+        actions += backward[len(forward) - warmup:]
+        workers.append(actions)
+    return Schedule(workers)
+
+
+def zbv(m: int, n: int) -> Schedule:
+    """ZBV: ``p = n / 2`` workers, each with partitions ``w`` and ``n - 1 - w`` (a V), split.
+
+    Laid out by :func:`greedy`: a free worker runs an ``I`` if one can run,
+    else a forward pass while it keeps fewer than ``2 p`` partitions'
+    activations (each half of 1F1B's: 1F1B's first partition's peak), else
+    a ``W``. Among one kind, the oldest micro-batch first, then the partition
+    nearest the loss.
+
+    Raises:
+        ValueError: ``n`` is odd
+    """
+    if n % 2:
+        raise ValueError(f"schedule 'zbv' runs two partitions per device in a V, but there "
+                         f'are {n} partitions; give a balance of an even number of entries')
+
+    def rule(worker: Worker, ready: List[Action]) -> Optional[Action]:
+        for kind in (Kind.I, Kind.F, Kind.W):
+            if kind is Kind.F and worker.alive >= n:
+                continue
+            actions = [a for a in ready if a.kind is kind]
+            if actions:
+                return min(actions, key=lambda a: (a.i, -a.j))
+        return None
+
+    return greedy(m, n, [min(j, n - 1 - j) for j in range(n)], True, rule)
+
+
+class Bubble(NamedTuple):
+    """The idle time per worker a schedule leaves, as a formula of ``p``, ``v``, F, B and W."""
+
+    text: str
+    value: Callable[[int, int, Fraction, Fraction, Fraction], Fraction]
+
+
+#: Each built-in schedule's idle time per worker by its formula, where F, B and W are
+#: the costs of a worker's share of the model (``B = I + W``).
+BUBBLES: Dict[str, Bubble] = {
+    'fill_drain': Bubble('(p-1)(F+B)', lambda p, v, f, b, w: (p - 1) * (f + b)),
+    '1f1b': Bubble('(p-1)(F+B)', lambda p, v, f, b, w: (p - 1) * (f + b)),
+    'interleaved_1f1b': Bubble('(p-1)(F+B)/v', lambda p, v, f, b, w: (p - 1) * (f + b) / v),
+    'zb_h1': Bubble('(p-1)(F+B-2W)', lambda p, v, f, b, w: (p - 1) * (f + b - 2 * w)),
+    'zbv': Bubble('~0', lambda p, v, f, b, w: Fraction(0)),
+}
+
+
+@functools.lru_cache(maxsize=64)
+def named(name: str, m: int, n: int, p: int) -> Schedule:
+    """The built-in schedule ``name`` for ``m`` micro-batches, ``n`` partitions and ``p`` workers.
+
+    ``p`` counts only for interleaved 1F1B; the others know their workers.
+    The result is checked, and shared by the calls with the same arguments.
+    """
+    if name == 'interleaved_1f1b':
+        schedule = interleaved_1f1b(m, n, p)
+    else:
+        schedule = {'fill_drain': fill_drain, '1f1b': one_f_one_b, 'zb_h1': zb_h1,
+                    'zbv': zbv}[name](m, n)
+    schedule.name = name
+    schedule.check(m, n)
+    return schedule
+
+
+def resolve(schedule: ScheduleLike, m: int, n: int, workers: Sequence[Hashable]) -> Schedule:
+    """The schedule a step runs: a built-in one by name, or the user's; checked, before any work.
+
+    Args:
+        schedule: a name of :data:`SCHEDULES`, or a schedule (its text, or
+            a list of action lists)
+        m: micro-batches
+        n: partitions
+        workers: what runs each partition (a device's thread, a rank): a
+            worker of the schedule must run on one of them
+
+    Raises:
+        ValueError: the schedule does not fit the step, or cannot finish,
+            or a worker of it has partitions on two devices
+    """
+    if isinstance(schedule, str) and schedule in SCHEDULES:
+        result = named(schedule, m, n, len(set(workers)))
+        label = repr(schedule)
+    else:
+        result = Schedule.parse(schedule)
+        result.check(m, n)
+        label = 'given'
+    placement = result.placement()
+    for w in set(placement.values()):
+        partitions = sorted(j for j, v in placement.items() if v == w)
+        if len({workers[j] for j in partitions}) > 1:
+            distinct = list(dict.fromkeys(workers))
+            fit = [str(distinct[placement[j] % len(distinct)]) for j in range(n)]
+            raise ValueError(f'schedule {label} runs partitions {partitions} on one worker, but '
+                             f'they are on {[str(workers[j]) for j in partitions]}; give them '
+                             f'one device, e.g. devices={fit}')
+    return result
+
+
+#: The schedules :meth:`torchgpipe.GPipe.train_step` knows, by name.
+SCHEDULES = tuple(BUBBLES)
+
+
+def check_schedule(schedule: object) -> None:
+    """Checks that ``schedule`` names a built-in schedule or is one, before any work.
+
+    Raises:
+        ValueError: an unknown name, or an action written wrong
+        TypeError: neither a name nor a schedule
+    """
+    if isinstance(schedule, str) and schedule in SCHEDULES:
+        return
+    try:
+        Schedule.parse(schedule)  # type: ignore[arg-type]
+    except (TypeError, ValueError) as exc:
+        if isinstance(schedule, str) and any(c.isdigit() for c in schedule):
+            raise  # meant as a schedule's text: what is wrong in it
+        # A str of another value is a ValueError; anything else a TypeError.
+        error = ValueError if isinstance(schedule, str) else TypeError
+        raise error(describe(f'schedule must be one of {", ".join(map(repr, SCHEDULES))}, or '
+                             "a schedule of its actions (text such as '0F0 0B0', or a list of "
+                             'action lists)', f'schedule: {schedule!r}',
+                             "use schedule='1f1b'")) from exc

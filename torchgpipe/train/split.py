@@ -1,0 +1,213 @@
+"""The backward pass in two: the gradients of a partition's inputs (I), then of its parameters (W).
+
+The partition before waits only for the first half; zero-bubble schedules
+put the second where a worker would otherwise wait. The split works on the
+autograd graph of one micro-batch, as built by the forward pass (or the
+recomputation). Take a partition ``y = W2 relu(W1 x)``::
+
+    y ─► Mm2 ──► Relu ─► Mm1 ─► x          C: the nodes that lead to the input x
+          │               │                R: nodes of C with an edge out of C
+          ▼               ▼                   towards a parameter (Mm1, Mm2)
+          W2              W1
+
+``I`` runs the engine from the outputs to ``x`` only: it calls every node of
+``C``, and each computes just the gradients its edges in ``C`` need (Mm2 the
+gradient of relu's output, not of W2). A hook on each node of ``R`` keeps
+the gradient the node received. ``W`` runs the engine again from each node of
+``R``, with the gradient it kept, towards the parameters only: the node
+computes what it skipped (Mm2 the gradient of W2), and nothing of ``C`` runs
+twice. Every parameter's ``.grad`` is accumulated by its own accumulator, as
+in a whole backward pass, so hooks on it (DDP's, tied weights') run as they
+would.
+
+Nodes of ``R`` that share a parameter (a weight used twice) start one engine
+call together. If one of them leads to another through ``C`` (a weight used
+before and after a layer that depends on the input), that call would also run
+the path between them again, and count it twice: those parameters' gradients
+are computed in ``I`` instead, which is exact and only less split.
+"""
+from typing import Dict, List, Optional, Set, Tuple, Union
+
+import torch
+from torch import Tensor
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+__all__: List[str] = []
+
+
+#: One engine call of W: the edges it starts from, their gradients, the parameters.
+Call = Tuple[List[GradientEdge], List[Tensor], List[Tensor]]
+
+
+class WeightPass:
+    """What ``I`` left for ``W``: for each group of parameters, where to start and with what."""
+
+    def __init__(self, groups: List[Call], kept: Dict[Node, Tuple[Optional[Tensor], ...]]
+                 ) -> None:
+        self.groups = groups
+        self.kept = kept
+
+    def run(self) -> None:
+        """Accumulates the gradients of the parameters, once; frees what ``I`` kept."""
+        groups, self.groups = self.groups, []
+        # A root's own hooks (Tensor.register_hook on the output of the node)
+        # run again when the engine starts from it: the gradient the node
+        # computes from must be the one it received in I, whatever they do.
+        handles = [node.register_prehook(lambda _, kept=kept: kept)
+                   for node, kept in self.kept.items()]
+        try:
+            for edges, grads, params in groups:
+                torch.autograd.backward(edges, grads, inputs=params)
+        finally:
+            for handle in handles:
+                handle.remove()
+            self.kept = {}
+
+
+def children(node: Node) -> List[Node]:
+    return [child for child, _ in node.next_functions if child is not None]
+
+
+def node_of(tensor: Tensor) -> Node:
+    """The node a gradient of ``tensor`` enters: its ``grad_fn``, or a leaf's accumulator."""
+    return get_gradient_edge(tensor).node
+
+
+def explore(roots: List[Node], inputs: Set[Node]) -> Tuple[Set[Node], Dict[Node, bool]]:
+    """Which nodes lead to ``inputs`` (``C``), and which lead to another leaf (a parameter).
+
+    Returns:
+        ``C``, and for every node under the roots whether it leads to a parameter
+    """
+    to_input: Dict[Node, bool] = {}
+    to_param: Dict[Node, bool] = {}
+    # Depth first, each node after its children, without recursion (graphs
+    # are as deep as the partition).
+    stack: List[Tuple[Node, bool]] = [(root, False) for root in roots]
+    while stack:
+        node, expanded = stack.pop()
+        if node in to_input:
+            continue
+        if not expanded:
+            stack.append((node, True))
+            stack.extend((child, False) for child in children(node) if child not in to_input)
+            continue
+        below = children(node)
+        leaf = not below and hasattr(node, 'variable')
+        to_input[node] = node in inputs or any(to_input[c] for c in below)
+        to_param[node] = (leaf and node not in inputs) or any(to_param[c] for c in below)
+    return {node for node, yes in to_input.items() if yes}, to_param
+
+
+def reach(starts: List[Node], allowed: Set[Node]) -> Set[Node]:
+    """The nodes reachable from ``starts`` through nodes of ``allowed`` (``starts`` included)."""
+    seen = set(starts)
+    stack = list(starts)
+    while stack:
+        for child in children(stack.pop()):
+            if child in allowed and child not in seen:
+                seen.add(child)
+                stack.append(child)
+    return seen
+
+
+def input_pass(tensors: List[Tensor], grads: List[Optional[Tensor]],
+               inputs: List[Tensor]) -> WeightPass:
+    """Runs ``I``: accumulates the gradients of ``inputs`` (leaves); returns what ``W`` runs.
+
+    Args:
+        tensors: the tensors to backpropagate from (outputs, sent skips, loss)
+        grads: their gradients (``None`` for a loss)
+        inputs: the partition's leaves whose gradients the partition before waits for
+    """
+    roots = [node_of(t) for t in tensors]
+    early: Set[Node] = set()
+    while True:
+        stops = {node_of(x) for x in inputs} | early
+        closure, to_param = explore(roots, stops)
+        # Where W starts: (node, slot) of nodes of C with a path out of C to a
+        # parameter, and outputs whose node is outside C but leads to one.
+        starts = [n for n in to_param if n in closure
+                  and any(c not in closure and to_param[c] for c in children(n))]
+        free = [k for k, node in enumerate(roots) if node not in closure and to_param[node]]
+        groups = group(starts + free, roots, closure, to_param)
+        bad = [params for members, params in groups
+               if len(members) > 1 and crosses(members, closure)]
+        if not bad:
+            break
+        early.update(p for params in bad for p in params)
+    kept: Dict[Node, Tuple[Optional[Tensor], ...]] = {}
+    handles = [n.register_prehook(lambda g, n=n: kept.__setitem__(n, g)) for n in starts]
+    try:
+        targets = inputs + [n.variable for n in early]  # type: ignore[attr-defined]
+        if targets:
+            torch.autograd.backward(tensors, grads, retain_graph=bool(starts or free),
+                                    inputs=targets)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return WeightPass(plan(groups, kept, tensors, grads), kept)
+
+
+#: Where W starts: a node of ``R``, or the index of an output whose node is outside ``C``.
+Start = Union[Node, int]
+
+
+def group(starts: List[Start], roots: List[Node], closure: Set[Node],
+          to_param: Dict[Node, bool]) -> List[Tuple[List[Start], Set[Node]]]:
+    """Groups where W starts so that no two groups share a parameter.
+
+    Returns:
+        for each group, where it starts and the accumulators of its parameters
+    """
+    below_closure = {n for n, yes in to_param.items() if yes and n not in closure}
+    groups: List[Tuple[List[Start], Set[Node]]] = []
+    for start in starts:
+        if isinstance(start, int):
+            out = [roots[start]]
+        else:
+            out = [c for c in children(start) if c in below_closure]
+        params = {n for n in reach(out, below_closure)
+                  if not children(n) and hasattr(n, 'variable')}
+        members = [start]
+        for other in [g for g in groups if g[1] & params]:
+            groups.remove(other)
+            members += other[0]
+            params |= other[1]
+        groups.append((members, params))
+    return groups
+
+
+def crosses(members: List[Start], closure: Set[Node]) -> bool:
+    """Whether a node of the group leads to another through ``C``."""
+    nodes = [m for m in members if not isinstance(m, int)]
+    inside = set(nodes)
+    for node in nodes:
+        below = reach([c for c in children(node) if c in closure], closure)
+        if below & (inside - {node}):
+            return True
+    return False
+
+
+def plan(groups: List[Tuple[List[Start], Set[Node]]],
+         kept: Dict[Node, Tuple[Optional[Tensor], ...]], tensors: List[Tensor],
+         grads: List[Optional[Tensor]]) -> List[Call]:
+    """The engine calls of ``W``: edges to start from, their gradients, the parameters."""
+    calls: List[Call] = []
+    for members, params in groups:
+        edges: List[GradientEdge] = []
+        values: List[Tensor] = []
+        for start in members:
+            if isinstance(start, int):
+                edges.append(get_gradient_edge(tensors[start]))
+                grad = grads[start]
+                values.append(torch.ones_like(tensors[start]) if grad is None else grad)
+                continue
+            # A node no gradient reached in I gets none in W either.
+            for slot, grad in enumerate(kept.get(start, ())):
+                if grad is not None:
+                    edges.append(GradientEdge(start, slot))
+                    values.append(grad)
+        if edges:
+            calls.append((edges, values, [n.variable for n in params]))  # type: ignore[attr-defined]
+    return calls
