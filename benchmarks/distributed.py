@@ -2,26 +2,32 @@
 
 Run from the repository root::
 
-    python -m benchmarks.distributed                  # 2 CPU ranks over gloo (~40 s)
+    python -m benchmarks.distributed                  # 2 CPU ranks over gloo (~3 min)
     python -m benchmarks.distributed --preset cuda    # 2 GPUs over NCCL, one per rank
 
 The model and batch of ``benchmarks.schedules``' parallelism row: 8 x
 (Conv2d(32, 32, 3, padding=1) + ReLU) on 32x32 images, batch 64, chunks 8,
-2 partitions of 4 blocks, no checkpointing, an MSE loss. Two processes of a
-gloo group, one intra-op thread each, one partition each, train it three
-ways, in turns round after round:
+no checkpointing, an MSE loss. Two processes of a gloo group, one intra-op
+thread each, train it with each schedule two ways, in turns round after round:
 
-- the anchor: ``torch.distributed.pipelining``'s ``Schedule1F1B`` over a
-  ``PipelineStage`` per rank;
-- :class:`torchgpipe.distributed.DistributedGPipe` with ``schedule='1f1b'``
-  (target: at most 1.10x the anchor's step), and ``'fill_drain'`` for
+- the anchor: ``torch.distributed.pipelining``'s schedule over its
+  ``PipelineStage`` objects: ``Schedule1F1B`` and ``ScheduleInterleavedZeroBubble``
+  on one stage of 4 blocks per rank, ``ScheduleInterleaved1F1B`` on two stages
+  of 2 blocks per rank in a loop (stages 0 and 2 on rank 0), ``ScheduleZBVZeroBubble``
+  on two in a V (stages 0 and 3 on rank 0);
+- :class:`torchgpipe.distributed.DistributedGPipe` with the same partitions
+  and ``schedule='1f1b'`` (target: at most 1.10x the anchor's step),
+  ``'zb_h1'``, ``'interleaved_1f1b'`` (``placement='loop'``) and ``'zbv'``
+  (``placement='v'``), each at most 1.0x the anchor's; ``'fill_drain'`` for
   information.
 
 Each step starts after a barrier; its time is the slowest rank's. Between
-rounds, while rank 1 waits, rank 0 times two more steps for comparison, in
-the same run: the one-process ``GPipe.train_step`` 1F1B on ``cpu:0`` and
-``cpu:1`` (a worker thread each, one intra-op thread each: the same two
-cores as the two ranks) and the unwrapped model on one thread. The figures
+rounds, while rank 1 waits, rank 0 times more steps for comparison, in
+the same run: the one-process ``GPipe.train_step`` of each schedule on
+``cpu:0`` and ``cpu:1`` (a worker thread each, one intra-op thread each: the
+same two cores as the two ranks; the one-process steps of interleaved 1F1B,
+ZB-H1 and ZBV: at most 1.0x the anchor's too) and the unwrapped model on one
+thread. The figures
 are the fastest step of the rounds, with the medians beside them. On CPU,
 each rank keeps freed memory for reuse (:func:`benchmarks.memory.tune_malloc`),
 as the other CPU timings do.
@@ -33,6 +39,7 @@ parameters never change, so every step's mini-batch loss is the same: the
 largest relative difference between the steps' losses is reported, and must
 be float rounding.
 """
+import functools
 import os
 import socket
 import sys
@@ -54,7 +61,7 @@ from benchmarks.runner import Experiment, Figure, Preset, main as run_main
 from benchmarks.timing import spread
 
 PRESETS: Dict[str, Preset] = {
-    'cpu': Preset('8 convolutions, batch 64 of 32x32, chunks 8, 2 CPU ranks over gloo (~40 s)',
+    'cpu': Preset('8 convolutions, batch 64 of 32x32, chunks 8, 2 CPU ranks over gloo (~3 min)',
                   backend='gloo', batch=64, image_size=32, chunks=8, rounds=30),
     'cuda': Preset('the same on 2 GPUs over NCCL, one per rank, batch 256 of 64x64',
                    backend='nccl', batch=256, image_size=64, chunks=8, rounds=10),
@@ -62,19 +69,47 @@ PRESETS: Dict[str, Preset] = {
 
 SMOKE = dict(batch=8, image_size=8, rounds=1)
 
-#: The largest ratio allowed: torchgpipe's 1F1B step over the anchor's.
-TARGET = 1.10
+#: Each schedule of ours, and the anchor's that matches it: its class, and where
+#: its stages are (per rank, as indices of 2 or 4 stages).
+SCHEDULES = {
+    '1f1b': ('Schedule1F1B', 'one'),
+    'interleaved_1f1b': ('ScheduleInterleaved1F1B', 'loop'),
+    'zb_h1': ('ScheduleInterleavedZeroBubble', 'one'),
+    'zbv': ('ScheduleZBVZeroBubble', 'v'),
+}
+#: The largest ratio allowed: each of our steps over the anchor's matching one (1F1B:
+#: 1.10x; the others, and the one-process train_step of each: 1.0x).
+TARGETS = {'1f1b': 1.10, 'interleaved_1f1b': 1.0, 'zb_h1': 1.0, 'zbv': 1.0}
+TARGET = TARGETS['1f1b']
 
-ANCHOR = 'pipelining Schedule1F1B, 2 ranks'
-OURS = "DistributedGPipe 1F1B, 2 ranks"
+
+def anchor_name(schedule: str) -> str:
+    return f'pipelining {SCHEDULES[schedule][0]}, 2 ranks'
+
+
+def ours_name(schedule: str) -> str:
+    return f'DistributedGPipe {schedule}, 2 ranks'
+
+
+def one_process_name(schedule: str) -> str:
+    return f'GPipe.train_step {schedule}, 1 process'
+
+
+ANCHOR = anchor_name('1f1b')
+OURS = ours_name('1f1b')
 FILL_DRAIN = "DistributedGPipe fill-drain, 2 ranks"
-ONE_PROCESS = "GPipe.train_step 1F1B, cpu:0/cpu:1, 1 process"
+ONE_PROCESS = one_process_name('1f1b')
 UNWRAPPED = 'unwrapped, 1 thread'
 # In rank 1 a step whose time rank 0 alone measures: nothing to do.
-RANK_0_ONLY = (ONE_PROCESS, UNWRAPPED)
+RANK_0_ONLY = tuple(one_process_name(s) for s in SCHEDULES) + (UNWRAPPED,)
 
 #: One step; returns the mini-batch loss where this rank has it, else None.
 Step = Callable[[], Optional[torch.Tensor]]
+
+
+def stage_indices(layout: str, rank: int) -> List[int]:
+    """The stages of ``rank`` among 2 (``'one'``) or 4 (two per rank, a loop or a V)."""
+    return {'one': [rank], 'loop': [rank, rank + 2], 'v': [rank, 3 - rank]}[layout]
 
 
 def device_of(config: Dict[str, Any], rank: int) -> torch.device:
@@ -88,7 +123,7 @@ def sync(device: torch.device) -> None:
 
 def ranks_steps(config: Dict[str, Any], rank: int) -> Dict[str, Step]:
     """The steps this rank runs, by name, each on a copy of the same initial model."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    import torch.distributed.pipelining as pipelining
 
     from torchgpipe import GPipe
     from torchgpipe.distributed import DistributedGPipe
@@ -99,50 +134,66 @@ def ranks_steps(config: Dict[str, Any], rank: int) -> Dict[str, Step]:
     size, chunks = config['image_size'], config['chunks']
     input = torch.randn(config['batch'], 32, size, size, device=device)
     target = torch.zeros_like(input)
-    half = len(model) // 2
 
     def copy() -> nn.Sequential:
         fresh = convnet()
         fresh.load_state_dict(model.state_dict())
         return fresh
 
-    stage = PipelineStage(nn.Sequential(*list(copy())[rank * half:(rank + 1) * half]).to(device),
-                          rank, 2, device)
-    anchor = Schedule1F1B(stage, n_microbatches=chunks, loss_fn=F.mse_loss)
+    def anchor(schedule: str) -> Step:
+        name, layout = SCHEDULES[schedule]
+        stages = 2 if layout == 'one' else 4
+        layers, per = list(copy()), len(model) // stages
+        mine = stage_indices(layout, rank)
+        built = [pipelining.PipelineStage(
+            nn.Sequential(*layers[k * per:(k + 1) * per]).to(device), k, stages, device)
+            for k in mine]
+        runner = getattr(pipelining, name)(built if layout != 'one' or 'Interleaved' in name
+                                           else built[0], n_microbatches=chunks,
+                                           loss_fn=F.mse_loss)
 
-    def anchor_step() -> Optional[torch.Tensor]:
-        if rank == 0:
-            anchor.step(input, return_outputs=False)
+        def step() -> Optional[torch.Tensor]:
+            args = (input,) if 0 in mine else ()
+            if stages - 1 not in mine:
+                runner.step(*args, return_outputs=False)
+                sync(device)
+                return None
+            losses: List[torch.Tensor] = []
+            runner.step(*args, target=target, losses=losses, return_outputs=False)
             sync(device)
-            return None
-        losses: List[torch.Tensor] = []
-        anchor.step(target=target, losses=losses, return_outputs=False)
-        sync(device)
-        # Micro-batches of equal sizes: the mean of their losses is the mini-batch's.
-        return torch.stack(losses).detach().mean()
+            # Micro-batches of equal sizes: the mean of their losses is the mini-batch's.
+            return torch.stack(losses).detach().mean()
+        return step
 
-    pipe = DistributedGPipe(copy(), [half, half], chunks=chunks, checkpoint='never',
-                            device=device)
-
-    def ours(schedule: str) -> Step:
+    def ours(schedule: str, pipe: DistributedGPipe) -> Step:
         def step() -> Optional[torch.Tensor]:
             loss = pipe.train_step(input, target, F.mse_loss, schedule=schedule)
             sync(device)
             return loss
         return step
 
-    steps = {ANCHOR: anchor_step, OURS: ours('1f1b'), FILL_DRAIN: ours('fill_drain')}
+    steps: Dict[str, Step] = {}
+    for schedule, (_, layout) in SCHEDULES.items():
+        steps[anchor_name(schedule)] = anchor(schedule)
+        balance = [len(model) // 2] * 2 if layout == 'one' else [len(model) // 4] * 4
+        pipe = DistributedGPipe(copy(), balance, chunks=chunks, checkpoint='never',
+                                device=device, placement='v' if layout == 'v' else 'loop')
+        steps[ours_name(schedule)] = ours(schedule, pipe)
+        if schedule == '1f1b':
+            steps[FILL_DRAIN] = ours('fill_drain', pipe)
+        if rank == 0 and config['backend'] == 'gloo':
+            a, b = cpu_devices(2)
+            devices = {'one': [a, b], 'loop': [a, b, a, b], 'v': [a, b, b, a]}[layout]
+            gpipe = GPipe(copy(), balance, devices=devices, chunks=chunks, checkpoint='never')
+            # The public GPipe.train_step refuses to run inside a torch.distributed
+            # job of several processes (for data parallelism it points to
+            # torchgpipe.distributed.train_step); the job here is the other
+            # steps', so the step is timed through _train_step, which is what
+            # train_step runs after its checks.
+            steps[one_process_name(schedule)] = functools.partial(
+                gpipe._train_step, input, target, F.mse_loss, schedule, 'mean')
     if rank == 0 and config['backend'] == 'gloo':
-        gpipe = GPipe(copy(), [half, half], devices=cpu_devices(2), chunks=chunks,
-                      checkpoint='never')
         plain = copy()
-        # The public GPipe.train_step refuses to run inside a torch.distributed
-        # job of several processes (for data parallelism it points to
-        # torchgpipe.distributed.train_step); the job here is the other
-        # steps', so the step is timed through _train_step, which is what
-        # train_step runs after its checks.
-        steps[ONE_PROCESS] = lambda: gpipe._train_step(input, target, F.mse_loss, '1f1b',
-                                                       'mean')
 
         def unwrapped() -> torch.Tensor:
             loss = F.mse_loss(plain(input), target)
@@ -169,7 +220,8 @@ def rank_main(rank: int, config: Dict[str, Any], port: int, results: Any) -> Non
                             rank=rank, world_size=2, timeout=timedelta(seconds=120),
                             device_id=device if device.type == 'cuda' else None)
     steps = ranks_steps(config, rank)
-    names = [ANCHOR, OURS, FILL_DRAIN] + list(RANK_0_ONLY if config['backend'] == 'gloo' else ())
+    names = [n for s in SCHEDULES for n in (anchor_name(s), ours_name(s))] + [FILL_DRAIN] \
+        + list(RANK_0_ONLY if config['backend'] == 'gloo' else ())
     seconds: Dict[str, List[float]] = {name: [] for name in names}
     losses: Dict[str, float] = {}
     for r in range(config['rounds'] + 1):  # the first round warms up
@@ -187,14 +239,13 @@ def rank_main(rank: int, config: Dict[str, Any], port: int, results: Any) -> Non
                 seconds[name].append(float(elapsed))
             if loss is not None:
                 losses[name] = float(loss)
-    # The loss of each step where it is computed: the last rank's, for the
-    # steps of both ranks, and rank 0's for its own.
+    # The loss of each step where it is computed: on the rank of the last
+    # stage (rank 0 for a V), and on rank 0 for its own steps.
     gathered: List[Any] = [None, None]
     dist.all_gather_object(gathered, losses)
     if rank == 0:
         results.put({'times': {name: spread(s) for name, s in seconds.items() if name in steps},
-                     'losses': {**gathered[1], **{n: gathered[0][n] for n in RANK_0_ONLY
-                                                  if n in gathered[0]}},
+                     'losses': {**gathered[0], **gathered[1]},
                      'malloc_tuned': malloc_tuned()})
     dist.barrier()
     sys.stdout.flush()
@@ -233,10 +284,12 @@ def run(config: Dict[str, Any]) -> Dict[str, Any]:
                 process.kill()
                 process.join()
     times, losses = reported['times'], reported['losses']
-    rows = [ratio(OURS, ANCHOR, times), ratio(FILL_DRAIN, ANCHOR, times)]
+    rows = [ratio(ours_name(s), anchor_name(s), times, TARGETS[s]) for s in SCHEDULES]
+    rows.append(ratio(FILL_DRAIN, ANCHOR, times))
     if ONE_PROCESS in times:
-        rows += [ratio(ONE_PROCESS, ANCHOR, times), ratio(OURS, ONE_PROCESS, times),
-                 ratio(OURS, UNWRAPPED, times)]
+        rows += [ratio(one_process_name(s), anchor_name(s), times,
+                       TARGETS[s] if s != '1f1b' else None) for s in SCHEDULES]
+        rows += [ratio(OURS, ONE_PROCESS, times), ratio(OURS, UNWRAPPED, times)]
     reference = losses[ANCHOR]
     return {'results': rows, 'times': {name: ms(t) for name, t in times.items()},
             'target': TARGET, 'losses': losses,
@@ -245,13 +298,14 @@ def run(config: Dict[str, Any]) -> Dict[str, Any]:
             'ranks_malloc_tuned': reported['malloc_tuned']}
 
 
-def ratio(measured: str, against: str, times: Dict[str, Dict[str, float]]) -> Dict[str, Any]:
+def ratio(measured: str, against: str, times: Dict[str, Dict[str, float]],
+          target: Optional[float] = None) -> Dict[str, Any]:
     row: Dict[str, Any] = {'measured': measured, 'against': against,
                            'ratio': times[measured]['min'] / times[against]['min'],
                            'ratio_median': times[measured]['median'] / times[against]['median']}
-    if (measured, against) == (OURS, ANCHOR):
-        row['target'] = TARGET
-        row['within_target'] = row['ratio'] <= TARGET
+    if target is not None:
+        row['target'] = target
+        row['within_target'] = row['ratio'] <= target
     return row
 
 
@@ -275,9 +329,9 @@ def table(document: Dict[str, Any]) -> str:
 
 
 def headline(document: Dict[str, Any]) -> List[Figure]:
-    row = document['results'][0]
     return [Figure(f"{row['measured']} / {row['against']}", f"{row['ratio']:.3f}x",
-                   f"<= {TARGET:g}x", row['within_target'])]
+                   f"<= {row['target']:g}x", row['within_target'])
+            for row in document['results'] if 'target' in row]
 
 
 def plot(document: Dict[str, Any], plt: Any) -> None:
@@ -291,7 +345,7 @@ def plot(document: Dict[str, Any], plt: Any) -> None:
     medians = [times[n]['median'] for n in names]
     axes.barh(range(len(names)), fastest,
               xerr=[[0] * len(names), [m - f for m, f in zip(medians, fastest)]], capsize=4,
-              color=['tab:gray' if n == ANCHOR else 'tab:blue' for n in names])
+              color=['tab:gray' if n.startswith('pipelining') else 'tab:blue' for n in names])
     axes.set_yticks(list(range(len(names))))
     axes.set_yticklabels(names, fontsize='small')
     axes.invert_yaxis()

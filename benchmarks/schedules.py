@@ -44,13 +44,14 @@ blank), with the devices' busy fraction from the timeline's summary.
 import copy
 import sys
 from dataclasses import asdict
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 import torchgpipe
+from benchmarks.bubbles import unit_rows, unit_table, zero_bubble_rows, zero_bubble_table
 from benchmarks.devices import cpu_devices, cuda_devices, synchronize
 from benchmarks.environment import threads
 from benchmarks.memory import MiB, fix_malloc, run_measure_subprocesses, step_peak_memory
@@ -186,11 +187,14 @@ def compute_rows(config: Dict[str, Any]) -> Dict[str, Any]:
     return {'rows': rows, 'timelines': timelines, 'devices': [str(d) for d in devices]}
 
 
-def parallelism_rows(config: Dict[str, Any]) -> List[Row]:
-    """``train_step`` on 2 partitions against the unwrapped model on 1 and 2 intra-op threads."""
+def parallelism_rows(config: Dict[str, Any]) -> Tuple[List[Row], List[Row]]:
+    """``train_step`` on 2 partitions against the unwrapped model on 1 and 2 intra-op threads,
+    and every schedule on the same two workers against 1F1B."""
     devices = devices_of(config, 2)
     base = convnet().to(devices[0])
     input = images(config, config['batch'], devices[0])
+    every = zero_bubble_rows(base, input, devices, config['chunks'], config['rounds'],
+                             train_step)
     steps = {NEVER_1F1B_2: train_step(gpipe(base, devices, config['chunks'], 'never'), input,
                                        '1f1b'),
              'unwrapped, 1 thread': backward_step(base, input, devices[:1]),
@@ -198,7 +202,7 @@ def parallelism_rows(config: Dict[str, Any]) -> List[Row]:
     times = time_steps(steps, config['rounds'], desc='2 partitions')
     setting = f"{size_text(config, config['batch'])}, 2 partitions"
     return [ratio_row('parallelism', setting, times, NEVER_1F1B_2, 'unwrapped, 1 thread'),
-            ratio_row('two threads', setting, times, NEVER_1F1B_2, 'unwrapped, 2 threads')]
+            ratio_row('two threads', setting, times, NEVER_1F1B_2, 'unwrapped, 2 threads')], every
 
 
 def measure(setting: Dict[str, Any]) -> Dict[str, Any]:
@@ -245,12 +249,14 @@ def memory_row(config: Dict[str, Any]) -> Row:
 
 def run(config: Dict[str, Any]) -> Dict[str, Any]:
     torch.manual_seed(0)
+    units = unit_rows()
     compute = compute_rows(config)
-    parallel = parallelism_rows(config)
+    parallel, every = parallelism_rows(config)
     memory = memory_row(config)
     results = [compute['rows'][0], memory, parallel[0], parallel[1], *compute['rows'][1:]]
     return {'results': results, 'timelines': compute['timelines'],
-            'devices': compute['devices'], 'targets': TARGETS}
+            'devices': compute['devices'], 'targets': TARGETS, 'units': units,
+            'schedules': every}
 
 
 def target_text(row: Row) -> str:
@@ -274,7 +280,11 @@ def table(document: Dict[str, Any]) -> str:
             timed[r['measured']] = r['measured_ms']
             timed[r['against']] = r['against_ms']
     memory = next(r for r in results if r['name'] == 'memory')
-    lines = ['train_step against the other ways to train, in the same run, one intra-op thread '
+    lines = [unit_table(document['units']), '',
+             zero_bubble_table(document['schedules'],
+                               f"{size_text(document['settings'], document['settings']['batch'])}"
+                               ", 'never'"), '',
+             'train_step against the other ways to train, in the same run, one intra-op thread '
              'per worker:', format_table(headers, cells), '',
              'step times, ms: fastest (median, max) of the rounds',
              format_table(['step', 'time'], [[k, format_spread(v)] for k, v in timed.items()]),
@@ -290,9 +300,21 @@ def table(document: Dict[str, Any]) -> str:
 
 
 def headline(document: Dict[str, Any]) -> List[Figure]:
-    return [Figure(f"{r['name']}: {r['measured']} / {r['against']}", f"{r['ratio']:.3f}x",
-                   target_text(r) if 'target' in r else '', r.get('within_target'))
-            for r in document['results'] if r['name'] in TARGETS or r['name'] == 'two threads']
+    figures = [Figure(f"idle of {r['schedule']} / 1f1b, unit costs", f"{r['ratio']:.2f}x",
+                      f"<= {r['target']:g}x", r['within_target'])
+               for r in document['units'] if 'target' in r]
+    for r in document['schedules']:
+        if 'targets' in r:
+            figures += [Figure(f"{r['schedule']} / 1f1b, step on 2 workers",
+                               f"{r['step_ratio']:.3f}x", f"<= {r['targets']['step']:g}x",
+                               r['step_ratio'] <= r['targets']['step']),
+                        Figure(f"{r['schedule']} / 1f1b, idle per worker (traced)",
+                               f"{r['idle_ratio']:.2f}x", f"<= {r['targets']['idle']:g}x",
+                               r['idle_ratio'] <= r['targets']['idle'])]
+    return figures + [
+        Figure(f"{r['name']}: {r['measured']} / {r['against']}", f"{r['ratio']:.3f}x",
+               target_text(r) if 'target' in r else '', r.get('within_target'))
+        for r in document['results'] if r['name'] in TARGETS or r['name'] == 'two threads']
 
 
 def plot(document: Dict[str, Any], plt: Any) -> None:

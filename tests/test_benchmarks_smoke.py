@@ -105,24 +105,37 @@ def check_schedules(document: Dict[str, Any]) -> None:
         assert 0 < t['utilization'] <= 1
         kinds = {e['kind'] for e in t['events']}
         assert {'forward', 'backward'} <= kinds
+    # Each schedule's idle time from its actions, beside its formula.
+    units = {r['schedule']: r for r in document['units']}
+    assert list(units) == ['fill_drain', '1f1b', 'interleaved_1f1b', 'zb_h1', 'zbv']
+    assert units['1f1b']['ratio'] == 1 and units['zb_h1']['ratio'] < 0.4
+    assert all(r['idle'] == r['formula_value'] for n, r in units.items() if n != 'zbv')
+    every = {r['schedule']: r for r in document['schedules']}
+    assert list(every) == ['1f1b', 'zb_h1', 'interleaved_1f1b', 'zbv']
+    assert every['1f1b']['step_ratio'] == 1
+    assert all(r['step_ms'] > 0 and r['idle_ratio'] >= 0 for r in every.values())
 
 
 def check_distributed(document: Dict[str, Any]) -> None:
-    from benchmarks import distributed
+    from benchmarks import distributed as d
 
-    names = [distributed.ANCHOR, distributed.OURS, distributed.FILL_DRAIN,
-             distributed.ONE_PROCESS, distributed.UNWRAPPED]
+    schedules = list(d.SCHEDULES)
+    names = [n for s in schedules for n in (d.anchor_name(s), d.ours_name(s))] + \
+        [d.FILL_DRAIN] + [d.one_process_name(s) for s in schedules] + [d.UNWRAPPED]
     assert list(document['times']) == names
     for t in document['times'].values():
         assert 0 < t['min'] <= t['median'] <= t['max'] and t['samples'] >= 1
     results = document['results']
     assert [(r['measured'], r['against']) for r in results] == [
-        (distributed.OURS, distributed.ANCHOR), (distributed.FILL_DRAIN, distributed.ANCHOR),
-        (distributed.ONE_PROCESS, distributed.ANCHOR), (distributed.OURS, distributed.ONE_PROCESS),
-        (distributed.OURS, distributed.UNWRAPPED)]
+        (d.ours_name(s), d.anchor_name(s)) for s in schedules] + [(d.FILL_DRAIN, d.ANCHOR)] + [
+        (d.one_process_name(s), d.anchor_name(s)) for s in schedules] + [
+        (d.OURS, d.ONE_PROCESS), (d.OURS, d.UNWRAPPED)]
     assert all(r['ratio'] > 0 and r['ratio_median'] > 0 for r in results)
-    assert results[0]['target'] == distributed.TARGET
-    assert all('target' not in r for r in results[1:])
+    # Each of ours against the anchor's, and the one-process steps of the new
+    # schedules against the anchor's: targets; the others are for information.
+    targeted = {(r['measured'], r['target']) for r in results if 'target' in r}
+    assert targeted == {(d.ours_name(s), d.TARGETS[s]) for s in schedules} | {
+        (d.one_process_name(s), d.TARGETS[s]) for s in schedules if s != '1f1b'}
     # Every step trains the same mini-batch from the same parameters: the same loss.
     assert set(document['losses']) == set(names)
     assert document['max_loss_difference'] < 1e-5

@@ -32,6 +32,7 @@ from process_group import no_child_left  # noqa: F401 (an autouse fixture)
 from process_group import GLOO_TIMEOUT, run_distributed
 from test_distributed import FEATURES, TOLERANCE, PopAdd, Stash, build
 from torchgpipe import GPipe
+from torchgpipe.distributed.pipe import ranks_of_partitions
 from torchgpipe.distributed import DistributedGPipe
 from torchgpipe.skip import Namespace
 
@@ -76,10 +77,17 @@ class Config(NamedTuple):
     balance: Tuple[int, ...]
     schedule: str
     checkpoint: str
+    #: With more partitions than ranks: 'loop' or 'v'.
+    placement: str = 'loop'
 
     @property
     def id(self) -> str:
-        return f'{self.model}-{list(self.balance)}-{self.schedule}-{self.checkpoint}'
+        where = f'-{self.placement}' if self.placement != 'loop' else ''
+        return f'{self.model}-{list(self.balance)}-{self.schedule}-{self.checkpoint}{where}'
+
+    def ranks(self, size: int) -> List[int]:
+        """The rank of each partition."""
+        return ranks_of_partitions(list(self.balance), size, self.placement)
 
 
 def model(name: str) -> nn.Sequential:
@@ -88,13 +96,18 @@ def model(name: str) -> nn.Sequential:
     return packed()[0] if name == 'packed' else build(name)[0]
 
 
-SCHEDULE_CHECKPOINTS = list(itertools.product(['1f1b', 'fill_drain'], CHECKPOINT_MODES))
+SCHEDULE_CHECKPOINTS = list(itertools.product(['1f1b', 'fill_drain', 'zb_h1'], CHECKPOINT_MODES))
 # unet's two skips cross from partition 0 to 1 with [5, 5], popped in the
 # reverse order of their stashes; with [3, 2, 5] one leaps over the middle rank.
 TWO_RANKS = [Config(m, b, s, c) for (m, b), (s, c) in itertools.product(
     [('mlp', (3, 2)), ('unet', (5, 5)), ('batchnorm', (3, 4)), ('packed', (2, 2))],
     SCHEDULE_CHECKPOINTS)]
 THREE_RANKS = [Config('unet', (3, 2, 5), s, c) for s, c in SCHEDULE_CHECKPOINTS]
+# Two partitions per rank, in a loop or a V; unet's skips cross virtual stages.
+VIRTUAL = [Config(m, b, s, c, placement) for (m, b), (s, placement), c in itertools.product(
+    [('unet', (3, 2, 2, 3)), ('mlp', (2, 1, 1, 1)), ('batchnorm', (2, 2, 2, 1))],
+    [('interleaved_1f1b', 'loop'), ('zbv', 'v'), ('1f1b', 'loop'), ('zb_h1', 'v')],
+    CHECKPOINT_MODES)]
 
 
 def batch(step: int, size: int = BATCH) -> Tuple[Tensor, Tensor]:
@@ -132,13 +145,16 @@ def train_pipelines(rank: int, world_size: int, configs: List[Config]) -> Dict[s
     for config in configs:
         pipe = DistributedGPipe(model(config.model), config.balance, chunks=CHUNKS,
                                 checkpoint=config.checkpoint,
-                                deferred_batch_norm=config.model == 'batchnorm')
+                                deferred_batch_norm=config.model == 'batchnorm',
+                                placement=config.placement)
         results[config.id] = train(pipe, config, pipe.train_step)
     return results
 
 
-def one_process(config: Config, threads: bool) -> Result:
-    devices = [f'cpu:{j}' if threads else 'cpu' for j in range(len(config.balance))]
+def one_process(config: Config, threads: bool, ranks: int = 0) -> Result:
+    """GPipe on one thread, or on a device per rank of ``ranks`` (default: per partition)."""
+    workers = config.ranks(ranks) if ranks else range(len(config.balance))
+    devices = [f'cpu:{w}' if threads else 'cpu' for w in workers]
     gpipe = GPipe(model(config.model), list(config.balance), devices=devices, chunks=CHUNKS,
                   checkpoint=config.checkpoint,
                   deferred_batch_norm=config.model == 'batchnorm')
@@ -195,14 +211,20 @@ def three_ranks() -> List[Dict[str, Result]]:
     return run_distributed(train_pipelines, THREE_RANKS, world_size=3, timeout=150)
 
 
-@pytest.mark.parametrize('config', TWO_RANKS + THREE_RANKS, ids=lambda c: c.id)
+@pytest.fixture(scope='module')
+def virtual() -> List[Dict[str, Result]]:
+    return run_distributed(train_pipelines, VIRTUAL, timeout=150)
+
+
+@pytest.mark.parametrize('config', TWO_RANKS + THREE_RANKS + VIRTUAL, ids=lambda c: c.id)
 def test_the_same_as_one_process_and_the_unwrapped_model(
         two_ranks: List[Dict[str, Result]], three_ranks: List[Dict[str, Result]],
-        config: Config) -> None:
-    ranks = two_ranks if len(config.balance) == 2 else three_ranks
+        virtual: List[Dict[str, Result]], config: Config) -> None:
+    ranks = virtual if config in VIRTUAL else two_ranks if len(config.balance) == 2 else \
+        three_ranks
     actual = merge([r[config.id] for r in ranks])
     for threads in (False, True):
-        assert_equal(actual, one_process(config, threads), exact=True)
+        assert_equal(actual, one_process(config, threads, len(ranks)), exact=True)
     if config.model != 'batchnorm':  # statistics per micro-batch in a pipeline
         assert_equal(actual, unwrapped(config), exact=False)
 
@@ -490,6 +512,8 @@ def refusals(rank: int, world_size: int) -> List[str]:
     attempts = [
         lambda: DistributedGPipe(model('mlp'), [1, 1, 3]),
         lambda: DistributedGPipe(nn.Sequential(first, nn.Tanh(), tied), [2, 1]),
+        lambda: DistributedGPipe(model('mlp'), [3, 2], placement='v'),
+        lambda: DistributedGPipe(model('mlp'), [3, 2], placement='ring'),
         lambda: DistributedGPipe(model('mlp'), [3, 2], device='gpu'),
         lambda: DistributedGPipe(model('mlp'), [3, 2], checkpoint='sometimes'),
     ]
@@ -510,11 +534,18 @@ def refusals(rank: int, world_size: int) -> List[str]:
 def test_bad_arguments_are_refused_before_any_message() -> None:
     messages = run_distributed(refusals, timeout=GLOO_TIMEOUT)[0]
     assert messages == [
-        'ValueError: balance must give one partition per rank of the group (balance: '
-        '[1, 1, 3], ranks: 2); give 2 numbers of layers, or run 3 processes',
+        'ValueError: balance must give each rank of the group as many partitions (balance: '
+        '[1, 1, 3], ranks: 2); give 2 numbers of layers (or a multiple of 2), or run 3 '
+        'processes',
         'ValueError: a parameter is shared by layers of two partitions, in two processes '
-        '(2.weight of partition 1); put the layers that share it in one partition, or use '
-        'GPipe, whose partitions may share parameters',
+        "(2.weight of partition 1); put the layers that share it in one partition, or in "
+        "partitions of one rank (placement='v' gives the first and the last to rank 0), or "
+        'use GPipe, whose partitions may share parameters',
+        "ValueError: placement='v' needs two partitions per rank of the group (balance: "
+        "[3, 2], ranks: 2); give 4 numbers of layers",
+        "ValueError: placement must be 'loop' or 'v' (placement: 'ring'); use "
+        "placement='loop' (partition j on rank j % size), or 'v' (rank r keeps partitions r "
+        "and 2 size - 1 - r)",
         "ValueError: device is not a valid device (device: 'gpu'); give this process's "
         "device, such as device='cpu'",
         "ValueError: checkpoint is not one of 'always', 'except_last', or 'never'",

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 import torchgpipe.distributed
-from helpers import CHECKPOINT_MODES
+from helpers import CHECKPOINT_MODES, schedule_devices
 from process_group import no_child_left  # noqa: F401 (an autouse fixture)
 from process_group import run_distributed
 from test_distributed import BATCH, CHUNKS, FEATURES, TOLERANCE, build, global_batch
@@ -29,7 +29,7 @@ from torchgpipe import GPipe
 pytestmark = pytest.mark.timeout(180)
 
 STEPS = 2
-SCHEDULES = ['1f1b', 'fill_drain']
+SCHEDULES = ['1f1b', 'fill_drain', 'zb_h1']
 
 
 class Config(NamedTuple):
@@ -42,11 +42,14 @@ class Config(NamedTuple):
     reference: str = 'plain'
     #: Two train_steps per step, the first inside no_sync().
     accumulate: bool = False
+    #: Another balance than the model's own (four partitions, for a V).
+    balance: Tuple[int, ...] = ()
 
     @property
     def id(self) -> str:
         devices = 'threads' if self.threads else 'one-thread'
-        extra = ['no_sync'] if self.accumulate else []
+        extra = (['no_sync'] if self.accumulate else []) + \
+            ([str(list(self.balance))] if self.balance else [])
         return '-'.join([self.model, self.schedule, self.checkpoint, devices] + extra)
 
 
@@ -75,6 +78,11 @@ CONFIGS = [Config(model, schedule, checkpoint, threads, reference)
                [('unet', 'plain'), ('batchnorm', 'gpipe')], SCHEDULES, CHECKPOINT_MODES,
                [False, True])] + [
     Config('unused', '1f1b', 'except_last', True),
+    Config('unused', 'zb_h1', 'except_last', True),
+    Config('unet', 'interleaved_1f1b', 'except_last', True),
+    Config('unet', 'zbv', 'always', True, balance=(3, 2, 2, 3)),
+    Config('unet', 'interleaved_1f1b', 'never', True, balance=(3, 2, 2, 3)),
+    Config('unet', 'zb_h1', 'always', True, accumulate=True),
     Config('unet', '1f1b', 'always', True, accumulate=True),
     Config('batchnorm', 'fill_drain', 'except_last', False, 'gpipe', accumulate=True),
 ]
@@ -82,7 +90,8 @@ CONFIGS = [Config(model, schedule, checkpoint, threads, reference)
 
 def gpipe(config: Config) -> GPipe:
     model, balance = model_and_balance(config.model)
-    devices = [f'cpu:{j}' if config.threads else 'cpu' for j in range(len(balance))]
+    balance = list(config.balance) or balance
+    devices = schedule_devices(config.schedule, len(balance), config.threads)
     return GPipe(model, balance, devices=devices, chunks=CHUNKS, checkpoint=config.checkpoint,
                  deferred_batch_norm=True)
 

@@ -15,7 +15,7 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 import jsonschema
 import pytest
 import torch
-from helpers import PopAdd, Stash, cpu_devices, mlp
+from helpers import PopAdd, Stash, cpu_devices, mlp, schedule_devices
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
@@ -24,6 +24,8 @@ import torchgpipe
 from torchgpipe import GPipe
 from torchgpipe.pipeline import clock_cycles
 from torchgpipe.timeline import Event, Timeline, segments
+from torchgpipe.train.generators import resolve
+from torchgpipe.train.schedule import idle, simulate, unit_cost
 
 CHECKPOINT_STOP = {'always': lambda m, chunks: m,
                    'except_last': lambda m, chunks: min(m, chunks - 1),
@@ -224,6 +226,36 @@ def test_summary_says_what_the_step_was(schedule: Optional[str], threaded: bool)
     summary = timeline.summary()
     assert summary.kind == kind
     assert str(summary).splitlines()[0].startswith(f'step 0, {kind}: 2 micro-batches, ')
+
+
+@pytest.mark.parametrize('schedule, formula', [
+    ('1f1b', '(p-1)(F+B) (1f1b)'), ('zb_h1', '(p-1)(F+B-2W) (zb_h1)'), ('zbv', '~0 (zbv)'),
+    ('0F0 0F1 0B0 0B1\n1F0 1I0 1F1 1I1 1W0 1W1', 'its schedule')])
+def test_summary_gives_the_bubble_of_the_schedule_beside_its_formula(
+        schedule: str, formula: str, threaded: bool) -> None:
+    devices = schedule_devices(schedule, 2, threaded)
+    model = GPipe(mlp(4, depth=4, blocks=True), balance=[2, 2], devices=devices, chunks=2,
+                  checkpoint='never')
+    with torchgpipe.trace(model) as timeline:
+        model.train_step(torch.randn(4, 4), torch.randn(4, 4), torch.nn.functional.mse_loss,
+                         schedule=schedule)
+    summary = timeline.summary()
+    plan = resolve(schedule, 2, 2, devices)
+    # The bubble of the schedule itself, with equal F, I and W.
+    times = simulate(plan.workers, 2, unit_cost)
+    span = max(end for _, end in times.values())
+    assert summary.formula == formula
+    assert summary.predicted_bubble == pytest.approx(float(idle(plan.workers, 2, unit_cost)
+                                                           / span))
+    assert f'by {formula}' in str(summary)
+    # The split backward passes are recorded under their own names.
+    kinds = {e.kind for e in timeline.events}
+    if plan.splits():
+        assert {'input', 'weight'} <= kinds
+        assert {e.name for e in timeline.events if e.kind == 'weight' and e.partition == 1} \
+            == {'W(0,1)', 'W(1,1)'}
+    else:
+        assert not {'input', 'weight'} & kinds
 
 
 def test_segments_never_overlap_on_a_track(threaded: bool) -> None:
@@ -498,6 +530,11 @@ def test_train_step_actions_carry_profiler_labels(threaded: bool) -> None:
     assert {f'torchgpipe F({i},{j})' for i, j in pairs} <= names
     assert {f'torchgpipe B({i},{j})' for i, j in pairs} <= names
     assert {f"torchgpipe F'(0,{j})" for j in range(2)} <= names
+    names = profiled_names(lambda: model.train_step(torch.randn(4, 4), torch.randn(4, 4),
+                                                    torch.nn.functional.mse_loss,
+                                                    schedule='zb_h1'), threaded)
+    assert {f'torchgpipe I({i},{j})' for i, j in pairs} <= names
+    assert {f'torchgpipe W({i},{j})' for i, j in pairs} <= names
 
 
 def test_nothing_is_labelled_without_a_profiler(monkeypatch: pytest.MonkeyPatch) -> None:

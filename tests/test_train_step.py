@@ -604,18 +604,24 @@ class Keep(nn.Module):
         return y
 
 
-@pytest.mark.parametrize('where', ['forward', 'backward'])
-def test_a_failed_step_leaves_no_activation_behind(where: str, threaded: bool) -> None:
+@pytest.mark.parametrize('schedule', SCHEDULES)
+@pytest.mark.parametrize('where', ['forward', 'backward', None])
+def test_a_step_leaves_no_activation_behind(where: Optional[str], schedule: str,
+                                            threaded: bool) -> None:
+    # Failed or not: what an I keeps for its W goes with the step.
     keep = Keep()
-    model = nn.Sequential(nn.Linear(4, 4), keep, nn.Linear(4, 4), Fail(at=2, where=where),
-                          nn.Linear(4, 4))
-    gpipe = GPipe(model, balance=[2, 3], devices=cpu_devices(2, threaded), chunks=4,
-                  checkpoint='never')
+    model = nn.Sequential(nn.Linear(4, 4), keep, nn.Linear(4, 4),
+                          Fail(at=2 if where else -1, where=where or 'forward'), nn.Linear(4, 4))
+    gpipe = GPipe(model, balance=[2, 3], devices=schedule_devices(schedule, 2, threaded),
+                  chunks=4, checkpoint='never')
 
     def step() -> None:
-        gpipe.train_step(torch.randn(8, 4), torch.randn(8, 4), F.mse_loss)
+        gpipe.train_step(torch.randn(8, 4), torch.randn(8, 4), F.mse_loss, schedule=schedule)
 
-    with pytest.raises((ValueError, KeyError)):
+    if where is None:
         step()
+    else:
+        with pytest.raises((ValueError, KeyError)):
+            step()
     gc.collect()
     assert keep.outputs and all(ref() is None for ref in keep.outputs)

@@ -39,8 +39,11 @@ class Recorder(Protocol):
     """What the engine calls on a recorder attached to a GPipe."""
 
     def begin_step(self, micro_batches: int, devices: Sequence[torch.device],
-                   kind: str = 'forward') -> int:
-        """Starts a step (a call of the GPipe, or a train_step); returns its index."""
+                   kind: str = 'forward', bubble: Optional[Tuple[str, float]] = None) -> int:
+        """Starts a step (a call of the GPipe, or a train_step); returns its index.
+
+        ``bubble``: the formula of the step's bubble and its value, if not GPipe's.
+        """
 
     def timed(self, kind: str, i: int, j: int, device: torch.device,
               function: Callable[[], T]) -> Callable[[], T]:

@@ -102,7 +102,7 @@ def train_step(model: DistributedDataParallel, input: TensorOrTensors,
         return module._train_step(input, target, loss_fn, schedule, reduction)
     names = {id(p): name for name, p in module.named_parameters()}
     partitions = dict(enumerate(module.partitions)) if isinstance(module, GPipe) else \
-        {module.rank: module}
+        dict(module._here)
     reducer = AllReduce({j: [p for p in partition.parameters() if names[id(p)] not in ignored]
                          for j, partition in partitions.items()}, group)
     loss = module._train_step(input, target, loss_fn, schedule, reduction, reducer.done)

@@ -1,4 +1,4 @@
-"""DistributedGPipe: a pipeline whose partitions are the processes of a group, one each."""
+"""DistributedGPipe: a pipeline whose partitions are the processes of a group, one or more each."""
 from collections import OrderedDict
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Union, cast
 
@@ -34,15 +34,18 @@ class DistributedGPipe(nn.Module):
     whose partitions are the processes of a :mod:`torch.distributed` group.
 
     Every process runs the same script (under ``torchrun``, say) and builds
-    the same ``module``; the process of rank ``j`` in ``group`` keeps the
-    ``j``-th partition, ``balance[j]`` layers, on ``device``, and drops the
-    others. :meth:`train_step` then trains the whole pipeline: activations
-    and gradients travel between the processes by torch.distributed's
-    point-to-point operations (``isend``/``irecv``), skip connections
-    included, in the order of a schedule (1F1B or fill-drain), with
-    checkpointing as :class:`~torchgpipe.GPipe` does it. After it, each
-    process's parameters hold the gradients the unwrapped module would give
-    them.
+    the same ``module``; the process of rank ``r`` in ``group`` keeps the
+    ``r``-th partition, ``balance[r]`` layers, on ``device``, and drops the
+    others. With ``v`` times more partitions than ranks (virtual stages), a
+    rank keeps ``v`` of them, laid out as ``placement`` says: in a loop
+    (partition ``j`` on rank ``j % size``, for interleaved 1F1B) or in a V
+    (rank ``r`` keeps ``r`` and ``2 size - 1 - r``, for ZBV). :meth:`train_step`
+    then trains the whole pipeline: activations and gradients travel between
+    the processes by torch.distributed's point-to-point operations
+    (``isend``/``irecv``), skip connections included, in the order of a
+    schedule, with checkpointing as :class:`~torchgpipe.GPipe` does it. After
+    it, each process's parameters hold the gradients the unwrapped module
+    would give them.
 
     The module's layers keep their names: the state dict of this process
     has the keys of its layers in the unwrapped module (``'3.weight'``), and
@@ -50,8 +53,8 @@ class DistributedGPipe(nn.Module):
 
     Args:
         module (torch.nn.Sequential): the whole module, the same on every rank
-        balance (ints): the number of layers of each partition, one per rank
-            of ``group``
+        balance (ints): the number of layers of each partition: one per rank
+            of ``group``, or ``v`` per rank
 
     Keyword Args:
         chunks (int): number of micro-batches (default: ``1``)
@@ -63,13 +66,16 @@ class DistributedGPipe(nn.Module):
             (default: the CPU)
         deferred_batch_norm (bool): as for :class:`~torchgpipe.GPipe`
             (default: ``False``)
+        placement (str): with several partitions per rank, ``'loop'``
+            (default) or ``'v'`` (two per rank)
 
     Raises:
         RuntimeError: torch.distributed is not initialized
         TypeError, ValueError: as for :class:`~torchgpipe.GPipe`; also, a
-            balance of another length than the group's size, or a parameter
-            shared by layers of two partitions (tied weights cross processes
-            only in :class:`~torchgpipe.GPipe`)
+            balance whose length is not a multiple of the group's size, an
+            unknown ``placement``, or a parameter shared by layers of two
+            partitions on two ranks (tied weights cross processes only in
+            :class:`~torchgpipe.GPipe`)
 
     Example::
 
@@ -87,7 +93,7 @@ class DistributedGPipe(nn.Module):
     def __init__(self, module: nn.Sequential, balance: Iterable[int], *, chunks: int = 1,
                  checkpoint: str = 'except_last', group: Optional[dist.ProcessGroup] = None,
                  device: Optional[Union[torch.device, str, int]] = None,
-                 deferred_batch_norm: bool = False) -> None:
+                 deferred_batch_norm: bool = False, placement: str = 'loop') -> None:
         super().__init__()
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError('DistributedGPipe needs torch.distributed: call '
@@ -100,11 +106,9 @@ class DistributedGPipe(nn.Module):
                                       'build the DistributedGPipe only on the ranks of its '
                                       'group, giving each rank its own pipeline group'))
         size = dist.get_world_size(group)
-        if len(balance) != size:
-            raise ValueError(describe('balance must give one partition per rank of the group',
-                                      f'balance: {balance}, ranks: {size}',
-                                      f'give {size} numbers of layers, or run '
-                                      f'{len(balance)} processes'))
+        self.placement = placement
+        #: The rank (in the group) of each partition.
+        self.rank_of = ranks_of_partitions(balance, size, placement)
         self.chunks = check_chunks(chunks)
         self.checkpoint = str(checkpoint)
         if self.checkpoint not in ('always', 'except_last', 'never'):
@@ -122,17 +126,21 @@ class DistributedGPipe(nn.Module):
         partitions = [nn.Sequential(OrderedDict(next(children) for _ in range(n)))
                       for n in balance]
         for k, ties in enumerate(find_ties(partitions)):
-            if ties:
-                raise ValueError(describe(
-                    'a parameter is shared by layers of two partitions, in two processes',
-                    f'{ties[0][0]} of partition {k}',
-                    'put the layers that share it in one partition, or use GPipe, '
-                    'whose partitions may share parameters'))
+            for key, use in ties:
+                j = next(j for j, p in enumerate(partitions)
+                         if any(m is use.owner for m in p.modules()))
+                if self.rank_of[j] != self.rank_of[k]:
+                    raise ValueError(describe(
+                        'a parameter is shared by layers of two partitions, in two processes',
+                        f'{key} of partition {k}',
+                        'put the layers that share it in one partition, or in partitions of '
+                        "one rank (placement='v' gives the first and the last to rank 0), or "
+                        'use GPipe, whose partitions may share parameters'))
         self.balance = balance
         self.group = group
         self.rank = dist.get_rank(group)
-        self.ranks = [dist.get_global_rank(group, j) if group is not None else j
-                      for j in range(size)]
+        self.ranks = [dist.get_global_rank(group, r) if group is not None else r
+                      for r in range(size)]
         layout = inspect_skip_layout(partitions)
         self._routes = {key: route for key, route in layout.by_ns_name.items()
                         if route[0] != route[1]}
@@ -140,14 +148,18 @@ class DistributedGPipe(nn.Module):
         # The layers of the other partitions are dropped with ``module``.
         # Placed in place: a tensor of the user's model stays the one the
         # user holds (see torchgpipe.placement).
-        for name, layer in partitions[self.rank].named_children():
-            place(layer, self.device)
-            self.add_module(name, layer)
-        self._others = [name for j, p in enumerate(partitions) if j != self.rank
+        #: This process's partitions, by index.
+        self._here: Dict[int, nn.Sequential] = {
+            j: p for j, p in enumerate(partitions) if self.rank_of[j] == self.rank}
+        for partition in self._here.values():
+            for name, layer in partition.named_children():
+                place(layer, self.device)
+                self.add_module(name, layer)
+        self._others = [name for j, p in enumerate(partitions) if j not in self._here
                         for name, _ in p.named_children()]
         self._deferred_batch_norms = [m for m in self.modules()
                                       if isinstance(m, DeferredBatchNorm)]
-        self._run_state = RunState(1)
+        self._run_state = RunState(len(self._here))
         #: The capacity of the channel to each rank (see Channels).
         self._capacities: Dict[int, int] = {}
         #: The CPU memory of the messages, reused from step to step.
@@ -173,7 +185,7 @@ class DistributedGPipe(nn.Module):
                         'unwrapped module')
 
     def partition(self) -> nn.Sequential:
-        """The layers of this process's partition, as a sequential module sharing them."""
+        """The layers of this process's partitions, in order, as one sequential module."""
         return nn.Sequential(OrderedDict(self.named_children()))
 
     def train_step(self, input: TensorOrTensors, target: TensorOrTensors,
@@ -212,20 +224,19 @@ class DistributedGPipe(nn.Module):
     def _train_step(self, input: TensorOrTensors, target: TensorOrTensors,
                     loss_fn: LossFunction, schedule: ScheduleLike, reduction: str,
                     done: Optional[Callable[[int], None]] = None) -> Tensor:
-        n, here = len(self.balance), self.rank
+        n = len(self.balance)
         batches, targets, weights = split_step(input, target, self.chunks, reduction,
                                                self.device)
-        if here == 0:
-            microbatch.move(batches, self.device)
         m = len(batches)
-        # One partition per rank: a worker of the schedule is a rank.
-        plan = resolve(schedule, m, n, list(range(n)))
-        partitions: List[Optional[nn.Sequential]] = [None] * n
-        partitions[here] = self.partition()
+        plan = resolve(schedule, m, n, self.rank_of)
+        if 0 in self._here:
+            microbatch.move(batches, self.device)
+        partitions: List[Optional[nn.Sequential]] = [self._here.get(j) for j in range(n)]
         traits = [PartitionTraits() for _ in range(n)]
-        traits[here] = self._run_state.traits[0]
+        for k, j in enumerate(self._here):
+            traits[j] = self._run_state.traits[k]
         wire = Wire(Channels(self.device, self.group, self._capacities, self._blocks),
-                    self.ranks, here, self._routes)
+                    [self.ranks[r] for r in self.rank_of], dist.get_rank(), self._routes)
         step = Step(partitions, [self.device] * n, batches, targets, loss_fn, weights,
                     plan, self._skip_layout,
                     checkpoint_stop(self.checkpoint, self.chunks, m, self.training), traits,
@@ -252,3 +263,29 @@ class DistributedGPipe(nn.Module):
         mine: Dict[str, Any] = {k: v for k, v in state_dict.items()
                                 if k.split('.', 1)[0] not in others}
         return cast(_IncompatibleKeys, super().load_state_dict(mine, strict, assign))
+
+
+def ranks_of_partitions(balance: List[int], size: int, placement: str) -> List[int]:
+    """The rank of each partition over ``size`` ranks, laid out as ``placement`` says.
+
+    Raises:
+        ValueError: the partitions do not divide evenly among the ranks, or
+            ``placement`` is not ``'loop'``, or ``'v'`` with two partitions per rank
+    """
+    if placement not in ('loop', 'v'):
+        raise ValueError(describe("placement must be 'loop' or 'v'", f'placement: {placement!r}',
+                                  "use placement='loop' (partition j on rank j % size), or "
+                                  "'v' (rank r keeps partitions r and 2 size - 1 - r)"))
+    n = len(balance)
+    if placement == 'v' and n != 2 * size:
+        raise ValueError(describe("placement='v' needs two partitions per rank of the group",
+                                  f'balance: {balance}, ranks: {size}',
+                                  f'give {2 * size} numbers of layers'))
+    if n % size:
+        raise ValueError(describe('balance must give each rank of the group as many '
+                                  'partitions', f'balance: {balance}, ranks: {size}',
+                                  f'give {size} numbers of layers (or a multiple of {size}), '
+                                  f'or run {n} processes'))
+    if placement == 'v':
+        return [min(j, n - 1 - j) for j in range(n)]
+    return [j % size for j in range(n)]

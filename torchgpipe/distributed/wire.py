@@ -1,25 +1,29 @@
 """The wire: a training step's messages between partitions in different processes.
 
 :class:`~torchgpipe.train.step.Step` sends and takes its messages through a
-:class:`~torchgpipe.train.mailbox.Mailbox`. :class:`Wire` is the mailbox of a
-partition whose neighbours live in other processes: a message to another
-rank is pickled, its tensors apart, and sent with torch.distributed's
-point-to-point operations as one buffer (:class:`Channels`); a message from
-another rank is taken when it has come.
+:class:`~torchgpipe.train.mailbox.Mailbox`. :class:`Wire` is the mailbox of
+the partitions of one process, whose neighbours may live in other processes:
+a message to another rank is pickled with its key, its tensors apart, and
+sent with torch.distributed's point-to-point operations as one buffer
+(:class:`Channels`); a message between two partitions of this process (two
+virtual stages of one rank) stays in the mailbox.
 
 Sends never wait (``isend``): a rank only waits for what it needs, so a
-schedule that :func:`~torchgpipe.train.schedule.clock_order` accepts runs without
-deadlock. Between two ranks, messages are received in the order they were
-sent, whatever the backend (NCCL has no tags). That order is made one by
-sending the skips of a micro-batch (:class:`~torchgpipe.train.mailbox.Skip` forward,
-:class:`~torchgpipe.train.mailbox.SkipGradient` backward) right after the main
-message of the same action (:class:`~torchgpipe.train.mailbox.Activation` or
-:class:`~torchgpipe.train.mailbox.Gradient`), sorted by the skip's index, and
-receiving them, in that order, right after it.
+schedule that :meth:`~torchgpipe.train.schedule.Schedule.check` accepts runs
+without deadlock. Between two ranks, messages arrive in the order they were
+sent, whatever the backend (NCCL has no tags), which need not be the order
+the receiving rank takes them in (with several partitions per rank, or a
+schedule of one's own). So every message carries its key, and a rank
+waiting for one key keeps the messages that come before it, by key, for
+the actions that will take them::
+
+    rank 0 sends    Activation(0, 1)  Activation(0, 3)  Gradient(0, 1)
+    rank 1 takes    Activation(0, 1)  Gradient(0, 1)    Activation(0, 3)
+                                      ▲ receives Activation(0, 3) first: kept
 """
 import io
 import pickle
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -27,8 +31,8 @@ from torch import Tensor
 
 from torchgpipe.distributed.blocks import Blocks
 from torchgpipe.copy import Ready
-from torchgpipe.train.mailbox import (Activation, Key, Mailbox, Skip, SkipGradient,
-                                SkipKey)
+from torchgpipe.train.mailbox import (Activation, Gradient, Key, Mailbox, Skip, SkipGradient,
+                                      SkipKey)
 
 __all__: List[str] = []
 
@@ -45,95 +49,107 @@ class PeerFailed(RuntimeError):
 
 
 class Wire(Mailbox):
-    """The mailbox of partition ``here``, whose neighbours are in other processes.
+    """The mailbox of this process's partitions, whose neighbours may be in other processes.
 
     Args:
         channels: the channels to the other ranks
         ranks: the global rank of each partition
-        here: the index of the partition of this process
+        me: the global rank of this process
         routes: the route of each skip that crosses partitions, by key
     """
 
-    def __init__(self, channels: 'Channels', ranks: Sequence[int], here: int,
+    def __init__(self, channels: 'Channels', ranks: Sequence[int], me: int,
                  routes: Dict[SkipKey, Route]) -> None:
         super().__init__()
         self.channels = channels
         self.ranks = ranks
-        self.here = here
+        self.me = me
         self.routes = routes
-        #: The index of each skip, which orders the skips of one action.
-        self.index = {key: k for k, key in enumerate(routes)}
-        #: The skips popped and stashed here, by index.
-        self.popped = [key for key in routes if routes[key][1] == here]
-        self.stashed = [key for key in routes if routes[key][0] == here]
-        #: Skips to send after the main message of their micro-batch.
-        self.held: List[Tuple[int, Key, Any]] = []
+        #: Every other rank of the pipeline, once.
+        self.others = [r for r in dict.fromkeys(ranks) if r != me]
+        #: The skips by index, which every rank numbers alike (in the order of
+        #: the layers), while a skip's namespace differs from process to process.
+        self.skips = list(routes)
+        self.index = {key: k for k, key in enumerate(self.skips)}
+
+    def ends(self, key: Key) -> Route:
+        """The partitions a message goes from and to."""
+        if isinstance(key, Activation):
+            return key.j - 1, key.j
+        if isinstance(key, Gradient):
+            return key.j + 1, key.j
+        a, b = self.routes[key.key]
+        return (a, b) if isinstance(key, Skip) else (b, a)
+
+    def encode(self, key: Key) -> Any:
+        """A key as it travels: a skip's by the skip's index."""
+        if isinstance(key, (Skip, SkipGradient)):
+            return (type(key).__name__, key.i, self.index[key.key])
+        return key
+
+    def decode(self, wired: Any) -> Key:
+        if isinstance(wired, tuple):
+            kind, i, k = wired
+            return (Skip if kind == 'Skip' else SkipGradient)(i, self.skips[k])
+        return cast(Key, wired)
 
     def put(self, key: Key, message: Any) -> None:
-        if isinstance(key, (Skip, SkipGradient)):
-            self.held.append((self.index[key.key], key, message))
-            return
-        # Both main messages are keyed by the partition they go to.
-        self.send(key.j, 'message', message)
-        # The skips of this action follow its main message.
-        self.held.sort(key=lambda h: h[0])
-        for _, skip, smessage in self.held:
-            assert isinstance(skip, (Skip, SkipGradient))
-            a, b = self.routes[skip.key]
-            self.send(b if isinstance(skip, Skip) else a, 'message', smessage)
-        self.held.clear()
+        rank = self.ranks[self.ends(key)[1]]
+        if rank == self.me:
+            super().put(key, message)
+        else:
+            self.channels.send(rank, 'message', (self.encode(key), message))
 
     def take(self, key: Key) -> Any:
-        if isinstance(key, (Skip, SkipGradient)):
-            return super().take(key)  # received with the main message
-        forward = isinstance(key, Activation)
-        message = self.receive(key.j - 1 if forward else key.j + 1)
-        for skey in self.popped if forward else self.stashed:
-            a, b = self.routes[skey]
-            super().put(Skip(key.i, skey) if forward else SkipGradient(key.i, skey),
-                        self.receive(a if forward else b))
-        return message
+        source = self.ends(key)[0]
+        if self.ranks[source] == self.me or self.has(key):
+            return super().take(key)
+        while True:
+            wired, message = self.receive(source)
+            received = self.decode(wired)
+            if received == key:
+                return message
+            # Sent before, for an action of this process still to come.
+            super().put(received, message)
 
-    def send(self, j: int, kind: str, message: Any) -> None:
-        """Sends ``message`` to partition ``j``, without waiting."""
-        self.channels.send(self.ranks[j], kind, message)
+    def has(self, key: Key) -> bool:
+        with self._condition:
+            return key in self._messages
 
     def receive(self, j: int) -> Any:
-        """Waits for the next message from partition ``j``.
+        """Waits for the next message from the rank of partition ``j``.
 
         Raises:
-            PeerFailed: partition ``j``'s rank failed, or the connection to it
-                broke or timed out
+            PeerFailed: that rank failed, or the connection to it broke or timed out
         """
+        rank = self.ranks[j]
         try:
-            kind, message = self.channels.receive(self.ranks[j])
+            kind, message = self.channels.receive(rank)
         except RuntimeError as exc:
-            raise PeerFailed(f'lost rank {self.ranks[j]} (partition {j}) while waiting for '
+            raise PeerFailed(f'lost rank {rank} (partition {j}) while waiting for '
                              f'its message: {exc}') from exc
         if kind == 'failure':
-            raise PeerFailed(f'rank {self.ranks[j]} (partition {j}) failed: {message}')
+            raise PeerFailed(f'rank {rank} (partition {j}) failed: {message}')
         return message
 
     def finish(self, loss: Optional[Tensor]) -> Tensor:
         """Ends the step on every rank: returns the loss the last partition sends everyone.
 
-        Each rank tells every other that it is done (the last one, with the
-        loss), then waits for the word of every other rank, and for its own
-        sends to arrive.
+        Each rank tells every other that it is done (the last partition's,
+        with the loss), then waits for the word of every other rank, and for
+        its own sends to arrive.
 
         Raises:
             PeerFailed: another rank failed in this step
         """
-        for j in range(len(self.ranks)):
-            if j != self.here:
-                self.send(j, 'message', loss)
-        for j in range(len(self.ranks)):
-            if j != self.here:
-                received = self.receive(j)
-                if j == len(self.ranks) - 1:
-                    # A copy: the received loss is a view of a message's
-                    # buffer, which a loss kept for logging would hold.
-                    loss = received.clone()
+        for rank in self.others:
+            self.channels.send(rank, 'message', (None, loss))
+        for rank in self.others:
+            _, received = self.receive(self.ranks.index(rank))
+            if rank == self.ranks[-1]:
+                # A copy: the received loss is a view of a message's
+                # buffer, which a loss kept for logging would hold.
+                loss = received.clone()
         self.channels.wait_sent()
         self.channels.blocks.trim()
         assert loss is not None
@@ -148,12 +164,11 @@ class Wire(Mailbox):
         their buffers outlive them.
         """
         description = f'{type(error).__name__}: {error}'
-        for j in range(len(self.ranks)):
-            if j != self.here:
-                try:
-                    self.send(j, 'failure', description)
-                except RuntimeError:
-                    pass  # that rank is gone already
+        for rank in self.others:
+            try:
+                self.channels.send(rank, 'failure', description)
+            except RuntimeError:
+                pass  # that rank is gone already
 
 
 class Channels:

@@ -87,6 +87,8 @@ class StepInfo:
     devices: List[str]
     #: What the step was; see :attr:`Summary.kind`.
     kind: str = 'forward'
+    #: Its schedule's bubble, formula and value, if not GPipe's.
+    bubble: Optional[Tuple[str, float]] = None
 
 
 class Timeline:
@@ -108,9 +110,9 @@ class Timeline:
     # Recording; called by the pipeline. ------------------------------------
 
     def begin_step(self, micro_batches: int, devices: Sequence[torch.device],
-                   kind: str = 'forward') -> int:
+                   kind: str = 'forward', bubble: Optional[Tuple[str, float]] = None) -> int:
         """Starts a step; returns its index."""
-        self.steps.append(StepInfo(micro_batches, [str(d) for d in devices], kind))
+        self.steps.append(StepInfo(micro_batches, [str(d) for d in devices], kind, bubble))
         return len(self.steps) - 1
 
     def _add(self, span: Span) -> Span:
@@ -285,7 +287,7 @@ class Timeline:
         """The summary of step ``index``, from its events."""
         info = self.steps[index]
         return summarize(index, info.micro_batches, info.devices, info.kind, events,
-                         dict(self._peak_memory))
+                         dict(self._peak_memory), info.bubble)
 
     def chrome_trace(self) -> Dict[str, Any]:
         """The events as a Chrome trace (the ``traceEvents`` format Perfetto reads)."""

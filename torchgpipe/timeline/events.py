@@ -9,7 +9,7 @@ path. Nothing here records or reads clocks: that is
 """
 from bisect import insort
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from torchgpipe.record import PREFIXES
 
@@ -125,6 +125,9 @@ class Summary:
     #: What the step was, ``'forward'`` for a call of the GPipe (and the
     #: backward pass through its output) or ``"train_step (schedule '1f1b')"``.
     kind: str = 'forward'
+    #: The formula of the bubble the step's schedule leaves, and its value
+    #: (see :attr:`predicted_bubble`); ``None``: GPipe's.
+    expected: Optional[Tuple[str, float]] = None
 
     @property
     def bubble(self) -> float:
@@ -135,9 +138,20 @@ class Summary:
 
     @property
     def predicted_bubble(self) -> float:
-        """The GPipe paper's bubble, ``(n-1) / (m+n-1)``, for equal tasks and no overhead."""
+        """The bubble of the step's schedule, for equal tasks and no overhead.
+
+        GPipe's, ``(n-1) / (m+n-1)``, for the forward path; for a train_step,
+        its schedule's, computed from the schedule with F = I = W and B = 2.
+        """
+        if self.expected is not None:
+            return self.expected[1]
         n, m = self.partitions, self.micro_batches
         return (n - 1) / (m + n - 1)
+
+    @property
+    def formula(self) -> str:
+        """The formula :attr:`predicted_bubble` follows."""
+        return '(n-1)/(m+n-1)' if self.expected is None else self.expected[0]
 
     @property
     def critical_path_time(self) -> float:
@@ -155,7 +169,7 @@ class Summary:
             lines.append(f'{d.device:<12} {d.busy * ms:>9.2f} {d.idle * ms:>9.2f} '
                          f'{d.bubble:>7.1%} {peak_text:>9}')
         lines.append(f'bubble {self.bubble:.1%} measured, {self.predicted_bubble:.1%} by '
-                     f'(n-1)/(m+n-1)')
+                     f'{self.formula}')
         lines.append(f'{"partition":<12} {"forward":>9} {"recompute":>9} {"backward":>9} '
                      f'{"total ms":>9}')
         for p in self.partition_times:
@@ -168,7 +182,8 @@ class Summary:
 
 
 def summarize(step: int, micro_batches: int, devices: Sequence[str], kind: str,
-              events: List[Event], peak_memory: Dict[str, int]) -> Summary:
+              events: List[Event], peak_memory: Dict[str, int],
+              expected: Optional[Tuple[str, float]] = None) -> Summary:
     """The summary of a step, from its events.
 
     Args:
@@ -178,9 +193,11 @@ def summarize(step: int, micro_batches: int, devices: Sequence[str], kind: str,
         kind (str): what the step was (:attr:`~torchgpipe.timeline.Summary.kind`)
         events (list of Event): the step's events
         peak_memory (dict): the peak memory of each device, in bytes
+        expected (tuple): the formula of the step's bubble and its value, if not GPipe's
     """
     if not events:
-        return Summary(step, micro_batches, len(devices), 0.0, [], [], [], peak_memory, kind)
+        return Summary(step, micro_batches, len(devices), 0.0, [], [], [], peak_memory, kind,
+                       expected)
     begin = min(e.start for e in events)
     end = max(e.end for e in events)
     window = end - begin
@@ -202,7 +219,8 @@ def summarize(step: int, micro_batches: int, devices: Sequence[str], kind: str,
         partition_times.append(PartitionSummary(j, device, **total))
 
     return Summary(step, micro_batches, len(devices), window, device_summaries,
-                   partition_times, critical_path(events, len(devices)), peak_memory, kind)
+                   partition_times, critical_path(events, len(devices)), peak_memory, kind,
+                   expected)
 
 
 def chart_title(summaries: Sequence[Summary]) -> str:

@@ -23,10 +23,11 @@ they leave idle, per worker, is what :data:`BUBBLES` says beside each.
 """
 import functools
 from fractions import Fraction
-from typing import Callable, Dict, Hashable, List, NamedTuple, Optional, Sequence
+from typing import Callable, Dict, Hashable, List, NamedTuple, Optional, Sequence, Tuple
 
+from torchgpipe.train.schedule import (Action, Kind, Schedule, ScheduleLike, idle, simulate,
+                                       unit_cost)
 from torchgpipe.validation import describe
-from torchgpipe.train.schedule import Action, Kind, Schedule, ScheduleLike
 
 __all__: List[str] = []
 
@@ -292,6 +293,22 @@ def resolve(schedule: ScheduleLike, m: int, n: int, workers: Sequence[Hashable])
                              f'they are on {[str(workers[j]) for j in partitions]}; give them '
                              f'one device, e.g. devices={fit}')
     return result
+
+
+def expected_bubble(schedule: Schedule, n: int) -> Tuple[str, float]:
+    """The idle fraction of a step of ``schedule`` on ``n`` partitions, if F = I = W (B = 2).
+
+    Returns:
+        the formula it follows (a built-in schedule's), and its value,
+        computed from the schedule itself
+    """
+    workers = [actions for actions in schedule.workers if actions]
+    times = simulate(workers, n, unit_cost)
+    span = max((end for _, end in times.values()), default=Fraction(0))
+    waiting = idle(workers, n, unit_cost)
+    bubble = BUBBLES.get(schedule.name)
+    text = f'{bubble.text} ({schedule.name})' if bubble is not None else 'its schedule'
+    return text, float(waiting / span) if span else 0.0
 
 
 #: The schedules :meth:`torchgpipe.GPipe.train_step` knows, by name.

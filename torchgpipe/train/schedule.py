@@ -273,6 +273,11 @@ def in_flight(actions: Sequence[Action]) -> int:
 Cost = Callable[[Action], Fraction]
 
 
+def unit_cost(action: Action) -> Fraction:
+    """The costs of the zero-bubble paper's analysis: F = I = W = 1, and so B = 2."""
+    return Fraction(2 if action.kind is Kind.B else 1)
+
+
 def simulate(workers: Sequence[Sequence[Action]], n: int, cost: Cost
              ) -> Dict[Action, Tuple[Fraction, Fraction]]:
     """When each action starts and ends if they take ``cost`` and messages take no time.
@@ -285,11 +290,12 @@ def simulate(workers: Sequence[Sequence[Action]], n: int, cost: Cost
     """
     times: Dict[Action, Tuple[Fraction, Fraction]] = {}
     split = {(a.i, a.j) for actions in workers for a in actions if a.kind is Kind.I}
+    before = {a: actions[k - 1] if k else None
+              for actions in workers for k, a in enumerate(actions)}
     for cycle in clock_order(workers, n):
         for action in cycle:
-            w = next(w for w, actions in enumerate(workers) if action in actions)
-            index = workers[w].index(action)
-            start = times[workers[w][index - 1]][1] if index else Fraction(0)
+            previous = before[action]
+            start = times[previous][1] if previous is not None else Fraction(0)
             for need in depends_on(action, n, lambda i, j: (i, j) in split):
                 start = max(start, times[need][1])
             times[action] = (start, start + cost(action))
@@ -298,6 +304,10 @@ def simulate(workers: Sequence[Sequence[Action]], n: int, cost: Cost
 
 def idle(workers: Sequence[Sequence[Action]], n: int, cost: Cost) -> Fraction:
     """The idle time per worker of a step: the span of the step less its work, averaged.
+
+    With each action's cost that of the paper's analysis, this is the
+    schedule's bubble; :data:`torchgpipe.train.generators.BUBBLES` gives each
+    built-in schedule's formula.
 
     Example::
 

@@ -42,6 +42,7 @@ from torchgpipe.microbatch import Batch, TensorOrTensors
 from torchgpipe.partition import partition_function
 from torchgpipe.replay import FirstPass, first_pass, recomputation
 from torchgpipe.rng import cpu_generator_held, training_flags, watch
+from torchgpipe.train.generators import expected_bubble
 from torchgpipe.train.schedule import Action, Kind, Schedule, clock_order
 from torchgpipe.train.split import WeightPass, input_pass
 from torchgpipe.skip.layout import SkipLayout
@@ -373,7 +374,8 @@ class Step:
         shared = self.shared
         if shared.recorder is not None:
             shared.recorder.begin_step(len(shared.batches), self.devices,
-                                       f'train_step (schedule {self.schedule.name!r})')
+                                       f'train_step (schedule {self.schedule.name!r})',
+                                       expected_bubble(self.schedule, self.n))
         devices = [self.devices[j] for j in self.stages]
         # On threads, forward actions of partitions that may draw random
         # numbers take turns in clock order, so they draw what they would on
