@@ -90,9 +90,20 @@ class Config(NamedTuple):
         return ranks_of_partitions(list(self.balance), size, self.placement)
 
 
+def tied() -> nn.Sequential:
+    """The first and the last layer share a weight (an embedding and its head, say)."""
+    torch.manual_seed(0)
+    first, last = nn.Linear(FEATURES, FEATURES), nn.Linear(FEATURES, FEATURES)
+    last.weight = first.weight
+    return nn.Sequential(first, nn.Tanh(), nn.Linear(FEATURES, FEATURES), nn.Tanh(),
+                         nn.Linear(FEATURES, FEATURES), last).double()
+
+
 def model(name: str) -> nn.Sequential:
     if ' ' in name:
         return layered(name)
+    if name == 'tied':
+        return tied()
     return packed()[0] if name == 'packed' else build(name)[0]
 
 
@@ -107,7 +118,10 @@ THREE_RANKS = [Config('unet', (3, 2, 5), s, c) for s, c in SCHEDULE_CHECKPOINTS]
 VIRTUAL = [Config(m, b, s, c, placement) for (m, b), (s, placement), c in itertools.product(
     [('unet', (3, 2, 2, 3)), ('mlp', (2, 1, 1, 1)), ('batchnorm', (2, 2, 2, 1))],
     [('interleaved_1f1b', 'loop'), ('zbv', 'v'), ('1f1b', 'loop'), ('zb_h1', 'v')],
-    CHECKPOINT_MODES)]
+    CHECKPOINT_MODES)] + [
+    # A V puts the first and the last partition on rank 0: they may share a weight.
+    Config('tied', (2, 1, 1, 2), s, c, 'v') for s, c in itertools.product(
+        ['zbv', 'zb_h1'], CHECKPOINT_MODES)]
 
 
 def batch(step: int, size: int = BATCH) -> Tuple[Tensor, Tensor]:
