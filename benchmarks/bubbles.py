@@ -14,9 +14,17 @@ Two parts of ``python -m benchmarks.schedules``:
   by side (target <= 1.05x), and its idle time per worker against 1F1B's,
   from traced steps (target <= 0.5x); interleaved 1F1B (``[cpu:0, cpu:1] *
   2``) and ZBV (``[cpu:0, cpu:1, cpu:1, cpu:0]``) on 4 partitions beside them,
-  for information.
+  for information;
+- memory per device: the memory workload (batch 256) on 4 CPU ranks of
+  :class:`~torchgpipe.distributed.DistributedGPipe`, a process each, so that
+  each device's memory is its process's: ZB-H1 keeps ``min(p, m)``
+  micro-batches on every rank, which 1F1B's first rank already keeps; the
+  largest rank's peak, ZB-H1 over 1F1B (target <= 1.05x).
 """
 import copy
+import os
+import time
+from dataclasses import asdict
 from fractions import Fraction
 from typing import Any, Callable, Dict, List, Sequence
 
@@ -104,16 +112,22 @@ def zero_bubble_rows(model: nn.Sequential, input: torch.Tensor, devices: Sequenc
     gpipes = pipelines(model, devices, chunks)
     steps = {schedule: make_step(g, input, schedule) for schedule, g in gpipes.items()}
     times = time_steps(steps, rounds, desc='schedules, 2 workers')
-    # The idle time per worker of traced steps: the least of a few (noise only adds).
+    # The idle time per worker of traced steps: the least of a few (noise only
+    # adds); the events of that step are kept for the chart.
     idle_ms: Dict[str, float] = {}
+    traced: Dict[str, Row] = {}
     for schedule, g in gpipes.items():
-        samples = []
         for _ in range(3):
             with torchgpipe.trace(g) as timeline:
                 steps[schedule]()
             summary = timeline.summary()
-            samples.append(sum(d.idle for d in summary.devices) / len(summary.devices) * 1e3)
-        idle_ms[schedule] = min(samples)
+            waited = sum(d.idle for d in summary.devices) / len(summary.devices) * 1e3
+            if waited < idle_ms.get(schedule, float('inf')):
+                idle_ms[schedule] = waited
+                traced[schedule] = {'traced_step_time': summary.step_time,
+                                    'utilization': 1 - summary.bubble,
+                                    'summary': str(summary),
+                                    'events': [asdict(e) for e in timeline.events]}
     rows: List[Row] = []
     for schedule in gpipes:
         row: Row = {'schedule': schedule, 'step_ms': times[schedule]['min'] * 1e3,
@@ -121,7 +135,8 @@ def zero_bubble_rows(model: nn.Sequential, input: torch.Tensor, devices: Sequenc
                     'step_ratio_median': times[schedule]['median'] / times['1f1b']['median'],
                     'idle_ms': idle_ms[schedule],
                     'idle_ratio': idle_ms[schedule] / idle_ms['1f1b'],
-                    'devices': [str(d) for d in layouts(devices)[schedule]]}
+                    'devices': [str(d) for d in layouts(devices)[schedule]],
+                    **traced[schedule]}
         if schedule == 'zb_h1':
             row['targets'] = {'step': ZERO_BUBBLE_TARGETS['zb_h1 step'],
                               'idle': ZERO_BUBBLE_TARGETS['zb_h1 idle']}
@@ -143,3 +158,110 @@ def zero_bubble_table(rows: Sequence[Row], setting: str) -> str:
         f'every schedule on two workers ({setting}), against 1F1B, in the same run:',
         format_table(['schedule', 'devices', 'step ms', 'x 1F1B (medians)', 'idle ms/worker',
                       'idle x 1F1B', 'target', 'within target'], cells)])
+
+
+#: The memory target: ZB-H1's peak over 1F1B's, on the device that holds the most.
+MEMORY_TARGET = 1.05
+
+
+def rank_memory(rank: int, world_size: int, port: int, config: Dict[str, Any],
+                results: Any) -> None:
+    """One rank of the memory measurement: the peak each schedule's step adds to this process."""
+    import torch.distributed as dist
+
+    from benchmarks.memory import fix_malloc, step_peak_memory
+    from benchmarks.overhead import convnet
+    from torchgpipe.distributed import DistributedGPipe
+
+    fix_malloc()
+    torch.set_num_threads(1)
+    dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=rank,
+                            world_size=world_size)
+    torch.manual_seed(0)
+    model = convnet()
+    pipe = DistributedGPipe(model, [len(model) // world_size] * world_size,
+                            chunks=config['chunks'], checkpoint='never')
+    size = config['image_size']
+
+    def step(batch: int, schedule: str) -> Step:
+        input = torch.randn(batch, 32, size, size)
+        target = torch.zeros_like(input)
+
+        def run() -> None:
+            pipe.train_step(input, target, torch.nn.functional.mse_loss, schedule=schedule)
+        return run
+    peaks = {}
+    for schedule in ('1f1b', 'zb_h1'):
+        # Warm up code paths and buffers with a small batch first.
+        step(2 * config['chunks'], schedule)()
+        dist.barrier()
+        peaks[schedule] = step_peak_memory(step(config['memory_batch'], schedule),
+                                           [torch.device('cpu')])['step_peak']
+        dist.barrier()
+    gathered: List[Any] = [None] * world_size
+    dist.all_gather_object(gathered, peaks)
+    if rank == 0:
+        results.put(gathered)
+    dist.barrier()
+    os._exit(0)  # no Python shutdown: see docs/scaling_out.rst, "Ending a job"
+
+
+def device_memory_row(config: Dict[str, Any], ranks: int = 4) -> Row:
+    """ZB-H1's peak memory against 1F1B's, per device: ``ranks`` CPU processes, one each."""
+    import torch.multiprocessing as mp
+
+    from benchmarks.distributed import free_port
+    ctx = mp.get_context('spawn')
+    results = ctx.SimpleQueue()
+    port = free_port()
+    processes = [ctx.Process(target=rank_memory, args=(r, ranks, port, config, results),
+                             daemon=True) for r in range(ranks)]
+    for process in processes:
+        process.start()
+    try:
+        deadline = time.monotonic() + 600
+        while results.empty():
+            if time.monotonic() > deadline or any(p.exitcode not in (None, 0)
+                                                  for p in processes):
+                raise RuntimeError('the ranks did not report: exit codes '
+                                   f'{[p.exitcode for p in processes]} (None: running)')
+            time.sleep(0.1)
+        per_rank = results.get()
+    finally:
+        for process in processes:
+            process.join(10)
+            if process.is_alive():
+                process.kill()
+    mib = {s: [p[s] / 2**20 for p in per_rank] for s in ('1f1b', 'zb_h1')}
+    ratio = max(mib['zb_h1']) / max(mib['1f1b'])
+    return {'ranks': ranks, 'per_rank_mib': mib, 'ratio': ratio, 'target': MEMORY_TARGET,
+            'within_target': ratio <= MEMORY_TARGET}
+
+
+def device_memory_text(row: Row) -> str:
+    per = row['per_rank_mib']
+    return (f"peak memory per device, {row['ranks']} CPU ranks (a process each, "
+            f"'never'): 1F1B {', '.join(f'{v:.1f}' for v in per['1f1b'])} MiB, ZB-H1 "
+            f"{', '.join(f'{v:.1f}' for v in per['zb_h1'])} MiB; the largest, ZB-H1 / 1F1B: "
+            f"{row['ratio']:.3f}x (target <= {row['target']:g}x)")
+
+
+def plot_every(document: Dict[str, Any], plt: Any) -> None:
+    """The traced step of every schedule on two workers, one above the other, on one scale."""
+    from benchmarks.timeline import row_events
+    from torchgpipe.timeline import segments
+    from torchgpipe.timeline.plot import draw_timeline
+    rows = document['schedules']
+    figure = plt.gcf()
+    figure.set_size_inches(12, 2.0 * len(rows) + 1.0)
+    axes = figure.subplots(len(rows), 1, sharex=True)
+    for k, (ax, row) in enumerate(zip(axes, rows)):
+        last = k == len(rows) - 1
+        draw_timeline(ax, segments(row_events(row)),
+                      f"{row['schedule']} on {' '.join(row['devices'])}: traced step "
+                      f"{row['traced_step_time'] * 1e3:.0f} ms, idle "
+                      f"{row['idle_ms']:.0f} ms per worker ({row['idle_ratio']:.2f}x 1F1B's)",
+                      legend=last)
+        if not last:
+            ax.set_xlabel('')
+    axes[0].set_xlim(0, max(r['traced_step_time'] for r in rows) * 1e3)

@@ -1,8 +1,8 @@
-"""Schedules: what train_step's 1F1B gains over fill-drain and over the drop-in way, on CPU devices.
+"""Schedules: what train_step's schedules gain over each other and over the drop-in way, on CPU.
 
 Run from the repository root::
 
-    python -m benchmarks.schedules                  # 8 convolutions on cpu:0..3 (~2 min)
+    python -m benchmarks.schedules                  # 8 convolutions on cpu:0..3 (~4 min)
     python -m benchmarks.schedules --preset cuda    # the same rows on 4 CUDA devices
 
 :meth:`torchgpipe.GPipe.train_step` runs the forward and the backward passes
@@ -40,6 +40,11 @@ inside :func:`torchgpipe.trace`; the JSON keeps their events, and
 ``schedules-<preset>-timelines.png`` draws them one above the other (an
 action's event is its work: the wait for a neighbour's message is left
 blank), with the devices' busy fraction from the timeline's summary.
+
+Before all these, what :mod:`benchmarks.bubbles` measures: every schedule's
+idle time at the zero-bubble paper's unit costs beside its formula, every
+schedule on two workers against 1F1B (``schedules-<preset>-every.png`` draws
+a traced step of each), and ZB-H1's peak memory per device.
 """
 import copy
 import sys
@@ -51,7 +56,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import torchgpipe
-from benchmarks.bubbles import unit_rows, unit_table, zero_bubble_rows, zero_bubble_table
+from benchmarks.bubbles import (device_memory_row, device_memory_text, plot_every, unit_rows,
+                               unit_table, zero_bubble_rows, zero_bubble_table)
 from benchmarks.devices import cpu_devices, cuda_devices, synchronize
 from benchmarks.environment import threads
 from benchmarks.memory import MiB, fix_malloc, run_measure_subprocesses, step_peak_memory
@@ -232,7 +238,7 @@ def measure(setting: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def memory_row(config: Dict[str, Any]) -> Row:
-    modes = ('1f1b', 'fill_drain', 'unwrapped')
+    modes = ('1f1b', 'fill_drain', 'unwrapped', 'zb_h1')
     measured = run_measure_subprocesses('benchmarks.schedules',
                                         [{'mode': mode, 'config': config} for mode in modes],
                                         parallel=1 if config['device'] == 'cuda' else 2)
@@ -242,7 +248,8 @@ def memory_row(config: Dict[str, Any]) -> Row:
             'setting': f"{size_text(config, config['memory_batch'])}, 4 partitions",
             'measured': NEVER_1F1B, 'against': "train_step fill-drain 'never'",
             'measured_mib': mib['1f1b'], 'against_mib': mib['fill_drain'],
-            'unwrapped_mib': mib['unwrapped'], 'method': measured[0]['method'],
+            'unwrapped_mib': mib['unwrapped'], 'zb_h1_mib': mib['zb_h1'],
+            'method': measured[0]['method'],
             'ratio': ratio, 'target': TARGETS['memory'],
             'within_target': ratio <= TARGETS['memory']}
 
@@ -256,7 +263,7 @@ def run(config: Dict[str, Any]) -> Dict[str, Any]:
     results = [compute['rows'][0], memory, parallel[0], parallel[1], *compute['rows'][1:]]
     return {'results': results, 'timelines': compute['timelines'],
             'devices': compute['devices'], 'targets': TARGETS, 'units': units,
-            'schedules': every}
+            'schedules': every, 'device_memory': device_memory_row(config)}
 
 
 def target_text(row: Row) -> str:
@@ -283,7 +290,7 @@ def table(document: Dict[str, Any]) -> str:
     lines = [unit_table(document['units']), '',
              zero_bubble_table(document['schedules'],
                                f"{size_text(document['settings'], document['settings']['batch'])}"
-                               ", 'never'"), '',
+                               ", 'never'"), '', device_memory_text(document['device_memory']), '',
              'train_step against the other ways to train, in the same run, one intra-op thread '
              'per worker:', format_table(headers, cells), '',
              'step times, ms: fastest (median, max) of the rounds',
@@ -291,7 +298,8 @@ def table(document: Dict[str, Any]) -> str:
              '',
              f"memory, peak of one step ({memory['method']}): 1F1B {memory['measured_mib']:.1f} "
              f"MiB, fill-drain {memory['against_mib']:.1f} MiB, unwrapped "
-             f"{memory['unwrapped_mib']:.1f} MiB"]
+             f"{memory['unwrapped_mib']:.1f} MiB; ZB-H1 {memory['zb_h1_mib']:.1f} MiB (every "
+             'partition in one process: ZB-H1 keeps min(p, m) micro-batches on each)']
     for t in document['timelines']:
         lines += ['', f"traced step, {t['name']}: {t['summary']}",
                   f"utilization: {t['utilization']:.0%} (ideal, "
@@ -311,6 +319,10 @@ def headline(document: Dict[str, Any]) -> List[Figure]:
                         Figure(f"{r['schedule']} / 1f1b, idle per worker (traced)",
                                f"{r['idle_ratio']:.2f}x", f"<= {r['targets']['idle']:g}x",
                                r['idle_ratio'] <= r['targets']['idle'])]
+    device = document['device_memory']
+    figures.append(Figure('zb_h1 / 1f1b, peak memory of the largest device',
+                          f"{device['ratio']:.3f}x", f"<= {device['target']:g}x",
+                          device['within_target']))
     return figures + [
         Figure(f"{r['name']}: {r['measured']} / {r['against']}", f"{r['ratio']:.3f}x",
                target_text(r) if 'target' in r else '', r.get('within_target'))
@@ -372,7 +384,8 @@ def plot_timelines(document: Dict[str, Any], plt: Any) -> None:
 
 EXPERIMENT = Experiment(name='schedules', doc=__doc__, presets=PRESETS, smoke=SMOKE, run=run,
                         table=table, headline=headline, plot=plot,
-                        more_plots={'timelines': plot_timelines}, measure=measure,
+                        more_plots={'timelines': plot_timelines, 'every': plot_every},
+                        measure=measure,
                         tune_malloc=True)
 
 
