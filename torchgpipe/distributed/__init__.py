@@ -4,9 +4,9 @@
   on data-parallel replicas wrapped in
   :class:`~torch.nn.parallel.DistributedDataParallel`, gradients averaged
   as DDP averages them.
-- :class:`DistributedGPipe`: a pipeline whose partitions are the processes
-  of a group, one each, exchanging activations and gradients by
-  point-to-point operations.
+- :class:`DistributedGPipe`: a pipeline whose partitions are spread over the
+  processes of a group, one or several each, exchanging activations and
+  gradients by point-to-point operations.
 """
 from torchgpipe.distributed.ddp import train_step
 from torchgpipe.distributed.pipe import DistributedGPipe
