@@ -73,8 +73,18 @@ def node_of(tensor: Tensor) -> Node:
     return get_gradient_edge(tensor).node
 
 
-def explore(roots: List[Node], inputs: Set[Node]) -> Tuple[Set[Node], Dict[Node, bool]]:
+#: The children of each node of a graph (its next functions, without the empty ones).
+Kids = Dict[Node, List[Node]]
+
+
+def explore(roots: List[Node], inputs: Set[Node], kids: Kids
+            ) -> Tuple[Set[Node], Dict[Node, bool]]:
     """Which nodes lead to ``inputs`` (``C``), and which lead to another leaf (a parameter).
+
+    Args:
+        roots: where the backward pass starts
+        inputs: the accumulators of the inputs
+        kids: filled with the children of every node under the roots
 
     Returns:
         ``C``, and for every node under the roots whether it leads to a parameter
@@ -88,23 +98,25 @@ def explore(roots: List[Node], inputs: Set[Node]) -> Tuple[Set[Node], Dict[Node,
         node, expanded = stack.pop()
         if node in to_input:
             continue
+        below = kids.get(node)
+        if below is None:
+            below = kids[node] = children(node)
         if not expanded:
             stack.append((node, True))
-            stack.extend((child, False) for child in children(node) if child not in to_input)
+            stack.extend((child, False) for child in below if child not in to_input)
             continue
-        below = children(node)
         leaf = not below and hasattr(node, 'variable')
         to_input[node] = node in inputs or any(to_input[c] for c in below)
         to_param[node] = (leaf and node not in inputs) or any(to_param[c] for c in below)
     return {node for node, yes in to_input.items() if yes}, to_param
 
 
-def reach(starts: List[Node], allowed: Set[Node]) -> Set[Node]:
+def reach(starts: List[Node], allowed: Set[Node], kids: Kids) -> Set[Node]:
     """The nodes reachable from ``starts`` through nodes of ``allowed`` (``starts`` included)."""
     seen = set(starts)
     stack = list(starts)
     while stack:
-        for child in children(stack.pop()):
+        for child in kids[stack.pop()]:
             if child in allowed and child not in seen:
                 seen.add(child)
                 stack.append(child)
@@ -122,17 +134,18 @@ def input_pass(tensors: List[Tensor], grads: List[Optional[Tensor]],
     """
     roots = [node_of(t) for t in tensors]
     early: Set[Node] = set()
+    kids: Kids = {}
     while True:
         stops = {node_of(x) for x in inputs} | early
-        closure, to_param = explore(roots, stops)
+        closure, to_param = explore(roots, stops, kids)
         # Where W starts: (node, slot) of nodes of C with a path out of C to a
         # parameter, and outputs whose node is outside C but leads to one.
         starts = [n for n in to_param if n in closure
-                  and any(c not in closure and to_param[c] for c in children(n))]
+                  and any(c not in closure and to_param[c] for c in kids[n])]
         free = [k for k, node in enumerate(roots) if node not in closure and to_param[node]]
-        groups = group(starts + free, roots, closure, to_param)
+        groups = group(starts + free, roots, closure, to_param, kids)
         bad = [params for members, params in groups
-               if len(members) > 1 and crosses(members, closure)]
+               if len(members) > 1 and crosses(members, closure, kids)]
         if not bad:
             break
         early.update(p for params in bad for p in params)
@@ -154,7 +167,7 @@ Start = Union[Node, int]
 
 
 def group(starts: List[Start], roots: List[Node], closure: Set[Node],
-          to_param: Dict[Node, bool]) -> List[Tuple[List[Start], Set[Node]]]:
+          to_param: Dict[Node, bool], kids: Kids) -> List[Tuple[List[Start], Set[Node]]]:
     """Groups where W starts so that no two groups share a parameter.
 
     Returns:
@@ -166,9 +179,9 @@ def group(starts: List[Start], roots: List[Node], closure: Set[Node],
         if isinstance(start, int):
             out = [roots[start]]
         else:
-            out = [c for c in children(start) if c in below_closure]
-        params = {n for n in reach(out, below_closure)
-                  if not children(n) and hasattr(n, 'variable')}
+            out = [c for c in kids[start] if c in below_closure]
+        params = {n for n in reach(out, below_closure, kids)
+                  if not kids[n] and hasattr(n, 'variable')}
         members = [start]
         for other in [g for g in groups if g[1] & params]:
             groups.remove(other)
@@ -178,12 +191,12 @@ def group(starts: List[Start], roots: List[Node], closure: Set[Node],
     return groups
 
 
-def crosses(members: List[Start], closure: Set[Node]) -> bool:
+def crosses(members: List[Start], closure: Set[Node], kids: Kids) -> bool:
     """Whether a node of the group leads to another through ``C``."""
     nodes = [m for m in members if not isinstance(m, int)]
     inside = set(nodes)
     for node in nodes:
-        below = reach([c for c in children(node) if c in closure], closure)
+        below = reach([c for c in kids[node] if c in closure], closure, kids)
         if below & (inside - {node}):
             return True
     return False
