@@ -140,6 +140,10 @@ def train_step(gpipe: GPipe, x: Tensor, target: Tensor) -> None:
     gpipe.train_step(x, target, F.mse_loss)
 
 
+def zero_bubble_step(gpipe: GPipe, x: Tensor, target: Tensor) -> None:
+    gpipe.train_step(x, target, F.mse_loss, schedule='zb_h1')
+
+
 @pytest.fixture
 def no_gc_callbacks() -> Iterator[None]:
     """Keeps the Ctrl-C of a test from landing in a garbage collector's callback.
@@ -159,7 +163,8 @@ def no_gc_callbacks() -> Iterator[None]:
 
 @pytest.mark.timeout(60)
 @pytest.mark.usefixtures('no_gc_callbacks')
-@pytest.mark.parametrize('step', [forward_step, train_step], ids=['forward', 'train_step'])
+@pytest.mark.parametrize('step', [forward_step, train_step, zero_bubble_step],
+                         ids=['forward', 'train_step', 'zb_h1'])
 @pytest.mark.parametrize('j', [0, 2])
 def test_ctrl_c_returns_after_every_worker_stopped(step: Callable[[GPipe, Tensor, Tensor], None],
                                                   j: int, threaded: bool) -> None:
