@@ -536,6 +536,9 @@ def refusals(rank: int, world_size: int) -> List[str]:
     pipe = DistributedGPipe(model('mlp'), [3, 2])
     attempts += [lambda: pipe(batch(0)[0]), lambda: copy.deepcopy(pipe),
                  lambda: pickle.dumps(pipe)]
+    # A V's schedule on partitions laid out in a loop: refused before any message.
+    looped = DistributedGPipe(model('mlp'), [2, 1, 1, 1])
+    attempts.append(lambda: looped.train_step(*batch(0), F.mse_loss, schedule='zbv'))
     messages = []
     for attempt in attempts:
         try:
@@ -570,4 +573,7 @@ def test_bad_arguments_are_refused_before_any_message() -> None:
         'into the unwrapped module, or into a GPipe',
     ] + ['TypeError: a DistributedGPipe belongs to its processes and cannot be copied or '
          'pickled; save its state_dict() instead, which has the keys of the unwrapped '
-         'module'] * 2
+         'module'] * 2 + [
+        "ValueError: schedule 'zbv' runs partitions [0, 3] on one worker, but they are on "
+        "['rank 0', 'rank 1']; lay the partitions over the ranks as it does: placement='v' "
+        "for 'zbv', 'loop' for the others"]

@@ -123,6 +123,94 @@ def test_a_schedule_of_ones_own_any_valid_order(data: st.DataObject) -> None:
         schedule=str(schedule) if data.draw(st.booleans(), label='as text') else schedule)
 
 
+class HalvingMul(torch.autograd.Function):
+    """x * w, whose backward halves its incoming gradient in place (and doubles back):
+    right in one backward pass, wrong if run twice on the same gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, w: Tensor) -> Tensor:
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tuple[Tensor, Tensor]:
+        x, w = ctx.saved_tensors
+        grad.mul_(0.5)
+        return grad * w * 2, (grad * x * 2).sum(0)
+
+
+class Stop(torch.autograd.Function):
+    """Lets no gradient through: the Function before it gets none, and makes it zeros."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> None:
+        return None
+
+
+class Custom(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4))
+        self.v = nn.Parameter(torch.randn(4))
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        stopped = Stop.apply(HalvingMul.apply(x, self.v))
+        return self.linear(HalvingMul.apply(torch.tanh(x), self.w)) + stopped
+
+
+class Reentrant(nn.Linear):
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.utils.checkpoint.checkpoint(super().forward, x, use_reentrant=True)
+
+
+class Retained(nn.Linear):
+    """Its output retains its gradient, which a split backward pass must not add twice."""
+
+    outputs: List[Tensor] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = super().forward(x)
+        if y.requires_grad:
+            y.retain_grad()
+            Retained.outputs.append(y)
+        return y
+
+
+# The first pass of a checkpointed micro-batch runs without grad, which the
+# reentrant checkpoint warns about, as it does in the forward path.
+@pytest.mark.filterwarnings('ignore:None of the inputs have requires_grad')
+@pytest.mark.parametrize('schedule', ['zb_h1', 'zbv'])
+def test_split_backward_of_what_must_run_once(schedule: str, checkpoint: str,
+                                              threaded: bool) -> None:
+    # A custom Function's backward runs once, given no gradient as a whole
+    # pass gives it (zeros, not None); a reentrant checkpoint inside a
+    # partition; an output that retains its gradient.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), Custom(), Reentrant(4, 4), Retained(4, 4))
+    gpipe = assert_train_step_as_unwrapped(
+        model, torch.randn(6, 4), torch.randn(6, 4), F.mse_loss, balance=[1, 1, 1, 1],
+        devices=schedule_devices(schedule, 4, threaded), chunks=3, checkpoint=checkpoint,
+        schedule=schedule)
+    assert torch.equal(gpipe.partitions[1][0].v.grad, torch.zeros(4))
+    Retained.outputs.clear()
+    gpipe.zero_grad()
+    plain = copy.deepcopy(gpipe)
+    input, target = torch.randn(6, 4), torch.randn(6, 4)
+    plain.train_step(input, target, F.mse_loss, schedule='1f1b')
+    expected = [y.grad for y in Retained.outputs]
+    Retained.outputs.clear()
+    gpipe.train_step(input, target, F.mse_loss, schedule=schedule)
+    assert len(Retained.outputs) == len(expected) > 0
+    for y, grad in zip(Retained.outputs, expected):
+        torch.testing.assert_close(y.grad, grad)
+    Retained.outputs.clear()
+
+
 def test_summed_loss(threaded: bool) -> None:
     torch.manual_seed(0)
     assert_train_step_as_unwrapped(

@@ -228,7 +228,9 @@ class DistributedGPipe(nn.Module):
         batches, targets, weights = split_step(input, target, self.chunks, reduction,
                                                self.device)
         m = len(batches)
-        plan = resolve(schedule, m, n, self.rank_of)
+        plan = resolve(schedule, m, n, [f'rank {r}' for r in self.rank_of],
+                       "lay the partitions over the ranks as it does: placement='v' for "
+                       "'zbv', 'loop' for the others")
         if 0 in self._here:
             microbatch.move(batches, self.device)
         partitions: List[Optional[nn.Sequential]] = [self._here.get(j) for j in range(n)]

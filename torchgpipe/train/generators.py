@@ -261,7 +261,8 @@ def named(name: str, m: int, n: int, p: int) -> Schedule:
     return schedule
 
 
-def resolve(schedule: ScheduleLike, m: int, n: int, workers: Sequence[Hashable]) -> Schedule:
+def resolve(schedule: ScheduleLike, m: int, n: int, workers: Sequence[Hashable],
+            fix: Optional[str] = None) -> Schedule:
     """The schedule a step runs: a built-in one by name, or the user's; checked, before any work.
 
     Args:
@@ -271,6 +272,8 @@ def resolve(schedule: ScheduleLike, m: int, n: int, workers: Sequence[Hashable])
         n: partitions
         workers: what runs each partition (a device's thread, a rank): a
             worker of the schedule must run on one of them
+        fix: how to lay out the partitions otherwise (default: which
+            ``devices`` to give)
 
     Raises:
         ValueError: the schedule does not fit the step, or cannot finish,
@@ -289,9 +292,10 @@ def resolve(schedule: ScheduleLike, m: int, n: int, workers: Sequence[Hashable])
         if len({workers[j] for j in partitions}) > 1:
             distinct = list(dict.fromkeys(workers))
             fit = [str(distinct[placement[j] % len(distinct)]) for j in range(n)]
+            where = [str(workers[j]) for j in partitions]
             raise ValueError(f'schedule {label} runs partitions {partitions} on one worker, but '
-                             f'they are on {[str(workers[j]) for j in partitions]}; give them '
-                             f'one device, e.g. devices={fit}')
+                             f'they are on {where}; '
+                             + (fix or f'give them one device, e.g. devices={fit}'))
     return result
 
 

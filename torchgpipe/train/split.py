@@ -24,13 +24,17 @@ Nodes of ``R`` that share a parameter (a weight used twice) start one engine
 call together. If one of them leads to another through ``C`` (a weight used
 before and after a layer that depends on the input), that call would also run
 the path between them again, and count it twice: those parameters' gradients
-are computed in ``I`` instead, which is exact and only less split.
+are computed in ``I`` instead, which is exact and only less split. So are
+those of a node that must run once (a custom autograd Function, an output
+that retains its gradient), and a partition with a reentrant checkpoint
+inside runs its whole backward pass in ``I``.
 """
-from typing import Dict, List, Optional, Set, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+from torch.utils.checkpoint import CheckpointFunction
 
 __all__: List[str] = []
 
@@ -123,21 +127,30 @@ def reach(starts: List[Node], allowed: Set[Node], kids: Kids) -> Set[Node]:
     return seen
 
 
-def input_pass(tensors: List[Tensor], grads: List[Optional[Tensor]],
-               inputs: List[Tensor]) -> WeightPass:
+def input_pass(tensors: List[Tensor], grads: List[Optional[Tensor]], inputs: List[Tensor],
+               outputs: Sequence[Any] = ()) -> WeightPass:
     """Runs ``I``: accumulates the gradients of ``inputs`` (leaves); returns what ``W`` runs.
 
     Args:
         tensors: the tensors to backpropagate from (outputs, sent skips, loss)
         grads: their gradients (``None`` for a loss)
         inputs: the partition's leaves whose gradients the partition before waits for
+        outputs: the partition's outputs, if not among ``tensors`` (the loss's input)
     """
     roots = [node_of(t) for t in tensors]
+    # The nodes whose runs do more than compute: W must not run them again.
+    kept_alive = {node_of(t) for t in [*tensors, *outputs]
+                  if isinstance(t, Tensor) and t.requires_grad and t.retains_grad}
     early: Set[Node] = set()
     kids: Kids = {}
     while True:
         stops = {node_of(x) for x in inputs} | early
         closure, to_param = explore(roots, stops, kids)
+        if any(getattr(n, '_forward_cls', None) is CheckpointFunction for n in kids):
+            # A reentrant checkpoint runs its own backward pass, which cannot
+            # be told to stop at the inputs: the whole pass runs in I.
+            torch.autograd.backward(tensors, grads)
+            return WeightPass([], {})
         # Where W starts: (node, slot) of nodes of C with a path out of C to a
         # parameter, and outputs whose node is outside C but leads to one.
         starts = [n for n in to_param if n in closure
@@ -145,7 +158,8 @@ def input_pass(tensors: List[Tensor], grads: List[Optional[Tensor]],
         free = [k for k, node in enumerate(roots) if node not in closure and to_param[node]]
         groups = group(starts + free, roots, closure, to_param, kids)
         bad = [params for members, params in groups
-               if len(members) > 1 and crosses(members, closure, kids)]
+               if any(once(m, kept_alive) for m in members)
+               or len(members) > 1 and crosses(members, closure, kids)]
         if not bad:
             break
         early.update(p for params in bad for p in params)
@@ -189,6 +203,19 @@ def group(starts: List[Start], roots: List[Node], closure: Set[Node],
             params |= other[1]
         groups.append((members, params))
     return groups
+
+
+def once(start: Start, kept_alive: Set[Node]) -> bool:
+    """Whether a node W would start from must run once only.
+
+    A custom autograd Function's ``backward`` may change what it is given or
+    keep state (and turns a missing gradient into zeros); a tensor that
+    retains its gradient would add it twice. Their parameters' gradients
+    are computed in I.
+    """
+    # The nodes of Python Functions know the class they come from.
+    return not isinstance(start, int) and (hasattr(start, '_forward_cls')
+                                           or start in kept_alive)
 
 
 def crosses(members: List[Start], closure: Set[Node], kids: Kids) -> bool:

@@ -165,7 +165,7 @@ class Stage:
             self.finish(action)
         else:
             self.weights[i] = self.record('input', i, lambda: input_pass(
-                tensors, grads, self.leaves(current)))
+                tensors, grads, self.leaves(current), tuple(current.output or ())))
         self.send_gradients(i, current)
 
     def finish(self, action: Action) -> None:
