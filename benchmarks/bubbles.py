@@ -1,11 +1,17 @@
 """Each schedule's bubble: from the schedule itself at the paper's costs, and measured on CPU.
 
-Two parts of ``python -m benchmarks.schedules``:
+Run from the repository root::
 
-- the unit table: for ``p = 4`` workers and ``m = 8`` micro-batches, with
-  the zero-bubble paper's costs (``F = I = W = 1``, ``B = 2``, halved for
-  the half-size partitions of two per worker), the idle time per worker of
-  each built-in schedule, computed from its actions
+    python -m benchmarks.bubbles                  # 2 CPU workers, 4 CPU ranks (~3 min)
+    python -m benchmarks.bubbles --preset cuda    # 2 GPUs; memory per GPU
+
+Three parts:
+
+- the unit table (``python -m benchmarks.schedules`` prints it too): for
+  ``p = 4`` workers and ``m = 8`` micro-batches, with the zero-bubble
+  paper's costs (``F = I = W = 1``, ``B = 2``, halved for the half-size
+  partitions of two per worker), the idle time per worker of each built-in
+  schedule, computed from its actions
   (:func:`torchgpipe.train.schedule.idle`), beside its formula
   (:data:`torchgpipe.train.generators.BUBBLES`) and as a ratio of 1F1B's
   (targets: interleaved 1F1B, ``v = 2``, <= 0.55x; ZB-H1 <= 0.40x; ZBV <= 0.20x);
@@ -19,20 +25,22 @@ Two parts of ``python -m benchmarks.schedules``:
   :class:`~torchgpipe.distributed.DistributedGPipe`, a process each, so that
   each device's memory is its process's: ZB-H1 keeps ``min(p, m)``
   micro-batches on every rank, which 1F1B's first rank already keeps; the
-  largest rank's peak, ZB-H1 over 1F1B (target <= 1.05x).
+  largest rank's peak, ZB-H1 over 1F1B (target <= 1.05x). On CUDA, each
+  device's own peak, in one process, says as much: the cuda preset skips it.
 """
 import copy
 import os
-import time
+import sys
 from dataclasses import asdict
 from fractions import Fraction
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
 
 import torchgpipe
 from benchmarks.report import format_table
+from benchmarks.runner import Experiment, Figure, Preset, main as run_main
 from benchmarks.timing import time_steps
 from torchgpipe import GPipe
 from torchgpipe.train.generators import BUBBLES, SCHEDULES, named
@@ -40,6 +48,17 @@ from torchgpipe.train.schedule import Action, idle, unit_cost
 
 Row = Dict[str, Any]
 Step = Callable[[], None]
+
+PRESETS: Dict[str, Preset] = {
+    'cpu': Preset('8 convolutions, batch 64 (memory: 256) of 32x32, chunks 8, on cpu:0 and cpu:1 '
+                  '(memory: 4 CPU ranks) (~3 min)',
+                  device='cpu', batch=64, memory_batch=256, image_size=32, chunks=8, rounds=10),
+    'cuda': Preset('the same on 2 CUDA devices, batch 256 (memory: 1024) of 64x64',
+                   device='cuda', batch=256, memory_batch=1024, image_size=64, chunks=8,
+                   rounds=10),
+}
+
+SMOKE = dict(batch=8, memory_batch=16, image_size=8, rounds=1)
 
 #: The unit table's targets: each schedule's idle time per worker over 1F1B's.
 UNIT_TARGETS = {'interleaved_1f1b': 0.55, 'zb_h1': 0.40, 'zbv': 0.20}
@@ -208,30 +227,8 @@ def rank_memory(rank: int, world_size: int, port: int, config: Dict[str, Any],
 
 def device_memory_row(config: Dict[str, Any], ranks: int = 4) -> Row:
     """ZB-H1's peak memory against 1F1B's, per device: ``ranks`` CPU processes, one each."""
-    import torch.multiprocessing as mp
-
-    from benchmarks.distributed import free_port
-    ctx = mp.get_context('spawn')
-    results = ctx.SimpleQueue()
-    port = free_port()
-    processes = [ctx.Process(target=rank_memory, args=(r, ranks, port, config, results),
-                             daemon=True) for r in range(ranks)]
-    for process in processes:
-        process.start()
-    try:
-        deadline = time.monotonic() + 600
-        while results.empty():
-            if time.monotonic() > deadline or any(p.exitcode not in (None, 0)
-                                                  for p in processes):
-                raise RuntimeError('the ranks did not report: exit codes '
-                                   f'{[p.exitcode for p in processes]} (None: running)')
-            time.sleep(0.1)
-        per_rank = results.get()
-    finally:
-        for process in processes:
-            process.join(10)
-            if process.is_alive():
-                process.kill()
+    from benchmarks.distributed import spawn_ranks
+    per_rank = spawn_ranks(rank_memory, ranks, config, 600)
     mib = {s: [p[s] / 2**20 for p in per_rank] for s in ('1f1b', 'zb_h1')}
     ratio = max(mib['zb_h1']) / max(mib['1f1b'])
     return {'ranks': ranks, 'per_rank_mib': mib, 'ratio': ratio, 'target': MEMORY_TARGET,
@@ -246,22 +243,86 @@ def device_memory_text(row: Row) -> str:
             f"{row['ratio']:.3f}x (target <= {row['target']:g}x)")
 
 
-def plot_every(document: Dict[str, Any], plt: Any) -> None:
-    """The traced step of every schedule on two workers, one above the other, on one scale."""
+def stack_timelines(plt: Any, rows: Sequence[Row], titles: Sequence[str], height: float) -> None:
+    """Traced steps (rows with ``events``), one chart above the other, on one time scale."""
     from benchmarks.timeline import row_events
     from torchgpipe.timeline import segments
     from torchgpipe.timeline.plot import draw_timeline
-    rows = document['schedules']
     figure = plt.gcf()
-    figure.set_size_inches(12, 2.0 * len(rows) + 1.0)
+    figure.set_size_inches(12, height * len(rows) + 1.0)
     axes = figure.subplots(len(rows), 1, sharex=True)
-    for k, (ax, row) in enumerate(zip(axes, rows)):
+    for k, (ax, row, title) in enumerate(zip(axes, rows, titles)):
+        # One legend, below the last chart (the runner's tight layout makes room for it).
         last = k == len(rows) - 1
-        draw_timeline(ax, segments(row_events(row)),
-                      f"{row['schedule']} on {' '.join(row['devices'])}: traced step "
-                      f"{row['traced_step_time'] * 1e3:.0f} ms, idle "
-                      f"{row['idle_ms']:.0f} ms per worker ({row['idle_ratio']:.2f}x 1F1B's)",
-                      legend=last)
+        draw_timeline(ax, segments(row_events(row)), title, legend=last)
         if not last:
             ax.set_xlabel('')
+    # Shared x: the longest step sets the scale, so the lengths compare at a glance.
     axes[0].set_xlim(0, max(r['traced_step_time'] for r in rows) * 1e3)
+
+
+def plot_every(document: Dict[str, Any], plt: Any) -> None:
+    """The traced step of every schedule on two workers, one above the other, on one scale."""
+    rows = document['results']
+    stack_timelines(plt, rows, [
+        f"{r['schedule']} on {' '.join(r['devices'])}: traced step "
+        f"{r['traced_step_time'] * 1e3:.0f} ms, idle {r['idle_ms']:.0f} ms per worker "
+        f"({r['idle_ratio']:.2f}x 1F1B's)" for r in rows], 2.0)
+
+
+def run(config: Dict[str, Any]) -> Dict[str, Any]:
+    from benchmarks.overhead import convnet
+    from benchmarks.schedules import devices_of, images, train_step
+    torch.manual_seed(0)
+    devices = devices_of(config, 2)
+    model = convnet().to(devices[0])
+    input = images(config, config['batch'], devices[0])
+    rows = zero_bubble_rows(model, input, devices, config['chunks'], config['rounds'],
+                            train_step)
+    memory = device_memory_row(config) if config['device'] == 'cpu' else None
+    return {'units': unit_rows(), 'results': rows, 'device_memory': memory,
+            'devices': [str(d) for d in devices]}
+
+
+def table(document: Dict[str, Any]) -> str:
+    settings = document['settings']
+    lines = [unit_table(document['units']), '',
+             zero_bubble_table(document['results'],
+                               f"8 convs, batch {settings['batch']} of {settings['image_size']}"
+                               f"x{settings['image_size']}, chunks {settings['chunks']}, "
+                               "'never'")]
+    if document['device_memory'] is not None:
+        lines += ['', device_memory_text(document['device_memory'])]
+    return '\n'.join(lines)
+
+
+def headline(document: Dict[str, Any]) -> List[Figure]:
+    figures = [Figure(f"idle of {r['schedule']} / 1f1b, unit costs", f"{r['ratio']:.2f}x",
+                      f"<= {r['target']:g}x", r['within_target'])
+               for r in document['units'] if 'target' in r]
+    for r in document['results']:
+        if 'targets' in r:
+            figures += [Figure(f"{r['schedule']} / 1f1b, step on 2 workers",
+                               f"{r['step_ratio']:.3f}x", f"<= {r['targets']['step']:g}x",
+                               r['step_ratio'] <= r['targets']['step']),
+                        Figure(f"{r['schedule']} / 1f1b, idle per worker (traced)",
+                               f"{r['idle_ratio']:.2f}x", f"<= {r['targets']['idle']:g}x",
+                               r['idle_ratio'] <= r['targets']['idle'])]
+    device = document['device_memory']
+    if device is not None:
+        figures.append(Figure('zb_h1 / 1f1b, peak memory of the largest device',
+                              f"{device['ratio']:.3f}x", f"<= {device['target']:g}x",
+                              device['within_target']))
+    return figures
+
+
+EXPERIMENT = Experiment(name='bubbles', doc=__doc__, presets=PRESETS, smoke=SMOKE, run=run,
+                        table=table, headline=headline, plot=plot_every, tune_malloc=True)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    return run_main(EXPERIMENT, argv)
+
+
+if __name__ == '__main__':
+    main(sys.argv[1:])

@@ -203,7 +203,8 @@ def ranks_steps(config: Dict[str, Any], rank: int) -> Dict[str, Step]:
     return steps
 
 
-def rank_main(rank: int, config: Dict[str, Any], port: int, results: Any) -> None:
+def rank_main(rank: int, world_size: int, port: int, config: Dict[str, Any],
+              results: Any) -> None:
     """One rank: times every step, round after round, and sends rank 0's table to the parent."""
     torch.set_num_threads(1)
     device = device_of(config, rank)
@@ -217,7 +218,7 @@ def rank_main(rank: int, config: Dict[str, Any], port: int, results: Any) -> Non
         # collectives) run on the current device: this rank's, not cuda:0.
         torch.cuda.set_device(device)
     dist.init_process_group(config['backend'], init_method=f'tcp://127.0.0.1:{port}',
-                            rank=rank, world_size=2, timeout=timedelta(seconds=120),
+                            rank=rank, world_size=world_size, timeout=timedelta(seconds=120),
                             device_id=device if device.type == 'cuda' else None)
     steps = ranks_steps(config, rank)
     names = [n for s in SCHEDULES for n in (anchor_name(s), ours_name(s))] + [FILL_DRAIN] \
@@ -259,30 +260,43 @@ def free_port() -> int:
         return port
 
 
-def run(config: Dict[str, Any]) -> Dict[str, Any]:
-    if config['backend'] == 'nccl':
-        cuda_devices(2)  # exits with a message without 2 CUDA devices, one per rank
+def spawn_ranks(target: Callable[..., None], world_size: int, config: Dict[str, Any],
+                timeout: float) -> Any:
+    """Runs ``target(rank, world_size, port, config, results)`` in ``world_size`` processes.
+
+    Returns:
+        what rank 0 put in ``results``
+
+    Raises:
+        RuntimeError: a rank failed, or none reported within ``timeout`` seconds
+    """
     ctx = mp.get_context('spawn')
     results = ctx.SimpleQueue()
     port = free_port()
-    ranks = [ctx.Process(target=rank_main, args=(rank, config, port, results), daemon=True)
-             for rank in range(2)]
+    ranks = [ctx.Process(target=target, args=(rank, world_size, port, config, results),
+                         daemon=True) for rank in range(world_size)]
     for process in ranks:
         process.start()
     try:
-        deadline = time.monotonic() + 60 + 20 * config['rounds']
+        deadline = time.monotonic() + timeout
         while results.empty():
             if time.monotonic() > deadline or any(p.exitcode not in (None, 0) for p in ranks):
                 raise RuntimeError('the ranks did not report: exit codes '
                                    f'{[p.exitcode for p in ranks]} (None: running)')
             time.sleep(0.1)
-        reported = results.get()
+        return results.get()
     finally:
         for process in ranks:
             process.join(10)
             if process.is_alive():
                 process.kill()
                 process.join()
+
+
+def run(config: Dict[str, Any]) -> Dict[str, Any]:
+    if config['backend'] == 'nccl':
+        cuda_devices(2)  # exits with a message without 2 CUDA devices, one per rank
+    reported = spawn_ranks(rank_main, 2, config, 60 + 20 * config['rounds'])
     times, losses = reported['times'], reported['losses']
     rows = [ratio(ours_name(s), anchor_name(s), times, TARGETS[s]) for s in SCHEDULES]
     rows.append(ratio(FILL_DRAIN, ANCHOR, times))

@@ -21,6 +21,7 @@ NAMES = (
     'unet_example',
     'timeline',
     'schedules',
+    'bubbles',
     'distributed',
 )
 

@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python -m benchmarks.schedules                  # 8 convolutions on cpu:0..3 (~4 min)
+    python -m benchmarks.schedules                  # 8 convolutions on cpu:0..3 (~2 min)
     python -m benchmarks.schedules --preset cuda    # the same rows on 4 CUDA devices
 
 :meth:`torchgpipe.GPipe.train_step` runs the forward and the backward passes
@@ -41,33 +41,29 @@ inside :func:`torchgpipe.trace`; the JSON keeps their events, and
 action's event is its work: the wait for a neighbour's message is left
 blank), with the devices' busy fraction from the timeline's summary.
 
-Before all these, what :mod:`benchmarks.bubbles` measures: every schedule's
-idle time at the zero-bubble paper's unit costs beside its formula, every
-schedule on two workers against 1F1B (``schedules-<preset>-every.png`` draws
-a traced step of each), and ZB-H1's peak memory per device.
+Before all these, it prints every schedule's idle time at the zero-bubble
+paper's unit costs beside its formula; :mod:`benchmarks.bubbles` measures
+every schedule on two workers against 1F1B, and ZB-H1's peak memory per device.
 """
 import copy
 import sys
 from dataclasses import asdict
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 import torchgpipe
-from benchmarks.bubbles import (device_memory_row, device_memory_text, plot_every, unit_rows,
-                               unit_table, zero_bubble_rows, zero_bubble_table)
+from benchmarks.bubbles import stack_timelines, unit_rows, unit_table
 from benchmarks.devices import cpu_devices, cuda_devices, synchronize
 from benchmarks.environment import threads
 from benchmarks.memory import MiB, fix_malloc, run_measure_subprocesses, step_peak_memory
 from benchmarks.overhead import convnet, ms
 from benchmarks.report import format_spread, format_table
 from benchmarks.runner import Experiment, Figure, Preset, main as run_main
-from benchmarks.timeline import row_events
 from benchmarks.timing import time_steps
 from torchgpipe import GPipe
-from torchgpipe.timeline import segments
 
 Step = Callable[[], None]
 Row = Dict[str, Any]
@@ -193,14 +189,11 @@ def compute_rows(config: Dict[str, Any]) -> Dict[str, Any]:
     return {'rows': rows, 'timelines': timelines, 'devices': [str(d) for d in devices]}
 
 
-def parallelism_rows(config: Dict[str, Any]) -> Tuple[List[Row], List[Row]]:
-    """``train_step`` on 2 partitions against the unwrapped model on 1 and 2 intra-op threads,
-    and every schedule on the same two workers against 1F1B."""
+def parallelism_rows(config: Dict[str, Any]) -> List[Row]:
+    """``train_step`` on 2 partitions against the unwrapped model on 1 and 2 intra-op threads."""
     devices = devices_of(config, 2)
     base = convnet().to(devices[0])
     input = images(config, config['batch'], devices[0])
-    every = zero_bubble_rows(base, input, devices, config['chunks'], config['rounds'],
-                             train_step)
     steps = {NEVER_1F1B_2: train_step(gpipe(base, devices, config['chunks'], 'never'), input,
                                        '1f1b'),
              'unwrapped, 1 thread': backward_step(base, input, devices[:1]),
@@ -208,7 +201,7 @@ def parallelism_rows(config: Dict[str, Any]) -> Tuple[List[Row], List[Row]]:
     times = time_steps(steps, config['rounds'], desc='2 partitions')
     setting = f"{size_text(config, config['batch'])}, 2 partitions"
     return [ratio_row('parallelism', setting, times, NEVER_1F1B_2, 'unwrapped, 1 thread'),
-            ratio_row('two threads', setting, times, NEVER_1F1B_2, 'unwrapped, 2 threads')], every
+            ratio_row('two threads', setting, times, NEVER_1F1B_2, 'unwrapped, 2 threads')]
 
 
 def measure(setting: Dict[str, Any]) -> Dict[str, Any]:
@@ -258,12 +251,11 @@ def run(config: Dict[str, Any]) -> Dict[str, Any]:
     torch.manual_seed(0)
     units = unit_rows()
     compute = compute_rows(config)
-    parallel, every = parallelism_rows(config)
+    parallel = parallelism_rows(config)
     memory = memory_row(config)
     results = [compute['rows'][0], memory, parallel[0], parallel[1], *compute['rows'][1:]]
     return {'results': results, 'timelines': compute['timelines'],
-            'devices': compute['devices'], 'targets': TARGETS, 'units': units,
-            'schedules': every, 'device_memory': device_memory_row(config)}
+            'devices': compute['devices'], 'targets': TARGETS, 'units': units}
 
 
 def target_text(row: Row) -> str:
@@ -288,9 +280,6 @@ def table(document: Dict[str, Any]) -> str:
             timed[r['against']] = r['against_ms']
     memory = next(r for r in results if r['name'] == 'memory')
     lines = [unit_table(document['units']), '',
-             zero_bubble_table(document['schedules'],
-                               f"{size_text(document['settings'], document['settings']['batch'])}"
-                               ", 'never'"), '', device_memory_text(document['device_memory']), '',
              'train_step against the other ways to train, in the same run, one intra-op thread '
              'per worker:', format_table(headers, cells), '',
              'step times, ms: fastest (median, max) of the rounds',
@@ -311,18 +300,6 @@ def headline(document: Dict[str, Any]) -> List[Figure]:
     figures = [Figure(f"idle of {r['schedule']} / 1f1b, unit costs", f"{r['ratio']:.2f}x",
                       f"<= {r['target']:g}x", r['within_target'])
                for r in document['units'] if 'target' in r]
-    for r in document['schedules']:
-        if 'targets' in r:
-            figures += [Figure(f"{r['schedule']} / 1f1b, step on 2 workers",
-                               f"{r['step_ratio']:.3f}x", f"<= {r['targets']['step']:g}x",
-                               r['step_ratio'] <= r['targets']['step']),
-                        Figure(f"{r['schedule']} / 1f1b, idle per worker (traced)",
-                               f"{r['idle_ratio']:.2f}x", f"<= {r['targets']['idle']:g}x",
-                               r['idle_ratio'] <= r['targets']['idle'])]
-    device = document['device_memory']
-    figures.append(Figure('zb_h1 / 1f1b, peak memory of the largest device',
-                          f"{device['ratio']:.3f}x", f"<= {device['target']:g}x",
-                          device['within_target']))
     return figures + [
         Figure(f"{r['name']}: {r['measured']} / {r['against']}", f"{r['ratio']:.3f}x",
                target_text(r) if 'target' in r else '', r.get('within_target'))
@@ -362,30 +339,17 @@ def plot(document: Dict[str, Any], plt: Any) -> None:
 
 def plot_timelines(document: Dict[str, Any], plt: Any) -> None:
     """The traced steps of 1F1B and fill-drain, one above the other, on one time scale."""
-    from torchgpipe.timeline.plot import draw_timeline
     timelines = document['timelines']
-    figure = plt.gcf()
-    figure.set_size_inches(12, 2.4 * len(timelines) + 1.0)
-    axes = figure.subplots(len(timelines), 1, sharex=True)
-    for k, (ax, t) in enumerate(zip(axes, timelines)):
-        # One legend, below the last chart (the runner's tight layout makes room for it).
-        last = k == len(timelines) - 1
-        draw_timeline(ax, segments(row_events(t)),
-                      f"{t['name']} ('never', {len(document['devices'])} partitions, "
-                      f"{document['settings']['chunks']} micro-batches): "
-                      f"traced step {t['traced_step_time'] * 1e3:.0f} ms, "
-                      f"utilization {t['utilization']:.0%}",
-                      legend=last)
-        if not last:
-            ax.set_xlabel('')
-    # Shared x: the longer step sets the scale, so the two lengths compare at a glance.
-    axes[0].set_xlim(0, max(t['traced_step_time'] for t in timelines) * 1e3)
+    stack_timelines(plt, timelines, [
+        f"{t['name']} ('never', {len(document['devices'])} partitions, "
+        f"{document['settings']['chunks']} micro-batches): traced step "
+        f"{t['traced_step_time'] * 1e3:.0f} ms, utilization {t['utilization']:.0%}"
+        for t in timelines], 2.4)
 
 
 EXPERIMENT = Experiment(name='schedules', doc=__doc__, presets=PRESETS, smoke=SMOKE, run=run,
                         table=table, headline=headline, plot=plot,
-                        more_plots={'timelines': plot_timelines, 'every': plot_every},
-                        measure=measure,
+                        more_plots={'timelines': plot_timelines}, measure=measure,
                         tune_malloc=True)
 
 

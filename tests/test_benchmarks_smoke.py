@@ -110,10 +110,21 @@ def check_schedules(document: Dict[str, Any]) -> None:
     assert list(units) == ['fill_drain', '1f1b', 'interleaved_1f1b', 'zb_h1', 'zbv']
     assert units['1f1b']['ratio'] == 1 and units['zb_h1']['ratio'] < 0.4
     assert all(r['idle'] == r['formula_value'] for n, r in units.items() if n != 'zbv')
-    every = {r['schedule']: r for r in document['schedules']}
+
+
+def check_bubbles(document: Dict[str, Any]) -> None:
+    units = {r['schedule']: r for r in document['units']}
+    assert list(units) == ['fill_drain', '1f1b', 'interleaved_1f1b', 'zb_h1', 'zbv']
+    every = {r['schedule']: r for r in document['results']}
     assert list(every) == ['1f1b', 'zb_h1', 'interleaved_1f1b', 'zbv']
-    assert every['1f1b']['step_ratio'] == 1
+    assert every['1f1b']['step_ratio'] == every['1f1b']['idle_ratio'] == 1
     assert all(r['step_ms'] > 0 and r['idle_ratio'] >= 0 for r in every.values())
+    # Each traced step keeps its events, with the split actions where there are.
+    assert {'input', 'weight'} <= {e['kind'] for e in every['zb_h1']['events']}
+    assert not {'input', 'weight'} & {e['kind'] for e in every['1f1b']['events']}
+    memory = document['device_memory']
+    assert len(memory['per_rank_mib']['1f1b']) == len(memory['per_rank_mib']['zb_h1']) == 4
+    assert memory['target'] == 1.05 and memory['ratio'] > 0
 
 
 def check_distributed(document: Dict[str, Any]) -> None:
@@ -148,7 +159,7 @@ CHECKS: Dict[str, Callable[[Dict[str, Any]], None]] = {
     'unet_memory': check_unet_memory, 'unet_speed': check_speed,
     'amoebanet_speed': check_speed, 'solver_speed': check_solver_speed,
     'unet_example': check_unet_example, 'schedules': check_schedules,
-    'distributed': check_distributed,
+    'bubbles': check_bubbles, 'distributed': check_distributed,
 }
 
 
