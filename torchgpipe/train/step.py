@@ -22,8 +22,11 @@ that order, waiting in a :class:`~torchgpipe.train.mailbox.Mailbox` for what
 others send. Forward actions that may draw random numbers take the same
 turns and hold the CPU generator as the forward path's tasks
 (:mod:`torchgpipe.rng`). A checkpointed micro-batch runs its forward pass
-without keeping activations, and its backward action recomputes them first,
-in the same replay as the forward path's (:mod:`torchgpipe.replay`).
+without keeping activations, and its backward action (``B``, or ``I`` when
+the backward pass is split) recomputes them first, in the same replay as
+the forward path's (:mod:`torchgpipe.replay`). ``I`` sends the gradients of
+the partition's inputs back at once; its ``W`` accumulates the parameters'
+later, from what ``I`` kept (:mod:`torchgpipe.train.split`).
 """
 import functools
 import sys
@@ -113,7 +116,7 @@ class Stage:
         self.is_last = j == shared.n - 1
         self.passes: Dict[int, Pass] = {}
         #: What each micro-batch's ``I`` left for its ``W``.
-        self.weights: Dict[int, WeightPass] = {}
+        self.deferred: Dict[int, WeightPass] = {}
         #: The loss of each micro-batch, without graph (the last partition's).
         self.losses: Dict[int, Tensor] = {}
         #: Whether the forward action, loss included, drew in this step (the
@@ -152,7 +155,7 @@ class Stage:
             self.send_output(i)
             return
         if action.kind is Kind.W:
-            self.record('weight', i, self.weights.pop(i).run)
+            self.record('weight', i, self.deferred.pop(i).run)
             self.finish(action)
             return
         current = self.passes.pop(i)
@@ -164,7 +167,7 @@ class Stage:
             self.record('backward', i, lambda: self.backpropagate(tensors, grads))
             self.finish(action)
         else:
-            self.weights[i] = self.record('input', i, lambda: input_pass(
+            self.deferred[i] = self.record('input', i, lambda: input_pass(
                 tensors, grads, self.leaves(current), tuple(current.output or ())))
         self.send_gradients(i, current)
 
