@@ -209,6 +209,13 @@ def depends_on(action: Action, n: int, split: Callable[[int, int], bool]) -> Lis
     return needs
 
 
+def dependencies(workers: Sequence[Sequence[Action]], n: int) -> Dict[Action, List[Action]]:
+    """What each action of a schedule waits for (:func:`depends_on`, with its splits)."""
+    split = {(a.i, a.j) for actions in workers for a in actions if a.kind is Kind.I}
+    return {a: depends_on(a, n, lambda i, j: (i, j) in split)
+            for actions in workers for a in actions}
+
+
 def clock_order(workers: Sequence[Sequence[Action]], n: int) -> List[List[Action]]:
     """Lays a schedule out in clock cycles, every action taking one cycle.
 
@@ -224,9 +231,7 @@ def clock_order(workers: Sequence[Sequence[Action]], n: int) -> List[List[Action
         ValueError: the schedule can never finish; the message names the
             first worker's action that can never run, and what it waits for
     """
-    split = {(a.i, a.j) for actions in workers for a in actions if a.kind is Kind.I}
-    needs = {a: depends_on(a, n, lambda i, j: (i, j) in split)
-             for actions in workers for a in actions}
+    needs = dependencies(workers, n)
     done = set()
     position = [0] * len(workers)
     cycles: List[List[Action]] = []
@@ -289,14 +294,14 @@ def simulate(workers: Sequence[Sequence[Action]], n: int, cost: Cost
         the start and the end of each action
     """
     times: Dict[Action, Tuple[Fraction, Fraction]] = {}
-    split = {(a.i, a.j) for actions in workers for a in actions if a.kind is Kind.I}
+    needs = dependencies(workers, n)
     before = {a: actions[k - 1] if k else None
               for actions in workers for k, a in enumerate(actions)}
     for cycle in clock_order(workers, n):
         for action in cycle:
             previous = before[action]
             start = times[previous][1] if previous is not None else Fraction(0)
-            for need in depends_on(action, n, lambda i, j: (i, j) in split):
+            for need in needs[action]:
                 start = max(start, times[need][1])
             times[action] = (start, start + cost(action))
     return times
