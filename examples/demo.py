@@ -201,8 +201,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         description='Train a small CNN with torchgpipe.GPipe over 4 CPU partitions, in one '
                     'thread and with a worker thread per device, and check that both match '
                     'the same model trained without GPipe.')
-    parser.add_argument('--steps', type=int, default=128,
-                        help='SGD steps for each run (128 are two epochs at batch 64)')
+    parser.add_argument('--steps', type=int, default=64,
+                        help='SGD steps for each run (64 are one epoch at batch 64)')
     parser.add_argument('--batch-size', type=int, default=64,
                         help='mini-batch size')
     parser.add_argument('--chunks', type=int, default=8,
