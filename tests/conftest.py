@@ -4,7 +4,7 @@ Also: the coverage threshold of setup.cfg holds for the whole suite only.
 """
 import threading
 from pathlib import Path
-from typing import Iterable, Iterator, Optional, Set
+from typing import Iterable, Iterator, List, Optional, Set, cast
 
 import pytest
 import torch
@@ -68,7 +68,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 # part of it (a file, a test, -k or -m) covers less, and must not fail for that.
 # The threshold is lifted at the end of the collection unless the run is the
 # whole suite, so `python -m pytest` keeps it and `python -m pytest
-# tests/test_gpipe.py` passes when its tests do.
+# tests/test_gpipe.py` passes when its tests do; with pytest-xdist (-n), in
+# the controller, once a worker has collected.
 
 TESTS = Path(__file__).resolve().parent
 MODULES = pytest.StashKey[Set[Path]]()
@@ -108,8 +109,26 @@ def pytest_deselected(items: Iterable[pytest.Item]) -> None:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     config = session.config
-    if is_whole_suite(config.args, config.stash[MODULES], config.stash[DESELECTED]):
-        return
+    if not is_whole_suite(config.args, config.stash[MODULES], config.stash[DESELECTED]):
+        lift_threshold(config)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node: object, ids: List[str]) -> None:
+    # With pytest-xdist (-n), the workers collect and the controller checks
+    # coverage: it learns what runs from the node ids a worker collected,
+    # whether anything was deselected from its options.
+    config = cast(pytest.Config, getattr(node, 'config'))
+    modules = {(config.rootpath / id.split('::', 1)[0]).resolve() for id in ids}
+    option = config.option
+    deselected = bool(option.keyword or option.markexpr or option.deselect
+                      or getattr(option, 'lf', False))
+    if not is_whole_suite(config.args, modules, deselected):
+        lift_threshold(config)
+
+
+def lift_threshold(config: pytest.Config) -> None:
+    """Keeps pytest-cov from failing a part of the suite for its coverage."""
     # pytest-cov reads the threshold from its options after the tests have run.
     options = getattr(config.pluginmanager.getplugin('_cov'), 'options', None)
     threshold: Optional[float] = getattr(options, 'cov_fail_under', None)
