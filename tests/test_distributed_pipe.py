@@ -16,6 +16,7 @@ import os
 import pickle
 import random
 import signal
+import time
 from pathlib import Path
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
@@ -476,6 +477,31 @@ def test_a_killed_rank_makes_the_others_raise() -> None:
     kind, message = results[0]['error']
     assert kind == 'PeerFailed'
     assert message.startswith('lost rank 1 (partition 1) while waiting for its message')
+    assert results[1] is None
+
+
+def killed_between_steps(rank: int, world_size: int) -> Result:
+    """Rank 1 dies after a step; rank 0 then starts the next one, sending first."""
+    pipe = DistributedGPipe(faulty(-1, 0, 'forward'), [2, 2], chunks=CHUNKS, checkpoint='never')
+    pipe.train_step(*batch(0), F.mse_loss)
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    # Not a condition of the test (the step must raise PeerFailed either way),
+    # but what makes its first send, rather than a receive, meet the closed
+    # connection: rank 1 dies within this second.
+    time.sleep(1)
+    try:
+        pipe.train_step(*batch(1), F.mse_loss)
+    except BaseException as exc:
+        return {'error': (type(exc).__name__, str(exc))}
+    raise AssertionError('the step ran without rank 1')
+
+
+def test_a_rank_killed_between_steps_makes_the_next_step_raise_peer_failed() -> None:
+    results = run_distributed(killed_between_steps, timeout=GLOO_TIMEOUT - 10, dies=[1])
+    kind, message = results[0]['error']
+    assert kind == 'PeerFailed', message
+    assert message.startswith('lost rank 1 (partition 1) while '), message
     assert results[1] is None
 
 

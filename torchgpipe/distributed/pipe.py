@@ -204,10 +204,11 @@ class DistributedGPipe(nn.Module):
             device), without autograd history
 
         Raises:
-            PeerFailed: another rank failed in this step, or stopped
-                answering (within the process group's timeout). Every rank
-                raises, the one that failed its own error: restart the job,
-                from a checkpoint
+            PeerFailed: another rank failed in this step, or its
+                connection broke (it died, in this step or since the last),
+                or it stopped answering (within the process group's
+                timeout). Every rank raises, the one that failed its own
+                error: restart the job, from a checkpoint
             RuntimeError: an earlier step failed: this pipeline's ranks no
                 longer agree on their messages
             ValueError, TypeError: as for :meth:`GPipe.train_step

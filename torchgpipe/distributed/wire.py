@@ -23,7 +23,8 @@ the actions that will take them::
 """
 import io
 import pickle
-from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -94,11 +95,13 @@ class Wire(Mailbox):
         return cast(Key, wired)
 
     def put(self, key: Key, message: Any) -> None:
-        rank = self.ranks[self.ends(key)[1]]
+        j = self.ends(key)[1]
+        rank = self.ranks[j]
         if rank == self.me:
             super().put(key, message)
         else:
-            self.channels.send(rank, 'message', (self.encode(key), message))
+            with lost(rank, j, 'sending it a message'):
+                self.channels.send(rank, 'message', (self.encode(key), message))
 
     def take(self, key: Key) -> Any:
         source = self.ends(key)[0]
@@ -123,11 +126,8 @@ class Wire(Mailbox):
             PeerFailed: that rank failed, or the connection to it broke or timed out
         """
         rank = self.ranks[j]
-        try:
+        with lost(rank, j, 'waiting for its message'):
             kind, message = self.channels.receive(rank)
-        except RuntimeError as exc:
-            raise PeerFailed(f'lost rank {rank} (partition {j}) while waiting for '
-                             f'its message: {exc}') from exc
         if kind == 'failure':
             raise PeerFailed(f'rank {rank} (partition {j}) failed: {message}')
         return message
@@ -143,14 +143,17 @@ class Wire(Mailbox):
             PeerFailed: another rank failed in this step
         """
         for rank in self.others:
-            self.channels.send(rank, 'message', (None, loss))
+            with lost(rank, self.ranks.index(rank), 'sending it the end of the step'):
+                self.channels.send(rank, 'message', (None, loss))
         for rank in self.others:
             _, received = self.receive(self.ranks.index(rank))
             if rank == self.ranks[-1]:
                 # A copy: the received loss is a view of a message's
                 # buffer, which a loss kept for logging would hold.
                 loss = received.clone()
-        self.channels.wait_sent()
+        # Every rank has said it is done: a send failing now failed on the way.
+        with lost(None, None, 'waiting for its messages to arrive'):
+            self.channels.wait_sent()
         self.channels.blocks.trim()
         assert loss is not None
         return loss
@@ -167,8 +170,40 @@ class Wire(Mailbox):
         for rank in self.others:
             try:
                 self.channels.send(rank, 'failure', description)
-            except RuntimeError:
+            except Disconnected:
                 pass  # that rank is gone already
+
+
+@contextmanager
+def lost(rank: Optional[int], j: Optional[int], doing: str) -> Iterator[None]:
+    """Raises a broken or timed-out connection to ``rank`` (any: ``None``) as PeerFailed.
+
+    torch.distributed raises it sending as receiving (gloo: "Connection
+    closed by peer"), and :class:`Channels` as :class:`Disconnected`: code
+    that restarts a job on ``PeerFailed`` must see it as one.
+    """
+    try:
+        yield
+    except Disconnected as exc:
+        peer = 'a rank' if rank is None else f'rank {rank} (partition {j})'
+        raise PeerFailed(f'lost {peer} while {doing}: {exc}') from exc
+
+
+class Disconnected(RuntimeError):
+    """A point-to-point operation of torch.distributed failed: its connection broke or timed out."""
+
+
+@contextmanager
+def disconnected() -> Iterator[None]:
+    """Raises what a point-to-point operation raises (``RuntimeError``) as :class:`Disconnected`.
+
+    Only those operations: a ``RuntimeError`` of anything else, such as a
+    copy, is no lost connection.
+    """
+    try:
+        yield
+    except RuntimeError as exc:
+        raise Disconnected(str(exc)) from exc
 
 
 class Channels:
@@ -248,21 +283,23 @@ class Channels:
         return torch.empty(size, dtype=torch.uint8, device=self.device)
 
     def post_send(self, rank: int, buffer: Tensor) -> None:
-        work = dist.isend(buffer, rank, group=self.group)
+        with disconnected():
+            work = dist.isend(buffer, rank, group=self.group)
         self.sending.append((work, buffer))
 
     def receive(self, rank: int) -> Tuple[str, Any]:
         """Waits for the next message from ``rank``; returns its kind and the message.
 
         Raises:
-            RuntimeError: the connection broke or timed out
+            Disconnected: the connection broke or timed out
         """
         # Not received ahead of time, while the rank computes: on CPU ranks
         # the transfer then takes a core from the computation, and measured
         # 1F1B steps 7-10 % slower (docs/scaling_out.rst, "Measured").
         while True:
             buffer = self.buffer(self.capacity(rank))
-            dist.recv(buffer, rank, group=self.group)
+            with disconnected():
+                dist.recv(buffer, rank, group=self.group)
             length = int.from_bytes(read(buffer, 0, 8), 'little')
             kind, metas, body = pickle.loads(read(buffer, 8, 8 + length))
             if kind != 'grow':
@@ -281,7 +318,8 @@ class Channels:
     def wait_sent(self) -> None:
         """Waits for every send to arrive."""
         for work, _ in self.sending:
-            work.wait()
+            with disconnected():
+                work.wait()
         self.sending.clear()
 
 
