@@ -152,7 +152,7 @@ class Wire(Mailbox):
                 # buffer, which a loss kept for logging would hold.
                 loss = received.clone()
         # Every rank has said it is done: a send failing now failed on the way.
-        with lost(None, None, 'waiting for its messages to arrive'):
+        with lost(None, None, "waiting for this rank's messages to arrive"):
             self.channels.wait_sent()
         self.channels.blocks.trim()
         assert loss is not None
