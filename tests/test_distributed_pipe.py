@@ -17,6 +17,7 @@ import pickle
 import random
 import signal
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
@@ -503,6 +504,48 @@ def test_a_rank_killed_between_steps_makes_the_next_step_raise_peer_failed() -> 
     assert kind == 'PeerFailed', message
     assert message.startswith('lost rank 1 (partition 1) while '), message
     assert results[1] is None
+
+
+def linear_then_tanh() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(FEATURES, FEATURES), nn.Tanh()).double()
+
+
+def without_parameters_on_rank_1(rank: int, world_size: int) -> Result:
+    """Rank 1 keeps only the Tanh: it is warned, and the documented recipe trains."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        pipe = DistributedGPipe(linear_then_tanh(), [1, 1], chunks=CHUNKS)
+    parameters = list(pipe.parameters())
+    optimizer = torch.optim.SGD(parameters, lr=0.1) if parameters else None
+    for step in range(STEPS):
+        if optimizer is not None:
+            optimizer.zero_grad()
+        pipe.train_step(*batch(step), F.mse_loss)
+        if optimizer is not None:
+            optimizer.step()
+    return {'warnings': [str(w.message) for w in caught], **snapshot(pipe)}
+
+
+def test_a_rank_without_parameters_is_warned_and_the_recipe_trains() -> None:
+    ranks = run_distributed(without_parameters_on_rank_1)
+    assert ranks[0]['warnings'] == []
+    warned, = ranks[1]['warnings']
+    assert warned.startswith('rank 1 of the pipeline holds no parameters (its layers: 1): '
+                             'torch.optim refuses an empty parameter list'), warned
+    assert ranks[1]['params'] == {}
+    plain = linear_then_tanh()
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        F.mse_loss(plain(batch(step)[0]), batch(step)[1]).backward()
+        optimizer.step()
+    expected = snapshot(plain)['params']
+    assert ranks[0]['params'].keys() == expected.keys()
+    for name, value in expected.items():
+        # Gradients summed micro-batch by micro-batch: float rounding apart.
+        torch.testing.assert_close(torch.tensor(ranks[0]['params'][name]), torch.tensor(value),
+                                   msg=name)
 
 
 def resume(rank: int, world_size: int, checkpoints: str) -> Result:

@@ -1,4 +1,5 @@
 """DistributedGPipe: a pipeline whose partitions are the processes of a group, one or more each."""
+import warnings
 from collections import OrderedDict
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Union, cast
 
@@ -157,6 +158,14 @@ class DistributedGPipe(nn.Module):
                 self.add_module(name, layer)
         self._others = [name for j, p in enumerate(partitions) if j not in self._here
                         for name, _ in p.named_children()]
+        if next(self.parameters(), None) is None:
+            # Said here, before the optimizer that a script builds next
+            # refuses the empty list of parameters in words about itself.
+            warnings.warn(f'rank {self.rank} of the pipeline holds no parameters (its layers: '
+                          f'{", ".join(self._modules) or "none"}): torch.optim refuses an '
+                          'empty parameter list, so build an optimizer only where '
+                          'list(pipe.parameters()) is not empty, and step it there',
+                          UserWarning, stacklevel=2)
         self._deferred_batch_norms = [m for m in self.modules()
                                       if isinstance(m, DeferredBatchNorm)]
         self._run_state = RunState(len(self._here))
