@@ -16,6 +16,7 @@ not penalize large batches.
 """
 import gc
 import json
+import math
 import os
 import subprocess
 import sys
@@ -29,8 +30,8 @@ from benchmarks import REPO_ROOT
 from benchmarks.devices import synchronize
 from torchgpipe.timeline.clock import peak_rss, proc_status, reset_peak_rss
 
-__all__ = ['GiB', 'MiB', 'parameter_count', 'fix_malloc', 'tune_malloc', 'malloc_tuned',
-           'step_peak_memory', 'run_measure_subprocesses']
+__all__ = ['GiB', 'MiB', 'parameter_count', 'peak_ratio', 'fix_malloc', 'tune_malloc',
+           'malloc_tuned', 'step_peak_memory', 'run_measure_subprocesses']
 
 GiB = 1024 ** 3
 MiB = 1024 ** 2
@@ -121,6 +122,15 @@ def step_peak_memory(step: Callable[[], None], devices: Sequence[torch.device],
     method = 'rss high-water mark (clear_refs)' if reset else 'ru_maxrss'
     return {'method': method, 'per_device': {'host': added}, 'before': resident,
             'peak': added, 'step_peak': added}
+
+
+def peak_ratio(measured: float, against: float) -> float:
+    """``measured / against``, or NaN when ``against`` grew nothing.
+
+    A smoke run's steps are so small that a step may not grow the resident
+    set by a single page; its figures mean nothing, but must not crash.
+    """
+    return measured / against if against else math.nan
 
 
 def run_measure_subprocesses(module: str, settings: Sequence[Mapping[str, Any]], *,

@@ -46,7 +46,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from benchmarks.devices import cpu_devices
-from benchmarks.memory import MiB, fix_malloc, run_measure_subprocesses, step_peak_memory
+from benchmarks.memory import (MiB, fix_malloc, peak_ratio, run_measure_subprocesses,
+                               step_peak_memory)
 from benchmarks.report import format_spread, format_table
 from benchmarks.runner import Experiment, Figure, Preset, main as run_main
 from benchmarks.timing import time_steps
@@ -212,7 +213,7 @@ def memory_row(config: Dict[str, Any]) -> Row:
                                         [{'mode': mode, 'batch': batch} for mode in modes],
                                         parallel=2)
     mib = {mode: m['step_peak'] / MiB for mode, m in zip(modes, measured)}
-    ratio = mib['except_last'] / mib['never']
+    ratio = peak_ratio(mib['except_last'], mib['never'])
     return {'name': 'memory', 'setting': f'chunks=8, 4 partitions, MLP batch {batch}',
             'measured': "'except_last'", 'against': "'never'", 'measured_mib': mib['except_last'],
             'against_mib': mib['never'], 'unwrapped_mib': mib['unwrapped'],

@@ -58,7 +58,8 @@ import torchgpipe
 from benchmarks.bubbles import stack_timelines, unit_rows, unit_table
 from benchmarks.devices import cpu_devices, cuda_devices, synchronize
 from benchmarks.environment import threads
-from benchmarks.memory import MiB, fix_malloc, run_measure_subprocesses, step_peak_memory
+from benchmarks.memory import (MiB, fix_malloc, peak_ratio, run_measure_subprocesses,
+                               step_peak_memory)
 from benchmarks.overhead import convnet, ms
 from benchmarks.report import format_spread, format_table
 from benchmarks.runner import Experiment, Figure, Preset, main as run_main
@@ -236,7 +237,7 @@ def memory_row(config: Dict[str, Any]) -> Row:
                                         [{'mode': mode, 'config': config} for mode in modes],
                                         parallel=1 if config['device'] == 'cuda' else 2)
     mib = {mode: m['step_peak'] / MiB for mode, m in zip(modes, measured)}
-    ratio = mib['1f1b'] / mib['fill_drain']
+    ratio = peak_ratio(mib['1f1b'], mib['fill_drain'])
     return {'name': 'memory',
             'setting': f"{size_text(config, config['memory_batch'])}, 4 partitions",
             'measured': NEVER_1F1B, 'against': "train_step fill-drain 'never'",

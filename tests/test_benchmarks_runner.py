@@ -267,3 +267,14 @@ def test_transparency_plot_marks_zero_differences() -> None:
         plt.close('all')
     assert sum(note.startswith('0') for note in notes) == 2
     assert len(ticks) <= 6
+
+
+def test_device_memory_row_without_growth_is_not_a_division_by_zero(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A smoke run's steps are so small that no rank's resident set may grow.
+    from benchmarks import bubbles, distributed
+    monkeypatch.setattr(distributed, 'spawn_ranks',
+                        lambda *args: [{'1f1b': 0, 'zb_h1': 4096}] * 4)
+    row = bubbles.device_memory_row({})
+    assert row['ratio'] != row['ratio'] and not row['within_target']
+    assert 'nanx' in bubbles.device_memory_text(row)
