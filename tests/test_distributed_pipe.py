@@ -93,7 +93,10 @@ class Config(NamedTuple):
 
 
 def tied() -> nn.Sequential:
-    """The first and the last layer share a weight (an embedding and its head, say)."""
+    """The first and the last layer share a weight (an embedding and its head, say).
+
+    On two ranks, each holds a copy, and their gradients are summed.
+    """
     torch.manual_seed(0)
     first, last = nn.Linear(FEATURES, FEATURES), nn.Linear(FEATURES, FEATURES)
     last.weight = first.weight
@@ -115,7 +118,11 @@ SCHEDULE_CHECKPOINTS = list(itertools.product(['1f1b', 'fill_drain', 'zb_h1'], C
 TWO_RANKS = [Config(m, b, s, c) for (m, b), (s, c) in itertools.product(
     [('mlp', (3, 2)), ('unet', (5, 5)), ('batchnorm', (3, 4)), ('packed', (2, 2))],
     SCHEDULE_CHECKPOINTS)]
-THREE_RANKS = [Config('unet', (3, 2, 5), s, c) for s, c in SCHEDULE_CHECKPOINTS]
+# The first and the last layer share a weight, on different ranks.
+TWO_RANKS += [Config('tied', (3, 3), s, c) for s, c in SCHEDULE_CHECKPOINTS]
+THREE_RANKS = [Config('unet', (3, 2, 5), s, c) for s, c in SCHEDULE_CHECKPOINTS] + [
+    Config('tied', (2, 2, 2), s, c) for s, c in zip(['1f1b', 'fill_drain', 'zb_h1'],
+                                                     CHECKPOINT_MODES)]
 # Two partitions per rank, in a loop or a V; unet's skips cross virtual stages.
 VIRTUAL = [Config(m, b, s, c, placement) for (m, b), (s, placement), c in itertools.product(
     [('unet', (3, 2, 2, 3)), ('mlp', (2, 1, 1, 1)), ('batchnorm', (2, 2, 2, 1))],
@@ -123,7 +130,9 @@ VIRTUAL = [Config(m, b, s, c, placement) for (m, b), (s, placement), c in iterto
     CHECKPOINT_MODES)] + [
     # A V puts the first and the last partition on rank 0: they may share a weight.
     Config('tied', (2, 1, 1, 2), s, c, 'v') for s, c in itertools.product(
-        ['zbv', 'zb_h1'], CHECKPOINT_MODES)]
+        ['zbv', 'zb_h1'], CHECKPOINT_MODES)] + [
+    # In a loop, they are on rank 0 and rank 1.
+    Config('tied', (2, 1, 1, 2), 'interleaved_1f1b', c) for c in CHECKPOINT_MODES]
 
 
 def batch(step: int, size: int = BATCH) -> Tuple[Tensor, Tensor]:
@@ -133,13 +142,20 @@ def batch(step: int, size: int = BATCH) -> Tuple[Tensor, Tensor]:
 
 
 def snapshot(module: nn.Module, prefix: int = 0) -> Dict[str, Dict[str, Any]]:
-    """Gradients, parameters and buffers under the unwrapped model's names."""
+    """Gradients, parameters and buffers under the unwrapped model's names.
+
+    Under every key of the state dict: a tied parameter under each of its
+    names, as the rank of each use holds it.
+    """
     def name(n: str) -> str:
         return n.split('.', prefix)[prefix] if prefix else n
-    return {'grads': {name(n): None if p.grad is None else p.grad.tolist()
-                      for n, p in module.named_parameters()},
-            'params': {name(n): p.tolist() for n, p in module.named_parameters()},
-            'buffers': {name(n): b.tolist() for n, b in module.named_buffers()}}
+    state = module.state_dict(keep_vars=True)
+    parameters = {name(n): p for n, p in state.items() if isinstance(p, nn.Parameter)}
+    return {'grads': {n: None if p.grad is None else p.grad.tolist()
+                      for n, p in parameters.items()},
+            'params': {n: p.tolist() for n, p in parameters.items()},
+            'buffers': {name(n): b.tolist() for n, b in state.items()
+                        if not isinstance(b, nn.Parameter)}}
 
 
 def train(pipe: nn.Module, config: Config, step_fn: Any, size: int = BATCH) -> Result:
@@ -239,8 +255,17 @@ def test_the_same_as_one_process_and_the_unwrapped_model(
     ranks = virtual if config in VIRTUAL else two_ranks if len(config.balance) == 2 else \
         three_ranks
     actual = merge([r[config.id] for r in ranks])
+    ranks_of = config.ranks(len(ranks))
+    tied_across = config.model == 'tied' and ranks_of[0] != ranks_of[-1]
+    if tied_across:
+        # The copies of the two ranks are one parameter, bit for bit ...
+        for step in actual['snapshots']:
+            for kind in ('grads', 'params'):
+                assert step[kind]['0.weight'] == step[kind]['5.weight']
     for threads in (False, True):
-        assert_equal(actual, one_process(config, threads, len(ranks)), exact=True)
+        # ... whose gradient is the one process's but for the order of its
+        # additions: one process adds each micro-batch's share as it comes.
+        assert_equal(actual, one_process(config, threads, len(ranks)), exact=not tied_across)
     if config.model != 'batchnorm':  # statistics per micro-batch in a pipeline
         assert_equal(actual, unwrapped(config), exact=False)
 
@@ -352,11 +377,13 @@ def test_the_memory_of_messages_is_reused_from_step_to_step() -> None:
 # --- pipeline x data parallelism ----------------------------------------------------------
 
 
-def train_grid(rank: int, world_size: int) -> Result:
+GRID = Config('unet', (5, 5), '1f1b', 'except_last')
+
+
+def train_grid(rank: int, world_size: int, config: Config = GRID) -> Result:
     """Ranks 0-1 and 2-3 are two pipelines; 0-2 and 1-3 the replicas of each partition."""
     pipelines = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     replicas = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-    config = Config('unet', (5, 5), '1f1b', 'except_last')
     pipe = DistributedGPipe(model(config.model), config.balance, chunks=CHUNKS,
                             checkpoint=config.checkpoint, group=pipelines[rank // 2])
     ddp = DistributedDataParallel(pipe, process_group=replicas[rank % 2])
@@ -368,11 +395,12 @@ def train_grid(rank: int, world_size: int) -> Result:
     return train(pipe, config, step, 2 * BATCH)
 
 
-def test_pipelines_replicated_over_a_second_dimension_of_ranks() -> None:
-    ranks = run_distributed(train_grid, world_size=4, timeout=150)
-    config = Config('unet', (5, 5), '1f1b', 'except_last')
-    # The reference: the unwrapped model on the whole global batch of both
-    # pipelines (the mean of the two shards' mean losses is its mean loss).
+def assert_grid_trains_as_unwrapped(ranks: List[Result], config: Config) -> None:
+    """Every rank of :func:`train_grid` holds the unwrapped model's gradients and parameters.
+
+    The reference: the unwrapped model on the whole global batch of both
+    pipelines (the mean of the two shards' mean losses is its mean loss).
+    """
     plain = model(config.model)
     optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
     for step in range(STEPS):
@@ -380,10 +408,16 @@ def test_pipelines_replicated_over_a_second_dimension_of_ranks() -> None:
         F.mse_loss(plain(batch(step, 2 * BATCH)[0]), batch(step, 2 * BATCH)[1]).backward()
         expected = snapshot(plain)
         for result in ranks:  # both replicas of a partition hold the averages
-            for name, grad in result['snapshots'][step]['grads'].items():
-                torch.testing.assert_close(torch.tensor(grad),
-                                           torch.tensor(expected['grads'][name]), **TOLERANCE)
+            for kind in ('grads', 'params'):
+                for name, value in result['snapshots'][step][kind].items():
+                    torch.testing.assert_close(torch.tensor(value),
+                                               torch.tensor(expected[kind][name]), **TOLERANCE,
+                                               msg=lambda m, name=name: f'{name}: {m}')
         optimizer.step()
+
+
+def test_pipelines_replicated_over_a_second_dimension_of_ranks() -> None:
+    assert_grid_trains_as_unwrapped(run_distributed(train_grid, world_size=4, timeout=150), GRID)
 
 
 # --- faults -------------------------------------------------------------------------------
@@ -590,11 +624,12 @@ def test_torch_distributed_must_be_initialized_first() -> None:
 
 
 def refusals(rank: int, world_size: int) -> List[str]:
-    first, tied = nn.Linear(FEATURES, FEATURES), nn.Linear(FEATURES, FEATURES)
-    tied.weight = first.weight
+    # Two layers of two ranks sharing a buffer: parameters only may be tied.
+    first, shared = nn.BatchNorm1d(FEATURES), nn.BatchNorm1d(FEATURES)
+    shared.running_mean = first.running_mean
     attempts = [
         lambda: DistributedGPipe(model('mlp'), [1, 1, 3]),
-        lambda: DistributedGPipe(nn.Sequential(first, nn.Tanh(), tied), [2, 1]),
+        lambda: DistributedGPipe(nn.Sequential(first, nn.Tanh(), shared), [2, 1]),
         lambda: DistributedGPipe(model('mlp'), [3, 2], placement='v'),
         lambda: DistributedGPipe(model('mlp'), [3, 2], placement='ring'),
         lambda: DistributedGPipe(model('mlp'), [3, 2], device='gpu'),
@@ -623,10 +658,10 @@ def test_bad_arguments_are_refused_before_any_message() -> None:
         'ValueError: balance must give each rank of the group as many partitions (balance: '
         '[1, 1, 3], ranks: 2); give 2 numbers of layers (or a multiple of 2), or run 3 '
         'processes',
-        'ValueError: a parameter is shared by layers of two partitions, in two processes '
-        "(2.weight of partition 1); put the layers that share it in one partition, or in "
-        "partitions of one rank (placement='v' gives the first and the last to rank 0), or "
-        'use GPipe, whose partitions may share parameters',
+        'ValueError: a buffer, or a layer with parameters or buffers, cannot be in two '
+        "partitions ('0.running_mean' of partition 0 is '2.running_mean' of partition 1); "
+        'change the balance to put the layers sharing it in one partition; across '
+        'partitions, layers can share parameters only',
         "ValueError: placement='v' needs two partitions per rank of the group (balance: "
         "[3, 2], ranks: 2); give 4 numbers of layers",
         "ValueError: placement must be 'loop' or 'v' (placement: 'ring'); use "

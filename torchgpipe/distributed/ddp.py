@@ -103,8 +103,10 @@ def train_step(model: DistributedDataParallel, input: TensorOrTensors,
     names = {id(p): name for name, p in module.named_parameters()}
     partitions = dict(enumerate(module.partitions)) if isinstance(module, GPipe) else \
         dict(module._here)
+    tied = module._tied.parameters() if isinstance(module, DistributedGPipe) else []
     reducer = AllReduce({j: [p for p in partition.parameters() if names[id(p)] not in ignored]
-                         for j, partition in partitions.items()}, group)
+                         for j, partition in partitions.items()}, group,
+                        [p for p in tied if names[id(p)] not in ignored])
     loss = module._train_step(input, target, loss_fn, schedule, reduction, reducer.done)
     reducer.wait()
     return loss

@@ -13,6 +13,7 @@ from torchgpipe.validation import (check_available, check_balance, check_chunks,
                                     describe, parse_device, verify_module)
 from torchgpipe.batchnorm import DeferredBatchNorm, deferred_step
 from torchgpipe.distributed.blocks import Blocks
+from torchgpipe.distributed.tied import TiedGradients, ties_across_ranks
 from torchgpipe.distributed.wire import Channels, Wire
 from torchgpipe.microbatch import TensorOrTensors
 from torchgpipe.placement import place
@@ -52,6 +53,11 @@ class DistributedGPipe(nn.Module):
     has the keys of its layers in the unwrapped module (``'3.weight'``), and
     :meth:`load_state_dict` takes the unwrapped module's whole state dict.
 
+    A parameter shared by layers of several ranks (tied weights: an
+    embedding and its head, say) has a copy on each of them; each step sums
+    its gradient over them, so that the copies stay equal
+    (:mod:`torchgpipe.distributed.tied`).
+
     Args:
         module (torch.nn.Sequential): the whole module, the same on every rank
         balance (ints): the number of layers of each partition: one per rank
@@ -73,10 +79,8 @@ class DistributedGPipe(nn.Module):
     Raises:
         RuntimeError: torch.distributed is not initialized
         TypeError, ValueError: as for :class:`~torchgpipe.GPipe`; also, a
-            balance whose length is not a multiple of the group's size, an
-            unknown ``placement``, or a parameter shared by layers of two
-            partitions on two ranks (tied weights cross processes only in
-            :class:`~torchgpipe.GPipe`)
+            balance whose length is not a multiple of the group's size, or
+            an unknown ``placement``
 
     Example::
 
@@ -126,22 +130,16 @@ class DistributedGPipe(nn.Module):
         children = iter(module.named_children())
         partitions = [nn.Sequential(OrderedDict(next(children) for _ in range(n)))
                       for n in balance]
-        for k, ties in enumerate(find_ties(partitions)):
-            for key, use in ties:
-                j = next(j for j, p in enumerate(partitions)
-                         if any(m is use.owner for m in p.modules()))
-                if self.rank_of[j] != self.rank_of[k]:
-                    raise ValueError(describe(
-                        'a parameter is shared by layers of two partitions, in two processes',
-                        f'{key} of partition {k}',
-                        'put the layers that share it in one partition, or in partitions of '
-                        "one rank (placement='v' gives the first and the last to rank 0), or "
-                        'use GPipe, whose partitions may share parameters'))
+        # Refuses buffers, and layers with tensors, in two partitions.
+        find_ties(partitions)
         self.balance = balance
         self.group = group
         self.rank = dist.get_rank(group)
         self.ranks = [dist.get_global_rank(group, r) if group is not None else r
                       for r in range(size)]
+        #: The parameters shared with layers on other ranks, a copy on each.
+        self._tied = TiedGradients(ties_across_ranks(
+            partitions, [self.ranks[r] for r in self.rank_of], dist.get_rank()), dist.get_rank())
         layout = inspect_skip_layout(partitions)
         self._routes = {key: route for key, route in layout.by_ns_name.items()
                         if route[0] != route[1]}
@@ -253,11 +251,15 @@ class DistributedGPipe(nn.Module):
                     plan, self._skip_layout,
                     checkpoint_stop(self.checkpoint, self.chunks, m, self.training), traits,
                     None, mailbox=wire, done=done)
+        self._tied.start()
         try:
             with deferred_step(self._deferred_batch_norms, m):
                 loss = step.run()
-            return wire.finish(loss)
+            loss, received = wire.finish(loss, self._tied.shares(wire.others))
+            self._tied.sum(received)
+            return loss
         except BaseException as exc:
+            self._tied.abandon()
             self._broken = f'{type(exc).__name__} on rank {dist.get_rank()}'
             # Ranks waiting for this one's messages raise PeerFailed, and tell
             # the ranks waiting for theirs in turn.

@@ -41,16 +41,24 @@ class AllReduce:
             a parameter of several partitions (tied weights) counts in the
             first, whose gradients are final last
         group: the process group (``None``: the default group)
+        after: parameters whose gradients are final only after the step
+            (those tied across the ranks of a pipeline, summed over them as
+            it ends): averaged last, by :meth:`wait`, and not with their
+            partition
     """
 
     def __init__(self, parameters: Dict[int, Sequence[nn.Parameter]],
-                 group: Optional[dist.ProcessGroup]) -> None:
+                 group: Optional[dist.ProcessGroup],
+                 after: Sequence[nn.Parameter] = ()) -> None:
         self.group = group
         self.size = dist.get_world_size(group)
         seen: Set[int] = set()
         self.parameters: Dict[int, List[nn.Parameter]] = {}
-        for j in sorted(parameters):
-            mine = [p for p in parameters[j] if p.requires_grad and id(p) not in seen]
+        # Under index -1, which no partition reports done: wait() launches it, last.
+        # First here, it takes the tied parameters from their partitions.
+        every = {-1: after, **parameters}
+        for j in sorted(every):
+            mine = [p for p in every[j] if p.requires_grad and id(p) not in seen]
             seen.update(id(p) for p in mine)
             self.parameters[j] = mine
         #: The partitions still to launch, the next one last.

@@ -132,31 +132,38 @@ class Wire(Mailbox):
             raise PeerFailed(f'rank {rank} (partition {j}) failed: {message}')
         return message
 
-    def finish(self, loss: Optional[Tensor]) -> Tensor:
+    def finish(self, loss: Optional[Tensor], shares: Optional[Dict[int, Any]] = None,
+               ) -> Tuple[Tensor, Dict[int, Any]]:
         """Ends the step on every rank: returns the loss the last partition sends everyone.
 
         Each rank tells every other that it is done (the last partition's,
         with the loss), then waits for the word of every other rank, and for
-        its own sends to arrive.
+        its own sends to arrive. The word may carry more: ``shares[rank]`` to
+        each rank (the gradients of tied parameters, say).
+
+        Returns:
+            the loss, and what each other rank's word carried
 
         Raises:
             PeerFailed: another rank failed in this step
         """
+        shares = shares or {}
         for rank in self.others:
             with lost(rank, self.ranks.index(rank), 'sending it the end of the step'):
-                self.channels.send(rank, 'message', (None, loss))
+                self.channels.send(rank, 'message', (None, (loss, shares.get(rank))))
+        received: Dict[int, Any] = {}
         for rank in self.others:
-            _, received = self.receive(self.ranks.index(rank))
+            _, (sent_loss, received[rank]) = self.receive(self.ranks.index(rank))
             if rank == self.ranks[-1]:
                 # A copy: the received loss is a view of a message's
                 # buffer, which a loss kept for logging would hold.
-                loss = received.clone()
+                loss = sent_loss.clone()
         # Every rank has said it is done: a send failing now failed on the way.
         with lost(None, None, "waiting for this rank's messages to arrive"):
             self.channels.wait_sent()
         self.channels.blocks.trim()
         assert loss is not None
-        return loss
+        return loss, received
 
     def fail(self, error: BaseException) -> None:
         """Tells every other rank that this one failed, so none waits for it forever.

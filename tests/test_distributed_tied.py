@@ -1,0 +1,167 @@
+"""DistributedGPipe with a parameter tied across ranks: a copy on each, equal at every step.
+
+Language models tie their token embedding (first rank) to their output head
+(last rank). Each rank keeps a copy, and the step sums the copies'
+gradients over the ranks, so that training equals one process. The
+generic grid (a linear first and last layer sharing a weight, every
+schedule and checkpoint mode) is in ``test_distributed_pipe.py``; here are
+real models, gradient accumulation and data parallelism over the pipelines.
+"""
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Tuple
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from process_group import no_child_left  # noqa: F401 (an autouse fixture)
+from process_group import run_distributed
+from test_distributed import TOLERANCE
+from test_distributed_pipe import (CHUNKS, STEPS, Config, Result, assert_equal,
+                                   assert_grid_trains_as_unwrapped, batch, merge, model,
+                                   snapshot, train_grid)
+from torchgpipe import GPipe, to_sequential
+from torchgpipe.distributed import DistributedGPipe
+
+pytestmark = pytest.mark.timeout(240)
+
+transformers = pytest.importorskip('transformers')
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # for benchmarks.models.zoo, here and in the ranks
+
+LANGUAGE_MODELS = ['gpt2', 'bert']
+
+
+def language_model(name: str) -> Tuple[nn.Module, nn.Sequential]:
+    """A tiny model of ``name`` in float64 (the zoo's), and its flattening."""
+    from benchmarks.models.zoo import MODELS
+    torch.manual_seed(0)
+    original = MODELS[name].factory().double()
+    return original, to_sequential(original)
+
+
+def tokens(step: int) -> Tuple[Tensor, Tensor]:
+    """A batch of token ids and of labels for every token."""
+    from benchmarks.models.zoo import B, T, V
+    gen = torch.Generator().manual_seed(3000 + step)
+    return (torch.randint(0, V, (B, T), generator=gen),
+            torch.randint(0, V, (B, T), generator=gen))
+
+
+def token_loss(seq: nn.Sequential) -> Any:
+    """Cross-entropy of the logits of the flattened model's output, every token."""
+    def loss_fn(output: Any, labels: Tensor) -> Tensor:
+        logits = seq.interface.outputs(output).logits
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    return loss_fn
+
+
+def even(n: int, parts: int) -> List[int]:
+    return [n // parts + (k < n % parts) for k in range(parts)]
+
+
+def train_language_model(pipe: nn.Module, seq: nn.Sequential, step_fn: Any,
+                         prefix: int = 0) -> Result:
+    """Two steps of SGD with momentum; the losses and the snapshots under the seq's names."""
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    losses, snapshots = [], []
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        ids, labels = tokens(step)
+        losses.append(float(step_fn(seq.interface.inputs(input_ids=ids), labels,
+                                    token_loss(seq))))
+        snapshots.append(snapshot(pipe, prefix))
+        optimizer.step()
+    return {'losses': losses, 'snapshots': snapshots}
+
+
+def train_language_models(rank: int, world_size: int) -> Dict[str, Result]:
+    results = {}
+    for name in LANGUAGE_MODELS:
+        _, seq = language_model(name)
+        pipe = DistributedGPipe(seq, even(len(seq), world_size), chunks=CHUNKS)
+        results[name] = train_language_model(pipe, seq, pipe.train_step)
+    return results
+
+
+def one_process_language_model(name: str, parts: int) -> Result:
+    _, seq = language_model(name)
+    gpipe = GPipe(seq, even(len(seq), parts), devices=['cpu'] * parts, chunks=CHUNKS)
+    return train_language_model(gpipe, seq, gpipe.train_step, prefix=2)
+
+
+def unwrapped_language_model(name: str) -> Result:
+    """The original model, with its snapshots under the flattened model's names."""
+    original, seq = language_model(name)
+
+    def step(input: Any, labels: Tensor, loss_fn: Any) -> Tensor:
+        loss = loss_fn(seq(input), labels)  # seq holds the original's own layers
+        loss.backward()
+        return loss.detach()
+    result = train_language_model(seq, seq, step)
+    # The flattened model's state dict has every key of the original's.
+    assert set(seq.state_dict_map.values()) <= set(result['snapshots'][0]['params'])
+    return result
+
+
+@pytest.fixture(scope='module', params=[2, 3], ids=lambda n: f'{n} ranks')
+def language_model_ranks(request: pytest.FixtureRequest) -> Tuple[int, List[Dict[str, Result]]]:
+    return request.param, run_distributed(train_language_models, world_size=request.param,
+                                          timeout=200)
+
+
+@pytest.mark.parametrize('name', LANGUAGE_MODELS)
+def test_a_language_model_with_tied_embeddings_trains_as_one_process(
+        language_model_ranks: Tuple[int, List[Dict[str, Result]]], name: str) -> None:
+    parts, ranks = language_model_ranks
+    actual = merge([r[name] for r in ranks])
+    original, seq = language_model(name)
+    embedding, head = (seq.state_dict_map[k] for k in ('transformer.wte.weight', 'lm_head.weight')
+                       ) if name == 'gpt2' else (
+        seq.state_dict_map[k] for k in ('bert.embeddings.word_embeddings.weight',
+                                        'cls.predictions.decoder.weight'))
+    assert seq.state_dict(keep_vars=True)[embedding] is seq.state_dict(keep_vars=True)[head]
+    for step in actual['snapshots']:  # on the first rank and the last, one parameter
+        for kind in ('grads', 'params'):
+            assert step[kind][embedding] == step[kind][head]
+    assert_equal(actual, one_process_language_model(name, parts), exact=False)
+    assert_equal(actual, unwrapped_language_model(name), exact=False)
+
+
+# --- accumulation and data parallelism ------------------------------------------------------
+
+TIED = Config('tied', (3, 3), '1f1b', 'except_last')
+
+
+def accumulate(rank: int, world_size: int) -> Result:
+    """Two steps without zero_grad() between them: the gradients add up."""
+    pipe = DistributedGPipe(model(TIED.model), TIED.balance, chunks=CHUNKS)
+    for step in range(STEPS):
+        pipe.train_step(*batch(step), F.mse_loss)
+    return snapshot(pipe)
+
+
+def test_gradients_accumulated_over_steps_are_summed_over_the_ranks_once() -> None:
+    ranks = run_distributed(accumulate, timeout=150)
+    plain = model(TIED.model)
+    for step in range(STEPS):
+        F.mse_loss(plain(batch(step)[0]), batch(step)[1]).backward()
+    expected = snapshot(plain)['grads']
+    actual = {name: grad for r in ranks for name, grad in r['grads'].items()}
+    assert actual.keys() == expected.keys()
+    for name, grad in expected.items():
+        torch.testing.assert_close(torch.tensor(actual[name]), torch.tensor(grad), **TOLERANCE,
+                                   msg=lambda m, name=name: f'{name}: {m}')
+
+
+def test_tied_pipelines_replicated_over_a_second_dimension_of_ranks() -> None:
+    """Ranks 0-1 and 2-3 are two pipelines of the tied model; 0-2 and 1-3 the replicas."""
+    ranks = run_distributed(train_grid, TIED, world_size=4, timeout=150)
+    assert_grid_trains_as_unwrapped(ranks, TIED)
+    # Every copy of the tied weight, on the four ranks, is the same.
+    copies = [r['snapshots'][-1]['params'].get(k) for r in ranks for k in ('0.weight', '5.weight')]
+    assert [c for c in copies if c is not None] == [copies[0]] * 4

@@ -1,0 +1,152 @@
+"""Tied parameters across ranks: a copy on each rank that uses it, its gradient summed over them.
+
+A parameter shared by layers of partitions on different ranks (GPT-2's token
+embedding and its head, on the first rank and the last) cannot be one tensor
+as it is in one process (``torchgpipe.tied``): every rank holding a layer
+that uses it keeps its own copy. The copies start equal, every rank building
+the same module, and stay equal if their gradients are: at the end of each
+step, every holding rank sends the others the gradient its own uses gave in
+this step, within the messages that end the step anyway
+(:meth:`Wire.finish <torchgpipe.distributed.wire.Wire.finish>`), and each
+adds the gradients up in the order of the ranks, so that every copy gets the
+same sum, bit for bit, which an optimizer then turns into the same update::
+
+    rank 0  (embedding)  g0 ──┐            ┌─► g0 + g1
+                              ├─ exchange ─┤
+    rank 1  (head)       g1 ──┘            └─► g0 + g1
+
+The sum equals the gradient of the one parameter in one process up to the
+order of the additions (one process adds each micro-batch's share as its
+backward pass ends).
+
+A gradient left by earlier steps (accumulated without ``zero_grad()``) is set
+aside while the step runs and added back after the sum: it has been summed
+over the ranks already.
+"""
+from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+__all__: List[str] = []
+
+#: A gradient as it travels: ``None`` if the rank's uses gave none.
+Share = List[Optional[Tensor]]
+
+
+class Tie(NamedTuple):
+    """A parameter of layers on several ranks, as this rank holds it."""
+
+    #: Its name in the unwrapped module (where it is first found).
+    key: str
+    #: The global ranks holding a layer that uses it, in ascending order.
+    ranks: Tuple[int, ...]
+    #: A layer of this rank that uses it, and the name it has there.
+    layer: nn.Module
+    name: str
+
+    def parameter(self) -> Optional[nn.Parameter]:
+        # Looked up at every step: load_state_dict(assign=True) replaces it.
+        return self.layer._parameters[self.name]
+
+
+def ties_across_ranks(partitions: Sequence[nn.Module], ranks: Sequence[int],
+                      me: int) -> List[Tie]:
+    """The parameters this rank shares with other ranks.
+
+    Args:
+        partitions: every partition of the pipeline
+        ranks: the global rank of each partition
+        me: this process's global rank
+
+    Returns:
+        the ties of this rank, in the order of their names, which every rank
+        sees alike
+    """
+    # By tensor: the first name, the ranks using it, and a use here.
+    found: Dict[int, Tuple[str, Dict[int, None], List[Tuple[nn.Module, str]]]] = {}
+    for partition, rank in zip(partitions, ranks):
+        for path, layer in partition.named_modules(remove_duplicate=False):
+            for name, parameter in layer._parameters.items():
+                if parameter is None:
+                    continue
+                key = f'{path}.{name}' if path else name
+                _, holders, here = found.setdefault(id(parameter), (key, {}, []))
+                holders[rank] = None
+                if rank == me:
+                    here.append((layer, name))
+    return sorted((Tie(key, tuple(sorted(holders)), *here[0])
+                   for key, holders, here in found.values() if len(holders) > 1 and here),
+                  key=lambda tie: tie.key)
+
+
+class TiedGradients:
+    """Sums the gradients of this rank's ties over their ranks, once per step.
+
+    Args:
+        ties: this rank's ties (see :func:`ties_across_ranks`)
+        me: this process's global rank
+    """
+
+    def __init__(self, ties: Sequence[Tie], me: int) -> None:
+        self.ties = list(ties)
+        self.me = me
+        #: The gradients of earlier steps, set aside during a step.
+        self.kept: List[Optional[Tensor]] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.ties)
+
+    def parameters(self) -> List[nn.Parameter]:
+        """The tied parameters of this rank."""
+        return [p for p in (tie.parameter() for tie in self.ties) if p is not None]
+
+    def start(self) -> None:
+        """Sets the gradients of earlier steps aside, before a step."""
+        self.kept = []
+        for tie in self.ties:
+            p = tie.parameter()
+            self.kept.append(None if p is None else p.grad)
+            if p is not None:
+                p.grad = None
+
+    def shares(self, others: Iterable[int]) -> Dict[int, Share]:
+        """What this rank sends each of ``others``: its step's gradient of each tie they share."""
+        grads = [None if p is None else p.grad for p in (tie.parameter() for tie in self.ties)]
+        return {rank: [g for tie, g in zip(self.ties, grads) if rank in tie.ranks]
+                for rank in others}
+
+    def sum(self, received: Dict[int, Share]) -> None:
+        """Gives each tie the sum, in the order of the ranks, of their gradients, after a step.
+
+        Args:
+            received: what each other rank sent (see :meth:`shares`)
+        """
+        cursors = {rank: iter(share) for rank, share in received.items()}
+        for tie, kept in zip(self.ties, self.kept):
+            p = tie.parameter()
+            total: Optional[Tensor] = None
+            for rank in tie.ranks:
+                grad = (None if p is None else p.grad) if rank == self.me else \
+                    next(cursors[rank])
+                if grad is not None:
+                    total = grad.clone() if total is None else total.add_(grad)
+            if p is not None:
+                p.grad = add(kept, total)
+        self.kept = []
+
+    def abandon(self) -> None:
+        """After a failed step: puts the gradients set aside back, with this rank's own."""
+        for tie, kept in zip(self.ties, self.kept):
+            p = tie.parameter()
+            if p is not None:
+                p.grad = add(kept, p.grad)
+        self.kept = []
+
+
+def add(kept: Optional[Tensor], grad: Optional[Tensor]) -> Optional[Tensor]:
+    """``kept + grad``, where ``None`` is no gradient; in ``kept``'s memory when there is one."""
+    if kept is None or grad is None:
+        return grad if kept is None else kept
+    with torch.no_grad():
+        return kept.add_(grad)
