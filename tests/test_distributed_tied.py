@@ -165,3 +165,41 @@ def test_tied_pipelines_replicated_over_a_second_dimension_of_ranks() -> None:
     # Every copy of the tied weight, on the four ranks, is the same.
     copies = [r['snapshots'][-1]['params'].get(k) for r in ranks for k in ('0.weight', '5.weight')]
     assert [c for c in copies if c is not None] == [copies[0]] * 4
+
+
+def unequal_copies(rank: int, world_size: int) -> List[str]:
+    """Each rank builds the tied model with its own weights, then loads one state, then two."""
+    errors = []
+    unseeded = model(TIED.model)
+    with torch.no_grad():  # model() seeds itself: a rank's own weights, as if it had not
+        unseeded[0].weight.normal_(generator=torch.Generator().manual_seed(rank))
+    pipe = DistributedGPipe(unseeded, TIED.balance, chunks=CHUNKS)
+    try:
+        pipe.train_step(*batch(0), F.mse_loss)
+    except ValueError as exc:
+        errors.append(str(exc))
+    # Refused when the step is over on every rank: the pipeline is whole,
+    # and trains once every rank loads the same state ...
+    pipe.load_state_dict(model(TIED.model).state_dict())
+    pipe.train_step(*batch(0), F.mse_loss)
+    # ... but not after a load of another on one rank.
+    state = model(TIED.model).state_dict()
+    if rank == 1:
+        state['5.weight'] = state['5.weight'] + 1
+    pipe.load_state_dict(state)
+    try:
+        pipe.train_step(*batch(1), F.mse_loss)
+    except ValueError as exc:
+        errors.append(str(exc))
+    return errors
+
+
+def test_copies_that_differ_are_refused_at_the_first_step_and_after_a_load() -> None:
+    for rank, errors in enumerate(run_distributed(unequal_copies, timeout=150)):
+        other = 1 - rank
+        assert errors == [
+            'the copies of a parameter tied across ranks must be equal '
+            f"('{['0', '5'][rank]}.weight' of rank {rank} differs from its copy on rank "
+            f"{other}); "
+            'build the module alike on every rank (seed torch.manual_seed alike before '
+            'building it) and load the same state dict on every rank'] * 2

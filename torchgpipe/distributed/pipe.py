@@ -218,6 +218,10 @@ class DistributedGPipe(nn.Module):
                 error: restart the job, from a checkpoint
             RuntimeError: an earlier step failed: this pipeline's ranks no
                 longer agree on their messages
+            ValueError: the copies of a parameter tied across ranks differ
+                (checked at the end of the first step and of the first after
+                a load); nothing else is wrong, and the pipeline trains on
+                once they are equal
             ValueError, TypeError: as for :meth:`GPipe.train_step
                 <torchgpipe.GPipe.train_step>`
         """
@@ -256,8 +260,6 @@ class DistributedGPipe(nn.Module):
             with deferred_step(self._deferred_batch_norms, m):
                 loss = step.run()
             loss, received = wire.finish(loss, self._tied.shares(wire.others))
-            self._tied.sum(received)
-            return loss
         except BaseException as exc:
             self._tied.abandon()
             self._broken = f'{type(exc).__name__} on rank {dist.get_rank()}'
@@ -266,6 +268,10 @@ class DistributedGPipe(nn.Module):
             wire.fail(exc)
             self._abandoned = wire.channels
             raise
+        # Every rank is past the end of the step: copies of a tied parameter
+        # refused here leave no rank waiting, and the pipeline whole.
+        self._tied.sum(received)
+        return loss
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
                         assign: bool = False) -> _IncompatibleKeys:
@@ -276,6 +282,8 @@ class DistributedGPipe(nn.Module):
         others = set(self._others)
         mine: Dict[str, Any] = {k: v for k, v in state_dict.items()
                                 if k.split('.', 1)[0] not in others}
+        # The next step compares the copies of tied parameters again.
+        self._tied.check = True
         return cast(_IncompatibleKeys, super().load_state_dict(mine, strict, assign))
 
 

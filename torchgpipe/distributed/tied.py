@@ -22,16 +22,24 @@ backward pass ends).
 A gradient left by earlier steps (accumulated without ``zero_grad()``) is set
 aside while the step runs and added back after the sum: it has been summed
 over the ranks already.
+
+The copies are equal only if every rank builds the module alike (a seed
+forgotten on one rank, and they would train apart in silence): the first
+step, and the first after a ``load_state_dict()``, also sends the copies
+themselves, and a rank whose copy differs from another's raises.
 """
 from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 
+from torchgpipe.validation import describe
+
 __all__: List[str] = []
 
-#: A gradient as it travels: ``None`` if the rank's uses gave none.
-Share = List[Optional[Tensor]]
+#: What a rank sends another: the gradient of each tie they share (``None``
+#: if its uses gave none), and, to compare them, the copies, or ``None``.
+Share = Tuple[List[Optional[Tensor]], Optional[List[Optional[Tensor]]]]
 
 
 class Tie(NamedTuple):
@@ -44,6 +52,8 @@ class Tie(NamedTuple):
     #: A layer of this rank that uses it, and the name it has there.
     layer: nn.Module
     name: str
+    #: Its name on this rank.
+    local: str
 
     def parameter(self) -> Optional[nn.Parameter]:
         # Looked up at every step: load_state_dict(assign=True) replaces it.
@@ -64,7 +74,7 @@ def ties_across_ranks(partitions: Sequence[nn.Module], ranks: Sequence[int],
         sees alike
     """
     # By tensor: the first name, the ranks using it, and a use here.
-    found: Dict[int, Tuple[str, Dict[int, None], List[Tuple[nn.Module, str]]]] = {}
+    found: Dict[int, Tuple[str, Dict[int, None], List[Tuple[nn.Module, str, str]]]] = {}
     for partition, rank in zip(partitions, ranks):
         for path, layer in partition.named_modules(remove_duplicate=False):
             for name, parameter in layer._parameters.items():
@@ -74,7 +84,7 @@ def ties_across_ranks(partitions: Sequence[nn.Module], ranks: Sequence[int],
                 _, holders, here = found.setdefault(id(parameter), (key, {}, []))
                 holders[rank] = None
                 if rank == me:
-                    here.append((layer, name))
+                    here.append((layer, name, key))
     return sorted((Tie(key, tuple(sorted(holders)), *here[0])
                    for key, holders, here in found.values() if len(holders) > 1 and here),
                   key=lambda tie: tie.key)
@@ -93,9 +103,9 @@ class TiedGradients:
         self.me = me
         #: The gradients of earlier steps, set aside during a step.
         self.kept: List[Optional[Tensor]] = []
-
-    def __bool__(self) -> bool:
-        return bool(self.ties)
+        #: Whether the next step sends the copies too, to compare them: the
+        #: first, and the first after a load.
+        self.check = True
 
     def parameters(self) -> List[nn.Parameter]:
         """The tied parameters of this rank."""
@@ -111,9 +121,14 @@ class TiedGradients:
                 p.grad = None
 
     def shares(self, others: Iterable[int]) -> Dict[int, Share]:
-        """What this rank sends each of ``others``: its step's gradient of each tie they share."""
-        grads = [None if p is None else p.grad for p in (tie.parameter() for tie in self.ties)]
-        return {rank: [g for tie, g in zip(self.ties, grads) if rank in tie.ranks]
+        """What this rank sends each of ``others``: its step's gradient of each
+        tie they share, and the copies themselves if :attr:`check`."""
+        parameters = [tie.parameter() for tie in self.ties]
+        grads = [None if p is None else p.grad for p in parameters]
+        values = [None if p is None else p.detach() for p in parameters]
+        return {rank: ([g for tie, g in zip(self.ties, grads) if rank in tie.ranks],
+                       [v for tie, v in zip(self.ties, values) if rank in tie.ranks]
+                       if self.check else None)
                 for rank in others}
 
     def sum(self, received: Dict[int, Share]) -> None:
@@ -121,8 +136,19 @@ class TiedGradients:
 
         Args:
             received: what each other rank sent (see :meth:`shares`)
+
+        Raises:
+            ValueError: a copy another rank sent differs from this rank's
         """
-        cursors = {rank: iter(share) for rank, share in received.items()}
+        try:
+            for rank, (_, values) in received.items():
+                if values is not None:
+                    self.compare(rank, values)
+        except ValueError:
+            self.abandon()
+            raise
+        self.check = False
+        cursors = {rank: iter(grads) for rank, (grads, _) in received.items()}
         for tie, kept in zip(self.ties, self.kept):
             p = tie.parameter()
             total: Optional[Tensor] = None
@@ -134,6 +160,18 @@ class TiedGradients:
             if p is not None:
                 p.grad = add(kept, total)
         self.kept = []
+
+    def compare(self, rank: int, values: List[Optional[Tensor]]) -> None:
+        """Refuses copies of ``rank`` (those of the ties it shares) unequal to this rank's."""
+        shared = [tie for tie in self.ties if rank in tie.ranks]
+        for tie, value in zip(shared, values):
+            p = tie.parameter()
+            if p is not None and value is not None and not torch.equal(p.detach(), value):
+                raise ValueError(describe(
+                    'the copies of a parameter tied across ranks must be equal',
+                    f"'{tie.local}' of rank {self.me} differs from its copy on rank {rank}",
+                    'build the module alike on every rank (seed torch.manual_seed alike '
+                    'before building it) and load the same state dict on every rank'))
 
     def abandon(self) -> None:
         """After a failed step: puts the gradients set aside back, with this rank's own."""
