@@ -6,6 +6,9 @@ the whole pipeline with :meth:`~torchgpipe.distributed.DistributedGPipe.train_st
 activations go forward and gradients back between the processes by
 torch.distributed's point-to-point operations, micro-batch by micro-batch,
 in the order of 1F1B (or fill-drain). Every rank reads the same batches.
+Then it evaluates the model on held-out batches with
+:meth:`~torchgpipe.distributed.DistributedGPipe.eval_step`: the loss on
+every rank, the logits on the last rank.
 
 On CPU, two processes over gloo on one machine::
 
@@ -19,7 +22,7 @@ A checkpoint is saved every ``--save-every`` steps in ``--checkpoint-dir``
 (one file per rank, with the keys of the unwrapped model); a restarted job
 resumes from it, as ``torchrun --max-restarts 3`` restarts one after a rank
 fails. ``--verify`` also trains the unwrapped model on rank 0 (in float64)
-and checks that its losses are the pipeline's.
+and checks that its losses and its evaluation are the pipeline's.
 """
 import argparse
 import os
@@ -144,11 +147,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             torch.save({'model': pipe.state_dict(), 'optimizer': optimizer.state_dict(),
                         'step': step + 1}, saved)
 
+    # Evaluation: forward only, in eval mode, on every rank. The loss comes
+    # back on every rank; the logits on the last partition's rank alone.
+    val_input, val_target = batch(-1, args.batch_size)
+    val_input = val_input.to(dtype)
+    val_loss = pipe.eval_step(val_input, val_target, F.cross_entropy)
+    logits = pipe.eval_step(val_input)
+    if logits is not None:
+        accuracy = (logits.argmax(1) == val_target.to(logits.device)).float().mean()
+        print(f'rank {rank} (the last partition): held-out loss {float(val_loss):.4f}, '
+              f'accuracy {float(accuracy):.1%}', flush=True)
+
     status = 0
     if rank == 0:
         ran = (f'{len(losses)} steps of DistributedGPipe over {world_size} processes, '
                f'schedule {args.schedule!r}, final loss {losses[-1]:.4f}' if losses else
                f'no step to run (the checkpoint is at step {start} of {args.steps})')
+    if args.verify:
+        pipe_logits = pipe.eval_step(val_input, everywhere=True)
     if args.verify and rank == 0:
         plain = make_model(layers).to(dtype)
         if resumed:
@@ -162,9 +178,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             loss.backward()
             plain_optimizer.step()
             expected.append(loss.item())
-        same = torch.allclose(torch.tensor(losses), torch.tensor(expected), rtol=1e-9)
-        print(f"{'OK' if same else 'FAILED'}: the losses of {len(losses)} steps are "
-              f"{'' if same else 'not '}the unwrapped model's ({ran})", flush=True)
+        plain.eval()
+        with torch.no_grad():
+            plain_logits = plain(val_input)
+        expected.append(F.cross_entropy(plain_logits, val_target).item())
+        losses.append(float(val_loss))
+        # With everywhere=True every rank gets the logits: compared here, on rank 0.
+        same = torch.allclose(torch.tensor(losses), torch.tensor(expected), rtol=1e-9) and \
+            torch.allclose(pipe_logits, plain_logits, rtol=1e-9)
+        print(f"{'OK' if same else 'FAILED'}: the losses of {len(losses) - 1} steps and the "
+              f"evaluation are {'' if same else 'not '}the unwrapped model's ({ran})",
+              flush=True)
         status = 0 if same else 1
     elif rank == 0:
         print(f'Done: {ran}; --verify compares the losses with the unwrapped model',

@@ -172,13 +172,18 @@ def train(pipe: nn.Module, config: Config, step_fn: Any, size: int = BATCH) -> R
     return {'losses': losses, 'snapshots': snapshots}
 
 
+def pipeline(config: Config) -> DistributedGPipe:
+    """This rank's DistributedGPipe of ``config``."""
+    return DistributedGPipe(model(config.model), config.balance, chunks=CHUNKS,
+                            checkpoint=config.checkpoint,
+                            deferred_batch_norm=config.model == 'batchnorm',
+                            placement=config.placement)
+
+
 def train_pipelines(rank: int, world_size: int, configs: List[Config]) -> Dict[str, Result]:
     results = {}
     for config in configs:
-        pipe = DistributedGPipe(model(config.model), config.balance, chunks=CHUNKS,
-                                checkpoint=config.checkpoint,
-                                deferred_batch_norm=config.model == 'batchnorm',
-                                placement=config.placement)
+        pipe = pipeline(config)
         results[config.id] = train(pipe, config, pipe.train_step)
     return results
 
@@ -503,7 +508,7 @@ def test_a_rank_that_fails_makes_every_rank_raise(fault_rank: int, how: str) -> 
             assert message.startswith(f'rank {fault_rank} (partition {fault_rank}) failed: '
                                       f'Boom: boom in ')
         # No second chance: the ranks no longer agree on the messages left.
-        assert result['after'].startswith('an earlier train_step failed')
+        assert result['after'].startswith('an earlier step failed')
 
 
 def test_a_killed_rank_makes_the_others_raise() -> None:
@@ -673,8 +678,7 @@ def test_bad_arguments_are_refused_before_any_message() -> None:
         'ValueError: this process must be in group (rank 0); build the DistributedGPipe only '
         'on the ranks of its group, giving each rank its own pipeline group',
         'TypeError: a DistributedGPipe is not called: train it with train_step(input, '
-        'target, loss_fn) on every rank; for inference, load the state dicts of all ranks '
-        'into the unwrapped module, or into a GPipe',
+        'target, loss_fn), and evaluate it with eval_step(input), on every rank',
     ] + ['TypeError: a DistributedGPipe belongs to its processes and cannot be copied or '
          'pickled; save its state_dict() instead, which has the keys of the unwrapped '
          'module'] * 2 + [

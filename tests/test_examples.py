@@ -87,16 +87,24 @@ def test_distributed_pipeline_example_trains_like_the_unwrapped_model_and_resume
         return lines(torchrun('distributed_pipeline.py', '--steps', str(steps), *args,
                               '--checkpoint-dir', str(tmp_path), '--save-every', '2',
                               '--batch-size', '16', '--chunks', '4').stdout)
+    def last(out: List[str], start: str) -> str:
+        """The last line that starts so (the two ranks print in any order)."""
+        return [line for line in out if line.startswith(start)][-1]
     out = run(3, '--verify')
     assert out[0].startswith('DistributedGPipe over 2 processes (gloo, on CPU)'), out
-    assert re.fullmatch(r"OK: the losses of 3 steps are the unwrapped model's \(3 steps of "
-                        r"DistributedGPipe over 2 processes, schedule '1f1b', final loss "
-                        r"\d+\.\d+\)", out[-1]), out
+    assert re.fullmatch(r"OK: the losses of 3 steps and the evaluation are the unwrapped "
+                        r"model's \(3 steps of DistributedGPipe over 2 processes, schedule "
+                        r"'1f1b', final loss \d+\.\d+\)", last(out, 'OK')), out
+    # The logits are on the last partition's rank.
+    assert re.fullmatch(r'rank 1 \(the last partition\): held-out loss \d+\.\d+, accuracy '
+                        r'\d+\.\d%', last(out, 'rank')), out
     out = run(5, '--verify')  # resumes from the checkpoint of step 2
     assert 'resumed from step 2' in out, out
-    assert out[-1].startswith("OK: the losses of 3 steps are the unwrapped model's"), out
+    assert last(out, 'OK').startswith("OK: the losses of 3 steps and the evaluation are the "
+                                      "unwrapped model's"), out
     out = run(6)  # resumes from step 4; checks nothing
-    assert out[-1].startswith('Done: 2 steps of DistributedGPipe over 2 processes'), out
+    assert last(out, 'Done').startswith('Done: 2 steps of DistributedGPipe over 2 processes'), \
+        out
 
 
 @pytest.mark.timeout(240)

@@ -1,5 +1,5 @@
 """The GPipe interface: partitioning a sequential module and running it as a pipeline."""
-from typing import Any, Callable, Iterable, Iterator, List, Mapping, Optional, Union, cast
+from typing import Any, Iterable, Iterator, List, Mapping, Optional, Union, cast
 
 import torch
 from torch import nn
@@ -15,20 +15,16 @@ from torchgpipe.skip.layout import inspect_skip_layout
 from torchgpipe.skip.skippable import verify_skippables
 from torchgpipe.state import RunState
 from torchgpipe.stream import AbstractStream, current_stream, new_stream, use_device
-from torchgpipe.train.generators import check_schedule, resolve
-from torchgpipe.train.schedule import ScheduleLike
-from torchgpipe.train.inputs import split_step
-from torchgpipe.train.step import LossFunction, Step
+from torchgpipe.steps import Steps
 from torchgpipe.validation import (BalanceError, Device, Devices, check_balance, check_chunks,
-                                   check_devices, check_one_process, check_step, deny_moving,
+                                   check_devices, deny_moving,
                                    describe, example_balance, recommend_auto_balance,
                                    verify_module)
-from torchgpipe.worker import distinct_devices
 
 __all__ = ['GPipe', 'BalanceError', 'verify_module', 'split_module']
 
 
-class GPipe(nn.Module):
+class GPipe(Steps, nn.Module):
     """Trains an :class:`nn.Sequential <torch.nn.Sequential>` as a pipeline over
     several devices, with the results of the unwrapped module (GPipe_).
 
@@ -359,92 +355,3 @@ class GPipe(nn.Module):
             pipeline.run()
 
         return microbatch.gather(batches)
-
-    def train_step(self, input: TensorOrTensors, target: TensorOrTensors,
-                   loss_fn: Callable[[TensorOrTensors, TensorOrTensors], torch.Tensor], *,
-                   schedule: ScheduleLike = '1f1b', reduction: str = 'mean') -> torch.Tensor:
-        """Runs the forward and backward passes of a mini-batch, scheduled by the pipeline.
-
-        After it, every parameter's ``.grad`` holds (added to what it held)
-        what ``loss_fn(model(input), target).backward()`` gives the
-        unwrapped model. Unlike :meth:`forward` followed by ``backward()``,
-        the backward pass of each partition runs in the worker of its
-        device, interleaved with forward passes as ``schedule`` says, so
-        devices work on forward and backward passes at once, CPU devices
-        with distinct indices included.
-
-        The input and the target are split into micro-batches alike; the
-        loss of each micro-batch is weighted by its share of the mini-batch
-        (``reduction='mean'``, for a loss averaged over the samples: the
-        default of PyTorch's losses) or not weighted (``reduction='sum'``,
-        for a summed loss), so that the gradients are those of the loss of
-        the whole mini-batch.
-
-        Args:
-            input (torch.Tensor or tuple): the mini-batch, as :meth:`forward` takes it
-            target (torch.Tensor or tuple): the target, split along dimension
-                0 like the input (a :class:`~torchgpipe.NoChunk` tensor of a
-                tuple is given whole, unwrapped, to every micro-batch's
-                loss); moved to the last device
-            loss_fn (callable): ``loss_fn(output, target)`` of one
-                micro-batch, returning a tensor of one element. It is called
-                once per micro-batch, and once more for each checkpointed
-                micro-batch, when its backward action recomputes the last
-                partition: then :func:`~torchgpipe.is_recomputing` is true,
-                and random numbers it draws are the first call's
-            schedule (str or schedule): ``'1f1b'`` (default), ``'fill_drain'``,
-                ``'interleaved_1f1b'``, ``'zb_h1'``, ``'zbv'``, or a schedule of
-                one's own: see :doc:`/schedules` for what each keeps and leaves idle
-            reduction (str): ``'mean'`` (default) or ``'sum'``: how ``loss_fn``
-                reduces a micro-batch
-
-        Returns:
-            torch.Tensor: the loss of the mini-batch, on the last device,
-            without autograd history
-
-        Raises:
-            ValueError: an unknown ``schedule`` or ``reduction``, a schedule
-                that does not fit the step or the devices, a target that does
-                not split like the input, an empty mini-batch, or no layers
-            TypeError: ``schedule`` or ``reduction`` of another type, or
-                ``loss_fn`` not callable or not returning one element
-            RuntimeError: called with gradients disabled, or in a
-                torch.distributed job of several processes (for data
-                parallelism, use :func:`torchgpipe.distributed.train_step`)
-
-        Example::
-
-            >>> model = GPipe(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)),
-            ...               balance=[2, 1], devices=['cpu:0', 'cpu:1'], chunks=4,
-            ...               checkpoint='never')
-            >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-            >>> input, target = torch.randn(16, 4), torch.randn(16, 2)
-            >>> optimizer.zero_grad()
-            >>> loss = model.train_step(input, target, F.mse_loss)
-            >>> optimizer.step()
-            >>> loss.shape
-            torch.Size([])
-        """
-        check_schedule(schedule)
-        check_step(reduction, loss_fn)
-        check_one_process()
-        return self._train_step(input, target, loss_fn, schedule, reduction)
-
-    def _train_step(self, input: TensorOrTensors, target: TensorOrTensors,
-                    loss_fn: LossFunction, schedule: ScheduleLike, reduction: str,
-                    done: Optional[Callable[[int], None]] = None) -> torch.Tensor:
-        """:meth:`train_step` with checked arguments; ``done(j)`` as for :class:`Step`."""
-        # Before the input is split: that of an empty GPipe's forward fails.
-        if not self.devices:
-            raise ValueError('train_step needs at least one layer: this GPipe is empty')
-        batches, targets, weights = split_step(input, target, self.chunks, reduction,
-                                               self.devices[-1])
-        m, n = len(batches), len(self.devices)
-        plan = resolve(schedule, m, n, [distinct_devices([d])[0] for d in self.devices])
-        step = Step(self._partitions(), self.devices, batches, targets, loss_fn, weights, plan,
-                    self._skip_layout, self._prepare(batches), self._run_state.traits,
-                    self._run_state.recorder, done=done)
-        with deferred_step(self._deferred_batch_norms, m):
-            loss = step.run()
-        assert loss is not None  # every partition is here
-        return loss

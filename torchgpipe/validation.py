@@ -341,6 +341,36 @@ def check_step(reduction: object, loss_fn: object) -> None:
         ValueError: an unknown ``reduction``
         RuntimeError: gradients are disabled
     """
+    check_loss(reduction, loss_fn)
+    if not torch.is_grad_enabled():
+        raise RuntimeError('train_step runs a backward pass, but gradients are disabled '
+                           '(torch.no_grad() or torch.inference_mode()); call it outside '
+                           'of them, or call the module itself for inference')
+
+
+def check_loss_value(loss: object) -> torch.Tensor:
+    """Returns what ``loss_fn`` returned, if it is a tensor of one element.
+
+    Raises:
+        TypeError: it is not
+    """
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = f' of shape {tuple(loss.shape)}' if isinstance(loss, torch.Tensor) else ''
+        raise TypeError(describe('loss_fn must return a tensor of one element (a reduced '
+                                 'loss)', f'loss_fn returned {type(loss).__name__}{shape}',
+                                 'reduce the loss inside loss_fn, e.g. F.mse_loss(output, '
+                                 'target) with its default reduction, or .mean() of a '
+                                 'per-sample loss'))
+    return loss
+
+
+def check_loss(reduction: object, loss_fn: object) -> None:
+    """Checks the loss function of a step, and how it reduces a micro-batch.
+
+    Raises:
+        TypeError: ``reduction`` is not a string, or ``loss_fn`` is not callable
+        ValueError: an unknown ``reduction``
+    """
     if not isinstance(reduction, str) or reduction not in ('mean', 'sum'):
         error = ValueError if isinstance(reduction, str) else TypeError
         raise error(describe("reduction must be 'mean' or 'sum'",
@@ -350,10 +380,6 @@ def check_step(reduction: object, loss_fn: object) -> None:
     if not callable(loss_fn):
         raise TypeError(describe('loss_fn must be callable', f'loss_fn: {loss_fn!r}',
                                  'pass a function of (output, target), e.g. F.mse_loss'))
-    if not torch.is_grad_enabled():
-        raise RuntimeError('train_step runs a backward pass, but gradients are disabled '
-                           '(torch.no_grad() or torch.inference_mode()); call it outside '
-                           'of them, or call the module itself for inference')
 
 
 def check_one_process() -> None:

@@ -1,7 +1,8 @@
 """DistributedGPipe: a pipeline whose partitions are the processes of a group, one or more each."""
 import warnings
 from collections import OrderedDict
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Union, cast
+from typing import (Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple,
+                    Union, cast)
 
 import torch
 import torch.distributed as dist
@@ -22,7 +23,10 @@ from torchgpipe.train.generators import check_schedule, resolve
 from torchgpipe.train.schedule import ScheduleLike
 from torchgpipe.skip.layout import inspect_skip_layout
 from torchgpipe.skip.skippable import verify_skippables
+from torchgpipe.train.evaluation import (check_evaluation, evaluating, forward_only, join,
+                                         split_evaluation)
 from torchgpipe.train.inputs import split_step
+from torchgpipe.train.schedule import Schedule
 from torchgpipe.train.step import LossFunction, Step
 from torchgpipe.tied import find_ties
 from torchgpipe.state import RunState
@@ -177,14 +181,15 @@ class DistributedGPipe(nn.Module):
         self._abandoned: Optional[Channels] = None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Refused: a pipeline across processes has no output in any one of them to return.
+        """Refused: a pipeline across processes has no output in any one of them to return
+        (see :meth:`eval_step`).
 
         Raises:
             TypeError: always
         """
         raise TypeError('a DistributedGPipe is not called: train it with train_step(input, '
-                        'target, loss_fn) on every rank; for inference, load the state dicts '
-                        'of all ranks into the unwrapped module, or into a GPipe')
+                        'target, loss_fn), and evaluate it with eval_step(input), on every '
+                        'rank')
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError('a DistributedGPipe belongs to its processes and cannot be copied or '
@@ -227,22 +232,116 @@ class DistributedGPipe(nn.Module):
         """
         check_schedule(schedule)
         check_step(reduction, loss_fn)
+        self._check_whole()
+        return self._train_step(input, target, loss_fn, schedule, reduction)
+
+    def eval_step(self, input: TensorOrTensors, target: Optional[TensorOrTensors] = None,
+                  loss_fn: Optional[LossFunction] = None, *, reduction: str = 'mean',
+                  everywhere: bool = False) -> Optional[TensorOrTensors]:
+        """Evaluates the pipeline on a mini-batch; every rank of the group calls it.
+
+        What ``model.eval()`` and :func:`torch.no_grad` give the unwrapped
+        model: the micro-batches go through the partitions, forward only,
+        without autograd, the layers in evaluation mode for the step (and
+        back in their own mode after), so that dropout is off and BatchNorm
+        (deferred or not) uses and keeps its running statistics. Every rank
+        passes the same mini-batch, as to :meth:`train_step`.
+
+        Args:
+            input (torch.Tensor or tuple): the mini-batch
+            target (torch.Tensor or tuple, optional): with ``loss_fn``, the
+                target, split as the input
+            loss_fn (callable, optional): ``loss_fn(output, target)`` of a
+                micro-batch, weighted as :meth:`train_step` weights it
+            reduction (str): ``'mean'`` (default) or ``'sum'``, as for
+                :meth:`train_step`
+            everywhere (bool): without ``loss_fn``, the output on every rank,
+                not only on the last partition's (default: ``False``)
+
+        Returns:
+            with ``loss_fn``, the loss of the mini-batch on every rank, as
+            :meth:`train_step` returns it; without, the output of the last
+            partition (micro-batches joined, as :class:`~torchgpipe.GPipe`
+            returns it) on its rank, or on every rank with ``everywhere``,
+            and ``None`` on the others
+
+        Raises:
+            ValueError: ``target`` without ``loss_fn``, or the other way
+            PeerFailed, RuntimeError: as for :meth:`train_step`
+            ValueError, TypeError: the input or the target do not split, as
+                for :meth:`train_step`
+
+        Example::
+
+            pipe.eval()                              # or not: eval_step evaluates
+            loss = pipe.eval_step(input, target, F.cross_entropy)   # on every rank
+            logits = pipe.eval_step(input)           # on the last partition's rank
+        """
+        check_evaluation(target, loss_fn, reduction)
+        self._check_whole()
+        with evaluating(self):
+            batches, targets, weights = split_evaluation(input, target, self.chunks, reduction,
+                                                         self.device)
+            here: List[Optional[TensorOrTensors]] = [None]
+
+            def outcome(step: Step) -> Any:
+                loss = step.run()
+                if loss_fn is not None:
+                    return loss
+                here[0] = join(step.outputs())
+                return here[0] if everywhere else None
+            result, _ = self._run(batches, targets, loss_fn, weights,
+                                  forward_only(len(batches), len(self.balance)), 0, outcome,
+                                  train=False)
+        if loss_fn is None and not everywhere:
+            return here[0]
+        return cast(Optional[TensorOrTensors], result)
+
+    def _check_whole(self) -> None:
         if self._broken is not None:
-            raise RuntimeError(f'an earlier train_step failed ({self._broken}): the ranks of '
+            raise RuntimeError(f'an earlier step failed ({self._broken}): the ranks of '
                                'this pipeline no longer agree on the messages between them; '
                                'restart the job, from a checkpoint')
-        return self._train_step(input, target, loss_fn, schedule, reduction)
 
     def _train_step(self, input: TensorOrTensors, target: TensorOrTensors,
                     loss_fn: LossFunction, schedule: ScheduleLike, reduction: str,
                     done: Optional[Callable[[int], None]] = None) -> Tensor:
-        n = len(self.balance)
         batches, targets, weights = split_step(input, target, self.chunks, reduction,
                                                self.device)
         m = len(batches)
-        plan = resolve(schedule, m, n, [f'rank {r}' for r in self.rank_of],
+        plan = resolve(schedule, m, len(self.balance), [f'rank {r}' for r in self.rank_of],
                        "lay the partitions over the ranks as it does: placement='v' for "
                        "'zbv', 'loop' for the others")
+
+        def outcome(step: Step) -> Optional[Tensor]:
+            with deferred_step(self._deferred_batch_norms, m):
+                return step.run()
+        self._tied.start()
+        loss, received = self._run(batches, targets, loss_fn, weights, plan,
+                                   checkpoint_stop(self.checkpoint, self.chunks, m,
+                                                   self.training), outcome, done)
+        # Every rank is past the end of the step: copies of a tied parameter
+        # refused here leave no rank waiting, and the pipeline whole.
+        self._tied.sum(received)
+        return cast(Tensor, loss)
+
+    def _run(self, batches: List[microbatch.Batch],
+             targets: Sequence[Optional[TensorOrTensors]], loss_fn: Optional[LossFunction],
+             weights: List[float], plan: Schedule, stop: int, outcome: Callable[[Step], Any],
+             done: Optional[Callable[[int], None]] = None, train: bool = True,
+             ) -> Tuple[Any, Dict[int, Any]]:
+        """Runs a step of ``plan`` (a training step's, or an evaluation's) over the ranks.
+
+        Args:
+            stop: the checkpoint stop (see :class:`~torchgpipe.train.step.Step`)
+            outcome: runs the step; returns what the last partition's rank sends everyone
+            train: a training step, whose end carries the gradients of tied
+                parameters; else an evaluation
+
+        Returns:
+            as :meth:`Wire.finish <torchgpipe.distributed.wire.Wire.finish>`
+        """
+        n = len(self.balance)
         if 0 in self._here:
             microbatch.move(batches, self.device)
         partitions: List[Optional[nn.Sequential]] = [self._here.get(j) for j in range(n)]
@@ -252,14 +351,10 @@ class DistributedGPipe(nn.Module):
         wire = Wire(Channels(self.device, self.group, self._capacities, self._blocks),
                     [self.ranks[r] for r in self.rank_of], dist.get_rank(), self._routes)
         step = Step(partitions, [self.device] * n, batches, targets, loss_fn, weights,
-                    plan, self._skip_layout,
-                    checkpoint_stop(self.checkpoint, self.chunks, m, self.training), traits,
-                    None, mailbox=wire, done=done)
-        self._tied.start()
+                    plan, self._skip_layout, stop, traits, None, mailbox=wire, done=done,
+                    train=train)
         try:
-            with deferred_step(self._deferred_batch_norms, m):
-                loss = step.run()
-            loss, received = wire.finish(loss, self._tied.shares(wire.others))
+            return wire.finish(outcome(step), self._tied.shares(wire.others) if train else None)
         except BaseException as exc:
             self._tied.abandon()
             self._broken = f'{type(exc).__name__} on rank {dist.get_rank()}'
@@ -268,10 +363,6 @@ class DistributedGPipe(nn.Module):
             wire.fail(exc)
             self._abandoned = wire.channels
             raise
-        # Every rank is past the end of the step: copies of a tied parameter
-        # refused here leave no rank waiting, and the pipeline whole.
-        self._tied.sum(received)
-        return loss
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
                         assign: bool = False) -> _IncompatibleKeys:

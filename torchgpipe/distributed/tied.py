@@ -103,8 +103,8 @@ class TiedGradients:
         self.me = me
         #: The gradients of earlier steps, set aside during a step.
         self.kept: List[Optional[Tensor]] = []
-        #: Whether the next step sends the copies too, to compare them: the
-        #: first, and the first after a load.
+        #: Whether the next step sends the copies too, to compare them (the
+        #: first step does, and the first after a load).
         self.check = True
 
     def parameters(self) -> List[nn.Parameter]:

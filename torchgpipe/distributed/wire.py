@@ -132,17 +132,18 @@ class Wire(Mailbox):
             raise PeerFailed(f'rank {rank} (partition {j}) failed: {message}')
         return message
 
-    def finish(self, loss: Optional[Tensor], shares: Optional[Dict[int, Any]] = None,
-               ) -> Tuple[Tensor, Dict[int, Any]]:
-        """Ends the step on every rank: returns the loss the last partition sends everyone.
+    def finish(self, result: Any, shares: Optional[Dict[int, Any]] = None,
+               ) -> Tuple[Any, Dict[int, Any]]:
+        """Ends the step on every rank: returns what the last partition's rank
+        sends everyone (a training step's loss).
 
         Each rank tells every other that it is done (the last partition's,
-        with the loss), then waits for the word of every other rank, and for
-        its own sends to arrive. The word may carry more: ``shares[rank]`` to
-        each rank (the gradients of tied parameters, say).
+        with ``result``), then waits for the word of every other rank, and
+        for its own sends to arrive. The word may carry more:
+        ``shares[rank]`` to each rank (the gradients of tied parameters, say).
 
         Returns:
-            the loss, and what each other rank's word carried
+            the last partition's ``result``, and what each other rank's word carried
 
         Raises:
             PeerFailed: another rank failed in this step
@@ -150,20 +151,17 @@ class Wire(Mailbox):
         shares = shares or {}
         for rank in self.others:
             with lost(rank, self.ranks.index(rank), 'sending it the end of the step'):
-                self.channels.send(rank, 'message', (None, (loss, shares.get(rank))))
+                self.channels.send(rank, 'message', (None, (result, shares.get(rank))))
         received: Dict[int, Any] = {}
         for rank in self.others:
-            _, (sent_loss, received[rank]) = self.receive(self.ranks.index(rank))
+            _, (sent, received[rank]) = self.receive(self.ranks.index(rank))
             if rank == self.ranks[-1]:
-                # A copy: the received loss is a view of a message's
-                # buffer, which a loss kept for logging would hold.
-                loss = sent_loss.clone()
+                result = owned(sent)
         # Every rank has said it is done: a send failing now failed on the way.
         with lost(None, None, "waiting for this rank's messages to arrive"):
             self.channels.wait_sent()
         self.channels.blocks.trim()
-        assert loss is not None
-        return loss, received
+        return result, received
 
     def fail(self, error: BaseException) -> None:
         """Tells every other rank that this one failed, so none waits for it forever.
@@ -328,6 +326,20 @@ class Channels:
             with disconnected():
                 work.wait()
         self.sending.clear()
+
+
+def owned(message: Any) -> Any:
+    """``message`` with each tensor copied, in tuples and lists too.
+
+    A received tensor is a view of its message's buffer: one that outlives
+    the step (a loss kept for logging) must not hold the buffer, which the
+    pool gives to later messages.
+    """
+    if isinstance(message, Tensor):
+        return message.clone()
+    if type(message) in (tuple, list):
+        return type(message)(owned(x) for x in message)
+    return message
 
 
 def align(offset: int) -> int:

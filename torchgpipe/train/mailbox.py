@@ -151,9 +151,11 @@ class StepSkips(SkipTrackerAcross):
     """
 
     def __init__(self, layout: SkipLayout, j: int, device: torch.device, mailbox: Mailbox,
-                 i: int) -> None:
+                 i: int, train: bool = True) -> None:
         super().__init__(layout)
         self.j = j
+        #: Of a training step; else of an evaluation, which has no gradients.
+        self.train = train
         self.device = device
         self.mailbox = mailbox
         self.i = i
@@ -170,7 +172,7 @@ class StepSkips(SkipTrackerAcross):
             # Whether it will require grad, also when stashed without grad
             # (a checkpointed first pass): then the recomputation gives it one.
             requires_grad = tensor is not None and (tensor.requires_grad or (
-                not torch.is_grad_enabled() and tensor.is_floating_point()))
+                self.train and not torch.is_grad_enabled() and tensor.is_floating_point()))
             self.mailbox.put(Skip(self.i, (ns, name)),
                              Parcel(tensor, requires_grad, Ready(self.device)))
 

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from torchgpipe.record import Recorder, label
-from torchgpipe.validation import describe
+from torchgpipe.validation import check_loss_value
 from torchgpipe.copy import Ready
 from torchgpipe.train.mailbox import (Activation, Gradient, Mailbox, Parcel, Reply,
                                 SkipGradient, StepSkips, leaf)
@@ -81,8 +81,11 @@ class Shared:
     n: int
     #: The input micro-batches (read by partition 0).
     batches: List[Batch]
-    #: The weighted loss of micro-batch ``i``'s output (the last partition's).
-    loss: Callable[[int, Batch], Tensor]
+    #: The weighted loss of micro-batch ``i``'s output (the last partition's);
+    #: ``None``: the step keeps the outputs.
+    loss: Optional[Callable[[int, Batch], Tensor]]
+    #: A training step; else an evaluation (no autograd).
+    train: bool
     layout: SkipLayout
     #: Micro-batches ``0 .. checkpoint_stop - 1`` are checkpointed.
     checkpoint_stop: int
@@ -213,7 +216,7 @@ class Stage:
 
     def forward(self, i: int, input: Batch) -> None:
         shared = self.shared
-        skips = StepSkips(shared.layout, self.j, self.device, shared.mailbox, i)
+        skips = StepSkips(shared.layout, self.j, self.device, shared.mailbox, i, shared.train)
         current = Pass(input, skips)
         checkpointed = i < shared.checkpoint_stop
         # Not known yet whether the partition draws random numbers: the
@@ -225,7 +228,7 @@ class Stage:
             with first_pass(self.device) as current.replay:
                 output, drew = watch(lambda: self.call(input, skips), probing)
         else:
-            with torch.enable_grad():
+            with torch.set_grad_enabled(shared.train):
                 output, drew = watch(lambda: self.call(input, skips), probing)
         if probing:
             # The partition's own draws, without its loss's: the forward
@@ -237,9 +240,12 @@ class Stage:
             # have one after the recomputation: the next leaf requires grad.
             current.sent_grad = [x.requires_grad or (checkpointed and x.is_floating_point())
                                  for x in output]
+        elif shared.loss is None:  # an evaluation's output, kept in its pass
+            if probing:
+                self.loss_draws = drew
         else:
-            with torch.set_grad_enabled(not checkpointed):
-                loss, loss_drew = watch(lambda: shared.loss(i, output), probing)
+            with torch.set_grad_enabled(shared.train and not checkpointed):
+                loss, loss_drew = watch(functools.partial(shared.loss, i, output), probing)
             self.losses[i] = loss.detach()
             current.loss = None if checkpointed else loss
             if probing:
@@ -248,8 +254,10 @@ class Stage:
 
     def send_output(self, i: int) -> None:
         """Sends micro-batch ``i``'s output to the next partition."""
+        # An evaluation keeps no pass, but the outputs it returns.
+        keep = self.shared.train or (self.is_last and self.shared.loss is None)
+        current = self.passes[i] if keep else self.passes.pop(i)
         if not self.is_last:
-            current = self.passes[i]
             self.shared.mailbox.put(Activation(i, self.j + 1),
                                     Parcel(current.output, current.sent_grad, Ready(self.device)))
 
@@ -260,6 +268,7 @@ class Stage:
                            exclusive=self.draws_random() is not False):
             current.output = self.call(current.input, current.skips)
             if self.is_last:
+                assert self.shared.loss is not None  # a training step's
                 current.loss = self.shared.loss(i, current.output)
 
     def gradients(self, i: int, current: Pass) -> Tuple[List[Tensor], List[Optional[Tensor]]]:
@@ -327,24 +336,25 @@ class Step:
             :class:`~torchgpipe.train.mailbox.Mailbox`, for partitions of this process)
         done: called with ``j`` once partition ``j``'s gradients are final,
             before it sends its last gradients back
+        train: a training step (default); else an evaluation, without
+            autograd (:mod:`torchgpipe.train.evaluation`)
     """
 
     def __init__(self, partitions: Sequence[Optional[nn.Sequential]],
-                 devices: Sequence[torch.device],
-                 batches: List[Batch], targets: List[TensorOrTensors], loss_fn: LossFunction,
+                 devices: Sequence[torch.device], batches: List[Batch],
+                 targets: Sequence[Optional[TensorOrTensors]], loss_fn: Optional[LossFunction],
                  weights: Sequence[float], schedule: Schedule,
                  layout: SkipLayout, checkpoint_stop: int, traits: Sequence[PartitionTraits],
-                 recorder: Optional[Recorder], *,
-                 mailbox: Optional[Mailbox] = None,
-                 done: Optional[Callable[[int], None]] = None) -> None:
+                 recorder: Optional[Recorder], *, mailbox: Optional[Mailbox] = None,
+                 done: Optional[Callable[[int], None]] = None, train: bool = True) -> None:
         self.n = len(partitions)
         self.devices = devices
         self.targets = targets
         self.loss_fn = loss_fn
         self.weights = weights
         self.schedule = schedule
-        self.shared = Shared(self.n, batches, self.loss, layout, checkpoint_stop,
-                             Mailbox() if mailbox is None else mailbox, recorder, done)
+        self.shared = Shared(self.n, batches, None if loss_fn is None else self.loss, train,
+                             layout, checkpoint_stop, mailbox or Mailbox(), recorder, done)
         # Each partition's last action that accumulates its parameters' gradients.
         last = {a.j: a for actions in schedule.workers for a in actions
                 if a.kind in (Kind.B, Kind.W)}
@@ -356,20 +366,13 @@ class Step:
 
     def loss(self, i: int, output: Batch) -> Tensor:
         """The weighted loss of micro-batch ``i``."""
-        loss = self.loss_fn(output.values, self.targets[i])
-        if not isinstance(loss, Tensor) or loss.numel() != 1:
-            shape = f' of shape {tuple(loss.shape)}' if isinstance(loss, Tensor) else ''
-            raise TypeError(describe('loss_fn must return a tensor of one element (a reduced '
-                                     'loss)', f'loss_fn returned {type(loss).__name__}{shape}',
-                                     'reduce the loss inside loss_fn, e.g. F.mse_loss(output, '
-                                     'target) with its default reduction, or .mean() of a '
-                                     'per-sample loss'))
-        return loss * self.weights[i]
+        assert self.loss_fn is not None
+        loss = self.loss_fn(output.values, cast(TensorOrTensors, self.targets[i]))
+        return check_loss_value(loss) * self.weights[i]
 
     def run(self) -> Optional[Tensor]:
-        """Runs the step; returns the loss of the mini-batch, without graph.
-
-        Without the last partition here, there is no loss to return: ``None``.
+        """Runs the step; returns the loss of the mini-batch, without graph
+        (``None`` without the last partition here, or without a loss function).
 
         An exception of any action is raised here, as itself, once every
         worker has stopped.
@@ -377,7 +380,8 @@ class Step:
         shared = self.shared
         if shared.recorder is not None:
             shared.recorder.begin_step(len(shared.batches), self.devices,
-                                       f'train_step (schedule {self.schedule.name!r})',
+                                       f'train_step (schedule {self.schedule.name!r})'
+                                       if shared.train else 'eval_step',
                                        expected_bubble(self.schedule, self.n))
         devices = [self.devices[j] for j in self.stages]
         # On threads, forward actions of partitions that may draw random
@@ -406,10 +410,17 @@ class Step:
             _, (_, exc, tb) = min(failures, key=lambda f: f[0])
             raise exc.with_traceback(tb)
         last = self.stages.get(self.n - 1)
-        if last is None:
+        if last is None or shared.loss is None:
             return None
         return cast(Tensor, sum(last.losses[i].to(self.devices[-1])
                                 for i in range(len(shared.batches))))
+
+    def outputs(self) -> Optional[List[Batch]]:
+        """After an evaluation without a loss, each micro-batch's output, if here."""
+        last = self.stages.get(self.n - 1)
+        if last is None:
+            return None
+        return [cast(Batch, last.passes[i].output) for i in range(len(self.shared.batches))]
 
     def work(self, action: Action, turns: Optional[Turns]) -> Callable[[], None]:
         """Runs an action, in its turn if it is a forward action that may draw random numbers."""

@@ -1,0 +1,99 @@
+"""An evaluation step: the forward actions of a step alone, without autograd, in eval mode.
+
+A model that needs a pipeline to fit needs it to be evaluated too, and
+calling the pipeline under :func:`torch.no_grad` is possible in one process
+only. ``eval_step`` runs the engine of a training step
+(:class:`~torchgpipe.train.step.Step`) with a schedule of forward actions
+alone, in fill-drain order (nothing waits for a backward pass), each
+partition under ``torch.no_grad()`` and keeping nothing for a backward
+pass; the last partition keeps its outputs, or computes the loss of each
+micro-batch, weighted as a training step weights it::
+
+    partition 0   F0 F1 F2 F3
+    partition 1      F0 F1 F2 F3   ─► outputs, or the loss of each
+
+The module is put in evaluation mode for the step (dropout off, BatchNorm
+on its running statistics, deferred BatchNorm untouched), and each of its
+layers back in its own mode after.
+"""
+from contextlib import contextmanager
+from typing import Iterator, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from torchgpipe import microbatch
+from torchgpipe.microbatch import Batch, TensorOrTensors
+from torchgpipe.train.inputs import split_step
+from torchgpipe.train.schedule import Action, Kind, Schedule
+from torchgpipe.validation import check_loss, describe
+
+__all__: List[str] = []
+
+
+def forward_only(m: int, n: int) -> Schedule:
+    """The forward actions of ``m`` micro-batches through ``n`` partitions, one worker each.
+
+    Example::
+
+        >>> print(forward_only(2, 2))
+        0F0 0F1
+        1F0 1F1
+    """
+    return Schedule(([Action(Kind.F, i, j) for i in range(m)] for j in range(n)),
+                    name='forward only')
+
+
+@contextmanager
+def evaluating(module: nn.Module) -> Iterator[None]:
+    """Puts ``module`` in evaluation mode, and each of its layers back in its own mode after."""
+    modes = [(layer, layer.training) for layer in module.modules()]
+    module.eval()
+    try:
+        yield
+    finally:
+        for layer, training in modes:
+            layer.training = training
+
+
+def check_evaluation(target: Optional[TensorOrTensors], loss_fn: object,
+                     reduction: str) -> None:
+    """Checks the arguments of an evaluation step: a target and a loss function, or neither.
+
+    Raises:
+        TypeError: ``loss_fn`` is not callable, or ``reduction`` not a string
+        ValueError: only one of ``target`` and ``loss_fn``, or an unknown ``reduction``
+    """
+    if (target is None) != (loss_fn is None):
+        given, missing = ('target', 'loss_fn') if loss_fn is None else ('loss_fn', 'target')
+        raise ValueError(describe('eval_step takes a target and a loss_fn together, or neither',
+                                  f'{given} without {missing}',
+                                  f'pass {missing} too for the loss, or neither for the '
+                                  'output'))
+    if loss_fn is not None:
+        check_loss(reduction, loss_fn)
+
+
+def split_evaluation(input: TensorOrTensors, target: Optional[TensorOrTensors], chunks: int,
+                     reduction: str, last_device: torch.device
+                     ) -> Tuple[List[Batch], List[Optional[TensorOrTensors]], List[float]]:
+    """Splits an evaluation step's input, and its target if any, into micro-batches.
+
+    Returns:
+        as :func:`~torchgpipe.train.inputs.split_step`; without a target, a
+        ``None`` target and a weight of 1 for each micro-batch
+
+    Raises:
+        as :func:`~torchgpipe.train.inputs.split_step`
+    """
+    if target is not None:
+        batches, targets, weights = split_step(input, target, chunks, reduction, last_device)
+        return batches, list(targets), weights
+    microbatch.check(input)
+    batches = microbatch.scatter(input, chunks)
+    return batches, [None] * len(batches), [1.0] * len(batches)
+
+
+def join(outputs: Optional[List[Batch]]) -> Optional[TensorOrTensors]:
+    """The outputs of the micro-batches as one mini-batch, if they are here."""
+    return None if outputs is None else microbatch.gather(outputs)
