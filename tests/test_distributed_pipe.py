@@ -119,7 +119,8 @@ TWO_RANKS = [Config(m, b, s, c) for (m, b), (s, c) in itertools.product(
     [('mlp', (3, 2)), ('unet', (5, 5)), ('batchnorm', (3, 4)), ('packed', (2, 2))],
     SCHEDULE_CHECKPOINTS)]
 # The first and the last layer share a weight, on different ranks.
-TWO_RANKS += [Config('tied', (3, 3), s, c) for s, c in SCHEDULE_CHECKPOINTS]
+TWO_RANKS += [Config('tied', (3, 3), s, c) for s, c in zip(['1f1b', 'fill_drain', 'zb_h1'],
+                                                           CHECKPOINT_MODES)]
 THREE_RANKS = [Config('unet', (3, 2, 5), s, c) for s, c in SCHEDULE_CHECKPOINTS] + [
     Config('tied', (2, 2, 2), s, c) for s, c in zip(['1f1b', 'fill_drain', 'zb_h1'],
                                                      CHECKPOINT_MODES)]

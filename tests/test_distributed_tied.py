@@ -7,6 +7,7 @@ generic grid (a linear first and last layer sharing a weight, every
 schedule and checkpoint mode) is in ``test_distributed_pipe.py``; here are
 real models, gradient accumulation and data parallelism over the pipelines.
 """
+import functools
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
@@ -94,6 +95,7 @@ def one_process_language_model(name: str, parts: int) -> Result:
     return train_language_model(gpipe, seq, gpipe.train_step, prefix=2)
 
 
+@functools.lru_cache(maxsize=None)  # the same for 2 and 3 ranks
 def unwrapped_language_model(name: str) -> Result:
     """The original model, with its snapshots under the flattened model's names."""
     original, seq = language_model(name)

@@ -117,3 +117,16 @@ def test_a_target_goes_with_a_loss_function() -> None:
         gpipe.eval_step(x, x, 'mse')  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="reduction must be 'mean' or 'sum'"):
         gpipe.eval_step(x, x, F.mse_loss, reduction='max')
+
+
+def test_output_fn_picks_what_is_returned() -> None:
+    model, balance = build('mlp')
+    gpipe = GPipe(model, balance, devices=['cpu'] * len(balance), chunks=2)
+    x = torch.randn(6, FEATURES, dtype=torch.float64)
+    picked = gpipe.eval_step(x, output_fn=lambda output: output.argmax(-1))
+    assert torch.equal(picked, expected(model, x, x)[0].argmax(-1))
+    with pytest.raises(ValueError, match=r'eval_step returns the loss, or the output \(or '
+                                         r'output_fn of it\), not both'):
+        gpipe.eval_step(x, x, F.mse_loss, output_fn=lambda output: output)
+    with pytest.raises(TypeError, match=r'output_fn must be callable \(output_fn: 3\)'):
+        gpipe.eval_step(x, output_fn=3)  # type: ignore[arg-type]

@@ -90,8 +90,12 @@ def test_distributed_pipeline_example_trains_like_the_unwrapped_model_and_resume
     def last(out: List[str], start: str) -> str:
         """The last line that starts so (the two ranks print in any order)."""
         return [line for line in out if line.startswith(start)][-1]
-    out = run(3, '--verify')
+    out = run(3, '--verify', '--generate', '6')
     assert out[0].startswith('DistributedGPipe over 2 processes (gloo, on CPU)'), out
+    # A language model tied across the ranks learns to count, and continues prompts.
+    assert 'generated: 3 4 5 -> 6 7 8 9 10 11' in last(out, 'generated: 3'), out
+    assert last(out, 'OK: the language') == ("OK: the language model's 40 losses and "
+                                             "generated tokens are the unwrapped model's"), out
     assert re.fullmatch(r"OK: the losses of 3 steps and the evaluation are the unwrapped "
                         r"model's \(3 steps of DistributedGPipe over 2 processes, schedule "
                         r"'1f1b', final loss \d+\.\d+\)", last(out, 'OK')), out

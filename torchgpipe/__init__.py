@@ -18,6 +18,7 @@ from torchgpipe.__version__ import __version__
 from torchgpipe.phase import is_checkpointing, is_recomputing
 from torchgpipe.flatten import to_sequential
 from torchgpipe.gpipe import GPipe
+from torchgpipe.generation import generate
 from torchgpipe.nochunk import NoChunk
 from torchgpipe.timeline import trace
 
@@ -32,5 +33,5 @@ def __getattr__(name: str) -> types.ModuleType:
     raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
 
 
-__all__ = ['GPipe', 'NoChunk', 'is_checkpointing', 'is_recomputing', 'to_sequential',
-           'trace', '__version__']
+__all__ = ['GPipe', 'NoChunk', 'generate', 'is_checkpointing', 'is_recomputing',
+           'to_sequential', 'trace', '__version__']

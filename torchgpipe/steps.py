@@ -8,7 +8,7 @@ workers: :meth:`~Steps.train_step` the forward and backward passes in the
 order of a schedule, :meth:`~Steps.eval_step` the forward passes alone,
 without autograd. :class:`~torchgpipe.GPipe` has them from :class:`Steps`.
 """
-from typing import Callable, List, Optional, cast
+from typing import Any, Callable, List, Optional, cast
 
 import torch
 from torch import nn
@@ -113,8 +113,8 @@ class Steps:
         return self._train_step(input, target, loss_fn, schedule, reduction)
 
     def eval_step(self, input: TensorOrTensors, target: Optional[TensorOrTensors] = None,
-                  loss_fn: Optional[LossFunction] = None, *,
-                  reduction: str = 'mean') -> TensorOrTensors:
+                  loss_fn: Optional[LossFunction] = None, *, reduction: str = 'mean',
+                  output_fn: Optional[Callable[[TensorOrTensors], Any]] = None) -> Any:
         """Evaluates the pipeline on a mini-batch: its output, or its loss.
 
         What ``model.eval()`` and :func:`torch.no_grad` give the unwrapped
@@ -134,15 +134,18 @@ class Steps:
             loss_fn (callable, optional): ``loss_fn(output, target)`` of a
                 micro-batch, weighted as :meth:`train_step` weights it
             reduction (str): ``'mean'`` (default) or ``'sum'``, as for :meth:`train_step`
+            output_fn (callable, optional): without ``loss_fn``, what to
+                return of the output (the argmax of the logits, say)
 
         Returns:
             with ``loss_fn``, the loss of the mini-batch, as :meth:`train_step`
-            returns it; without, the output, as :meth:`~torchgpipe.GPipe.forward` returns it
+            returns it; without, the output, as :meth:`~torchgpipe.GPipe.forward`
+            returns it, or ``output_fn(output)``
 
         Raises:
-            ValueError: ``target`` without ``loss_fn``, or the other way; or
-                as for :meth:`train_step`
-            TypeError: as for :meth:`train_step`
+            ValueError: ``target`` without ``loss_fn``, or the other way, or
+                ``output_fn`` with ``loss_fn``; or as for :meth:`train_step`
+            TypeError: ``output_fn`` not callable; or as for :meth:`train_step`
 
         Example::
 
@@ -156,7 +159,7 @@ class Steps:
             >>> model.training                   # as it was
             True
         """
-        check_evaluation(target, loss_fn, reduction)
+        check_evaluation(target, loss_fn, reduction, output_fn)
         if not self.devices:
             raise ValueError('eval_step needs at least one layer: this GPipe is empty')
         with evaluating(cast(nn.Module, self)):
@@ -167,9 +170,10 @@ class Steps:
                         forward_only(len(batches), len(self.devices)), self._skip_layout, 0,
                         self._run_state.traits, self._run_state.recorder, train=False)
             loss = step.run()
-        if loss is not None:
-            return loss
-        return cast(TensorOrTensors, join(step.outputs()))
+            if loss is not None:
+                return loss
+            output = join(step.outputs())
+            return output if output_fn is None else output_fn(cast(TensorOrTensors, output))
 
     def _train_step(self, input: TensorOrTensors, target: TensorOrTensors,
                     loss_fn: LossFunction, schedule: ScheduleLike, reduction: str,

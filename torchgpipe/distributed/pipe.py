@@ -237,7 +237,8 @@ class DistributedGPipe(nn.Module):
 
     def eval_step(self, input: TensorOrTensors, target: Optional[TensorOrTensors] = None,
                   loss_fn: Optional[LossFunction] = None, *, reduction: str = 'mean',
-                  everywhere: bool = False) -> Optional[TensorOrTensors]:
+                  everywhere: bool = False,
+                  output_fn: Optional[Callable[[TensorOrTensors], Any]] = None) -> Any:
         """Evaluates the pipeline on a mini-batch; every rank of the group calls it.
 
         What ``model.eval()`` and :func:`torch.no_grad` give the unwrapped
@@ -257,16 +258,22 @@ class DistributedGPipe(nn.Module):
                 :meth:`train_step`
             everywhere (bool): without ``loss_fn``, the output on every rank,
                 not only on the last partition's (default: ``False``)
+            output_fn (callable, optional): without ``loss_fn``, applied to
+                the output on the last partition's rank: its result is
+                returned, and sent with ``everywhere`` (the argmax of the
+                logits rather than the logits, say)
 
         Returns:
             with ``loss_fn``, the loss of the mini-batch on every rank, as
             :meth:`train_step` returns it; without, the output of the last
             partition (micro-batches joined, as :class:`~torchgpipe.GPipe`
-            returns it) on its rank, or on every rank with ``everywhere``,
-            and ``None`` on the others
+            returns it), or ``output_fn`` of it, on its rank, or on every
+            rank with ``everywhere``, and ``None`` on the others
 
         Raises:
-            ValueError: ``target`` without ``loss_fn``, or the other way
+            ValueError: ``target`` without ``loss_fn``, or the other way, or
+                ``output_fn`` with ``loss_fn``
+            TypeError: ``output_fn`` not callable
             PeerFailed, RuntimeError: as for :meth:`train_step`
             ValueError, TypeError: the input or the target do not split, as
                 for :meth:`train_step`
@@ -277,25 +284,26 @@ class DistributedGPipe(nn.Module):
             loss = pipe.eval_step(input, target, F.cross_entropy)   # on every rank
             logits = pipe.eval_step(input)           # on the last partition's rank
         """
-        check_evaluation(target, loss_fn, reduction)
+        check_evaluation(target, loss_fn, reduction, output_fn)
         self._check_whole()
         with evaluating(self):
             batches, targets, weights = split_evaluation(input, target, self.chunks, reduction,
                                                          self.device)
-            here: List[Optional[TensorOrTensors]] = [None]
+            here: List[Any] = [None]
 
             def outcome(step: Step) -> Any:
                 loss = step.run()
                 if loss_fn is not None:
                     return loss
-                here[0] = join(step.outputs())
-                return here[0] if everywhere else None
+                output = join(step.outputs())
+                if output is not None and output_fn is not None:
+                    output = output_fn(output)
+                here[0] = output
+                return output if everywhere else None
             result, _ = self._run(batches, targets, loss_fn, weights,
                                   forward_only(len(batches), len(self.balance)), 0, outcome,
                                   train=False)
-        if loss_fn is None and not everywhere:
-            return here[0]
-        return cast(Optional[TensorOrTensors], result)
+        return here[0] if loss_fn is None and not everywhere else result
 
     def _check_whole(self) -> None:
         if self._broken is not None:

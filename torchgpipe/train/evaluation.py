@@ -56,14 +56,26 @@ def evaluating(module: nn.Module) -> Iterator[None]:
             layer.training = training
 
 
-def check_evaluation(target: Optional[TensorOrTensors], loss_fn: object,
-                     reduction: str) -> None:
-    """Checks the arguments of an evaluation step: a target and a loss function, or neither.
+def check_evaluation(target: Optional[TensorOrTensors], loss_fn: object, reduction: str,
+                     output_fn: object) -> None:
+    """Checks the arguments of an evaluation step: a target and a loss function,
+    or neither, and then maybe a function of the output.
 
     Raises:
-        TypeError: ``loss_fn`` is not callable, or ``reduction`` not a string
-        ValueError: only one of ``target`` and ``loss_fn``, or an unknown ``reduction``
+        TypeError: ``loss_fn`` or ``output_fn`` is not callable, or
+            ``reduction`` not a string
+        ValueError: only one of ``target`` and ``loss_fn``, ``output_fn`` with
+            them, or an unknown ``reduction``
     """
+    if output_fn is not None:
+        if loss_fn is not None:
+            raise ValueError(describe('eval_step returns the loss, or the output (or '
+                                      'output_fn of it), not both',
+                                      'loss_fn and output_fn', 'pass one of them'))
+        if not callable(output_fn):
+            raise TypeError(describe('output_fn must be callable', f'output_fn: {output_fn!r}',
+                                     'pass a function of the output, e.g. '
+                                     'lambda logits: logits.argmax(-1)'))
     if (target is None) != (loss_fn is None):
         given, missing = ('target', 'loss_fn') if loss_fn is None else ('loss_fn', 'target')
         raise ValueError(describe('eval_step takes a target and a loss_fn together, or neither',
