@@ -437,7 +437,7 @@ class Fault(nn.Module):
     """Fails on rank ``rank`` at its ``at``-th forward (or backward) pass, counted from 0.
 
     ``how``: ``'forward'`` or ``'backward'`` raises :class:`Boom`, ``'kill'``
-    kills the process (SIGKILL) in the forward pass.
+    kills the process (SIGKILL) in the forward pass, ``'stop'`` stops it (SIGSTOP).
     """
 
     def __init__(self, rank: int, at: int, how: str) -> None:
@@ -451,8 +451,8 @@ class Fault(nn.Module):
         self.calls += 1
         if self.calls - 1 != self.at:
             return x
-        if self.how == 'kill':
-            os.kill(os.getpid(), signal.SIGKILL)
+        if self.how in ('kill', 'stop'):
+            os.kill(os.getpid(), signal.SIGKILL if self.how == 'kill' else signal.SIGSTOP)
         if self.how == 'forward':
             raise Boom('boom in a forward pass')
         return RaiseInBackward.apply(x, Boom('boom in a backward pass'))
@@ -517,7 +517,8 @@ def test_a_killed_rank_makes_the_others_raise() -> None:
     results = run_distributed(fail_once, 1, 'kill', None, timeout=GLOO_TIMEOUT - 10, dies=[1])
     kind, message = results[0]['error']
     assert kind == 'PeerFailed'
-    assert message.startswith('lost rank 1 (partition 1) while waiting for its message')
+    assert message.startswith('lost rank 1 (partition 1) while waiting for the gradient of '
+                              'the output of micro-batch '), message
     assert results[1] is None
 
 
@@ -640,6 +641,8 @@ def refusals(rank: int, world_size: int) -> List[str]:
         lambda: DistributedGPipe(model('mlp'), [3, 2], placement='ring'),
         lambda: DistributedGPipe(model('mlp'), [3, 2], device='gpu'),
         lambda: DistributedGPipe(model('mlp'), [3, 2], checkpoint='sometimes'),
+        lambda: DistributedGPipe(model('mlp'), [3, 2], timeout=0),
+        lambda: DistributedGPipe(model('mlp'), [3, 2], timeout='1h'),  # type: ignore[arg-type]
     ]
     alone = [dist.new_group([0]), dist.new_group([1])]  # every rank creates every group
     attempts.append(lambda: DistributedGPipe(model('mlp'), [5], group=alone[1 - rank]))
@@ -676,6 +679,10 @@ def test_bad_arguments_are_refused_before_any_message() -> None:
         "ValueError: device is not a valid device (device: 'gpu'); give this process's "
         "device, such as device='cpu'",
         "ValueError: checkpoint is not one of 'always', 'except_last', or 'never'",
+        "ValueError: timeout must be positive (timeout: 0); give seconds, e.g. timeout=600, "
+        "or None for the process group's",
+        "TypeError: timeout must be a number of seconds, or None (timeout: '1h'); give "
+        "seconds, e.g. timeout=600",
         'ValueError: this process must be in group (rank 0); build the DistributedGPipe only '
         'on the ranks of its group, giving each rank its own pipeline group',
         'TypeError: a DistributedGPipe is not called: train it with train_step(input, '

@@ -348,6 +348,25 @@ def check_step(reduction: object, loss_fn: object) -> None:
                            'of them, or call the module itself for inference')
 
 
+def check_timeout(timeout: object) -> Optional[float]:
+    """Checks a timeout in seconds: a positive number, or ``None``.
+
+    Raises:
+        TypeError: it is not a number
+        ValueError: it is not positive
+    """
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(describe('timeout must be a number of seconds, or None',
+                                 f'timeout: {timeout!r}', 'give seconds, e.g. timeout=600'))
+    if not timeout > 0:
+        raise ValueError(describe('timeout must be positive', f'timeout: {timeout!r}',
+                                  'give seconds, e.g. timeout=600, or None for the process '
+                                  "group's"))
+    return float(timeout)
+
+
 def check_loss_value(loss: object) -> torch.Tensor:
     """Returns what ``loss_fn`` returned, if it is a tensor of one element.
 

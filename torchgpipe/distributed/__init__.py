@@ -10,6 +10,6 @@
 """
 from torchgpipe.distributed.ddp import train_step
 from torchgpipe.distributed.pipe import DistributedGPipe
-from torchgpipe.distributed.wire import PeerFailed
+from torchgpipe.distributed.faults import PeerFailed, StepTimeout
 
-__all__ = ['DistributedGPipe', 'PeerFailed', 'train_step']
+__all__ = ['DistributedGPipe', 'PeerFailed', 'StepTimeout', 'train_step']

@@ -1,5 +1,6 @@
 """DistributedGPipe: a pipeline whose partitions are the processes of a group, one or more each."""
 import warnings
+from hashlib import sha1
 from collections import OrderedDict
 from typing import (Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple,
                     Union, cast)
@@ -11,11 +12,11 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from torchgpipe import microbatch
 from torchgpipe.validation import (check_available, check_balance, check_chunks, check_step,
-                                    describe, parse_device, verify_module)
+                                    check_timeout, describe, parse_device, verify_module)
 from torchgpipe.batchnorm import DeferredBatchNorm, deferred_step
 from torchgpipe.distributed.blocks import Blocks
 from torchgpipe.distributed.tied import TiedGradients, ties_across_ranks
-from torchgpipe.distributed.wire import Channels, Wire
+from torchgpipe.distributed.wire import Channels, Mismatch, Wire
 from torchgpipe.microbatch import TensorOrTensors
 from torchgpipe.placement import place
 from torchgpipe.checkpoint import checkpoint_stop
@@ -79,6 +80,11 @@ class DistributedGPipe(nn.Module):
             (default: ``False``)
         placement (str): with several partitions per rank, ``'loop'``
             (default) or ``'v'`` (two per rank)
+        timeout (float, optional): the step timeout, in seconds: a rank that
+            waits longer within a step for another (stopped, stuck in a
+            layer) raises :class:`~torchgpipe.distributed.StepTimeout`,
+            naming it and the message it waits for (default: ``None``, the
+            process group's timeout, for each message)
 
     Raises:
         RuntimeError: torch.distributed is not initialized
@@ -102,7 +108,8 @@ class DistributedGPipe(nn.Module):
     def __init__(self, module: nn.Sequential, balance: Iterable[int], *, chunks: int = 1,
                  checkpoint: str = 'except_last', group: Optional[dist.ProcessGroup] = None,
                  device: Optional[Union[torch.device, str, int]] = None,
-                 deferred_batch_norm: bool = False, placement: str = 'loop') -> None:
+                 deferred_batch_norm: bool = False, placement: str = 'loop',
+                 timeout: Optional[float] = None) -> None:
         super().__init__()
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError('DistributedGPipe needs torch.distributed: call '
@@ -119,6 +126,7 @@ class DistributedGPipe(nn.Module):
         #: The rank (in the group) of each partition.
         self.rank_of = ranks_of_partitions(balance, size, placement)
         self.chunks = check_chunks(chunks)
+        self.timeout = check_timeout(timeout)
         self.checkpoint = str(checkpoint)
         if self.checkpoint not in ('always', 'except_last', 'never'):
             raise ValueError("checkpoint is not one of 'always', 'except_last', or 'never'")
@@ -302,7 +310,8 @@ class DistributedGPipe(nn.Module):
                 return output if everywhere else None
             result, _ = self._run(batches, targets, loss_fn, weights,
                                   forward_only(len(batches), len(self.balance)), 0, outcome,
-                                  train=False)
+                                  train=False, signature={'loss': loss_fn is not None,
+                                                          'everywhere': everywhere})
         return here[0] if loss_fn is None and not everywhere else result
 
     def _check_whole(self) -> None:
@@ -337,7 +346,7 @@ class DistributedGPipe(nn.Module):
              targets: Sequence[Optional[TensorOrTensors]], loss_fn: Optional[LossFunction],
              weights: List[float], plan: Schedule, stop: int, outcome: Callable[[Step], Any],
              done: Optional[Callable[[int], None]] = None, train: bool = True,
-             ) -> Tuple[Any, Dict[int, Any]]:
+             signature: Optional[Dict[str, Any]] = None) -> Tuple[Any, Dict[int, Any]]:
         """Runs a step of ``plan`` (a training step's, or an evaluation's) over the ranks.
 
         Args:
@@ -345,6 +354,7 @@ class DistributedGPipe(nn.Module):
             outcome: runs the step; returns what the last partition's rank sends everyone
             train: a training step, whose end carries the gradients of tied
                 parameters; else an evaluation
+            signature: more of the step, which every rank must run alike
 
         Returns:
             as :meth:`Wire.finish <torchgpipe.distributed.wire.Wire.finish>`
@@ -356,13 +366,22 @@ class DistributedGPipe(nn.Module):
         traits = [PartitionTraits() for _ in range(n)]
         for k, j in enumerate(self._here):
             traits[j] = self._run_state.traits[k]
-        wire = Wire(Channels(self.device, self.group, self._capacities, self._blocks),
+        wire = Wire(Channels(self.device, self.group, self._capacities, self._blocks,
+                             self.timeout),
                     [self.ranks[r] for r in self.rank_of], dist.get_rank(), self._routes)
         step = Step(partitions, [self.device] * n, batches, targets, loss_fn, weights,
                     plan, self._skip_layout, stop, traits, None, mailbox=wire, done=done,
                     train=train)
         try:
+            # Before any message of the step: ranks that disagree on it all raise here.
+            wire.agree({'step': 'train_step' if train else 'eval_step',
+                        'micro-batches': [batch[0].size(0) for batch in batches],
+                        'schedule': f'{plan.name} ({sha1(str(plan).encode()).hexdigest()[:8]})',
+                        **(signature or {})})
             return wire.finish(outcome(step), self._tied.shares(wire.others) if train else None)
+        except Mismatch:
+            self._tied.abandon()
+            raise
         except BaseException as exc:
             self._tied.abandon()
             self._broken = f'{type(exc).__name__} on rank {dist.get_rank()}'

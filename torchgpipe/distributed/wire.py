@@ -3,8 +3,9 @@
 :class:`~torchgpipe.train.step.Step` sends and takes its messages through a
 :class:`~torchgpipe.train.mailbox.Mailbox`. :class:`Wire` is the mailbox of
 the partitions of one process, whose neighbours may live in other processes:
-a message to another rank is pickled with its key, its tensors apart, and
-sent with torch.distributed's point-to-point operations as one buffer
+a message to another rank is described with its key in a header of data
+alone (:mod:`torchgpipe.distributed.codec`), its tensors apart, and sent
+with torch.distributed's point-to-point operations as one buffer
 (:class:`Channels`); a message between two partitions of this process (two
 virtual stages of one rank) stays in the mailbox.
 
@@ -21,17 +22,18 @@ the actions that will take them::
     rank 1 takes    Activation(0, 1)  Gradient(0, 1)    Activation(0, 3)
                                       ▲ receives Activation(0, 3) first: kept
 """
-import io
-import pickle
-from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, cast
+import time
+from datetime import timedelta
+from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from torchgpipe.distributed.blocks import Blocks
-from torchgpipe.copy import Ready
+from torchgpipe.distributed.faults import (Disconnected, PeerFailed, TimedOut, disconnected,
+                                           lost, waiting_for)
+from torchgpipe.distributed.codec import Unreadable, decode, dump_header, encode, load_header
 from torchgpipe.train.mailbox import (Activation, Gradient, Key, Mailbox, Skip, SkipGradient,
                                       SkipKey)
 
@@ -41,12 +43,12 @@ __all__: List[str] = []
 Route = Tuple[int, int]
 
 
+class Mismatch(ValueError):
+    """The ranks of a pipeline were called for different steps."""
+
+
 #: The capacity a channel starts with, in bytes: enough for a message without tensors.
 SMALL = 4096
-
-
-class PeerFailed(RuntimeError):
-    """Another rank of the pipeline failed during the step, or stopped answering."""
 
 
 class Wire(Mailbox):
@@ -108,7 +110,7 @@ class Wire(Mailbox):
         if self.ranks[source] == self.me or self.has(key):
             return super().take(key)
         while True:
-            wired, message = self.receive(source)
+            wired, message = self.receive(source, waiting_for(key))
             received = self.decode(wired)
             if received == key:
                 return message
@@ -119,14 +121,16 @@ class Wire(Mailbox):
         with self._condition:
             return key in self._messages
 
-    def receive(self, j: int) -> Any:
-        """Waits for the next message from the rank of partition ``j``.
+    def receive(self, j: int, doing: str) -> Any:
+        """Waits for the next message from the rank of partition ``j``; ``doing``
+        says what for, if it never comes.
 
         Raises:
-            PeerFailed: that rank failed, or the connection to it broke or timed out
+            PeerFailed: that rank failed, or the connection to it broke
+            StepTimeout: it sent nothing by the step's deadline
         """
         rank = self.ranks[j]
-        with lost(rank, j, 'waiting for its message'):
+        with lost(rank, j, doing):
             kind, message = self.channels.receive(rank)
         if kind == 'failure':
             raise PeerFailed(f'rank {rank} (partition {j}) failed: {message}')
@@ -154,7 +158,8 @@ class Wire(Mailbox):
                 self.channels.send(rank, 'message', (None, (result, shares.get(rank))))
         received: Dict[int, Any] = {}
         for rank in self.others:
-            _, (sent, received[rank]) = self.receive(self.ranks.index(rank))
+            _, (sent, received[rank]) = self.receive(self.ranks.index(rank),
+                                                     'waiting for the end of the step')
             if rank == self.ranks[-1]:
                 result = owned(sent)
         # Every rank has said it is done: a send failing now failed on the way.
@@ -162,6 +167,30 @@ class Wire(Mailbox):
             self.channels.wait_sent()
         self.channels.blocks.trim()
         return result, received
+
+    def agree(self, signature: Any) -> None:
+        """Starts a step: every rank tells every other what step it runs (the
+        sizes of its micro-batches, the schedule), before any of its messages.
+
+        Raises:
+            Mismatch: the ranks run different steps; every rank raises it,
+                and the pipeline stays whole
+            PeerFailed, StepTimeout: as :meth:`receive`
+        """
+        for rank in self.others:
+            with lost(rank, self.ranks.index(rank), 'sending it the start of the step'):
+                self.channels.send(rank, 'message', (None, signature))
+        others = {rank: self.receive(self.ranks.index(rank), 'waiting for the start of the '
+                                     'step')[1] for rank in self.others}
+        if any(theirs != signature for theirs in others.values()):
+            # Every rank has received this one's word: its buffers may go
+            # back to the pool, for the next step's messages.
+            with lost(None, None, "waiting for this rank's messages to arrive"):
+                self.channels.wait_sent()
+            steps = '; '.join(f'rank {rank}: {step}' for rank, step in
+                              sorted({self.me: signature, **others}.items()))
+            raise Mismatch(f'the ranks of the pipeline run different steps ({steps}); give '
+                           'every rank the same mini-batch, chunks and schedule')
 
     def fail(self, error: BaseException) -> None:
         """Tells every other rank that this one failed, so none waits for it forever.
@@ -179,47 +208,16 @@ class Wire(Mailbox):
                 pass  # that rank is gone already
 
 
-@contextmanager
-def lost(rank: Optional[int], j: Optional[int], doing: str) -> Iterator[None]:
-    """Raises a broken or timed-out connection to ``rank`` (any: ``None``) as PeerFailed.
-
-    torch.distributed raises it sending as receiving (gloo: "Connection
-    closed by peer"), and :class:`Channels` as :class:`Disconnected`: code
-    that restarts a job on ``PeerFailed`` must see it as one.
-    """
-    try:
-        yield
-    except Disconnected as exc:
-        peer = 'a rank' if rank is None else f'rank {rank} (partition {j})'
-        raise PeerFailed(f'lost {peer} while {doing}: {exc}') from exc
-
-
-class Disconnected(RuntimeError):
-    """A point-to-point operation of torch.distributed failed: its connection broke or timed out."""
-
-
-@contextmanager
-def disconnected() -> Iterator[None]:
-    """Raises what a point-to-point operation raises (``RuntimeError``) as :class:`Disconnected`.
-
-    Only those operations: a ``RuntimeError`` of anything else, such as a
-    copy, is no lost connection.
-    """
-    try:
-        yield
-    except RuntimeError as exc:
-        raise Disconnected(str(exc)) from exc
-
-
 class Channels:
     """Messages to and from the other ranks of a group, each pair of ranks one ordered channel.
 
-    A message is one buffer of bytes: the length of a pickle (the kind, the
-    shape and type of each tensor, the message with its tensors taken out),
-    the pickle, then the tensors' bytes, each at an offset aligned for its
-    type (the received tensors are views of the buffer)::
+    A message is one buffer of bytes: the length of its header (the kind,
+    the shape and type of each tensor, the message with its tensors taken
+    out, in JSON: :mod:`~torchgpipe.distributed.codec`), the header, then
+    the tensors' bytes, each at an offset aligned for its type (the received
+    tensors are views of the buffer)::
 
-        | length | pickle | pad | tensor 0 | pad | tensor 1 | ...
+        | length | header | pad | tensor 0 | pad | tensor 1 | ...
 
     A message is received when the step needs it. Not knowing its size, the
     receiving rank receives into a buffer of the channel's *capacity*, which
@@ -236,29 +234,37 @@ class Channels:
         capacities: the capacity of each channel, by global rank, kept by the
             caller from step to step (both ends change it alike)
         blocks: the pool of CPU buffers, kept by the caller from step to step
+        timeout: the step timeout, in seconds: every wait ends by then
+            (``None``: the process group's timeout, for each wait)
     """
 
     def __init__(self, device: torch.device, group: Optional[dist.ProcessGroup],
-                 capacities: Dict[int, int], blocks: Blocks) -> None:
+                 capacities: Dict[int, int], blocks: Blocks,
+                 timeout: Optional[float] = None) -> None:
         self.device = device
+        self.timeout = timeout
+        #: When the step times out, by ``time.monotonic()``.
+        self.deadline = None if timeout is None else time.monotonic() + timeout
         self.group = group
         self.capacities = capacities
         self.blocks = blocks
         self.exact = dist.get_backend(group) == 'nccl'
         #: Sends in flight, with what they send.
         self.sending: List[Tuple[Any, Tensor]] = []
+        #: The buffer of the receive in flight, if any.
+        self.receiving: Optional[Tensor] = None
 
     def capacity(self, rank: int) -> int:
         return self.capacities.setdefault(rank, SMALL)
 
     def send(self, rank: int, kind: str, message: Any) -> None:
-        """Sends ``message`` to ``rank``, without waiting."""
+        """Sends ``message`` to ``rank``, without waiting.
+
+        Raises:
+            Unsendable: the message holds a value a header cannot describe
+        """
         tensors: List[Tensor] = []
-        body = io.BytesIO()
-        pickler = pickle.Pickler(body, protocol=pickle.HIGHEST_PROTOCOL)
-        pickler.persistent_id = lambda obj: persist(obj, tensors)  # type: ignore[method-assign]
-        pickler.dump(message)
-        data = pickle.dumps((kind, [(t.shape, t.dtype) for t in tensors], body.getvalue()))
+        data = dump_header(kind, tensors, encode(message, tensors))
         offsets = []
         end = align(8 + len(data))
         for t in tensors:
@@ -266,7 +272,7 @@ class Channels:
             end = align(end + t.numel() * t.element_size())
         if end > self.capacity(rank):
             # It fits the buffer of the old capacity the receiver takes it in.
-            self.post_send(rank, self.pack(pickle.dumps(('grow', [], pickle.dumps(end))), rank))
+            self.post_send(rank, self.pack(dump_header('grow', [], end), rank))
             self.capacities[rank] = end
         buffer = self.pack(data, rank, end)
         for t, offset in zip(tensors, offsets):
@@ -296,36 +302,86 @@ class Channels:
         """Waits for the next message from ``rank``; returns its kind and the message.
 
         Raises:
-            Disconnected: the connection broke or timed out
+            Disconnected: the connection broke (TimedOut: the step timed out)
         """
         # Not received ahead of time, while the rank computes: on CPU ranks
         # the transfer then takes a core from the computation, and measured
         # 1F1B steps 7-10 % slower (docs/scaling_out.rst, "Measured").
         while True:
             buffer = self.buffer(self.capacity(rank))
+            # Kept while the receive may still write it: after a timeout,
+            # the abandoned channels keep it (see DistributedGPipe).
+            self.receiving = buffer
             with disconnected():
-                dist.recv(buffer, rank, group=self.group)
-            length = int.from_bytes(read(buffer, 0, 8), 'little')
-            kind, metas, body = pickle.loads(read(buffer, 8, 8 + length))
+                self.wait(dist.irecv(buffer, rank, group=self.group))
+            self.receiving = None
+            try:
+                kind, tensors, body = self.parse(buffer)
+            except Unreadable as exc:
+                raise Unreadable(f'a message from rank {rank} is none this library writes '
+                                 f'({exc}); only the ranks of the pipeline may reach its ports'
+                                 ) from exc
             if kind != 'grow':
                 break
-            self.capacities[rank] = pickle.loads(body)
+            self.capacities[rank] = body
+        try:
+            return kind, decode(body, tensors, self.device)
+        except Unreadable as exc:
+            raise Unreadable(f'a message from rank {rank} holds what no rank sends ({exc})'
+                             ) from exc
+
+    def parse(self, buffer: Tensor) -> Tuple[str, List[Tensor], Any]:
+        """A received message's kind, its tensors (views of ``buffer``) and its encoded body.
+
+        Raises:
+            Unreadable: the buffer holds no message of this library
+        """
+        length = int.from_bytes(read(buffer, 0, 8), 'little')
+        if not 0 < length <= buffer.numel() - 8:
+            raise Unreadable(f'a header of {length} bytes, in {buffer.numel()}')
+        kind, metas, body = load_header(bytes(read(buffer, 8, 8 + length)))
+        if kind not in ('message', 'failure', 'grow') or \
+                kind == 'grow' and not (isinstance(body, int) and body > 0):
+            raise Unreadable(f'a message of kind {kind!r}'[:200])
         tensors = []
         offset = align(8 + length)
         for shape, dtype in metas:
+            numel = 1
+            for size in shape:
+                numel *= size
+            end = offset + numel * dtype.itemsize
+            if end > buffer.numel():
+                raise Unreadable(f'a tensor to byte {end}, in {buffer.numel()}')
             tensors.append(view(buffer, offset, shape, dtype))
-            offset = align(offset + tensors[-1].numel() * tensors[-1].element_size())
-        unpickler = pickle.Unpickler(io.BytesIO(body))
-        unpickler.persistent_load = lambda pid: restore(  # type: ignore[method-assign]
-            pid, tensors, self.device)
-        return kind, unpickler.load()
+            offset = align(end)
+        return kind, tensors, body
 
     def wait_sent(self) -> None:
         """Waits for every send to arrive."""
         for work, _ in self.sending:
             with disconnected():
-                work.wait()
+                self.wait(work)
         self.sending.clear()
+
+    def wait(self, work: Optional[dist.Work]) -> None:
+        """Waits for a point-to-point operation to end, until the step's deadline.
+
+        Raises:
+            TimedOut: the deadline passed (gloo then closes the connection)
+            RuntimeError: the operation failed
+        """
+        assert work is not None
+        if self.deadline is None:
+            work.wait()
+            return
+        left = self.deadline - time.monotonic()
+        try:
+            # Not zero: a wait without time left would fail at once.
+            work.wait(timeout=timedelta(seconds=max(left, 0.001)))
+        except RuntimeError as exc:
+            if time.monotonic() < self.deadline:
+                raise
+            raise TimedOut(str(exc), cast(float, self.timeout)) from exc
 
 
 def owned(message: Any) -> Any:
@@ -362,21 +418,3 @@ def view(buffer: Tensor, offset: int, shape: Any, dtype: torch.dtype) -> Tensor:
         numel *= size
     size = numel * torch.empty((), dtype=dtype).element_size()
     return buffer[offset:offset + size].view(dtype).view(shape)
-
-
-def persist(obj: Any, tensors: List[Tensor]) -> Optional[Tuple[str, int]]:
-    """What a message holds in place of a tensor (sent apart) or a :class:`Ready`."""
-    if isinstance(obj, Tensor):
-        tensors.append(obj)
-        return ('tensor', len(tensors) - 1)
-    if isinstance(obj, Ready):
-        return ('ready', 0)
-    return None
-
-
-def restore(pid: Tuple[str, int], tensors: List[Tensor], device: torch.device) -> Any:
-    kind, k = pid
-    if kind == 'tensor':
-        return tensors[k]
-    # Received tensors are ready on this device's current stream.
-    return Ready(device)

@@ -1,0 +1,151 @@
+"""The header of a message between ranks: data only, which a peer's bytes can never make code.
+
+A message (:class:`~torchgpipe.distributed.wire.Channels`) is its header,
+then the bytes of its tensors. The header is JSON: the message's kind, the
+shape and type of each tensor, and the message itself with each tensor
+replaced by its index. JSON holds numbers, strings, lists, ``true``,
+``false`` and ``null``; every other value the pipeline sends is a JSON
+object of one tagged entry::
+
+    (x, None, 2.0, 'scale')          {"t": [{"T": 0}, null, 2.0, "scale"]}
+    Activation(3, 1)                 {"A": [3, 1]}
+    torch.float16                    {"dt": "float16"}
+
+Decoding builds only these values and the library's own message types, and
+refuses anything else (:class:`Unreadable`), where ``pickle`` would have run
+whatever code a crafted message named.
+"""
+import json
+from typing import Any, Callable, Dict, List, Sequence, Tuple, Type
+
+import torch
+from torch import Tensor
+
+from torchgpipe.copy import Ready
+from torchgpipe.microbatch import Batch
+from torchgpipe.nochunk import NoChunk
+from torchgpipe.train.mailbox import Activation, Gradient, Parcel, Reply
+
+__all__: List[str] = []
+
+#: The types of tensors a message may hold, by name.
+DTYPES: Dict[str, torch.dtype] = {
+    str(t).split('.')[-1]: t for t in vars(torch).values() if isinstance(t, torch.dtype)}
+
+
+class Unreadable(ValueError):
+    """A message's header is not one this library writes."""
+
+
+class Unsendable(TypeError):
+    """A message holds a value that a header cannot describe."""
+
+
+def encode(message: Any, tensors: List[Tensor]) -> Any:
+    """``message`` as JSON data; its tensors appended to ``tensors``, and replaced by their index.
+
+    Raises:
+        Unsendable: it holds a value of another type than those listed above
+    """
+    if message is None or isinstance(message, (bool, int, float, str)):
+        return message
+    if isinstance(message, Tensor):
+        tensors.append(message)
+        return {'T': len(tensors) - 1}
+    for kind, (tag, parts, _) in TYPES.items():
+        if isinstance(message, kind):
+            return {tag: encode(parts(message), tensors)}
+    if isinstance(message, list):
+        return {'l': [encode(x, tensors) for x in message]}
+    if isinstance(message, dict):
+        return {'d': [[encode(k, tensors), encode(v, tensors)] for k, v in message.items()]}
+    if isinstance(message, tuple):  # after the named tuples and torch.Size
+        return {'t': [encode(x, tensors) for x in message]}
+    raise Unsendable(f'{type(message).__name__} cannot go to another rank: a message holds '
+                     'tensors, tuples, lists, dicts, numbers, strings, None, dtypes and devices')
+
+
+def decode(data: Any, tensors: Sequence[Tensor], device: torch.device) -> Any:
+    """The message that :func:`encode` turned into ``data``, its tensors taken from ``tensors``.
+
+    Raises:
+        Unreadable: ``data`` is not what :func:`encode` writes
+    """
+    if data is None or isinstance(data, (bool, int, float, str)):
+        return data
+    if isinstance(data, list):
+        raise Unreadable('a bare list, where a list is tagged')
+    if not (isinstance(data, dict) and len(data) == 1):
+        raise Unreadable(f'{type(data).__name__} where a tagged value was expected')
+    (tag, value), = data.items()
+    if tag == 'T':
+        if not (isinstance(value, int) and 0 <= value < len(tensors)):
+            raise Unreadable(f'tensor {value!r} of {len(tensors)}')
+        return tensors[value]
+    if tag == 'R':
+        return Ready(device)  # received tensors are ready on this device's current stream
+    if tag in ('l', 't', 'd'):
+        if not isinstance(value, list):
+            raise Unreadable(f'{tag!r} of {type(value).__name__}')
+        if tag == 'd':
+            if not all(isinstance(x, list) and len(x) == 2 for x in value):
+                raise Unreadable('a dict whose items are not pairs')
+            return {decode(k, tensors, device): decode(v, tensors, device) for k, v in value}
+        items = [decode(x, tensors, device) for x in value]
+        return items if tag == 'l' else tuple(items)
+    build = BUILDERS.get(tag)
+    if build is None:
+        raise Unreadable(f'unknown tag {tag!r}')
+    try:
+        return build(decode(value, tensors, device))
+    except (TypeError, ValueError, KeyError, RuntimeError) as exc:
+        raise Unreadable(f'{tag!r}: {exc}') from exc
+
+
+def dtype_named(name: str) -> torch.dtype:
+    return DTYPES[name]
+
+
+#: For each type besides JSON's own and containers: its tag, the encodable
+#: value standing for it, and how to build it again from that value decoded.
+TYPES: Dict[Type[Any], Tuple[str, Callable[[Any], Any], Callable[[Any], Any]]] = {
+    Activation: ('A', lambda k: (k.i, k.j), lambda v: Activation(*v)),
+    Gradient: ('G', lambda k: (k.i, k.j), lambda v: Gradient(*v)),
+    Parcel: ('P', tuple, lambda v: Parcel(*v)),
+    Reply: ('Y', tuple, lambda v: Reply(*v)),
+    Batch: ('B', lambda b: b.values, Batch),
+    NoChunk: ('N', lambda n: n.tensor, NoChunk),
+    Ready: ('R', lambda r: None, lambda v: v),  # decoded apart: it needs the device
+    torch.Size: ('S', tuple, torch.Size),
+    torch.dtype: ('dt', lambda t: str(t).split('.')[-1], dtype_named),
+    torch.device: ('dv', str, torch.device),
+}
+BUILDERS = {tag: build for tag, _, build in TYPES.values()}
+
+
+def dump_header(kind: str, tensors: Sequence[Tensor], body: Any) -> bytes:
+    """A message's header: its kind, each tensor's shape and type, its encoded body."""
+    metas = [[list(t.shape), str(t.dtype).split('.')[-1]] for t in tensors]
+    return json.dumps([kind, metas, body], separators=(',', ':')).encode()
+
+
+def load_header(data: bytes) -> Tuple[str, List[Tuple[List[int], torch.dtype]], Any]:
+    """What :func:`dump_header` wrote, checked.
+
+    Raises:
+        Unreadable: ``data`` is not a header
+    """
+    try:
+        kind, metas, body = json.loads(data.decode())
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise Unreadable(f'not a header: {exc}') from exc
+    if not isinstance(kind, str) or not isinstance(metas, list):
+        raise Unreadable('not a header: no kind and tensors')
+    checked = []
+    for meta in metas:
+        if not (isinstance(meta, list) and len(meta) == 2 and isinstance(meta[0], list)
+                and all(isinstance(n, int) and n >= 0 for n in meta[0])
+                and meta[1] in DTYPES):
+            raise Unreadable(f'not a tensor: {meta!r}'[:200])
+        checked.append((meta[0], DTYPES[meta[1]]))
+    return kind, checked, body
