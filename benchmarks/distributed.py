@@ -53,6 +53,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks import untraced
 from benchmarks.devices import cpu_devices, cuda_devices
 from benchmarks.memory import malloc_tuned, tune_malloc
 from benchmarks.overhead import convnet, ms
@@ -275,8 +276,9 @@ def spawn_ranks(target: Callable[..., None], world_size: int, config: Dict[str, 
     port = free_port()
     ranks = [ctx.Process(target=target, args=(rank, world_size, port, config, results),
                          daemon=True) for rank in range(world_size)]
-    for process in ranks:
-        process.start()
+    with untraced():
+        for process in ranks:
+            process.start()
     try:
         deadline = time.monotonic() + timeout
         while results.empty():

@@ -2,6 +2,7 @@
 
 Also: the coverage threshold of setup.cfg holds for the whole suite only.
 """
+import sys
 import threading
 from pathlib import Path
 from typing import Iterable, Iterator, List, Optional, Set, cast
@@ -9,6 +10,11 @@ from typing import Iterable, Iterator, List, Optional, Set, cast
 import pytest
 import torch
 from helpers import CHECKPOINT_MODES
+
+# The repository's root: tests import the benchmarks package too.
+ROOT = str(Path(__file__).resolve().parent.parent)
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
 
 
 def worker_threads() -> list:

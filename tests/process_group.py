@@ -11,9 +11,11 @@ test (the fixture :func:`no_child_left` checks it). Having reported, a child
 ends as the example does (``end_job``), and the parent checks that every
 child exited with status 0.
 """
+import contextlib
 import multiprocessing
 import os
 import socket
+import sys
 import time
 import traceback
 from datetime import timedelta
@@ -25,6 +27,12 @@ import torch
 import torch.distributed as dist
 
 import stress_ddp_exit
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from benchmarks import untraced  # noqa: E402
 
 WORLD_SIZE = 2
 # Collectives (and the rendezvous) give up after this long; a failing rank
@@ -107,12 +115,14 @@ def _stop(processes: List[multiprocessing.process.BaseProcess]) -> None:
 
 def run_distributed(fn: Callable[..., Any], *args: Any, world_size: int = WORLD_SIZE,
                     timeout: float = SPAWN_TIMEOUT, dies: Collection[int] = (),
-                    backend: str = 'gloo') -> List[Any]:
+                    backend: str = 'gloo', measured: bool = True) -> List[Any]:
     """Runs ``fn(rank, world_size, *args)`` in ``world_size`` processes of a group (gloo).
 
     ``fn`` and ``args`` must be picklable (``fn`` a module-level function).
     The ranks in ``dies`` are expected to die without reporting (their
-    result is ``None``), and to end killed by a signal.
+    result is ``None``), and to end killed by a signal. With ``measured``
+    false, coverage.py does not trace the ranks (:func:`benchmarks.untraced`):
+    for runs of large models through code that other runs measure.
 
     Returns:
         the value ``fn`` returned on each rank, in rank order
@@ -133,7 +143,8 @@ def run_distributed(fn: Callable[..., Any], *args: Any, world_size: int = WORLD_
                                   args=(rank, world_size, port, fn, args, sender, bool(dies),
                                         backend),
                                   daemon=True)
-            process.start()
+            with contextlib.nullcontext() if measured else untraced():
+                process.start()
             sender.close()  # the child holds the only write end: EOF means it died
             processes.append(process)
             pending[receiver] = rank

@@ -112,8 +112,9 @@ def unwrapped_language_model(name: str) -> Result:
 
 @pytest.fixture(scope='module', params=[2, 3], ids=lambda n: f'{n} ranks')
 def language_model_ranks(request: pytest.FixtureRequest) -> Tuple[int, List[Dict[str, Result]]]:
+    # Not measured: the tied grid of test_distributed_pipe.py runs the same code.
     return request.param, run_distributed(train_language_models, world_size=request.param,
-                                          timeout=200)
+                                          timeout=200, measured=False)
 
 
 @pytest.mark.parametrize('name', LANGUAGE_MODELS)

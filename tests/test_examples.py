@@ -16,6 +16,8 @@ from typing import List
 import pytest
 import torch
 
+from benchmarks import untraced
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, 'examples')
 # A Python warning in an example's output, as .ci/run finds them.
@@ -68,11 +70,14 @@ def torchrun(script: str, *args: str) -> subprocess.CompletedProcess[str]:
     with socket.socket() as sock:
         sock.bind(('127.0.0.1', 0))
         port = sock.getsockname()[1]
-    done = subprocess.run(
-        [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', '2',
-         '--master_addr', '127.0.0.1', '--master_port', str(port),
-         os.path.join(EXAMPLES, script), *args],
-        capture_output=True, text=True, timeout=120, cwd=ROOT)
+    # Untraced by coverage.py: the library code the examples run is measured
+    # in the other tests, and tracing would about double their time.
+    with untraced():
+        done = subprocess.run(
+            [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', '2',
+             '--master_addr', '127.0.0.1', '--master_port', str(port),
+             os.path.join(EXAMPLES, script), *args],
+            capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
     assert not WARNING.search(done.stdout + done.stderr), done.stdout + done.stderr
     return done

@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
+from benchmarks import untraced
 from helpers import CHECKPOINT_MODES, assert_same_random_step, cpu_devices
 from torchgpipe import GPipe
 from torchgpipe.rng import cpu_generator_lock, restore_rng_states, save_rng_states
@@ -186,7 +187,10 @@ def test_generator_state_calls_never_deadlock_under_stress() -> None:
     yield the GIL inside a state call almost every time (tests/stress_generator_lock.py).
     Without one lock around every state call, this hung in 3 of 4 runs."""
     script = os.path.join(os.path.dirname(__file__), 'stress_generator_lock.py')
-    result = subprocess.run([sys.executable, script, '--steps', '150', '--deadline', '150'],
-                            capture_output=True, text=True, timeout=200)
+    # Untraced: coverage.py's tracing would about double the steps' time,
+    # and fewer steps in the same time would stress the lock less.
+    with untraced():
+        result = subprocess.run([sys.executable, script, '--steps', '150', '--deadline', '150'],
+                                capture_output=True, text=True, timeout=200)
     # On a hang, faulthandler printed every thread's stack: show them.
     assert result.returncode == 0, result.stderr[-20000:]
