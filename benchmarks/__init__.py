@@ -6,7 +6,7 @@
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Dict, Iterator
 
 #: The root of the repository: where the measuring subprocesses start.
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -17,6 +17,11 @@ RESULTS_DIR = Path(__file__).resolve().parent / 'results'
 #: What coverage.py's ``patch = subprocess`` (setup.cfg) sets for the Python
 #: processes a measured one starts, so that they measure themselves too.
 COVERAGE_VARIABLE = 'COVERAGE_PROCESS_CONFIG'
+
+
+def untraced_environ() -> Dict[str, str]:
+    """This process's environment, for a child that :func:`untraced` describes."""
+    return {k: v for k, v in os.environ.items() if k != COVERAGE_VARIABLE}
 
 
 @contextmanager

@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple
 import torch
 from torch import nn
 
-from benchmarks import COVERAGE_VARIABLE, REPO_ROOT
+from benchmarks import REPO_ROOT, untraced_environ
 from benchmarks.devices import synchronize
 from torchgpipe.timeline.clock import peak_rss, proc_status, reset_peak_rss
 
@@ -146,7 +146,7 @@ def run_measure_subprocesses(module: str, settings: Sequence[Mapping[str, Any]],
         the JSON document each child printed last, in the order of ``settings``
     """
     # Measured without coverage.py's tracing (see benchmarks.untraced).
-    env = {k: v for k, v in os.environ.items() if k != COVERAGE_VARIABLE}
+    env = untraced_environ()
     env.update(OMP_NUM_THREADS='1', PYTHONPATH=os.pathsep.join(
         p for p in (str(REPO_ROOT), env.get('PYTHONPATH')) if p))
     pending = list(enumerate(settings))

@@ -5,7 +5,6 @@ run is not the whole suite, so that ``python -m pytest tests/test_gpipe.py``
 passes when its tests do, while ``python -m pytest`` still fails below 90%,
 also on the processes of pytest-xdist (the README's command, which CI runs).
 """
-import os
 import re
 import shutil
 import subprocess
@@ -15,7 +14,7 @@ from typing import List, Set
 
 import pytest
 
-from benchmarks import COVERAGE_VARIABLE
+from benchmarks import untraced_environ
 from conftest import TESTS, is_whole_suite
 
 ROOT = TESTS.parent
@@ -30,9 +29,8 @@ def start_pytest(args: List[str], cwd: Path, data: Path) -> 'subprocess.Popen[st
     """
     # It measures itself: without the variable that makes the outer run
     # trace it too (twice the tracing, for nothing).
-    env = {k: v for k, v in os.environ.items() if k != COVERAGE_VARIABLE}
     return subprocess.Popen([sys.executable, '-m', 'pytest', '-q', *FAST, *args], cwd=cwd,
-                            env=dict(env, COVERAGE_FILE=str(data)), text=True,
+                            env=dict(untraced_environ(), COVERAGE_FILE=str(data)), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from typing import Iterator, List, Optional
 
 from torchgpipe.train.mailbox import Activation, Gradient, Key, Skip, SkipGradient
+from torchgpipe.train.schedule import Action, Kind
 
 __all__: List[str] = []
 
@@ -82,10 +83,11 @@ def lost(rank: Optional[int], j: Optional[int], doing: str) -> Iterator[None]:
 def waiting_for(key: Key) -> str:
     """What a rank waits for when it waits for the message of ``key``."""
     if isinstance(key, Activation):
-        return f'waiting for the input of micro-batch {key.i} (action {key.j}F{key.i})'
+        return (f'waiting for the input of micro-batch {key.i} (action '
+                f'{Action(Kind.F, key.i, key.j)})')
     if isinstance(key, Gradient):
         return (f'waiting for the gradient of the output of micro-batch {key.i} (action '
-                f'{key.j}B{key.i}, or {key.j}I{key.i})')
+                f'{Action(Kind.B, key.i, key.j)}, or {Action(Kind.I, key.i, key.j)})')
     name = key.key[1]
     if isinstance(key, Skip):
         return f"waiting for skip '{name}' of micro-batch {key.i}"
