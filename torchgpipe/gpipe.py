@@ -202,6 +202,47 @@ class GPipe(Steps, nn.Module):
                 raise deny_moving()
         return super().to(*args, **kwargs)
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False,
+                        foreach: Optional[bool] = None) -> torch.Tensor:
+        """Clips the gradients of every partition by their norm together, as
+        :func:`torch.nn.utils.clip_grad_norm_` clips the unwrapped module's.
+
+        In one process every partition's parameters are here, a tied one
+        once, so this is :func:`torch.nn.utils.clip_grad_norm_` over
+        ``parameters()``; the method exists so that one line clips a
+        :class:`~torchgpipe.GPipe` and a
+        :class:`~torchgpipe.distributed.DistributedGPipe` alike (see
+        :meth:`DistributedGPipe.clip_grad_norm_
+        <torchgpipe.distributed.DistributedGPipe.clip_grad_norm_>`).
+
+        Args:
+            max_norm (float): the largest norm the gradients keep
+            norm_type (float): the p of the p-norm, ``float('inf')`` for the
+                largest absolute value (default: ``2.0``)
+            error_if_nonfinite (bool): raise if the norm is NaN or infinite,
+                rather than scale the gradients by it (default: ``False``)
+            foreach (bool, optional): as for :func:`torch.nn.utils.clip_grad_norm_`
+
+        Returns:
+            torch.Tensor: the norm of all the gradients before clipping
+
+        Raises:
+            RuntimeError: with ``error_if_nonfinite``, the norm is not finite
+
+        Example::
+
+            >>> model = GPipe(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)),
+            ...               balance=[2, 1], devices=['cpu', 'cpu'], chunks=4)
+            >>> loss = model.train_step(torch.randn(16, 4), torch.randn(16, 2), F.mse_loss)
+            >>> norm = model.clip_grad_norm_(max_norm=0.1)    # the norm before clipping
+            >>> after = torch.stack([p.grad.norm() for p in model.parameters()]).norm()
+            >>> bool(after <= 0.1 + 1e-6)
+            True
+        """
+        return torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm, norm_type,
+                                              error_if_nonfinite, foreach)
+
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
                         assign: bool = False) -> _IncompatibleKeys:
         """Copies parameters and buffers from ``state_dict``, as

@@ -6,10 +6,13 @@
   as DDP averages them.
 - :class:`DistributedGPipe`: a pipeline whose partitions are spread over the
   processes of a group, one or several each, exchanging activations and
-  gradients by point-to-point operations.
+  gradients by point-to-point operations; its
+  :meth:`~DistributedGPipe.clip_grad_norm_` clips by the norm over every rank.
+- :class:`GradScaler`: loss scaling whose ranks skip a step together.
 """
 from torchgpipe.distributed.ddp import train_step
 from torchgpipe.distributed.pipe import DistributedGPipe
 from torchgpipe.distributed.faults import PeerFailed, StepTimeout
+from torchgpipe.distributed.scaler import GradScaler
 
-__all__ = ['DistributedGPipe', 'PeerFailed', 'StepTimeout', 'train_step']
+__all__ = ['DistributedGPipe', 'GradScaler', 'PeerFailed', 'StepTimeout', 'train_step']

@@ -15,6 +15,8 @@ from torchgpipe.validation import (check_available, check_balance, check_chunks,
                                     check_timeout, describe, parse_device, verify_module)
 from torchgpipe.batchnorm import DeferredBatchNorm, deferred_step
 from torchgpipe.distributed.blocks import Blocks
+from torchgpipe.distributed.norm import check_finite, clip_grads, slots, total_norm
+from torchgpipe.distributed.ranks import ranks_of_partitions
 from torchgpipe.distributed.tied import TiedGradients, ties_across_ranks
 from torchgpipe.distributed.wire import Channels, Mismatch, Wire
 from torchgpipe.microbatch import TensorOrTensors
@@ -144,6 +146,9 @@ class DistributedGPipe(nn.Module):
                       for n in balance]
         # Refuses buffers, and layers with tensors, in two partitions.
         find_ties(partitions)
+        #: The place of each parameter's gradient norm in the unwrapped module's
+        #: order, by every name (see clip_grad_norm_).
+        self._slots = slots(module)
         self.balance = balance
         self.group = group
         self.rank = dist.get_rank(group)
@@ -314,6 +319,33 @@ class DistributedGPipe(nn.Module):
                                                           'everywhere': everywhere})
         return here[0] if loss_fn is None and not everywhere else result
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False,
+                        foreach: Optional[bool] = None) -> Tensor:
+        """Clips the gradients of the whole pipeline by their norm; every rank of the group
+        calls it.
+
+        :meth:`GPipe.clip_grad_norm_ <torchgpipe.GPipe.clip_grad_norm_>`
+        across processes: the norm is that of every rank's gradients together,
+        computed as torch computes it for the unwrapped module (a weight tied
+        across ranks counted once), the same value on every rank
+        (:mod:`torchgpipe.distributed.norm`); each rank then scales its own
+        gradients by it. Under DDP (pipelines replicated), call it after
+        :func:`torchgpipe.distributed.train_step`: the norm is that of the
+        averaged gradients. The arguments, result and errors are
+        :func:`torch.nn.utils.clip_grad_norm_`'s.
+        """
+        me = dist.get_rank()
+        elsewhere = {tie.local for tie in self._tied.ties if tie.ranks[0] != me}
+        grads = [(name, p.grad) for name, p in self.named_parameters() if p.grad is not None]
+        total = total_norm([(self._slots[name], g) for name, g in grads if name not in elsewhere],
+                           len(set(self._slots.values())), float(norm_type), self.device,
+                           self.group, foreach)
+        if error_if_nonfinite:
+            check_finite(total, norm_type)
+        clip_grads([g for _, g in grads], max_norm, total)
+        return total
+
     def _check_whole(self) -> None:
         if self._broken is not None:
             raise RuntimeError(f'an earlier step failed ({self._broken}): the ranks of '
@@ -404,28 +436,3 @@ class DistributedGPipe(nn.Module):
         self._tied.check = True
         return cast(_IncompatibleKeys, super().load_state_dict(mine, strict, assign))
 
-
-def ranks_of_partitions(balance: List[int], size: int, placement: str) -> List[int]:
-    """The rank of each partition over ``size`` ranks, laid out as ``placement`` says.
-
-    Raises:
-        ValueError: the partitions do not divide evenly among the ranks, or
-            ``placement`` is not ``'loop'``, or ``'v'`` with two partitions per rank
-    """
-    if placement not in ('loop', 'v'):
-        raise ValueError(describe("placement must be 'loop' or 'v'", f'placement: {placement!r}',
-                                  "use placement='loop' (partition j on rank j % size), or "
-                                  "'v' (rank r keeps partitions r and 2 size - 1 - r)"))
-    n = len(balance)
-    if placement == 'v' and n != 2 * size:
-        raise ValueError(describe("placement='v' needs two partitions per rank of the group",
-                                  f'balance: {balance}, ranks: {size}',
-                                  f'give {2 * size} numbers of layers'))
-    if n % size:
-        raise ValueError(describe('balance must give each rank of the group as many '
-                                  'partitions', f'balance: {balance}, ranks: {size}',
-                                  f'give {size} numbers of layers (or a multiple of {size}), '
-                                  f'or run {n} processes'))
-    if placement == 'v':
-        return [min(j, n - 1 - j) for j in range(n)]
-    return [j % size for j in range(n)]

@@ -1,0 +1,129 @@
+"""The norm of a pipeline's gradients over its ranks, for clipping them as one model.
+
+:func:`torch.nn.utils.clip_grad_norm_` on the parameters of one rank sees a
+part of the model: each rank would clip by the norm of its own gradients,
+and the ranks by different factors.
+:meth:`DistributedGPipe.clip_grad_norm_
+<torchgpipe.distributed.DistributedGPipe.clip_grad_norm_>` computes
+the norm the unwrapped module's gradients have, on every rank alike:
+
+1. each rank computes the norm of each of its gradients, as torch does
+   (one kernel over the tensors of a device and dtype, where torch would use it);
+2. one all-reduce gathers them into a vector with a slot for every
+   parameter of the unwrapped module, in its order. Each slot is written by
+   the one rank that counts the parameter (the first rank holding a copy of
+   a tied one) and holds zeros on the others, so the sum is the value
+   itself, exactly: ``x + 0 == x``;
+3. every rank stacks the norms in the unwrapped module's order and takes
+   their norm, as torch does, from the same vector: the same total, bit for
+   bit, on every rank, and torch's on the unwrapped module given the same
+   gradients. Every rank then scales its own gradients by the same factor.
+
+::
+
+    rank 0:  [ |g0|   |g1|    0      0   ]  ─┐
+                                              ├─ all-reduce (sum) ─►  [|g0| |g1| |g2| |g3|]
+    rank 1:  [  0      0    |g2|   |g3|  ]  ─┘                       ─► norm, on every rank
+"""
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, cast
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils._foreach_utils import (_device_has_foreach_support,
+                                        _group_tensors_by_device_and_dtype,
+                                        _has_foreach_support)
+
+__all__: List[str] = []
+
+#: The dtypes a gradient's norm may have, by the code its slot carries (0: no gradient).
+DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+def slots(module: nn.Module) -> Dict[str, int]:
+    """The slot of every name of a parameter of ``module``: its place in ``module.parameters()``.
+
+    A parameter under several names (tied) has one slot.
+    """
+    places: Dict[int, int] = {}
+    for p in module.parameters():
+        places.setdefault(id(p), len(places))
+    return {name: places[id(p)] for name, p in module.named_parameters(remove_duplicate=False)}
+
+
+def norms_of(grads: Sequence[Tensor], norm_type: float, foreach: Optional[bool]) -> List[Tensor]:
+    """The norm of each of ``grads``, computed as :func:`torch.nn.utils.clip_grad_norm_` does."""
+    norms: List[Optional[Tensor]] = [None] * len(grads)
+    grouped = _group_tensors_by_device_and_dtype([list(grads)], with_indices=True)
+    for (device, _), ([maybe], indices) in grouped.items():
+        tensors = cast(List[Tensor], maybe)
+        if (foreach is None and _has_foreach_support(tensors, device)) or \
+                (foreach and _device_has_foreach_support(device)):
+            found = list(torch._foreach_norm(tensors, norm_type))
+        elif foreach:
+            raise RuntimeError(f"foreach=True was given, but torch has no foreach kernels for "
+                               f"{device.type} tensors: give foreach=None or False")
+        else:
+            found = [torch.linalg.vector_norm(g, norm_type) for g in tensors]
+        for index, norm in zip(indices, found):
+            norms[index] = norm
+    return [n for n in norms if n is not None]
+
+
+def in_torch_order(norms: List[Tensor]) -> List[Tensor]:
+    """``norms`` in the order torch stacks them: grouped by dtype, as
+    :func:`torch.nn.utils.clip_grad_norm_` groups the gradients of one device."""
+    grouped = _group_tensors_by_device_and_dtype(
+        [[torch.empty(0, dtype=n.dtype) for n in norms]], with_indices=True)
+    return [norms[i] for _, (_, indices) in grouped.items() for i in indices]
+
+
+@torch.no_grad()
+def total_norm(counted: Iterable[Tuple[int, Tensor]], size: int, norm_type: float,
+               device: torch.device, group: Optional[dist.ProcessGroup],
+               foreach: Optional[bool] = None) -> Tensor:
+    """The norm of every rank's gradients, the same tensor value on every rank.
+
+    Args:
+        counted: this rank's gradients, each with its slot (see :func:`slots`)
+        size: the number of slots
+        norm_type: the p of the p-norm (``inf`` for the largest absolute value)
+        device: where to gather the norms (the process group's device)
+        group: the ranks of the pipeline
+        foreach: as for :func:`torch.nn.utils.clip_grad_norm_`
+
+    Returns:
+        the norm, on ``device``: a tensor of zero dimensions
+    """
+    places, grads = zip(*counted) if counted else ((), ())
+    vector = torch.zeros(2, size, dtype=torch.float64, device=device)
+    norms = norms_of(grads, norm_type, foreach)
+    if norms:
+        where = torch.tensor(places, device=device)
+        vector[0, where] = torch.stack([n.to(device, torch.float64) for n in norms])
+        vector[1, where] = torch.tensor([DTYPES.index(n.dtype) + 1.0 for n in norms],
+                                        dtype=torch.float64, device=device)
+    dist.all_reduce(vector, group=group)
+    values, codes = vector.tolist()
+    everyone = [torch.tensor(value, dtype=DTYPES[int(code) - 1], device=device)
+                for value, code in zip(values, codes) if code]
+    if not everyone:
+        return torch.tensor(0.0, device=device)
+    total: Tensor = torch.linalg.vector_norm(torch.stack(in_torch_order(everyone)), norm_type)
+    return total
+
+
+@torch.no_grad()
+def clip_grads(grads: Iterable[Tensor], max_norm: float, total: Tensor) -> None:
+    """Scales ``grads`` in place as :func:`torch.nn.utils.clip_grad_norm_` does given ``total``."""
+    coefficient = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coefficient.to(g.device))
+
+
+def check_finite(total: Tensor, norm_type: float) -> None:
+    """Raises as :func:`torch.nn.utils.clip_grad_norm_` does with ``error_if_nonfinite=True``."""
+    if not bool(torch.isfinite(total)):
+        raise RuntimeError(f'the total norm of order {norm_type} of the gradients is '
+                           f'{float(total)}, which cannot be clipped; give '
+                           'error_if_nonfinite=False to scale the gradients by it anyway')
