@@ -298,7 +298,11 @@ def test_two_later_uses_of_one_master(checkpoint: str, threaded: bool) -> None:
 def tied_step(devices: List[str], dtype: torch.dtype, checkpoint: str,
               how: str) -> List[Tensor]:
     """The output, then every gradient, of one step of a model whose
-    embedding and head are tied across four partitions."""
+    embedding and head are tied across four partitions.
+
+    ``how``: ``'backward'`` (the drop-in path and the caller's backward pass)
+    or a schedule of ``train_step``.
+    """
     torch.manual_seed(0)
     embedding = nn.Embedding(VOCAB, DIM)
     head = nn.Linear(DIM, VOCAB)
@@ -311,23 +315,45 @@ def tied_step(devices: List[str], dtype: torch.dtype, checkpoint: str,
         output = gpipe(x)
         output.logsumexp(1).mean().backward()
     else:
-        output = gpipe.train_step(x, x, nn.functional.cross_entropy)
+        output = gpipe.train_step(x, x, nn.functional.cross_entropy, schedule=how)
     assert gpipe[7].weight is gpipe[0].weight
     return [output.detach(), *(p.grad for p in gpipe.parameters())]
 
 
-@pytest.mark.parametrize('how', ['backward', 'train_step'])
+#: The workers of the four partitions with threads, for each schedule: one a
+#: partition, or two partitions each, in a loop or in a V.
+WORKERS = {'fill_drain': [0, 1, 2, 3], '1f1b': [0, 1, 2, 3], 'zb_h1': [0, 1, 2, 3],
+           'interleaved_1f1b': [0, 1, 0, 1], 'zbv': [0, 1, 1, 0]}
+
+
+@pytest.mark.parametrize('schedule', list(WORKERS))
 @pytest.mark.parametrize('dtype', [torch.float64, torch.float32], ids=['float64', 'float32'])
-def test_both_paths_bit_for_bit_but_the_tied_gradient(dtype: torch.dtype, checkpoint: str,
-                                                      how: str) -> None:
-    """With one thread and with a worker thread per device, the output and
-    every gradient are the same bits, but the tied parameter's: the same
-    terms (its uses in two partitions, four micro-batches each), added by
-    the autograd engine in the order its nodes run, which differs between
+def test_train_step_gives_the_tied_gradient_bit_for_bit_on_both_paths(
+        dtype: torch.dtype, checkpoint: str, schedule: str) -> None:
+    """The tied master's gradient adds its terms (two partitions' uses, four
+    micro-batches each) in one order on one thread and on a worker thread
+    per device, which finish their backward passes in any order: each
+    partition adds into its share, and the step sums the shares in the order
+    of the partitions (torchgpipe.tied.shares_apart). Everything else is
+    bit for bit too."""
+    inline = tied_step(['cpu'] * 4, dtype, checkpoint, schedule)
+    threads = tied_step([f'cpu:{w}' for w in WORKERS[schedule]], dtype, checkpoint, schedule)
+    assert len(inline) == len(threads) == 1 + 8
+    for a, b in zip(inline, threads):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize('dtype', [torch.float64, torch.float32], ids=['float64', 'float32'])
+def test_the_drop_in_path_bit_for_bit_but_the_tied_gradient(dtype: torch.dtype,
+                                                            checkpoint: str) -> None:
+    """After ``gpipe(x)`` and the caller's ``backward()``, the output and
+    every gradient are the same bits with one thread and with a worker thread
+    per device, but the tied parameter's: the same terms, added by the
+    autograd engine in the order its nodes run, which differs between
     threads (docs/guide.rst, "Random numbers and determinism"). The tied
     master is used as itself on every CPU device, never through a copy."""
-    inline = tied_step(cpu_devices(4, threaded=False), dtype, checkpoint, how)
-    threads = tied_step(cpu_devices(4, threaded=True), dtype, checkpoint, how)
+    inline = tied_step(cpu_devices(4, threaded=False), dtype, checkpoint, 'backward')
+    threads = tied_step(cpu_devices(4, threaded=True), dtype, checkpoint, 'backward')
     assert len(inline) == len(threads) == 1 + 8
     assert torch.equal(inline[0], threads[0])
     # The master is parameters()[0]; it may differ in its last bits.

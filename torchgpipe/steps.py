@@ -17,6 +17,7 @@ from torchgpipe.batchnorm import DeferredBatchNorm, deferred_step
 from torchgpipe.microbatch import Batch, TensorOrTensors
 from torchgpipe.skip.layout import SkipLayout
 from torchgpipe.state import RunState
+from torchgpipe.tied import shares_apart
 from torchgpipe.train.evaluation import (check_evaluation, evaluating, forward_only, join,
                                          split_evaluation)
 from torchgpipe.train.generators import check_schedule, resolve
@@ -189,7 +190,7 @@ class Steps:
         step = Step(self._partitions(), self.devices, batches, targets, loss_fn, weights, plan,
                     self._skip_layout, self._prepare(batches), self._run_state.traits,
                     self._run_state.recorder, done=done)
-        with deferred_step(self._deferred_batch_norms, m):
+        with deferred_step(self._deferred_batch_norms, m), shares_apart(self._partitions()):
             loss = step.run()
         assert loss is not None  # every partition is here
         return loss

@@ -15,8 +15,21 @@ there, as in the unwrapped model.
 
 A buffer cannot be shared this way: a layer changes its buffers in place
 (BatchNorm's running statistics), and a copy would not carry the change back.
+
+In a training step (``train_step``), the gradient of a master adds up in one
+order, whichever way the step runs (:func:`shares_apart`): the uses of each
+later partition add their micro-batches' gradients into a share of their
+own, in the order the partition runs them, and the step sums the shares in
+the order of the partitions as it ends, after the owner's. A pipeline
+across processes adds the copies' gradients in that order too
+(:mod:`torchgpipe.distributed.tied`), so the three ways to run it give the
+same bits::
+
+    partition 0 (owner)  g00 + g01 + ... ───► master.grad ─┐
+    partition 3 (uses)   g30 + g31 + ... ───► share 3 ─────┴─► master.grad + share 3
 """
-from typing import Any, Dict, List, NamedTuple, Sequence, Tuple, cast
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple, cast
 
 import torch
 from torch import Tensor, nn
@@ -62,6 +75,9 @@ class TiedUses:
         self.uses = list({(id(use.user), use.user_name): use for _, use in keys}.values())
         self.device = device
         self.keep_vars = False
+        #: In a training step, this partition's share of each master's
+        #: gradient, by the master's id (see :func:`shares_apart`).
+        self.shares: Optional[Dict[int, Tensor]] = None
 
     def masters(self) -> Tuple[nn.Parameter, ...]:
         """The distinct masters this partition uses."""
@@ -80,11 +96,14 @@ class TiedUses:
         # memory (any CPU device, when the master is on the CPU) the "copy"
         # is the master itself, as in the unwrapped model.
         copies: Dict[int, Tensor] = {}
+        shares = self.shares if torch.is_grad_enabled() else None
         for use in self.uses:
             master = use.master()
             if id(master) not in copies:
-                copies[id(master)] = (master if same_memory(master.device, self.device)
-                                      else master.to(self.device))
+                used = master if shares is None else cast(
+                    Tensor, Share.apply(master, shares))  # type: ignore[no-untyped-call]
+                copies[id(master)] = (used if same_memory(master.device, self.device)
+                                      else used.to(self.device))
             # Past nn.Module.__setattr__, which would register a parameter.
             object.__setattr__(use.user, use.user_name, copies[id(master)])
 
@@ -224,8 +243,7 @@ def partition_parameters(partition: nn.Module) -> Tuple[Tensor, ...]:
     A checkpoint returns the gradients of these: a master's, summed by the
     autograd engine with its other uses', is accumulated once.
     """
-    masters = [master for hook in partition._state_dict_hooks.values()
-               if isinstance(hook, TiedUses) for master in hook.masters()]
+    masters = [master for hook in tied_uses([partition]) for master in hook.masters()]
     return (*partition.parameters(), *masters)
 
 
@@ -238,3 +256,86 @@ def retie(module: nn.Module) -> None:
             borrowed = layer.__dict__.get(name)
             if parameter is None and isinstance(borrowed, nn.Parameter):
                 layer._parameters[name] = layer.__dict__.pop(name)
+
+
+class Share(torch.autograd.Function):
+    """The master as a later partition uses it in a training step: its gradient goes
+    to the partition's share, not to the master.
+
+    ::
+
+        master ─► Share ─► layers of the partition
+                    │
+                    └ backward: shares[id(master)] += gradient; nothing to the master
+    """
+
+    @staticmethod
+    def forward(ctx: Any, master: Tensor, shares: Dict[int, Tensor]) -> Tensor:
+        ctx.shares = shares
+        ctx.key = id(master)
+        return master.view_as(master)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tuple[None, None]:
+        # One worker runs a partition's backward passes: no other thread adds here.
+        shares: Dict[int, Tensor] = ctx.shares
+        share = shares.get(ctx.key)
+        if share is None:
+            shares[ctx.key] = grad.detach().clone()
+        else:
+            share.add_(grad)
+        return None, None
+
+
+def tied_uses(partitions: Sequence[nn.Module]) -> List[TiedUses]:
+    """The hooks of the partitions that use earlier partitions' parameters, in order."""
+    return [hook for partition in partitions for hook in partition._state_dict_hooks.values()
+            if isinstance(hook, TiedUses)]
+
+
+def tied_masters(partitions: Sequence[nn.Module]) -> List[nn.Parameter]:
+    """The parameters that layers of several partitions use."""
+    masters = {id(m): m for hook in tied_uses(partitions) for m in hook.masters()}
+    return list(masters.values())
+
+
+@contextmanager
+def shares_apart(partitions: Sequence[nn.Module]) -> Iterator[None]:
+    """Around a training step: the gradient of each tied master in one order of additions.
+
+    A master's gradient of earlier steps is set aside; the owner's uses
+    accumulate into ``.grad`` as usual, each later partition's into its
+    share (:class:`Share`). As the step ends, also when it fails, each
+    master gets its gradient back, plus the owner's, plus the shares in the
+    order of the partitions: the sum is the same bits on one thread, on a
+    worker thread per device, and across processes.
+    """
+    hooks = tied_uses(partitions)
+    masters = tied_masters(partitions)
+    kept = [m.grad for m in masters]
+    for master in masters:
+        master.grad = None
+    for hook in hooks:
+        hook.shares = {}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for master, earlier in zip(masters, kept):
+                total = master.grad
+                for hook in hooks:
+                    share = cast(Dict[int, Tensor], hook.shares).get(id(master))
+                    if share is not None:
+                        share = share.to(master.device)
+                        total = share if total is None else total.add_(share)
+                master.grad = add(earlier, total)
+        for hook in hooks:
+            hook.shares = None
+
+
+def add(kept: Optional[Tensor], grad: Optional[Tensor]) -> Optional[Tensor]:
+    """``kept + grad``, where ``None`` is no gradient; in ``kept``'s memory when there is one."""
+    if kept is None or grad is None:
+        return grad if kept is None else kept
+    with torch.no_grad():
+        return kept.add_(grad)

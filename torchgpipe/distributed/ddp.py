@@ -22,6 +22,7 @@ from torchgpipe.gpipe import GPipe
 from torchgpipe.microbatch import TensorOrTensors
 from torchgpipe.train.generators import check_schedule
 from torchgpipe.train.schedule import ScheduleLike
+from torchgpipe.tied import tied_masters
 from torchgpipe.train.step import LossFunction
 
 __all__ = ['train_step']
@@ -103,7 +104,10 @@ def train_step(model: DistributedDataParallel, input: TensorOrTensors,
     names = {id(p): name for name, p in module.named_parameters()}
     partitions = dict(enumerate(module.partitions)) if isinstance(module, GPipe) else \
         dict(module._here)
-    tied = module._tied.parameters() if isinstance(module, DistributedGPipe) else []
+    # Tied parameters get their gradients as the step ends (summed over the
+    # ranks, or over the partitions' shares): averaged after it.
+    tied = module._tied.parameters() if isinstance(module, DistributedGPipe) else \
+        tied_masters(list(module.partitions))
     reducer = AllReduce({j: [p for p in partition.parameters() if names[id(p)] not in ignored]
                          for j, partition in partitions.items()}, group,
                         [p for p in tied if names[id(p)] not in ignored])

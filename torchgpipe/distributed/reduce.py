@@ -37,14 +37,11 @@ class AllReduce:
     as DistributedDataParallel with ``find_unused_parameters=True`` gives.
 
     Args:
-        parameters: the parameters of each partition here, by partition index;
-            a parameter of several partitions (tied weights) counts in the
-            first, whose gradients are final last
+        parameters: the parameters of each partition here, by partition index
         group: the process group (``None``: the default group)
         after: parameters whose gradients are final only after the step
-            (those tied across the ranks of a pipeline, summed over them as
-            it ends): averaged last, by :meth:`wait`, and not with their
-            partition
+            (tied weights, whose shares are summed as it ends): averaged
+            last, by :meth:`wait`, and not with their partition
     """
 
     def __init__(self, parameters: Dict[int, Sequence[nn.Parameter]],

@@ -8,16 +8,18 @@ the same module, and stay equal if their gradients are: at the end of each
 step, every holding rank sends the others the gradient its own uses gave in
 this step, within the messages that end the step anyway
 (:meth:`Wire.finish <torchgpipe.distributed.wire.Wire.finish>`), and each
-adds the gradients up in the order of the ranks, so that every copy gets the
+adds the gradients up in the order of the partitions that use it (that of
+their ranks, with one partition per rank), so that every copy gets the
 same sum, bit for bit, which an optimizer then turns into the same update::
 
     rank 0  (embedding)  g0 ──┐            ┌─► g0 + g1
                               ├─ exchange ─┤
     rank 1  (head)       g1 ──┘            └─► g0 + g1
 
-The sum equals the gradient of the one parameter in one process up to the
-order of the additions (one process adds each micro-batch's share as its
-backward pass ends).
+The sum is the gradient of the one parameter in one process, bit for bit:
+``train_step`` in one process adds it in the same order
+(:func:`torchgpipe.tied.shares_apart`). (Partitions of one rank that use a
+tied parameter add into one gradient, in the order the rank runs them.)
 
 A gradient left by earlier steps (accumulated without ``zero_grad()``) is set
 aside while the step runs and added back after the sum: it has been summed
@@ -33,6 +35,7 @@ from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
+from torchgpipe.tied import add
 from torchgpipe.validation import describe
 
 __all__: List[str] = []
@@ -47,7 +50,8 @@ class Tie(NamedTuple):
 
     #: Its name in the unwrapped module (where it is first found).
     key: str
-    #: The global ranks holding a layer that uses it, in ascending order.
+    #: The global ranks holding a layer that uses it, in the order of their
+    #: first partitions using it: the order its gradients are added in.
     ranks: Tuple[int, ...]
     #: A layer of this rank that uses it, and the name it has there.
     layer: nn.Module
@@ -85,7 +89,7 @@ def ties_across_ranks(partitions: Sequence[nn.Module], ranks: Sequence[int],
                 holders[rank] = None
                 if rank == me:
                     here.append((layer, name, key))
-    return sorted((Tie(key, tuple(sorted(holders)), *here[0])
+    return sorted((Tie(key, tuple(holders), *here[0])
                    for key, holders, here in found.values() if len(holders) > 1 and here),
                   key=lambda tie: tie.key)
 
@@ -132,7 +136,7 @@ class TiedGradients:
                 for rank in others}
 
     def sum(self, received: Dict[int, Share]) -> None:
-        """Gives each tie the sum, in the order of the ranks, of their gradients, after a step.
+        """Gives each tie the sum of its ranks' gradients, in the order of their partitions.
 
         Args:
             received: what each other rank sent (see :meth:`shares`)
@@ -181,10 +185,3 @@ class TiedGradients:
                 p.grad = add(kept, p.grad)
         self.kept = []
 
-
-def add(kept: Optional[Tensor], grad: Optional[Tensor]) -> Optional[Tensor]:
-    """``kept + grad``, where ``None`` is no gradient; in ``kept``'s memory when there is one."""
-    if kept is None or grad is None:
-        return grad if kept is None else kept
-    with torch.no_grad():
-        return kept.add_(grad)
