@@ -84,7 +84,8 @@ class Context:
     """
 
     __slots__ = ('function', 'atomic', 'layout', 'num_inputs', 'traits', 'exclusive_rng',
-                 'task', 'first_pass', 'recomputed', 'autocast_states', 'output_layout')
+                 'task', 'first_pass', 'recomputed', 'autocast_states', 'ended',
+                 'output_layout')
 
     def __init__(self, function: Function, atomic: bool, layout: Optional[Layout],
                  num_inputs: int, traits: PartitionTraits, exclusive_rng: bool,
@@ -104,6 +105,8 @@ class Context:
         self.recomputed: Optional[Recomputed] = None
         #: The autocast state to recompute in.
         self.autocast_states: Optional[AutocastStates] = None
+        #: Where the first pass left the CPU generator (see FirstPass).
+        self.ended: Optional[Tensor] = None
         #: Where the output tensors go among the other values of the output
         #: tuple: Checkpoint returns the tensors only.
         self.output_layout: Optional[Layout] = None
@@ -166,7 +169,9 @@ class Checkpointing:
         """
         context = self.context
         assert context.first_pass is not None
-        (cpu_rng_state, gpu_rng_state), context.autocast_states = context.first_pass
+        (cpu_rng_state, gpu_rng_state) = context.first_pass.rng
+        context.autocast_states = context.first_pass.autocast
+        context.ended = context.first_pass.ended
         context.first_pass = None
         # Every floating point output requires grad: it came out of Checkpoint
         # with a phony that does. With none, there is no backward to precede.
@@ -406,7 +411,8 @@ class Recompute(torch.autograd.Function):
 
         assert context.autocast_states is not None
         roots: List[Tensor] = []
-        with recomputation(input[0].device, (rng_states, context.autocast_states),
+        with recomputation(input[0].device,
+                           FirstPass(rng_states, context.autocast_states, context.ended),
                            exclusive=context.exclusive_rng), collect_roots(roots):
             if context.traits.modifies_input:
                 # In place on a leaf is an error, and would change the saved input.

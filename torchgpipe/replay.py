@@ -16,18 +16,53 @@ so dropout draws the same masks (:mod:`torchgpipe.rng`) and mixed precision
 computes in the same dtypes (:mod:`torchgpipe.autocast`).
 """
 from contextlib import contextmanager
-from typing import Generator, List, Tuple
+from typing import Generator, List, Optional
 
 import torch
+from torch import Tensor
 
 from torchgpipe.autocast import AutocastStates, restore_autocast_states, save_autocast_states
 from torchgpipe.phase import enable_checkpointing, enable_recomputing
-from torchgpipe.rng import RNGStates, restore_rng_states, save_rng_states
+from torchgpipe.rng import (RNGStates, cpu_generator_owned, cpu_rng_state, restore_rng_states,
+                            save_rng_states)
 
 __all__: List[str] = []
 
-#: What a first pass leaves for its recomputation: the states to replay.
-FirstPass = Tuple[RNGStates, AutocastStates]
+
+class FirstPass:
+    """What a first pass leaves for its recomputation: the states to replay, and
+    where the CPU generator was as it ended.
+
+    A recomputation that draws what its first pass drew ends with the CPU
+    generator where the first pass left it. If another thread drew from the
+    generator in between (a data loader's ``torch.randn``), within the first
+    pass or the recomputation, the two passes drew other numbers (another
+    dropout mask) and the generator ends elsewhere: :func:`recomputation`
+    raises rather than let the gradients be silently wrong. Only a pass
+    that holds the generator (:func:`~torchgpipe.rng.cpu_generator_held`)
+    notes its end: the library's own tasks then draw nothing in between.
+
+    Args:
+        rng: the generators' states as the first pass began
+        autocast: the autocast state of the first pass
+        ended: the CPU generator's state as the first pass ended, if known
+    """
+
+    __slots__ = ('rng', 'autocast', 'ended')
+
+    def __init__(self, rng: RNGStates, autocast: AutocastStates,
+                 ended: Optional[Tensor] = None) -> None:
+        self.rng = rng
+        self.autocast = autocast
+        self.ended = ended
+
+    def end(self) -> None:
+        """Notes where the CPU generator is: where the recomputation must end.
+
+        Called as the first pass ends, and again by an engine whose
+        recomputation replays more (the loss of the last partition).
+        """
+        self.ended = cpu_rng_state() if cpu_generator_owned() else None
 
 
 @contextmanager
@@ -47,9 +82,10 @@ def first_pass(device: torch.device) -> Generator[FirstPass, None, None]:
         True
     """
     # Saved before anything draws.
-    states = (save_rng_states(device), save_autocast_states())
+    states = FirstPass(save_rng_states(device), save_autocast_states())
     with torch.no_grad(), enable_checkpointing():
         yield states
+    states.end()
 
 
 @contextmanager
@@ -63,7 +99,22 @@ def recomputation(device: torch.device, states: FirstPass, *,
         exclusive: whether the recomputation may draw from the CPU
             generator: then it replays that generator too, holding it
             alone (see :func:`~torchgpipe.rng.restore_rng_states`)
+
+    Raises:
+        RuntimeError: the recomputation ended with the CPU generator
+            elsewhere than its first pass: something else drew from it
+            in between (see :class:`FirstPass`)
     """
-    with restore_rng_states(device, states[0], exclusive=exclusive), \
-            restore_autocast_states(states[1]), torch.enable_grad(), enable_recomputing():
+    with restore_rng_states(device, states.rng, exclusive=exclusive), \
+            restore_autocast_states(states.autocast), torch.enable_grad(), enable_recomputing():
         yield
+        if exclusive and states.ended is not None and \
+                not torch.equal(cpu_rng_state(), states.ended):
+            raise RuntimeError(
+                'a recomputation drew other random numbers than its first pass: the CPU '
+                'generator was drawn from outside the pipeline during the step (by another '
+                'thread, between the first pass of a checkpointed micro-batch and the end of '
+                'its recomputation), so its gradients would be wrong; let that thread draw '
+                'from a torch.Generator of its own (g = torch.Generator(); '
+                'torch.randn(..., generator=g)), and give no layer other draws when '
+                'recomputing')

@@ -60,7 +60,9 @@ threads by two rules (3 and 4):
    the CPU generator outside any pipeline (``torch.randn`` in a data
    loading thread, say) can draw between a first pass's save and its
    draws, and no library can replay that: such a thread should draw from a
-   :class:`torch.Generator` of its own.
+   :class:`torch.Generator` of its own. The recomputation finds it out, as
+   it ends with the generator elsewhere than its first pass did, and raises
+   (:class:`~torchgpipe.replay.FirstPass`).
 
 4. **No deadlock with the GIL.** PyTorch guards each generator with a C++
    mutex. Reading a state (``torch.get_rng_state()``) holds that mutex while

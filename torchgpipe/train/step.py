@@ -246,6 +246,9 @@ class Stage:
         else:
             with torch.set_grad_enabled(shared.train and not checkpointed):
                 loss, loss_drew = watch(functools.partial(shared.loss, i, output), probing)
+            if current.replay is not None:
+                # Its recomputation computes the loss too: it ends after it.
+                current.replay.end()
             self.losses[i] = loss.detach()
             current.loss = None if checkpointed else loss
             if probing:
