@@ -116,9 +116,18 @@ def to_sequential(module: nn.Module, *,
         from one part of ``forward`` to a later one fails in GPipe, and so
         would be kept inside one leaf module (``leaf_modules``). Parameters
         and buffers that ``forward`` never reads are not in the sequential,
-        nor in ``state_dict_map``. Code captured by torch.export runs the
-        operations of the mode (``training``) the module was in: it refuses
-        to run in the other one (capture the module in each mode).
+        nor in ``state_dict_map``.
+
+    With torch.export, the operations recorded depend on the mode
+    (``training``): dropout written ``F.dropout(x, p, self.training)`` is
+    recorded on or off. So the module is captured in both modes (each of its
+    modules is put back in its own mode after), and each generated child
+    runs the code of the mode it is in, like the module: ``seq.train()`` and
+    ``seq.eval()`` (and GPipe's ``train_step``, ``eval_step``,
+    :func:`~torchgpipe.generate`) go in any order. If the graph of the other
+    mode does not cut into the same children (code run in one mode only,
+    under ``if self.training:``), the sequential refuses that mode, saying
+    why (see :doc:`/troubleshooting`).
 
     Args:
         module (torch.nn.Module): the module to flatten
