@@ -297,3 +297,37 @@ def random_order(m: int, n: int, placement: List[int], split: List[bool],
         done.add(action)
         workers[placement[action.j]].append(action)
     return Schedule(workers)
+
+
+def literal_block(text: str, after: str) -> str:
+    """The first literal block (``::`` then indented lines) of reStructuredText or a
+    docstring that follows the phrase ``after``, dedented."""
+    import textwrap
+    start = text.index('::', text.index(after)) + 2
+    lines = text[start:].split('\n')[1:]
+    while lines and not lines[0].strip():
+        lines.pop(0)
+    indent = len(lines[0]) - len(lines[0].lstrip())
+    body = []
+    for line in lines:
+        if line.strip() and len(line) - len(line.lstrip()) < indent:
+            break
+        body.append(line)
+    return textwrap.dedent('\n'.join(body)).strip() + '\n'
+
+
+def run_snippet(source: str, namespace: Dict[str, Any],
+                supply: Dict[str, Callable[[Dict[str, Any]], Any]]) -> None:
+    """Runs an example of the documentation as written, statement by statement.
+
+    The names it leaves to the reader (``balance``) are given by ``supply``:
+    each function makes its value from the namespace as it is when a
+    statement first reads the name, after the statements before it ran
+    (``balance`` from ``seq``).
+    """
+    import ast
+    for statement in ast.parse(source).body:
+        read = {n.id for n in ast.walk(statement) if isinstance(n, ast.Name)}
+        for name in sorted(read & supply.keys() - namespace.keys()):
+            namespace[name] = supply[name](namespace)
+        exec(compile(ast.Module([statement], type_ignores=[]), '<example>', 'exec'), namespace)

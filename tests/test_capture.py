@@ -149,7 +149,7 @@ def test_loss_computed_by_the_model() -> None:
         gpipe(seq.interface.inputs(x, labels=labels))
 
 
-def test_generated_children_refuse_the_other_mode() -> None:
+def test_generated_children_follow_the_mode() -> None:
     class Noisy(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -157,19 +157,23 @@ def test_generated_children_refuse_the_other_mode() -> None:
 
         @keywords
         def forward(self, x: Tensor) -> Tensor:
-            # Recorded as dropout on, or off: the mode is in the graph.
+            # Recorded as dropout on, or off: captured in each mode.
             return self.fc(F.dropout(x, 0.5, self.training))
 
     model = Noisy()
     seq = to_sequential(model, example_inputs=torch.randn(2, W))
-    seq.eval()
-    with pytest.raises(RuntimeError, match=r'captured in training mode .* to_sequential\(model'
-                                           r'.eval\(\)\)'):
-        seq(torch.randn(2, W))
-    evaluating = to_sequential(model.eval(), example_inputs=torch.randn(2, W))
+    assert model.training and seq.training
     x = torch.randn(4, W)
+    torch.testing.assert_close(seq.eval()(x), model.eval()(x))
+    model.train()
+    torch.manual_seed(0)
+    y = seq.train()(x)
+    torch.manual_seed(0)
+    torch.testing.assert_close(y, model(x))
+    assert not torch.equal(y, seq.eval()(x))
+    evaluating = to_sequential(model.eval(), example_inputs=torch.randn(2, W))
     torch.testing.assert_close(evaluating(x), model(x))
-    # The profiler runs layers in training mode, but not those recorded in another.
+    # The profiler runs layers in training mode.
     assert sum(balance_by_time(2, evaluating, x, timeout=0.05, device='cpu')) == len(evaluating)
     # The folded calls are the user's modules, in their modes.
     dropout = nn.Sequential(nn.Linear(W, W), nn.Dropout(0.5)).eval()
@@ -329,10 +333,17 @@ def test_mode_check_runs_when_the_mode_recorded_nothing() -> None:
                 x = x * torch.rand_like(x)
             return self.fc2(self.fc1(x))
 
-    seq = to_sequential(NoisyInTraining().eval(), example_inputs=torch.randn(2, W))
+    # A branch on self.training cuts the graph of each mode into other
+    # children: one sequential cannot run both.
+    model = NoisyInTraining().eval()
+    seq = to_sequential(model, example_inputs=torch.randn(2, W))
     seq.train()
-    with pytest.raises(RuntimeError, match='captured in evaluation mode'):
+    with pytest.raises(RuntimeError, match=r'captured in evaluation mode .* cannot run in '
+                                           r'training mode: its forward runs other code in '
+                                           r'training mode, which cuts into 3 parts, not 2'):
         seq(torch.randn(2, W))
+    x = torch.randn(2, W)
+    torch.testing.assert_close(seq.eval()(x), model(x))
 
 
 def test_buffer_updated_through_a_view_is_refused() -> None:

@@ -322,6 +322,31 @@ def test_docstring_examples_are_found() -> None:
     assert 'torchgpipe.pipeline.clock_cycles' in names
 
 
+@pytest.mark.timeout(240)
+def test_generate_docstring_example_runs_on_a_model_fresh_from_its_constructor() -> None:
+    """The example of ``generate``, not a doctest (it needs transformers), runs as
+    written on a model in training mode, dropout on, as its constructor made it."""
+    transformers = pytest.importorskip('transformers')
+    from helpers import literal_block, run_snippet
+
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100,
+                                     n_positions=64)
+    input_ids = torch.randint(0, 100, (4, 5), generator=torch.Generator().manual_seed(0))
+    namespace = {'to_sequential': torchgpipe.to_sequential, 'GPipe': GPipe,
+                 'generate': torchgpipe.generate, 'config': config, 'input_ids': input_ids,
+                 'GPT2LMHeadModel': transformers.GPT2LMHeadModel}
+    example = literal_block(torchgpipe.generate.__doc__ or '', 'Example')
+    torch.manual_seed(0)
+    run_snippet(example, namespace, {'balance': lambda ns: [len(ns['seq']) // 2,
+                                                            len(ns['seq']) - len(ns['seq']) // 2]})
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()  # the same weights
+    expected = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                              do_sample=False, max_new_tokens=20, pad_token_id=0)
+    assert torch.equal(namespace['tokens'], expected)
+    assert namespace['pipe'].training  # as it was
+
+
 # -- figures and error messages ------------------------------------------------
 
 def test_figures_exist() -> None:

@@ -44,13 +44,13 @@ def prompts(batch: int = 6, length: int = 5) -> Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def expected(name: str, eos: Optional[int] = None) -> Tensor:
+def expected(name: str, eos: Optional[int] = None, new: int = NEW) -> Tensor:
     """Hugging Face's greedy tokens on the unwrapped model."""
     original, _ = language_model(name)
     ids = prompts()
     options = {} if eos is None else {'eos_token_id': eos}
     return original.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=NEW, pad_token_id=0, **options)
+                             max_new_tokens=new, pad_token_id=0, **options)
 
 
 def even(n: int, parts: int) -> List[int]:
@@ -95,19 +95,90 @@ def test_bad_arguments_are_refused_before_any_work() -> None:
     assert torch.equal(generate(pipe, prompts(), 0, interface=seq.interface), prompts())
 
 
-def generate_across(rank: int, world_size: int) -> Dict[str, List[List[int]]]:
+def lm_loss(output: Tensor, labels: Tensor) -> Tensor:
+    return torch.nn.functional.cross_entropy(output.reshape(-1, output.size(-1)),
+                                             labels.reshape(-1))
+
+
+def batch(seed: int) -> Tuple[Tensor, Tensor]:
+    from benchmarks.models.zoo import V
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, V, (6, 5), generator=generator), \
+        torch.randint(0, V, (6, 5), generator=generator)
+
+
+def fresh_across(rank: int, world_size: int) -> Dict[str, Dict[str, object]]:
+    """The generation example of docs/scaling_out.rst, as written, on a model fresh from
+    its constructor (training mode), between training steps and evaluation steps."""
+    import torchgpipe
+    from benchmarks.models.zoo import MODELS as ZOO
+    from helpers import literal_block, run_snippet
     from torchgpipe.distributed import DistributedGPipe
-    results = {}
+
+    example = literal_block((ROOT / 'docs' / 'scaling_out.rst').read_text(),
+                            'For a model flattened by')
+    results: Dict[str, Dict[str, object]] = {}
     for name in MODELS:
-        _, seq = language_model(name)
-        pipe = DistributedGPipe(seq, even(len(seq), world_size), chunks=3)
-        results[name] = generate(pipe, prompts(), NEW, interface=seq.interface).tolist()
+        torch.manual_seed(0)
+        model = ZOO[name].factory().double()
+        namespace = {'model': model, 'to_sequential': to_sequential, 'torchgpipe': torchgpipe,
+                     'DistributedGPipe': DistributedGPipe, 'input_ids': prompts()}
+        run_snippet(example, namespace,
+                    {'balance': lambda ns: even(len(ns['seq']), world_size)})
+        seq, pipe = namespace['seq'], namespace['pipe']
+
+        def loss_fn(output: object, labels: Tensor) -> Tensor:
+            return lm_loss(seq.interface.outputs(output).logits, labels)
+
+        got: Dict[str, object] = {'tokens': namespace['tokens'].tolist()}
+        for step, seed in [('train', 1), ('eval', 2), ('train again', 3)]:
+            x, labels = batch(seed)
+            input = seq.interface.inputs(input_ids=x)
+            if step == 'eval':
+                got[step] = pipe.eval_step(input, labels, loss_fn).item()
+                continue
+            # Plain numbers: a tensor would go back through shared memory.
+            got[step] = pipe.train_step(input, labels, loss_fn).item()
+            got[step + ' grads'] = {k: p.grad.tolist() for k, p in model.named_parameters()
+                                    if p.grad is not None}
+            model.zero_grad(set_to_none=True)
+        got['modes'] = [m.training for m in model.modules()]
+        results[name] = got
     return results
 
 
-def test_across_ranks_every_rank_gets_the_unwrapped_models_tokens() -> None:
+def test_across_ranks_a_fresh_model_generates_evaluates_and_trains() -> None:
+    """Every rank gets the unwrapped model's tokens, as docs/scaling_out.rst generates
+    them; training and evaluation steps before and after are the unwrapped model's."""
+    from benchmarks.models.zoo import MODELS as ZOO
     # Not measured: test_distributed_eval.py runs the same code.
-    ranks = run_distributed(generate_across, timeout=200, measured=False)
+    ranks = run_distributed(fresh_across, timeout=200, measured=False)
     for name in MODELS:
-        want = expected(name).tolist()
-        assert [r[name] for r in ranks] == [want, want]
+        want = expected(name, new=20).tolist()
+        assert [r[name]['tokens'] for r in ranks] == [want, want]
+        torch.manual_seed(0)
+        model = ZOO[name].factory().double()
+        for r in ranks:
+            assert r[name]['modes'] == [m.training for m in model.modules()]
+        for step, seed in [('train', 1), ('eval', 2), ('train again', 3)]:
+            x, labels = batch(seed)
+            if step == 'eval':
+                with torch.no_grad():
+                    loss = lm_loss(model.eval()(input_ids=x).logits, labels)
+                model.train()
+            else:
+                loss = lm_loss(model(input_ids=x).logits, labels)
+                loss.backward()
+            for r in ranks:
+                torch.testing.assert_close(r[name][step], loss.item())
+            if step == 'eval':
+                continue
+            grads = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+            held = [r[name][step + ' grads'] for r in ranks]
+            assert set(grads) <= set(held[0]) | set(held[1])
+            for key, grad in grads.items():
+                for mine in held:
+                    if key in mine:
+                        torch.testing.assert_close(torch.tensor(mine[key], dtype=grad.dtype),
+                                                   grad, msg=key)
+            model.zero_grad(set_to_none=True)

@@ -67,7 +67,7 @@ def generate(model: Union[GPipe, 'DistributedGPipe'], input_ids: Tensor, max_new
 
     Example::
 
-        seq = to_sequential(GPT2LMHeadModel(config))
+        seq = to_sequential(GPT2LMHeadModel(config))   # in training mode, as made
         pipe = GPipe(seq, balance, devices=['cpu:0', 'cpu:1'], chunks=4)
         tokens = generate(pipe, input_ids, 20, interface=seq.interface)
     """

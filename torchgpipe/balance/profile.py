@@ -40,12 +40,12 @@ def layerwise_sandbox(module: nn.Sequential,
         layer_copy.to(device)
         # Balancing is for training: profile what training runs (dropout,
         # batch statistics), whatever mode the user's module is in; except
-        # in code to_sequential recorded in one mode, which runs in no other.
+        # in code to_sequential recorded in one mode only, which runs in no other.
         layer_copy.train()
         for part in layer_copy.modules():
-            captured = getattr(part, 'captured_training', None)
-            if captured is not None:
-                part.training = captured
+            only = getattr(part, 'only_mode', None)
+            if only is not None:
+                part.training = only
         yield layer_copy
 
 

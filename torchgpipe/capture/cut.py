@@ -35,14 +35,24 @@ class GeneratedChild(nn.Module):
         transient (list of strs): the qualified names, in ``graph_module``,
             of the tensors to leave out of the state dict
         captured_training (bool, optional): the mode torch.export recorded
-            the graph in (its operations may depend on it: dropout recorded
-            on or off), in which alone the step runs; ``None`` for a graph
-            traced by torch.fx
+            ``graph_module`` in (its operations may depend on it: dropout
+            recorded on or off); ``None`` for a graph traced by torch.fx,
+            which runs in both
+        other_mode (torch.fx.GraphModule, optional): the same piece as
+            recorded in the other mode, run in that mode; it reads its
+            tensors and modules from ``graph_module``, which holds them all
+            (see :func:`share_attributes`). Without it, the child refuses
+            the other mode
+        refusal (str, optional): why there is no ``other_mode``, for the
+            error of a call in that mode
     """
+
+    other_mode: Optional[fx.GraphModule]
 
     def __init__(self, graph_module: fx.GraphModule, tuple_input: bool,
                  pops: List[str], stashes: List[str], transient: List[str],
-                 captured_training: Optional[bool] = None) -> None:
+                 captured_training: Optional[bool] = None,
+                 other_mode: Optional[fx.GraphModule] = None, refusal: str = '') -> None:
         super().__init__()
         self.graph = graph_module
         self.tuple_input = tuple_input
@@ -50,7 +60,18 @@ class GeneratedChild(nn.Module):
         self.stashes = stashes
         self.transient = transient
         self.captured_training = captured_training
+        self.refusal = refusal
+        # Not a submodule: its tensors and modules are those of self.graph,
+        # so it adds no key to the state dict, no module to modules(), and
+        # follows .to() as self.graph does.
+        self.__dict__['other_mode'] = other_mode
+        self._share()
         self._leave_out_transient()
+
+    @property
+    def only_mode(self) -> Optional[bool]:
+        """The one mode this child runs in, or ``None`` when it runs in both."""
+        return self.captured_training if self.other_mode is None else None
 
     # How a step is copied (pickle, torch.save, copy.deepcopy):
     #
@@ -63,13 +84,21 @@ class GeneratedChild(nn.Module):
     #   with the tracer class the graph names (fx.Graph(tracer_cls=...)):
     #   ours, which keeps buffers as nodes as when the model was traced;
     # * both ways fx registers every tensor the code reads as a persistent
-    #   buffer again, so the step marks its transient tensors once more.
+    #   buffer again, so the step marks its transient tensors once more;
+    # * the graph of the other mode copies itself the same way, into
+    #   attributes of its own: it is made to read those of self.graph again.
     #
     # The step asks nothing else of the graph module: another way to
     # capture the graph only needs a module that copies itself.
     def __setstate__(self, state: Dict[str, Any]) -> None:
         super().__setstate__(state)  # type: ignore[no-untyped-call]
+        self.__dict__.setdefault('other_mode', None)
+        self._share()
         self._leave_out_transient()
+
+    def _share(self) -> None:
+        if self.other_mode is not None:
+            share_attributes(self.graph, self.other_mode)
 
     def _leave_out_transient(self) -> None:
         for name in self.transient:
@@ -77,25 +106,66 @@ class GeneratedChild(nn.Module):
             self.graph.get_submodule(owner)._non_persistent_buffers_set.add(field)
 
     def forward(self, input: TensorOrTensors) -> Generator[Any, Any, TensorOrTensors]:
+        graph = self.graph
         if self.captured_training is not None and self.training != self.captured_training:
-            # Running the operations recorded in the other mode would be
-            # silently wrong: dropout on in evaluation, or off in training.
-            mode, other = ('training', 'evaluation') if self.captured_training \
-                else ('evaluation', 'training')
-            raise RuntimeError(describe(
-                f'this part of the sequential was captured in {mode} mode by torch.export '
-                f'and cannot run in {other} mode', f'{type(self).__name__}: '
-                f'training={self.training}', f'capture the model in {other} mode too: '
-                f'to_sequential(model.{"train" if other == "training" else "eval"}()), '
-                'and use each sequential in its mode (they share the parameters)'))
+            if self.other_mode is None:
+                # Running the operations recorded in the other mode would be
+                # silently wrong: dropout on in evaluation, or off in training.
+                mode, other = ('training', 'evaluation') if self.captured_training \
+                    else ('evaluation', 'training')
+                raise RuntimeError(describe(
+                    f'this part of the sequential was captured in {mode} mode by '
+                    f'torch.export and cannot run in {other} mode: {self.refusal}',
+                    f'{type(self).__name__}: training={self.training}',
+                    'write what depends on the mode so that both modes record it, as '
+                    'F.dropout(x, p, self.training) does, rather than in a branch on '
+                    'self.training, or keep that code in a module whose forward takes '
+                    'one tensor (its calls follow the mode)'))
+            graph = self.other_mode
         inputs = input if self.tuple_input else (input,)
         popped = []
         for name in self.pops:
             popped.append((yield pop(name)))
-        output, stashed = self.graph(*inputs, *popped)
+        output, stashed = graph(*inputs, *popped)
         for name, value in zip(self.stashes, stashed):
             yield stash(name, value)
         return output  # type: ignore[no-any-return]
+
+
+def share_attributes(holder: fx.GraphModule, code: fx.GraphModule) -> None:
+    """Makes ``code`` read every tensor and module it names from ``holder``.
+
+    What ``holder`` lacks it takes from ``code`` first. Then ``code`` gets
+    ``holder``'s own dicts of submodules, parameters and buffers: a buffer
+    that ``holder.to(device)`` replaces is replaced for both.
+    """
+    for node in code.graph.nodes:
+        if node.op in ('get_attr', 'call_module'):
+            target = str(node.target)
+            try:
+                attr(holder, target)
+            except AttributeError:
+                assign(holder, target, attr(code, target))
+    for name in ('_modules', '_parameters', '_buffers', '_non_persistent_buffers_set'):
+        code.__dict__[name] = holder.__dict__[name]
+
+
+def assign(module: nn.Module, target: str, value: Any) -> None:
+    """Puts ``value`` at the qualified name ``target`` of ``module``, as fx would.
+
+    Missing modules on the way are made empty; a tensor that is no parameter
+    becomes a buffer, so that it follows ``.to()``.
+    """
+    *path, field = target.split('.')
+    owner = module
+    for part in path:
+        if not hasattr(owner, part):
+            owner.add_module(part, nn.Module())
+        owner = getattr(owner, part)
+    if isinstance(value, Tensor) and not isinstance(value, nn.Parameter):
+        owner.register_buffer(field, value)
+    else:
+        setattr(owner, field, value)
 
 def segments(graph: fx.Graph, root: Union[nn.Module, Dict[str, Any]]) -> List[List[fx.Node]]:
     """Cuts the graph's computing nodes into the runs of the children, in order."""

@@ -23,7 +23,9 @@ where a branch depends on a size. :func:`capture` gives
 
 Those operations were recorded in the mode the module was in (the
 ``training`` flag decides dropout and such); the :class:`Interface` keeps
-that mode, and the generated children refuse to run in the other one.
+that mode. :func:`~torchgpipe.to_sequential` captures the other mode too,
+and gives each generated child (``GeneratedChild``) its pieces of both
+graphs.
 """
 import inspect
 import itertools

@@ -30,8 +30,9 @@ class Interface:
         fixed (dict): the arguments fixed while capturing, with their value
         structure: how the original arranges the tensors it returns, or
             ``None`` for a tensor or a tuple of tensors as the sequential
-        training (bool, optional): the mode the graph was captured in, when
-            the generated children depend on it
+        training (bool, optional): the mode the graph was captured in first,
+            when the generated children depend on it (torch.export); they
+            run the other mode's graph in the other mode
 
     Example::
 

@@ -1,0 +1,204 @@
+"""A sequential captured by torch.export runs in both modes, as the model it came from.
+
+Hugging Face models come from their constructor in training mode, with
+dropout on, partly as modules (``nn.Dropout``, which follow the mode when
+called) and partly written functionally (``F.dropout(x, p, self.training)``,
+the attention's ``dropout_p``), which export records in one mode.
+``to_sequential`` captures the other mode too, into the same children:
+``pipe.train()``, ``pipe.eval()``, ``train_step``, ``eval_step`` and
+``generate`` then go in any order, each equal to the unwrapped model in
+that mode, and the user's model is left in its modes.
+"""
+import copy
+import pickle
+from typing import Any, Callable, Dict, List, Tuple
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from helpers import cpu_devices
+from torchgpipe import GPipe, generate, to_sequential
+from torchgpipe.balance import balance_by_time
+
+pytestmark = pytest.mark.timeout(300)
+
+transformers = pytest.importorskip('transformers')
+
+V, B, T = 100, 4, 8  # vocabulary, batch, sequence length
+
+
+def gpt2() -> nn.Module:
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=V, n_positions=64,
+        resid_pdrop=0.2, embd_pdrop=0.2, attn_pdrop=0.2))
+
+
+def llama() -> nn.Module:
+    # Its only dropout is functional: the attention's, on in training only.
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
+        intermediate_size=64, vocab_size=V, max_position_embeddings=64,
+        attention_dropout=0.2))
+
+
+MODELS: Dict[str, Callable[[], nn.Module]] = {'gpt2': gpt2, 'llama': llama}
+
+
+def modes(model: nn.Module) -> List[Tuple[str, bool]]:
+    return [(name, m.training) for name, m in model.named_modules()]
+
+
+def grads(model: nn.Module) -> Dict[str, Tensor]:
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def ids(seed: int) -> Tensor:
+    return torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
+    return F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1))
+
+
+@pytest.mark.parametrize('name', list(MODELS))
+def test_fresh_model_trains_evaluates_generates_and_trains_again(name: str,
+                                                                 threaded: bool) -> None:
+    torch.manual_seed(0)
+    model = MODELS[name]().double()
+    assert model.training  # fresh from its constructor
+    before = modes(model)
+    reference = copy.deepcopy(model)
+    seq = to_sequential(model)
+    assert modes(model) == before, 'to_sequential left the model in its modes'
+    # The user's own modules are the sequential's children, not copies.
+    held = {id(m) for m in model.modules()}
+    assert sum(id(child) in held for child in seq.children()) >= 5
+    # One child per chunk of work: 2 partitions, 1 micro-batch, so that the
+    # random numbers are drawn in the unwrapped model's order.
+    pipe = GPipe(seq, [len(seq) // 2, len(seq) - len(seq) // 2],
+                 devices=cpu_devices(2, threaded), chunks=1)
+
+    def logits_of(output: Any) -> Tensor:
+        return seq.interface.outputs(output).logits  # type: ignore[no-any-return]
+
+    def loss_fn(output: Any, labels: Tensor) -> Tensor:
+        return lm_loss(logits_of(output), labels)
+
+    def train(seed: int) -> None:
+        x, labels = ids(seed), ids(seed + 1)
+        torch.manual_seed(seed)
+        loss = pipe.train_step(seq.interface.inputs(input_ids=x), labels, loss_fn)
+        torch.manual_seed(seed)
+        expected = lm_loss(reference(input_ids=x).logits, labels)
+        expected.backward()
+        torch.testing.assert_close(loss, expected.detach())
+        got, wanted = grads(model), grads(reference)
+        assert got.keys() == wanted.keys()
+        for key in wanted:
+            torch.testing.assert_close(got[key], wanted[key], msg=key)
+        # Dropout dropped: the loss is not the evaluation's.
+        with torch.no_grad():
+            assert not torch.allclose(loss, lm_loss(copy.deepcopy(reference).eval()(
+                input_ids=x).logits, labels))
+        for m in (model, reference):
+            with torch.no_grad():
+                for p in m.parameters():
+                    p -= 0.1 * p.grad
+            m.zero_grad(set_to_none=True)
+
+    def evaluate(seed: int) -> None:
+        x, labels = ids(seed), ids(seed + 1)
+        modes_before = modes(reference)
+        with torch.no_grad():
+            expected = reference.eval()(input_ids=x).logits
+        reference.train()
+        assert modes(reference) == modes_before
+        torch.testing.assert_close(logits_of(pipe.eval_step(seq.interface.inputs(input_ids=x))),
+                                   expected)
+        torch.testing.assert_close(
+            pipe.eval_step(seq.interface.inputs(input_ids=x), labels, loss_fn),
+            lm_loss(expected, labels))
+        assert pipe.training and modes(model) == before
+        pipe.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(logits_of(pipe(seq.interface.inputs(input_ids=x))),
+                                       expected)
+        pipe.train()
+        assert modes(model) == before
+        # Greedy tokens of Hugging Face's generate on the unwrapped model.
+        reference.eval()
+        wanted = reference.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                                    max_new_tokens=3, pad_token_id=0)
+        reference.train()
+        assert torch.equal(generate(pipe, x, 3, interface=seq.interface), wanted)
+        assert pipe.training and modes(model) == before
+
+    train(10)
+    evaluate(20)
+    train(30)
+    evaluate(40)
+    assert modes(model) == before
+
+
+class Noisy(nn.Module):
+    """Dropout written functionally between two layers, and once as a module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = F.dropout(torch.tanh(self.fc1(x)), 0.5, self.training)
+        return self.drop(self.fc2(h)) + x
+
+
+@pytest.mark.parametrize('start', ['train', 'eval'])
+def test_functional_dropout_follows_the_mode(start: str) -> None:
+    torch.manual_seed(0)
+    model = Noisy().double().train(start == 'train')
+    before = modes(model)
+    seq = to_sequential(model, example_inputs=torch.randn(2, 8, dtype=torch.float64))
+    assert modes(model) == before
+    x = torch.randn(4, 8, dtype=torch.float64)
+    for mode in [True, False, True, False]:
+        seq.train(mode)
+        model.train(mode)
+        torch.manual_seed(1)
+        actual = seq(x)
+        torch.manual_seed(1)
+        torch.testing.assert_close(actual, model(x))
+    model.train(start == 'train')
+    assert modes(model) == before or start == 'train'
+
+
+@pytest.mark.parametrize('copier', [copy.deepcopy, lambda m: pickle.loads(pickle.dumps(m))],
+                         ids=['deepcopy', 'pickle'])
+def test_copies_run_in_both_modes_and_keep_the_state_dict(copier: Callable[[Any], Any]) -> None:
+    torch.manual_seed(0)
+    model = Noisy().double()
+    seq = to_sequential(model, example_inputs=torch.randn(2, 8, dtype=torch.float64))
+    keys = seq.state_dict().keys()
+    assert sorted(keys) == sorted(seq.state_dict_map[k] for k in model.state_dict())
+    twin = copier(seq)
+    assert twin.state_dict().keys() == keys
+    x = torch.randn(4, 8, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(twin.eval()(x), model.eval()(x))
+    model.train()
+    torch.manual_seed(1)
+    actual = twin.train()(x)
+    torch.manual_seed(1)
+    torch.testing.assert_close(actual, model(x))
+    # The other mode's code reads the copy's tensors: moved with it.
+    twin.float()
+    with torch.no_grad():
+        assert twin.eval()(x.float()).dtype == torch.float32
+
+
+def test_balance_by_time_profiles_training() -> None:
+    seq = to_sequential(Noisy().eval(), example_inputs=torch.randn(2, 8))
+    x = torch.randn(4, 8)
+    assert sum(balance_by_time(2, seq, x, timeout=0.05, device='cpu')) == len(seq)
