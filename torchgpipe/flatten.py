@@ -29,7 +29,7 @@ the child holding it stashes it and the child using it pops it
 partition that makes it to the partition that uses it.
 """
 from collections import OrderedDict
-from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch import fx, nn
@@ -37,18 +37,14 @@ from torch import fx, nn
 from torchgpipe.validation import brief, describe
 from torchgpipe.capture import export, fx as fx_capture
 from torchgpipe.capture.fx import LeafSpec
-from torchgpipe.capture.graph import Captured, attr, is_shape, named_arguments
-from torchgpipe.capture.interface import Interface
-from torchgpipe.capture import cut
-from torchgpipe.capture.cut import GeneratedChild, child_name, floating, transient, with_shapes
+from torchgpipe.capture.graph import Captured, named_arguments
+from torchgpipe.capture import pieces
+from torchgpipe.capture.cut import GeneratedChild, child_name, transient
 from torchgpipe.gpipe import GPipe
 from torchgpipe.skip.namespace import Namespace
 from torchgpipe.skip.skippable import skippable_class
 
 __all__ = ['to_sequential']
-
-Root = Union[nn.Module, Dict[str, Any]]
-
 
 def to_sequential(module: nn.Module, *,
                   example_inputs: Any = None,
@@ -192,16 +188,16 @@ def to_sequential(module: nn.Module, *,
                 f'module: {type(module).__name__}, which gives dummy_inputs',
                 'leave them out: calls of modules whose forward takes one tensor stay whole'))
         captured = export.capture(module, example)
-        other, refusal = _capture_other_mode(module, example)
+        other, refusal = pieces.capture_other_mode(module, example)
     else:
         captured = fx_capture.capture(module, leaves, concrete_args)
     graph, root, interface = captured
-    plan = _plan(graph, root)
+    plan = pieces.plan(graph, root)
     orders: Optional[List[List[fx.Node]]] = None
     if other is not None:
         other_root = other.root
-        other_plan = _plan(other.graph, other_root)
-        orders, refusal = _match(plan, other_plan, captured, other)
+        other_plan = pieces.plan(other.graph, other_root)
+        orders, refusal = pieces.match(plan, other_plan, captured, other)
 
     ns = Namespace()
     users = {id(m) for m in module.modules()}
@@ -209,19 +205,20 @@ def to_sequential(module: nn.Module, *,
     children: Dict[str, nn.Module] = {}
     for k, segment in enumerate(plan.segments):
         name = child_name(segment)
-        held = _lone_call(plan, k, root, interface)
-        if orders is not None and held is not _lone_call(other_plan, k, other_root, interface):
+        held = pieces.lone_call(plan, k, root, interface)
+        if orders is not None and \
+                held is not pieces.lone_call(other_plan, k, other_root, interface):
             held = None  # a call in one mode only: generated in both
         if held is not None and all(child is not held for child in children.values()):
             children[name] = held
             continue
 
-        graph_module = fx.GraphModule(root, _piece(plan, k, plan.pops[k]), class_name=name)
+        graph_module = fx.GraphModule(root, pieces.piece(plan, k, plan.pops[k]), class_name=name)
         transients = transient(root, segment, state)
         other_mode = None
         if orders is not None:
-            piece = _piece(other_plan, k, orders[k])
-            transients += _hold(graph_module, piece, other_root, state)
+            piece = pieces.piece(other_plan, k, orders[k])
+            transients += pieces.hold(graph_module, piece, other_root, state)
             other_mode = fx.GraphModule(graph_module, piece, class_name=name)
         pop_names = [f'{a.name}:{k}' for a in plan.pops[k]]
         stash_names = [f'{a.name}:{j}' for a, j in plan.stashes[k]]
@@ -243,233 +240,6 @@ def to_sequential(module: nn.Module, *,
     setattr(seq, 'interface', interface)
     return seq
 
-
-class _Plan(NamedTuple):
-    """Where a captured graph is cut into children, and what goes between them."""
-
-    #: each child's nodes, with the shapes it computes again
-    segments: List[List[fx.Node]]
-    #: what the graph returns: a node or a tuple of nodes
-    result: Any
-    #: the child that holds each value (the inputs: the first)
-    holder: Dict[fx.Node, int]
-    #: inputs[k]: what child k receives, the previous child's output
-    inputs: List[List[fx.Node]]
-    #: outputs[k]: what child k returns (the last: the graph's result)
-    outputs: List[List[fx.Node]]
-    #: pops[k]: what child k pops, in graph order
-    pops: List[List[fx.Node]]
-    #: stashes[k]: what child k stashes, with the child that pops it
-    stashes: List[List[Tuple[fx.Node, int]]]
-
-
-def _plan(graph: fx.Graph, root: Root) -> _Plan:
-    """Cuts a captured graph into the children of the sequential."""
-    placeholders = [n for n in graph.nodes if n.op == 'placeholder']
-    output_node = next(n for n in graph.nodes if n.op == 'output')
-    result = output_node.args[0]
-    # A run of shape computations alone would pass no tensor on: it is left
-    # out, as every child computes the shapes it reads itself.
-    segments = cut.merge_checks([s for s in cut.segments(graph, root)
-                                 if not all(map(is_shape, s))])
-    last = len(segments) - 1
-
-    # Where each value is held: the child that computes it; the inputs are
-    # held by the first child, which receives them.
-    holder: Dict[fx.Node, int] = {p: 0 for p in placeholders}
-    for k, segment in enumerate(segments):
-        holder.update((n, k) for n in segment)
-    segments = [with_shapes(segment) for segment in segments]
-    # needs[k]: the values child k reads from other children, in graph order.
-    needs: List[List[fx.Node]] = []
-    for k, segment in enumerate(segments):
-        inside = set(segment)
-        wanted: Dict[fx.Node, None] = {}
-        for n in segment + ([output_node] if k == last else []):
-            wanted.update((a, None) for a in n.all_input_nodes if a not in inside)
-        needs.append(list(wanted))
-    # passed[k]: what child k gives child k + 1.
-    passed: List[List[fx.Node]] = []
-    for k in range(last):
-        passed.append([a for a in needs[k + 1] if holder[a] == k])
-        later = [a for j in range(k + 2, last + 1) for a in needs[j] if holder[a] == k]
-        if passed[k] and all(floating(a) is False for a in passed[k]):
-            # The gradient of a stash (or of anything upstream) leaves a
-            # partition through a floating point tensor of its output: when
-            # child k would pass integers alone (token ids) and stash a
-            # float (a mask), child k + 1 takes over that float.
-            carrier = next((a for a in later if floating(a)), None)
-            if carrier is not None:
-                holder[carrier] = k + 1
-                passed[k].append(carrier)
-        if passed[k]:
-            continue
-        # Child k + 1 needs nothing of child k, but GPipe needs a tensor at
-        # every boundary, and the backward pass of a partition reaches the
-        # stashes of its children only through the outputs of the next
-        # ones: so child k + 1 takes over a value child k would stash, and
-        # stashes or passes it on itself.
-        if later:
-            holder[later[0]] = k + 1
-            passed[k].append(later[0])
-        else:
-            # Nothing of child k is used later: what it passes is ignored.
-            passed[k].append([n for n in segments[k] if not is_shape(n)][-1])
-
-    results = list(result) if isinstance(result, tuple) else [result]
-    return _Plan(
-        segments, result, holder,
-        inputs=[placeholders] + passed,
-        outputs=passed + [results],
-        # A value goes to every later child but the next one as a skip of
-        # its own: each skip name is popped once.
-        pops=[[a for a in needs[k] if holder[a] < k - 1] for k in range(last + 1)],
-        stashes=[[(a, j) for j in range(k + 2, last + 1) for a in needs[j] if holder[a] == k]
-                 for k in range(last + 1)])
-
-
-def _lone_call(plan: _Plan, k: int, root: Root,
-               interface: Interface) -> Optional[nn.Module]:
-    """The module child ``k`` calls, if that call is all it does: then the child is the module.
-
-    With torch.export, the first child is always generated: when it runs in
-    one mode only, the check of its mode then runs on every call, even when
-    the code that depends on the mode recorded nothing.
-    """
-    segment = plan.segments[k]
-    if (len(segment) == 1 and segment[0].op == 'call_module' and not plan.pops[k]
-            and not (k == 0 and interface.training is not None)
-            and not plan.stashes[k] and not segment[0].kwargs
-            and list(segment[0].args) == plan.inputs[k] and plan.outputs[k] == segment):
-        return attr(root, segment[0].target)  # type: ignore[no-any-return]
-    return None
-
-
-def _piece(plan: _Plan, k: int, pops: List[fx.Node]) -> fx.Graph:
-    """The graph of generated child ``k``: its inputs and ``pops`` in, its output and
-    stashes out."""
-    # Named for fx's pickling, which traces the child's code again.
-    sub = fx.Graph(tracer_cls=fx_capture.Tracer)
-    env: Dict[fx.Node, fx.Node] = {}
-    for a in plan.inputs[k] + pops:
-        env[a] = sub.placeholder(a.name)
-    for n in plan.segments[k]:
-        env[n] = sub.node_copy(n, env.__getitem__)
-    if k == len(plan.segments) - 1:
-        output: Any = fx.node.map_arg(plan.result, env.__getitem__)
-    elif len(plan.outputs[k]) == 1:
-        output = env[plan.outputs[k][0]]
-    else:
-        output = tuple(env[a] for a in plan.outputs[k])
-    sub.output((output, tuple(env[a] for a, _ in plan.stashes[k])))
-    return sub
-
-
-def _hold(holder: fx.GraphModule, piece: fx.Graph, root: Root,
-          state: Dict[int, str]) -> List[str]:
-    """Puts in ``holder`` what ``piece``, of the other mode's graph, reads and it lacks.
-
-    A name ``holder`` has for another object (a constant of the other
-    capture) is renamed in ``piece``.
-
-    Returns:
-        list of strs: the names of those tensors to leave out of the state dict
-    """
-    names = []
-    for node in piece.nodes:
-        if node.op not in ('get_attr', 'call_module'):
-            continue
-        value = attr(root, node.target)
-        target = str(node.target)
-        try:
-            held = attr(holder, target)
-        except AttributeError:
-            held = None
-        if held is not value:
-            if held is not None:
-                base = target.replace('.', '_') + '_other_mode'
-                target, k = base, 0
-                while hasattr(holder, target):
-                    k += 1
-                    target = f'{base}{k}'
-                node.target = target
-            cut.assign(holder, target, value)
-        if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) \
-                and id(value) not in state:
-            names.append(target)
-    return names
-
-
-def _match(plan: _Plan, other: _Plan, captured: Captured,
-           other_captured: Captured) -> Tuple[Optional[List[List[fx.Node]]], str]:
-    """Whether the other mode's graph cuts into the same children, passing the same values.
-
-    Returns:
-        (pops, ''): for each child, what its piece of the other mode's graph
-        pops, in the order of the skip names of ``plan``; or (None, why not)
-    """
-    mode = 'training' if other_captured.interface.training else 'evaluation'
-    differs = f'its forward runs other code in {mode} mode, which '
-    if (captured.interface.names != other_captured.interface.names
-            or captured.interface.structure != other_captured.interface.structure):
-        return None, differs + 'takes or returns other values'
-    if len(plan.segments) != len(other.segments):
-        return None, differs + (f'cuts into {len(other.segments)} parts, not '
-                                f'{len(plan.segments)}')
-    for k in range(len(plan.segments)):
-        if not (_alike(plan.outputs[k], other.outputs[k])
-                and _alike([a for a, _ in plan.stashes[k]], [b for b, _ in other.stashes[k]])
-                and [j for _, j in plan.stashes[k]] == [j for _, j in other.stashes[k]]):
-            return None, differs + (f'passes other values from part {k} '
-                                    f'({child_name(plan.segments[k])})')
-
-    def slot(p: _Plan, k: int, value: fx.Node) -> Tuple[int, int]:
-        """Where the skip ``value`` popped by child ``k`` is stashed: (child, position)."""
-        h = p.holder[value]
-        return h, p.stashes[h].index((value, k))
-
-    orders = []
-    for k in range(len(plan.segments)):
-        theirs = {slot(other, k, b): b for b in other.pops[k]}
-        ours = [slot(plan, k, a) for a in plan.pops[k]]
-        if sorted(ours) != sorted(theirs):
-            return None, differs + (f'pops other values in part {k} '
-                                    f'({child_name(plan.segments[k])})')
-        orders.append([theirs[s] for s in ours])
-    return orders, ''
-
-
-def _alike(values: List[fx.Node], others: List[fx.Node]) -> bool:
-    """Whether two lists of values are alike as far as the graphs say: tensors of one dtype
-    and number of dimensions, one by one."""
-    if len(values) != len(others):
-        return False
-    for a, b in zip(values, others):
-        x, y = a.meta.get('val'), b.meta.get('val')
-        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
-            return False
-        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) \
-                and (x.dtype != y.dtype or x.dim() != y.dim()):
-            return False
-    return True
-
-
-def _capture_other_mode(module: nn.Module, example: Any) -> Tuple[Optional[Captured], str]:
-    """``module`` captured by torch.export in the mode it is not in, its modes put back after.
-
-    Returns:
-        (captured, ''), or (None, why not)
-    """
-    mode = 'evaluation' if module.training else 'training'
-    modes = [(m, m.training) for m in module.modules()]
-    module.train(not module.training)
-    try:
-        return export.capture(module, example), ''
-    except (RuntimeError, TypeError, ValueError) as exc:
-        return None, f'torch.export cannot capture it in {mode} mode ({str(exc).splitlines()[0]})'
-    finally:
-        for m, training in modes:
-            m.training = training
 
 def _dummy_inputs(module: nn.Module) -> Optional[Dict[str, Any]]:
     """The example a model gives of its inputs, as transformers models do, if any.

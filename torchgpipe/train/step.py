@@ -223,7 +223,6 @@ class Stage:
         # generator is held, so any change of its state is its doing, or its
         # loss's (the loss is part of the last partition's work).
         probing = self.draws_random() is None
-        drew = False
         if checkpointed:
             with first_pass(self.device) as current.replay:
                 output, drew = watch(lambda: self.call(input, skips), probing)
@@ -246,8 +245,7 @@ class Stage:
         else:
             with torch.set_grad_enabled(shared.train and not checkpointed):
                 loss, loss_drew = watch(functools.partial(shared.loss, i, output), probing)
-            if current.replay is not None:
-                # Its recomputation computes the loss too: it ends after it.
+            if current.replay is not None:  # its recomputation ends after the loss too
                 current.replay.end()
             self.losses[i] = loss.detach()
             current.loss = None if checkpointed else loss
@@ -387,9 +385,8 @@ class Step:
                                        if shared.train else 'eval_step',
                                        expected_bubble(self.schedule, self.n))
         devices = [self.devices[j] for j in self.stages]
-        # On threads, forward actions of partitions that may draw random
-        # numbers take turns in clock order, so they draw what they would on
-        # one thread; on one thread, they run in that order anyway.
+        # Forward actions that may draw take turns in clock order on threads: they
+        # draw what they would on one thread, where they run in that order anyway.
         turns = Turns() if len(distinct_devices(devices)) > 1 else None
         # One task per device: its partitions' actions in clock order. (A
         # task per action would wake the calling thread at every action.)
