@@ -405,8 +405,10 @@ def test_failure_in_one_rank_ends_the_run_with_its_error(where: str) -> None:
     assert failed.value.type_name == 'InjectedFailure'
     assert isinstance(failed.value.__cause__, InjectedFailure)
     assert f'injected failure in {where} on rank 1' in str(failed.value)
-    # Rank 0, blocked in a collective, was terminated, not left to time out.
-    assert elapsed < GLOO_TIMEOUT / 2
+    # Rank 0, blocked in a collective, was terminated, not left to time out:
+    # that takes GLOO_TIMEOUT from the collective on, whereas half of it is
+    # no bound for starting two processes on a loaded machine of two cores.
+    assert elapsed < GLOO_TIMEOUT
     assert multiprocessing.active_children() == []
 
 

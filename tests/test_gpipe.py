@@ -534,7 +534,10 @@ def test_loading_the_original_after_wrapping_reaches_the_pipeline(threaded: bool
 
     model.load_state_dict(changed_state(model))
     x = torch.randn(6, 4)
-    torch.testing.assert_close(gpipe(x), model(x), rtol=0, atol=0)
+    # Exact against the original run on the same micro-batches: on the whole
+    # batch, the CPU's matrix kernels may round 6 rows otherwise than 3.
+    expected = torch.cat([model(micro_batch) for micro_batch in x.chunk(2)])
+    torch.testing.assert_close(gpipe(x), expected, rtol=0, atol=0)
 
 
 class GlueShift(nn.Module):

@@ -177,19 +177,22 @@ def test_join_running_workers(threaded: bool) -> None:
 def test_an_exception_skips_the_queued_tasks() -> None:
     """After a failure or Ctrl-C, each worker finishes at most the task it is running."""
     devices = [torch.device('cpu', 0), torch.device('cpu', 1)]
-    started = threading.Event()
+    started, stopping = threading.Event(), threading.Event()
     done: List[int] = []
 
     def task(k: int) -> Task:
         def compute() -> Batch:
             started.set()
-            time.sleep(0.2)
+            # Runs until the workers are told to stop (``wake`` comes after
+            # the flag), however late the caller gets there: a sleep of
+            # 0.2 s let a loaded machine finish it first, and start task 1.
+            assert stopping.wait(10)
             done.append(k)
             return Batch(torch.zeros(1))
         return Task(CPUStream, compute=compute, finalize=None)
 
     with pytest.raises(KeyboardInterrupt):
-        with spawn_workers(devices) as (in_queues, _):
+        with spawn_workers(devices, wake=stopping.set) as (in_queues, _):
             for k in range(4):
                 in_queues[0].put(task(k))
             started.wait(10)
@@ -205,19 +208,29 @@ def test_an_exception_wakes_a_task_waiting_for_a_skipped_turn() -> None:
     turns = Turns()
     skipped = turns.take(lambda: Batch(torch.zeros(1)))
     waiting = turns.take(lambda: Batch(torch.ones(1)))
-    waits = threading.Event()
+    waits, stopping = threading.Event(), threading.Event()
 
     def wait_for_turn() -> Batch:
         waits.set()
         return waiting()
 
+    def until_stopped() -> Batch:
+        # Ends only once the workers are told to stop (``wake`` comes after
+        # the flag): a sleep of 0.2 s let a loaded machine end it before the
+        # interrupt, and run the skipped task.
+        assert stopping.wait(10)
+        return Batch(torch.zeros(1))
+
+    def wake() -> None:
+        stopping.set()
+        turns.stop()
+
     with pytest.raises(KeyboardInterrupt):
-        with spawn_workers(devices, wake=turns.stop) as (in_queues, out_queues):
+        with spawn_workers(devices, wake=wake) as (in_queues, out_queues):
             in_queues[1].put(Task(CPUStream, compute=wait_for_turn, finalize=None))
             waits.wait(10)
             # Queued behind a task that never ends before the interrupt: skipped.
-            in_queues[0].put(Task(CPUStream, compute=lambda: (time.sleep(0.2), Batch(
-                torch.zeros(1)))[1], finalize=None))
+            in_queues[0].put(Task(CPUStream, compute=until_stopped, finalize=None))
             in_queues[0].put(Task(CPUStream, compute=skipped, finalize=None))
             raise KeyboardInterrupt
     ok, payload = out_queues[1].get()
