@@ -267,10 +267,11 @@ class Schedule:
 def depends_on(action: Action, n: int, split: Callable[[int, int], bool]) -> List[Action]:
     """The actions that ``action`` waits for.
 
-    ``F(i,j)`` needs the output of ``F(i,j-1)``; ``B`` or ``I`` of ``(i,j)``
-    needs ``F(i,j)`` and the gradient that ``B`` or ``I`` of ``(i,j+1)`` sends
-    back; ``W(i,j)`` needs ``I(i,j)``. (Skip connections add nothing: a skip
-    from partition ``a`` to ``b`` travels with these, since ``a < b``.)
+    In the schedules' notation (partition, kind, micro-batch): ``jFi`` needs
+    the output of ``(j-1)Fi``; ``jBi`` or ``jIi`` needs ``jFi`` and the
+    gradient that ``(j+1)Bi`` or ``(j+1)Ii`` sends back; ``jWi`` needs
+    ``jIi``. (Skip connections add nothing: a skip from partition ``a`` to
+    ``b`` travels with these, since ``a < b``.)
 
     Args:
         action: the action
