@@ -5,7 +5,12 @@ keeps its own partition of it (rank ``r`` holds partition ``r``), and trains
 the whole pipeline with :meth:`~torchgpipe.distributed.DistributedGPipe.train_step`:
 activations go forward and gradients back between the processes by
 torch.distributed's point-to-point operations, micro-batch by micro-batch,
-in the order of 1F1B (or fill-drain). Every rank reads the same batches.
+in the order of a schedule: ``--schedule`` takes every built-in one, written
+as you like (``1F1B``, ``fill-drain``, ``ZB-H1``, ``interleaved_1f1b``,
+``zbv``). The last two give each rank two partitions: in a loop (rank ``r``
+holds ``r`` and ``r + size``) for interleaved 1F1B, in a V (``r`` and
+``2 size - 1 - r``, ``--placement v``, which ``zbv`` implies) for ZBV. Every
+rank reads the same batches.
 Then it evaluates the model on held-out batches with
 :meth:`~torchgpipe.distributed.DistributedGPipe.eval_step`: the loss on
 every rank, the logits on the last rank. With ``--generate N``, it also
@@ -42,6 +47,7 @@ from torch import Tensor, nn
 
 from torchgpipe import generate
 from torchgpipe.distributed import DistributedGPipe
+from torchgpipe.schedules import NAMES, built_in
 
 FEATURES = 32
 CLASSES = 4
@@ -57,8 +63,15 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument('--batch-size', type=int, default=64,
                         help='mini-batch size, the same batch on every rank')
     parser.add_argument('--chunks', type=int, default=8, help='micro-batches per mini-batch')
-    parser.add_argument('--schedule', choices=['1f1b', 'fill_drain'], default='1f1b',
-                        help='order of the forward and backward passes')
+    parser.add_argument('--schedule', choices=NAMES, default='1f1b',
+                        type=lambda text: built_in(text) or text,
+                        help='order of the forward and backward passes (case, - and _ do '
+                        "not count: '1F1B', 'ZB-H1')")
+    parser.add_argument('--placement', choices=['loop', 'v'],
+                        help="how the ranks hold their partitions; unset, as --schedule "
+                        "implies: 'v' (two per rank, in a "
+                        "V) for zbv, which implies it, 'loop' for the others (two per rank "
+                        'for interleaved_1f1b, else one)')
     parser.add_argument('--checkpoint', choices=['always', 'except_last', 'never'],
                         default='except_last', help='which micro-batches are recomputed')
     parser.add_argument('--checkpoint-dir', type=Path,
@@ -70,7 +83,28 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         help='compare the losses with the unwrapped model (float64)')
     parser.add_argument('--generate', type=int, default=0, metavar='N',
                         help='also train a tiny language model, and generate N tokens')
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    implied = 'v' if args.schedule == 'zbv' else 'loop'
+    if args.placement not in (None, implied):
+        parser.error(f'--placement {args.placement} does not fit --schedule {args.schedule}: '
+                     f"'zbv' runs its two partitions per rank in a V (--placement v), the "
+                     f"others in a loop (--placement loop); leave --placement out")
+    args.placement = implied
+    return args
+
+
+def partitions_per_rank(schedule: str) -> int:
+    """Interleaved 1F1B and ZBV run two partitions per rank; the others one."""
+    return 2 if schedule in ('interleaved_1f1b', 'zbv') else 1
+
+
+def held(placement: str, per_rank: int, world_size: int) -> str:
+    """Which partitions rank ``r`` holds, in words."""
+    if per_rank == 1:
+        return 'rank r holds partition r'
+    if placement == 'v':
+        return f'rank r holds partitions r and {2 * world_size - 1} - r, a V'
+    return f'rank r holds partitions r and r + {world_size}, a loop'
 
 
 def make_model(layers: int) -> nn.Sequential:
@@ -139,11 +173,13 @@ def train_language_model(model: nn.Module, step_fn: Callable[..., Tensor],
 def language_model_part(args: argparse.Namespace, rank: int, world_size: int,
                         device: torch.device, dtype: torch.dtype) -> bool:
     """Trains the language model over the ranks, then generates; False if --verify fails."""
-    balance = [2] * world_size
+    per_rank = partitions_per_rank(args.schedule)
+    balance = [2 // per_rank] * (world_size * per_rank)
     balance[0] += 1   # the embedding
     balance[-1] += 1  # the head
     pipe = DistributedGPipe(make_language_model(2 * world_size).to(dtype), balance,
-                            chunks=args.chunks, checkpoint=args.checkpoint, device=device)
+                            chunks=args.chunks, checkpoint=args.checkpoint, device=device,
+                            placement=args.placement)
     losses = train_language_model(pipe, functools.partial(
         pipe.train_step, schedule=args.schedule), args.batch_size)
     tokens = generate(pipe, PROMPTS, args.generate)  # every rank gets them
@@ -199,16 +235,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     device = torch.device('cuda', local_rank) if args.gpus else torch.device('cpu')
 
     layers = 2 * world_size + 2
-    balance = [2] * world_size
+    per_rank = partitions_per_rank(args.schedule)
+    balance = [2 // per_rank] * (world_size * per_rank)
     balance[-1] += 2
     dtype = torch.float64 if args.verify else torch.float32
     pipe = DistributedGPipe(make_model(layers).to(dtype), balance, chunks=args.chunks,
-                            checkpoint=args.checkpoint, device=device)
+                            checkpoint=args.checkpoint, device=device,
+                            placement=args.placement)
     optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
     if rank == 0:
         backend = 'NCCL, one GPU each' if args.gpus else 'gloo, on CPU'
         print(f'DistributedGPipe over {world_size} processes ({backend}): a model of '
-              f'{layers} layers, balance {balance} (rank r holds partition r), '
+              f'{layers} layers, balance {balance} '
+              f'({held(args.placement, per_rank, world_size)}), '
               f'chunks={args.chunks}, schedule {args.schedule!r}, '
               f'checkpoint={args.checkpoint!r}; {args.steps} steps of batch '
               f'{args.batch_size}', flush=True)

@@ -222,6 +222,55 @@ def test_front_pages_tour_the_tools_beyond_gpipe() -> None:
             assert f':doc:`{target}`' in text, (page, target)
 
 
+def test_readme_features_name_each_tool_with_a_link_to_its_page() -> None:
+    """The README's Features list names evaluation, generation, the five
+    schedules, tied weights across ranks and DCP, each in a bullet that links
+    the page explaining it, which says it too."""
+    features = read('README.md').split('\n## Features\n', 1)[1].split('\n## ', 1)[0]
+    bullets = re.findall(r'^- (.*)$', features, re.M)
+    wanted = {'eval_step': ('schedules', 'eval_step'),
+              'torchgpipe.generate': ('scaling_out', 'torchgpipe.generate'),
+              "'fill_drain'": ('schedules', "'fill_drain'"), "'1f1b'": ('schedules', "'1f1b'"),
+              "'interleaved_1f1b'": ('schedules', "'interleaved_1f1b'"),
+              "'zb_h1'": ('schedules', "'zb_h1'"), "'zbv'": ('schedules', "'zbv'"),
+              'tied weights across ranks': ('scaling_out', 'Tied weights'),
+              'DCP (`torch.distributed.checkpoint`)': ('scaling_out',
+                                                       'torch.distributed.checkpoint')}
+    for term, (page, said) in wanted.items():
+        bullet = next((b for b in bullets if term in b), None)
+        assert bullet is not None, f'README.md Features names {term}'
+        assert f'](docs/{page}.rst)' in bullet, (term, bullet)
+        assert said in read(os.path.join('docs', f'{page}.rst')), (term, page)
+    for link in re.findall(r'\]\((docs/[^)]+)\)', features):
+        assert os.path.isfile(os.path.join(ROOT, link)), link
+
+
+def test_the_dcp_example_has_its_imports_and_its_path() -> None:
+    """The checkpoint of torch.distributed.checkpoint in docs/scaling_out.rst
+    is a runnable example (so test_docs_example runs it): its imports and
+    the path it saves to are in it."""
+    found = [e for e in rst_examples(os.path.join('docs', 'scaling_out.rst'))
+             if 'dcp.save(' in e.source]
+    assert len(found) == 1, 'one runnable example saves with dcp.save'
+    source = found[0].source
+    assert 'import torch.distributed.checkpoint as dcp' in source
+    assert 'from torch.distributed.checkpoint.state_dict import' in source
+    assert re.search(r'^\s*path = ', source, re.M) and 'dcp.load(' in source
+
+
+def test_differences_say_that_workers_skip_queued_tasks_after_a_failure() -> None:
+    """0.0.7's workers ran the tasks left in their queues after a failure;
+    spawn_workers skips them, and docs/differences.rst says so, and why."""
+    page = read(os.path.join('docs', 'differences.rst'))
+    section = page.split('After a failure, the workers skip the tasks left in their queues\n')
+    assert len(section) == 2, 'a section of its own'
+    text = ' '.join(section[1].split('\n---')[0].split())
+    for said in ['spawn_workers', '0.0.7 ran the tasks left in their queues', '**Why**',
+                 'wait for ever', 'Ctrl-C', '**What you would notice**',
+                 'test_an_exception_skips_the_queued_tasks']:
+        assert said in text, said
+
+
 def user_pages() -> List[str]:
     """The pages of the index's table of contents captioned "User documentation"."""
     toc = re.search(r'^\.\. toctree::\n(?:   :.*\n)*?   :caption: User documentation\n'

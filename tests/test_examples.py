@@ -116,6 +116,42 @@ def test_distributed_pipeline_example_trains_like_the_unwrapped_model_and_resume
         out
 
 
+def test_distributed_pipeline_example_takes_every_schedule_and_the_v() -> None:
+    """Its options take every built-in schedule, written as users write them,
+    and the placement each needs: ``--schedule zbv`` implies ``--placement v``."""
+    example = runpy.run_path(os.path.join(EXAMPLES, 'distributed_pipeline.py'),
+                             run_name='distributed_pipeline')
+    parse = example['parse_args']
+    for written, name, placement in [('fill-drain', 'fill_drain', 'loop'),
+                                     ('1F1B', '1f1b', 'loop'), ('ZB-H1', 'zb_h1', 'loop'),
+                                     ('Interleaved-1F1B', 'interleaved_1f1b', 'loop'),
+                                     ('zbv', 'zbv', 'v')]:
+        args = parse(['--schedule', written])
+        assert (args.schedule, args.placement) == (name, placement)
+    assert parse(['--schedule', 'zbv', '--placement', 'v']).placement == 'v'
+    for wrong in [['--schedule', '1f1b', '--placement', 'v'],
+                  ['--schedule', 'zbv', '--placement', 'loop'], ['--schedule', 'gpipe']]:
+        with pytest.raises(SystemExit):
+            parse(wrong)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize('schedule, name, held', [
+    ('Interleaved-1F1B', 'interleaved_1f1b', 'rank r holds partitions r and r + 2, a loop'),
+    ('zbv', 'zbv', 'rank r holds partitions r and 3 - r, a V')])
+def test_distributed_pipeline_example_trains_with_two_partitions_per_rank(
+        schedule: str, name: str, held: str) -> None:
+    """The schedules of virtual stages, under torchrun on 2 CPU ranks, give
+    the unwrapped model's losses (the others run as 1F1B does, one partition
+    per rank, and tests/test_distributed_step.py trains with each)."""
+    out = lines(torchrun('distributed_pipeline.py', '--steps', '2', '--verify', '--schedule',
+                         schedule, '--batch-size', '16', '--chunks', '4').stdout)
+    assert f'balance [1, 1, 1, 3] ({held})' in out[0], out
+    assert re.fullmatch(r"OK: the losses of 2 steps and the evaluation are the unwrapped "
+                        r"model's \(2 steps of DistributedGPipe over 2 processes, schedule "
+                        rf"'{name}', final loss \d+\.\d+\)", out[-1]), out
+
+
 @pytest.mark.timeout(240)
 def test_ddp_example_ends_with_identical_replicas() -> None:
     """examples/ddp_pipeline.py: two replicas of a GPipe under DDP, 2 CPU ranks."""

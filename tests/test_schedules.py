@@ -6,6 +6,7 @@ order that can finish, the memory each worker keeps, and the idle time of
 the paper's analysis (``F = I = W = 1``, ``B = 2``) beside its formula.
 """
 import random
+import re
 from fractions import Fraction
 from typing import Callable, Dict
 
@@ -13,10 +14,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchgpipe.train.generators import (BUBBLES, SCHEDULES, fill_drain, interleaved_1f1b,
-                                         named, one_f_one_b, resolve, zb_h1, zbv)
+import torchgpipe.schedules
+from torchgpipe.train.generators import (BUBBLES, SCHEDULES, check_schedule, fill_drain,
+                                         interleaved_1f1b, named, one_f_one_b, resolve, zb_h1,
+                                         zbv)
 from helpers import random_order
-from torchgpipe.train.schedule import Action, Kind, Schedule, clock_order, idle, in_flight
+from torchgpipe.train.schedule import (Action, Kind, Schedule, clock_order, dependencies, idle,
+                                      in_flight)
 
 
 def unit(n: int, p: int) -> Callable[[Action], Fraction]:
@@ -180,17 +184,124 @@ def test_the_notation_of_torch_distributed_pipelining() -> None:
     ('0F0\n0B0', 1, 1, 'schedule runs partition 0 on workers 0 and 1'),
     ('0F0 0B0 1F0\n1B0', 1, 2, 'schedule runs partition 1 on workers 0 and 1'),
     ('0B0 0F0\n1F0 1B0', 1, 2, 'the schedule cannot go on: 0B0 can never run, for it waits '
-     'for 0F0, 1B0'),
+     'for 0F0, which waits for 0B0 (before it on worker 0); each worker runs its actions in '
+     'order'),
     ('0F0 0W0 0I0', 1, 1, 'the schedule cannot go on: 0W0 can never run, for it waits for '
-     '0I0'),
+     '0I0, which waits for 0W0 (before it on worker 0);'),
     # Worker 1 waits for 0F1, which comes after 0B0, which waits for worker 1.
     ('0F0 0B0 0F1 0B1\n1F1 1F0 1B0 1B1', 2, 2, 'the schedule cannot go on: 0B0 can never '
      'run, for it waits for 1B0'),
 ])
 def test_a_schedule_that_cannot_run_is_refused_naming_the_action(text: str, m: int, n: int,
                                                                  message: str) -> None:
-    with pytest.raises(ValueError, match=message.replace('(', r'\(')):
-        Schedule.parse(text).check(m, n)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Schedule.parse(text).check(micro_batches=m, partitions=n)
+
+
+def test_a_circle_of_waits_is_named_whole() -> None:
+    """The message walks the waits until they come back: every action of the
+    circle, and which wait is the worker's order."""
+    with pytest.raises(ValueError) as caught:
+        Schedule.parse('0F0 0B0 0F1 0B1\n1F1 1F0 1B0 1B1').check(micro_batches=2, partitions=2)
+    assert str(caught.value).startswith(
+        'the schedule cannot go on: 0B0 can never run, for it waits for 1B0, which waits for '
+        '1F1 (before it on worker 1), which waits for 0F1, which waits for 0B0 (before it on '
+        'worker 0); ')
+    assert_a_circle(str(caught.value), Schedule.parse('0F0 0B0 0F1 0B1\n1F1 1F0 1B0 1B1'), 2)
+
+
+def assert_a_circle(message: str, schedule: Schedule, n: int) -> None:
+    """The circle of a message is one: each action waits for the next (needs
+    it, or runs after it on the worker named), and the last is the first."""
+    text = message.split('cannot go on: ', 1)[1].split(';', 1)[0]
+    first, rest = text.split(' can never run, for it waits for ')
+    chain = [(first, None)] + [(link.split(' (before it on worker ')[0],
+                                int(link.split('worker ')[1].rstrip(')')) if 'worker' in link
+                                else None) for link in rest.split(', which waits for ')]
+    assert chain[-1][0] == first, message
+    needs = dependencies(schedule.workers, n)
+    for (a, _), (b, worker) in zip(chain, chain[1:]):
+        x, y = Action.parse(a), Action.parse(b)
+        if worker is None:
+            assert y in needs[x], (message, a, b)
+        else:
+            actions = schedule.workers[worker]
+            assert actions.index(y) < actions.index(x), (message, a, b)
+
+
+@settings(max_examples=100, deadline=None)
+@given(shape=shapes(), seed=st.integers(0, 2**16))
+def test_any_deadlock_is_named_as_a_circle_of_true_waits(shape: tuple, seed: int) -> None:
+    name, m, n = shape
+    rng = random.Random(seed)
+    workers = [list(actions) for actions in named(name, m, n, workers_of(name, n)).workers]
+    for actions in workers:
+        rng.shuffle(actions)
+    schedule = Schedule(workers)
+    try:
+        schedule.check(micro_batches=m, partitions=n)
+    except ValueError as exc:
+        assert_a_circle(str(exc), schedule, n)
+
+
+@pytest.mark.parametrize('written, name', [
+    ('1F1B', '1f1b'), (' 1f1b ', '1f1b'), ('ZB-H1', 'zb_h1'), ('zbh1', 'zb_h1'),
+    ('Interleaved-1F1B', 'interleaved_1f1b'), ('fill-drain', 'fill_drain'),
+    ('FILL_DRAIN', 'fill_drain'), ('ZBV', 'zbv')])
+def test_schedule_names_read_as_users_write_them(written: str, name: str) -> None:
+    check_schedule(written)
+    assert torchgpipe.schedules.built_in(written) == name
+    devices = ['cpu:0', 'cpu:1', 'cpu:1', 'cpu:0'] if name == 'zbv' else ['cpu:0', 'cpu:1'] * 2
+    assert resolve(written, 4, 4, devices).name == name
+
+
+@pytest.mark.parametrize('written, closest', [
+    ('zbh2', 'zb_h1'), ('interleaved', 'interleaved_1f1b'), ('1f2b', '1f1b'),
+    ('filldrian', 'fill_drain'), ('gpipe', None)])
+def test_an_unknown_name_lists_the_names_and_the_closest(written: str,
+                                                         closest: 'str | None') -> None:
+    with pytest.raises(ValueError) as caught:
+        check_schedule(written)
+    message = str(caught.value)
+    assert all(repr(name) in message for name in SCHEDULES), message
+    assert f'(schedule: {written!r})' in message
+    if closest is None:
+        assert 'did you mean' not in message and message.endswith("use schedule='1f1b'")
+    else:
+        assert message.endswith(f'did you mean {closest!r}?'), message
+
+
+@pytest.mark.parametrize('schedule', [[['0F0', '0X0']], [['0F0', '0B0'], ['1X0']], '0F0 0X0',
+                                      '0X0'])
+def test_a_malformed_action_is_named(schedule: object) -> None:
+    bad = '0X0' if '0X0' in str(schedule) else '1X0'
+    with pytest.raises(ValueError, match=f"schedule action '{bad}' is not of the form"):
+        check_schedule(schedule)
+
+
+def test_what_a_schedule_of_ones_own_needs_is_public() -> None:
+    """torchgpipe.schedules holds it, with names for the indices easy to swap."""
+    from torchgpipe.schedules import NAMES, Action, Kind, Schedule, build
+    assert set(torchgpipe.schedules.__all__) >= {'Action', 'Kind', 'Schedule', 'build'}
+    assert NAMES == SCHEDULES
+    action = Action('F', micro_batch=1, partition=0)
+    assert action == Action(Kind.F, 1, 0) == Action.parse('0F1')
+    assert str(action) == '0F1' and (action.micro_batch, action.partition) == (1, 0)
+    for wrong in [dict(i=1, micro_batch=1, partition=0), dict(partition=0)]:
+        with pytest.raises(ValueError, match='Action takes its micro_batch once'):
+            Action('F', **wrong)  # type: ignore[arg-type]
+    schedule = Schedule([[Action('F', micro_batch=0, partition=0),
+                          Action('B', micro_batch=0, partition=0)]])
+    assert len(schedule.check(micro_batches=1, partitions=1)) == 2
+    with pytest.raises(TypeError):
+        schedule.check(1, 1)  # type: ignore[misc]  # keywords only: the two are easy to swap
+    assert build('ZB-H1', micro_batches=3, partitions=2) == zb_h1(3, 2)
+    assert build('interleaved_1f1b', micro_batches=4, partitions=4, workers=2) \
+        == interleaved_1f1b(4, 4, 2)
+    with pytest.raises(ValueError, match="did you mean 'zbv'"):
+        build('zvb', micro_batches=2, partitions=2)
+    with pytest.raises(ValueError, match='micro_batches of a schedule must be a positive int'):
+        build('1f1b', micro_batches=0, partitions=2)
 
 
 @settings(max_examples=100, deadline=None)
@@ -203,7 +314,7 @@ def test_any_order_that_respects_dependencies_is_accepted_and_breaking_one_refus
     placement = [sorted(set(placement)).index(w) for w in placement]
     split = [data.draw(st.booleans()) for _ in range(n)]
     schedule = random_order(m, n, placement, split, rng)
-    schedule.check(m, n)
+    schedule.check(micro_batches=m, partitions=n)
     # Moving an action before one it waits for (on its worker) can never finish.
     worker = max(schedule.workers, key=len)
     for k, action in enumerate(worker):
@@ -213,8 +324,10 @@ def test_any_order_that_respects_dependencies_is_accepted_and_breaking_one_refus
             if before is not None:
                 worker.remove(action)
                 worker.insert(worker.index(before), action)
-                with pytest.raises(ValueError, match=f'cannot go on: {action} can never run'):
-                    schedule.check(m, n)
+                with pytest.raises(ValueError, match=f'cannot go on: {action} can never run') \
+                        as caught:
+                    schedule.check(micro_batches=m, partitions=n)
+                assert_a_circle(str(caught.value), schedule, n)
                 break
 
 

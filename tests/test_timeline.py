@@ -25,7 +25,7 @@ from torchgpipe import GPipe
 from torchgpipe.pipeline import clock_cycles
 from torchgpipe.timeline import Event, Timeline, segments
 from torchgpipe.train.generators import resolve
-from torchgpipe.train.schedule import idle, simulate, unit_cost
+from torchgpipe.train.schedule import Action, Kind, idle, simulate, unit_cost
 
 CHECKPOINT_STOP = {'always': lambda m, chunks: m,
                    'except_last': lambda m, chunks: min(m, chunks - 1),
@@ -48,7 +48,7 @@ def by_kind(events: List[Event], kind: str) -> Dict[Tuple[int, int], List[Event]
 
 def assert_schedule(events: List[Event], m: int, n: int, stop: int,
                     devices: List[str]) -> None:
-    """Every task once, forward by clock cycle, backward in reverse, F'(i,j) before B(i,j)."""
+    """Every task once, forward by clock cycle, backward in reverse, jF'i before jBi."""
     pairs = {(i, j) for i in range(m) for j in range(n)}
     forward = by_kind(events, 'forward')
     backward = by_kind(events, 'backward')
@@ -253,7 +253,7 @@ def test_summary_gives_the_bubble_of_the_schedule_beside_its_formula(
     if plan.splits():
         assert {'input', 'weight'} <= kinds
         assert {e.name for e in timeline.events if e.kind == 'weight' and e.partition == 1} \
-            == {'W(0,1)', 'W(1,1)'}
+            == {'1W0', '1W1'}
     else:
         assert not {'input', 'weight'} & kinds
 
@@ -336,6 +336,51 @@ def test_plot_writes_an_image(tmp_path: Path, threaded: bool) -> None:
     path = tmp_path / 'timeline.png'
     timeline.plot(path)
     assert path.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+
+
+@pytest.mark.parametrize('schedule', ['1f1b', 'zb_h1'])
+def test_the_timeline_names_tasks_as_the_schedule_writes_its_actions(
+        schedule: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One notation: a train_step's events, its summary's critical path, its
+    Chrome trace and the boxes of its chart write the schedule's actions
+    ('1F0': partition 1, forward, micro-batch 0), never (micro-batch, partition)."""
+    model = GPipe(mlp(4, depth=4, blocks=True), balance=[2, 2], devices=['cpu', 'cpu'],
+                  chunks=2, checkpoint='never')
+    with torchgpipe.trace(model) as timeline:
+        model.train_step(torch.randn(4, 4), torch.randn(4, 4), torch.nn.functional.mse_loss,
+                         schedule=schedule)
+    plan = resolve(schedule, 2, 2, ['cpu', 'cpu'])
+    tasks = [e for e in timeline.events if e.kind in ('forward', 'backward', 'input', 'weight')]
+    assert sorted(e.name for e in tasks) == sorted(str(a) for w in plan.workers for a in w)
+    for e in tasks:
+        action = Action.parse(e.name)
+        assert (action.micro_batch, action.partition) == (e.micro_batch, e.partition)
+    path = timeline.summary().critical_path
+    assert str(timeline.summary()).endswith(': ' + ' '.join(str(Action.parse(e.name))
+                                                           for e in path))
+    names = {e['name'] for e in timeline.chrome_trace()['traceEvents'] if e['ph'] == 'X'}
+    assert {e.name for e in tasks} <= names
+    # A copy and a recomputation keep the layout: partition, kind, micro-batch.
+    assert Event('copy', 0, 1, 'cpu', 'cpu', '', 0, 1, 0).name == '1C0'
+    assert Event('recompute', 3, 2, 'cpu', 'cpu', '', 0, 1, 0).name == "2F'3"
+
+
+def test_the_chart_writes_actions_in_its_boxes() -> None:
+    matplotlib = pytest.importorskip('matplotlib')
+    matplotlib.use('Agg', force=False)
+    import matplotlib.pyplot as plt
+
+    from torchgpipe.timeline.plot import draw_timeline
+    wide = Event('forward', 0, 1, 'cpu:1', 'cpu:1', '', 0.0, 1.0, 0, ((0.0, 1.0),))
+    narrow = Event('backward', 2, 0, 'cpu:0', 'cpu:0', '', 1.0, 1.015, 0, ((1.0, 1.015),))
+    figure, axes = plt.subplots()
+    try:
+        draw_timeline(axes, segments([wide, narrow]))
+        texts = sorted(t.get_text() for t in axes.texts)
+    finally:
+        plt.close(figure)
+    # Where the name fits, the action; where only a digit does, the micro-batch.
+    assert texts == ['1F0', '2']
 
 
 def test_plot_without_matplotlib_says_what_to_install(tmp_path: Path,
@@ -513,12 +558,12 @@ def test_tasks_carry_profiler_labels(threaded: bool) -> None:
                   chunks=2, checkpoint='except_last')
     names = profiled_names(lambda: model(torch.randn(4, 4)).sum().backward(), threaded)
     pairs = [(i, j) for i in range(2) for j in range(2)]
-    assert {f'torchgpipe F({i},{j})' for i, j in pairs} <= names
+    assert {f'torchgpipe {j}F{i}' for i, j in pairs} <= names
     # The checkpointed micro-batch's recomputation and backward pass, too.
-    assert {f"torchgpipe F'(0,{j})" for j in range(2)} <= names
-    assert {f'torchgpipe B(0,{j})' for j in range(2)} <= names
+    assert {f"torchgpipe {j}F'0" for j in range(2)} <= names
+    assert {f'torchgpipe {j}B0' for j in range(2)} <= names
     # The last is not checkpointed: its backward pass is plain autograd nodes.
-    assert not {f"torchgpipe F'(1,{j})" for j in range(2)} & names
+    assert not {f"torchgpipe {j}F'1" for j in range(2)} & names
 
 
 def test_train_step_actions_carry_profiler_labels(threaded: bool) -> None:
@@ -527,14 +572,15 @@ def test_train_step_actions_carry_profiler_labels(threaded: bool) -> None:
     names = profiled_names(lambda: model.train_step(torch.randn(4, 4), torch.randn(4, 4),
                                                     torch.nn.functional.mse_loss), threaded)
     pairs = [(i, j) for i in range(2) for j in range(2)]
-    assert {f'torchgpipe F({i},{j})' for i, j in pairs} <= names
-    assert {f'torchgpipe B({i},{j})' for i, j in pairs} <= names
-    assert {f"torchgpipe F'(0,{j})" for j in range(2)} <= names
+    # Written as the schedule writes its actions ('1F0': partition 1, micro-batch 0).
+    assert {f'torchgpipe {Action(kind, i, j)}' for i, j in pairs
+            for kind in (Kind.F, Kind.B)} <= names
+    assert {f"torchgpipe {j}F'0" for j in range(2)} <= names
     names = profiled_names(lambda: model.train_step(torch.randn(4, 4), torch.randn(4, 4),
                                                     torch.nn.functional.mse_loss,
                                                     schedule='zb_h1'), threaded)
-    assert {f'torchgpipe I({i},{j})' for i, j in pairs} <= names
-    assert {f'torchgpipe W({i},{j})' for i, j in pairs} <= names
+    assert {f'torchgpipe {Action(kind, i, j)}' for i, j in pairs
+            for kind in (Kind.I, Kind.W)} <= names
 
 
 def test_nothing_is_labelled_without_a_profiler(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -312,7 +312,7 @@ def holding_cpu_generator(compute: Callable[[], T],
 
 
 def labelled(task: Tuple[int, int], function: Callable[[], T]) -> Callable[[], T]:
-    """Wraps forward task ``(i, j)`` so that it shows as ``torchgpipe F(i,j)`` in a profile."""
+    """Wraps forward task ``(i, j)`` so that it shows as ``torchgpipe jFi`` in a profile."""
     def run() -> T:
         with label('forward', task):
             return function()

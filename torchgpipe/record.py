@@ -24,14 +24,18 @@ PREFIXES = {'forward': 'F', 'recompute': "F'", 'backward': 'B', 'input': 'I', 'w
 
 
 def label(kind: str, task: Tuple[int, int]) -> ContextManager[Any]:
-    """Labels task ``(i, j)`` of a kind ``torchgpipe F(i,j)`` (or ``F'``, ``B``) for a profiler.
+    """Labels task ``(i, j)`` of a kind for a profiler: ``torchgpipe jFi`` (or ``jF'i``, ``jBi``).
 
-    Nothing is done, the label not even formatted, unless a profiler records.
+    The task is written as a schedule writes its actions (partition, kind,
+    micro-batch), as the timeline names its events. Nothing is done, the
+    label not even formatted, unless a profiler records.
     """
     # A process-wide flag, set by torch.profiler.profile: cheaper than a
-    # record_function per task whether or not anyone profiles.
+    # record_function per task whether or not anyone profiles. The layout is
+    # torchgpipe.train.schedule.notation's, written here again only because
+    # this module is a leaf (tests/test_timeline.py holds the two together).
     if torch.autograd.profiler._is_profiler_enabled:
-        return torch.profiler.record_function(f'torchgpipe {PREFIXES[kind]}({task[0]},{task[1]})')
+        return torch.profiler.record_function(f'torchgpipe {task[1]}{PREFIXES[kind]}{task[0]}')
     return nullcontext()
 
 

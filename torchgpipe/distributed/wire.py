@@ -10,7 +10,7 @@ with torch.distributed's point-to-point operations as one buffer
 virtual stages of one rank) stays in the mailbox.
 
 Sends never wait (``isend``): a rank only waits for what it needs, so a
-schedule that :meth:`~torchgpipe.train.schedule.Schedule.check` accepts runs
+schedule that :meth:`~torchgpipe.schedules.Schedule.check` accepts runs
 without deadlock. Between two ranks, messages arrive in the order they were
 sent, whatever the backend (NCCL has no tags), which need not be the order
 the receiving rank takes them in (with several partitions per rank, or a

@@ -1,9 +1,12 @@
 """The timeline of a pipeline: every task, where and when it really ran.
 
 :func:`trace` records, for each step of a :class:`~torchgpipe.GPipe` inside it,
-every forward task ``F(i,j)``, every recomputation ``F'(i,j)``, every backward
-task ``B(i,j)`` and every copy between devices, measured rather than
-simulated. Paper, Figure 7, drawn from a run::
+every forward task, recomputation, backward task and copy between devices,
+measured rather than simulated, each named as a schedule writes its actions
+(partition, kind, micro-batch): ``jFi`` for the forward pass of micro-batch
+``i`` on partition ``j``, ``jF'i`` for its recomputation, ``jBi`` for its
+backward pass. Paper, Figure 7, drawn from a run, a row per device (whose
+partition's index the names leave out)::
 
     cpu:0  F0 F1 F2 F3                  F'3 B3 F'2 B2 ...
     cpu:1     F0 F1 F2 F3            F'3 B3 F'2 B2 ...
@@ -18,7 +21,7 @@ How each kind is caught:
   a forward task is done, the pipeline hands its output to the recorder,
   which walks the task's part of the autograd graph (from its outputs down
   to its inputs' nodes, the parameters' accumulators and the portals of skip
-  connections) and hooks every node of it. ``B(i,j)`` spans from the first of
+  connections) and hooks every node of it. ``jBi`` spans from the first of
   its nodes to start to the last to finish, once per backward pass (a graph
   kept by ``retain_graph=True`` gives one per pass).
 
@@ -399,7 +402,7 @@ def trace(module: Any) -> Generator[Timeline, None, None]:
         >>> with torchgpipe.trace(model) as timeline:
         ...     model(torch.randn(16, 8)).sum().backward()
         >>> sorted(e.name for e in timeline.events if e.kind == 'forward')
-        ['F(0,0)', 'F(0,1)', 'F(1,0)', 'F(1,1)', 'F(2,0)', 'F(2,1)', 'F(3,0)', 'F(3,1)']
+        ['0F0', '0F1', '0F2', '0F3', '1F0', '1F1', '1F2', '1F3']
         >>> summary = timeline.summary()  # print() it for a table
         >>> summary.micro_batches, summary.partitions
         (4, 2)

@@ -1,7 +1,11 @@
 """What a timeline records, and what is computed from it: events, summaries, critical path.
 
-An :class:`Event` is one task of a step (``F(i,j)``, ``F'(i,j)``,
-``B(i,j)``) or one copy, with the pieces of time its own work ran in.
+An :class:`Event` is one task of a step or one copy, with the pieces of
+time its own work ran in, named as a schedule writes its actions
+(:func:`~torchgpipe.train.schedule.notation`, partition first): ``1F0`` is
+the forward pass of micro-batch 0 on partition 1, ``1F'0`` its
+recomputation, ``1B0`` its backward pass (``1I0`` and ``1W0`` its halves),
+``1C0`` a copy into partition 1.
 :func:`summarize` turns the events of a step into a :class:`Summary`: busy
 and idle time per device, the bubble, time per partition, and the critical
 path. Nothing here records or reads clocks: that is
@@ -12,6 +16,7 @@ from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from torchgpipe.record import PREFIXES
+from torchgpipe.train.schedule import notation
 
 __all__ = ['Event', 'Summary', 'DeviceSummary', 'PartitionSummary']
 
@@ -56,8 +61,13 @@ class Event:
 
     @property
     def name(self) -> str:
-        """``F(i,j)``, ``F'(i,j)``, ``B(i,j)``, ``I(i,j)``, ``W(i,j)`` or ``C(i,j)``."""
-        return f'{PREFIXES[self.kind]}({self.micro_batch},{self.partition})'
+        """The task written as a schedule writes its actions, ``{partition}{kind}{micro-batch}``.
+
+        ``jFi``, ``jBi``, ``jIi``, ``jWi`` as in a schedule, ``jF'i`` for a
+        recomputation and ``jCi`` for a copy: ``1F0`` is the forward pass
+        of micro-batch 0 on partition 1.
+        """
+        return notation(self.partition, PREFIXES[self.kind], self.micro_batch)
 
     @property
     def duration(self) -> float:
@@ -281,9 +291,9 @@ def critical_path(events: Sequence[Event], n: int) -> List[Event]:
 
     From the task that ends last, walks back to whichever of its
     predecessors ended last before it started: the task before it on the same
-    device, or the task that produced its input (``F(i,j-1)`` for ``F(i,j)``,
-    ``B(i,j+1)`` for ``B(i,j)``, ``F(i,j)`` for the backward task of the last
-    partition ``j``).
+    device, or the task that produced its input, in the notation of schedules
+    (partition, kind, micro-batch): ``(j-1)Fi`` for ``jFi``, ``(j+1)Bi`` for
+    ``jBi``, ``jFi`` for the backward task of the last partition ``j``.
     """
     tasks = [e for e in events if e.kind in COMPUTE_KINDS]
     if not tasks:

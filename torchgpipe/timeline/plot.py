@@ -16,7 +16,7 @@ LABELS: Dict[str, str] = {'forward': 'forward F', 'recompute': "recompute F'",
 
 def plot_timeline(segments: Sequence[Tuple[Event, float, float]],
                   path: Union[str, 'os.PathLike[str]'], title: Optional[str]) -> None:
-    """Writes a chart: a row per track, a box per segment, its micro-batch inside.
+    """Writes a chart: a row per track, a box per segment, its action inside (``1F0``).
 
     Args:
         segments: ``(event, start, end)``, as :func:`torchgpipe.timeline.segments` gives
@@ -72,10 +72,13 @@ def draw_timeline(axes: Any, segments: Sequence[Tuple[Event, float, float]],
         edge = 'black' if e.failed else 'white' if width > sliver else 'none'
         axes.barh(y, max(width, sliver), left=left, height=0.8, color=COLORS[e.kind],
                   edgecolor=edge, linewidth=0.5)
-        # The micro-batch number, where the box is wide enough for it.
-        if width > (end - start) * scale / 150:
-            axes.text(left + width / 2, y, str(e.micro_batch), ha='center', va='center',
-                      fontsize=7, color='white' if e.kind != 'recompute' else 'black')
+        # The action as a schedule writes it ('1F0'), where the box is wide
+        # enough for it; else its micro-batch, where that fits.
+        for text in (e.name, str(e.micro_batch)):
+            if width > len(text) * (end - start) * scale / 150:
+                axes.text(left + width / 2, y, text, ha='center', va='center', fontsize=7,
+                          color='white' if e.kind != 'recompute' else 'black')
+                break
     axes.set_yticks(range(len(tracks)), list(reversed(tracks)))
     axes.set_xlabel('time (ms)')
     axes.set_xlim(0, max((end - start) * scale, 1e-3))

@@ -21,13 +21,15 @@ analysis (``F = I = W = 1``, ``B = 2``; halved for half-size partitions)
 and lets each free worker pick its next action by the schedule's rule. What
 they leave idle, per worker, is what :data:`BUBBLES` says beside each.
 """
+import difflib
 import functools
+import re
 from fractions import Fraction
 from typing import Callable, Dict, Hashable, List, NamedTuple, Optional, Sequence, Tuple
 
 from torchgpipe.train.schedule import (Action, Kind, Schedule, ScheduleLike, idle, simulate,
                                        unit_cost)
-from torchgpipe.validation import describe
+from torchgpipe.validation import brief, describe
 
 __all__: List[str] = []
 
@@ -257,7 +259,7 @@ def named(name: str, m: int, n: int, p: int) -> Schedule:
         schedule = {'fill_drain': fill_drain, '1f1b': one_f_one_b, 'zb_h1': zb_h1,
                     'zbv': zbv}[name](m, n)
     schedule.name = name
-    schedule.check(m, n)
+    schedule.check(micro_batches=m, partitions=n)
     return schedule
 
 
@@ -266,8 +268,8 @@ def resolve(schedule: ScheduleLike, m: int, n: int, workers: Sequence[Hashable],
     """The schedule a step runs: a built-in one by name, or the user's; checked, before any work.
 
     Args:
-        schedule: a name of :data:`SCHEDULES`, or a schedule (its text, or
-            a list of action lists)
+        schedule: a name of :data:`SCHEDULES` (as :func:`built_in` reads
+            it), or a schedule (its text, or a list of action lists)
         m: micro-batches
         n: partitions
         workers: what runs each partition (a device's thread, a rank): a
@@ -279,12 +281,13 @@ def resolve(schedule: ScheduleLike, m: int, n: int, workers: Sequence[Hashable],
         ValueError: the schedule does not fit the step, or cannot finish,
             or a worker of it has partitions on two devices
     """
-    if isinstance(schedule, str) and schedule in SCHEDULES:
-        result = named(schedule, m, n, len(set(workers)))
-        label = repr(schedule)
+    name = built_in(schedule)
+    if name is not None:
+        result = named(name, m, n, len(set(workers)))
+        label = repr(name)
     else:
         result = Schedule.parse(schedule)
-        result.check(m, n)
+        result.check(micro_batches=m, partitions=n)
         label = 'given'
     placement = result.placement()
     for w in set(placement.values()):
@@ -319,23 +322,57 @@ def expected_bubble(schedule: Schedule, n: int) -> Tuple[str, float]:
 SCHEDULES = tuple(BUBBLES)
 
 
+def _key(name: str) -> str:
+    """A name as :func:`built_in` compares it: lowercase, without spaces, ``-`` or ``_``."""
+    return re.sub(r'[\s_-]', '', name.lower())
+
+
+_BY_KEY = {_key(name): name for name in SCHEDULES}
+
+
+def built_in(name: object) -> Optional[str]:
+    """The built-in schedule that ``name`` means, as users write it; ``None`` if none.
+
+    Case, spaces, ``-`` and ``_`` do not count: ``'1F1B'``, ``'ZB-H1'``,
+    ``'zbh1'``, ``'Interleaved-1F1B'`` and ``' fill-drain '`` are built-in names.
+
+    Example::
+
+        >>> built_in('ZB-H1'), built_in('Interleaved-1F1B'), built_in('gpipe')
+        ('zb_h1', 'interleaved_1f1b', None)
+    """
+    return _BY_KEY.get(_key(name)) if isinstance(name, str) else None
+
+
+def unknown_name(name: str) -> ValueError:
+    """The error for a name that is no built-in schedule: it lists them, and the closest."""
+    close = difflib.get_close_matches(_key(name), list(_BY_KEY), n=1, cutoff=0.5)
+    return ValueError(describe(
+        f'schedule must be one of {", ".join(map(repr, SCHEDULES))}, or a schedule of its '
+        "actions (text such as '0F0 0B0', or a list of action lists)", f'schedule: {name!r}',
+        f'did you mean {_BY_KEY[close[0]]!r}?' if close else "use schedule='1f1b'"))
+
+
 def check_schedule(schedule: object) -> None:
     """Checks that ``schedule`` names a built-in schedule or is one, before any work.
 
     Raises:
-        ValueError: an unknown name, or an action written wrong
+        ValueError: an unknown name (with the closest, if one is close), or
+            an action written wrong (named)
         TypeError: neither a name nor a schedule
     """
-    if isinstance(schedule, str) and schedule in SCHEDULES:
+    if built_in(schedule) is not None:
         return
     try:
         Schedule.parse(schedule)  # type: ignore[arg-type]
-    except (TypeError, ValueError) as exc:
-        if isinstance(schedule, str) and any(c.isdigit() for c in schedule):
-            raise  # meant as a schedule's text: what is wrong in it
-        # A str of another value is a ValueError; anything else a TypeError.
-        error = ValueError if isinstance(schedule, str) else TypeError
-        raise error(describe(f'schedule must be one of {", ".join(map(repr, SCHEDULES))}, or '
-                             "a schedule of its actions (text such as '0F0 0B0', or a list of "
-                             'action lists)', f'schedule: {schedule!r}',
-                             "use schedule='1f1b'")) from exc
+    except ValueError as exc:
+        # One word that is not an action, such as 'gpipe' or 'zbh2': meant as a name.
+        if isinstance(schedule, str) and not re.search(r'[\s,]', schedule.strip()) \
+                and not re.fullmatch(r'\d+[A-Za-z]+\d+', schedule.strip()):
+            raise unknown_name(schedule) from exc
+        raise  # meant as a schedule: it names the action written wrong
+    except TypeError as exc:
+        raise TypeError(describe(f'schedule must be one of {", ".join(map(repr, SCHEDULES))}, '
+                                 "or a schedule of its actions (text such as '0F0 0B0', or a "
+                                 'list of action lists)', f'schedule: {brief(schedule)}',
+                                 "use schedule='1f1b'")) from exc

@@ -6,10 +6,13 @@ one the gradient of its input, through a :class:`Mailbox`. Messages are
 filed under typed keys, one class per kind of message::
 
     partition j-1                                   partition j
-    F(i,j-1) ── Activation(i, j): Parcel ─────────► F(i,j)
-    B(i,j-1) ◄─ Gradient(i, j-1): Reply ─────────── B(i,j)
+    (j-1)Fi  ── Activation(i, j): Parcel ─────────► jFi
+    (j-1)Bi  ◄─ Gradient(i, j-1): Reply ─────────── jBi
     a stash  ── Skip(i, key): Parcel ─────────────► its pop (any later partition)
     B        ◄─ SkipGradient(i, key): Reply ──────── B
+
+(Actions written as schedules write them: ``jFi`` is the forward pass of
+micro-batch ``i`` on partition ``j``.)
 
 A :class:`~torchgpipe.copy.Ready` marks when, on CUDA, what is sent is
 computed, and moves it as the forward path's copies do; :func:`leaf` makes

@@ -16,15 +16,20 @@ A :class:`Schedule` is each worker's list of actions, one line per worker::
     0F0 0F1 0B0 0B1
     1F0 1B0 1F1 1B1
 
-:meth:`Schedule.check` proves, before any work, that a schedule runs each
-action once and can finish; :mod:`torchgpipe.train.generators` writes the
-built-in ones; :mod:`torchgpipe.train.step` runs any of them.
+:meth:`Schedule.check <torchgpipe.schedules.Schedule.check>` proves, before
+any work, that a schedule runs each action once and can finish;
+:mod:`torchgpipe.train.generators` writes the built-in ones;
+:mod:`torchgpipe.train.step` runs any of them. Users import :class:`Kind`,
+:class:`Action` and :class:`Schedule` from :mod:`torchgpipe.schedules`.
 """
 import enum
 import re
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Callable, Dict, Iterable, List, Sequence, Tuple, Union
+from typing import (Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union,
+                    cast)
+
+from torchgpipe.validation import describe
 
 __all__: List[str] = []
 
@@ -42,16 +47,66 @@ class Kind(enum.Enum):
     W = 'W'
 
 
-@dataclass(frozen=True)
+def notation(partition: int, kind: str, micro_batch: int) -> str:
+    """How an action, or a timeline's task, is written: ``{partition}{kind}{micro-batch}``.
+
+    The one place of the notation: :class:`Action` prints with it, and so do
+    the timeline's events (``0F'1`` for a recomputation, ``1C0`` for a copy).
+
+    Example::
+
+        >>> notation(partition=1, kind='B', micro_batch=0)
+        '1B0'
+    """
+    return f'{partition}{kind}{micro_batch}'
+
+
+@dataclass(frozen=True, init=False)
 class Action:
-    """One action of a schedule: ``kind`` of micro-batch ``i`` on partition ``j``."""
+    """One action of a schedule: ``kind`` of micro-batch ``i`` on partition ``j``.
+
+    Printed as written in a schedule, the partition first: ``Action(Kind.F, 1, 0)``
+    is ``0F1``. As the two indices are easy to swap, they may be given by name.
+
+    Args:
+        kind (Kind or str): ``Kind.F`` or ``'F'``, and so on
+        i (int): the micro-batch; or ``micro_batch=``
+        j (int): the partition; or ``partition=``
+
+    Raises:
+        ValueError: ``kind`` is not F, B, I or W; or an index given twice, or not at all
+
+    Example::
+
+        >>> Action('F', micro_batch=1, partition=0)
+        Action(kind=<Kind.F: 'F'>, i=1, j=0)
+        >>> print(Action(Kind.B, micro_batch=0, partition=1))
+        1B0
+    """
 
     kind: Kind
     i: int
     j: int
 
+    def __init__(self, kind: Union[Kind, str], i: Optional[int] = None,
+                 j: Optional[int] = None, *, micro_batch: Optional[int] = None,
+                 partition: Optional[int] = None) -> None:
+        object.__setattr__(self, 'kind', Kind(kind))
+        object.__setattr__(self, 'i', _index(i, micro_batch, 'micro_batch'))
+        object.__setattr__(self, 'j', _index(j, partition, 'partition'))
+
+    @property
+    def micro_batch(self) -> int:
+        """The micro-batch, ``i``."""
+        return self.i
+
+    @property
+    def partition(self) -> int:
+        """The partition, ``j``."""
+        return self.j
+
     def __str__(self) -> str:
-        return f'{self.j}{self.kind.value}{self.i}'
+        return notation(self.j, self.kind.value, self.i)
 
     @classmethod
     def parse(cls, text: str) -> 'Action':
@@ -67,6 +122,15 @@ class Action:
                              'forward pass of micro-batch 1 on partition 0')
         j, kind, i = match.groups()
         return cls(Kind(kind), int(i), int(j))
+
+
+def _index(positional: Optional[int], keyword: Optional[int], name: str) -> int:
+    """An index of :class:`Action`, given by position or by name, once."""
+    if (positional is None) == (keyword is None):
+        raise ValueError(describe(f'Action takes its {name} once, by position or as {name}=',
+                                  f'{name}: {positional!r} and {keyword!r}',
+                                  "write e.g. Action('F', micro_batch=1, partition=0)"))
+    return positional if positional is not None else cast(int, keyword)
 
 
 _ACTION = re.compile(r'(\d+)([FBIW])(\d+)')
@@ -144,19 +208,34 @@ class Schedule:
         """Whether some backward pass is split into ``I`` and ``W``."""
         return any(a.kind is Kind.I for actions in self.workers for a in actions)
 
-    def check(self, m: int, n: int) -> List[List[Action]]:
-        """Proves the schedule can run a step of ``m`` micro-batches on ``n`` partitions.
+    def check(self, *, micro_batches: int, partitions: int) -> List[List[Action]]:
+        """Proves the schedule can run a step of so many micro-batches and partitions.
 
         Every action runs once: for each micro-batch and partition, ``F``, and
         ``B`` or else both ``I`` and ``W``. And it can finish: laid out in
         clock cycles, every action can run once what it waits for ran.
 
+        Args:
+            micro_batches (int): the micro-batches of the step (keyword only,
+                as are the partitions: the two are easy to swap)
+            partitions (int): the partitions of the model
+
         Returns:
-            the actions of each clock cycle (see :func:`clock_order`)
+            the actions of each clock cycle (see
+            :func:`~torchgpipe.train.schedule.clock_order`)
 
         Raises:
-            ValueError: an action is missing, unknown, twice, or can never run
+            ValueError: an action is missing, unknown, twice, or can never
+                run; the last names the cycle of actions that wait for each other
+
+        Example::
+
+            >>> schedule = Schedule.parse('0F0 0B0\\n1F0 1B0')
+            >>> cycles = schedule.check(micro_batches=1, partitions=2)
+            >>> [' '.join(map(str, cycle)) for cycle in cycles]
+            ['0F0', '1F0', '1B0', '0B0']
         """
+        m, n = micro_batches, partitions
         self.placement()
         seen: Dict[Action, int] = {}
         for w, actions in enumerate(self.workers):
@@ -188,10 +267,11 @@ class Schedule:
 def depends_on(action: Action, n: int, split: Callable[[int, int], bool]) -> List[Action]:
     """The actions that ``action`` waits for.
 
-    ``F(i,j)`` needs the output of ``F(i,j-1)``; ``B`` or ``I`` of ``(i,j)``
-    needs ``F(i,j)`` and the gradient that ``B`` or ``I`` of ``(i,j+1)`` sends
-    back; ``W(i,j)`` needs ``I(i,j)``. (Skip connections add nothing: a skip
-    from partition ``a`` to ``b`` travels with these, since ``a < b``.)
+    In the schedules' notation (partition, kind, micro-batch): ``jFi`` needs
+    the output of ``(j-1)Fi``; ``jBi`` or ``jIi`` needs ``jFi`` and the
+    gradient that ``(j+1)Bi`` or ``(j+1)Ii`` sends back; ``jWi`` needs
+    ``jIi``. (Skip connections add nothing: a skip from partition ``a`` to
+    ``b`` travels with these, since ``a < b``.)
 
     Args:
         action: the action
@@ -229,10 +309,10 @@ def clock_order(workers: Sequence[Sequence[Action]], n: int) -> List[List[Action
 
     Raises:
         ValueError: the schedule can never finish; the message names the
-            first worker's action that can never run, and what it waits for
+            circle of actions that wait for each other (:func:`circle`)
     """
     needs = dependencies(workers, n)
-    done = set()
+    done: Set[Action] = set()
     position = [0] * len(workers)
     cycles: List[List[Action]] = []
     while True:
@@ -242,21 +322,62 @@ def clock_order(workers: Sequence[Sequence[Action]], n: int) -> List[List[Action
             return cycles
         cycle = [a for a in heads if all(d in done for d in needs[a])]
         if not cycle:
-            # Rather the action that waits for one after it on its own worker:
-            # the order to fix is there.
-            own = {a: w for w, actions in enumerate(workers) for a in actions[position[w]:]}
-            stuck = next((a for a in heads if any(own.get(d) == own[a] for d in needs[a])),
-                         heads[0])
-            missing = ', '.join(str(d) for d in needs[stuck] if d not in done)
-            raise ValueError(f'the schedule cannot go on: {stuck} can never run, for it waits '
-                             f'for {missing}, which waits in turn (each worker runs its '
-                             'actions in order); move the action that sends what it waits '
-                             'for before it')
+            raise ValueError(f'the schedule cannot go on: {circle(workers, needs, done, position)}'
+                             '; each worker runs its actions in order, so to break the circle, '
+                             'move one of these actions ahead of the one it waits behind on its '
+                             'worker')
         for w, actions in enumerate(workers):
             if position[w] < len(actions) and actions[position[w]] in cycle:
                 position[w] += 1
         done.update(cycle)
         cycles.append(cycle)
+
+
+def circle(workers: Sequence[Sequence[Action]], needs: Dict[Action, List[Action]],
+           done: Set[Action], position: List[int]) -> str:
+    """The actions that wait for each other in a circle, once no worker's next action can run.
+
+    An action waits for what it needs, or, if its worker runs another first,
+    for that one (``before it on worker w``). Every action left waits so,
+    and a walk along the waits comes back where it was: the circle. It starts,
+    when it can, at a worker's next action waiting for an action later on
+    the same worker, where a reorder is most likely meant.
+
+    Returns:
+        the circle in words, such as ``0B0 can never run, for it waits for
+        1B0, which waits for 1F1 (before it on worker 1), which waits for 0F1,
+        which waits for 0B0 (before it on worker 0)``
+    """
+    left = {a: w for w, actions in enumerate(workers) for a in actions[position[w]:]}
+    heads = {w: actions[position[w]] for w, actions in enumerate(workers)
+             if position[w] < len(actions)}
+
+    def waits_for(action: Action) -> Tuple[Action, Optional[int]]:
+        w = left[action]
+        if heads[w] != action:
+            return heads[w], w
+        missing = [d for d in needs[action] if d not in done]
+        return next((d for d in missing if left.get(d) == w), missing[0]), None
+
+    start = next((a for a in heads.values()
+                  if any(left.get(d) == left[a] for d in needs[a] if d not in done)),
+                 next(iter(heads.values())))
+    path: List[Tuple[Action, Optional[int]]] = [(start, None)]
+    index = {start: 0}
+    while True:
+        action, behind = waits_for(path[-1][0])
+        if action in index or action not in left:
+            break
+        index[action] = len(path)
+        path.append((action, behind))
+    if action not in left:  # waits for an action no worker runs: no circle, an end
+        return (f'{start} can never run, for it waits for '
+                + ', which waits for '.join(str(a) for a, _ in path[1:] + [(action, None)])
+                + ', which no worker runs')
+    cycle = path[index[action]:] + [(action, behind)]
+    words = [f'{a} (before it on worker {w})' if w is not None else str(a)
+             for a, w in cycle[1:]]
+    return f'{cycle[0][0]} can never run, for it waits for ' + ', which waits for '.join(words)
 
 
 def in_flight(actions: Sequence[Action]) -> int:

@@ -328,7 +328,7 @@ class Step:
         loss_fn: ``loss_fn(output, target)`` of one micro-batch
         weights: what each micro-batch's loss is multiplied by
         schedule: each worker's actions, checked (:meth:`Schedule.check
-            <torchgpipe.train.schedule.Schedule.check>`)
+            <torchgpipe.schedules.Schedule.check>`)
         layout: where the skips go
         checkpoint_stop: micro-batches ``0 .. checkpoint_stop - 1`` are checkpointed
         traits: what runs showed about each partition (whether it draws random numbers)
