@@ -26,6 +26,7 @@ from test_distributed import TOLERANCE
 from test_distributed_pipe import BATCH, CHUNKS, Config, batch, model
 from torchgpipe import GPipe
 from torchgpipe.distributed import DistributedGPipe
+from torchgpipe.distributed.norm import total_norm
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -145,6 +146,14 @@ def clip_on_ranks(rank: int, world_size: int) -> Dict[str, Any]:
         raised = str(exc)
     results['nonfinite'] = (raised, grads_by_name(pipe), pipe.clip_grad_norm_(1.0).item(),
                             grads_by_name(pipe))
+    # Gradients of several dtypes, each rank alone: stacked as torch stacks them.
+    alone = [dist.new_group([r]) for r in range(world_size)][rank]
+    gen = torch.Generator().manual_seed(rank)
+    grads = [torch.randn(5, generator=gen, dtype=dtype)
+             for dtype in (torch.float32, torch.float64, torch.float32, torch.bfloat16)]
+    results['dtypes'] = [(total_norm(list(enumerate(grads)), len(grads), p, torch.device('cpu'),
+                                     alone).item(),
+                          torch_clipped(list(grads), 1.0, p)[0].item()) for p in NORM_TYPES]
     return results
 
 
@@ -232,3 +241,10 @@ def test_replicated_pipelines_clip_by_the_norm_of_the_averaged_gradients() -> No
     expected = torch.nn.utils.clip_grad_norm_(plain.parameters(), 1e-3).item()
     for norm in norms:
         assert math.isclose(norm, expected, rel_tol=1e-10)
+
+
+def test_norms_of_several_dtypes_are_stacked_as_torch_stacks_them(
+        clipped_on_ranks: List[Dict[str, Any]]) -> None:
+    for rank in clipped_on_ranks:
+        for ours, torchs in rank['dtypes']:
+            assert ours == torchs

@@ -93,3 +93,23 @@ def test_without_checkpoints_nothing_is_replayed_and_nothing_raised(threaded: bo
     gpipe = GPipe(model('always'), [3, 3], devices=cpu_devices(2, threaded), chunks=4,
                   checkpoint='never')
     step(gpipe, '1f1b')
+
+
+@pytest.mark.parametrize('how', HOWS)
+def test_a_partition_that_draws_nothing_is_left_alone(threaded: bool, how: str) -> None:
+    """Another thread's draw changes no number of a pass that draws none (a model
+    built in another thread while this one trains, say): nothing to raise."""
+    def layers(when: str) -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 8), DrawElsewhere(when), nn.Tanh(),
+                             nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+    drawn = GPipe(layers('first'), [3, 3], devices=cpu_devices(2, threaded), chunks=4,
+                  checkpoint='always')
+    quiet = GPipe(layers('never'), [3, 3], devices=cpu_devices(2, threaded), chunks=4,
+                  checkpoint='always')
+    torch.manual_seed(5)
+    step(drawn, how)
+    torch.manual_seed(5)
+    step(quiet, how)
+    for a, b in zip(drawn.parameters(), quiet.parameters()):
+        assert torch.equal(a.grad, b.grad)

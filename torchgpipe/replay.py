@@ -38,7 +38,8 @@ class FirstPass:
     generator in between (a data loader's ``torch.randn``), within the first
     pass or the recomputation, the two passes drew other numbers (another
     dropout mask) and the generator ends elsewhere: :func:`recomputation`
-    raises rather than let the gradients be silently wrong. Only a pass
+    raises rather than let the gradients be silently wrong
+    (:func:`replayed_otherwise`; passes that draw nothing are left alone). Only a pass
     that holds the generator (:func:`~torchgpipe.rng.cpu_generator_held`)
     notes its end: the library's own tasks then draw nothing in between.
 
@@ -108,8 +109,7 @@ def recomputation(device: torch.device, states: FirstPass, *,
     with restore_rng_states(device, states.rng, exclusive=exclusive), \
             restore_autocast_states(states.autocast), torch.enable_grad(), enable_recomputing():
         yield
-        if exclusive and states.ended is not None and \
-                not torch.equal(cpu_rng_state(), states.ended):
+        if exclusive and states.ended is not None and replayed_otherwise(states):
             raise RuntimeError(
                 'a recomputation drew other random numbers than its first pass: the CPU '
                 'generator was drawn from outside the pipeline during the step (by another '
@@ -118,3 +118,16 @@ def recomputation(device: torch.device, states: FirstPass, *,
                 'from a torch.Generator of its own (g = torch.Generator(); '
                 'torch.randn(..., generator=g)), and give no layer other draws when '
                 'recomputing')
+
+
+def replayed_otherwise(states: FirstPass) -> bool:
+    """Whether a recomputation, at its end, drew other numbers than its first pass.
+
+    It drew something (the generator moved from where both passes started)
+    and ended elsewhere than its first pass. A recomputation that drew
+    nothing replays a first pass that drew nothing: whatever another thread
+    drew meanwhile changed no number of theirs.
+    """
+    now = cpu_rng_state()
+    return not torch.equal(now, states.rng[0]) and not (states.ended is not None
+                                                        and torch.equal(now, states.ended))

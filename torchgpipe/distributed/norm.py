@@ -79,7 +79,7 @@ def in_torch_order(norms: List[Tensor]) -> List[Tensor]:
 
 
 @torch.no_grad()
-def total_norm(counted: Iterable[Tuple[int, Tensor]], size: int, norm_type: float,
+def total_norm(counted: Sequence[Tuple[int, Tensor]], size: int, norm_type: float,
                device: torch.device, group: Optional[dist.ProcessGroup],
                foreach: Optional[bool] = None) -> Tensor:
     """The norm of every rank's gradients, the same tensor value on every rank.
@@ -95,21 +95,24 @@ def total_norm(counted: Iterable[Tuple[int, Tensor]], size: int, norm_type: floa
     Returns:
         the norm, on ``device``: a tensor of zero dimensions
     """
-    places, grads = zip(*counted) if counted else ((), ())
     vector = torch.zeros(2, size, dtype=torch.float64, device=device)
-    norms = norms_of(grads, norm_type, foreach)
-    if norms:
+    if counted:
+        places, grads = zip(*counted)
+        norms = norms_of(grads, norm_type, foreach)
         where = torch.tensor(places, device=device)
         vector[0, where] = torch.stack([n.to(device, torch.float64) for n in norms])
         vector[1, where] = torch.tensor([DTYPES.index(n.dtype) + 1.0 for n in norms],
                                         dtype=torch.float64, device=device)
     dist.all_reduce(vector, group=group)
-    values, codes = vector.tolist()
-    everyone = [torch.tensor(value, dtype=DTYPES[int(code) - 1], device=device)
-                for value, code in zip(values, codes) if code]
-    if not everyone:
+    present = vector[1] > 0
+    values, codes = vector[0, present], (vector[1, present] - 1).long().tolist()
+    if not codes:
         return torch.tensor(0.0, device=device)
-    total: Tensor = torch.linalg.vector_norm(torch.stack(in_torch_order(everyone)), norm_type)
+    if len(set(codes)) == 1:  # the usual case: the stack of the norms, as they were
+        stacked = values.to(DTYPES[codes[0]])
+    else:
+        stacked = torch.stack(in_torch_order([v.to(DTYPES[c]) for v, c in zip(values, codes)]))
+    total: Tensor = torch.linalg.vector_norm(stacked, norm_type)
     return total
 
 

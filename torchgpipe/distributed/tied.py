@@ -18,7 +18,7 @@ same sum, bit for bit, which an optimizer then turns into the same update::
 
 The sum is the gradient of the one parameter in one process, bit for bit:
 ``train_step`` in one process adds it in the same order
-(:func:`torchgpipe.tied.shares_apart`). (Partitions of one rank that use a
+(``torchgpipe.tied.shares_apart``). (Partitions of one rank that use a
 tied parameter add into one gradient, in the order the rank runs them.)
 
 A gradient left by earlier steps (accumulated without ``zero_grad()``) is set
