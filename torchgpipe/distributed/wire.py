@@ -23,8 +23,7 @@ the actions that will take them::
                                       ▲ receives Activation(0, 3) first: kept
 """
 import time
-from datetime import timedelta
-from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -32,8 +31,9 @@ from torch import Tensor
 
 from torchgpipe.distributed.blocks import Blocks
 from torchgpipe.distributed.faults import (Disconnected, PeerFailed, TimedOut, disconnected,
-                                           lost, waiting_for)
+                                           failed, lost, lost_in, timed_out, waiting_for)
 from torchgpipe.distributed.codec import Unreadable, decode, dump_header, encode, load_header
+from torchgpipe.distributed.waiting import Waiter, Watch
 from torchgpipe.train.mailbox import (Activation, Gradient, Key, Mailbox, Skip, SkipGradient,
                                       SkipKey)
 
@@ -74,6 +74,9 @@ class Wire(Mailbox):
         #: the layers), while a skip's namespace differs from process to process.
         self.skips = list(routes)
         self.index = {key: k for k, key in enumerate(self.skips)}
+        #: Whether this rank has told the others why it stops (see tell).
+        self.told = False
+        channels.alarm = self.tell
 
     def ends(self, key: Key) -> Route:
         """The partitions a message goes from and to."""
@@ -131,10 +134,80 @@ class Wire(Mailbox):
         """
         rank = self.ranks[j]
         with lost(rank, j, doing):
-            kind, message = self.channels.receive(rank)
+            try:
+                kind, message = self.channels.receive(rank, waiting={'waiting': [rank, j]})
+            except TimedOut:
+                kind, message = 'failure', None
         if kind == 'failure':
-            raise PeerFailed(f'rank {rank} (partition {j}) failed: {message}')
+            raise self.blame(j, doing, message)
+        if self.told:
+            # It came after the deadline, once this rank had told the others
+            # it waits for it: too late, the step is over.
+            raise timed_out([(rank, j)], doing, self.channels.timeout or 0.0)
         return message
+
+    def blame(self, j: int, doing: str, word: Any) -> PeerFailed:
+        """What to raise when the rank of partition ``j`` sent word of its
+        failure (``word``: see :meth:`tell`), or nothing (``None``) by the step's deadline.
+
+        The rank at fault may be another: every rank's deadline falls at
+        about the same moment, so a rank that waits for one waiting in turn
+        for a stopped rank times out with it, and hears from neither. So a
+        rank that times out, or hears that the rank it waits for did, first
+        tells every other rank whom it waits for; then, within a grace of
+        one more step timeout, it hears the rank it waited for, and the one
+        that rank waited for, and so on, until a rank says it failed (named,
+        as it said), or sends nothing, or a message instead (named as the
+        one that did not answer). The grace is long enough: ranks start a
+        step less than a timeout apart (they wait for each other's first
+        word), so their deadlines fall less than a timeout apart::
+
+            rank 0  waits for 1 ── deadline: "0 waits for 1" ── hears "1 waits for 2"
+            rank 1  waits for 2 ── deadline: "1 waits for 2" ──┐    hears nothing from 2 │
+            rank 2  stopped                                    └─ both name rank 2 ──────┘
+        """
+        seconds = self.channels.timeout or 0.0
+        chain: List[Tuple[int, int]] = [(self.ranks[j], j)]
+        if self.channels.closed():
+            # Told at the deadline, then given the grace: that rank sent nothing.
+            return timed_out(chain, doing, seconds)
+        if word is not None:
+            word = checked(word, chain[0][0])
+        if word is None or 'waiting' in word:
+            self.tell({'waiting': list(chain[0])})
+        until = time.monotonic() + seconds
+        while True:
+            rank = chain[-1][0]
+            if word is None:
+                try:
+                    word = self.word(rank, until, stale=len(chain) > 1)
+                except Disconnected as exc:
+                    return lost_in(chain, doing, exc)
+                if word is None:
+                    return timed_out(chain, doing, seconds)
+            if 'waiting' not in word:
+                return failed(chain, doing, word)
+            link = (word['waiting'][0], word['waiting'][1])
+            if link[0] == self.me or link[0] in (r for r, _ in chain):
+                # Waiting for each other: no rank that started it.
+                return timed_out(chain, doing, seconds)
+            chain.append(link)
+            word = None
+
+    def word(self, rank: int, until: float, stale: bool) -> Optional[Dict[str, Any]]:
+        """The word ``rank`` sends next, by ``until``; ``None`` if none, or
+        if it sends a message first, unless ``stale`` (then skipped: the
+        messages it sent this rank before it stopped).
+        """
+        while True:
+            try:
+                kind, message = self.channels.receive(rank, until)
+            except TimedOut:
+                return None
+            if kind == 'failure':
+                return checked(message, rank)
+            if not stale:
+                return None
 
     def finish(self, result: Any, shares: Optional[Dict[int, Any]] = None,
                ) -> Tuple[Any, Dict[int, Any]]:
@@ -166,6 +239,7 @@ class Wire(Mailbox):
         with lost(None, None, "waiting for this rank's messages to arrive"):
             self.channels.wait_sent()
         self.channels.blocks.trim()
+        self.channels.close()
         return result, received
 
     def agree(self, signature: Any) -> None:
@@ -187,6 +261,7 @@ class Wire(Mailbox):
             # back to the pool, for the next step's messages.
             with lost(None, None, "waiting for this rank's messages to arrive"):
                 self.channels.wait_sent()
+            self.channels.close()
             steps = '; '.join(f'rank {rank}: {step}' for rank, step in
                               sorted({self.me: signature, **others}.items()))
             raise Mismatch(f'the ranks of the pipeline run different steps ({steps}); give '
@@ -200,10 +275,25 @@ class Wire(Mailbox):
         messages are left). The caller keeps ``channels`` alive, so that
         their buffers outlive them.
         """
-        description = f'{type(error).__name__}: {error}'
+        rank = error.rank if isinstance(error, PeerFailed) else self.me
+        self.tell({'error': f'{type(error).__name__}: {error}', 'rank': rank})
+        self.channels.close()
+
+    def tell(self, word: Dict[str, Any]) -> None:
+        """Sends every other rank word of this one's failure, once.
+
+        A word is either ``{'error': description, 'rank': the rank at fault}``
+        (``None``: unknown), or ``{'waiting': [rank, partition]}``: this
+        rank stops, having waited for that rank's partition within the step
+        timeout (or for a rank that did so in turn), and its receivers
+        follow the waiting on (see :meth:`blame`).
+        """
+        if self.told:
+            return
+        self.told = True
         for rank in self.others:
             try:
-                self.channels.send(rank, 'failure', description)
+                self.channels.send(rank, 'failure', word)
             except Disconnected:
                 pass  # that rank is gone already
 
@@ -249,10 +339,18 @@ class Channels:
         self.capacities = capacities
         self.blocks = blocks
         self.exact = dist.get_backend(group) == 'nccl'
-        #: Sends in flight, with what they send.
-        self.sending: List[Tuple[Any, Tensor]] = []
-        #: The buffer of the receive in flight, if any.
-        self.receiving: Optional[Tensor] = None
+        #: Sends in flight, with what they send, and to whom.
+        self.sending: List[Tuple[Any, Tensor, int]] = []
+        #: Receives still running after a deadline, by rank, with their
+        #: buffers: the next receive from that rank waits for it again.
+        #: After a failed step, the abandoned channels keep them (see
+        #: DistributedGPipe): they may still write their buffers.
+        self.pending: Dict[int, Tuple[Any, Tensor]] = {}
+        self.waiter = Waiter(threaded=not self.exact)
+        #: Called at the deadline with the word of what this rank waits for then.
+        self.alarm: Callable[[Any], None] = lambda word: None
+        self.watch = None if self.deadline is None or self.exact else \
+            Watch(self.deadline, cast(float, timeout), lambda word: self.alarm(word), group)
 
     def capacity(self, rank: int) -> int:
         return self.capacities.setdefault(rank, SMALL)
@@ -296,25 +394,37 @@ class Channels:
     def post_send(self, rank: int, buffer: Tensor) -> None:
         with disconnected():
             work = dist.isend(buffer, rank, group=self.group)
-        self.sending.append((work, buffer))
+        self.sending.append((work, buffer, rank))
 
-    def receive(self, rank: int) -> Tuple[str, Any]:
-        """Waits for the next message from ``rank``; returns its kind and the message.
+    def receive(self, rank: int, until: Optional[float] = None, waiting: Any = None,
+                ) -> Tuple[str, Any]:
+        """Waits for the next message from ``rank``, until ``until`` (by
+        ``time.monotonic()``; default: the step's deadline, and the grace
+        after it, if ``rank`` was still waited for then: see
+        :class:`~torchgpipe.distributed.waiting.Watch`); returns its kind
+        and the message. ``waiting``: the word to tell the others if the
+        deadline passes during the wait.
 
         Raises:
-            Disconnected: the connection broke (TimedOut: the step timed out)
+            Disconnected: the connection broke (TimedOut: nothing came by
+                then; the receive runs on, for the next from ``rank``)
         """
         # Not received ahead of time, while the rank computes: on CPU ranks
         # the transfer then takes a core from the computation, and measured
         # 1F1B steps 7-10 % slower (docs/scaling_out.rst, "Measured").
         while True:
-            buffer = self.buffer(self.capacity(rank))
-            # Kept while the receive may still write it: after a timeout,
-            # the abandoned channels keep it (see DistributedGPipe).
-            self.receiving = buffer
-            with disconnected():
-                self.wait(dist.irecv(buffer, rank, group=self.group))
-            self.receiving = None
+            if rank in self.pending:
+                work, buffer = self.pending.pop(rank)
+            else:
+                buffer = self.buffer(self.capacity(rank))
+                with disconnected():
+                    work = dist.irecv(buffer, rank, group=self.group)
+            try:
+                with disconnected():
+                    self.wait(work, until, rank, waiting)
+            except TimedOut:
+                self.pending[rank] = (work, buffer)
+                raise
             try:
                 kind, tensors, body = self.parse(buffer)
             except Unreadable as exc:
@@ -358,30 +468,71 @@ class Channels:
 
     def wait_sent(self) -> None:
         """Waits for every send to arrive."""
-        for work, _ in self.sending:
+        for work, _, rank in self.sending:
             with disconnected():
-                self.wait(work)
+                self.wait(work, rank=rank)
         self.sending.clear()
 
-    def wait(self, work: Optional[dist.Work]) -> None:
-        """Waits for a point-to-point operation to end, until the step's deadline.
+    def wait(self, work: Optional[dist.Work], until: Optional[float] = None, rank: int = -1,
+             waiting: Any = None) -> None:
+        """Waits for a point-to-point operation with ``rank`` to end, until
+        ``until`` (default: the step's deadline), leaving the connections
+        whole until then (:mod:`~torchgpipe.distributed.waiting`).
+
+        ``waiting``: with the default deadline, a receive's word to tell the
+        others if the deadline passes; it then waits on for the grace.
+        Without it, the deadline ends the wait at once.
 
         Raises:
-            TimedOut: the deadline passed (gloo then closes the connection)
+            TimedOut: it did not end by then; it runs on, unless the
+                connections are closed (:meth:`closed`)
             RuntimeError: the operation failed
         """
         assert work is not None
-        if self.deadline is None:
-            work.wait()
-            return
-        left = self.deadline - time.monotonic()
-        try:
-            # Not zero: a wait without time left would fail at once.
-            work.wait(timeout=timedelta(seconds=max(left, 0.001)))
-        except RuntimeError as exc:
-            if time.monotonic() < self.deadline:
+        if until is None and self.watch is not None and self.watch.block(rank, waiting):
+            try:
+                work.wait()
+            except RuntimeError as exc:
+                if self.watch.closed:
+                    raise TimedOut(str(exc), cast(float, self.timeout)) from exc
                 raise
-            raise TimedOut(str(exc), cast(float, self.timeout)) from exc
+            finally:
+                self.watch.unblock()
+            return
+        until = self.deadline if until is None else until
+        if until is None:
+            work.wait()
+        elif not self.waiter.wait(work, until):
+            raise TimedOut('no message by the deadline', self.timeout or 0.0)
+
+    def closed(self) -> bool:
+        """Whether the step's deadline and its grace have passed during a
+        wait, closing the connections."""
+        return self.watch is not None and self.watch.closed
+
+    def close(self) -> None:
+        """Ends the watch of this step's deadline, and lets its waiting thread end."""
+        self.waiter.close()
+        if self.watch is not None:
+            self.watch.end()
+
+
+def checked(word: Any, rank: int) -> Dict[str, Any]:
+    """``word``, if it is a word of failure as :meth:`Wire.tell` sends them.
+
+    Raises:
+        Unreadable: it is not
+    """
+    if isinstance(word, dict):
+        if set(word) == {'error', 'rank'} and isinstance(word['error'], str) and \
+                (word['rank'] is None or type(word['rank']) is int):
+            return word
+        link = word.get('waiting')
+        if set(word) == {'waiting'} and type(link) is list and len(link) == 2 and \
+                all(type(x) is int for x in link):
+            return word
+    raise Unreadable(f'a word of failure from rank {rank} is none this library sends: '
+                     f'{word!r}'[:300])
 
 
 def owned(message: Any) -> Any:
