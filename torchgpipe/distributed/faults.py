@@ -11,7 +11,7 @@ A step across processes ends on every rank, whatever happens on one:
 - a rank that waits for another which waits in turn names the rank where
   the waiting starts, and the ranks between (:func:`timed_out`).
 
-Whatever the error, :attr:`PeerFailed.rank` is the rank at fault, as named.
+Whatever the error, ``PeerFailed.rank`` is the rank at fault, as named.
 
 Point-to-point operations raise ``RuntimeError`` for all of these, as
 anything else may; :func:`disconnected` marks theirs.
@@ -78,7 +78,7 @@ def lost(rank: Optional[int], j: Optional[int], doing: str) -> Iterator[None]:
     """Raises a broken or timed-out connection to ``rank`` (any: ``None``) as PeerFailed.
 
     torch.distributed raises it sending as receiving (gloo: "Connection
-    closed by peer"), and :class:`~torchgpipe.distributed.wire.Channels` as
+    closed by peer"), and :class:`~torchgpipe.distributed.channels.Channels` as
     :class:`Disconnected`: code that restarts a job on ``PeerFailed`` must
     see it as one.
     """

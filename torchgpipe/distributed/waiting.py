@@ -88,7 +88,7 @@ class Waiter:
     def __init__(self, threaded: bool) -> None:
         self.threaded = threaded
         self.helper: Optional[Helper] = None
-        #: The operations still running at a deadline, by ``id``.
+        # The operations still running at a deadline, by ``id``.
         self.left: Dict[int, Pending] = {}
 
     def wait(self, work: dist.Work, until: float) -> bool:
@@ -195,14 +195,14 @@ class Watch:
         #: What the step's thread waits for without a timeout, and from which rank.
         self.blocked: Optional[Any] = None
         self.rank = -1
-        #: Whether the deadline has passed: then waits are bounded.
+        #: Whether the deadline has passed (then waits are bounded).
         self.expired = False
         #: Whether the watch closed the connections.
         self.closed = False
         TIMERS.at(deadline, self.expire)
 
     def block(self, rank: int, what: Any) -> bool:
-        """Before a wait without a timeout for ``rank``; ``what``: for :attr:`alarm`
+        """Before a wait without a timeout for ``rank``; ``what``: for ``alarm``
         (``None``: close the connections at the deadline, without grace).
 
         Returns:
