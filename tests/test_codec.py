@@ -22,7 +22,7 @@ from torchgpipe import NoChunk
 from torchgpipe.copy import Ready
 from torchgpipe.distributed.codec import (Unreadable, Unsendable, decode, dump_header, encode,
                                           load_header)
-from torchgpipe.distributed.wire import SMALL
+from torchgpipe.distributed.channels import SMALL
 from torchgpipe.microbatch import Batch
 from torchgpipe.train.mailbox import Activation, Gradient, Parcel, Reply
 

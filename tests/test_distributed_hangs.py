@@ -2,32 +2,46 @@
 
 A rank stopped mid-step (SIGSTOP: a hung layer, a paused machine) ends the
 others within their step timeout, each naming the rank, its partition, and
-the message it waited for. Ranks given different mini-batches, chunks or
-schedules all refuse the step before any of its messages, and train on
-once they agree.
+the message it waited for; a rank that waited for another, itself waiting
+for the stopped one, names the stopped one too, wherever it stands in the
+pipeline, in a forward or a backward pass, under every schedule. Ranks
+given different mini-batches, chunks or schedules all refuse the step
+before any of its messages, and train on once they agree.
 """
 import os
 import re
 import signal
 import time
 from datetime import timedelta
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from process_group import no_child_left  # noqa: F401 (an autouse fixture)
 from process_group import run_distributed
 from test_distributed import FEATURES
 from test_distributed_pipe import CHUNKS, Fault, batch
-from torchgpipe.distributed import DistributedGPipe, StepTimeout
+from torchgpipe.distributed import DistributedGPipe, PeerFailed, StepTimeout
 
 pytestmark = pytest.mark.timeout(120)
 
 TIMEOUT = 3.0
+# For the many stops of test_every_rank_names_the_stopped_one: each costs
+# the timeout and its grace, with steps of a few milliseconds to time out.
+SHORT = 1.5
+
+
+def warm_up(world_size: int) -> None:
+    """A process's first step takes seconds on a loaded machine (first calls,
+    first connections): taken without a timeout."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(FEATURES, FEATURES).double() for _ in range(world_size)]
+    DistributedGPipe(nn.Sequential(*layers), [1] * world_size, chunks=CHUNKS).train_step(
+        *batch(0), F.mse_loss)
 
 
 def stopped_mid_step(rank: int, world_size: int) -> Dict[str, Any]:
@@ -83,6 +97,135 @@ def test_a_stopped_rank_ends_every_other_within_the_step_timeout() -> None:
             r'stuck, or far behind', result['error']), result
     # Not a timing claim: a bound far above the timeout, far below the group's.
     assert first['seconds'] < 10 * TIMEOUT and last['seconds'] < 10 * TIMEOUT
+
+
+def stop() -> None:
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+class StopInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        stop()
+        return grad
+
+
+class Stop(nn.Module):
+    """Once armed, stops rank ``rank`` (SIGSTOP) in the forward or the backward
+    pass of its second micro-batch; the identity elsewhere."""
+
+    def __init__(self, rank: int, direction: str) -> None:
+        super().__init__()
+        self.rank, self.direction = rank, direction
+        self.armed = False
+        self.calls = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.armed or dist.get_rank() != self.rank:
+            return x
+        self.calls += 1
+        if self.calls != 2:
+            return x
+        if self.direction == 'forward':
+            stop()
+            return x
+        return StopInBackward.apply(x)
+
+
+#: A case: the rank stopped, the pass it stops in, the schedule.
+Case = Tuple[int, str, str]
+SCHEDULES = ['fill_drain', '1f1b', 'zb_h1']
+# Every position, in both passes, under every schedule, on 3 ranks (first,
+# middle and last, each waited for directly by a neighbour and through it by
+# the rank beyond). On 4 ranks, where the waiting may pass through two ranks
+# before reaching the stopped one, every position in both passes, the
+# schedule turning with the case: each schedule meets the stop at an end and
+# in the middle, in a forward and in a backward pass.
+THREE: List[Case] = [(r, d, s) for r in range(3) for d in ('forward', 'backward')
+                     for s in SCHEDULES]
+FOUR: List[Case] = [(r, d, SCHEDULES[(2 * r + k) % 3]) for r in range(4)
+                    for k, d in enumerate(('forward', 'backward'))]
+
+
+def stopped_anywhere(rank: int, world_size: int, cases: List[Case],
+                     ) -> List[Optional[Dict[str, Any]]]:
+    """For each case, a fresh pipeline of a layer per rank, whose second step
+    stops a rank; returns what each other rank raised, and when.
+
+    The stopped rank is resumed (SIGCONT) once every other has raised, and
+    ends its step as it may; then the ranks go on to the next case, with new
+    connections (a process group of its own).
+    """
+    pids: List[Any] = [None] * world_size
+    dist.all_gather_object(pids, os.getpid())
+    # Made by every rank alike, in the same order, before any stop.
+    survivors = [dist.new_group([r for r in range(world_size) if r != s])
+                 for s in range(world_size)]
+    warm_up(world_size)
+    results: List[Optional[Dict[str, Any]]] = []
+    for stopped, direction, schedule in cases:
+        group = dist.new_group()
+        torch.manual_seed(0)
+        stops = [Stop(stopped, direction) for _ in range(world_size)]
+        layers: List[nn.Module] = []
+        for s in stops:
+            layers += [nn.Linear(FEATURES, FEATURES).double(), s]
+        pipe = DistributedGPipe(nn.Sequential(*layers), [2] * world_size, chunks=CHUNKS,
+                                checkpoint='never', group=group, timeout=SHORT)
+        # The rank stopped before may still be ending its step.
+        dist.barrier()
+        pipe.train_step(*batch(0), F.mse_loss, schedule=schedule)  # connects the ranks
+        for s in stops:
+            s.armed = True
+        start = time.monotonic()
+        if rank == stopped:
+            try:
+                pipe.train_step(*batch(1), F.mse_loss, schedule=schedule)
+            except Exception:  # resumed: the others are gone
+                pass
+            results.append(None)
+            continue
+        try:
+            pipe.train_step(*batch(1), F.mse_loss, schedule=schedule)
+        except PeerFailed as exc:
+            results.append({'type': type(exc).__name__, 'error': str(exc),
+                            'rank': getattr(exc, 'rank', None),
+                            'seconds': time.monotonic() - start})
+        dist.barrier(group=survivors[stopped])  # every other rank has raised
+        if rank == min(r for r in range(world_size) if r != stopped):
+            os.kill(pids[stopped], signal.SIGCONT)
+    return results
+
+
+def check_blame(cases: List[Case], ranks: List[List[Optional[Dict[str, Any]]]]) -> None:
+    """Every other rank raised StepTimeout naming the stopped rank first."""
+    wrong = []
+    for k, (stopped, direction, schedule) in enumerate(cases):
+        for rank, results in enumerate(ranks):
+            result = results[k]
+            if rank == stopped or result is not None and result['type'] == 'StepTimeout' and \
+                    re.fullmatch(
+                        rf'rank {stopped} \(partition {stopped}\) did not answer within the '
+                        rf'step timeout \({SHORT:g} s\), while this rank was waiting for '
+                        r'.+: it is stopped, stuck, or far behind', result['error']) and \
+                    result['rank'] == stopped and \
+                    result['seconds'] < 10 * SHORT:  # far above the timeout and its grace
+                continue
+            wrong.append(f'rank {stopped} stopped in a {direction} pass under {schedule}: '
+                         f'rank {rank} raised {result}')
+    assert not wrong, f'{len(wrong)} of {len(cases) * (len(ranks) - 1)}:\n' + '\n'.join(wrong)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize('world_size, cases', [(3, THREE), (4, FOUR)], ids=['3', '4'])
+def test_every_rank_names_the_stopped_one(world_size: int, cases: List[Case]) -> None:
+    ranks = run_distributed(stopped_anywhere, cases, world_size=world_size,
+                            timeout=60 + 10 * SHORT * len(cases))
+    check_blame(cases, ranks)
 
 
 def disagreeing(rank: int, world_size: int) -> List[str]:

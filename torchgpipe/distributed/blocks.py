@@ -1,7 +1,7 @@
 """Blocks: CPU memory for the wire's messages, reused once no tensor views it.
 
 Every message between two ranks is a buffer of bytes (see
-:class:`~torchgpipe.distributed.wire.Channels`), and the tensors a rank
+:class:`~torchgpipe.distributed.channels.Channels`), and the tensors a rank
 receives are views of it, used by its partition until their backward pass.
 Allocating a fresh megabyte buffer per message costs page faults on every
 step, unless the C allocator happens to keep freed memory for reuse (glibc

@@ -1,6 +1,6 @@
 """The header of a message between ranks: data only, which a peer's bytes can never make code.
 
-A message (:class:`~torchgpipe.distributed.wire.Channels`) is its header,
+A message (:class:`~torchgpipe.distributed.channels.Channels`) is its header,
 then the bytes of its tensors. The header is JSON: the message's kind, the
 shape and type of each tensor, and the message itself with each tensor
 replaced by its index. JSON holds numbers, strings, lists, ``true``,

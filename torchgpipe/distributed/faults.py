@@ -7,13 +7,17 @@ A step across processes ends on every rank, whatever happens on one:
   :class:`PeerFailed` naming the rank lost and what this rank was doing;
 - a rank that sends nothing within the step timeout (stopped, stuck in a
   layer) is a :class:`StepTimeout`, naming the rank, its partition, and the
-  message this rank waited for (its micro-batch, and the action it is for).
+  message this rank waited for (its micro-batch, and the action it is for);
+- a rank that waits for another which waits in turn names the rank where
+  the waiting starts, and the ranks between (:func:`timed_out`).
+
+Whatever the error, ``PeerFailed.rank`` is the rank at fault, as named.
 
 Point-to-point operations raise ``RuntimeError`` for all of these, as
 anything else may; :func:`disconnected` marks theirs.
 """
 from contextlib import contextmanager
-from typing import Iterator, List, Optional
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 from torchgpipe.train.mailbox import Activation, Gradient, Key, Skip, SkipGradient
 from torchgpipe.train.schedule import Action, Kind
@@ -22,7 +26,16 @@ __all__: List[str] = []
 
 
 class PeerFailed(RuntimeError):
-    """Another rank of the pipeline failed during the step, or stopped answering."""
+    """Another rank of the pipeline failed during the step, or stopped answering.
+
+    Attributes:
+        rank (int or None): the global rank at fault, the one the message
+            names first (``None``: unknown)
+    """
+
+    def __init__(self, message: str, rank: Optional[int] = None) -> None:
+        super().__init__(message)
+        self.rank = rank
 
 
 class StepTimeout(PeerFailed):
@@ -65,19 +78,58 @@ def lost(rank: Optional[int], j: Optional[int], doing: str) -> Iterator[None]:
     """Raises a broken or timed-out connection to ``rank`` (any: ``None``) as PeerFailed.
 
     torch.distributed raises it sending as receiving (gloo: "Connection
-    closed by peer"), and :class:`~torchgpipe.distributed.wire.Channels` as
+    closed by peer"), and :class:`~torchgpipe.distributed.channels.Channels` as
     :class:`Disconnected`: code that restarts a job on ``PeerFailed`` must
     see it as one.
     """
     try:
         yield
+    except TimedOut as exc:
+        raise timed_out([(rank, j)], doing, exc.seconds) from exc
     except Disconnected as exc:
-        peer = 'a rank' if rank is None else f'rank {rank} (partition {j})'
-        if isinstance(exc, TimedOut):
-            raise StepTimeout(f'{peer} did not answer within the step timeout '
-                              f'({exc.seconds:g} s), while this rank was {doing}: it is '
-                              'stopped, stuck, or far behind') from exc
-        raise PeerFailed(f'lost {peer} while {doing}: {exc}') from exc
+        raise lost_in([(rank, j)], doing, exc) from exc
+
+
+#: The ranks a rank waited for, each with the partition waited for: the
+#: first, then the rank that one waited for in turn, and so on.
+Chain = Sequence[Tuple[Optional[int], Optional[int]]]
+
+
+def peer(rank: Optional[int], j: Optional[int]) -> str:
+    return 'a rank' if rank is None else f'rank {rank} (partition {j})'
+
+
+def via(chain: Chain) -> str:
+    """Whom the waiting went through, before the last rank of ``chain``: ``''`` if none."""
+    if len(chain) < 2:
+        return ''
+    return f' from {peer(*chain[0])}' + ''.join(f', which was waiting for {peer(*link)}'
+                                               for link in chain[1:])
+
+
+def timed_out(chain: Chain, doing: str, seconds: float) -> 'StepTimeout':
+    """The last rank of ``chain`` sent nothing within the step timeout.
+
+    ``doing``: what this rank waited for, from the first rank of ``chain``.
+    """
+    return StepTimeout(f'{peer(*chain[-1])} did not answer within the step timeout '
+                       f'({seconds:g} s), while this rank was {doing}{via(chain)}: it is '
+                       'stopped, stuck, or far behind', chain[-1][0])
+
+
+def lost_in(chain: Chain, doing: str, error: BaseException) -> PeerFailed:
+    """The connection to the last rank of ``chain`` broke."""
+    return PeerFailed(f'lost {peer(*chain[-1])} while {doing}{via(chain)}: {error}',
+                      chain[-1][0])
+
+
+def failed(chain: Chain, doing: str, word: Any) -> PeerFailed:
+    """The last rank of ``chain`` sent word of its failure (``word['error']``)."""
+    rank = chain[-1][0] if word['rank'] is None else word['rank']
+    if len(chain) < 2:
+        return PeerFailed(f'{peer(*chain[-1])} failed: {word["error"]}', rank)
+    return PeerFailed(f'{peer(*chain[-1])} failed, while this rank was {doing}{via(chain)}: '
+                      f'{word["error"]}', rank)
 
 
 def waiting_for(key: Key) -> str:

@@ -6,8 +6,9 @@ the partitions of one process, whose neighbours may live in other processes:
 a message to another rank is described with its key in a header of data
 alone (:mod:`torchgpipe.distributed.codec`), its tensors apart, and sent
 with torch.distributed's point-to-point operations as one buffer
-(:class:`Channels`); a message between two partitions of this process (two
-virtual stages of one rank) stays in the mailbox.
+(:class:`~torchgpipe.distributed.channels.Channels`); a message between
+two partitions of this process (two virtual stages of one rank) stays in
+the mailbox.
 
 Sends never wait (``isend``): a rank only waits for what it needs, so a
 schedule that :meth:`~torchgpipe.schedules.Schedule.check` accepts runs
@@ -23,17 +24,15 @@ the actions that will take them::
                                       ▲ receives Activation(0, 3) first: kept
 """
 import time
-from datetime import timedelta
 from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 
-import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from torchgpipe.distributed.blocks import Blocks
-from torchgpipe.distributed.faults import (Disconnected, PeerFailed, TimedOut, disconnected,
-                                           lost, waiting_for)
-from torchgpipe.distributed.codec import Unreadable, decode, dump_header, encode, load_header
+# Channels: imported from here too, by DistributedGPipe.
+from torchgpipe.distributed.channels import Channels as Channels
+from torchgpipe.distributed.faults import (Disconnected, PeerFailed, TimedOut, failed, lost,
+                                           lost_in, timed_out, waiting_for)
+from torchgpipe.distributed.codec import Unreadable
 from torchgpipe.train.mailbox import (Activation, Gradient, Key, Mailbox, Skip, SkipGradient,
                                       SkipKey)
 
@@ -47,10 +46,6 @@ class Mismatch(ValueError):
     """The ranks of a pipeline were called for different steps."""
 
 
-#: The capacity a channel starts with, in bytes: enough for a message without tensors.
-SMALL = 4096
-
-
 class Wire(Mailbox):
     """The mailbox of this process's partitions, whose neighbours may be in other processes.
 
@@ -61,7 +56,7 @@ class Wire(Mailbox):
         routes: the route of each skip that crosses partitions, by key
     """
 
-    def __init__(self, channels: 'Channels', ranks: Sequence[int], me: int,
+    def __init__(self, channels: Channels, ranks: Sequence[int], me: int,
                  routes: Dict[SkipKey, Route]) -> None:
         super().__init__()
         self.channels = channels
@@ -74,6 +69,9 @@ class Wire(Mailbox):
         #: the layers), while a skip's namespace differs from process to process.
         self.skips = list(routes)
         self.index = {key: k for k, key in enumerate(self.skips)}
+        #: Whether this rank has told the others why it stops (see tell).
+        self.told = False
+        channels.alarm = self.tell
 
     def ends(self, key: Key) -> Route:
         """The partitions a message goes from and to."""
@@ -131,10 +129,80 @@ class Wire(Mailbox):
         """
         rank = self.ranks[j]
         with lost(rank, j, doing):
-            kind, message = self.channels.receive(rank)
+            try:
+                kind, message = self.channels.receive(rank, waiting={'waiting': [rank, j]})
+            except TimedOut:
+                kind, message = 'failure', None
         if kind == 'failure':
-            raise PeerFailed(f'rank {rank} (partition {j}) failed: {message}')
+            raise self.blame(j, doing, message)
+        if self.told:
+            # It came after the deadline, once this rank had told the others
+            # it waits for it: too late, the step is over.
+            raise timed_out([(rank, j)], doing, self.channels.timeout or 0.0)
         return message
+
+    def blame(self, j: int, doing: str, word: Any) -> PeerFailed:
+        """What to raise when the rank of partition ``j`` sent word of its
+        failure (``word``: see :meth:`tell`), or nothing (``None``) by the step's deadline.
+
+        The rank at fault may be another: every rank's deadline falls at
+        about the same moment, so a rank that waits for one waiting in turn
+        for a stopped rank times out with it, and hears from neither. So a
+        rank that times out, or hears that the rank it waits for did, first
+        tells every other rank whom it waits for; then, within a grace of
+        one more step timeout, it hears the rank it waited for, and the one
+        that rank waited for, and so on, until a rank says it failed (named,
+        as it said), or sends nothing, or a message instead (named as the
+        one that did not answer). The grace is long enough: ranks start a
+        step less than a timeout apart (they wait for each other's first
+        word), so their deadlines fall less than a timeout apart::
+
+            rank 0  waits for 1 ── deadline: "0 waits for 1" ── hears "1 waits for 2"
+            rank 1  waits for 2 ── deadline: "1 waits for 2" ──┐    hears nothing from 2 │
+            rank 2  stopped                                    └─ both name rank 2 ──────┘
+        """
+        seconds = self.channels.timeout or 0.0
+        chain: List[Tuple[int, int]] = [(self.ranks[j], j)]
+        if self.channels.closed():
+            # Told at the deadline, then given the grace: that rank sent nothing.
+            return timed_out(chain, doing, seconds)
+        if word is not None:
+            word = checked(word, chain[0][0])
+        if word is None or 'waiting' in word:
+            self.tell({'waiting': list(chain[0])})
+        until = time.monotonic() + seconds
+        while True:
+            rank = chain[-1][0]
+            if word is None:
+                try:
+                    word = self.word(rank, until, stale=len(chain) > 1)
+                except Disconnected as exc:
+                    return lost_in(chain, doing, exc)
+                if word is None:
+                    return timed_out(chain, doing, seconds)
+            if 'waiting' not in word:
+                return failed(chain, doing, word)
+            link = (word['waiting'][0], word['waiting'][1])
+            if link[0] == self.me or link[0] in (r for r, _ in chain):
+                # Waiting for each other: no rank that started it.
+                return timed_out(chain, doing, seconds)
+            chain.append(link)
+            word = None
+
+    def word(self, rank: int, until: float, stale: bool) -> Optional[Dict[str, Any]]:
+        """The word ``rank`` sends next, by ``until``; ``None`` if none, or
+        if it sends a message first, unless ``stale`` (then skipped: the
+        messages it sent this rank before it stopped).
+        """
+        while True:
+            try:
+                kind, message = self.channels.receive(rank, until)
+            except TimedOut:
+                return None
+            if kind == 'failure':
+                return checked(message, rank)
+            if not stale:
+                return None
 
     def finish(self, result: Any, shares: Optional[Dict[int, Any]] = None,
                ) -> Tuple[Any, Dict[int, Any]]:
@@ -166,6 +234,7 @@ class Wire(Mailbox):
         with lost(None, None, "waiting for this rank's messages to arrive"):
             self.channels.wait_sent()
         self.channels.blocks.trim()
+        self.channels.close()
         return result, received
 
     def agree(self, signature: Any) -> None:
@@ -187,6 +256,7 @@ class Wire(Mailbox):
             # back to the pool, for the next step's messages.
             with lost(None, None, "waiting for this rank's messages to arrive"):
                 self.channels.wait_sent()
+            self.channels.close()
             steps = '; '.join(f'rank {rank}: {step}' for rank, step in
                               sorted({self.me: signature, **others}.items()))
             raise Mismatch(f'the ranks of the pipeline run different steps ({steps}); give '
@@ -200,188 +270,45 @@ class Wire(Mailbox):
         messages are left). The caller keeps ``channels`` alive, so that
         their buffers outlive them.
         """
-        description = f'{type(error).__name__}: {error}'
+        rank = error.rank if isinstance(error, PeerFailed) else self.me
+        self.tell({'error': f'{type(error).__name__}: {error}', 'rank': rank})
+        self.channels.close()
+
+    def tell(self, word: Dict[str, Any]) -> None:
+        """Sends every other rank word of this one's failure, once.
+
+        A word is either ``{'error': description, 'rank': the rank at fault}``
+        (``None``: unknown), or ``{'waiting': [rank, partition]}``: this
+        rank stops, having waited for that rank's partition within the step
+        timeout (or for a rank that did so in turn), and its receivers
+        follow the waiting on (see :meth:`blame`).
+        """
+        if self.told:
+            return
+        self.told = True
         for rank in self.others:
             try:
-                self.channels.send(rank, 'failure', description)
+                self.channels.send(rank, 'failure', word)
             except Disconnected:
                 pass  # that rank is gone already
 
 
-class Channels:
-    """Messages to and from the other ranks of a group, each pair of ranks one ordered channel.
+def checked(word: Any, rank: int) -> Dict[str, Any]:
+    """``word``, if it is a word of failure as :meth:`Wire.tell` sends them.
 
-    A message is one buffer of bytes: the length of its header (the kind,
-    the shape and type of each tensor, the message with its tensors taken
-    out, in JSON: :mod:`~torchgpipe.distributed.codec`), the header, then
-    the tensors' bytes, each at an offset aligned for its type (the received
-    tensors are views of the buffer)::
-
-        | length | header | pad | tensor 0 | pad | tensor 1 | ...
-
-    A message is received when the step needs it. Not knowing its size, the
-    receiving rank receives into a buffer of the channel's *capacity*, which
-    both ends know: a message larger than it is preceded by a message that
-    raises it. NCCL, unlike gloo, receives only messages of the buffer's
-    exact size: for it every message is padded to the capacity. On the CPU, buffers are blocks of a
-    pool (:class:`~torchgpipe.distributed.blocks.Blocks`), reused once the
-    tensors viewing them are gone; on a GPU, the caching allocator reuses
-    memory the same way.
-
-    Args:
-        device: where buffers are (received tensors, and what NCCL sends)
-        group: the process group
-        capacities: the capacity of each channel, by global rank, kept by the
-            caller from step to step (both ends change it alike)
-        blocks: the pool of CPU buffers, kept by the caller from step to step
-        timeout: the step timeout, in seconds: every wait ends by then
-            (``None``: the process group's timeout, for each wait)
+    Raises:
+        Unreadable: it is not
     """
-
-    def __init__(self, device: torch.device, group: Optional[dist.ProcessGroup],
-                 capacities: Dict[int, int], blocks: Blocks,
-                 timeout: Optional[float] = None) -> None:
-        self.device = device
-        self.timeout = timeout
-        #: When the step times out, by ``time.monotonic()``.
-        self.deadline = None if timeout is None else time.monotonic() + timeout
-        self.group = group
-        self.capacities = capacities
-        self.blocks = blocks
-        self.exact = dist.get_backend(group) == 'nccl'
-        #: Sends in flight, with what they send.
-        self.sending: List[Tuple[Any, Tensor]] = []
-        #: The buffer of the receive in flight, if any.
-        self.receiving: Optional[Tensor] = None
-
-    def capacity(self, rank: int) -> int:
-        return self.capacities.setdefault(rank, SMALL)
-
-    def send(self, rank: int, kind: str, message: Any) -> None:
-        """Sends ``message`` to ``rank``, without waiting.
-
-        Raises:
-            Unsendable: the message holds a value a header cannot describe
-        """
-        tensors: List[Tensor] = []
-        data = dump_header(kind, tensors, encode(message, tensors))
-        offsets = []
-        end = align(8 + len(data))
-        for t in tensors:
-            offsets.append(end)
-            end = align(end + t.numel() * t.element_size())
-        if end > self.capacity(rank):
-            # It fits the buffer of the old capacity the receiver takes it in.
-            self.post_send(rank, self.pack(dump_header('grow', [], end), rank))
-            self.capacities[rank] = end
-        buffer = self.pack(data, rank, end)
-        for t, offset in zip(tensors, offsets):
-            view(buffer, offset, t.shape, t.dtype).copy_(t.detach())
-        self.post_send(rank, buffer)
-
-    def pack(self, data: bytes, rank: int, size: int = 0) -> Tensor:
-        """A buffer starting with ``data``'s length and ``data``, of ``size`` bytes at least."""
-        size = self.capacity(rank) if self.exact else max(size, align(8 + len(data)))
-        buffer = self.buffer(size)
-        head = bytearray(len(data).to_bytes(8, 'little') + data)
-        buffer[:len(head)].copy_(torch.frombuffer(head, dtype=torch.uint8))
-        return buffer
-
-    def buffer(self, size: int) -> Tensor:
-        """An uninitialized buffer of ``size`` bytes on the device."""
-        if self.device.type == 'cpu':
-            return self.blocks.take(size)
-        return torch.empty(size, dtype=torch.uint8, device=self.device)
-
-    def post_send(self, rank: int, buffer: Tensor) -> None:
-        with disconnected():
-            work = dist.isend(buffer, rank, group=self.group)
-        self.sending.append((work, buffer))
-
-    def receive(self, rank: int) -> Tuple[str, Any]:
-        """Waits for the next message from ``rank``; returns its kind and the message.
-
-        Raises:
-            Disconnected: the connection broke (TimedOut: the step timed out)
-        """
-        # Not received ahead of time, while the rank computes: on CPU ranks
-        # the transfer then takes a core from the computation, and measured
-        # 1F1B steps 7-10 % slower (docs/scaling_out.rst, "Measured").
-        while True:
-            buffer = self.buffer(self.capacity(rank))
-            # Kept while the receive may still write it: after a timeout,
-            # the abandoned channels keep it (see DistributedGPipe).
-            self.receiving = buffer
-            with disconnected():
-                self.wait(dist.irecv(buffer, rank, group=self.group))
-            self.receiving = None
-            try:
-                kind, tensors, body = self.parse(buffer)
-            except Unreadable as exc:
-                raise Unreadable(f'a message from rank {rank} is none this library writes '
-                                 f'({exc}); only the ranks of the pipeline may reach its ports'
-                                 ) from exc
-            if kind != 'grow':
-                break
-            self.capacities[rank] = body
-        try:
-            return kind, decode(body, tensors, self.device)
-        except Unreadable as exc:
-            raise Unreadable(f'a message from rank {rank} holds what no rank sends ({exc})'
-                             ) from exc
-
-    def parse(self, buffer: Tensor) -> Tuple[str, List[Tensor], Any]:
-        """A received message's kind, its tensors (views of ``buffer``) and its encoded body.
-
-        Raises:
-            Unreadable: the buffer holds no message of this library
-        """
-        length = int.from_bytes(read(buffer, 0, 8), 'little')
-        if not 0 < length <= buffer.numel() - 8:
-            raise Unreadable(f'a header of {length} bytes, in {buffer.numel()}')
-        kind, metas, body = load_header(bytes(read(buffer, 8, 8 + length)))
-        if kind not in ('message', 'failure', 'grow') or \
-                kind == 'grow' and not (isinstance(body, int) and body > 0):
-            raise Unreadable(f'a message of kind {kind!r}'[:200])
-        tensors = []
-        offset = align(8 + length)
-        for shape, dtype in metas:
-            numel = 1
-            for size in shape:
-                numel *= size
-            end = offset + numel * dtype.itemsize
-            if end > buffer.numel():
-                raise Unreadable(f'a tensor to byte {end}, in {buffer.numel()}')
-            tensors.append(view(buffer, offset, shape, dtype))
-            offset = align(end)
-        return kind, tensors, body
-
-    def wait_sent(self) -> None:
-        """Waits for every send to arrive."""
-        for work, _ in self.sending:
-            with disconnected():
-                self.wait(work)
-        self.sending.clear()
-
-    def wait(self, work: Optional[dist.Work]) -> None:
-        """Waits for a point-to-point operation to end, until the step's deadline.
-
-        Raises:
-            TimedOut: the deadline passed (gloo then closes the connection)
-            RuntimeError: the operation failed
-        """
-        assert work is not None
-        if self.deadline is None:
-            work.wait()
-            return
-        left = self.deadline - time.monotonic()
-        try:
-            # Not zero: a wait without time left would fail at once.
-            work.wait(timeout=timedelta(seconds=max(left, 0.001)))
-        except RuntimeError as exc:
-            if time.monotonic() < self.deadline:
-                raise
-            raise TimedOut(str(exc), cast(float, self.timeout)) from exc
+    if isinstance(word, dict):
+        if set(word) == {'error', 'rank'} and isinstance(word['error'], str) and \
+                (word['rank'] is None or type(word['rank']) is int):
+            return word
+        link = word.get('waiting')
+        if set(word) == {'waiting'} and type(link) is list and len(link) == 2 and \
+                all(type(x) is int for x in link):
+            return word
+    raise Unreadable(f'a word of failure from rank {rank} is none this library sends: '
+                     f'{word!r}'[:300])
 
 
 def owned(message: Any) -> Any:
@@ -396,25 +323,3 @@ def owned(message: Any) -> Any:
     if type(message) in (tuple, list):
         return type(message)(owned(x) for x in message)
     return message
-
-
-def align(offset: int) -> int:
-    """``offset`` rounded up to a multiple of 64 bytes, which suits any type's alignment."""
-    return -(-offset // 64) * 64
-
-
-def read(buffer: Tensor, start: int, stop: int) -> bytearray:
-    """A copy of ``buffer``'s bytes from ``start`` to ``stop``, on the host."""
-    # Through torch alone: Tensor.numpy() would need numpy, which torch does not.
-    data = bytearray(stop - start)
-    torch.frombuffer(data, dtype=torch.uint8).copy_(buffer[start:stop])
-    return data
-
-
-def view(buffer: Tensor, offset: int, shape: Any, dtype: torch.dtype) -> Tensor:
-    """The tensor of ``shape`` and ``dtype`` in ``buffer``'s bytes from ``offset``."""
-    numel = 1
-    for size in shape:
-        numel *= size
-    size = numel * torch.empty((), dtype=dtype).element_size()
-    return buffer[offset:offset + size].view(dtype).view(shape)
