@@ -71,20 +71,24 @@ def test_a_draw_of_another_thread_is_an_error(threaded: bool, when: str, how: st
     assert 'torch.Generator of its own' in str(caught.value)
 
 
+def assert_trains_as_quiet(drawn: nn.Sequential, quiet: nn.Sequential, threaded: bool,
+                           how: str) -> None:
+    """A step of ``drawn``, whose layer has another thread draw, gives the gradients of
+    ``quiet``, the same model without that thread, with the same seed."""
+    pipes = [GPipe(m, [3, 3], devices=cpu_devices(2, threaded), chunks=4, checkpoint='always')
+             for m in (drawn, quiet)]
+    for gpipe in pipes:
+        torch.manual_seed(5)
+        step(gpipe, how)
+    for a, b in zip(pipes[0].parameters(), pipes[1].parameters()):
+        assert torch.equal(a.grad, b.grad)
+
+
 @pytest.mark.parametrize('how', HOWS)
 def test_a_thread_with_a_generator_of_its_own_changes_nothing(threaded: bool, how: str) -> None:
     """The fix the message gives: the gradients are those of a model without the thread."""
     own = torch.Generator().manual_seed(1)
-    gpipe = GPipe(model('first', own), [3, 3], devices=cpu_devices(2, threaded), chunks=4,
-                  checkpoint='always')
-    quiet = GPipe(model('never'), [3, 3], devices=cpu_devices(2, threaded), chunks=4,
-                  checkpoint='always')
-    torch.manual_seed(5)
-    step(gpipe, how)
-    torch.manual_seed(5)
-    step(quiet, how)
-    for a, b in zip(gpipe.parameters(), quiet.parameters()):
-        assert torch.equal(a.grad, b.grad)
+    assert_trains_as_quiet(model('first', own), model('never'), threaded, how)
 
 
 def test_without_checkpoints_nothing_is_replayed_and_nothing_raised(threaded: bool) -> None:
@@ -103,13 +107,4 @@ def test_a_partition_that_draws_nothing_is_left_alone(threaded: bool, how: str) 
         torch.manual_seed(0)
         return nn.Sequential(nn.Linear(8, 8), DrawElsewhere(when), nn.Tanh(),
                              nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)).double()
-    drawn = GPipe(layers('first'), [3, 3], devices=cpu_devices(2, threaded), chunks=4,
-                  checkpoint='always')
-    quiet = GPipe(layers('never'), [3, 3], devices=cpu_devices(2, threaded), chunks=4,
-                  checkpoint='always')
-    torch.manual_seed(5)
-    step(drawn, how)
-    torch.manual_seed(5)
-    step(quiet, how)
-    for a, b in zip(drawn.parameters(), quiet.parameters()):
-        assert torch.equal(a.grad, b.grad)
+    assert_trains_as_quiet(layers('first'), layers('never'), threaded, how)
