@@ -29,7 +29,7 @@ same bits::
     partition 3 (uses)   g30 + g31 + ... ───► share 3 ─────┴─► master.grad + share 3
 """
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple, cast
+from typing import Any, Dict, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Tuple, cast
 
 import torch
 from torch import Tensor, nn
@@ -295,7 +295,12 @@ def tied_uses(partitions: Sequence[nn.Module]) -> List[TiedUses]:
 
 def tied_masters(partitions: Sequence[nn.Module]) -> List[nn.Parameter]:
     """The parameters that layers of several partitions use."""
-    masters = {id(m): m for hook in tied_uses(partitions) for m in hook.masters()}
+    return masters_of(tied_uses(partitions))
+
+
+def masters_of(hooks: Sequence[TiedUses]) -> List[nn.Parameter]:
+    """The parameters that the partitions of these hooks use, each once."""
+    masters = {id(m): m for hook in hooks for m in hook.masters()}
     return list(masters.values())
 
 
@@ -311,7 +316,7 @@ def shares_apart(partitions: Sequence[nn.Module]) -> Iterator[None]:
     worker thread per device, and across processes.
     """
     hooks = tied_uses(partitions)
-    masters = tied_masters(partitions)
+    masters = masters_of(hooks)
     kept = [m.grad for m in masters]
     for master in masters:
         master.grad = None
@@ -320,17 +325,27 @@ def shares_apart(partitions: Sequence[nn.Module]) -> Iterator[None]:
     try:
         yield
     finally:
-        with torch.no_grad():
-            for master, earlier in zip(masters, kept):
-                total = master.grad
-                for hook in hooks:
-                    share = cast(Dict[int, Tensor], hook.shares).get(id(master))
-                    if share is not None:
-                        share = share.to(master.device)
-                        total = share if total is None else total.add_(share)
-                master.grad = add(earlier, total)
+        for master, earlier in zip(masters, kept):
+            shares = (cast(Dict[int, Tensor], hook.shares).get(id(master)) for hook in hooks)
+            master.grad = add_in_order(earlier, [master.grad] + [
+                None if share is None else share.to(master.device) for share in shares])
         for hook in hooks:
             hook.shares = None
+
+
+def add_in_order(kept: Optional[Tensor], grads: Iterable[Optional[Tensor]]) -> Optional[Tensor]:
+    """``kept`` plus ``grads``, added one after the other in their order.
+
+    The one order of additions of a tied weight's gradient, in one process
+    and across ranks: floating-point addition is not associative, so the same
+    order is what gives the same bits. ``None`` is no gradient.
+    """
+    total: Optional[Tensor] = None
+    with torch.no_grad():
+        for grad in grads:
+            if grad is not None:
+                total = grad.clone() if total is None else total.add_(grad)
+    return add(kept, total)
 
 
 def add(kept: Optional[Tensor], grad: Optional[Tensor]) -> Optional[Tensor]:

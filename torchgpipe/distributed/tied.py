@@ -35,7 +35,7 @@ from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
-from torchgpipe.tied import add
+from torchgpipe.tied import add, add_in_order
 from torchgpipe.validation import describe
 
 __all__: List[str] = []
@@ -155,14 +155,10 @@ class TiedGradients:
         cursors = {rank: iter(grads) for rank, (grads, _) in received.items()}
         for tie, kept in zip(self.ties, self.kept):
             p = tie.parameter()
-            total: Optional[Tensor] = None
-            for rank in tie.ranks:
-                grad = (None if p is None else p.grad) if rank == self.me else \
-                    next(cursors[rank])
-                if grad is not None:
-                    total = grad.clone() if total is None else total.add_(grad)
+            grads = [(None if p is None else p.grad) if rank == self.me else next(cursors[rank])
+                     for rank in tie.ranks]
             if p is not None:
-                p.grad = add(kept, total)
+                p.grad = add_in_order(kept, grads)
         self.kept = []
 
     def compare(self, rank: int, values: List[Optional[Tensor]]) -> None:
