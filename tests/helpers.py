@@ -1,5 +1,6 @@
 """Reference computations the tests compare GPipe against."""
 import copy
+import functools
 import io
 import pickle
 import random
@@ -331,3 +332,40 @@ def run_snippet(source: str, namespace: Dict[str, Any],
         for name in sorted(read & supply.keys() - namespace.keys()):
             namespace[name] = supply[name](namespace)
         exec(compile(ast.Module([statement], type_ignores=[]), '<example>', 'exec'), namespace)
+
+
+# -- models of the zoo, captured once --------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _captured(name: str, dtype: torch.dtype, evaluate: bool
+              ) -> Tuple[nn.Module, nn.Sequential, Tensor]:
+    from benchmarks.models.zoo import MODELS
+    from torchgpipe import to_sequential
+
+    case = MODELS[name]
+    torch.manual_seed(0)
+    original = case.factory().to(dtype)
+    if evaluate:
+        original.eval()
+    seq = to_sequential(original) if case.example is None else \
+        to_sequential(original, example_inputs=case.example())
+    return original, seq, torch.get_rng_state()
+
+
+def captured(name: str, dtype: torch.dtype = torch.float64, evaluate: bool = False
+             ) -> Tuple[nn.Module, nn.Sequential]:
+    """The model ``name`` of ``benchmarks/models/zoo.py`` built after
+    ``torch.manual_seed(0)``, in ``dtype`` (in evaluation mode if
+    ``evaluate``), and its ``to_sequential``: what a test would build itself.
+
+    A capture through torch.export takes seconds, the most of many tests of
+    real models: each is made once per process and every call gets a deep
+    copy of the pair (the sequential holds the copy's own layers), with
+    PyTorch's generator left as the capture left it, so that what the test
+    draws next is what it would draw after capturing the model itself.
+    """
+    original, seq, state = _captured(name, dtype, evaluate)
+    pair = copy.deepcopy((original, seq))
+    torch.set_rng_state(state)
+    return pair
+

@@ -8,6 +8,7 @@ schedule and checkpoint mode) is in ``test_distributed_pipe.py``; here are
 real models, gradient accumulation and data parallelism over the pipelines.
 """
 import functools
+import pickle
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
@@ -17,14 +18,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from helpers import cpu_devices
+from helpers import captured, cpu_devices
 from process_group import no_child_left  # noqa: F401 (an autouse fixture)
 from process_group import run_distributed
 from test_distributed import TOLERANCE
 from test_distributed_pipe import (CHUNKS, STEPS, Config, Result, assert_equal,
                                    assert_grid_trains_as_unwrapped, batch, merge, model,
                                    snapshot, train_grid)
-from torchgpipe import GPipe, to_sequential
+from torchgpipe import GPipe
 from torchgpipe.distributed import DistributedGPipe
 
 pytestmark = pytest.mark.timeout(240)
@@ -41,10 +42,7 @@ LANGUAGE_MODELS = ['gpt2', 'bert']
 def language_model(name: str, dtype: torch.dtype = torch.float64
                    ) -> Tuple[nn.Module, nn.Sequential]:
     """A tiny model of ``name`` (the zoo's) in ``dtype``, and its flattening."""
-    from benchmarks.models.zoo import MODELS
-    torch.manual_seed(0)
-    original = MODELS[name].factory().to(dtype)
-    return original, to_sequential(original)
+    return captured(name, dtype)
 
 
 def tokens(step: int) -> Tuple[Tensor, Tensor]:
@@ -85,14 +83,16 @@ def train_language_model(pipe: nn.Module, seq: nn.Sequential, step_fn: Any,
 DTYPES = {'float64': torch.float64, 'float32': torch.float32}
 
 
-def train_language_models(rank: int, world_size: int) -> Dict[str, Result]:
+def train_language_models(rank: int, world_size: int, models: bytes) -> Dict[str, Result]:
+    """Trains each model of the pickled dict ``models`` (captured once, by the test).
+
+    Pickled to bytes by the test: as an argument of the spawn, each tensor would
+    come through shared memory, one storage for every rank to update in turn.
+    """
     results = {}
-    for name in LANGUAGE_MODELS:
-        # float32 on 2 ranks only: the order of additions is the point, not the layout.
-        for dtype in DTYPES if world_size == 2 else ['float64']:
-            _, seq = language_model(name, DTYPES[dtype])
-            pipe = DistributedGPipe(seq, even(len(seq), world_size), chunks=CHUNKS)
-            results[f'{name}-{dtype}'] = train_language_model(pipe, seq, pipe.train_step)
+    for key, seq in pickle.loads(models).items():
+        pipe = DistributedGPipe(seq, even(len(seq), world_size), chunks=CHUNKS)
+        results[key] = train_language_model(pipe, seq, pipe.train_step)
     return results
 
 
@@ -122,8 +122,12 @@ def unwrapped_language_model(name: str) -> Result:
 @pytest.fixture(scope='module', params=[2, 3], ids=lambda n: f'{n} ranks')
 def language_model_ranks(request: pytest.FixtureRequest) -> Tuple[int, List[Dict[str, Result]]]:
     # Not measured: the tied grid of test_distributed_pipe.py runs the same code.
-    return request.param, run_distributed(train_language_models, world_size=request.param,
-                                          timeout=200, measured=False)
+    # float32 on 2 ranks only: the order of additions is the point, not the layout.
+    models = pickle.dumps({f'{name}-{dtype}': language_model(name, DTYPES[dtype])[1]
+                           for name in LANGUAGE_MODELS
+                           for dtype in (DTYPES if request.param == 2 else ['float64'])})
+    return request.param, run_distributed(train_language_models, models,
+                                          world_size=request.param, timeout=200, measured=False)
 
 
 @pytest.mark.parametrize('dtype', list(DTYPES))

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from helpers import cpu_devices
+from helpers import captured, cpu_devices
 from process_group import no_child_left  # noqa: F401 (an autouse fixture)
 from process_group import run_distributed
 from torchgpipe import GPipe, generate, to_sequential
@@ -32,10 +32,7 @@ MODELS = ['gpt2', 'llama']
 
 
 def language_model(name: str) -> Tuple[nn.Module, nn.Sequential]:
-    from benchmarks.models.zoo import MODELS as ZOO
-    torch.manual_seed(0)
-    original = ZOO[name].factory().double().eval()
-    return original, to_sequential(original)
+    return captured(name, evaluate=True)
 
 
 def prompts(batch: int = 6, length: int = 5) -> Tensor:

@@ -1,8 +1,9 @@
 """Real architectures of Hugging Face transformers, flattened with no hand work.
 
 The models of ``benchmarks/models/zoo.py``, in float64, go through
-``to_sequential`` as a user would call it, then GPipe on a balance by time,
-on both execution paths, by forward and backward and by train_step.
+``to_sequential`` as a user would call it (once per model: both paths get a
+copy, ``helpers.captured``), then GPipe on a balance by time, on both
+execution paths, by forward and backward and by train_step.
 """
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import assert_flattened_trains_like_original
+from helpers import assert_flattened_trains_like_original, captured
 from torchgpipe import to_sequential
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -22,20 +23,14 @@ from benchmarks.models.zoo import MODELS  # noqa: E402
 
 @pytest.mark.parametrize('name', list(MODELS))
 def test_flattened_model_trains_like_the_original(name: str, threaded: bool) -> None:
-    factory, inputs, select, example, evaluate = MODELS[name]
-    torch.manual_seed(0)
-    model = factory().double()
-    if evaluate:
-        model.eval()
-    seq = to_sequential(model) if example is None else \
-        to_sequential(model, example_inputs=example())
+    case = MODELS[name]
+    model, seq = captured(name, evaluate=case.evaluate)
     assert len(seq) >= 20, 'a row of children to balance'
-    assert_flattened_trains_like_original(model, inputs(), select, threaded, seq=seq)
+    assert_flattened_trains_like_original(model, case.inputs(), case.select, threaded, seq=seq)
 
 
 def test_tied_embedding_and_head_are_children_of_their_own() -> None:
-    model = MODELS['gpt2'].factory()
-    seq = to_sequential(model)
+    model, seq = captured('gpt2', torch.float32)
     assert seq.lm_head is model.lm_head and seq.transformer_wte is model.transformer.wte
     assert model.lm_head.weight is model.transformer.wte.weight
     # The state dict keys of the original all reach the same tensors.
