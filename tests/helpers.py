@@ -1,10 +1,9 @@
 """Reference computations the tests compare GPipe against."""
 import copy
-import functools
 import io
 import pickle
 import random
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -334,38 +333,46 @@ def run_snippet(source: str, namespace: Dict[str, Any],
         exec(compile(ast.Module([statement], type_ignores=[]), '<example>', 'exec'), namespace)
 
 
-# -- models of the zoo, captured once --------------------------------------------------
+# -- captures made once ---------------------------------------------------------------
 
-@functools.lru_cache(maxsize=None)
-def _captured(name: str, dtype: torch.dtype, evaluate: bool
-              ) -> Tuple[nn.Module, nn.Sequential, Tensor]:
-    from benchmarks.models.zoo import MODELS
-    from torchgpipe import to_sequential
+#: What capture_once made: the model, its sequential, PyTorch's generator after.
+_CAPTURES: Dict[Hashable, Tuple[nn.Module, nn.Sequential, Tensor]] = {}
 
-    case = MODELS[name]
-    torch.manual_seed(0)
-    original = case.factory().to(dtype)
-    if evaluate:
-        original.eval()
-    seq = to_sequential(original) if case.example is None else \
-        to_sequential(original, example_inputs=case.example())
-    return original, seq, torch.get_rng_state()
+
+def capture_once(key: Hashable, build: Callable[[], Tuple[nn.Module, nn.Sequential]]
+                 ) -> Tuple[nn.Module, nn.Sequential]:
+    """A deep copy of the model and sequential that ``build()`` made the first
+    time ``key`` was asked for in this process.
+
+    A capture through torch.export takes seconds, the most of many tests of
+    real models: each is made once per process. The copy's sequential holds
+    the copy's own layers, and PyTorch's generator is left as ``build`` left
+    it, so that what the test draws next is what it would draw after building
+    the pair itself.
+    """
+    if key not in _CAPTURES:
+        original, seq = build()
+        _CAPTURES[key] = (original, seq, torch.get_rng_state())
+    original, seq, state = _CAPTURES[key]
+    pair = copy.deepcopy((original, seq))
+    torch.set_rng_state(state)
+    return pair
 
 
 def captured(name: str, dtype: torch.dtype = torch.float64, evaluate: bool = False
              ) -> Tuple[nn.Module, nn.Sequential]:
     """The model ``name`` of ``benchmarks/models/zoo.py`` built after
     ``torch.manual_seed(0)``, in ``dtype`` (in evaluation mode if
-    ``evaluate``), and its ``to_sequential``: what a test would build itself.
+    ``evaluate``), and its ``to_sequential``, made once (:func:`capture_once`)."""
+    from benchmarks.models.zoo import MODELS
+    from torchgpipe import to_sequential
 
-    A capture through torch.export takes seconds, the most of many tests of
-    real models: each is made once per process and every call gets a deep
-    copy of the pair (the sequential holds the copy's own layers), with
-    PyTorch's generator left as the capture left it, so that what the test
-    draws next is what it would draw after capturing the model itself.
-    """
-    original, seq, state = _captured(name, dtype, evaluate)
-    pair = copy.deepcopy((original, seq))
-    torch.set_rng_state(state)
-    return pair
-
+    def build() -> Tuple[nn.Module, nn.Sequential]:
+        case = MODELS[name]
+        torch.manual_seed(0)
+        original = case.factory().to(dtype)
+        if evaluate:
+            original.eval()
+        return original, to_sequential(original) if case.example is None else \
+            to_sequential(original, example_inputs=case.example())
+    return capture_once(('zoo', name, dtype, evaluate), build)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from helpers import cpu_devices
+from helpers import capture_once, cpu_devices
 from torchgpipe import GPipe, generate, to_sequential
 from torchgpipe.balance import balance_by_time
 
@@ -62,16 +62,26 @@ def lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
     return F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1))
 
 
+def fresh_capture(name: str) -> Tuple[nn.Module, nn.Sequential]:
+    """A model fresh from its constructor (training mode) and its capture,
+    which leaves it in its modes; captured once for both paths."""
+    def build() -> Tuple[nn.Module, nn.Sequential]:
+        torch.manual_seed(0)
+        model = MODELS[name]().double()
+        assert model.training
+        before = modes(model)
+        seq = to_sequential(model)
+        assert modes(model) == before, 'to_sequential left the model in its modes'
+        return model, seq
+    return capture_once(('fresh', name), build)
+
+
 @pytest.mark.parametrize('name', list(MODELS))
 def test_fresh_model_trains_evaluates_generates_and_trains_again(name: str,
                                                                  threaded: bool) -> None:
-    torch.manual_seed(0)
-    model = MODELS[name]().double()
-    assert model.training  # fresh from its constructor
+    model, seq = fresh_capture(name)
     before = modes(model)
     reference = copy.deepcopy(model)
-    seq = to_sequential(model)
-    assert modes(model) == before, 'to_sequential left the model in its modes'
     # The user's own modules are the sequential's children, not copies.
     held = {id(m) for m in model.modules()}
     assert sum(id(child) in held for child in seq.children()) >= 5
