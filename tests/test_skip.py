@@ -661,7 +661,8 @@ def test_no_leak_after_many_steps(checkpoint: str) -> None:
     # A step releases every portal it made.
     assert live(Portal) == portals
     tensors = live(Tensor)
-    for _ in range(100):
+    # A leak of every step, or of every few steps, shows as a count that grows.
+    for _ in range(10):
         step()
     assert live(Portal) == portals
     assert live(Tensor) == tensors
