@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from helpers import COPIERS, assert_flattened_trains_like_original, cpu_devices
+from helpers import COPIERS, assert_flattened_trains_like_original, capture_once, cpu_devices
 from test_flatten import DataDependent
 from torchgpipe import GPipe, to_sequential
 from torchgpipe.balance import balance_by_time
@@ -95,9 +95,18 @@ def test_fx_failure_tells_to_give_an_example() -> None:
         to_sequential(LanguageModel())
 
 
+# Each capture below serves both paths (or every length): made once, copied.
+
+def captured_by_default(model: nn.Module) -> Tuple[nn.Module, nn.Sequential]:
+    return model, to_sequential(model)
+
+
+def captured_on(model: nn.Module, example: Any) -> Tuple[nn.Module, nn.Sequential]:
+    return model, to_sequential(model, example_inputs=example)
+
+
 def test_model_that_gives_dummy_inputs_flattens_with_no_argument(threaded: bool) -> None:
-    model = WithDummyInputs()
-    seq = to_sequential(model)
+    model, seq = capture_once('dummy inputs', lambda: captured_by_default(WithDummyInputs()))
     assert seq.interface.names == ('input_ids',)
     # Calls of modules whose forward takes one tensor are children again:
     # the user's own modules, tied weights included.
@@ -108,11 +117,10 @@ def test_model_that_gives_dummy_inputs_flattens_with_no_argument(threaded: bool)
 
 
 def test_keyword_inputs_and_dict_output(threaded: bool) -> None:
-    model = LanguageModel()
+    model, seq = capture_once('keywords', lambda: captured_on(LanguageModel(), {
+        'input_ids': ids(3), 'attention_mask': torch.ones(3, T)}))
     mask = (torch.rand(B, T) > 0.3).float()
     mask[:, 0] = 1
-    seq = to_sequential(model, example_inputs={'input_ids': ids(3),
-                                               'attention_mask': torch.ones(3, T)})
     assert seq.interface.names == ('input_ids', 'attention_mask')
     assert_flattened_trains_like_original(model, {'input_ids': ids(), 'attention_mask': mask},
                                           logits, threaded, seq=seq)
@@ -121,8 +129,7 @@ def test_keyword_inputs_and_dict_output(threaded: bool) -> None:
 @pytest.mark.parametrize('length', [1, 2, T + 3])
 def test_any_size_of_any_dimension(length: int) -> None:
     """Captured on 3 sequences of T tokens, called on micro-batches of 1 of other lengths."""
-    model = LanguageModel()
-    seq = to_sequential(model, example_inputs=(ids(3),))
+    model, seq = capture_once('one input', lambda: captured_on(LanguageModel(), (ids(3),)))
     x = torch.randint(0, V, (4, length))
     gpipe = GPipe(seq, [len(seq) // 2, len(seq) - len(seq) // 2], devices=['cpu'] * 2,
                   chunks=4)
