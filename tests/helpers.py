@@ -333,6 +333,21 @@ def run_snippet(source: str, namespace: Dict[str, Any],
         exec(compile(ast.Module([statement], type_ignores=[]), '<example>', 'exec'), namespace)
 
 
+class OnBackward(torch.autograd.Function):
+    """The identity, calling ``then()`` when the gradient passes back through:
+    ``OnBackward.apply(x, then)`` makes a backward pass fail or stop there."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, then: Callable[[], None]) -> Tensor:
+        ctx.then = then
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tuple[Tensor, None]:
+        ctx.then()
+        return grad, None
+
+
 # -- captures made once ---------------------------------------------------------------
 
 #: What capture_once made: the model, its sequential, PyTorch's generator after.

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from helpers import OnBackward
 from process_group import no_child_left  # noqa: F401 (an autouse fixture)
 from process_group import run_distributed
 from test_distributed import FEATURES
@@ -103,16 +104,6 @@ def stop() -> None:
     os.kill(os.getpid(), signal.SIGSTOP)
 
 
-class StopInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor) -> Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:
-        stop()
-        return grad
-
 
 class Stop(nn.Module):
     """Once armed, stops rank ``rank`` (SIGSTOP) in the forward or the backward
@@ -133,7 +124,7 @@ class Stop(nn.Module):
         if self.direction == 'forward':
             stop()
             return x
-        return StopInBackward.apply(x)
+        return OnBackward.apply(x, stop)
 
 
 #: A case: the rank stopped, the pass it stops in, the schedule.

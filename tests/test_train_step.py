@@ -15,8 +15,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import (CHECKPOINT_MODES, PopAdd, Stash, cpu_devices, mlp, random_order,
-                     schedule_devices)
+from helpers import (CHECKPOINT_MODES, OnBackward, PopAdd, Stash, cpu_devices, mlp,
+                     random_order, schedule_devices)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
@@ -505,17 +505,11 @@ class Fail(nn.Module):
         self.at = None
         if self.where == 'forward':
             raise ValueError('planned failure')
-        return FailBackward.apply(x)
+        return OnBackward.apply(x, fail_backward)
 
 
-class FailBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor) -> Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:
-        raise KeyError('planned failure in backward')
+def fail_backward() -> None:
+    raise KeyError('planned failure in backward')
 
 
 @pytest.mark.parametrize('where', ['forward', 'backward'])
