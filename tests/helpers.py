@@ -333,6 +333,24 @@ def run_snippet(source: str, namespace: Dict[str, Any],
         exec(compile(ast.Module([statement], type_ignores=[]), '<example>', 'exec'), namespace)
 
 
+def assert_runs_in_both_modes(seq: nn.Module, model: nn.Module, x: Tensor, seed: int = 0
+                              ) -> Tensor:
+    """``seq`` gives ``model``'s output in evaluation mode, then in training
+    mode with the same random draws; both are left in training mode.
+
+    Returns:
+        ``seq``'s output in training mode
+    """
+    with torch.no_grad():
+        torch.testing.assert_close(seq.eval()(x), model.eval()(x))
+    model.train()
+    torch.manual_seed(seed)
+    actual = seq.train()(x)
+    torch.manual_seed(seed)
+    torch.testing.assert_close(actual, model(x))
+    return actual
+
+
 class OnBackward(torch.autograd.Function):
     """The identity, calling ``then()`` when the gradient passes back through:
     ``OnBackward.apply(x, then)`` makes a backward pass fail or stop there."""

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from helpers import COPIERS, assert_flattened_trains_like_original, capture_once, cpu_devices
+from helpers import (COPIERS, assert_flattened_trains_like_original, assert_runs_in_both_modes,
+                     capture_once, cpu_devices)
 from test_flatten import DataDependent
 from torchgpipe import GPipe, to_sequential
 from torchgpipe.balance import balance_by_time
@@ -171,12 +172,7 @@ def test_generated_children_follow_the_mode() -> None:
     seq = to_sequential(model, example_inputs=torch.randn(2, W))
     assert model.training and seq.training
     x = torch.randn(4, W)
-    torch.testing.assert_close(seq.eval()(x), model.eval()(x))
-    model.train()
-    torch.manual_seed(0)
-    y = seq.train()(x)
-    torch.manual_seed(0)
-    torch.testing.assert_close(y, model(x))
+    y = assert_runs_in_both_modes(seq, model, x)
     assert not torch.equal(y, seq.eval()(x))
     evaluating = to_sequential(model.eval(), example_inputs=torch.randn(2, W))
     torch.testing.assert_close(evaluating(x), model(x))

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from helpers import capture_once, cpu_devices
+from helpers import assert_runs_in_both_modes, capture_once, cpu_devices
 from torchgpipe import GPipe, generate, to_sequential
 from torchgpipe.balance import balance_by_time
 
@@ -195,13 +195,7 @@ def test_copies_run_in_both_modes_and_keep_the_state_dict(copier: Callable[[Any]
     twin = copier(seq)
     assert twin.state_dict().keys() == keys
     x = torch.randn(4, 8, dtype=torch.float64)
-    with torch.no_grad():
-        torch.testing.assert_close(twin.eval()(x), model.eval()(x))
-    model.train()
-    torch.manual_seed(1)
-    actual = twin.train()(x)
-    torch.manual_seed(1)
-    torch.testing.assert_close(actual, model(x))
+    assert_runs_in_both_modes(twin, model, x, seed=1)
     # The other mode's code reads the copy's tensors: moved with it.
     twin.float()
     with torch.no_grad():
