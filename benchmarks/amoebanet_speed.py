@@ -62,8 +62,10 @@ PRESETS: Dict[str, Preset] = {
                   rows=grid([1, 4, 8], [2, 4], {1: 32, 4: 32, 8: 32})),
 }
 
-SMOKE = dict(epochs=2, samples=1, balance_timeout=0.0, num_filters=16, image_size=64,
-             batch=8)
+#: Smoke: two settings of the grid, the baseline (m = 1, every micro-batch
+#: checkpointed) and one of 'except_last' on 4 partitions, on 32x32 images.
+SMOKE = dict(epochs=2, samples=1, balance_timeout=0.0, num_filters=16, image_size=32,
+             batch=8, rows=grid([1], [2], {1: 8}) + grid([4], [4], {4: 8}))
 
 #: Table 2 of the paper: speed-ups against (m, n) = (1, 2) of GPipe (Cloud TPUv3)
 #: and of torchgpipe (NVIDIA Tesla P40), by (m, n).

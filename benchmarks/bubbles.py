@@ -21,9 +21,9 @@ Three parts:
   from traced steps (target <= 0.5x); interleaved 1F1B (``[cpu:0, cpu:1] *
   2``) and ZBV (``[cpu:0, cpu:1, cpu:1, cpu:0]``) on 4 partitions beside them,
   for information;
-- memory per device: the memory workload (batch 256) on 4 CPU ranks of
-  :class:`~torchgpipe.distributed.DistributedGPipe`, a process each, so that
-  each device's memory is its process's: ZB-H1 keeps ``min(p, m)``
+- memory per device: the memory workload (batch 256) on 4 CPU ranks (2 in a
+  smoke run) of :class:`~torchgpipe.distributed.DistributedGPipe`, a process
+  each, so that each device's memory is its process's: ZB-H1 keeps ``min(p, m)``
   micro-batches on every rank, which 1F1B's first rank already keeps; the
   largest rank's peak, ZB-H1 over 1F1B (target <= 1.05x). On CUDA, each
   device's own peak, in one process, says as much: the cuda preset skips it.
@@ -41,7 +41,7 @@ from torch import nn
 import torchgpipe
 from benchmarks.report import format_table
 from benchmarks.runner import Experiment, Figure, Preset, main as run_main
-from benchmarks.timing import time_steps
+from benchmarks.timing import time_steps, warmup_steps
 from torchgpipe import GPipe
 from torchgpipe.train.generators import BUBBLES, SCHEDULES, named
 from torchgpipe.train.schedule import Action, idle, unit_cost
@@ -58,7 +58,11 @@ PRESETS: Dict[str, Preset] = {
                    rounds=10),
 }
 
-SMOKE = dict(batch=8, memory_batch=16, image_size=8, rounds=1)
+#: Smoke: 4 micro-batches, no warm-up step before the timed ones, one traced
+#: step per schedule, and the memory per device on 2 ranks (2 processes to
+#: start, not 4).
+SMOKE = dict(batch=8, memory_batch=16, image_size=8, chunks=4, rounds=1, warmup=0, traces=1,
+             memory_ranks=2)
 
 #: The unit table's targets: each schedule's idle time per worker over 1F1B's.
 UNIT_TARGETS = {'interleaved_1f1b': 0.55, 'zb_h1': 0.40, 'zbv': 0.20}
@@ -125,18 +129,19 @@ def pipelines(model: nn.Sequential, devices: Sequence[torch.device], chunks: int
 
 
 def zero_bubble_rows(model: nn.Sequential, input: torch.Tensor, devices: Sequence[torch.device],
-                     chunks: int, rounds: int,
+                     config: Dict[str, Any],
                      make_step: Callable[[GPipe, torch.Tensor, str], Step]) -> List[Row]:
     """ZB-H1 against 1F1B on two workers: step time side by side, idle time from traces."""
-    gpipes = pipelines(model, devices, chunks)
+    gpipes = pipelines(model, devices, config['chunks'])
     steps = {schedule: make_step(g, input, schedule) for schedule, g in gpipes.items()}
-    times = time_steps(steps, rounds, desc='schedules, 2 workers')
+    times = time_steps(steps, config['rounds'], warmup=warmup_steps(config),
+                       desc='schedules, 2 workers')
     # The idle time per worker of traced steps: the least of a few (noise only
     # adds); the events of that step are kept for the chart.
     idle_ms: Dict[str, float] = {}
     traced: Dict[str, Row] = {}
     for schedule, g in gpipes.items():
-        for _ in range(3):
+        for _ in range(config.get('traces', 3)):
             with torchgpipe.trace(g) as timeline:
                 steps[schedule]()
             summary = timeline.summary()
@@ -278,9 +283,9 @@ def run(config: Dict[str, Any]) -> Dict[str, Any]:
     devices = devices_of(config, 2)
     model = convnet().to(devices[0])
     input = images(config, config['batch'], devices[0])
-    rows = zero_bubble_rows(model, input, devices, config['chunks'], config['rounds'],
-                            train_step)
-    memory = device_memory_row(config) if config['device'] == 'cpu' else None
+    rows = zero_bubble_rows(model, input, devices, config, train_step)
+    memory = (device_memory_row(config, config.get('memory_ranks', 4))
+              if config['device'] == 'cpu' else None)
     return {'units': unit_rows(), 'results': rows, 'device_memory': memory,
             'devices': [str(d) for d in devices]}
 

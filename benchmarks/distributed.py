@@ -59,7 +59,7 @@ from benchmarks.memory import malloc_tuned, tune_malloc
 from benchmarks.overhead import convnet, ms
 from benchmarks.report import format_spread, format_table
 from benchmarks.runner import Experiment, Figure, Preset, main as run_main
-from benchmarks.timing import spread
+from benchmarks.timing import spread, warmup_steps
 
 PRESETS: Dict[str, Preset] = {
     'cpu': Preset('8 convolutions, batch 64 of 32x32, chunks 8, 2 CPU ranks over gloo (~3 min)',
@@ -68,7 +68,8 @@ PRESETS: Dict[str, Preset] = {
                    backend='nccl', batch=256, image_size=64, chunks=8, rounds=10),
 }
 
-SMOKE = dict(batch=8, image_size=8, rounds=1)
+#: Smoke: 4 micro-batches, and no warm-up round before the timed one.
+SMOKE = dict(batch=8, image_size=8, chunks=4, rounds=1, warmup=0)
 
 #: Each schedule of ours, and the anchor's that matches it: its class, and where
 #: its stages are (per rank, as indices of 2 or 4 stages).
@@ -226,7 +227,8 @@ def rank_main(rank: int, world_size: int, port: int, config: Dict[str, Any],
         + list(RANK_0_ONLY if config['backend'] == 'gloo' else ())
     seconds: Dict[str, List[float]] = {name: [] for name in names}
     losses: Dict[str, float] = {}
-    for r in range(config['rounds'] + 1):  # the first round warms up
+    warmup = warmup_steps(config)  # rounds, untimed
+    for r in range(warmup + config['rounds']):
         # Turns rotate, so that slow spells of the machine hit every step alike.
         for name in names[r % len(names):] + names[:r % len(names)]:
             dist.barrier()
@@ -237,7 +239,7 @@ def rank_main(rank: int, world_size: int, port: int, config: Dict[str, Any],
                                    device=device)
             if name not in RANK_0_ONLY:
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank's time
-            if r:
+            if r >= warmup:
                 seconds[name].append(float(elapsed))
             if loss is not None:
                 losses[name] = float(loss)

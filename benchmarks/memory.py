@@ -8,7 +8,8 @@ high-water mark is reset right before the measured step
 (``/proc/self/clear_refs``), and the step's peak is the high-water mark minus
 the resident size before the step. Each setting runs in its own process
 (:func:`run_measure_subprocesses`), started as
-``python -m benchmarks.<experiment> --measure <json>``.
+``python -m benchmarks.<experiment> --measure <json>``; a smoke run's
+settings share one.
 
 The allocator matters to timings too: :func:`tune_malloc` makes glibc keep
 freed memory for reuse, as a caching allocator does, so that page faults do
@@ -134,41 +135,55 @@ def peak_ratio(measured: float, against: float) -> float:
 
 
 def run_measure_subprocesses(module: str, settings: Sequence[Mapping[str, Any]], *,
-                             parallel: int = 1, timeout: float = 3600) -> List[Dict[str, Any]]:
+                             parallel: int = 1, one_process: bool = False,
+                             timeout: float = 3600) -> List[Dict[str, Any]]:
     """Runs ``python -m <module> --measure <json>`` per setting in fresh processes.
 
     The children run with one OpenMP thread; a child measuring CPU memory
     calls :func:`fix_malloc` first. At most ``parallel`` of them run at a
     time (each measures its own resident set, so CPU measurements may
-    overlap).
+    overlap). With ``one_process``, a single fresh process measures every
+    setting one after the other (``--measure`` given a JSON list): for smoke
+    runs, whose figures mean nothing, as it saves a process's start-up (some
+    seconds of imports) per setting.
 
     Returns:
         the JSON document each child printed last, in the order of ``settings``
     """
+    if one_process:
+        measured: List[Dict[str, Any]] = _run_children(
+            module, [[dict(s) for s in settings]], 1, timeout)[0]
+        return measured
+    return _run_children(module, [dict(s) for s in settings], parallel, timeout)
+
+
+def _run_children(module: str, payloads: Sequence[Any], parallel: int,
+                  timeout: float) -> List[Any]:
+    """Runs ``python -m <module> --measure <payload as JSON>`` per payload; their last lines."""
     # Measured without coverage.py's tracing (see benchmarks.untraced).
     env = untraced_environ()
     env.update(OMP_NUM_THREADS='1', PYTHONPATH=os.pathsep.join(
         p for p in (str(REPO_ROOT), env.get('PYTHONPATH')) if p))
-    pending = list(enumerate(settings))
+    pending = list(enumerate(payloads))
     running: List[Tuple[int, subprocess.Popen]] = []  # type: ignore[type-arg]
-    outputs: Dict[int, Dict[str, Any]] = {}
+    outputs: Dict[int, Any] = {}
     deadline = time.monotonic() + timeout
     try:
         while pending or running:
             while pending and len(running) < max(1, parallel):
-                index, setting = pending.pop(0)
-                command = [sys.executable, '-m', module, '--measure', json.dumps(dict(setting))]
+                index, payload = pending.pop(0)
+                command = [sys.executable, '-m', module, '--measure', json.dumps(payload)]
                 running.append((index, subprocess.Popen(
                     command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE, text=True)))
             index, process = running.pop(0)
             stdout, stderr = process.communicate(timeout=max(1.0, deadline - time.monotonic()))
             if process.returncode != 0:
-                raise RuntimeError(f'{module} --measure {json.dumps(dict(settings[index]))} '
+                raise RuntimeError(f'{module} --measure {json.dumps(payloads[index])} '
                                    f'failed ({process.returncode}):\n{stderr}')
             outputs[index] = json.loads(stdout.strip().splitlines()[-1])
     finally:
         for _, process in running:
             process.kill()
             process.wait()
-    return [outputs[i] for i in range(len(settings))]
+    return [outputs[i] for i in range(len(payloads))]

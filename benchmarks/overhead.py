@@ -50,7 +50,7 @@ from benchmarks.memory import (MiB, fix_malloc, peak_ratio, run_measure_subproce
                                step_peak_memory)
 from benchmarks.report import format_spread, format_table
 from benchmarks.runner import Experiment, Figure, Preset, main as run_main
-from benchmarks.timing import time_steps
+from benchmarks.timing import time_steps, warmup_steps
 from torchgpipe import GPipe
 
 Step = Callable[[], None]
@@ -63,8 +63,11 @@ PRESETS: Dict[str, Preset] = {
                   grid_partitions=[2, 4]),
 }
 
-SMOKE = dict(wrapper_rounds=2, scheduler_rounds=2, compute_rounds=1, grid_rounds=1,
-             conv_batch=8, memory_batch=2048, grid_chunks=[8], grid_partitions=[2])
+#: Smoke: no warm-up step before the timed ones, and the memory row's modes
+#: measured in one fresh process (see benchmarks.memory.run_measure_subprocesses).
+SMOKE = dict(wrapper_rounds=1, scheduler_rounds=1, compute_rounds=1, grid_rounds=1,
+             conv_batch=8, memory_batch=2048, grid_chunks=[8], grid_partitions=[2], warmup=0,
+             one_process=True)
 
 #: The targets, as the largest ratio to the baseline allowed. The scheduler's
 #: is the larger of ``scheduler`` times the unwrapped step and
@@ -136,13 +139,14 @@ def ms(stats: Mapping[str, float]) -> Dict[str, float]:
     return {k: v * 1e3 if k != 'samples' else v for k, v in stats.items()}
 
 
-def timed_row(name: str, setting: str, steps: Mapping[str, Step], rounds: int) -> Row:
+def timed_row(name: str, setting: str, steps: Mapping[str, Step], rounds: int,
+              warmup: int) -> Row:
     """``steps['gpipe']`` against ``steps['unwrapped']``, timed side by side with the others.
 
     The row holds every step's spread in ms; the ratio is of the fastest
     steps (the headline), ``ratio_median`` that of the medians.
     """
-    t = time_steps(steps, rounds, desc=name)
+    t = time_steps(steps, rounds, warmup=warmup, desc=name)
     row: Row = {'name': name, 'setting': setting, 'measured': 'GPipe', 'against': 'unwrapped',
                 'ratio': t['gpipe']['min'] / t['unwrapped']['min'],
                 'ratio_median': t['gpipe']['median'] / t['unwrapped']['median']}
@@ -162,7 +166,7 @@ def wrapper_row(config: Dict[str, Any]) -> Row:
     steps = {'unwrapped': make_step(mlp(), x),
              'gpipe': make_step(gpipe(mlp(), 1, 1, 'never'), x)}
     return timed_row('wrapper', "chunks=1, 1 partition, 'never', MLP batch 256", steps,
-                     config['wrapper_rounds'])
+                     config['wrapper_rounds'], warmup_steps(config))
 
 
 def scheduler_row(config: Dict[str, Any]) -> Row:
@@ -171,7 +175,8 @@ def scheduler_row(config: Dict[str, Any]) -> Row:
     steps = {'unwrapped': make_step(base, x),
              'gpipe': make_step(gpipe(mlp(), 4, 32, 'except_last'), x),
              'floor': make_loop_step(base, x, 32, recompute=True)}
-    row = timed_row('scheduler', SCHEDULER, steps, config['scheduler_rounds'])
+    row = timed_row('scheduler', SCHEDULER, steps, config['scheduler_rounds'],
+                    warmup_steps(config))
     unwrapped, floor = row['unwrapped_ms']['min'], row['floor_ms']['min']
     row['floor_ratio'] = floor / unwrapped
     row['gpipe_over_floor'] = row['gpipe_ms']['min'] / floor
@@ -186,7 +191,8 @@ def compute_row(config: Dict[str, Any]) -> Row:
     steps = {'unwrapped': make_step(convnet(), images),
              'gpipe': make_step(gpipe(convnet(), 4, 8, 'except_last'), images)}
     return timed_row('compute-bound', f"chunks=8, 4 partitions, 'except_last', 8 convs batch "
-                     f"{config['conv_batch']}", steps, config['compute_rounds'])
+                     f"{config['conv_batch']}", steps, config['compute_rounds'],
+                     warmup_steps(config))
 
 
 def measure(setting: Dict[str, Any]) -> Dict[str, Any]:
@@ -211,7 +217,7 @@ def memory_row(config: Dict[str, Any]) -> Row:
     modes = ('unwrapped', 'never', 'except_last')
     measured = run_measure_subprocesses('benchmarks.overhead',
                                         [{'mode': mode, 'batch': batch} for mode in modes],
-                                        parallel=2)
+                                        parallel=2, one_process=config.get('one_process', False))
     mib = {mode: m['step_peak'] / MiB for mode, m in zip(modes, measured)}
     ratio = peak_ratio(mib['except_last'], mib['never'])
     return {'name': 'memory', 'setting': f'chunks=8, 4 partitions, MLP batch {batch}',
@@ -243,7 +249,8 @@ def threaded_rows(config: Dict[str, Any]) -> List[Row]:
         steps = {'unwrapped': make_step(model(), input),
                  'gpipe': make_step(gpipe(model(), 4, chunks, 'except_last', distinct=True),
                                     input)}
-        row = timed_row(f'{name} (threads)', setting + ', cpu:0..3', steps, rounds // 2 or 1)
+        row = timed_row(f'{name} (threads)', setting + ', cpu:0..3', steps, rounds // 2 or 1,
+                        warmup_steps(config))
         rows.append(row)
     return rows
 
@@ -260,7 +267,7 @@ def grid(config: Dict[str, Any]) -> List[Row]:
             for partitions in config['grid_partitions']:
                 model = gpipe(mlp(), partitions, chunks, checkpoint)
                 steps[f'{chunks}/{partitions}/{checkpoint}'] = make_step(model, x)
-    t = time_steps(steps, config['grid_rounds'], desc='grid')
+    t = time_steps(steps, config['grid_rounds'], warmup=warmup_steps(config), desc='grid')
     unwrapped = t['unwrapped']['min']
     rows = []
     for chunks in config['grid_chunks']:

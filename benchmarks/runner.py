@@ -212,15 +212,20 @@ def figures_table(figures: Sequence[Tuple[str, Figure]], smoke: bool) -> str:
 def main(experiment: Experiment, argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     """Runs one experiment as its command line says; returns the document it wrote.
 
-    With ``--measure`` (internal), measures one setting and prints its JSON
-    instead, returning an empty dict.
+    With ``--measure`` (internal), measures one setting (or each of a list)
+    and prints its JSON instead, returning an empty dict.
     """
     parser = make_parser(experiment)
     args = parser.parse_args(argv)
     if getattr(args, 'measure', None):
         assert experiment.measure is not None
+        settings = json.loads(args.measure)
         with threads(args.threads):
-            print(json.dumps(experiment.measure(json.loads(args.measure))))
+            # A list: the settings of a smoke run, measured one after the other
+            # (see benchmarks.memory.run_measure_subprocesses).
+            measured = ([experiment.measure(s) for s in settings] if isinstance(settings, list)
+                        else experiment.measure(settings))
+        print(json.dumps(measured))
         return {}
     config = configure(experiment, parser, args)
 

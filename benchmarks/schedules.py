@@ -63,7 +63,7 @@ from benchmarks.memory import (MiB, fix_malloc, peak_ratio, run_measure_subproce
 from benchmarks.overhead import convnet, ms
 from benchmarks.report import format_spread, format_table
 from benchmarks.runner import Experiment, Figure, Preset, main as run_main
-from benchmarks.timing import time_steps
+from benchmarks.timing import time_steps, warmup_steps
 from torchgpipe import GPipe
 
 Step = Callable[[], None]
@@ -78,7 +78,9 @@ PRESETS: Dict[str, Preset] = {
                    rounds=10),
 }
 
-SMOKE = dict(batch=8, memory_batch=16, image_size=8, rounds=1)
+#: Smoke: no warm-up step before the timed ones, and the memory row's modes
+#: measured in one fresh process (see benchmarks.memory.run_measure_subprocesses).
+SMOKE = dict(batch=8, memory_batch=16, image_size=8, rounds=1, warmup=0, one_process=True)
 
 #: The targets, as the largest ratio allowed.
 TARGETS = {'compute-bound': 0.80, 'memory': 0.60, 'parallelism': 0.70}
@@ -168,7 +170,7 @@ def compute_rows(config: Dict[str, Any]) -> Dict[str, Any]:
              "train_step 1F1B 'except_last'": train_step(
                  gpipe(base, devices, chunks, 'except_last'), input, '1f1b'),
              DROP_IN: backward_step(gpipe(base, devices, chunks, 'except_last'), input, devices)}
-    times = time_steps(steps, config['rounds'], desc='4 partitions')
+    times = time_steps(steps, config['rounds'], warmup=warmup_steps(config), desc='4 partitions')
     setting = f"{size_text(config, config['batch'])}, 4 partitions"
     rows = [ratio_row('compute-bound', setting, times, NEVER_1F1B, DROP_IN),
             ratio_row('fill-drain', setting, times, "train_step fill-drain 'never'", DROP_IN),
@@ -199,7 +201,7 @@ def parallelism_rows(config: Dict[str, Any]) -> List[Row]:
                                        '1f1b'),
              'unwrapped, 1 thread': backward_step(base, input, devices[:1]),
              'unwrapped, 2 threads': backward_step(base, input, devices[:1], intra_op_threads=2)}
-    times = time_steps(steps, config['rounds'], desc='2 partitions')
+    times = time_steps(steps, config['rounds'], warmup=warmup_steps(config), desc='2 partitions')
     setting = f"{size_text(config, config['batch'])}, 2 partitions"
     return [ratio_row('parallelism', setting, times, NEVER_1F1B_2, 'unwrapped, 1 thread'),
             ratio_row('two threads', setting, times, NEVER_1F1B_2, 'unwrapped, 2 threads')]
@@ -235,7 +237,8 @@ def memory_row(config: Dict[str, Any]) -> Row:
     modes = ('1f1b', 'fill_drain', 'unwrapped', 'zb_h1')
     measured = run_measure_subprocesses('benchmarks.schedules',
                                         [{'mode': mode, 'config': config} for mode in modes],
-                                        parallel=1 if config['device'] == 'cuda' else 2)
+                                        parallel=1 if config['device'] == 'cuda' else 2,
+                                        one_process=config.get('one_process', False))
     mib = {mode: m['step_peak'] / MiB for mode, m in zip(modes, measured)}
     ratio = peak_ratio(mib['1f1b'], mib['fill_drain'])
     return {'name': 'memory',

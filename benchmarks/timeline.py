@@ -53,7 +53,7 @@ from benchmarks.devices import cpu_devices, cuda_devices, synchronize
 from benchmarks.models.unet import unet
 from benchmarks.report import format_table
 from benchmarks.runner import Experiment, Figure, Preset, main as run_main
-from benchmarks.timing import time_steps
+from benchmarks.timing import time_steps, warmup_steps
 from torchgpipe import GPipe
 from torchgpipe.skip.skippable import Skippable
 from torchgpipe.stream import current_stream
@@ -76,7 +76,10 @@ PRESETS: Dict[str, Preset] = {
                     partitions=4, rounds=10, balance_timeout=1.0),
 }
 
-SMOKE = dict(channels=2, image_size=32, batch=8, chunks=4, rounds=1, balance_timeout=0.0)
+#: Smoke: 2 micro-batches (half the events to trace and draw), no warm-up step
+#: before the timed ones.
+SMOKE = dict(channels=2, image_size=32, batch=8, chunks=2, rounds=1, balance_timeout=0.0,
+             warmup=0)
 
 #: Table 1 of the paper (4 NVIDIA Tesla P40): throughput (samples/s), utilization, memory (GiB).
 PAPER = {'baseline': (30.662, 0.44, 52.2), '+dependency': (41.306, 0.59, 19.1),
@@ -215,7 +218,7 @@ def run(config: Dict[str, Any]) -> Dict[str, Any]:
                       checkpoint=checkpoint)
         models[name] = model
         steps[name] = make_step(model, input, target, dependency, streams, devices)
-    times = time_steps(steps, config['rounds'], desc='settings')
+    times = time_steps(steps, config['rounds'], warmup=warmup_steps(config), desc='settings')
 
     rows = []
     for name, dependency, streams, portals, checkpoint in SETTINGS:
@@ -242,7 +245,8 @@ def run(config: Dict[str, Any]) -> Dict[str, Any]:
     def traced() -> None:
         with torchgpipe.trace(model):
             full()
-    cost = time_steps({'untraced': full, 'traced': traced}, config['rounds'], desc='tracing')
+    cost = time_steps({'untraced': full, 'traced': traced}, config['rounds'],
+                      warmup=warmup_steps(config), desc='tracing')
     m, n = config['chunks'], config['partitions']
     off = tracing_off_cost(tasks=m * n, copies=m * (n - 1) + m * n)
     tracing = {'untraced': cost['untraced'], 'traced': cost['traced'],

@@ -18,13 +18,23 @@ import torch
 from benchmarks.devices import synchronize
 from benchmarks.report import progress
 
-__all__ = ['spread', 'time_steps', 'Trainer', 'measure_throughputs', 'measure_settings']
+__all__ = ['spread', 'warmup_steps', 'time_steps', 'Trainer', 'measure_throughputs',
+           'measure_settings']
 
 
 def spread(samples: Sequence[float]) -> Dict[str, float]:
     """The fastest (``min``), ``median`` and slowest (``max``) of some samples, and their count."""
     return {'min': min(samples), 'median': statistics.median(samples), 'max': max(samples),
             'samples': len(samples)}
+
+
+def warmup_steps(config: Mapping[str, Any]) -> int:
+    """Untimed calls of each step before the timed ones: ``config['warmup']``, or 1.
+
+    Smoke runs set 0: their figures mean nothing, and a warm-up call would
+    only run again what the timed one runs.
+    """
+    return int(config.get('warmup', 1))
 
 
 def time_steps(steps: Mapping[str, Callable[[], None]], rounds: int, *, warmup: int = 1,

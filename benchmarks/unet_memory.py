@@ -6,11 +6,12 @@ Run from the repository root::
     python -m benchmarks.unet_memory --preset paper    # Table 3, needs 8 CUDA devices
     python -m benchmarks.unet_memory --preset paper --settings naive-1,pipeline-1
 
-Every setting runs in a fresh process: the model is built on the ``meta``
-device, balanced by an estimate of each layer's memory (twice its parameters
-plus its output for one micro-batch; see ``benchmarks.balance.size_balance``),
-and each layer is then allocated straight on its partition's device, so
-models larger than one device (or than the host) can be measured. After a
+Every setting runs in a fresh process (a smoke run's settings share one):
+the model is built on the ``meta`` device, balanced by an estimate of each
+layer's memory (twice its parameters plus its output for one micro-batch;
+see ``benchmarks.balance.size_balance``), and each layer is then allocated
+straight on its partition's device, so models larger than one device (or
+than the host) can be measured. After a
 warm-up step with a tiny batch, one training step (forward, loss, backward,
 plain SGD) is measured:
 
@@ -62,7 +63,9 @@ PRESETS: Dict[str, Preset] = {
                         row('pipeline-2', 2, 8, 2, 8), row('pipeline-4', 2, 8, 4, 8)]),
 }
 
-SMOKE = dict(image_size=32, batch=8)
+#: Smoke: 2 micro-batches of 2, every setting measured in one fresh process
+#: (see benchmarks.memory.run_measure_subprocesses).
+SMOKE = dict(image_size=32, batch=4, chunks=2, one_process=True)
 
 #: Table 3 of the paper (NVIDIA Tesla P40): parameters and memory usage.
 PAPER = {'naive-1': ('362.2M', '20.3 GiB'), 'pipeline-1': ('2.21B', '20.5 GiB'),
@@ -125,7 +128,8 @@ def run(config: Dict[str, Any]) -> Dict[str, Any]:
     # CPU settings each measure their own process, so two may overlap; on
     # CUDA they would share the devices.
     parallel = 2 if config['device'] == 'cpu' else 1
-    results = run_measure_subprocesses('benchmarks.unet_memory', settings, parallel=parallel)
+    results = run_measure_subprocesses('benchmarks.unet_memory', settings, parallel=parallel,
+                                       one_process=config.get('one_process', False))
     baseline = next((r for r in results if r['name'] == 'naive-1'), None)
     for r in results:
         r['memory_ratio'] = r['memory'] / baseline['memory'] if baseline else None

@@ -4,6 +4,7 @@ A toy experiment (no model, no timing) runs through
 :func:`benchmarks.runner.main` as every real one does, so these tests take
 milliseconds; the real experiments run in ``test_benchmarks_smoke.py``.
 """
+import dataclasses
 import json
 import re
 import sys
@@ -116,6 +117,19 @@ def test_real_experiments_check_their_options(name: str, argv: List[str], flag: 
 def test_settings_picks_rows(tmp_path: Path) -> None:
     document = run_toy('--settings', 'b', '--output-dir', str(tmp_path))
     assert [r['name'] for r in document['results']] == ['b']
+
+
+def test_measure_prints_one_setting_or_each_of_a_list(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # A full preset's fresh process measures one setting; a smoke run's, all of them.
+    measuring = dataclasses.replace(TOY, measure=lambda s: {'twice': 2 * s['n']})
+
+    def printed(setting: Any) -> Any:
+        assert runner.main(measuring, ['--measure', json.dumps(setting)]) == {}
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+    assert printed({'n': 1}) == {'twice': 2}
+    assert printed([{'n': 1}, {'n': 3}]) == [{'twice': 2}, {'twice': 6}]
 
 
 def test_environment_records_cpu_dirty_tree_and_duration(
