@@ -64,6 +64,31 @@ def deterministic_seed() -> None:
     torch.manual_seed(0)
 
 
+# -- the longest files first ---------------------------------------------------------
+# pytest-xdist (-n 2 --dist loadfile) hands the test files to its workers one
+# at a time, each to the first worker free: a long file handed out last keeps
+# one worker busy while the other has nothing left, minutes at the end of the
+# run. Handed out first, the long files run beside the rest and the short ones
+# fill the end. By default xdist hands out the files with the most tests
+# first, which put the distributed files (few tests, long ones) last:
+# pytest_configure turns that off, and the order is the collection's, below.
+# The longest in --durations, longest first; the distributed ones partly wait
+# (for deadlines, for ranks to start), so they overlap well with files that
+# compute. The others follow in their order.
+LONGEST_FIRST = [
+    'test_distributed_pipe.py', 'test_distributed_hangs.py', 'test_docs.py',
+    'test_examples.py', 'test_generation.py', 'test_distributed.py',
+    'test_capture_effects.py', 'test_train_step.py', 'test_suite_config.py',
+    'test_flatten.py', 'test_clipping.py', 'test_distributed_step.py', 'test_rng.py',
+    'test_distributed_tied.py', 'test_skip.py', 'test_benchmarks_smoke.py',
+]
+
+
+def pytest_collection_modifyitems(items: List[pytest.Item]) -> None:
+    order = {name: k for k, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable: in-file order
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if item.get_closest_marker('cuda') and not torch.cuda.is_available():
         pytest.skip('needs a CUDA device; none is visible')
@@ -98,6 +123,8 @@ def is_whole_suite(args: Iterable[str], modules: Set[Path], deselected: bool) ->
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if getattr(config.option, 'loadscopereorder', None):  # see LONGEST_FIRST
+        config.option.loadscopereorder = False
     config.stash[MODULES] = set()
     config.stash[DESELECTED] = False
 
