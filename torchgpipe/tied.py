@@ -327,22 +327,26 @@ def shares_apart(partitions: Sequence[nn.Module]) -> Iterator[None]:
     finally:
         for master, earlier in zip(masters, kept):
             shares = (cast(Dict[int, Tensor], hook.shares).get(id(master)) for hook in hooks)
-            master.grad = add_in_order(earlier, [master.grad] + [
+            master.grad = add_in_order(earlier, master.grad, [
                 None if share is None else share.to(master.device) for share in shares])
         for hook in hooks:
             hook.shares = None
 
 
-def add_in_order(kept: Optional[Tensor], grads: Iterable[Optional[Tensor]]) -> Optional[Tensor]:
-    """``kept`` plus ``grads``, added one after the other in their order.
+def add_in_order(kept: Optional[Tensor], first: Optional[Tensor],
+                 rest: Iterable[Optional[Tensor]]) -> Optional[Tensor]:
+    """``kept + (first + rest[0] + rest[1] + ...)``, added in that order.
 
     The one order of additions of a tied weight's gradient, in one process
     and across ranks: floating-point addition is not associative, so the same
-    order is what gives the same bits. ``None`` is no gradient.
+    order is what gives the same bits. The sum is written into ``first``'s
+    memory (a gradient of the caller's own), never into one of ``rest`` (a
+    share or a received message, whose memory may be reused). ``None`` is no
+    gradient.
     """
-    total: Optional[Tensor] = None
+    total = first
     with torch.no_grad():
-        for grad in grads:
+        for grad in rest:
             if grad is not None:
                 total = grad.clone() if total is None else total.add_(grad)
     return add(kept, total)

@@ -158,7 +158,7 @@ class TiedGradients:
             grads = [(None if p is None else p.grad) if rank == self.me else next(cursors[rank])
                      for rank in tie.ranks]
             if p is not None:
-                p.grad = add_in_order(kept, grads)
+                p.grad = add_in_order(kept, None, grads)
         self.kept = []
 
     def compare(self, rank: int, values: List[Optional[Tensor]]) -> None:
