@@ -81,6 +81,7 @@ LONGEST_FIRST = [
     'test_capture_effects.py', 'test_train_step.py', 'test_suite_config.py',
     'test_flatten.py', 'test_clipping.py', 'test_distributed_step.py', 'test_rng.py',
     'test_distributed_tied.py', 'test_skip.py', 'test_benchmarks_smoke.py',
+    'test_distributed_trace.py',
 ]
 
 

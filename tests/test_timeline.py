@@ -514,7 +514,8 @@ def test_tracing_changes_no_result(threaded: bool) -> None:
 
 
 def test_bad_use_gets_clear_errors() -> None:
-    with pytest.raises(TypeError, match='trace\\(\\) watches a GPipe, got Sequential'):
+    with pytest.raises(TypeError, match='trace\\(\\) watches a GPipe or a '
+                                        'DistributedGPipe, got Sequential'):
         with torchgpipe.trace(mlp(4, depth=2, blocks=True)):
             pass
     model = GPipe(mlp(4, depth=2, blocks=True), balance=[1, 1], devices=['cpu', 'cpu'], chunks=2)

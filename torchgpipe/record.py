@@ -20,7 +20,7 @@ T = TypeVar('T')
 
 #: How the name of an event of each kind starts.
 PREFIXES = {'forward': 'F', 'recompute': "F'", 'backward': 'B', 'input': 'I', 'weight': 'W',
-            'copy': 'C'}
+            'copy': 'C', 'send': 'S', 'receive': 'R'}
 
 
 def label(kind: str, task: Tuple[int, int]) -> ContextManager[Any]:
@@ -60,3 +60,10 @@ class Recorder(Protocol):
     def watch_backward(self, i: int, j: int, device: torch.device, outputs: Iterable[Tensor],
                        boundary: Iterable[Any]) -> None:
         """Watches the backward pass of task ``(i, j)``, from its outputs to ``boundary``."""
+
+    def messaged(self, kind: str, i: int, j: int, device: torch.device, message: str,
+                 work: Callable[[], T]) -> T:
+        """Runs and records ``work``, which sends (``kind``: ``'send'``) or waits for
+        (``'receive'``) a message of micro-batch ``i`` between ranks, on partition
+        ``j``'s side; ``message`` names it alike on both sides.
+        """

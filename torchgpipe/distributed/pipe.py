@@ -398,11 +398,13 @@ class DistributedGPipe(nn.Module):
         traits = [PartitionTraits() for _ in range(n)]
         for k, j in enumerate(self._here):
             traits[j] = self._run_state.traits[k]
+        recorder = self._run_state.recorder
         wire = Wire(Channels(self.device, self.group, self._capacities, self._blocks,
                              self.timeout),
-                    [self.ranks[r] for r in self.rank_of], dist.get_rank(), self._routes)
+                    [self.ranks[r] for r in self.rank_of], dist.get_rank(), self._routes,
+                    recorder)
         step = Step(partitions, [self.device] * n, batches, targets, loss_fn, weights,
-                    plan, self._skip_layout, stop, traits, None, mailbox=wire, done=done,
+                    plan, self._skip_layout, stop, traits, recorder, mailbox=wire, done=done,
                     train=train)
         try:
             # Before any message of the step: ranks that disagree on it all raise here.

@@ -33,6 +33,7 @@ from torchgpipe.distributed.channels import Channels as Channels
 from torchgpipe.distributed.faults import (Disconnected, PeerFailed, TimedOut, failed, lost,
                                            lost_in, timed_out, waiting_for)
 from torchgpipe.distributed.codec import Unreadable
+from torchgpipe.record import Recorder
 from torchgpipe.train.mailbox import (Activation, Gradient, Key, Mailbox, Skip, SkipGradient,
                                       SkipKey)
 
@@ -54,12 +55,15 @@ class Wire(Mailbox):
         ranks: the global rank of each partition
         me: the global rank of this process
         routes: the route of each skip that crosses partitions, by key
+        recorder: records each message to or from another rank, inside
+            :func:`torchgpipe.trace`
     """
 
     def __init__(self, channels: Channels, ranks: Sequence[int], me: int,
-                 routes: Dict[SkipKey, Route]) -> None:
+                 routes: Dict[SkipKey, Route], recorder: Optional[Recorder] = None) -> None:
         super().__init__()
         self.channels = channels
+        self.recorder = recorder
         self.ranks = ranks
         self.me = me
         self.routes = routes
@@ -94,18 +98,42 @@ class Wire(Mailbox):
             return (Skip if kind == 'Skip' else SkipGradient)(i, self.skips[k])
         return cast(Key, wired)
 
+    def name(self, key: Key) -> str:
+        """What a message is, in words both its ranks write alike (a trace pairs them so)."""
+        a, b = self.ends(key)
+        kind = type(key).__name__
+        if isinstance(key, (Skip, SkipGradient)):
+            kind += f' #{self.index[key.key]}'
+        return f'{kind} of micro-batch {key.i}, partition {a} to {b}'
+
     def put(self, key: Key, message: Any) -> None:
-        j = self.ends(key)[1]
+        source, j = self.ends(key)
         rank = self.ranks[j]
         if rank == self.me:
             super().put(key, message)
-        else:
+            return
+
+        def send() -> None:
             with lost(rank, j, 'sending it a message'):
                 self.channels.send(rank, 'message', (self.encode(key), message))
+        if self.recorder is None:
+            send()
+        else:
+            self.recorder.messaged('send', key.i, source, self.channels.device, self.name(key),
+                                   send)
 
     def take(self, key: Key) -> Any:
-        source = self.ends(key)[0]
-        if self.ranks[source] == self.me or self.has(key):
+        source, j = self.ends(key)
+        if self.ranks[source] == self.me:
+            return super().take(key)
+        if self.recorder is None:
+            return self.take_from(source, key)
+        return self.recorder.messaged('receive', key.i, j, self.channels.device, self.name(key),
+                                      lambda: self.take_from(source, key))
+
+    def take_from(self, source: int, key: Key) -> Any:
+        """Waits for the message under ``key`` from partition ``source``, in another rank."""
+        if self.has(key):
             return super().take(key)
         while True:
             wired, message = self.receive(source, waiting_for(key))

@@ -31,17 +31,21 @@ class Event:
     Times are in seconds since the trace began.
     """
 
-    #: ``'forward'``, ``'recompute'``, ``'backward'``, ``'copy'``, or the two
-    #: halves of a split backward pass: ``'input'`` (I) and ``'weight'`` (W).
+    #: ``'forward'``, ``'recompute'``, ``'backward'``, ``'copy'``, the two
+    #: halves of a split backward pass: ``'input'`` (I) and ``'weight'`` (W),
+    #: or, across ranks, the sending of a message (``'send'``) and the wait
+    #: for one (``'receive'``).
     kind: str
     #: The micro-batch ``i``.
     micro_batch: int
     #: The partition ``j``; for a copy, the partition it copies to in the
-    #: forward pass, and from in the backward pass.
+    #: forward pass, and from in the backward pass; for a message, the
+    #: partition that sends it, or that receives it.
     partition: int
     #: The device the task ran on; for a copy, the device of its partition.
     device: str
-    #: The row of the timeline, named after the device or the device's copies.
+    #: The row of the timeline, named after the device or the device's copies
+    #: (after the rank, or the rank's messages, across processes).
     track: str
     #: The name of the thread that ran it.
     thread: str
@@ -56,16 +60,22 @@ class Event:
     #: Whether the task raised an exception.
     failed: bool = False
     #: What a copy moved (``'input'`` or ``'skip'``) and in which pass
-    #: (``'forward'`` or ``'backward'``), e.g. ``'skip, backward'``; empty for tasks.
+    #: (``'forward'`` or ``'backward'``), e.g. ``'skip, backward'``; for a
+    #: message, which one (``'Activation of micro-batch 0, partition 0 to 1'``);
+    #: empty for tasks.
     detail: str = ''
+    #: The rank of the process that ran it, in a trace of a
+    #: :class:`~torchgpipe.distributed.DistributedGPipe`; else ``None``.
+    rank: Optional[int] = None
 
     @property
     def name(self) -> str:
         """The task written as a schedule writes its actions, ``{partition}{kind}{micro-batch}``.
 
         ``jFi``, ``jBi``, ``jIi``, ``jWi`` as in a schedule, ``jF'i`` for a
-        recomputation and ``jCi`` for a copy: ``1F0`` is the forward pass
-        of micro-batch 0 on partition 1.
+        recomputation, ``jCi`` for a copy, ``jSi`` and ``jRi`` for sending
+        and receiving a message: ``1F0`` is the forward pass of micro-batch
+        0 on partition 1.
         """
         return notation(self.partition, PREFIXES[self.kind], self.micro_batch)
 

@@ -1,0 +1,71 @@
+"""A trace across processes: every rank's events, gathered into each rank's timeline.
+
+Each rank of a :class:`~torchgpipe.distributed.DistributedGPipe` records its
+own tasks and messages, as a GPipe's timeline does. When the trace ends,
+the ranks exchange what they recorded, so that every rank holds the whole
+pipeline's timeline::
+
+    rank 0: events of rank 0 ─┐                 ┌─► rank 0: events of ranks 0, 1, 2
+    rank 1: events of rank 1 ─┼─ all_gather ────┼─► rank 1: events of ranks 0, 1, 2
+    rank 2: events of rank 2 ─┘   (JSON bytes)  └─► rank 2: events of ranks 0, 1, 2
+
+The events travel as JSON in byte tensors, never pickled: a rank reads
+another's data, not its code. Their times agree as far as the ranks' clocks
+do: each rank starts its clock right after a barrier that opens the trace.
+"""
+import json
+from dataclasses import asdict
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from torchgpipe.timeline.events import Event
+
+__all__: List[str] = []
+
+
+def gather(events: List[Event], memory: Dict[str, int], group: Optional[dist.ProcessGroup],
+           device: torch.device) -> Tuple[List[Event], Dict[str, int]]:
+    """Every rank's events and peak memory, on every rank of ``group``.
+
+    Args:
+        events: this rank's events
+        memory: this rank's peak memory, by track
+        group: the pipeline's process group (``None``: the default group)
+        device: a device the group's backend communicates from (CUDA for NCCL)
+
+    Returns:
+        the events of every rank, and the peak memory of every rank's track
+    """
+    mine = json.dumps({'events': [asdict(e) for e in events], 'memory': memory}).encode()
+    everyone: List[Event] = []
+    peaks: Dict[str, int] = {}
+    for data in all_gather_bytes(mine, group, device):
+        record: Dict[str, Any] = json.loads(data)
+        everyone.extend(decode(e) for e in record['events'])
+        peaks.update({str(k): int(v) for k, v in record['memory'].items()})
+    everyone.sort(key=lambda e: (e.start, e.end))
+    return everyone, peaks
+
+
+def decode(fields: Dict[str, Any]) -> Event:
+    """An event from its JSON fields (lists back to tuples)."""
+    fields['pieces'] = tuple((float(a), float(b)) for a, b in fields['pieces'])
+    return Event(**fields)
+
+
+def all_gather_bytes(data: bytes, group: Optional[dist.ProcessGroup],
+                     device: torch.device) -> List[bytes]:
+    """What each rank of ``group`` gave, in rank order: the sizes first, then
+    the bytes, padded to the longest."""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = [torch.empty_like(size) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, size, group=group)
+    longest = max(int(s) for s in sizes)
+    buffer = torch.zeros(longest, dtype=torch.uint8, device=device)
+    if data:
+        buffer[:len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    buffers = [torch.empty_like(buffer) for _ in sizes]
+    dist.all_gather(buffers, buffer, group=group)
+    return [bytes(b[:int(s)].cpu().tolist()) for b, s in zip(buffers, sizes)]

@@ -1,0 +1,363 @@
+"""How a timeline records: the :class:`Timeline` that the engine calls, as its recorder.
+
+:func:`torchgpipe.trace` attaches one to a pipeline; see
+:mod:`torchgpipe.timeline` for what it catches and how.
+"""
+import json
+import os
+import threading
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import (Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, TypeVar,
+                    Union)
+
+import torch
+from torch import Tensor
+
+from torchgpipe.checkpoint import Recompute
+from torchgpipe.copy import Copy, Wait
+from torchgpipe.dependency import Fork, Join
+from torchgpipe.skip.portal import PortalBlue, PortalCopy, PortalOrange
+from torchgpipe.timeline.chrome import chrome_trace
+from torchgpipe.timeline.clock import Clock, Stamp, peak_rss, reset_peak_rss
+from torchgpipe.timeline.events import Event, Summary, chart_title, segments, summarize
+from torchgpipe.timeline.ranks import gather
+
+__all__: List[str] = []
+
+T = TypeVar('T')
+
+
+@dataclass
+class Span:
+    """An event being recorded: stamps not yet read."""
+
+    kind: str
+    micro_batch: int
+    partition: int
+    device: torch.device
+    track: str
+    step: int
+    detail: str = ''
+    thread: str = ''
+    pieces: List[Tuple[Stamp, Stamp]] = field(default_factory=list)
+    failed: bool = False
+
+
+@dataclass
+class StepInfo:
+    """One traced call of the GPipe."""
+
+    #: How many micro-batches the input was split into.
+    micro_batches: int
+    #: The device of each partition.
+    devices: List[str]
+    #: What the step was; see :attr:`Summary.kind`.
+    kind: str = 'forward'
+    #: Its schedule's bubble, formula and value, if not GPipe's.
+    bubble: Optional[Tuple[str, float]] = None
+
+
+class Timeline:
+    """What :func:`torchgpipe.trace` yields: the events recorded, and views of them.
+
+    The events of a step are complete once its backward pass is done; read
+    them after the ``with`` block, or at least after ``backward()``.
+
+    Args:
+        places: the row of each partition's tasks, if not named after its
+            device (``'rank 1'`` across processes)
+        rank: the rank of this process, across processes
+    """
+
+    def __init__(self, places: Optional[Sequence[str]] = None,
+                 rank: Optional[int] = None) -> None:
+        self.places = None if places is None else list(places)
+        self.rank = rank
+        #: The events of the other ranks, once gathered (see torchgpipe.timeline.ranks).
+        self.gathered: List[Event] = []
+        self.clock = Clock()
+        self.closed = False
+        #: Each traced call of the GPipe, in order; events refer to them by index.
+        self.steps: List[StepInfo] = []
+        self._spans: List[Span] = []
+        self._lock = threading.Lock()
+        self._peak_memory: Dict[str, int] = {}
+
+    # Recording; called by the pipeline. ------------------------------------
+
+    def begin_step(self, micro_batches: int, devices: Sequence[torch.device],
+                   kind: str = 'forward', bubble: Optional[Tuple[str, float]] = None) -> int:
+        """Starts a step; returns its index."""
+        self.steps.append(StepInfo(micro_batches, [self.place(j, d) for j, d in enumerate(devices)],
+                                   kind, bubble))
+        return len(self.steps) - 1
+
+    def place(self, j: int, device: torch.device) -> str:
+        """The row of partition ``j``'s tasks: its device's, or its rank's."""
+        return str(device) if self.places is None else self.places[j]
+
+    def _add(self, span: Span) -> Span:
+        span.thread = threading.current_thread().name
+        with self._lock:
+            self._spans.append(span)
+        return span
+
+    def timed(self, kind: str, i: int, j: int, device: torch.device,
+              function: Callable[[], T]) -> Callable[[], T]:
+        """Wraps a task to record it when it runs, wherever that is."""
+        step = len(self.steps) - 1
+
+        def run() -> T:
+            return self.timed_span(Span(kind, i, j, device, self.place(j, device), step),
+                                   function)
+        return run
+
+    def copied(self, i: int, j: int, device: torch.device, what: str,
+               copy: Callable[[], Optional[Tensor]]) -> None:
+        """Runs a copy into partition ``j`` and records it, if anything was copied, both ways.
+
+        Args:
+            what: ``'input'`` or ``'skip'``
+            copy: makes the copy; returns a copied tensor, or ``None`` if
+                nothing had to move
+        """
+        span = Span('copy', i, j, device, f'{device} copies', len(self.steps) - 1,
+                    f'{what}, forward')
+        start = self.clock.stamp(device)
+        copied = copy()
+        span.pieces.append((start, self.clock.stamp(device)))
+        if copied is None:
+            return
+        self._add(span)
+        if copied.grad_fn is not None:
+            self._hook(copied.grad_fn, {}, Span('copy', i, j, device, span.track, span.step,
+                                                f'{what}, backward'))
+
+    def messaged(self, kind: str, i: int, j: int, device: torch.device, message: str,
+                 work: Callable[[], T]) -> T:
+        """Runs the sending or the receiving of a message between ranks, recorded.
+
+        Args:
+            kind: ``'send'`` or ``'receive'`` (a receive spans the wait for it)
+            message: what it is, in the words both ranks use for it
+        """
+        span = Span(kind, i, j, device, f'{self.place(j, device)} messages',
+                    len(self.steps) - 1, message)
+        return self.timed_span(span, work)
+
+    def timed_span(self, span: Span, work: Callable[[], T]) -> T:
+        """Runs ``work``, recorded as ``span``, failed if it raises."""
+        self._add(span)
+        start = self.clock.stamp(span.device)
+        try:
+            return work()
+        except BaseException:
+            span.failed = True
+            raise
+        finally:
+            span.pieces.append((start, self.clock.stamp(span.device)))
+
+    def watch_backward(self, i: int, j: int, device: torch.device, outputs: Iterable[Tensor],
+                       boundary: Iterable[Any]) -> None:
+        """Hooks the autograd nodes of task ``(i, j)``'s backward pass and recomputation.
+
+        Args:
+            outputs: the task's outputs (after its recomputation was attached)
+            boundary: the nodes of the task's inputs: the walk stops there
+        """
+        recompute, glue, ends = node_classes()
+        step = len(self.steps) - 1
+        stop = set(boundary)
+        seen = set()
+        stack = [x.grad_fn for x in outputs if x.grad_fn is not None]
+        runs: Dict[str, Dict[int, Span]] = {'recompute': {}, 'backward': {}}
+        while stack:
+            node = stack.pop()
+            if node in stop or node in seen:
+                continue
+            seen.add(node)
+            forward_class = getattr(node, '_forward_cls', None)
+            if type(node).__name__ == 'AccumulateGrad' or forward_class in ends:
+                continue
+            if forward_class is recompute:
+                self._hook(node, runs['recompute'], Span('recompute', i, j, device,
+                                                         str(device), step))
+            elif forward_class not in glue:
+                self._hook(node, runs['backward'], Span('backward', i, j, device,
+                                                        str(device), step))
+            stack.extend(n for n, _ in node.next_functions if n is not None)
+
+    def _hook(self, node: Any, spans: Dict[int, Span], template: Span) -> None:
+        # One span per backward pass (graph task) through the task's nodes,
+        # opened by the first of them to start. Each node adds the piece of
+        # time from its start to its end. Nodes of one task run on one
+        # device's thread, in order, so on CUDA too the first stamp taken is
+        # the earliest on that device's stream.
+        started: Dict[int, Stamp] = {}
+
+        def pre(grad_outputs: Any) -> None:
+            if self.closed:
+                return
+            key = graph_task_id()
+            if key not in spans:
+                spans[key] = self._add(replace(template))
+            started[key] = self.clock.stamp(template.device)
+
+        def post(grad_inputs: Any, grad_outputs: Any) -> None:
+            start = started.pop(graph_task_id(), None)
+            if start is not None and not self.closed:
+                spans[graph_task_id()].pieces.append((start, self.clock.stamp(template.device)))
+
+        node.register_prehook(pre)
+        node.register_hook(post)
+
+    # Memory. ----------------------------------------------------------------
+
+    def start_memory(self, devices: Iterable[torch.device]) -> None:
+        for device in devices:
+            if device.type == 'cuda':
+                torch.cuda.reset_peak_memory_stats(device)
+        reset_peak_rss()
+
+    def stop_memory(self, places: Dict[str, torch.device]) -> None:
+        """Reads the peak memory of each device, under the name of its row."""
+        rss = peak_rss()
+        for place, device in places.items():
+            if device.type == 'cuda':
+                self._peak_memory[place] = torch.cuda.max_memory_allocated(device)
+            else:
+                self._peak_memory[place] = rss
+
+    def gather(self, group: Any, device: torch.device) -> None:
+        """Takes in the events and the peak memory of every rank of ``group`` (each calls it)."""
+        everyone, peaks = gather(self.events, dict(self._peak_memory), group, device)
+        self.gathered = [e for e in everyone if e.rank != self.rank]
+        self._peak_memory.update(peaks)
+
+    # Views. -----------------------------------------------------------------
+
+    @property
+    def events(self) -> List[Event]:
+        """Every event recorded so far, by start time."""
+        with self._lock:
+            spans = list(self._spans)
+        events: List[Event] = []
+        for s in spans:
+            if not s.pieces:
+                continue
+            pieces = tuple((self.clock.seconds(a, s.device), self.clock.seconds(b, s.device))
+                           for a, b in list(s.pieces))
+            events.append(Event(s.kind, s.micro_batch, s.partition, str(s.device), s.track,
+                                s.thread, min(a for a, _ in pieces), max(b for _, b in pieces),
+                                s.step, pieces, s.failed, s.detail, self.rank))
+        events.extend(self.gathered)
+        events.sort(key=lambda e: (e.start, e.end))
+        return events
+
+    def summary(self, step: Optional[int] = None) -> Summary:
+        """The cost of a step: busy and idle time per device, bubble, critical path, memory.
+
+        Args:
+            step (int, optional): which traced call, from 0; negative counts
+                from the end (default: the last one)
+
+        Returns:
+            Summary: printable; its fields are documented in :class:`Summary`
+
+        Raises:
+            ValueError: no step was traced, or ``step`` is out of range
+        """
+        index = self._step_index(step)
+        return self._summarize(index, [e for e in self.events if e.step == index])
+
+    def _check_traced(self) -> None:
+        """Raises ValueError if no step was traced: there is nothing to show."""
+        if not self.steps:
+            raise ValueError('the trace recorded no step: call the GPipe inside '
+                             '"with torchgpipe.trace(model)"')
+
+    def _step_index(self, step: Optional[int]) -> int:
+        """The index of ``step`` (default: the last one), from 0.
+
+        Raises:
+            ValueError: no step was traced, or ``step`` is out of range
+        """
+        self._check_traced()
+        index = len(self.steps) - 1 if step is None else step
+        if not -len(self.steps) <= index < len(self.steps):
+            raise ValueError(f'step must be in [{-len(self.steps)}, {len(self.steps) - 1}] '
+                             f'(the trace has {len(self.steps)} steps), got {step}')
+        return index % len(self.steps)
+
+    def _summarize(self, index: int, events: List[Event]) -> Summary:
+        """The summary of step ``index``, from its events."""
+        info = self.steps[index]
+        return summarize(index, info.micro_batches, info.devices, info.kind, events,
+                         dict(self._peak_memory), info.bubble)
+
+    def chrome_trace(self) -> Dict[str, Any]:
+        """The events as a Chrome trace (the ``traceEvents`` format Perfetto reads);
+        across processes, a process per rank, and each message as a flow
+        (:mod:`torchgpipe.timeline.chrome`)."""
+        return chrome_trace(self.events)
+
+    def save(self, path: Union[str, 'os.PathLike[str]']) -> None:
+        """Writes the timeline as a Chrome trace JSON file.
+
+        Open it in https://ui.perfetto.dev or ``chrome://tracing``: one track
+        per device and per device's copies; each event's ``args`` hold its
+        ``micro_batch``, ``partition`` and ``kind``. Across processes, a
+        process per rank, with a track of its tasks and one of its messages,
+        each message an arrow from its sender to its receiver.
+
+        Args:
+            path: where to write, usually ``*.json``
+        """
+        Path(path).write_text(json.dumps(self.chrome_trace()))
+
+    def plot(self, path: Union[str, 'os.PathLike[str]'], *, step: Optional[int] = None,
+             title: Optional[str] = None) -> None:
+        """Draws the timeline as a Gantt chart, one row per device, like the paper's Figure 7.
+
+        Args:
+            path: the image file to write (``.png``, or any format matplotlib knows)
+            step (int, optional): draw only this step, counted as in
+                :meth:`summary` (default: every step)
+            title (str, optional): the chart's title (default: the figures
+                of what is drawn: the steps, partitions and micro-batches,
+                and the measured bubble beside the paper's formula; for
+                several steps, the lowest and the highest of them)
+
+        Raises:
+            ValueError: no step was traced, or ``step`` is out of range, as
+                in :meth:`summary`; no file is written then
+            ModuleNotFoundError: matplotlib is not installed
+        """
+        from torchgpipe.timeline.plot import plot_timeline
+        # Checked before anything is drawn: an empty chart would hide the mistake.
+        self._check_traced()
+        indices = range(len(self.steps)) if step is None else [self._step_index(step)]
+        by_step: Dict[int, List[Event]] = {k: [] for k in indices}
+        events = [e for e in self.events if e.step in by_step]
+        for e in events:
+            by_step[e.step].append(e)
+        if title is None:
+            title = chart_title([self._summarize(k, found) for k, found in by_step.items()])
+        plot_timeline(segments(events), path, title)
+
+
+def node_classes() -> Tuple[type, Tuple[type, ...], Tuple[type, ...]]:
+    """The autograd functions a walk through a task's backward pass tells apart.
+
+    Returns:
+        :class:`~torchgpipe.checkpoint.Recompute`; the glue between tasks,
+        walked through but not recorded (fork/join, copy/wait); and the
+        portals of skips, where the task ends
+    """
+    return Recompute, (Fork, Join, Copy, Wait), (PortalBlue, PortalOrange, PortalCopy)
+
+
+def graph_task_id() -> int:
+    """The id of the backward pass running in this thread."""
+    return int(torch._C._current_graph_task_id())
