@@ -48,6 +48,8 @@ def trace_steps(rank: int, world_size: int, folder: str) -> Dict[str, Any]:
             pipe.train_step(*batch(0), F.mse_loss, schedule=config.schedule)
         if rank == 0:
             timeline.save(Path(folder) / f'{config.id}.json')
+            if config.schedule == 'zbv':  # a chart too: every kind of event has a colour
+                timeline.plot(Path(folder) / f'{config.id}.png')
         summary = timeline.summary()
         results[config.id] = {'trace': timeline.chrome_trace(),
                               'devices': [d.device for d in summary.devices],
@@ -124,6 +126,7 @@ def test_one_file_holds_what_every_rank_ran(world_size: int, tmp_path: Path) -> 
         assert result['partitions'] == len(config.balance)
         schedule = resolve(config.schedule, CHUNKS, len(config.balance), ranks)
         assert result['formula'] == expected_bubble(schedule, len(config.balance))[0]
+    assert (tmp_path / f'{CONFIGS[world_size][-1].id}.png').stat().st_size > 0
 
 
 def broken_loss(output: Any, target: Any) -> Any:

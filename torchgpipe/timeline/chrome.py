@@ -13,12 +13,9 @@ sender's ``send`` slice to the receiver's ``receive`` slice::
 """
 from typing import Any, Dict, List, Sequence, Tuple
 
-from torchgpipe.timeline.events import Event, segments
+from torchgpipe.timeline.events import SIDE_TRACKS, Event, segments
 
 __all__: List[str] = []
-
-#: The suffixes of the tracks that are not a device's compute: sorted after them.
-SIDE_TRACKS = (' copies', ' messages')
 
 
 def chrome_trace(events: Sequence[Event]) -> Dict[str, Any]:

@@ -22,6 +22,8 @@ __all__ = ['Event', 'Summary', 'DeviceSummary', 'PartitionSummary']
 
 #: The kinds that keep a device busy (copies run on copy streams).
 COMPUTE_KINDS = ('forward', 'recompute', 'backward', 'input', 'weight')
+#: How the rows of what is not a device's compute end: its copies, its rank's messages.
+SIDE_TRACKS = (' copies', ' messages')
 
 
 @dataclass(frozen=True)

@@ -2,16 +2,20 @@
 import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
-from torchgpipe.timeline.events import Event
+from torchgpipe.timeline.events import SIDE_TRACKS, Event
 
 __all__: List[str] = []
 
 #: A colour per kind, and the legend's words for it.
 COLORS: Dict[str, str] = {'forward': '#4c72b0', 'recompute': '#8fb0de', 'backward': '#dd8452',
-                          'input': '#c44e52', 'weight': '#e8c07d', 'copy': '#55a868'}
+                          'input': '#c44e52', 'weight': '#e8c07d', 'copy': '#55a868',
+                          'send': '#555555', 'receive': '#cccccc'}
 LABELS: Dict[str, str] = {'forward': 'forward F', 'recompute': "recompute F'",
                           'backward': 'backward B', 'input': 'input gradients I',
-                          'weight': 'weight gradients W', 'copy': 'copy'}
+                          'weight': 'weight gradients W', 'copy': 'copy',
+                          'send': 'send S', 'receive': 'wait to receive R'}
+#: The kinds whose boxes are light: their text is black.
+LIGHT = ('recompute', 'weight', 'receive')
 
 
 def plot_timeline(segments: Sequence[Tuple[Event, float, float]],
@@ -55,9 +59,9 @@ def draw_timeline(axes: Any, segments: Sequence[Tuple[Event, float, float]],
     """
     from matplotlib.patches import Patch
 
-    # Devices top to bottom in order, each followed by its copies' row.
-    tracks = sorted({e.track for e, _, _ in segments},
-                    key=lambda t: (t.removesuffix(' copies'), t.endswith(' copies')))
+    # Devices (or ranks) top to bottom in order, each followed by its
+    # copies' (or messages') row.
+    tracks = sorted({e.track for e, _, _ in segments}, key=side_last)
     rows = {track: k for k, track in enumerate(tracks)}
     end = max((b for _, _, b in segments), default=0.0)
     start = min((a for _, a, _ in segments), default=0.0)
@@ -77,7 +81,7 @@ def draw_timeline(axes: Any, segments: Sequence[Tuple[Event, float, float]],
         for text in (e.name, str(e.micro_batch)):
             if width > len(text) * (end - start) * scale / 150:
                 axes.text(left + width / 2, y, text, ha='center', va='center', fontsize=7,
-                          color='white' if e.kind != 'recompute' else 'black')
+                          color='black' if e.kind in LIGHT else 'white')
                 break
     axes.set_yticks(range(len(tracks)), list(reversed(tracks)))
     axes.set_xlabel('time (ms)')
@@ -89,3 +93,11 @@ def draw_timeline(axes: Any, segments: Sequence[Tuple[Event, float, float]],
                     ncol=len(kinds) or 1, frameon=False)
     if title:
         axes.set_title(title)
+
+
+def side_last(track: str) -> Tuple[str, bool]:
+    """Sorts a device's (or rank's) row of copies (or messages) right after its own."""
+    for suffix in SIDE_TRACKS:
+        if track.endswith(suffix):
+            return track.removesuffix(suffix), True
+    return track, False
