@@ -3,12 +3,16 @@
 Every test here needs a GPU and is skipped, naming the reason, without one.
 """
 import copy
+from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+import torchgpipe.copy
 from helpers import assert_same_training_step
+from test_train_step import assert_train_step_as_unwrapped
 from torchgpipe import GPipe
 from torchgpipe.copy import Copy, Ready, Wait
 from torchgpipe.stream import (current_stream, default_stream, get_device, is_cuda, new_stream,
@@ -157,3 +161,25 @@ def test_a_copy_to_the_cpu_is_done_when_it_returns() -> None:
     assert y.device.type == 'cpu' and y.sum().item() == pytest.approx(expected, rel=1e-5)
     z = Ready(source).receive(x * 2, torch.device('cpu'))
     assert z.sum().item() == pytest.approx(2 * expected, rel=1e-5)
+
+
+@pytest.mark.parametrize('schedule', ['1f1b', 'zb_h1'])
+def test_train_step_copies_between_devices_on_copy_streams(schedule: str,
+                                                           monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    moved = []
+    copy_tensors = torchgpipe.copy.copy_tensors
+
+    def recorded(source: Any, target: Any, tensors: Any) -> Any:
+        moved.append((source, target))
+        return copy_tensors(source, target, tensors)
+    monkeypatch.setattr(torchgpipe.copy, 'copy_tensors', recorded)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.Tanh()).double()
+    device = devices(1)[0]
+    gpipe = assert_train_step_as_unwrapped(
+        model.to(device), torch.randn(12, 8, dtype=torch.double, device=device),
+        torch.randn(12, 8, dtype=torch.double, device=devices(4)[-1]), F.mse_loss,
+        balance=[1, 1, 1, 1], devices=devices(4), chunks=4, schedule=schedule)
+    streams = [s for row in gpipe._run_state.copy_streams for s in row]
+    assert moved and all(a in streams and b in streams for a, b in moved)

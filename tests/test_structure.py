@@ -192,12 +192,12 @@ MECHANISMS = {
         'torchgpipe.pipeline': {'Turns'}, 'torchgpipe.train.step': {'Turns'}}),
     'the probe of random draws': ('torchgpipe.rng', {
         'torchgpipe.pipeline': {'watch', 'cpu_generator_held'},
-        'torchgpipe.train.step': {'watch', 'cpu_generator_held'}}),
+        'torchgpipe.train.stage': {'watch', 'cpu_generator_held'}}),
     'the replay of a checkpointed micro-batch': ('torchgpipe.replay', {
         'torchgpipe.checkpoint': {'first_pass', 'recomputation'},
-        'torchgpipe.train.step': {'first_pass', 'recomputation'}}),
+        'torchgpipe.train.stage': {'first_pass', 'recomputation'}}),
     'moving a batch between devices': ('torchgpipe.copy', {
-        'torchgpipe.pipeline': {'Copy', 'Wait'}, 'torchgpipe.train.step': {'Ready'}}),
+        'torchgpipe.pipeline': {'Copy', 'Wait'}, 'torchgpipe.train.stage': {'Ready'}}),
     'skips crossing partitions': ('torchgpipe.skip.tracker', {
         'torchgpipe.pipeline': {'SkipTrackerThroughPortals'},
         'torchgpipe.train.mailbox': {'SkipTrackerAcross'}}),

@@ -136,32 +136,60 @@ def _wait(source: AbstractStream, target: AbstractStream,
 class Ready:
     """Marks, on CUDA, the moment the tensors a worker sends are computed on its stream.
 
-    The receiving worker's stream waits for that moment, then moves them
-    with :func:`copy_tensors`, as the forward path's :class:`Copy` does. On
-    CPU, where work is done when a call returns, it holds nothing.
+    The receiving worker moves them with :func:`copy_tensors`, as the
+    forward path's :class:`Copy` does, on copy streams: the sender's, given
+    here, and the receiver's, given to :meth:`receive`. Both wait for that
+    moment; the receiver's compute stream waits for the copy::
+
+        sender compute   ──F──●event
+        sender copy               ╰wait─┐
+        receiver copy             ╰wait─┴─copy─┐
+        receiver compute ──────────────────────╰wait──F──
+
+    So a transfer never queues behind, or holds up, the computation of
+    either side. On CPU, where work is done when a call returns, it holds
+    nothing.
+
+    Args:
+        device: the sender's device
+        stream: the sender's copy stream for this message (default: the
+            current stream of the tensors' device, when it is received)
     """
 
-    __slots__ = ('event',)
+    __slots__ = ('event', 'stream')
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, stream: Optional[AbstractStream] = None) -> None:
         self.event: Any = None
+        self.stream = stream
         if device.type == 'cuda':
             self.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             self.event.record(as_cuda(current_stream(device)))
 
-    def receive(self, x: Tensor, device: torch.device) -> Tensor:
-        """``x`` on ``device``, without history, safe to use on ``device``'s current stream."""
+    def receive(self, x: Tensor, device: torch.device,
+                stream: Optional[AbstractStream] = None) -> Tensor:
+        """``x`` on ``device``, without history, safe to use on ``device``'s current stream.
+
+        Args:
+            x: a tensor of the message
+            device: where the receiver uses it
+            stream: the receiver's copy stream on ``device`` (default: its
+                current stream, which then runs the copy itself)
+        """
         if self.event is None and device.type == 'cpu' and x.device.type == 'cpu':
             # Every CPU device is one memory, and its work is done: nothing moves.
             return x.detach()
-        target, source = current_stream(device), current_stream(x.device)
+        compute = current_stream(device)
+        source = current_stream(x.device) if self.stream is None else self.stream
+        target = compute if stream is None else stream
         if self.event is not None:
-            # The copy runs on the current stream of x's device (PyTorch makes
-            # it wait for the target's, and the target's for it after), and
-            # on a CPU target nothing else waits: both wait for the sender.
-            for stream in {target, source}:
-                if is_cuda(stream):
-                    as_cuda(stream).wait_event(self.event)
+            # PyTorch makes a copy between two devices wait for the current
+            # streams of both (here the copy streams), and on a CPU target
+            # nothing else waits: both wait for the sender.
+            for copying in {target, source}:
+                if is_cuda(copying):
+                    as_cuda(copying).wait_event(self.event)
         y, = copy_tensors(source, target, (x.detach(),))
         assert y is not None
+        if target is not compute:
+            wait_stream(compute, target)
         return y

@@ -14,7 +14,7 @@ from torchgpipe.pipeline import Pipeline
 from torchgpipe.skip.layout import inspect_skip_layout
 from torchgpipe.skip.skippable import verify_skippables
 from torchgpipe.state import RunState
-from torchgpipe.stream import AbstractStream, current_stream, new_stream, use_device
+from torchgpipe.stream import AbstractStream, current_stream, use_device
 from torchgpipe.steps import Steps
 from torchgpipe.validation import (BalanceError, Device, Devices, check_balance, check_chunks,
                                    check_devices, deny_moving,
@@ -331,11 +331,7 @@ class GPipe(Steps, nn.Module):
 
     def _ensure_copy_streams(self) -> List[List[AbstractStream]]:
         """Creates a copy stream per device per micro-batch, once."""
-        copy_streams = self._run_state.copy_streams
-        if not copy_streams:
-            for device in self.devices:
-                copy_streams.append([new_stream(device) for _ in range(self.chunks)])
-        return copy_streams
+        return self._run_state.ensure_copy_streams(self.devices, self.chunks)
 
     def _prepare(self, batches: List[microbatch.Batch]) -> int:
         """Moves the micro-batches to the first device, for either engine.

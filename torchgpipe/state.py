@@ -4,10 +4,12 @@ None of it is a property of the model: streams cannot be copied or pickled,
 and what one instance's runs learned of its partitions
 (:mod:`torchgpipe.traits`) need not hold for another's.
 """
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
+
+import torch
 
 from torchgpipe.record import Recorder
-from torchgpipe.stream import AbstractStream
+from torchgpipe.stream import AbstractStream, new_stream
 from torchgpipe.traits import PartitionTraits
 
 __all__: List[str] = []
@@ -32,6 +34,14 @@ class RunState:
         self.traits = [PartitionTraits() for _ in range(num_partitions)]
         #: The recorder of the runs (a timeline, inside :func:`torchgpipe.trace`).
         self.recorder: Optional[Recorder] = None
+
+    def ensure_copy_streams(self, devices: Sequence[torch.device],
+                            chunks: int) -> List[List[AbstractStream]]:
+        """A copy stream per partition (on its device) per micro-batch, created once."""
+        if not self.copy_streams:
+            self.copy_streams.extend([new_stream(device) for _ in range(chunks)]
+                                     for device in devices)
+        return self.copy_streams
 
     def __reduce__(self) -> Tuple[type, Tuple[int]]:
         return RunState, (self.num_partitions,)

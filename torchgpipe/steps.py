@@ -17,6 +17,7 @@ from torchgpipe.batchnorm import DeferredBatchNorm, deferred_step
 from torchgpipe.microbatch import Batch, TensorOrTensors
 from torchgpipe.skip.layout import SkipLayout
 from torchgpipe.state import RunState
+from torchgpipe.stream import AbstractStream
 from torchgpipe.tied import shares_apart
 from torchgpipe.train.evaluation import (check_evaluation, evaluating, forward_only, join,
                                          split_evaluation)
@@ -41,6 +42,7 @@ class Steps:
     _deferred_batch_norms: List[DeferredBatchNorm]
     _partitions: Callable[[], List[nn.Sequential]]
     _prepare: Callable[[List[Batch]], int]
+    _ensure_copy_streams: Callable[[], List[List[AbstractStream]]]
 
     def train_step(self, input: TensorOrTensors, target: TensorOrTensors,
                    loss_fn: Callable[[TensorOrTensors, TensorOrTensors], torch.Tensor], *,
@@ -169,7 +171,8 @@ class Steps:
             self._prepare(batches)
             step = Step(self._partitions(), self.devices, batches, targets, loss_fn, weights,
                         forward_only(len(batches), len(self.devices)), self._skip_layout, 0,
-                        self._run_state.traits, self._run_state.recorder, train=False)
+                        self._run_state.traits, self._run_state.recorder, train=False,
+                        copy_streams=self._ensure_copy_streams())
             loss = step.run()
             if loss is not None:
                 return loss
@@ -189,7 +192,8 @@ class Steps:
         plan = resolve(schedule, m, n, [distinct_devices([d])[0] for d in self.devices])
         step = Step(self._partitions(), self.devices, batches, targets, loss_fn, weights, plan,
                     self._skip_layout, self._prepare(batches), self._run_state.traits,
-                    self._run_state.recorder, done=done)
+                    self._run_state.recorder, done=done,
+                    copy_streams=self._ensure_copy_streams())
         with deferred_step(self._deferred_batch_norms, m), shares_apart(self._partitions()):
             loss = step.run()
         assert loss is not None  # every partition is here

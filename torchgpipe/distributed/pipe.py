@@ -33,6 +33,7 @@ from torchgpipe.train.schedule import Schedule
 from torchgpipe.train.step import LossFunction, Step
 from torchgpipe.tied import find_ties
 from torchgpipe.state import RunState
+from torchgpipe.stream import AbstractStream
 from torchgpipe.traits import PartitionTraits
 
 __all__ = ['DistributedGPipe']
@@ -396,8 +397,12 @@ class DistributedGPipe(nn.Module):
             microbatch.move(batches, self.device)
         partitions: List[Optional[nn.Sequential]] = [self._here.get(j) for j in range(n)]
         traits = [PartitionTraits() for _ in range(n)]
+        copy_streams: List[Optional[List[AbstractStream]]] = [None] * n
+        streams = self._run_state.ensure_copy_streams([self.device] * len(self._here),
+                                                      self.chunks)
         for k, j in enumerate(self._here):
             traits[j] = self._run_state.traits[k]
+            copy_streams[j] = streams[k]
         recorder = self._run_state.recorder
         wire = Wire(Channels(self.device, self.group, self._capacities, self._blocks,
                              self.timeout),
@@ -405,7 +410,7 @@ class DistributedGPipe(nn.Module):
                     recorder)
         step = Step(partitions, [self.device] * n, batches, targets, loss_fn, weights,
                     plan, self._skip_layout, stop, traits, recorder, mailbox=wire, done=done,
-                    train=train)
+                    train=train, copy_streams=copy_streams)
         try:
             # Before any message of the step: ranks that disagree on it all raise here.
             wire.agree({'step': 'train_step' if train else 'eval_step',

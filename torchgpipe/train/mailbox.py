@@ -31,6 +31,7 @@ from torchgpipe.microbatch import Batch
 from torchgpipe.skip.layout import SkipLayout
 from torchgpipe.skip.namespace import Namespace
 from torchgpipe.skip.tracker import SkipTrackerAcross
+from torchgpipe.stream import AbstractStream
 from torchgpipe.worker import Stopped
 
 __all__: List[str] = []
@@ -133,12 +134,14 @@ class Mailbox:
         return self._stopped
 
 
-def leaf(x: Optional[Tensor], device: torch.device, requires_grad: bool,
-         ready: Ready) -> Optional[Tensor]:
-    """Cuts the graph at a partition's input: a copy on ``device`` without history."""
+def leaf(x: Optional[Tensor], device: torch.device, requires_grad: bool, ready: Ready,
+         stream: Optional[AbstractStream]) -> Optional[Tensor]:
+    """Cuts the graph at a partition's input: a copy on ``device`` without history,
+    made on its copy ``stream``."""
     if x is None:
         return None
-    return ready.receive(x, device).requires_grad_(requires_grad and x.is_floating_point())
+    return ready.receive(x, device, stream).requires_grad_(requires_grad and
+                                                           x.is_floating_point())
 
 
 class StepSkips(SkipTrackerAcross):
@@ -154,9 +157,11 @@ class StepSkips(SkipTrackerAcross):
     """
 
     def __init__(self, layout: SkipLayout, j: int, device: torch.device, mailbox: Mailbox,
-                 i: int, train: bool = True) -> None:
+                 i: int, train: bool = True, stream: Optional[AbstractStream] = None) -> None:
         super().__init__(layout)
         self.j = j
+        #: The partition's copy stream for micro-batch ``i``, both ways.
+        self.stream = stream
         #: Of a training step; else of an evaluation, which has no gradients.
         self.train = train
         self.device = device
@@ -177,12 +182,12 @@ class StepSkips(SkipTrackerAcross):
             requires_grad = tensor is not None and (tensor.requires_grad or (
                 self.train and not torch.is_grad_enabled() and tensor.is_floating_point()))
             self.mailbox.put(Skip(self.i, (ns, name)),
-                             Parcel(tensor, requires_grad, Ready(self.device)))
+                             Parcel(tensor, requires_grad, Ready(self.device, self.stream)))
 
     def receive(self, batch: Batch, ns: Namespace, name: str) -> Optional[Tensor]:
         if self.replay:
             return self.received[(ns, name)]
         tensor, requires_grad, ready = self.mailbox.take(Skip(self.i, (ns, name)))
-        popped = leaf(tensor, self.device, requires_grad, ready)
+        popped = leaf(tensor, self.device, requires_grad, ready, self.stream)
         self.received[(ns, name)] = popped
         return popped
