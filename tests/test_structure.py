@@ -176,6 +176,33 @@ def test_modules_are_small() -> None:
     assert not {name: n for name, n in sizes.items() if n > 450}
 
 
+def code_lines(function: ast.AST) -> int:
+    """The lines of a function's definition, its docstring left out."""
+    assert isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef))
+    assert function.end_lineno is not None
+    lines = function.end_lineno - function.lineno + 1
+    docstring = function.body[0]
+    if isinstance(docstring, ast.Expr) and isinstance(docstring.value, ast.Constant) and \
+            isinstance(docstring.value.value, str):
+        assert docstring.end_lineno is not None
+        lines -= docstring.end_lineno - docstring.lineno + 1
+    return lines
+
+
+def test_functions_are_short() -> None:
+    """A function does one thing a reader can follow: none over 80 lines of code."""
+    long = {f'{module_name(path)}.{node.name}': code_lines(node)
+            for path in PACKAGE.rglob('*.py') for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and code_lines(node) > 80}
+    assert not long
+
+
+def test_the_length_of_a_function_leaves_its_docstring_out() -> None:
+    function = ast.parse('def f():\n    """Two\n    lines."""\n    return 1\n').body[0]
+    assert code_lines(function) == 2
+
+
 def imported_names(module: str) -> Set[Tuple[str, str]]:
     """Each ``(module, name)`` that ``from module import name`` brings into a module."""
     path = PACKAGE.parent / (module.replace('.', '/') + '.py')

@@ -70,31 +70,7 @@ def capture(module: nn.Module, example: Any) -> Captured:
         RuntimeError: export cannot capture ``module``
     """
     kwargs = _bind(module, example)
-    shapes = {name: pytree.tree_map(_any_size, value) for name, value in kwargs.items()}
-    # Positional as far as they go, as a call module(x, mask) gives them:
-    # a forward pre-hook reads its inputs from args.
-    positional = [name for name, p in inspect.signature(module.forward).parameters.items()
-                  if p.kind == p.POSITIONAL_OR_KEYWORD]
-    leading = list(itertools.takewhile(kwargs.__contains__, positional))
-    args = tuple(kwargs[name] for name in leading)
-    rest = {name: value for name, value in kwargs.items() if name not in leading}
-    untouched = Untouched(module)
-    # export puts back what forward assigns: the hook sees it before.
-    noting = module.register_forward_hook(untouched.note, always_call=True)
-    # The handle removes the hook on leaving, after Untouched has put all back.
-    with noting, untouched, warnings.catch_warnings():
-        # export warns of a tensor assigned to the module; Untouched says more.
-        warnings.filterwarnings('ignore', message='The tensor attribute')
-        try:
-            exported = torch.export.export(module, args, rest, dynamic_shapes=shapes,
-                                           strict=False)
-        except Exception as exc:
-            raise RuntimeError(describe(
-                f'torch.export cannot capture the module ({type(module).__name__})',
-                f'{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ""}',
-                'capture a submodule that holds the layers to pipeline, or change the code '
-                'torch.export names (see its message, chained above)')) from exc
-
+    exported = _export(module, kwargs)
     signature = exported.graph_signature
     source = exported.graph
     graph = fx.Graph()
@@ -149,6 +125,38 @@ def capture(module: nn.Module, example: Any) -> Captured:
     fixed = {name: value for name, value in {**defaults, **kwargs}.items() if name not in names}
     return Captured(graph, root, Interface(names, fixed, exported.call_spec.out_spec,
                                            module.training))
+
+
+def _export(module: nn.Module, kwargs: Dict[str, Any]) -> Any:
+    """``torch.export.export`` of ``module`` on ``kwargs``, every size dynamic, the module
+    left as it was.
+
+    Raises:
+        RuntimeError: export cannot capture ``module``
+    """
+    shapes = {name: pytree.tree_map(_any_size, value) for name, value in kwargs.items()}
+    # Positional as far as they go, as a call module(x, mask) gives them:
+    # a forward pre-hook reads its inputs from args.
+    positional = [name for name, p in inspect.signature(module.forward).parameters.items()
+                  if p.kind == p.POSITIONAL_OR_KEYWORD]
+    leading = list(itertools.takewhile(kwargs.__contains__, positional))
+    args = tuple(kwargs[name] for name in leading)
+    rest = {name: value for name, value in kwargs.items() if name not in leading}
+    untouched = Untouched(module)
+    # export puts back what forward assigns: the hook sees it before.
+    noting = module.register_forward_hook(untouched.note, always_call=True)
+    # The handle removes the hook on leaving, after Untouched has put all back.
+    with noting, untouched, warnings.catch_warnings():
+        # export warns of a tensor assigned to the module; Untouched says more.
+        warnings.filterwarnings('ignore', message='The tensor attribute')
+        try:
+            return torch.export.export(module, args, rest, dynamic_shapes=shapes, strict=False)
+        except Exception as exc:
+            raise RuntimeError(describe(
+                f'torch.export cannot capture the module ({type(module).__name__})',
+                f'{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ""}',
+                'capture a submodule that holds the layers to pipeline, or change the code '
+                'torch.export names (see its message, chained above)')) from exc
 
 
 def _bind(module: nn.Module, example: Any) -> Dict[str, Any]:

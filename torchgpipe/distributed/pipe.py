@@ -33,7 +33,6 @@ from torchgpipe.train.schedule import Schedule
 from torchgpipe.train.step import LossFunction, Step
 from torchgpipe.tied import find_ties
 from torchgpipe.state import RunState
-from torchgpipe.stream import AbstractStream
 from torchgpipe.traits import PartitionTraits
 
 __all__ = ['DistributedGPipe']
@@ -162,26 +161,11 @@ class DistributedGPipe(nn.Module):
         self._routes = {key: route for key, route in layout.by_ns_name.items()
                         if route[0] != route[1]}
         self._skip_layout = layout
-        # The layers of the other partitions are dropped with ``module``.
-        # Placed in place: a tensor of the user's model stays the one the
-        # user holds (see torchgpipe.placement).
         #: This process's partitions, by index.
-        self._here: Dict[int, nn.Sequential] = {
-            j: p for j, p in enumerate(partitions) if self.rank_of[j] == self.rank}
-        for partition in self._here.values():
-            for name, layer in partition.named_children():
-                place(layer, self.device)
-                self.add_module(name, layer)
+        self._here = self._keep(partitions)
+        #: The names of the layers of the other partitions.
         self._others = [name for j, p in enumerate(partitions) if j not in self._here
                         for name, _ in p.named_children()]
-        if next(self.parameters(), None) is None:
-            # Said here, before the optimizer that a script builds next
-            # refuses the empty list of parameters in words about itself.
-            warnings.warn(f'rank {self.rank} of the pipeline holds no parameters (its layers: '
-                          f'{", ".join(self._modules) or "none"}): torch.optim refuses an '
-                          'empty parameter list, so build an optimizer only where '
-                          'list(pipe.parameters()) is not empty, and step it there',
-                          UserWarning, stacklevel=2)
         self._deferred_batch_norms = [m for m in self.modules()
                                       if isinstance(m, DeferredBatchNorm)]
         self._run_state = RunState(len(self._here))
@@ -193,6 +177,28 @@ class DistributedGPipe(nn.Module):
         self._broken: Optional[str] = None
         #: The channels of a failed step, whose sends may still run.
         self._abandoned: Optional[Channels] = None
+
+    def _keep(self, partitions: List[nn.Sequential]) -> Dict[int, nn.Sequential]:
+        """Registers the layers of this rank's partitions, on its device; returns them by index.
+
+        The layers of the other partitions are dropped with the module.
+        Placed in place: a tensor of the user's model stays the one the user
+        holds (see :mod:`torchgpipe.placement`).
+        """
+        here = {j: p for j, p in enumerate(partitions) if self.rank_of[j] == self.rank}
+        for partition in here.values():
+            for name, layer in partition.named_children():
+                place(layer, self.device)
+                self.add_module(name, layer)
+        if next(self.parameters(), None) is None:
+            # Said here, before the optimizer that a script builds next
+            # refuses the empty list of parameters in words about itself.
+            warnings.warn(f'rank {self.rank} of the pipeline holds no parameters (its layers: '
+                          f'{", ".join(self._modules) or "none"}): torch.optim refuses an '
+                          'empty parameter list, so build an optimizer only where '
+                          'list(pipe.parameters()) is not empty, and step it there',
+                          UserWarning, stacklevel=3)
+        return here
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Refused: a pipeline across processes has no output in any one of them to return
@@ -397,12 +403,10 @@ class DistributedGPipe(nn.Module):
             microbatch.move(batches, self.device)
         partitions: List[Optional[nn.Sequential]] = [self._here.get(j) for j in range(n)]
         traits = [PartitionTraits() for _ in range(n)]
-        copy_streams: List[Optional[List[AbstractStream]]] = [None] * n
-        streams = self._run_state.ensure_copy_streams([self.device] * len(self._here),
-                                                      self.chunks)
         for k, j in enumerate(self._here):
             traits[j] = self._run_state.traits[k]
-            copy_streams[j] = streams[k]
+        streams = dict(zip(self._here, self._run_state.ensure_copy_streams(
+            [self.device] * len(self._here), self.chunks)))
         recorder = self._run_state.recorder
         wire = Wire(Channels(self.device, self.group, self._capacities, self._blocks,
                              self.timeout),
@@ -410,7 +414,7 @@ class DistributedGPipe(nn.Module):
                     recorder)
         step = Step(partitions, [self.device] * n, batches, targets, loss_fn, weights,
                     plan, self._skip_layout, stop, traits, recorder, mailbox=wire, done=done,
-                    train=train, copy_streams=copy_streams)
+                    train=train, copy_streams=[streams.get(j) for j in range(n)])
         try:
             # Before any message of the step: ranks that disagree on it all raise here.
             wire.agree({'step': 'train_step' if train else 'eval_step',
