@@ -1,12 +1,15 @@
 """Shared fixtures: both execution paths, the three checkpoint modes, no thread left behind.
 
-Also: the coverage threshold of setup.cfg holds for the whole suite only.
+Also: the coverage threshold of setup.cfg holds for the whole suite only, and
+tests marked ``unmeasured`` run without coverage.py's tracing.
 """
 import sys
 import threading
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Iterable, Iterator, List, Optional, Set, cast
 
+import coverage
 import pytest
 import torch
 from helpers import CHECKPOINT_MODES
@@ -15,6 +18,8 @@ from helpers import CHECKPOINT_MODES
 ROOT = str(Path(__file__).resolve().parent.parent)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+from benchmarks import untraced  # noqa: E402
 
 
 def worker_threads() -> list:
@@ -88,6 +93,33 @@ LONGEST_FIRST = [
 def pytest_collection_modifyitems(items: List[pytest.Item]) -> None:
     order = {name: k for k, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable: in-file order
+
+
+@contextmanager
+def unmeasured() -> Iterator[None]:
+    """Coverage.py traces nothing within: neither this process nor the ones it starts."""
+    measuring = coverage.Coverage.current()
+    if measuring is None:
+        yield
+        return
+    measuring.stop()
+    try:
+        with untraced():
+            yield
+    finally:
+        measuring.start()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    """Runs a test marked ``unmeasured`` untraced: its setup (module fixtures too), call and
+    teardown.
+
+    Coverage.py's tracing about doubles the time of code that calls many
+    Python functions; the lines such a test runs are measured by others.
+    """
+    with unmeasured() if item.get_closest_marker('unmeasured') else nullcontext():
+        yield
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

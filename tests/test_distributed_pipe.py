@@ -255,6 +255,8 @@ def virtual() -> List[Dict[str, Result]]:
     return run_distributed(train_pipelines, VIRTUAL, timeout=150)
 
 
+# The grids run the lines of the smaller tests again and again: untraced.
+@pytest.mark.unmeasured
 @pytest.mark.parametrize('config', TWO_RANKS + THREE_RANKS + VIRTUAL, ids=lambda c: c.id)
 def test_the_same_as_one_process_and_the_unwrapped_model(
         two_ranks: List[Dict[str, Result]], three_ranks: List[Dict[str, Result]],
@@ -313,6 +315,7 @@ def layouts() -> List[Dict[str, Result]]:
     return run_distributed(train_pipelines, LAYOUTS, world_size=3, timeout=150)
 
 
+@pytest.mark.unmeasured
 @pytest.mark.parametrize('config', LAYOUTS, ids=lambda c: c.id)
 def test_any_layout_of_skips_across_three_ranks(layouts: List[Dict[str, Result]],
                                                 config: Config) -> None:

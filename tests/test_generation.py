@@ -19,7 +19,8 @@ from process_group import no_child_left  # noqa: F401 (an autouse fixture)
 from process_group import run_distributed
 from torchgpipe import GPipe, generate, to_sequential
 
-pytestmark = pytest.mark.timeout(240)
+# Language models, whose lines the smaller tests measure: untraced, at a third of the time.
+pytestmark = [pytest.mark.timeout(240), pytest.mark.unmeasured]
 
 transformers = pytest.importorskip('transformers')
 

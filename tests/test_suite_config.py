@@ -5,6 +5,7 @@ run is not the whole suite, so that ``python -m pytest tests/test_gpipe.py``
 passes when its tests do, while ``python -m pytest`` still fails below 90%,
 also on the processes of pytest-xdist (the README's command, which CI runs).
 """
+import os
 import re
 import shutil
 import subprocess
@@ -12,9 +13,10 @@ import sys
 from pathlib import Path
 from typing import List, Set
 
+import coverage
 import pytest
 
-from benchmarks import untraced_environ
+from benchmarks import COVERAGE_VARIABLE, untraced_environ
 from conftest import TESTS, is_whole_suite
 
 ROOT = TESTS.parent
@@ -98,3 +100,17 @@ ALL = {path.resolve() for path in TESTS.glob('test_*.py')}
 def test_what_is_the_whole_suite(args: List[str], modules: Set[Path], deselected: bool,
                                  whole: bool) -> None:
     assert is_whole_suite(args, modules, deselected) is whole
+
+
+@pytest.mark.unmeasured
+def test_a_test_marked_unmeasured_runs_untraced() -> None:
+    # Neither this process traces (coverage.py's tracer is the trace
+    # function when it measures), nor a process it starts.
+    assert sys.gettrace() is None
+    assert COVERAGE_VARIABLE not in os.environ
+
+
+def test_other_tests_are_measured() -> None:
+    if coverage.Coverage.current() is None:
+        pytest.skip('coverage.py is not measuring this run (--no-cov)')
+    assert sys.gettrace() is not None
