@@ -98,16 +98,19 @@ def pytest_collection_modifyitems(items: List[pytest.Item]) -> None:
 @contextmanager
 def unmeasured() -> Iterator[None]:
     """Coverage.py traces nothing within: neither this process nor the ones it starts."""
-    measuring = coverage.Coverage.current()
-    if measuring is None:
-        yield
-        return
-    measuring.stop()
+    # An xdist worker has two: the one coverage.py starts in every process
+    # it measures (the worker is one), under pytest-cov's. Stopping the one
+    # on top resumes the one below, so all are stopped, then resumed in order.
+    stopped: List[coverage.Coverage] = []
+    while (measuring := coverage.Coverage.current()) is not None:
+        measuring.stop()
+        stopped.append(measuring)
     try:
         with untraced():
             yield
     finally:
-        measuring.start()
+        for measuring in reversed(stopped):
+            measuring.start()
 
 
 @pytest.hookimpl(hookwrapper=True)
