@@ -139,8 +139,9 @@ def components(dependency: bool, streams: bool) -> Iterator[None]:
     """Switches off the fork/join dependencies and the copy streams of every GPipe within."""
     with contextlib.ExitStack() as stack:
         if not dependency:
-            stack.enter_context(mock.patch('torchgpipe.pipeline.depend',
-                                           lambda fork_from, join_to: None))
+            # No fork, no phony to join: no micro-batch waits for another.
+            stack.enter_context(mock.patch('torchgpipe.train.linked.fork_off',
+                                           lambda batch: None))
         if not streams:
             def compute_streams(self: GPipe) -> List[List[Any]]:
                 return [[current_stream(d)] * self.chunks for d in self.devices]

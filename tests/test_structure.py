@@ -210,32 +210,45 @@ def imported_names(module: str) -> Set[Tuple[str, str]]:
             if isinstance(node, ast.ImportFrom) for alias in node.names}
 
 
-#: Each mechanism both engines need, the one place that implements it, and
-#: what each engine (forward path, training step) takes from there.
+#: Each mechanism the executor and its two boundaries need, the one place that
+#: implements it, and what each takes from there: the executor (every way to
+#: run), the linked boundary (the forward path) and the cut one (steps).
 MECHANISMS = {
     'a worker thread per device': ('torchgpipe.worker', {
-        'torchgpipe.pipeline': {'spawn_workers'}, 'torchgpipe.train.step': {'spawn_workers'}}),
-    'turns on the CPU generator': ('torchgpipe.worker', {
-        'torchgpipe.pipeline': {'Turns'}, 'torchgpipe.train.step': {'Turns'}}),
+        'torchgpipe.train.step': {'spawn_workers'}}),
+    'turns on the CPU generator': ('torchgpipe.worker', {'torchgpipe.train.step': {'Turns'}}),
     'the probe of random draws': ('torchgpipe.rng', {
-        'torchgpipe.pipeline': {'watch', 'cpu_generator_held'},
+        'torchgpipe.train.linked': {'watch', 'cpu_generator_held'},
         'torchgpipe.train.stage': {'watch', 'cpu_generator_held'}}),
     'the replay of a checkpointed micro-batch': ('torchgpipe.replay', {
         'torchgpipe.checkpoint': {'first_pass', 'recomputation'},
         'torchgpipe.train.stage': {'first_pass', 'recomputation'}}),
     'moving a batch between devices': ('torchgpipe.copy', {
-        'torchgpipe.pipeline': {'Copy', 'Wait'}, 'torchgpipe.train.stage': {'Ready'}}),
+        'torchgpipe.train.linked': {'Copy', 'Wait'}, 'torchgpipe.train.stage': {'Ready'}}),
     'skips crossing partitions': ('torchgpipe.skip.tracker', {
-        'torchgpipe.pipeline': {'SkipTrackerThroughPortals'},
+        'torchgpipe.train.linked': {'SkipTrackerThroughPortals'},
         'torchgpipe.train.mailbox': {'SkipTrackerAcross'}}),
 }
 
 
 @pytest.mark.parametrize('mechanism', sorted(MECHANISMS))
-def test_both_engines_take_each_mechanism_from_its_one_place(mechanism: str) -> None:
+def test_each_mechanism_comes_from_its_one_place(mechanism: str) -> None:
     home, users = MECHANISMS[mechanism]
     for user, names in users.items():
         assert {(home, name) for name in names} <= imported_names(user), (user, names)
+
+
+def test_every_way_to_run_is_one_executor() -> None:
+    """One function starts the workers, for the forward path (the pipeline), train_step,
+    eval_step and DistributedGPipe (a Step) alike."""
+    starters = {module_name(path) for path in PACKAGE.rglob('*.py')
+                if ('torchgpipe.worker', 'spawn_workers') in
+                {(node.module, alias.name) for node in ast.walk(ast.parse(path.read_text()))
+                 if isinstance(node, ast.ImportFrom) for alias in node.names}}
+    assert starters == {'torchgpipe.train.step'}
+    step = (PACKAGE / 'train' / 'step.py').read_text()
+    assert step.count('spawn_workers(') == 1 and 'execute(self.order' in step
+    assert ('torchgpipe.train.step', 'execute') in imported_names('torchgpipe.pipeline')
 
 
 def test_one_module_starts_threads_and_one_reads_generator_states() -> None:

@@ -5,10 +5,9 @@ can work on them at the same time. Each distinct device gets one thread, fed
 through a queue; partitions sharing a device share its thread, so tasks on one
 device run in the order they were issued. A pipeline whose partitions all
 share one device has nothing to overlap: its tasks run in the calling thread,
-which spares a thread switch per task. The forward path
-(:mod:`torchgpipe.pipeline`) issues a clock cycle at a time and collects its
-results; a training step (:mod:`torchgpipe.train.step`) issues every action at
-once, and its tasks wait for each other's messages.
+which spares a thread switch per task. The executor
+(:func:`torchgpipe.train.step.execute`) gives each worker one task: its
+device's actions in clock order, which wait for each other's messages.
 
 Tasks on different threads that draw from the CPU generator take
 :class:`Turns` in issue order (see :mod:`torchgpipe.rng`). A task waiting for
@@ -107,11 +106,11 @@ class Turns:
 
 
 class Task:
-    """A task: a computation for a worker, and a finalization for the scheduler.
+    """A task: a computation for a worker, and a finalization for the thread that gets its result.
 
-    ``compute`` runs in the worker thread. ``finalize`` runs in the thread that
-    called the pipeline, after the result came back: it builds autograd nodes
-    (the recomputation), which must be created in clock-cycle order.
+    ``compute`` runs in the worker thread. ``finalize``, as torchgpipe 0.0.7
+    had it, runs where the result is collected (the executor's tasks need
+    none: each action attaches what it builds itself).
 
     Args:
         stream: the stream to compute on (``None``: the worker's current one)

@@ -4,7 +4,7 @@ A skip tensor must not travel through the partitions between its stash and
 its pop: that would copy it to every device in between. A :class:`Portal`
 hides it instead, and three autograd functions sharing the portal move it::
 
-    stash partition          fence of the pop partition          pop partition
+    stash partition          input of the pop partition          pop partition
     ───────────────          ──────────────────────────          ─────────────
     tensor ─► PortalBlue     PortalCopy: portal.tensor moved     PortalOrange ─► tensor
               │ (phony       to the pop partition's device       ▲ (phony forked

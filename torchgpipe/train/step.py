@@ -13,7 +13,7 @@ other, and reaches the caller as itself.
 """
 import functools
 import sys
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, cast
+from typing import Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple, cast
 
 import torch
 from torch import Tensor, nn
@@ -110,31 +110,7 @@ class Step:
                                        f'train_step (schedule {self.schedule.name!r})'
                                        if shared.train else 'eval_step',
                                        expected_bubble(self.schedule, self.n))
-        devices = [self.devices[j] for j in self.stages]
-        # Forward actions that may draw take turns in clock order on threads: they
-        # draw what they would on one thread, where they run in that order anyway.
-        turns = Turns() if len(distinct_devices(devices)) > 1 else None
-        # One task per device: its partitions' actions in clock order. (A
-        # task per action would wake the calling thread at every action.)
-        queue = {j: k for k, j in enumerate(self.stages)}
-        tasks: Dict[torch.device, Tuple[int, List[Tuple[int, Callable[[], None]]]]] = {}
-        for index, action in enumerate(self.order):
-            device = distinct_devices([self.devices[action.j]])[0]
-            _, works = tasks.setdefault(device, (queue[action.j], []))
-            works.append((index, self.work(action, turns)))
-        failures: List[Tuple[int, ExcInfo]] = []
-        # On Ctrl-C the workers stop after the action they run; no action
-        # may wait for a message or a turn of theirs.
-        with spawn_workers(devices, lambda: self.stop(turns)) as (in_queues, out_queues):
-            for k, works in tasks.values():
-                in_queues[k].put(Task(None, compute=functools.partial(
-                    self.run_works, works, turns, failures), finalize=None))
-            for k, _ in tasks.values():
-                out_queues[k].get()
-        if failures:
-            # The first failure in the schedule; the others may follow from it.
-            _, (_, exc, tb) = min(failures, key=lambda f: f[0])
-            raise exc.with_traceback(tb)
+        execute(self.order, self.stages, shared.mailbox)
         last = self.stages.get(self.n - 1)
         if last is None or shared.loss is None:
             return None
@@ -148,29 +124,83 @@ class Step:
             return None
         return [cast(Batch, last.passes[i].output) for i in range(len(self.shared.batches))]
 
-    def work(self, action: Action, turns: Optional[Turns]) -> Callable[[], None]:
-        """Runs an action, in its turn if it is a forward action that may draw random numbers."""
-        run = functools.partial(self.stages[action.j].run, action)
-        if turns is not None and action.kind is Kind.F and \
-                self.stages[action.j].draws_random() is not False:
-            return turns.take(run)
-        return run
 
-    def run_works(self, works: List[Tuple[int, Callable[[], None]]], turns: Optional[Turns],
-                  failures: List[Tuple[int, ExcInfo]]) -> None:
-        """Runs the actions of one device in order; a failure stops every other action."""
-        for index, work in works:
-            try:
-                work()
-            except Stopped:
-                return  # an action elsewhere failed, or Ctrl-C
-            except BaseException:
-                failures.append((index, cast(ExcInfo, sys.exc_info())))
-                self.stop(turns)
-                return
+class Worker(Protocol):
+    """What the executor asks of a stage, whichever its boundary."""
 
-    def stop(self, turns: Optional[Turns]) -> None:
-        """Ends every wait of the step's actions, for a message or a turn."""
-        self.shared.mailbox.stop()
+    #: The device of its partition.
+    device: torch.device
+
+    def run(self, action: Action) -> None:
+        """Runs one of its actions."""
+
+    def draws_random(self) -> Optional[bool]:
+        """Whether its forward actions may draw from the CPU generator (``None``: unknown)."""
+
+
+def execute(order: Sequence[Action], stages: Mapping[int, Worker], mailbox: Mailbox) -> None:
+    """Runs actions in order on the workers of their partitions' devices, one thread each.
+
+    The one executor of every way to run: the forward path's tasks
+    (:mod:`torchgpipe.train.linked`), a step's actions
+    (:mod:`torchgpipe.train.stage`), in one process or across processes.
+    Each device's actions run in ``order``, the one task of its worker (a
+    task per action would wake the calling thread at every action), and
+    wait in ``mailbox`` for what others send. Forward actions that may draw
+    random numbers take turns in ``order`` on threads: they draw what they
+    would on one thread, where they run in that order anyway.
+
+    Args:
+        order: the actions of the partitions here, in clock order
+        stages: the stage of each partition here, by index
+        mailbox: where the stages wait for each other's messages
+
+    Raises:
+        BaseException: the first failure of an action in ``order``, as
+            itself, once every worker has stopped (the others may follow
+            from it)
+    """
+    devices = [stage.device for stage in stages.values()]
+    turns = Turns() if len(distinct_devices(devices)) > 1 else None
+
+    def stop() -> None:
+        # Ends every wait of the actions, for a message or a turn.
+        mailbox.stop()
         if turns is not None:
             turns.stop()
+
+    queue = {j: k for k, j in enumerate(stages)}
+    tasks: Dict[torch.device, Tuple[int, List[Tuple[int, Callable[[], None]]]]] = {}
+    for index, action in enumerate(order):
+        stage = stages[action.j]
+        _, works = tasks.setdefault(distinct_devices([stage.device])[0], (queue[action.j], []))
+        work: Callable[[], None] = functools.partial(stage.run, action)
+        if turns is not None and action.kind is Kind.F and stage.draws_random() is not False:
+            work = turns.take(work)
+        works.append((index, work))
+    failures: List[Tuple[int, ExcInfo]] = []
+    # On Ctrl-C the workers stop after the action they run; no action may
+    # wait for a message or a turn of theirs.
+    with spawn_workers(devices, stop) as (in_queues, out_queues):
+        for k, works in tasks.values():
+            in_queues[k].put(Task(None, compute=functools.partial(run_works, works, stop,
+                                                                  failures), finalize=None))
+        for k, _ in tasks.values():
+            out_queues[k].get()
+    if failures:
+        _, (_, exc, tb) = min(failures, key=lambda f: f[0])
+        raise exc.with_traceback(tb)
+
+
+def run_works(works: List[Tuple[int, Callable[[], None]]], stop: Callable[[], None],
+              failures: List[Tuple[int, ExcInfo]]) -> None:
+    """Runs the actions of one device in order; a failure stops every other action."""
+    for index, work in works:
+        try:
+            work()
+        except Stopped:
+            return  # an action elsewhere failed, or Ctrl-C
+        except BaseException:
+            failures.append((index, cast(ExcInfo, sys.exc_info())))
+            stop()
+            return

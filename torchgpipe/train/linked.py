@@ -1,0 +1,255 @@
+"""The linked boundary: the forward path's partitions, one autograd graph across them.
+
+:meth:`GPipe.forward <torchgpipe.GPipe.forward>` runs the forward-only
+schedule on the executor of a step (:func:`torchgpipe.train.step.execute`),
+as ``eval_step`` does, but leaves the backward pass to the caller's
+``loss.backward()``. So what a partition hands the next one stays in the
+graph: the Copy and Wait of :mod:`torchgpipe.copy` move it between streams,
+portals carry the skips, and :class:`~torchgpipe.checkpoint.Checkpoint` and
+``Recompute`` replay a checkpointed micro-batch. Each forward task
+``F(i, j)``, on its partition's worker::
+
+    receive   the skips popped here, then the input, copied on the copy
+              streams of micro-batch i (from j-1's to j's);
+              joined to the phony of F(i-1, j)'s fork: B(i, j) before B(i-1, j)
+    compute   on the compute stream, checkpointed or not
+    send      the copy stream waits for the output; Recompute attached after
+              that Wait (F'(i, j) overlaps the copy of its gradient); forked,
+              so that B(i+1, j) can be made to precede this B(i, j)
+
+What the caller's backward pass then does on each partition::
+
+    B(m-1, j) ─► ... ─► F'(i+1, j) B(i+1, j) ─► F'(i, j) B(i, j) ─► ... ─► B(0, j)
+"""
+import functools
+from typing import Any, Callable, List, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from torchgpipe.checkpoint import Checkpointing
+from torchgpipe.copy import Copy, Wait
+from torchgpipe.dependency import fork, join
+from torchgpipe.microbatch import Batch
+from torchgpipe.partition import partition_function
+from torchgpipe.record import Recorder, label
+from torchgpipe.rng import cpu_generator_held, training_flags, watch
+from torchgpipe.skip.layout import SkipLayout
+from torchgpipe.skip.tracker import SkipTrackerThroughPortals
+from torchgpipe.stream import AbstractStream, is_cuda, use_device, use_stream
+from torchgpipe.tied import partition_parameters
+from torchgpipe.train.mailbox import Activation, Mailbox
+from torchgpipe.train.schedule import Action
+from torchgpipe.traits import PartitionTraits
+from torchgpipe.worker import Stopped
+
+__all__: List[str] = []
+
+
+def copy(batch: Batch, prev_stream: AbstractStream, next_stream: AbstractStream,
+         ) -> Optional[Tensor]:
+    """Moves the batch to ``next_stream``'s device, in place.
+
+    Returns:
+        torch.Tensor or None: a copied tensor (its node copies the gradients
+        back), or ``None`` if nothing had to move
+    """
+    # Between CPU "devices" a copy is the identity: skip the autograd node.
+    if not (is_cuda(prev_stream) or is_cuda(next_stream)) or not len(batch):
+        return None
+    batch[:] = Copy.apply(prev_stream, next_stream, *batch)  # type: ignore[no-untyped-call]
+    return batch[0]
+
+
+def wait(batch: Batch, prev_stream: AbstractStream, next_stream: AbstractStream) -> None:
+    """Makes ``next_stream`` wait for ``prev_stream`` before it uses the batch."""
+    if is_cuda(prev_stream) or is_cuda(next_stream):
+        batch[:] = Wait.apply(prev_stream, next_stream, *batch)  # type: ignore[no-untyped-call]
+
+
+def fork_off(batch: Batch) -> Optional[Tensor]:
+    """Forks the first tensor of ``batch`` that requires grad; returns the phony, if any."""
+    k = batch.find(lambda x: x.requires_grad)
+    if k is None:
+        return None
+    batch[k], phony = fork(batch[k])
+    return phony
+
+
+def join_in(batch: Batch, phony: Optional[Tensor]) -> None:
+    """Joins ``phony`` into the first floating point tensor of ``batch``, if both exist.
+
+    The backward pass of ``batch`` then finishes before that of the fork.
+    """
+    k = batch.find(lambda x: x.is_floating_point())
+    if phony is not None and k is not None:
+        batch[k] = join(batch[k], phony)
+
+
+class Linked:
+    """The forward path of a GPipe call: what its linked stages share.
+
+    Args:
+        batches: the input micro-batches, on the first device; each is
+            replaced by its output
+        partitions: the partitions, in order
+        devices: the device of each partition
+        copy_streams: for each partition, one copy stream per micro-batch
+        streams: the compute stream of each partition
+        skip_layout: where each skip tensor is stashed and popped
+        checkpoint_stop: micro-batches ``0 .. checkpoint_stop - 1`` are checkpointed
+        traits: what earlier runs showed about each partition
+        recorder: records every task, inside :func:`torchgpipe.trace`
+        threaded: whether partitions run on worker threads of their own
+    """
+
+    def __init__(self, batches: List[Batch], partitions: Sequence[nn.Sequential],
+                 devices: Sequence[torch.device],
+                 copy_streams: Sequence[Sequence[AbstractStream]],
+                 streams: Sequence[AbstractStream], skip_layout: SkipLayout,
+                 checkpoint_stop: int, traits: Sequence[PartitionTraits],
+                 recorder: Optional[Recorder], threaded: bool) -> None:
+        self.batches = batches
+        self.devices = devices
+        self.copy_streams = copy_streams
+        self.streams = streams
+        self.skip_layout = skip_layout
+        self.checkpoint_stop = checkpoint_stop
+        self.recorder = recorder
+        self.mailbox = Mailbox()
+        # Each micro-batch has its own skip tensors.
+        self.skip_trackers = [SkipTrackerThroughPortals(skip_layout) for _ in batches]
+        self.stages = [LinkedStage(self, j, p, traits[j], threaded)
+                       for j, p in enumerate(partitions)]
+
+
+class LinkedStage:
+    """One partition in the forward path: its forward tasks, linked to its neighbours'.
+
+    Args:
+        linked: what the stages share
+        j: the partition's index
+        partition: the partition
+        traits: what runs showed about it; this one adds what it learns
+        threaded: whether its tasks may run beside other partitions' tasks
+    """
+
+    def __init__(self, linked: Linked, j: int, partition: nn.Sequential,
+                 traits: PartitionTraits, threaded: bool) -> None:
+        self.linked = linked
+        self.j = j
+        self.partition = partition
+        self.device = linked.devices[j]
+        self.traits = traits
+        self.threaded = threaded
+        self.flags = training_flags(partition)
+        self.last = j == len(linked.devices) - 1
+        # Checkpoints return the gradients of their partition's parameters,
+        # and of the tied parameters of earlier partitions it uses: those
+        # that require grad, picked once here rather than in every task.
+        self.parameters = tuple(p for p in partition_parameters(partition) if p.requires_grad) \
+            if linked.checkpoint_stop else ()
+        #: The phony of the last output's fork, for the next input to join.
+        self.phony: Optional[Tensor] = None
+
+    def draws_random(self) -> Optional[bool]:
+        """Whether the partition's tasks may draw from the CPU generator, if known."""
+        if not self.threaded:
+            # No task runs beside another: nothing is learned, and every
+            # task may draw (and holds the generator).
+            return True
+        return self.traits.draws(self.flags)
+
+    def run(self, action: Action) -> None:
+        """Runs forward task ``F(i, j)``: receives, computes and sends, linked."""
+        linked = self.linked
+        if linked.mailbox.stopped:
+            raise Stopped()  # a task elsewhere failed: start nothing more
+        i, j = action.i, self.j
+        batch = self.receive(i)
+        if i < linked.checkpoint_stop:
+            chk = Checkpointing(self.function(i), batch, self.parameters, self.traits,
+                                task=(i, j), exclusive_rng=self.draws_random() is not False)
+            compute, finalize = chk.checkpoint, chk.recompute
+        else:
+            compute, finalize = functools.partial(batch.call, self.function(i)), None
+        # Inside a trace: the autograd nodes of the input, where the walk
+        # through the task's backward stops.
+        boundary = [x.grad_fn for x in batch if x.grad_fn is not None] \
+            if linked.recorder is not None else []
+        output = self.compute(i, compute)
+        if not self.last:
+            # The copy stream must wait for the output before copying it.
+            wait(output, linked.streams[j], linked.copy_streams[j][i])
+        if finalize is not None:
+            # Attached after the Wait above: in the backward pass, F'(i, j)
+            # runs before the wait for the incoming gradient's copy.
+            with use_device(self.device), use_stream(linked.streams[j]):
+                finalize(output)
+        if linked.recorder is not None:
+            linked.recorder.watch_backward(i, j, self.device, output, boundary)
+        if i + 1 < len(linked.batches):
+            self.phony = fork_off(output)
+        if self.last:
+            linked.batches[i] = output
+        else:
+            linked.mailbox.put(Activation(i, j + 1), output)
+
+    def function(self, i: int) -> Any:
+        return partition_function(self.partition, self.j, self.linked.skip_trackers[i])
+
+    def receive(self, i: int) -> Batch:
+        """The input of ``F(i, j)``, on this partition's compute stream, after ``F(i-1, j)``'s
+        in the backward pass."""
+        linked, j = self.linked, self.j
+        if j == 0:
+            batch = linked.batches[i]
+        else:
+            batch = linked.mailbox.take(Activation(i, j))
+            next_stream = linked.copy_streams[j][i]
+            tracker = linked.skip_trackers[i]
+            # Skips popped here come straight from the partition that stashed
+            # them. Before the input's copy, so that in the backward pass the
+            # input's Wait has synchronized the copy stream with the
+            # gradients these portals send back.
+            for prev_j, ns, name in linked.skip_layout.copy_policy(j):
+                prev_stream = linked.copy_streams[prev_j][i]
+                self.move(i, 'skip', lambda: tracker.copy(batch, prev_stream, next_stream,
+                                                          ns, name))
+            self.move(i, 'input', lambda: copy(batch, linked.copy_streams[j - 1][i],
+                                               next_stream))
+        join_in(batch, self.phony)
+        self.phony = None
+        if j != 0:
+            wait(batch, linked.copy_streams[j][i], linked.streams[j])
+        return batch
+
+    def move(self, i: int, what: str, copy: Any) -> None:
+        """Runs a copy into this partition: recorded, inside a trace, both ways."""
+        recorder = self.linked.recorder
+        if recorder is None:
+            copy()
+            return
+        # The copy runs on this partition's copy stream: time it there.
+        with use_stream(self.linked.copy_streams[self.j][i]):
+            recorder.copied(i, self.j, self.device, what, copy)
+
+    def compute(self, i: int, compute: Callable[[], Batch]) -> Batch:
+        """Runs the computation of ``F(i, j)`` on the compute stream: labelled for a
+        profiler, timed by a timeline, holding the CPU generator if it may draw."""
+        draws = self.draws_random()
+        recorder = self.linked.recorder
+
+        def task() -> Batch:
+            with label('forward', (i, self.j)):
+                if recorder is None:
+                    return compute()
+                return recorder.timed('forward', i, self.j, self.device, compute)()
+
+        with use_stream(self.linked.streams[self.j]), cpu_generator_held(draws is not False):
+            if draws is not None:
+                return task()
+            output, drew = watch(task)
+            self.traits.learn_draws(self.flags, drew)
+            return output
+
