@@ -19,8 +19,6 @@ ROOT = str(Path(__file__).resolve().parent.parent)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchmarks import untraced  # noqa: E402
-
 
 def worker_threads() -> list:
     return [t for t in threading.enumerate() if t.name.startswith('torchgpipe worker')]
@@ -101,6 +99,10 @@ def unmeasured() -> Iterator[None]:
     # An xdist worker has two: the one coverage.py starts in every process
     # it measures (the worker is one), under pytest-cov's. Stopping the one
     # on top resumes the one below, so all are stopped, then resumed in order.
+    # Imported here: a project that copies this file (test_suite_config)
+    # has no benchmarks package, and no test marked unmeasured.
+    from benchmarks import untraced
+
     stopped: List[coverage.Coverage] = []
     while (measuring := coverage.Coverage.current()) is not None:
         measuring.stop()

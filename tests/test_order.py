@@ -15,6 +15,8 @@ from torch import Tensor, nn
 from helpers import cpu_devices
 from torchgpipe import GPipe, is_recomputing
 from torchgpipe.pipeline import clock_cycles
+from torchgpipe.train.evaluation import forward_only
+from torchgpipe.train.schedule import clock_order
 
 Event = Tuple[str, int, int]  # (kind, partition, micro-batch)
 
@@ -93,6 +95,14 @@ def test_backward_runs_in_reverse_with_recomputation_right_before(n: int, m: int
                 expected.append(('R', i))
             expected.append(('B', i))
         assert backward == expected, f'partition {j}'
+
+
+@pytest.mark.parametrize('m', range(1, 6))
+@pytest.mark.parametrize('n', range(1, 6))
+def test_clock_cycles_are_the_forward_only_schedule_in_clock_order(m: int, n: int) -> None:
+    """What the pipeline runs (any schedule's layout, of the forward-only one) is 0.0.7's cycles."""
+    laid_out = [[(a.i, a.j) for a in cycle] for cycle in clock_order(forward_only(m, n).workers, n)]
+    assert laid_out == list(clock_cycles(m, n))
 
 
 def test_clock_cycles() -> None:

@@ -9,8 +9,9 @@ one per device::
     dev 1          F(0,1)  F(1,1)  F(2,1)
     dev 2                  F(0,2)  F(1,2)  F(2,2)
 
-:func:`clock_cycles` gives that order, the forward schedule. :class:`Pipeline`
-runs it on the executor of every way to run
+:func:`clock_cycles` gives that order: the clock cycles of the forward-only
+schedule, as :func:`~torchgpipe.train.schedule.clock_order` lays out any
+schedule. :class:`Pipeline` runs it on the executor of every way to run
 (:func:`torchgpipe.train.step.execute`): each device's worker takes its
 tasks in clock order, the partitions linked into one autograd graph
 (:mod:`torchgpipe.train.linked`), whose backward pass is the caller's. With
@@ -30,7 +31,8 @@ from torchgpipe.record import Recorder
 from torchgpipe.skip.layout import SkipLayout
 from torchgpipe.stream import AbstractStream
 from torchgpipe.train.linked import Linked
-from torchgpipe.train.schedule import Action, Kind
+from torchgpipe.train.evaluation import forward_only
+from torchgpipe.train.schedule import clock_order
 from torchgpipe.train.step import execute
 from torchgpipe.traits import PartitionTraits
 from torchgpipe.worker import distinct_devices
@@ -84,5 +86,7 @@ class Pipeline:
         m, n = len(self.batches), len(self.devices)
         if self.recorder is not None:
             self.recorder.begin_step(m, self.devices)
-        order = [Action(Kind.F, i, j) for schedule in clock_cycles(m, n) for i, j in schedule]
+        # The forward-only schedule, laid out as every schedule is: the
+        # cycles of clock_cycles (tests/test_order.py holds the two together).
+        order = [a for cycle in clock_order(forward_only(m, n).workers, n) for a in cycle]
         execute(order, dict(enumerate(self.linked.stages)), self.linked.mailbox)

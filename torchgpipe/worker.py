@@ -146,13 +146,13 @@ Result = Tuple[bool, Union[Tuple[Task, Optional[Batch]], ExcInfo]]
 
 
 class InQueue(Protocol):
-    """Where the scheduler puts the tasks of a partition (``None`` stops a worker)."""
+    """Where the executor puts the tasks of a partition (``None`` stops a worker)."""
 
     def put(self, task: Optional[Task]) -> None: ...
 
 
 class OutQueue(Protocol):
-    """Where the scheduler gets the results of a partition's tasks, in order."""
+    """Where the executor gets the results of a partition's tasks, in order."""
 
     def get(self) -> Result: ...
 

@@ -16,7 +16,7 @@ partition's index the names leave out)::
 How each kind is caught:
 
 - forward tasks are timed by the worker that runs them, around the task;
-- copies between devices are timed where the scheduler issues them;
+- copies between devices are timed by the worker that receives them;
 - backward tasks and recomputations happen inside the autograd engine: when
   a forward task is done, the pipeline hands its output to the recorder,
   which walks the task's part of the autograd graph (from its outputs down

@@ -22,7 +22,7 @@ What the caller's backward pass then does on each partition::
     B(m-1, j) ─► ... ─► F'(i+1, j) B(i+1, j) ─► F'(i, j) B(i, j) ─► ... ─► B(0, j)
 """
 import functools
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torchgpipe.checkpoint import Checkpointing
 from torchgpipe.copy import Copy, Wait
 from torchgpipe.dependency import fork, join
-from torchgpipe.microbatch import Batch
+from torchgpipe.microbatch import Batch, TensorOrTensors
 from torchgpipe.partition import partition_function
 from torchgpipe.record import Recorder, label
 from torchgpipe.rng import cpu_generator_held, training_flags, watch
@@ -195,7 +195,8 @@ class LinkedStage:
         else:
             linked.mailbox.put(Activation(i, j + 1), output)
 
-    def function(self, i: int) -> Any:
+    def function(self, i: int) -> Callable[[TensorOrTensors], TensorOrTensors]:
+        """The partition as the function of micro-batch ``i``'s tasks, with its skips."""
         return partition_function(self.partition, self.j, self.linked.skip_trackers[i])
 
     def receive(self, i: int) -> Batch:
@@ -224,7 +225,7 @@ class LinkedStage:
             wait(batch, linked.copy_streams[j][i], linked.streams[j])
         return batch
 
-    def move(self, i: int, what: str, copy: Any) -> None:
+    def move(self, i: int, what: str, copy: Callable[[], Optional[Tensor]]) -> None:
         """Runs a copy into this partition: recorded, inside a trace, both ways."""
         recorder = self.linked.recorder
         if recorder is None:

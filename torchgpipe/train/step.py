@@ -125,7 +125,7 @@ class Step:
         return [cast(Batch, last.passes[i].output) for i in range(len(self.shared.batches))]
 
 
-class Worker(Protocol):
+class StageLike(Protocol):
     """What the executor asks of a stage, whichever its boundary."""
 
     #: The device of its partition.
@@ -138,7 +138,7 @@ class Worker(Protocol):
         """Whether its forward actions may draw from the CPU generator (``None``: unknown)."""
 
 
-def execute(order: Sequence[Action], stages: Mapping[int, Worker], mailbox: Mailbox) -> None:
+def execute(order: Sequence[Action], stages: Mapping[int, StageLike], mailbox: Mailbox) -> None:
     """Runs actions in order on the workers of their partitions' devices, one thread each.
 
     The one executor of every way to run: the forward path's tasks
