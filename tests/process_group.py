@@ -1,17 +1,23 @@
 """Running a function in every process of a gloo group, for the tests of torch.distributed jobs.
 
-:func:`run_distributed` spawns ``world_size`` processes (the ``spawn`` start
-method) that join a gloo process group on 127.0.0.1 and run a module-level
-function. Children send their results to the parent as plain Python data over
-a pipe (tensors through multiprocessing queues need file-descriptor sharing,
-which fails here). The parent never waits longer than a deadline, and
+:func:`run_distributed` starts ``world_size`` processes that join a gloo
+process group on 127.0.0.1 and run a module-level function. They are forked
+from a server process (multiprocessing's ``forkserver``) that imported torch
+and torchgpipe once: a spawned process spends seconds of CPU importing them,
+over a hundred times in the suite. The server is a fresh, single-threaded
+Python process, started with the first run of an xdist worker, so a fork of
+it is safe where a fork of pytest's own process (threads, coverage.py's
+state) would not be.
+
+Children send their results to the parent as plain Python data over a pipe
+(tensors through multiprocessing queues need file-descriptor sharing, which
+fails here). The parent never waits longer than a deadline, and
 whenever it stops waiting (success, a child's error, a timeout or a pytest
 timeout) it terminates and reaps every child, so no process outlives its
 test (the fixture :func:`no_child_left` checks it). Having reported, a child
 ends as the example does (``end_job``), and the parent checks that every
 child exited with status 0.
 """
-import contextlib
 import multiprocessing
 import os
 import socket
@@ -32,7 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchmarks import untraced  # noqa: E402
+from benchmarks import COVERAGE_VARIABLE, untraced  # noqa: E402
 
 WORLD_SIZE = 2
 # Collectives (and the rendezvous) give up after this long; a failing rank
@@ -41,6 +47,9 @@ WORLD_SIZE = 2
 GLOO_TIMEOUT = 60.0
 # The parent's deadline for all children to report.
 SPAWN_TIMEOUT = 90.0
+# What the server imports once for every rank it forks.
+PRELOAD = ['torch', 'torch.distributed', 'torchgpipe', 'torchgpipe.distributed',
+           'process_group']
 
 
 class WorkerFailed(RuntimeError):
@@ -69,7 +78,8 @@ def free_port() -> int:
 
 
 def _child(rank: int, world_size: int, port: int, fn: Callable[..., Any],
-           args: Tuple[Any, ...], conn: Connection, alone: bool, backend: str) -> None:
+           args: Tuple[Any, ...], conn: Connection, alone: bool, backend: str,
+           coverage_config: Optional[str]) -> None:
     """Entry point of a child: joins the process group, runs ``fn``, reports to the parent.
 
     The report is ``('ok', result)`` or ``('error', time, type name, message,
@@ -79,7 +89,15 @@ def _child(rank: int, world_size: int, port: int, fn: Callable[..., Any],
     After an ``'ok'``, the child ends as the example does (``end_job``):
     Python's usual exit aborts or hangs in a few runs out of a hundred.
     ``alone``: other ranks may be dead, so it ends without the barrier.
+    ``coverage_config``: coverage.py's configuration when the run is measured.
+    The server runs untraced; a measured rank starts measuring itself, as
+    ``patch = subprocess`` would have a spawned one do, and saves its data
+    when it ends (``patch = _exit``).
     """
+    if coverage_config is not None:
+        import coverage
+        os.environ[COVERAGE_VARIABLE] = coverage_config
+        coverage.process_startup()
     try:
         torch.set_num_threads(1)
         dist.init_process_group(backend, init_method=f'tcp://127.0.0.1:{port}', rank=rank,
@@ -121,7 +139,7 @@ def run_distributed(fn: Callable[..., Any], *args: Any, world_size: int = WORLD_
     ``fn`` and ``args`` must be picklable (``fn`` a module-level function).
     The ranks in ``dies`` are expected to die without reporting (their
     result is ``None``), and to end killed by a signal. With ``measured``
-    false, coverage.py does not trace the ranks (:func:`benchmarks.untraced`):
+    false (or inside a test marked ``unmeasured``), coverage.py does not trace the ranks:
     for runs of large models through code that other runs measure.
 
     Returns:
@@ -132,7 +150,9 @@ def run_distributed(fn: Callable[..., Any], *args: Any, world_size: int = WORLD_
             exited without reporting, or the deadline passed; the other ranks are
             terminated at once rather than left to time out
     """
-    ctx = multiprocessing.get_context('spawn')
+    ctx = multiprocessing.get_context('forkserver')
+    ctx.set_forkserver_preload(PRELOAD)  # read when the server starts
+    coverage_config = os.environ.get(COVERAGE_VARIABLE) if measured else None
     port = free_port()
     processes: List[multiprocessing.process.BaseProcess] = []
     pending: Dict[Connection, int] = {}
@@ -141,9 +161,11 @@ def run_distributed(fn: Callable[..., Any], *args: Any, world_size: int = WORLD_
             receiver, sender = ctx.Pipe(duplex=False)
             process = ctx.Process(target=_child, name=f'torchgpipe-test-rank-{rank}',
                                   args=(rank, world_size, port, fn, args, sender, bool(dies),
-                                        backend),
+                                        backend, coverage_config),
                                   daemon=True)
-            with contextlib.nullcontext() if measured else untraced():
+            # The server, started by the first rank of the worker's first
+            # run, must not measure itself: its ranks do, when measured.
+            with untraced():
                 process.start()
             sender.close()  # the child holds the only write end: EOF means it died
             processes.append(process)
