@@ -75,16 +75,15 @@ def deterministic_seed() -> None:
 # fill the end. By default xdist hands out the files with the most tests
 # first, which put the distributed files (few tests, long ones) last:
 # pytest_configure turns that off, and the order is the collection's, below.
-# The longest in --durations, longest first; the distributed ones partly wait
+# The longest in a run's --junitxml, longest first; the distributed ones partly wait
 # (for deadlines, for ranks to start), so they overlap well with files that
 # compute. The others follow in their order.
 LONGEST_FIRST = [
-    'test_distributed_pipe.py', 'test_distributed_hangs.py', 'test_docs.py',
-    'test_examples.py', 'test_generation.py', 'test_distributed.py',
-    'test_capture_effects.py', 'test_train_step.py', 'test_suite_config.py',
-    'test_flatten.py', 'test_clipping.py', 'test_distributed_step.py', 'test_rng.py',
-    'test_distributed_tied.py', 'test_skip.py', 'test_benchmarks_smoke.py',
-    'test_distributed_trace.py',
+    'test_distributed_hangs.py', 'test_distributed_pipe.py', 'test_examples.py',
+    'test_benchmarks_smoke.py', 'test_docs.py', 'test_train_step.py',
+    'test_distributed_tied.py', 'test_capture_effects.py', 'test_rng.py', 'test_models.py',
+    'test_distributed_step.py', 'test_skip.py', 'test_capture.py', 'test_generation.py',
+    'test_distributed.py', 'test_flatten.py', 'test_suite_config.py',
 ]
 
 
