@@ -1,20 +1,29 @@
-"""The set-up commands of README.md, which ``.ci/run`` runs: one line each, ``extra<TAB>command``.
+"""The set-up commands of README.md that ``.ci/run`` runs: one line each, ``extra<TAB>command``.
 
-A set-up command installs this repository with one extra (``-e ".[name]"``)
+A command of README.md installs this repository with one extra (``-e ".[name]"``)
 and runs what that extra is for. README.md gives them in its ```` ```bash ````
 blocks (one command a line) and in its prose (an inline code span). The
-README is their only source: CI runs them exactly as written, each in a fresh
-virtual environment that holds nothing else, so an extra that misses a
-dependency fails CI instead of passing on a machine that happens to have it.
+README is their only source.
 
-Also checked, so that no extra goes untested:
+CI runs the first two, the README's set-up commands (the demo, with the
+``examples`` extra, and the test suite, with ``dev``), exactly as written,
+each in a fresh virtual environment that holds nothing else, so an extra that
+misses a dependency fails CI instead of passing on a machine that happens to
+have it. The others (the docs build, the benchmarks' smoke run) are run by the
+test suite itself, in the same words (tests/test_docs.py builds the docs with
+the same Sphinx options, tests/test_benchmarks_smoke.py runs every
+benchmark's smoke preset); tests/test_packaging.py checks that their extras
+hold every package they import. Running them again, each in a venv of its
+own, cost CI two minutes more for nothing else.
 
-* every extra of ``pyproject.toml`` has exactly one set-up command, and
-  every set-up command installs exactly one extra, one that it declares;
+Also checked here, so that no extra goes untested:
+
+* every extra of ``pyproject.toml`` has exactly one command, and every
+  command installs exactly one extra, one that it declares;
 * every extra that a documentation page or ``docs/conf.py`` names has a
-  set-up command;
-* every set-up command pins ``torch==2.13.0``, whose CPU build lies on the
-  CI machine's disk (unpinned, pip would fetch a multi-gigabyte CUDA build).
+  command;
+* every command pins ``torch==2.13.0``, whose CPU build lies on the CI
+  machine's disk (unpinned, pip would fetch a multi-gigabyte CUDA build).
 
 Any of these failing prints why and exits with status 1.
 """
@@ -27,6 +36,8 @@ from typing import List, Tuple
 ROOT = Path(__file__).resolve().parent.parent
 EXTRA = re.compile(r'''\.\[([\w-]+)\]''')
 TORCH = 'torch==2.13.0'
+#: How many of the commands, from the first, are the README's set-up commands, which CI runs.
+SET_UP = 2
 
 
 def readme_commands(text: str) -> List[str]:
@@ -75,7 +86,7 @@ def main() -> int:
         for error in errors:
             print(f'README.md set-up commands: {error}', file=sys.stderr)
         return 1
-    for extra, command in commands:
+    for extra, command in commands[:SET_UP]:
         print(f'{extra}\t{command}')
     return 0
 

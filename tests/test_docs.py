@@ -4,7 +4,9 @@ What runs, each example as its own test case:
 
 * ``README.md``: every fenced block opened with ```` ```python ````. Blocks in
   other languages (```` ```bash ````) are not run here: ``.ci/run`` runs the
-  README's set-up commands, each in a fresh venv.
+  README's two set-up commands, each in a fresh venv; its docs build is
+  this file's (the fixture ``build``, with the same options), its
+  benchmarks' smoke run tests/test_benchmarks_smoke.py's.
 * ``docs/*.rst``: every ``.. code-block:: python`` directive, unless it has
   the option ``:class: no-run``, which marks a snippet that needs CUDA or
   stands for part of a program. Literal blocks introduced by ``::`` and
@@ -483,6 +485,10 @@ class Build(NamedTuple):
     html: str  # the output directory
 
 
+#: The options of README.md's docs build, which the fixture below builds with.
+SPHINX_OPTIONS = ['-W', '--keep-going', '-n', '-b', 'html']
+
+
 @pytest.fixture(scope='module')
 def build(tmp_path_factory: pytest.TempPathFactory) -> Build:
     """The HTML documentation, built as ``docs/conf.py`` says: warnings are
@@ -494,10 +500,16 @@ def build(tmp_path_factory: pytest.TempPathFactory) -> Build:
     # Untraced: Sphinx's import of the package measures nothing new.
     with untraced():
         result = subprocess.run(
-            [sys.executable, '-m', 'sphinx', '-W', '--keep-going', '-n', '-q', '-b', 'html',
-             DOCS, html],
+            [sys.executable, '-m', 'sphinx', *SPHINX_OPTIONS, '-q', DOCS, html],
             capture_output=True, text=True)
     return Build(result.returncode, result.stderr, html)
+
+
+def test_the_build_here_is_the_readmes_docs_command() -> None:
+    """CI runs README.md's docs build only as this file's fixture: the same options."""
+    readme = open(os.path.join(ROOT, 'README.md'), encoding='utf-8').read()
+    command, = re.findall(r'python -m sphinx (.*)', readme)
+    assert command.split() == [*SPHINX_OPTIONS, 'docs', 'docs/_build/html'], command
 
 
 def built_pages(build: Build) -> List[str]:

@@ -1,11 +1,14 @@
 """Packaging: the sdist and wheel build, hold the package only, and install into a clean venv."""
+import ast
 import subprocess
 import sys
 import tarfile
+import tomllib
 import venv
 import zipfile
 from importlib import metadata
 from pathlib import Path
+from typing import Any, Callable, Dict, List, Set
 
 import pytest
 from packaging.requirements import Requirement
@@ -95,7 +98,108 @@ def test_ci_reads_one_set_up_command_per_extra() -> None:
                             capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     stages = [line.split('\t')[0] for line in result.stdout.splitlines()]
-    assert stages == ['examples', 'dev', 'docs', 'benchmarks']
+    # The docs build and the benchmarks' smoke run are the suite's own (below).
+    assert stages == ['examples', 'dev']
+
+
+def requirement_closure(names: List[str]) -> Set[str]:
+    """The distributions that installing ``names`` brings, as installed here."""
+    seen: Set[str] = set()
+    todo = [canonicalize_name(name) for name in names]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for line in metadata.requires(name) or []:
+            requirement = Requirement(line)
+            if requirement.marker is None or requirement.marker.evaluate({'extra': ''}):
+                todo.append(canonicalize_name(requirement.name))
+    return seen
+
+
+def guarded(tree: ast.AST) -> Set[ast.AST]:
+    """The import statements of ``tree`` inside a ``try`` that catches ImportError:
+    optional, the code going on without them."""
+    found: Set[ast.AST] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Try) and any(
+                isinstance(h.type, ast.Name) and h.type.id in ('ImportError',
+                                                               'ModuleNotFoundError')
+                for h in node.handlers):
+            found.update(n for statement in node.body for n in ast.walk(statement)
+                         if isinstance(n, (ast.Import, ast.ImportFrom)))
+    return found
+
+
+def imported_modules(paths: List[Path]) -> Set[str]:
+    """The top-level modules that ``paths`` import unguarded (at any depth), but the
+    standard library and this repository's own; and, through them, that the modules
+    of ``benchmarks`` they import do."""
+    modules: Set[str] = set()
+    todo, seen = list(paths), set()
+    while todo:
+        path = todo.pop()
+        if path in seen or not path.exists():
+            continue
+        seen.add(path)
+        tree = ast.parse(path.read_text(encoding='utf-8'))
+        optional = guarded(tree)
+        for node in ast.walk(tree):
+            if node in optional:
+                continue
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and \
+                node.module else []
+            for name in names:
+                modules.add(name.split('.')[0])
+                if name.startswith('benchmarks.'):
+                    todo.append(ROOT.joinpath(*name.split('.')).with_suffix('.py'))
+            if isinstance(node, ast.ImportFrom) and node.module == 'benchmarks':
+                todo += [ROOT / 'benchmarks' / f'{alias.name}.py' for alias in node.names]
+    return modules - set(sys.stdlib_module_names) - {'torchgpipe', 'benchmarks'}
+
+
+def smoke_run_modules() -> Set[str]:
+    """What ``python -m benchmarks.run_all --smoke`` imports: run_all, and every
+    experiment of the registry (which it imports by name)."""
+    from benchmarks import registry
+
+    return imported_modules([ROOT / 'benchmarks' / 'run_all.py', ROOT / 'benchmarks' /
+                             '__init__.py'] + [ROOT / 'benchmarks' / f'{name}.py'
+                                               for name in registry.NAMES])
+
+
+def docs_modules() -> Set[str]:
+    """What the docs build imports: conf.py's imports, extensions and theme."""
+    conf = ROOT / 'docs' / 'conf.py'
+    names: Dict[str, Any] = {}
+    for node in ast.parse(conf.read_text(encoding='utf-8')).body:
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name) and \
+                node.targets[0].id in ('extensions', 'html_theme'):
+            names[node.targets[0].id] = ast.literal_eval(node.value)
+    return imported_modules([conf]) | {name.split('.')[0]
+                                       for name in [*names['extensions'], names['html_theme']]}
+
+
+@pytest.mark.parametrize('extra, modules', [
+    ('docs', docs_modules),
+    ('benchmarks', smoke_run_modules),
+])
+def test_the_extras_ci_does_not_install_alone_hold_what_their_command_imports(
+        extra: str, modules: Callable[[], Set[str]]) -> None:
+    """The docs build and the benchmarks' smoke run are run by the test suite, in the
+    dev extra's venv, not by CI in a venv of their own extra: every package their
+    code imports comes with their extra (torch, which every command pins, aside)."""
+    requirements = tomllib.loads((ROOT / 'pyproject.toml').read_text(encoding='utf-8'))[
+        'project']['optional-dependencies'][extra]
+    installed = requirement_closure(['torch'] + [Requirement(r).name for r in requirements])
+    providers = metadata.packages_distributions()
+    found = modules()
+    assert found, 'no import found: the scan is broken'
+    missing = {module: providers.get(module) for module in found
+               if not {canonicalize_name(d) for d in providers.get(module, [])} & installed}
+    assert not missing, f'imported, but not brought by the {extra!r} extra: {missing}'
 
 
 def test_readme_gives_every_set_up_command_in_a_code_block() -> None:
