@@ -190,10 +190,10 @@ def ranks_steps(config: Dict[str, Any], rank: int) -> Dict[str, Step]:
             # The public GPipe.train_step refuses to run inside a torch.distributed
             # job of several processes (for data parallelism it points to
             # torchgpipe.distributed.train_step); the job here is the other
-            # steps', so the step is timed through _train_step, which is what
+            # steps', so the step is timed through its core's, which is what
             # train_step runs after its checks.
             steps[one_process_name(schedule)] = functools.partial(
-                gpipe._train_step, input, target, F.mse_loss, schedule, 'mean')
+                gpipe.core.train, input, target, F.mse_loss, schedule, 'mean', gpipe.training)
     if rank == 0 and config['backend'] == 'gloo':
         plain = copy()
 

@@ -56,6 +56,7 @@ from benchmarks.runner import Experiment, Figure, Preset, main as run_main
 from benchmarks.timing import time_steps, warmup_steps
 from torchgpipe import GPipe
 from torchgpipe.skip.skippable import Skippable
+from torchgpipe.state import RunState
 from torchgpipe.stream import current_stream
 from torchgpipe.timeline import Event, segments
 
@@ -143,9 +144,10 @@ def components(dependency: bool, streams: bool) -> Iterator[None]:
             stack.enter_context(mock.patch('torchgpipe.train.linked.fork_off',
                                            lambda batch: None))
         if not streams:
-            def compute_streams(self: GPipe) -> List[List[Any]]:
-                return [[current_stream(d)] * self.chunks for d in self.devices]
-            stack.enter_context(mock.patch.object(GPipe, '_ensure_copy_streams',
+            def compute_streams(self: RunState, devices: Sequence[torch.device],
+                                chunks: int) -> List[List[Any]]:
+                return [[current_stream(d)] * chunks for d in devices]
+            stack.enter_context(mock.patch.object(RunState, 'ensure_copy_streams',
                                                   compute_streams))
         yield
 

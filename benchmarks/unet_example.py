@@ -76,7 +76,7 @@ def run(config: Dict[str, Any]) -> Dict[str, Any]:
     expected = train(reference, images, masks, torch.device('cpu'))
     actual = train(gpipe, images, masks, gpipe.devices[-1])
 
-    routes = list(gpipe._skip_layout.by_ns_name.values())
+    routes = list(gpipe.core.skip_layout.by_ns_name.values())
     crossing = [(prev_j, next_j) for prev_j, next_j in routes if prev_j != next_j]
     return {'results': {'layers': len(model), 'balance': balance,
                         'gpipe_losses': actual, 'unwrapped_losses': expected,

@@ -14,6 +14,7 @@ from benchmarks.models.unet import unet  # noqa: E402
 from benchmarks.timeline import components, without_portals  # noqa: E402
 from torchgpipe import GPipe  # noqa: E402
 from torchgpipe.skip.portal import PortalCopy  # noqa: E402
+from torchgpipe.state import RunState  # noqa: E402
 from torchgpipe.stream import current_stream  # noqa: E402
 
 
@@ -53,12 +54,12 @@ def test_components_switch_off_the_dependencies_and_the_copy_streams() -> None:
     assert 'ForkBackward' in node_names(pipe(input))
     with components(dependency=False, streams=True):
         assert 'ForkBackward' not in node_names(pipe(input))
-    original = GPipe._ensure_copy_streams
+    original = RunState.ensure_copy_streams
     with components(dependency=True, streams=False):
         # (On CPU every stream is the same: check the switch is in place.)
-        assert GPipe._ensure_copy_streams is not original
-        streams = pipe._ensure_copy_streams()
-    assert GPipe._ensure_copy_streams is original
+        assert RunState.ensure_copy_streams is not original
+        streams = pipe.core.state.ensure_copy_streams(pipe.devices, pipe.chunks)
+    assert RunState.ensure_copy_streams is original
     # Copies go on each partition's compute stream, one per micro-batch.
     assert streams == [[current_stream(d)] * 2 for d in pipe.devices]
     assert 'ForkBackward' in node_names(pipe(input))

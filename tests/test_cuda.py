@@ -61,7 +61,7 @@ def test_copy_streams_are_one_per_device_per_micro_batch() -> None:
     gpipe = GPipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), [1, 1], devices=devices(2),
                   chunks=3)
     gpipe(torch.randn(6, 2, device=devices(1)[0]))
-    streams = gpipe._run_state.copy_streams
+    streams = gpipe.core.state.copy_streams
     assert [len(s) for s in streams] == [3, 3]
     flat = [s for per_device in streams for s in per_device]
     assert len(set(flat)) == 6
@@ -181,5 +181,5 @@ def test_train_step_copies_between_devices_on_copy_streams(schedule: str,
         model.to(device), torch.randn(12, 8, dtype=torch.double, device=device),
         torch.randn(12, 8, dtype=torch.double, device=devices(4)[-1]), F.mse_loss,
         balance=[1, 1, 1, 1], devices=devices(4), chunks=4, schedule=schedule)
-    streams = [s for row in gpipe._run_state.copy_streams for s in row]
+    streams = [s for row in gpipe.core.state.copy_streams for s in row]
     assert moved and all(a in streams and b in streams for a, b in moved)

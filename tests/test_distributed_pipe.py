@@ -366,7 +366,8 @@ def pooled_blocks(rank: int, world_size: int, schedules: List[str]) -> Dict[str,
             loss = pipe.train_step(*batch(step), F.mse_loss, schedule=schedule)
             pools['losses'].append(loss.untyped_storage().nbytes())
             del loss
-            pools[schedule].append({size: len(free) for size, free in pipe._blocks.free.items()})
+            free = pipe.core.blocks.free
+            pools[schedule].append({size: len(blocks) for size, blocks in free.items()})
     return pools
 
 
@@ -470,7 +471,9 @@ def faulty(rank: int, at: int, how: str) -> nn.Sequential:
 
 def fail_once(rank: int, world_size: int, fault_rank: int, how: str,
               checkpoints: Optional[str]) -> Result:
-    """Trains until a step fails (the second); returns what each rank raised, and then."""
+    """Trains until a step fails (the second); returns what each rank raised, and then,
+    alone and under DDP (each rank its own replica)."""
+    alone = [dist.new_group([r]) for r in range(world_size)]
     # The third micro-batch of the second step (no recomputation: one call each).
     pipe = DistributedGPipe(faulty(fault_rank, CHUNKS + 2, how), [2, 2], chunks=CHUNKS,
                             checkpoint='never')
@@ -498,7 +501,12 @@ def fail_once(rank: int, world_size: int, fault_rank: int, how: str,
         pipe.train_step(*batch(0), F.mse_loss)
     except RuntimeError as exc:
         after = str(exc)
-    return {'error': error, 'after': after}
+    try:
+        torchgpipe.distributed.train_step(DistributedDataParallel(pipe, process_group=alone[rank]),
+                                          *batch(0), F.mse_loss)
+    except RuntimeError as exc:
+        after_ddp = str(exc)
+    return {'error': error, 'after': after, 'after_ddp': after_ddp}
 
 
 @pytest.mark.parametrize('fault_rank, how', [(1, 'forward'), (0, 'backward'), (1, 'loss')])
@@ -514,6 +522,7 @@ def test_a_rank_that_fails_makes_every_rank_raise(fault_rank: int, how: str) -> 
                                       f'Boom: boom in ')
         # No second chance: the ranks no longer agree on the messages left.
         assert result['after'].startswith('an earlier step failed')
+        assert result['after_ddp'] == result['after']
 
 
 def test_a_killed_rank_makes_the_others_raise() -> None:

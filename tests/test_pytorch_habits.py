@@ -154,5 +154,5 @@ def test_a_copy_of_a_cuda_pipeline_after_a_forward_has_its_own_streams() -> None
                   devices=list(range(n)), chunks=2)
     gpipe(torch.randn(4, 4)).sum().backward()
     clone = copy.deepcopy(gpipe)
-    assert clone._run_state.copy_streams == []
+    assert clone.core.state.copy_streams == []
     clone(torch.randn(4, 4)).sum().backward()

@@ -111,7 +111,7 @@ class Noise(nn.Module):
 def test_which_partitions_draw_is_learned_per_training_mode() -> None:
     gpipe = GPipe(nn.Sequential(nn.Linear(4, 4), nn.Dropout(), Noise(), nn.Linear(4, 4)),
                   [1, 1, 1, 1], devices=cpu_devices(4, True), chunks=2)
-    traits = gpipe._run_state.traits
+    traits = gpipe.core.state.traits
     gpipe(torch.randn(4, 4))
     assert [list(t.draws_random.values()) for t in traits] == [[False], [True], [True], [False]]
     gpipe.eval()
@@ -124,7 +124,7 @@ def test_one_thread_learns_nothing() -> None:
     gpipe = GPipe(nn.Sequential(nn.Dropout(), nn.Linear(4, 4)), [1, 1],
                   devices=cpu_devices(2, False), chunks=2)
     gpipe(torch.randn(4, 4))
-    assert all(t.draws_random == {} for t in gpipe._run_state.traits)
+    assert all(t.draws_random == {} for t in gpipe.core.state.traits)
 
 
 def test_restore_puts_the_generator_back() -> None:

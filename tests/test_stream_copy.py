@@ -127,7 +127,7 @@ def test_train_step_moves_each_message_from_the_senders_copy_stream_to_the_recei
     chunks = 4
     gpipe = GPipe(model, [2, 2, 2], devices=cpu_devices(3, threaded), chunks=chunks)
     gpipe.train_step(torch.randn(8, 4), torch.randn(8, 4), F.mse_loss, schedule=schedule)
-    streams = gpipe._run_state.copy_streams
+    streams = gpipe.core.state.copy_streams
     where = {id(s): (j, i) for j, row in enumerate(streams) for i, s in enumerate(row)}
     assert len(where) == 3 * chunks, 'a copy stream per partition per micro-batch'
     # Per micro-batch: activations 0→1, 1→2, the skip 0→2, and the three gradients back.

@@ -300,3 +300,55 @@ def test_no_run_of_six_identical_lines_repeats() -> None:
     twin = ('def f(x):\n    y = x + 1\n    z = y * 2\n    w = z - 3\n    v = w / 4\n'
             '    u = v % 5\n    return u\n')
     assert repeated_runs({'a': twin, 'b': twin.replace('def f', 'def g')}) == [('a:2', 'b:2')]
+
+
+def private_names(tree: ast.AST) -> Set[str]:
+    """The private names a module defines: its functions, classes and module
+    variables, and the attributes its methods set on ``self``."""
+    names: Set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and \
+                isinstance(node.value, ast.Name) and node.value.id == 'self':
+            names.add(node.attr)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+    return {name for name in names if name.startswith('_') and not name.startswith('__')}
+
+
+def reaches(tree: ast.AST) -> Set[Tuple[str, int]]:
+    """The private attributes a module reads or sets on objects other than ``self``/``cls``."""
+    return {(node.attr, node.lineno) for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and node.attr.startswith('_')
+            and not node.attr.startswith('__')
+            and not (isinstance(node.value, ast.Name) and node.value.id in ('self', 'cls'))
+            and not isinstance(node.value, ast.Call)}  # super()._name
+
+
+def foreign_reaches(trees: Dict[str, ast.AST]) -> List[str]:
+    """Where a module uses a private name that only other modules of the package define."""
+    defined = {name: private_names(tree) for name, tree in trees.items()}
+    found = []
+    for name, tree in trees.items():
+        for attr, line in sorted(reaches(tree)):
+            owners = [other for other, names in defined.items() if attr in names]
+            if owners and name not in owners:
+                found.append(f'{name}:{line} uses {attr}, private to {", ".join(owners)}')
+    return found
+
+
+def test_no_module_reaches_into_private_names_of_another() -> None:
+    """GPipe, DistributedGPipe, the timeline and DDP's step meet through the pipeline's
+    core (torchgpipe.core), not through each other's private attributes."""
+    trees = {module_name(path): ast.parse(path.read_text())
+             for path in PACKAGE.rglob('*.py')}
+    assert foreign_reaches(trees) == []
+
+
+def test_the_private_name_check_finds_a_reach() -> None:
+    trees = {'a': ast.parse('class A:\n    def __init__(self):\n        self._state = 1\n'),
+             'b': ast.parse('def f(a):\n    return a._state\n'),
+             'c': ast.parse('def g(t):\n    return t._version\n')}  # torch's, not ours
+    assert foreign_reaches(trees) == ['b:2 uses _state, private to a']

@@ -464,10 +464,10 @@ def test_plot_refuses_what_summary_refuses_before_writing(steps: int, step: Opti
 def test_nothing_is_recorded_outside_the_trace(threaded: bool) -> None:
     model = GPipe(mlp(4, depth=4, blocks=True), balance=[2, 2], devices=cpu_devices(2, threaded),
                   chunks=2)
-    assert model._run_state.recorder is None
+    assert model.core.state.recorder is None
     with torchgpipe.trace(model) as timeline:
         output = model(torch.randn(4, 4))
-    assert model._run_state.recorder is None
+    assert model.core.state.recorder is None
     # The backward pass came after the trace ended: not recorded.
     output.sum().backward()
     assert {e.kind for e in timeline.events} == {'forward'}
@@ -481,7 +481,7 @@ def test_trace_ends_when_its_block_raises() -> None:
     with pytest.raises(KeyError):
         with torchgpipe.trace(model):
             raise KeyError('user code')
-    assert model._run_state.recorder is None
+    assert model.core.state.recorder is None
 
 
 def test_each_backward_pass_of_a_retained_graph_is_recorded(threaded: bool) -> None:
@@ -535,7 +535,7 @@ def test_a_copy_inside_a_trace_is_not_traced() -> None:
     model = GPipe(mlp(4, depth=2, blocks=True), balance=[1, 1], devices=['cpu', 'cpu'], chunks=2)
     with torchgpipe.trace(model) as timeline:
         clone = copy.deepcopy(model)
-        assert clone._run_state.recorder is None
+        assert clone.core.state.recorder is None
         clone(torch.randn(2, 4)).sum().backward()
     assert timeline.steps == []
 

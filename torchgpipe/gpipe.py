@@ -6,16 +6,12 @@ from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from torchgpipe import microbatch, plain
-from torchgpipe.batchnorm import DeferredBatchNorm, deferred_step
-from torchgpipe.checkpoint import checkpoint_stop
+from torchgpipe.batchnorm import DeferredBatchNorm
+from torchgpipe.core import Core, CoreModule
 from torchgpipe.microbatch import TensorOrTensors
 from torchgpipe.partition import split_module
-from torchgpipe.pipeline import Pipeline
 from torchgpipe.skip.layout import inspect_skip_layout
 from torchgpipe.skip.skippable import verify_skippables
-from torchgpipe.state import RunState
-from torchgpipe.stream import AbstractStream, current_stream, use_device
-from torchgpipe.steps import Steps
 from torchgpipe.validation import (BalanceError, Device, Devices, check_balance, check_chunks,
                                    check_devices, deny_moving,
                                    describe, example_balance, recommend_auto_balance,
@@ -24,7 +20,7 @@ from torchgpipe.validation import (BalanceError, Device, Devices, check_balance,
 __all__ = ['GPipe', 'BalanceError', 'verify_module', 'split_module']
 
 
-class GPipe(Steps, nn.Module):
+class GPipe(CoreModule):
     """Trains an :class:`nn.Sequential <torch.nn.Sequential>` as a pipeline over
     several devices, with the results of the unwrapped module (GPipe_).
 
@@ -100,17 +96,9 @@ class GPipe(Steps, nn.Module):
     #:
     devices: List[torch.device]
 
-    #: The number of micro-batches.
-    chunks: int = 1
-
-    #: The checkpoint mode, which says which micro-batches are checkpointed,
-    #: ``'always'`` (all), ``'except_last'`` (all but the last of ``chunks``,
-    #: and all of a short batch that splits into fewer) or ``'never'``.
-    checkpoint: str = 'except_last'
-
     def __init__(self, module: nn.Sequential, balance: Optional[Iterable[int]] = None, *,
-                 devices: Optional[Devices] = None, chunks: int = chunks,
-                 checkpoint: str = checkpoint, deferred_batch_norm: bool = False) -> None:
+                 devices: Optional[Devices] = None, chunks: int = 1,
+                 checkpoint: str = 'except_last', deferred_batch_norm: bool = False) -> None:
         super().__init__()
 
         # Everything is checked before anything changes: a failed constructor
@@ -136,9 +124,6 @@ class GPipe(Steps, nn.Module):
         # Every skip must be stashed and popped exactly once, in this order.
         verify_skippables(module)
 
-        self.chunks = chunks
-        self.checkpoint = checkpoint
-
         if deferred_batch_norm:
             # It checks every BatchNorm layer before replacing any.
             module = cast(nn.Sequential,
@@ -147,13 +132,9 @@ class GPipe(Steps, nn.Module):
         partitions, self.balance, self.devices = split_module(module, balance, device_list)
 
         self.partitions = nn.ModuleList(partitions)
-        self._skip_layout = inspect_skip_layout(partitions)
-        self._deferred_batch_norms = [m for m in self.partitions.modules()
-                                      if isinstance(m, DeferredBatchNorm)]
-
-        # Copy streams and what runs learn about the partitions: never part
-        # of a copy of this module.
-        self._run_state = RunState(len(self.partitions))
+        #: The pipeline the module runs: every partition, in this process.
+        self.core = Core(dict(enumerate(partitions)), self.devices,
+                         inspect_skip_layout(partitions), chunks, checkpoint)
 
     def _partitions(self) -> List[nn.Sequential]:
         return cast(List[nn.Sequential], list(self.partitions))
@@ -329,22 +310,6 @@ class GPipe(Steps, nn.Module):
         """
         return plain.unwrap(self._partitions(), self.training, device)
 
-    def _ensure_copy_streams(self) -> List[List[AbstractStream]]:
-        """Creates a copy stream per device per micro-batch, once."""
-        return self._run_state.ensure_copy_streams(self.devices, self.chunks)
-
-    def _prepare(self, batches: List[microbatch.Batch]) -> int:
-        """Moves the micro-batches to the first device, for either engine.
-
-        Returns:
-            int: how many of the first micro-batches are checkpointed, in
-            this mode (none in evaluation or without grad)
-        """
-        # An input elsewhere than on the first device is moved there, by a
-        # differentiable copy of each micro-batch.
-        microbatch.move(batches, self.devices[0])
-        return checkpoint_stop(self.checkpoint, self.chunks, len(batches), self.training)
-
     def forward(self, input: TensorOrTensors) -> TensorOrTensors:
         """Runs a mini-batch through the pipeline.
 
@@ -378,17 +343,5 @@ class GPipe(Steps, nn.Module):
             return microbatch.Batch(input).plain
         # Split first: an input that cannot be split fails before any work.
         batches = microbatch.scatter(input, self.chunks)
-
-        stop = self._prepare(batches)
-        streams = [current_stream(d) for d in self.devices]
-        with use_device(self.devices[0]):
-            copy_streams = self._ensure_copy_streams()
-        pipeline = Pipeline(batches, self._partitions(), self.devices, copy_streams, streams,
-                            self._skip_layout, stop, self._run_state.traits,
-                            self._run_state.recorder)
-        # A short batch splits into fewer micro-batches than chunks: deferred
-        # BatchNorm commits once after this many, or not at all if the step fails.
-        with deferred_step(self._deferred_batch_norms, len(batches)):
-            pipeline.run()
-
+        self.core.forward(batches, self.training)
         return microbatch.gather(batches)

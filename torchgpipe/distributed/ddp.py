@@ -16,13 +16,13 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from torchgpipe.validation import check_step, describe
+from torchgpipe.distributed.core import RankCore
 from torchgpipe.distributed.pipe import DistributedGPipe
 from torchgpipe.distributed.reduce import AllReduce, pieces
 from torchgpipe.gpipe import GPipe
 from torchgpipe.microbatch import TensorOrTensors
 from torchgpipe.train.generators import check_schedule
 from torchgpipe.train.schedule import ScheduleLike
-from torchgpipe.tied import tied_masters
 from torchgpipe.train.step import LossFunction
 
 __all__ = ['train_step']
@@ -99,19 +99,19 @@ def train_step(model: DistributedDataParallel, input: TensorOrTensors,
                                                     model.broadcast_buffers):
         broadcast([b for name, b in module.named_buffers() if name not in ignored], group)
     model.require_forward_param_sync = model.require_backward_grad_sync
+    core = module.core
+    if isinstance(core, RankCore):
+        core.check_whole()
     if not model.require_backward_grad_sync:  # inside no_sync()
-        return module._train_step(input, target, loss_fn, schedule, reduction)
+        return core.train(input, target, loss_fn, schedule, reduction, module.training)
     names = {id(p): name for name, p in module.named_parameters()}
-    partitions = dict(enumerate(module.partitions)) if isinstance(module, GPipe) else \
-        dict(module._here)
     # Tied parameters get their gradients as the step ends (summed over the
     # ranks, or over the partitions' shares): averaged after it.
-    tied = module._tied.parameters() if isinstance(module, DistributedGPipe) else \
-        tied_masters(list(module.partitions))
     reducer = AllReduce({j: [p for p in partition.parameters() if names[id(p)] not in ignored]
-                         for j, partition in partitions.items()}, group,
-                        [p for p in tied if names[id(p)] not in ignored])
-    loss = module._train_step(input, target, loss_fn, schedule, reduction, reducer.done)
+                         for j, partition in core.partitions.items()}, group,
+                        [p for p in core.tied() if names[id(p)] not in ignored])
+    loss = core.train(input, target, loss_fn, schedule, reduction, module.training,
+                      reducer.done)
     reducer.wait()
     return loss
 

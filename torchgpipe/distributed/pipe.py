@@ -1,44 +1,35 @@
 """DistributedGPipe: a pipeline whose partitions are the processes of a group, one or more each."""
 import warnings
-from hashlib import sha1
 from collections import OrderedDict
-from typing import (Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple,
-                    Union, cast)
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Union, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from torchgpipe import microbatch
-from torchgpipe.validation import (check_available, check_balance, check_chunks, check_step,
-                                    check_timeout, describe, parse_device, verify_module)
-from torchgpipe.batchnorm import DeferredBatchNorm, deferred_step
-from torchgpipe.distributed.blocks import Blocks
+from torchgpipe.batchnorm import DeferredBatchNorm
+from torchgpipe.core import CoreModule
+from torchgpipe.distributed.core import RankCore
 from torchgpipe.distributed.norm import check_finite, clip_grads, slots, total_norm
 from torchgpipe.distributed.ranks import ranks_of_partitions
 from torchgpipe.distributed.tied import TiedGradients, ties_across_ranks
-from torchgpipe.distributed.wire import Channels, Mismatch, Wire
 from torchgpipe.microbatch import TensorOrTensors
 from torchgpipe.placement import place
-from torchgpipe.checkpoint import checkpoint_stop
-from torchgpipe.train.generators import check_schedule, resolve
-from torchgpipe.train.schedule import ScheduleLike
 from torchgpipe.skip.layout import inspect_skip_layout
 from torchgpipe.skip.skippable import verify_skippables
-from torchgpipe.train.evaluation import (check_evaluation, evaluating, forward_only, join,
-                                         split_evaluation)
-from torchgpipe.train.inputs import split_step
-from torchgpipe.train.schedule import Schedule
-from torchgpipe.train.step import LossFunction, Step
 from torchgpipe.tied import find_ties
-from torchgpipe.state import RunState
-from torchgpipe.traits import PartitionTraits
+from torchgpipe.train.evaluation import check_evaluation, evaluating
+from torchgpipe.train.generators import check_schedule
+from torchgpipe.train.schedule import ScheduleLike
+from torchgpipe.train.step import LossFunction
+from torchgpipe.validation import (check_available, check_balance, check_chunks, check_step,
+                                    check_timeout, describe, parse_device, verify_module)
 
 __all__ = ['DistributedGPipe']
 
 
-class DistributedGPipe(nn.Module):
+class DistributedGPipe(CoreModule):
     """Trains an :class:`nn.Sequential <torch.nn.Sequential>` as a pipeline
     whose partitions are the processes of a :mod:`torch.distributed` group.
 
@@ -107,6 +98,8 @@ class DistributedGPipe(nn.Module):
             optimizer.step()
     """
 
+    core: RankCore
+
     def __init__(self, module: nn.Sequential, balance: Iterable[int], *, chunks: int = 1,
                  checkpoint: str = 'except_last', group: Optional[dist.ProcessGroup] = None,
                  device: Optional[Union[torch.device, str, int]] = None,
@@ -127,10 +120,10 @@ class DistributedGPipe(nn.Module):
         self.placement = placement
         #: The rank (in the group) of each partition.
         self.rank_of = ranks_of_partitions(balance, size, placement)
-        self.chunks = check_chunks(chunks)
-        self.timeout = check_timeout(timeout)
-        self.checkpoint = str(checkpoint)
-        if self.checkpoint not in ('always', 'except_last', 'never'):
+        chunks = check_chunks(chunks)
+        timeout = check_timeout(timeout)
+        checkpoint = str(checkpoint)
+        if checkpoint not in ('always', 'except_last', 'never'):
             raise ValueError("checkpoint is not one of 'always', 'except_last', or 'never'")
         fix = "give this process's device, such as device='cpu'"
         self.device = torch.device('cpu') if device is None else parse_device('device', device,
@@ -139,7 +132,7 @@ class DistributedGPipe(nn.Module):
         verify_skippables(module)
         if deferred_batch_norm:
             module = cast(nn.Sequential,
-                          DeferredBatchNorm.convert_deferred_batch_norm(module, self.chunks))
+                          DeferredBatchNorm.convert_deferred_batch_norm(module, chunks))
 
         children = iter(module.named_children())
         partitions = [nn.Sequential(OrderedDict(next(children) for _ in range(n)))
@@ -154,29 +147,26 @@ class DistributedGPipe(nn.Module):
         self.rank = dist.get_rank(group)
         self.ranks = [dist.get_global_rank(group, r) if group is not None else r
                       for r in range(size)]
-        #: The parameters shared with layers on other ranks, a copy on each.
-        self._tied = TiedGradients(ties_across_ranks(
+        # The parameters shared with layers on other ranks, a copy on each.
+        tied = TiedGradients(ties_across_ranks(
             partitions, [self.ranks[r] for r in self.rank_of], dist.get_rank()), dist.get_rank())
-        layout = inspect_skip_layout(partitions)
-        self._routes = {key: route for key, route in layout.by_ns_name.items()
-                        if route[0] != route[1]}
-        self._skip_layout = layout
-        #: This process's partitions, by index.
-        self._here = self._keep(partitions)
+        here = self._keep(partitions)
         #: The names of the layers of the other partitions.
-        self._others = [name for j, p in enumerate(partitions) if j not in self._here
+        self._others = [name for j, p in enumerate(partitions) if j not in here
                         for name, _ in p.named_children()]
-        self._deferred_batch_norms = [m for m in self.modules()
-                                      if isinstance(m, DeferredBatchNorm)]
-        self._run_state = RunState(len(self._here))
-        #: The capacity of the channel to each rank (see Channels).
-        self._capacities: Dict[int, int] = {}
-        #: The CPU memory of the messages, reused from step to step.
-        self._blocks = Blocks()
-        #: Why the pipeline cannot run any more, after a failed step.
-        self._broken: Optional[str] = None
-        #: The channels of a failed step, whose sends may still run.
-        self._abandoned: Optional[Channels] = None
+        #: The pipeline the module runs: this rank's partitions, and the wire.
+        self.core = RankCore(here, self.device, self.rank_of, self.ranks, group, tied,
+                             inspect_skip_layout(partitions), chunks, checkpoint, timeout)
+
+    @property
+    def timeout(self) -> Optional[float]:
+        """The step timeout, in seconds, or ``None`` (see the constructor); set it between
+        steps to change it, the same on every rank."""
+        return self.core.timeout
+
+    @timeout.setter
+    def timeout(self, timeout: Optional[float]) -> None:
+        self.core.timeout = check_timeout(timeout)
 
     def _keep(self, partitions: List[nn.Sequential]) -> Dict[int, nn.Sequential]:
         """Registers the layers of this rank's partitions, on its device; returns them by index.
@@ -252,8 +242,8 @@ class DistributedGPipe(nn.Module):
         """
         check_schedule(schedule)
         check_step(reduction, loss_fn)
-        self._check_whole()
-        return self._train_step(input, target, loss_fn, schedule, reduction)
+        self.core.check_whole()
+        return self.core.train(input, target, loss_fn, schedule, reduction, self.training)
 
     def eval_step(self, input: TensorOrTensors, target: Optional[TensorOrTensors] = None,
                   loss_fn: Optional[LossFunction] = None, *, reduction: str = 'mean',
@@ -305,26 +295,9 @@ class DistributedGPipe(nn.Module):
             logits = pipe.eval_step(input)           # on the last partition's rank
         """
         check_evaluation(target, loss_fn, reduction, output_fn)
-        self._check_whole()
+        self.core.check_whole()
         with evaluating(self):
-            batches, targets, weights = split_evaluation(input, target, self.chunks, reduction,
-                                                         self.device)
-            here: List[Any] = [None]
-
-            def outcome(step: Step) -> Any:
-                loss = step.run()
-                if loss_fn is not None:
-                    return loss
-                output = join(step.outputs())
-                if output is not None and output_fn is not None:
-                    output = output_fn(output)
-                here[0] = output
-                return output if everywhere else None
-            result, _ = self._run(batches, targets, loss_fn, weights,
-                                  forward_only(len(batches), len(self.balance)), 0, outcome,
-                                  train=False, signature={'loss': loss_fn is not None,
-                                                          'everywhere': everywhere})
-        return here[0] if loss_fn is None and not everywhere else result
+            return self.core.evaluate(input, target, loss_fn, reduction, output_fn, everywhere)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False,
@@ -343,7 +316,7 @@ class DistributedGPipe(nn.Module):
         :func:`torch.nn.utils.clip_grad_norm_`'s.
         """
         me = dist.get_rank()
-        elsewhere = {tie.local for tie in self._tied.ties if tie.ranks[0] != me}
+        elsewhere = {tie.local for tie in self.core.tied_gradients.ties if tie.ranks[0] != me}
         grads = [(name, p.grad) for name, p in self.named_parameters() if p.grad is not None]
         total = total_norm([(self._slots[name], g) for name, g in grads if name not in elsewhere],
                            len(set(self._slots.values())), float(norm_type), self.device,
@@ -352,87 +325,6 @@ class DistributedGPipe(nn.Module):
             check_finite(total, norm_type)
         clip_grads([g for _, g in grads], max_norm, total)
         return total
-
-    def _check_whole(self) -> None:
-        if self._broken is not None:
-            raise RuntimeError(f'an earlier step failed ({self._broken}): the ranks of '
-                               'this pipeline no longer agree on the messages between them; '
-                               'restart the job, from a checkpoint')
-
-    def _train_step(self, input: TensorOrTensors, target: TensorOrTensors,
-                    loss_fn: LossFunction, schedule: ScheduleLike, reduction: str,
-                    done: Optional[Callable[[int], None]] = None) -> Tensor:
-        batches, targets, weights = split_step(input, target, self.chunks, reduction,
-                                               self.device)
-        m = len(batches)
-        plan = resolve(schedule, m, len(self.balance), [f'rank {r}' for r in self.rank_of],
-                       "lay the partitions over the ranks as it does: placement='v' for "
-                       "'zbv', 'loop' for the others")
-
-        def outcome(step: Step) -> Optional[Tensor]:
-            with deferred_step(self._deferred_batch_norms, m):
-                return step.run()
-        self._tied.start()
-        loss, received = self._run(batches, targets, loss_fn, weights, plan,
-                                   checkpoint_stop(self.checkpoint, self.chunks, m,
-                                                   self.training), outcome, done)
-        # Every rank is past the end of the step: copies of a tied parameter
-        # refused here leave no rank waiting, and the pipeline whole.
-        self._tied.sum(received)
-        return cast(Tensor, loss)
-
-    def _run(self, batches: List[microbatch.Batch],
-             targets: Sequence[Optional[TensorOrTensors]], loss_fn: Optional[LossFunction],
-             weights: List[float], plan: Schedule, stop: int, outcome: Callable[[Step], Any],
-             done: Optional[Callable[[int], None]] = None, train: bool = True,
-             signature: Optional[Dict[str, Any]] = None) -> Tuple[Any, Dict[int, Any]]:
-        """Runs a step of ``plan`` (a training step's, or an evaluation's) over the ranks.
-
-        Args:
-            stop: the checkpoint stop (see :class:`~torchgpipe.train.step.Step`)
-            outcome: runs the step; returns what the last partition's rank sends everyone
-            train: a training step, whose end carries the gradients of tied
-                parameters; else an evaluation
-            signature: more of the step, which every rank must run alike
-
-        Returns:
-            as :meth:`Wire.finish <torchgpipe.distributed.wire.Wire.finish>`
-        """
-        n = len(self.balance)
-        if 0 in self._here:
-            microbatch.move(batches, self.device)
-        partitions: List[Optional[nn.Sequential]] = [self._here.get(j) for j in range(n)]
-        traits = [PartitionTraits() for _ in range(n)]
-        for k, j in enumerate(self._here):
-            traits[j] = self._run_state.traits[k]
-        streams = dict(zip(self._here, self._run_state.ensure_copy_streams(
-            [self.device] * len(self._here), self.chunks)))
-        recorder = self._run_state.recorder
-        wire = Wire(Channels(self.device, self.group, self._capacities, self._blocks,
-                             self.timeout),
-                    [self.ranks[r] for r in self.rank_of], dist.get_rank(), self._routes,
-                    recorder)
-        step = Step(partitions, [self.device] * n, batches, targets, loss_fn, weights,
-                    plan, self._skip_layout, stop, traits, recorder, mailbox=wire, done=done,
-                    train=train, copy_streams=[streams.get(j) for j in range(n)])
-        try:
-            # Before any message of the step: ranks that disagree on it all raise here.
-            wire.agree({'step': 'train_step' if train else 'eval_step',
-                        'micro-batches': [batch[0].size(0) for batch in batches],
-                        'schedule': f'{plan.name} ({sha1(str(plan).encode()).hexdigest()[:8]})',
-                        **(signature or {})})
-            return wire.finish(outcome(step), self._tied.shares(wire.others) if train else None)
-        except Mismatch:
-            self._tied.abandon()
-            raise
-        except BaseException as exc:
-            self._tied.abandon()
-            self._broken = f'{type(exc).__name__} on rank {dist.get_rank()}'
-            # Ranks waiting for this one's messages raise PeerFailed, and tell
-            # the ranks waiting for theirs in turn.
-            wire.fail(exc)
-            self._abandoned = wire.channels
-            raise
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
                         assign: bool = False) -> _IncompatibleKeys:
@@ -444,6 +336,6 @@ class DistributedGPipe(nn.Module):
         mine: Dict[str, Any] = {k: v for k, v in state_dict.items()
                                 if k.split('.', 1)[0] not in others}
         # The next step compares the copies of tied parameters again.
-        self._tied.check = True
+        self.core.tied_gradients.check = True
         return cast(_IncompatibleKeys, super().load_state_dict(mine, strict, assign))
 

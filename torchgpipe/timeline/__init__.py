@@ -112,7 +112,7 @@ def trace(module: Any) -> Generator[Timeline, None, None]:
         raise TypeError(f'trace() watches a GPipe or a DistributedGPipe, got '
                         f'{type(module).__name__}: wrap the model first, e.g. '
                         'trace(GPipe(model, balance, chunks=...))')
-    state = module._run_state
+    state = module.core.state
     if state.recorder is not None:
         raise RuntimeError('this pipeline is traced already: nest no trace() of the same '
                            'pipeline in another; one trace records every step inside it')

@@ -1,0 +1,314 @@
+"""The pipeline core: the partitions one process holds, and the steps that run them.
+
+:class:`~torchgpipe.GPipe` and
+:class:`~torchgpipe.distributed.DistributedGPipe` are the
+:class:`torch.nn.Module` faces of a pipeline: they check what the user
+gives, register the layers, and keep the habits of a module (state dicts,
+copies, modes). What runs is the :class:`Core` each holds as ``core``::
+
+    GPipe ──────────────► Core                 all partitions, a mailbox in memory
+    DistributedGPipe ───► RankCore(Core)       this rank's partitions, the wire
+
+A core knows the partitions held here (by index), the device of every
+partition, the skip layout, the number of micro-batches and the checkpoint
+mode, and it keeps what runs learn (:class:`~torchgpipe.state.RunState`).
+It builds each step on the one executor (:class:`~torchgpipe.train.step.Step`);
+what differs across processes is only the mailbox and what surrounds the
+step, which :class:`~torchgpipe.distributed.core.RankCore` overrides.
+
+Other parts of the package (the timeline, DDP's step) reach a pipeline through
+its core, never through the private names of its face.
+"""
+from typing import Any, Callable, Dict, List, Optional, Sequence, cast
+
+import torch
+from torch import nn
+
+from torchgpipe import microbatch
+from torchgpipe.batchnorm import DeferredBatchNorm, deferred_step
+from torchgpipe.checkpoint import checkpoint_stop
+from torchgpipe.microbatch import TensorOrTensors
+from torchgpipe.pipeline import Pipeline
+from torchgpipe.skip.layout import SkipLayout
+from torchgpipe.state import RunState
+from torchgpipe.stream import current_stream, use_device
+from torchgpipe.tied import shares_apart, tied_masters
+from torchgpipe.traits import PartitionTraits
+from torchgpipe.train.evaluation import (check_evaluation, evaluating, forward_only, join,
+                                         split_evaluation)
+from torchgpipe.train.generators import check_schedule, resolve
+from torchgpipe.train.inputs import split_step
+from torchgpipe.train.mailbox import Mailbox
+from torchgpipe.train.schedule import Schedule, ScheduleLike
+from torchgpipe.train.step import LossFunction, Step
+from torchgpipe.validation import check_one_process, check_step
+from torchgpipe.worker import distinct_devices
+
+__all__ = ['Core', 'CoreModule']
+
+#: What ``done(j)`` is told: partition ``j`` has no backward pass left in the step.
+Done = Callable[[int], None]
+
+
+class Core:
+    """One process's share of a pipeline, and the steps that run it.
+
+    Args:
+        partitions: the partitions held in this process, by index
+        devices: the device of every partition (of those held elsewhere too)
+        skip_layout: where the skips of every partition go
+        chunks: the number of micro-batches
+        checkpoint: the checkpoint mode
+    """
+
+    def __init__(self, partitions: Dict[int, nn.Sequential], devices: Sequence[torch.device],
+                 skip_layout: SkipLayout, chunks: int, checkpoint: str) -> None:
+        self.partitions = partitions
+        self.devices = list(devices)
+        self.skip_layout = skip_layout
+        self.chunks = chunks
+        self.checkpoint = checkpoint
+        self.deferred_batch_norms = [m for p in partitions.values() for m in p.modules()
+                                     if isinstance(m, DeferredBatchNorm)]
+        #: What runs learn and keep (copy streams, partition traits, the
+        #: recorder), which no copy of the pipeline shares.
+        self.state = RunState(len(partitions))
+
+    def stop(self, m: int, training: bool) -> int:
+        """How many of ``m`` micro-batches are checkpointed, in this mode."""
+        return checkpoint_stop(self.checkpoint, self.chunks, m, training)
+
+    def step(self, batches: List[microbatch.Batch], targets: Sequence[Any],
+             loss_fn: Optional[LossFunction], weights: List[float], plan: Schedule, stop: int,
+             *, mailbox: Optional[Mailbox] = None, done: Optional[Done] = None,
+             train: bool = True) -> Step:
+        """A step of ``plan`` over the partitions here, on the one executor.
+
+        The partitions held elsewhere are ``None`` to the step, whose
+        messages to them go through ``mailbox``.
+        """
+        n = len(self.devices)
+        here = list(self.partitions)
+        traits = [PartitionTraits() for _ in range(n)]
+        for k, j in enumerate(here):
+            traits[j] = self.state.traits[k]
+        streams = dict(zip(here, self.state.ensure_copy_streams(
+            [self.devices[j] for j in here], self.chunks)))
+        return Step([self.partitions.get(j) for j in range(n)], self.devices, batches, targets,
+                    loss_fn, weights, plan, self.skip_layout, stop, traits,
+                    self.state.recorder, mailbox=mailbox, done=done, train=train,
+                    copy_streams=[streams.get(j) for j in range(n)])
+
+    def tied(self) -> List[nn.Parameter]:
+        """The parameters several partitions use, whose gradients are whole as a step ends."""
+        return tied_masters(list(self.partitions.values()))
+
+    def forward(self, batches: List[microbatch.Batch], training: bool) -> None:
+        """The forward path (0.0.7's): the micro-batches through every partition, in
+        clock cycles, as one autograd graph that the caller's ``backward()`` runs."""
+        microbatch.move(batches, self.devices[0])
+        streams = [current_stream(d) for d in self.devices]
+        with use_device(self.devices[0]):
+            copy_streams = self.state.ensure_copy_streams(self.devices, self.chunks)
+        pipeline = Pipeline(batches, list(self.partitions.values()), self.devices, copy_streams,
+                            streams, self.skip_layout, self.stop(len(batches), training),
+                            self.state.traits, self.state.recorder)
+        # A short batch splits into fewer micro-batches than chunks: deferred
+        # BatchNorm commits once after this many, or not at all if the step fails.
+        with deferred_step(self.deferred_batch_norms, len(batches)):
+            pipeline.run()
+
+    def train(self, input: TensorOrTensors, target: TensorOrTensors, loss_fn: LossFunction,
+              schedule: ScheduleLike, reduction: str, training: bool,
+              done: Optional[Done] = None) -> torch.Tensor:
+        """A training step, its arguments checked: see :meth:`GPipe.train_step
+        <torchgpipe.GPipe.train_step>`. ``done(j)`` as for
+        :class:`~torchgpipe.train.step.Step`."""
+        # Before the input is split: that of an empty pipeline's forward fails.
+        if not self.devices:
+            raise ValueError('train_step needs at least one layer: this GPipe is empty')
+        batches, targets, weights = split_step(input, target, self.chunks, reduction,
+                                               self.devices[-1])
+        m, n = len(batches), len(self.devices)
+        plan = resolve(schedule, m, n, [distinct_devices([d])[0] for d in self.devices])
+        microbatch.move(batches, self.devices[0])
+        step = self.step(batches, targets, loss_fn, weights, plan, self.stop(m, training),
+                         done=done)
+        partitions = list(self.partitions.values())
+        with deferred_step(self.deferred_batch_norms, m), shares_apart(partitions):
+            loss = step.run()
+        assert loss is not None  # every partition is here
+        return loss
+
+    def evaluate(self, input: TensorOrTensors, target: Optional[TensorOrTensors],
+                 loss_fn: Optional[LossFunction], reduction: str,
+                 output_fn: Optional[Callable[[TensorOrTensors], Any]]) -> Any:
+        """An evaluation step, its arguments checked and the layers in evaluation mode:
+        see :meth:`GPipe.eval_step <torchgpipe.GPipe.eval_step>`."""
+        if not self.devices:
+            raise ValueError('eval_step needs at least one layer: this GPipe is empty')
+        batches, targets, weights = split_evaluation(input, target, self.chunks, reduction,
+                                                     self.devices[-1])
+        microbatch.move(batches, self.devices[0])
+        step = self.step(batches, targets, loss_fn, weights,
+                         forward_only(len(batches), len(self.devices)), 0, train=False)
+        loss = step.run()
+        if loss is not None:
+            return loss
+        output = join(step.outputs())
+        return output if output_fn is None else output_fn(cast(TensorOrTensors, output))
+
+
+class CoreModule(nn.Module):
+    """A module whose pipeline is the :class:`Core` it holds.
+
+    The settings a user may change between steps live in the core, read and
+    written through these properties; the steps, whose arguments are checked
+    here, run there. :class:`~torchgpipe.GPipe` is one;
+    :class:`~torchgpipe.distributed.DistributedGPipe` another, with steps of
+    its own.
+    """
+
+    core: Core
+
+    @property
+    def chunks(self) -> int:
+        """The number of micro-batches."""
+        return self.core.chunks
+
+    @chunks.setter
+    def chunks(self, chunks: int) -> None:
+        self.core.chunks = chunks
+
+    @property
+    def checkpoint(self) -> str:
+        """The checkpoint mode, which says which micro-batches are checkpointed,
+        ``'always'`` (all), ``'except_last'`` (all but the last of ``chunks``, and
+        all of a short batch that splits into fewer) or ``'never'``."""
+        return self.core.checkpoint
+
+    @checkpoint.setter
+    def checkpoint(self, checkpoint: str) -> None:
+        self.core.checkpoint = checkpoint
+
+    def train_step(self, input: TensorOrTensors, target: TensorOrTensors,
+                   loss_fn: Callable[[TensorOrTensors, TensorOrTensors], torch.Tensor], *,
+                   schedule: ScheduleLike = '1f1b', reduction: str = 'mean') -> torch.Tensor:
+        """Runs the forward and backward passes of a mini-batch, scheduled by the pipeline.
+
+        After it, every parameter's ``.grad`` holds (added to what it held)
+        what ``loss_fn(model(input), target).backward()`` gives the
+        unwrapped model. Unlike :meth:`~torchgpipe.GPipe.forward` followed by ``backward()``,
+        the backward pass of each partition runs in the worker of its
+        device, interleaved with forward passes as ``schedule`` says, so
+        devices work on forward and backward passes at once, CPU devices
+        with distinct indices included.
+
+        The input and the target are split into micro-batches alike; the
+        loss of each micro-batch is weighted by its share of the mini-batch
+        (``reduction='mean'``, for a loss averaged over the samples: the
+        default of PyTorch's losses) or not weighted (``reduction='sum'``,
+        for a summed loss), so that the gradients are those of the loss of
+        the whole mini-batch.
+
+        Args:
+            input (torch.Tensor or tuple): the mini-batch, as
+                :meth:`~torchgpipe.GPipe.forward` takes it
+            target (torch.Tensor or tuple): the target, split along dimension
+                0 like the input (a :class:`~torchgpipe.NoChunk` tensor of a
+                tuple is given whole, unwrapped, to every micro-batch's
+                loss); moved to the last device
+            loss_fn (callable): ``loss_fn(output, target)`` of one
+                micro-batch, returning a tensor of one element. It is called
+                once per micro-batch, and once more for each checkpointed
+                micro-batch, when its backward action recomputes the last
+                partition: then :func:`~torchgpipe.is_recomputing` is true,
+                and random numbers it draws are the first call's
+            schedule (str or schedule): ``'1f1b'`` (default), ``'fill_drain'``,
+                ``'interleaved_1f1b'``, ``'zb_h1'``, ``'zbv'``, or a schedule of
+                one's own: see :doc:`/schedules` for what each keeps and leaves idle
+            reduction (str): ``'mean'`` (default) or ``'sum'``: how ``loss_fn``
+                reduces a micro-batch
+
+        Returns:
+            torch.Tensor: the loss of the mini-batch, on the last device,
+            without autograd history
+
+        Raises:
+            ValueError: an unknown ``schedule`` or ``reduction``, a schedule
+                that does not fit the step or the devices, a target that does
+                not split like the input, an empty mini-batch, or no layers
+            TypeError: ``schedule`` or ``reduction`` of another type, or
+                ``loss_fn`` not callable or not returning one element
+            RuntimeError: called with gradients disabled, or in a
+                torch.distributed job of several processes (for data
+                parallelism, use :func:`torchgpipe.distributed.train_step`)
+
+        Example::
+
+            >>> model = GPipe(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)),
+            ...               balance=[2, 1], devices=['cpu:0', 'cpu:1'], chunks=4,
+            ...               checkpoint='never')
+            >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> input, target = torch.randn(16, 4), torch.randn(16, 2)
+            >>> optimizer.zero_grad()
+            >>> loss = model.train_step(input, target, F.mse_loss)
+            >>> optimizer.step()
+            >>> loss.shape
+            torch.Size([])
+        """
+        check_schedule(schedule)
+        check_step(reduction, loss_fn)
+        check_one_process()
+        return self.core.train(input, target, loss_fn, schedule, reduction, self.training)
+
+    def eval_step(self, input: TensorOrTensors, target: Optional[TensorOrTensors] = None,
+                  loss_fn: Optional[LossFunction] = None, *, reduction: str = 'mean',
+                  output_fn: Optional[Callable[[TensorOrTensors], Any]] = None) -> Any:
+        """Evaluates the pipeline on a mini-batch: its output, or its loss.
+
+        What ``model.eval()`` and :func:`torch.no_grad` give the unwrapped
+        model, run by the engine of :meth:`train_step` with forward actions
+        alone: the layers are in evaluation mode for the step (and back in
+        their own mode after), so that dropout is off and BatchNorm
+        (deferred or not) uses and keeps its running statistics. As
+        :meth:`DistributedGPipe.eval_step
+        <torchgpipe.distributed.DistributedGPipe.eval_step>` does across
+        processes.
+
+        Args:
+            input (torch.Tensor or tuple): the mini-batch, as
+                :meth:`~torchgpipe.GPipe.forward` takes it
+            target (torch.Tensor or tuple, optional): with ``loss_fn``, the
+                target, split as the input
+            loss_fn (callable, optional): ``loss_fn(output, target)`` of a
+                micro-batch, weighted as :meth:`train_step` weights it
+            reduction (str): ``'mean'`` (default) or ``'sum'``, as for :meth:`train_step`
+            output_fn (callable, optional): without ``loss_fn``, what to
+                return of the output (the argmax of the logits, say)
+
+        Returns:
+            with ``loss_fn``, the loss of the mini-batch, as :meth:`train_step`
+            returns it; without, the output, as :meth:`~torchgpipe.GPipe.forward`
+            returns it, or ``output_fn(output)``
+
+        Raises:
+            ValueError: ``target`` without ``loss_fn``, or the other way, or
+                ``output_fn`` with ``loss_fn``; or as for :meth:`train_step`
+            TypeError: ``output_fn`` not callable; or as for :meth:`train_step`
+
+        Example::
+
+            >>> model = GPipe(nn.Sequential(nn.Linear(4, 8), nn.Dropout(), nn.Linear(8, 2)),
+            ...               balance=[2, 1], devices=['cpu', 'cpu'], chunks=4)
+            >>> input, target = torch.randn(16, 4), torch.randn(16, 2)
+            >>> model.eval_step(input, target, F.mse_loss).requires_grad
+            False
+            >>> model.eval_step(input).shape
+            torch.Size([16, 2])
+            >>> model.training                   # as it was
+            True
+        """
+        check_evaluation(target, loss_fn, reduction, output_fn)
+        with evaluating(self):
+            return self.core.evaluate(input, target, loss_fn, reduction, output_fn)
