@@ -72,7 +72,7 @@ class RankCore(Core):
         self.abandoned: Optional[Channels] = None
 
     def check_whole(self) -> None:
-        """Refuses a step after one that failed.
+        """Refuses a step after one that failed: every step checks it first.
 
         Raises:
             RuntimeError: an earlier step failed
@@ -92,6 +92,7 @@ class RankCore(Core):
         """A training step over the ranks, its arguments checked: see
         :meth:`DistributedGPipe.train_step
         <torchgpipe.distributed.DistributedGPipe.train_step>`."""
+        self.check_whole()
         batches, targets, weights = split_step(input, target, self.chunks, reduction,
                                                self.device)
         m = len(batches)
@@ -116,6 +117,7 @@ class RankCore(Core):
         """An evaluation step over the ranks, its arguments checked and the layers in
         evaluation mode: see :meth:`DistributedGPipe.eval_step
         <torchgpipe.distributed.DistributedGPipe.eval_step>`."""
+        self.check_whole()
         batches, targets, weights = split_evaluation(input, target, self.chunks, reduction,
                                                      self.device)
         with self.wired(batches, targets, loss_fn, weights,

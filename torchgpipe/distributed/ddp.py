@@ -16,7 +16,6 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from torchgpipe.validation import check_step, describe
-from torchgpipe.distributed.core import RankCore
 from torchgpipe.distributed.pipe import DistributedGPipe
 from torchgpipe.distributed.reduce import AllReduce, pieces
 from torchgpipe.gpipe import GPipe
@@ -100,8 +99,6 @@ def train_step(model: DistributedDataParallel, input: TensorOrTensors,
         broadcast([b for name, b in module.named_buffers() if name not in ignored], group)
     model.require_forward_param_sync = model.require_backward_grad_sync
     core = module.core
-    if isinstance(core, RankCore):
-        core.check_whole()
     if not model.require_backward_grad_sync:  # inside no_sync()
         return core.train(input, target, loss_fn, schedule, reduction, module.training)
     names = {id(p): name for name, p in module.named_parameters()}

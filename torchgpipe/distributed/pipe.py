@@ -242,7 +242,6 @@ class DistributedGPipe(CoreModule):
         """
         check_schedule(schedule)
         check_step(reduction, loss_fn)
-        self.core.check_whole()
         return self.core.train(input, target, loss_fn, schedule, reduction, self.training)
 
     def eval_step(self, input: TensorOrTensors, target: Optional[TensorOrTensors] = None,
@@ -295,7 +294,6 @@ class DistributedGPipe(CoreModule):
             logits = pipe.eval_step(input)           # on the last partition's rank
         """
         check_evaluation(target, loss_fn, reduction, output_fn)
-        self.core.check_whole()
         with evaluating(self):
             return self.core.evaluate(input, target, loss_fn, reduction, output_fn, everywhere)
 
