@@ -56,6 +56,15 @@ LM_STEPS = 40
 PROMPTS = torch.tensor([[3, 4, 5], [10, 11, 12]])
 
 
+def say(line: str) -> None:
+    """Print one line in one write: ranks share torchrun's stdout, and print()
+    writes a line and its newline apart when Python runs unbuffered
+    (``python -u``, PYTHONUNBUFFERED), so another rank's line could land in
+    between."""
+    sys.stdout.write(line + '\n')
+    sys.stdout.flush()
+
+
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or '').splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -186,9 +195,9 @@ def language_model_part(args: argparse.Namespace, rank: int, world_size: int,
     if rank != 0:
         return True
     for row in tokens.tolist():
-        print(f'generated: {" ".join(map(str, row[:PROMPTS.size(1)]))} -> '
-              f'{" ".join(map(str, row[PROMPTS.size(1):]))} (language model loss '
-              f'{losses[0]:.3f} -> {losses[-1]:.3f})', flush=True)
+        say(f'generated: {" ".join(map(str, row[:PROMPTS.size(1)]))} -> '
+            f'{" ".join(map(str, row[PROMPTS.size(1):]))} (language model loss '
+            f'{losses[0]:.3f} -> {losses[-1]:.3f})')
     if not args.verify:
         return True
     plain = make_language_model(2 * world_size).to(dtype)
@@ -200,8 +209,8 @@ def language_model_part(args: argparse.Namespace, rank: int, world_size: int,
     same = torch.allclose(torch.tensor(losses),
                           torch.tensor(train_language_model(plain, plain_step, args.batch_size)),
                           rtol=1e-9) and torch.equal(tokens, greedy(plain, PROMPTS, args.generate))
-    print(f"{'OK' if same else 'FAILED'}: the language model's {LM_STEPS} losses and "
-          f"generated tokens are {'' if same else 'not '}the unwrapped model's", flush=True)
+    say(f"{'OK' if same else 'FAILED'}: the language model's {LM_STEPS} losses and "
+        f"generated tokens are {'' if same else 'not '}the unwrapped model's")
     return same
 
 
@@ -245,12 +254,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
     if rank == 0:
         backend = 'NCCL, one GPU each' if args.gpus else 'gloo, on CPU'
-        print(f'DistributedGPipe over {world_size} processes ({backend}): a model of '
-              f'{layers} layers, balance {balance} '
-              f'({held(args.placement, per_rank, world_size)}), '
-              f'chunks={args.chunks}, schedule {args.schedule!r}, '
-              f'checkpoint={args.checkpoint!r}; {args.steps} steps of batch '
-              f'{args.batch_size}', flush=True)
+        say(f'DistributedGPipe over {world_size} processes ({backend}): a model of '
+            f'{layers} layers, balance {balance} '
+            f'({held(args.placement, per_rank, world_size)}), '
+            f'chunks={args.chunks}, schedule {args.schedule!r}, '
+            f'checkpoint={args.checkpoint!r}; {args.steps} steps of batch '
+            f'{args.batch_size}')
 
     start = 0
     resumed: Dict[str, Tensor] = {}
@@ -263,7 +272,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         optimizer.load_state_dict(state['optimizer'])
         start = state['step']
         if rank == 0:
-            print(f'resumed from step {start}', flush=True)
+            say(f'resumed from step {start}')
             # The checkpoints of all ranks together: the unwrapped model's state dict.
             for path in sorted(saved.parent.glob('rank*.pt')):
                 resumed.update(torch.load(path)['model'])
@@ -277,7 +286,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         optimizer.step()
         losses.append(float(loss))
         if rank == 0:
-            print(f'step {step}: loss {float(loss):.4f}', flush=True)
+            say(f'step {step}: loss {float(loss):.4f}')
         if saved is not None and (step + 1) % args.save_every == 0:
             saved.parent.mkdir(parents=True, exist_ok=True)
             torch.save({'model': pipe.state_dict(), 'optimizer': optimizer.state_dict(),
@@ -291,8 +300,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logits = pipe.eval_step(val_input)
     if logits is not None:
         accuracy = (logits.argmax(1) == val_target.to(logits.device)).float().mean()
-        print(f'rank {rank} (the last partition): held-out loss {float(val_loss):.4f}, '
-              f'accuracy {float(accuracy):.1%}', flush=True)
+        say(f'rank {rank} (the last partition): held-out loss {float(val_loss):.4f}, '
+            f'accuracy {float(accuracy):.1%}')
 
     status = 0
     if args.generate and not language_model_part(args, rank, world_size, device, dtype):
@@ -324,13 +333,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # With everywhere=True every rank gets the logits: compared here, on rank 0.
         same = torch.allclose(torch.tensor(losses), torch.tensor(expected), rtol=1e-9) and \
             torch.allclose(pipe_logits, plain_logits, rtol=1e-9)
-        print(f"{'OK' if same else 'FAILED'}: the losses of {len(losses) - 1} steps and the "
-              f"evaluation are {'' if same else 'not '}the unwrapped model's ({ran})",
-              flush=True)
+        say(f"{'OK' if same else 'FAILED'}: the losses of {len(losses) - 1} steps and the "
+            f"evaluation are {'' if same else 'not '}the unwrapped model's ({ran})")
         status = status if same else 1
     elif rank == 0:
-        print(f'Done: {ran}; --verify compares the losses with the unwrapped model',
-              flush=True)
+        say(f'Done: {ran}; --verify compares the losses with the unwrapped model')
     end_job(status)
 
 
