@@ -1,4 +1,6 @@
-"""The set-up commands of README.md that ``.ci/run`` runs: one line each, ``extra<TAB>command``.
+"""The set-up commands of README.md that ``.ci/run`` runs: one line each,
+``extra<TAB>command<TAB>requirements`` (the extra's requirements in
+pyproject.toml, separated by spaces).
 
 A command of README.md installs this repository with one extra (``-e ".[name]"``)
 and runs what that extra is for. README.md gives them in its ```` ```bash ````
@@ -86,8 +88,11 @@ def main() -> int:
         for error in errors:
             print(f'README.md set-up commands: {error}', file=sys.stderr)
         return 1
+    requirements = declared['project']['optional-dependencies']
     for extra, command in commands[:SET_UP]:
-        print(f'{extra}\t{command}')
+        # Without blanks, each a word to the shell (PEP 508 needs none).
+        words = [''.join(requirement.split()) for requirement in requirements[extra]]
+        print('\t'.join([extra, command, ' '.join(words)]))
     return 0
 
 

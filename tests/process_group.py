@@ -14,7 +14,8 @@ Children send their results to the parent as plain Python data over a pipe
 fails here). The parent never waits longer than a deadline, and
 whenever it stops waiting (success, a child's error, a timeout or a pytest
 timeout) it terminates and reaps every child, so no process outlives its
-test (the fixture :func:`no_child_left` checks it). Having reported, a child
+test (the fixture :func:`no_child_left` checks it). Runs may start from
+several threads at once. Having reported, a child
 ends as the example does (``end_job``), and the parent checks that every
 child exited with status 0.
 """
@@ -22,6 +23,7 @@ import multiprocessing
 import os
 import socket
 import sys
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -50,6 +52,10 @@ SPAWN_TIMEOUT = 90.0
 # What the server imports once for every rank it forks.
 PRELOAD = ['torch', 'torch.distributed', 'torchgpipe', 'torchgpipe.distributed',
            'process_group']
+# Held while a run reads whether it is measured and starts its ranks: untraced()
+# takes coverage.py's variable out of os.environ meanwhile, and a run started
+# from another thread at that moment would read it as unmeasured.
+STARTING = threading.Lock()
 
 
 class WorkerFailed(RuntimeError):
@@ -152,24 +158,25 @@ def run_distributed(fn: Callable[..., Any], *args: Any, world_size: int = WORLD_
     """
     ctx = multiprocessing.get_context('forkserver')
     ctx.set_forkserver_preload(PRELOAD)  # read when the server starts
-    coverage_config = os.environ.get(COVERAGE_VARIABLE) if measured else None
-    port = free_port()
     processes: List[multiprocessing.process.BaseProcess] = []
     pending: Dict[Connection, int] = {}
     try:
-        for rank in range(world_size):
-            receiver, sender = ctx.Pipe(duplex=False)
-            process = ctx.Process(target=_child, name=f'torchgpipe-test-rank-{rank}',
-                                  args=(rank, world_size, port, fn, args, sender, bool(dies),
-                                        backend, coverage_config),
-                                  daemon=True)
-            # The server, started by the first rank of the worker's first
-            # run, must not measure itself: its ranks do, when measured.
-            with untraced():
-                process.start()
-            sender.close()  # the child holds the only write end: EOF means it died
-            processes.append(process)
-            pending[receiver] = rank
+        with STARTING:
+            coverage_config = os.environ.get(COVERAGE_VARIABLE) if measured else None
+            port = free_port()
+            for rank in range(world_size):
+                receiver, sender = ctx.Pipe(duplex=False)
+                process = ctx.Process(target=_child, name=f'torchgpipe-test-rank-{rank}',
+                                      args=(rank, world_size, port, fn, args, sender,
+                                            bool(dies), backend, coverage_config),
+                                      daemon=True)
+                # The server, started by the first rank of the worker's first
+                # run, must not measure itself: its ranks do, when measured.
+                with untraced():
+                    process.start()
+                sender.close()  # the child holds the only write end: EOF means it died
+                processes.append(process)
+                pending[receiver] = rank
 
         results: List[Any] = [None] * world_size
         deadline = time.monotonic() + timeout

@@ -97,9 +97,15 @@ def test_ci_reads_one_set_up_command_per_extra() -> None:
     result = subprocess.run([sys.executable, str(ROOT / '.ci' / 'commands.py')],
                             capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stderr
-    stages = [line.split('\t')[0] for line in result.stdout.splitlines()]
+    lines = [line.split('\t') for line in result.stdout.splitlines()]
     # The docs build and the benchmarks' smoke run are the suite's own (below).
-    assert stages == ['examples', 'dev']
+    assert [stage for stage, _, _ in lines] == ['examples', 'dev']
+    # What CI installs ahead into a stage's venv: its extra's requirements.
+    import tomllib
+    extras = tomllib.loads((ROOT / 'pyproject.toml').read_text(encoding='utf-8'))[
+        'project']['optional-dependencies']
+    for stage, _, requirements in lines:
+        assert requirements.split() == extras[stage]
 
 
 def requirement_closure(names: List[str]) -> Set[str]:
