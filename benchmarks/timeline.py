@@ -56,8 +56,8 @@ from benchmarks.runner import Experiment, Figure, Preset, main as run_main
 from benchmarks.timing import time_steps, warmup_steps
 from torchgpipe import GPipe
 from torchgpipe.skip.skippable import Skippable
-from torchgpipe.state import RunState
-from torchgpipe.stream import current_stream
+from torchgpipe.runtime.state import RunState
+from torchgpipe.foundation.stream import current_stream
 from torchgpipe.timeline import Event, segments
 
 #: The settings of Table 1 and one more: (name, dependency, streams, portals, checkpoint).
@@ -141,7 +141,7 @@ def components(dependency: bool, streams: bool) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         if not dependency:
             # No fork, no phony to join: no micro-batch waits for another.
-            stack.enter_context(mock.patch('torchgpipe.train.linked.fork_off',
+            stack.enter_context(mock.patch('torchgpipe.engine.linked.fork_off',
                                            lambda batch: None))
         if not streams:
             def compute_streams(self: RunState, devices: Sequence[torch.device],

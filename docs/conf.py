@@ -64,11 +64,11 @@ autodoc_inherit_docstrings = False
 autodoc_typehints = 'signature'
 # Keep the package's own aliases readable in signatures.
 autodoc_type_aliases = {
-    'TensorOrTensors': 'torchgpipe.microbatch.TensorOrTensors',
-    'Tensors': 'torchgpipe.microbatch.Tensors',
-    'Device': 'torchgpipe.validation.Device',
-    'Devices': 'torchgpipe.validation.Devices',
-    'LossFunction': 'torchgpipe.train.step.LossFunction',
+    'TensorOrTensors': 'torchgpipe.foundation.microbatch.TensorOrTensors',
+    'Tensors': 'torchgpipe.foundation.microbatch.Tensors',
+    'Device': 'torchgpipe.foundation.validation.Device',
+    'Devices': 'torchgpipe.foundation.validation.Devices',
+    'LossFunction': 'torchgpipe.engine.step.LossFunction',
 }
 
 # Every cross-reference must resolve. There is no network at build time, so no

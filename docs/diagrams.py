@@ -83,10 +83,10 @@ def label(ax: Axes, x: float, y: float, text: str, size: float = 10, ha: str = '
             fontstyle=style)
 
 
-# -- the schedule (torchgpipe.pipeline.clock_cycles) ---------------------------
+# -- the schedule (torchgpipe.engine.pipeline.clock_cycles) ---------------------------
 
 def clock_cycles(m: int, n: int) -> List[List[Tuple[int, int]]]:
-    """The same schedule as torchgpipe.pipeline.clock_cycles."""
+    """The same schedule as torchgpipe.engine.pipeline.clock_cycles."""
     return [[(k - j, j) for j in range(max(1 + k - m, 0), min(1 + k, n))]
             for k in range(m + n - 1)]
 
@@ -152,7 +152,7 @@ def draw_bubble() -> None:
     save(fig, 'bubble.svg')
 
 
-# -- fork and join (torchgpipe.dependency) -------------------------------------
+# -- fork and join (torchgpipe.foundation.dependency) -------------------------------------
 
 def draw_fork_join() -> None:
     fig, ax = new_figure(8.6, 3.3, (0, 10.6), (-0.3, 4.3))
@@ -187,7 +187,7 @@ def draw_fork_join() -> None:
     save(fig, 'fork_join.svg')
 
 
-# -- copy streams (torchgpipe.copy, torchgpipe.stream) -------------------------
+# -- copy streams (torchgpipe.foundation.copy, torchgpipe.foundation.stream) ------------
 
 def draw_copy_streams() -> None:
     """Device j's streams; on each device, micro-batch i has a copy stream of its own."""
@@ -230,7 +230,7 @@ def draw_copy_streams() -> None:
     save(fig, 'copy_streams.svg')
 
 
-# -- checkpoint and recompute (torchgpipe.checkpoint) --------------------------
+# -- checkpoint and recompute (torchgpipe.runtime.checkpoint) --------------------------
 
 def draw_checkpoint() -> None:
     fig, ax = new_figure(9.0, 3.2, (-0.2, 12.4), (-1.9, 2.4))
@@ -303,11 +303,11 @@ def draw_portals() -> None:
     save(fig, 'portals.svg')
 
 
-# -- workers (torchgpipe.worker) -----------------------------------------------
+# -- workers (torchgpipe.runtime.worker) -----------------------------------------------
 
 def draw_workers() -> None:
     fig, ax = new_figure(9.0, 3.3, (-0.2, 13.4), (-0.6, 4.3))
-    # The calling thread: the scheduler of torchgpipe.pipeline.Pipeline.run.
+    # The calling thread: the scheduler of torchgpipe.engine.pipeline.Pipeline.run.
     box(ax, 0.0, -0.3, 2.8, 4.1, '', color='#F2F2F2', edge=INK)
     label(ax, 1.4, 2.6, 'calling thread', weight='bold', size=9)
     label(ax, 1.4, 1.6, 'each clock cycle:\nfence (copies,\ndependencies),\nput tasks, '

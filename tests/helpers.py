@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from torchgpipe.pipeline import clock_cycles
+from torchgpipe.engine.pipeline import clock_cycles
 from torchgpipe.skip import pop, skippable, stash
-from torchgpipe.train.schedule import Action, Kind, Schedule
+from torchgpipe.engine.schedule import Action, Kind, Schedule
 
 
 #: GPipe's three checkpoint modes. The ``checkpoint`` fixture of conftest.py

@@ -9,7 +9,7 @@ probes compare it).
 PyTorch holds a generator's C++ mutex while it wraps a state in a new Python
 tensor; if that allocation starts the garbage collector and a finalizer hands
 the GIL to a thread that then asks for the same mutex while holding the GIL,
-both threads wait for ever (see :mod:`torchgpipe.rng`). That interleaving is
+both threads wait for ever (see :mod:`torchgpipe.foundation.rng`). That interleaving is
 rare in real runs; here it is made frequent: a collection every few dozen
 allocations, garbage with Python finalizers made inside every partition, and a
 switch interval of 10 µs, so a finalizer yields the GIL almost every time.

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from torchgpipe.batchnorm import DeferredBatchNorm, restore_batch_norm
-from torchgpipe.checkpoint import checkpoint, enable_recomputing
+from torchgpipe.runtime.batchnorm import DeferredBatchNorm, restore_batch_norm
+from torchgpipe.runtime.checkpoint import checkpoint, enable_recomputing
 
 C = 3
 

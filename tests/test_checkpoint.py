@@ -8,7 +8,7 @@ from torch import Tensor, nn
 
 from helpers import cpu_devices
 from torchgpipe import GPipe, is_checkpointing, is_recomputing
-from torchgpipe.checkpoint import checkpoint, enable_checkpointing, enable_recomputing
+from torchgpipe.runtime.checkpoint import checkpoint, enable_checkpointing, enable_recomputing
 
 
 class Probe(nn.Module):

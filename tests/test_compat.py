@@ -8,6 +8,7 @@ back from a trained GPipe. Every GPipe here runs on both execution paths.
 """
 import copy
 import enum
+import importlib
 import os
 import subprocess
 import sys
@@ -136,6 +137,52 @@ def test_version_module_of_0_0_7(first_import: str) -> None:
     from torchgpipe.__version__ import __version__
     assert isinstance(torchgpipe.__version__, str)
     assert __version__ == torchgpipe.__version__
+
+
+# -- 0.0.7's module paths --------------------------------------------------------------
+
+#: Each module of 0.0.7 that now lives in a layer's folder, and that folder.
+MOVED = {'batchnorm': 'runtime', 'checkpoint': 'runtime', 'copy': 'foundation',
+         'dependency': 'foundation', 'microbatch': 'foundation', 'phony': 'foundation',
+         'pipeline': 'engine', 'stream': 'foundation', 'worker': 'runtime'}
+
+
+@pytest.mark.parametrize('name', sorted(MOVED))
+def test_the_paths_of_0_0_7_name_the_modules_of_the_folders(name: str) -> None:
+    """``torchgpipe.checkpoint`` is ``torchgpipe.runtime.checkpoint``, the
+    module itself: what a script patches by the old path, the library sees."""
+    old = importlib.import_module(f'torchgpipe.{name}')
+    new = importlib.import_module(f'torchgpipe.{MOVED[name]}.{name}')
+    assert old is new and getattr(torchgpipe, name) is new
+    assert sys.modules[f'torchgpipe.{name}'] is new
+    # Every module of 0.0.7 is an attribute once the package is imported, as
+    # 0.0.7's own import made it; in a fresh interpreter too, imported either way.
+    run_python('import torchgpipe, torchgpipe.foundation, torchgpipe.runtime, torchgpipe.engine\n'
+               f'assert torchgpipe.{name} is torchgpipe.{MOVED[name]}.{name}\n'
+               f'from torchgpipe.{name} import *\n'
+               f'import torchgpipe.{name} as old\n'
+               f'assert old is torchgpipe.{MOVED[name]}.{name}\n')
+
+
+def test_a_patch_by_the_path_of_0_0_7_reaches_the_library(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test of 0.0.7's era that patches ``torchgpipe.pipeline.clock_cycles``
+    or ``torchgpipe.checkpoint.is_checkpointing`` patches what runs."""
+    import torchgpipe.checkpoint
+    import torchgpipe.runtime.checkpoint
+    monkeypatch.setattr(torchgpipe.checkpoint, 'is_checkpointing', lambda: 'patched')
+    assert torchgpipe.runtime.checkpoint.is_checkpointing() == 'patched'
+
+
+def test_the_classes_of_0_0_7_unpickle_from_their_old_paths() -> None:
+    """A pickle written by 0.0.7 names its classes by the old paths."""
+    import pickle
+    # Protocol 2 names a class as text: module, newline, name.
+    data = pickle.dumps(DeferredBatchNorm(3, chunks=2), protocol=2)
+    old = data.replace(b'torchgpipe.runtime.batchnorm\n', b'torchgpipe.batchnorm\n')
+    assert b'torchgpipe.batchnorm\nDeferredBatchNorm' in old
+    loaded = pickle.loads(old)
+    assert type(loaded) is DeferredBatchNorm and loaded.chunks == 2
 
 
 # -- BatchNorm conversion ----------------------------------------------------------------

@@ -10,13 +10,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import torchgpipe.copy
+import torchgpipe.foundation.copy
 from helpers import assert_same_training_step
 from test_train_step import assert_train_step_as_unwrapped
 from torchgpipe import GPipe
-from torchgpipe.copy import Copy, Ready, Wait
-from torchgpipe.stream import (current_stream, default_stream, get_device, is_cuda, new_stream,
-                               use_stream, wait_stream)
+from torchgpipe.foundation.copy import Copy, Ready, Wait
+from torchgpipe.foundation.stream import (current_stream, default_stream, get_device, is_cuda,
+                                          new_stream, use_stream, wait_stream)
 
 pytestmark = pytest.mark.cuda
 
@@ -125,7 +125,7 @@ def test_placement_moves_every_tensor_in_place() -> None:
 
 
 def test_bare_cuda_is_the_current_device_and_nothing_is_copied() -> None:
-    from torchgpipe.placement import same_memory
+    from torchgpipe.foundation.placement import same_memory
     current = torch.device('cuda', torch.cuda.current_device())
     assert same_memory(torch.device('cuda'), current)
     assert not same_memory(torch.device('cpu'), current)
@@ -168,12 +168,12 @@ def test_train_step_copies_between_devices_on_copy_streams(schedule: str,
                                                            monkeypatch: pytest.MonkeyPatch
                                                            ) -> None:
     moved = []
-    copy_tensors = torchgpipe.copy.copy_tensors
+    copy_tensors = torchgpipe.foundation.copy.copy_tensors
 
     def recorded(source: Any, target: Any, tensors: Any) -> Any:
         moved.append((source, target))
         return copy_tensors(source, target, tensors)
-    monkeypatch.setattr(torchgpipe.copy, 'copy_tensors', recorded)
+    monkeypatch.setattr(torchgpipe.foundation.copy, 'copy_tensors', recorded)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.Tanh()).double()
     device = devices(1)[0]

@@ -3,8 +3,8 @@ from typing import Set
 
 import torch
 
-from torchgpipe.dependency import fork, join
-from torchgpipe.phony import get_phony
+from torchgpipe.foundation.dependency import fork, join
+from torchgpipe.foundation.phony import get_phony
 
 
 def test_phony_is_empty_and_cached() -> None:

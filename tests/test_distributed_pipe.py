@@ -273,7 +273,7 @@ def test_the_same_as_one_process_and_the_unwrapped_model(
                 assert step[kind]['0.weight'] == step[kind]['5.weight']
     for threads in (False, True):
         # ... whose gradient is the one process's, bit for bit: both add the
-        # partitions' shares in their order (torchgpipe.tied.shares_apart).
+        # partitions' shares in their order (torchgpipe.foundation.tied.shares_apart).
         assert_equal(actual, one_process(config, threads, len(ranks)), exact=True)
     if config.model != 'batchnorm':  # statistics per micro-batch in a pipeline
         assert_equal(actual, unwrapped(config), exact=False)

@@ -150,7 +150,7 @@ def test_a_language_model_with_tied_embeddings_trains_as_one_process(
         for kind in ('grads', 'params'):
             assert step[kind][embedding] == step[kind][head]
     # One process adds the tied gradient in the same order, on both paths:
-    # the same bits (torchgpipe.tied.shares_apart).
+    # the same bits (torchgpipe.foundation.tied.shares_apart).
     for threads in (False, True):
         assert_equal(actual, one_process_language_model(name, parts, dtype, threads),
                      exact=True)

@@ -22,8 +22,8 @@ from process_group import no_child_left  # noqa: F401 (an autouse fixture)
 from process_group import run_distributed
 from test_distributed_pipe import CHUNKS, Config, batch, model, pipeline
 from torchgpipe.skip.layout import inspect_skip_layout
-from torchgpipe.train.generators import expected_bubble, resolve
-from torchgpipe.train.schedule import Kind, notation
+from torchgpipe.engine.generators import expected_bubble, resolve
+from torchgpipe.engine.schedule import Kind, notation
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -381,7 +381,7 @@ def test_docstring_example(test: doctest.DocTest) -> None:
 def test_docstring_examples_are_found() -> None:
     names = {t.name for t in DOCSTRING_TESTS}
     assert 'torchgpipe.gpipe.GPipe' in names
-    assert 'torchgpipe.pipeline.clock_cycles' in names
+    assert 'torchgpipe.engine.pipeline.clock_cycles' in names
 
 
 @pytest.mark.timeout(240)
@@ -456,7 +456,7 @@ def message_fragments() -> Iterator[str]:
                 if name.endswith(('Error', 'Exception')):
                     messages.append(node.args[0])
                 elif name == 'describe' and len(node.args) == 3:
-                    # torchgpipe.validation.describe(requirement, received, fix):
+                    # torchgpipe.foundation.validation.describe(requirement, received, fix):
                     # the fix must be on the page too.
                     messages.append(node.args[2])
             elif isinstance(node, ast.Assign) and any(

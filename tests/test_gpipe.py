@@ -11,7 +11,7 @@ from torch.nn.parameter import UninitializedTensorMixin
 
 from helpers import cpu_devices
 from torchgpipe import GPipe, NoChunk, to_sequential
-from torchgpipe.batchnorm import DeferredBatchNorm
+from torchgpipe.runtime.batchnorm import DeferredBatchNorm
 from torchgpipe.gpipe import BalanceError, split_module, verify_module
 from torchgpipe.skip import skippable, stash
 
@@ -574,7 +574,7 @@ def test_a_tensor_that_moves_keeps_its_object(monkeypatch: pytest.MonkeyPatch) -
     """A tensor in another memory than its partition's device (CPU to CUDA)
     moves in place: every module holding it sees it moved. Here a copy to
     'cpu:1' stands in for a move, by denying that CPU devices share memory."""
-    from torchgpipe import placement
+    from torchgpipe.foundation import placement
     monkeypatch.setattr(placement, 'same_memory', lambda a, b: False)
 
     model = Shifted()

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from helpers import cpu_devices
 from torchgpipe import GPipe
-from torchgpipe.batchnorm import DeferredBatchNorm
+from torchgpipe.runtime.batchnorm import DeferredBatchNorm
 
 
 class Block(nn.Module):

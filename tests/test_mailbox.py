@@ -5,8 +5,8 @@ from typing import List
 import pytest
 
 from torchgpipe.skip import Namespace
-from torchgpipe.train.mailbox import Activation, Gradient, Mailbox, Skip, SkipGradient
-from torchgpipe.worker import Stopped
+from torchgpipe.engine.mailbox import Activation, Gradient, Mailbox, Skip, SkipGradient
+from torchgpipe.runtime.worker import Stopped
 
 
 def test_messages_of_different_kinds_never_share_a_key() -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-import torchgpipe.worker
+import torchgpipe.runtime.worker
 from helpers import cpu_devices, mlp
 from torchgpipe import GPipe
 
@@ -56,13 +56,13 @@ class SavedBytes:
 @pytest.fixture
 def saved(monkeypatch: pytest.MonkeyPatch) -> Iterator[SavedBytes]:
     counter = SavedBytes()
-    original = torchgpipe.worker.worker
+    original = torchgpipe.runtime.worker.worker
 
     def worker(*args: Any) -> None:
         with counter.hooks():
             original(*args)
 
-    monkeypatch.setattr(torchgpipe.worker, 'worker', worker)
+    monkeypatch.setattr(torchgpipe.runtime.worker, 'worker', worker)
     yield counter
 
 

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torchgpipe import NoChunk
-from torchgpipe.microbatch import Batch, check, gather, map_tensors, scatter
+from torchgpipe.foundation.microbatch import Batch, check, gather, map_tensors, scatter
 
 
 def test_atomic_batch() -> None:

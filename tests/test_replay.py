@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from torchgpipe import is_checkpointing, is_recomputing
-from torchgpipe.replay import first_pass, recomputation
+from torchgpipe.runtime.replay import first_pass, recomputation
 
 CPU = torch.device('cpu')
 

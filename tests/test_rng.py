@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from benchmarks import untraced
 from helpers import CHECKPOINT_MODES, assert_same_random_step, cpu_devices
 from torchgpipe import GPipe
-from torchgpipe.rng import cpu_generator_lock, restore_rng_states, save_rng_states
+from torchgpipe.foundation.rng import cpu_generator_lock, restore_rng_states, save_rng_states
 
 
 

@@ -4,7 +4,7 @@ PyTorch has one CPU generator per process. A recomputation replays its first
 pass by restoring the generator's state saved at its start; if a task of
 another pipeline drew in between, the recomputation draws other numbers (another
 dropout mask) than its first pass did, and the gradients are silently wrong.
-Every task that may draw holds :data:`torchgpipe.rng.cpu_generator_lock` while it
+Every task that may draw holds :data:`torchgpipe.foundation.rng.cpu_generator_lock` while it
 draws; here two pipelines train at once, in two Python threads, by each engine
 (the forward path and ``train_step``) on each path (one thread, worker threads),
 and every recomputation is checked against its first pass.
@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from helpers import cpu_devices
 from torchgpipe import GPipe, is_checkpointing, is_recomputing
-from torchgpipe.rng import cpu_generator_lock
+from torchgpipe.foundation.rng import cpu_generator_lock
 
 #: Two pipelines at once must finish well within this, or the test fails, with
 #: every thread's stack, instead of hanging.

@@ -15,12 +15,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import torchgpipe.schedules
-from torchgpipe.train.generators import (BUBBLES, SCHEDULES, check_schedule, fill_drain,
-                                         interleaved_1f1b, named, one_f_one_b, resolve, zb_h1,
-                                         zbv)
+from torchgpipe.engine.generators import (BUBBLES, SCHEDULES, check_schedule, fill_drain,
+                                          interleaved_1f1b, named, one_f_one_b, resolve, zb_h1, zbv)
 from helpers import random_order
-from torchgpipe.train.schedule import (Action, Kind, Schedule, clock_order, dependencies, idle,
-                                      in_flight)
+from torchgpipe.engine.schedule import (Action, Kind, Schedule, clock_order, dependencies, idle,
+                                        in_flight)
 
 
 def unit(n: int, p: int) -> Callable[[Action], Fraction]:

@@ -760,10 +760,10 @@ def test_a_skip_gradient_needs_a_floating_point_tensor_to_travel_on() -> None:
 
 
 def test_plain_tracker_does_not_copy() -> None:
-    from torchgpipe.microbatch import Batch
+    from torchgpipe.foundation.microbatch import Batch
     from torchgpipe.skip.namespace import default_namespace
     from torchgpipe.skip.tracker import SkipTracker
-    from torchgpipe.stream import CPUStream
+    from torchgpipe.foundation.stream import CPUStream
 
     with pytest.raises(TypeError, match='copy is not supported'):
         SkipTracker().copy(Batch(torch.zeros(1)), CPUStream, CPUStream, default_namespace, 'x')

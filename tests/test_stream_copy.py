@@ -7,14 +7,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-import torchgpipe.copy
-import torchgpipe.state
+import torchgpipe.foundation.copy
+import torchgpipe.runtime.state
 from helpers import PopAdd, Stash, cpu_devices
 from torchgpipe import GPipe
-from torchgpipe.copy import Copy, Ready, Wait
-from torchgpipe.stream import (CPUStream, as_cuda, current_stream, default_stream, get_device,
-                               is_cuda, new_stream, record_stream, use_device, use_stream,
-                               wait_stream)
+from torchgpipe.foundation.copy import Copy, Ready, Wait
+from torchgpipe.foundation.stream import (CPUStream, as_cuda, current_stream, default_stream,
+                                          get_device, is_cuda, new_stream, record_stream,
+                                          use_device, use_stream, wait_stream)
 
 CPU = torch.device('cpu')
 
@@ -62,17 +62,18 @@ class FakeStream:
 
 
 def fake_cuda(monkeypatch: pytest.MonkeyPatch, log: List[Tuple[str, ...]]) -> FakeStream:
-    """Makes torchgpipe.copy see fake CUDA streams; returns the receiver's compute stream."""
+    """Makes torchgpipe.foundation.copy see fake CUDA streams; returns the receiver's
+    compute stream."""
     compute = FakeStream('receiver compute', log)
-    monkeypatch.setattr(torchgpipe.copy, 'current_stream', lambda device: compute)
-    monkeypatch.setattr(torchgpipe.copy, 'is_cuda', lambda s: isinstance(s, FakeStream))
-    monkeypatch.setattr(torchgpipe.copy, 'as_cuda', lambda s: s)
+    monkeypatch.setattr(torchgpipe.foundation.copy, 'current_stream', lambda device: compute)
+    monkeypatch.setattr(torchgpipe.foundation.copy, 'is_cuda', lambda s: isinstance(s, FakeStream))
+    monkeypatch.setattr(torchgpipe.foundation.copy, 'as_cuda', lambda s: s)
 
     def copy_tensors(source: FakeStream, target: FakeStream, tensors: Any) -> Any:
         log.append(('copy', source.name, target.name))
         return tensors
-    monkeypatch.setattr(torchgpipe.copy, 'copy_tensors', copy_tensors)
-    monkeypatch.setattr(torchgpipe.copy, 'wait_stream',
+    monkeypatch.setattr(torchgpipe.foundation.copy, 'copy_tensors', copy_tensors)
+    monkeypatch.setattr(torchgpipe.foundation.copy, 'wait_stream',
                         lambda a, b: log.append((a.name, 'waits for', b.name)))
     return compute
 
@@ -112,7 +113,7 @@ def test_train_step_moves_each_message_from_the_senders_copy_stream_to_the_recei
     of i on its sender's partition to that of i on its receiver's: the streams the
     forward path's Copy uses."""
     # Copy streams told apart, as CUDA streams are (on CPU all are CPUStream).
-    monkeypatch.setattr(torchgpipe.state, 'new_stream', lambda device: object())
+    monkeypatch.setattr(torchgpipe.runtime.state, 'new_stream', lambda device: object())
     moves: List[Tuple[Any, Any]] = []
     receive = Ready.receive
 

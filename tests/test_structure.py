@@ -2,7 +2,7 @@
 
 Every import counts, at the top of a module, inside a function or under
 ``TYPE_CHECKING``: each is a dependency a reader follows. The engine sits at
-the bottom, instrumentation (``torchgpipe.record``) is a leaf it calls, and
+the bottom, instrumentation (``torchgpipe.foundation.record``) is a leaf it calls, and
 the timeline and to_sequential sit on top.
 """
 import ast
@@ -79,7 +79,8 @@ def cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
 
 def test_no_import_circle() -> None:
     graph = imports()
-    assert 'torchgpipe.pipeline' in graph and 'torchgpipe.microbatch' in graph['torchgpipe.gpipe']
+    assert 'torchgpipe.engine.pipeline' in graph
+    assert 'torchgpipe.foundation.microbatch' in graph['torchgpipe.gpipe']
     circles = cycles(graph)
     assert not circles, '\n'.join(
         ' <-> '.join(c) + '\n  ' + '\n  '.join(f'{v} imports {sorted(graph[v] & set(c))}'
@@ -93,8 +94,8 @@ def test_the_engine_knows_no_timeline() -> None:
              'torchgpipe.balance')
     engine = [module for module in graph if module != 'torchgpipe'
               and not any(module == a or module.startswith(a + '.') for a in above)]
-    assert {'torchgpipe.pipeline', 'torchgpipe.train.step',
-            'torchgpipe.train.mailbox'} <= set(engine)
+    assert {'torchgpipe.engine.pipeline', 'torchgpipe.engine.step',
+            'torchgpipe.engine.mailbox'} <= set(engine)
 
     def reachable(module: str) -> Set[str]:
         seen: Set[str] = set()
@@ -107,32 +108,60 @@ def test_the_engine_knows_no_timeline() -> None:
 
     for module in engine:
         assert not {m for m in reachable(module) if m.startswith('torchgpipe.timeline')}, module
-    assert graph['torchgpipe.record'] == set(), 'the recording interface is a leaf'
+    assert graph['torchgpipe.foundation.record'] == set(), 'the recording interface is a leaf'
 
 
 DOCS = PACKAGE.parent / 'docs' / 'internals.rst'
 
 
-def layers() -> Dict[str, int]:
-    """The layer of each unit (a module or a subpackage of the package), from internals.rst.
-
-    Its table is the literal block under "Layers": one line per layer, the
-    layer's number, its name, then its units.
-    """
+def table() -> List[Tuple[int, str, List[str]]]:
+    """The table under "Layers" in internals.rst: per line, the layer's number,
+    the package of its folder, and its units (names within that package)."""
     text = DOCS.read_text()
-    table = text[text.index('\nLayers\n'):].split('::\n\n', 1)[1].split('\n\n', 1)[0]
+    block = text[text.index('\nLayers\n'):].split('::\n\n', 1)[1].split('\n\n', 1)[0]
+    rows = []
+    for line in block.splitlines():
+        number, _, folder, *units = line.split()
+        rows.append((int(number), folder.strip('/').replace('/', '.'), units))
+    return rows
+
+
+#: The folders below the top, each a layer: their modules are units.
+FOLDERS = {package for _, package, _ in table() if package != 'torchgpipe'}
+
+
+def layers() -> Dict[str, int]:
+    """The layer of each unit (a module of a layer's folder; at the top, a
+    module or a subpackage), and of each folder's own ``__init__``."""
     found: Dict[str, int] = {}
-    for line in table.splitlines():
-        number, _, *units = line.split()
-        for unit in units:
-            assert unit not in found, f'{unit} is in two layers'
-            found[f'torchgpipe.{unit}'] = int(number)
+    for number, package, units in table():
+        if package != 'torchgpipe':
+            found[package] = number
+        for name in units:
+            assert f'{package}.{name}' not in found, f'{package}.{name} is in two layers'
+            found[f'{package}.{name}'] = number
     return found
 
 
 def unit(module: str) -> str:
-    """The unit of a module: ``torchgpipe.train.step`` is in ``torchgpipe.train``."""
-    return '.'.join(module.split('.')[:2])
+    """The unit of a module: ``torchgpipe.distributed.pipe`` is in
+    ``torchgpipe.distributed``; a module of a layer's folder is its own."""
+    parts = module.split('.')
+    return '.'.join(parts[:3 if '.'.join(parts[:2]) in FOLDERS else 2])
+
+
+def test_the_folders_are_the_layers() -> None:
+    """Each line of the table lists what its folder holds: the tree is the table."""
+    expected: Dict[str, Set[str]] = {}
+    for _, package, units in table():
+        expected.setdefault(package, set()).update(units)
+    for package, units in expected.items():
+        folder = PACKAGE.parent.joinpath(*package.split('.'))
+        held = {path.stem for path in folder.glob('*.py')} | {
+            path.name for path in folder.iterdir() if (path / '__init__.py').exists()}
+        held -= {'__init__', '__version__', '_version'} | {f.split('.')[1] for f in FOLDERS}
+        assert held == units, f'{package}: the table lists {sorted(units - held)} ' \
+                              f'that it lacks, and not {sorted(held - units)}'
 
 
 def test_every_unit_imports_only_its_layer_and_below() -> None:
@@ -156,9 +185,10 @@ def test_every_unit_imports_only_its_layer_and_below() -> None:
 
 def test_the_layer_check_finds_an_upward_import(monkeypatch: pytest.MonkeyPatch) -> None:
     real = imports()
-    broken = {**real, 'torchgpipe.stream': real['torchgpipe.stream'] | {'torchgpipe.gpipe'}}
+    stream = 'torchgpipe.foundation.stream'
+    broken = {**real, stream: real[stream] | {'torchgpipe.gpipe'}}
     monkeypatch.setattr(sys.modules[__name__], 'imports', lambda: broken)
-    with pytest.raises(AssertionError, match='torchgpipe.stream imports torchgpipe.gpipe'):
+    with pytest.raises(AssertionError, match=f'{stream} imports torchgpipe.gpipe'):
         test_every_unit_imports_only_its_layer_and_below()
 
 
@@ -214,20 +244,21 @@ def imported_names(module: str) -> Set[Tuple[str, str]]:
 #: implements it, and what each takes from there: the executor (every way to
 #: run), the linked boundary (the forward path) and the cut one (steps).
 MECHANISMS = {
-    'a worker thread per device': ('torchgpipe.worker', {
-        'torchgpipe.train.step': {'spawn_workers'}}),
-    'turns on the CPU generator': ('torchgpipe.worker', {'torchgpipe.train.step': {'Turns'}}),
-    'the probe of random draws': ('torchgpipe.rng', {
-        'torchgpipe.train.linked': {'watch', 'cpu_generator_held'},
-        'torchgpipe.train.stage': {'watch', 'cpu_generator_held'}}),
-    'the replay of a checkpointed micro-batch': ('torchgpipe.replay', {
-        'torchgpipe.checkpoint': {'first_pass', 'recomputation'},
-        'torchgpipe.train.stage': {'first_pass', 'recomputation'}}),
-    'moving a batch between devices': ('torchgpipe.copy', {
-        'torchgpipe.train.linked': {'Copy', 'Wait'}, 'torchgpipe.train.stage': {'Ready'}}),
+    'a worker thread per device': ('torchgpipe.runtime.worker', {
+        'torchgpipe.engine.step': {'spawn_workers'}}),
+    'turns on the CPU generator': ('torchgpipe.runtime.worker', {
+        'torchgpipe.engine.step': {'Turns'}}),
+    'the probe of random draws': ('torchgpipe.foundation.rng', {
+        'torchgpipe.engine.linked': {'watch', 'cpu_generator_held'},
+        'torchgpipe.engine.stage': {'watch', 'cpu_generator_held'}}),
+    'the replay of a checkpointed micro-batch': ('torchgpipe.runtime.replay', {
+        'torchgpipe.runtime.checkpoint': {'first_pass', 'recomputation'},
+        'torchgpipe.engine.stage': {'first_pass', 'recomputation'}}),
+    'moving a batch between devices': ('torchgpipe.foundation.copy', {
+        'torchgpipe.engine.linked': {'Copy', 'Wait'}, 'torchgpipe.engine.stage': {'Ready'}}),
     'skips crossing partitions': ('torchgpipe.skip.tracker', {
-        'torchgpipe.train.linked': {'SkipTrackerThroughPortals'},
-        'torchgpipe.train.mailbox': {'SkipTrackerAcross'}}),
+        'torchgpipe.engine.linked': {'SkipTrackerThroughPortals'},
+        'torchgpipe.engine.mailbox': {'SkipTrackerAcross'}}),
 }
 
 
@@ -242,13 +273,13 @@ def test_every_way_to_run_is_one_executor() -> None:
     """One function starts the workers, for the forward path (the pipeline), train_step,
     eval_step and DistributedGPipe (a Step) alike."""
     starters = {module_name(path) for path in PACKAGE.rglob('*.py')
-                if ('torchgpipe.worker', 'spawn_workers') in
+                if ('torchgpipe.runtime.worker', 'spawn_workers') in
                 {(node.module, alias.name) for node in ast.walk(ast.parse(path.read_text()))
                  if isinstance(node, ast.ImportFrom) for alias in node.names}}
-    assert starters == {'torchgpipe.train.step'}
-    step = (PACKAGE / 'train' / 'step.py').read_text()
+    assert starters == {'torchgpipe.engine.step'}
+    step = (PACKAGE / 'engine' / 'step.py').read_text()
     assert step.count('spawn_workers(') == 1 and 'execute(self.order' in step
-    assert ('torchgpipe.train.step', 'execute') in imported_names('torchgpipe.pipeline')
+    assert ('torchgpipe.engine.step', 'execute') in imported_names('torchgpipe.engine.pipeline')
 
 
 def test_one_module_starts_threads_and_one_reads_generator_states() -> None:
@@ -258,12 +289,13 @@ def test_one_module_starts_threads_and_one_reads_generator_states() -> None:
     # processes, and wait for its messages (gloo's own timeout would close
     # the connections), which run no task.
     assert [m for m, text in sorted(sources.items()) if 'threading.Thread(' in text] == \
-        ['torchgpipe.distributed.waiting', 'torchgpipe.worker']
+        ['torchgpipe.distributed.waiting', 'torchgpipe.runtime.worker']
     assert [m for m, text in sources.items() if 'get_rng_state(' in text
-            and 'torch.get_rng_state()' in text.replace('torch.cuda', '')] == ['torchgpipe.rng']
-    from torchgpipe.copy import Copy, Ready, Wait, copy_tensors, hand_over
+            and 'torch.get_rng_state()' in text.replace('torch.cuda', '')] == \
+        ['torchgpipe.foundation.rng']
+    from torchgpipe.foundation.copy import Copy, Ready, Wait, copy_tensors, hand_over
     from torchgpipe.skip.tracker import SkipTrackerAcross, SkipTrackerThroughPortals
-    from torchgpipe.train.mailbox import StepSkips
+    from torchgpipe.engine.mailbox import StepSkips
     assert issubclass(SkipTrackerThroughPortals, SkipTrackerAcross)
     assert issubclass(StepSkips, SkipTrackerAcross)
     # Both ways of moving a batch end in the same copy.
@@ -341,7 +373,7 @@ def foreign_reaches(trees: Dict[str, ast.AST]) -> List[str]:
 
 def test_no_module_reaches_into_private_names_of_another() -> None:
     """GPipe, DistributedGPipe, the timeline and DDP's step meet through the pipeline's
-    core (torchgpipe.core), not through each other's private attributes."""
+    core (torchgpipe.engine.core), not through each other's private attributes."""
     trees = {module_name(path): ast.parse(path.read_text())
              for path in PACKAGE.rglob('*.py')}
     assert foreign_reaches(trees) == []

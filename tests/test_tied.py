@@ -334,7 +334,7 @@ def test_train_step_gives_the_tied_gradient_bit_for_bit_on_both_paths(
     micro-batches each) in one order on one thread and on a worker thread
     per device, which finish their backward passes in any order: each
     partition adds into its share, and the step sums the shares in the order
-    of the partitions (torchgpipe.tied.shares_apart). Everything else is
+    of the partitions (torchgpipe.foundation.tied.shares_apart). Everything else is
     bit for bit too."""
     inline = tied_step(['cpu'] * 4, dtype, checkpoint, schedule)
     threads = tied_step([f'cpu:{w}' for w in WORKERS[schedule]], dtype, checkpoint, schedule)

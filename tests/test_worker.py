@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from helpers import cpu_devices
-from torchgpipe.microbatch import Batch
-from torchgpipe.stream import CPUStream
-from torchgpipe.worker import Stopped, Task, Turns, spawn_workers
+from torchgpipe.foundation.microbatch import Batch
+from torchgpipe.foundation.stream import CPUStream
+from torchgpipe.runtime.worker import Stopped, Task, Turns, spawn_workers
 
 CPU = torch.device('cpu')
 

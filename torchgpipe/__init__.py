@@ -15,12 +15,17 @@ import types
 # it as an attribute of the package, so the first import of it must happen
 # here, before this line binds the attribute to the string for good.
 from torchgpipe.__version__ import __version__
-from torchgpipe.phase import is_checkpointing, is_recomputing
+from torchgpipe.foundation.phase import is_checkpointing, is_recomputing
 from torchgpipe.flatten import to_sequential
 from torchgpipe.gpipe import GPipe
 from torchgpipe.generation import generate
-from torchgpipe.nochunk import NoChunk
+from torchgpipe.foundation.nochunk import NoChunk
 from torchgpipe.timeline import trace
+
+# torchgpipe 0.0.7's modules, bound as attributes of the package as its
+# import bound them; each is the module of a layer's folder (see its file).
+from torchgpipe import (batchnorm, checkpoint, copy, dependency,  # noqa: F401
+                        microbatch, phony, pipeline, stream, worker)
 
 
 def __getattr__(name: str) -> types.ModuleType:

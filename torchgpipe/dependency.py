@@ -1,102 +1,11 @@
-"""Fork and Join: arbitrary dependencies in the backward graph (Section 3.2.2).
+"""torchgpipe 0.0.7's path of :mod:`torchgpipe.foundation.dependency`, which is the module itself.
 
-The autograd engine orders backward tasks only by data dependencies, so
-``B(i, j)`` and ``B(i+1, j)`` (independent micro-batches) could run in any
-order. GPipe needs ``B(i+1, j)`` before ``B(i, j)``. Fork and Join add that
-edge without touching any data: in the forward pass, ``fork`` splits a phony
-off ``x(i, j)`` and ``join`` glues it onto ``x(i+1, j-1)``::
-
-    forward                            backward (arrows = "runs after")
-
-    x(i,j) ──Fork──► x(i,j)            grad x(i,j) ◄── Fork.backward
-               │                                            ▲ waits for the phony
-               └─phony─┐                                    │ gradient, i.e. for
-    x(i+1,j-1) ──Join──► x(i+1,j-1)    Join.backward ◄──────┘ B(i+1, j) to pass Join
-
-Since ``x(i+1, j-1)`` becomes the input of ``F(i+1, j)``, ``Fork.backward`` for
-micro-batch ``i`` cannot run until ``B(i+1, j)`` has produced its input
-gradient, so everything before the fork on micro-batch ``i`` (its recomputation
-and ``B(i, j)``) runs after ``B(i+1, j)``.
+This module puts that one in its place in :data:`sys.modules`: every name,
+private or not, and the module's state are the same by either path.
 """
-from typing import List, Optional, Tuple
+import sys
 
-import torch
-from torch import Tensor
+from torchgpipe.foundation.dependency import *  # noqa: F401,F403 (its names, for type checkers)
+from torchgpipe.foundation import dependency as _module
 
-from torchgpipe.phony import get_phony
-
-__all__: List[str] = []
-
-
-def fork(input: Tensor) -> Tuple[Tensor, Tensor]:
-    """Branches a phony off the input, to be joined into another tensor with :func:`join`.
-
-    Args:
-        input (torch.Tensor): the tensor to fork
-
-    Returns:
-        (torch.Tensor, torch.Tensor): the input (as a new autograd node) and
-        a phony whose gradient the input's backward waits for
-    """
-    if torch.is_grad_enabled() and input.requires_grad:
-        input, phony = Fork.apply(input)  # type: ignore[no-untyped-call]
-    else:
-        phony = get_phony(input.device, requires_grad=False)
-    return input, phony
-
-
-class Fork(torch.autograd.Function):
-    """The autograd function behind :func:`fork`: it returns ``input`` and a phony.
-
-    Its backward runs once the gradients of both outputs are in, which is
-    how it waits for the tensor the phony was joined into. It passes on
-    ``input``'s gradient and drops the phony's.
-    """
-
-    @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, input: Tensor) -> Tuple[Tensor, Tensor]:
-        # An input nothing used gets no gradient (None), not zeros: zeros
-        # would give its parameters gradients of zero, where the unwrapped
-        # model leaves them None (which optimizers skip).
-        ctx.set_materialize_grads(False)
-        phony = get_phony(input.device, requires_grad=False)
-        return input.detach(), phony.detach()
-
-    @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx,
-                 grad_input: Optional[Tensor], grad_grad: Optional[Tensor]) -> Optional[Tensor]:
-        return grad_input
-
-
-def join(input: Tensor, phony: Tensor) -> Tensor:
-    """Merges a phony into the input, so the phony's fork waits for the input's backward.
-
-    Args:
-        input (torch.Tensor): the tensor to join into
-        phony (torch.Tensor): a phony from :func:`fork`
-
-    Returns:
-        torch.Tensor: the input (as a new autograd node)
-    """
-    if torch.is_grad_enabled() and (input.requires_grad or phony.requires_grad):
-        input = Join.apply(input, phony)  # type: ignore[no-untyped-call]
-    return input
-
-
-class Join(torch.autograd.Function):
-    """The autograd function behind :func:`join`: it returns ``input`` and takes in a phony.
-
-    Its backward passes ``input``'s gradient on and gives the phony none;
-    once it has run, the phony's :class:`Fork` may run its backward.
-    """
-
-    @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx,
-                input: Tensor, phony: Tensor) -> Tensor:
-        ctx.set_materialize_grads(False)  # as Fork's: None passes on as None
-        return input.detach()
-
-    @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx,
-                 grad_input: Optional[Tensor]) -> Tuple[Optional[Tensor], None]:
-        return grad_input, None
+sys.modules[__name__] = _module

@@ -34,7 +34,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import fx, nn
 
-from torchgpipe.validation import brief, describe
+from torchgpipe.foundation.validation import brief, describe
 from torchgpipe.capture import export, fx as fx_capture
 from torchgpipe.capture.fx import LeafSpec
 from torchgpipe.capture.graph import Captured, named_arguments

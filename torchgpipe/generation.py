@@ -21,8 +21,8 @@ import torch
 from torch import Tensor
 
 from torchgpipe.gpipe import GPipe
-from torchgpipe.microbatch import TensorOrTensors
-from torchgpipe.validation import describe
+from torchgpipe.foundation.microbatch import TensorOrTensors
+from torchgpipe.foundation.validation import describe
 
 if TYPE_CHECKING:  # loaded on first use, as torchgpipe.distributed is
     from torchgpipe.distributed import DistributedGPipe

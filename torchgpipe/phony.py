@@ -1,44 +1,11 @@
-"""The phony tensor: an empty tensor that carries nothing but a dependency.
+"""torchgpipe 0.0.7's path of :mod:`torchgpipe.foundation.phony`, which is the module itself.
 
-Fork, Join, Checkpoint and Recompute pass a phony tensor between autograd
-nodes to order them in the backward graph. It is empty so it costs no memory
-and no gradient arithmetic (footnote 3 of the paper), and it is cached per
-device so creating one in the hot path is free.
+This module puts that one in its place in :data:`sys.modules`: every name,
+private or not, and the module's state are the same by either path.
 """
-from typing import Dict, List, Tuple
+import sys
 
-import torch
+from torchgpipe.foundation.phony import *  # noqa: F401,F403 (its names, for type checkers)
+from torchgpipe.foundation import phony as _module
 
-from torchgpipe.stream import default_stream, use_device, use_stream
-
-__all__: List[str] = []
-
-_phonies: Dict[Tuple[torch.device, bool], torch.Tensor] = {}
-
-
-def get_phony(device: torch.device, *, requires_grad: bool) -> torch.Tensor:
-    """Returns a phony: an empty tensor on the device, shared by every caller.
-
-    Args:
-        device (torch.device): the device of the phony
-        requires_grad (bool): whether the phony requires grad; a phony that
-            requires grad makes the output of an autograd function taking it
-            require grad too, so the function gets a backward node
-
-    Returns:
-        torch.Tensor: an empty tensor; never modify it
-
-    Example::
-
-        >>> get_phony(torch.device('cpu'), requires_grad=False)
-        tensor([])
-    """
-    key = (device, requires_grad)
-    try:
-        return _phonies[key]
-    except KeyError:
-        # Allocate on the default stream: phonies outlive any stream they
-        # are used on, and an empty tensor holds no memory to protect.
-        with use_device(device), use_stream(default_stream(device)):
-            phony = torch.empty(0, device=device, requires_grad=requires_grad)
-        return _phonies.setdefault(key, phony)
+sys.modules[__name__] = _module

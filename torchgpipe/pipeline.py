@@ -1,92 +1,11 @@
-"""The pipeline: runs every micro-batch through every partition by clock cycles.
+"""torchgpipe 0.0.7's path of :mod:`torchgpipe.engine.pipeline`, which is the module itself.
 
-Algorithm 1 of the paper (deterministic clock-cycle): at clock ``k`` the tasks
-``F(i, j)`` with ``i + j == k`` are independent, so they run at the same time,
-one per device::
-
-    clock    0       1       2       3       4          m = 3 micro-batches
-    dev 0  F(0,0)  F(1,0)  F(2,0)                       n = 3 partitions
-    dev 1          F(0,1)  F(1,1)  F(2,1)
-    dev 2                  F(0,2)  F(1,2)  F(2,2)
-
-:func:`clock_cycles` gives that order: the clock cycles of the forward-only
-schedule, the layout :func:`~torchgpipe.train.schedule.clock_order` gives any
-schedule. :class:`Pipeline` runs it on the executor of every way to run
-(:func:`torchgpipe.train.step.execute`): each device's worker takes its
-tasks in clock order, the partitions linked into one autograd graph
-(:mod:`torchgpipe.train.linked`), whose backward pass is the caller's. With
-a worker thread per device, tasks that draw from the CPU generator take
-turns in that same order, so random numbers are drawn as on one thread. On
-either path, each holds the CPU generator while it runs, so that tasks of
-another pipeline, in another thread, cannot draw between a first pass and
-the state its recomputation replays (see :mod:`torchgpipe.rng`).
+This module puts that one in its place in :data:`sys.modules`: every name,
+private or not, and the module's state are the same by either path.
 """
-from typing import Iterable, List, Optional, Sequence, Tuple
+import sys
 
-import torch
-from torch import nn
+from torchgpipe.engine.pipeline import *  # noqa: F401,F403 (its names, for type checkers)
+from torchgpipe.engine import pipeline as _module
 
-from torchgpipe.microbatch import Batch
-from torchgpipe.record import Recorder
-from torchgpipe.skip.layout import SkipLayout
-from torchgpipe.stream import AbstractStream
-from torchgpipe.train.linked import Linked
-from torchgpipe.train.schedule import Action, Kind
-from torchgpipe.train.step import execute
-from torchgpipe.traits import PartitionTraits
-from torchgpipe.worker import distinct_devices
-
-__all__: List[str] = []
-
-
-def clock_cycles(m: int, n: int) -> Iterable[List[Tuple[int, int]]]:
-    """Generates the schedule of each clock cycle.
-
-    Args:
-        m (int): the number of micro-batches
-        n (int): the number of partitions
-
-    Yields:
-        list of (int, int): for clock ``k``, every ``(i, j)`` (micro-batch
-        ``i``, partition ``j``, both 0-based) with ``i + j == k``, in order
-        of ``j``
-
-    Example::
-
-        >>> list(clock_cycles(2, 2))
-        [[(0, 0)], [(1, 0), (0, 1)], [(1, 1)]]
-    """
-    for k in range(m + n - 1):
-        yield [(k - j, j) for j in range(max(1 + k - m, 0), min(1 + k, n))]
-
-
-class Pipeline:
-    """Runs micro-batches through partitions, in place of the input batches.
-
-    Args: as for :class:`~torchgpipe.train.linked.Linked` (which works out
-    the rest from the devices).
-    """
-
-    def __init__(self, batches: List[Batch], partitions: Sequence[nn.Sequential],
-                 devices: Sequence[torch.device],
-                 copy_streams: Sequence[Sequence[AbstractStream]],
-                 streams: Sequence[AbstractStream], skip_layout: SkipLayout,
-                 checkpoint_stop: int, traits: Sequence[PartitionTraits],
-                 recorder: Optional[Recorder] = None) -> None:
-        self.batches = batches
-        self.devices = devices
-        self.recorder = recorder
-        self.linked = Linked(batches, partitions, devices, copy_streams, streams, skip_layout,
-                             checkpoint_stop, traits, recorder,
-                             threaded=len(distinct_devices(devices)) > 1)
-
-    def run(self) -> None:
-        """Runs the pipeline; an exception of any task is raised here, as itself."""
-        m, n = len(self.batches), len(self.devices)
-        if self.recorder is not None:
-            self.recorder.begin_step(m, self.devices)
-        # The forward-only schedule in clock order. clock_cycles gives the same
-        # layout as clock_order gives any schedule (tests/test_order.py holds
-        # the two together), at a third of its cost, on every call.
-        order = [Action(Kind.F, i, j) for cycle in clock_cycles(m, n) for i, j in cycle]
-        execute(order, dict(enumerate(self.linked.stages)), self.linked.mailbox)
+sys.modules[__name__] = _module

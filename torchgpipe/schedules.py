@@ -23,9 +23,9 @@ Example::
 """
 from typing import Optional
 
-from torchgpipe.train.generators import SCHEDULES, built_in, named, unknown_name
-from torchgpipe.train.schedule import Action, Kind, Schedule
-from torchgpipe.validation import describe
+from torchgpipe.engine.generators import SCHEDULES, built_in, named, unknown_name
+from torchgpipe.engine.schedule import Action, Kind, Schedule
+from torchgpipe.foundation.validation import describe
 
 __all__ = ['Action', 'Kind', 'Schedule', 'NAMES', 'built_in', 'build']
 

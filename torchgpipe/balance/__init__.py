@@ -25,12 +25,12 @@ from typing import List, Optional
 import torch
 from torch import nn
 
-from torchgpipe import microbatch
-from torchgpipe.validation import (Device, check_available, check_chunks, describe, parse_device,
-                                    verify_module)
+from torchgpipe.foundation import microbatch
+from torchgpipe.foundation.validation import (Device, check_available, check_chunks, describe,
+                                              parse_device, verify_module)
 from torchgpipe.balance import blockpartition
 from torchgpipe.balance.profile import profile_sizes, profile_times
-from torchgpipe.microbatch import TensorOrTensors
+from torchgpipe.foundation.microbatch import TensorOrTensors
 
 __all__ = ['balance_by_time', 'balance_by_size']
 

@@ -19,8 +19,8 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from torchgpipe import microbatch
-from torchgpipe.microbatch import Batch, TensorOrTensors, map_tensors
+from torchgpipe.foundation import microbatch
+from torchgpipe.foundation.microbatch import Batch, TensorOrTensors, map_tensors
 from torchgpipe.skip.namespace import Namespace
 from torchgpipe.skip.tracker import SkipTracker, use_skip_tracker
 

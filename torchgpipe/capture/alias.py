@@ -24,7 +24,7 @@ from typing import Any, Dict, List, NoReturn, Optional, Set, Union
 import torch
 from torch import fx, nn
 
-from torchgpipe.validation import describe
+from torchgpipe.foundation.validation import describe
 from torchgpipe.capture.graph import attr
 
 __all__: List[str] = []

@@ -13,7 +13,7 @@ from typing import Any, Dict, List, NamedTuple, Sequence, Union
 import torch
 from torch import fx, nn
 
-from torchgpipe.validation import describe
+from torchgpipe.foundation.validation import describe
 from torchgpipe.capture.interface import Interface
 
 __all__: List[str] = []

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Tuple, Type
 
 from torch import Tensor, fx, nn
 
-from torchgpipe.validation import describe
+from torchgpipe.foundation.validation import describe
 
 __all__: List[str] = []
 

@@ -1,6 +1,6 @@
 """The core of a pipeline across processes: this rank's partitions, and the wire to the others.
 
-:class:`RankCore` is the :class:`~torchgpipe.core.Core` that a
+:class:`RankCore` is the :class:`~torchgpipe.engine.core.Core` that a
 :class:`~torchgpipe.distributed.DistributedGPipe` holds. Its steps run on
 the same executor as one process's, the partitions of other ranks absent
 and their messages on a :class:`~torchgpipe.distributed.wire.Wire`; around
@@ -16,19 +16,19 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from torchgpipe import microbatch
-from torchgpipe.batchnorm import deferred_step
-from torchgpipe.core import Core, Done
+from torchgpipe.foundation import microbatch
+from torchgpipe.runtime.batchnorm import deferred_step
+from torchgpipe.engine.core import Core, Done
 from torchgpipe.distributed.blocks import Blocks
 from torchgpipe.distributed.tied import TiedGradients
 from torchgpipe.distributed.wire import Channels, Mismatch, Wire
-from torchgpipe.microbatch import TensorOrTensors
+from torchgpipe.foundation.microbatch import TensorOrTensors
 from torchgpipe.skip.layout import SkipLayout
-from torchgpipe.train.evaluation import forward_only, join, split_evaluation
-from torchgpipe.train.generators import resolve
-from torchgpipe.train.inputs import split_step
-from torchgpipe.train.schedule import Schedule, ScheduleLike
-from torchgpipe.train.step import LossFunction, Step
+from torchgpipe.engine.evaluation import forward_only, join, split_evaluation
+from torchgpipe.engine.generators import resolve
+from torchgpipe.engine.inputs import split_step
+from torchgpipe.engine.schedule import Schedule, ScheduleLike
+from torchgpipe.engine.step import LossFunction, Step
 
 __all__ = ['RankCore']
 
@@ -43,7 +43,7 @@ class RankCore(Core):
         ranks: the global rank of every rank of ``group``
         group: the processes of the pipeline
         tied: the parameters this rank shares with layers of other ranks
-        skip_layout, chunks, checkpoint: as for :class:`~torchgpipe.core.Core`
+        skip_layout, chunks, checkpoint: as for :class:`~torchgpipe.engine.core.Core`
         timeout: the step timeout, in seconds, or ``None``
     """
 
@@ -145,7 +145,7 @@ class RankCore(Core):
         pipeline.
 
         Args:
-            stop: the checkpoint stop (see :class:`~torchgpipe.train.step.Step`)
+            stop: the checkpoint stop (see :class:`~torchgpipe.engine.step.Step`)
             train: a training step, whose end carries the gradients of tied
                 parameters; else an evaluation
             signature: more of the step, which every rank must run alike

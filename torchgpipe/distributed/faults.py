@@ -19,8 +19,8 @@ anything else may; :func:`disconnected` marks theirs.
 from contextlib import contextmanager
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
-from torchgpipe.train.mailbox import Activation, Gradient, Key, Skip, SkipGradient
-from torchgpipe.train.schedule import Action, Kind
+from torchgpipe.engine.mailbox import Activation, Gradient, Key, Skip, SkipGradient
+from torchgpipe.engine.schedule import Action, Kind
 
 __all__: List[str] = []
 

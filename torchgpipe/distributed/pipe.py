@@ -8,23 +8,24 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from torchgpipe.batchnorm import DeferredBatchNorm
-from torchgpipe.core import CoreModule
+from torchgpipe.runtime.batchnorm import DeferredBatchNorm
+from torchgpipe.engine.core import CoreModule
 from torchgpipe.distributed.core import RankCore
 from torchgpipe.distributed.norm import check_finite, clip_grads, slots, total_norm
 from torchgpipe.distributed.ranks import ranks_of_partitions
 from torchgpipe.distributed.tied import TiedGradients, ties_across_ranks
-from torchgpipe.microbatch import TensorOrTensors
-from torchgpipe.placement import place
+from torchgpipe.foundation.microbatch import TensorOrTensors
+from torchgpipe.foundation.placement import place
 from torchgpipe.skip.layout import inspect_skip_layout
 from torchgpipe.skip.skippable import verify_skippables
-from torchgpipe.tied import find_ties
-from torchgpipe.train.evaluation import check_evaluation, evaluating
-from torchgpipe.train.generators import check_schedule
-from torchgpipe.train.schedule import ScheduleLike
-from torchgpipe.train.step import LossFunction
-from torchgpipe.validation import (check_available, check_balance, check_chunks, check_step,
-                                    check_timeout, describe, parse_device, verify_module)
+from torchgpipe.foundation.tied import find_ties
+from torchgpipe.engine.evaluation import check_evaluation, evaluating
+from torchgpipe.engine.generators import check_schedule
+from torchgpipe.engine.schedule import ScheduleLike
+from torchgpipe.engine.step import LossFunction
+from torchgpipe.foundation.validation import (check_available, check_balance, check_chunks,
+                                              check_step, check_timeout, describe, parse_device,
+                                              verify_module)
 
 __all__ = ['DistributedGPipe']
 
@@ -173,7 +174,7 @@ class DistributedGPipe(CoreModule):
 
         The layers of the other partitions are dropped with the module.
         Placed in place: a tensor of the user's model stays the one the user
-        holds (see :mod:`torchgpipe.placement`).
+        holds (see :mod:`torchgpipe.foundation.placement`).
         """
         here = {j: p for j, p in enumerate(partitions) if self.rank_of[j] == self.rank}
         for partition in here.values():

@@ -1,7 +1,7 @@
 """Which rank holds each partition of a DistributedGPipe: in a loop, or in a V."""
 from typing import List
 
-from torchgpipe.validation import describe
+from torchgpipe.foundation.validation import describe
 
 __all__: List[str] = []
 

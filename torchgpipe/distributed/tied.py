@@ -2,7 +2,7 @@
 
 A parameter shared by layers of partitions on different ranks (GPT-2's token
 embedding and its head, on the first rank and the last) cannot be one tensor
-as it is in one process (``torchgpipe.tied``): every rank holding a layer
+as it is in one process (``torchgpipe.foundation.tied``): every rank holding a layer
 that uses it keeps its own copy. The copies start equal, every rank building
 the same module, and stay equal if their gradients are: at the end of each
 step, every holding rank sends the others the gradient its own uses gave in
@@ -18,7 +18,7 @@ same sum, bit for bit, which an optimizer then turns into the same update::
 
 The sum is the gradient of the one parameter in one process, bit for bit:
 ``train_step`` in one process adds it in the same order
-(``torchgpipe.tied.shares_apart``). (Partitions of one rank that use a
+(``torchgpipe.foundation.tied.shares_apart``). (Partitions of one rank that use a
 tied parameter add into one gradient, in the order the rank runs them.)
 
 A gradient left by earlier steps (accumulated without ``zero_grad()``) is set
@@ -35,8 +35,8 @@ from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
-from torchgpipe.tied import add, add_in_order
-from torchgpipe.validation import describe
+from torchgpipe.foundation.tied import add, add_in_order
+from torchgpipe.foundation.validation import describe
 
 __all__: List[str] = []
 

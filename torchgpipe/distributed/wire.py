@@ -1,7 +1,7 @@
 """The wire: a training step's messages between partitions in different processes.
 
-:class:`~torchgpipe.train.step.Step` sends and takes its messages through a
-:class:`~torchgpipe.train.mailbox.Mailbox`. :class:`Wire` is the mailbox of
+:class:`~torchgpipe.engine.step.Step` sends and takes its messages through a
+:class:`~torchgpipe.engine.mailbox.Mailbox`. :class:`Wire` is the mailbox of
 the partitions of one process, whose neighbours may live in other processes:
 a message to another rank is described with its key in a header of data
 alone (:mod:`torchgpipe.distributed.codec`), its tensors apart, and sent
@@ -33,9 +33,9 @@ from torchgpipe.distributed.channels import Channels as Channels
 from torchgpipe.distributed.faults import (Disconnected, PeerFailed, TimedOut, failed, lost,
                                            lost_in, timed_out, waiting_for)
 from torchgpipe.distributed.codec import Unreadable
-from torchgpipe.record import Recorder
-from torchgpipe.train.mailbox import (Activation, Gradient, Key, Mailbox, Skip, SkipGradient,
-                                      SkipKey)
+from torchgpipe.foundation.record import Recorder
+from torchgpipe.engine.mailbox import (Activation, Gradient, Key, Mailbox, Skip, SkipGradient,
+                                       SkipKey)
 
 __all__: List[str] = []
 

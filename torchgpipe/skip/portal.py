@@ -21,9 +21,9 @@ from typing import Any, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from torchgpipe.copy import copy_tensors
-from torchgpipe.phony import get_phony
-from torchgpipe.stream import AbstractStream
+from torchgpipe.foundation.copy import copy_tensors
+from torchgpipe.foundation.phony import get_phony
+from torchgpipe.foundation.stream import AbstractStream
 
 __all__: List[str] = []
 

@@ -13,7 +13,7 @@ from typing import (Any, Callable, ClassVar, Dict, FrozenSet, Generator, Iterabl
 
 from torch import Tensor, nn
 
-from torchgpipe.microbatch import Batch, TensorOrTensors
+from torchgpipe.foundation.microbatch import Batch, TensorOrTensors
 from torchgpipe.skip.commands import pop, stash
 from torchgpipe.skip.namespace import Namespace, default_namespace
 from torchgpipe.skip.tracker import current_skip_tracker

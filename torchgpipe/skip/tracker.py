@@ -15,13 +15,13 @@ from typing import ContextManager, Dict, List, Optional, Protocol, Tuple
 import torch
 from torch import Tensor
 
-from torchgpipe.phase import add_root, is_checkpointing
-from torchgpipe.dependency import fork, join
-from torchgpipe.microbatch import Batch
-from torchgpipe.phony import get_phony
+from torchgpipe.foundation.phase import add_root, is_checkpointing
+from torchgpipe.foundation.dependency import fork, join
+from torchgpipe.foundation.microbatch import Batch
+from torchgpipe.foundation.phony import get_phony
 from torchgpipe.skip.namespace import Namespace
 from torchgpipe.skip.portal import Portal
-from torchgpipe.stream import AbstractStream
+from torchgpipe.foundation.stream import AbstractStream
 
 __all__: List[str] = []
 
@@ -96,7 +96,7 @@ class SkipTrackerAcross(SkipTracker, abc.ABC):
     autograd graph through every partition, and carries it in a portal
     (:class:`SkipTrackerThroughPortals`); a training step cuts the graph at
     partition boundaries, and sends it as a message
-    (:class:`~torchgpipe.train.mailbox.StepSkips`).
+    (:class:`~torchgpipe.engine.mailbox.StepSkips`).
 
     Args:
         skip_layout (SkipLayout): the partitions that stash and pop each skip

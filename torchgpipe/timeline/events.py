@@ -2,7 +2,7 @@
 
 An :class:`Event` is one task of a step or one copy, with the pieces of
 time its own work ran in, named as a schedule writes its actions
-(:func:`~torchgpipe.train.schedule.notation`, partition first): ``1F0`` is
+(:func:`~torchgpipe.engine.schedule.notation`, partition first): ``1F0`` is
 the forward pass of micro-batch 0 on partition 1, ``1F'0`` its
 recomputation, ``1B0`` its backward pass (``1I0`` and ``1W0`` its halves),
 ``1C0`` a copy into partition 1.
@@ -15,8 +15,8 @@ from bisect import insort
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-from torchgpipe.record import PREFIXES
-from torchgpipe.train.schedule import notation
+from torchgpipe.foundation.record import PREFIXES
+from torchgpipe.engine.schedule import notation
 
 __all__ = ['Event', 'Summary', 'DeviceSummary', 'PartitionSummary']
 

@@ -14,9 +14,9 @@ from typing import (Any, Callable, Dict, Iterable, List, Optional, Sequence, Tup
 import torch
 from torch import Tensor
 
-from torchgpipe.checkpoint import Recompute
-from torchgpipe.copy import Copy, Wait
-from torchgpipe.dependency import Fork, Join
+from torchgpipe.runtime.checkpoint import Recompute
+from torchgpipe.foundation.copy import Copy, Wait
+from torchgpipe.foundation.dependency import Fork, Join
 from torchgpipe.skip.portal import PortalBlue, PortalCopy, PortalOrange
 from torchgpipe.timeline.chrome import chrome_trace
 from torchgpipe.timeline.clock import Clock, Stamp, peak_rss, reset_peak_rss
@@ -351,7 +351,7 @@ def node_classes() -> Tuple[type, Tuple[type, ...], Tuple[type, ...]]:
     """The autograd functions a walk through a task's backward pass tells apart.
 
     Returns:
-        :class:`~torchgpipe.checkpoint.Recompute`; the glue between tasks,
+        :class:`~torchgpipe.runtime.checkpoint.Recompute`; the glue between tasks,
         walked through but not recorded (fork/join, copy/wait); and the
         portals of skips, where the task ends
     """

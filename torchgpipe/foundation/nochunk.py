@@ -9,7 +9,7 @@ from typing import Any, FrozenSet, Sequence, Tuple
 
 from torch import Tensor
 
-from torchgpipe.validation import describe
+from torchgpipe.foundation.validation import describe
 
 __all__ = ['NoChunk']
 

@@ -1,14 +1,14 @@
 """Training steps the library drives: each partition's actions, in a schedule's order.
 
-Each partition of a step is a :class:`~torchgpipe.train.stage.Stage`, whose
-graph stands alone, cut at its input (see :mod:`torchgpipe.train.stage`).
-The actions of a schedule (:mod:`torchgpipe.train.schedule`) are laid out in
+Each partition of a step is a :class:`~torchgpipe.engine.stage.Stage`, whose
+graph stands alone, cut at its input (see :mod:`torchgpipe.engine.stage`).
+The actions of a schedule (:mod:`torchgpipe.engine.schedule`) are laid out in
 clock cycles and issued at once, each to the worker of its partition's
-device (:mod:`torchgpipe.worker`, as the forward path's tasks), which runs
-them in that order, waiting in a :class:`~torchgpipe.train.mailbox.Mailbox`
+device (:mod:`torchgpipe.runtime.worker`, as the forward path's tasks), which runs
+them in that order, waiting in a :class:`~torchgpipe.engine.mailbox.Mailbox`
 for what others send. Forward actions that may draw random numbers take the
 same turns and hold the CPU generator as the forward path's tasks
-(:mod:`torchgpipe.rng`). The first failure of any action stops every
+(:mod:`torchgpipe.foundation.rng`). The first failure of any action stops every
 other, and reaches the caller as itself.
 """
 import functools
@@ -18,17 +18,17 @@ from typing import Callable, Dict, List, Mapping, Optional, Protocol, Sequence, 
 import torch
 from torch import Tensor, nn
 
-from torchgpipe.microbatch import Batch, TensorOrTensors
-from torchgpipe.record import Recorder
+from torchgpipe.foundation.microbatch import Batch, TensorOrTensors
+from torchgpipe.foundation.record import Recorder
 from torchgpipe.skip.layout import SkipLayout
-from torchgpipe.stream import AbstractStream
-from torchgpipe.train.generators import expected_bubble
-from torchgpipe.train.mailbox import Mailbox
-from torchgpipe.train.schedule import Action, Kind, Schedule, clock_order
-from torchgpipe.train.stage import Shared, Stage
-from torchgpipe.traits import PartitionTraits
-from torchgpipe.validation import check_loss_value
-from torchgpipe.worker import ExcInfo, Stopped, Task, Turns, distinct_devices, spawn_workers
+from torchgpipe.foundation.stream import AbstractStream
+from torchgpipe.engine.generators import expected_bubble
+from torchgpipe.engine.mailbox import Mailbox
+from torchgpipe.engine.schedule import Action, Kind, Schedule, clock_order
+from torchgpipe.engine.stage import Shared, Stage
+from torchgpipe.runtime.traits import PartitionTraits
+from torchgpipe.foundation.validation import check_loss_value
+from torchgpipe.runtime.worker import ExcInfo, Stopped, Task, Turns, distinct_devices, spawn_workers
 
 __all__: List[str] = []
 
@@ -54,11 +54,11 @@ class Step:
         traits: what runs showed about each partition (whether it draws random numbers)
         recorder: records the actions, inside :func:`torchgpipe.trace`
         mailbox: what carries messages between partitions (default: a new
-            :class:`~torchgpipe.train.mailbox.Mailbox`, for partitions of this process)
+            :class:`~torchgpipe.engine.mailbox.Mailbox`, for partitions of this process)
         done: called with ``j`` once partition ``j``'s gradients are final,
             before it sends its last gradients back
         train: a training step (default); else an evaluation, without
-            autograd (:mod:`torchgpipe.train.evaluation`)
+            autograd (:mod:`torchgpipe.engine.evaluation`)
         copy_streams: for each partition here, a copy stream per
             micro-batch, which moves its messages (default: the devices'
             current streams)
@@ -142,8 +142,8 @@ def execute(order: Sequence[Action], stages: Mapping[int, StageLike], mailbox: M
     """Runs actions in order on the workers of their partitions' devices, one thread each.
 
     The one executor of every way to run: the forward path's tasks
-    (:mod:`torchgpipe.train.linked`), a step's actions
-    (:mod:`torchgpipe.train.stage`), in one process or across processes.
+    (:mod:`torchgpipe.engine.linked`), a step's actions
+    (:mod:`torchgpipe.engine.stage`), in one process or across processes.
     Each device's actions run in ``order``, the one task of its worker (a
     task per action would wake the calling thread at every action), and
     wait in ``mailbox`` for what others send. Forward actions that may draw

@@ -11,8 +11,8 @@ copies, modes). What runs is the :class:`Core` each holds as ``core``::
 
 A core knows the partitions held here (by index), the device of every
 partition, the skip layout, the number of micro-batches and the checkpoint
-mode, and it keeps what runs learn (:class:`~torchgpipe.state.RunState`).
-It builds each step on the one executor (:class:`~torchgpipe.train.step.Step`);
+mode, and it keeps what runs learn (:class:`~torchgpipe.runtime.state.RunState`).
+It builds each step on the one executor (:class:`~torchgpipe.engine.step.Step`);
 what differs across processes is only the mailbox and what surrounds the
 step, which :class:`~torchgpipe.distributed.core.RankCore` overrides.
 
@@ -24,25 +24,25 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, cast
 import torch
 from torch import nn
 
-from torchgpipe import microbatch
-from torchgpipe.batchnorm import DeferredBatchNorm, deferred_step
-from torchgpipe.checkpoint import checkpoint_stop
-from torchgpipe.microbatch import TensorOrTensors
-from torchgpipe.pipeline import Pipeline
+from torchgpipe.foundation import microbatch
+from torchgpipe.runtime.batchnorm import DeferredBatchNorm, deferred_step
+from torchgpipe.runtime.checkpoint import checkpoint_stop
+from torchgpipe.foundation.microbatch import TensorOrTensors
+from torchgpipe.engine.pipeline import Pipeline
 from torchgpipe.skip.layout import SkipLayout
-from torchgpipe.state import RunState
-from torchgpipe.stream import current_stream, use_device
-from torchgpipe.tied import shares_apart, tied_masters
-from torchgpipe.traits import PartitionTraits
-from torchgpipe.train.evaluation import (check_evaluation, evaluating, forward_only, join,
-                                         split_evaluation)
-from torchgpipe.train.generators import check_schedule, resolve
-from torchgpipe.train.inputs import split_step
-from torchgpipe.train.mailbox import Mailbox
-from torchgpipe.train.schedule import Schedule, ScheduleLike
-from torchgpipe.train.step import LossFunction, Step
-from torchgpipe.validation import check_one_process, check_step
-from torchgpipe.worker import distinct_devices
+from torchgpipe.runtime.state import RunState
+from torchgpipe.foundation.stream import current_stream, use_device
+from torchgpipe.foundation.tied import shares_apart, tied_masters
+from torchgpipe.runtime.traits import PartitionTraits
+from torchgpipe.engine.evaluation import (check_evaluation, evaluating, forward_only, join,
+                                          split_evaluation)
+from torchgpipe.engine.generators import check_schedule, resolve
+from torchgpipe.engine.inputs import split_step
+from torchgpipe.engine.mailbox import Mailbox
+from torchgpipe.engine.schedule import Schedule, ScheduleLike
+from torchgpipe.engine.step import LossFunction, Step
+from torchgpipe.foundation.validation import check_one_process, check_step
+from torchgpipe.runtime.worker import distinct_devices
 
 __all__ = ['Core', 'CoreModule']
 
@@ -123,7 +123,7 @@ class Core:
               done: Optional[Done] = None) -> torch.Tensor:
         """A training step, its arguments checked: see :meth:`GPipe.train_step
         <torchgpipe.GPipe.train_step>`. ``done(j)`` as for
-        :class:`~torchgpipe.train.step.Step`."""
+        :class:`~torchgpipe.engine.step.Step`."""
         # Before the input is split: that of an empty pipeline's forward fails.
         if not self.devices:
             raise ValueError('train_step needs at least one layer: this GPipe is empty')

@@ -3,7 +3,7 @@
 :func:`~torchgpipe.gpipe.split_module` is what :class:`~torchgpipe.GPipe` does with the module
 it wraps: it checks the balance and the devices, cuts the children into
 partitions (keeping their names), and places each partition on its device,
-sharing tied parameters across them (``torchgpipe.tied``).
+sharing tied parameters across them (``torchgpipe.foundation.tied``).
 """
 from collections import OrderedDict
 from typing import Callable, Iterable, List, Tuple, cast
@@ -11,10 +11,10 @@ from typing import Callable, Iterable, List, Tuple, cast
 import torch
 from torch import nn
 
-from torchgpipe.microbatch import TensorOrTensors, check
+from torchgpipe.foundation.microbatch import TensorOrTensors, check
 from torchgpipe.skip.tracker import SkipTracker, use_skip_tracker
-from torchgpipe.tied import place_partitions
-from torchgpipe.validation import check_balance, check_devices
+from torchgpipe.foundation.tied import place_partitions
+from torchgpipe.foundation.validation import check_balance, check_devices
 
 __all__ = ['split_module']
 

@@ -1,6 +1,6 @@
 """What the workers of a training step send each other, and how they wait for it.
 
-Each partition's graph stands alone in a training step (:mod:`torchgpipe.train.step`):
+Each partition's graph stands alone in a training step (:mod:`torchgpipe.engine.step`):
 a worker sends the next partition its output, detached, and the previous
 one the gradient of its input, through a :class:`Mailbox`. Messages are
 filed under typed keys, one class per kind of message::
@@ -14,7 +14,7 @@ filed under typed keys, one class per kind of message::
 (Actions written as schedules write them: ``jFi`` is the forward pass of
 micro-batch ``i`` on partition ``j``.)
 
-A :class:`~torchgpipe.copy.Ready` marks when, on CUDA, what is sent is
+A :class:`~torchgpipe.foundation.copy.Ready` marks when, on CUDA, what is sent is
 computed, and moves it as the forward path's copies do; :func:`leaf` makes
 the receiving side's input. Skip connections that cross partitions
 are cut the same way, by :class:`StepSkips`.
@@ -26,13 +26,13 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from torchgpipe.copy import Ready
-from torchgpipe.microbatch import Batch
+from torchgpipe.foundation.copy import Ready
+from torchgpipe.foundation.microbatch import Batch
 from torchgpipe.skip.layout import SkipLayout
 from torchgpipe.skip.namespace import Namespace
 from torchgpipe.skip.tracker import SkipTrackerAcross
-from torchgpipe.stream import AbstractStream
-from torchgpipe.worker import Stopped
+from torchgpipe.foundation.stream import AbstractStream
+from torchgpipe.runtime.worker import Stopped
 
 __all__: List[str] = []
 
@@ -93,7 +93,7 @@ class Reply(NamedTuple):
 class Mailbox:
     """Messages between the workers, by key; :meth:`take` waits for a message.
 
-    A stopped mailbox ends every wait with :class:`~torchgpipe.worker.Stopped`.
+    A stopped mailbox ends every wait with :class:`~torchgpipe.runtime.worker.Stopped`.
     """
 
     def __init__(self) -> None:

@@ -2,15 +2,15 @@
 
 None of it is a property of the model: streams cannot be copied or pickled,
 and what one instance's runs learned of its partitions
-(:mod:`torchgpipe.traits`) need not hold for another's.
+(:mod:`torchgpipe.runtime.traits`) need not hold for another's.
 """
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from torchgpipe.record import Recorder
-from torchgpipe.stream import AbstractStream, new_stream
-from torchgpipe.traits import PartitionTraits
+from torchgpipe.foundation.record import Recorder
+from torchgpipe.foundation.stream import AbstractStream, new_stream
+from torchgpipe.runtime.traits import PartitionTraits
 
 __all__: List[str] = []
 

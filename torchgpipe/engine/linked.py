@@ -1,11 +1,11 @@
 """The linked boundary: the forward path's partitions, one autograd graph across them.
 
 :meth:`GPipe.forward <torchgpipe.GPipe.forward>` runs the forward-only
-schedule on the executor of a step (:func:`torchgpipe.train.step.execute`),
+schedule on the executor of a step (:func:`torchgpipe.engine.step.execute`),
 as ``eval_step`` does, but leaves the backward pass to the caller's
 ``loss.backward()``. So what a partition hands the next one stays in the
-graph: the Copy and Wait of :mod:`torchgpipe.copy` move it between streams,
-portals carry the skips, and :class:`~torchgpipe.checkpoint.Checkpoint` and
+graph: the Copy and Wait of :mod:`torchgpipe.foundation.copy` move it between streams,
+portals carry the skips, and :class:`~torchgpipe.runtime.checkpoint.Checkpoint` and
 ``Recompute`` replay a checkpointed micro-batch. Each forward task
 ``F(i, j)``, on its partition's worker::
 
@@ -27,21 +27,21 @@ from typing import Callable, List, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from torchgpipe.checkpoint import Checkpointing
-from torchgpipe.copy import Copy, Wait
-from torchgpipe.dependency import fork, join
-from torchgpipe.microbatch import Batch, TensorOrTensors
-from torchgpipe.partition import partition_function
-from torchgpipe.record import Recorder, label
-from torchgpipe.rng import cpu_generator_held, training_flags, watch
+from torchgpipe.runtime.checkpoint import Checkpointing
+from torchgpipe.foundation.copy import Copy, Wait
+from torchgpipe.foundation.dependency import fork, join
+from torchgpipe.foundation.microbatch import Batch, TensorOrTensors
+from torchgpipe.runtime.partition import partition_function
+from torchgpipe.foundation.record import Recorder, label
+from torchgpipe.foundation.rng import cpu_generator_held, training_flags, watch
 from torchgpipe.skip.layout import SkipLayout
 from torchgpipe.skip.tracker import SkipTrackerThroughPortals
-from torchgpipe.stream import AbstractStream, is_cuda, use_device, use_stream
-from torchgpipe.tied import partition_parameters
-from torchgpipe.train.mailbox import Activation, Mailbox
-from torchgpipe.train.schedule import Action
-from torchgpipe.traits import PartitionTraits
-from torchgpipe.worker import Stopped
+from torchgpipe.foundation.stream import AbstractStream, is_cuda, use_device, use_stream
+from torchgpipe.foundation.tied import partition_parameters
+from torchgpipe.engine.mailbox import Activation, Mailbox
+from torchgpipe.engine.schedule import Action
+from torchgpipe.runtime.traits import PartitionTraits
+from torchgpipe.runtime.worker import Stopped
 
 __all__: List[str] = []
 

@@ -2,7 +2,7 @@
 
 The engine (the pipeline, train_step's executor, checkpointing) calls this
 module, never the timeline: a :class:`Recorder` sits in a GPipe's run state
-(:class:`~torchgpipe.state.RunState`) while :func:`torchgpipe.trace` is
+(:class:`~torchgpipe.runtime.state.RunState`) while :func:`torchgpipe.trace` is
 active, and is ``None`` otherwise, which costs a pipeline one check per
 task. :class:`~torchgpipe.timeline.Timeline` implements it, above the
 engine. :func:`label` names tasks for PyTorch's profiler, whoever records.
@@ -32,7 +32,7 @@ def label(kind: str, task: Tuple[int, int]) -> ContextManager[Any]:
     """
     # A process-wide flag, set by torch.profiler.profile: cheaper than a
     # record_function per task whether or not anyone profiles. The layout is
-    # torchgpipe.train.schedule.notation's, written here again only because
+    # torchgpipe.engine.schedule.notation's, written here again only because
     # this module is a leaf (tests/test_timeline.py holds the two together).
     if torch.autograd.profiler._is_profiler_enabled:
         return torch.profiler.record_function(f'torchgpipe {task[1]}{PREFIXES[kind]}{task[0]}')

@@ -17,7 +17,7 @@ threads by two rules (3 and 4):
    meant for the other, the first pass of a checkpointed task could not be
    replayed, and the results would depend on thread timing. So tasks that
    draw from the CPU generator *take turns*
-   (:class:`~torchgpipe.worker.Turns`): each waits for
+   (:class:`~torchgpipe.runtime.worker.Turns`): each waits for
    the previous drawing task in issue order, which is the order of the
    single-thread run. Tasks that draw nothing run freely.
 
@@ -62,7 +62,7 @@ threads by two rules (3 and 4):
    draws, and no library can replay that: such a thread should draw from a
    :class:`torch.Generator` of its own. The recomputation finds it out, as
    it ends with the generator elsewhere than its first pass did, and raises
-   (:class:`~torchgpipe.replay.FirstPass`).
+   (:class:`~torchgpipe.runtime.replay.FirstPass`).
 
 4. **No deadlock with the GIL.** PyTorch guards each generator with a C++
    mutex. Reading a state (``torch.get_rng_state()``) holds that mutex while

@@ -334,7 +334,7 @@ def check_step(reduction: object, loss_fn: object) -> None:
     """Checks the arguments of :meth:`GPipe.train_step <torchgpipe.GPipe.train_step>`.
 
     And the state it runs in: gradients enabled. (The schedule is checked by
-    :func:`torchgpipe.train.generators.check_schedule`.)
+    :func:`torchgpipe.engine.generators.check_schedule`.)
 
     Raises:
         TypeError: ``reduction`` is not a string, or ``loss_fn`` is not callable

@@ -3,7 +3,7 @@
 A model that needs a pipeline to fit needs it to be evaluated too, and
 calling the pipeline under :func:`torch.no_grad` is possible in one process
 only. ``eval_step`` runs the engine of a training step
-(:class:`~torchgpipe.train.step.Step`) with a schedule of forward actions
+(:class:`~torchgpipe.engine.step.Step`) with a schedule of forward actions
 alone, in fill-drain order (nothing waits for a backward pass), each
 partition under ``torch.no_grad()`` and keeping nothing for a backward
 pass; the last partition keeps its outputs, or computes the loss of each
@@ -22,11 +22,11 @@ from typing import Iterator, List, Optional, Tuple
 import torch
 from torch import nn
 
-from torchgpipe import microbatch
-from torchgpipe.microbatch import Batch, TensorOrTensors
-from torchgpipe.train.inputs import split_step
-from torchgpipe.train.schedule import Action, Kind, Schedule
-from torchgpipe.validation import check_loss, describe
+from torchgpipe.foundation import microbatch
+from torchgpipe.foundation.microbatch import Batch, TensorOrTensors
+from torchgpipe.engine.inputs import split_step
+from torchgpipe.engine.schedule import Action, Kind, Schedule
+from torchgpipe.foundation.validation import check_loss, describe
 
 __all__: List[str] = []
 
@@ -92,11 +92,11 @@ def split_evaluation(input: TensorOrTensors, target: Optional[TensorOrTensors], 
     """Splits an evaluation step's input, and its target if any, into micro-batches.
 
     Returns:
-        as :func:`~torchgpipe.train.inputs.split_step`; without a target, a
+        as :func:`~torchgpipe.engine.inputs.split_step`; without a target, a
         ``None`` target and a weight of 1 for each micro-batch
 
     Raises:
-        as :func:`~torchgpipe.train.inputs.split_step`
+        as :func:`~torchgpipe.engine.inputs.split_step`
     """
     if target is not None:
         batches, targets, weights = split_step(input, target, chunks, reduction, last_device)

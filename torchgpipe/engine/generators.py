@@ -27,9 +27,9 @@ import re
 from fractions import Fraction
 from typing import Callable, Dict, Hashable, List, NamedTuple, Optional, Sequence, Tuple
 
-from torchgpipe.train.schedule import (Action, Kind, Schedule, ScheduleLike, idle, simulate,
-                                       unit_cost)
-from torchgpipe.validation import brief, describe
+from torchgpipe.engine.schedule import (Action, Kind, Schedule, ScheduleLike, idle, simulate,
+                                        unit_cost)
+from torchgpipe.foundation.validation import brief, describe
 
 __all__: List[str] = []
 

@@ -7,11 +7,11 @@ read off the modules reliably (any custom layer may have them):
   partition boundary). A checkpointed first pass must then run on a copy of
   its input, or the input saved for the recomputation is overwritten.
 - It **draws from the CPU generator** (dropout on CPU). With worker threads, its
-  tasks must then take turns with others that do (see :mod:`torchgpipe.rng`).
+  tasks must then take turns with others that do (see :mod:`torchgpipe.foundation.rng`).
 
 Until a habit is known, the pipeline assumes the cautious answer and watches.
 These facts belong to one GPipe instance's run, not to its model: a copy of the
-GPipe starts with none (see :class:`~torchgpipe.state.RunState`).
+GPipe starts with none (see :class:`~torchgpipe.runtime.state.RunState`).
 """
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple, TypeVar
@@ -47,7 +47,7 @@ class PartitionTraits:
 
         Args:
             flags: the partition's ``training`` flags when the task ran
-            drew: what :func:`~torchgpipe.rng.watch` said of the task
+            drew: what :func:`~torchgpipe.foundation.rng.watch` said of the task
         """
         self.draws_random.setdefault(flags, drew)
 

@@ -1,8 +1,8 @@
 """Replay: a checkpointed micro-batch's first pass, and a recomputation that computes alike.
 
 Both engines checkpoint. The forward path does it with the autograd functions
-of :mod:`torchgpipe.checkpoint`, whose recomputation the caller's
-``loss.backward()`` triggers; a training step (:mod:`torchgpipe.train.step`)
+of :mod:`torchgpipe.runtime.checkpoint`, whose recomputation the caller's
+``loss.backward()`` triggers; a training step (:mod:`torchgpipe.engine.step`)
 recomputes in its backward action. Either way, the two passes of a micro-batch
 run in the two contexts below, which makes them compute alike::
 
@@ -12,8 +12,8 @@ run in the two contexts below, which makes them compute alike::
       is_checkpointing() is True              grad enabled
                                               is_recomputing() is True
 
-so dropout draws the same masks (:mod:`torchgpipe.rng`) and mixed precision
-computes in the same dtypes (:mod:`torchgpipe.autocast`).
+so dropout draws the same masks (:mod:`torchgpipe.foundation.rng`) and mixed precision
+computes in the same dtypes (:mod:`torchgpipe.foundation.autocast`).
 """
 from contextlib import contextmanager
 from typing import Generator, List, Optional
@@ -21,10 +21,11 @@ from typing import Generator, List, Optional
 import torch
 from torch import Tensor
 
-from torchgpipe.autocast import AutocastStates, restore_autocast_states, save_autocast_states
-from torchgpipe.phase import enable_checkpointing, enable_recomputing
-from torchgpipe.rng import (RNGStates, cpu_generator_owned, cpu_rng_state, restore_rng_states,
-                            save_rng_states)
+from torchgpipe.foundation.autocast import (AutocastStates, restore_autocast_states,
+                                            save_autocast_states)
+from torchgpipe.foundation.phase import enable_checkpointing, enable_recomputing
+from torchgpipe.foundation.rng import (RNGStates, cpu_generator_owned, cpu_rng_state,
+                                       restore_rng_states, save_rng_states)
 
 __all__: List[str] = []
 
@@ -40,7 +41,7 @@ class FirstPass:
     dropout mask) and the generator ends elsewhere: :func:`recomputation`
     raises rather than let the gradients be silently wrong
     (:func:`replayed_otherwise`; passes that draw nothing are left alone). Only a pass
-    that holds the generator (:func:`~torchgpipe.rng.cpu_generator_held`)
+    that holds the generator (:func:`~torchgpipe.foundation.rng.cpu_generator_held`)
     notes its end: the library's own tasks then draw nothing in between.
 
     Args:
@@ -99,7 +100,7 @@ def recomputation(device: torch.device, states: FirstPass, *,
         states: what entering the first pass gave
         exclusive: whether the recomputation may draw from the CPU
             generator: then it replays that generator too, holding it
-            alone (see :func:`~torchgpipe.rng.restore_rng_states`)
+            alone (see :func:`~torchgpipe.foundation.rng.restore_rng_states`)
 
     Raises:
         RuntimeError: the recomputation ended with the CPU generator

@@ -18,8 +18,8 @@ A :class:`Schedule` is each worker's list of actions, one line per worker::
 
 :meth:`Schedule.check <torchgpipe.schedules.Schedule.check>` proves, before
 any work, that a schedule runs each action once and can finish;
-:mod:`torchgpipe.train.generators` writes the built-in ones;
-:mod:`torchgpipe.train.step` runs any of them. Users import :class:`Kind`,
+:mod:`torchgpipe.engine.generators` writes the built-in ones;
+:mod:`torchgpipe.engine.step` runs any of them. Users import :class:`Kind`,
 :class:`Action` and :class:`Schedule` from :mod:`torchgpipe.schedules`.
 """
 import enum
@@ -29,7 +29,7 @@ from fractions import Fraction
 from typing import (Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union,
                     cast)
 
-from torchgpipe.validation import describe
+from torchgpipe.foundation.validation import describe
 
 __all__: List[str] = []
 
@@ -222,7 +222,7 @@ class Schedule:
 
         Returns:
             the actions of each clock cycle (see
-            :func:`~torchgpipe.train.schedule.clock_order`)
+            :func:`~torchgpipe.engine.schedule.clock_order`)
 
         Raises:
             ValueError: an action is missing, unknown, twice, or can never
@@ -432,12 +432,12 @@ def idle(workers: Sequence[Sequence[Action]], n: int, cost: Cost) -> Fraction:
     """The idle time per worker of a step: the span of the step less its work, averaged.
 
     With each action's cost that of the paper's analysis, this is the
-    schedule's bubble; :data:`torchgpipe.train.generators.BUBBLES` gives each
+    schedule's bubble; :data:`torchgpipe.engine.generators.BUBBLES` gives each
     built-in schedule's formula.
 
     Example::
 
-        >>> from torchgpipe.train.generators import one_f_one_b
+        >>> from torchgpipe.engine.generators import one_f_one_b
         >>> unit = lambda a: Fraction(2 if a.kind is Kind.B else 1)
         >>> idle(one_f_one_b(8, 4).workers, 4, unit)  # (p - 1)(F + B)
         Fraction(9, 1)

@@ -3,7 +3,7 @@
 :meth:`GPipe.forward <torchgpipe.GPipe.forward>` builds one autograd graph
 through every partition and leaves the backward pass to the caller's
 ``loss.backward()``, which PyTorch runs in one thread on CPU. In a step
-(:mod:`torchgpipe.train.step`), each partition's graph stands alone, cut at
+(:mod:`torchgpipe.engine.step`), each partition's graph stands alone, cut at
 its input, and the worker that owns the partition runs its backward pass
 itself, when the schedule says::
 
@@ -16,14 +16,14 @@ A skip connection from partition ``a`` to ``b`` is cut the same way: ``b``
 pops a detached leaf, and sends its gradient back to ``a``, whose backward
 pass starts from both its output and the stashed tensor. What a partition
 sends and receives moves on its copy stream of the micro-batch
-(:class:`~torchgpipe.copy.Ready`), off the compute streams.
+(:class:`~torchgpipe.foundation.copy.Ready`), off the compute streams.
 
 A checkpointed micro-batch runs its forward pass without keeping
 activations, and its backward action (``B``, or ``I`` when the backward
 pass is split) recomputes them first, in the same replay as the forward
-path's (:mod:`torchgpipe.replay`). ``I`` sends the gradients of the
+path's (:mod:`torchgpipe.runtime.replay`). ``I`` sends the gradients of the
 partition's inputs back at once; its ``W`` accumulates the parameters'
-later, from what ``I`` kept (:mod:`torchgpipe.train.split`).
+later, from what ``I`` kept (:mod:`torchgpipe.engine.split`).
 """
 import functools
 from dataclasses import dataclass, field
@@ -32,20 +32,20 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, TypeVar, cas
 import torch
 from torch import Tensor, nn
 
-from torchgpipe.copy import Ready
-from torchgpipe.microbatch import Batch
-from torchgpipe.partition import partition_function
-from torchgpipe.record import Recorder, label
-from torchgpipe.replay import FirstPass, first_pass, recomputation
-from torchgpipe.rng import cpu_generator_held, training_flags, watch
+from torchgpipe.foundation.copy import Ready
+from torchgpipe.foundation.microbatch import Batch
+from torchgpipe.runtime.partition import partition_function
+from torchgpipe.foundation.record import Recorder, label
+from torchgpipe.runtime.replay import FirstPass, first_pass, recomputation
+from torchgpipe.foundation.rng import cpu_generator_held, training_flags, watch
 from torchgpipe.skip.layout import SkipLayout
-from torchgpipe.stream import AbstractStream
-from torchgpipe.train.mailbox import (Activation, Gradient, Mailbox, Parcel, Reply,
-                                      SkipGradient, StepSkips, leaf)
-from torchgpipe.train.schedule import Action, Kind
-from torchgpipe.train.split import WeightPass, input_pass
-from torchgpipe.traits import PartitionTraits
-from torchgpipe.worker import Stopped
+from torchgpipe.foundation.stream import AbstractStream
+from torchgpipe.engine.mailbox import (Activation, Gradient, Mailbox, Parcel, Reply, SkipGradient,
+                                       StepSkips, leaf)
+from torchgpipe.engine.schedule import Action, Kind
+from torchgpipe.engine.split import WeightPass, input_pass
+from torchgpipe.runtime.traits import PartitionTraits
+from torchgpipe.runtime.worker import Stopped
 
 __all__: List[str] = []
 
@@ -154,7 +154,7 @@ class Stage:
             input = self.receive(i)
             # Held after the turn and the input came, never while waiting for
             # another worker; throughout, as a forward path's task (see
-            # torchgpipe.rng): a first pass from before it saves the state.
+            # torchgpipe.foundation.rng): a first pass from before it saves the state.
             with cpu_generator_held(self.draws_random() is not False):
                 self.record('forward', i, lambda: self.forward(i, input))
             self.send_output(i)

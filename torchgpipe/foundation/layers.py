@@ -1,7 +1,7 @@
 """Replacing layers of a module in place, and a BatchNorm's state shared by its replacement.
 
-Deferred BatchNorm (:mod:`torchgpipe.batchnorm`) replaces the BatchNorm
-layers of a model by deferred ones, and :func:`~torchgpipe.batchnorm.restore_batch_norm`
+Deferred BatchNorm (:mod:`torchgpipe.runtime.batchnorm`) replaces the BatchNorm
+layers of a model by deferred ones, and :func:`~torchgpipe.runtime.batchnorm.restore_batch_norm`
 replaces them back: both walk the model with :func:`replace_layers`, and
 hand the replacement the very tensors of the layer it replaces
 (:func:`share_state`).

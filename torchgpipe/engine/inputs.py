@@ -3,9 +3,9 @@ from typing import List, Tuple
 
 import torch
 
-from torchgpipe import microbatch
-from torchgpipe.microbatch import Batch, TensorOrTensors
-from torchgpipe.validation import describe
+from torchgpipe.foundation import microbatch
+from torchgpipe.foundation.microbatch import Batch, TensorOrTensors
+from torchgpipe.foundation.validation import describe
 
 __all__: List[str] = []
 

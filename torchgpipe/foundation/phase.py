@@ -1,7 +1,7 @@
 """Which pass of a forward runs: the first pass of a checkpointed micro-batch, or its recomputation.
 
 A checkpointed micro-batch runs each partition's forward twice (see
-:mod:`torchgpipe.checkpoint`). Layers may ask which pass they are in, to
+:mod:`torchgpipe.runtime.checkpoint`). Layers may ask which pass they are in, to
 avoid side effects twice (:func:`is_recomputing`); the skip tracker asks
 too, since a checkpointed stash is popped twice. The flags are per thread:
 workers run different micro-batches at once.

@@ -34,8 +34,8 @@ from typing import Any, Dict, Iterable, Iterator, List, NamedTuple, Optional, Se
 import torch
 from torch import Tensor, nn
 
-from torchgpipe.validation import describe
-from torchgpipe.placement import place, same_memory
+from torchgpipe.foundation.validation import describe
+from torchgpipe.foundation.placement import place, same_memory
 
 __all__: List[str] = []
 
@@ -194,7 +194,7 @@ def place_partitions(partitions: Sequence[nn.Module], devices: Sequence[torch.de
     """Moves each partition to its device; a parameter shared across
     partitions stays with the first, and the later ones borrow it.
 
-    Every tensor keeps its object (:func:`~torchgpipe.placement.place`): one
+    Every tensor keeps its object (:func:`~torchgpipe.foundation.placement.place`): one
     already in the memory of its partition's device (any CPU device, for a
     tensor on the CPU) is left as it is, one that must move (CPU to CUDA)
     moves in place, so the user's modules holding it see it moved.

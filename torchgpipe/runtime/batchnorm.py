@@ -1,0 +1,448 @@
+"""Deferred batch normalization: running statistics of the whole mini-batch.
+
+GPipe splits a mini-batch into micro-batches and runs each through a layer
+separately. An ordinary :class:`nn.BatchNorm2d <torch.nn.BatchNorm2d>` would
+therefore update its running statistics once per *micro*-batch: ``chunks``
+momentum steps per training step, each from a small and noisy sample. A model
+trained that way would evaluate differently from the same model trained
+without GPipe.
+
+:class:`DeferredBatchNorm` keeps the normalization of each micro-batch as it
+is (in training, a micro-batch is normalized by its own statistics, exactly as
+``nn.BatchNorm`` would do for it), but *defers* the update of the running
+statistics: the per-channel sum and sum of squares of every micro-batch are
+accumulated, and once the last of ``chunks`` micro-batches has passed, the
+running mean and variance are updated once, as ``nn.BatchNorm`` would have
+updated them for a single call on the whole mini-batch.
+
+A checkpointed micro-batch runs its forward twice (Section 3.2.4 of the
+paper); the recomputation must not count the same samples again, so nothing
+is accumulated while :func:`torchgpipe.is_recomputing` is true.
+
+Inside GPipe, a step may fail halfway (an exception in a layer, Ctrl-C), after
+some layers saw every micro-batch and others only a few. So GPipe holds the
+commit until the whole step is done (``deferred_step``): a step that
+fails commits nothing and leaves no sums behind for the next to mix in.
+"""
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Type
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.lazy import LazyModuleMixin
+
+from torchgpipe.foundation.layers import replace_layers, share_state
+from torchgpipe.foundation.validation import check_chunks, describe
+from torchgpipe.foundation.phase import is_recomputing
+
+__all__ = ['DeferredBatchNorm']
+
+
+class DeferredBatchNorm(_BatchNorm):
+    r"""A BatchNorm layer that commits its running statistics once per mini-batch.
+
+    In training mode (with ``track_running_stats=True``), every call
+    normalizes its input with that input's own batch statistics, like
+    :class:`nn.BatchNorm1d <torch.nn.BatchNorm1d>`, ``BatchNorm2d`` and
+    ``BatchNorm3d`` do, but leaves the running statistics alone. Instead it
+    accumulates the per-channel sum and sum of squares of the input. After
+    ``chunks`` calls, ``running_mean``, ``running_var`` and
+    ``num_batches_tracked`` are updated exactly once, to the values that an
+    ``nn.BatchNorm`` layer would have after one call on the concatenation of
+    those ``chunks`` inputs: the exponential moving average with
+    ``momentum``, or the cumulative average when ``momentum`` is ``None``,
+    of the mean and the unbiased variance of the whole mini-batch.
+
+    Calls made while :func:`torchgpipe.is_recomputing` returns
+    ``True`` (the recomputation of a checkpointed micro-batch) are
+    normalized the same way but are not counted.
+
+    In evaluation mode, or with ``track_running_stats=False``, it behaves
+    exactly like ``nn.BatchNorm``.
+
+    The layer accepts 2D to 5D inputs of shape ``(N, C, *)``, so one
+    class stands in for ``BatchNorm1d``, ``BatchNorm2d`` and ``BatchNorm3d``.
+
+    Usually you don't create it yourself: :class:`~torchgpipe.GPipe` with
+    ``deferred_batch_norm=True`` calls :meth:`convert_deferred_batch_norm`.
+
+    Args:
+        num_features (int): number of channels ``C``
+        eps (float): value added to the denominator for numerical stability
+            (default: ``1e-5``)
+        momentum (float or None): factor of the exponential moving average of
+            the running statistics, or ``None`` for a cumulative moving
+            average (default: ``0.1``)
+        affine (bool): whether to have learnable affine parameters
+            (default: ``True``)
+        chunks (int): number of micro-batches that make up one mini-batch,
+            i.e. number of training calls per commit (default: ``1``)
+
+    Keyword Args:
+        track_running_stats (bool): whether to track running statistics
+            (default: ``True``)
+        bias (bool): whether the affine transformation has a learnable bias;
+            ignored when ``affine`` is ``False`` (default: ``True``)
+        device (torch.device, optional): device of the parameters and buffers
+        dtype (torch.dtype, optional): dtype of the parameters and buffers
+
+    Raises:
+        TypeError: ``chunks`` is not a number.
+        ValueError: ``chunks`` is not a positive integer.
+    """
+
+    # Accumulated over the micro-batches of the current mini-batch. They are
+    # plain attributes, not buffers: they are transient (reset at every
+    # commit), ``module.half()`` must not lower their float64 precision, and
+    # DistributedDataParallel must not broadcast them as model state. Only
+    # the state dict shows them, as torchgpipe 0.0.7's buffers of the same
+    # names (see _save_to_state_dict).
+    sum: Optional[Tensor]
+    sum_squares: Optional[Tensor]
+    count: int
+    counter: int
+
+    #: The class of the BatchNorm layer this one replaced, restored by
+    #: :func:`restore_batch_norm`; ``None`` for a layer made directly.
+    replaced_class: Optional[Type[_BatchNorm]] = None
+
+    #: Whether GPipe (``deferred_step``) commits the statistics at the end of a
+    #: step, rather than the layer itself after ``chunks`` micro-batches.
+    held: bool = False
+
+    def __init__(self,
+                 num_features: int,
+                 eps: float = 1e-5,
+                 momentum: Optional[float] = 0.1,
+                 affine: bool = True,
+                 chunks: int = 1,
+                 *,
+                 track_running_stats: bool = True,
+                 bias: bool = True,
+                 device: Optional[torch.device] = None,
+                 dtype: Optional[torch.dtype] = None,
+                 ) -> None:
+        chunks = check_chunks(chunks)
+
+        super().__init__(num_features, eps, momentum, affine, track_running_stats,
+                         device=device, dtype=dtype)
+        if affine and not bias:
+            # Older PyTorch has no ``bias`` argument on BatchNorm; dropping the
+            # parameter afterwards works on every version.
+            self.register_parameter('bias', None)
+
+        self.chunks = chunks
+        self._reset_accumulators()
+
+    def extra_repr(self) -> str:
+        # Spelled out rather than extending super().extra_repr(), which is
+        # untyped; the fields are those nn.BatchNorm shows, plus chunks.
+        return (f'{self.num_features}, eps={self.eps}, momentum={self.momentum}, '
+                f'affine={self.affine}, track_running_stats={self.track_running_stats}, '
+                f'chunks={self.chunks}')
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        # Stands in for BatchNorm1d (2D/3D), BatchNorm2d (4D) and BatchNorm3d (5D).
+        if not 2 <= input.dim() <= 5:
+            raise ValueError(f'expected 2D, 3D, 4D or 5D input (got {input.dim()}D input)')
+
+    def _reset_accumulators(self) -> None:
+        self.sum = None
+        self.sum_squares = None
+        self.count = 0
+        self.counter = 0
+
+    def _save_to_state_dict(self, destination: Dict[str, Any], prefix: str,
+                            keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.running_mean is None:
+            return
+        # torchgpipe 0.0.7 kept the sums as buffers of the running
+        # statistics' shape and dtype, zeros between mini-batches: its state
+        # dicts have these keys, and so do ours.
+        for name, value in (('sum', self.sum), ('sum_squares', self.sum_squares)):
+            if value is None:
+                destination[prefix + name] = torch.zeros_like(self.running_mean)
+            else:
+                destination[prefix + name] = value.to(self.running_mean.dtype)
+
+    def _load_from_state_dict(self, state_dict: Dict[str, Any], prefix: str,
+                              local_metadata: Dict[str, Any], strict: bool,
+                              missing_keys: List[str], unexpected_keys: List[str],
+                              error_msgs: List[str]) -> None:
+        # The sums are optional, and their values unused: a state dict of
+        # torchgpipe 0.0.7 has them (zeros between mini-batches), the state
+        # dict of a plain BatchNorm layer (a model trained without GPipe)
+        # has not, and both load strictly. Without the count of values they
+        # were accumulated from, sums could not be resumed anyway.
+        if self.running_mean is not None:
+            state_dict.pop(prefix + 'sum', None)
+            state_dict.pop(prefix + 'sum_squares', None)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
+                                      missing_keys, unexpected_keys, error_msgs)
+
+    def _accumulate(self, input: Tensor, mean: Tensor, unbiased_var: Tensor) -> None:
+        """Adds the statistics of one micro-batch to the accumulators.
+
+        ``mean`` and ``unbiased_var`` are the per-channel statistics of
+        ``input`` as the batch norm kernel computed them.
+        """
+        self.counter += 1
+        count = input.numel() // input.size(1)
+        if count == 0:
+            # An empty micro-batch counts as a call (nn.BatchNorm increments
+            # num_batches_tracked for an empty batch too) but adds no values.
+            return
+
+        with torch.no_grad():
+            # The kernel's mean is rounded to the input precision. Between
+            # micro-batches that rounding error does not cancel: when
+            # |mean| >> std it would dominate the spread of the micro-batch
+            # means, hence the variance of the whole mini-batch. Recover the
+            # lost digits from the residuals, which are small and so summed
+            # accurately in the input precision.
+            shift = mean.to(input.dtype)
+            shape = [1, -1] + [1] * (input.dim() - 2)
+            dims = [0] + list(range(2, input.dim()))
+            residual = (input.detach() - shift.view(shape)).sum(dims)
+            exact_mean = shift.to(torch.float64) + residual.to(torch.float64) / count
+
+            biased_var = unbiased_var.to(torch.float64) * ((count - 1) / count)
+
+            # float64 keeps sum_squares/n - mean**2, computed at the commit,
+            # free of cancellation.
+            batch_sum = exact_mean * count
+            batch_sum_squares = (biased_var + exact_mean * exact_mean) * count
+
+        if self.sum is None or self.sum_squares is None:
+            self.sum = batch_sum
+            self.sum_squares = batch_sum_squares
+        else:
+            # .to() is a no-op unless the module moved in mid-mini-batch.
+            self.sum = self.sum.to(batch_sum.device) + batch_sum
+            self.sum_squares = self.sum_squares.to(batch_sum.device) + batch_sum_squares
+        self.count += count
+
+    def _commit(self) -> None:
+        """Updates the running statistics once for the whole mini-batch."""
+        assert self.running_mean is not None and self.running_var is not None
+
+        # The factor is chosen exactly as in nn.BatchNorm.forward.
+        if self.momentum is None:
+            factor = 0.0
+        else:
+            factor = self.momentum
+        if self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:
+                factor = 1.0 / float(self.num_batches_tracked)
+
+        # No sum means every micro-batch was empty: like nn.BatchNorm on an
+        # empty batch, count the batch but keep the statistics.
+        if self.sum is not None and self.sum_squares is not None:
+            count = self.count
+            mean = self.sum / count
+            # Rounding can make a zero variance slightly negative.
+            biased_var = (self.sum_squares / count - mean * mean).clamp_(min=0)
+            # Each non-empty micro-batch had more than one value per channel
+            # (F.batch_norm refuses fewer), so count > 1 here.
+            unbiased_var = biased_var * (count / (count - 1))
+
+            running_mean = self.running_mean.to(torch.float64)
+            running_var = self.running_var.to(torch.float64)
+            self.running_mean.copy_(factor * mean + (1.0 - factor) * running_mean)
+            self.running_var.copy_(factor * unbiased_var + (1.0 - factor) * running_var)
+
+        self._reset_accumulators()
+
+    def forward(self, input: Tensor) -> Tensor:
+        """Normalizes ``input`` and, in training, accumulates its statistics.
+
+        Args:
+            input (Tensor): a micro-batch of shape ``(N, C, *)``
+
+        Returns:
+            Tensor: the normalized micro-batch, of the same shape
+
+        Raises:
+            ValueError: ``input`` is not 2D to 5D, or has only one value per
+                channel in training mode.
+        """
+        if not (self.training and self.track_running_stats):
+            # Nothing to defer: nn.BatchNorm's own logic is the reference.
+            return super().forward(input)
+
+        self._check_input_dim(input)
+
+        if is_recomputing():
+            # These samples were counted by the first pass already.
+            return F.batch_norm(input, None, None, self.weight, self.bias,
+                                True, 0.0, self.eps)
+
+        assert self.running_mean is not None
+        # Let the batch norm kernel compute the micro-batch statistics as a
+        # by-product: with momentum=1 it overwrites these scratch "running"
+        # statistics with the batch mean and the unbiased batch variance,
+        # saving a second pass over the input. The real running statistics
+        # are untouched until the commit.
+        mean = torch.zeros_like(self.running_mean)
+        unbiased_var = torch.zeros_like(self.running_mean)
+        output = F.batch_norm(input, mean, unbiased_var, self.weight, self.bias,
+                              True, 1.0, self.eps)
+
+        self._accumulate(input, mean, unbiased_var)
+        if self.counter == self.chunks and not self.held:
+            self._commit()
+
+        return output
+
+    @classmethod
+    def convert_deferred_batch_norm(cls, module: nn.Module, chunks: int = 1) -> nn.Module:
+        """Replaces every BatchNorm layer in ``module`` with :class:`DeferredBatchNorm`.
+
+        Every :class:`_BatchNorm <torch.nn.modules.batchnorm._BatchNorm>`
+        (``nn.BatchNorm1d``, ``BatchNorm2d``, ``BatchNorm3d``,
+        ``SyncBatchNorm``, ...) found recursively in ``module`` is replaced in
+        place, in its parent, by a :class:`DeferredBatchNorm` sharing its
+        weight and bias (the same :class:`~torch.nn.Parameter` objects, so an
+        optimizer built before the conversion still updates them) and its
+        running statistics, with the same ``eps``, ``momentum``, ``affine``
+        and training mode. A layer reached through several parents is
+        replaced by one shared :class:`DeferredBatchNorm`. As in torchgpipe
+        0.0.7, a layer that is already deferred is left as it is when its
+        ``chunks`` is the one asked for, and replaced like any other
+        BatchNorm layer when it is not: it would otherwise commit its
+        statistics after the wrong number of micro-batches. Its replacement
+        shares its parameters and running statistics in the same way, and
+        starts a new mini-batch: sums accumulated by the old layer in the
+        middle of one are not carried over. A layer with
+        ``track_running_stats=False`` has no running statistics to defer
+        and is left as it is.
+
+        Args:
+            module (nn.Module): the module to convert; if it is itself a
+                BatchNorm layer to replace, a new module is returned instead
+            chunks (int): number of micro-batches per mini-batch; an
+                integral number such as ``4.0`` is taken as an int
+                (default: ``1``)
+
+        Returns:
+            nn.Module: ``module``, or its replacement when ``module`` itself
+            is a BatchNorm layer that is replaced
+
+        Raises:
+            TypeError: ``chunks`` is not a number.
+            ValueError: ``chunks`` is not a positive integer, or a lazy
+                BatchNorm layer has not been initialized yet; ``module`` is
+                then left as it was.
+
+        Example::
+
+            >>> model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU())
+            >>> model = DeferredBatchNorm.convert_deferred_batch_norm(model, chunks=4)
+            >>> model[1].chunks
+            4
+            >>> type(model[1]).__name__
+            'DeferredBatchNorm'
+            >>> DeferredBatchNorm.convert_deferred_batch_norm(model[1], chunks=4) is model[1]
+            True
+            >>> DeferredBatchNorm.convert_deferred_batch_norm(model[1], chunks=8).chunks
+            8
+        """
+        chunks = check_chunks(chunks)
+        # Checked before the first replacement, so that a failure leaves
+        # ``module`` as it was.
+        for name, layer in module.named_modules():
+            if (isinstance(layer, _BatchNorm) and isinstance(layer, LazyModuleMixin)
+                    and layer.has_uninitialized_params()):
+                path = f'module.{name}' if name else 'module'
+                raise ValueError(describe('cannot convert a lazy BatchNorm layer before its first '
+                                          'forward has inferred num_features',
+                                          f'{path}: {type(layer).__name__}',
+                                          'run one forward pass first, such as model(sample)'))
+        return replace_layers(module, lambda layer: cls._from_batch_norm(layer, chunks))
+
+    @classmethod
+    def _from_batch_norm(cls, layer: nn.Module, chunks: int) -> Optional['DeferredBatchNorm']:
+        """The deferred replacement of a BatchNorm layer; ``None`` for any
+        other layer, for a layer already deferred over ``chunks``
+        micro-batches, and for one without running statistics (there is
+        nothing to defer)."""
+        if not isinstance(layer, _BatchNorm) or not layer.track_running_stats:
+            return None
+        if isinstance(layer, DeferredBatchNorm) and layer.chunks == chunks:
+            return None
+        # Built on the meta device: every tensor is replaced just below, so
+        # allocating real storage for it would be wasted.
+        deferred = cls(layer.num_features, layer.eps, layer.momentum, layer.affine, chunks,
+                       device=torch.device('meta'))
+        share_state(layer, deferred)
+        # A deferred layer passes on the class it replaced (None if it was
+        # made directly), so that restore_batch_norm returns to the original.
+        deferred.replaced_class = (layer.replaced_class if isinstance(layer, DeferredBatchNorm)
+                                   else type(layer))
+        return deferred
+
+
+@contextmanager
+def deferred_step(layers: Sequence[DeferredBatchNorm], chunks: int) -> Iterator[None]:
+    """Runs a step of ``chunks`` micro-batches, committing the layers' statistics at its end.
+
+    Within the context, the layers accumulate the statistics of every
+    micro-batch without committing them. If the context ends normally, each
+    layer that saw micro-batches in training commits once, for the whole
+    mini-batch. If it ends by an exception (``KeyboardInterrupt`` too), the
+    sums are dropped, and the running statistics stay as they were before
+    the step, whichever layers had seen every micro-batch.
+
+    Args:
+        layers: the deferred BatchNorm layers of the pipeline
+        chunks: the number of micro-batches of the step
+    """
+    for layer in layers:
+        # Leftovers of a call outside a step would mix into this one.
+        layer._reset_accumulators()
+        layer.chunks = chunks
+        layer.held = True
+    try:
+        yield
+    except BaseException:
+        for layer in layers:
+            layer._reset_accumulators()
+        raise
+    finally:
+        for layer in layers:
+            layer.held = False
+    for layer in layers:
+        if layer.counter:
+            layer._commit()
+
+
+def restore_batch_norm(module: nn.Module) -> nn.Module:
+    """Turns every :class:`DeferredBatchNorm` that
+    :meth:`~DeferredBatchNorm.convert_deferred_batch_norm` made in ``module``
+    back into the BatchNorm layer it replaced, in place.
+
+    The restored layer is of the replaced class (``nn.BatchNorm2d``, ...),
+    with the deferred layer's parameters and running statistics (the same
+    tensors), ``eps``, ``momentum`` and training mode; the accumulators of a
+    mini-batch in progress are dropped. A :class:`DeferredBatchNorm` made
+    directly has no class to return to and stays.
+
+    Returns:
+        nn.Module: ``module``, or its replacement when ``module`` itself is
+        a converted layer
+    """
+    def restore(layer: nn.Module) -> Optional[nn.Module]:
+        if not isinstance(layer, DeferredBatchNorm) or layer.replaced_class is None:
+            return None
+        restored = layer.replaced_class(layer.num_features, layer.eps, layer.momentum,
+                                        layer.affine, device=torch.device('meta'))
+        share_state(layer, restored)
+        return restored
+
+    return replace_layers(module, restore)
+
+

@@ -1,0 +1,427 @@
+"""Checkpointing with two autograd functions sharing memory (Section 3.2.4).
+
+PyTorch's own checkpoint recomputes a forward inside the backward of a single
+autograd node, tying the recomputation ``F'(i, j)`` to ``B(i, j)``. GPipe
+wants the recomputation to start *before* the gradient from the next partition
+has arrived, so the two overlap. Here :class:`Checkpoint` (forward without
+keeping activations, backward through the recomputed graph) and
+:class:`Recompute` (the recomputation) are separate nodes that share a
+``recomputed`` slot. Recompute passes the output through; the pipeline puts
+the Wait for the gradient's copy stream between the two::
+
+    forward:   input ─► Checkpoint ─► output ─► Wait ─► Recompute ─► output'
+
+    backward:  1. the gradient of output' arrives at Recompute (its copy,
+                  issued on a copy stream, may still be running)
+               2. Recompute.backward: recompute F with the saved input; stash
+                  the local graph in the shared slot; pass the gradient on
+               3. Wait.backward: the compute stream waits for the copy
+               4. Checkpoint.backward: backpropagate through the stashed graph
+
+On CUDA, the recomputation's kernels thus queue before the wait, and run
+while the gradient is still being copied.
+
+The recomputation replays the forward exactly: the two passes run in the
+contexts of :mod:`torchgpipe.runtime.replay`, which a training step's recomputation
+uses too, so dropout draws the same masks and mixed precision computes in the
+same dtypes. Recompute keeps what it replays from
+(the input and the generator states) as saved tensors, so a graph kept by
+``retain_graph=True`` can be backpropagated through again, recomputing again.
+
+A partition that changes its input in place (``nn.ReLU(inplace=True)`` first)
+would overwrite the input saved for the recomputation, and cannot run on a
+leaf in the recomputation. For such a partition (see
+:class:`~torchgpipe.runtime.traits.PartitionTraits`) both passes run on copies.
+"""
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, cast
+
+import torch
+from torch import Tensor
+
+from torchgpipe.foundation.autocast import AutocastStates
+from torchgpipe.foundation.microbatch import Batch, TensorOrTensors, Tensors, arrange
+from torchgpipe.foundation.nochunk import Layout
+# enable_checkpointing and enable_recomputing are reached here by users of 0.0.7.
+from torchgpipe.foundation.phase import (collect_roots, enable_checkpointing, enable_recomputing,  # noqa: F401
+                              is_checkpointing, is_recomputing)
+from torchgpipe.foundation.phony import get_phony
+from torchgpipe.runtime.replay import FirstPass, first_pass, recomputation
+from torchgpipe.foundation.record import label
+from torchgpipe.runtime.traits import PartitionTraits, call_on_copies
+
+# The two flags are public (exported by the package); the rest is internal.
+__all__ = ['is_checkpointing', 'is_recomputing']
+
+Function = Callable[[TensorOrTensors], TensorOrTensors]
+
+# What Recompute leaves for Checkpoint.backward: the recomputed output, the
+# input leaves it was computed from, and the roots the recomputation added
+# (phase.add_root).
+Recomputed = Tuple[TensorOrTensors, Tensors, List[Tensor]]
+
+
+class Context:
+    """What a :class:`Checkpoint` and its :class:`Recompute` share, apart from tensors.
+
+    Tensors go through the autograd functions' arguments and saved tensors,
+    which autograd tracks and releases; this holds the rest, and the slots
+    through which the passes hand over their results. One is made for every
+    checkpointed task, hence a plain class with slots.
+
+    Args:
+        function: the partition, as a function of a tensor or a tuple of
+            tensors
+        atomic: whether the function takes a tensor rather than a tuple
+        layout: where the input tensors go among the other values of the
+            input tuple (``None``: the input is tensors only)
+        num_inputs: how many leading tensor arguments are the input (then
+            parameters, or generator states)
+        traits: what earlier runs showed about the partition; the first pass
+            learns whether it modifies its input in place
+        exclusive_rng: whether the recomputation may draw from the CPU
+            generator, and so must hold it alone
+        task: the task's ``(i, j)``, for the labels of a profiler
+    """
+
+    __slots__ = ('function', 'atomic', 'layout', 'num_inputs', 'traits', 'exclusive_rng',
+                 'task', 'first_pass', 'recomputed', 'autocast_states', 'ended',
+                 'output_layout')
+
+    def __init__(self, function: Function, atomic: bool, layout: Optional[Layout],
+                 num_inputs: int, traits: PartitionTraits, exclusive_rng: bool,
+                 task: Tuple[int, int]) -> None:
+        self.function = function
+        #: The task's ``(i, j)``, for the profiler's labels of its backward pass.
+        self.task = task
+        self.atomic = atomic
+        self.layout = layout
+        self.num_inputs = num_inputs
+        self.traits = traits
+        self.exclusive_rng = exclusive_rng
+        #: The states to replay, from Checkpoint.forward to Checkpointing.recompute.
+        self.first_pass: Optional[FirstPass] = None
+        #: The recomputed graph, from Recompute.backward to Checkpoint.backward,
+        #: which takes it out so that it is freed after use.
+        self.recomputed: Optional[Recomputed] = None
+        #: The autocast state to recompute in.
+        self.autocast_states: Optional[AutocastStates] = None
+        #: Where the first pass left the CPU generator (see FirstPass).
+        self.ended: Optional[Tensor] = None
+        #: Where the output tensors go among the other values of the output
+        #: tuple: Checkpoint returns the tensors only.
+        self.output_layout: Optional[Layout] = None
+
+    def arguments(self, input: Tensors) -> TensorOrTensors:
+        """The function's argument, from the input tensors."""
+        return arrange(self.atomic, self.layout, input)
+
+
+class Checkpointing:
+    """Generates a pair of :class:`Checkpoint` and :class:`Recompute` for one batch.
+
+    Args:
+        function: the partition to run on the batch
+        batch (Batch): the input micro-batch
+        parameters: the parameters of the function that require grad.
+            Their gradients are returned by the checkpoint's backward, summed
+            by the autograd engine over micro-batches and accumulated once per
+            backward pass, as without checkpointing (DistributedDataParallel
+            relies on that). Gradients of other leaves the function reaches are
+            accumulated directly.
+        traits: what earlier runs showed about the partition; whether it
+            modifies its input in place is learned here
+        exclusive_rng: whether the recomputation may draw from the CPU
+            generator, and so must hold it alone
+        task: the task's ``(i, j)``, which labels its backward pass for a profiler
+    """
+
+    def __init__(self, function: Function, batch: Batch, parameters: Sequence[Tensor] = (),
+                 traits: Optional[PartitionTraits] = None, exclusive_rng: bool = True,
+                 task: Tuple[int, int] = (0, 0)) -> None:
+        self.batch = batch
+        self.parameters = parameters
+        self.context = Context(function, batch.atomic, batch.layout, len(batch),
+                               PartitionTraits() if traits is None else traits, exclusive_rng,
+                               task)
+
+    def checkpoint(self) -> Batch:
+        """Runs the function without keeping activations; returns the output batch."""
+        # The phony requires grad, so the output always has a backward node to
+        # hang the recomputation on, even if no input requires grad.
+        phony = get_phony(self.batch[0].device, requires_grad=True)
+        output = Checkpoint.apply(phony, self.context,  # type: ignore[no-untyped-call]
+                                  *self.batch, *self.parameters)
+        if isinstance(output, tuple):
+            # Only floating point tensors can carry gradients.
+            output = tuple(x if x.is_floating_point() else x.detach() for x in output)
+        layout = self.context.output_layout
+        if layout is not None:
+            return Batch(cast(Tensors, layout.fill(output)), layout)
+        return Batch(output)
+
+    def recompute(self, batch: Batch) -> None:
+        """Schedules the recomputation right before the checkpoint's backward.
+
+        Args:
+            batch (Batch): the output batch :meth:`checkpoint` returned; each
+                tensor that requires grad is replaced by one that carries the
+                dependency
+        """
+        context = self.context
+        assert context.first_pass is not None
+        (cpu_rng_state, gpu_rng_state) = context.first_pass.rng
+        context.autocast_states = context.first_pass.autocast
+        context.ended = context.first_pass.ended
+        context.first_pass = None
+        # Every floating point output requires grad: it came out of Checkpoint
+        # with a phony that does. With none, there is no backward to precede.
+        # A Recompute on each, not on the first alone: the checkpoint's
+        # backward runs once any output has a gradient, and an output nothing
+        # used never gets one. The first Recompute to run recomputes; the
+        # others find the graph there and pass their gradients on.
+        rng_tensors = (cpu_rng_state,) if gpu_rng_state is None else (cpu_rng_state, gpu_rng_state)
+        for index in range(len(batch)):
+            if batch[index].requires_grad:
+                batch[index] = Recompute.apply(  # type: ignore[no-untyped-call]
+                    batch[index], context, *self.batch, *rng_tensors)
+
+
+def checkpoint_stop(checkpoint: str, chunks: int, m: int, training: bool) -> int:
+    """How many of the first of ``m`` micro-batches the checkpoint mode ``checkpoint`` checkpoints.
+
+    None without a backward pass to come (in evaluation mode, or with
+    gradients disabled). As in torchgpipe 0.0.7, ``'except_last'`` spares
+    the last of ``chunks`` micro-batches: a short mini-batch split into fewer
+    micro-batches has all of them checkpointed.
+    """
+    if not (training and torch.is_grad_enabled()):
+        return 0
+    return {'always': m, 'except_last': min(m, chunks - 1), 'never': 0}[checkpoint]
+
+
+def checkpoint(function: Function, input: TensorOrTensors) -> TensorOrTensors:
+    """Makes a checkpoint with a simple interface, like :func:`torch.utils.checkpoint.checkpoint`.
+
+    It is only meant to test or debug :class:`Checkpoint` and
+    :class:`Recompute` without boilerplate.
+
+    Args:
+        function: a function of a tensor or a tuple of tensors
+        input (torch.Tensor or tuple of tensors): its input
+
+    Returns:
+        torch.Tensor or tuple of tensors: what ``function`` returns, with
+        activations dropped and recomputed during the backward pass
+
+    Example::
+
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> checkpoint(lambda x: x * 3, x).sum().backward()
+        >>> x.grad
+        tensor([3., 3.])
+    """
+    batch = Batch(input)
+    chk = Checkpointing(function, batch)
+    output = chk.checkpoint()
+    chk.recompute(output)
+    return output.values
+
+
+class Checkpoint(torch.autograd.Function):
+    """Runs the function without keeping activations; backward uses :class:`Recompute`'s graph.
+
+    Why the parameters are arguments of Checkpoint, and what
+    :func:`reachable_leaves` is for::
+
+        without checkpointing             with checkpointing
+
+        W ──► F(0,j) ─┐                   W ──┬──► Checkpoint(0,j)
+        W ──► F(1,j) ─┤  engine sums          └──► Checkpoint(1,j)
+                      ▼  then once:                    │ backward: autograd.grad through
+                AccumulateGrad(W)                      │ the recomputed graph, returns
+                                                       ▼ dW as the gradient of input W
+                                              AccumulateGrad(W), once, after the
+                                              engine summed dW over micro-batches
+
+    The backward differentiates the recomputed graph as
+    :func:`torch.autograd.grad` does (:func:`differentiate`), which returns
+    gradients instead of accumulating them. Returning each parameter's as the
+    gradient of a Checkpoint input leaves the accumulation to the engine, once
+    per backward pass as without checkpointing: hooks on it
+    (DistributedDataParallel's) fire as usual. Differentiating needs the list
+    of leaves to differentiate for; :func:`reachable_leaves` walks the
+    recomputed graph to find them all, so leaves that are neither the input
+    nor a parameter of the partition (a tensor a layer captured) get their
+    gradients too.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, phony: Tensor, context: Context,
+                *input_and_parameters: Tensor) -> TensorOrTensors:
+        ctx.context = context
+        # Outputs nothing used get no gradient (None, skipped by the
+        # backward), not zeros, which would give the parameters they came
+        # from gradients of zero where the unwrapped model leaves them None.
+        ctx.set_materialize_grads(False)
+        input = input_and_parameters[:context.num_inputs]
+        ctx.parameters = input_and_parameters[context.num_inputs:]
+
+        with first_pass(input[0].device) as context.first_pass:
+            output = context.traits.call(context.function, input, context.arguments, 'GPipe')
+        if isinstance(output, Tensor):
+            return output
+        # An autograd function returns tensors only: the other values of the
+        # output, and which tensors are NoChunk, go through the context.
+        batch = Batch(output)
+        context.output_layout = batch.layout
+        return output if batch.layout is None else tuple(batch)
+
+    @staticmethod
+    def backward(ctx: Any, *grad_output: Tensor) -> Tuple[Optional[Tensor], ...]:
+        with label('backward', ctx.context.task):
+            return Checkpoint.backpropagate(ctx, *grad_output)
+
+    @staticmethod
+    def backpropagate(ctx: Any, *grad_output: Tensor) -> Tuple[Optional[Tensor], ...]:
+        """The backward pass through the recomputed graph."""
+        context: Context = ctx.context
+        assert context.recomputed is not None
+        output, input_leaf, roots = context.recomputed
+        context.recomputed = None
+        outputs = (output,) if isinstance(output, Tensor) else tuple(Batch(output))
+        tensors = []
+        grad_tensors = []
+        for o, g in zip(outputs, grad_output):
+            if o.requires_grad and g is not None:
+                tensors.append(o)
+                grad_tensors.append(g)
+        # Roots whose backward must run whatever the outputs' gradients (a
+        # skip's portal phony: its backward hands the skip's gradient to the
+        # stashed tensor). Each is empty, and so is its gradient. Reached from
+        # an output too, its node still runs once.
+        for root in roots:
+            tensors.append(root)
+            grad_tensors.append(root.detach())
+
+        # Gradients by id() of the leaf: hashing tensors calls into Python.
+        grads: Dict[int, Optional[Tensor]] = {}
+        leaves: Dict[int, Tensor] = {}
+        if tensors:
+            leaves = reachable_leaves(tensors)
+            if leaves:
+                grads = dict(zip(leaves, differentiate(tensors, grad_tensors, leaves.values())))
+
+        # None for the phony and the context, then the input and the parameters.
+        result = (None, None, *(grads.pop(id(x), None) for x in input_leaf),
+                  *(grads.pop(id(p), None) for p in ctx.parameters))
+
+        # The leaves left are neither inputs nor declared parameters (tensors
+        # a layer captured): they get their gradients as a plain backward would.
+        for key, grad in grads.items():
+            if grad is not None:
+                leaf = leaves[key]
+                leaf.grad = grad if leaf.grad is None else leaf.grad + grad
+        return result
+
+
+def differentiate(tensors: Sequence[Tensor], grad_tensors: Sequence[Tensor],
+                  leaves: Iterable[Tensor]) -> Tuple[Optional[Tensor], ...]:
+    """The gradients of ``leaves``, as :func:`torch.autograd.grad` with ``allow_unused=True``.
+
+    It calls the autograd engine directly: the arguments are known to be
+    well-formed, and the checks of :func:`torch.autograd.grad` (shapes,
+    ``__torch_function__``, batched gradients) cost as much as a small
+    partition's backward kernels, once per checkpointed task.
+    """
+    return cast(Tuple[Optional[Tensor], ...], ENGINE.run_backward(
+        tuple(tensors), tuple(grad_tensors), False, False, tuple(leaves), True, False))
+
+
+# The autograd engine behind torch.autograd.grad and backward.
+ENGINE = cast(Any, torch.autograd.Variable)._execution_engine
+
+
+def reachable_leaves(tensors: Sequence[Tensor]) -> Dict[int, Tensor]:
+    """Finds every leaf requiring grad that a backward from ``tensors`` reaches, by id()."""
+    leaves = {}
+    stack = []
+    for t in tensors:
+        if t.grad_fn is None:
+            leaves[id(t)] = t
+        else:
+            stack.append(t.grad_fn)
+    seen = set(stack)
+    while stack:
+        for node, _ in stack.pop().next_functions:
+            if node is None or node in seen:
+                continue
+            if type(node) is AccumulateGrad:
+                # A leaf has one such node, and it leads nowhere: there is
+                # no need to remember it as seen.
+                variable = cast(Any, node).variable
+                leaves[id(variable)] = variable
+            else:
+                seen.add(node)
+                stack.append(node)
+    return leaves
+
+
+# The type of the autograd node that accumulates a leaf's gradient.
+AccumulateGrad = type(torch.empty(1, requires_grad=True).view(1).grad_fn
+                      .next_functions[0][0])  # type: ignore[union-attr]
+
+
+class Recompute(torch.autograd.Function):
+    """Recomputes the function of a :class:`Checkpoint` during the backward pass.
+
+    Its forward passes an output of the checkpoint through, so its backward
+    runs when that output's gradient arrives, before the checkpoint's. Each
+    output that may carry a gradient has one; the first whose gradient
+    arrives recomputes.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, output: Tensor, context: Context,
+                *input_and_rng_states: Tensor) -> Tensor:
+        ctx.context = context
+        ctx.set_materialize_grads(False)  # as Checkpoint's: None passes on as None
+        # Saved tensors, not attributes: they are released by a backward
+        # pass unless the graph is retained, and then they are kept for the
+        # next recomputation.
+        ctx.save_for_backward(*input_and_rng_states)
+        ctx.saved_count = len(input_and_rng_states)
+        return output.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
+        if ctx.context.recomputed is not None:
+            # Another output's Recompute ran first: the graph is there.
+            return (grad_output, None, *(None for _ in range(ctx.saved_count)))
+        with label('recompute', ctx.context.task):
+            return Recompute.recompute(ctx, grad_output)
+
+    @staticmethod
+    def recompute(ctx: Any, grad_output: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
+        """Recomputes the checkpoint's function, and passes the gradient on."""
+        context: Context = ctx.context
+        saved = ctx.saved_tensors
+        input, rng_tensors = saved[:context.num_inputs], saved[context.num_inputs:]
+        rng_states = (rng_tensors[0], rng_tensors[1] if len(rng_tensors) > 1 else None)
+        input_leaf = tuple(x.detach().requires_grad_(x.requires_grad) for x in input)
+
+        assert context.autocast_states is not None
+        roots: List[Tensor] = []
+        with recomputation(input[0].device,
+                           FirstPass(rng_states, context.autocast_states, context.ended),
+                           exclusive=context.exclusive_rng), collect_roots(roots):
+            if context.traits.modifies_input:
+                # In place on a leaf is an error, and would change the saved input.
+                output, _ = call_on_copies(context.function, input_leaf, context.arguments)
+            else:
+                output = context.function(context.arguments(input_leaf))
+
+        context.recomputed = (output, input_leaf, roots)
+
+        # The output's gradient passes through; nothing for the context and
+        # the saved tensors.
+        return (grad_output, None, *(None for _ in saved))
