@@ -79,7 +79,8 @@ def deterministic_seed() -> None:
 # (for deadlines, for ranks to start), so they overlap well with files that
 # compute. The others follow in their order.
 LONGEST_FIRST = [
-    'test_distributed_hangs.py', 'test_distributed_pipe.py', 'test_examples.py',
+    'test_distributed_hangs.py', 'test_typing_and_lint.py', 'test_distributed_pipe.py',
+    'test_examples.py',
     'test_benchmarks_smoke.py', 'test_docs.py', 'test_train_step.py',
     'test_distributed_tied.py', 'test_capture_effects.py', 'test_rng.py', 'test_models.py',
     'test_distributed_step.py', 'test_skip.py', 'test_capture.py', 'test_generation.py',
