@@ -14,10 +14,9 @@ Children send their results to the parent as plain Python data over a pipe
 fails here). The parent never waits longer than a deadline, and
 whenever it stops waiting (success, a child's error, a timeout or a pytest
 timeout) it terminates and reaps every child, so no process outlives its
-test (the fixture :func:`no_child_left` checks it). Runs may start from
-several threads at once. Having reported, a child
+test (the fixture :func:`no_child_left` checks it). Having reported, a child
 ends as the example does (``end_job``), and the parent checks that every
-child exited with status 0.
+child exited with status 0. Several threads may run groups at once.
 """
 import multiprocessing
 import os
