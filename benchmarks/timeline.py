@@ -55,9 +55,9 @@ from benchmarks.report import format_table
 from benchmarks.runner import Experiment, Figure, Preset, main as run_main
 from benchmarks.timing import time_steps, warmup_steps
 from torchgpipe import GPipe
-from torchgpipe.skip.skippable import Skippable
-from torchgpipe.runtime.state import RunState
 from torchgpipe.foundation.stream import current_stream
+from torchgpipe.runtime.state import RunState
+from torchgpipe.skip.skippable import Skippable
 from torchgpipe.timeline import Event, segments
 
 #: The settings of Table 1 and one more: (name, dependency, streams, portals, checkpoint).

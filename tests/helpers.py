@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from torchgpipe.engine.pipeline import clock_cycles
-from torchgpipe.skip import pop, skippable, stash
 from torchgpipe.engine.schedule import Action, Kind, Schedule
+from torchgpipe.skip import pop, skippable, stash
 
 
 #: GPipe's three checkpoint modes. The ``checkpoint`` fixture of conftest.py

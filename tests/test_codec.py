@@ -19,12 +19,12 @@ from torch import Tensor, nn
 from process_group import no_child_left  # noqa: F401 (an autouse fixture)
 from process_group import run_distributed
 from torchgpipe import NoChunk
-from torchgpipe.foundation.copy import Ready
+from torchgpipe.distributed.channels import SMALL
 from torchgpipe.distributed.codec import (Unreadable, Unsendable, decode, dump_header, encode,
                                           load_header)
-from torchgpipe.distributed.channels import SMALL
-from torchgpipe.foundation.microbatch import Batch
 from torchgpipe.engine.mailbox import Activation, Gradient, Parcel, Reply
+from torchgpipe.foundation.copy import Ready
+from torchgpipe.foundation.microbatch import Batch
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -35,8 +35,8 @@ from process_group import no_child_left  # noqa: F401 (an autouse fixture)
 from process_group import GLOO_TIMEOUT, run_distributed
 from test_distributed import FEATURES, TOLERANCE, PopAdd, Stash, build
 from torchgpipe import GPipe
-from torchgpipe.distributed.pipe import ranks_of_partitions
 from torchgpipe.distributed import DistributedGPipe
+from torchgpipe.distributed.pipe import ranks_of_partitions
 from torchgpipe.skip import Namespace
 
 pytestmark = pytest.mark.timeout(180)

@@ -21,9 +21,9 @@ import torchgpipe.distributed
 from process_group import no_child_left  # noqa: F401 (an autouse fixture)
 from process_group import run_distributed
 from test_distributed_pipe import CHUNKS, Config, batch, model, pipeline
-from torchgpipe.skip.layout import inspect_skip_layout
 from torchgpipe.engine.generators import expected_bubble, resolve
 from torchgpipe.engine.schedule import Kind, notation
+from torchgpipe.skip.layout import inspect_skip_layout
 
 pytestmark = pytest.mark.timeout(180)
 

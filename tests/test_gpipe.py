@@ -11,8 +11,8 @@ from torch.nn.parameter import UninitializedTensorMixin
 
 from helpers import cpu_devices
 from torchgpipe import GPipe, NoChunk, to_sequential
-from torchgpipe.runtime.batchnorm import DeferredBatchNorm
 from torchgpipe.gpipe import BalanceError, split_module, verify_module
+from torchgpipe.runtime.batchnorm import DeferredBatchNorm
 from torchgpipe.skip import skippable, stash
 
 CPU2 = ['cpu', 'cpu']

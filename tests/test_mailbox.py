@@ -4,9 +4,9 @@ from typing import List
 
 import pytest
 
-from torchgpipe.skip import Namespace
 from torchgpipe.engine.mailbox import Activation, Gradient, Mailbox, Skip, SkipGradient
 from torchgpipe.runtime.worker import Stopped
+from torchgpipe.skip import Namespace
 
 
 def test_messages_of_different_kinds_never_share_a_key() -> None:

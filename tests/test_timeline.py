@@ -22,10 +22,10 @@ from torch import Tensor, nn
 
 import torchgpipe
 from torchgpipe import GPipe
-from torchgpipe.engine.pipeline import clock_cycles
-from torchgpipe.timeline import Event, Timeline, segments
 from torchgpipe.engine.generators import resolve
+from torchgpipe.engine.pipeline import clock_cycles
 from torchgpipe.engine.schedule import Action, Kind, idle, simulate, unit_cost
+from torchgpipe.timeline import Event, Timeline, segments
 
 CHECKPOINT_STOP = {'always': lambda m, chunks: m,
                    'except_last': lambda m, chunks: min(m, chunks - 1),

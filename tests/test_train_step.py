@@ -23,8 +23,8 @@ from torch import Tensor, nn
 
 import torchgpipe
 from torchgpipe import GPipe
-from torchgpipe.runtime.batchnorm import DeferredBatchNorm
 from torchgpipe.engine.generators import SCHEDULES, named, resolve
+from torchgpipe.runtime.batchnorm import DeferredBatchNorm
 from torchgpipe.skip import Namespace
 
 # -- gradients ----------------------------------------------------------------------

@@ -34,12 +34,12 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import fx, nn
 
-from torchgpipe.foundation.validation import brief, describe
 from torchgpipe.capture import export, fx as fx_capture
-from torchgpipe.capture.fx import LeafSpec
-from torchgpipe.capture.graph import Captured, named_arguments
 from torchgpipe.capture import pieces
 from torchgpipe.capture.cut import GeneratedChild, child_name, transient
+from torchgpipe.capture.fx import LeafSpec
+from torchgpipe.capture.graph import Captured, named_arguments
+from torchgpipe.foundation.validation import brief, describe
 from torchgpipe.gpipe import GPipe
 from torchgpipe.skip.namespace import Namespace
 from torchgpipe.skip.skippable import skippable_class

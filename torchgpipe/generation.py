@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any, Optional, Union, cast
 import torch
 from torch import Tensor
 
-from torchgpipe.gpipe import GPipe
 from torchgpipe.foundation.microbatch import TensorOrTensors
 from torchgpipe.foundation.validation import describe
+from torchgpipe.gpipe import GPipe
 
 if TYPE_CHECKING:  # loaded on first use, as torchgpipe.distributed is
     from torchgpipe.distributed import DistributedGPipe

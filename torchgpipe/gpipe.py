@@ -5,18 +5,18 @@ import torch
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from torchgpipe.foundation import microbatch
-from torchgpipe.runtime import plain
-from torchgpipe.runtime.batchnorm import DeferredBatchNorm
 from torchgpipe.engine.core import Core, CoreModule
+from torchgpipe.foundation import microbatch
 from torchgpipe.foundation.microbatch import TensorOrTensors
-from torchgpipe.runtime.partition import split_module
-from torchgpipe.skip.layout import inspect_skip_layout
-from torchgpipe.skip.skippable import verify_skippables
 from torchgpipe.foundation.validation import (BalanceError, Device, Devices, check_balance,
                                               check_chunks, check_devices, deny_moving, describe,
                                               example_balance, recommend_auto_balance,
                                               verify_module)
+from torchgpipe.runtime import plain
+from torchgpipe.runtime.batchnorm import DeferredBatchNorm
+from torchgpipe.runtime.partition import split_module
+from torchgpipe.skip.layout import inspect_skip_layout
+from torchgpipe.skip.skippable import verify_skippables
 
 __all__ = ['GPipe', 'BalanceError', 'verify_module', 'split_module']
 

@@ -24,8 +24,8 @@ from typing import Any, Dict, List, NoReturn, Optional, Set, Union
 import torch
 from torch import fx, nn
 
-from torchgpipe.foundation.validation import describe
 from torchgpipe.capture.graph import attr
+from torchgpipe.foundation.validation import describe
 
 __all__: List[str] = []
 

@@ -13,10 +13,10 @@ from typing import Any, Dict, Generator, List, Optional, Union
 
 from torch import Tensor, fx, nn
 
-from torchgpipe.foundation.validation import describe
 from torchgpipe.capture import alias
 from torchgpipe.capture.graph import attr, is_check, is_shape
 from torchgpipe.foundation.microbatch import TensorOrTensors
+from torchgpipe.foundation.validation import describe
 from torchgpipe.skip.skippable import pop, stash
 
 __all__: List[str] = []

@@ -13,8 +13,8 @@ from typing import Any, Dict, List, NamedTuple, Sequence, Union
 import torch
 from torch import fx, nn
 
-from torchgpipe.foundation.validation import describe
 from torchgpipe.capture.interface import Interface
+from torchgpipe.foundation.validation import describe
 
 __all__: List[str] = []
 

@@ -9,8 +9,8 @@ from typing import Any, Dict, Optional, Sequence
 
 from torch.utils import _pytree as pytree
 
-from torchgpipe.foundation.validation import describe
 from torchgpipe.foundation.microbatch import TensorOrTensors
+from torchgpipe.foundation.validation import describe
 
 __all__ = ['Interface']
 

@@ -21,10 +21,10 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple, Type
 import torch
 from torch import Tensor
 
+from torchgpipe.engine.mailbox import Activation, Gradient, Parcel, Reply
 from torchgpipe.foundation.copy import Ready
 from torchgpipe.foundation.microbatch import Batch
 from torchgpipe.foundation.nochunk import NoChunk
-from torchgpipe.engine.mailbox import Activation, Gradient, Parcel, Reply
 
 __all__: List[str] = []
 

@@ -16,19 +16,19 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from torchgpipe.foundation import microbatch
-from torchgpipe.runtime.batchnorm import deferred_step
-from torchgpipe.engine.core import Core, Done
 from torchgpipe.distributed.blocks import Blocks
 from torchgpipe.distributed.tied import TiedGradients
 from torchgpipe.distributed.wire import Channels, Mismatch, Wire
-from torchgpipe.foundation.microbatch import TensorOrTensors
-from torchgpipe.skip.layout import SkipLayout
+from torchgpipe.engine.core import Core, Done
 from torchgpipe.engine.evaluation import forward_only, join, split_evaluation
 from torchgpipe.engine.generators import resolve
 from torchgpipe.engine.inputs import split_step
 from torchgpipe.engine.schedule import Schedule, ScheduleLike
 from torchgpipe.engine.step import LossFunction, Step
+from torchgpipe.foundation import microbatch
+from torchgpipe.foundation.microbatch import TensorOrTensors
+from torchgpipe.runtime.batchnorm import deferred_step
+from torchgpipe.skip.layout import SkipLayout
 
 __all__ = ['RankCore']
 

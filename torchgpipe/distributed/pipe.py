@@ -8,24 +8,24 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from torchgpipe.runtime.batchnorm import DeferredBatchNorm
-from torchgpipe.engine.core import CoreModule
 from torchgpipe.distributed.core import RankCore
 from torchgpipe.distributed.norm import check_finite, clip_grads, slots, total_norm
 from torchgpipe.distributed.ranks import ranks_of_partitions
 from torchgpipe.distributed.tied import TiedGradients, ties_across_ranks
-from torchgpipe.foundation.microbatch import TensorOrTensors
-from torchgpipe.foundation.placement import place
-from torchgpipe.skip.layout import inspect_skip_layout
-from torchgpipe.skip.skippable import verify_skippables
-from torchgpipe.foundation.tied import find_ties
+from torchgpipe.engine.core import CoreModule
 from torchgpipe.engine.evaluation import check_evaluation, evaluating
 from torchgpipe.engine.generators import check_schedule
 from torchgpipe.engine.schedule import ScheduleLike
 from torchgpipe.engine.step import LossFunction
+from torchgpipe.foundation.microbatch import TensorOrTensors
+from torchgpipe.foundation.placement import place
+from torchgpipe.foundation.tied import find_ties
 from torchgpipe.foundation.validation import (check_available, check_balance, check_chunks,
                                               check_step, check_timeout, describe, parse_device,
                                               verify_module)
+from torchgpipe.runtime.batchnorm import DeferredBatchNorm
+from torchgpipe.skip.layout import inspect_skip_layout
+from torchgpipe.skip.skippable import verify_skippables
 
 __all__ = ['DistributedGPipe']
 

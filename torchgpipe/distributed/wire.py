@@ -30,12 +30,12 @@ from torch import Tensor
 
 # Channels: imported from here too, by DistributedGPipe.
 from torchgpipe.distributed.channels import Channels as Channels
+from torchgpipe.distributed.codec import Unreadable
 from torchgpipe.distributed.faults import (Disconnected, PeerFailed, TimedOut, failed, lost,
                                            lost_in, timed_out, waiting_for)
-from torchgpipe.distributed.codec import Unreadable
-from torchgpipe.foundation.record import Recorder
 from torchgpipe.engine.mailbox import (Activation, Gradient, Key, Mailbox, Skip, SkipGradient,
                                        SkipKey)
+from torchgpipe.foundation.record import Recorder
 
 __all__: List[str] = []
 

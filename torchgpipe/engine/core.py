@@ -24,25 +24,25 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, cast
 import torch
 from torch import nn
 
-from torchgpipe.foundation import microbatch
-from torchgpipe.runtime.batchnorm import DeferredBatchNorm, deferred_step
-from torchgpipe.runtime.checkpoint import checkpoint_stop
-from torchgpipe.foundation.microbatch import TensorOrTensors
-from torchgpipe.engine.pipeline import Pipeline
-from torchgpipe.skip.layout import SkipLayout
-from torchgpipe.runtime.state import RunState
-from torchgpipe.foundation.stream import current_stream, use_device
-from torchgpipe.foundation.tied import shares_apart, tied_masters
-from torchgpipe.runtime.traits import PartitionTraits
 from torchgpipe.engine.evaluation import (check_evaluation, evaluating, forward_only, join,
                                           split_evaluation)
 from torchgpipe.engine.generators import check_schedule, resolve
 from torchgpipe.engine.inputs import split_step
 from torchgpipe.engine.mailbox import Mailbox
+from torchgpipe.engine.pipeline import Pipeline
 from torchgpipe.engine.schedule import Schedule, ScheduleLike
 from torchgpipe.engine.step import LossFunction, Step
+from torchgpipe.foundation import microbatch
+from torchgpipe.foundation.microbatch import TensorOrTensors
+from torchgpipe.foundation.stream import current_stream, use_device
+from torchgpipe.foundation.tied import shares_apart, tied_masters
 from torchgpipe.foundation.validation import check_one_process, check_step
+from torchgpipe.runtime.batchnorm import DeferredBatchNorm, deferred_step
+from torchgpipe.runtime.checkpoint import checkpoint_stop
+from torchgpipe.runtime.state import RunState
+from torchgpipe.runtime.traits import PartitionTraits
 from torchgpipe.runtime.worker import distinct_devices
+from torchgpipe.skip.layout import SkipLayout
 
 __all__ = ['Core', 'CoreModule']
 

@@ -22,10 +22,10 @@ from typing import Iterator, List, Optional, Tuple
 import torch
 from torch import nn
 
-from torchgpipe.foundation import microbatch
-from torchgpipe.foundation.microbatch import Batch, TensorOrTensors
 from torchgpipe.engine.inputs import split_step
 from torchgpipe.engine.schedule import Action, Kind, Schedule
+from torchgpipe.foundation import microbatch
+from torchgpipe.foundation.microbatch import Batch, TensorOrTensors
 from torchgpipe.foundation.validation import check_loss, describe
 
 __all__: List[str] = []

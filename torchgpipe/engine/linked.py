@@ -27,21 +27,21 @@ from typing import Callable, List, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from torchgpipe.runtime.checkpoint import Checkpointing
+from torchgpipe.engine.mailbox import Activation, Mailbox
+from torchgpipe.engine.schedule import Action
 from torchgpipe.foundation.copy import Copy, Wait
 from torchgpipe.foundation.dependency import fork, join
 from torchgpipe.foundation.microbatch import Batch, TensorOrTensors
-from torchgpipe.runtime.partition import partition_function
 from torchgpipe.foundation.record import Recorder, label
 from torchgpipe.foundation.rng import cpu_generator_held, training_flags, watch
-from torchgpipe.skip.layout import SkipLayout
-from torchgpipe.skip.tracker import SkipTrackerThroughPortals
 from torchgpipe.foundation.stream import AbstractStream, is_cuda, use_device, use_stream
 from torchgpipe.foundation.tied import partition_parameters
-from torchgpipe.engine.mailbox import Activation, Mailbox
-from torchgpipe.engine.schedule import Action
+from torchgpipe.runtime.checkpoint import Checkpointing
+from torchgpipe.runtime.partition import partition_function
 from torchgpipe.runtime.traits import PartitionTraits
 from torchgpipe.runtime.worker import Stopped
+from torchgpipe.skip.layout import SkipLayout
+from torchgpipe.skip.tracker import SkipTrackerThroughPortals
 
 __all__: List[str] = []
 

@@ -28,11 +28,11 @@ from torch import Tensor
 
 from torchgpipe.foundation.copy import Ready
 from torchgpipe.foundation.microbatch import Batch
+from torchgpipe.foundation.stream import AbstractStream
+from torchgpipe.runtime.worker import Stopped
 from torchgpipe.skip.layout import SkipLayout
 from torchgpipe.skip.namespace import Namespace
 from torchgpipe.skip.tracker import SkipTrackerAcross
-from torchgpipe.foundation.stream import AbstractStream
-from torchgpipe.runtime.worker import Stopped
 
 __all__: List[str] = []
 

@@ -26,15 +26,15 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from torchgpipe.foundation.microbatch import Batch
-from torchgpipe.foundation.record import Recorder
-from torchgpipe.skip.layout import SkipLayout
-from torchgpipe.foundation.stream import AbstractStream
 from torchgpipe.engine.linked import Linked
 from torchgpipe.engine.schedule import Action, Kind
 from torchgpipe.engine.step import execute
+from torchgpipe.foundation.microbatch import Batch
+from torchgpipe.foundation.record import Recorder
+from torchgpipe.foundation.stream import AbstractStream
 from torchgpipe.runtime.traits import PartitionTraits
 from torchgpipe.runtime.worker import distinct_devices
+from torchgpipe.skip.layout import SkipLayout
 
 __all__: List[str] = []
 

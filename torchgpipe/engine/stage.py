@@ -32,20 +32,20 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, TypeVar, cas
 import torch
 from torch import Tensor, nn
 
-from torchgpipe.foundation.copy import Ready
-from torchgpipe.foundation.microbatch import Batch
-from torchgpipe.runtime.partition import partition_function
-from torchgpipe.foundation.record import Recorder, label
-from torchgpipe.runtime.replay import FirstPass, first_pass, recomputation
-from torchgpipe.foundation.rng import cpu_generator_held, training_flags, watch
-from torchgpipe.skip.layout import SkipLayout
-from torchgpipe.foundation.stream import AbstractStream
 from torchgpipe.engine.mailbox import (Activation, Gradient, Mailbox, Parcel, Reply, SkipGradient,
                                        StepSkips, leaf)
 from torchgpipe.engine.schedule import Action, Kind
 from torchgpipe.engine.split import WeightPass, input_pass
+from torchgpipe.foundation.copy import Ready
+from torchgpipe.foundation.microbatch import Batch
+from torchgpipe.foundation.record import Recorder, label
+from torchgpipe.foundation.rng import cpu_generator_held, training_flags, watch
+from torchgpipe.foundation.stream import AbstractStream
+from torchgpipe.runtime.partition import partition_function
+from torchgpipe.runtime.replay import FirstPass, first_pass, recomputation
 from torchgpipe.runtime.traits import PartitionTraits
 from torchgpipe.runtime.worker import Stopped
+from torchgpipe.skip.layout import SkipLayout
 
 __all__: List[str] = []
 

@@ -18,17 +18,17 @@ from typing import Callable, Dict, List, Mapping, Optional, Protocol, Sequence, 
 import torch
 from torch import Tensor, nn
 
-from torchgpipe.foundation.microbatch import Batch, TensorOrTensors
-from torchgpipe.foundation.record import Recorder
-from torchgpipe.skip.layout import SkipLayout
-from torchgpipe.foundation.stream import AbstractStream
 from torchgpipe.engine.generators import expected_bubble
 from torchgpipe.engine.mailbox import Mailbox
 from torchgpipe.engine.schedule import Action, Kind, Schedule, clock_order
 from torchgpipe.engine.stage import Shared, Stage
-from torchgpipe.runtime.traits import PartitionTraits
+from torchgpipe.foundation.microbatch import Batch, TensorOrTensors
+from torchgpipe.foundation.record import Recorder
+from torchgpipe.foundation.stream import AbstractStream
 from torchgpipe.foundation.validation import check_loss_value
+from torchgpipe.runtime.traits import PartitionTraits
 from torchgpipe.runtime.worker import ExcInfo, Stopped, Task, Turns, distinct_devices, spawn_workers
+from torchgpipe.skip.layout import SkipLayout
 
 __all__: List[str] = []
 

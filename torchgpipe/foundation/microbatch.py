@@ -13,9 +13,9 @@ from typing import (Any, Callable, Dict, Iterator, List, Optional, Sequence, Tup
 import torch
 from torch import Tensor
 
-from torchgpipe.foundation.validation import describe
 from torchgpipe.foundation.nochunk import PLAIN_TYPES, Layout, NoChunk
 from torchgpipe.foundation.placement import same_memory
+from torchgpipe.foundation.validation import describe
 
 __all__: List[str] = []
 

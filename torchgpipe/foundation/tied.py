@@ -34,8 +34,8 @@ from typing import Any, Dict, Iterable, Iterator, List, NamedTuple, Optional, Se
 import torch
 from torch import Tensor, nn
 
-from torchgpipe.foundation.validation import describe
 from torchgpipe.foundation.placement import place, same_memory
+from torchgpipe.foundation.validation import describe
 
 __all__: List[str] = []
 

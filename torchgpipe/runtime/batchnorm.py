@@ -34,8 +34,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
 from torchgpipe.foundation.layers import replace_layers, share_state
-from torchgpipe.foundation.validation import check_chunks, describe
 from torchgpipe.foundation.phase import is_recomputing
+from torchgpipe.foundation.validation import check_chunks, describe
 
 __all__ = ['DeferredBatchNorm']
 

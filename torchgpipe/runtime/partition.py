@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from torchgpipe.foundation.microbatch import TensorOrTensors, check
-from torchgpipe.skip.tracker import SkipTracker, use_skip_tracker
 from torchgpipe.foundation.tied import place_partitions
 from torchgpipe.foundation.validation import check_balance, check_devices
+from torchgpipe.skip.tracker import SkipTracker, use_skip_tracker
 
 __all__ = ['split_module']
 

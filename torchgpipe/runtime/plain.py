@@ -15,9 +15,9 @@ import torch
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
+from torchgpipe.foundation.tied import retie
 from torchgpipe.foundation.validation import Device, check_available, parse_device
 from torchgpipe.runtime.batchnorm import restore_batch_norm
-from torchgpipe.foundation.tied import retie
 
 __all__: List[str] = []
 

@@ -15,13 +15,13 @@ from typing import ContextManager, Dict, List, Optional, Protocol, Tuple
 import torch
 from torch import Tensor
 
-from torchgpipe.foundation.phase import add_root, is_checkpointing
 from torchgpipe.foundation.dependency import fork, join
 from torchgpipe.foundation.microbatch import Batch
+from torchgpipe.foundation.phase import add_root, is_checkpointing
 from torchgpipe.foundation.phony import get_phony
+from torchgpipe.foundation.stream import AbstractStream
 from torchgpipe.skip.namespace import Namespace
 from torchgpipe.skip.portal import Portal
-from torchgpipe.foundation.stream import AbstractStream
 
 __all__: List[str] = []
 

@@ -15,8 +15,8 @@ from bisect import insort
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-from torchgpipe.foundation.record import PREFIXES
 from torchgpipe.engine.schedule import notation
+from torchgpipe.foundation.record import PREFIXES
 
 __all__ = ['Event', 'Summary', 'DeviceSummary', 'PartitionSummary']
 

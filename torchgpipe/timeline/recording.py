@@ -14,9 +14,9 @@ from typing import (Any, Callable, Dict, Iterable, List, Optional, Sequence, Tup
 import torch
 from torch import Tensor
 
-from torchgpipe.runtime.checkpoint import Recompute
 from torchgpipe.foundation.copy import Copy, Wait
 from torchgpipe.foundation.dependency import Fork, Join
+from torchgpipe.runtime.checkpoint import Recompute
 from torchgpipe.skip.portal import PortalBlue, PortalCopy, PortalOrange
 from torchgpipe.timeline.chrome import chrome_trace
 from torchgpipe.timeline.clock import Clock, Stamp, peak_rss, reset_peak_rss
