@@ -31,10 +31,12 @@ pytestmark = pytest.mark.timeout(120)
 
 def round_trip(message: Any) -> Any:
     tensors: List[Tensor] = []
-    kind, metas, body = load_header(dump_header('message', tensors, encode(message, tensors)))
-    assert kind == 'message'
-    assert [(shape, dtype) for shape, dtype in metas] == \
-        [(list(t.shape), t.dtype) for t in tensors]
+    body = encode(message, tensors)
+    offsets = [64 * k for k in range(len(tensors))]
+    kind, metas, size, body = load_header(dump_header('message', tensors, offsets, 99, body))
+    assert kind == 'message' and size == 99
+    assert [(shape, dtype, offset) for shape, dtype, offset in metas] == \
+        [(list(t.shape), t.dtype, offset) for t, offset in zip(tensors, offsets)]
     return decode(body, tensors, torch.device('cpu'))
 
 
@@ -66,8 +68,11 @@ def test_another_value_is_refused_when_sent() -> None:
 @pytest.mark.parametrize('data, why', [
     (pickle.dumps(('message', [], None)), 'not a header'),
     (b'{"kind": 1}', 'not a header'),
-    (b'["message", [[[-1], "float32"]], null]', 'not a tensor'),
-    (b'["message", [[[1], "object"]], null]', 'not a tensor'),
+    (b'["message", [[[-1], "float32", 0]], 4, null]', 'not a tensor'),
+    (b'["message", [[[1], "object", 0]], 8, null]', 'not a tensor'),
+    (b'["message", [[[1], "float32", -64]], 4, null]', 'not a tensor'),
+    (b'["message", [[[1], "float32"]], 4, null]', 'not a tensor'),
+    (b'["message", [], 0, null]', 'no kind, tensors and payload size'),
     (b'[' * 100000 + b']' * 100000, 'not a header'),
 ])
 def test_a_header_of_other_bytes_is_refused(data: bytes, why: str) -> None:

@@ -1,8 +1,8 @@
 """Blocks: CPU memory for the wire's messages, reused once no tensor views it.
 
-Every message between two ranks is a buffer of bytes (see
+Every message between two ranks is received as buffers of bytes (see
 :class:`~torchgpipe.distributed.channels.Channels`), and the tensors a rank
-receives are views of it, used by its partition until their backward pass.
+receives are views of them, used by its partition until their backward pass.
 Allocating a fresh megabyte buffer per message costs page faults on every
 step, unless the C allocator happens to keep freed memory for reuse (glibc
 returns large blocks to the system at once). :class:`Blocks` keeps the

@@ -1,13 +1,13 @@
-"""Channels: messages to and from the other ranks of a group, as buffers of bytes.
+"""Channels: messages to and from the other ranks of a group, each a header and a payload.
 
 The transport under :class:`~torchgpipe.distributed.wire.Wire`: a message
-is its header (:mod:`~torchgpipe.distributed.codec`) and its tensors' bytes
-in one buffer, sent and received with torch.distributed's point-to-point
-operations; every wait ends by the step's deadline, leaving the connections
+is two point-to-point operations of torch.distributed, its header
+(:mod:`~torchgpipe.distributed.codec`) and its payload, the bytes of its
+tensors; every wait ends by the step's deadline, leaving the connections
 whole (:mod:`~torchgpipe.distributed.waiting`).
 """
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple, cast
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -20,42 +20,73 @@ from torchgpipe.distributed.waiting import Waiter, Watch
 
 __all__: List[str] = []
 
-#: The capacity a channel starts with, in bytes: enough for a message without tensors.
+#: The capacity a channel starts with, in bytes, for headers and for
+#: payloads: enough for a message without tensors.
 SMALL = 4096
+
+#: The capacities of a channel: of its headers, and of its payloads.
+Capacity = Tuple[int, int]
+
+#: A header, read (see Channels.parse): the message's kind, its tensors'
+#: shapes, types and offsets in the payload, the payload's size, the body.
+Header = Tuple[str, List[Tuple[List[int], torch.dtype, int]], int, Any]
+
+
+class Receiving(NamedTuple):
+    """The two receives of a message from a rank, posted, with their buffers.
+
+    The payload's is posted with the header's where its size is known
+    ahead (the capacity), else once the header has come.
+    """
+
+    header: Any
+    header_buffer: Tensor
+    payload: Any = None
+    payload_buffer: Optional[Tensor] = None
+    #: The header, once it has come and been read (see Channels.parse).
+    parsed: Optional[Header] = None
 
 
 class Channels:
     """Messages to and from the other ranks of a group, each pair of ranks one ordered channel.
 
-    A message is one buffer of bytes: the length of its header (the kind,
-    the shape and type of each tensor, the message with its tensors taken
-    out, in JSON: :mod:`~torchgpipe.distributed.codec`), the header, then
-    the tensors' bytes, each at an offset aligned for its type (the received
-    tensors are views of the buffer)::
+    A message is two buffers, sent one after the other::
 
-        | length | header | pad | tensor 0 | pad | tensor 1 | ...
+        header:   | length | kind, each tensor's shape, type and offset, the message |
+        payload:  | tensor 0 | pad | tensor 1 | ...                                   |
 
-    A message is received when the step needs it. Not knowing its size, the
-    receiving rank receives into a buffer of the channel's *capacity*, which
-    both ends know: a message larger than it is preceded by a message that
-    raises it. NCCL, unlike gloo, receives only messages of the buffer's
-    exact size: for it every message is padded to the capacity. On the CPU, buffers are blocks of a
-    pool (:class:`~torchgpipe.distributed.blocks.Blocks`), reused once the
+    The header is the message with its tensors taken out, in JSON
+    (:mod:`~torchgpipe.distributed.codec`). The payload is the one tensor
+    of a message that has one, sent as it is (no copy), or the tensors
+    copied into one buffer, each at an offset aligned for its type; the
+    received tensors are views of the payload's buffer.
+
+    The receiving rank does not know a message's sizes: it receives into
+    buffers of the channel's *capacities*, which both ends know, and a
+    message larger than them is preceded by one that raises them. Under
+    gloo, which takes a message smaller than its buffer, a rank posts the
+    two receives of the next message from a rank as soon as it has taken
+    one (*ahead*), so that the next arrives while the rank computes. NCCL
+    receives only messages of the buffer's exact size: a header is padded to
+    the capacity, and a payload is received once its header gave its size.
+    On the CPU, buffers are blocks of a pool
+    (:class:`~torchgpipe.distributed.blocks.Blocks`), reused once the
     tensors viewing them are gone; on a GPU, the caching allocator reuses
     memory the same way.
 
     Args:
         device: where buffers are (received tensors, and what NCCL sends)
         group: the process group
-        capacities: the capacity of each channel, by global rank, kept by the
-            caller from step to step (both ends change it alike)
+        capacities: the capacities of the channel to and from each rank, by
+            ``(global rank, to)``, kept by the caller from step to step
+            (both ends change them alike)
         blocks: the pool of CPU buffers, kept by the caller from step to step
         timeout: the step timeout, in seconds: every wait ends by then
             (``None``: the process group's timeout, for each wait)
     """
 
     def __init__(self, device: torch.device, group: Optional[dist.ProcessGroup],
-                 capacities: Dict[int, int], blocks: Blocks,
+                 capacities: Dict[Tuple[int, bool], Capacity], blocks: Blocks,
                  timeout: Optional[float] = None) -> None:
         self.device = device
         self.timeout = timeout
@@ -67,19 +98,20 @@ class Channels:
         self.exact = dist.get_backend(group) == 'nccl'
         #: Sends in flight, with what they send, and to whom.
         self.sending: List[Tuple[Any, Tensor, int]] = []
-        #: Receives still running after a deadline, by rank, with their
-        #: buffers, which the next receive from that rank waits for again.
-        #: After a failed step, the abandoned channels keep them (see
-        #: DistributedGPipe), as they may still write their buffers.
-        self.pending: Dict[int, Tuple[Any, Tensor]] = {}
+        #: The receives of the next message from each rank, posted ahead, or
+        #: still running after a deadline (the next receive from that rank
+        #: waits for them again). After a failed step, the abandoned channels
+        #: keep them (see DistributedGPipe), as they may still write their buffers.
+        self.pending: Dict[int, Receiving] = {}
         self.waiter = Waiter(threaded=not self.exact)
         #: Called at the deadline with the word of what this rank waits for then.
         self.alarm: Callable[[Any], None] = lambda word: None
         self.watch = None if self.deadline is None or self.exact else \
             Watch(self.deadline, cast(float, timeout), lambda word: self.alarm(word), group)
 
-    def capacity(self, rank: int) -> int:
-        return self.capacities.setdefault(rank, SMALL)
+    def capacity(self, rank: int, to: bool) -> Capacity:
+        """The capacities of the channel to ``rank`` (``to``) or from it."""
+        return self.capacities.setdefault((rank, to), (SMALL, SMALL))
 
     def send(self, rank: int, kind: str, message: Any) -> None:
         """Sends ``message`` to ``rank``, without waiting.
@@ -88,24 +120,45 @@ class Channels:
             Unsendable: the message holds a value a header cannot describe
         """
         tensors: List[Tensor] = []
-        data = dump_header(kind, tensors, encode(message, tensors))
+        body = encode(message, tensors)
+        payload, offsets = self.payload(tensors)
+        header = dump_header(kind, tensors, offsets, payload.numel(), body)
+        needs = (align(8 + len(header)), payload.numel())
+        capacity = self.capacity(rank, True)
+        if needs[0] > capacity[0] or needs[1] > capacity[1]:
+            # It fits the buffers of the old capacities the receiver takes it in.
+            capacity = (max(needs[0], capacity[0]), max(needs[1], capacity[1]))
+            self.post(rank, self.packed('grow', list(capacity), rank))
+            self.capacities[rank, True] = capacity
+        self.post(rank, (self.header(header, rank), payload))
+
+    def payload(self, tensors: List[Tensor]) -> Tuple[Tensor, List[int]]:
+        """The bytes of ``tensors`` in one buffer, and the offset of each.
+
+        A lone contiguous tensor of this device is its own payload: sent as
+        it is, without a copy.
+        """
+        if len(tensors) == 1:
+            t = tensors[0].detach()
+            if t.is_contiguous() and t.device == self.device and t.numel() > 0:
+                return t.reshape(-1).view(torch.uint8), [0]
         offsets = []
-        end = align(8 + len(data))
+        end = 0
         for t in tensors:
             offsets.append(end)
             end = align(end + t.numel() * t.element_size())
-        if end > self.capacity(rank):
-            # It fits the buffer of the old capacity the receiver takes it in.
-            self.post_send(rank, self.pack(dump_header('grow', [], end), rank))
-            self.capacities[rank] = end
-        buffer = self.pack(data, rank, end)
+        buffer = self.buffer(max(end, 1))  # a payload has a byte at least
         for t, offset in zip(tensors, offsets):
             view(buffer, offset, t.shape, t.dtype).copy_(t.detach())
-        self.post_send(rank, buffer)
+        return buffer, offsets
 
-    def pack(self, data: bytes, rank: int, size: int = 0) -> Tensor:
-        """A buffer starting with ``data``'s length and ``data``, of ``size`` bytes at least."""
-        size = self.capacity(rank) if self.exact else max(size, align(8 + len(data)))
+    def packed(self, kind: str, body: Any, rank: int) -> Tuple[Tensor, Tensor]:
+        """The header and the payload of a message without tensors."""
+        return self.header(dump_header(kind, [], [], 1, body), rank), self.buffer(1)
+
+    def header(self, data: bytes, rank: int) -> Tensor:
+        """A header's buffer: ``data``'s length and ``data``, padded to the capacity for NCCL."""
+        size = self.capacity(rank, True)[0] if self.exact else align(8 + len(data))
         buffer = self.buffer(size)
         head = bytearray(len(data).to_bytes(8, 'little') + data)
         buffer[:len(head)].copy_(torch.frombuffer(head, dtype=torch.uint8))
@@ -117,80 +170,113 @@ class Channels:
             return self.blocks.take(size)
         return torch.empty(size, dtype=torch.uint8, device=self.device)
 
-    def post_send(self, rank: int, buffer: Tensor) -> None:
-        with disconnected():
-            work = dist.isend(buffer, rank, group=self.group)
-        self.sending.append((work, buffer, rank))
+    def post(self, rank: int, message: Tuple[Tensor, Tensor]) -> None:
+        """Sends a header and its payload, in this order."""
+        for buffer in message:
+            with disconnected():
+                work = dist.isend(buffer, rank, group=self.group)
+            self.sending.append((work, buffer, rank))
 
     def receive(self, rank: int, until: Optional[float] = None, waiting: Any = None,
-                ) -> Tuple[str, Any]:
+                ahead: bool = False) -> Tuple[str, Any]:
         """Waits for the next message from ``rank``, until ``until`` (by
         ``time.monotonic()``; default: the step's deadline, and the grace
         after it, if ``rank`` was still waited for then: see
         :class:`~torchgpipe.distributed.waiting.Watch`); returns its kind
         and the message. ``waiting``: the word to tell the others if the
-        deadline passes during the wait.
+        deadline passes during the wait. ``ahead``: whether ``rank`` sends
+        another message in this step, whose receives are then posted.
 
         Raises:
             Disconnected: the connection broke (TimedOut: nothing came by
                 then; the receive runs on, for the next from ``rank``)
         """
-        # Not received ahead of time, while the rank computes: on CPU ranks
-        # the transfer then takes a core from the computation, and measured
-        # 1F1B steps 7-10 % slower (docs/scaling_out.rst, "Measured").
         while True:
-            if rank in self.pending:
-                work, buffer = self.pending.pop(rank)
-            else:
-                buffer = self.buffer(self.capacity(rank))
-                with disconnected():
-                    work = dist.irecv(buffer, rank, group=self.group)
-            try:
-                with disconnected():
-                    self.wait(work, until, rank, waiting)
-            except TimedOut:
-                self.pending[rank] = (work, buffer)
-                raise
-            try:
-                kind, tensors, body = self.parse(buffer)
-            except Unreadable as exc:
-                raise Unreadable(f'a message from rank {rank} is none this library writes '
-                                 f'({exc}); only the ranks of the pipeline may reach its ports'
-                                 ) from exc
+            receiving = self.pending.pop(rank, None) or self.post_receive(rank)
+            kind, tensors, body = self.take(rank, receiving, until, waiting)
             if kind != 'grow':
                 break
-            self.capacities[rank] = body
+            self.capacities[rank, False] = (body[0], body[1])
+        if ahead and kind == 'message' and not self.exact:
+            self.pending[rank] = self.post_receive(rank)
         try:
             return kind, decode(body, tensors, self.device)
         except Unreadable as exc:
             raise Unreadable(f'a message from rank {rank} holds what no rank sends ({exc})'
                              ) from exc
 
-    def parse(self, buffer: Tensor) -> Tuple[str, List[Tensor], Any]:
-        """A received message's kind, its tensors (views of ``buffer``) and its encoded body.
+    def post_receive(self, rank: int) -> Receiving:
+        """Posts the receives of the next message from ``rank``: its payload's too, if
+        its size need not be exact."""
+        header, payload = self.capacity(rank, False)
+        header_buffer = self.buffer(header)
+        with disconnected():
+            work = dist.irecv(header_buffer, rank, group=self.group)
+        if self.exact:
+            return Receiving(work, header_buffer)
+        payload_buffer = self.buffer(payload)
+        with disconnected():
+            return Receiving(work, header_buffer,
+                             dist.irecv(payload_buffer, rank, group=self.group), payload_buffer)
+
+    def take(self, rank: int, receiving: Receiving, until: Optional[float], waiting: Any,
+             ) -> Tuple[str, List[Tensor], Any]:
+        """Waits for a message's header and payload; returns its kind, its tensors
+        (views of the payload) and its encoded body.
 
         Raises:
-            Unreadable: the buffer holds no message of this library
+            TimedOut: as :meth:`receive`; the receives are kept for the next
+            Unreadable: the header is none this library writes
+        """
+        if receiving.parsed is None:
+            try:
+                with disconnected():
+                    self.wait(receiving.header, until, rank, waiting)
+            except TimedOut:
+                self.pending[rank] = receiving
+                raise
+            try:
+                receiving = receiving._replace(parsed=self.parse(receiving.header_buffer))
+            except Unreadable as exc:
+                raise Unreadable(f'a message from rank {rank} is none this library writes '
+                                 f'({exc}); only the ranks of the pipeline may reach its '
+                                 'ports') from exc
+        kind, metas, size, body = cast(Header, receiving.parsed)
+        if receiving.payload is None:
+            buffer = self.buffer(size)
+            with disconnected():
+                receiving = receiving._replace(
+                    payload=dist.irecv(buffer, rank, group=self.group), payload_buffer=buffer)
+        try:
+            with disconnected():
+                self.wait(receiving.payload, until, rank, waiting)
+        except TimedOut:
+            self.pending[rank] = receiving  # its header read: the payload is left
+            raise
+        payload = cast(Tensor, receiving.payload_buffer)
+        tensors = []
+        for (shape, dtype, offset), numel in zip(metas, map(count, (m[0] for m in metas))):
+            if offset + numel * dtype.itemsize > min(size, payload.numel()):
+                raise Unreadable(f'a message from rank {rank} has a tensor beyond its payload')
+            tensors.append(view(payload, offset, shape, dtype))
+        return kind, tensors, body
+
+    def parse(self, buffer: Tensor) -> Header:
+        """A received header's kind, its tensors' shapes, types and offsets, the
+        payload's size, and the encoded body.
+
+        Raises:
+            Unreadable: the buffer holds no header of this library
         """
         length = int.from_bytes(read(buffer, 0, 8), 'little')
         if not 0 < length <= buffer.numel() - 8:
             raise Unreadable(f'a header of {length} bytes, in {buffer.numel()}')
-        kind, metas, body = load_header(bytes(read(buffer, 8, 8 + length)))
-        if kind not in ('message', 'failure', 'grow') or \
-                kind == 'grow' and not (isinstance(body, int) and body > 0):
+        kind, metas, size, body = load_header(bytes(read(buffer, 8, 8 + length)))
+        if kind not in ('message', 'failure', 'grow') or kind == 'grow' and not (
+                isinstance(body, list) and len(body) == 2
+                and all(type(x) is int and x > 0 for x in body)):
             raise Unreadable(f'a message of kind {kind!r}'[:200])
-        tensors = []
-        offset = align(8 + length)
-        for shape, dtype in metas:
-            numel = 1
-            for size in shape:
-                numel *= size
-            end = offset + numel * dtype.itemsize
-            if end > buffer.numel():
-                raise Unreadable(f'a tensor to byte {end}, in {buffer.numel()}')
-            tensors.append(view(buffer, offset, shape, dtype))
-            offset = align(end)
-        return kind, tensors, body
+        return kind, metas, size, body
 
     def wait_sent(self) -> None:
         """Waits for every send to arrive."""
@@ -248,6 +334,14 @@ def align(offset: int) -> int:
     return -(-offset // 64) * 64
 
 
+def count(shape: List[int]) -> int:
+    """How many elements a tensor of ``shape`` has."""
+    numel = 1
+    for size in shape:
+        numel *= size
+    return numel
+
+
 def read(buffer: Tensor, start: int, stop: int) -> bytearray:
     """A copy of ``buffer``'s bytes from ``start`` to ``stop``, on the host."""
     # Through torch alone: Tensor.numpy() would need numpy, which torch does not.
@@ -258,8 +352,5 @@ def read(buffer: Tensor, start: int, stop: int) -> bytearray:
 
 def view(buffer: Tensor, offset: int, shape: Any, dtype: torch.dtype) -> Tensor:
     """The tensor of ``shape`` and ``dtype`` in ``buffer``'s bytes from ``offset``."""
-    numel = 1
-    for size in shape:
-        numel *= size
-    size = numel * torch.empty((), dtype=dtype).element_size()
+    size = count(shape) * dtype.itemsize
     return buffer[offset:offset + size].view(dtype).view(shape)

@@ -31,6 +31,8 @@ __all__: List[str] = []
 #: The types of tensors a message may hold, by name.
 DTYPES: Dict[str, torch.dtype] = {
     str(t).split('.')[-1]: t for t in vars(torch).values() if isinstance(t, torch.dtype)}
+#: The name of each type, as a header gives it.
+NAMES: Dict[torch.dtype, str] = {t: name for name, t in DTYPES.items()}
 
 
 class Unreadable(ValueError):
@@ -117,35 +119,38 @@ TYPES: Dict[Type[Any], Tuple[str, Callable[[Any], Any], Callable[[Any], Any]]] =
     NoChunk: ('N', lambda n: n.tensor, NoChunk),
     Ready: ('R', lambda r: None, lambda v: v),  # decoded apart: it needs the device
     torch.Size: ('S', tuple, torch.Size),
-    torch.dtype: ('dt', lambda t: str(t).split('.')[-1], dtype_named),
+    torch.dtype: ('dt', lambda t: NAMES[t], dtype_named),
     torch.device: ('dv', str, torch.device),
 }
 BUILDERS = {tag: build for tag, _, build in TYPES.values()}
 
 
-def dump_header(kind: str, tensors: Sequence[Tensor], body: Any) -> bytes:
-    """A message's header: its kind, each tensor's shape and type, its encoded body."""
-    metas = [[list(t.shape), str(t.dtype).split('.')[-1]] for t in tensors]
-    return json.dumps([kind, metas, body], separators=(',', ':')).encode()
+def dump_header(kind: str, tensors: Sequence[Tensor], offsets: Sequence[int], size: int,
+                body: Any) -> bytes:
+    """A message's header: its kind, each tensor's shape, type and offset in the
+    payload, the payload's size in bytes, its encoded body."""
+    metas = [[list(t.shape), NAMES[t.dtype], offset] for t, offset in zip(tensors, offsets)]
+    return json.dumps([kind, metas, size, body], separators=(',', ':')).encode()
 
 
-def load_header(data: bytes) -> Tuple[str, List[Tuple[List[int], torch.dtype]], Any]:
+def load_header(data: bytes) -> Tuple[str, List[Tuple[List[int], torch.dtype, int]], int, Any]:
     """What :func:`dump_header` wrote, checked.
 
     Raises:
         Unreadable: ``data`` is not a header
     """
     try:
-        kind, metas, body = json.loads(data.decode())
+        kind, metas, size, body = json.loads(data.decode())
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise Unreadable(f'not a header: {exc}') from exc
-    if not isinstance(kind, str) or not isinstance(metas, list):
-        raise Unreadable('not a header: no kind and tensors')
+    if not isinstance(kind, str) or not isinstance(metas, list) or \
+            type(size) is not int or size < 1:
+        raise Unreadable('not a header: no kind, tensors and payload size')
     checked = []
     for meta in metas:
-        if not (isinstance(meta, list) and len(meta) == 2 and isinstance(meta[0], list)
-                and all(isinstance(n, int) and n >= 0 for n in meta[0])
-                and meta[1] in DTYPES):
+        if not (isinstance(meta, list) and len(meta) == 3 and isinstance(meta[0], list)
+                and all(type(n) is int and n >= 0 for n in meta[0])
+                and meta[1] in DTYPES and type(meta[2]) is int and meta[2] >= 0):
             raise Unreadable(f'not a tensor: {meta!r}'[:200])
-        checked.append((meta[0], DTYPES[meta[1]]))
-    return kind, checked, body
+        checked.append((meta[0], DTYPES[meta[1]], meta[2]))
+    return kind, checked, size, body

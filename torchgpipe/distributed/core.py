@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from torchgpipe.distributed.blocks import Blocks
+from torchgpipe.distributed.channels import Capacity
 from torchgpipe.distributed.tied import TiedGradients
 from torchgpipe.distributed.wire import Channels, Mismatch, Wire
 from torchgpipe.engine.core import Core, Done
@@ -62,8 +63,8 @@ class RankCore(Core):
         #: The skips that cross from one partition to another, by name.
         self.routes = {key: route for key, route in skip_layout.by_ns_name.items()
                        if route[0] != route[1]}
-        #: The capacity of the channel to each rank (see Channels).
-        self.capacities: Dict[int, int] = {}
+        #: The capacities of the channel to and from each rank (see Channels).
+        self.capacities: Dict[Tuple[int, bool], Capacity] = {}
         #: The CPU memory of the messages, reused from step to step.
         self.blocks = Blocks()
         #: Why the pipeline cannot run any more, after a failed step.

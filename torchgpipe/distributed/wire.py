@@ -4,8 +4,8 @@
 :class:`~torchgpipe.engine.mailbox.Mailbox`. :class:`Wire` is the mailbox of
 the partitions of one process, whose neighbours may live in other processes:
 a message to another rank is described with its key in a header of data
-alone (:mod:`torchgpipe.distributed.codec`), its tensors apart, and sent
-with torch.distributed's point-to-point operations as one buffer
+alone (:mod:`torchgpipe.distributed.codec`), and sent with torch.distributed's
+point-to-point operations as that header and a payload of its tensors
 (:class:`~torchgpipe.distributed.channels.Channels`); a message between
 two partitions of this process (two virtual stages of one rank) stays in
 the mailbox.
@@ -147,9 +147,10 @@ class Wire(Mailbox):
         with self._condition:
             return key in self._messages
 
-    def receive(self, j: int, doing: str) -> Any:
+    def receive(self, j: int, doing: str, last: bool = False) -> Any:
         """Waits for the next message from the rank of partition ``j``; ``doing``
-        says what for, if it never comes.
+        says what for, if it never comes. Unless it is the ``last`` that rank
+        sends in this step, the receives of the next are posted.
 
         Raises:
             PeerFailed: that rank failed, or the connection to it broke
@@ -158,7 +159,8 @@ class Wire(Mailbox):
         rank = self.ranks[j]
         with lost(rank, j, doing):
             try:
-                kind, message = self.channels.receive(rank, waiting={'waiting': [rank, j]})
+                kind, message = self.channels.receive(rank, waiting={'waiting': [rank, j]},
+                                                      ahead=not last)
             except TimedOut:
                 kind, message = 'failure', None
         if kind == 'failure':
@@ -255,7 +257,8 @@ class Wire(Mailbox):
         received: Dict[int, Any] = {}
         for rank in self.others:
             _, (sent, received[rank]) = self.receive(self.ranks.index(rank),
-                                                     'waiting for the end of the step')
+                                                     'waiting for the end of the step',
+                                                     last=True)
             if rank == self.ranks[-1]:
                 result = owned(sent)
         # Every rank has said it is done: a send failing now failed on the way.
@@ -277,8 +280,10 @@ class Wire(Mailbox):
         for rank in self.others:
             with lost(rank, self.ranks.index(rank), 'sending it the start of the step'):
                 self.channels.send(rank, 'message', (None, signature))
+        # Nothing posted ahead: if the ranks disagree, this step ends here,
+        # and a receive posted for it would take the next step's message.
         others = {rank: self.receive(self.ranks.index(rank), 'waiting for the start of the '
-                                     'step')[1] for rank in self.others}
+                                     'step', last=True)[1] for rank in self.others}
         if any(theirs != signature for theirs in others.values()):
             # Every rank has received this one's word: its buffers may go
             # back to the pool, for the next step's messages.
