@@ -1,4 +1,4 @@
-"""Across processes: DistributedGPipe against torch.distributed.pipelining, on 2 or 4 ranks of 1 thread.
+"""Across processes: DistributedGPipe against torch.distributed.pipelining, on 2 or 4 ranks.
 
 Run from the repository root::
 

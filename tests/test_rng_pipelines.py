@@ -214,8 +214,7 @@ def test_only_partitions_known_to_draw_nothing_run_without_the_cpu_generator(
     """Every task that may draw holds the CPU generator, in its first pass and its
     recomputation; once a partition is known to draw nothing, its tasks run without
     it, never waiting for another pipeline. The first task of each partition learns
-    it, holding the generator. The forward path learns nothing on one thread, where
-    every task holds the generator."""
+    it, holding the generator, on worker threads and on one thread alike."""
     gpipe = GPipe(nn.Sequential(Holds(nn.Linear(4, 4)), Holds(nn.Dropout()),
                                 Holds(nn.Linear(4, 4))),
                   [1, 1, 1], devices=cpu_devices(3, threaded), chunks=2, checkpoint='always')
@@ -231,8 +230,7 @@ def test_only_partitions_known_to_draw_nothing_run_without_the_cpu_generator(
         layer.held = {'first': set(), 'recompute': set()}
     step(gpipe, input, target)
     held = {'first': {True}, 'recompute': {True}}
-    learned = threaded or engine == 'train_step'
-    free = {'first': {False}, 'recompute': {False}} if learned else held
+    free = {'first': {False}, 'recompute': {False}}
     last = free
     if engine == 'train_step':
         # The loss may be another function at every call: whether the last

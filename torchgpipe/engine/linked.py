@@ -100,7 +100,6 @@ class Linked:
         checkpoint_stop: micro-batches ``0 .. checkpoint_stop - 1`` are checkpointed
         traits: what earlier runs showed about each partition
         recorder: records every task, inside :func:`torchgpipe.trace`
-        threaded: whether partitions run on worker threads of their own
     """
 
     def __init__(self, batches: List[Batch], partitions: Sequence[nn.Sequential],
@@ -108,7 +107,7 @@ class Linked:
                  copy_streams: Sequence[Sequence[AbstractStream]],
                  streams: Sequence[AbstractStream], skip_layout: SkipLayout,
                  checkpoint_stop: int, traits: Sequence[PartitionTraits],
-                 recorder: Optional[Recorder], threaded: bool) -> None:
+                 recorder: Optional[Recorder]) -> None:
         self.batches = batches
         self.devices = devices
         self.copy_streams = copy_streams
@@ -119,7 +118,7 @@ class Linked:
         self.mailbox = Mailbox()
         # Each micro-batch has its own skip tensors.
         self.skip_trackers = [SkipTrackerThroughPortals(skip_layout) for _ in batches]
-        self.stages = [LinkedStage(self, j, p, traits[j], threaded)
+        self.stages = [LinkedStage(self, j, p, traits[j])
                        for j, p in enumerate(partitions)]
 
 
@@ -131,17 +130,15 @@ class LinkedStage:
         j: the partition's index
         partition: the partition
         traits: what runs showed about it; this one adds what it learns
-        threaded: whether its tasks may run beside other partitions' tasks
     """
 
     def __init__(self, linked: Linked, j: int, partition: nn.Sequential,
-                 traits: PartitionTraits, threaded: bool) -> None:
+                 traits: PartitionTraits) -> None:
         self.linked = linked
         self.j = j
         self.partition = partition
         self.device = linked.devices[j]
         self.traits = traits
-        self.threaded = threaded
         self.flags = training_flags(partition)
         self.last = j == len(linked.devices) - 1
         # Checkpoints return the gradients of their partition's parameters,
@@ -153,11 +150,13 @@ class LinkedStage:
         self.phony: Optional[Tensor] = None
 
     def draws_random(self) -> Optional[bool]:
-        """Whether the partition's tasks may draw from the CPU generator, if known."""
-        if not self.threaded:
-            # No task runs beside another: nothing is learned, and every
-            # task may draw (and holds the generator).
-            return True
+        """Whether the partition's tasks may draw from the CPU generator, if known.
+
+        Learned in every way to run: a checkpointed task of a partition known
+        to draw nothing neither replays the CPU generator in its
+        recomputation nor checks where it ended, which on small tasks costs
+        about as much as their kernels.
+        """
         return self.traits.draws(self.flags)
 
     def run(self, action: Action) -> None:

@@ -33,7 +33,6 @@ from torchgpipe.foundation.microbatch import Batch
 from torchgpipe.foundation.record import Recorder
 from torchgpipe.foundation.stream import AbstractStream
 from torchgpipe.runtime.traits import PartitionTraits
-from torchgpipe.runtime.worker import distinct_devices
 from torchgpipe.skip.layout import SkipLayout
 
 __all__: List[str] = []
@@ -77,8 +76,7 @@ class Pipeline:
         self.devices = devices
         self.recorder = recorder
         self.linked = Linked(batches, partitions, devices, copy_streams, streams, skip_layout,
-                             checkpoint_stop, traits, recorder,
-                             threaded=len(distinct_devices(devices)) > 1)
+                             checkpoint_stop, traits, recorder)
 
     def run(self) -> None:
         """Runs the pipeline; an exception of any task is raised here, as itself."""
