@@ -8,7 +8,7 @@ makes the receiving rank raise instead, touching nothing.
 import math
 import pickle
 from pathlib import Path
-from typing import Any, List
+from typing import Any, List, cast
 
 import pytest
 import torch
@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from process_group import no_child_left  # noqa: F401 (an autouse fixture)
 from process_group import run_distributed
 from torchgpipe import NoChunk
-from torchgpipe.distributed.channels import SMALL
+from torchgpipe.distributed.channels import SMALL, Channels
 from torchgpipe.distributed.codec import (Unreadable, Unsendable, decode, dump_header, encode,
                                           load_header)
 from torchgpipe.engine.mailbox import Activation, Gradient, Parcel, Reply
@@ -74,10 +74,23 @@ def test_another_value_is_refused_when_sent() -> None:
     (b'["message", [[[1], "float32"]], 4, null]', 'not a tensor'),
     (b'["message", [], 0, null]', 'no kind, tensors and payload size'),
     (b'[' * 100000 + b']' * 100000, 'not a header'),
+    (b'5', 'not a header'),
 ])
 def test_a_header_of_other_bytes_is_refused(data: bytes, why: str) -> None:
     with pytest.raises(Unreadable, match=why):
         load_header(data)
+
+
+@pytest.mark.parametrize('capacities', [[8, SMALL], [SMALL, 1 << 41], [SMALL, 1.5]])
+def test_a_raise_of_capacities_no_rank_sends_is_refused(capacities: Any) -> None:
+    """A capacity below the smallest a channel starts with, or beyond any a
+    rank could use: no rank of the pipeline raises a channel to it."""
+    data = dump_header('grow', [], [], 1, capacities)
+    buffer = torch.zeros(SMALL, dtype=torch.uint8)
+    buffer[:8 + len(data)] = torch.tensor(list(len(data).to_bytes(8, 'little') + data),
+                                          dtype=torch.uint8)
+    with pytest.raises(Unreadable, match="a message of kind 'grow'"):
+        Channels.parse(cast(Any, None), buffer)  # reads nothing of its channels
 
 
 @pytest.mark.parametrize('body, why', [
@@ -105,7 +118,7 @@ class Exploit:
 
 
 def hostile_peer(rank: int, world_size: int, path: str) -> str:
-    """Rank 0 trains; rank 1 answers its activation with a crafted pickle."""
+    """Rank 0 trains; rank 1 answers its first word with a crafted pickle."""
     if rank == 0:
         from torchgpipe.distributed import DistributedGPipe
         torch.manual_seed(0)
@@ -115,13 +128,15 @@ def hostile_peer(rank: int, world_size: int, path: str) -> str:
         except Unreadable as exc:
             return str(exc)
         return 'no error'
-    dist.recv(torch.empty(SMALL, dtype=torch.uint8), 0)  # the activation
+    # The header of rank 0's first word (the step it runs), where rank 0
+    # waits for rank 1's.
+    dist.recv(torch.empty(SMALL, dtype=torch.uint8), 0)
     payload = pickle.dumps(('message', [], pickle.dumps(Exploit(path))))
     buffer = torch.zeros(SMALL, dtype=torch.uint8)
     buffer[:8] = torch.tensor(list(len(payload).to_bytes(8, 'little')), dtype=torch.uint8)
     buffer[8:8 + len(payload)] = torch.tensor(list(payload), dtype=torch.uint8)
     dist.send(buffer, 0)
-    dist.recv(torch.empty(SMALL, dtype=torch.uint8), 0)  # rank 0 says it failed
+    dist.recv(torch.empty(SMALL, dtype=torch.uint8), 0)  # that word's payload
     return 'sent'
 
 

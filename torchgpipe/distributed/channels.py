@@ -24,6 +24,9 @@ __all__: List[str] = []
 #: payloads: enough for a message without tensors.
 SMALL = 4096
 
+#: The largest capacity a channel may grow to: a raise beyond it is no rank's.
+LARGEST = 1 << 40
+
 #: The capacities of a channel: of its headers, and of its payloads.
 Capacity = Tuple[int, int]
 
@@ -136,11 +139,13 @@ class Channels:
         """The bytes of ``tensors`` in one buffer, and the offset of each.
 
         A lone contiguous tensor of this device is its own payload: sent as
-        it is, without a copy.
+        it is, without a copy (nothing of the step changes a tensor it sends
+        in place, and the send is over before the step is).
         """
         if len(tensors) == 1:
             t = tensors[0].detach()
-            if t.is_contiguous() and t.device == self.device and t.numel() > 0:
+            if t.is_contiguous() and t.device == self.device and t.numel() > 0 and \
+                    not t.is_conj() and not t.is_neg():
                 return t.reshape(-1).view(torch.uint8), [0]
         offsets = []
         end = 0
@@ -238,10 +243,16 @@ class Channels:
             try:
                 receiving = receiving._replace(parsed=self.parse(receiving.header_buffer))
             except Unreadable as exc:
+                # Its payload's receive may still write its buffer: kept.
+                self.pending[rank] = receiving
                 raise Unreadable(f'a message from rank {rank} is none this library writes '
                                  f'({exc}); only the ranks of the pipeline may reach its '
                                  'ports') from exc
         kind, metas, size, body = cast(Header, receiving.parsed)
+        if size > self.capacity(rank, False)[1]:
+            # A sender raises the capacity first: no rank of the pipeline sent it.
+            raise Unreadable(f'a message from rank {rank} has a payload of {size} bytes, '
+                             'beyond its channel\'s capacity')
         if receiving.payload is None:
             buffer = self.buffer(size)
             with disconnected():
@@ -256,8 +267,10 @@ class Channels:
         payload = cast(Tensor, receiving.payload_buffer)
         tensors = []
         for (shape, dtype, offset), numel in zip(metas, map(count, (m[0] for m in metas))):
-            if offset + numel * dtype.itemsize > min(size, payload.numel()):
-                raise Unreadable(f'a message from rank {rank} has a tensor beyond its payload')
+            if offset % dtype.itemsize or offset + numel * dtype.itemsize > min(
+                    size, payload.numel()):
+                raise Unreadable(f'a message from rank {rank} has a tensor beyond its payload '
+                                 'or misaligned in it')
             tensors.append(view(payload, offset, shape, dtype))
         return kind, tensors, body
 
@@ -274,7 +287,7 @@ class Channels:
         kind, metas, size, body = load_header(bytes(read(buffer, 8, 8 + length)))
         if kind not in ('message', 'failure', 'grow') or kind == 'grow' and not (
                 isinstance(body, list) and len(body) == 2
-                and all(type(x) is int and x > 0 for x in body)):
+                and all(type(x) is int and SMALL <= x <= LARGEST for x in body)):
             raise Unreadable(f'a message of kind {kind!r}'[:200])
         return kind, metas, size, body
 

@@ -141,7 +141,7 @@ def load_header(data: bytes) -> Tuple[str, List[Tuple[List[int], torch.dtype, in
     """
     try:
         kind, metas, size, body = json.loads(data.decode())
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+    except (ValueError, TypeError, UnicodeDecodeError, RecursionError) as exc:
         raise Unreadable(f'not a header: {exc}') from exc
     if not isinstance(kind, str) or not isinstance(metas, list) or \
             type(size) is not int or size < 1:

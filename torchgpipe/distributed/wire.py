@@ -261,6 +261,8 @@ class Wire(Mailbox):
                                                      last=True)
             if rank == self.ranks[-1]:
                 result = owned(sent)
+        # Each rank's last message: nothing of this step is posted ahead.
+        assert not self.channels.pending
         # Every rank has said it is done: a send failing now failed on the way.
         with lost(None, None, "waiting for this rank's messages to arrive"):
             self.channels.wait_sent()

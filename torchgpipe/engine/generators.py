@@ -177,7 +177,7 @@ def interleaved_1f1b(m: int, n: int, p: int) -> Schedule:
     Megatron-LM and torch.distributed.pipelining do; with ``v = 1``,
     1F1B's ``p - 1 - w``), worker ``w`` alternates one forward and one
     backward pass; it keeps at most ``v p + p - 1 - 2 w`` partitions'
-    activations.
+    activations (``p - w`` with ``v = 1``).
 
     Why twice ``p - 1 - w``, where ``p - 1 - w`` (one forward fewer per
     worker after the last) would keep less: the backward pass a worker
