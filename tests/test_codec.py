@@ -8,6 +8,7 @@ makes the receiving rank raise instead, touching nothing.
 import math
 import pickle
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, List, cast
 
 import pytest
@@ -79,6 +80,24 @@ def test_another_value_is_refused_when_sent() -> None:
 def test_a_header_of_other_bytes_is_refused(data: bytes, why: str) -> None:
     with pytest.raises(Unreadable, match=why):
         load_header(data)
+
+
+def test_a_lone_tensor_is_sent_as_it_is() -> None:
+    """The payload of a message with one contiguous tensor is that tensor's own
+    memory, without a copy; tensors it cannot be (several, strided, a
+    conjugate view) are copied into a buffer of their own."""
+    sender = SimpleNamespace(device=torch.device('cpu'),
+                             buffer=lambda size: torch.empty(size, dtype=torch.uint8))
+    x = torch.randn(4, 3)
+    payload, offsets = Channels.payload(cast(Any, sender), [x])
+    assert payload.data_ptr() == x.data_ptr() and offsets == [0]
+    assert payload.numel() == x.numel() * x.element_size()
+    for tensors in ([x, x], [x.t()], [torch.randn(3, dtype=torch.complex64).conj()]):
+        payload, offsets = Channels.payload(cast(Any, sender), tensors)
+        assert all(payload.data_ptr() != t.data_ptr() for t in tensors)
+        for t, offset in zip(tensors, offsets):
+            received = payload[offset:offset + t.numel() * t.element_size()].view(t.dtype)
+            assert torch.equal(received.view(t.shape), t.resolve_conj())
 
 
 @pytest.mark.parametrize('capacities', [[8, SMALL], [SMALL, 1 << 41], [SMALL, 1.5]])

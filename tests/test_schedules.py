@@ -113,6 +113,11 @@ def test_interleaved_loops_the_partitions_and_bounds_memory(m: int, p: int, v: i
     for w, actions in enumerate(schedule.workers):
         bound = v * p + p - 1 - 2 * w if v > 1 else p - w
         assert in_flight(actions) <= min(bound, m * v)
+        # Megatron-LM's warm-up (1F1B's with one partition per worker): the
+        # forward passes before the first backward pass, then one more.
+        warmup = min((v - 1) * p + (p - 1 - w) * (2 if v > 1 else 1), m * v)
+        first_backward = next(k for k, a in enumerate(actions) if a.kind is Kind.B)
+        assert first_backward == (warmup + 1 if warmup < m * v else m * v)
     if v == 1:  # one partition per worker: 1F1B itself
         assert schedule == one_f_one_b(m, p)
 
