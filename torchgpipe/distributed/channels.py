@@ -6,6 +6,7 @@ is two point-to-point operations of torch.distributed, its header
 tensors; every wait ends by the step's deadline, leaving the connections
 whole (:mod:`~torchgpipe.distributed.waiting`).
 """
+import math
 import time
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, cast
 
@@ -266,8 +267,8 @@ class Channels:
             raise
         payload = cast(Tensor, receiving.payload_buffer)
         tensors = []
-        for (shape, dtype, offset), numel in zip(metas, map(count, (m[0] for m in metas))):
-            if offset % dtype.itemsize or offset + numel * dtype.itemsize > min(
+        for shape, dtype, offset in metas:
+            if offset % dtype.itemsize or offset + math.prod(shape) * dtype.itemsize > min(
                     size, payload.numel()):
                 raise Unreadable(f'a message from rank {rank} has a tensor beyond its payload '
                                  'or misaligned in it')
@@ -347,14 +348,6 @@ def align(offset: int) -> int:
     return -(-offset // 64) * 64
 
 
-def count(shape: List[int]) -> int:
-    """How many elements a tensor of ``shape`` has."""
-    numel = 1
-    for size in shape:
-        numel *= size
-    return numel
-
-
 def read(buffer: Tensor, start: int, stop: int) -> bytearray:
     """A copy of ``buffer``'s bytes from ``start`` to ``stop``, on the host."""
     # Through torch alone: Tensor.numpy() would need numpy, which torch does not.
@@ -365,5 +358,5 @@ def read(buffer: Tensor, start: int, stop: int) -> bytearray:
 
 def view(buffer: Tensor, offset: int, shape: Any, dtype: torch.dtype) -> Tensor:
     """The tensor of ``shape`` and ``dtype`` in ``buffer``'s bytes from ``offset``."""
-    size = count(shape) * dtype.itemsize
+    size = math.prod(shape) * dtype.itemsize
     return buffer[offset:offset + size].view(dtype).view(shape)
