@@ -205,16 +205,25 @@ def run_distributed(fn: Callable[..., Any], *args: Any, world_size: int = WORLD_
                     errors.append((report[1], rank) + tuple(report[2:]))
             if errors:
                 # Another rank's failure may be a consequence (a closed connection):
-                # collect what has already arrived and report the earliest.
-                for conn in wait(list(pending), timeout=0.2):
-                    assert isinstance(conn, Connection)
-                    rank = pending.pop(conn)
-                    try:
-                        report = conn.recv()
-                    except EOFError:
-                        continue
-                    if report[0] == 'error':
-                        errors.append((report[1], rank) + tuple(report[2:]))
+                # collect what arrives within a grace and report the earliest, or a
+                # rank that died without a word, the likeliest cause of the others.
+                grace = time.monotonic() + 0.5
+                while pending and (remaining := grace - time.monotonic()) > 0:
+                    for conn in wait(list(pending), timeout=remaining):
+                        assert isinstance(conn, Connection)
+                        rank = pending.pop(conn)
+                        try:
+                            report = conn.recv()
+                        except EOFError:
+                            processes[rank].join(5)
+                            if rank in dies:
+                                continue
+                            raise WorkerFailed(f'rank {rank} exited (code '
+                                               f'{processes[rank].exitcode}) without reporting, '
+                                               f'and rank {errors[0][1]} raised {errors[0][2]}',
+                                               rank) from None
+                        if report[0] == 'error':
+                            errors.append((report[1], rank) + tuple(report[2:]))
                 errors.sort(key=lambda e: e[0])
                 _, rank, type_name, message, child_traceback, error = errors[0]
                 others = ''.join(f'\n(then rank {e[1]} raised {e[2]}: {e[3]})' for e in errors[1:])
