@@ -34,8 +34,9 @@ def round_trip(message: Any) -> Any:
     tensors: List[Tensor] = []
     body = encode(message, tensors)
     offsets = [64 * k for k in range(len(tensors))]
-    kind, metas, size, body = load_header(dump_header('message', tensors, offsets, 99, body))
-    assert kind == 'message' and size == 99
+    kind, metas, size, body, at = load_header(dump_header('message', tensors, offsets, 99, body,
+                                                          ['arena', 128]))
+    assert kind == 'message' and size == 99 and at == ['arena', 128]
     assert [(shape, dtype, offset) for shape, dtype, offset in metas] == \
         [(list(t.shape), t.dtype, offset) for t, offset in zip(tensors, offsets)]
     return decode(body, tensors, torch.device('cpu'))
@@ -69,11 +70,14 @@ def test_another_value_is_refused_when_sent() -> None:
 @pytest.mark.parametrize('data, why', [
     (pickle.dumps(('message', [], None)), 'not a header'),
     (b'{"kind": 1}', 'not a header'),
-    (b'["message", [[[-1], "float32", 0]], 4, null]', 'not a tensor'),
-    (b'["message", [[[1], "object", 0]], 8, null]', 'not a tensor'),
-    (b'["message", [[[1], "float32", -64]], 4, null]', 'not a tensor'),
-    (b'["message", [[[1], "float32"]], 4, null]', 'not a tensor'),
-    (b'["message", [], 0, null]', 'no kind, tensors and payload size'),
+    (b'["message", [[[-1], "float32", 0]], 4, null, null]', 'not a tensor'),
+    (b'["message", [[[1], "object", 0]], 8, null, null]', 'not a tensor'),
+    (b'["message", [[[1], "float32", -64]], 4, null, null]', 'not a tensor'),
+    (b'["message", [[[1], "float32"]], 4, null, null]', 'not a tensor'),
+    (b'["message", [], -1, null, null]', 'no kind, tensors, payload size and place'),
+    (b'["message", [], 4, null, ["arena"]]', 'no kind, tensors, payload size and place'),
+    (b'["message", [], 4, null, [0, 64]]', 'no kind, tensors, payload size and place'),
+    (b'["message", [], 4, null]', 'not a header'),
     (b'[' * 100000 + b']' * 100000, 'not a header'),
     (b'5', 'not a header'),
 ])

@@ -17,6 +17,7 @@ from torch import Tensor
 from torchgpipe.distributed.blocks import Blocks
 from torchgpipe.distributed.codec import Unreadable, decode, dump_header, encode, load_header
 from torchgpipe.distributed.faults import TimedOut, disconnected
+from torchgpipe.distributed.shared import Shared
 from torchgpipe.distributed.waiting import Waiter, Watch
 
 __all__: List[str] = []
@@ -32,8 +33,9 @@ LARGEST = 1 << 40
 Capacity = Tuple[int, int]
 
 #: A header, read (see Channels.parse): the message's kind, its tensors'
-#: shapes, types and offsets in the payload, the payload's size, the body.
-Header = Tuple[str, List[Tuple[List[int], torch.dtype, int]], int, Any]
+#: shapes, types and offsets in the payload, the payload's size, the body,
+#: and where the payload is if not on its way (an arena's name and offset).
+Header = Tuple[str, List[Tuple[List[int], torch.dtype, int]], int, Any, Any]
 
 
 class Receiving(NamedTuple):
@@ -63,7 +65,11 @@ class Channels:
     (:mod:`~torchgpipe.distributed.codec`). The payload is the one tensor
     of a message that has one, sent as it is (no copy), or the tensors
     copied into one buffer, each at an offset aligned for its type; the
-    received tensors are views of the payload's buffer.
+    received tensors are views of the payload's buffer. To a rank that
+    reads this one's shared memory (:mod:`~torchgpipe.distributed.shared`),
+    a message is its header alone: the payload is copied into an arena,
+    whose name and offset the header gives, or, beyond the arena's limit,
+    sent after the header; a message without tensors has none.
 
     The receiving rank does not know a message's sizes: it receives into
     buffers of the channel's *capacities*, which both ends know, and a
@@ -85,13 +91,14 @@ class Channels:
             ``(global rank, to)``, kept by the caller from step to step
             (both ends change them alike)
         blocks: the pool of CPU buffers, kept by the caller from step to step
+        shared: the arenas of shared memory, kept by the caller from step to step
         timeout: the step timeout, in seconds: every wait ends by then
             (``None``: the process group's timeout, for each wait)
     """
 
     def __init__(self, device: torch.device, group: Optional[dist.ProcessGroup],
                  capacities: Dict[Tuple[int, bool], Capacity], blocks: Blocks,
-                 timeout: Optional[float] = None) -> None:
+                 shared: Shared, timeout: Optional[float] = None) -> None:
         self.device = device
         self.timeout = timeout
         #: When the step times out, by ``time.monotonic()``.
@@ -100,6 +107,9 @@ class Channels:
         self.capacities = capacities
         self.blocks = blocks
         self.exact = dist.get_backend(group) == 'nccl'
+        self.shared = shared
+        #: Whether payloads may go through shared memory: gloo's, from and to the CPU.
+        self.sharing = not self.exact and device.type == 'cpu'
         #: Sends in flight, with what they send, and to whom.
         self.sending: List[Tuple[Any, Tensor, int]] = []
         #: The receives of the next message from each rank, posted ahead, or
@@ -125,16 +135,38 @@ class Channels:
         """
         tensors: List[Tensor] = []
         body = encode(message, tensors)
+        if rank in self.shared.readers:
+            offsets, size = layout(tensors)
+            placed = self.shared.place(rank, size) if tensors else None
+            if placed is not None or not tensors:
+                at = None
+                if placed is not None:
+                    name, start, room = placed
+                    at = [name, start]
+                    for t, offset in zip(tensors, offsets):
+                        view(room, offset, t.shape, t.dtype).copy_(t.detach())
+                self.post(rank, (self.fit(rank, dump_header(kind, tensors, offsets, size, body,
+                                                            at), 0),))
+                return
         payload, offsets = self.payload(tensors)
         header = dump_header(kind, tensors, offsets, payload.numel(), body)
-        needs = (align(8 + len(header)), payload.numel())
+        self.post(rank, (self.fit(rank, header, payload.numel()), payload))
+
+    def fit(self, rank: int, header: bytes, payload: int) -> Tensor:
+        """The buffer of ``header``, of a message whose payload has ``payload``
+        bytes on the wire; the capacities to ``rank`` raised first if need be."""
+        needs = (align(8 + len(header)), payload)
         capacity = self.capacity(rank, True)
         if needs[0] > capacity[0] or needs[1] > capacity[1]:
             # It fits the buffers of the old capacities the receiver takes it in.
             capacity = (max(needs[0], capacity[0]), max(needs[1], capacity[1]))
-            self.post(rank, self.packed('grow', list(capacity), rank))
+            if rank in self.shared.readers:
+                self.post(rank, (self.header(dump_header('grow', [], [], 0, list(capacity)),
+                                             rank),))
+            else:
+                self.post(rank, self.packed('grow', list(capacity), rank))
             self.capacities[rank, True] = capacity
-        self.post(rank, (self.header(header, rank), payload))
+        return self.header(header, rank)
 
     def payload(self, tensors: List[Tensor]) -> Tuple[Tensor, List[int]]:
         """The bytes of ``tensors`` in one buffer, and the offset of each.
@@ -148,11 +180,7 @@ class Channels:
             if t.is_contiguous() and t.device == self.device and t.numel() > 0 and \
                     not t.is_conj() and not t.is_neg():
                 return t.reshape(-1).view(torch.uint8), [0]
-        offsets = []
-        end = 0
-        for t in tensors:
-            offsets.append(end)
-            end = align(end + t.numel() * t.element_size())
+        offsets, end = layout(tensors)
         buffer = self.buffer(max(end, 1))  # a payload has a byte at least
         for t, offset in zip(tensors, offsets):
             view(buffer, offset, t.shape, t.dtype).copy_(t.detach())
@@ -176,8 +204,8 @@ class Channels:
             return self.blocks.take(size)
         return torch.empty(size, dtype=torch.uint8, device=self.device)
 
-    def post(self, rank: int, message: Tuple[Tensor, Tensor]) -> None:
-        """Sends a header and its payload, in this order."""
+    def post(self, rank: int, message: Tuple[Tensor, ...]) -> None:
+        """Sends a header and its payload (if any), in this order."""
         for buffer in message:
             with disconnected():
                 work = dist.isend(buffer, rank, group=self.group)
@@ -213,12 +241,12 @@ class Channels:
 
     def post_receive(self, rank: int) -> Receiving:
         """Posts the receives of the next message from ``rank``: its payload's too, if
-        its size need not be exact."""
+        its size need not be exact and it comes on the wire."""
         header, payload = self.capacity(rank, False)
         header_buffer = self.buffer(header)
         with disconnected():
             work = dist.irecv(header_buffer, rank, group=self.group)
-        if self.exact:
+        if self.exact or rank in self.shared.sources:
             return Receiving(work, header_buffer)
         payload_buffer = self.buffer(payload)
         with disconnected():
@@ -249,7 +277,44 @@ class Channels:
                 raise Unreadable(f'a message from rank {rank} is none this library writes '
                                  f'({exc}); only the ranks of the pipeline may reach its '
                                  'ports') from exc
-        kind, metas, size, body = cast(Header, receiving.parsed)
+        kind, metas, size, body, at = cast(Header, receiving.parsed)
+        if at is not None or size == 0:
+            payload = self.unwired(rank, receiving, size, at)
+        else:
+            payload = self.wired(rank, receiving, size, until, waiting)
+        tensors = []
+        for shape, dtype, offset in metas:
+            if offset % dtype.itemsize or offset + math.prod(shape) * dtype.itemsize > min(
+                    size, payload.numel()):
+                raise Unreadable(f'a message from rank {rank} has a tensor beyond its payload '
+                                 'or misaligned in it')
+            tensors.append(view(payload, offset, shape, dtype))
+        return kind, tensors, body
+
+    def unwired(self, rank: int, receiving: Receiving, size: int, at: Any) -> Tensor:
+        """The payload of a message from ``rank`` whose header came alone: none
+        (``size`` 0), or copied out of an arena ``at`` (its name and offset).
+
+        Raises:
+            Unreadable: ``rank`` sends payloads on the wire, or no such arena
+        """
+        if receiving.payload is not None or rank not in self.shared.sources:
+            raise Unreadable(f'a message from rank {rank} without its payload, where '
+                             'its channel carries every payload')
+        buffer = self.buffer(max(size, 1))
+        if at is not None:
+            buffer[:size].copy_(self.shared.read(rank, at[0], at[1], size))
+        return buffer
+
+    def wired(self, rank: int, receiving: Receiving, size: int, until: Optional[float],
+              waiting: Any) -> Tensor:
+        """Waits for the payload of a message from ``rank``, of ``size`` bytes,
+        receiving it once its header has come, if not posted ahead.
+
+        Raises:
+            TimedOut: as :meth:`receive`; the receives are kept for the next
+            Unreadable: it is beyond the channel's capacity
+        """
         if size > self.capacity(rank, False)[1]:
             # A sender raises the capacity first: no rank of the pipeline sent it.
             raise Unreadable(f'a message from rank {rank} has a payload of {size} bytes, '
@@ -265,15 +330,7 @@ class Channels:
         except TimedOut:
             self.pending[rank] = receiving  # its header read: the payload is left
             raise
-        payload = cast(Tensor, receiving.payload_buffer)
-        tensors = []
-        for shape, dtype, offset in metas:
-            if offset % dtype.itemsize or offset + math.prod(shape) * dtype.itemsize > min(
-                    size, payload.numel()):
-                raise Unreadable(f'a message from rank {rank} has a tensor beyond its payload '
-                                 'or misaligned in it')
-            tensors.append(view(payload, offset, shape, dtype))
-        return kind, tensors, body
+        return cast(Tensor, receiving.payload_buffer)
 
     def parse(self, buffer: Tensor) -> Header:
         """A received header's kind, its tensors' shapes, types and offsets, the
@@ -285,12 +342,12 @@ class Channels:
         length = int.from_bytes(read(buffer, 0, 8), 'little')
         if not 0 < length <= buffer.numel() - 8:
             raise Unreadable(f'a header of {length} bytes, in {buffer.numel()}')
-        kind, metas, size, body = load_header(bytes(read(buffer, 8, 8 + length)))
+        kind, metas, size, body, at = load_header(bytes(read(buffer, 8, 8 + length)))
         if kind not in ('message', 'failure', 'grow') or kind == 'grow' and not (
                 isinstance(body, list) and len(body) == 2
                 and all(type(x) is int and SMALL <= x <= LARGEST for x in body)):
             raise Unreadable(f'a message of kind {kind!r}'[:200])
-        return kind, metas, size, body
+        return kind, metas, size, body, at
 
     def wait_sent(self) -> None:
         """Waits for every send to arrive."""
@@ -346,6 +403,16 @@ class Channels:
 def align(offset: int) -> int:
     """``offset`` rounded up to a multiple of 64 bytes, which suits any type's alignment."""
     return -(-offset // 64) * 64
+
+
+def layout(tensors: List[Tensor]) -> Tuple[List[int], int]:
+    """Where each of ``tensors`` starts in a payload holding them all, and its size."""
+    offsets = []
+    end = 0
+    for t in tensors:
+        offsets.append(end)
+        end = align(end + t.numel() * t.element_size())
+    return offsets, end
 
 
 def read(buffer: Tensor, start: int, stop: int) -> bytearray:

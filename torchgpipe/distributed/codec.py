@@ -16,7 +16,7 @@ refuses anything else (:class:`Unreadable`), where ``pickle`` would have run
 whatever code a crafted message named.
 """
 import json
-from typing import Any, Callable, Dict, List, Sequence, Tuple, Type
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type
 
 import torch
 from torch import Tensor
@@ -126,26 +126,30 @@ BUILDERS = {tag: build for tag, _, build in TYPES.values()}
 
 
 def dump_header(kind: str, tensors: Sequence[Tensor], offsets: Sequence[int], size: int,
-                body: Any) -> bytes:
+                body: Any, at: Optional[List[Any]] = None) -> bytes:
     """A message's header: its kind, each tensor's shape, type and offset in the
-    payload, the payload's size in bytes, its encoded body."""
+    payload, the payload's size in bytes, its encoded body, and where the payload
+    is when it does not follow the header (``at``: an arena's name and offset)."""
     metas = [[list(t.shape), NAMES[t.dtype], offset] for t, offset in zip(tensors, offsets)]
-    return json.dumps([kind, metas, size, body], separators=(',', ':')).encode()
+    return json.dumps([kind, metas, size, body, at], separators=(',', ':')).encode()
 
 
-def load_header(data: bytes) -> Tuple[str, List[Tuple[List[int], torch.dtype, int]], int, Any]:
+def load_header(data: bytes,
+                ) -> Tuple[str, List[Tuple[List[int], torch.dtype, int]], int, Any, Any]:
     """What :func:`dump_header` wrote, checked.
 
     Raises:
         Unreadable: ``data`` is not a header
     """
     try:
-        kind, metas, size, body = json.loads(data.decode())
+        kind, metas, size, body, at = json.loads(data.decode())
     except (ValueError, TypeError, UnicodeDecodeError, RecursionError) as exc:
         raise Unreadable(f'not a header: {exc}') from exc
     if not isinstance(kind, str) or not isinstance(metas, list) or \
-            type(size) is not int or size < 1:
-        raise Unreadable('not a header: no kind, tensors and payload size')
+            type(size) is not int or size < 0 or not (at is None or (
+                isinstance(at, list) and len(at) == 2 and isinstance(at[0], str)
+                and type(at[1]) is int)):
+        raise Unreadable('not a header: no kind, tensors, payload size and place')
     checked = []
     for meta in metas:
         if not (isinstance(meta, list) and len(meta) == 3 and isinstance(meta[0], list)
@@ -153,4 +157,4 @@ def load_header(data: bytes) -> Tuple[str, List[Tuple[List[int], torch.dtype, in
                 and meta[1] in DTYPES and type(meta[2]) is int and meta[2] >= 0):
             raise Unreadable(f'not a tensor: {meta!r}'[:200])
         checked.append((meta[0], DTYPES[meta[1]], meta[2]))
-    return kind, checked, size, body
+    return kind, checked, size, body, at

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from torchgpipe.distributed.blocks import Blocks
 from torchgpipe.distributed.channels import Capacity
+from torchgpipe.distributed.shared import Shared
 from torchgpipe.distributed.tied import TiedGradients
 from torchgpipe.distributed.wire import Channels, Mismatch, Wire
 from torchgpipe.engine.core import Core, Done
@@ -67,6 +68,8 @@ class RankCore(Core):
         self.capacities: Dict[Tuple[int, bool], Capacity] = {}
         #: The CPU memory of the messages, reused from step to step.
         self.blocks = Blocks()
+        #: The shared memory of the messages to and from ranks of this host.
+        self.shared = Shared()
         #: Why the pipeline cannot run any more, after a failed step.
         self.broken: Optional[str] = None
         #: The channels of a failed step, whose sends may still run.
@@ -154,7 +157,7 @@ class RankCore(Core):
         if 0 in self.partitions:
             microbatch.move(batches, self.device)
         wire = Wire(Channels(self.device, self.group, self.capacities, self.blocks,
-                             self.timeout),
+                             self.shared, self.timeout),
                     [self.ranks[r] for r in self.rank_of], dist.get_rank(), self.routes,
                     self.state.recorder)
         step = self.step(batches, targets, loss_fn, weights, plan, stop, mailbox=wire,

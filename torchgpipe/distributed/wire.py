@@ -251,14 +251,17 @@ class Wire(Mailbox):
             PeerFailed: another rank failed in this step
         """
         shares = shares or {}
+        shared = self.channels.shared
         for rank in self.others:
+            # The word also says whether this rank read the other's shared memory.
             with lost(rank, self.ranks.index(rank), 'sending it the end of the step'):
-                self.channels.send(rank, 'message', (None, (result, shares.get(rank))))
+                self.channels.send(rank, 'message',
+                                   (None, (result, shares.get(rank), rank in shared.seen)))
         received: Dict[int, Any] = {}
+        reads: Dict[int, bool] = {}
         for rank in self.others:
-            _, (sent, received[rank]) = self.receive(self.ranks.index(rank),
-                                                     'waiting for the end of the step',
-                                                     last=True)
+            _, (sent, received[rank], reads[rank]) = self.receive(
+                self.ranks.index(rank), 'waiting for the end of the step', last=True)
             if rank == self.ranks[-1]:
                 result = owned(sent)
         # Each rank's last message: nothing of this step is posted ahead.
@@ -267,6 +270,7 @@ class Wire(Mailbox):
         with lost(None, None, "waiting for this rank's messages to arrive"):
             self.channels.wait_sent()
         self.channels.blocks.trim()
+        shared.end_step(reads)
         self.channels.close()
         return result, received
 
@@ -279,13 +283,22 @@ class Wire(Mailbox):
                 and the pipeline stays whole
             PeerFailed, StepTimeout: as :meth:`receive`
         """
+        # With the step, the probe of this rank's shared memory, until the
+        # ranks know who reads whose (see torchgpipe.distributed.shared).
+        shared = self.channels.shared
+        probe = shared.probe_word() if self.channels.sharing else None
         for rank in self.others:
             with lost(rank, self.ranks.index(rank), 'sending it the start of the step'):
-                self.channels.send(rank, 'message', (None, signature))
+                self.channels.send(rank, 'message', (None, (signature, probe)))
         # Nothing posted ahead: if the ranks disagree, this step ends here,
         # and a receive posted for it would take the next step's message.
-        others = {rank: self.receive(self.ranks.index(rank), 'waiting for the start of the '
-                                     'step', last=True)[1] for rank in self.others}
+        others = {}
+        for rank in self.others:
+            others[rank], theirs = self.receive(self.ranks.index(rank),
+                                                'waiting for the start of the step',
+                                                last=True)[1]
+            if self.channels.sharing:
+                shared.test(rank, theirs)
         if any(theirs != signature for theirs in others.values()):
             # Every rank has received this one's word: its buffers may go
             # back to the pool, for the next step's messages.

@@ -1,0 +1,186 @@
+"""Shared memory between the ranks of one host: payloads past the sockets, results unchanged.
+
+From the second step on, a message between two ranks that read each other's
+``/dev/shm`` is its header alone, its payload in an arena; the steps give the
+same losses and gradients, bit for bit, as over the process group only (no
+``/dev/shm``), and as with a limit that sends the larger payloads on the wire
+anyway. What a peer's header names is checked before anything is read.
+"""
+import os
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Tuple
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torchgpipe.distributed.shared as shared
+from process_group import no_child_left  # noqa: F401 (an autouse fixture)
+from process_group import run_distributed
+from torchgpipe.distributed.codec import Unreadable
+from torchgpipe.distributed.shared import Shared
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A folder of its own in place of /dev/shm: what a test leaves there is seen."""
+    monkeypatch.setattr(shared, 'ROOT', str(tmp_path))
+    return tmp_path
+
+
+def acquainted() -> Tuple[Shared, Shared]:
+    """Rank 0's and rank 1's shared memory, past a first step: each reads the other's."""
+    a, b = Shared(), Shared()
+    b.test(0, a.probe_word())
+    a.test(1, b.probe_word())
+    a.end_step({1: 0 in b.seen})
+    b.end_step({0: 1 in a.seen})
+    return a, b
+
+
+def test_payloads_go_through_an_arena_that_starts_over_every_step(root: Path) -> None:
+    a, b = acquainted()
+    assert (a.readers, a.sources, b.readers, b.sources) == ({1}, {1}, {0}, {0})
+    assert not list(root.iterdir())  # both probes removed once the step ended
+    for step in range(3):
+        sent = []
+        for k, size in enumerate([1000, 3 << 20, 5]):  # the second outgrows the first arena
+            placed = a.place(1, size)
+            assert placed is not None
+            name, offset, room = placed
+            data = torch.randint(0, 256, (size,), dtype=torch.uint8)
+            room.copy_(data)
+            sent.append((name, offset, data))
+        for name, offset, data in sent:
+            assert torch.equal(b.read(0, name, offset, data.numel()), data)
+        # Each arena's file is gone once its reader mapped it.
+        assert not list(root.iterdir())
+        names, offsets = [n for n, _, _ in sent], [o for _, o, _ in sent]
+        if step == 0:
+            assert names[0] != names[1] == names[2] and offsets == [0, 0, align(3 << 20)]
+            grown = names[1]
+        else:  # the grown arena, from its start
+            assert names == [grown] * 3 and offsets == [0, 1024, 1024 + align(3 << 20)]
+        b.end_step({0: True})
+        a.end_step({1: True})
+        assert list(b.mapped[0]) == [grown]
+        assert not a.outgrown
+
+
+def align(n: int) -> int:
+    return -(-n // 64) * 64
+
+
+def test_a_rank_that_did_not_read_the_probe_gets_payloads_on_the_wire(root: Path) -> None:
+    a, b = Shared(), Shared()
+    word = a.probe_word()
+    assert word is not None
+    b.test(0, [word[0], 'another token'])
+    b.test(0, ['../../etc/passwd', word[1]])
+    b.test(0, 'not a probe')
+    assert not b.seen
+    a.end_step({1: False})
+    b.end_step({0: False})
+    assert a.place(1, 10) is None and not b.sources
+
+
+def test_without_a_shared_folder_nothing_is_shared(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shared, 'ROOT', '/nonexistent/folder')
+    a = Shared()
+    assert a.probe_word() is None
+    a.readers = {1}
+    assert a.place(1, 10) is None
+
+
+def test_the_files_of_a_process_gone_for_an_hour_are_removed(root: Path) -> None:
+    gone = f'torchgpipe-{(1 << 22) + 1}-0123456789abcdef-'  # beyond any PID Linux gives
+    mine = f'torchgpipe-{os.getpid()}-0123456789abcdef-0'
+    old, recent, mine = root / f'{gone}0', root / f'{gone}1', root / mine
+    for path in (old, recent, mine):
+        path.write_bytes(b'')
+    an_hour_ago = time.time() - shared.STALE - 1
+    os.utime(old, (an_hour_ago, an_hour_ago))
+    os.utime(mine, (an_hour_ago, an_hour_ago))
+    Shared().probe_word()
+    assert not old.exists() and recent.exists() and mine.exists()
+
+
+def test_beyond_the_limit_a_payload_goes_on_the_wire(root: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shared, 'LIMIT', 4 << 20)
+    a, _ = acquainted()
+    assert a.place(1, 1 << 20) is not None
+    assert a.place(1, 3 << 20) is None  # its arena would be 8 MiB
+
+
+@pytest.mark.parametrize('name, offset, size, why', [
+    ('../probe', 0, 8, 'no arena of rank 0'),
+    (7, 0, 8, 'no arena of rank 0'),
+    ('torchgpipe-1-0123456789abcdef-9', 0, 8, 'cannot be read'),
+    (None, 32, 8, 'misaligned'),
+    (None, 0, 1 << 30, 'beyond it'),
+    (None, -64, 8, 'beyond it'),
+    (None, '0', 8, 'beyond it'),
+])
+def test_a_payload_no_rank_placed_is_refused(root: Path, name: Any, offset: Any, size: int,
+                                            why: str) -> None:
+    a, b = acquainted()
+    placed = a.place(1, 64)
+    assert placed is not None
+    with pytest.raises(Unreadable, match=why):
+        b.read(0, placed[0] if name is None else name, offset, size)
+    with pytest.raises(Unreadable, match='no arena of rank 2'):
+        b.read(2, placed[0], 0, 8)  # a rank that never said it shares
+
+
+def train(rank: int, world_size: int, sizes: Tuple[int, int], root: str) -> Dict[str, Any]:
+    """Three steps of a pipeline of two ranks, with shared memory in ``root``
+    (none if it is no folder), arenas of the ``sizes`` (smallest, limit);
+    the losses, gradients, and the operations each step posted."""
+    import torchgpipe.distributed.channels as channels
+    from torchgpipe.distributed import DistributedGPipe
+    shared.ROOT, (shared.SMALLEST, shared.LIMIT) = root, sizes
+    posted: List[int] = []
+    post = channels.Channels.post
+
+    def counted(self: Any, to: int, message: Tuple[Any, ...]) -> None:
+        posted[-1] += len(message)
+        post(self, to, message)
+    channels.Channels.post = counted  # type: ignore[method-assign]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16)).double()
+    pipe = DistributedGPipe(model, [2, 1], chunks=4)
+    losses, ops = [], []
+    for step in range(3):
+        posted.append(0)
+        x = torch.randn(32, 16, dtype=torch.double, generator=torch.Generator().manual_seed(step))
+        losses.append(pipe.train_step(x, x.sin(), F.mse_loss).item())
+        ops.append(posted[-1])
+    left = [n for n in os.listdir(root) if n.startswith(f'torchgpipe-{os.getpid()}-')] \
+        if os.path.isdir(root) else []
+    return {'losses': losses, 'ops': ops, 'left': left,
+            'grads': {k: p.grad.tolist() for k, p in pipe.named_parameters()}}
+
+
+def test_across_ranks_shared_memory_changes_nothing_but_the_operations(tmp_path: Path) -> None:
+    folder = str(tmp_path)
+    sizes = (shared.SMALLEST, shared.LIMIT)
+    wire = run_distributed(train, sizes, '/nonexistent/folder')
+    arenas = run_distributed(train, sizes, folder)
+    # An arena of 8 KiB: two 4 KiB payloads fit, the others go on the wire.
+    mixed = run_distributed(train, (1024, 8192), folder)
+    for ranks in (arenas, mixed):
+        for mine, theirs in zip(ranks, wire):
+            assert mine['losses'] == theirs['losses'] and mine['grads'] == theirs['grads']
+    for rank in range(2):
+        # The wire posts a header and a payload per message; from the
+        # second step on, with arenas, the header alone.
+        first, *later = arenas[rank]['ops']
+        assert wire[rank]['ops'] == [first] * 3
+        assert later == [first // 2] * 2, arenas[rank]['ops']
+        assert first // 2 < mixed[rank]['ops'][2] < first
+        assert arenas[rank]['left'] == mixed[rank]['left'] == []
