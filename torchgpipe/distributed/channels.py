@@ -108,7 +108,7 @@ class Channels:
         self.blocks = blocks
         self.exact = dist.get_backend(group) == 'nccl'
         self.shared = shared
-        #: Whether payloads may go through shared memory: gloo's, from and to the CPU.
+        #: Whether payloads may go through shared memory (gloo's, from and to the CPU).
         self.sharing = not self.exact and device.type == 'cpu'
         #: Sends in flight, with what they send, and to whom.
         self.sending: List[Tuple[Any, Tensor, int]] = []

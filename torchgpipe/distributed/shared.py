@@ -79,19 +79,19 @@ class Shared:
     def __init__(self) -> None:
         self.prefix = f'torchgpipe-{os.getpid()}-{secrets.token_hex(8)}'
         self.count = 0
-        #: This process's files not removed yet: removed when it ends, at the latest.
+        #: This process's files not removed yet, removed when it ends at the latest.
         self.files: List[str] = []
         weakref.finalize(self, remove, self.files)
-        #: The probe's name and token, once made (None: no shared memory here).
+        #: The probe's name and token, once made (None where no shared memory is).
         self.probe: Optional[Tuple[str, str]] = None
-        #: Whether a step ended since: the ranks know who reads whose arenas.
+        #: Whether a step ended since, so that the ranks know who reads whose arenas.
         self.decided = False
         #: How many of ``files`` were made before this step.
         self.settled = 0
         #: The ranks whose probe this rank read, and those that read its own.
         self.seen: Set[int] = set()
         self.readers: Set[int] = set()
-        #: The ranks whose payloads come through shared memory: those this
+        #: The ranks whose payloads come through shared memory, those this
         #: rank told it read their probe, as the last step ended.
         self.sources: Set[int] = set()
         #: The arena for each reader, how much of it this step used, and the
