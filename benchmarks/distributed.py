@@ -89,6 +89,8 @@ SCHEDULES = {
 }
 #: The largest ratio allowed: each of our steps over the anchor's matching one.
 TARGETS = {'1f1b': 0.97, 'interleaved_1f1b': 1.0, 'zb_h1': 0.97, 'zbv': 1.0}
+#: On more ranks than cores, which is noisy: every schedule at par.
+CROWDED_TARGET = 1.0
 TARGET = TARGETS['1f1b']
 #: The largest ratio allowed: the one-process train_step of each schedule
 #: over the anchor's step on 2 ranks.
@@ -330,8 +332,8 @@ def run(config: Dict[str, Any]) -> Dict[str, Any]:
     reported = spawn_ranks(rank_main, ranks, config, 60 + 20 * ranks * config['rounds'])
     times, losses, seconds = reported['times'], reported['losses'], reported['seconds']
     anchor = anchor_name('1f1b', ranks)
-    rows = [ratio(ours_name(s, ranks), anchor_name(s, ranks), seconds, TARGETS[s])
-            for s in SCHEDULES]
+    rows = [ratio(ours_name(s, ranks), anchor_name(s, ranks), seconds,
+                  TARGETS[s] if ranks == 2 else CROWDED_TARGET) for s in SCHEDULES]
     rows.append(ratio(fill_drain_name(ranks), anchor, seconds))
     if ONE_PROCESS in times:
         rows += [ratio(one_process_name(s), anchor_name(s), seconds, ONE_PROCESS_TARGET)

@@ -133,10 +133,9 @@ def test_two_threads_taking_and_dropping_never_share_a_block() -> None:
 
 
 def test_every_block_starts_at_a_multiple_of_64_bytes() -> None:
-    """As PyTorch's own CPU allocator gives: received activations, views of
-    blocks, went through kernels up to a quarter slower when they started
-    past 16 bytes (a bytearray's alignment), measured on this project's
-    CPU benchmark machine."""
+    """As PyTorch's own CPU allocator gives (a bytearray's bytes start 16
+    bytes past a boundary): received activations are views of blocks, and
+    kernels may be slower on unaligned tensors (see docs/scaling_out.rst)."""
     blocks = Blocks()
     lent = [blocks.take(size) for size in (1, 63, 64, 1000, 1 << 20) for _ in range(3)]
     assert all(t.data_ptr() % 64 == 0 for t in lent)

@@ -55,8 +55,9 @@ class Blocks:
         free = self.free.setdefault(size, [])
         # pop() and append() are atomic: the finalizer may run in any thread.
         block = free.pop() if free else bytearray(size + ALIGNMENT)
-        # Lent from a multiple of ALIGNMENT in memory: kernels are slower on
-        # tensors that are not (a bytearray's bytes start anywhere, past 16).
+        # Lent from a multiple of ALIGNMENT in memory, as tensors of PyTorch's
+        # own allocator are (a bytearray's bytes start 16 bytes past one),
+        # which kernels may be faster on.
         start = -torch.frombuffer(block, dtype=torch.uint8).data_ptr() % ALIGNMENT
         lease = memoryview(block)[start:start + size]
         weakref.finalize(lease, self.give_back, size, block).atexit = False
