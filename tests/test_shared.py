@@ -9,7 +9,8 @@ anyway. What a peer's header names is checked before anything is read.
 import os
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from types import SimpleNamespace
+from typing import Any, Dict, List, Tuple, cast
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from torch import nn
 import torchgpipe.distributed.shared as shared
 from process_group import no_child_left  # noqa: F401 (an autouse fixture)
 from process_group import run_distributed
+from torchgpipe.distributed.channels import Channels, Receiving
 from torchgpipe.distributed.codec import Unreadable
 from torchgpipe.distributed.shared import Shared
 
@@ -99,14 +101,15 @@ def test_without_a_shared_folder_nothing_is_shared(monkeypatch: pytest.MonkeyPat
 def test_the_files_of_a_process_gone_for_an_hour_are_removed(root: Path) -> None:
     gone = f'torchgpipe-{(1 << 22) + 1}-0123456789abcdef-'  # beyond any PID Linux gives
     mine = f'torchgpipe-{os.getpid()}-0123456789abcdef-0'
-    old, recent, mine = root / f'{gone}0', root / f'{gone}1', root / mine
-    for path in (old, recent, mine):
-        path.write_bytes(b'')
+    huge = 'torchgpipe-9999999999-0123456789abcdef-0'  # no PID at all
+    old, recent, mine, huge = root / f'{gone}0', root / f'{gone}1', root / mine, root / huge
     an_hour_ago = time.time() - shared.STALE - 1
-    os.utime(old, (an_hour_ago, an_hour_ago))
-    os.utime(mine, (an_hour_ago, an_hour_ago))
+    for path in (old, recent, mine, huge):
+        path.write_bytes(b'')
+        if path is not recent:
+            os.utime(path, (an_hour_ago, an_hour_ago))
     Shared().probe_word()
-    assert not old.exists() and recent.exists() and mine.exists()
+    assert not old.exists() and recent.exists() and mine.exists() and huge.exists()
 
 
 def test_beyond_the_limit_a_payload_goes_on_the_wire(root: Path,
@@ -120,7 +123,7 @@ def test_beyond_the_limit_a_payload_goes_on_the_wire(root: Path,
 @pytest.mark.parametrize('name, offset, size, why', [
     ('../probe', 0, 8, 'no arena of rank 0'),
     (7, 0, 8, 'no arena of rank 0'),
-    ('torchgpipe-1-0123456789abcdef-9', 0, 8, 'cannot be read'),
+    ('{prefix}-9', 0, 8, 'cannot be read'),  # named as the sender's, but none
     (None, 32, 8, 'misaligned'),
     (None, 0, 1 << 30, 'beyond it'),
     (None, -64, 8, 'beyond it'),
@@ -132,9 +135,47 @@ def test_a_payload_no_rank_placed_is_refused(root: Path, name: Any, offset: Any,
     placed = a.place(1, 64)
     assert placed is not None
     with pytest.raises(Unreadable, match=why):
+        if isinstance(name, str):
+            name = name.format(prefix=a.prefix)
         b.read(0, placed[0] if name is None else name, offset, size)
     with pytest.raises(Unreadable, match='no arena of rank 2'):
         b.read(2, placed[0], 0, 8)  # a rank that never said it shares
+
+
+def test_a_file_that_is_not_the_senders_arena_is_neither_read_nor_removed(root: Path) -> None:
+    a, b = acquainted()
+    third = Shared()  # another process's, say (kept: its files go with it)
+    other = third.make(64)
+    assert other is not None and b.seen == {0}
+    with pytest.raises(Unreadable, match='no arena of rank 0'):
+        b.read(0, other.name, 0, 8)
+    own = b.make(64)
+    assert own is not None
+    with pytest.raises(Unreadable, match='no arena of rank 0'):
+        b.read(0, own.name, 0, 8)
+    assert (root / other.name).exists()
+    # A link named as the sender's arena: not followed.
+    target = root / 'elsewhere'
+    target.write_bytes(bytes(64))
+    link = f'{a.prefix}-99'
+    (root / link).symlink_to(target)
+    with pytest.raises(Unreadable, match='cannot be read'):
+        b.read(0, link, 0, 8)
+
+
+def test_a_payload_is_bounded_by_its_arena_before_a_buffer_is_taken(root: Path) -> None:
+    """A header cannot make its receiver allocate what it likes."""
+    a, b = acquainted()
+    placed = a.place(1, 64)
+    assert placed is not None
+
+    def buffer(size: int) -> torch.Tensor:
+        assert size <= 1 << 20, 'a buffer sized by the header alone'
+        return torch.empty(size, dtype=torch.uint8)
+    receiver = cast(Any, SimpleNamespace(shared=b, pending={}, buffer=buffer))
+    with pytest.raises(Unreadable, match='beyond it'):
+        Channels.unwired(receiver, 0, Receiving(None, torch.empty(0)), 1 << 40,
+                         [placed[0], 0])
 
 
 def train(rank: int, world_size: int, sizes: Tuple[int, int], root: str) -> Dict[str, Any]:

@@ -137,8 +137,8 @@ class Channels:
         body = encode(message, tensors)
         if rank in self.shared.readers:
             offsets, size = layout(tensors)
-            placed = self.shared.place(rank, size) if tensors else None
-            if placed is not None or not tensors:
+            placed = self.shared.place(rank, size) if size else None
+            if placed is not None or not size:
                 at = None
                 if placed is not None:
                     name, start, room = placed
@@ -299,11 +299,15 @@ class Channels:
             Unreadable: ``rank`` sends payloads on the wire, or no such arena
         """
         if receiving.payload is not None or rank not in self.shared.sources:
+            if receiving.payload is not None:
+                self.pending[rank] = receiving  # its receive may still write its buffer
             raise Unreadable(f'a message from rank {rank} without its payload, where '
                              'its channel carries every payload')
+        # Read first: the arena bounds the size, which sizes the buffer.
+        source = None if at is None else self.shared.read(rank, at[0], at[1], size)
         buffer = self.buffer(max(size, 1))
-        if at is not None:
-            buffer[:size].copy_(self.shared.read(rank, at[0], at[1], size))
+        if source is not None:
+            buffer[:size].copy_(source)
         return buffer
 
     def wired(self, rank: int, receiving: Receiving, size: int, until: Optional[float],

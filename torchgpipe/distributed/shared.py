@@ -26,11 +26,13 @@ the other rank read it. From the next step on, the payloads to each rank
 that read it go through shared memory. An arena's file is removed by the
 rank it is for, once mapped; the probe by its maker once the first step
 ends, or when the process ends. Those of a process killed before are
-removed by the next that probes, an hour later.
+removed by the first to probe an hour or more later.
 """
+import mmap
 import os
 import re
 import secrets
+import stat
 import time
 import weakref
 from typing import Any, Dict, List, Optional, Set, Tuple
@@ -58,7 +60,7 @@ SMALLEST = 1 << 20
 STALE = 3600
 
 #: The names of arenas (and probes): only such files are ever opened.
-NAME = re.compile(r'torchgpipe-[0-9]+-[0-9a-f]{16}-[0-9]+\Z')
+NAME = re.compile(r'torchgpipe-[0-9]{1,10}-[0-9a-f]{16}-[0-9]{1,10}\Z')
 
 
 class Arena:
@@ -99,8 +101,9 @@ class Shared:
         self.arenas: Dict[int, Arena] = {}
         self.used: Dict[int, int] = {}
         self.outgrown: List[Arena] = []
-        #: The arenas of each source, mapped, by name.
+        #: The arenas of each source, mapped, by name; how their names begin.
         self.mapped: Dict[int, Dict[str, Tensor]] = {}
+        self.prefixes: Dict[int, str] = {}
 
     def make(self, size: int) -> Optional[Arena]:
         """A new arena of ``size`` bytes, its memory reserved; ``None`` where none can be."""
@@ -121,7 +124,11 @@ class Shared:
             return None
         finally:
             os.close(fd)
-        return Arena(name, torch.from_file(path, shared=True, size=size, dtype=torch.uint8))
+        memory = opened(path, size)
+        if memory is None:
+            self.forget(path)
+            return None
+        return Arena(name, memory)
 
     def forget(self, path: str) -> None:
         """Removes one of this process's files, unless its reader did."""
@@ -149,15 +156,11 @@ class Shared:
         if not (isinstance(word, list) and len(word) == 2 and all(
                 isinstance(x, str) for x in word) and NAME.match(word[0])):
             return
-        path = os.path.join(ROOT, word[0])
-        try:
-            if os.stat(path).st_size != 64:
-                return
-            memory = torch.from_file(path, shared=True, size=64, dtype=torch.uint8)
-        except (OSError, RuntimeError):
-            return
-        if bytes(memory[:32].tolist()) == word[1].encode():
+        memory = opened(os.path.join(ROOT, word[0]), 64)
+        if memory is not None and bytes(memory[:32].tolist()) == word[1].encode():
             self.seen.add(rank)
+            # Its arenas are named as its probe, but for their number.
+            self.prefixes[rank] = word[0].rsplit('-', 1)[0] + '-'
 
     def place(self, rank: int, size: int) -> Optional[Tuple[str, int, Tensor]]:
         """Room for a payload of ``size`` bytes to ``rank``: the arena's name,
@@ -184,15 +187,14 @@ class Shared:
         mapped = self.mapped.setdefault(rank, {})
         memory = mapped.get(name)
         if memory is None:
-            if rank not in self.sources or not isinstance(name, str) or not NAME.match(name):
+            if rank not in self.sources or not isinstance(name, str) or not NAME.match(name) \
+                    or not name.startswith(self.prefixes[rank]):
                 raise Unreadable(f'a payload in {name!r}, which is no arena of rank {rank}'[:200])
             path = os.path.join(ROOT, name)
-            try:
-                memory = torch.from_file(path, shared=True, size=os.stat(path).st_size,
-                                         dtype=torch.uint8)
-            except (OSError, RuntimeError) as exc:
+            memory = opened(path)
+            if memory is None:
                 raise Unreadable(f'a payload in arena {name} of rank {rank}, which cannot '
-                                 f'be read ({exc})') from exc
+                                 'be read')
             # Mapped by its one reader: the file is of no more use, and a
             # process that ends without its finalizers (os._exit) leaves none.
             remove([path])
@@ -242,13 +244,33 @@ def sweep() -> None:
             continue  # its process lives on
         except ProcessLookupError:
             pass
-        except OSError:
-            continue  # another user's
+        except (OSError, OverflowError):
+            continue  # another user's, or no process's
         try:
             if time.time() - os.stat(path).st_mtime > STALE:
                 os.unlink(path)
         except OSError:
             pass
+
+
+def opened(path: str, size: Optional[int] = None) -> Optional[Tensor]:
+    """The bytes of a file of shared memory, mapped; ``None`` unless it is a
+    regular file of this user (no link), of ``size`` bytes if given."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode) or status.st_uid != os.getuid() or \
+                status.st_size == 0 or size is not None and status.st_size != size:
+            return None
+        # Mapped through the descriptor checked, not by the path again.
+        return torch.frombuffer(mmap.mmap(fd, status.st_size), dtype=torch.uint8)
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
 
 
 def remove(files: List[str]) -> None:

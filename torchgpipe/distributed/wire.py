@@ -260,8 +260,9 @@ class Wire(Mailbox):
         received: Dict[int, Any] = {}
         reads: Dict[int, bool] = {}
         for rank in self.others:
-            _, (sent, received[rank], reads[rank]) = self.receive(
+            _, (sent, received[rank], read) = self.receive(
                 self.ranks.index(rank), 'waiting for the end of the step', last=True)
+            reads[rank] = read is True
             if rank == self.ranks[-1]:
                 result = owned(sent)
         # Each rank's last message: nothing of this step is posted ahead.
