@@ -80,11 +80,13 @@ def deterministic_seed() -> None:
 # compute. The others follow in their order.
 LONGEST_FIRST = [
     'test_distributed_hangs.py', 'test_typing_and_lint.py', 'test_distributed_pipe.py',
-    'test_examples.py',
-    'test_benchmarks_smoke.py', 'test_docs.py', 'test_train_step.py',
-    'test_distributed_tied.py', 'test_capture_effects.py', 'test_rng.py', 'test_models.py',
-    'test_distributed_step.py', 'test_skip.py', 'test_capture.py', 'test_generation.py',
-    'test_distributed.py', 'test_flatten.py', 'test_suite_config.py',
+    'test_examples.py', 'test_models.py', 'test_benchmarks_smoke.py', 'test_docs.py',
+    'test_distributed_tied.py', 'test_flatten.py', 'test_train_step.py',
+    'test_capture_effects.py', 'test_rng.py', 'test_capture.py', 'test_suite_config.py',
+    'test_capture_modes.py', 'test_distributed.py', 'test_distributed_step.py', 'test_skip.py',
+    'test_generation.py', 'test_packaging.py', 'test_compat.py', 'test_clipping.py',
+    'test_balance_solver.py', 'test_distributed_trace.py', 'test_rng_pipelines.py',
+    'test_grad_scaler.py',
 ]
 
 
