@@ -136,6 +136,37 @@ def _stop(processes: List[multiprocessing.process.BaseProcess]) -> None:
             process.join()
 
 
+def take_reports(pending: Dict[Connection, int],
+                 processes: List[multiprocessing.process.BaseProcess], dies: Collection[int],
+                 timeout: float, results: List[Any], errors: List[Tuple[Any, ...]],
+                 known: str = '') -> None:
+    """Reads the reports that come within ``timeout``: each rank's result into
+    ``results``, its error as ``(time, rank, type name, message, traceback,
+    exception)`` into ``errors``.
+
+    Raises:
+        WorkerFailed: a rank not in ``dies`` ended without a report
+            (``known``: what else went wrong, for the message)
+    """
+    for conn in wait(list(pending), timeout=timeout):
+        assert isinstance(conn, Connection)
+        rank = pending.pop(conn)
+        try:
+            report = conn.recv()
+        except EOFError:
+            processes[rank].join(5)
+            if rank in dies:
+                continue
+            raise WorkerFailed(f'rank {rank} exited (code {processes[rank].exitcode}) '
+                               f'without reporting{known}', rank) from None
+        finally:
+            conn.close()
+        if report[0] == 'ok':
+            results[rank] = report[1]
+        else:
+            errors.append((report[1], rank) + tuple(report[2:]))
+
+
 def run_distributed(fn: Callable[..., Any], *args: Any, world_size: int = WORLD_SIZE,
                     timeout: float = SPAWN_TIMEOUT, dies: Collection[int] = (),
                     backend: str = 'gloo', measured: bool = True) -> List[Any]:
@@ -184,46 +215,16 @@ def run_distributed(fn: Callable[..., Any], *args: Any, world_size: int = WORLD_
             if remaining <= 0:
                 ranks = sorted(pending.values())
                 raise WorkerFailed(f'ranks {ranks} did not finish within {timeout} s', ranks[0])
-            errors = []
-            for conn in wait(list(pending), timeout=remaining):
-                assert isinstance(conn, Connection)
-                rank = pending.pop(conn)
-                try:
-                    report = conn.recv()
-                except EOFError:
-                    process = processes[rank]
-                    process.join(5)
-                    if rank in dies:
-                        continue
-                    raise WorkerFailed(f'rank {rank} exited (code {process.exitcode}) '
-                                       f'without reporting', rank) from None
-                finally:
-                    conn.close()
-                if report[0] == 'ok':
-                    results[rank] = report[1]
-                else:
-                    errors.append((report[1], rank) + tuple(report[2:]))
+            errors: List[Tuple[Any, ...]] = []
+            take_reports(pending, processes, dies, remaining, results, errors)
             if errors:
                 # Another rank's failure may be a consequence (a closed connection):
                 # collect what arrives within a grace and report the earliest, or a
                 # rank that died without a word, the likeliest cause of the others.
                 grace = time.monotonic() + 0.5
                 while pending and (remaining := grace - time.monotonic()) > 0:
-                    for conn in wait(list(pending), timeout=remaining):
-                        assert isinstance(conn, Connection)
-                        rank = pending.pop(conn)
-                        try:
-                            report = conn.recv()
-                        except EOFError:
-                            processes[rank].join(5)
-                            if rank in dies:
-                                continue
-                            raise WorkerFailed(f'rank {rank} exited (code '
-                                               f'{processes[rank].exitcode}) without reporting, '
-                                               f'and rank {errors[0][1]} raised {errors[0][2]}',
-                                               rank) from None
-                        if report[0] == 'error':
-                            errors.append((report[1], rank) + tuple(report[2:]))
+                    take_reports(pending, processes, dies, remaining, results, errors,
+                                 f', and rank {errors[0][1]} raised {errors[0][2]}')
                 errors.sort(key=lambda e: e[0])
                 _, rank, type_name, message, child_traceback, error = errors[0]
                 others = ''.join(f'\n(then rank {e[1]} raised {e[2]}: {e[3]})' for e in errors[1:])

@@ -126,10 +126,12 @@ THREE_RANKS = [Config('unet', (3, 2, 5), s, c) for s, c in SCHEDULE_CHECKPOINTS]
     Config('tied', (2, 2, 2), s, c) for s, c in zip(['1f1b', 'fill_drain', 'zb_h1'],
                                                      CHECKPOINT_MODES)]
 # Two partitions per rank, in a loop or a V; unet's skips cross virtual stages.
-VIRTUAL = [Config(m, b, s, c, placement) for (m, b), (s, placement), c in itertools.product(
-    [('unet', (3, 2, 2, 3)), ('mlp', (2, 1, 1, 1)), ('batchnorm', (2, 2, 2, 1))],
-    [('interleaved_1f1b', 'loop'), ('zbv', 'v'), ('1f1b', 'loop'), ('zb_h1', 'v')],
-    CHECKPOINT_MODES)] + [
+# Each schedule meets each checkpoint mode once, with one model or another.
+VIRTUAL = [Config(m, b, s, CHECKPOINT_MODES[(k + n) % 3], placement)
+           for k, (m, b) in enumerate([('unet', (3, 2, 2, 3)), ('mlp', (2, 1, 1, 1)),
+                                       ('batchnorm', (2, 2, 2, 1))])
+           for n, (s, placement) in enumerate([('interleaved_1f1b', 'loop'), ('zbv', 'v'),
+                                               ('1f1b', 'loop'), ('zb_h1', 'v')])] + [
     # A V puts the first and the last partition on rank 0: they may share a weight.
     Config('tied', (2, 1, 1, 2), s, c, 'v') for s, c in itertools.product(
         ['zbv', 'zb_h1'], CHECKPOINT_MODES)] + [
