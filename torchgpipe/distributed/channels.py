@@ -15,7 +15,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from torchgpipe.distributed.blocks import Blocks
-from torchgpipe.distributed.codec import Unreadable, decode, dump_header, encode, load_header
+from torchgpipe.distributed.codec import (Unreadable, align, decode, dump_header, encode,
+                                          load_header)
 from torchgpipe.distributed.faults import TimedOut, disconnected
 from torchgpipe.distributed.shared import Shared
 from torchgpipe.distributed.waiting import Waiter, Watch
@@ -402,11 +403,6 @@ class Channels:
         self.waiter.close()
         if self.watch is not None:
             self.watch.end()
-
-
-def align(offset: int) -> int:
-    """``offset`` rounded up to a multiple of 64 bytes, which suits any type's alignment."""
-    return -(-offset // 64) * 64
 
 
 def layout(tensors: List[Tensor]) -> Tuple[List[int], int]:

@@ -125,6 +125,12 @@ TYPES: Dict[Type[Any], Tuple[str, Callable[[Any], Any], Callable[[Any], Any]]] =
 BUILDERS = {tag: build for tag, _, build in TYPES.values()}
 
 
+def align(offset: int) -> int:
+    """``offset`` rounded up to a multiple of 64 bytes, which suits any type's
+    alignment: where each tensor of a payload starts, in its buffer or arena."""
+    return -(-offset // 64) * 64
+
+
 def dump_header(kind: str, tensors: Sequence[Tensor], offsets: Sequence[int], size: int,
                 body: Any, at: Optional[List[Any]] = None) -> bytes:
     """A message's header: its kind, each tensor's shape, type and offset in the

@@ -40,7 +40,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import torch
 from torch import Tensor
 
-from torchgpipe.distributed.codec import Unreadable
+from torchgpipe.distributed.codec import Unreadable, align
 
 __all__: List[str] = []
 
@@ -175,7 +175,7 @@ class Shared:
             if arena is not None:
                 self.outgrown.append(arena)
             self.arenas[rank], arena, used = new, new, 0
-        self.used[rank] = used + -(-size // 64) * 64
+        self.used[rank] = used + align(size)
         return arena.name, used, arena.memory[used:used + size]
 
     def read(self, rank: int, name: Any, offset: Any, size: int) -> Tensor:
