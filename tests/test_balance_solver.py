@@ -114,7 +114,7 @@ def assert_partition_of(blocks: List[List[Cost]], sequence: Sequence[Cost],
     assert [x for block in blocks for x in block] == list(sequence)
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=250, deadline=None)
 @given(costs_and_partitions(small_ints | ties | floats | wide_floats | one_huge()))
 def test_equals_brute_force(case: Tuple[List[Cost], int]) -> None:
     sequence, partitions = case
@@ -143,7 +143,7 @@ def random_costs(rng: random.Random) -> List[Cost]:
 
 # Hypothesis spends about a millisecond per drawn value here; drawing a seed
 # per example and many sequences from it covers thousands of sequences fast.
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(st.randoms(use_true_random=False))
 def test_equals_brute_force_on_many_sequences(rng: random.Random) -> None:
     for _ in range(25):
