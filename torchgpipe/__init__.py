@@ -21,6 +21,7 @@ from torchgpipe.gpipe import GPipe
 from torchgpipe.generation import generate
 from torchgpipe.foundation.nochunk import NoChunk
 from torchgpipe.timeline import trace
+from torchgpipe.planner import Plan, plan
 
 # torchgpipe 0.0.7's modules, bound as attributes of the package as its
 # import bound them; each is the module of a layer's folder (see its file).
@@ -38,5 +39,5 @@ def __getattr__(name: str) -> types.ModuleType:
     raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
 
 
-__all__ = ['GPipe', 'NoChunk', 'generate', 'is_checkpointing', 'is_recomputing',
-           'to_sequential', 'trace', '__version__']
+__all__ = ['GPipe', 'NoChunk', 'Plan', 'generate', 'is_checkpointing', 'is_recomputing',
+           'plan', 'to_sequential', 'trace', '__version__']

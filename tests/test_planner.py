@@ -1,0 +1,279 @@
+"""The planner: its predictions are the simulator's, its choice fits and is the fastest
+predicted, and the plan applies, saves, loads and compares as documented."""
+import json
+from fractions import Fraction
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import torchgpipe
+from torchgpipe import GPipe, Plan
+from torchgpipe.engine.generators import named
+from torchgpipe.engine.schedule import Kind, simulate
+from torchgpipe.planner.costs import Costs, LayerCosts, measure
+from torchgpipe.planner.predict import Candidate, micro_batches, predict
+from torchgpipe.planner.search import SHAPES, CHECKPOINTS, chunk_counts, search
+
+SCHEDULES = sorted(SHAPES)
+
+
+def linear_costs(layers: int, batch: int = 16, *, forward: float = 1e-3, input: float = 1e-3,
+                 weight: float = 1e-3, kept: float = 1e3, parameters: int = 1000,
+                 heavy: int = -1) -> Costs:
+    """Costs proportional to the micro-batch, exactly; layer ``heavy`` is a large head:
+    light in time, heavy in parameters and activations."""
+    sizes = [1, 2, 4, 8, 16, 32][:batch.bit_length()]
+
+    def at(size: int) -> LayerCosts:
+        per = {'forward': forward, 'input': input, 'weight': weight,
+               'backward': input + weight, 'kept': kept, 'output': kept / 4}
+        table = {name: [value * size] * layers for name, value in per.items()}
+        if heavy >= 0:
+            table['kept'][heavy] *= 40
+        return LayerCosts(**table)
+
+    params = [parameters * (200 if k == heavy else 1) for k in range(layers)]
+    return Costs(batch=batch, sizes=sizes, table=[at(s) for s in sizes], parameters=params,
+                 entry=kept / 4)
+
+
+@settings(max_examples=40, deadline=None)
+@given(schedule=st.sampled_from(['fill_drain', '1f1b']), p=st.integers(1, 4),
+       per=st.integers(1, 3), m=st.sampled_from([1, 2, 4, 8, 16]))
+def test_one_partition_per_worker_takes_the_papers_time(schedule: str, p: int, per: int,
+                                                        m: int) -> None:
+    """Equal partitions of GPipe or 1F1B take (m + p - 1)(F + B): the paper's bubble."""
+    costs = linear_costs(p * per)
+    prediction = predict(costs, Candidate(schedule, (per,) * p, m, 'never', p))
+    size = 16 // m
+    f, b = per * 1e-3 * size, per * 2e-3 * size
+    assert prediction.step == pytest.approx((m + p - 1) * (f + b), rel=1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), schedule=st.sampled_from(SCHEDULES), p=st.integers(1, 3),
+       m=st.integers(1, 12), checkpoint=st.sampled_from(CHECKPOINTS),
+       overhead=st.sampled_from([0.0, 1e-4]), transfer=st.sampled_from([0.0, 1e-9]))
+def test_predictions_are_the_simulators(data: st.DataObject, schedule: str, p: int, m: int,
+                                        checkpoint: str, overhead: float,
+                                        transfer: float) -> None:
+    """The step predicted is the simulator's, each action costing its partition's layers
+    (once more for a checkpointed backward), the overhead, and any message it sends."""
+    virtual, placement = data.draw(st.sampled_from(SHAPES[schedule]))
+    n = virtual * p
+    layers = data.draw(st.integers(n, n + 4))
+    cuts = sorted(data.draw(st.sets(st.integers(1, layers - 1), min_size=n - 1,
+                                    max_size=n - 1))) if n > 1 else []
+    balance = tuple(b - a for a, b in zip([0, *cuts], [*cuts, layers]))
+    costs = linear_costs(layers, batch=12, forward=2e-3, input=1e-3, weight=3e-3)
+    costs.overhead, costs.checkpoint_overhead = overhead, 2 * overhead
+    costs.transfer = (transfer * 1e3, transfer)
+    candidate = Candidate(schedule, balance, m, checkpoint, p, placement)
+
+    sizes = micro_batches(12, m)
+    schedule_ = named(schedule, len(sizes), n, p)
+    workers = [min(j, n - 1 - j) if placement == 'v' else j % p for j in range(n)]
+
+    def cost(action) -> Fraction:
+        layers_j, size = balance[action.j], sizes[action.i]
+        again = checkpoint == 'always' or checkpoint == 'except_last' and action.i < len(sizes) - 1
+        seconds = overhead + {Kind.F: 2e-3, Kind.B: 4e-3 + 2e-3 * again,
+                              Kind.I: 1e-3 + 2e-3 * again, Kind.W: 3e-3}[action.kind] * \
+            layers_j * size
+        if action.kind in (Kind.B, Kind.I) and again:
+            seconds += 2 * overhead
+        to = action.j + 1 if action.kind is Kind.F else action.j - 1
+        if action.kind is not Kind.W and 0 <= to < n and workers[to] != workers[action.j]:
+            seconds += transfer * 1e3 + transfer * 250 * size
+        return Fraction(round(seconds * 1e9))
+
+    times = simulate(schedule_.workers, n, cost)
+    expected = float(max(end for _, end in times.values())) / 1e9
+    assert predict(costs, candidate).step == pytest.approx(expected, rel=1e-9, abs=1e-12)
+
+
+def test_memory_frees_what_backward_passes_finish() -> None:
+    """1F1B keeps at most p - j micro-batches on partition j; fill-drain keeps all m."""
+    costs = linear_costs(4, batch=16, parameters=0)
+    one = predict(costs, Candidate('1f1b', (1, 1, 1, 1), 8, 'never', 4)).memory
+    all_ = predict(costs, Candidate('fill_drain', (1, 1, 1, 1), 8, 'never', 4)).memory
+    per_micro_batch = (1e3 + 1e3 / 4) * 2  # kept and entry, micro-batches of 2
+    assert one == pytest.approx([per_micro_batch * k for k in (4, 3, 2, 1)])
+    assert all_ == pytest.approx([per_micro_batch * 8] * 4)
+    checkpointed = predict(costs, Candidate('fill_drain', (1, 1, 1, 1), 8, 'always', 4)).memory
+    assert max(checkpointed) < max(all_) / 2
+
+
+@settings(max_examples=25, deadline=None)
+@given(p=st.integers(1, 3), layers=st.integers(3, 8), limit=st.floats(1e5, 5e6),
+       heavy=st.integers(-1, 2))
+def test_the_choice_fits_and_is_the_fastest_predicted(p: int, layers: int, limit: float,
+                                                      heavy: int) -> None:
+    layers = max(layers, 2 * p)
+    costs = linear_costs(layers, batch=8, heavy=heavy if heavy < layers else -1)
+    found = search(costs, p, memory_limit=limit, schedules=SCHEDULES, chunks=[1, 2, 4, 8],
+                   checkpoints=CHECKPOINTS, param_scale=2.0)
+    fitting = [s for s in found if max(s.prediction.memory) <= limit]
+    if not fitting:
+        assert not found[0].fits(limit)
+        return
+    assert found[0].fits(limit)
+    assert found[0].prediction.step == min(s.prediction.step for s in fitting)
+    # Among what it predicted: an even split with 1F1B, the usual choice by hand.
+    even = [s for s in fitting if s.candidate.schedule == '1f1b'
+            and max(s.candidate.balance) - min(s.candidate.balance) <= 1]
+    assert all(found[0].prediction.step <= s.prediction.step for s in even)
+
+
+def test_a_heavy_head_is_placed_to_fit() -> None:
+    """A head light in time but heavy in memory: splitting by time alone does not fit,
+    and the plan moves layers away from it until it does."""
+    costs = linear_costs(8, batch=8, heavy=7, parameters=100)
+    by_time = predict(costs, Candidate('1f1b', (4, 4), 4, 'never', 2))
+    limit = max(by_time.memory) * 0.97
+    best = search(costs, 2, memory_limit=limit, schedules=['1f1b'], chunks=[4],
+                  checkpoints=['never'], param_scale=2.0)[0]
+    assert best.fits(limit)
+    assert best.candidate.balance[-1] < 4
+
+
+def test_chunk_counts_skip_splits_torch_chunk_cannot_make() -> None:
+    assert micro_batches(10, 4) == [3, 3, 3, 1]
+    assert chunk_counts(10, 6) == [1, 2, 3, 4, 5]
+    assert chunk_counts(3, 32) == [1, 2, 3]
+
+
+def test_costs_interpolate_between_sizes() -> None:
+    costs = linear_costs(2, batch=16)
+    assert costs.at(3).forward == pytest.approx([3e-3, 3e-3])
+    assert costs.at(16).kept == pytest.approx([16e3, 16e3])
+    assert costs.at(64).forward == pytest.approx([64e-3, 64e-3])  # beyond, in proportion
+    assert Costs.from_dict(json.loads(json.dumps(costs.to_dict()))).at(5).input == \
+        pytest.approx(costs.at(5).input)
+
+
+def model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                         nn.Linear(32, 4))
+
+
+def test_measuring_leaves_the_model_and_the_random_state_as_they_were() -> None:
+    module = nn.Sequential(*model(), nn.Dropout(0.5))
+    state = {k: v.clone() for k, v in module.state_dict().items()}
+    input, target = torch.randn(8, 8), torch.randn(8, 4)
+    rng = torch.get_rng_state()
+    costs = measure(module, input, [2, 8], torch.device('cpu'), repeat=1,
+                    loss=(F.mse_loss, target))
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(state[k], v) for k, v in module.state_dict().items())
+    assert all(p.grad is None for p in module.parameters())
+    assert costs.layers == 6 and costs.loss and len(costs.table[0].forward) == 7
+    assert costs.parameters[0] == (8 * 32 + 32) * 4 and costs.parameters[1] == 0
+    # A linear layer keeps its input and output: more for a larger micro-batch.
+    assert 0 < costs.at(2).kept[0] < costs.at(8).kept[0]
+    assert costs.at(8).output[0] == 8 * 32 * 4
+
+
+@pytest.fixture(scope='module')
+def planned() -> Plan:
+    return torchgpipe.plan(model(), torch.randn(16, 8), devices=['cpu:0', 'cpu:1'],
+                           target=torch.randn(16, 4), loss_fn=F.mse_loss, chunks=4, repeat=1,
+                           runners_up=3)
+
+
+def test_a_plan_applies_in_one_line_and_trains_as_the_model(planned: Plan) -> None:
+    input, target = torch.randn(16, 8), torch.randn(16, 4)
+    reference = model()
+    F.mse_loss(reference(input), target).backward()
+    pipe = GPipe(model(), **planned.kwargs)
+    pipe.train_step(input, target, F.mse_loss, schedule=planned.schedule)
+    for a, b in zip(reference.parameters(), pipe.parameters()):
+        assert torch.allclose(a.grad, b.grad, atol=1e-6)
+    assert planned.kwargs['devices'] == planned.partition_devices()
+    assert set(planned.kwargs['devices']) <= {'cpu:0', 'cpu:1'}
+
+
+def test_a_plan_says_what_it_chose_and_what_it_set_aside(planned: Plan) -> None:
+    rows = planned.table()
+    assert len(rows) == 4 and rows[0]['balance'] == planned.balance
+    assert [r['step'] for r in rows] == sorted(r['step'] for r in rows)
+    text = str(planned)
+    assert planned.schedule in text and str(planned.balance) in text
+    assert text.count(' ms ') >= 4
+
+
+def test_a_plan_saves_and_loads(planned: Plan, tmp_path) -> None:
+    path = tmp_path / 'plan.json'
+    planned.save(path)
+    loaded = Plan.load(path)
+    assert loaded.kwargs == planned.kwargs and loaded.table() == planned.table()
+    assert str(loaded) == str(planned)
+    path.write_text('{"balance": [1]}')
+    with pytest.raises(ValueError, match='a plan file must be one Plan.save wrote'):
+        Plan.load(path)
+
+
+def test_a_plan_compares_with_a_traced_step(planned: Plan) -> None:
+    pipe = GPipe(model(), **planned.kwargs)
+    input, target = torch.randn(16, 8), torch.randn(16, 4)
+    with torchgpipe.trace(pipe) as timeline:
+        pipe.train_step(input, target, F.mse_loss, schedule=planned.schedule)
+    comparison = planned.compare(timeline)
+    assert comparison.step.predicted == planned.step_time
+    assert comparison.step.measured == timeline.summary().step_time
+    kinds = {(r.device, r.what) for r in comparison.rows[1:]}
+    assert ('cpu:0', 'forward') in kinds and ('cpu:1', 'forward') in kinds
+    assert all(r.measured > 0 for r in comparison.rows if r.what == 'forward')
+    assert 'ratio' in str(comparison)
+    with torchgpipe.trace(pipe) as timeline:
+        pipe(input).sum().backward()
+    with pytest.raises(ValueError, match="compare needs a train_step of the plan's pipeline"):
+        planned.compare(timeline)
+
+
+def test_a_limit_nothing_fits_names_the_least_memory_and_its_device() -> None:
+    with pytest.raises(ValueError, match=r'the least any needs is .* on cpu:[01] \('):
+        torchgpipe.plan(model(), torch.randn(16, 8), devices=['cpu:0', 'cpu:1'], chunks=2,
+                        repeat=1, memory_limit=1000)
+
+
+def test_a_plan_under_a_limit_fits_it() -> None:
+    free = torchgpipe.plan(model(), torch.randn(16, 8), devices=['cpu:0', 'cpu:1'], chunks=4,
+                           repeat=1, runners_up=100)
+    peaks = sorted(max(r['memory'].values()) for r in free.table())
+    limit = (peaks[0] + peaks[-1]) / 2
+    limited = torchgpipe.plan(model(), torch.randn(16, 8), devices=['cpu:0', 'cpu:1'],
+                              chunks=4, repeat=1, memory_limit=limit)
+    assert all(m <= limit for m in limited.memory.values())
+
+
+@pytest.mark.parametrize('kwargs, error, match', [
+    ({'devices': ['cpu:0', 'cpu:0']}, ValueError, 'devices must be distinct'),
+    ({'devices': ['cpu:0'] + [f'cpu:{k}' for k in range(1, 7)]}, ValueError,
+     'no more than the layers'),
+    ({'devices': 'cpu:0'}, TypeError, 'list of devices'),
+    ({'schedules': ['gpipe2']}, ValueError, 'schedule must be one of'),
+    ({'schedules': []}, ValueError, 'at least one schedule'),
+    ({'checkpoint': ['sometimes']}, ValueError, 'checkpoint must list modes'),
+    ({'target': torch.randn(16, 4)}, ValueError, 'target and loss_fn'),
+    ({'target': torch.randn(16, 4), 'loss_fn': 3}, TypeError, 'loss_fn must be callable'),
+    ({'memory_limit': -1}, ValueError, 'memory_limit'),
+    ({'chunks': 0}, ValueError, 'chunks'),
+])
+def test_bad_arguments_are_named_before_any_work(kwargs: dict, error: type,
+                                                 match: str) -> None:
+    arguments = {'devices': ['cpu:0', 'cpu:1'], **kwargs}
+    with pytest.raises(error, match=match):
+        torchgpipe.plan(model(), torch.randn(16, 8), **arguments)
+
+
+def test_one_device_plans_one_partition() -> None:
+    planned = torchgpipe.plan(model(), torch.randn(8, 8), devices=['cpu'], chunks=2, repeat=1)
+    assert planned.balance == [5] and planned.kwargs['devices'] == ['cpu']
+    assert planned.schedule in ('fill_drain', '1f1b', 'zb_h1')
+

@@ -1,0 +1,229 @@
+"""The planner: balance, chunks, schedule, placement and checkpointing, chosen from measurements.
+
+:func:`~torchgpipe.plan` measures each layer once (:mod:`~torchgpipe.planner.costs`) and
+what the pipeline adds per task (:mod:`~torchgpipe.planner.calibrate`), then
+predicts every configuration worth trying (:mod:`~torchgpipe.planner.search`)
+by running each schedule's own actions through the simulator with those
+costs (:mod:`~torchgpipe.planner.predict`), and returns the fastest that fits
+the memory limit as a :class:`~torchgpipe.Plan` (:mod:`~torchgpipe.planner.result`).
+"""
+import math
+from contextlib import contextmanager
+from typing import Callable, Generator, List, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from torchgpipe.balance import check_real
+from torchgpipe.engine.generators import SCHEDULES, built_in, unknown_name
+from torchgpipe.foundation import microbatch
+from torchgpipe.foundation.microbatch import Batch, TensorOrTensors
+from torchgpipe.foundation.validation import (Device, check_available, check_chunks, describe,
+                                              parse_device, verify_module)
+from torchgpipe.planner.calibrate import copy_cost, task_overhead
+from torchgpipe.planner.costs import measure
+from torchgpipe.planner.option import option, size
+from torchgpipe.planner.result import Plan
+from torchgpipe.planner.search import CHECKPOINTS, chunk_counts, search
+
+__all__ = ['plan', 'Plan']
+
+LossFunction = Callable[[TensorOrTensors, TensorOrTensors], Tensor]
+
+
+def plan(module: nn.Sequential, sample: TensorOrTensors, *,
+         devices: Optional[Sequence[Device]] = None, memory_limit: Optional[float] = None,
+         target: Optional[TensorOrTensors] = None, loss_fn: Optional[LossFunction] = None,
+         param_scale: float = 2.0, chunks: int = 32, schedules: Optional[Sequence[str]] = None,
+         checkpoint: Optional[Sequence[str]] = None, repeat: int = 3,
+         runners_up: int = 5) -> Plan:
+    """Chooses how to pipeline ``module``: the fastest configuration that fits in memory.
+
+    Each layer is measured once, on a copy on the first device, at every
+    micro-batch size a plan may use: its forward pass, the gradients of its
+    inputs and of its weights, the memory its forward pass keeps, its
+    output's bytes and its parameters. The pipeline's own cost per task is
+    measured on ``devices``. Then every built-in schedule, with its layouts
+    of partitions on devices (one per device; two or four in a loop for
+    interleaved 1F1B; two in a V for ZBV), every number of micro-batches up
+    to ``chunks``, every checkpoint mode and a few balances is predicted by
+    the simulator: its step time and each device's peak memory. The best
+    are refined by moving a boundary one layer at a time. ``module`` is
+    left untouched, and so are the random number generators.
+
+    Args:
+        module (torch.nn.Sequential): the model
+        sample (torch.Tensor or tuple): a mini-batch as training gives it
+            (its batch size is the one planned for)
+
+    Keyword Args:
+        devices (list of devices): the devices to run on, one worker each,
+            such as ``['cuda:0', 'cuda:1']`` or ``['cpu:0', 'cpu:1']``
+            (default: every visible CUDA device)
+        memory_limit (int, optional): the most memory a device may use, in
+            bytes (default: no limit)
+        target (torch.Tensor or tuple, optional): the mini-batch's target,
+            with ``loss_fn``, so that the loss is measured with the last layer
+        loss_fn (callable, optional): ``loss_fn(output, target)``, as
+            :meth:`~torchgpipe.GPipe.train_step` takes it
+        param_scale (float): parameter-sized tensors training keeps per
+            parameter, as :func:`~torchgpipe.balance.balance_by_size` counts
+            (default: ``2.0``, the parameter and its gradient; ``4.0`` for Adam)
+        chunks (int): the most micro-batches to try (default: ``32``)
+        schedules (list of str, optional): the schedules to try (default:
+            every built-in one)
+        checkpoint (list of str, optional): the checkpoint modes to try
+            (default: ``'never'``, ``'except_last'`` and ``'always'``)
+        repeat (int): timed runs per layer and micro-batch size (default: ``3``)
+        runners_up (int): how many configurations set aside the plan keeps
+            (default: ``5``)
+
+    Returns:
+        Plan: the configuration, to apply with ``GPipe(module, **plan.kwargs)``
+        and ``train_step(..., schedule=plan.schedule)``; printable
+
+    Raises:
+        TypeError: an argument of the wrong type
+        ValueError: a bad argument (named), fewer layers than devices, or a
+            ``memory_limit`` no configuration fits, naming the least memory
+            any needs and the device that needs it
+
+    Example::
+
+        >>> import torchgpipe
+        >>> model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16), nn.ReLU())
+        >>> plan = torchgpipe.plan(model, torch.randn(32, 16), devices=['cpu:0', 'cpu:1'],
+        ...                        target=torch.randn(32, 16), loss_fn=F.mse_loss)
+        >>> pipe = GPipe(model, **plan.kwargs)
+        >>> loss = pipe.train_step(torch.randn(32, 16), torch.randn(32, 16), F.mse_loss,
+        ...                        schedule=plan.schedule)
+        >>> print(plan)  # doctest: +SKIP
+    """
+    verify_module(module)
+    microbatch.check(sample, 'sample')
+    workers = check_devices(devices, len(module))
+    names = check_schedules(schedules)
+    modes = check_modes(checkpoint)
+    most = check_chunks(chunks)
+    if memory_limit is not None:
+        check_real('memory_limit', memory_limit, 'give bytes, such as memory_limit=8 * 2**30')
+    check_real('param_scale', param_scale, 'give e.g. param_scale=4.0 for Adam')
+    if (target is None) != (loss_fn is None):
+        raise ValueError(describe('target and loss_fn are given together, or neither',
+                                  f'target: {"given" if target is not None else None}, '
+                                  f'loss_fn: {"given" if loss_fn is not None else None}',
+                                  'give both, so that the loss is measured with the last layer'))
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(describe('loss_fn must be callable', f'loss_fn: {loss_fn!r}',
+                                 'give e.g. loss_fn=F.cross_entropy'))
+
+    batch = next(x for x in Batch(sample) if isinstance(x, Tensor)).size(0)
+    counts = chunk_counts(batch, most)
+    with sharing_cores(workers):
+        costs = measure(module, sample, sizes_to_measure(batch, counts), workers[0],
+                        repeat=repeat,
+                        loss=None if loss_fn is None or target is None else (loss_fn, target))
+    costs.overhead, costs.checkpoint_overhead = task_overhead(workers)
+    costs.transfer = copy_cost(workers)
+
+    found = search(costs, len(workers), memory_limit=memory_limit, schedules=names,
+                   chunks=counts, checkpoints=modes, param_scale=param_scale)
+    options = [option(s.candidate, s.prediction.step, s.prediction.memory, s.prediction.busy)
+               for s in found]
+    names_of = [str(d) for d in workers]
+    if not found[0].fits(memory_limit):
+        least = options[0]
+        worst = max(range(len(least.memory)), key=least.memory.__getitem__)
+        raise ValueError(describe(
+            'memory_limit must leave room for some configuration',
+            f'memory_limit: {size(float(memory_limit or 0))}',
+            f'the least any needs is {size(least.memory[worst])} on {names_of[worst]} '
+            f'({least.describe()}); raise memory_limit to that, or add devices'))
+    fitting = [o for o, s in zip(options, found) if s.fits(memory_limit)]
+    return Plan(fitting[0], fitting[1:1 + runners_up], names_of,
+                None if memory_limit is None else float(memory_limit))
+
+
+@contextmanager
+def sharing_cores(workers: Sequence[torch.device]) -> Generator[None, None, None]:
+    """Measures CPU layers with the threads each worker will have: the cores, shared.
+
+    The workers of CPU devices run at once, each calling into torch's
+    thread pool, so each gets about its share of the cores; a layer
+    measured with all of them would be predicted too fast.
+    """
+    threads = torch.get_num_threads()
+    if workers[0].type == 'cpu':
+        torch.set_num_threads(max(1, threads // len(workers)))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def sizes_to_measure(batch: int, counts: Sequence[int]) -> List[int]:
+    """The micro-batch sizes to measure: powers of two from the smallest to the mini-batch."""
+    smallest = min(math.ceil(batch / m) for m in counts)
+    sizes = {batch, smallest}
+    power = 1
+    while power < batch:
+        if power > smallest:
+            sizes.add(power)
+        power *= 2
+    return sorted(sizes)
+
+
+def check_devices(devices: Optional[Sequence[Device]], layers: int) -> List[torch.device]:
+    """The planner's devices, one worker each: distinct, available, no more than the layers."""
+    fix = "give e.g. devices=['cuda:0', 'cuda:1'], or devices=['cpu:0', 'cpu:1'] on CPU"
+    if devices is None:
+        if not torch.cuda.is_available():
+            raise ValueError(describe('plan needs devices when CUDA is not available',
+                                      'devices: None', fix))
+        devices = [f'cuda:{k}' for k in range(torch.cuda.device_count())]
+    if isinstance(devices, (str, torch.device)) or not isinstance(devices, Sequence):
+        raise TypeError(describe('devices must be a list of devices', f'devices: {devices!r}',
+                                 fix))
+    parsed = [parse_device(f'devices[{k}]', d, fix) for k, d in enumerate(devices)]
+    for k, device in enumerate(parsed):
+        check_available(f'devices[{k}]', device, fix)
+    if not parsed or len(set(map(str, parsed))) != len(parsed):
+        raise ValueError(describe('devices must be distinct, one worker each',
+                                  f'devices: {[str(d) for d in parsed]}',
+                                  'give each device once; on CPU, number them, as '
+                                  "['cpu:0', 'cpu:1'], for a worker thread each"))
+    if len(parsed) > layers:
+        raise ValueError(describe('devices must be no more than the layers',
+                                  f'{len(parsed)} devices, {layers} layers',
+                                  f'give at most {layers} devices'))
+    return parsed
+
+
+def check_schedules(schedules: Optional[Sequence[str]]) -> List[str]:
+    """The built-in schedules to try, by their names."""
+    if schedules is None:
+        return list(SCHEDULES)
+    if isinstance(schedules, str):
+        schedules = [schedules]
+    names = []
+    for name in schedules:
+        known = built_in(name)
+        if known is None:
+            raise unknown_name(str(name))
+        names.append(known)
+    if not names:
+        raise ValueError(describe('schedules must name at least one schedule', 'schedules: []',
+                                  'leave it out to try every built-in schedule'))
+    return list(dict.fromkeys(names))
+
+
+def check_modes(checkpoint: Optional[Sequence[str]]) -> List[str]:
+    """The checkpoint modes to try."""
+    if checkpoint is None:
+        return list(CHECKPOINTS)
+    modes = [checkpoint] if isinstance(checkpoint, str) else list(checkpoint)
+    if not modes or any(str(m) not in CHECKPOINTS for m in modes):
+        raise ValueError(describe(f'checkpoint must list modes of {list(CHECKPOINTS)}',
+                                  f'checkpoint: {checkpoint!r}',
+                                  "give e.g. checkpoint=['never', 'except_last']"))
+    return list(dict.fromkeys(str(m) for m in modes))

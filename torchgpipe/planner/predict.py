@@ -1,0 +1,212 @@
+"""A configuration's step time and peak memory per worker, from measured costs.
+
+The time is the simulator's (:func:`torchgpipe.engine.schedule.simulate`):
+the schedule's own action lists, each action costing what its partition's
+layers cost at its micro-batch's size, plus the pipeline's overhead per task
+and, when the next partition is on another worker, the message::
+
+    F   forward of the partition's layers                  (+ message to j+1)
+    B   backward of its layers; first their forward again,
+        if the micro-batch is checkpointed                 (+ message to j-1)
+    I   input gradients (after the same recomputation)     (+ message to j-1)
+    W   weight gradients
+
+The memory walks each worker's actions in order: a forward pass keeps the
+partition's activations (only its input, if checkpointed) until the
+micro-batch's backward pass frees them; the recomputation brings them back
+for the length of ``B``, or from ``I`` to ``W``. Parameters, their gradients
+and the optimizer's state (``param_scale`` times the parameters) stay throughout.
+"""
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Dict, List, Sequence, Tuple
+
+from torchgpipe.engine.generators import named
+from torchgpipe.engine.schedule import Action, Kind, Schedule, simulate
+from torchgpipe.planner.costs import Costs, LayerCosts
+
+__all__: List[str] = []
+
+#: Each action's time is rounded to whole nanoseconds, so that the
+#: simulator adds exact integers.
+NANOSECONDS = 1_000_000_000
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to run a step: a configuration the planner predicts.
+
+    Args:
+        schedule: the name of a built-in schedule
+        balance: the layers of each partition
+        chunks: micro-batches (as many as the mini-batch splits into)
+        checkpoint: ``'always'``, ``'except_last'`` or ``'never'``
+        workers: devices, or ranks, the partitions run on
+        placement: ``'loop'`` (partition ``j`` on worker ``j % workers``) or
+            ``'v'`` (worker ``w`` keeps partitions ``w`` and ``2 workers - 1 - w``)
+    """
+
+    schedule: str
+    balance: Tuple[int, ...]
+    chunks: int
+    checkpoint: str
+    workers: int
+    placement: str = 'loop'
+
+    def worker_of(self, j: int) -> int:
+        """The worker that runs partition ``j``."""
+        n = len(self.balance)
+        return min(j, n - 1 - j) if self.placement == 'v' else j % self.workers
+
+    def plan(self, micro_batches: int) -> Schedule:
+        """The schedule's action lists, for the micro-batches the chunks really make."""
+        return named(self.schedule, micro_batches, len(self.balance), self.workers)
+
+
+@dataclass
+class Prediction:
+    """What a configuration is predicted to cost.
+
+    Args:
+        step: the step's time, in seconds
+        memory: each worker's peak memory, in bytes
+        busy: each worker's time at work by kind of task (``'forward'``,
+            ``'recompute'``, ``'backward'``, ``'input'``, ``'weight'``), in seconds
+        ends: when each action ends, in seconds (the simulator's)
+    """
+
+    step: float
+    memory: List[float]
+    busy: List[Dict[str, float]]
+    ends: Dict[Action, float]
+
+
+def micro_batches(batch: int, chunks: int) -> List[int]:
+    """The sizes of the micro-batches a mini-batch of ``batch`` splits into (as torch.chunk)."""
+    size = math.ceil(batch / chunks)
+    count = math.ceil(batch / size)
+    return [size] * (count - 1) + [batch - size * (count - 1)]
+
+
+class Partitions:
+    """The costs of each partition of a balance, for each micro-batch size, summed once."""
+
+    def __init__(self, costs: Costs, balance: Sequence[int]) -> None:
+        self.costs = costs
+        self.bounds = [sum(balance[:j]) for j in range(len(balance) + 1)]
+        self._sums: Dict[Tuple[int, int], Dict[str, float]] = {}
+
+    def __call__(self, j: int, size: int) -> Dict[str, float]:
+        """Partition ``j``'s times and bytes for a micro-batch of ``size``; see :data:`FIELDS`."""
+        key = (j, size)
+        if key not in self._sums:
+            self._sums[key] = self._sum(j, self.costs.at(size), size)
+        return self._sums[key]
+
+    def _sum(self, j: int, layers: LayerCosts, size: int) -> Dict[str, float]:
+        start, stop = self.bounds[j], self.bounds[j + 1]
+        if j == len(self.bounds) - 2 and self.costs.loss:
+            stop += 1  # the loss, which the last partition computes
+        sums = {name: sum(getattr(layers, name)[start:stop])
+                for name in ('forward', 'input', 'weight', 'backward', 'kept')}
+        sums['entry'] = layers.output[start - 1] if start else self.costs.entry * size
+        sums['exit'] = layers.output[self.bounds[j + 1] - 1]
+        return sums
+
+
+def predict(costs: Costs, candidate: Candidate, *, param_scale: float = 2.0
+            ) -> Prediction:
+    """Predicts the step time and each worker's peak memory of ``candidate``.
+
+    Args:
+        costs: the measured costs, with the overhead per task and the transfer cost
+        candidate: the configuration
+        param_scale: parameter-sized tensors training keeps per parameter:
+            the parameter and its gradient (2), and the optimizer's state
+            (2 more for Adam), as :func:`~torchgpipe.balance.balance_by_size` counts
+
+    Raises:
+        ValueError: the schedule cannot run the configuration
+    """
+    sizes = micro_batches(costs.batch, candidate.chunks)
+    schedule = candidate.plan(len(sizes))
+    parts = Partitions(costs, candidate.balance)
+    checkpointed = checkpoints(candidate.checkpoint, len(sizes))
+    n = len(candidate.balance)
+
+    def seconds(action: Action) -> Tuple[float, Dict[str, float]]:
+        """The action's time, and its work by kind of task."""
+        part = parts(action.j, sizes[action.i])
+        overhead = costs.overhead
+        if action.kind is Kind.F:
+            work, sent, to = {'forward': part['forward']}, part['exit'], action.j + 1
+        elif action.kind is Kind.W:
+            work, sent, to = {'weight': part['weight']}, 0.0, action.j
+        else:
+            kind = 'backward' if action.kind is Kind.B else 'input'
+            work, sent, to = {kind: part[kind]}, part['entry'], action.j - 1
+            if checkpointed[action.i]:
+                work['recompute'] = part['forward']
+                overhead += costs.checkpoint_overhead
+        latency, per_byte = costs.transfer
+        crosses = 0 <= to < n and candidate.worker_of(to) != candidate.worker_of(action.j)
+        message = latency + per_byte * sent if crosses else 0.0
+        return sum(work.values()) + overhead + message, work
+
+    busy: List[Dict[str, float]] = [{} for _ in range(candidate.workers)]
+    cost: Dict[Action, Fraction] = {}
+    for actions in schedule.workers:
+        for action in actions:
+            total, work = seconds(action)
+            cost[action] = Fraction(round(total * NANOSECONDS))
+            into = busy[candidate.worker_of(action.j)]
+            for kind, time in work.items():
+                into[kind] = into.get(kind, 0.0) + time
+    times = simulate(schedule.workers, n, cost.__getitem__)
+    ends = {action: float(end) / NANOSECONDS for action, (_, end) in times.items()}
+    step = max(ends.values(), default=0.0)
+    memory = [peak_memory(schedule.workers, w, parts, sizes, checkpointed)
+              + static_memory(costs, candidate, w, param_scale)
+              for w in range(candidate.workers)]
+    return Prediction(step=step, memory=memory, busy=busy, ends=ends)
+
+
+def checkpoints(mode: str, m: int) -> List[bool]:
+    """Which of ``m`` micro-batches a checkpoint mode checkpoints."""
+    if mode == 'always':
+        return [True] * m
+    if mode == 'except_last':
+        return [i < m - 1 for i in range(m)]
+    return [False] * m
+
+
+def static_memory(costs: Costs, candidate: Candidate, worker: int,
+                  param_scale: float) -> float:
+    """A worker's parameters, their gradients and the optimizer's state, in bytes."""
+    bounds = [sum(candidate.balance[:j]) for j in range(len(candidate.balance) + 1)]
+    held = sum(sum(costs.parameters[bounds[j]:bounds[j + 1]])
+               for j in range(len(candidate.balance)) if candidate.worker_of(j) == worker)
+    return held * param_scale
+
+
+def peak_memory(workers: Sequence[Sequence[Action]], worker: int, parts: Partitions,
+                sizes: Sequence[int], checkpointed: Sequence[bool]) -> float:
+    """The most activation memory a worker holds at once over its actions."""
+    live = peak = 0.0
+    # The built-in schedules number their workers as Candidate.worker_of does.
+    for action in workers[worker]:
+        part = parts(action.j, sizes[action.i])
+        whole = part['kept'] + part['entry']
+        kept = part['entry'] if checkpointed[action.i] else whole
+        again = whole if checkpointed[action.i] else 0.0
+        if action.kind is Kind.F:
+            live += kept
+        elif action.kind is Kind.I:
+            live += again  # recomputed, and kept for W
+        peak = max(peak, live + (again if action.kind is Kind.B else 0.0))
+        if action.kind is Kind.B:
+            live -= kept
+        elif action.kind is Kind.W:
+            live -= kept + again
+    return peak

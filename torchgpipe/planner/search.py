@@ -1,0 +1,154 @@
+"""The search: every configuration worth predicting, and the fastest that fits.
+
+A configuration is a schedule with its layout of partitions on workers
+(its *shape*: one partition per worker, two or more in a loop, two in a V),
+a number of micro-batches, a checkpoint mode and a balance. The balances
+tried for each shape are few but chosen to disagree: the optimal split by
+time, by memory, by both at once, and by layer count, each from
+:func:`torchgpipe.balance.blockpartition.solve`. The best few configurations
+are then refined by moving one boundary by one layer at a time while that
+makes the step faster and still fits, which is how a layer heavy in memory
+but light in time, such as a large vocabulary's head, finds its place.
+"""
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+from torchgpipe.balance import blockpartition
+from torchgpipe.planner.costs import Costs
+from torchgpipe.planner.predict import Candidate, Prediction, micro_batches, predict
+
+__all__: List[str] = []
+
+#: Each built-in schedule's shapes: partitions per worker, and their placement.
+SHAPES: Dict[str, Tuple[Tuple[int, str], ...]] = {
+    'fill_drain': ((1, 'loop'),),
+    '1f1b': ((1, 'loop'),),
+    'zb_h1': ((1, 'loop'),),
+    'interleaved_1f1b': ((2, 'loop'), (4, 'loop')),
+    'zbv': ((2, 'v'),),
+}
+CHECKPOINTS = ('never', 'except_last', 'always')
+#: How many of the best configurations have their balance refined.
+REFINED = 8
+
+
+@dataclass
+class Scored:
+    """A configuration with its prediction."""
+
+    candidate: Candidate
+    prediction: Prediction
+
+    def fits(self, limit: Optional[float]) -> bool:
+        """Whether every worker's predicted peak is within ``limit`` bytes."""
+        return limit is None or max(self.prediction.memory) <= limit
+
+    def key(self) -> Tuple[float, float]:
+        """Faster first; among equally fast, the smaller peak."""
+        return (self.prediction.step, max(self.prediction.memory))
+
+
+def chunk_counts(batch: int, most: int) -> List[int]:
+    """The numbers of micro-batches up to ``most`` a mini-batch really splits into.
+
+    ``torch.chunk`` gives fewer pieces than asked when the pieces would not
+    fill them (10 samples in 4 chunks of 3, 3, 3, 1, but in 6 only as 5 of
+    2): such a count is the same step as the smaller one, so it is skipped.
+    """
+    return sorted({len(micro_batches(batch, m)) for m in range(1, min(most, batch) + 1)})
+
+
+def balances(costs: Costs, partitions: int, param_scale: float) -> List[Tuple[int, ...]]:
+    """A few balances of the layers into ``partitions``, by time, memory, both, and count."""
+    layers = costs.layers
+    if partitions > layers:
+        return []
+    at = costs.at(costs.sizes[len(costs.sizes) // 2])
+    time = [at.forward[k] + at.backward[k] for k in range(layers)]
+    memory = [at.kept[k] + param_scale * costs.parameters[k] for k in range(layers)]
+    if costs.loss:  # the loss runs with the last layer
+        time[-1] += at.forward[-1] + at.backward[-1]
+        memory[-1] += at.kept[-1]
+    found = []
+    for weights in (time, memory, _mixed(time, memory)):
+        scaled = [round(w * 1e6 / max(max(weights), 1e-30)) for w in weights]
+        found.append(tuple(len(block) for block in blockpartition.solve(scaled, partitions)))
+    base, extra = divmod(layers, partitions)
+    found.append(tuple(base + (j < extra) for j in range(partitions)))
+    return list(dict.fromkeys(found))
+
+
+def _mixed(time: Sequence[float], memory: Sequence[float]) -> List[float]:
+    """Each layer's share of the total time plus its share of the total memory."""
+    total_time, total_memory = max(sum(time), 1e-30), max(sum(memory), 1e-30)
+    return [t / total_time + m / total_memory for t, m in zip(time, memory)]
+
+
+def configurations(costs: Costs, workers: int, *, schedules: Sequence[str],
+                   chunks: Sequence[int], checkpoints: Sequence[str],
+                   param_scale: float) -> Iterator[Candidate]:
+    """Every configuration of the grid, with the balances of :func:`balances`."""
+    for name in schedules:
+        for virtual, placement in SHAPES[name]:
+            if virtual > 1 and workers == 1:
+                continue  # one worker: more partitions only add overhead
+            for balance in balances(costs, virtual * workers, param_scale):
+                for m in chunks:
+                    for mode in checkpoints:
+                        yield Candidate(name, balance, m, mode, workers, placement)
+
+
+def search(costs: Costs, workers: int, *, memory_limit: Optional[float],
+           schedules: Sequence[str], chunks: Sequence[int], checkpoints: Sequence[str],
+           param_scale: float) -> List[Scored]:
+    """Predicts every configuration, refines the best that fit, and sorts them, fastest first.
+
+    Returns:
+        every configuration predicted, the ones that fit ``memory_limit``
+        first (fastest first), then the others (smallest peak first)
+    """
+    scored = [Scored(c, predict(costs, c, param_scale=param_scale))
+              for c in configurations(costs, workers, schedules=schedules, chunks=chunks,
+                                      checkpoints=checkpoints,
+                                      param_scale=param_scale)]
+    seen = {s.candidate for s in scored}
+    fitting = sorted((s for s in scored if s.fits(memory_limit)), key=Scored.key)
+    for start in fitting[:REFINED]:
+        for better in refine(costs, start, memory_limit, param_scale, seen):
+            scored.append(better)
+    fit = sorted((s for s in scored if s.fits(memory_limit)), key=Scored.key)
+    over = sorted((s for s in scored if not s.fits(memory_limit)),
+                  key=lambda s: max(s.prediction.memory))
+    return fit + over
+
+
+def refine(costs: Costs, start: Scored, memory_limit: Optional[float], param_scale: float,
+           seen: set) -> Iterator[Scored]:  # type: ignore[type-arg]
+    """Moves one boundary by one layer at a time while the step gets faster and still fits."""
+    best = start
+    while True:
+        found = None
+        for balance in neighbours(best.candidate.balance):
+            candidate = Candidate(**{**best.candidate.__dict__, 'balance': balance})
+            if candidate in seen:
+                continue
+            seen.add(candidate)
+            scored = Scored(candidate, predict(costs, candidate,
+                                               param_scale=param_scale))
+            yield scored
+            if scored.fits(memory_limit) and scored.key() < (found or best).key():
+                found = scored
+        if found is None:
+            return
+        best = found
+
+
+def neighbours(balance: Tuple[int, ...]) -> Iterator[Tuple[int, ...]]:
+    """The balances one layer away: a boundary moved left or right, no partition emptied."""
+    for j in range(len(balance) - 1):
+        for step in (-1, 1):
+            moved = list(balance)
+            moved[j] += step
+            moved[j + 1] -= step
+            if moved[j] > 0 and moved[j + 1] > 0:
+                yield tuple(moved)
