@@ -29,8 +29,8 @@ def linear_costs(layers: int, batch: int = 16, *, forward: float = 1e-3, input: 
     sizes = [1, 2, 4, 8, 16, 32][:batch.bit_length()]
 
     def at(size: int) -> LayerCosts:
-        per = {'forward': forward, 'input': input, 'weight': weight,
-               'backward': input + weight, 'kept': kept, 'output': kept / 4}
+        per = {'forward': forward, 'input': input, 'backward': input + weight, 'kept': kept,
+               'output': kept / 4}
         table = {name: [value * size] * layers for name, value in per.items()}
         if heavy >= 0:
             table['kept'][heavy] *= 40
@@ -81,8 +81,11 @@ def test_predictions_are_the_simulators(data: st.DataObject, schedule: str, p: i
     def cost(action) -> Fraction:
         layers_j, size = balance[action.j], sizes[action.i]
         again = checkpoint == 'always' or checkpoint == 'except_last' and action.i < len(sizes) - 1
+        # I reaches the partition's inputs (the first has none to reach),
+        # W does the rest of B.
+        i_ = 1e-3 if action.j else 0.0
         seconds = overhead + {Kind.F: 2e-3, Kind.B: 4e-3 + 2e-3 * again,
-                              Kind.I: 1e-3 + 2e-3 * again, Kind.W: 3e-3}[action.kind] * \
+                              Kind.I: i_ + 2e-3 * again, Kind.W: 4e-3 - i_}[action.kind] * \
             layers_j * size
         if action.kind in (Kind.B, Kind.I) and again:
             seconds += 2 * overhead

@@ -1,14 +1,16 @@
 """What each layer costs, measured once: the planner's input.
 
-For each micro-batch size a plan may run, every layer is run alone, on a copy
-of itself (one layer at a time, as :mod:`torchgpipe.balance.profile` does), on
-the detached output of the layer before, and timed in the parts a schedule
-runs apart::
+For each micro-batch size a plan may run, every layer runs on a copy of
+itself, on the detached output of the layer before (so that its backward
+pass stays within it), and is timed in the parts a schedule runs apart::
 
     F  forward pass          y = layer(x)
-    I  input gradients       dx = grad(y, x)           (what the layer before waits for)
-    W  weight gradients      dw = grad(y, parameters)
-    B  whole backward pass   backward(y): dx and dw at once
+    I  input gradients       dx = grad(y, x)       (what the layer before waits for)
+    B  whole backward pass   backward(y): dx and the weights' gradients at once
+
+``W``, the weights' gradients once ``I`` is done, is what ``B`` does beyond
+``I`` (:mod:`torchgpipe.engine.split` keeps the gradients ``I`` reached, and
+``W`` goes on from there).
 
 The memory comes from the same runs: the bytes the forward pass keeps for
 the backward pass (the tensors autograd saves, the outputs and stashed skip
@@ -38,7 +40,7 @@ from torchgpipe.skip.tracker import use_skip_tracker
 __all__: List[str] = []
 
 #: What :func:`measure` reads of each layer, at each micro-batch size: times in seconds.
-TIMES = ('forward', 'input', 'weight', 'backward')
+TIMES = ('forward', 'input', 'backward')
 #: ... and memory in bytes.
 BYTES = ('kept', 'output')
 
@@ -52,7 +54,6 @@ class LayerCosts:
 
     forward: List[float]
     input: List[float]
-    weight: List[float]
     backward: List[float]
     kept: List[float]
     output: List[float]
@@ -136,6 +137,10 @@ def _combine(a: LayerCosts, b: LayerCosts, wa: float, wb: float) -> LayerCosts:
     return LayerCosts(**mixed)
 
 
+#: A loss function and its target.
+LossAndTarget = Tuple[Callable[[TensorOrTensors, TensorOrTensors], Tensor], TensorOrTensors]
+
+
 class Loss(nn.Module):
     """A loss as a layer: ``loss_fn(output, target)`` of the output before it."""
 
@@ -162,15 +167,19 @@ def storage_bytes(values: TensorOrTensors) -> int:
 
 
 def measure(module: nn.Sequential, sample: TensorOrTensors, sizes: Sequence[int],
-            device: torch.device, *, repeat: int = 3,
-            loss: Optional[Tuple[Callable[[TensorOrTensors, TensorOrTensors], Tensor],
-                                 TensorOrTensors]] = None) -> Costs:
+            device: torch.device, *, repeat: int = 3, loss: Optional[LossAndTarget] = None
+            ) -> Costs:
     """Measures every layer of ``module`` (and the loss) at each micro-batch size of ``sizes``.
 
-    Each layer is copied to ``device`` once, then run at each size: once
-    to warm up (which also reads its memory), then ``repeat`` times timed,
-    keeping the median of each time. ``module`` itself is left as it is,
-    and so are the random number generators.
+    The layers are copied to ``device``, then, at each size, run in whole
+    passes as training runs them: every layer's forward pass in order, then
+    every layer's backward pass in reverse order, each layer on the detached
+    output of the one before. A first pass warms up and reads the memory;
+    ``repeat`` passes with ``I`` apart, and as many with ``B`` whole, are
+    timed, and the median of each time kept. (A layer timed alone, again and
+    again, finds its weights in the cache, which a whole pass does not:
+    times measured so come out too short.) ``module`` itself is left as it
+    is, and so are the random number generators.
 
     Args:
         module: the model
@@ -178,7 +187,7 @@ def measure(module: nn.Sequential, sample: TensorOrTensors, sizes: Sequence[int]
             largest of ``sizes``
         sizes: micro-batch sizes, each at most the sample's batch
         device: where to run the layers
-        repeat: timed runs per layer and size
+        repeat: timed passes of each kind per size
         loss: ``(loss_fn, target)``, to measure the loss of the last layer's output
 
     Returns:
@@ -188,76 +197,77 @@ def measure(module: nn.Sequential, sample: TensorOrTensors, sizes: Sequence[int]
     sample = to_device(sample, device)
     batch = next(x for x in Batch(sample) if isinstance(x, Tensor)).size(0)
     sizes = sorted(set(sizes))
-    columns: List[Dict[str, List[float]]] = [{n: [] for n in TIMES + BYTES} for _ in sizes]
-    values = [rows(sample, s) for s in sizes]
-    parameters = []
-    copies = layerwise_sandbox(module, device)  # one layer at a time on the device
+    copies = list(layerwise_sandbox(module, device))
     tracker = SandboxSkipTracker()
+    table = []
     with preserve_rng_state(device), torch.enable_grad(), use_skip_tracker(tracker):
-        for index in range(len(module) + (loss is not None)):
-            copy = next(copies, None)
-            for k, size in enumerate(sizes):
-                layer = copy if copy is not None else _loss_at(loss, size, device)
-                values[k], costs = _measure_layer(layer, values[k], tracker, device, repeat)
-                for name, value in costs.items():
-                    columns[k][name].append(value)
-            if copy is not None:
-                parameters.append(sum(p.numel() * p.element_size() for p in copy.parameters()))
-    return Costs(batch=batch, sizes=sizes, table=[LayerCosts(**c) for c in columns],
-                 parameters=parameters, entry=storage_bytes(rows(sample, 1)),
-                 loss=loss is not None)
+        for size in sizes:
+            layers = copies + ([] if loss is None else [_loss_at(loss, size, device)])
+            inputs, costs = _first_pass(layers, rows(sample, size), tracker)
+            timed: Dict[str, List[List[float]]] = {name: [] for name in TIMES}
+            for _ in range(repeat):
+                for split in (True, False):
+                    for name, times in _timed_pass(layers, inputs, tracker, device,
+                                                   split).items():
+                        timed[name].append(times)
+            for name, passes in timed.items():
+                costs[name] = [statistics.median(times) for times in zip(*passes)]
+            table.append(LayerCosts(**costs))
+    parameters = [sum(p.numel() * p.element_size() for p in c.parameters()) for c in copies]
+    return Costs(batch=batch, sizes=sizes, table=table, parameters=parameters,
+                 entry=storage_bytes(rows(sample, 1)), loss=loss is not None)
 
 
-def _loss_at(loss: Optional[Tuple[Callable[[TensorOrTensors, TensorOrTensors], Tensor],
-                                    TensorOrTensors]],
-             size: int, device: torch.device) -> nn.Module:
+def _loss_at(loss: LossAndTarget, size: int, device: torch.device) -> nn.Module:
     """The loss as a layer, against the first ``size`` samples of the target."""
-    assert loss is not None
     loss_fn, target = loss
     return Loss(loss_fn, rows(to_device(target, device), size))
 
 
-def _measure_layer(layer: nn.Module, values: TensorOrTensors, tracker: SandboxSkipTracker,
-                   device: torch.device, repeat: int) -> Tuple[TensorOrTensors, Dict[str, float]]:
-    """One layer at one size: its output (detached) and its costs."""
-    output, kept = saved_by_forward(layer, fresh_input(values), tracker)
-    timed: Dict[str, List[float]] = {name: [] for name in TIMES}
-    for _ in range(repeat):
-        for name, seconds in _timed_run(layer, values, tracker, device).items():
-            timed[name].append(seconds)
-    costs = {name: statistics.median(times) for name, times in timed.items()}
-    costs.update(kept=float(kept), output=float(storage_bytes(output)))
-    return map_tensors(detach_tensor, output), costs
+def _first_pass(layers: Sequence[nn.Module], values: TensorOrTensors, tracker: SandboxSkipTracker
+                ) -> Tuple[List[TensorOrTensors], Dict[str, List[float]]]:
+    """Each layer's input (detached) for the timed passes, and its memory."""
+    inputs: List[TensorOrTensors] = []
+    kept: List[float] = []
+    output: List[float] = []
+    for layer in layers:
+        inputs.append(values)
+        result, nbytes = saved_by_forward(layer, fresh_input(values), tracker)
+        kept.append(float(nbytes))
+        output.append(float(storage_bytes(result)))
+        values = map_tensors(detach_tensor, result)
+    return inputs, {'kept': kept, 'output': output}
 
 
-def _timed_run(layer: nn.Module, values: TensorOrTensors, tracker: SandboxSkipTracker,
-               device: torch.device) -> Dict[str, float]:
-    """Times F, I and W of one run, then B of another."""
-    parameters = [p for p in layer.parameters() if p.requires_grad]
+def _timed_pass(layers: Sequence[nn.Module], inputs: Sequence[TensorOrTensors],
+                tracker: SandboxSkipTracker, device: torch.device,
+                split: bool) -> Dict[str, List[float]]:
+    """One pass: each layer's F in order, then each one's I (if ``split``) or B in reverse."""
     clock = _Clock(device)
-    x = fresh_input(values)
-    y = layer(x)
-    forward = clock.lap()
-    ends = [t for t in (*Batch(y), *tracker.take_stashed()) if t.requires_grad]
-    starts = [t for t in Batch(x) if t.requires_grad]
-    if ends and starts:
-        # The graph is kept for W, which walks it again from the output.
-        torch.autograd.grad(ends, starts, ends, retain_graph=True, allow_unused=True)
-    input = clock.lap()
-    if ends and parameters:
-        torch.autograd.grad(ends, parameters, ends, allow_unused=True)
-    weight = clock.lap()
-    del y, ends, starts
-
-    y = layer(fresh_input(values))
-    ends = [t for t in (*Batch(y), *tracker.take_stashed()) if t.requires_grad]
-    clock.lap()
-    if ends:
-        torch.autograd.backward(ends, ends)
-    backward = clock.lap()
-    for p in parameters:
-        p.grad = None
-    return {'forward': forward, 'input': input, 'weight': weight, 'backward': backward}
+    graphs: List[Tuple[List[Tensor], List[Tensor]]] = []
+    forward = []
+    for layer, values in zip(layers, inputs):
+        x = fresh_input(values)
+        clock.lap()
+        y = layer(x)
+        forward.append(clock.lap())
+        graphs.append(([t for t in (*Batch(y), *tracker.take_stashed()) if t.requires_grad],
+                       [t for t in Batch(x) if t.requires_grad]))
+    backward = [0.0] * len(layers)
+    for index in reversed(range(len(layers))):
+        ends, starts = graphs.pop()
+        clock.lap()
+        if ends and split and starts:
+            torch.autograd.grad(ends, starts, ends, allow_unused=True)
+        elif ends and not split:
+            torch.autograd.backward(ends, ends)
+        backward[index] = clock.lap()
+    for layer in layers:
+        for p in layer.parameters():
+            p.grad = None
+    if split:
+        return {'forward': forward, 'input': backward}
+    return {'backward': backward}
 
 
 class _Clock:

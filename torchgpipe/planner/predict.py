@@ -9,7 +9,7 @@ and, when the next partition is on another worker, the message::
     B   backward of its layers; first their forward again,
         if the micro-batch is checkpointed                 (+ message to j-1)
     I   input gradients (after the same recomputation)     (+ message to j-1)
-    W   weight gradients
+    W   the rest of B: the weights' gradients
 
 The memory walks each worker's actions in order: a forward pass keeps the
 partition's activations (only its input, if checkpointed) until the
@@ -109,7 +109,13 @@ class Partitions:
         if j == len(self.bounds) - 2 and self.costs.loss:
             stop += 1  # the loss, which the last partition computes
         sums = {name: sum(getattr(layers, name)[start:stop])
-                for name in ('forward', 'input', 'weight', 'backward', 'kept')}
+                for name in ('forward', 'input', 'backward', 'kept')}
+        # I walks back from the outputs to the partition's inputs only (none
+        # for the first partition: nothing waits for the sample's gradient);
+        # W runs the rest of the graph from the gradients I kept there.
+        if j == 0:
+            sums['input'] = 0.0
+        sums['weight'] = max(0.0, sums['backward'] - sums['input'])
         sums['entry'] = layers.output[start - 1] if start else self.costs.entry * size
         sums['exit'] = layers.output[self.bounds[j + 1] - 1]
         return sums
