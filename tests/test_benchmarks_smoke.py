@@ -165,13 +165,26 @@ def check_distributed(document: Dict[str, Any]) -> None:
     assert document['ranks_malloc_tuned'] in (True, False)
 
 
+def check_plan(document: Dict[str, Any]) -> None:
+    """Each model planned: the choice first among its measured rows, the even split
+    measured for the limited model, every figure of the targets in the headline."""
+    for model in document['results']:
+        assert model['rows'][0]['chosen'] and not any(r['chosen'] for r in model['rows'][1:])
+        assert all(r['predicted'] > 0 and r['measured'] > 0 for r in model['rows'])
+        assert model['plan'].startswith('plan: ')
+    assert any(m.get('even', {}).get('ratio', 0) > 0 for m in document['results'])
+    assert {f['label'] for f in document['headline']} == {
+        'median error', 'largest error', 'choice over the best', 'plan over the even split',
+        'planning 100 layers'}
+
+
 #: What each experiment's results must hold beyond what every document holds.
 CHECKS: Dict[str, Callable[[Dict[str, Any]], None]] = {
     'overhead': check_overhead, 'transparency': check_transparency,
     'unet_memory': check_unet_memory, 'unet_speed': check_speed,
     'amoebanet_speed': check_speed, 'solver_speed': check_solver_speed,
     'unet_example': check_unet_example, 'schedules': check_schedules,
-    'bubbles': check_bubbles, 'distributed': check_distributed,
+    'bubbles': check_bubbles, 'distributed': check_distributed, 'plan': check_plan,
 }
 
 

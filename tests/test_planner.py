@@ -70,7 +70,8 @@ def test_predictions_are_the_simulators(data: st.DataObject, schedule: str, p: i
                                     max_size=n - 1))) if n > 1 else []
     balance = tuple(b - a for a, b in zip([0, *cuts], [*cuts, layers]))
     costs = linear_costs(layers, batch=12, forward=2e-3, input=1e-3, weight=3e-3)
-    costs.overhead, costs.checkpoint_overhead = overhead, 2 * overhead
+    costs.overhead, costs.checkpoint_overhead, costs.split_overhead = \
+        overhead, 2 * overhead, 3 * overhead
     costs.transfer = (transfer * 1e3, transfer)
     candidate = Candidate(schedule, balance, m, checkpoint, p, placement)
 
@@ -84,9 +85,10 @@ def test_predictions_are_the_simulators(data: st.DataObject, schedule: str, p: i
         # I reaches the partition's inputs (the first has none to reach),
         # W does the rest of B.
         i_ = 1e-3 if action.j else 0.0
-        seconds = overhead + {Kind.F: 2e-3, Kind.B: 4e-3 + 2e-3 * again,
-                              Kind.I: i_ + 2e-3 * again, Kind.W: 4e-3 - i_}[action.kind] * \
-            layers_j * size
+        per_layer = {Kind.F: 2e-3, Kind.B: 4e-3 + 2e-3 * again, Kind.I: i_ + 2e-3 * again,
+                     Kind.W: 4e-3 - i_}[action.kind]
+        split = action.kind in (Kind.I, Kind.W)
+        seconds = (3 if split else 1) * overhead + per_layer * layers_j * size
         if action.kind in (Kind.B, Kind.I) and again:
             seconds += 2 * overhead
         to = action.j + 1 if action.kind is Kind.F else action.j - 1
@@ -126,10 +128,12 @@ def test_the_choice_fits_and_is_the_fastest_predicted(p: int, layers: int, limit
         return
     assert found[0].fits(limit)
     assert found[0].prediction.step == min(s.prediction.step for s in fitting)
-    # Among what it predicted: an even split with 1F1B, the usual choice by hand.
-    even = [s for s in fitting if s.candidate.schedule == '1f1b'
-            and max(s.candidate.balance) - min(s.candidate.balance) <= 1]
-    assert all(found[0].prediction.step <= s.prediction.step for s in even)
+    # A limit never makes the choice faster; one the free choice fits changes nothing.
+    free = search(costs, p, memory_limit=None, schedules=SCHEDULES, chunks=[1, 2, 4, 8],
+                  checkpoints=CHECKPOINTS, param_scale=2.0)[0]
+    assert free.prediction.step <= found[0].prediction.step
+    if free.fits(limit):
+        assert found[0].prediction.step == free.prediction.step
 
 
 def test_a_heavy_head_is_placed_to_fit() -> None:
@@ -180,6 +184,7 @@ def test_measuring_leaves_the_model_and_the_random_state_as_they_were() -> None:
     # A linear layer keeps its input and output: more for a larger micro-batch.
     assert 0 < costs.at(2).kept[0] < costs.at(8).kept[0]
     assert costs.at(8).output[0] == 8 * 32 * 4
+    assert costs.entry == 8 * 4  # one sample of the input, not the storage it is a view of
 
 
 @pytest.fixture(scope='module')
@@ -210,12 +215,32 @@ def test_a_plan_says_what_it_chose_and_what_it_set_aside(planned: Plan) -> None:
     assert text.count(' ms ') >= 4
 
 
+def test_a_plan_predicts_other_configurations_by_its_measurements(planned: Plan) -> None:
+    again = planned.predict(planned.schedule, planned.balance, planned.chunks,
+                            planned.checkpoint)
+    assert again.step == planned.step_time and again.memory == planned.chosen.memory
+    by_hand = planned.predict('1F1B', [3, 2], chunks=1)
+    assert by_hand.step >= planned.step_time and by_hand.schedule == '1f1b'
+    with pytest.raises(ValueError, match='balance must give every one of the 5 layers'):
+        planned.predict('1f1b', [3, 3], chunks=1)
+    with pytest.raises(ValueError, match='balance must have 4 partitions for zbv on 2 devices'):
+        planned.predict('zbv', [3, 2], chunks=1)
+    with pytest.raises(ValueError, match='checkpoint is not one of'):
+        planned.predict('1f1b', [3, 2], chunks=1, checkpoint='Always')
+    with pytest.raises(ValueError, match='chunks'):
+        planned.predict('1f1b', [3, 2], chunks=0)
+    # As many micro-batches as the mini-batch splits into: 16 samples make 16 at most.
+    assert planned.predict('1f1b', [3, 2], chunks=40).chunks == 16
+
+
 def test_a_plan_saves_and_loads(planned: Plan, tmp_path) -> None:
     path = tmp_path / 'plan.json'
     planned.save(path)
     loaded = Plan.load(path)
     assert loaded.kwargs == planned.kwargs and loaded.table() == planned.table()
     assert str(loaded) == str(planned)
+    with pytest.raises(ValueError, match='predict needs the measurements'):
+        loaded.predict('1f1b', [3, 2], chunks=1)
     path.write_text('{"balance": [1]}')
     with pytest.raises(ValueError, match='a plan file must be one Plan.save wrote'):
         Plan.load(path)
@@ -245,14 +270,49 @@ def test_a_limit_nothing_fits_names_the_least_memory_and_its_device() -> None:
                         repeat=1, memory_limit=1000)
 
 
-def test_a_plan_under_a_limit_fits_it() -> None:
+def test_a_plan_under_a_limit_fits_it_and_gives_up_what_does_not() -> None:
     free = torchgpipe.plan(model(), torch.randn(16, 8), devices=['cpu:0', 'cpu:1'], chunks=4,
                            repeat=1, runners_up=100)
-    peaks = sorted(max(r['memory'].values()) for r in free.table())
-    limit = (peaks[0] + peaks[-1]) / 2
+    least = min(max(r['memory'].values()) for r in free.table())
+    limit = (least + max(free.chosen.memory)) / 2
+    assert least < limit < max(free.chosen.memory)
     limited = torchgpipe.plan(model(), torch.randn(16, 8), devices=['cpu:0', 'cpu:1'],
                               chunks=4, repeat=1, memory_limit=limit)
     assert all(m <= limit for m in limited.memory.values())
+    assert limited.table()[0] != free.table()[0]
+
+
+def test_planning_leaves_the_random_state_and_the_threads_as_they_were() -> None:
+    module, input = model(), torch.randn(16, 8)
+    rng, threads = torch.get_rng_state(), torch.get_num_threads()
+    torchgpipe.plan(module, input, devices=['cpu:0', 'cpu:1'], chunks=2, repeat=1)
+    assert torch.equal(torch.get_rng_state(), rng) and torch.get_num_threads() == threads
+    with pytest.raises(ValueError, match='memory_limit must leave room'):
+        torchgpipe.plan(module, input, devices=['cpu:0', 'cpu:1'], chunks=2, repeat=1,
+                        memory_limit=1)
+    assert torch.equal(torch.get_rng_state(), rng) and torch.get_num_threads() == threads
+
+
+def test_a_first_layer_that_needs_no_gradient_leaves_the_others_an_input_pass() -> None:
+    """The input pass starts from the first output that needs a gradient: behind a
+    Flatten (no parameters, an input without gradient), the layers still have an I."""
+    module = nn.Sequential(nn.Flatten(), *model())
+    costs = measure(module, torch.randn(16, 2, 4), [16], torch.device('cpu'), repeat=1)
+    input = costs.at(16).input
+    assert input[0] == 0 and input[1] == 0  # nothing before them waits for a gradient
+    assert all(t > 0 for t in input[3::2])  # the linear layers after the first
+
+
+def test_a_sample_with_a_nochunk_tensor_is_refused_before_any_work() -> None:
+    with pytest.raises(TypeError, match='plan measures samples of tensors split'):
+        torchgpipe.plan(model(), (torch.randn(16, 8), torchgpipe.NoChunk(torch.ones(1))),
+                        devices=['cpu:0', 'cpu:1'])
+
+
+def test_no_schedule_that_fits_is_named() -> None:
+    with pytest.raises(ValueError, match='schedules must hold one that fits'):
+        torchgpipe.plan(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), torch.randn(4, 8),
+                        devices=['cpu:0', 'cpu:1'], schedules=['zbv'], repeat=1)
 
 
 @pytest.mark.parametrize('kwargs, error, match', [
@@ -267,6 +327,12 @@ def test_a_plan_under_a_limit_fits_it() -> None:
     ({'target': torch.randn(16, 4), 'loss_fn': 3}, TypeError, 'loss_fn must be callable'),
     ({'memory_limit': -1}, ValueError, 'memory_limit'),
     ({'chunks': 0}, ValueError, 'chunks'),
+    ({'repeat': 0}, ValueError, 'repeat must be at least 1'),
+    ({'runners_up': 1.5}, TypeError, 'runners_up must be an int'),
+    ({'devices': ['cpu:0', 'meta']}, ValueError, 'devices must be of one type'),
+    ({'target': torch.randn(8, 4), 'loss_fn': F.mse_loss}, ValueError,
+     'target must have the batch size of sample'),
+    ({'schedules': 3}, TypeError, 'schedules must be a list'),
 ])
 def test_bad_arguments_are_named_before_any_work(kwargs: dict, error: type,
                                                  match: str) -> None:

@@ -7,9 +7,8 @@ by running each schedule's own actions through the simulator with those
 costs (:mod:`~torchgpipe.planner.predict`), and returns the fastest that fits
 the memory limit as a :class:`~torchgpipe.Plan` (:mod:`~torchgpipe.planner.result`).
 """
-import math
 from contextlib import contextmanager
-from typing import Callable, Generator, List, Optional, Sequence
+from typing import Callable, Generator, Iterable, List, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -18,13 +17,14 @@ from torchgpipe.balance import check_real
 from torchgpipe.engine.generators import SCHEDULES, built_in, unknown_name
 from torchgpipe.foundation import microbatch
 from torchgpipe.foundation.microbatch import Batch, TensorOrTensors
-from torchgpipe.foundation.validation import (Device, check_available, check_chunks, describe,
-                                              parse_device, verify_module)
+from torchgpipe.foundation.validation import (Device, brief, check_available, check_chunks,
+                                              describe, parse_device, verify_module)
 from torchgpipe.planner.calibrate import copy_cost, task_overhead
-from torchgpipe.planner.costs import measure
+from torchgpipe.planner.costs import Costs, measure
 from torchgpipe.planner.option import option, size
 from torchgpipe.planner.result import Plan
-from torchgpipe.planner.search import CHECKPOINTS, chunk_counts, search
+from torchgpipe.planner.predict import micro_batches
+from torchgpipe.planner.search import CHECKPOINTS, Scored, chunk_counts, search
 
 __all__ = ['plan', 'Plan']
 
@@ -100,11 +100,13 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
         >>> print(plan)  # doctest: +SKIP
     """
     verify_module(module)
-    microbatch.check(sample, 'sample')
+    batch = check_sample(sample, target)
     workers = check_devices(devices, len(module))
     names = check_schedules(schedules)
     modes = check_modes(checkpoint)
     most = check_chunks(chunks)
+    for name, value, least in (('repeat', repeat, 1), ('runners_up', runners_up, 0)):
+        check_count(name, value, least)
     if memory_limit is not None:
         check_real('memory_limit', memory_limit, 'give bytes, such as memory_limit=8 * 2**30')
     check_real('param_scale', param_scale, 'give e.g. param_scale=4.0 for Adam')
@@ -117,20 +119,38 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
         raise TypeError(describe('loss_fn must be callable', f'loss_fn: {loss_fn!r}',
                                  'give e.g. loss_fn=F.cross_entropy'))
 
-    batch = next(x for x in Batch(sample) if isinstance(x, Tensor)).size(0)
     counts = chunk_counts(batch, most)
-    with sharing_cores(workers):
+    with sharing_cores(workers), untouched_random_state(workers):
+        # CPU workers share the cores: each layer is timed while others work.
         costs = measure(module, sample, sizes_to_measure(batch, counts), workers[0],
                         repeat=repeat,
-                        loss=None if loss_fn is None or target is None else (loss_fn, target))
-    costs.overhead, costs.checkpoint_overhead = task_overhead(workers)
-    costs.transfer = copy_cost(workers)
-
+                        loss=None if loss_fn is None or target is None else (loss_fn, target),
+                        companions=len(workers) - 1 if workers[0].type == 'cpu' else 0)
+        costs.overhead, costs.checkpoint_overhead, costs.split_overhead = \
+            task_overhead(workers)
+        costs.transfer = copy_cost(workers)
     found = search(costs, len(workers), memory_limit=memory_limit, schedules=names,
                    chunks=counts, checkpoints=modes, param_scale=param_scale)
+    return choose(found, workers, names, memory_limit, runners_up, costs, float(param_scale))
+
+
+def choose(found: List[Scored], workers: List[torch.device], names: List[str],
+           memory_limit: Optional[float], runners_up: int, costs: Costs,
+           param_scale: float) -> Plan:
+    """The plan of the fastest configuration that fits; errors when none does.
+
+    Raises:
+        ValueError: no schedule fits the devices and layers, or nothing fits the memory limit
+    """
+    names_of = [str(d) for d in workers]
+    if not found:
+        raise ValueError(describe(
+            'schedules must hold one that fits the devices and the layers',
+            f'schedules: {names}, {len(workers)} devices, {costs.layers} layers',
+            "add '1f1b', or leave schedules out (interleaved 1F1B and ZBV need two "
+            'layers per device)'))
     options = [option(s.candidate, s.prediction.step, s.prediction.memory, s.prediction.busy)
                for s in found]
-    names_of = [str(d) for d in workers]
     if not found[0].fits(memory_limit):
         least = options[0]
         worst = max(range(len(least.memory)), key=least.memory.__getitem__)
@@ -141,7 +161,56 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
             f'({least.describe()}); raise memory_limit to that, or add devices'))
     fitting = [o for o, s in zip(options, found) if s.fits(memory_limit)]
     return Plan(fitting[0], fitting[1:1 + runners_up], names_of,
-                None if memory_limit is None else float(memory_limit))
+                None if memory_limit is None else float(memory_limit), costs, param_scale)
+
+
+@contextmanager
+def untouched_random_state(workers: Sequence[torch.device]) -> Generator[None, None, None]:
+    """Restores the random states planning draws from (the CPU's, the CUDA devices')."""
+    indices = sorted({torch.cuda.current_device() if d.index is None else d.index
+                      for d in workers if d.type == 'cuda'})
+    with torch.random.fork_rng(devices=indices):
+        yield
+
+
+def check_sample(sample: TensorOrTensors, target: Optional[TensorOrTensors]) -> int:
+    """The sample's batch size, after checking that it (and the target) can be measured.
+
+    Raises:
+        TypeError: not a tensor or a tuple of tensors, or holding a NoChunk tensor
+        ValueError: no batch dimension, or a target of another batch size
+    """
+    microbatch.check(sample, 'sample')
+    held = Batch(sample)
+    tensors = list(held)
+    if held.layout is not None and held.layout.nochunk:
+        raise TypeError(describe('plan measures samples of tensors split along dimension 0',
+                                 'sample: a tuple holding a NoChunk tensor',
+                                 'give the sample without it, as its layers see it, or plan '
+                                 'by hand with balance_by_time'))
+    first = next((x for x in tensors if isinstance(x, Tensor)), None)
+    if first is None or first.dim() == 0:
+        raise ValueError(describe('sample must hold a tensor with a batch dimension',
+                                  f'sample: {brief(sample)}', 'give one mini-batch'))
+    batch = first.size(0)
+    if target is not None:
+        microbatch.check(target, 'target')
+        sizes = {x.size(0) for x in Batch(target) if isinstance(x, Tensor) and x.dim()}
+        if sizes != {batch}:
+            raise ValueError(describe('target must have the batch size of sample',
+                                      f'sample: {batch}, target: {sorted(sizes)}',
+                                      "give the sample's own target"))
+    return batch
+
+
+def check_count(name: str, value: object, least: int) -> None:
+    """Checks an integer argument of at least ``least``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(describe(f'{name} must be an int', f'{name}: {value!r}',
+                                 f'give e.g. {name}={max(least, 3)}'))
+    if value < least:
+        raise ValueError(describe(f'{name} must be at least {least}', f'{name}: {value!r}',
+                                  f'give e.g. {name}={max(least, 3)}'))
 
 
 @contextmanager
@@ -162,8 +231,11 @@ def sharing_cores(workers: Sequence[torch.device]) -> Generator[None, None, None
 
 
 def sizes_to_measure(batch: int, counts: Sequence[int]) -> List[int]:
-    """The micro-batch sizes to measure: powers of two from the smallest to the mini-batch."""
-    smallest = min(math.ceil(batch / m) for m in counts)
+    """The micro-batch sizes to measure: powers of two from the smallest to the mini-batch.
+
+    The smallest is a split's last micro-batch, which may be smaller than the others.
+    """
+    smallest = min(min(micro_batches(batch, m)) for m in counts)
     sizes = {batch, smallest}
     power = 1
     while power < batch:
@@ -187,6 +259,10 @@ def check_devices(devices: Optional[Sequence[Device]], layers: int) -> List[torc
     parsed = [parse_device(f'devices[{k}]', d, fix) for k, d in enumerate(devices)]
     for k, device in enumerate(parsed):
         check_available(f'devices[{k}]', device, fix)
+    if len({d.type for d in parsed}) > 1:
+        raise ValueError(describe('devices must be of one type',
+                                  f'devices: {[str(d) for d in parsed]}',
+                                  'plan for CUDA devices or for CPU devices'))
     if not parsed or len(set(map(str, parsed))) != len(parsed):
         raise ValueError(describe('devices must be distinct, one worker each',
                                   f'devices: {[str(d) for d in parsed]}',
@@ -205,6 +281,9 @@ def check_schedules(schedules: Optional[Sequence[str]]) -> List[str]:
         return list(SCHEDULES)
     if isinstance(schedules, str):
         schedules = [schedules]
+    if not isinstance(schedules, Iterable):
+        raise TypeError(describe('schedules must be a list of names', f'schedules: {schedules!r}',
+                                 "give e.g. schedules=['1f1b', 'zb_h1']"))
     names = []
     for name in schedules:
         known = built_in(name)
@@ -221,6 +300,10 @@ def check_modes(checkpoint: Optional[Sequence[str]]) -> List[str]:
     """The checkpoint modes to try."""
     if checkpoint is None:
         return list(CHECKPOINTS)
+    if not isinstance(checkpoint, (str, Iterable)):
+        raise TypeError(describe(f'checkpoint must list modes of {list(CHECKPOINTS)}',
+                                 f'checkpoint: {checkpoint!r}',
+                                 "give e.g. checkpoint=['never', 'except_last']"))
     modes = [checkpoint] if isinstance(checkpoint, str) else list(checkpoint)
     if not modes or any(str(m) not in CHECKPOINTS for m in modes):
         raise ValueError(describe(f'checkpoint must list modes of {list(CHECKPOINTS)}',

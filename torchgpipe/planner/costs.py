@@ -1,8 +1,8 @@
 """What each layer costs, measured once: the planner's input.
 
-For each micro-batch size a plan may run, every layer runs on a copy of
-itself, on the detached output of the layer before (so that its backward
-pass stays within it), and is timed in the parts a schedule runs apart::
+For each micro-batch size a plan may run, the layers run on copies of
+themselves in whole training passes, and each is timed in the parts a
+schedule runs apart::
 
     F  forward pass          y = layer(x)
     I  input gradients       dx = grad(y, x)       (what the layer before waits for)
@@ -12,7 +12,8 @@ pass stays within it), and is timed in the parts a schedule runs apart::
 ``I`` (:mod:`torchgpipe.engine.split` keeps the gradients ``I`` reached, and
 ``W`` goes on from there).
 
-The memory comes from the same runs: the bytes the forward pass keeps for
+The memory comes from a pass of each layer on the detached output of the
+one before, so that each layer's share is its own: the bytes the forward pass keeps for
 the backward pass (the tensors autograd saves, the outputs and stashed skip
 tensors, each storage once; see :func:`~torchgpipe.balance.profile.saved_by_forward`),
 the bytes of the output (what a boundary after the layer sends), and the
@@ -23,7 +24,10 @@ Sizes in between those measured are read by linear interpolation
 (:meth:`Costs.at`): a layer's time grows with its micro-batch in steps, not
 smoothly, but between powers of two a line is close.
 """
+import copy
+import functools
 import statistics
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -35,7 +39,7 @@ from torchgpipe.balance.profile import (SandboxSkipTracker, detach_tensor, fresh
                                         layerwise_sandbox, preserve_rng_state, refuse_gradients,
                                         saved_by_forward, synchronize, to_device)
 from torchgpipe.foundation.microbatch import Batch, TensorOrTensors, map_tensors
-from torchgpipe.skip.tracker import use_skip_tracker
+from torchgpipe.skip.tracker import SkipTracker, use_skip_tracker
 
 __all__: List[str] = []
 
@@ -72,6 +76,7 @@ class Costs:
         loss: whether the last entry of each list of ``table`` is a loss
         overhead: the time the pipeline adds to each task, in seconds
         checkpoint_overhead: what it adds further to a checkpointed ``B`` or ``I``
+        split_overhead: what it adds to an ``I`` or a ``W``, instead of ``overhead``
         transfer: a message's latency in seconds and its time per byte,
             between two workers (zero within one memory)
     """
@@ -84,6 +89,7 @@ class Costs:
     loss: bool = False
     overhead: float = 0.0
     checkpoint_overhead: float = 0.0
+    split_overhead: float = 0.0
     transfer: Tuple[float, float] = (0.0, 0.0)
     #: The interpolated costs, by micro-batch size, once asked for.
     _cache: Dict[int, LayerCosts] = field(default_factory=dict, repr=False, compare=False)
@@ -159,24 +165,27 @@ def rows(values: TensorOrTensors, size: int) -> TensorOrTensors:
     return map_tensors(lambda x: x[:size], values)
 
 
-def storage_bytes(values: TensorOrTensors) -> int:
-    """The bytes of the distinct storages of a batch's tensors."""
-    storages = {x.untyped_storage().data_ptr(): x.untyped_storage().nbytes()
-                for x in Batch(values)}
-    return sum(storages.values())
+def tensor_bytes(values: TensorOrTensors) -> int:
+    """The bytes of a batch's tensors, each counted once (a view for what it shows, not
+    for the whole storage it looks into: a micro-batch sent on is a copy of its rows)."""
+    seen = {(x.data_ptr(), x.numel(), x.element_size()) for x in Batch(values)
+            if isinstance(x, Tensor)}
+    return sum(numel * size for _, numel, size in seen)
 
 
 def measure(module: nn.Sequential, sample: TensorOrTensors, sizes: Sequence[int],
-            device: torch.device, *, repeat: int = 3, loss: Optional[LossAndTarget] = None
-            ) -> Costs:
+            device: torch.device, *, repeat: int = 3, loss: Optional[LossAndTarget] = None,
+            companions: int = 0) -> Costs:
     """Measures every layer of ``module`` (and the loss) at each micro-batch size of ``sizes``.
 
-    The layers are copied to ``device``, then, at each size, run in whole
-    passes as training runs them: every layer's forward pass in order, then
-    every layer's backward pass in reverse order, each layer on the detached
-    output of the one before. A first pass warms up and reads the memory;
-    ``repeat`` passes with ``I`` apart, and as many with ``B`` whole, are
-    timed, and the median of each time kept. (A layer timed alone, again and
+    The layers are copied to ``device`` (all of them: the model must fit
+    there, with the graph of a pass at the largest size), then, at each
+    size, run in whole passes as training runs them: every layer's forward
+    pass in order, then one backward pass, timed at each layer's boundary.
+    A first pass, of each layer on the detached
+    output of the one before, reads the memory; then a pass with ``I`` alone
+    and one with ``B`` whole warm up, and ``repeat`` of each are timed, the
+    median of each time kept. (A layer timed alone, again and
     again, finds its weights in the cache, which a whole pass does not:
     times measured so come out too short.) ``module`` itself is left as it
     is, and so are the random number generators.
@@ -189,6 +198,8 @@ def measure(module: nn.Sequential, sample: TensorOrTensors, sizes: Sequence[int]
         device: where to run the layers
         repeat: timed passes of each kind per size
         loss: ``(loss_fn, target)``, to measure the loss of the last layer's output
+        companions: threads that train copies of the layers meanwhile, as the
+            other workers of a pipeline on the same CPU do (see :class:`Companions`)
 
     Returns:
         Costs: without overhead and transfer costs, which the planner adds
@@ -203,19 +214,22 @@ def measure(module: nn.Sequential, sample: TensorOrTensors, sizes: Sequence[int]
     with preserve_rng_state(device), torch.enable_grad(), use_skip_tracker(tracker):
         for size in sizes:
             layers = copies + ([] if loss is None else [_loss_at(loss, size, device)])
-            inputs, costs = _first_pass(layers, rows(sample, size), tracker)
+            costs = _first_pass(layers, rows(sample, size), tracker)
             timed: Dict[str, List[List[float]]] = {name: [] for name in TIMES}
-            for _ in range(repeat):
-                for split in (True, False):
-                    for name, times in _timed_pass(layers, inputs, tracker, device,
-                                                   split).items():
-                        timed[name].append(times)
+            with Companions(companions, layers, rows(sample, size), device):
+                for split in (True, False):  # warm-up
+                    _timed_pass(layers, rows(sample, size), device, split)
+                for _ in range(repeat):
+                    for split in (True, False):
+                        for name, times in _timed_pass(layers, rows(sample, size), device,
+                                                       split).items():
+                            timed[name].append(times)
             for name, passes in timed.items():
                 costs[name] = [statistics.median(times) for times in zip(*passes)]
             table.append(LayerCosts(**costs))
     parameters = [sum(p.numel() * p.element_size() for p in c.parameters()) for c in copies]
     return Costs(batch=batch, sizes=sizes, table=table, parameters=parameters,
-                 entry=storage_bytes(rows(sample, 1)), loss=loss is not None)
+                 entry=tensor_bytes(rows(sample, 1)), loss=loss is not None)
 
 
 def _loss_at(loss: LossAndTarget, size: int, device: torch.device) -> nn.Module:
@@ -224,50 +238,123 @@ def _loss_at(loss: LossAndTarget, size: int, device: torch.device) -> nn.Module:
     return Loss(loss_fn, rows(to_device(target, device), size))
 
 
-def _first_pass(layers: Sequence[nn.Module], values: TensorOrTensors, tracker: SandboxSkipTracker
-                ) -> Tuple[List[TensorOrTensors], Dict[str, List[float]]]:
-    """Each layer's input (detached) for the timed passes, and its memory."""
-    inputs: List[TensorOrTensors] = []
+def _first_pass(layers: Sequence[nn.Module], values: TensorOrTensors,
+                tracker: SandboxSkipTracker) -> Dict[str, List[float]]:
+    """Each layer's memory, each on the detached output of the layer before; a warm-up too."""
     kept: List[float] = []
     output: List[float] = []
     for layer in layers:
-        inputs.append(values)
         result, nbytes = saved_by_forward(layer, fresh_input(values), tracker)
         kept.append(float(nbytes))
-        output.append(float(storage_bytes(result)))
+        output.append(float(tensor_bytes(result)))
         values = map_tensors(detach_tensor, result)
-    return inputs, {'kept': kept, 'output': output}
+    return {'kept': kept, 'output': output}
 
 
-def _timed_pass(layers: Sequence[nn.Module], inputs: Sequence[TensorOrTensors],
-                tracker: SandboxSkipTracker, device: torch.device,
+def _timed_pass(layers: Sequence[nn.Module], sample: TensorOrTensors, device: torch.device,
                 split: bool) -> Dict[str, List[float]]:
-    """One pass: each layer's F in order, then each one's I (if ``split``) or B in reverse."""
+    """One training pass of the whole model, each layer's part of it timed at its boundaries.
+
+    The forward pass is timed between layer calls. The backward pass is one
+    call, as in training (a call per layer would add the engine's start to
+    every layer): a hook on each layer's output notes when its gradient is
+    ready, which is when the layers after it are done. ``split`` runs the
+    gradients of the inputs alone, from the first layer's output back
+    (``I``; the first layer's own input gradient reaches no partition
+    before it), instead of the whole backward pass (``B``)::
+
+        forward:   x --[0]--> y0 --[1]--> y1 --[2]--> y2 (the loss, or the output)
+        backward:  stamps at y2 (start), y1, y0, and the end:
+                   layer 2 took y1 - y2, layer 1 y0 - y1, layer 0 end - y0
+    """
     clock = _Clock(device)
-    graphs: List[Tuple[List[Tensor], List[Tensor]]] = []
-    forward = []
-    for layer, values in zip(layers, inputs):
-        x = fresh_input(values)
-        clock.lap()
-        y = layer(x)
-        forward.append(clock.lap())
-        graphs.append(([t for t in (*Batch(y), *tracker.take_stashed()) if t.requires_grad],
-                       [t for t in Batch(x) if t.requires_grad]))
-    backward = [0.0] * len(layers)
-    for index in reversed(range(len(layers))):
-        ends, starts = graphs.pop()
-        clock.lap()
-        if ends and split and starts:
-            torch.autograd.grad(ends, starts, ends, allow_unused=True)
-        elif ends and not split:
-            torch.autograd.backward(ends, ends)
-        backward[index] = clock.lap()
+    forward, outputs = [], []
+    values = fresh_input(sample)
+    with use_skip_tracker(SkipTracker()):
+        for layer in layers:
+            clock.lap()
+            values = layer(values)
+            forward.append(clock.lap())
+            outputs.append([y for y in Batch(values) if y.requires_grad])
+    stamps = [0.0] * len(layers)
+    for k, ys in enumerate(outputs[:-1]):
+        for y in ys:
+            y.register_hook(  # type: ignore[no-untyped-call]
+                functools.partial(_stamp, stamps, k, device))
+    ends = outputs[-1]
+    # I starts from the first output that needs a gradient: what no output
+    # before it needs (a Flatten, integer preprocessing) has no I to time.
+    first = next((k for k, ys in enumerate(outputs[:-1]) if ys), None)
+    stamps[-1] = time.perf_counter()
+    if split and first is not None:
+        torch.autograd.grad(ends, outputs[first], ends, allow_unused=True)
+    elif not split and ends:
+        torch.autograd.backward(ends, ends)
+    synchronize(device)
+    end = time.perf_counter()
+    # Layer k's backward ran from its output's gradient (stamps[k]) to its
+    # input's (stamps[k - 1], or the end for the first layer). An output
+    # whose gradient never came (nothing needed it) takes the stamp of the
+    # one after it: the layer after it then took no time of its own.
+    for k in range(len(layers) - 2, -1, -1):
+        stamps[k] = stamps[k] or stamps[k + 1]
+    times = [max(0.0, (stamps[k - 1] if k else end) - stamps[k]) for k in range(len(layers))]
+    if split:
+        for k in range((first or 0) + 1):
+            times[k] = 0.0
     for layer in layers:
         for p in layer.parameters():
             p.grad = None
     if split:
-        return {'forward': forward, 'input': backward}
-    return {'backward': backward}
+        return {'forward': forward, 'input': times}
+    return {'backward': times}
+
+
+def _stamp(stamps: List[float], k: int, device: torch.device, grad: Tensor) -> None:
+    """Notes when the gradient of layer ``k``'s output is ready (its last tensor's)."""
+    synchronize(device)
+    stamps[k] = max(stamps[k], time.perf_counter())
+
+
+class Companions:
+    """Threads training copies of the layers while the layers are timed, as other workers do.
+
+    Workers of CPU devices share the cores, the memory's bandwidth and the
+    interpreter's lock: a layer whose pipeline keeps the other workers busy
+    takes longer than it does alone (up to twice as long in forward passes
+    of many small operations, measured on two cores). Timed beside
+    ``count`` threads doing the same work, the layers take what they take
+    in a busy pipeline.
+
+    A companion that fails stops quietly: its only use was the load it made.
+    """
+
+    def __init__(self, count: int, layers: Sequence[nn.Module], sample: TensorOrTensors,
+                 device: torch.device) -> None:
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._train, args=(copy.deepcopy(list(layers)),
+                                                                   sample, device),
+                                         name='torchgpipe planner companion', daemon=True)
+                        for _ in range(count)]
+
+    def _train(self, layers: List[nn.Module], sample: TensorOrTensors,
+               device: torch.device) -> None:
+        try:
+            with torch.enable_grad():
+                while not self.stop.is_set():
+                    _timed_pass(layers, sample, device, split=False)
+        except Exception:  # noqa: BLE001 (a load only; the timed passes go on alone)
+            return
+
+    def __enter__(self) -> 'Companions':
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join()
 
 
 class _Clock:

@@ -98,7 +98,12 @@ class Partitions:
         self._sums: Dict[Tuple[int, int], Dict[str, float]] = {}
 
     def __call__(self, j: int, size: int) -> Dict[str, float]:
-        """Partition ``j``'s times and bytes for a micro-batch of ``size``; see :data:`FIELDS`."""
+        """Partition ``j``'s times and bytes for a micro-batch of ``size``.
+
+        Keys: ``forward``, ``input``, ``weight``, ``backward`` and ``kept``
+        (its layers' sums, the loss's with the last partition's), ``entry``
+        (the bytes of its input) and ``exit`` (of its output).
+        """
         key = (j, size)
         if key not in self._sums:
             self._sums[key] = self._sum(j, self.costs.at(size), size)
@@ -144,7 +149,8 @@ def predict(costs: Costs, candidate: Candidate, *, param_scale: float = 2.0
     def seconds(action: Action) -> Tuple[float, Dict[str, float]]:
         """The action's time, and its work by kind of task."""
         part = parts(action.j, sizes[action.i])
-        overhead = costs.overhead
+        split = action.kind in (Kind.I, Kind.W)
+        overhead = costs.split_overhead if split else costs.overhead
         if action.kind is Kind.F:
             work, sent, to = {'forward': part['forward']}, part['exit'], action.j + 1
         elif action.kind is Kind.W:

@@ -10,17 +10,23 @@ file and loads back, and compares itself with a traced step
 import json
 import os
 from dataclasses import asdict
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
-from torchgpipe.foundation.validation import describe
+from torchgpipe.engine.generators import built_in, unknown_name
+from torchgpipe.foundation.validation import check_chunks, describe
 from torchgpipe.planner.compare import Comparison, compare
-from torchgpipe.planner.option import Option, size
+from torchgpipe.planner.costs import Costs
+from torchgpipe.planner.option import Option, option, size
+from torchgpipe.planner.predict import Candidate, micro_batches, predict
+from torchgpipe.planner.search import CHECKPOINTS, SHAPES
 from torchgpipe.timeline import Timeline
 
 __all__: List[str] = []
 
 #: The format of a saved plan; a file of another format is refused.
 FORMAT = 'torchgpipe-plan/1'
+
+
 class Plan:
     """The configuration :func:`torchgpipe.plan` chose, and the ones it set aside.
 
@@ -35,11 +41,65 @@ class Plan:
     """
 
     def __init__(self, chosen: Option, runners_up: List[Option], devices: List[str],
-                 memory_limit: Optional[float]) -> None:
+                 memory_limit: Optional[float], costs: Optional[Costs] = None,
+                 param_scale: float = 2.0) -> None:
         self.chosen = chosen
         self.runners_up = runners_up
         self.devices = devices
         self.memory_limit = memory_limit
+        #: The measurements planned from (``None`` in a plan loaded from a file).
+        self.costs = costs
+        self.param_scale = param_scale
+
+    def predict(self, schedule: str, balance: Sequence[int], chunks: int,
+                checkpoint: str = 'except_last') -> Option:
+        """What another configuration would cost, by the same measurements.
+
+        Such as the split one would write by hand, to see what the plan gains
+        over it: ``plan.predict('1f1b', [4, 4], chunks=8).step``. The layout
+        of the partitions is the schedule's: one per device, or two (or four)
+        per device in a loop for interleaved 1F1B, or two in a V for ZBV.
+
+        Args:
+            schedule (str): a built-in schedule
+            balance (list of int): the layers of each partition
+            chunks (int): micro-batches (as many as the mini-batch splits into)
+            checkpoint (str): the checkpoint mode (default: ``'except_last'``)
+
+        Returns:
+            Option: its predicted step time, memory and work per device
+
+        Raises:
+            ValueError: the plan was loaded from a file (it keeps no
+                measurements), or the configuration does not fit the
+                devices, the layers or the schedule
+        """
+        costs = self.costs
+        if costs is None:
+            raise ValueError(describe('predict needs the measurements of torchgpipe.plan',
+                                      'a plan loaded from a file',
+                                      'plan again with torchgpipe.plan to predict others'))
+        name = built_in(schedule)
+        if name is None:
+            raise unknown_name(str(schedule))
+        p = len(self.devices)
+        shape = next(((v, where) for v, where in SHAPES[name] if v * p == len(balance)), None)
+        if shape is None:
+            counts = ' or '.join(str(v * p) for v, _ in SHAPES[name])
+            raise ValueError(describe(f'balance must have {counts} partitions for {name} on '
+                                      f'{p} devices', f'balance: {list(balance)}',
+                                      f'give {counts} numbers of layers'))
+        if sum(balance) != costs.layers or min(balance) < 1:
+            raise ValueError(describe(f'balance must give every one of the {costs.layers} '
+                                      'layers to a partition of at least one',
+                                      f'balance: {list(balance)}',
+                                      f'give numbers of layers that add up to {costs.layers}'))
+        if checkpoint not in CHECKPOINTS:
+            raise ValueError("checkpoint is not one of 'always', 'except_last', or 'never'")
+        count = len(micro_batches(costs.batch, check_chunks(chunks)))
+        candidate = Candidate(name, tuple(balance), count, checkpoint, p, shape[1])
+        prediction = predict(costs, candidate, param_scale=self.param_scale)
+        return option(candidate, prediction.step, prediction.memory, prediction.busy)
 
     @property
     def balance(self) -> List[int]:
@@ -99,8 +159,9 @@ class Plan:
                  f'  predicted step {self.chosen.step * 1e3:.2f} ms, peak memory '
                  + ', '.join(f'{d} {size(m)}' for d, m in self.memory.items()),
                  '', f'{"step":>10}  {"vs chosen":>9}  {"peak memory":>12}  configuration']
+        fastest = max(self.chosen.step, 1e-12)
         for o in [self.chosen, *self.runners_up]:
-            lines.append(f'{o.step * 1e3:>7.2f} ms  {o.step / self.chosen.step:>8.3f}x  '
+            lines.append(f'{o.step * 1e3:>7.2f} ms  {o.step / fastest:>8.3f}x  '
                          f'{size(max(o.memory)):>12}  {o.describe()}')
         return '\n'.join(lines)
 

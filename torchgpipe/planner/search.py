@@ -10,7 +10,7 @@ are then refined by moving one boundary by one layer at a time while that
 makes the step faster and still fits, which is how a layer heavy in memory
 but light in time, such as a large vocabulary's head, finds its place.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from torchgpipe.balance import blockpartition
@@ -107,39 +107,42 @@ def search(costs: Costs, workers: int, *, memory_limit: Optional[float],
         every configuration predicted, the ones that fit ``memory_limit``
         first (fastest first), then the others (smallest peak first)
     """
-    scored = [Scored(c, predict(costs, c, param_scale=param_scale))
-              for c in configurations(costs, workers, schedules=schedules, chunks=chunks,
-                                      checkpoints=checkpoints,
-                                      param_scale=param_scale)]
-    seen = {s.candidate for s in scored}
-    fitting = sorted((s for s in scored if s.fits(memory_limit)), key=Scored.key)
+    seen: Dict[Candidate, Scored] = {}
+    for candidate in configurations(costs, workers, schedules=schedules, chunks=chunks,
+                                    checkpoints=checkpoints, param_scale=param_scale):
+        seen[candidate] = Scored(candidate, predict(costs, candidate, param_scale=param_scale))
+    fitting = sorted((s for s in seen.values() if s.fits(memory_limit)), key=Scored.key)
     for start in fitting[:REFINED]:
-        for better in refine(costs, start, memory_limit, param_scale, seen):
-            scored.append(better)
-    fit = sorted((s for s in scored if s.fits(memory_limit)), key=Scored.key)
-    over = sorted((s for s in scored if not s.fits(memory_limit)),
+        refine(costs, start, memory_limit, param_scale, seen)
+    fit = sorted((s for s in seen.values() if s.fits(memory_limit)), key=Scored.key)
+    over = sorted((s for s in seen.values() if not s.fits(memory_limit)),
                   key=lambda s: max(s.prediction.memory))
     return fit + over
 
 
 def refine(costs: Costs, start: Scored, memory_limit: Optional[float], param_scale: float,
-           seen: set) -> Iterator[Scored]:  # type: ignore[type-arg]
-    """Moves one boundary by one layer at a time while the step gets faster and still fits."""
+           seen: Dict[Candidate, Scored]) -> Scored:
+    """Moves one boundary by one layer at a time while the step gets faster and still fits.
+
+    Every configuration it predicts goes into ``seen``, and one predicted
+    before is read from there: a walk may pass through another walk's steps.
+
+    Returns:
+        where the walk stopped
+    """
     best = start
     while True:
         found = None
         for balance in neighbours(best.candidate.balance):
-            candidate = Candidate(**{**best.candidate.__dict__, 'balance': balance})
-            if candidate in seen:
-                continue
-            seen.add(candidate)
-            scored = Scored(candidate, predict(costs, candidate,
-                                               param_scale=param_scale))
-            yield scored
+            candidate = replace(best.candidate, balance=balance)
+            if candidate not in seen:
+                seen[candidate] = Scored(candidate, predict(costs, candidate,
+                                                            param_scale=param_scale))
+            scored = seen[candidate]
             if scored.fits(memory_limit) and scored.key() < (found or best).key():
                 found = scored
         if found is None:
-            return
+            return best
         best = found
 
 

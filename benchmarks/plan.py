@@ -1,0 +1,310 @@
+"""The planner: how close its predictions come, and what its choice gains, on CPU workers.
+
+Run from the repository root::
+
+    python -m benchmarks.plan                  # 3 models on cpu:0 and cpu:1 (~10 min)
+    python -m benchmarks.plan --preset cuda    # the same models, larger, on 4 CUDA devices
+
+For each of three models, :func:`torchgpipe.plan` plans for the devices
+(one intra-op thread per worker, ``--threads 1``), then a grid of
+configurations is measured, each a few training steps traced by
+:func:`torchgpipe.trace` (the median step):
+
+- an MLP: 12 blocks of ``Linear(512, 512)`` and ReLU, batch 64, MSE loss;
+- a CNN with skips: a bottleneck ResNet of 3 stages (its shortcuts are skip
+  connections), 32x32 images, batch 32, cross-entropy;
+- a transformer with a large-vocabulary head: GPT-2 of 4 blocks, 128 wide,
+  a vocabulary of 16384, flattened by :func:`torchgpipe.to_sequential`, 16
+  sequences of 64 tokens, cross-entropy over the vocabulary; planned under a
+  memory limit: the least the even split with 1F1B needs without
+  checkpointing, at its best number of micro-batches for memory.
+
+The grid: every schedule with its layouts (one partition per worker;
+interleaved 1F1B with two per worker in a loop; ZBV with two in a V), the
+time-optimal balance of :func:`torchgpipe.balance.blockpartition.solve`,
+chunks 1, 2, 4, ... up to the batch or 32, and every checkpoint mode; plus
+the plan's choice. Three tables:
+
+- prediction against measurement, every configuration measured (targets:
+  median error within 10%, none beyond 20%);
+- the choice against the fastest configuration of the grid that fits the
+  memory limit by prediction (target: within 5%);
+- on the transformer, the plan against the even split by layer count with
+  1F1B (its best chunks and checkpoint mode within the limit), timed side by
+  side, a paired median (target: at most 0.85x).
+
+Last, the time :func:`torchgpipe.plan` takes for an MLP of 100 layers (target:
+under a minute).
+"""
+import copy
+import statistics
+import sys
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import torchgpipe
+from benchmarks.devices import cpu_devices, cuda_devices, synchronize
+from benchmarks.models.resnet import resnet
+from benchmarks.report import format_table
+from benchmarks.runner import Experiment, Figure, Preset, main as run_main
+from torchgpipe import GPipe, Plan
+from torchgpipe.balance import blockpartition
+from torchgpipe.planner.option import Option
+from torchgpipe.planner.search import SHAPES
+
+Row = Dict[str, Any]
+Loss = Callable[[Any, Tensor], Tensor]
+
+MODES = ['never', 'except_last', 'always']
+PRESETS: Dict[str, Preset] = {
+    'cpu': Preset('an MLP, a CNN with skips and a transformer on cpu:0 and cpu:1 (~10 min)',
+                  device='cpu', workers=2, scale=1, rounds=3, most_chunks=32,
+                  models=['mlp', 'cnn', 'transformer'], layers_100=100,
+                  modes=MODES, limited='transformer'),
+    'cuda': Preset('the same models, 4 times wider, on 4 CUDA devices',
+                   device='cuda', workers=4, scale=4, rounds=5, most_chunks=32,
+                   models=['mlp', 'cnn', 'transformer'], layers_100=100,
+                   modes=MODES, limited='transformer'),
+}
+#: Smoke: the MLP stands in for the transformer, whose capture alone takes seconds.
+SMOKE = dict(scale=0, rounds=1, most_chunks=2, layers_100=8, models=['mlp'], limited='mlp',
+             modes=['never'])
+
+TARGETS = {'median error': 0.10, 'largest error': 0.20, 'choice over the best': 1.05,
+           'plan over the even split': 0.85, 'planning 100 layers': 60.0}
+
+
+def model(name: str, scale: int, device: torch.device
+          ) -> Tuple[nn.Sequential, Tensor, Tensor, Loss]:
+    """A model of the benchmark, its batch, target and loss; ``scale`` 0 is a tiny one."""
+    torch.manual_seed(0)
+    if name == 'mlp':
+        width = 512 * scale or 16
+        module = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU())
+                                 for _ in range(12)])
+        input, target = torch.randn(64, width), torch.randn(64, width)
+        loss: Loss = F.mse_loss
+    elif name == 'cnn':
+        module = resnet((1, 1, 1), width=16 * scale or 4, num_classes=10, batch_norm=False,
+                        small_input=True)
+        input, target = torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,))
+        loss = F.cross_entropy
+    else:
+        module, input, target, loss = transformer(scale)
+    return module.to(device), input.to(device), target.to(device), loss
+
+
+def transformer(scale: int) -> Tuple[nn.Sequential, Tensor, Tensor, Loss]:
+    """GPT-2 with a large vocabulary, flattened; its loss over the vocabulary."""
+    import transformers
+    vocabulary = 16384 if scale else 512
+    config = transformers.GPT2Config(n_layer=4, n_embd=128 * max(scale, 1) if scale else 16,
+                                     n_head=4, vocab_size=vocabulary, n_positions=64,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                     bos_token_id=0, eos_token_id=0)
+    sequential = torchgpipe.to_sequential(transformers.GPT2LMHeadModel(config))
+    interface = sequential.interface
+    input = torch.randint(0, vocabulary, (16, 64))
+
+    def loss(output: Any, labels: Tensor) -> Tensor:
+        logits = interface.outputs(output).logits
+        return F.cross_entropy(logits.reshape(-1, vocabulary), labels.reshape(-1))
+    return sequential, interface.inputs(input_ids=input), torch.randint(0, vocabulary, (16, 64)), \
+        loss
+
+
+def traced_step(module: nn.Sequential, option: Option, plan: Plan, input: Tensor,
+                target: Tensor, loss: Loss, rounds: int) -> float:
+    """The median time of ``rounds`` traced training steps of a configuration, after one more."""
+    layout = Plan(option, [], plan.devices, None)
+    pipe = GPipe(module, **layout.kwargs)
+    pipe.train_step(input, target, loss, schedule=option.schedule)
+    with torchgpipe.trace(pipe) as timeline:
+        for _ in range(rounds):
+            pipe.train_step(input, target, loss, schedule=option.schedule)
+            synchronize(pipe.devices)
+    module.zero_grad(set_to_none=True)
+    return statistics.median(timeline.summary(k).step_time for k in range(rounds))
+
+
+def grid(plan: Plan, most_chunks: int, batch: int, modes: Sequence[str]) -> List[Option]:
+    """Every schedule and layout, the time-optimal balance, chunks in powers of two, every mode."""
+    costs = plan.costs
+    assert costs is not None
+    at = costs.at(costs.sizes[len(costs.sizes) // 2])
+    time = [round((at.forward[k] + at.backward[k]) * 1e9) for k in range(costs.layers)]
+    options = []
+    for schedule, shapes in SHAPES.items():
+        for virtual, _ in shapes:
+            n = virtual * len(plan.devices)
+            if n > costs.layers or virtual == 4:
+                continue
+            balance = [len(b) for b in blockpartition.solve(time, n)]
+            chunks = 1
+            while chunks <= min(most_chunks, batch):
+                for mode in modes:
+                    options.append(plan.predict(schedule, balance, chunks, mode))
+                chunks *= 2
+    return options
+
+
+def model_rows(name: str, config: Dict[str, Any], devices: List[torch.device]) -> Dict[str, Any]:
+    """Plans one model, measures the grid and the choice; the even split too for the transformer."""
+    module, input, target, loss = model(name, config['scale'], devices[0])
+    batch = input.size(0) if isinstance(input, Tensor) else input[0].size(0)
+    most = min(config['most_chunks'], batch)
+    limit = None
+    if name == config['limited']:
+        free = torchgpipe.plan(module, input, devices=devices, target=target, loss_fn=loss,
+                               chunks=most, schedules=['1f1b'], checkpoint=['never'])
+        split = even_split(len(module), len(devices))
+        # What the even split needs without checkpointing, at its best chunks for memory.
+        limit = min(
+            max(free.predict('1f1b', split, 2 ** k, 'never').memory)
+            for k in range(most.bit_length()))
+    started = time.perf_counter()
+    plan = torchgpipe.plan(module, input, devices=devices, target=target, loss_fn=loss,
+                           chunks=most, memory_limit=limit)
+    planning = time.perf_counter() - started
+    options = grid(plan, most, batch, config['modes'])
+    rows = []
+    # The choice, then the grid's configurations that are not the choice.
+    for option in [plan.chosen, *(o for o in options if o.describe() != plan.chosen.describe())]:
+        measured = traced_step(module, option, plan, input, target, loss, config['rounds'])
+        rows.append({'model': name, 'configuration': option.describe(),
+                     'predicted': option.step, 'measured': measured,
+                     'fits': limit is None or max(option.memory) <= limit,
+                     'memory': max(option.memory), 'chosen': option is plan.chosen})
+    result = {'model': name, 'plan': str(plan), 'planning_seconds': planning, 'limit': limit,
+              'rows': rows}
+    if name == config['limited']:
+        result['even'] = against_even_split(module, plan, input, target, loss, config, rows)
+    return result
+
+
+def even_split(layers: int, parts: int) -> List[int]:
+    base, extra = divmod(layers, parts)
+    return [base + (j < extra) for j in range(parts)]
+
+
+def against_even_split(module: nn.Sequential, plan: Plan, input: Tensor, target: Tensor,
+                       loss: Loss, config: Dict[str, Any], rows: List[Row]) -> Row:
+    """The plan against the even split with 1F1B at its best fitting chunks and mode, paired."""
+    even = even_split(len(module), len(plan.devices))
+    batch = input.size(0) if isinstance(input, Tensor) else input[0].size(0)
+    fitting = [plan.predict('1f1b', even, 2 ** k, mode)
+               for k in range(6) for mode in config['modes']
+               if 2 ** k <= min(config['most_chunks'], batch)]
+    fitting = [o for o in fitting if plan.memory_limit is None
+               or max(o.memory) <= plan.memory_limit]
+    if not fitting:
+        return {'even': None}
+    measured = {o.describe(): traced_step(module, o, plan, input, target, loss, config['rounds'])
+                for o in fitting}
+    best = min(fitting, key=lambda o: measured[o.describe()])
+    ratios = []
+    pipes = {key: (GPipe(copy.deepcopy(module), **Plan(o, [], plan.devices, None).kwargs),
+                   o.schedule) for key, o in (('plan', plan.chosen), ('even', best))}
+    for r in range(config['rounds'] * 4):
+        seconds = {}
+        for key in (('plan', 'even') if r % 2 else ('even', 'plan')):
+            pipe, schedule = pipes[key]
+            started = time.perf_counter()
+            pipe.train_step(input, target, loss, schedule=schedule)
+            synchronize(pipe.devices)
+            seconds[key] = time.perf_counter() - started
+        ratios.append(seconds['plan'] / seconds['even'])
+    return {'even': best.describe(), 'ratio': statistics.median(ratios[1:] or ratios)}
+
+
+def run(config: Dict[str, Any]) -> Dict[str, Any]:
+    workers = config['workers']
+    devices = cuda_devices(workers) if config['device'] == 'cuda' else cpu_devices(workers)
+    models = [model_rows(name, config, devices) for name in config['models']]
+    many = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.ReLU())
+                           for _ in range(config['layers_100'])]).to(devices[0])
+    started = time.perf_counter()
+    torchgpipe.plan(many, torch.randn(32, 64, device=devices[0]), devices=devices,
+                    chunks=min(32, config['most_chunks']))
+    return {'results': models, 'planning_100': time.perf_counter() - started,
+            'layers_100': config['layers_100'], 'devices': [str(d) for d in devices]}
+
+
+def errors(document: Dict[str, Any]) -> List[float]:
+    return [r['predicted'] / r['measured'] - 1 for m in document['results'] for r in m['rows']]
+
+
+def summary(document: Dict[str, Any]) -> Dict[str, float]:
+    """The figures of the targets."""
+    gaps = [abs(e) for e in errors(document)]
+    figures = {'median error': statistics.median(gaps), 'largest error': max(gaps),
+               'planning 100 layers': document['planning_100']}
+    choices = []
+    for m in document['results']:
+        chosen = next(r for r in m['rows'] if r['chosen'])
+        best = min(r['measured'] for r in m['rows'] if r['fits'])
+        choices.append(chosen['measured'] / best)
+    figures['choice over the best'] = max(choices)
+    even = [m['even'] for m in document['results'] if m.get('even', {}).get('even')]
+    if even:
+        figures['plan over the even split'] = even[0]['ratio']
+    return figures
+
+
+def table(document: Dict[str, Any]) -> str:
+    lines = []
+    for m in document['results']:
+        lines += [f"{m['model']}: {m['plan']}", '']
+        cells = [[r['configuration'] + (' (chosen)' if r['chosen'] else ''),
+                  f"{r['predicted'] * 1e3:.2f}", f"{r['measured'] * 1e3:.2f}",
+                  f"{(r['predicted'] / r['measured'] - 1) * 100:+.1f}%",
+                  'yes' if r['fits'] else 'no']
+                 for r in m['rows']]
+        lines += [format_table(['configuration', 'predicted ms', 'measured ms', 'error',
+                                'fits'], cells), '']
+        if m.get('even', {}).get('even'):
+            lines.append(f"plan over the even split ({m['even']['even']}), paired median: "
+                         f"{m['even']['ratio']:.3f}x")
+    figures = summary(document)
+    lines += ['', format_table(['figure', 'value', 'target'],
+                               [[k, f'{v:.3f}', f"{TARGETS[k]:g}"] for k, v in figures.items()])]
+    return '\n'.join(lines)
+
+
+def headline(document: Dict[str, Any]) -> List[Figure]:
+    figures = summary(document)
+    return [Figure(k, f'{v:.3f}', f'<= {TARGETS[k]:g}', v <= TARGETS[k])
+            for k, v in figures.items()]
+
+
+def plot(document: Dict[str, Any], plt: Any) -> None:
+    """Predicted against measured step time, a point per configuration, a colour per model."""
+    axes = plt.gca()
+    for m in document['results']:
+        axes.scatter([r['measured'] * 1e3 for r in m['rows']],
+                     [r['predicted'] * 1e3 for r in m['rows']], s=10, label=m['model'])
+    top = max(max(r['measured'], r['predicted']) for m in document['results']
+              for r in m['rows']) * 1e3
+    for share, style in ((1.0, '-'), (1.1, ':'), (0.9, ':')):
+        axes.plot([0, top], [0, top * share], style, color='black', linewidth=0.6)
+    axes.set_xlabel('measured step, ms (traced, median)')
+    axes.set_ylabel('predicted step, ms')
+    axes.set_title('the planner: prediction against measurement (dotted: 10%)',
+                   fontsize='medium')
+    axes.legend(fontsize='small')
+
+
+EXPERIMENT = Experiment(name='plan', doc=__doc__, presets=PRESETS, smoke=SMOKE, run=run,
+                        table=table, headline=headline, plot=plot, tune_malloc=True)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    return run_main(EXPERIMENT, argv)
+
+
+if __name__ == '__main__':
+    main(sys.argv[1:])
