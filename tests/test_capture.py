@@ -187,8 +187,7 @@ def test_generated_children_follow_the_mode() -> None:
 
 @pytest.mark.parametrize('copier', COPIERS)
 def test_copies_train_like_the_original(copier: Callable[[nn.Module], nn.Module]) -> None:
-    model = WithDummyInputs()
-    seq = to_sequential(model)
+    _, seq = capture_once('dummy inputs', lambda: captured_by_default(WithDummyInputs()))
     copy = copier(seq)
     x = ids()
     torch.testing.assert_close(copy.interface.outputs(copy(x)), seq.interface.outputs(seq(x)))
@@ -199,8 +198,7 @@ def test_copies_train_like_the_original(copier: Callable[[nn.Module], nn.Module]
 
 
 def test_state_dict_map_moves_checkpoints() -> None:
-    model = WithDummyInputs()
-    seq = to_sequential(model)
+    model, seq = capture_once('dummy inputs', lambda: captured_by_default(WithDummyInputs()))
     state = seq.state_dict()
     assert set(seq.state_dict_map) == set(model.state_dict())
     for key, value in model.state_dict().items():
@@ -226,8 +224,8 @@ def test_errors_before_capture() -> None:
 
 
 def test_interface_errors() -> None:
-    seq = to_sequential(LanguageModel(), example_inputs={'input_ids': ids(3),
-                                                         'attention_mask': torch.ones(3, T)})
+    _, seq = capture_once('keywords', lambda: captured_on(LanguageModel(), {
+        'input_ids': ids(3), 'attention_mask': torch.ones(3, T)}))
     x, mask = ids(), torch.ones(B, T)
     assert seq.interface.inputs(x, mask)[0] is x
     assert seq.interface.inputs(attention_mask=mask, input_ids=x)[1] is mask
