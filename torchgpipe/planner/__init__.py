@@ -84,7 +84,8 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
 
     Raises:
         TypeError: an argument of the wrong type
-        ValueError: a bad argument (named), fewer layers than devices, or a
+        ValueError: a bad argument (named), fewer layers than devices,
+            ``schedules`` none of which fits the devices and the layers, or a
             ``memory_limit`` no configuration fits, naming the least memory
             any needs and the device that needs it
 
