@@ -182,7 +182,7 @@ def model_rows(name: str, config: Dict[str, Any], devices: List[torch.device]) -
     result = {'model': name, 'plan': str(plan), 'planning_seconds': planning, 'limit': limit,
               'rows': rows}
     if name == config['limited']:
-        result['even'] = against_even_split(module, plan, input, target, loss, config, rows)
+        result['even'] = against_even_split(module, plan, input, target, loss, config, batch)
     return result
 
 
@@ -192,10 +192,9 @@ def even_split(layers: int, parts: int) -> List[int]:
 
 
 def against_even_split(module: nn.Sequential, plan: Plan, input: Tensor, target: Tensor,
-                       loss: Loss, config: Dict[str, Any], rows: List[Row]) -> Row:
+                       loss: Loss, config: Dict[str, Any], batch: int) -> Row:
     """The plan against the even split with 1F1B at its best fitting chunks and mode, paired."""
     even = even_split(len(module), len(plan.devices))
-    batch = input.size(0) if isinstance(input, Tensor) else input[0].size(0)
     fitting = [plan.predict('1f1b', even, 2 ** k, mode)
                for k in range(6) for mode in config['modes']
                if 2 ** k <= min(config['most_chunks'], batch)]

@@ -8,13 +8,14 @@ costs (:mod:`~torchgpipe.planner.predict`), and returns the fastest that fits
 the memory limit as a :class:`~torchgpipe.Plan` (:mod:`~torchgpipe.planner.result`).
 """
 from contextlib import contextmanager
-from typing import Callable, Generator, Iterable, List, Optional, Sequence
+from typing import Generator, Iterable, List, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from torchgpipe.balance import check_real
 from torchgpipe.engine.generators import SCHEDULES, built_in, unknown_name
+from torchgpipe.engine.step import LossFunction
 from torchgpipe.foundation import microbatch
 from torchgpipe.foundation.microbatch import Batch, TensorOrTensors
 from torchgpipe.foundation.validation import (Device, brief, check_available, check_chunks,
@@ -27,9 +28,6 @@ from torchgpipe.planner.predict import micro_batches
 from torchgpipe.planner.search import CHECKPOINTS, Scored, chunk_counts, search
 
 __all__ = ['plan', 'Plan']
-
-LossFunction = Callable[[TensorOrTensors, TensorOrTensors], Tensor]
-
 
 def plan(module: nn.Sequential, sample: TensorOrTensors, *,
          devices: Optional[Sequence[Device]] = None, memory_limit: Optional[float] = None,

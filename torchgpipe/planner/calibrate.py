@@ -43,8 +43,9 @@ def task_overhead(devices: Sequence[torch.device]) -> Tuple[float, float, float]
         the seconds per task of a split backward pass (``I`` or ``W``)
     """
     p = len(devices)
-    plain = _step_time(devices, 'never', '1f1b') / _span('1f1b', p, 1.0)
-    checkpointed = _step_time(devices, 'always', '1f1b') / _span('1f1b', p, 1.0)
+    tasks = _span('1f1b', p, 1.0)  # in units of one task
+    plain = _step_time(devices, 'never', '1f1b') / tasks
+    checkpointed = _step_time(devices, 'always', '1f1b') / tasks
     split = _split_cost(_step_time(devices, 'never', 'zb_h1'), plain, p)
     # Checkpointing costs nothing more in F, and all of its extra in B: half the tasks.
     return plain, max(0.0, 2.0 * (checkpointed - plain)), split

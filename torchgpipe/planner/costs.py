@@ -30,7 +30,7 @@ import statistics
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from torchgpipe.balance.profile import (SandboxSkipTracker, detach_tensor, fresh_input,
                                         layerwise_sandbox, preserve_rng_state, refuse_gradients,
                                         saved_by_forward, synchronize, to_device)
+from torchgpipe.engine.step import LossFunction
 from torchgpipe.foundation.microbatch import Batch, TensorOrTensors, map_tensors
 from torchgpipe.skip.tracker import SkipTracker, use_skip_tracker
 
@@ -144,14 +145,13 @@ def _combine(a: LayerCosts, b: LayerCosts, wa: float, wb: float) -> LayerCosts:
 
 
 #: A loss function and its target.
-LossAndTarget = Tuple[Callable[[TensorOrTensors, TensorOrTensors], Tensor], TensorOrTensors]
+LossAndTarget = Tuple[LossFunction, TensorOrTensors]
 
 
 class Loss(nn.Module):
     """A loss as a layer: ``loss_fn(output, target)`` of the output before it."""
 
-    def __init__(self, loss_fn: Callable[[TensorOrTensors, TensorOrTensors], Tensor],
-                 target: TensorOrTensors) -> None:
+    def __init__(self, loss_fn: LossFunction, target: TensorOrTensors) -> None:
         super().__init__()
         self.loss_fn = loss_fn
         self.target = target

@@ -33,6 +33,11 @@ __all__: List[str] = []
 NANOSECONDS = 1_000_000_000
 
 
+def worker_of(j: int, partitions: int, workers: int, placement: str) -> int:
+    """The worker of partition ``j``: in a loop (``j % workers``), or in a V."""
+    return min(j, partitions - 1 - j) if placement == 'v' else j % workers
+
+
 @dataclass(frozen=True)
 class Candidate:
     """One way to run a step: a configuration the planner predicts.
@@ -56,8 +61,7 @@ class Candidate:
 
     def worker_of(self, j: int) -> int:
         """The worker that runs partition ``j``."""
-        n = len(self.balance)
-        return min(j, n - 1 - j) if self.placement == 'v' else j % self.workers
+        return worker_of(j, len(self.balance), self.workers, self.placement)
 
     def plan(self, micro_batches: int) -> Schedule:
         """The schedule's action lists, for the micro-batches the chunks really make."""

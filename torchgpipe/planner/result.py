@@ -17,7 +17,7 @@ from torchgpipe.foundation.validation import check_chunks, describe
 from torchgpipe.planner.compare import Comparison, compare
 from torchgpipe.planner.costs import Costs
 from torchgpipe.planner.option import Option, option, size
-from torchgpipe.planner.predict import Candidate, micro_batches, predict
+from torchgpipe.planner.predict import Candidate, micro_batches, predict, worker_of
 from torchgpipe.planner.search import CHECKPOINTS, SHAPES
 from torchgpipe.timeline import Timeline
 
@@ -124,9 +124,7 @@ class Plan:
     def partition_devices(self) -> List[str]:
         """The device of each partition: the workers', laid out as the placement says."""
         n, p = len(self.chosen.balance), len(self.devices)
-        if self.chosen.placement == 'v':
-            return [self.devices[min(j, n - 1 - j)] for j in range(n)]
-        return [self.devices[j % p] for j in range(n)]
+        return [self.devices[worker_of(j, n, p, self.chosen.placement)] for j in range(n)]
 
     @property
     def kwargs(self) -> Dict[str, Any]:
