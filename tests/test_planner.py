@@ -1,6 +1,7 @@
 """The planner: its predictions are the simulator's, its choice fits and is the fastest
 predicted, and the plan applies, saves, loads and compares as documented."""
 import json
+from typing import List
 from fractions import Fraction
 
 import pytest
@@ -204,6 +205,26 @@ def test_a_plan_applies_in_one_line_and_trains_as_the_model(planned: Plan) -> No
         assert torch.allclose(a.grad, b.grad, atol=1e-6)
     assert planned.kwargs['devices'] == planned.partition_devices()
     assert set(planned.kwargs['devices']) <= {'cpu:0', 'cpu:1'}
+
+
+@pytest.mark.parametrize('schedule, balance', [
+    ('fill_drain', [3, 2]), ('1f1b', [3, 2]), ('zb_h1', [2, 3]),
+    ('interleaved_1f1b', [2, 1, 1, 1]), ('zbv', [1, 1, 2, 1])])
+def test_every_configuration_a_plan_gives_trains_as_the_model(
+        planned: Plan, schedule: str, balance: List[int], threaded: bool) -> None:
+    """Each schedule's layout, as Plan.kwargs writes it, on both paths: a worker thread
+    per planned device, or every partition in the calling thread ('cpu' for each)."""
+    option = planned.predict(schedule, balance, chunks=4, checkpoint='except_last')
+    kwargs = Plan(option, [], planned.devices, None).kwargs
+    if not threaded:
+        kwargs['devices'] = ['cpu'] * len(balance)
+    input, target = torch.randn(16, 8).double(), torch.randn(16, 4).double()
+    reference = model().double()
+    F.mse_loss(reference(input), target).backward()
+    pipe = GPipe(model().double(), **kwargs)
+    pipe.train_step(input, target, F.mse_loss, schedule=option.schedule)
+    for a, b in zip(reference.parameters(), pipe.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
 
 
 def test_a_plan_says_what_it_chose_and_what_it_set_aside(planned: Plan) -> None:
