@@ -6,6 +6,7 @@ same losses and gradients, bit for bit, as over the process group only (no
 ``/dev/shm``), and as with a limit that sends the larger payloads on the wire
 anyway. What a peer's header names is checked before anything is read.
 """
+import gc
 import os
 import time
 from pathlib import Path
@@ -75,6 +76,27 @@ def test_payloads_go_through_an_arena_that_starts_over_every_step(root: Path) ->
 
 def align(n: int) -> int:
     return -(-n // 64) * 64
+
+
+def test_a_rank_that_ends_its_step_and_its_pipeline_leaves_the_ends_arena_to_its_reader(
+        root: Path) -> None:
+    """The end of a step may come through an arena made in that step, and its sender
+    may end the step, and drop its pipeline, before the reader maps it (the reader's
+    end comes first): the arena stays for the reader, who removes it. A step that
+    never ends leaves no reader for its arenas: those go with their maker."""
+    a, b = acquainted()
+    name, offset, room = a.place(1, 100)  # type: ignore[misc]
+    room.fill_(7)
+    a.end_step({1: True})
+    del a, room
+    gc.collect()
+    assert torch.equal(b.read(0, name, offset, 100), torch.full((100,), 7, dtype=torch.uint8))
+    assert not list(root.iterdir())  # removed by its reader, once mapped
+    c, _ = acquainted()
+    c.place(1, 100)
+    del c, _
+    gc.collect()
+    assert not list(root.iterdir())  # a step that did not end: its maker removed it
 
 
 def test_a_rank_that_did_not_read_the_probe_gets_payloads_on_the_wire(root: Path) -> None:

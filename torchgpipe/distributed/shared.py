@@ -81,15 +81,19 @@ class Shared:
     def __init__(self) -> None:
         self.prefix = f'torchgpipe-{os.getpid()}-{secrets.token_hex(8)}'
         self.count = 0
-        #: This process's files not removed yet, removed when it ends at the latest.
+        #: This process's files made in this step, removed when it ends at the latest
+        #: (a step that does not end has no reader left for them).
         self.files: List[str] = []
         weakref.finalize(self, remove, self.files)
+        #: Those made in the last step that ended, which their readers may not
+        #: have mapped yet: the end of a step may come through one, and a rank
+        #: may end its step, and drop its pipeline, before another reads that end.
+        #: Their readers remove them; this rank, once the next step ends.
+        self.awaited: List[str] = []
         #: The probe's name and token, once made (None where no shared memory is).
         self.probe: Optional[Tuple[str, str]] = None
         #: Whether a step ended since, so that the ranks know who reads whose arenas.
         self.decided = False
-        #: How many of ``files`` were made before this step.
-        self.settled = 0
         #: The ranks whose probe this rank read, and those that read its own.
         self.seen: Set[int] = set()
         self.readers: Set[int] = set()
@@ -132,7 +136,7 @@ class Shared:
 
     def forget(self, path: str) -> None:
         """Removes one of this process's files, unless its reader did."""
-        self.files.remove(path)
+        (self.files if path in self.files else self.awaited).remove(path)
         remove([path])
 
     def probe_word(self) -> Optional[List[str]]:
@@ -218,11 +222,12 @@ class Shared:
         # Every rank has tested the probe, and mapped the arenas made before
         # this step; one made for the end of this step may still wait for
         # its reader, until it starts the next step.
-        for path in self.files[:self.settled]:
+        for path in list(self.awaited):
             self.forget(path)
         if self.probe is not None and os.path.join(ROOT, self.probe[0]) in self.files:
             self.forget(os.path.join(ROOT, self.probe[0]))
-        self.settled = len(self.files)
+        self.awaited[:] = self.files
+        self.files.clear()
         self.outgrown.clear()
         self.used.clear()
         for rank, mapped in self.mapped.items():
