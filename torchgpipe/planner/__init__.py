@@ -8,7 +8,7 @@ costs (:mod:`~torchgpipe.planner.predict`), and returns the fastest that fits
 the memory limit as a :class:`~torchgpipe.Plan` (:mod:`~torchgpipe.planner.result`).
 """
 from contextlib import contextmanager
-from typing import Generator, Iterable, List, Optional, Sequence
+from typing import Any, Generator, Iterable, List, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -20,7 +20,7 @@ from torchgpipe.foundation import microbatch
 from torchgpipe.foundation.microbatch import Batch, TensorOrTensors
 from torchgpipe.foundation.validation import (Device, brief, check_available, check_chunks,
                                               describe, parse_device, verify_module)
-from torchgpipe.planner.calibrate import copy_cost, task_overhead
+from torchgpipe.planner.calibrate import copy_cost, message_cost, task_overhead, threads
 from torchgpipe.planner.costs import Costs, measure
 from torchgpipe.planner.option import option, size
 from torchgpipe.planner.result import Plan
@@ -30,7 +30,8 @@ from torchgpipe.planner.search import CHECKPOINTS, Scored, chunk_counts, search
 __all__ = ['plan', 'Plan']
 
 def plan(module: nn.Sequential, sample: TensorOrTensors, *,
-         devices: Optional[Sequence[Device]] = None, memory_limit: Optional[float] = None,
+         devices: Optional[Sequence[Device]] = None, group: Optional[Any] = None,
+         device: Optional[Device] = None, memory_limit: Optional[float] = None,
          target: Optional[TensorOrTensors] = None, loss_fn: Optional[LossFunction] = None,
          param_scale: float = 2.0, chunks: int = 32, schedules: Optional[Sequence[str]] = None,
          checkpoint: Optional[Sequence[str]] = None, repeat: int = 3,
@@ -49,6 +50,14 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
     are refined by moving a boundary one layer at a time. ``module`` is
     left untouched, and so are the random number generators.
 
+    With ``group``, the plan is for a
+    :class:`~torchgpipe.distributed.DistributedGPipe` over the processes of
+    ``group``, one worker each: every rank calls ``plan`` with the same
+    arguments and its own ``device``. Rank 0 measures the layers while the
+    others train copies of them (the load a pipeline puts on a shared
+    machine); the pipeline's cost per task and per message are measured by
+    steps across the group; every rank returns the same plan.
+
     Args:
         module (torch.nn.Sequential): the model
         sample (torch.Tensor or tuple): a mini-batch as training gives it
@@ -57,7 +66,11 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
     Keyword Args:
         devices (list of devices): the devices to run on, one worker each,
             such as ``['cuda:0', 'cuda:1']`` or ``['cpu:0', 'cpu:1']``
-            (default: every visible CUDA device)
+            (default: every visible CUDA device); not with ``group``
+        group (torch.distributed.ProcessGroup, optional): plan for the processes of this
+            group instead, such as ``torch.distributed.group.WORLD``
+        device (device, optional): with ``group``, this rank's device
+            (default: the CPU)
         memory_limit (int, optional): the most memory a device may use, in
             bytes (default: no limit)
         target (torch.Tensor or tuple, optional): the mini-batch's target,
@@ -78,14 +91,18 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
 
     Returns:
         Plan: the configuration, to apply with ``GPipe(module, **plan.kwargs)``
-        and ``train_step(..., schedule=plan.schedule)``; printable
+        (with ``group``: ``DistributedGPipe(module, **plan.kwargs, group=group,
+        device=device)``) and ``train_step(..., schedule=plan.schedule)``; printable
 
     Raises:
         TypeError: an argument of the wrong type
+        RuntimeError: with ``group``, torch.distributed is not initialized,
+            or (on the other ranks) rank 0 failed measuring the layers
         ValueError: a bad argument (named), fewer layers than devices,
             ``schedules`` none of which fits the devices and the layers, or a
             ``memory_limit`` no configuration fits, naming the least memory
-            any needs and the device that needs it
+            any needs and the device that needs it; with ``group``, raised on
+            every rank if one rank's device is wrong or the ranks' arguments differ
 
     Example::
 
@@ -100,7 +117,16 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
     """
     verify_module(module)
     batch = check_sample(sample, target)
-    workers = check_devices(devices, len(module))
+    if group is None:
+        workers = check_devices(devices, len(module))
+        if device is not None:
+            raise ValueError(describe('device is for planning across processes, with group',
+                                      f'device: {device!r}, group: None',
+                                      'give devices=[...] to plan in one process'))
+    elif devices is not None:
+        raise ValueError(describe('plan takes devices or group, not both',
+                                  f'devices: {devices!r}, group: given',
+                                  "leave devices out, and give each rank's own device="))
     names = check_schedules(schedules)
     modes = check_modes(checkpoint)
     most = check_chunks(chunks)
@@ -109,6 +135,47 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
     if memory_limit is not None:
         check_real('memory_limit', memory_limit, 'give bytes, such as memory_limit=8 * 2**30')
     check_real('param_scale', param_scale, 'give e.g. param_scale=4.0 for Adam')
+    check_loss(target, loss_fn)
+
+    counts = chunk_counts(batch, most)
+    sizes = sizes_to_measure(batch, counts)
+    loss = None if loss_fn is None or target is None else (loss_fn, target)
+    if group is None:
+        with sharing_cores(workers), untouched_random_state(workers):
+            # CPU workers share the cores: each layer is timed while others work.
+            costs = measure(module, sample, sizes, workers[0], repeat=repeat, loss=loss,
+                            companions=len(workers) - 1 if workers[0].type == 'cpu' else 0)
+            overheads = task_overhead(threads(workers), len(workers))
+            costs.transfer = copy_cost(workers)
+        names_of = [str(d) for d in workers]
+    else:
+        # Imported here: ``import torchgpipe`` loads no torchgpipe.distributed.
+        from torchgpipe.planner.group import Team
+        team = Team(group, device, {
+            'layers': len(module), 'batch': batch, 'memory_limit': memory_limit,
+            'param_scale': param_scale, 'chunks': most, 'schedules': names,
+            'checkpoint': modes, 'repeat': repeat, 'loss_fn': loss is not None})
+        if team.size > len(module):
+            raise ValueError(describe('the ranks of group must be no more than the layers',
+                                      f'{team.size} ranks, {len(module)} layers',
+                                      f'plan for a group of at most {len(module)} ranks'))
+        with untouched_random_state([team.device]):
+            costs = team.measure(lambda: measure(module, sample, sizes, team.device,
+                                                 repeat=repeat, loss=loss),
+                                 module, sample, sizes[len(sizes) // 2])
+            timer = team.timer()
+            overheads = task_overhead(timer, team.size)
+            costs.transfer = team.share(message_cost(timer, team.size, team.device, overheads))
+        names_of = team.names
+    costs.overhead, costs.checkpoint_overhead, costs.split_overhead = overheads
+    found = search(costs, len(names_of), memory_limit=memory_limit, schedules=names,
+                   chunks=counts, checkpoints=modes, param_scale=param_scale)
+    return choose(found, names_of, names, memory_limit, runners_up, costs, float(param_scale),
+                  processes=group is not None)
+
+
+def check_loss(target: Optional[TensorOrTensors], loss_fn: Optional[LossFunction]) -> None:
+    """Checks that the target and the loss function come together, and the function calls."""
     if (target is None) != (loss_fn is None):
         raise ValueError(describe('target and loss_fn are given together, or neither',
                                   f'target: {"given" if target is not None else None}, '
@@ -118,34 +185,21 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
         raise TypeError(describe('loss_fn must be callable', f'loss_fn: {loss_fn!r}',
                                  'give e.g. loss_fn=F.cross_entropy'))
 
-    counts = chunk_counts(batch, most)
-    with sharing_cores(workers), untouched_random_state(workers):
-        # CPU workers share the cores: each layer is timed while others work.
-        costs = measure(module, sample, sizes_to_measure(batch, counts), workers[0],
-                        repeat=repeat,
-                        loss=None if loss_fn is None or target is None else (loss_fn, target),
-                        companions=len(workers) - 1 if workers[0].type == 'cpu' else 0)
-        costs.overhead, costs.checkpoint_overhead, costs.split_overhead = \
-            task_overhead(workers)
-        costs.transfer = copy_cost(workers)
-    found = search(costs, len(workers), memory_limit=memory_limit, schedules=names,
-                   chunks=counts, checkpoints=modes, param_scale=param_scale)
-    return choose(found, workers, names, memory_limit, runners_up, costs, float(param_scale))
 
-
-def choose(found: List[Scored], workers: List[torch.device], names: List[str],
+def choose(found: List[Scored], names_of: List[str], names: List[str],
            memory_limit: Optional[float], runners_up: int, costs: Costs,
-           param_scale: float) -> Plan:
+           param_scale: float, processes: bool = False) -> Plan:
     """The plan of the fastest configuration that fits; errors when none does.
+
+    ``names_of`` names each worker: its device, or its rank (``processes``).
 
     Raises:
         ValueError: no schedule fits the devices and layers, or nothing fits the memory limit
     """
-    names_of = [str(d) for d in workers]
     if not found:
         raise ValueError(describe(
             'schedules must hold one that fits the devices and the layers',
-            f'schedules: {names}, {len(workers)} devices, {costs.layers} layers',
+            f'schedules: {names}, {len(names_of)} workers, {costs.layers} layers',
             "add '1f1b', or leave schedules out (interleaved 1F1B and ZBV need two "
             'layers per device)'))
     options = [option(s.candidate, s.prediction.step, s.prediction.memory, s.prediction.busy)
@@ -160,7 +214,8 @@ def choose(found: List[Scored], workers: List[torch.device], names: List[str],
             f'({least.describe()}); raise memory_limit to that, or add devices'))
     fitting = [o for o, s in zip(options, found) if s.fits(memory_limit)]
     return Plan(fitting[0], fitting[1:1 + runners_up], names_of,
-                None if memory_limit is None else float(memory_limit), costs, param_scale)
+                None if memory_limit is None else float(memory_limit), costs, param_scale,
+                processes)
 
 
 @contextmanager
@@ -220,13 +275,13 @@ def sharing_cores(workers: Sequence[torch.device]) -> Generator[None, None, None
     thread pool, so each gets about its share of the cores; a layer
     measured with all of them would be predicted too fast.
     """
-    threads = torch.get_num_threads()
+    before = torch.get_num_threads()
     if workers[0].type == 'cpu':
-        torch.set_num_threads(max(1, threads // len(workers)))
+        torch.set_num_threads(max(1, before // len(workers)))
     try:
         yield
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
 
 
 def sizes_to_measure(batch: int, counts: Sequence[int]) -> List[int]:

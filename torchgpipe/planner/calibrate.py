@@ -10,12 +10,14 @@ so do split backward passes (the walk that splits the graph), from steps of
 ZB-H1.
 
 Copies between devices cost nothing between CPU devices, which share one
-memory; between CUDA devices, a copy's time per byte is measured.
+memory; between CUDA devices, a copy's time per byte is measured. Between
+processes, a message's time per byte is the one that makes the simulator
+predict the measured steps of a pipeline whose every message is large.
 """
 import statistics
 import time
 from fractions import Fraction
-from typing import List, Sequence, Tuple, cast
+from typing import Callable, List, Sequence, Tuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +28,8 @@ from torchgpipe.engine.schedule import Action, Kind, simulate
 from torchgpipe.foundation.microbatch import TensorOrTensors
 from torchgpipe.foundation.placement import same_memory
 from torchgpipe.gpipe import GPipe
+from torchgpipe.planner.costs import measure
+from torchgpipe.planner.predict import Candidate, predict
 
 __all__: List[str] = []
 
@@ -33,22 +37,70 @@ __all__: List[str] = []
 #: step's own start and end are a small part of it.
 CHUNKS = 8
 STEPS = 5
+#: The elements of each row of the wide calibration's micro-batches: a
+#: message of 1 MiB (float32), long enough to take far more than its start.
+WIDE = 1 << 18
 
 
-def task_overhead(devices: Sequence[torch.device]) -> Tuple[float, float, float]:
+#: Times training steps of a calibration model on the planner's workers:
+#: ``timer(model, checkpoint, schedule, input)`` builds a pipeline of one layer per
+#: worker and gives the median time of its steps, in seconds (the slowest
+#: worker's, across processes). The input's target is its own zeros.
+Timer = Callable[[nn.Sequential, str, str, Tensor], float]
+
+
+def task_overhead(timer: Timer, p: int) -> Tuple[float, float, float]:
     """The time the pipeline adds to each task, to each checkpointed backward, and to I or W.
+
+    Args:
+        timer: runs the calibration's steps on the ``p`` workers
 
     Returns:
         seconds per task, the further seconds per checkpointed ``B``, and
         the seconds per task of a split backward pass (``I`` or ``W``)
     """
-    p = len(devices)
     tasks = _span('1f1b', p, 1.0)  # in units of one task
-    plain = _step_time(devices, 'never', '1f1b') / tasks
-    checkpointed = _step_time(devices, 'always', '1f1b') / tasks
-    split = _split_cost(_step_time(devices, 'never', 'zb_h1'), plain, p)
+    model, input = empty(p), torch.zeros(CHUNKS, 1)
+    plain = timer(model, 'never', '1f1b', input) / tasks
+    checkpointed = timer(model, 'always', '1f1b', input) / tasks
+    split = _split_cost(timer(model, 'never', 'zb_h1', input), plain, p)
     # Checkpointing costs nothing more in F, and all of its extra in B: half the tasks.
     return plain, max(0.0, 2.0 * (checkpointed - plain)), split
+
+
+def empty(p: int) -> nn.Sequential:
+    """A model of ``p`` layers too small to cost anything: one per worker."""
+    return nn.Sequential(*[nn.Linear(1, 1) for _ in range(p)])
+
+
+def zeros_loss(output: TensorOrTensors, target: TensorOrTensors) -> Tensor:
+    """The calibration's loss (its target is zeros)."""
+    return F.mse_loss(cast(Tensor, output), cast(Tensor, target))
+
+
+def threads(devices: Sequence[torch.device]) -> Timer:
+    """The timer of a :class:`~torchgpipe.GPipe` on ``devices``, one worker each."""
+    def timer(model: nn.Sequential, checkpoint: str, schedule: str, input: Tensor) -> float:
+        pipe = GPipe(model, [1] * len(devices), devices=list(devices), chunks=CHUNKS,
+                     checkpoint=checkpoint)
+        return median_step(lambda: pipe.train_step(input, torch.zeros_like(input), zeros_loss,
+                                                   schedule=schedule))
+    return timer
+
+
+def median_step(step: Callable[[], object],
+                ready: Callable[[], object] = lambda: None) -> float:
+    """The median time of ``step()``, the first call (which starts the workers) left out.
+
+    ``ready()`` runs before each step, untimed.
+    """
+    times = []
+    for _ in range(STEPS + 1):
+        ready()
+        started = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[1:])
 
 
 def _span(schedule: str, p: int, split: float, plain: float = 1.0) -> float:
@@ -75,24 +127,6 @@ def _split_cost(step: float, plain: float, p: int) -> float:
     return (low + high) / 2
 
 
-def _step_time(devices: Sequence[torch.device], checkpoint: str, schedule: str) -> float:
-    """The median time of a training step of the empty pipeline, in seconds."""
-    model = nn.Sequential(*[nn.Linear(1, 1) for _ in devices])
-    pipe = GPipe(model, [1] * len(devices), devices=list(devices), chunks=CHUNKS,
-                 checkpoint=checkpoint)
-    input, target = torch.zeros(CHUNKS, 1), torch.zeros(CHUNKS, 1)
-
-    def loss_fn(output: TensorOrTensors, target: TensorOrTensors) -> Tensor:
-        return F.mse_loss(cast(Tensor, output), cast(Tensor, target))
-
-    times = []
-    for _ in range(STEPS + 1):  # the first pays for starting the workers
-        started = time.perf_counter()
-        pipe.train_step(input, target, loss_fn, schedule=schedule)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times[1:])
-
-
 def copy_cost(devices: Sequence[torch.device], size: int = 1 << 24) -> Tuple[float, float]:
     """A copy's latency and its time per byte between the first two devices.
 
@@ -114,3 +148,40 @@ def copy_cost(devices: Sequence[torch.device], size: int = 1 << 24) -> Tuple[flo
         times[nbytes] = statistics.median(runs)
     per_byte = (times[size] - times[1]) / (size - 1)
     return times[1], max(0.0, per_byte)
+
+
+def message_cost(timer: Timer, p: int, device: torch.device,
+                 overheads: Tuple[float, float, float]) -> Tuple[float, float]:
+    """A message's latency and time per byte between the workers, as a 1F1B step sees them.
+
+    The latency is zero: the small messages of the empty pipeline's steps
+    are already in the overhead per task. The time per byte is the one that
+    makes the simulator predict the measured steps of the wide pipeline,
+    whose messages are 1 MiB each (its layers' own times measured here, as
+    the planner measures any layer); the prediction grows with it, so
+    halving the interval finds it.
+
+    Args:
+        timer: runs the calibration's steps on the ``p`` workers
+        device: where to measure the wide pipeline's layers
+        overheads: what :func:`task_overhead` gave
+    """
+    input = torch.zeros(CHUNKS, WIDE, 1)
+    step = timer(empty(p), 'never', '1f1b', input)
+    costs = measure(empty(p), input, [1], device, repeat=STEPS,
+                    loss=(zeros_loss, torch.zeros_like(input)))
+    costs.overhead, costs.checkpoint_overhead, costs.split_overhead = overheads
+    candidate = Candidate('1f1b', (1,) * p, CHUNKS, 'never', p)
+
+    def predicted(per_byte: float) -> float:
+        costs.transfer = (0.0, per_byte)
+        return predict(costs, candidate).step
+
+    low, high = 0.0, step / (WIDE * 4)  # no message can take longer than the whole step
+    for _ in range(30):
+        middle = (low + high) / 2
+        if predicted(middle) < step:
+            low = middle
+        else:
+            high = middle
+    return 0.0, (low + high) / 2

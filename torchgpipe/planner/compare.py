@@ -92,7 +92,8 @@ def compare(chosen: Option, devices: List[str], timeline: Timeline,
     measured: Dict[Tuple[str, str], float] = {}
     for event in timeline.events:
         if event.step == summary.step and event.kind in KINDS:
-            key = (event.device, event.kind)
+            # The row of the timeline: the device, or across processes the rank.
+            key = (event.track, event.kind)
             measured[key] = measured.get(key, 0.0) + event.busy
     unknown = {device for device, _ in measured} - set(devices)
     if unknown:

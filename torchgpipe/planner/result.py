@@ -30,19 +30,24 @@ FORMAT = 'torchgpipe-plan/1'
 class Plan:
     """The configuration :func:`torchgpipe.plan` chose, and the ones it set aside.
 
-    Apply it in one line, ``GPipe(module, **plan.kwargs)``, and train with
-    ``model.train_step(input, target, loss_fn, schedule=plan.schedule)``.
+    Apply it in one line, ``GPipe(module, **plan.kwargs)`` (a plan for
+    processes: ``DistributedGPipe(module, **plan.kwargs, group=group,
+    device=device)``), and train with ``model.train_step(input, target,
+    loss_fn, schedule=plan.schedule)``.
 
     Attributes:
         chosen (Option): the fastest configuration that fits
         runners_up (list of Option): the next fastest that fit, in order
-        devices (list of str): the device of each worker
+        devices (list of str): each worker: its device, or, in a plan for
+            processes, its rank (``'rank 0'``, ... as a traced step names them)
         memory_limit (float or None): the limit it was planned under, in bytes
+        processes (bool): whether the plan is for the processes of a group
     """
 
     def __init__(self, chosen: Option, runners_up: List[Option], devices: List[str],
                  memory_limit: Optional[float], costs: Optional[Costs] = None,
-                 param_scale: float = 2.0) -> None:
+                 param_scale: float = 2.0, processes: bool = False) -> None:
+        self.processes = processes
         self.chosen = chosen
         self.runners_up = runners_up
         self.devices = devices
@@ -128,7 +133,12 @@ class Plan:
 
     @property
     def kwargs(self) -> Dict[str, Any]:
-        """The keyword arguments of :class:`~torchgpipe.GPipe` for this plan."""
+        """The keyword arguments of :class:`~torchgpipe.GPipe` for this plan, or of
+        :class:`~torchgpipe.distributed.DistributedGPipe` for a plan for processes
+        (which takes ``group`` and ``device`` from each rank beside them)."""
+        if self.processes:
+            return {'balance': self.balance, 'chunks': self.chunks,
+                    'checkpoint': self.checkpoint, 'placement': self.chosen.placement}
         return {'balance': self.balance, 'devices': self.partition_devices(),
                 'chunks': self.chunks, 'checkpoint': self.checkpoint}
 
@@ -197,7 +207,8 @@ class Plan:
         """Writes the plan to a JSON file, for :meth:`load` to read in the next job."""
         data = {'format': FORMAT, 'chosen': asdict(self.chosen),
                 'runners_up': [asdict(o) for o in self.runners_up],
-                'devices': self.devices, 'memory_limit': self.memory_limit}
+                'devices': self.devices, 'memory_limit': self.memory_limit,
+                'processes': self.processes}
         with open(path, 'w') as file:
             json.dump(data, file, indent=1)
 
@@ -216,4 +227,5 @@ class Plan:
                                       f'{FORMAT!r}', f'{os.fspath(path)!r}: format {found!r}',
                                       'plan again with torchgpipe.plan and save that'))
         return cls(Option(**data['chosen']), [Option(**o) for o in data['runners_up']],
-                   data['devices'], data['memory_limit'])
+                   data['devices'], data['memory_limit'],
+                   processes=bool(data.get('processes', False)))

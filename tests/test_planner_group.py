@@ -1,0 +1,148 @@
+"""The planner across processes: every rank gets one plan, which trains as the unwrapped model."""
+from typing import Any, Dict, List, Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import torchgpipe
+from torchgpipe import GPipe
+from torchgpipe.distributed import DistributedGPipe
+from torchgpipe.planner.predict import worker_of
+
+from process_group import run_distributed
+from test_distributed_pipe import Config, Result, assert_equal, batch, merge, model, train, \
+    unwrapped
+
+#: Each job's plans: every schedule, and ZBV alone (two partitions per rank, in a V).
+SCHEDULES: List[Optional[List[str]]] = [None, ['zbv'], ['interleaved_1f1b']]
+
+
+def planned(module: nn.Sequential, schedules: Optional[List[str]], **kwargs: Any
+            ) -> torchgpipe.Plan:
+    sample, target = batch(0)
+    return torchgpipe.plan(module, sample, group=dist.group.WORLD, target=target,
+                           loss_fn=F.mse_loss, chunks=4, repeat=1, schedules=schedules,
+                           **kwargs)
+
+
+def plan_and_train(rank: int, world_size: int) -> List[Dict[str, Any]]:
+    """On every rank: each plan, and the DistributedGPipe it gives, trained."""
+    results = []
+    for schedules in SCHEDULES:
+        plan = planned(model('mlp'), schedules)
+        pipe = DistributedGPipe(model('mlp'), **plan.kwargs)
+        config = Config('mlp', tuple(plan.balance), plan.schedule, plan.checkpoint,
+                        plan.chosen.placement)
+        trained = train(pipe, config, pipe.train_step)
+        with torchgpipe.trace(pipe) as timeline:
+            pipe.train_step(*batch(0), F.mse_loss, schedule=plan.schedule)
+        compared = plan.compare(timeline)
+        results.append({'table': plan.table(), 'kwargs': plan.kwargs, 'devices': plan.devices,
+                        'processes': plan.processes, 'costs': plan.costs.to_dict()
+                        if plan.costs else None, 'trained': trained,
+                        'compared': sorted({(r.device, r.what) for r in compared.rows
+                                            if r.measured > 0})})
+    return results
+
+
+@pytest.fixture(scope='module')
+def two_ranks() -> List[List[Dict[str, Any]]]:
+    return run_distributed(plan_and_train, timeout=150)
+
+
+def one_process(plan: Dict[str, Any], config: Config) -> Result:
+    """The plan's layout as GPipe runs it, a worker thread per rank."""
+    kwargs = dict(plan['kwargs'])
+    n, placement = len(kwargs['balance']), kwargs.pop('placement')
+    devices = [f'cpu:{worker_of(j, n, 2, placement)}' for j in range(n)]
+    gpipe = GPipe(model('mlp'), **kwargs, devices=devices)
+    return train(gpipe, config, gpipe.train_step)
+
+
+@pytest.mark.parametrize('index', range(len(SCHEDULES)),
+                         ids=[' '.join(s) if s else 'every' for s in SCHEDULES])
+def test_every_rank_gets_one_plan_that_trains_as_the_unwrapped_model(
+        two_ranks: List[List[Dict[str, Any]]], index: int) -> None:
+    first, second = (r[index] for r in two_ranks)
+    for key in ('table', 'kwargs', 'devices', 'costs'):
+        assert first[key] == second[key], key
+    assert first['devices'] == ['rank 0', 'rank 1'] and first['processes']
+    # A traced step of every rank compares with the plan, rank by rank.
+    assert {device for device, _ in first['compared']} == {'step', 'rank 0', 'rank 1'}
+    assert ('rank 1', 'forward') in first['compared']
+    schedules = SCHEDULES[index]
+    if schedules:
+        assert first['table'][0]['schedule'] == schedules[0]
+        assert first['kwargs']['placement'] == ('v' if schedules == ['zbv'] else 'loop')
+        assert len(first['kwargs']['balance']) == 4
+    balance = tuple(first['kwargs']['balance'])
+    config = Config('mlp', balance, first['table'][0]['schedule'],
+                    first['kwargs']['checkpoint'], first['kwargs']['placement'])
+    actual = merge([r[index]['trained'] for r in two_ranks])
+    # Bit for bit GPipe's in one process, and the unwrapped model's to rounding.
+    assert_equal(actual, one_process(first, config), exact=True)
+    assert_equal(actual, unwrapped(config), exact=False)
+
+
+class Broken(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError('broken on purpose')
+
+
+def refused(rank: int, world_size: int) -> List[str]:
+    """Each error a rank raises, for three ways of planning wrong."""
+    errors = []
+    attempts = [
+        # rank 1 names a device it does not have
+        lambda: planned(model('mlp'), None, device='cuda:0' if rank else 'cpu'),
+        # the ranks disagree on the memory limit
+        lambda: planned(model('mlp'), None, memory_limit=2**30 * (rank + 1)),
+        # a layer that fails: rank 0 measures it, rank 1 must not wait forever
+        lambda: planned(nn.Sequential(*model('mlp'), Broken()), None),
+    ]
+    for attempt in attempts:
+        with pytest.raises((ValueError, RuntimeError)) as caught:
+            attempt()
+        errors.append(f'{caught.type.__name__}: {caught.value}')
+    return errors
+
+
+def test_a_wrong_rank_makes_every_rank_raise() -> None:
+    ranks = run_distributed(refused, timeout=120)
+    for rank, errors in enumerate(ranks):
+        device, disagreeing, broken = errors
+        assert device.startswith('ValueError: rank 1 cannot plan') and 'cuda:0' in device
+        assert disagreeing.startswith('ValueError: every rank must plan with the same arguments')
+        assert 'rank 1: memory_limit 2147483648 (rank 0: 1073741824)' in disagreeing
+        if rank == 0:
+            assert broken == 'RuntimeError: broken on purpose'
+        else:
+            assert broken.startswith('RuntimeError: rank 0 failed measuring the layers to plan')
+            assert 'broken on purpose' in broken
+
+
+def test_devices_and_group_are_refused_together_and_group_needs_distributed() -> None:
+    sample = torch.zeros(4, 2)
+    module = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with pytest.raises(ValueError, match='plan takes devices or group, not both'):
+        torchgpipe.plan(module, sample, devices=['cpu:0', 'cpu:1'], group=object())
+    with pytest.raises(ValueError, match='device is for planning across processes'):
+        torchgpipe.plan(module, sample, devices=['cpu:0', 'cpu:1'], device='cpu')
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match='plan with group= needs torch.distributed'):
+        torchgpipe.plan(module, sample, group=object())
+
+
+def test_a_plan_for_processes_gives_distributed_gpipe_its_arguments_and_saves_so(
+        tmp_path: Any) -> None:
+    from torchgpipe.planner.option import Option
+    chosen = Option('zbv', [1, 2, 2, 1], 4, 'never', 'v', 0.01, [1.0, 2.0])
+    plan = torchgpipe.Plan(chosen, [], ['rank 0', 'rank 1'], None, processes=True)
+    expected = {'balance': [1, 2, 2, 1], 'chunks': 4, 'checkpoint': 'never', 'placement': 'v'}
+    assert plan.kwargs == expected
+    plan.save(tmp_path / 'plan.json')
+    loaded = torchgpipe.Plan.load(tmp_path / 'plan.json')
+    assert loaded.processes and loaded.kwargs == expected and loaded.devices == plan.devices
