@@ -31,7 +31,8 @@ from benchmarks import REPO_ROOT, untraced_environ
 from benchmarks.devices import synchronize
 from torchgpipe.timeline.clock import peak_rss, proc_status, reset_peak_rss
 
-__all__ = ['GiB', 'MiB', 'parameter_count', 'peak_ratio', 'fix_malloc', 'tune_malloc',
+__all__ = ['GiB', 'MiB', 'parameter_count', 'peak_ratio', 'fix_malloc', 'trim_malloc',
+           'tune_malloc',
            'malloc_tuned', 'step_peak_memory', 'run_measure_subprocesses']
 
 GiB = 1024 ** 3
@@ -65,6 +66,15 @@ def fix_malloc(threshold: int = 64 * 1024) -> bool:
     after the imports: serving the interpreter's start-up this way is slow.
     """
     return _mallopt((M_MMAP_THRESHOLD, threshold), (M_TRIM_THRESHOLD, 0))
+
+
+def trim_malloc() -> bool:
+    """Returns the heap's free memory to the system (glibc): the resident set, the live bytes."""
+    try:
+        import ctypes
+        return bool(ctypes.CDLL(None).malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
 
 
 def tune_malloc() -> bool:

@@ -48,6 +48,7 @@ from torch import Tensor, nn
 
 import torchgpipe
 from benchmarks.devices import cpu_devices, cuda_devices, synchronize
+from benchmarks import plan_ranks
 from benchmarks.models.resnet import resnet
 from benchmarks.report import format_table
 from benchmarks.runner import Experiment, Figure, Preset, main as run_main
@@ -65,6 +66,12 @@ PRESETS: Dict[str, Preset] = {
                   device='cpu', workers=2, scale=1, rounds=3, most_chunks=32,
                   models=['mlp', 'cnn', 'transformer'], layers_100=100,
                   modes=MODES, limited='transformer'),
+    'cpu2': Preset('the same models on 2 processes, one CPU thread each (~15 min)',
+                   device='cpu', ranks=2, scale=1, rounds=3, most_chunks=32,
+                   models=['mlp', 'cnn', 'transformer'], modes=MODES, limited='transformer'),
+    'cpu4': Preset('the same models on 4 processes, one CPU thread each (~25 min)',
+                   device='cpu', ranks=4, scale=1, rounds=3, most_chunks=32,
+                   models=['mlp', 'cnn', 'transformer'], modes=MODES, limited='transformer'),
     'cuda': Preset('the same models, 4 times wider, on 4 CUDA devices',
                    device='cuda', workers=4, scale=4, rounds=5, most_chunks=32,
                    models=['mlp', 'cnn', 'transformer'], layers_100=100,
@@ -75,7 +82,8 @@ SMOKE = dict(scale=0, rounds=1, most_chunks=2, layers_100=8, models=['mlp'], lim
              modes=['never'])
 
 TARGETS = {'median error': 0.10, 'largest error': 0.20, 'choice over the best': 1.05,
-           'plan over the even split': 0.85, 'planning 100 layers': 60.0}
+           'plan over the even split': 0.85, 'planning 100 layers': 60.0,
+           'median memory error': 0.10, 'largest memory error': 0.10}
 
 
 def model(name: str, scale: int, device: torch.device
@@ -157,18 +165,14 @@ def model_rows(name: str, config: Dict[str, Any], devices: List[torch.device]) -
     module, input, target, loss = model(name, config['scale'], devices[0])
     batch = input.size(0) if isinstance(input, Tensor) else input[0].size(0)
     most = min(config['most_chunks'], batch)
-    limit = None
-    if name == config['limited']:
-        free = torchgpipe.plan(module, input, devices=devices, target=target, loss_fn=loss,
-                               chunks=most, schedules=['1f1b'], checkpoint=['never'])
-        split = even_split(len(module), len(devices))
-        # What the even split needs without checkpointing, at its best chunks for memory.
-        limit = min(
-            max(free.predict('1f1b', split, 2 ** k, 'never').memory)
-            for k in range(most.bit_length()))
+
+    def planner(**kwargs: Any) -> Plan:
+        return torchgpipe.plan(module, input, devices=devices, target=target, loss_fn=loss,
+                               chunks=most, **kwargs)
+    limit = limit_of(planner, len(module), len(devices), most) \
+        if name == config['limited'] else None
     started = time.perf_counter()
-    plan = torchgpipe.plan(module, input, devices=devices, target=target, loss_fn=loss,
-                           chunks=most, memory_limit=limit)
+    plan = planner(memory_limit=limit)
     planning = time.perf_counter() - started
     options = grid(plan, most, batch, config['modes'])
     rows = []
@@ -184,6 +188,14 @@ def model_rows(name: str, config: Dict[str, Any], devices: List[torch.device]) -
     if name == config['limited']:
         result['even'] = against_even_split(module, plan, input, target, loss, config, batch)
     return result
+
+
+def limit_of(planner: Callable[..., Plan], layers: int, workers: int, most: int) -> float:
+    """What the even split with 1F1B needs without checkpointing, at its best chunks for memory."""
+    free = planner(schedules=['1f1b'], checkpoint=['never'])
+    split = even_split(layers, workers)
+    return min(max(free.predict('1f1b', split, 2 ** k, 'never').memory)
+               for k in range(most.bit_length()))
 
 
 def even_split(layers: int, parts: int) -> List[int]:
@@ -221,6 +233,8 @@ def against_even_split(module: nn.Sequential, plan: Plan, input: Tensor, target:
 
 
 def run(config: Dict[str, Any]) -> Dict[str, Any]:
+    if config.get('ranks'):
+        return plan_ranks.run(config)
     workers = config['workers']
     devices = cuda_devices(workers) if config['device'] == 'cuda' else cpu_devices(workers)
     models = [model_rows(name, config, devices) for name in config['models']]
@@ -237,11 +251,22 @@ def errors(document: Dict[str, Any]) -> List[float]:
     return [r['predicted'] / r['measured'] - 1 for m in document['results'] for r in m['rows']]
 
 
+def memory_errors(document: Dict[str, Any]) -> List[float]:
+    """Each rank's predicted peak memory over its measured one, less 1 (across processes)."""
+    return [p / m - 1 for model in document['results'] for r in model['rows']
+            for p, m in zip(r.get('memory_predicted', []), r.get('memory_measured', []))]
+
+
 def summary(document: Dict[str, Any]) -> Dict[str, float]:
     """The figures of the targets."""
     gaps = [abs(e) for e in errors(document)]
-    figures = {'median error': statistics.median(gaps), 'largest error': max(gaps),
-               'planning 100 layers': document['planning_100']}
+    figures = {'median error': statistics.median(gaps), 'largest error': max(gaps)}
+    if 'planning_100' in document:
+        figures['planning 100 layers'] = document['planning_100']
+    memory = [abs(e) for e in memory_errors(document)]
+    if memory:
+        figures['median memory error'] = statistics.median(memory)
+        figures['largest memory error'] = max(memory)
     choices = []
     for m in document['results']:
         chosen = next(r for r in m['rows'] if r['chosen'])
@@ -262,9 +287,14 @@ def table(document: Dict[str, Any]) -> str:
                   f"{r['predicted'] * 1e3:.2f}", f"{r['measured'] * 1e3:.2f}",
                   f"{(r['predicted'] / r['measured'] - 1) * 100:+.1f}%",
                   'yes' if r['fits'] else 'no']
+                 + ([' '.join(f'{(p / q - 1) * 100:+.0f}%' for p, q in
+                              zip(r['memory_predicted'], r['memory_measured']))]
+                    if 'memory_measured' in r else [])
                  for r in m['rows']]
-        lines += [format_table(['configuration', 'predicted ms', 'measured ms', 'error',
-                                'fits'], cells), '']
+        heads = ['configuration', 'predicted ms', 'measured ms', 'error', 'fits']
+        if m['rows'] and 'memory_measured' in m['rows'][0]:
+            heads.append('memory error per rank')
+        lines += [format_table(heads, cells), '']
         if m.get('even', {}).get('even'):
             lines.append(f"plan over the even split ({m['even']['even']}), paired median: "
                          f"{m['even']['ratio']:.3f}x")

@@ -279,10 +279,27 @@ def test_a_plan_compares_with_a_traced_step(planned: Plan) -> None:
     assert ('cpu:0', 'forward') in kinds and ('cpu:1', 'forward') in kinds
     assert all(r.measured > 0 for r in comparison.rows if r.what == 'forward')
     assert 'ratio' in str(comparison)
+    # A CPU trace reads the process's peak, no device's: no memory row.
+    assert not any(r.what == 'memory' for r in comparison.rows)
     with torchgpipe.trace(pipe) as timeline:
         pipe(input).sum().backward()
     with pytest.raises(ValueError, match="compare needs a train_step of the plan's pipeline"):
         planned.compare(timeline)
+
+
+@pytest.mark.cuda
+def test_a_plan_on_cuda_compares_each_devices_peak_memory() -> None:
+    devices = [f'cuda:{k}' for k in range(min(2, torch.cuda.device_count()))]
+    input, target = torch.randn(16, 8), torch.randn(16, 4)
+    plan = torchgpipe.plan(model(), input, devices=devices, target=target, loss_fn=F.mse_loss,
+                           chunks=4, repeat=1)
+    pipe = GPipe(model(), **plan.kwargs)
+    with torchgpipe.trace(pipe) as timeline:
+        pipe.train_step(input.to(devices[0]), target.to(devices[-1]), F.mse_loss,
+                        schedule=plan.schedule)
+    memory = {r.device: r for r in plan.compare(timeline).rows if r.what == 'memory'}
+    assert set(memory) == set(devices)
+    assert all(r.predicted > 0 and r.measured > 0 for r in memory.values())
 
 
 def test_a_limit_nothing_fits_names_the_least_memory_and_its_device() -> None:

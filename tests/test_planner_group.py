@@ -16,7 +16,8 @@ from process_group import run_distributed
 from test_distributed_pipe import Config, Result, assert_equal, batch, merge, model, train, \
     unwrapped
 
-#: Each job's plans: every schedule, and ZBV alone (two partitions per rank, in a V).
+#: Each job's plans: every schedule; ZBV alone (two partitions per rank, in a V);
+#: interleaved 1F1B alone (two per rank, in a loop).
 SCHEDULES: List[Optional[List[str]]] = [None, ['zbv'], ['interleaved_1f1b']]
 
 
@@ -93,13 +94,18 @@ class Broken(nn.Module):
 
 
 def refused(rank: int, world_size: int) -> List[str]:
-    """Each error a rank raises, for three ways of planning wrong."""
+    """Each error a rank raises, for each way of planning wrong."""
     errors = []
     attempts = [
         # rank 1 names a device it does not have
-        lambda: planned(model('mlp'), None, device='cuda:0' if rank else 'cpu'),
-        # the ranks disagree on the memory limit
-        lambda: planned(model('mlp'), None, memory_limit=2**30 * (rank + 1)),
+        lambda: planned(model('mlp'), None, device='cuda:99' if rank else 'cpu'),
+        # rank 1 alone gives a bad argument
+        lambda: planned(model('mlp'), None, runners_up=-1 if rank else 1),
+        # rank 0 alone gives devices too
+        lambda: torchgpipe.plan(model('mlp'), batch(0)[0], group=dist.group.WORLD,
+                                devices=None if rank else ['cpu:0', 'cpu:1']),
+        # the ranks disagree on the memory limit, and on a layer
+        lambda: planned(model('mlp' if rank else 'tied'), None, memory_limit=2**30 * (rank + 1)),
         # a layer that fails: rank 0 measures it, rank 1 must not wait forever
         lambda: planned(nn.Sequential(*model('mlp'), Broken()), None),
     ]
@@ -113,22 +119,30 @@ def refused(rank: int, world_size: int) -> List[str]:
 def test_a_wrong_rank_makes_every_rank_raise() -> None:
     ranks = run_distributed(refused, timeout=120)
     for rank, errors in enumerate(ranks):
-        device, disagreeing, broken = errors
-        assert device.startswith('ValueError: rank 1 cannot plan') and 'cuda:0' in device
+        device, argument, both, disagreeing, broken = errors
+        if rank == 1:
+            assert device.startswith('ValueError: device is cuda:99'), device
+            assert argument.startswith('ValueError: runners_up must be at least 0'), argument
+        else:
+            assert device.startswith('ValueError: rank 1 cannot plan: device is cuda:99'), device
+            assert argument.startswith('ValueError: rank 1 cannot plan: runners_up must be')
+        if rank == 0:
+            assert both.startswith('ValueError: plan takes devices or group, not both'), both
+        else:
+            assert both.startswith('ValueError: rank 0 cannot plan: plan takes devices or group')
         assert disagreeing.startswith('ValueError: every rank must plan with the same arguments')
         assert 'rank 1: memory_limit 2147483648 (rank 0: 1073741824)' in disagreeing
+        assert 'rank 1: layers [' in disagreeing
         if rank == 0:
             assert broken == 'RuntimeError: broken on purpose'
         else:
-            assert broken.startswith('RuntimeError: rank 0 failed measuring the layers to plan')
+            assert broken.startswith('RuntimeError: rank 0 failed measuring for the plan')
             assert 'broken on purpose' in broken
 
 
-def test_devices_and_group_are_refused_together_and_group_needs_distributed() -> None:
+def test_group_needs_distributed_and_device_needs_group() -> None:
     sample = torch.zeros(4, 2)
     module = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
-    with pytest.raises(ValueError, match='plan takes devices or group, not both'):
-        torchgpipe.plan(module, sample, devices=['cpu:0', 'cpu:1'], group=object())
     with pytest.raises(ValueError, match='device is for planning across processes'):
         torchgpipe.plan(module, sample, devices=['cpu:0', 'cpu:1'], device='cpu')
     assert not dist.is_initialized()

@@ -8,7 +8,7 @@ costs (:mod:`~torchgpipe.planner.predict`), and returns the fastest that fits
 the memory limit as a :class:`~torchgpipe.Plan` (:mod:`~torchgpipe.planner.result`).
 """
 from contextlib import contextmanager
-from typing import Any, Generator, Iterable, List, Optional, Sequence
+from typing import Any, Generator, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -20,7 +20,8 @@ from torchgpipe.foundation import microbatch
 from torchgpipe.foundation.microbatch import Batch, TensorOrTensors
 from torchgpipe.foundation.validation import (Device, brief, check_available, check_chunks,
                                               describe, parse_device, verify_module)
-from torchgpipe.planner.calibrate import copy_cost, message_cost, task_overhead, threads
+from torchgpipe.planner.calibrate import (copy_cost, message_cost, task_overhead, threads,
+                                          wide_step)
 from torchgpipe.planner.costs import Costs, measure
 from torchgpipe.planner.option import option, size
 from torchgpipe.planner.result import Plan
@@ -115,18 +116,87 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
         ...                        schedule=plan.schedule)
         >>> print(plan)  # doctest: +SKIP
     """
+    problem: Optional[Exception] = None
+    try:
+        batch, workers, names, modes, most = check_arguments(
+            module, sample, target, loss_fn, devices, group, device, schedules, checkpoint,
+            chunks, repeat, runners_up, memory_limit, param_scale)
+    except (TypeError, ValueError) as error:
+        if group is None:
+            raise
+        # Across processes, the other ranks hear of it before anyone raises.
+        problem, batch, workers, names, modes, most = error, 0, [], [], [], 0
+
+    loss = None if loss_fn is None or target is None else (loss_fn, target)
+    team = None
+    if group is not None:
+        # Imported here: ``import torchgpipe`` loads no torchgpipe.distributed.
+        from torchgpipe.planner.group import Team
+        team = Team(group, device, problem, {} if problem else {
+            'layers': [sum(p.numel() for p in layer.parameters()) for layer in module],
+            'sample': [(tuple(x.shape), str(x.dtype)) for x in Batch(sample)
+                       if isinstance(x, Tensor)],
+            'memory_limit': memory_limit, 'param_scale': param_scale, 'chunks': most,
+            'schedules': names, 'checkpoint': modes, 'repeat': repeat,
+            'runners_up': runners_up, 'loss_fn': loss is not None})
+        if team.size > len(module):
+            raise ValueError(describe('the ranks of group must be no more than the layers',
+                                      f'{team.size} ranks, {len(module)} layers',
+                                      f'plan for a group of at most {len(module)} ranks'))
+    counts = chunk_counts(batch, most)
+    sizes = sizes_to_measure(batch, counts)
+    if team is None:
+        with sharing_cores(workers), untouched_random_state(workers):
+            # CPU workers share the cores: each layer is timed while others work.
+            costs = measure(module, sample, sizes, workers[0], repeat=repeat, loss=loss,
+                            companions=len(workers) - 1 if workers[0].type == 'cpu' else 0)
+            overheads = task_overhead(threads(workers), len(workers))
+            costs.transfer = copy_cost(workers)
+        names_of = [str(d) for d in workers]
+    else:
+        with untouched_random_state([team.device]):
+            costs = Costs.from_dict(team.first(
+                lambda: measure(module, sample, sizes, team.device, repeat=repeat,
+                                loss=loss).to_dict(),
+                load=(module, sample, sizes[len(sizes) // 2])))
+            timer = team.timer()
+            overheads = task_overhead(timer, team.size)
+            wide = wide_step(timer, team.size)
+            costs.transfer = team.first(
+                lambda: message_cost(wide, team.size, team.device, overheads))
+        names_of = team.names
+    costs.overhead, costs.checkpoint_overhead, costs.split_overhead = overheads
+    found = search(costs, len(names_of), memory_limit=memory_limit, schedules=names,
+                   chunks=counts, checkpoints=modes, param_scale=param_scale)
+    return choose(found, names_of, names, memory_limit, runners_up, costs, float(param_scale),
+                  processes=group is not None)
+
+
+def check_arguments(module: nn.Sequential, sample: TensorOrTensors,
+                    target: Optional[TensorOrTensors], loss_fn: Optional[LossFunction],
+                    devices: Optional[Sequence[Device]], group: Optional[Any],
+                    device: Optional[Device], schedules: Optional[Sequence[str]],
+                    checkpoint: Optional[Sequence[str]], chunks: int, repeat: int,
+                    runners_up: int, memory_limit: Optional[float], param_scale: float
+                    ) -> Tuple[int, List[torch.device], List[str], List[str], int]:
+    """Checks :func:`plan`'s arguments, before any work.
+
+    Returns:
+        the sample's batch size, the devices (in one process; none with
+        ``group``), the schedules' and the checkpoint modes' names, and the
+        most micro-batches
+    """
     verify_module(module)
-    batch = check_sample(sample, target)
-    if group is None:
-        workers = check_devices(devices, len(module))
-        if device is not None:
-            raise ValueError(describe('device is for planning across processes, with group',
-                                      f'device: {device!r}, group: None',
-                                      'give devices=[...] to plan in one process'))
-    elif devices is not None:
+    if group is None and device is not None:
+        raise ValueError(describe('device is for planning across processes, with group',
+                                  f'device: {device!r}, group: None',
+                                  'give devices=[...] to plan in one process'))
+    if group is not None and devices is not None:
         raise ValueError(describe('plan takes devices or group, not both',
                                   f'devices: {devices!r}, group: given',
                                   "leave devices out, and give each rank's own device="))
+    batch = check_sample(sample, target)
+    workers = check_devices(devices, len(module)) if group is None else []
     names = check_schedules(schedules)
     modes = check_modes(checkpoint)
     most = check_chunks(chunks)
@@ -136,42 +206,7 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
         check_real('memory_limit', memory_limit, 'give bytes, such as memory_limit=8 * 2**30')
     check_real('param_scale', param_scale, 'give e.g. param_scale=4.0 for Adam')
     check_loss(target, loss_fn)
-
-    counts = chunk_counts(batch, most)
-    sizes = sizes_to_measure(batch, counts)
-    loss = None if loss_fn is None or target is None else (loss_fn, target)
-    if group is None:
-        with sharing_cores(workers), untouched_random_state(workers):
-            # CPU workers share the cores: each layer is timed while others work.
-            costs = measure(module, sample, sizes, workers[0], repeat=repeat, loss=loss,
-                            companions=len(workers) - 1 if workers[0].type == 'cpu' else 0)
-            overheads = task_overhead(threads(workers), len(workers))
-            costs.transfer = copy_cost(workers)
-        names_of = [str(d) for d in workers]
-    else:
-        # Imported here: ``import torchgpipe`` loads no torchgpipe.distributed.
-        from torchgpipe.planner.group import Team
-        team = Team(group, device, {
-            'layers': len(module), 'batch': batch, 'memory_limit': memory_limit,
-            'param_scale': param_scale, 'chunks': most, 'schedules': names,
-            'checkpoint': modes, 'repeat': repeat, 'loss_fn': loss is not None})
-        if team.size > len(module):
-            raise ValueError(describe('the ranks of group must be no more than the layers',
-                                      f'{team.size} ranks, {len(module)} layers',
-                                      f'plan for a group of at most {len(module)} ranks'))
-        with untouched_random_state([team.device]):
-            costs = team.measure(lambda: measure(module, sample, sizes, team.device,
-                                                 repeat=repeat, loss=loss),
-                                 module, sample, sizes[len(sizes) // 2])
-            timer = team.timer()
-            overheads = task_overhead(timer, team.size)
-            costs.transfer = team.share(message_cost(timer, team.size, team.device, overheads))
-        names_of = team.names
-    costs.overhead, costs.checkpoint_overhead, costs.split_overhead = overheads
-    found = search(costs, len(names_of), memory_limit=memory_limit, schedules=names,
-                   chunks=counts, checkpoints=modes, param_scale=param_scale)
-    return choose(found, names_of, names, memory_limit, runners_up, costs, float(param_scale),
-                  processes=group is not None)
+    return batch, workers, names, modes, most
 
 
 def check_loss(target: Optional[TensorOrTensors], loss_fn: Optional[LossFunction]) -> None:

@@ -1,7 +1,7 @@
 """What the pipeline itself costs, beside the layers: time per task and per message.
 
 The overhead per task is measured the way it is used: a pipeline of layers
-too small to cost anything (one ``nn.Linear(1, 1)`` per device) runs
+too small to cost anything (one ``nn.Linear(1, 1)`` per worker) runs
 training steps of 1F1B, and the step's time, over the number of tasks the
 simulator puts on its longest path, is what each task adds. Checkpointed
 tasks add more (the recomputation's bookkeeping and the random state they
@@ -54,6 +54,7 @@ def task_overhead(timer: Timer, p: int) -> Tuple[float, float, float]:
 
     Args:
         timer: runs the calibration's steps on the ``p`` workers
+        p: the workers
 
     Returns:
         seconds per task, the further seconds per checkpointed ``B``, and
@@ -83,7 +84,8 @@ def threads(devices: Sequence[torch.device]) -> Timer:
     def timer(model: nn.Sequential, checkpoint: str, schedule: str, input: Tensor) -> float:
         pipe = GPipe(model, [1] * len(devices), devices=list(devices), chunks=CHUNKS,
                      checkpoint=checkpoint)
-        return median_step(lambda: pipe.train_step(input, torch.zeros_like(input), zeros_loss,
+        target = torch.zeros_like(input)
+        return median_step(lambda: pipe.train_step(input, target, zeros_loss,
                                                    schedule=schedule))
     return timer
 
@@ -113,18 +115,8 @@ def _span(schedule: str, p: int, split: float, plain: float = 1.0) -> float:
 
 
 def _split_cost(step: float, plain: float, p: int) -> float:
-    """The cost of an I or a W that makes ZB-H1's step take ``step``, its F taking ``plain``.
-
-    The step grows with that cost, so halving the interval finds it.
-    """
-    low, high = 0.0, step
-    for _ in range(30):
-        middle = (low + high) / 2
-        if _span('zb_h1', p, middle, plain) < step:
-            low = middle
-        else:
-            high = middle
-    return (low + high) / 2
+    """The cost of an I or a W that makes ZB-H1's step take ``step``, its F taking ``plain``."""
+    return solve(lambda split: _span('zb_h1', p, split, plain), step, step)
 
 
 def copy_cost(devices: Sequence[torch.device], size: int = 1 << 24) -> Tuple[float, float]:
@@ -150,24 +142,29 @@ def copy_cost(devices: Sequence[torch.device], size: int = 1 << 24) -> Tuple[flo
     return times[1], max(0.0, per_byte)
 
 
-def message_cost(timer: Timer, p: int, device: torch.device,
+def wide_step(timer: Timer, p: int) -> float:
+    """The step of the empty pipeline whose every message is 1 MiB (for :func:`message_cost`)."""
+    return timer(empty(p), 'never', '1f1b', torch.zeros(CHUNKS, WIDE, 1))
+
+
+def message_cost(step: float, p: int, device: torch.device,
                  overheads: Tuple[float, float, float]) -> Tuple[float, float]:
     """A message's latency and time per byte between the workers, as a 1F1B step sees them.
 
     The latency is zero: the small messages of the empty pipeline's steps
     are already in the overhead per task. The time per byte is the one that
-    makes the simulator predict the measured steps of the wide pipeline,
-    whose messages are 1 MiB each (its layers' own times measured here, as
-    the planner measures any layer); the prediction grows with it, so
-    halving the interval finds it.
+    makes the simulator predict ``step``, the time :func:`wide_step`
+    measured, whose messages are 1 MiB each (its layers' own times measured
+    here, as the planner measures any layer).
 
     Args:
-        timer: runs the calibration's steps on the ``p`` workers
+        step: what :func:`wide_step` measured on the ``p`` workers
         device: where to measure the wide pipeline's layers
         overheads: what :func:`task_overhead` gave
     """
+    if p < 2:
+        return 0.0, 0.0  # no message
     input = torch.zeros(CHUNKS, WIDE, 1)
-    step = timer(empty(p), 'never', '1f1b', input)
     costs = measure(empty(p), input, [1], device, repeat=STEPS,
                     loss=(zeros_loss, torch.zeros_like(input)))
     costs.overhead, costs.checkpoint_overhead, costs.split_overhead = overheads
@@ -177,11 +174,18 @@ def message_cost(timer: Timer, p: int, device: torch.device,
         costs.transfer = (0.0, per_byte)
         return predict(costs, candidate).step
 
-    low, high = 0.0, step / (WIDE * 4)  # no message can take longer than the whole step
+    # No message can take longer than the whole step.
+    return 0.0, solve(predicted, step, step / (WIDE * 4))
+
+
+def solve(grows: Callable[[float], float], target: float, high: float) -> float:
+    """The ``x`` in ``[0, high]`` at which ``grows(x)``, never smaller for a larger ``x``,
+    reaches ``target``: halving the interval."""
+    low = 0.0
     for _ in range(30):
         middle = (low + high) / 2
-        if predicted(middle) < step:
+        if grows(middle) < target:
             low = middle
         else:
             high = middle
-    return 0.0, (low + high) / 2
+    return (low + high) / 2

@@ -1,9 +1,10 @@
 """A plan's predictions beside what a traced step measured: where the model is off.
 
-For the step, for each device and each kind of task (forward, recompute,
-backward, input and weight gradients), and for each CUDA device's peak
-memory (the allocator's; on CPU a trace reads one peak for the whole
-process, which matches no device's prediction), :func:`compare` pairs the
+For the step, for each device (or rank) and each kind of task (forward,
+recompute, backward, input and weight gradients), and for each CUDA
+device's peak memory (the allocator's; on CPU a trace reads the peak of a
+whole process, which holds more than a device's prediction: the
+interpreter, torch, the model's other layers), :func:`compare` pairs the
 prediction with the measurement and their ratio.
 """
 from dataclasses import dataclass
@@ -75,31 +76,38 @@ class Comparison:
 
 
 def compare(chosen: Option, devices: List[str], timeline: Timeline,
-            step: Optional[int] = None) -> Comparison:
+            step: Optional[int] = None, processes: bool = False) -> Comparison:
     """Pairs the predictions of ``chosen`` with a traced training step.
+
+    ``devices`` names the workers as the timeline's rows do: devices, or
+    ranks (``processes``).
 
     Raises:
         ValueError: the trace holds no step, or its step is not a training
             step of the plan (another number of micro-batches, or other devices)
     """
     summary = timeline.summary(step)
+    pipe = 'DistributedGPipe(module, **plan.kwargs, device=device), on every rank,' \
+        if processes else 'GPipe(module, **plan.kwargs)'
     if not summary.kind.startswith('train_step') or summary.micro_batches != chosen.chunks:
         raise ValueError(describe(
             "compare needs a train_step of the plan's pipeline",
             f'traced: {summary.kind} of {summary.micro_batches} micro-batches, plan: '
             f'{chosen.chunks} micro-batches',
-            'trace GPipe(module, **plan.kwargs).train_step(..., schedule=plan.schedule)'))
+            f'trace {pipe} then .train_step(..., schedule=plan.schedule)'))
     measured: Dict[Tuple[str, str], float] = {}
+    on: Dict[str, str] = {}  # the device of each row
     for event in timeline.events:
         if event.step == summary.step and event.kind in KINDS:
             # The row of the timeline: the device, or across processes the rank.
             key = (event.track, event.kind)
             measured[key] = measured.get(key, 0.0) + event.busy
+            on[event.track] = event.device
     unknown = {device for device, _ in measured} - set(devices)
     if unknown:
-        raise ValueError(describe("compare needs a step on the plan's devices",
+        raise ValueError(describe("compare needs a step on the plan's workers",
                                   f'traced: {sorted(unknown)}, plan: {devices}',
-                                  'trace the GPipe built with plan.kwargs'))
+                                  f'trace the {pipe.split("(")[0]} built with plan.kwargs'))
     rows = [Row('step', 'step', chosen.step, summary.step_time)]
     for w, device in enumerate(devices):
         for kind in KINDS:
@@ -108,5 +116,5 @@ def compare(chosen: Option, devices: List[str], timeline: Timeline,
                 rows.append(Row(device, kind, predicted, measured.get((device, kind), 0.0)))
     rows += [Row(device, 'memory', chosen.memory[w], summary.peak_memory[device])
              for w, device in enumerate(devices)
-             if device.startswith('cuda') and device in summary.peak_memory]
+             if on.get(device, '').startswith('cuda') and device in summary.peak_memory]
     return Comparison(rows)

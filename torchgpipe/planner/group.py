@@ -10,32 +10,36 @@ measured is what the pipeline will see::
     measures the layers             train copies of the layers (the load of
                                     a busy pipeline on the same machine)
     ---- the layers' costs, or rank 0's error, sent to every rank ----
-    steps of DistributedGPipe across the group: overhead per task and
-    message cost                                          (every rank)
-    ---- rank 0's message cost, sent to every rank ----
+    steps of DistributedGPipe across the group: overhead per task, and
+    steps of large messages                               (every rank)
+    fits the cost per byte to those steps
+    ---- rank 0's message cost (or its error), sent to every rank ----
     search, each rank alone: the same costs give every rank the same plan
 
-An error on one rank before work starts (a device it does not have) is
-raised on every rank; an error while rank 0 measures reaches the others as
-a :class:`RuntimeError` naming it, rather than leaving them waiting.
+An error on one rank before work starts (a bad argument, a device it does
+not have) is raised on every rank; an error while rank 0 measures reaches
+the others as a :class:`RuntimeError` naming it, rather than leaving them
+waiting. (The steps across the group fail as DistributedGPipe's steps do,
+on every rank.)
 """
-from typing import Any, Callable, Dict, List, Optional
+import contextlib
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from torchgpipe.balance.profile import layerwise_sandbox, to_device
+from torchgpipe.balance.profile import to_device
 from torchgpipe.distributed import DistributedGPipe
 from torchgpipe.foundation.microbatch import TensorOrTensors
 from torchgpipe.foundation.validation import Device, check_available, describe, parse_device
 from torchgpipe.planner.calibrate import CHUNKS, Timer, median_step, zeros_loss
-from torchgpipe.planner.costs import Companions, Costs, rows
+from torchgpipe.planner.costs import Companions, rows
 
 __all__: List[str] = []
 
 #: How to name a device for DistributedGPipe's ``device`` argument.
-DEVICE_FIX = "give this rank's own, such as device='cuda:0' or device='cpu'"
+DEVICE_FIX = "give this rank's own device, such as device='cpu', or a CUDA device it has"
 
 
 class Team:
@@ -44,47 +48,53 @@ class Team:
     Args:
         group: the process group the pipeline will run on
         device: this rank's device (``None``: the CPU, as DistributedGPipe takes it)
+        problem: what was wrong with this rank's arguments, if anything
         signature: the arguments every rank must agree on, by name
 
     Raises:
         RuntimeError: torch.distributed is not initialized
         TypeError: ``group`` is not a process group
         ValueError: this process is not in ``group``; on every rank, if any
-            rank's device is wrong, if the devices are not of one type, or
-            if the ranks' arguments differ
+            rank's arguments or device are wrong, if the devices are not of
+            one type, or if the ranks' arguments differ (``problem`` itself
+            on its rank)
     """
 
-    def __init__(self, group: Any, device: Optional[Device], signature: Dict[str, Any]
-                 ) -> None:
+    def __init__(self, group: Any, device: Optional[Device], problem: Optional[Exception],
+                 signature: Dict[str, Any]) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError('plan with group= needs torch.distributed: call '
                                "torch.distributed.init_process_group('gloo') (or 'nccl') "
                                'first, on every rank')
+        if group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group gives the others
+            raise ValueError(describe('this process must be in group', f'rank {dist.get_rank()}',
+                                      'plan only on the ranks of the pipeline group'))
         if not isinstance(group, dist.ProcessGroup):
             raise TypeError(describe('group must be a process group', f'group: {group!r}',
                                      'give e.g. group=torch.distributed.group.WORLD'))
-        if dist.get_rank(group) < 0:
-            raise ValueError(describe('this process must be in group', f'rank {dist.get_rank()}',
-                                      'plan only on the ranks of the pipeline group'))
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         #: Each rank's name as a traced step names its row, ``'rank r'`` (r its global rank).
         self.names = [f'rank {dist.get_global_rank(group, r)}' for r in range(self.size)]
-        self.device = self._agree(device, signature)
+        self.device = self._agree(device, problem, signature)
 
-    def _agree(self, device: Optional[Device], signature: Dict[str, Any]) -> torch.device:
+    def _agree(self, device: Optional[Device], problem: Optional[Exception],
+               signature: Dict[str, Any]) -> torch.device:
         """This rank's device, once every rank's is good and every rank's arguments agree."""
         mine: Optional[torch.device] = None
-        try:
-            mine = torch.device('cpu') if device is None else \
-                parse_device('device', device, DEVICE_FIX)
-            check_available('device', mine, DEVICE_FIX)
-            said = str(mine)
-        except (TypeError, ValueError) as error:
-            said = f'error: {error}'
-        everyone: List[Any] = [None] * self.size
-        dist.all_gather_object(everyone, (said, signature), group=self.group)
+        said = f'error: {problem}' if problem is not None else ''
+        if problem is None:
+            try:
+                given = torch.device('cpu') if device is None else \
+                    parse_device('device', device, DEVICE_FIX)
+                check_available('device', given, DEVICE_FIX)
+                mine, said = given, str(given)
+            except (TypeError, ValueError) as error:
+                problem, said = error, f'error: {error}'
+        everyone = self._gather((said, signature), mine)
+        if problem is not None:
+            raise problem
         for name, (theirs, _) in zip(self.names, everyone):
             if theirs.startswith('error: '):
                 raise ValueError(f'{name} cannot plan: {theirs[len("error: "):]}')
@@ -106,35 +116,53 @@ class Team:
         assert mine is not None
         return mine
 
-    def share(self, value: Any) -> Any:
-        """Rank 0's ``value``, on every rank."""
-        held = [value]
-        dist.broadcast_object_list(held, src=dist.get_global_rank(self.group, 0),
-                                   group=self.group)
-        return held[0]
+    def _gather(self, value: Any, device: Optional[torch.device]) -> List[Any]:
+        """Every rank's ``value``, in rank order."""
+        everyone: List[Any] = [None] * self.size
+        with on(device):
+            dist.all_gather_object(everyone, value, group=self.group)
+        return everyone
 
-    def measure(self, measure: Callable[[], Costs], module: nn.Sequential,
-                sample: TensorOrTensors, size: int) -> Costs:
-        """Rank 0's measurement, on every rank; the other ranks load the machine meanwhile.
+    def first(self, work: Callable[[], Any],
+              load: Optional[Tuple[nn.Sequential, TensorOrTensors, int]] = None) -> Any:
+        """What ``work()`` gives on rank 0, on every rank; its error, as an error on every rank.
 
         Args:
-            measure: what rank 0 runs
-            module, sample: what the other ranks train copies of, at micro-batches of ``size``
+            work: what rank 0 runs (and no other rank)
+            load: on CPU, a module, a sample and a micro-batch size: the
+                other ranks train a copy of the module on that many samples
+                meanwhile, the load of a busy pipeline on the same machine
+                (at one size; rank 0 measures every size)
+
+        Raises:
+            RuntimeError: on the other ranks, if ``work`` raised on rank 0
         """
         if self.rank == 0:
             try:
-                costs = measure()
+                value = ('value', work())
             except BaseException as error:  # Ctrl-C too: the others must not wait on
-                self.share(('error', f'{type(error).__name__}: {error}'))
+                self._share(('error', f'{type(error).__name__}: {error}'))
                 raise
-            self.share(('costs', costs.to_dict()))
-            return costs
-        layers = list(layerwise_sandbox(module, self.device))
-        with Companions(1, layers, rows(to_device(sample, self.device), size), self.device):
-            kind, value = self.share(None)
+            self._share(value)
+            return value[1]
+        if load is not None and self.device.type == 'cpu':
+            module, sample, size = load
+            with Companions(1, list(module), rows(to_device(sample, self.device), size),
+                            self.device):
+                kind, value = self._share(None)
+        else:
+            kind, value = self._share(None)
         if kind == 'error':
-            raise RuntimeError(f'{self.names[0]} failed measuring the layers to plan: {value}')
-        return Costs.from_dict(value)
+            raise RuntimeError(f'{self.names[0]} failed measuring for the plan: {value}')
+        return value
+
+    def _share(self, value: Any) -> Any:
+        """Rank 0's ``value``, on every rank."""
+        held = [value]
+        with on(self.device):
+            dist.broadcast_object_list(held, src=dist.get_global_rank(self.group, 0),
+                                       group=self.group)
+        return held[0]
 
     def timer(self) -> Timer:
         """Times a calibration model's steps as a DistributedGPipe over the group.
@@ -146,11 +174,18 @@ class Team:
             pipe = DistributedGPipe(model, [1] * self.size, chunks=CHUNKS, checkpoint=checkpoint,
                                     group=self.group, device=self.device)
             target = torch.zeros_like(input)
+
+            def ready() -> None:
+                with on(self.device):
+                    dist.barrier(group=self.group)
             mine = median_step(lambda: pipe.train_step(input, target, zeros_loss,
-                                                       schedule=schedule),
-                               ready=lambda: dist.barrier(group=self.group))
-            everyone: List[Any] = [None] * self.size
-            dist.all_gather_object(everyone, mine, group=self.group)
-            return float(max(everyone))
+                                                       schedule=schedule), ready)
+            return float(max(self._gather(mine, self.device)))
         return timed
 
+
+def on(device: Optional[torch.device]) -> ContextManager[Any]:
+    """Collectives of objects on ``device``: NCCL's run on the current CUDA device."""
+    if device is not None and device.type == 'cuda':
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()

@@ -23,8 +23,10 @@ from torchgpipe.timeline import Timeline
 
 __all__: List[str] = []
 
-#: The format of a saved plan; a file of another format is refused.
-FORMAT = 'torchgpipe-plan/1'
+#: The format of a saved plan; a file of another format is refused. The
+#: first format, of plans for one process only, is read too.
+FORMAT = 'torchgpipe-plan/2'
+FORMATS = (FORMAT, 'torchgpipe-plan/1')
 
 
 class Plan:
@@ -127,7 +129,8 @@ class Plan:
         return self.chosen.schedule
 
     def partition_devices(self) -> List[str]:
-        """The device of each partition: the workers', laid out as the placement says."""
+        """The worker of each partition, laid out as the placement says: its device (its
+        rank, in a plan for processes)."""
         n, p = len(self.chosen.balance), len(self.devices)
         return [self.devices[worker_of(j, n, p, self.chosen.placement)] for j in range(n)]
 
@@ -179,10 +182,11 @@ class Plan:
     def compare(self, timeline: Timeline, step: Optional[int] = None) -> Comparison:
         """How far each prediction was from a traced step of the plan's pipeline.
 
-        Trace a training step of ``GPipe(module, **plan.kwargs)`` with
+        Trace a training step of ``GPipe(module, **plan.kwargs)`` (of the
+        DistributedGPipe, on every rank, for a plan for processes) with
         ``schedule=plan.schedule``, then compare: the step time, each
-        device's time at each kind of task, and, on CUDA, each device's peak
-        memory, predicted beside measured.
+        device's (or rank's) time at each kind of task, and, on CUDA, each
+        device's peak memory, predicted beside measured.
 
         Args:
             timeline (Timeline): what :func:`torchgpipe.trace` recorded
@@ -201,7 +205,7 @@ class Plan:
             ...     model.train_step(input, target, loss_fn, schedule=plan.schedule)
             >>> print(plan.compare(timeline))  # doctest: +SKIP
         """
-        return compare(self.chosen, self.devices, timeline, step)
+        return compare(self.chosen, self.devices, timeline, step, self.processes)
 
     def save(self, path: Union[str, 'os.PathLike[str]']) -> None:
         """Writes the plan to a JSON file, for :meth:`load` to read in the next job."""
@@ -221,7 +225,7 @@ class Plan:
         """
         with open(path) as file:
             data = json.load(file)
-        if not isinstance(data, dict) or data.get('format') != FORMAT:
+        if not isinstance(data, dict) or data.get('format') not in FORMATS:
             found = data.get('format') if isinstance(data, dict) else type(data).__name__
             raise ValueError(describe(f'a plan file must be one Plan.save wrote, of format '
                                       f'{FORMAT!r}', f'{os.fspath(path)!r}: format {found!r}',
