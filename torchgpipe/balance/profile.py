@@ -184,7 +184,18 @@ def allocated_by_forward(layer: nn.Module, values: TensorOrTensors, tracker: 'Sa
 def saved_by_forward(layer: nn.Module, values: TensorOrTensors,
                      tracker: 'SandboxSkipTracker') -> Tuple[TensorOrTensors, int]:
     """Runs the layer, measuring the bytes its forward pass keeps alive for training."""
+    output, saved, _ = kept_by_forward(layer, values, tracker)
+    return output, sum(saved.values())
+
+
+def kept_by_forward(layer: nn.Module, values: TensorOrTensors, tracker: 'SandboxSkipTracker'
+                    ) -> Tuple[TensorOrTensors, Dict[int, int], Set[int]]:
+    """Runs the layer; returns its output, the storages its forward pass keeps alive for
+    training (what autograd saves, its outputs and stashed skip tensors, but not its input,
+    parameters or buffers), by address with their bytes, and the addresses of every
+    storage autograd saved (its input's among them, if it saved it)."""
     storages: Dict[int, int] = {}
+    saved: Set[int] = set()
 
     def record(tensor: Tensor) -> None:
         storage = tensor.untyped_storage()
@@ -192,6 +203,7 @@ def saved_by_forward(layer: nn.Module, values: TensorOrTensors,
 
     def pack(tensor: Tensor) -> Tensor:
         record(tensor)
+        saved.add(tensor.untyped_storage().data_ptr())
         return tensor
 
     with saved_tensors_hooks(pack, lambda tensor: tensor):
@@ -202,8 +214,7 @@ def saved_by_forward(layer: nn.Module, values: TensorOrTensors,
     preexisting: Set[int] = {x.untyped_storage().data_ptr() for x in Batch(values)}
     preexisting.update(p.untyped_storage().data_ptr() for p in layer.parameters())
     preexisting.update(b.untyped_storage().data_ptr() for b in layer.buffers())
-    size = sum(nbytes for ptr, nbytes in storages.items() if ptr not in preexisting)
-    return output, size
+    return (output, {ptr: n for ptr, n in storages.items() if ptr not in preexisting}, saved)
 
 
 class SandboxSkipTracker(SkipTracker):

@@ -14,11 +14,13 @@ schedule runs apart::
 
 The memory comes from a pass of each layer on the detached output of the
 one before, so that each layer's share is its own: the bytes the forward pass keeps for
-the backward pass (the tensors autograd saves, the outputs and stashed skip
-tensors, each storage once; see :func:`~torchgpipe.balance.profile.saved_by_forward`),
-the bytes of the output (what a boundary after the layer sends), and the
-bytes of the parameters. A loss, if given, is measured as one more layer,
-which the last partition runs.
+the backward pass (the tensors autograd saves, the outputs the next layer
+saves and stashed skip tensors, each storage once; see
+:func:`~torchgpipe.balance.profile.kept_by_forward`),
+the bytes of the output (what a boundary after the layer sends), the most
+its backward pass holds beside them (gradients and temporaries; see
+:mod:`~torchgpipe.planner.working`), and the bytes of the parameters. A
+loss, if given, is measured as one more layer, which the last partition runs.
 
 Sizes in between those measured are read by linear interpolation
 (:meth:`Costs.at`): a layer's time grows with its micro-batch in steps, not
@@ -30,16 +32,17 @@ import statistics
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from torchgpipe.balance.profile import (SandboxSkipTracker, detach_tensor, fresh_input,
-                                        layerwise_sandbox, preserve_rng_state, refuse_gradients,
-                                        saved_by_forward, synchronize, to_device)
+                                        kept_by_forward, layerwise_sandbox, preserve_rng_state,
+                                        refuse_gradients, synchronize, to_device)
 from torchgpipe.engine.step import LossFunction
 from torchgpipe.foundation.microbatch import Batch, TensorOrTensors, map_tensors
+from torchgpipe.planner.working import working_memory
 from torchgpipe.skip.tracker import SkipTracker, use_skip_tracker
 
 __all__: List[str] = []
@@ -47,7 +50,7 @@ __all__: List[str] = []
 #: What :func:`measure` reads of each layer, at each micro-batch size: times in seconds.
 TIMES = ('forward', 'input', 'backward')
 #: ... and memory in bytes.
-BYTES = ('kept', 'output')
+BYTES = ('kept', 'output', 'working')
 
 
 @dataclass
@@ -62,6 +65,8 @@ class LayerCosts:
     backward: List[float]
     kept: List[float]
     output: List[float]
+    #: The most its backward pass holds beyond ``kept`` (:mod:`~torchgpipe.planner.working`).
+    working: List[float] = field(default_factory=list)
 
 
 @dataclass
@@ -240,15 +245,39 @@ def _loss_at(loss: LossAndTarget, size: int, device: torch.device) -> nn.Module:
 
 def _first_pass(layers: Sequence[nn.Module], values: TensorOrTensors,
                 tracker: SandboxSkipTracker) -> Dict[str, List[float]]:
-    """Each layer's memory, each on the detached output of the layer before; a warm-up too."""
+    """Each layer's memory, each on the detached output of the layer before; a warm-up too.
+
+    A layer's output is kept for the backward pass only if the next layer
+    saves it (a linear layer does, a softmax loss does not): otherwise it is
+    freed once used, and not counted in ``kept``.
+    """
     kept: List[float] = []
     output: List[float] = []
+    working: List[float] = []
+    unsaved: List[float] = []  # the bytes of each output autograd did not save
+    saves_input: List[bool] = []
     for layer in layers:
-        result, nbytes = saved_by_forward(layer, fresh_input(values), tracker)
-        kept.append(float(nbytes))
+        storages: List[Tuple[Dict[int, int], Set[int], Set[int]]] = []
+
+        def forward(x: TensorOrTensors, layer: nn.Module = layer) -> TensorOrTensors:
+            result, held, saved = kept_by_forward(layer, x, tracker)
+            inputs = {y.untyped_storage().data_ptr() for y in Batch(x)}
+            storages.append((held, saved, inputs))
+            return result
+        result, most = working_memory(layer, fresh_input(values), forward)
+        held, saved, inputs = storages[0]
+        outputs = {y.untyped_storage().data_ptr() for y in Batch(result)}
+        kept.append(float(sum(held.values())))
+        unsaved.append(float(sum(n for ptr, n in held.items()
+                                 if ptr in outputs and ptr not in saved)))
+        saves_input.append(bool(inputs & saved))
         output.append(float(tensor_bytes(result)))
+        working.append(float(most))
         values = map_tensors(detach_tensor, result)
-    return {'kept': kept, 'output': output}
+    for k in range(len(layers) - 1):
+        if not saves_input[k + 1]:
+            kept[k] -= unsaved[k]
+    return {'kept': kept, 'output': output, 'working': working}
 
 
 def _timed_pass(layers: Sequence[nn.Module], sample: TensorOrTensors, device: torch.device,

@@ -14,8 +14,10 @@ and, when the next partition is on another worker, the message::
 The memory walks each worker's actions in order: a forward pass keeps the
 partition's activations (only its input, if checkpointed) until the
 micro-batch's backward pass frees them; the recomputation brings them back
-for the length of ``B``, or from ``I`` to ``W``. Parameters, their gradients
-and the optimizer's state (``param_scale`` times the parameters) stay throughout.
+for the length of ``B``, or from ``I`` to ``W``; a backward pass holds its
+gradients and temporaries beside them while it runs. Parameters, their
+gradients and the optimizer's state (``param_scale`` times the parameters)
+stay throughout.
 """
 import math
 from dataclasses import dataclass
@@ -105,8 +107,9 @@ class Partitions:
         """Partition ``j``'s times and bytes for a micro-batch of ``size``.
 
         Keys: ``forward``, ``input``, ``weight``, ``backward`` and ``kept``
-        (its layers' sums, the loss's with the last partition's), ``entry``
-        (the bytes of its input) and ``exit`` (of its output).
+        (its layers' sums, the loss's with the last partition's), ``working``
+        (the most its backward pass holds beyond ``kept``), ``entry`` (the
+        bytes of its input) and ``exit`` (of its output).
         """
         key = (j, size)
         if key not in self._sums:
@@ -119,6 +122,14 @@ class Partitions:
             stop += 1  # the loss, which the last partition computes
         sums = {name: sum(getattr(layers, name)[start:stop])
                 for name in ('forward', 'input', 'backward', 'kept')}
+        # The layers' backward passes run one after another, last first, each
+        # freeing the activations it used: the most any holds beyond what the
+        # layers after it have freed by then.
+        freed = sums['working'] = 0.0
+        for kept, working in reversed(list(zip(layers.kept[start:stop],
+                                               layers.working[start:stop]))):
+            sums['working'] = max(sums['working'], working - freed)
+            freed += kept
         # I walks back from the outputs to the partition's inputs only (none
         # for the first partition: nothing waits for the sample's gradient);
         # W runs the rest of the graph from the gradients I kept there.
@@ -220,7 +231,10 @@ def peak_memory(workers: Sequence[Sequence[Action]], worker: int, parts: Partiti
             live += kept
         elif action.kind is Kind.I:
             live += again  # recomputed, and kept for W
-        peak = max(peak, live + (again if action.kind is Kind.B else 0.0))
+        # B (or I) holds its working memory beside what is live, and B the
+        # recomputed activations it frees at once.
+        working = part['working'] if action.kind in (Kind.B, Kind.I) else 0.0
+        peak = max(peak, live + working + (again if action.kind is Kind.B else 0.0))
         if action.kind is Kind.B:
             live -= kept
         elif action.kind is Kind.W:

@@ -1,0 +1,121 @@
+"""A layer's working memory: what its backward pass holds beside the activations kept.
+
+While a layer's backward pass runs, the gradient of its output, the
+gradient of its input and the temporaries between them (a softmax's
+gradient, say, as large as the logits) are alive together, on top of the
+activations every micro-batch in flight keeps. :func:`working_memory`
+measures their peak: it runs the layer's forward and backward passes under
+a :class:`Live` mode that sees every tensor an operator makes, and counts
+each storage from its creation until it is freed; the peak of
+the backward pass over what the forward pass left alive is the layer's
+working memory::
+
+    live bytes   ^        ___
+                 |   ____|   |__          the peak, beside the activations
+                 |__|           |___      kept: the layer's working memory
+                 +--------------------> time
+                   grad_output  grad_input  (weights' gradients left out:
+                                             param_scale counts them)
+
+What an operator allocates and frees inside itself (a convolution's
+unfolded input, on CPU) is not a tensor and is not seen.
+"""
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+
+import torch
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from torchgpipe.foundation.microbatch import Batch, TensorOrTensors
+
+__all__: List[str] = []
+
+
+class Live(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Notes the storage every operator's output holds, and when that storage is freed.
+
+    ``log`` is the history of live bytes: ``(storage, +bytes)`` as a storage
+    is first seen, ``(storage, -bytes)`` as it is freed (a storage named by
+    its number), so that a peak may be read without some (:meth:`peak`). Storages alive before
+    (the parameters, the input) are never counted.
+    """
+
+    def __init__(self, before: Set[int]) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.before = before
+        #: The number of each storage alive, by its address. Numbers, not
+        #: addresses, name storages in the log, since a freed storage's
+        #: address may serve the next one.
+        self.alive: Dict[int, int] = {}
+        self.log: List[Tuple[int, int]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Optional[Dict[str, Any]] = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, Tensor):
+                self._note(tensor.untyped_storage())
+        return out
+
+    def _note(self, storage: torch.UntypedStorage) -> None:
+        key = storage.data_ptr()
+        if not key or key in self.before or key in self.alive:
+            return
+        number = self.alive[key] = len(self.log)
+        self.log.append((number, storage.nbytes()))
+        # torch keeps one Python object per storage for as long as the
+        # storage lives: its end is when the bytes are freed, whichever
+        # tensors (views included) held them.
+        weakref.finalize(storage, self._free, key, number, storage.nbytes())
+
+    def _free(self, key: int, number: int, nbytes: int) -> None:
+        if self.alive.get(key) == number:
+            del self.alive[key]
+            self.log.append((number, -nbytes))
+
+    def numbers(self, tensors: List[Tensor]) -> Set[int]:
+        """The numbers of the storages of ``tensors``, alive now."""
+        return {self.alive[t.untyped_storage().data_ptr()] for t in tensors
+                if t.untyped_storage().data_ptr() in self.alive}
+
+    def peak(self, without: Set[int], since: int) -> int:
+        """The most bytes alive at once after entry ``since`` of the log, over those
+        alive then; the storages numbered in ``without`` left out."""
+        live = base = top = 0
+        for k, (key, change) in enumerate(self.log):
+            if k == since:
+                base = top = live
+            if key not in without:
+                live += change
+                if k >= since:
+                    top = max(top, live)
+        return top - base if since < len(self.log) else 0
+
+
+def working_memory(layer: nn.Module, values: TensorOrTensors,
+                   forward: Callable[[TensorOrTensors], TensorOrTensors]
+                   ) -> Tuple[TensorOrTensors, int]:
+    """Runs ``forward(values)``, the pass of ``layer``, and its backward pass; returns the
+    output and the most bytes the backward pass held beside what the forward pass left.
+
+    The gradient of the output is made as training would pass it in, and
+    counted; the gradients of the layer's weights are not (the planner
+    counts them with the parameters). What the backward pass frees as it
+    goes (a saved activation, once used) makes room, as in training.
+    """
+    before = {x.untyped_storage().data_ptr()
+              for x in [*layer.parameters(), *layer.buffers(), *Batch(values)]
+              if isinstance(x, Tensor)}
+    live = Live(before)
+    with live:
+        output = forward(values)
+        since = len(live.log)
+        ends = [y for y in Batch(output) if isinstance(y, Tensor) and y.requires_grad]
+        if ends:
+            torch.autograd.backward(ends, [torch.ones_like(y) for y in ends])
+    weights = live.numbers([p.grad for p in layer.parameters() if p.grad is not None])
+    for p in layer.parameters():
+        p.grad = None
+    return output, live.peak(weights, since)
