@@ -3,6 +3,8 @@
 Run from the repository root::
 
     python -m benchmarks.plan                  # 3 models on cpu:0 and cpu:1 (~10 min)
+    python -m benchmarks.plan --preset cpu2    # the same across 2 processes (~15 min)
+    python -m benchmarks.plan --preset cpu4    # the same across 4 processes (~25 min)
     python -m benchmarks.plan --preset cuda    # the same models, larger, on 4 CUDA devices
 
 For each of three models, :func:`torchgpipe.plan` plans for the devices
@@ -35,6 +37,14 @@ the plan's choice. Three tables:
 
 Last, the time :func:`torchgpipe.plan` takes for an MLP of 100 layers (target:
 under a minute).
+
+The presets ``cpu2`` and ``cpu4`` plan the same models for a
+:class:`~torchgpipe.distributed.DistributedGPipe` over 2 or 4 processes
+(``torchgpipe.plan(..., group=...)``, one intra-op thread per process) and
+measure each configuration there (see :mod:`benchmarks.plan_ranks`), each
+rank's peak memory too: a fourth table, the predicted peak of each rank
+against its measured one (target: within 10%). The even split is not
+compared there.
 """
 import copy
 import statistics
