@@ -50,7 +50,7 @@ __all__: List[str] = []
 #: What :func:`measure` reads of each layer, at each micro-batch size: times in seconds.
 TIMES = ('forward', 'input', 'backward')
 #: ... and memory in bytes.
-BYTES = ('kept', 'output', 'working')
+BYTES = ('kept', 'output', 'working', 'unsaved')
 
 
 @dataclass
@@ -67,6 +67,9 @@ class LayerCosts:
     output: List[float]
     #: The most its backward pass holds beyond ``kept`` (:mod:`~torchgpipe.planner.working`).
     working: List[float] = field(default_factory=list)
+    #: The bytes of its output left out of ``kept`` because the next layer
+    #: does not save it: a partition's last layer keeps them all the same.
+    unsaved: List[float] = field(default_factory=list)
 
 
 @dataclass
@@ -249,7 +252,8 @@ def _first_pass(layers: Sequence[nn.Module], values: TensorOrTensors,
 
     A layer's output is kept for the backward pass only if the next layer
     saves it (a linear layer does, a softmax loss does not): otherwise it is
-    freed once used, and not counted in ``kept``.
+    freed once used, and not counted in ``kept`` but in ``unsaved`` (the
+    pipeline holds a partition's output all the same).
     """
     kept: List[float] = []
     output: List[float] = []
@@ -274,10 +278,12 @@ def _first_pass(layers: Sequence[nn.Module], values: TensorOrTensors,
         output.append(float(tensor_bytes(result)))
         working.append(float(most))
         values = map_tensors(detach_tensor, result)
-    for k in range(len(layers) - 1):
-        if not saves_input[k + 1]:
+    for k in range(len(layers)):
+        if k + 1 < len(layers) and not saves_input[k + 1]:
             kept[k] -= unsaved[k]
-    return {'kept': kept, 'output': output, 'working': working}
+        else:
+            unsaved[k] = 0.0
+    return {'kept': kept, 'output': output, 'working': working, 'unsaved': unsaved}
 
 
 def _timed_pass(layers: Sequence[nn.Module], sample: TensorOrTensors, device: torch.device,

@@ -122,6 +122,10 @@ class Partitions:
             stop += 1  # the loss, which the last partition computes
         sums = {name: sum(getattr(layers, name)[start:stop])
                 for name in ('forward', 'input', 'backward', 'kept')}
+        # The pipeline holds a partition's output until its backward pass,
+        # whether or not the layer after it saves it.
+        last = self.bounds[j + 1] - 1
+        sums['kept'] += layers.unsaved[last] if last < len(layers.unsaved) else 0.0
         # The layers' backward passes run one after another, last first, each
         # freeing the activations it used: the most any holds beyond what the
         # layers after it have freed by then.
