@@ -208,4 +208,4 @@ def many_threaded_steps(rank: int, world_size: int, steps: int) -> int:
 def test_the_all_reduce_lock_under_many_threaded_steps() -> None:
     # Bounded: a deadlock between the workers, the lock and the collectives
     # ends in the deadline instead of a result.
-    assert run_distributed(many_threaded_steps, 200, timeout=90) == [200, 200]
+    assert run_distributed(many_threaded_steps, 120, timeout=90) == [120, 120]

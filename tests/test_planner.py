@@ -114,7 +114,7 @@ def test_memory_frees_what_backward_passes_finish() -> None:
     assert max(checkpointed) < max(all_) / 2
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(p=st.integers(1, 3), layers=st.integers(3, 8), limit=st.floats(1e5, 5e6),
        heavy=st.integers(-1, 2))
 def test_the_choice_fits_and_is_the_fastest_predicted(p: int, layers: int, limit: float,
