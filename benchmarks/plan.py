@@ -170,17 +170,31 @@ def grid(plan: Plan, most_chunks: int, batch: int, modes: Sequence[str]) -> List
     return options
 
 
-def model_rows(name: str, config: Dict[str, Any], devices: List[torch.device]) -> Dict[str, Any]:
-    """Plans one model, measures the grid and the choice; the even split too for the transformer."""
-    module, input, target, loss = model(name, config['scale'], devices[0])
+#: Measures one configuration: ``(module, option, plan, input, target, loss, rounds)``
+#: to its step time and any further figures of its row.
+Measure = Callable[..., Tuple[float, Row]]
+
+
+def planned_rows(name: str, config: Dict[str, Any], device: torch.device, workers: int,
+                 where: Row, measure: Measure, sync: Callable[[], object] = lambda: None
+                 ) -> Tuple[Dict[str, Any], Tuple[Any, ...]]:
+    """Plans one model (``where``: the planner's ``devices`` or ``group``), then measures
+    the choice and the grid's other configurations with ``measure``.
+
+    Returns:
+        the model's result, and what the even split needs: the module, the
+        plan, the input, the target, the loss and the batch size
+    """
+    module, input, target, loss = model(name, config['scale'], device)
     batch = input.size(0) if isinstance(input, Tensor) else input[0].size(0)
     most = min(config['most_chunks'], batch)
 
     def planner(**kwargs: Any) -> Plan:
-        return torchgpipe.plan(module, input, devices=devices, target=target, loss_fn=loss,
+        return torchgpipe.plan(module, input, **where, target=target, loss_fn=loss,
                                chunks=most, **kwargs)
-    limit = limit_of(planner, len(module), len(devices), most) \
+    limit = limit_of(planner, len(module), workers, most) \
         if name == config['limited'] else None
+    sync()
     started = time.perf_counter()
     plan = planner(memory_limit=limit)
     planning = time.perf_counter() - started
@@ -188,13 +202,22 @@ def model_rows(name: str, config: Dict[str, Any], devices: List[torch.device]) -
     rows = []
     # The choice, then the grid's configurations that are not the choice.
     for option in [plan.chosen, *(o for o in options if o.describe() != plan.chosen.describe())]:
-        measured = traced_step(module, option, plan, input, target, loss, config['rounds'])
+        measured, more = measure(module, option, plan, input, target, loss, config['rounds'])
         rows.append({'model': name, 'configuration': option.describe(),
                      'predicted': option.step, 'measured': measured,
                      'fits': limit is None or max(option.memory) <= limit,
-                     'memory': max(option.memory), 'chosen': option is plan.chosen})
+                     'memory': max(option.memory), 'chosen': option is plan.chosen, **more})
     result = {'model': name, 'plan': str(plan), 'planning_seconds': planning, 'limit': limit,
               'rows': rows}
+    return result, (module, plan, input, target, loss, batch)
+
+
+def model_rows(name: str, config: Dict[str, Any], devices: List[torch.device]) -> Dict[str, Any]:
+    """Plans one model, measures the grid and the choice; the even split too for the transformer."""
+    def measure(*args: Any) -> Tuple[float, Row]:
+        return traced_step(*args), {}
+    result, (module, plan, input, target, loss, batch) = planned_rows(
+        name, config, devices[0], len(devices), {'devices': devices}, measure)
     if name == config['limited']:
         result['even'] = against_even_split(module, plan, input, target, loss, config, batch)
     return result

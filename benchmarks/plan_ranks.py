@@ -18,7 +18,6 @@ built from its ``Plan.kwargs``:
 import os
 import statistics
 import sys
-import time
 from datetime import timedelta
 from typing import Any, Dict, List, Tuple
 
@@ -33,7 +32,6 @@ from torchgpipe import Plan
 from torchgpipe.distributed import DistributedGPipe
 from torchgpipe.planner.option import Option
 
-Row = Dict[str, Any]
 
 
 def run(config: Dict[str, Any]) -> Dict[str, Any]:
@@ -61,35 +59,16 @@ def rank_main(rank: int, world_size: int, port: int, config: Dict[str, Any],
 def model_rows(name: str, config: Dict[str, Any]) -> Dict[str, Any]:
     """Plans one model on every rank, then measures the grid and the choice."""
     from benchmarks import plan as bench  # imported here: it imports this module
-    module, input, target, loss = bench.model(name, config['scale'], torch.device('cpu'))
-    batch = input.size(0) if isinstance(input, Tensor) else input[0].size(0)
-    most = min(config['most_chunks'], batch)
-
-    def planner(**kwargs: Any) -> Plan:
-        return torchgpipe.plan(module, input, group=dist.group.WORLD, target=target,
-                               loss_fn=loss, chunks=most, **kwargs)
-    limit = bench.limit_of(planner, len(module), dist.get_world_size(), most) \
-        if name == config['limited'] else None
-    dist.barrier()
-    started = time.perf_counter()
-    plan = planner(memory_limit=limit)
-    planning = time.perf_counter() - started
-    rows = []
-    options = bench.grid(plan, most, batch, config['modes'])
-    for option in [plan.chosen, *(o for o in options if o.describe() != plan.chosen.describe())]:
-        measured, memory = measure(module, option, plan, input, target, loss, config['rounds'])
-        rows.append({'model': name, 'configuration': option.describe(),
-                     'predicted': option.step, 'measured': measured,
-                     'fits': limit is None or max(option.memory) <= limit,
-                     'memory': max(option.memory), 'chosen': option is plan.chosen,
-                     'memory_predicted': option.memory, 'memory_measured': memory})
-    return {'model': name, 'plan': str(plan), 'planning_seconds': planning, 'limit': limit,
-            'rows': rows}
+    result: Dict[str, Any] = bench.planned_rows(
+        name, config, torch.device('cpu'), dist.get_world_size(), {'group': dist.group.WORLD},
+        measure, sync=dist.barrier)[0]
+    return result
 
 
 def measure(module: nn.Sequential, option: Option, plan: Plan, input: Any, target: Tensor,
-            loss: Any, rounds: int) -> Tuple[float, List[float]]:
-    """A configuration's median traced step, and each rank's peak memory in its step."""
+            loss: Any, rounds: int) -> Tuple[float, Dict[str, Any]]:
+    """A configuration's median traced step, and each rank's peak memory in its step
+    beside its prediction."""
     layout = Plan(option, [], plan.devices, None, processes=True)
     pipe = DistributedGPipe(module, **layout.kwargs)
 
@@ -109,4 +88,5 @@ def measure(module: nn.Sequential, option: Option, plan: Plan, input: Any, targe
         for _ in range(rounds):
             step()
     module.zero_grad(set_to_none=True)
-    return statistics.median(timeline.summary(k).step_time for k in range(rounds)), memory
+    return (statistics.median(timeline.summary(k).step_time for k in range(rounds)),
+            {'memory_predicted': option.memory, 'memory_measured': memory})
