@@ -190,12 +190,12 @@ def test_generator_state_calls_never_deadlock_under_stress() -> None:
     (train_step and the forward path), under conditions that make a collection
     yield the GIL inside a state call almost every time (tests/stress_generator_lock.py).
     Without one lock around every state call, this hung in 3 of 4 runs of 150
-    steps (measured once; the suite runs 100, for its time)."""
+    steps (measured once; the suite runs 70, for its time)."""
     script = os.path.join(os.path.dirname(__file__), 'stress_generator_lock.py')
     # Untraced: coverage.py's tracing would about double the steps' time,
     # and fewer steps in the same time would stress the lock less.
     with untraced():
-        result = subprocess.run([sys.executable, script, '--steps', '100', '--deadline', '150'],
+        result = subprocess.run([sys.executable, script, '--steps', '70', '--deadline', '150'],
                                 capture_output=True, text=True, timeout=200)
     # On a hang, faulthandler printed every thread's stack: show them.
     assert result.returncode == 0, result.stderr[-20000:]
