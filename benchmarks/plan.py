@@ -66,6 +66,7 @@ from torchgpipe import GPipe, Plan
 from torchgpipe.balance import blockpartition
 from torchgpipe.planner.option import Option
 from torchgpipe.planner.search import SHAPES
+from torchgpipe.timeline import Timeline
 
 Row = Dict[str, Any]
 Loss = Callable[[Any, Tensor], Tensor]
@@ -73,14 +74,14 @@ Loss = Callable[[Any, Tensor], Tensor]
 MODES = ['never', 'except_last', 'always']
 PRESETS: Dict[str, Preset] = {
     'cpu': Preset('an MLP, a CNN with skips and a transformer on cpu:0 and cpu:1 (~10 min)',
-                  device='cpu', workers=2, scale=1, rounds=3, most_chunks=32,
+                  device='cpu', workers=2, scale=1, rounds=5, most_chunks=32,
                   models=['mlp', 'cnn', 'transformer'], layers_100=100,
                   modes=MODES, limited='transformer'),
     'cpu2': Preset('the same models on 2 processes, one CPU thread each (~15 min)',
-                   device='cpu', ranks=2, scale=1, rounds=3, most_chunks=32,
+                   device='cpu', ranks=2, scale=1, rounds=5, most_chunks=32,
                    models=['mlp', 'cnn', 'transformer'], modes=MODES, limited='transformer'),
     'cpu4': Preset('the same models on 4 processes, one CPU thread each (~25 min)',
-                   device='cpu', ranks=4, scale=1, rounds=3, most_chunks=32,
+                   device='cpu', ranks=4, scale=1, rounds=5, most_chunks=32,
                    models=['mlp', 'cnn', 'transformer'], modes=MODES, limited='transformer'),
     'cuda': Preset('the same models, 4 times wider, on 4 CUDA devices',
                    device='cuda', workers=4, scale=4, rounds=5, most_chunks=32,
@@ -136,8 +137,9 @@ def transformer(scale: int) -> Tuple[nn.Sequential, Tensor, Tensor, Loss]:
 
 
 def traced_step(module: nn.Sequential, option: Option, plan: Plan, input: Tensor,
-                target: Tensor, loss: Loss, rounds: int) -> float:
-    """The median time of ``rounds`` traced training steps of a configuration, after one more."""
+                target: Tensor, loss: Loss, rounds: int) -> Tuple[float, Row]:
+    """The median time of ``rounds`` traced training steps of a configuration, after one
+    more; and every step's time (``steps``)."""
     layout = Plan(option, [], plan.devices, None)
     pipe = GPipe(module, **layout.kwargs)
     pipe.train_step(input, target, loss, schedule=option.schedule)
@@ -146,7 +148,13 @@ def traced_step(module: nn.Sequential, option: Option, plan: Plan, input: Tensor
             pipe.train_step(input, target, loss, schedule=option.schedule)
             synchronize(pipe.devices)
     module.zero_grad(set_to_none=True)
-    return statistics.median(timeline.summary(k).step_time for k in range(rounds))
+    return steps_of(timeline, rounds)
+
+
+def steps_of(timeline: Timeline, rounds: int) -> Tuple[float, Row]:
+    """The median of a timeline's ``rounds`` steps, and each step's time."""
+    steps = [timeline.summary(k).step_time for k in range(rounds)]
+    return statistics.median(steps), {'steps': steps}
 
 
 def grid(plan: Plan, most_chunks: int, batch: int, modes: Sequence[str]) -> List[Option]:
@@ -214,10 +222,8 @@ def planned_rows(name: str, config: Dict[str, Any], device: torch.device, worker
 
 def model_rows(name: str, config: Dict[str, Any], devices: List[torch.device]) -> Dict[str, Any]:
     """Plans one model, measures the grid and the choice; the even split too for the transformer."""
-    def measure(*args: Any) -> Tuple[float, Row]:
-        return traced_step(*args), {}
     result, (module, plan, input, target, loss, batch) = planned_rows(
-        name, config, devices[0], len(devices), {'devices': devices}, measure)
+        name, config, devices[0], len(devices), {'devices': devices}, traced_step)
     if name == config['limited']:
         result['even'] = against_even_split(module, plan, input, target, loss, config, batch)
     return result
@@ -247,7 +253,8 @@ def against_even_split(module: nn.Sequential, plan: Plan, input: Tensor, target:
                or max(o.memory) <= plan.memory_limit]
     if not fitting:
         return {'even': None}
-    measured = {o.describe(): traced_step(module, o, plan, input, target, loss, config['rounds'])
+    measured = {o.describe(): traced_step(module, o, plan, input, target, loss,
+                                          config['rounds'])[0]
                 for o in fitting}
     best = min(fitting, key=lambda o: measured[o.describe()])
     ratios = []
@@ -284,6 +291,13 @@ def errors(document: Dict[str, Any]) -> List[float]:
     return [r['predicted'] / r['measured'] - 1 for m in document['results'] for r in m['rows']]
 
 
+def spreads(document: Dict[str, Any]) -> List[float]:
+    """How far apart each configuration's traced steps were: the fastest to the slowest,
+    over the median. Below this, an error is the machine's noise, not the prediction's."""
+    return [(max(r['steps']) - min(r['steps'])) / r['measured']
+            for m in document['results'] for r in m['rows']]
+
+
 def memory_errors(document: Dict[str, Any]) -> List[float]:
     """Each rank's predicted peak memory over its measured one, less 1 (across processes)."""
     return [p / m - 1 for model in document['results'] for r in model['rows']
@@ -293,7 +307,8 @@ def memory_errors(document: Dict[str, Any]) -> List[float]:
 def summary(document: Dict[str, Any]) -> Dict[str, float]:
     """The figures of the targets."""
     gaps = [abs(e) for e in errors(document)]
-    figures = {'median error': statistics.median(gaps), 'largest error': max(gaps)}
+    figures = {'median error': statistics.median(gaps), 'largest error': max(gaps),
+               'median step spread': statistics.median(spreads(document))}
     if 'planning_100' in document:
         figures['planning 100 layers'] = document['planning_100']
     memory = [abs(e) for e in memory_errors(document)]
@@ -333,14 +348,15 @@ def table(document: Dict[str, Any]) -> str:
                          f"{m['even']['ratio']:.3f}x")
     figures = summary(document)
     lines += ['', format_table(['figure', 'value', 'target'],
-                               [[k, f'{v:.3f}', f"{TARGETS[k]:g}"] for k, v in figures.items()])]
+                               [[k, f'{v:.3f}', f"{TARGETS[k]:g}" if k in TARGETS else '-']
+                                for k, v in figures.items()])]
     return '\n'.join(lines)
 
 
 def headline(document: Dict[str, Any]) -> List[Figure]:
     figures = summary(document)
-    return [Figure(k, f'{v:.3f}', f'<= {TARGETS[k]:g}', v <= TARGETS[k])
-            for k, v in figures.items()]
+    return [Figure(k, f'{v:.3f}', f'<= {TARGETS[k]:g}', v <= TARGETS[k]) if k in TARGETS
+            else Figure(k, f'{v:.3f}') for k, v in figures.items()]
 
 
 def plot(document: Dict[str, Any], plt: Any) -> None:

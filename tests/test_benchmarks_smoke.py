@@ -171,11 +171,12 @@ def check_plan(document: Dict[str, Any]) -> None:
     for model in document['results']:
         assert model['rows'][0]['chosen'] and not any(r['chosen'] for r in model['rows'][1:])
         assert all(r['predicted'] > 0 and r['measured'] > 0 for r in model['rows'])
+        assert all(min(r['steps']) <= r['measured'] <= max(r['steps']) for r in model['rows'])
         assert model['plan'].startswith('plan: ')
     assert any(m.get('even', {}).get('ratio', 0) > 0 for m in document['results'])
     assert {f['label'] for f in document['headline']} == {
         'median error', 'largest error', 'choice over the best', 'plan over the even split',
-        'planning 100 layers'}
+        'planning 100 layers', 'median step spread'}
 
 
 #: What each experiment's results must hold beyond what every document holds.

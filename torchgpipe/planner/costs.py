@@ -191,11 +191,12 @@ def measure(module: nn.Sequential, sample: TensorOrTensors, sizes: Sequence[int]
     size, run in whole passes as training runs them: every layer's forward
     pass in order, then one backward pass, timed at each layer's boundary.
     A first pass, of each layer on the detached
-    output of the one before, reads the memory; then a pass with ``I`` alone
-    and one with ``B`` whole warm up, and ``repeat`` of each are timed, the
-    median of each time kept. (A layer timed alone, again and
-    again, finds its weights in the cache, which a whole pass does not:
-    times measured so come out too short.) ``module`` itself is left as it
+    output of the one before, reads the memory. Then, in rounds that visit
+    every size in turn, a pass with ``I`` alone and one with ``B`` whole:
+    the first round warms up, the next ``repeat`` are timed, and the median
+    of each time is kept. (A layer timed alone, again and again, finds its
+    weights in the cache, which a whole pass does not: times measured so
+    come out too short.) ``module`` itself is left as it
     is, and so are the random number generators.
 
     Args:
@@ -218,23 +219,31 @@ def measure(module: nn.Sequential, sample: TensorOrTensors, sizes: Sequence[int]
     sizes = sorted(set(sizes))
     copies = list(layerwise_sandbox(module, device))
     tracker = SandboxSkipTracker()
-    table = []
+    prepared = []  # each size's loss (as the last layer, or none) and memory
     with preserve_rng_state(device), torch.enable_grad(), use_skip_tracker(tracker):
         for size in sizes:
-            layers = copies + ([] if loss is None else [_loss_at(loss, size, device)])
-            costs = _first_pass(layers, rows(sample, size), tracker)
-            timed: Dict[str, List[List[float]]] = {name: [] for name in TIMES}
-            with Companions(companions, layers, rows(sample, size), device):
-                for split in (True, False):  # warm-up
-                    _timed_pass(layers, rows(sample, size), device, split)
-                for _ in range(repeat):
+            tail = [] if loss is None else [_loss_at(loss, size, device)]
+            prepared.append((tail, _first_pass(copies + tail, rows(sample, size), tracker)))
+        timed: List[Dict[str, List[List[float]]]] = [{name: [] for name in TIMES}
+                                                     for _ in sizes]
+        with Companions(companions, copies, rows(sample, sizes[0]), device) as crowd:
+            # The rounds visit every size in turn, the first to warm up: a slow
+            # spell of the machine then falls on one round of each size, which
+            # the median leaves out, rather than on every round of one size,
+            # which would skew every configuration of that size.
+            for round in range(repeat + 1):
+                for size, (tail, _), into in zip(sizes, prepared, timed):
+                    crowd.load(rows(sample, size), tail)
                     for split in (True, False):
-                        for name, times in _timed_pass(layers, rows(sample, size), device,
-                                                       split).items():
-                            timed[name].append(times)
-            for name, passes in timed.items():
-                costs[name] = [statistics.median(times) for times in zip(*passes)]
-            table.append(LayerCosts(**costs))
+                        laps = _timed_pass(copies + tail, rows(sample, size), device, split)
+                        for name, values in laps.items():
+                            if round:
+                                into[name].append(values)
+    table = []
+    for (_, costs), passes in zip(prepared, timed):
+        for name, rounds in passes.items():
+            costs[name] = [statistics.median(layer) for layer in zip(*rounds)]
+        table.append(LayerCosts(**costs))
     parameters = [sum(p.numel() * p.element_size() for p in c.parameters()) for c in copies]
     return Costs(batch=batch, sizes=sizes, table=table, parameters=parameters,
                  entry=tensor_bytes(rows(sample, 1)), loss=loss is not None)
@@ -359,7 +368,8 @@ class Companions:
     takes longer than it does alone (up to twice as long in forward passes
     of many small operations, measured on two cores). Timed beside
     ``count`` threads doing the same work, the layers take what they take
-    in a busy pipeline.
+    in a busy pipeline. Each thread trains on ``sample`` until :meth:`load`
+    gives it another micro-batch (and loss) to train on.
 
     A companion that fails stops quietly: its only use was the load it made.
     """
@@ -367,17 +377,23 @@ class Companions:
     def __init__(self, count: int, layers: Sequence[nn.Module], sample: TensorOrTensors,
                  device: torch.device) -> None:
         self.stop = threading.Event()
-        self.threads = [threading.Thread(target=self._train, args=(copy.deepcopy(list(layers)),
-                                                                   sample, device),
+        self.work: Tuple[List[nn.Module], TensorOrTensors] = ([], sample)
+        self.threads = [threading.Thread(target=self._train,
+                                         args=(copy.deepcopy(list(layers)), device),
                                          name='torchgpipe planner companion', daemon=True)
                         for _ in range(count)]
 
-    def _train(self, layers: List[nn.Module], sample: TensorOrTensors,
-               device: torch.device) -> None:
+    def load(self, sample: TensorOrTensors, tail: Sequence[nn.Module] = ()) -> None:
+        """Trains on ``sample`` from the next pass on, through the layers and then ``tail``
+        (a loss, which the threads share: it holds no state a pass changes)."""
+        self.work = (list(tail), sample)
+
+    def _train(self, layers: List[nn.Module], device: torch.device) -> None:
         try:
             with torch.enable_grad():
                 while not self.stop.is_set():
-                    _timed_pass(layers, sample, device, split=False)
+                    tail, sample = self.work
+                    _timed_pass(layers + tail, sample, device, split=False)
         except Exception:  # noqa: BLE001 (a load only; the timed passes go on alone)
             return
 
