@@ -23,6 +23,7 @@ from torchgpipe.foundation.validation import (Device, brief, check_available, ch
 from torchgpipe.planner.calibrate import (copy_cost, message_cost, task_overhead, threads,
                                           wide_step)
 from torchgpipe.planner.costs import Costs, measure
+from torchgpipe.planner.pilot import model_steps, pace, paced
 from torchgpipe.planner.option import option, size
 from torchgpipe.planner.result import Plan
 from torchgpipe.planner.predict import micro_batches
@@ -146,12 +147,16 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
     counts = chunk_counts(batch, most)
     sizes = sizes_to_measure(batch, counts)
     if team is None:
-        with sharing_cores(workers), untouched_random_state(workers):
-            # CPU workers share the cores: each layer is timed while others work.
-            costs = measure(module, sample, sizes, workers[0], repeat=repeat, loss=loss,
-                            companions=len(workers) - 1 if workers[0].type == 'cpu' else 0)
-            overheads = task_overhead(threads(workers), len(workers))
-            costs.transfer = copy_cost(workers)
+        with untouched_random_state(workers):
+            with sharing_cores(workers):
+                costs = measure(module, sample, sizes, workers[0], repeat=repeat, loss=loss)
+                overheads = task_overhead(threads(workers), len(workers))
+                costs.transfer = copy_cost(workers)
+            costs.overhead, costs.checkpoint_overhead, costs.split_overhead = overheads
+            if workers[0].type == 'cpu' and len(workers) > 1:
+                # Threads sharing the interpreter's lock: their pace, on the model.
+                costs = paced(costs, pace(costs, len(workers), model_steps(
+                    module, sample, target, loss_fn, workers)))
         names_of = [str(d) for d in workers]
     else:
         with untouched_random_state([team.device]):

@@ -88,6 +88,7 @@ class Costs:
         split_overhead: what it adds to an ``I`` or a ``W``, instead of ``overhead``
         transfer: a message's latency in seconds and its time per byte,
             between two workers (zero within one memory)
+        pace: the factor each size's times carry from a pipeline of threads
     """
 
     batch: int
@@ -100,6 +101,9 @@ class Costs:
     checkpoint_overhead: float = 0.0
     split_overhead: float = 0.0
     transfer: Tuple[float, float] = (0.0, 0.0)
+    #: For workers of CPU devices in one process, the factor each size's
+    #: times were scaled by (see :mod:`~torchgpipe.planner.pilot`), else empty.
+    pace: List[float] = field(default_factory=list)
     #: The interpolated costs, by micro-batch size, once asked for.
     _cache: Dict[int, LayerCosts] = field(default_factory=dict, repr=False, compare=False)
 
@@ -182,8 +186,8 @@ def tensor_bytes(values: TensorOrTensors) -> int:
 
 
 def measure(module: nn.Sequential, sample: TensorOrTensors, sizes: Sequence[int],
-            device: torch.device, *, repeat: int = 3, loss: Optional[LossAndTarget] = None,
-            companions: int = 0) -> Costs:
+            device: torch.device, *, repeat: int = 3, loss: Optional[LossAndTarget] = None
+            ) -> Costs:
     """Measures every layer of ``module`` (and the loss) at each micro-batch size of ``sizes``.
 
     The layers are copied to ``device`` (all of them: the model must fit
@@ -207,8 +211,6 @@ def measure(module: nn.Sequential, sample: TensorOrTensors, sizes: Sequence[int]
         device: where to run the layers
         repeat: timed passes of each kind per size
         loss: ``(loss_fn, target)``, to measure the loss of the last layer's output
-        companions: threads that train copies of the layers meanwhile, as the
-            other workers of a pipeline on the same CPU do (see :class:`Companions`)
 
     Returns:
         Costs: without overhead and transfer costs, which the planner adds
@@ -226,19 +228,17 @@ def measure(module: nn.Sequential, sample: TensorOrTensors, sizes: Sequence[int]
             prepared.append((tail, _first_pass(copies + tail, rows(sample, size), tracker)))
         timed: List[Dict[str, List[List[float]]]] = [{name: [] for name in TIMES}
                                                      for _ in sizes]
-        with Companions(companions, copies, rows(sample, sizes[0]), device) as crowd:
-            # The rounds visit every size in turn, the first to warm up: a slow
-            # spell of the machine then falls on one round of each size, which
-            # the median leaves out, rather than on every round of one size,
-            # which would skew every configuration of that size.
-            for round in range(repeat + 1):
-                for size, (tail, _), into in zip(sizes, prepared, timed):
-                    crowd.load(rows(sample, size), tail)
-                    for split in (True, False):
-                        laps = _timed_pass(copies + tail, rows(sample, size), device, split)
-                        for name, values in laps.items():
-                            if round:
-                                into[name].append(values)
+        # The rounds visit every size in turn, the first to warm up: a slow
+        # spell of the machine then falls on one round of each size, which
+        # the median leaves out, rather than on every round of one size,
+        # which would skew every configuration of that size.
+        for round in range(repeat + 1):
+            for size, (tail, _), into in zip(sizes, prepared, timed):
+                for split in (True, False):
+                    laps = _timed_pass(copies + tail, rows(sample, size), device, split)
+                    for name, values in laps.items():
+                        if round:
+                            into[name].append(values)
     table = []
     for (_, costs), passes in zip(prepared, timed):
         for name, rounds in passes.items():
@@ -363,13 +363,11 @@ def _stamp(stamps: List[float], k: int, device: torch.device, grad: Tensor) -> N
 class Companions:
     """Threads training copies of the layers while the layers are timed, as other workers do.
 
-    Workers of CPU devices share the cores, the memory's bandwidth and the
-    interpreter's lock: a layer whose pipeline keeps the other workers busy
-    takes longer than it does alone (up to twice as long in forward passes
-    of many small operations, measured on two cores). Timed beside
-    ``count`` threads doing the same work, the layers take what they take
-    in a busy pipeline. Each thread trains on ``sample`` until :meth:`load`
-    gives it another micro-batch (and loss) to train on.
+    Processes of a pipeline on one machine share its cores and its memory's
+    bandwidth: a layer whose pipeline keeps the other ranks busy takes
+    longer than it does alone. Timed beside ``count`` threads training on
+    ``sample`` (one per process that would be busy), the layers take what
+    they take in a busy pipeline.
 
     A companion that fails stops quietly: its only use was the load it made.
     """
@@ -377,23 +375,17 @@ class Companions:
     def __init__(self, count: int, layers: Sequence[nn.Module], sample: TensorOrTensors,
                  device: torch.device) -> None:
         self.stop = threading.Event()
-        self.work: Tuple[List[nn.Module], TensorOrTensors] = ([], sample)
-        self.threads = [threading.Thread(target=self._train,
-                                         args=(copy.deepcopy(list(layers)), device),
+        self.threads = [threading.Thread(target=self._train, args=(copy.deepcopy(list(layers)),
+                                                                   sample, device),
                                          name='torchgpipe planner companion', daemon=True)
                         for _ in range(count)]
 
-    def load(self, sample: TensorOrTensors, tail: Sequence[nn.Module] = ()) -> None:
-        """Trains on ``sample`` from the next pass on, through the layers and then ``tail``
-        (a loss, which the threads share: it holds no state a pass changes)."""
-        self.work = (list(tail), sample)
-
-    def _train(self, layers: List[nn.Module], device: torch.device) -> None:
+    def _train(self, layers: List[nn.Module], sample: TensorOrTensors,
+               device: torch.device) -> None:
         try:
             with torch.enable_grad():
                 while not self.stop.is_set():
-                    tail, sample = self.work
-                    _timed_pass(layers + tail, sample, device, split=False)
+                    _timed_pass(layers, sample, device, split=False)
         except Exception:  # noqa: BLE001 (a load only; the timed passes go on alone)
             return
 

@@ -1,0 +1,103 @@
+"""The planner's pilot: the pace of a pipeline of threads, found from steps of the model.
+
+Whatever steps the pilot measures, the pace found for each size makes the
+simulator predict them; sizes no number of micro-batches makes whole take
+the line between their neighbours; a plan for CPU threads carries a pace per
+size, and its pilot leaves the model as it was.
+"""
+from typing import Dict, List, Optional, Sequence
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import torchgpipe
+from test_planner import linear_costs
+from torchgpipe.planner.costs import Costs
+from torchgpipe.planner.pilot import (SLOWEST, STEPS, fill_in, pace, paced, pilot_balance,
+                                      scaled)
+from torchgpipe.planner.predict import Candidate, predict
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data(), workers=st.integers(2, 3), overhead=st.sampled_from([0.0, 2e-4]))
+def test_the_pace_found_makes_the_simulator_predict_the_steps_measured(
+        data: st.DataObject, workers: int, overhead: float) -> None:
+    costs = linear_costs(6, batch=16)  # sizes 1, 2, 4, 8, 16
+    costs.overhead = overhead
+    # What a pipeline of threads would measure: the layers slowed by a factor per size.
+    truth = {size: data.draw(st.floats(0.5, SLOWEST / 2), label=f'pace at {size}')
+             for size in costs.sizes}
+    asked: List[Sequence[int]] = []
+
+    def step(balance: Sequence[int], chunks: int) -> float:
+        asked.append(balance)
+        candidate = Candidate('1f1b', tuple(balance), chunks, 'never', workers)
+        return predict(scaled(costs, {16 // chunks: truth[16 // chunks]}), candidate).step
+
+    found = pace(costs, workers, step)
+    assert found == pytest.approx([truth[s] for s in costs.sizes], rel=1e-6)
+    # A round of one step of each size, one more to warm up, on one partition per worker.
+    assert len(asked) == (STEPS + 1) * len(costs.sizes)
+    assert all(len(b) == workers for b in asked)
+    # Paced, the costs predict every size's pilot step.
+    faster = paced(costs, found)
+    assert faster.pace == found
+    for size in costs.sizes:
+        candidate = Candidate('1f1b', pilot_balance(costs, size, workers), 16 // size,
+                              'never', workers)
+        assert predict(faster, candidate).step == pytest.approx(
+            step(candidate.balance, 16 // size), rel=1e-6)
+
+
+@given(found=st.lists(st.one_of(st.none(), st.floats(0.5, 4.0)), min_size=1, max_size=6))
+def test_a_size_without_a_pace_takes_the_line_between_its_neighbours(
+        found: List[Optional[float]]) -> None:
+    sizes = [2 ** k for k in range(len(found))]
+    filled = fill_in(sizes, found)
+    known = [(s, f) for s, f in zip(sizes, found) if f is not None]
+    for size, given_, value in zip(sizes, found, filled):
+        if given_ is not None:
+            assert value == given_
+        elif not known:
+            assert value == 1.0
+        else:
+            below = [k for k in known if k[0] < size]
+            above = [k for k in known if k[0] > size]
+            if below and above:
+                (low, a), (high, b) = below[-1], above[0]
+                assert min(a, b) - 1e-12 <= value <= max(a, b) + 1e-12
+                assert value == pytest.approx(a + (b - a) * (size - low) / (high - low))
+            else:
+                assert value == (below[-1] if below else above[0])[1]
+
+
+def model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                         nn.Linear(32, 4))
+
+
+@pytest.mark.parametrize('loss', [True, False], ids=['loss', 'no loss'])
+def test_a_plan_of_threads_carries_a_pace_per_size_and_leaves_the_model(loss: bool) -> None:
+    module = model()
+    state = {k: v.clone() for k, v in module.state_dict().items()}
+    kwargs: Dict[str, object] = {'target': torch.randn(16, 4), 'loss_fn': F.mse_loss} \
+        if loss else {}
+    plan = torchgpipe.plan(module, torch.randn(16, 8), devices=['cpu:0', 'cpu:1'], chunks=4,
+                           repeat=1, **kwargs)
+    assert plan.costs is not None
+    assert len(plan.costs.pace) == len(plan.costs.sizes)
+    assert all(0 < f <= SLOWEST for f in plan.costs.pace)
+    assert all(torch.equal(state[k], v) for k, v in module.state_dict().items())
+    assert all(p.grad is None for p in module.parameters())
+    # The costs as data (what a group of processes shares) keep it.
+    assert Costs.from_dict(plan.costs.to_dict()).pace == plan.costs.pace
+
+
+def test_one_worker_has_no_pace() -> None:
+    plan = torchgpipe.plan(model(), torch.randn(16, 8), devices=['cpu'], chunks=4, repeat=1)
+    assert plan.costs is not None and plan.costs.pace == []

@@ -1,0 +1,167 @@
+"""The pace of layers in a pipeline of threads, measured on the model itself.
+
+Workers of CPU devices in one process share the cores and the interpreter's
+lock. Once two of them work at once, each waits for the other at the lock
+between its operations, and a worker handed a micro-batch waits to be
+woken: a step whose micro-batches overlap takes longer than the simulator
+predicts from layers timed one at a time (up to 1.4 times, measured on two
+cores for an MLP of 512 wide at two micro-batches), while a step of one
+micro-batch takes just that. Nothing measured beside the model (the empty
+pipeline of :mod:`~torchgpipe.planner.calibrate`, or copies trained beside
+the layers) reproduces it, for it depends on how long each operation holds
+the lock.
+
+So the planner runs the model itself: for each micro-batch size it timed
+the layers at, a copy of the model trains as a :class:`~torchgpipe.GPipe`
+with 1F1B on the workers, one partition each (the balance that evens their
+time), in as many micro-batches as make that size. That size's layer times
+are then scaled by the *pace* with which the simulator predicts the steps
+measured (found by halving, as :func:`~torchgpipe.planner.calibrate.solve`
+finds a message's cost). Sizes no number of micro-batches makes whole take
+the pace of the nearest sizes, on the line between them. At the mini-batch
+(one micro-batch, nothing overlaps) the pace is about 1; it grows as more
+micro-batches overlap.
+"""
+import copy
+import statistics
+import time
+from dataclasses import replace
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from torchgpipe.balance import blockpartition
+from torchgpipe.engine.step import LossFunction
+from torchgpipe.foundation.microbatch import Batch, TensorOrTensors
+from torchgpipe.gpipe import GPipe
+from torchgpipe.planner.calibrate import solve
+from torchgpipe.planner.costs import Costs
+from torchgpipe.planner.predict import Candidate, micro_batches, predict
+
+__all__: List[str] = []
+
+#: Steps timed per size: the steps of a pipeline of threads vary by a
+#: fifth or more from one to the next, and more than one in five may be far
+#: slower than the rest.
+STEPS = 11
+#: The largest pace searched for: a step this many times what the layers
+#: timed alone predict.
+SLOWEST = 8.0
+
+#: Times one of the pilot's training steps: ``step(balance, chunks)`` trains a
+#: copy of the model as GPipe with 1F1B for a step, and gives its time in seconds.
+Step = Callable[[Sequence[int], int], float]
+
+
+def pilot_balance(costs: Costs, size: int, workers: int) -> Tuple[int, ...]:
+    """One partition per worker, their times at ``size`` as even as can be."""
+    at = costs.at(size)
+    time = [round((at.forward[k] + at.backward[k]) * 1e9) for k in range(costs.layers)]
+    return tuple(len(block) for block in blockpartition.solve(time, workers))
+
+
+def pace(costs: Costs, workers: int, step: Step) -> List[float]:
+    """The pace of each size of ``costs``: the factor on its layers' times with which the
+    simulator predicts the median of the steps ``step`` measured.
+
+    The steps of the sizes take turns, a round at a time (the first warms
+    up), so that a slow spell of the machine falls on one step of each size,
+    which the median leaves out.
+
+    Args:
+        costs: the layers' costs, with the pipeline's overheads
+        workers: the pipeline's workers
+        step: times a step of the model on them
+
+    Returns:
+        a factor per size of ``costs.sizes``
+    """
+    pilots = {}
+    for size in costs.sizes:
+        chunks = costs.batch // size
+        if micro_batches(costs.batch, chunks) == [size] * chunks:  # made whole
+            pilots[size] = Candidate('1f1b', pilot_balance(costs, size, workers), chunks,
+                                     'never', workers)
+    measured: Dict[int, List[float]] = {size: [] for size in pilots}
+    for round in range(STEPS + 1):
+        for size, candidate in pilots.items():
+            seconds = step(candidate.balance, candidate.chunks)
+            if round:
+                measured[size].append(seconds)
+    found: Dict[int, float] = {}
+    for size, candidate in pilots.items():
+        def predicted(factor: float, size: int = size, candidate: Candidate = candidate
+                      ) -> float:
+            return predict(scaled(costs, {size: factor}), candidate).step
+        found[size] = solve(predicted, statistics.median(measured[size]), SLOWEST)
+    return fill_in(costs.sizes, [found.get(size) for size in costs.sizes])
+
+
+def fill_in(sizes: Sequence[int], found: Sequence[Optional[float]]) -> List[float]:
+    """The paces found, and for each size without one the line between its neighbours'."""
+    known = [(s, f) for s, f in zip(sizes, found) if f is not None]
+    if not known:
+        return [1.0] * len(sizes)
+    filled = []
+    for size, factor in zip(sizes, found):
+        if factor is None:
+            below = [k for k in known if k[0] < size]
+            above = [k for k in known if k[0] > size]
+            if below and above:
+                (low, a), (high, b) = below[-1], above[0]
+                factor = a + (b - a) * (size - low) / (high - low)
+            else:
+                factor = (below[-1] if below else above[0])[1]
+        filled.append(factor)
+    return filled
+
+
+def scaled(costs: Costs, factors: Dict[int, float]) -> Costs:
+    """``costs`` with each size's times (F, I and B) times its factor (sizes not given: 1)."""
+    table = []
+    for size, layers in zip(costs.sizes, costs.table):
+        factor = factors.get(size, 1.0)
+        table.append(replace(layers, **{name: [t * factor for t in getattr(layers, name)]
+                                        for name in ('forward', 'input', 'backward')}))
+    return replace(costs, table=table, _cache={})
+
+
+def model_steps(module: nn.Sequential, sample: TensorOrTensors,
+                target: Optional[TensorOrTensors], loss_fn: Optional[LossFunction],
+                devices: Sequence[torch.device]) -> Step:
+    """Times training steps of a copy of ``module`` as GPipe on ``devices`` (``module``
+    itself is left as it is). Without a loss, the loss is the mean of each output.
+
+    The pipelines of every balance and chunks asked for wrap the one copy (a
+    step at a time), each made at its first step.
+    """
+    model = copy.deepcopy(module)
+    loss = loss_fn or _mean_of_outputs
+    labels = sample if target is None else target
+    pipes: Dict[Tuple[Tuple[int, ...], int], GPipe] = {}
+
+    def step(balance: Sequence[int], chunks: int) -> float:
+        key = (tuple(balance), chunks)
+        if key not in pipes:
+            pipes[key] = GPipe(model, list(balance), devices=list(devices), chunks=chunks,
+                               checkpoint='never')
+        model.zero_grad()
+        started = time.perf_counter()
+        pipes[key].train_step(sample, labels, loss, schedule='1f1b')
+        return time.perf_counter() - started
+    return step
+
+
+def _mean_of_outputs(output: TensorOrTensors, target: TensorOrTensors) -> Tensor:
+    means = [y.float().mean() for y in Batch(output)
+             if isinstance(y, Tensor) and y.is_floating_point()]
+    return torch.stack(means).sum() if means else torch.zeros(())
+
+
+def paced(costs: Costs, factors: Sequence[float]) -> Costs:
+    """``costs`` with each size's times scaled by its pace, the paces kept beside them."""
+    result = scaled(costs, dict(zip(costs.sizes, factors)))
+    result.pace = list(factors)
+    return result
+
