@@ -27,8 +27,8 @@ import re
 from fractions import Fraction
 from typing import Callable, Dict, Hashable, List, NamedTuple, Optional, Sequence, Tuple
 
-from torchgpipe.engine.schedule import (Action, Kind, Schedule, ScheduleLike, idle, simulate,
-                                        unit_cost)
+from torchgpipe.engine.schedule import (Action, Kind, Schedule, ScheduleLike, clock_order, idle,
+                                        simulate, unit_cost)
 from torchgpipe.foundation.validation import brief, describe
 
 __all__: List[str] = []
@@ -185,7 +185,10 @@ def interleaved_1f1b(m: int, n: int, p: int) -> Schedule:
     it is due exactly when the forward pass before it ends, so every
     message's time on the wire adds to the step. The longer warm-up leaves
     the messages a forward pass of slack (simulated with messages of a
-    third of a forward pass, p=2, v=2, m=8: 6 % shorter steps).
+    third of a forward pass, p=2, v=2, m=8: 6 % shorter steps). Where a
+    last round of fewer than ``p`` micro-batches would leave that warm-up
+    waiting in a circle, every worker warms up with as many more forward
+    passes as it takes to finish.
 
     Raises:
         ValueError: ``n`` is not a multiple of ``p``
@@ -196,19 +199,35 @@ def interleaved_1f1b(m: int, n: int, p: int) -> Schedule:
                          f'balance of a multiple of {p} entries')
     v = n // p
     rounds = [range(start, min(start + p, m)) for start in range(0, m, p)]
-    workers = []
-    for w in range(p):
-        forward = [Action(Kind.F, i, k * p + w) for r in rounds for k in range(v) for i in r]
-        backward = [Action(Kind.B, i, k * p + w)
-                    for r in rounds for k in reversed(range(v)) for i in r]
-        # One partition per worker (v = 1): 1F1B's warm-up, and 1F1B itself.
-        warmup = min((v - 1) * p + (p - 1 - w) * (2 if v > 1 else 1), len(forward))
-        actions = forward[:warmup]
-        for f, b in zip(forward[warmup:], backward):
-            actions += [f, b]
-        actions += backward[len(forward) - warmup:]
-        workers.append(actions)
-    return Schedule(workers)
+
+    def lay_out(more: int) -> Schedule:
+        """Each worker warming up with ``more`` forward passes than the rule gives."""
+        workers = []
+        for w in range(p):
+            forward = [Action(Kind.F, i, k * p + w) for r in rounds for k in range(v) for i in r]
+            backward = [Action(Kind.B, i, k * p + w)
+                        for r in rounds for k in reversed(range(v)) for i in r]
+            # One partition per worker (v = 1): 1F1B's warm-up, and 1F1B itself.
+            warmup = min((v - 1) * p + (p - 1 - w) * (2 if v > 1 else 1) + more, len(forward))
+            actions = forward[:warmup]
+            for f, b in zip(forward[warmup:], backward):
+                actions += [f, b]
+            actions += backward[len(forward) - warmup:]
+            workers.append(actions)
+        return Schedule(workers)
+
+    # A last round shorter than p can leave the rule's warm-up waiting in a
+    # circle (4 workers with 3 or more partitions each, m = 5, 9, 13, ...):
+    # one more forward pass at a time until it can finish. It ends, at the
+    # latest, with every forward pass first, which always can.
+    more = 0
+    while True:
+        schedule = lay_out(more)
+        try:
+            clock_order(schedule.workers, n)
+            return schedule
+        except ValueError:
+            more += 1
 
 
 def zbv(m: int, n: int) -> Schedule:
