@@ -72,6 +72,8 @@ def test_every_rank_gets_one_plan_that_trains_as_the_unwrapped_model(
     first, second = (r[index] for r in two_ranks)
     for key in ('table', 'kwargs', 'devices', 'costs'):
         assert first[key] == second[key], key
+    # The pilot's steps ran across the ranks, each size's pace the same on both.
+    assert len(first['costs']['pace']) == len(first['costs']['sizes']) > 0
     assert first['devices'] == ['rank 0', 'rank 1'] and first['processes']
     # A traced step of every rank compares with the plan, rank by rank.
     assert {device for device, _ in first['compared']} == {'step', 'rank 0', 'rank 1'}

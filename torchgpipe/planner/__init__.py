@@ -23,7 +23,7 @@ from torchgpipe.foundation.validation import (Device, brief, check_available, ch
 from torchgpipe.planner.calibrate import (copy_cost, message_cost, task_overhead, threads,
                                           wide_step)
 from torchgpipe.planner.costs import Costs, measure
-from torchgpipe.planner.pilot import model_steps, pace, paced
+from torchgpipe.planner import pilot
 from torchgpipe.planner.option import option, size
 from torchgpipe.planner.result import Plan
 from torchgpipe.planner.predict import micro_batches
@@ -155,8 +155,8 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
             costs.overhead, costs.checkpoint_overhead, costs.split_overhead = overheads
             if workers[0].type == 'cpu' and len(workers) > 1:
                 # Threads sharing the interpreter's lock: their pace, on the model.
-                costs = paced(costs, pace(costs, len(workers), model_steps(
-                    module, sample, target, loss_fn, workers)))
+                costs = pilot.paced(costs, pilot.pace(costs, len(workers), pilot.model_steps(
+                    module, sample, target, loss_fn, pilot.threads(workers))))
         names_of = [str(d) for d in workers]
     else:
         with untouched_random_state([team.device]):
@@ -169,8 +169,14 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
             wide = wide_step(timer, team.size)
             costs.transfer = team.first(
                 lambda: message_cost(wide, team.size, team.device, overheads))
+            costs.overhead, costs.checkpoint_overhead, costs.split_overhead = overheads
+            if team.size > 1:
+                # Every rank has the same costs and the slowest rank's steps:
+                # every rank finds the same pace.
+                costs = pilot.paced(costs, pilot.pace(costs, team.size, pilot.model_steps(
+                    module, sample, target, loss_fn, team.pilots(), ready=team.barrier,
+                    agree=team.slowest)))
         names_of = team.names
-    costs.overhead, costs.checkpoint_overhead, costs.split_overhead = overheads
     found = search(costs, len(names_of), memory_limit=memory_limit, schedules=names,
                    chunks=counts, checkpoints=modes, param_scale=param_scale)
     return choose(found, names_of, names, memory_limit, runners_up, costs, float(param_scale),

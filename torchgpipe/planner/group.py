@@ -14,6 +14,7 @@ measured is what the pipeline will see::
     steps of large messages                               (every rank)
     fits the cost per byte to those steps
     ---- rank 0's message cost (or its error), sent to every rank ----
+    steps of a copy of the model at each size: the pace   (every rank)
     search, each rank alone: the same costs give every rank the same plan
 
 An error on one rank before work starts (a bad argument, a device it does
@@ -35,6 +36,7 @@ from torchgpipe.foundation.microbatch import TensorOrTensors
 from torchgpipe.foundation.validation import Device, check_available, describe, parse_device
 from torchgpipe.planner.calibrate import CHUNKS, Timer, median_step, zeros_loss
 from torchgpipe.planner.costs import Companions, rows
+from torchgpipe.planner.pilot import Make
 
 __all__: List[str] = []
 
@@ -174,14 +176,26 @@ class Team:
             pipe = DistributedGPipe(model, [1] * self.size, chunks=CHUNKS, checkpoint=checkpoint,
                                     group=self.group, device=self.device)
             target = torch.zeros_like(input)
-
-            def ready() -> None:
-                with on(self.device):
-                    dist.barrier(group=self.group)
             mine = median_step(lambda: pipe.train_step(input, target, zeros_loss,
-                                                       schedule=schedule), ready)
-            return float(max(self._gather(mine, self.device)))
+                                                       schedule=schedule), self.barrier)
+            return self.slowest(mine)
         return timed
+
+    def barrier(self) -> None:
+        """Waits for every rank: a step starts together on all of them."""
+        with on(self.device):
+            dist.barrier(group=self.group)
+
+    def slowest(self, seconds: float) -> float:
+        """The slowest rank's ``seconds``, on every rank."""
+        return float(max(self._gather(seconds, self.device)))
+
+    def pilots(self) -> Make:
+        """Pilots (see :mod:`~torchgpipe.planner.pilot`) as DistributedGPipe over the group."""
+        def make(model: nn.Sequential, balance: List[int], chunks: int) -> DistributedGPipe:
+            return DistributedGPipe(model, balance, chunks=chunks, checkpoint='never',
+                                    group=self.group, device=self.device)
+        return make
 
 
 def on(device: Optional[torch.device]) -> ContextManager[Any]:

@@ -1,20 +1,27 @@
-"""The pace of layers in a pipeline of threads, measured on the model itself.
+"""The pace of layers in a pipeline of threads or processes, measured on the model itself.
 
 Workers of CPU devices in one process share the cores and the interpreter's
 lock. Once two of them work at once, each waits for the other at the lock
 between its operations, and a worker handed a micro-batch waits to be
 woken: a step whose micro-batches overlap takes longer than the simulator
-predicts from layers timed one at a time (up to 1.4 times, measured on two
-cores for an MLP of 512 wide at two micro-batches), while a step of one
+predicts from layers timed one at a time (1.4 to 2 times, measured on two
+cores for an MLP of 512 wide at 2 to 8 micro-batches), while a step of one
 micro-batch takes just that. Nothing measured beside the model (the empty
 pipeline of :mod:`~torchgpipe.planner.calibrate`, or copies trained beside
 the layers) reproduces it, for it depends on how long each operation holds
 the lock.
 
+Processes of one machine share its cores and its memory's bandwidth, and
+their messages wait for the receiving process to be scheduled: steps
+across them, too, take longer than their layers timed on one rank (by a
+quarter at 2 to 32 micro-batches for a CNN on two cores).
+
 So the planner runs the model itself: for each micro-batch size it timed
-the layers at, a copy of the model trains as a :class:`~torchgpipe.GPipe`
-with 1F1B on the workers, one partition each (the balance that evens their
-time), in as many micro-batches as make that size. That size's layer times
+the layers at, a copy of the model trains with 1F1B on the workers, one
+partition each (the balance that evens their time), in as many
+micro-batches as make that size: a :class:`~torchgpipe.GPipe` on the
+devices, or a :class:`~torchgpipe.distributed.DistributedGPipe` across
+the group. That size's layer times
 are then scaled by the *pace* with which the simulator predicts the steps
 measured (found by halving, as :func:`~torchgpipe.planner.calibrate.solve`
 finds a message's cost). Sizes no number of micro-batches makes whole take
@@ -26,7 +33,7 @@ import copy
 import statistics
 import time
 from dataclasses import replace
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -127,30 +134,45 @@ def scaled(costs: Costs, factors: Dict[int, float]) -> Costs:
     return replace(costs, table=table, _cache={})
 
 
+#: Makes the pilot's pipeline of a balance and chunks, around the model's copy.
+Make = Callable[[nn.Sequential, List[int], int], Any]
+
+
 def model_steps(module: nn.Sequential, sample: TensorOrTensors,
                 target: Optional[TensorOrTensors], loss_fn: Optional[LossFunction],
-                devices: Sequence[torch.device]) -> Step:
-    """Times training steps of a copy of ``module`` as GPipe on ``devices`` (``module``
-    itself is left as it is). Without a loss, the loss is the mean of each output.
+                make: Make, ready: Callable[[], object] = lambda: None,
+                agree: Callable[[float], float] = lambda seconds: seconds) -> Step:
+    """Times training steps of a copy of ``module`` in the pipelines ``make`` makes
+    (``module`` itself is left as it is). Without a loss, the loss is the mean of each
+    output.
 
     The pipelines of every balance and chunks asked for wrap the one copy (a
-    step at a time), each made at its first step.
+    step at a time), each made at its first step. ``ready()`` runs before
+    each step, untimed; ``agree`` turns this process's time into the step's
+    (across processes, the slowest rank's).
     """
     model = copy.deepcopy(module)
     loss = loss_fn or _mean_of_outputs
     labels = sample if target is None else target
-    pipes: Dict[Tuple[Tuple[int, ...], int], GPipe] = {}
+    pipes: Dict[Tuple[Tuple[int, ...], int], Any] = {}
 
     def step(balance: Sequence[int], chunks: int) -> float:
         key = (tuple(balance), chunks)
         if key not in pipes:
-            pipes[key] = GPipe(model, list(balance), devices=list(devices), chunks=chunks,
-                               checkpoint='never')
+            pipes[key] = make(model, list(balance), chunks)
         model.zero_grad()
+        ready()
         started = time.perf_counter()
         pipes[key].train_step(sample, labels, loss, schedule='1f1b')
-        return time.perf_counter() - started
+        return agree(time.perf_counter() - started)
     return step
+
+
+def threads(devices: Sequence[torch.device]) -> Make:
+    """Pilots as :class:`~torchgpipe.GPipe` on ``devices``, a worker thread each."""
+    def make(model: nn.Sequential, balance: List[int], chunks: int) -> GPipe:
+        return GPipe(model, balance, devices=list(devices), chunks=chunks, checkpoint='never')
+    return make
 
 
 def _mean_of_outputs(output: TensorOrTensors, target: TensorOrTensors) -> Tensor:
