@@ -1,4 +1,4 @@
-"""The planner's pilot: the pace of a pipeline of threads, found from steps of the model.
+"""The planner's pilot: the pace of a pipeline on CPU, found from steps of the model.
 
 Whatever steps the pilot measures, the pace found for each size makes the
 simulator predict them; sizes no number of micro-batches makes whole take
@@ -53,6 +53,22 @@ def test_the_pace_found_makes_the_simulator_predict_the_steps_measured(
             step(candidate.balance, 16 // size), rel=1e-6)
 
 
+def test_a_size_no_split_makes_whole_or_the_simulator_cannot_predict_takes_its_neighbours(
+        ) -> None:
+    costs = linear_costs(6, batch=12)  # sizes 1, 2, 4 and 8: no split makes 8 whole
+    costs.overhead = 1e-3
+
+    def step(balance: Sequence[int], chunks: int) -> float:
+        # Size 1 shorter than the pipeline's overheads alone: no factor predicts it.
+        candidate = Candidate('1f1b', tuple(balance), chunks, 'never', 2)
+        return 1e-6 if chunks == 12 else predict(scaled(costs, {12 // chunks: 2.0}),
+                                                 candidate).step
+    assert pace(costs, 2, step) == pytest.approx([2.0, 2.0, 2.0, 2.0], rel=1e-6)
+    assert fill_in([1, 2, 4], [1.0, None, 3.0]) == pytest.approx([1.0, 5 / 3, 3.0])
+    assert fill_in([1, 2, 4], [None, 2.0, None]) == [2.0, 2.0, 2.0]
+    assert fill_in([1, 2], [None, None]) == [1.0, 1.0]
+
+
 @given(found=st.lists(st.one_of(st.none(), st.floats(0.5, 4.0)), min_size=1, max_size=6))
 def test_a_size_without_a_pace_takes_the_line_between_its_neighbours(
         found: List[Optional[float]]) -> None:
@@ -77,23 +93,27 @@ def test_a_size_without_a_pace_takes_the_line_between_its_neighbours(
 
 def model() -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
-                         nn.Linear(32, 4))
+    return nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.5),
+                         nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
 
 
 @pytest.mark.parametrize('loss', [True, False], ids=['loss', 'no loss'])
 def test_a_plan_of_threads_carries_a_pace_per_size_and_leaves_the_model(loss: bool) -> None:
-    module = model()
+    module, sample = model(), torch.randn(16, 8)
     state = {k: v.clone() for k, v in module.state_dict().items()}
     kwargs: Dict[str, object] = {'target': torch.randn(16, 4), 'loss_fn': F.mse_loss} \
         if loss else {}
-    plan = torchgpipe.plan(module, torch.randn(16, 8), devices=['cpu:0', 'cpu:1'], chunks=4,
-                           repeat=1, **kwargs)
+    rng = torch.get_rng_state()
+    plan = torchgpipe.plan(module, sample, devices=['cpu:0', 'cpu:1'], chunks=4, repeat=1,
+                           **kwargs)
     assert plan.costs is not None
     assert len(plan.costs.pace) == len(plan.costs.sizes)
     assert all(0 < f <= SLOWEST for f in plan.costs.pace)
+    # The pilot trained a copy: the running statistics, the gradients and the
+    # random state (its dropout's draws) are as they were.
     assert all(torch.equal(state[k], v) for k, v in module.state_dict().items())
     assert all(p.grad is None for p in module.parameters())
+    assert torch.equal(torch.get_rng_state(), rng)
     # The costs as data (what a group of processes shares) keep it.
     assert Costs.from_dict(plan.costs.to_dict()).pace == plan.costs.pace
 

@@ -218,16 +218,16 @@ def interleaved_1f1b(m: int, n: int, p: int) -> Schedule:
 
     # A last round shorter than p can leave the rule's warm-up waiting in a
     # circle (4 workers with 3 or more partitions each, m = 5, 9, 13, ...):
-    # one more forward pass at a time until it can finish. It ends, at the
-    # latest, with every forward pass first, which always can.
-    more = 0
-    while True:
+    # one more forward pass at a time until it can finish. Every forward pass
+    # first, the last layout tried, always can.
+    for more in range(m * v):
         schedule = lay_out(more)
         try:
             clock_order(schedule.workers, n)
             return schedule
         except ValueError:
-            more += 1
+            continue
+    return lay_out(m * v)
 
 
 def zbv(m: int, n: int) -> Schedule:

@@ -4,8 +4,10 @@
 what the pipeline adds per task (:mod:`~torchgpipe.planner.calibrate`), then
 predicts every configuration worth trying (:mod:`~torchgpipe.planner.search`)
 by running each schedule's own actions through the simulator with those
-costs (:mod:`~torchgpipe.planner.predict`), and returns the fastest that fits
-the memory limit as a :class:`~torchgpipe.Plan` (:mod:`~torchgpipe.planner.result`).
+costs (:mod:`~torchgpipe.planner.predict`; on CPU devices, with the pace
+:mod:`~torchgpipe.planner.pilot` measures on the model), and returns the fastest
+that fits the memory limit as a :class:`~torchgpipe.Plan`
+(:mod:`~torchgpipe.planner.result`).
 """
 from contextlib import contextmanager
 from typing import Any, Generator, Iterable, List, Optional, Sequence, Tuple
@@ -20,10 +22,10 @@ from torchgpipe.foundation import microbatch
 from torchgpipe.foundation.microbatch import Batch, TensorOrTensors
 from torchgpipe.foundation.validation import (Device, brief, check_available, check_chunks,
                                               describe, parse_device, verify_module)
+from torchgpipe.planner import pilot
 from torchgpipe.planner.calibrate import (copy_cost, message_cost, task_overhead, threads,
                                           wide_step)
 from torchgpipe.planner.costs import Costs, measure
-from torchgpipe.planner import pilot
 from torchgpipe.planner.option import option, size
 from torchgpipe.planner.result import Plan
 from torchgpipe.planner.predict import micro_batches
@@ -44,7 +46,10 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
     micro-batch size a plan may use: its forward pass, the gradients of its
     inputs and of its weights, the memory its forward pass keeps, its
     output's bytes and its parameters. The pipeline's own cost per task is
-    measured on ``devices``. Then every built-in schedule, with its layouts
+    measured on ``devices``; on CPU devices, a copy of the model then
+    trains as a pipeline on them at each size (12 steps a size), and each
+    size's times take the pace the workers keep together
+    (:mod:`~torchgpipe.planner.pilot`). Then every built-in schedule, with its layouts
     of partitions on devices (one per device; two or four in a loop for
     interleaved 1F1B; two in a V for ZBV), every number of micro-batches up
     to ``chunks``, every checkpoint mode and a few balances is predicted by
@@ -147,16 +152,15 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
     counts = chunk_counts(batch, most)
     sizes = sizes_to_measure(batch, counts)
     if team is None:
-        with untouched_random_state(workers):
-            with sharing_cores(workers):
-                costs = measure(module, sample, sizes, workers[0], repeat=repeat, loss=loss)
-                overheads = task_overhead(threads(workers), len(workers))
-                costs.transfer = copy_cost(workers)
-            costs.overhead, costs.checkpoint_overhead, costs.split_overhead = overheads
+        with sharing_cores(workers), untouched_random_state(workers):
+            costs = measure(module, sample, sizes, workers[0], repeat=repeat, loss=loss)
+            costs.overhead, costs.checkpoint_overhead, costs.split_overhead = \
+                task_overhead(threads(workers), len(workers))
+            costs.transfer = copy_cost(workers)
             if workers[0].type == 'cpu' and len(workers) > 1:
-                # Threads sharing the interpreter's lock: their pace, on the model.
+                # Threads sharing the cores and the interpreter's lock: their pace.
                 costs = pilot.paced(costs, pilot.pace(costs, len(workers), pilot.model_steps(
-                    module, sample, target, loss_fn, pilot.threads(workers))))
+                    module, sample, target, loss_fn, pilot.gpipes(workers))))
         names_of = [str(d) for d in workers]
     else:
         with untouched_random_state([team.device]):
@@ -170,9 +174,10 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
             costs.transfer = team.first(
                 lambda: message_cost(wide, team.size, team.device, overheads))
             costs.overhead, costs.checkpoint_overhead, costs.split_overhead = overheads
-            if team.size > 1:
-                # Every rank has the same costs and the slowest rank's steps:
-                # every rank finds the same pace.
+            if team.size > 1 and team.device.type == 'cpu':
+                # Processes sharing the machine's cores: their pace. Every
+                # rank has the same costs and the slowest rank's steps, and
+                # so finds the same pace.
                 costs = pilot.paced(costs, pilot.pace(costs, team.size, pilot.model_steps(
                     module, sample, target, loss_fn, team.pilots(), ready=team.barrier,
                     agree=team.slowest)))

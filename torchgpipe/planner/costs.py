@@ -88,7 +88,7 @@ class Costs:
         split_overhead: what it adds to an ``I`` or a ``W``, instead of ``overhead``
         transfer: a message's latency in seconds and its time per byte,
             between two workers (zero within one memory)
-        pace: the factor each size's times carry from a pipeline of threads
+        pace: the factor each size's times carry from a pilot of the pipeline
     """
 
     batch: int
@@ -101,8 +101,9 @@ class Costs:
     checkpoint_overhead: float = 0.0
     split_overhead: float = 0.0
     transfer: Tuple[float, float] = (0.0, 0.0)
-    #: For workers of CPU devices in one process, the factor each size's
-    #: times were scaled by (see :mod:`~torchgpipe.planner.pilot`), else empty.
+    #: For workers of CPU devices (threads or processes), the factor each
+    #: size's times were scaled by (see :mod:`~torchgpipe.planner.pilot`);
+    #: else empty.
     pace: List[float] = field(default_factory=list)
     #: The interpolated costs, by micro-batch size, once asked for.
     _cache: Dict[int, LayerCosts] = field(default_factory=dict, repr=False, compare=False)
@@ -365,9 +366,10 @@ class Companions:
 
     Processes of a pipeline on one machine share its cores and its memory's
     bandwidth: a layer whose pipeline keeps the other ranks busy takes
-    longer than it does alone. Timed beside ``count`` threads training on
-    ``sample`` (one per process that would be busy), the layers take what
-    they take in a busy pipeline.
+    longer than it does alone. Each rank that does not time the layers
+    trains copies of them on ``sample`` in ``count`` threads meanwhile, so
+    that the layers take about what they take in a busy pipeline (the
+    pilot, :mod:`~torchgpipe.planner.pilot`, corrects the rest).
 
     A companion that fails stops quietly: its only use was the load it made.
     """

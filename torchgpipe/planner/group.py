@@ -24,6 +24,7 @@ waiting. (The steps across the group fail as DistributedGPipe's steps do,
 on every rank.)
 """
 import contextlib
+import warnings
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 
 import torch
@@ -193,8 +194,13 @@ class Team:
     def pilots(self) -> Make:
         """Pilots (see :mod:`~torchgpipe.planner.pilot`) as DistributedGPipe over the group."""
         def make(model: nn.Sequential, balance: List[int], chunks: int) -> DistributedGPipe:
-            return DistributedGPipe(model, balance, chunks=chunks, checkpoint='never',
-                                    group=self.group, device=self.device)
+            with warnings.catch_warnings():
+                # A pilot's rank may hold only layers without parameters; the
+                # warning for an optimizer the user would build has no use here.
+                warnings.filterwarnings('ignore', 'rank .* holds no parameters',
+                                        UserWarning)
+                return DistributedGPipe(model, balance, chunks=chunks, checkpoint='never',
+                                        group=self.group, device=self.device)
         return make
 
 

@@ -48,24 +48,25 @@ from torchgpipe.planner.predict import Candidate, micro_batches, predict
 
 __all__: List[str] = []
 
-#: Steps timed per size: the steps of a pipeline of threads vary by a
-#: fifth or more from one to the next, and more than one in five may be far
-#: slower than the rest.
+#: Steps timed per size (a step of the whole model each, on top of the
+#: layers' timing): the steps of a pipeline on CPU vary by a fifth or more
+#: from one to the next, and more than one in five may be far slower than
+#: the rest.
 STEPS = 11
 #: The largest pace searched for: a step this many times what the layers
 #: timed alone predict.
 SLOWEST = 8.0
 
 #: Times one of the pilot's training steps: ``step(balance, chunks)`` trains a
-#: copy of the model as GPipe with 1F1B for a step, and gives its time in seconds.
+#: copy of the model with 1F1B for a step, and gives its time in seconds.
 Step = Callable[[Sequence[int], int], float]
 
 
 def pilot_balance(costs: Costs, size: int, workers: int) -> Tuple[int, ...]:
     """One partition per worker, their times at ``size`` as even as can be."""
     at = costs.at(size)
-    time = [round((at.forward[k] + at.backward[k]) * 1e9) for k in range(costs.layers)]
-    return tuple(len(block) for block in blockpartition.solve(time, workers))
+    work = [round((at.forward[k] + at.backward[k]) * 1e9) for k in range(costs.layers)]
+    return tuple(len(block) for block in blockpartition.solve(work, workers))
 
 
 def pace(costs: Costs, workers: int, step: Step) -> List[float]:
@@ -81,32 +82,40 @@ def pace(costs: Costs, workers: int, step: Step) -> List[float]:
         workers: the pipeline's workers
         step: times a step of the model on them
 
+    A size whose steps the simulator cannot predict with a factor between 0
+    and ``SLOWEST`` (steps shorter than the pipeline's overheads alone,
+    or slower than that), like a size no number of micro-batches makes
+    whole, takes the pace of its neighbours.
+
     Returns:
         a factor per size of ``costs.sizes``
     """
-    pilots = {}
+    pilots: Dict[int, Candidate] = {}
     for size in costs.sizes:
         chunks = costs.batch // size
         if micro_batches(costs.batch, chunks) == [size] * chunks:  # made whole
             pilots[size] = Candidate('1f1b', pilot_balance(costs, size, workers), chunks,
                                      'never', workers)
     measured: Dict[int, List[float]] = {size: [] for size in pilots}
-    for round in range(STEPS + 1):
+    for turn in range(STEPS + 1):
         for size, candidate in pilots.items():
             seconds = step(candidate.balance, candidate.chunks)
-            if round:
+            if turn:
                 measured[size].append(seconds)
     found: Dict[int, float] = {}
     for size, candidate in pilots.items():
         def predicted(factor: float, size: int = size, candidate: Candidate = candidate
                       ) -> float:
             return predict(scaled(costs, {size: factor}), candidate).step
-        found[size] = solve(predicted, statistics.median(measured[size]), SLOWEST)
+        target = statistics.median(measured[size])
+        if predicted(0.0) < target < predicted(SLOWEST):
+            found[size] = solve(predicted, target, SLOWEST)
     return fill_in(costs.sizes, [found.get(size) for size in costs.sizes])
 
 
 def fill_in(sizes: Sequence[int], found: Sequence[Optional[float]]) -> List[float]:
-    """The paces found, and for each size without one the line between its neighbours'."""
+    """The paces found, and for each size without one the line between its neighbours'
+    (the nearest one's beyond the last; 1 if none was found)."""
     known = [(s, f) for s, f in zip(sizes, found) if f is not None]
     if not known:
         return [1.0] * len(sizes)
@@ -168,7 +177,7 @@ def model_steps(module: nn.Sequential, sample: TensorOrTensors,
     return step
 
 
-def threads(devices: Sequence[torch.device]) -> Make:
+def gpipes(devices: Sequence[torch.device]) -> Make:
     """Pilots as :class:`~torchgpipe.GPipe` on ``devices``, a worker thread each."""
     def make(model: nn.Sequential, balance: List[int], chunks: int) -> GPipe:
         return GPipe(model, balance, devices=list(devices), chunks=chunks, checkpoint='never')
