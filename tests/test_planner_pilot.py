@@ -22,7 +22,7 @@ from torchgpipe.planner.pilot import (SLOWEST, STEPS, fill_in, pace, paced, pilo
 from torchgpipe.planner.predict import Candidate, predict
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(data=st.data(), workers=st.integers(2, 3), overhead=st.sampled_from([0.0, 2e-4]))
 def test_the_pace_found_makes_the_simulator_predict_the_steps_measured(
         data: st.DataObject, workers: int, overhead: float) -> None:
