@@ -18,6 +18,7 @@ test (the fixture :func:`no_child_left` checks it). Having reported, a child
 ends as the example does (``end_job``), and the parent checks that every
 child exited with status 0. Several threads may run groups at once.
 """
+import glob
 import multiprocessing
 import os
 import socket
@@ -48,6 +49,10 @@ WORLD_SIZE = 2
 GLOO_TIMEOUT = 60.0
 # The parent's deadline for all children to report.
 SPAWN_TIMEOUT = 90.0
+#: How long a rank that reported is given to end on its own, when its run
+#: stops early (another rank failed), before it is terminated: enough to save
+#: its coverage data, short enough for a rank stuck in its exit.
+EXIT_GRACE = 3.0
 # What the server imports once for every rank it forks.
 PRELOAD = ['torch', 'torch.distributed', 'torchgpipe', 'torchgpipe.distributed',
            'process_group']
@@ -124,8 +129,20 @@ def _child(rank: int, world_size: int, port: int, fn: Callable[..., Any],
     stress_ddp_exit.end_job(0)
 
 
-def _stop(processes: List[multiprocessing.process.BaseProcess]) -> None:
-    """Terminates (then kills, if need be) and reaps every process still alive."""
+def _stop(processes: List[multiprocessing.process.BaseProcess],
+          reported: Collection[int] = ()) -> None:
+    """Terminates (then kills, if need be) and reaps every process still alive.
+
+    The ranks in ``reported`` sent their report and are ending: each gets a
+    moment to end on its own first. A rank that raised ends as Python does,
+    saving its coverage data as it goes, and one stopped halfway through
+    that leaves a data file that is not one, which spoils the run's
+    combined report (a warning, which fails CI's stage). The data files of
+    the ranks stopped all the same are removed: what they hold is partial.
+    """
+    for rank in reported:
+        processes[rank].join(EXIT_GRACE)
+    stopped = [process.pid for process in processes if process.is_alive()]
     for process in processes:
         if process.is_alive():
             process.terminate()
@@ -134,6 +151,10 @@ def _stop(processes: List[multiprocessing.process.BaseProcess]) -> None:
         if process.is_alive():
             process.kill()
             process.join()
+    base = os.environ.get('COVERAGE_FILE') or os.path.join(os.getcwd(), '.coverage')
+    for pid in stopped:
+        for path in glob.glob(f'{glob.escape(base)}.*pid{pid}.*'):
+            os.remove(path)
 
 
 def take_reports(pending: Dict[Connection, int],
@@ -244,7 +265,8 @@ def run_distributed(fn: Callable[..., Any], *args: Any, world_size: int = WORLD_
                                    f'{process.exitcode} (None: still running)', rank)
         return results
     finally:
-        _stop(processes)
+        _stop(processes, [rank for rank in range(len(processes))
+                          if rank not in pending.values()])
         for conn in pending:
             conn.close()
 
