@@ -63,8 +63,8 @@ from benchmarks.models.resnet import resnet
 from benchmarks.report import format_table
 from benchmarks.runner import Experiment, Figure, Preset, main as run_main
 from torchgpipe import GPipe, Plan
-from torchgpipe.balance import blockpartition
 from torchgpipe.planner.option import Option
+from torchgpipe.planner.pilot import time_balance
 from torchgpipe.planner.search import SHAPES
 from torchgpipe.timeline import Timeline
 
@@ -161,15 +161,14 @@ def grid(plan: Plan, most_chunks: int, batch: int, modes: Sequence[str]) -> List
     """Every schedule and layout, the time-optimal balance, chunks in powers of two, every mode."""
     costs = plan.costs
     assert costs is not None
-    at = costs.at(costs.sizes[len(costs.sizes) // 2])
-    time = [round((at.forward[k] + at.backward[k]) * 1e9) for k in range(costs.layers)]
+    middle = costs.sizes[len(costs.sizes) // 2]
     options = []
     for schedule, shapes in SHAPES.items():
         for virtual, _ in shapes:
             n = virtual * len(plan.devices)
             if n > costs.layers or virtual == 4:
                 continue
-            balance = [len(b) for b in blockpartition.solve(time, n)]
+            balance = list(time_balance(costs, middle, n))
             chunks = 1
             while chunks <= min(most_chunks, batch):
                 for mode in modes:

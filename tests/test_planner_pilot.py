@@ -17,8 +17,8 @@ from torch import nn
 import torchgpipe
 from test_planner import linear_costs
 from torchgpipe.planner.costs import Costs
-from torchgpipe.planner.pilot import (SLOWEST, STEPS, fill_in, pace, paced, pilot_balance,
-                                      scaled)
+from torchgpipe.planner.pilot import (SLOWEST, STEPS, fill_in, pace, paced, scaled,
+                                      time_balance)
 from torchgpipe.planner.predict import Candidate, predict
 
 
@@ -47,7 +47,7 @@ def test_the_pace_found_makes_the_simulator_predict_the_steps_measured(
     faster = paced(costs, found)
     assert faster.pace == found
     for size in costs.sizes:
-        candidate = Candidate('1f1b', pilot_balance(costs, size, workers), 16 // size,
+        candidate = Candidate('1f1b', time_balance(costs, size, workers), 16 // size,
                               'never', workers)
         assert predict(faster, candidate).step == pytest.approx(
             step(candidate.balance, 16 // size), rel=1e-6)

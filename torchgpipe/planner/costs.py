@@ -233,12 +233,12 @@ def measure(module: nn.Sequential, sample: TensorOrTensors, sizes: Sequence[int]
         # spell of the machine then falls on one round of each size, which
         # the median leaves out, rather than on every round of one size,
         # which would skew every configuration of that size.
-        for round in range(repeat + 1):
+        for turn in range(repeat + 1):
             for size, (tail, _), into in zip(sizes, prepared, timed):
                 for split in (True, False):
                     laps = _timed_pass(copies + tail, rows(sample, size), device, split)
                     for name, values in laps.items():
-                        if round:
+                        if turn:
                             into[name].append(values)
     table = []
     for (_, costs), passes in zip(prepared, timed):

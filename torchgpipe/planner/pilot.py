@@ -62,11 +62,12 @@ SLOWEST = 8.0
 Step = Callable[[Sequence[int], int], float]
 
 
-def pilot_balance(costs: Costs, size: int, workers: int) -> Tuple[int, ...]:
-    """One partition per worker, their times at ``size`` as even as can be."""
+def time_balance(costs: Costs, size: int, partitions: int) -> Tuple[int, ...]:
+    """The balance of the layers into ``partitions`` whose times at ``size`` are as even
+    as can be (the pilot's, one partition per worker)."""
     at = costs.at(size)
     work = [round((at.forward[k] + at.backward[k]) * 1e9) for k in range(costs.layers)]
-    return tuple(len(block) for block in blockpartition.solve(work, workers))
+    return tuple(len(block) for block in blockpartition.solve(work, partitions))
 
 
 def pace(costs: Costs, workers: int, step: Step) -> List[float]:
@@ -77,15 +78,15 @@ def pace(costs: Costs, workers: int, step: Step) -> List[float]:
     up), so that a slow spell of the machine falls on one step of each size,
     which the median leaves out.
 
-    Args:
-        costs: the layers' costs, with the pipeline's overheads
-        workers: the pipeline's workers
-        step: times a step of the model on them
-
     A size whose steps the simulator cannot predict with a factor between 0
     and ``SLOWEST`` (steps shorter than the pipeline's overheads alone,
     or slower than that), like a size no number of micro-batches makes
     whole, takes the pace of its neighbours.
+
+    Args:
+        costs: the layers' costs, with the pipeline's overheads
+        workers: the pipeline's workers
+        step: times a step of the model on them
 
     Returns:
         a factor per size of ``costs.sizes``
@@ -94,7 +95,7 @@ def pace(costs: Costs, workers: int, step: Step) -> List[float]:
     for size in costs.sizes:
         chunks = costs.batch // size
         if micro_batches(costs.batch, chunks) == [size] * chunks:  # made whole
-            pilots[size] = Candidate('1f1b', pilot_balance(costs, size, workers), chunks,
+            pilots[size] = Candidate('1f1b', time_balance(costs, size, workers), chunks,
                                      'never', workers)
     measured: Dict[int, List[float]] = {size: [] for size in pilots}
     for turn in range(STEPS + 1):
