@@ -53,6 +53,22 @@ def test_the_pace_found_makes_the_simulator_predict_the_steps_measured(
             step(candidate.balance, 16 // size), rel=1e-6)
 
 
+def test_a_pace_scales_the_times_of_its_size_alone() -> None:
+    costs = linear_costs(4, batch=16, heavy=1)
+    faster = scaled(costs, {4: 2.5})
+    for size, before, after in zip(costs.sizes, costs.table, faster.table):
+        factor = 2.5 if size == 4 else 1.0
+        for name in ('forward', 'input', 'backward'):
+            assert getattr(after, name) == pytest.approx(
+                [factor * t for t in getattr(before, name)]), (size, name)
+        for name in ('kept', 'output', 'working', 'unsaved'):
+            assert getattr(after, name) == getattr(before, name), (size, name)
+    # A size between takes the line between its neighbours, the scaled one
+    # scaled: not what the unscaled costs had cached for it.
+    assert costs.at(3).forward == pytest.approx([3e-3] * 4)
+    assert faster.at(3).forward == pytest.approx([(2e-3 + 2.5 * 4e-3) / 2] * 4)
+
+
 def test_a_size_no_split_makes_whole_or_the_simulator_cannot_predict_takes_its_neighbours(
         ) -> None:
     costs = linear_costs(6, batch=12)  # sizes 1, 2, 4 and 8: no split makes 8 whole
