@@ -50,7 +50,7 @@ __all__: List[str] = []
 #: What :func:`measure` reads of each layer, at each micro-batch size: times in seconds.
 TIMES = ('forward', 'input', 'backward')
 #: ... and memory in bytes.
-BYTES = ('kept', 'output', 'working', 'unsaved')
+BYTES = ('kept', 'output', 'working', 'unsaved', 'accumulating')
 
 
 @dataclass
@@ -70,6 +70,10 @@ class LayerCosts:
     #: The bytes of its output left out of ``kept`` because the next layer
     #: does not save it: a partition's last layer keeps them all the same.
     unsaved: List[float] = field(default_factory=list)
+    #: What its backward pass holds further when its weights' gradients
+    #: accumulate (every micro-batch of a step after the first): the new
+    #: gradients, until added. Empty in costs saved before it was measured.
+    accumulating: List[float] = field(default_factory=list)
 
 
 @dataclass
@@ -268,6 +272,7 @@ def _first_pass(layers: Sequence[nn.Module], values: TensorOrTensors,
     kept: List[float] = []
     output: List[float] = []
     working: List[float] = []
+    accumulating: List[float] = []
     unsaved: List[float] = []  # the bytes of each output autograd did not save
     saves_input: List[bool] = []
     for layer in layers:
@@ -278,8 +283,14 @@ def _first_pass(layers: Sequence[nn.Module], values: TensorOrTensors,
             inputs = {y.untyped_storage().data_ptr() for y in Batch(x)}
             storages.append((held, saved, inputs))
             return result
+        # Twice: as the first micro-batch of a step, and as a later one. A
+        # pop takes its skip tensor: the second pass pops it again.
+        waiting = dict(tracker.tensors)
+        _, again = working_memory(layer, fresh_input(values), forward, accumulating=True)
+        tracker.tensors.clear()
+        tracker.tensors.update(waiting)
         result, most = working_memory(layer, fresh_input(values), forward)
-        held, saved, inputs = storages[0]
+        held, saved, inputs = storages[-1]
         outputs = {y.untyped_storage().data_ptr() for y in Batch(result)}
         kept.append(float(sum(held.values())))
         unsaved.append(float(sum(n for ptr, n in held.items()
@@ -287,13 +298,15 @@ def _first_pass(layers: Sequence[nn.Module], values: TensorOrTensors,
         saves_input.append(bool(inputs & saved))
         output.append(float(tensor_bytes(result)))
         working.append(float(most))
+        accumulating.append(float(max(0, again - most)))
         values = map_tensors(detach_tensor, result)
     for k in range(len(layers)):
         if k + 1 < len(layers) and not saves_input[k + 1]:
             kept[k] -= unsaved[k]
         else:
             unsaved[k] = 0.0
-    return {'kept': kept, 'output': output, 'working': working, 'unsaved': unsaved}
+    return {'kept': kept, 'output': output, 'working': working, 'unsaved': unsaved,
+            'accumulating': accumulating}
 
 
 def _timed_pass(layers: Sequence[nn.Module], sample: TensorOrTensors, device: torch.device,

@@ -13,16 +13,18 @@ and, when the next partition is on another worker, the message::
 
 The memory walks each worker's actions in order: a forward pass keeps the
 partition's activations (only its input, if checkpointed) until the
-micro-batch's backward pass frees them; the recomputation brings them back
-for the length of ``B``, or from ``I`` to ``W``; a backward pass holds its
-gradients and temporaries beside them while it runs. Parameters, their
-gradients and the optimizer's state (``param_scale`` times the parameters)
-stay throughout.
+micro-batch's backward pass frees them (``I`` frees the partition's output,
+if autograd did not save it: ``W`` does not need it); the recomputation
+brings them back for the length of ``B``, or from ``I`` to ``W``; a backward pass holds its
+gradients and temporaries beside them while it runs, and, for every
+micro-batch after the partition's first, the new gradients of its weights
+until they are added to those kept. Parameters, their gradients and the
+optimizer's state (``param_scale`` times the parameters) stay throughout.
 """
 import math
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Sequence, Set, Tuple
 
 from torchgpipe.engine.generators import named
 from torchgpipe.engine.schedule import Action, Kind, Schedule, simulate
@@ -108,8 +110,12 @@ class Partitions:
 
         Keys: ``forward``, ``input``, ``weight``, ``backward`` and ``kept``
         (its layers' sums, the loss's with the last partition's), ``working``
-        (the most its backward pass holds beyond ``kept``), ``entry`` (the
-        bytes of its input) and ``exit`` (of its output).
+        (the most its backward pass holds beyond ``kept``), ``accumulating``
+        (the same, for a micro-batch after the first: with its weights' new
+        gradients, until added to those kept), ``gradients`` (a layer's new
+        weight gradients at most), ``held`` (the bytes of its output in
+        ``kept`` only because the pipeline holds them, until ``B`` or ``I``),
+        ``entry`` (the bytes of its input) and ``exit`` (of its output).
         """
         key = (j, size)
         if key not in self._sums:
@@ -125,18 +131,21 @@ class Partitions:
         # The pipeline holds a partition's output until its backward pass,
         # whether or not the layer after it saves it.
         last = self.bounds[j + 1] - 1
-        sums['kept'] += layers.unsaved[last] if last < len(layers.unsaved) else 0.0
+        sums['held'] = layers.unsaved[last] if last < len(layers.unsaved) else 0.0
+        sums['kept'] += sums['held']
         # The layers' backward passes run one after another, last first, each
         # freeing the activations it used: the most any holds beyond what the
-        # layers after it have freed by then.
-        freed = sums['working'] = 0.0
-        for kept, working in reversed(list(zip(layers.kept[start:stop],
-                                               layers.working[start:stop]))):
-            sums['working'] = max(sums['working'], working - freed)
+        # layers after it have freed by then; for a later micro-batch, with
+        # its new weight gradients (``W`` holds those alone).
+        working = layers.working[start:stop]
+        accumulating = layers.accumulating[start:stop] or [0.0] * len(working)
+        freed = sums['working'] = sums['accumulating'] = 0.0
+        for kept, alone, more in reversed(list(zip(layers.kept[start:stop], working,
+                                                   accumulating))):
+            sums['working'] = max(sums['working'], alone - freed)
+            sums['accumulating'] = max(sums['accumulating'], alone + more - freed)
             freed += kept
-        # I walks back from the outputs to the partition's inputs only (none
-        # for the first partition: nothing waits for the sample's gradient);
-        # W runs the rest of the graph from the gradients I kept there.
+        sums['gradients'] = max(accumulating, default=0.0)
         if j == 0:
             sums['input'] = 0.0
         sums['weight'] = max(0.0, sums['backward'] - sums['input'])
@@ -225,6 +234,7 @@ def peak_memory(workers: Sequence[Sequence[Action]], worker: int, parts: Partiti
                 sizes: Sequence[int], checkpointed: Sequence[bool]) -> float:
     """The most activation memory a worker holds at once over its actions."""
     live = peak = 0.0
+    graded: Set[int] = set()  # the partitions whose weights have gradients
     # The built-in schedules number their workers as Candidate.worker_of does.
     for action in workers[worker]:
         part = parts(action.j, sizes[action.i])
@@ -236,11 +246,25 @@ def peak_memory(workers: Sequence[Sequence[Action]], worker: int, parts: Partiti
         elif action.kind is Kind.I:
             live += again  # recomputed, and kept for W
         # B (or I) holds its working memory beside what is live, and B the
-        # recomputed activations it frees at once.
-        working = part['working'] if action.kind in (Kind.B, Kind.I) else 0.0
+        # recomputed activations it frees at once. B and W make the weights'
+        # gradients: the first keeps them (counted in static_memory); a later
+        # one holds its own until added to them. The first partition's I has
+        # no input gradient to compute: its W is the whole backward pass.
+        later = action.j in graded
+        whole = action.kind is Kind.B or action.kind is Kind.W and action.j == 0
+        if whole:
+            working = part['accumulating' if later else 'working']
+        elif action.kind is Kind.I and action.j:
+            working = part['working']
+        else:
+            working = part['gradients'] if action.kind is Kind.W and later else 0.0
+        if action.kind in (Kind.B, Kind.W):
+            graded.add(action.j)
         peak = max(peak, live + working + (again if action.kind is Kind.B else 0.0))
         if action.kind is Kind.B:
             live -= kept
+        elif action.kind is Kind.I:
+            live -= part['held']  # the output: W needs only what autograd saved
         elif action.kind is Kind.W:
-            live -= kept + again
+            live -= kept + again - part['held']
     return peak

@@ -95,18 +95,27 @@ class Live(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
 
 def working_memory(layer: nn.Module, values: TensorOrTensors,
-                   forward: Callable[[TensorOrTensors], TensorOrTensors]
-                   ) -> Tuple[TensorOrTensors, int]:
+                   forward: Callable[[TensorOrTensors], TensorOrTensors], *,
+                   accumulating: bool = False) -> Tuple[TensorOrTensors, int]:
     """Runs ``forward(values)``, the pass of ``layer``, and its backward pass; returns the
     output and the most bytes the backward pass held beside what the forward pass left.
 
     The gradient of the output is made as training would pass it in, and
-    counted; the gradients of the layer's weights are not (the planner
-    counts them with the parameters). What the backward pass frees as it
-    goes (a saved activation, once used) makes room, as in training.
+    counted. The gradients of the layer's weights are not (the planner
+    counts them with the parameters), unless ``accumulating``: then the
+    weights already have gradients, as from an earlier micro-batch of the
+    step, and each new one is a temporary, alive until it is added to the
+    gradient (as large as its weight: an embedding's, say). What the
+    backward pass frees as it goes (a saved activation, once used) makes
+    room, as in training. The weights are left without gradients.
     """
+    parameters = [p for p in layer.parameters() if p.requires_grad]
+    if accumulating:
+        for p in parameters:
+            p.grad = torch.zeros_like(p)
     before = {x.untyped_storage().data_ptr()
-              for x in [*layer.parameters(), *layer.buffers(), *Batch(values)]
+              for x in [*layer.parameters(), *layer.buffers(), *Batch(values),
+                        *[p.grad for p in parameters if p.grad is not None]]
               if isinstance(x, Tensor)}
     live = Live(before)
     with live:
@@ -115,7 +124,8 @@ def working_memory(layer: nn.Module, values: TensorOrTensors,
         ends = [y for y in Batch(output) if isinstance(y, Tensor) and y.requires_grad]
         if ends:
             torch.autograd.backward(ends, [torch.ones_like(y) for y in ends])
-    weights = live.numbers([p.grad for p in layer.parameters() if p.grad is not None])
-    for p in layer.parameters():
+    # Gradients made in the pass (none when accumulating) became the weights' own.
+    weights = live.numbers([p.grad for p in parameters if p.grad is not None])
+    for p in parameters:
         p.grad = None
     return output, live.peak(weights, since)
