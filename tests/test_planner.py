@@ -422,26 +422,29 @@ MEMORY_MODELS = {
 }
 
 
-@pytest.mark.parametrize('schedule, chunks', [('fill_drain', 1), ('fill_drain', 4),
-                                              ('zb_h1', 4)])
+@pytest.mark.parametrize('schedule, chunks, mode', [
+    ('fill_drain', 1, 'never'), ('fill_drain', 4, 'never'), ('zb_h1', 4, 'never'),
+    ('fill_drain', 4, 'always'), ('zb_h1', 4, 'always')])
 @pytest.mark.parametrize('name', MEMORY_MODELS)
-def test_the_predicted_peak_is_the_pipelines(name: str, schedule: str, chunks: int) -> None:
+def test_the_predicted_peak_is_the_pipelines(name: str, schedule: str, chunks: int,
+                                             mode: str) -> None:
     """One partition: the predicted activations and working memory are the most a
     training step of the pipeline holds: with 4 micro-batches, the later ones' weight
     gradients too, until added to the first's, in ``B`` or in ``W``, and without the
-    logits from ``I`` on. With one micro-batch, the unwrapped model's step holds less
-    when the pipeline holds a partition's output that no layer saves, as the logits
-    (tensors only: what a kernel allocates inside itself is not seen by either)."""
+    logits from ``I`` on; checkpointed, each micro-batch's input alone until its
+    recomputation (not its output, which that makes again). With one micro-batch,
+    the unwrapped model's step holds less when the pipeline holds a partition's
+    output that no layer saves, as the logits (tensors only: what a kernel allocates
+    inside itself is not seen by either)."""
     torch.manual_seed(0)
     module, input, target, loss_fn = MEMORY_MODELS[name]()
     plan = torchgpipe.plan(module, input, devices=['cpu:0'], target=target, loss_fn=loss_fn,
-                           chunks=chunks, schedules=[schedule], checkpoint=['never'],
+                           chunks=chunks, schedules=[schedule], checkpoint=[mode],
                            param_scale=1.0, repeat=1)
     parameters = sum(p.numel() * p.element_size() for p in module.parameters())
-    predicted = plan.predict(schedule, [len(module)], chunks, 'never').memory[0] \
-        - parameters
+    predicted = plan.predict(schedule, [len(module)], chunks, mode).memory[0] - parameters
     pipe = GPipe(module, balance=[len(module)], devices=['cpu:0'], chunks=chunks,
-                 checkpoint='never')
+                 checkpoint=mode)
     measured = live_peak(lambda: pipe.train_step(input, target, loss_fn, schedule=schedule),
                          module, input, target)
     assert abs(predicted / measured - 1) < 0.1, (predicted, measured)

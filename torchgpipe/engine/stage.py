@@ -265,6 +265,11 @@ class Stage:
             self.shared.mailbox.put(Activation(i, self.j + 1),
                                     Parcel(current.output, current.sent_grad,
                                            Ready(self.device, self.stream(i))))
+        if current.replay is not None and self.shared.loss is not None:
+            # A checkpointed micro-batch's output is made again by its
+            # recomputation: held until then, it would keep every such
+            # output of the step alive at once (the logits, say).
+            current.output = None
 
     def recompute(self, i: int, current: Pass) -> None:
         assert current.replay is not None
