@@ -230,7 +230,7 @@ def model_rows(name: str, config: Dict[str, Any], devices: List[torch.device]) -
 
 def limit_of(planner: Callable[..., Plan], layers: int, workers: int, most: int) -> float:
     """What the even split with 1F1B needs without checkpointing, at its best chunks for memory."""
-    free = planner(schedules=['1f1b'], checkpoint=['never'])
+    free = planner(schedules=['1f1b'], checkpoint=['never'], trials=0)
     split = even_split(layers, workers)
     return min(max(free.predict('1f1b', split, 2 ** k, 'never').memory)
                for k in range(most.bit_length()))

@@ -7,10 +7,11 @@ by running each schedule's own actions through the simulator with those
 costs (:mod:`~torchgpipe.planner.predict`; on CPU devices, with the pace
 :mod:`~torchgpipe.planner.pilot` measures on the model), and returns the fastest
 that fits the memory limit as a :class:`~torchgpipe.Plan`
-(:mod:`~torchgpipe.planner.result`).
+(:mod:`~torchgpipe.planner.result`); on CPU devices, the fastest of the few
+predicted fastest, timed on the model (:mod:`~torchgpipe.planner.trial`).
 """
 from contextlib import contextmanager
-from typing import Any, Generator, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Generator, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -22,11 +23,11 @@ from torchgpipe.foundation import microbatch
 from torchgpipe.foundation.microbatch import Batch, TensorOrTensors
 from torchgpipe.foundation.validation import (Device, brief, check_available, check_chunks,
                                               describe, parse_device, verify_module)
-from torchgpipe.planner import pilot
+from torchgpipe.planner import pilot, trial
 from torchgpipe.planner.calibrate import (copy_cost, message_cost, task_overhead, threads,
                                           wide_step)
 from torchgpipe.planner.costs import Costs, measure
-from torchgpipe.planner.option import option, size
+from torchgpipe.planner.option import Option, option, size
 from torchgpipe.planner.result import Plan
 from torchgpipe.planner.predict import micro_batches
 from torchgpipe.planner.search import CHECKPOINTS, Scored, chunk_counts, search
@@ -39,7 +40,7 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
          target: Optional[TensorOrTensors] = None, loss_fn: Optional[LossFunction] = None,
          param_scale: float = 2.0, chunks: int = 32, schedules: Optional[Sequence[str]] = None,
          checkpoint: Optional[Sequence[str]] = None, repeat: int = 3,
-         runners_up: int = 5) -> Plan:
+         runners_up: int = 5, trials: int = 4) -> Plan:
     """Chooses how to pipeline ``module``: the fastest configuration that fits in memory.
 
     Each layer is measured once, on a copy on the first device, at every
@@ -95,6 +96,10 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
         repeat (int): timed runs per layer and micro-batch size (default: ``3``)
         runners_up (int): how many configurations set aside the plan keeps
             (default: ``5``)
+        trials (int): on CPU devices (threads or processes), the most
+            configurations, of those predicted fastest, that a copy of the
+            model trains in a few steps before the fastest measured is chosen
+            (default: ``4``; ``0`` or ``1``: the fastest predicted)
 
     Returns:
         Plan: the configuration, to apply with ``GPipe(module, **plan.kwargs)``
@@ -126,7 +131,7 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
     try:
         batch, workers, names, modes, most = check_arguments(
             module, sample, target, loss_fn, devices, group, device, schedules, checkpoint,
-            chunks, repeat, runners_up, memory_limit, param_scale)
+            chunks, repeat, runners_up, trials, memory_limit, param_scale)
     except (TypeError, ValueError) as error:
         if group is None:
             raise
@@ -144,26 +149,27 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
                        if isinstance(x, Tensor)],
             'memory_limit': memory_limit, 'param_scale': param_scale, 'chunks': most,
             'schedules': names, 'checkpoint': modes, 'repeat': repeat,
-            'runners_up': runners_up, 'loss_fn': loss is not None})
+            'runners_up': runners_up, 'trials': trials, 'loss_fn': loss is not None})
         if team.size > len(module):
             raise ValueError(describe('the ranks of group must be no more than the layers',
                                       f'{team.size} ranks, {len(module)} layers',
                                       f'plan for a group of at most {len(module)} ranks'))
     counts = chunk_counts(batch, most)
     sizes = sizes_to_measure(batch, counts)
-    if team is None:
-        with sharing_cores(workers), untouched_random_state(workers):
+    steps: Optional[pilot.ModelStep] = None
+    local = workers if team is None else [team.device]
+    with sharing_cores(local), untouched_random_state(local):
+        if team is None:
             costs = measure(module, sample, sizes, workers[0], repeat=repeat, loss=loss)
             costs.overhead, costs.checkpoint_overhead, costs.split_overhead = \
                 task_overhead(threads(workers), len(workers))
             costs.transfer = copy_cost(workers)
             if workers[0].type == 'cpu' and len(workers) > 1:
                 # Threads sharing the cores and the interpreter's lock: their pace.
-                costs = pilot.paced(costs, pilot.pace(costs, len(workers), pilot.model_steps(
-                    module, sample, target, loss_fn, pilot.gpipes(workers))))
-        names_of = [str(d) for d in workers]
-    else:
-        with untouched_random_state([team.device]):
+                steps = pilot.model_steps(module, sample, target, loss_fn,
+                                          pilot.gpipes(workers))
+            names_of = [str(d) for d in workers]
+        else:
             costs = Costs.from_dict(team.first(
                 lambda: measure(module, sample, sizes, team.device, repeat=repeat,
                                 loss=loss).to_dict(),
@@ -177,15 +183,18 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
             if team.size > 1 and team.device.type == 'cpu':
                 # Processes sharing the machine's cores: their pace. Every
                 # rank has the same costs and the slowest rank's steps, and
-                # so finds the same pace.
-                costs = pilot.paced(costs, pilot.pace(costs, team.size, pilot.model_steps(
-                    module, sample, target, loss_fn, team.pilots(), ready=team.barrier,
-                    agree=team.slowest)))
-        names_of = team.names
-    found = search(costs, len(names_of), memory_limit=memory_limit, schedules=names,
-                   chunks=counts, checkpoints=modes, param_scale=param_scale)
-    return choose(found, names_of, names, memory_limit, runners_up, costs, float(param_scale),
-                  processes=group is not None)
+                # so finds the same pace, and the same trials.
+                steps = pilot.model_steps(module, sample, target, loss_fn, team.pilots(),
+                                          ready=team.barrier, agree=team.slowest)
+            names_of = team.names
+        if steps is not None:
+            costs = pilot.paced(costs, pilot.pace(costs, len(names_of),
+                                                  pilot.one_f_one_b(steps)))
+        found = search(costs, len(names_of), memory_limit=memory_limit, schedules=names,
+                       chunks=counts, checkpoints=modes, param_scale=param_scale)
+        return choose(found, names_of, names, memory_limit, runners_up, costs,
+                      float(param_scale), processes=group is not None,
+                      order=trial.order(steps, trials, names_of, group is not None))
 
 
 def check_arguments(module: nn.Sequential, sample: TensorOrTensors,
@@ -193,7 +202,8 @@ def check_arguments(module: nn.Sequential, sample: TensorOrTensors,
                     devices: Optional[Sequence[Device]], group: Optional[Any],
                     device: Optional[Device], schedules: Optional[Sequence[str]],
                     checkpoint: Optional[Sequence[str]], chunks: int, repeat: int,
-                    runners_up: int, memory_limit: Optional[float], param_scale: float
+                    runners_up: int, trials: int, memory_limit: Optional[float],
+                    param_scale: float
                     ) -> Tuple[int, List[torch.device], List[str], List[str], int]:
     """Checks :func:`plan`'s arguments, before any work.
 
@@ -216,7 +226,8 @@ def check_arguments(module: nn.Sequential, sample: TensorOrTensors,
     names = check_schedules(schedules)
     modes = check_modes(checkpoint)
     most = check_chunks(chunks)
-    for name, value, least in (('repeat', repeat, 1), ('runners_up', runners_up, 0)):
+    for name, value, least in (('repeat', repeat, 1), ('runners_up', runners_up, 0),
+                               ('trials', trials, 0)):
         check_count(name, value, least)
     if memory_limit is not None:
         check_real('memory_limit', memory_limit, 'give bytes, such as memory_limit=8 * 2**30')
@@ -239,8 +250,10 @@ def check_loss(target: Optional[TensorOrTensors], loss_fn: Optional[LossFunction
 
 def choose(found: List[Scored], names_of: List[str], names: List[str],
            memory_limit: Optional[float], runners_up: int, costs: Costs,
-           param_scale: float, processes: bool = False) -> Plan:
-    """The plan of the fastest configuration that fits; errors when none does.
+           param_scale: float, processes: bool = False,
+           order: Callable[[List[Option]], List[Option]] = lambda options: options) -> Plan:
+    """The plan of the first configuration that fits, in the ``order`` given to those
+    (fastest predicted first); errors when none does.
 
     ``names_of`` names each worker: its device, or its rank (``processes``).
 
@@ -263,7 +276,7 @@ def choose(found: List[Scored], names_of: List[str], names: List[str],
             f'memory_limit: {size(float(memory_limit or 0))}',
             f'the least any needs is {size(least.memory[worst])} on {names_of[worst]} '
             f'({least.describe()}); raise memory_limit to that, or add devices'))
-    fitting = [o for o, s in zip(options, found) if s.fits(memory_limit)]
+    fitting = order([o for o, s in zip(options, found) if s.fits(memory_limit)])
     return Plan(fitting[0], fitting[1:1 + runners_up], names_of,
                 None if memory_limit is None else float(memory_limit), costs, param_scale,
                 processes)

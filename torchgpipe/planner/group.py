@@ -192,15 +192,15 @@ class Team:
         return float(max(self._gather(seconds, self.device)))
 
     def pilots(self) -> Make:
-        """Pilots (see :mod:`~torchgpipe.planner.pilot`) as DistributedGPipe over the group."""
-        def make(model: nn.Sequential, balance: List[int], chunks: int) -> DistributedGPipe:
+        """Pipelines of the pilot and the trials (see :mod:`~torchgpipe.planner.pilot`) as
+        DistributedGPipe over the group."""
+        def make(model: nn.Sequential, kwargs: Dict[str, Any]) -> DistributedGPipe:
             with warnings.catch_warnings():
-                # A pilot's rank may hold only layers without parameters; the
-                # warning for an optimizer the user would build has no use here.
+                # A rank may hold only layers without parameters; the warning
+                # for an optimizer the user would build has no use here.
                 warnings.filterwarnings('ignore', 'rank .* holds no parameters',
                                         UserWarning)
-                return DistributedGPipe(model, balance, chunks=chunks, checkpoint='never',
-                                        group=self.group, device=self.device)
+                return DistributedGPipe(model, **kwargs, group=self.group, device=self.device)
         return make
 
 

@@ -1,6 +1,6 @@
 """One configuration the planner predicted, as a plan reports it and saves it."""
 from dataclasses import dataclass, field
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from torchgpipe.planner.predict import Candidate
 
@@ -23,6 +23,8 @@ class Option:
         step: the predicted step time, in seconds
         memory: the predicted peak memory of each device, in bytes
         busy: the predicted work of each device by kind of task, in seconds
+        measured: the median step of a trial of it before the plan chose
+            (:mod:`~torchgpipe.planner.trial`), in seconds; ``None`` if untried
     """
 
     schedule: str
@@ -33,6 +35,7 @@ class Option:
     step: float
     memory: List[float]
     busy: List[Dict[str, float]] = field(default_factory=list)
+    measured: Optional[float] = None
 
     def describe(self) -> str:
         """The configuration in a few words."""

@@ -144,44 +144,55 @@ def scaled(costs: Costs, factors: Dict[int, float]) -> Costs:
     return replace(costs, table=table, _cache={})
 
 
-#: Makes the pilot's pipeline of a balance and chunks, around the model's copy.
-Make = Callable[[nn.Sequential, List[int], int], Any]
+#: Makes a pipeline around the model's copy from the keyword arguments of
+#: :class:`~torchgpipe.GPipe` (of DistributedGPipe, across processes).
+Make = Callable[[nn.Sequential, Dict[str, Any]], Any]
+#: Times a training step of the model's copy: ``step(kwargs, schedule)`` in the
+#: pipeline of ``kwargs`` (as for ``Make``), in seconds.
+ModelStep = Callable[[Dict[str, Any], str], float]
 
 
 def model_steps(module: nn.Sequential, sample: TensorOrTensors,
                 target: Optional[TensorOrTensors], loss_fn: Optional[LossFunction],
                 make: Make, ready: Callable[[], object] = lambda: None,
-                agree: Callable[[float], float] = lambda seconds: seconds) -> Step:
+                agree: Callable[[float], float] = lambda seconds: seconds) -> ModelStep:
     """Times training steps of a copy of ``module`` in the pipelines ``make`` makes
     (``module`` itself is left as it is). Without a loss, the loss is the mean of each
     output.
 
-    The pipelines of every balance and chunks asked for wrap the one copy (a
-    step at a time), each made at its first step. ``ready()`` runs before
-    each step, untimed; ``agree`` turns this process's time into the step's
+    The pipelines of every configuration asked for wrap the one copy (a step
+    at a time), each made at its first step. ``ready()`` runs before each
+    step, untimed; ``agree`` turns this process's time into the step's
     (across processes, the slowest rank's).
     """
     model = copy.deepcopy(module)
     loss = loss_fn or _mean_of_outputs
     labels = sample if target is None else target
-    pipes: Dict[Tuple[Tuple[int, ...], int], Any] = {}
+    pipes: Dict[str, Any] = {}
 
-    def step(balance: Sequence[int], chunks: int) -> float:
-        key = (tuple(balance), chunks)
+    def step(kwargs: Dict[str, Any], schedule: str) -> float:
+        key = repr(sorted(kwargs.items()))
         if key not in pipes:
-            pipes[key] = make(model, list(balance), chunks)
+            pipes[key] = make(model, kwargs)
         model.zero_grad()
         ready()
         started = time.perf_counter()
-        pipes[key].train_step(sample, labels, loss, schedule='1f1b')
+        pipes[key].train_step(sample, labels, loss, schedule=schedule)
         return agree(time.perf_counter() - started)
     return step
 
 
+def one_f_one_b(steps: ModelStep) -> Step:
+    """The pilot's steps: 1F1B without checkpointing, one partition per worker."""
+    return lambda balance, chunks: steps(
+        {'balance': list(balance), 'chunks': chunks, 'checkpoint': 'never'}, '1f1b')
+
+
 def gpipes(devices: Sequence[torch.device]) -> Make:
-    """Pilots as :class:`~torchgpipe.GPipe` on ``devices``, a worker thread each."""
-    def make(model: nn.Sequential, balance: List[int], chunks: int) -> GPipe:
-        return GPipe(model, balance, devices=list(devices), chunks=chunks, checkpoint='never')
+    """Pipelines as :class:`~torchgpipe.GPipe` on ``devices``, a worker thread each (by
+    default one partition each)."""
+    def make(model: nn.Sequential, kwargs: Dict[str, Any]) -> GPipe:
+        return GPipe(model, **{'devices': list(devices), **kwargs})
     return make
 
 

@@ -38,8 +38,10 @@ class Plan:
     loss_fn, schedule=plan.schedule)``.
 
     Attributes:
-        chosen (Option): the fastest configuration that fits
+        chosen (Option): the fastest configuration that fits (the fastest
+            measured, if the planner tried the few predicted fastest)
         runners_up (list of Option): the next fastest that fit, in order
+            (those tried first, by their trials)
         devices (list of str): each worker: its device, or, in a plan for
             processes, its rank (``'rank 0'``, ... as a traced step names them)
         memory_limit (float or None): the limit it was planned under, in bytes
@@ -159,6 +161,7 @@ class Plan:
         """The chosen configuration and the runners-up as rows of data, fastest first."""
         return [{'schedule': o.schedule, 'balance': o.balance, 'chunks': o.chunks,
                  'checkpoint': o.checkpoint, 'placement': o.placement, 'step': o.step,
+                 'measured': o.measured,
                  'memory': dict(zip(self.devices, o.memory))}
                 for o in [self.chosen, *self.runners_up]]
 
@@ -169,10 +172,12 @@ class Plan:
                  f'  on {", ".join(self.devices)}, {limit}',
                  f'  predicted step {self.chosen.step * 1e3:.2f} ms, peak memory '
                  + ', '.join(f'{d} {size(m)}' for d, m in self.memory.items()),
-                 '', f'{"step":>10}  {"vs chosen":>9}  {"peak memory":>12}  configuration']
+                 '', f'{"step":>10}  {"vs chosen":>9}  {"tried":>10}  {"peak memory":>12}  '
+                 'configuration']
         fastest = max(self.chosen.step, 1e-12)
         for o in [self.chosen, *self.runners_up]:
-            lines.append(f'{o.step * 1e3:>7.2f} ms  {o.step / fastest:>8.3f}x  '
+            tried = '-' if o.measured is None else f'{o.measured * 1e3:.2f} ms'
+            lines.append(f'{o.step * 1e3:>7.2f} ms  {o.step / fastest:>8.3f}x  {tried:>10}  '
                          f'{size(max(o.memory)):>12}  {o.describe()}')
         return '\n'.join(lines)
 

@@ -1,0 +1,83 @@
+"""Trials: the configurations predicted fastest, timed on the model before one is chosen.
+
+The simulator ranks every configuration from the layers' costs, and on CPU
+its prediction of a step is off by a tenth or so, while steps of one
+configuration differ by a fifth from one to the next. Among configurations
+predicted within a few percent of each other, that error, not what they
+are, decides which comes first. So, where the pilot runs (workers of CPU
+devices, see :mod:`~torchgpipe.planner.pilot`), the planner times the few
+predicted fastest: a copy of the model trains in each, as the plan would
+apply it, and the fastest measured is chosen::
+
+    predicted   A 10.0 ms   B 10.3 ms   C 10.9 ms   D 12.6 ms   E 13.1 ms ...
+                '---------- shortlist: at most `trials`, within SPREAD ---'
+    measured    A 12.1 ms   B 10.8 ms   C 11.5 ms   D 13.0 ms
+    chosen      B, then A, C, D (measured), then E ... (predicted)
+
+The configurations take turns, a round of one step each (the first round
+warms up), so that a slow spell of the machine falls on one step of each,
+which the median leaves out. Only configurations that fit are tried: the
+memory limit holds whatever is chosen.
+"""
+import statistics
+from typing import Any, Callable, Dict, List, Optional
+
+from torchgpipe.planner.option import Option
+from torchgpipe.planner.pilot import ModelStep
+from torchgpipe.planner.result import Plan
+
+__all__: List[str] = []
+
+#: Steps timed per configuration, after one to warm up.
+STEPS = 5
+#: How much slower than the fastest a configuration may be predicted and still be tried.
+SPREAD = 1.25
+
+#: The keyword arguments of the pipeline of an option (as ``Plan.kwargs`` gives them).
+Layout = Callable[[Option], Dict[str, Any]]
+
+
+def shortlist(options: List[Option], trials: int) -> List[Option]:
+    """The first ``trials`` of ``options`` (fastest predicted first) predicted within
+    ``SPREAD`` of the fastest."""
+    if not options:
+        return []
+    return [o for o in options[:trials] if o.step <= SPREAD * options[0].step]
+
+
+def tried(options: List[Option], trials: int, steps: ModelStep, layout: Layout
+          ) -> List[Option]:
+    """``options`` (fastest predicted first) with their shortlist timed: those first,
+    fastest measured first, each with its median step in ``measured``; then the rest,
+    as they were. Nothing is timed unless two or more are on the shortlist.
+
+    Args:
+        options: the configurations that fit, fastest predicted first
+        trials: the most configurations to time
+        steps: times a step of the model's copy in a pipeline
+        layout: the pipeline's keyword arguments for an option
+    """
+    short = shortlist(options, trials)
+    if len(short) < 2:
+        return options
+    times: List[List[float]] = [[] for _ in short]
+    for turn in range(STEPS + 1):
+        for option, into in zip(short, times):
+            seconds = steps(layout(option), option.schedule)
+            if turn:
+                into.append(seconds)
+    for option, into in zip(short, times):
+        option.measured = statistics.median(into)
+    return sorted(short, key=lambda o: o.measured or 0.0) + options[len(short):]
+
+
+def order(steps: Optional[ModelStep], trials: int, devices: List[str], processes: bool
+          ) -> Callable[[List[Option]], List[Option]]:
+    """How the planner orders the configurations that fit: with ``steps`` (where the
+    pilot runs), by :func:`tried`, each in the pipeline its plan would make on
+    ``devices`` (ranks, for ``processes``); else as predicted."""
+    if steps is None:
+        return lambda options: options
+    timed = steps
+    return lambda options: tried(
+        options, trials, timed, lambda o: Plan(o, [], devices, None, processes=processes).kwargs)
