@@ -422,6 +422,8 @@ MEMORY_MODELS = {
                                          nn.Linear(32, 4096)),
                            torch.randint(0, 100, (16, 8)), torch.randint(0, 4096, (16, 8)),
                            vocabulary_loss),
+    'tied': lambda: (tied_model(), torch.randint(0, 4096, (16, 8)),
+                     torch.randint(0, 4096, (16, 8)), vocabulary_loss),
     'conv': lambda: (nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(),
                                    nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.Flatten(),
                                    nn.Linear(16 * 16 * 16, 10)),
@@ -429,13 +431,40 @@ MEMORY_MODELS = {
 }
 
 
+def tied_model() -> nn.Sequential:
+    """An embedding and a head that share one weight."""
+    embedding, head = nn.Embedding(4096, 32), nn.Linear(32, 4096, bias=False)
+    head.weight = embedding.weight
+    return nn.Sequential(embedding, nn.Linear(32, 32), nn.GELU(), head)
+
+
+def test_a_weight_two_layers_share_is_counted_once_where_they_are_together() -> None:
+    """The shared weight's bytes (and its gradient's) count once on a worker holding
+    both layers (one tensor there, and a share of the gradient for the second
+    partition), and on each worker holding one."""
+    module, tokens = tied_model(), torch.randint(0, 4096, (16, 8))
+    plan = torchgpipe.plan(module, tokens, devices=['cpu:0', 'cpu:1'], chunks=1,
+                           schedules=['1f1b', 'zbv'], checkpoint=['never'], repeat=1,
+                           trials=0)
+    assert plan.costs is not None and plan.costs.shared == [([0, 3], 4096 * 32 * 4)]
+    weight = 4096 * 32 * 4
+    together = plan.predict('zbv', [1, 1, 1, 1], 1, 'never')  # layers 0 and 3 on worker 0
+    apart = plan.predict('1f1b', [2, 2], 1, 'never')
+    alone = Costs.from_dict({**plan.costs.to_dict(), 'shared': []})
+    untied = predict(alone, Candidate('zbv', (1, 1, 1, 1), 1, 'never', 2, 'v'))
+    assert untied.memory[0] - together.memory[0] == pytest.approx(weight)
+    assert untied.memory[1] == pytest.approx(together.memory[1])
+    assert predict(alone, Candidate('1f1b', (2, 2), 1, 'never', 2)).memory == apart.memory
+
+
 @pytest.mark.parametrize('schedule, chunks, mode', [
     ('fill_drain', 1, 'never'), ('fill_drain', 4, 'never'), ('zb_h1', 4, 'never'),
-    ('fill_drain', 4, 'always'), ('zb_h1', 4, 'always')])
+    ('fill_drain', 4, 'always'), ('zb_h1', 4, 'always'), ('zbv', 4, 'never')])
 @pytest.mark.parametrize('name', MEMORY_MODELS)
 def test_the_predicted_peak_is_the_pipelines(name: str, schedule: str, chunks: int,
                                              mode: str) -> None:
-    """One partition: the predicted activations and working memory are the most a
+    """One worker (one partition, or ZBV's two in a V): the predicted activations and
+    working memory are the most a
     training step of the pipeline holds: with 4 micro-batches, the later ones' weight
     gradients too, until added to the first's, in ``B`` or in ``W``, and without the
     logits from ``I`` on; checkpointed, each micro-batch's input alone until its
@@ -446,11 +475,13 @@ def test_the_predicted_peak_is_the_pipelines(name: str, schedule: str, chunks: i
     torch.manual_seed(0)
     module, input, target, loss_fn = MEMORY_MODELS[name]()
     plan = torchgpipe.plan(module, input, devices=['cpu:0'], target=target, loss_fn=loss_fn,
-                           chunks=chunks, schedules=[schedule], checkpoint=[mode],
+                           chunks=chunks, schedules=['1f1b'], checkpoint=[mode],
                            param_scale=1.0, repeat=1)
     parameters = sum(p.numel() * p.element_size() for p in module.parameters())
-    predicted = plan.predict(schedule, [len(module)], chunks, mode).memory[0] - parameters
-    pipe = GPipe(module, balance=[len(module)], devices=['cpu:0'], chunks=chunks,
+    n = len(module)
+    balance = [n // 2, n - n // 2] if schedule == 'zbv' else [n]
+    predicted = plan.predict(schedule, balance, chunks, mode).memory[0] - parameters
+    pipe = GPipe(module, balance=balance, devices=['cpu:0'] * len(balance), chunks=chunks,
                  checkpoint=mode)
     measured = live_peak(lambda: pipe.train_step(input, target, loss_fn, schedule=schedule),
                          module, input, target)

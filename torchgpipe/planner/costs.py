@@ -93,6 +93,9 @@ class Costs:
         transfer: a message's latency in seconds and its time per byte,
             between two workers (zero within one memory)
         pace: the factor each size's times carry from a pilot of the pipeline
+        shared: each parameter that more than one layer holds (a tied
+            embedding and head): the layers, and its bytes (counted in each
+            layer's ``parameters``, once on a device that holds several)
     """
 
     batch: int
@@ -109,6 +112,7 @@ class Costs:
     #: size's times were scaled by (see :mod:`~torchgpipe.planner.pilot`);
     #: else empty.
     pace: List[float] = field(default_factory=list)
+    shared: List[Tuple[List[int], int]] = field(default_factory=list)
     #: The interpolated costs, by micro-batch size, once asked for.
     _cache: Dict[int, LayerCosts] = field(default_factory=dict, repr=False, compare=False)
 
@@ -251,7 +255,18 @@ def measure(module: nn.Sequential, sample: TensorOrTensors, sizes: Sequence[int]
         table.append(LayerCosts(**costs))
     parameters = [sum(p.numel() * p.element_size() for p in c.parameters()) for c in copies]
     return Costs(batch=batch, sizes=sizes, table=table, parameters=parameters,
+                 shared=shared_parameters(module),
                  entry=tensor_bytes(rows(sample, 1)), loss=loss is not None)
+
+
+def shared_parameters(module: nn.Sequential) -> List[Tuple[List[int], int]]:
+    """Each parameter that more than one layer of ``module`` holds: those layers, and
+    its bytes."""
+    holders: Dict[int, Tuple[List[int], int]] = {}
+    for k, layer in enumerate(module):
+        for p in layer.parameters():
+            holders.setdefault(id(p), ([], p.numel() * p.element_size()))[0].append(k)
+    return [held for held in holders.values() if len(held[0]) > 1]
 
 
 def _loss_at(loss: LossAndTarget, size: int, device: torch.device) -> nn.Module:

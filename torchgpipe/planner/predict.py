@@ -115,6 +115,7 @@ class Partitions:
         gradients, until added to those kept), ``gradients`` (a layer's new
         weight gradients at most), ``held`` (the bytes of its output in
         ``kept`` only because the pipeline holds them, until ``B`` or ``I``),
+        ``retained`` (the gradients of its output kept from ``I`` to ``W``),
         ``entry`` (the bytes of its input) and ``exit`` (of its output).
         """
         key = (j, size)
@@ -146,6 +147,9 @@ class Partitions:
             sums['accumulating'] = max(sums['accumulating'], alone + more - freed)
             freed += kept
         sums['gradients'] = max(accumulating, default=0.0)
+        # The first partition's I computes nothing (no input gradient): W
+        # starts from its outputs, and keeps their gradients until then.
+        sums['retained'] = layers.output[stop - 1] if j == 0 < len(self.bounds) - 2 else 0.0
         if j == 0:
             sums['input'] = 0.0
         sums['weight'] = max(0.0, sums['backward'] - sums['input'])
@@ -223,11 +227,23 @@ def checkpoints(mode: str, m: int) -> List[bool]:
 
 def static_memory(costs: Costs, candidate: Candidate, worker: int,
                   param_scale: float) -> float:
-    """A worker's parameters, their gradients and the optimizer's state, in bytes."""
-    bounds = [sum(candidate.balance[:j]) for j in range(len(candidate.balance) + 1)]
-    held = sum(sum(costs.parameters[bounds[j]:bounds[j + 1]])
-               for j in range(len(candidate.balance)) if candidate.worker_of(j) == worker)
-    return held * param_scale
+    """A worker's parameters, their gradients and the optimizer's state, in bytes.
+
+    A parameter several of its partitions hold (a tied weight) is one tensor
+    there, with one gradient and one optimizer state; each partition after
+    the first that holds it adds its micro-batches' gradients into a share
+    of its own until the step sums them (see ``torchgpipe.foundation.tied``).
+    """
+    n = len(candidate.balance)
+    bounds = [sum(candidate.balance[:j]) for j in range(n + 1)]
+    mine = [j for j in range(n) if candidate.worker_of(j) == worker]
+    held = param_scale * sum(sum(costs.parameters[bounds[j]:bounds[j + 1]]) for j in mine)
+    for holders, nbytes in costs.shared:
+        layers = [k for k in holders if any(bounds[j] <= k < bounds[j + 1] for j in mine)]
+        partitions = {next(j for j in mine if bounds[j] <= k < bounds[j + 1]) for k in layers}
+        if layers:
+            held -= (param_scale * (len(layers) - 1) - (len(partitions) - 1)) * nbytes
+    return held
 
 
 def peak_memory(workers: Sequence[Sequence[Action]], worker: int, parts: Partitions,
@@ -251,8 +267,7 @@ def peak_memory(workers: Sequence[Sequence[Action]], worker: int, parts: Partiti
         # one holds its own until added to them. The first partition's I has
         # no input gradient to compute: its W is the whole backward pass.
         later = action.j in graded
-        whole = action.kind is Kind.B or action.kind is Kind.W and action.j == 0
-        if whole:
+        if action.kind is Kind.B or action.kind is Kind.W and action.j == 0:
             working = part['accumulating' if later else 'working']
         elif action.kind is Kind.I and action.j:
             working = part['working']
@@ -264,7 +279,8 @@ def peak_memory(workers: Sequence[Sequence[Action]], worker: int, parts: Partiti
         if action.kind is Kind.B:
             live -= kept
         elif action.kind is Kind.I:
-            live -= part['held']  # the output: W needs only what autograd saved
+            # The output goes (W needs only what autograd saved), gradients stay.
+            live += part['retained'] - part['held']
         elif action.kind is Kind.W:
-            live -= kept + again - part['held']
+            live -= kept + again - part['held'] + part['retained']
     return peak
