@@ -53,7 +53,7 @@ def plan_and_train(rank: int, world_size: int) -> List[Dict[str, Any]]:
 def two_ranks() -> List[List[Dict[str, Any]]]:
     # Untraced, for its time (tracing about doubles it): the lines only it runs (the
     # calibration's steps across the group) go unmeasured by coverage.py.
-    return run_distributed(plan_and_train, timeout=150, measured=False)
+    return run_distributed(plan_and_train, timeout=240, measured=False)
 
 
 def one_process(plan: Dict[str, Any], config: Config) -> Result:

@@ -7,8 +7,8 @@ by running each schedule's own actions through the simulator with those
 costs (:mod:`~torchgpipe.planner.predict`; on CPU devices, with the pace
 :mod:`~torchgpipe.planner.pilot` measures on the model), and returns the fastest
 that fits the memory limit as a :class:`~torchgpipe.Plan`
-(:mod:`~torchgpipe.planner.result`); on CPU devices, the fastest of the few
-predicted fastest, timed on the model (:mod:`~torchgpipe.planner.trial`).
+(:mod:`~torchgpipe.planner.result`); on two or more CPU devices, the fastest
+of the few predicted fastest, timed on the model (:mod:`~torchgpipe.planner.trial`).
 """
 from contextlib import contextmanager
 from typing import Any, Callable, Generator, Iterable, List, Optional, Sequence, Tuple
@@ -96,7 +96,7 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
         repeat (int): timed runs per layer and micro-batch size (default: ``3``)
         runners_up (int): how many configurations set aside the plan keeps
             (default: ``5``)
-        trials (int): on CPU devices (threads or processes), the most
+        trials (int): on two or more CPU devices (threads or ranks), the most
             configurations, of those predicted fastest, that a copy of the
             model trains in a few steps before the fastest measured is chosen
             (default: ``4``; ``0`` or ``1``: the fastest predicted)

@@ -9,7 +9,7 @@ file and loads back, and compares itself with a traced step
 """
 import json
 import os
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 from torchgpipe.engine.generators import built_in, unknown_name
@@ -27,6 +27,8 @@ __all__: List[str] = []
 #: first format, of plans for one process only, is read too.
 FORMAT = 'torchgpipe-plan/2'
 FORMATS = (FORMAT, 'torchgpipe-plan/1')
+#: What a saved option may hold (a plan saved before trials has no ``measured``).
+FIELDS = {f.name for f in fields(Option)}
 
 
 class Plan:
@@ -158,7 +160,8 @@ class Plan:
         return dict(zip(self.devices, self.chosen.memory))
 
     def table(self) -> List[Dict[str, Any]]:
-        """The chosen configuration and the runners-up as rows of data, fastest first."""
+        """The chosen configuration and the runners-up as rows of data, in order: those
+        tried (``measured``), fastest measured first, then the fastest predicted."""
         return [{'schedule': o.schedule, 'balance': o.balance, 'chunks': o.chunks,
                  'checkpoint': o.checkpoint, 'placement': o.placement, 'step': o.step,
                  'measured': o.measured,
@@ -174,10 +177,10 @@ class Plan:
                  + ', '.join(f'{d} {size(m)}' for d, m in self.memory.items()),
                  '', f'{"step":>10}  {"vs chosen":>9}  {"tried":>10}  {"peak memory":>12}  '
                  'configuration']
-        fastest = max(self.chosen.step, 1e-12)
+        chosen = max(self.chosen.step, 1e-12)
         for o in [self.chosen, *self.runners_up]:
             tried = '-' if o.measured is None else f'{o.measured * 1e3:.2f} ms'
-            lines.append(f'{o.step * 1e3:>7.2f} ms  {o.step / fastest:>8.3f}x  {tried:>10}  '
+            lines.append(f'{o.step * 1e3:>7.2f} ms  {o.step / chosen:>8.3f}x  {tried:>10}  '
                          f'{size(max(o.memory)):>12}  {o.describe()}')
         return '\n'.join(lines)
 
@@ -235,6 +238,9 @@ class Plan:
             raise ValueError(describe(f'a plan file must be one Plan.save wrote, of format '
                                       f'{FORMAT!r}', f'{os.fspath(path)!r}: format {found!r}',
                                       'plan again with torchgpipe.plan and save that'))
-        return cls(Option(**data['chosen']), [Option(**o) for o in data['runners_up']],
+        def read(option: Dict[str, Any]) -> Option:
+            # Fields a later version may add are left out.
+            return Option(**{k: v for k, v in option.items() if k in FIELDS})
+        return cls(read(data['chosen']), [read(o) for o in data['runners_up']],
                    data['devices'], data['memory_limit'],
                    processes=bool(data.get('processes', False)))

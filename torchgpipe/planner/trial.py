@@ -4,15 +4,21 @@ The simulator ranks every configuration from the layers' costs, and on CPU
 its prediction of a step is off by a tenth or so, while steps of one
 configuration differ by a fifth from one to the next. Among configurations
 predicted within a few percent of each other, that error, not what they
-are, decides which comes first. So, where the pilot runs (workers of CPU
-devices, see :mod:`~torchgpipe.planner.pilot`), the planner times the few
+are, decides which comes first. So, where the pilot runs (two or more
+workers of CPU devices, threads or ranks, see
+:mod:`~torchgpipe.planner.pilot`), the planner times the few
 predicted fastest: a copy of the model trains in each, as the plan would
 apply it, and the fastest measured is chosen::
 
-    predicted   A 10.0 ms   B 10.3 ms   C 10.9 ms   D 12.6 ms   E 13.1 ms ...
-                '---------- shortlist: at most `trials`, within SPREAD ---'
+    predicted   A 10.0 ms   B 10.3 ms   C 10.9 ms   D 12.4 ms   E 13.1 ms ...
+                '--- shortlist: at most `trials` kinds, within SPREAD ---'
     measured    A 12.1 ms   B 10.8 ms   C 11.5 ms   D 13.0 ms
-    chosen      B, then A, C, D (measured), then E ... (predicted)
+    chosen      B, then C, A, D (measured), then E ... (predicted)
+
+A kind is a schedule at a number of micro-batches and of checkpointed ones:
+of several balances of one kind, which the search refines one layer at a
+time and predicts within a percent of each other, only the fastest predicted
+is tried.
 
 The configurations take turns, a round of one step each (the first round
 warms up), so that a slow spell of the machine falls on one step of each,
@@ -20,7 +26,7 @@ which the median leaves out. Only configurations that fit are tried: the
 memory limit holds whatever is chosen.
 """
 import statistics
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from torchgpipe.planner.option import Option
 from torchgpipe.planner.pilot import ModelStep
@@ -37,19 +43,33 @@ SPREAD = 1.25
 Layout = Callable[[Option], Dict[str, Any]]
 
 
+def kind(option: Option) -> Tuple[str, int, int]:
+    """What sets configurations apart beyond their balance: the schedule (with its
+    layout), the micro-batches, and how many of them are checkpointed."""
+    checkpointed = {'always': option.chunks, 'except_last': option.chunks - 1}
+    return option.schedule, option.chunks, checkpointed.get(option.checkpoint, 0)
+
+
 def shortlist(options: List[Option], trials: int) -> List[Option]:
-    """The first ``trials`` of ``options`` (fastest predicted first) predicted within
-    ``SPREAD`` of the fastest."""
-    if not options:
-        return []
-    return [o for o in options[:trials] if o.step <= SPREAD * options[0].step]
+    """Of ``options`` (fastest predicted first), the fastest of each :func:`kind`,
+    predicted within ``SPREAD`` of the fastest, ``trials`` at most, in their order.
+
+    Balances of one kind are predicted alike and run alike, give or take the
+    noise: a shortlist of them would time the noise.
+    """
+    short: Dict[Tuple[str, int, int], Option] = {}
+    for option in options:
+        if len(short) == trials or option.step > SPREAD * options[0].step:
+            break
+        short.setdefault(kind(option), option)
+    return list(short.values())
 
 
 def tried(options: List[Option], trials: int, steps: ModelStep, layout: Layout
           ) -> List[Option]:
     """``options`` (fastest predicted first) with their shortlist timed: those first,
     fastest measured first, each with its median step in ``measured``; then the rest,
-    as they were. Nothing is timed unless two or more are on the shortlist.
+    in their order. Nothing is timed unless two or more are on the shortlist.
 
     Args:
         options: the configurations that fit, fastest predicted first
@@ -68,7 +88,8 @@ def tried(options: List[Option], trials: int, steps: ModelStep, layout: Layout
                 into.append(seconds)
     for option, into in zip(short, times):
         option.measured = statistics.median(into)
-    return sorted(short, key=lambda o: o.measured or 0.0) + options[len(short):]
+    rest = [o for o in options if all(o is not s for s in short)]
+    return sorted(short, key=lambda o: o.measured or 0.0) + rest
 
 
 def order(steps: Optional[ModelStep], trials: int, devices: List[str], processes: bool
