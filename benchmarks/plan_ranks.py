@@ -24,8 +24,9 @@ built from its ``Plan.kwargs``:
     follows the live bytes (:func:`benchmarks.memory.fix_malloc`, the heap
     trimmed first). It holds what the C allocator keeps beside the tensors
     (the heaps of the threads that send and receive, freed memory not yet
-    returned), which the planner does not predict: measured, 5-10 MB a rank
-    for these models.
+    returned), which the planner does not predict: in the committed run, a
+    median of 5 MB a rank beyond the tensors for the MLP and the CNN, 25 MB
+    for GPT-2.
 
 The message buffers are not part of either: they last from step to step.
 Before the measurements, the pipeline steps until they are all made
