@@ -5,15 +5,18 @@ thread-local, so the hooks are also installed in the worker threads. Both
 execution paths are measured (the ``threaded`` fixture of conftest.py).
 """
 import threading
-from typing import Any, Dict, Iterator
+import weakref
+from typing import Any, Dict, Generator, Iterator, List
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 import torchgpipe.runtime.worker
 from helpers import cpu_devices, mlp
 from torchgpipe import GPipe
+from torchgpipe.skip import pop, skippable, stash
 
 
 #: The size of the CPU generator's state, which each checkpointed task keeps
@@ -99,3 +102,42 @@ def test_checkpointing_saves_far_less_than_never(saved: SavedBytes, threaded: bo
     assert always < except_last < never
     # 32 layers per micro-batch kept without checkpointing, 4 boundaries with.
     assert always * 4 < never
+
+
+#: Weak references to the skip tensors stashed in checkpointed first passes,
+#: and how many of them were alive at each recomputation.
+first_passes: List['weakref.ref[Tensor]'] = []
+alive_at_recomputation: List[int] = []
+
+
+@skippable(stash=['skip'])
+class StashDoubled(nn.Module):
+    def forward(self, x: Tensor) -> Generator[Any, Any, Tensor]:
+        doubled = x * 2
+        if torch.is_grad_enabled():  # a recomputation: how many of the first passes live?
+            alive_at_recomputation.append(sum(r() is not None for r in first_passes))
+        else:
+            first_passes.append(weakref.ref(doubled))
+        yield stash('skip', doubled)
+        return x
+
+
+@skippable(pop=['skip'])
+class PopAdded(nn.Module):
+    def forward(self, x: Tensor) -> Generator[Any, Any, Tensor]:
+        skip = yield pop('skip')
+        return x + skip
+
+
+def test_a_checkpointed_micro_batch_keeps_no_skip_it_sent_until_its_recomputation(
+        threaded: bool) -> None:
+    """Its recomputation stashes the skip again: the first pass's, held until then, would
+    keep every micro-batch's at once (in another device's or rank's memory, a copy).
+    Fill-drain: every message of the forward passes is taken before any recomputation."""
+    first_passes.clear()
+    alive_at_recomputation.clear()
+    model = nn.Sequential(nn.Linear(8, 8), StashDoubled(), nn.Linear(8, 8), PopAdded())
+    gpipe = GPipe(model, [2, 2], devices=cpu_devices(2, threaded), chunks=4,
+                  checkpoint='always')
+    gpipe.train_step(torch.randn(8, 8), torch.randn(8, 8), F.mse_loss, schedule='fill_drain')
+    assert len(first_passes) == 4 and alive_at_recomputation == [0, 0, 0, 0]

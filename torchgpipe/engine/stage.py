@@ -266,10 +266,12 @@ class Stage:
                                     Parcel(current.output, current.sent_grad,
                                            Ready(self.device, self.stream(i))))
         if current.replay is not None and self.shared.loss is not None:
-            # A checkpointed micro-batch's output is made again by its
-            # recomputation: held until then, it would keep every such
-            # output of the step alive at once (the logits, say).
+            # A checkpointed micro-batch's output, and the skips it sent, are
+            # made again by its recomputation: held until then, they would
+            # keep every such output of the step alive at once (the logits,
+            # say), and on another device or rank every such skip.
             current.output = None
+            current.skips.sent.clear()
 
     def recompute(self, i: int, current: Pass) -> None:
         assert current.replay is not None
