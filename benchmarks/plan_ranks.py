@@ -25,8 +25,8 @@ built from its ``Plan.kwargs``:
     trimmed first). It holds what the C allocator keeps beside the tensors
     (the heaps of the threads that send and receive, freed memory not yet
     returned), which the planner does not predict: in the committed run, a
-    median of 5 MB a rank beyond the tensors for the MLP and the CNN, 25 MB
-    for GPT-2.
+    median of 2.5 MB a rank beyond the tensors for the MLP, 7.4 MB for the
+    CNN and 37 MB for GPT-2.
 
 The message buffers are not part of either: they last from step to step.
 Before the measurements, the pipeline steps until they are all made
