@@ -105,7 +105,8 @@ def test_checkpointing_saves_far_less_than_never(saved: SavedBytes, threaded: bo
 
 
 #: Weak references to the skip tensors stashed in checkpointed first passes,
-#: and how many of them were alive at each recomputation.
+#: and how many of them were alive at each recomputation of the popping
+#: partition (when every first pass has sent its skip, and it has come).
 first_passes: List['weakref.ref[Tensor]'] = []
 alive_at_recomputation: List[int] = []
 
@@ -114,9 +115,7 @@ alive_at_recomputation: List[int] = []
 class StashDoubled(nn.Module):
     def forward(self, x: Tensor) -> Generator[Any, Any, Tensor]:
         doubled = x * 2
-        if torch.is_grad_enabled():  # a recomputation: how many of the first passes live?
-            alive_at_recomputation.append(sum(r() is not None for r in first_passes))
-        else:
+        if not torch.is_grad_enabled():  # a first pass
             first_passes.append(weakref.ref(doubled))
         yield stash('skip', doubled)
         return x
@@ -126,6 +125,8 @@ class StashDoubled(nn.Module):
 class PopAdded(nn.Module):
     def forward(self, x: Tensor) -> Generator[Any, Any, Tensor]:
         skip = yield pop('skip')
+        if torch.is_grad_enabled():  # a recomputation: how many first passes' skips live?
+            alive_at_recomputation.append(sum(r() is not None for r in first_passes))
         return x + skip
 
 

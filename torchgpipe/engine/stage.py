@@ -261,17 +261,19 @@ class Stage:
         # An evaluation keeps no pass, but the outputs it returns.
         keep = self.shared.train or (self.is_last and self.shared.loss is None)
         current = self.passes[i] if keep else self.passes.pop(i)
-        if not self.is_last:
-            self.shared.mailbox.put(Activation(i, self.j + 1),
-                                    Parcel(current.output, current.sent_grad,
-                                           Ready(self.device, self.stream(i))))
+        output = current.output
         if current.replay is not None and self.shared.loss is not None:
             # A checkpointed micro-batch's output, and the skips it sent, are
             # made again by its recomputation: held until then, they would
             # keep every such output of the step alive at once (the logits,
-            # say), and on another device or rank every such skip.
+            # say), and on another device or rank every such skip. Let go
+            # before the output goes: the next partition may run on at once.
             current.output = None
             current.skips.sent.clear()
+        if not self.is_last:
+            self.shared.mailbox.put(Activation(i, self.j + 1),
+                                    Parcel(output, current.sent_grad,
+                                           Ready(self.device, self.stream(i))))
 
     def recompute(self, i: int, current: Pass) -> None:
         assert current.replay is not None
