@@ -30,6 +30,7 @@ the pace of the nearest sizes, on the line between them. At the mini-batch
 micro-batches overlap.
 """
 import copy
+import functools
 import statistics
 import time
 from dataclasses import replace
@@ -97,12 +98,8 @@ def pace(costs: Costs, workers: int, step: Step) -> List[float]:
         if micro_batches(costs.batch, chunks) == [size] * chunks:  # made whole
             pilots[size] = Candidate('1f1b', time_balance(costs, size, workers), chunks,
                                      'never', workers)
-    measured: Dict[int, List[float]] = {size: [] for size in pilots}
-    for turn in range(STEPS + 1):
-        for size, candidate in pilots.items():
-            seconds = step(candidate.balance, candidate.chunks)
-            if turn:
-                measured[size].append(seconds)
+    measured = dict(zip(pilots, in_turns(
+        [functools.partial(step, c.balance, c.chunks) for c in pilots.values()], STEPS)))
     found: Dict[int, float] = {}
     for size, candidate in pilots.items():
         def predicted(factor: float, size: int = size, candidate: Candidate = candidate
@@ -112,6 +109,19 @@ def pace(costs: Costs, workers: int, step: Step) -> List[float]:
         if predicted(0.0) < target < predicted(SLOWEST):
             found[size] = solve(predicted, target, SLOWEST)
     return fill_in(costs.sizes, [found.get(size) for size in costs.sizes])
+
+
+def in_turns(calls: Sequence[Callable[[], float]], rounds: int) -> List[List[float]]:
+    """What each of ``calls`` measured in ``rounds`` turns, after one more to warm up:
+    a turn calls each once, so that a slow spell of the machine falls on one call of
+    each, which a median leaves out."""
+    measured: List[List[float]] = [[] for _ in calls]
+    for turn in range(rounds + 1):
+        for call, into in zip(calls, measured):
+            seconds = call()
+            if turn:
+                into.append(seconds)
+    return measured
 
 
 def fill_in(sizes: Sequence[int], found: Sequence[Optional[float]]) -> List[float]:

@@ -25,11 +25,12 @@ warms up), so that a slow spell of the machine falls on one step of each,
 which the median leaves out. Only configurations that fit are tried: the
 memory limit holds whatever is chosen.
 """
+import functools
 import statistics
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from torchgpipe.planner.option import Option
-from torchgpipe.planner.pilot import ModelStep
+from torchgpipe.planner.pilot import ModelStep, in_turns
 from torchgpipe.planner.result import Plan
 
 __all__: List[str] = []
@@ -80,12 +81,7 @@ def tried(options: List[Option], trials: int, steps: ModelStep, layout: Layout
     short = shortlist(options, trials)
     if len(short) < 2:
         return options
-    times: List[List[float]] = [[] for _ in short]
-    for turn in range(STEPS + 1):
-        for option, into in zip(short, times):
-            seconds = steps(layout(option), option.schedule)
-            if turn:
-                into.append(seconds)
+    times = in_turns([functools.partial(steps, layout(o), o.schedule) for o in short], STEPS)
     for option, into in zip(short, times):
         option.measured = statistics.median(into)
     rest = [o for o in options if all(o is not s for s in short)]
