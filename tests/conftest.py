@@ -14,6 +14,8 @@ import pytest
 import torch
 from helpers import CHECKPOINT_MODES
 
+from torchgpipe.runtime.crew import PARKING
+
 # The repository's root: tests import the benchmarks package too.
 ROOT = str(Path(__file__).resolve().parent.parent)
 if ROOT not in sys.path:
@@ -21,13 +23,16 @@ if ROOT not in sys.path:
 
 
 def worker_threads() -> list:
-    return [t for t in threading.enumerate() if t.name.startswith('torchgpipe worker')]
+    """GPipe's worker threads alive and not parked (idle between calls)."""
+    parked = set(PARKING.parked())
+    return [t for t in threading.enumerate()
+            if t.name.startswith('torchgpipe worker') and t not in parked]
 
 
 @pytest.fixture(autouse=True)
 def no_worker_thread_left() -> Iterator[None]:
     yield
-    assert worker_threads() == [], 'a GPipe worker thread outlived the call'
+    assert worker_threads() == [], 'a GPipe worker thread outlived the call unparked'
 
 
 @pytest.fixture(params=[False, True], ids=['inline', 'threads'])

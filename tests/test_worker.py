@@ -3,6 +3,9 @@
 Both engines run their tasks on these workers: the forward path a clock
 cycle at a time, a training step every action at once.
 """
+import multiprocessing
+import os
+import sys
 import threading
 import time
 from typing import List
@@ -13,6 +16,7 @@ import torch
 from helpers import cpu_devices
 from torchgpipe.foundation.microbatch import Batch
 from torchgpipe.foundation.stream import CPUStream
+from torchgpipe.runtime.crew import PARKING
 from torchgpipe.runtime.worker import Stopped, Task, Turns, spawn_workers
 
 CPU = torch.device('cpu')
@@ -235,3 +239,94 @@ def test_an_exception_wakes_a_task_waiting_for_a_skipped_turn() -> None:
             raise KeyboardInterrupt
     ok, payload = out_queues[1].get()
     assert not ok and isinstance(payload[1], Stopped)
+
+
+def computing_threads(devices: List[torch.device]) -> List[threading.Thread]:
+    """The thread that computed each partition's task."""
+    threads: List[threading.Thread] = [threading.current_thread()] * len(devices)
+
+    def task(j: int) -> Task:
+        def compute() -> Batch:
+            threads[j] = threading.current_thread()
+            return Batch(torch.zeros(1))
+        return Task(CPUStream, compute=compute, finalize=None)
+
+    assert all(ok for ok, _ in run([task(j) for j in range(len(devices))], devices))
+    return threads
+
+
+def test_workers_park_between_calls_and_serve_the_next() -> None:
+    """A thread's first operators are slow: the next call runs on the same threads."""
+    first = computing_threads(THREADED)
+    assert set(first) <= set(PARKING.parked())
+    assert all(thread.is_alive() for thread in first)
+    assert computing_threads(THREADED) == first
+    # A call inside a task of another (a GPipe inside a partition) gets threads of its
+    # own: the outer call's are busy until it ends.
+    inner: List[threading.Thread] = []
+    outer: List[threading.Thread] = []
+
+    def nested() -> Batch:
+        outer.append(threading.current_thread())
+        inner.extend(computing_threads(THREADED))
+        return Batch(torch.zeros(1))
+
+    idle = Task(CPUStream, compute=lambda: Batch(torch.zeros(1)), finalize=None)
+    assert all(ok for ok, _ in run([Task(CPUStream, compute=nested, finalize=None), idle],
+                                   THREADED))
+    assert outer == first[:1] and len(inner) == 2 and not set(inner) & set(first)
+    assert set(inner + first) <= set(PARKING.parked())
+
+
+def test_the_workers_of_a_failed_call_exit_and_the_next_call_starts_others() -> None:
+    parked = computing_threads(THREADED)
+    with pytest.raises(KeyboardInterrupt):
+        with spawn_workers(THREADED) as (in_queues, out_queues):
+            for in_queue in in_queues:
+                in_queue.put(Task(CPUStream, compute=lambda: Batch(torch.zeros(1)),
+                                  finalize=None))
+            for out_queue in out_queues:
+                out_queue.get()
+            raise KeyboardInterrupt
+    assert not any(thread.is_alive() for thread in parked)
+    assert not set(parked) & set(PARKING.parked())
+    fresh = computing_threads(THREADED)
+    assert all(thread.is_alive() for thread in fresh) and not set(fresh) & set(parked)
+
+
+def test_parked_workers_take_the_callers_number_of_intra_op_threads() -> None:
+    """PyTorch sets a thread's intra-op threads at its first operator: a parked worker
+    that started before a change would keep the old number."""
+    threads = torch.get_num_threads()
+    seen: List[int] = []
+    task = Task(CPUStream, compute=lambda: seen.append(torch.get_num_threads()) or
+                Batch(torch.zeros(1)), finalize=None)
+    try:
+        for number in [2, 1, 2]:
+            torch.set_num_threads(number)
+            run([task], THREADED[:1] + THREADED[1:])
+    finally:
+        torch.set_num_threads(threads)
+    assert seen == [2, 1, 2]
+
+
+def _step_in_a_forked_child() -> None:
+    # The child has none of the parent's parked threads: it must start its own.
+    torch.set_num_threads(1)
+    results = run([Task(CPUStream, compute=lambda: Batch(torch.ones(1)), finalize=None)
+                   for _ in THREADED], THREADED)
+    sys.exit(0 if all(ok for ok, _ in results) else 1)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not hasattr(os, 'fork'), reason='os.fork is POSIX only')
+def test_a_forked_child_does_not_wait_for_the_parents_parked_workers() -> None:
+    computing_threads(THREADED)
+    assert PARKING.parked()
+    child = multiprocessing.get_context('fork').Process(target=_step_in_a_forked_child)
+    child.start()
+    child.join(60)
+    alive = child.is_alive()
+    if alive:
+        child.kill()
+    assert not alive and child.exitcode == 0

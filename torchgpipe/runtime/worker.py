@@ -3,9 +3,11 @@
 The tasks of one clock cycle are independent (Section 3.2.1), so the devices
 can work on them at the same time. Each distinct device gets one thread, fed
 through a queue; partitions sharing a device share its thread, so tasks on one
-device run in the order they were issued. A pipeline whose partitions all
-share one device has nothing to overlap: its tasks run in the calling thread,
-which spares a thread switch per task. The executor
+device run in the order they were issued. Between calls the threads park
+(:class:`~torchgpipe.runtime.crew.Parking`), for a thread's first operators
+are slow. A pipeline whose
+partitions all share one device has nothing to overlap: its tasks run in the
+calling thread, which spares a thread switch per task. The executor
 (:func:`torchgpipe.engine.step.execute`) gives each worker one task: its
 device's actions in clock order, which wait for each other's messages.
 
@@ -15,7 +17,8 @@ something that will not come, because the run stopped, ends with
 :class:`Stopped`.
 
 Grad mode and autocast are thread-local in PyTorch; a new thread starts with
-grad enabled and autocast off. The workers take both from the caller, so
+grad enabled and autocast off. The workers take both from the caller at each
+call, with its number of intra-op threads, so
 ``torch.no_grad()`` and ``torch.autocast()`` around a GPipe call work. They
 take its hold of the CPU generator too: a GPipe inside a partition of
 another runs while its caller holds it (see :mod:`torchgpipe.foundation.rng`).
@@ -40,6 +43,7 @@ from torchgpipe.foundation.autocast import (AutocastStates, restore_autocast_sta
 from torchgpipe.foundation.microbatch import Batch
 from torchgpipe.foundation.rng import cpu_generator_owned, holding_for_caller
 from torchgpipe.foundation.stream import AbstractStream, use_device, use_stream
+from torchgpipe.runtime.crew import Crew
 
 __all__: List[str] = []
 
@@ -168,13 +172,19 @@ def run(task: Task) -> Result:
 
 def worker(in_queue: 'Queue[Optional[Task]]', out_queue: 'Queue[Result]', device: torch.device,
            grad_mode: bool, autocast_states: AutocastStates, stopping: threading.Event,
-           held: bool) -> None:
-    """The main loop of a worker thread: computes tasks until it gets ``None``, or is stopped.
+           held: bool, threads: int) -> None:
+    """A worker thread's job for one call: computes tasks until it gets ``None``, or is
+    stopped.
 
     If ``held``, the caller holds the CPU generator while it waits for the
-    tasks: they draw under its hold.
+    tasks: they draw under its hold. ``threads`` is the caller's number of
+    intra-op threads: a thread takes PyTorch's setting at its first
+    operator only, and a parked worker may have started before the caller
+    changed it.
     """
     torch.set_grad_enabled(grad_mode)
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
     with use_device(device), restore_autocast_states(autocast_states), \
             holding_for_caller(held):
         while True:
@@ -184,90 +194,6 @@ def worker(in_queue: 'Queue[Optional[Task]]', out_queue: 'Queue[Result]', device
             out_queue.put(run(task))
             # Do not keep the last task and its tensors alive while idle.
             del task
-
-
-class Crew:
-    """Worker threads that the calling thread can stop, and wait for even through Ctrl-C.
-
-    ``Thread.join`` cannot be trusted once a ``KeyboardInterrupt`` has hit
-    it: on some Python versions (3.11.7 among them) the interrupted join
-    marks the thread as ended while it still runs, and ``is_alive()`` turns
-    false. So each thread says itself when it begins and when it ends, with
-    events, and the caller waits for those, and joins a thread only once
-    it has ended.
-
-    Stopping is a handshake on two flags, each set before the other is
-    read: a thread sets *begun*, then runs its work only if *stopping* is
-    not set; :meth:`stop` sets *stopping*, then waits for every thread that
-    has begun. So a thread either is waited for, or does nothing: none works
-    after :meth:`stop` returns, even if ``start()`` was interrupted.
-    """
-
-    def __init__(self) -> None:
-        #: Set by :meth:`stop`; workers check it before each piece of work.
-        self.stopping = threading.Event()
-        self._lifetimes: List[Tuple[threading.Event, threading.Event, threading.Thread]] = []
-
-    def start(self, target: Callable[[], None], name: str) -> None:
-        """Starts a daemon thread running ``target`` unless the crew is stopping."""
-        begun, ended = threading.Event(), threading.Event()
-
-        def run() -> None:
-            try:
-                begun.set()
-                if not self.stopping.is_set():
-                    target()
-            finally:
-                ended.set()
-
-        # Known before it starts, so that stop() sees its begun flag.
-        thread = threading.Thread(target=run, name=name, daemon=True)
-        self._lifetimes.append((begun, ended, thread))
-        thread.start()
-
-    def wait(self, wake: Optional[Callable[[], None]] = None) -> None:
-        """Waits until every thread has ended, or, after a Ctrl-C meanwhile, stops them first.
-
-        Args:
-            wake: as for :meth:`stop`
-        """
-        try:
-            for _, ended, thread in self._lifetimes:
-                ended.wait()
-                thread.join()
-        except BaseException:
-            self.stop(wake)
-            raise
-
-    def stop(self, wake: Optional[Callable[[], None]] = None) -> None:
-        """Stops the threads, and waits until every one that began has ended.
-
-        Each finishes at most the piece of work it is doing. A
-        ``KeyboardInterrupt`` meanwhile is raised once they all have.
-
-        Args:
-            wake: ends every wait of the threads' work for one another (for
-                a turn, a message), which would otherwise never end; called
-                again on every try, so that a Ctrl-C that cut it short
-                cannot leave a thread waiting
-        """
-        interrupted: Optional[KeyboardInterrupt] = None
-        while True:
-            try:
-                self.stopping.set()
-                if wake is not None:
-                    wake()
-                for begun, ended, thread in self._lifetimes:
-                    if begun.is_set():
-                        ended.wait()
-                        # Its work is done: the join only waits for the
-                        # thread to leave threading's list of live threads.
-                        thread.join()
-                break
-            except KeyboardInterrupt as exc:
-                interrupted = exc
-        if interrupted is not None:
-            raise interrupted
 
 
 class InlineWorker:
@@ -301,14 +227,16 @@ def distinct_devices(devices: Iterable[torch.device]) -> List[torch.device]:
 @contextmanager
 def spawn_workers(devices: Iterable[torch.device], wake: Optional[Callable[[], None]] = None,
                   ) -> Generator[Tuple[List[InQueue], List[OutQueue]], None, None]:
-    """Starts one worker per distinct device, and joins them on exit.
+    """Gives one worker thread to each distinct device, and takes them back on exit.
 
     On a normal exit, the workers finish the tasks left in their queues
     first. On an exception (a failed task re-raised, or Ctrl-C), they skip
     them: each finishes at most the task it is running. Either way the
     context ends only once no worker is left to change tensors behind the
-    caller's back. With a single distinct device, no thread starts: the
-    tasks run in the calling thread, as they are put.
+    caller's back. The threads are parked ones when there are (see
+    :class:`~torchgpipe.runtime.crew.Parking`); after a normal exit they
+    park again, after an exception they have exited. With a single distinct device, no thread
+    works: the tasks run in the calling thread, as they are put.
 
     Args:
         devices: the device of each partition
@@ -333,10 +261,11 @@ def spawn_workers(devices: Iterable[torch.device], wake: Optional[Callable[[], N
     grad_mode = torch.is_grad_enabled()
     autocast_states = save_autocast_states()
     held = cpu_generator_owned()
+    threads = torch.get_num_threads()
     try:
         for device in distinct:
             crew.start(functools.partial(worker, *queues[device], device, grad_mode,
-                                         autocast_states, crew.stopping, held),
+                                         autocast_states, crew.stopping, held, threads),
                        name=f'torchgpipe worker ({device})')
         yield ([queues[d][0] for d in devices], [queues[d][1] for d in devices])
     except BaseException:
