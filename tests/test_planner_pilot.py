@@ -5,7 +5,8 @@ simulator predict them; sizes no number of micro-batches makes whole take
 the line between their neighbours; a plan for CPU threads carries a pace per
 size, and its pilot leaves the model as it was.
 """
-from typing import Dict, List, Optional, Sequence
+import time
+from typing import Any, Dict, List, Optional, Sequence
 
 import pytest
 import torch
@@ -15,10 +16,13 @@ from hypothesis import strategies as st
 from torch import nn
 
 import torchgpipe
+from helpers import cpu_devices
 from test_planner import linear_costs
+from torchgpipe import GPipe
+from torchgpipe.planner import calibrate
 from torchgpipe.planner.costs import Costs
-from torchgpipe.planner.pilot import (SLOWEST, STEPS, fill_in, pace, paced, scaled,
-                                      time_balance)
+from torchgpipe.planner.pilot import (SLOWEST, STEPS, fill_in, model_steps, pace, paced,
+                                      scaled, time_balance)
 from torchgpipe.planner.predict import Candidate, predict
 
 
@@ -137,3 +141,30 @@ def test_a_plan_of_threads_carries_a_pace_per_size_and_leaves_the_model(loss: bo
 def test_one_worker_has_no_pace() -> None:
     plan = torchgpipe.plan(model(), torch.randn(16, 8), devices=['cpu'], chunks=4, repeat=1)
     assert plan.costs is not None and plan.costs.pace == []
+
+
+class SlowToStart(GPipe):
+    """A pipeline whose calls take a second before their first task."""
+
+    def train_step(self, *args: Any, **kwargs: Any) -> Any:
+        time.sleep(1.0)
+        return super().train_step(*args, **kwargs)
+
+
+def test_the_pilot_times_a_step_from_its_first_task_to_its_last(
+        threaded: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the plan predicts, and what a trace shows: not the call's start and end. So do
+    the calibration's steps."""
+    devices = cpu_devices(2, threaded)
+    calls: List[GPipe] = []
+
+    def make(module: nn.Sequential, kwargs: Dict[str, Any]) -> GPipe:
+        calls.append(SlowToStart(module, devices=devices, **kwargs))
+        return calls[-1]
+
+    step = model_steps(model(), torch.randn(16, 8), None, None, make)
+    seconds = step({'balance': [4, 3], 'chunks': 4, 'checkpoint': 'never'}, '1f1b')
+    assert len(calls) == 1 and 0 < seconds < 1.0
+    monkeypatch.setattr(calibrate, 'STEPS', 1)
+    assert calibrate.median_step(calls[0], lambda: calls[0].train_step(
+        torch.randn(16, 8), torch.randn(16, 4), F.mse_loss)) < 1.0

@@ -2,8 +2,9 @@
 
 The overhead per task is measured the way it is used: a pipeline of layers
 too small to cost anything (one ``nn.Linear(1, 1)`` per worker) runs
-training steps of 1F1B, and the step's time, over the number of tasks the
-simulator puts on its longest path, is what each task adds. Checkpointed
+training steps of 1F1B, and the step's time (its tasks' span, as a trace
+gives it: :func:`span`), over the number of tasks the simulator puts on its
+longest path, is what each task adds. Checkpointed
 tasks add more (the recomputation's bookkeeping and the random state they
 restore): the same steps with ``checkpoint='always'`` give that extra; and
 so do split backward passes (the walk that splits the graph), from steps of
@@ -17,7 +18,7 @@ predict the measured steps of a pipeline whose every message is large.
 import statistics
 import time
 from fractions import Fraction
-from typing import Callable, List, Sequence, Tuple, cast
+from typing import Any, Callable, List, Sequence, Tuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,7 @@ from torchgpipe.foundation.placement import same_memory
 from torchgpipe.gpipe import GPipe
 from torchgpipe.planner.costs import measure
 from torchgpipe.planner.predict import Candidate, predict
+from torchgpipe.timeline import trace
 
 __all__: List[str] = []
 
@@ -85,24 +87,34 @@ def threads(devices: Sequence[torch.device]) -> Timer:
         pipe = GPipe(model, [1] * len(devices), devices=list(devices), chunks=CHUNKS,
                      checkpoint=checkpoint)
         target = torch.zeros_like(input)
-        return median_step(lambda: pipe.train_step(input, target, zeros_loss,
-                                                   schedule=schedule))
+        return median_step(pipe, lambda: pipe.train_step(input, target, zeros_loss,
+                                                         schedule=schedule))
     return timer
 
 
-def median_step(step: Callable[[], object],
+def median_step(pipe: Any, step: Callable[[], object],
                 ready: Callable[[], object] = lambda: None) -> float:
-    """The median time of ``step()``, the first call (which starts the workers) left out.
+    """The median time of ``step()`` of ``pipe`` (as :func:`span` measures it), the first
+    call (which starts the workers) left out.
 
     ``ready()`` runs before each step, untimed.
     """
     times = []
     for _ in range(STEPS + 1):
         ready()
-        started = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - started)
+        times.append(span(pipe, step))
     return statistics.median(times[1:])
+
+
+def span(pipe: Any, step: Callable[[], object]) -> float:
+    """The time of one training step of ``pipe`` (a GPipe or a DistributedGPipe, every
+    rank's), ``step()``: from its first task's start to its last task's end, as a trace
+    of the step gives it and the simulator predicts it, without the call's own start
+    and end around them. Across processes, every rank must call it together.
+    """
+    with trace(pipe) as timeline:
+        step()
+    return timeline.summary(0).step_time
 
 
 def _span(schedule: str, p: int, split: float, plain: float = 1.0) -> float:

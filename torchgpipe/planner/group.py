@@ -177,8 +177,8 @@ class Team:
             pipe = DistributedGPipe(model, [1] * self.size, chunks=CHUNKS, checkpoint=checkpoint,
                                     group=self.group, device=self.device)
             target = torch.zeros_like(input)
-            mine = median_step(lambda: pipe.train_step(input, target, zeros_loss,
-                                                       schedule=schedule), self.barrier)
+            mine = median_step(pipe, lambda: pipe.train_step(input, target, zeros_loss,
+                                                             schedule=schedule), self.barrier)
             return self.slowest(mine)
         return timed
 

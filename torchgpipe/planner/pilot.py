@@ -32,7 +32,6 @@ micro-batches overlap.
 import copy
 import functools
 import statistics
-import time
 from dataclasses import replace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -43,7 +42,7 @@ from torchgpipe.balance import blockpartition
 from torchgpipe.engine.step import LossFunction
 from torchgpipe.foundation.microbatch import Batch, TensorOrTensors
 from torchgpipe.gpipe import GPipe
-from torchgpipe.planner.calibrate import solve
+from torchgpipe.planner.calibrate import solve, span
 from torchgpipe.planner.costs import Costs
 from torchgpipe.planner.predict import Candidate, micro_batches, predict
 
@@ -186,9 +185,9 @@ def model_steps(module: nn.Sequential, sample: TensorOrTensors,
             pipes[key] = make(model, kwargs)
         model.zero_grad()
         ready()
-        started = time.perf_counter()
-        pipes[key].train_step(sample, labels, loss, schedule=schedule)
-        return agree(time.perf_counter() - started)
+        pipe = pipes[key]
+        return agree(span(pipe, functools.partial(pipe.train_step, sample, labels, loss,
+                                                  schedule=schedule)))
     return step
 
 
