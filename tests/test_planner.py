@@ -15,7 +15,7 @@ import torchgpipe
 from torchgpipe import GPipe, Plan
 from torchgpipe.engine.generators import named
 from torchgpipe.engine.schedule import Kind, simulate
-from torchgpipe.planner.costs import Costs, LayerCosts, measure
+from torchgpipe.planner.costs import Costs, LayerCosts, measure, tensor_bytes
 from torchgpipe.planner.predict import Candidate, micro_batches, predict
 from torchgpipe.planner.search import SHAPES, CHECKPOINTS, chunk_counts, search
 
@@ -497,3 +497,28 @@ def test_the_predicted_peak_is_the_pipelines(name: str, schedule: str, chunks: i
         unwrapped = live_peak(lambda: loss_fn(module(input), target).backward(), module,
                               input, target)
         assert unwrapped <= measured
+
+
+@pytest.mark.parametrize('name', MEMORY_MODELS)
+def test_the_gradients_i_keeps_for_w_are_the_layers_sum(name: str) -> None:
+    """A partition after the first, its backward pass split: what ``I`` leaves alive for
+    ``W`` (the gradients that reached each node leading to a weight) is the sum of what
+    the planner measured for each of its layers alone."""
+    from torchgpipe.engine.split import input_pass
+    from torchgpipe.planner.working import Live
+    torch.manual_seed(0)
+    module, input, target, loss_fn = MEMORY_MODELS[name]()
+    plan = torchgpipe.plan(module, input, devices=['cpu:0'], chunks=1, schedules=['1f1b'],
+                           checkpoint=['never'], repeat=1)
+    assert plan.costs is not None
+    predicted = sum(plan.costs.at(input.size(0)).retained[1:])
+    leaf = module[0](input).detach().requires_grad_()
+    live = Live({t.untyped_storage().data_ptr() for t in [*module.parameters(), leaf]})
+    with live:
+        output = module[1:](leaf.clone())
+        since = len(live.log)
+        weights = input_pass([output], [torch.ones_like(output)], [leaf])
+        made = {number for number in live.alive.values() if number >= since}
+        kept = sum(live.log[number][1] for number in made) - tensor_bytes(leaf.grad)
+        weights.run()
+    assert predicted > 0 and abs(predicted / kept - 1) < 0.1, (predicted, kept)

@@ -42,7 +42,7 @@ from torchgpipe.balance.profile import (SandboxSkipTracker, detach_tensor, fresh
                                         refuse_gradients, synchronize, to_device)
 from torchgpipe.engine.step import LossFunction
 from torchgpipe.foundation.microbatch import Batch, TensorOrTensors, map_tensors
-from torchgpipe.planner.working import working_memory
+from torchgpipe.planner.working import retained_for_weights, working_memory
 from torchgpipe.skip.tracker import SkipTracker, use_skip_tracker
 
 __all__: List[str] = []
@@ -50,7 +50,7 @@ __all__: List[str] = []
 #: What :func:`measure` reads of each layer, at each micro-batch size: times in seconds.
 TIMES = ('forward', 'input', 'backward')
 #: ... and memory in bytes.
-BYTES = ('kept', 'output', 'working', 'unsaved', 'accumulating')
+BYTES = ('kept', 'output', 'working', 'unsaved', 'accumulating', 'retained')
 
 
 @dataclass
@@ -74,6 +74,10 @@ class LayerCosts:
     #: accumulate (every micro-batch of a step after the first): the new
     #: gradients, until added. Empty in costs saved before it was measured.
     accumulating: List[float] = field(default_factory=list)
+    #: The gradients a split backward pass keeps from ``I`` to ``W``
+    #: (:func:`~torchgpipe.planner.working.retained_for_weights`). Empty in
+    #: costs saved before it was measured.
+    retained: List[float] = field(default_factory=list)
 
 
 @dataclass
@@ -288,6 +292,7 @@ def _first_pass(layers: Sequence[nn.Module], values: TensorOrTensors,
     output: List[float] = []
     working: List[float] = []
     accumulating: List[float] = []
+    retained: List[float] = []
     unsaved: List[float] = []  # the bytes of each output autograd did not save
     saves_input: List[bool] = []
     for layer in layers:
@@ -302,6 +307,10 @@ def _first_pass(layers: Sequence[nn.Module], values: TensorOrTensors,
         # pop takes its skip tensor: the second pass pops it again.
         waiting = dict(tracker.tensors)
         _, again = working_memory(layer, fresh_input(values), forward, accumulating=True)
+        tracker.tensors.clear()
+        tracker.tensors.update(waiting)
+        # And once more, its backward pass split in two, as zero-bubble schedules run it.
+        retained.append(float(retained_for_weights(layer, values, forward)))
         tracker.tensors.clear()
         tracker.tensors.update(waiting)
         result, most = working_memory(layer, fresh_input(values), forward)
@@ -321,7 +330,7 @@ def _first_pass(layers: Sequence[nn.Module], values: TensorOrTensors,
         else:
             unsaved[k] = 0.0
     return {'kept': kept, 'output': output, 'working': working, 'unsaved': unsaved,
-            'accumulating': accumulating}
+            'accumulating': accumulating, 'retained': retained}
 
 
 def _timed_pass(layers: Sequence[nn.Module], sample: TensorOrTensors, device: torch.device,

@@ -14,8 +14,10 @@ and, when the next partition is on another worker, the message::
 The memory walks each worker's actions in order: a forward pass keeps the
 partition's activations (only its input, if checkpointed) until the
 micro-batch's backward pass frees them (``I`` frees the partition's output,
-if autograd did not save it: ``W`` does not need it); the recomputation
-brings them back for the length of ``B``, or from ``I`` to ``W``; a backward pass holds its
+if autograd did not save it: ``W`` does not need it, but it needs the
+gradients ``I`` left at each node leading to a weight, kept until then);
+the recomputation brings them back for the length of ``B``, or from ``I``
+to ``W``; a backward pass holds its
 gradients and temporaries beside them while it runs, and, for every
 micro-batch after the partition's first, the new gradients of its weights
 until they are added to those kept. Parameters, their gradients and the
@@ -115,7 +117,7 @@ class Partitions:
         gradients, until added to those kept), ``gradients`` (a layer's new
         weight gradients at most), ``held`` (the bytes of its output in
         ``kept`` only because the pipeline holds them, until ``B`` or ``I``),
-        ``retained`` (the gradients of its output kept from ``I`` to ``W``),
+        ``retained`` (the gradients kept from ``I`` to ``W``),
         ``entry`` (the bytes of its input) and ``exit`` (of its output).
         """
         key = (j, size)
@@ -148,8 +150,13 @@ class Partitions:
             freed += kept
         sums['gradients'] = max(accumulating, default=0.0)
         # The first partition's I computes nothing (no input gradient): W
-        # starts from its outputs, and keeps their gradients until then.
-        sums['retained'] = layers.output[stop - 1] if j == 0 < len(self.bounds) - 2 else 0.0
+        # starts from its outputs, and keeps their gradients until then. A
+        # later one's I keeps the gradients that reached its layers' nodes
+        # leading to a weight, where W starts.
+        if j == 0:
+            sums['retained'] = layers.output[stop - 1] if len(self.bounds) > 2 else 0.0
+        else:
+            sums['retained'] = sum(layers.retained[start:stop])
         if j == 0:
             sums['input'] = 0.0
         sums['weight'] = max(0.0, sums['backward'] - sums['input'])

@@ -28,7 +28,9 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from torchgpipe.foundation.microbatch import Batch, TensorOrTensors
+from torchgpipe.balance.profile import detach_tensor
+from torchgpipe.engine.split import input_pass
+from torchgpipe.foundation.microbatch import Batch, TensorOrTensors, map_tensors
 
 __all__: List[str] = []
 
@@ -129,3 +131,33 @@ def working_memory(layer: nn.Module, values: TensorOrTensors,
     for p in parameters:
         p.grad = None
     return output, live.peak(weights, since)
+
+
+def retained_for_weights(layer: nn.Module, values: TensorOrTensors,
+                         forward: Callable[[TensorOrTensors], TensorOrTensors]) -> int:
+    """Runs ``forward(values)``, the pass of ``layer``, and the first half of a split
+    backward pass (``I``, :func:`torchgpipe.engine.split.input_pass`); returns the bytes
+    of the gradients ``I`` keeps for ``W``.
+
+    ``I`` computes the gradient of the layer's input only; each node on the
+    way that leads to a weight (a linear layer's, a convolution's) keeps the
+    gradient it received, for ``W`` to start from. They stay alive from one
+    to the other, beside the activations: as large as the outputs of those
+    nodes, the layer's output among them if its last node is one. Nothing is
+    kept when the input needs no gradient (``I`` has nothing to compute).
+    The weights are left without gradients.
+    """
+    leaves = map_tensors(detach_tensor, values)
+    inputs = [x for x in Batch(leaves) if isinstance(x, Tensor) and x.requires_grad]
+    # A copy, not the leaves: the layer may work in place (ReLU(inplace=True)).
+    output = forward(map_tensors(torch.Tensor.clone, leaves))
+    ends = [y for y in Batch(output) if isinstance(y, Tensor) and y.requires_grad]
+    if not ends or not inputs:
+        return 0
+    weights = input_pass(ends, [torch.ones_like(y) for y in ends], inputs)
+    storages = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes()
+                for grads in weights.kept.values() for g in grads if g is not None}
+    weights.run()
+    for p in layer.parameters():
+        p.grad = None
+    return sum(storages.values())
