@@ -13,14 +13,13 @@ schedule runs apart::
 ``W`` goes on from there).
 
 The memory comes from a pass of each layer on the detached output of the
-one before, so that each layer's share is its own: the bytes the forward pass keeps for
-the backward pass (the tensors autograd saves, the outputs the next layer
-saves and stashed skip tensors, each storage once; see
-:func:`~torchgpipe.balance.profile.kept_by_forward`),
-the bytes of the output (what a boundary after the layer sends), the most
-its backward pass holds beside them (gradients and temporaries; see
-:mod:`~torchgpipe.planner.working`), and the bytes of the parameters. A
-loss, if given, is measured as one more layer, which the last partition runs.
+one before, so that each layer's share is its own: the bytes the forward
+pass keeps for the backward pass (the tensors autograd saves, the outputs
+the next layer saves and stashed skip tensors, each storage once; see
+:func:`~torchgpipe.balance.profile.kept_by_forward`), of the output (what
+a boundary after the layer sends), the most its backward pass holds beside
+them and what ``I`` keeps for ``W`` (see :mod:`~torchgpipe.planner.working`),
+of the parameters. A loss is measured as one more layer, the last's.
 
 Sizes in between those measured are read by linear interpolation
 (:meth:`Costs.at`): a layer's time grows with its micro-batch in steps, not
@@ -74,9 +73,7 @@ class LayerCosts:
     #: accumulate (every micro-batch of a step after the first): the new
     #: gradients, until added. Empty in costs saved before it was measured.
     accumulating: List[float] = field(default_factory=list)
-    #: The gradients a split backward pass keeps from ``I`` to ``W``
-    #: (:func:`~torchgpipe.planner.working.retained_for_weights`). Empty in
-    #: costs saved before it was measured.
+    #: What a split backward pass keeps from ``I`` to ``W`` (empty in older costs).
     retained: List[float] = field(default_factory=list)
 
 
@@ -207,14 +204,13 @@ def measure(module: nn.Sequential, sample: TensorOrTensors, sizes: Sequence[int]
     there, with the graph of a pass at the largest size), then, at each
     size, run in whole passes as training runs them: every layer's forward
     pass in order, then one backward pass, timed at each layer's boundary.
-    A first pass, of each layer on the detached
-    output of the one before, reads the memory. Then, in rounds that visit
-    every size in turn, a pass with ``I`` alone and one with ``B`` whole:
-    the first round warms up, the next ``repeat`` are timed, and the median
-    of each time is kept. (A layer timed alone, again and again, finds its
-    weights in the cache, which a whole pass does not: times measured so
-    come out too short.) ``module`` itself is left as it
-    is, and so are the random number generators.
+    A first pass, of each layer on the detached output of the one before,
+    reads the memory. Then, in rounds that visit every size in turn, a pass
+    with ``I`` alone and one with ``B`` whole: the first round warms up, the
+    next ``repeat`` are timed, and the median of each time is kept. (A layer
+    timed alone, again and again, finds its weights in the cache, which a
+    whole pass does not: times so measured come out too short.) ``module``
+    and the random number generators are left as they were.
 
     Args:
         module: the model
@@ -303,13 +299,12 @@ def _first_pass(layers: Sequence[nn.Module], values: TensorOrTensors,
             inputs = {y.untyped_storage().data_ptr() for y in Batch(x)}
             storages.append((held, saved, inputs))
             return result
-        # Twice: as the first micro-batch of a step, and as a later one. A
-        # pop takes its skip tensor: the second pass pops it again.
+        # As the first micro-batch of a step, a later one, and split in two:
+        # a pop takes its skip tensor, so each pass gets it back after.
         waiting = dict(tracker.tensors)
         _, again = working_memory(layer, fresh_input(values), forward, accumulating=True)
         tracker.tensors.clear()
         tracker.tensors.update(waiting)
-        # And once more, its backward pass split in two, as zero-bubble schedules run it.
         retained.append(float(retained_for_weights(layer, values, forward)))
         tracker.tensors.clear()
         tracker.tensors.update(waiting)
