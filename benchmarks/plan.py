@@ -47,6 +47,7 @@ against its measured one (target: within 10%). The even split is not
 compared there.
 """
 import copy
+import gc
 import statistics
 import sys
 import time
@@ -143,12 +144,21 @@ def traced_step(module: nn.Sequential, option: Option, plan: Plan, input: Tensor
     layout = Plan(option, [], plan.devices, None)
     pipe = GPipe(module, **layout.kwargs)
     pipe.train_step(input, target, loss, schedule=option.schedule)
+    settled()
     with torchgpipe.trace(pipe) as timeline:
         for _ in range(rounds):
             pipe.train_step(input, target, loss, schedule=option.schedule)
             synchronize(pipe.devices)
     module.zero_grad(set_to_none=True)
     return steps_of(timeline, rounds)
+
+
+def settled() -> None:
+    """Collects the garbage of what ran before (the planner's copies, the pipelines of
+    the configurations measured before), so that no collection of it falls within the
+    steps timed next: the first configuration measured, the choice, came right after
+    the planner and ran a fifth slower in some runs."""
+    gc.collect()
 
 
 def steps_of(timeline: Timeline, rounds: int) -> Tuple[float, Row]:

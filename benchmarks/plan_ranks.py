@@ -94,6 +94,7 @@ def measure(module: nn.Sequential, option: Option, plan: Plan, input: Any, targe
             loss: Any, rounds: int) -> Tuple[float, Dict[str, Any]]:
     """A configuration's median traced step, and each rank's peak memory in its step
     beside its prediction."""
+    from benchmarks.plan import settled, steps_of  # imported here: it imports this module
     layout = Plan(option, [], plan.devices, None, processes=True)
     with warnings.catch_warnings():
         # A configuration of the grid may leave a rank only layers without
@@ -114,11 +115,11 @@ def measure(module: nn.Sequential, option: Option, plan: Plan, input: Any, targe
     tensors = tensor_peak(module, step) + own
     memory: List[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(memory, (float(tensors), float(resident)))
+    settled()
     with torchgpipe.trace(pipe) as timeline:
         for _ in range(rounds):
             step()
     module.zero_grad(set_to_none=True)
-    from benchmarks.plan import steps_of  # imported here: it imports this module
     step_time, steps = steps_of(timeline, rounds)
     return step_time, {**steps, 'memory_predicted': option.memory,
                        'memory_measured': [m[0] for m in memory],

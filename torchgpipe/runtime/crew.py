@@ -19,7 +19,7 @@ class Hand:
 
     def __init__(self, name: str) -> None:
         self.jobs: 'Queue[Optional[Callable[[], None]]]' = Queue()
-        #: Set once the thread has left its loop (or failed to start).
+        #: Set once the thread has left its loop.
         self.exited = threading.Event()
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
 
