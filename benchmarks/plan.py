@@ -139,12 +139,13 @@ def transformer(scale: int) -> Tuple[nn.Sequential, Tensor, Tensor, Loss]:
 
 def traced_step(module: nn.Sequential, option: Option, plan: Plan, input: Tensor,
                 target: Tensor, loss: Loss, rounds: int) -> Tuple[float, Row]:
-    """The median time of ``rounds`` traced training steps of a configuration, after one
-    more; and every step's time (``steps``)."""
+    """The median time of ``rounds`` traced training steps of a configuration, after
+    :data:`WARM_UP` more; and every step's time (``steps``)."""
     layout = Plan(option, [], plan.devices, None)
     pipe = GPipe(module, **layout.kwargs)
-    pipe.train_step(input, target, loss, schedule=option.schedule)
     settled()
+    for _ in range(WARM_UP):
+        pipe.train_step(input, target, loss, schedule=option.schedule)
     with torchgpipe.trace(pipe) as timeline:
         for _ in range(rounds):
             pipe.train_step(input, target, loss, schedule=option.schedule)
@@ -153,11 +154,17 @@ def traced_step(module: nn.Sequential, option: Option, plan: Plan, input: Tensor
     return steps_of(timeline, rounds)
 
 
+#: Untimed steps before a configuration's timed ones.
+WARM_UP = 3
+
+
 def settled() -> None:
     """Collects the garbage of what ran before (the planner's copies, the pipelines of
     the configurations measured before), so that no collection of it falls within the
     steps timed next: the first configuration measured, the choice, came right after
-    the planner and ran a fifth slower in some runs."""
+    the planner and ran a fifth slower in some runs. The first two or three steps after
+    a collection run slower too (by up to half, on the MLP): :data:`WARM_UP` steps
+    come between."""
     gc.collect()
 
 

@@ -6,7 +6,8 @@ grid (and the choice) as a :class:`~torchgpipe.distributed.DistributedGPipe`
 built from its ``Plan.kwargs``:
 
 - the step time: the median of a few steps traced on every rank
-  (:func:`torchgpipe.trace`), after one untimed step;
+  (:func:`torchgpipe.trace`), after the memory's steps and a few more
+  (``WARM_UP``);
 - each rank's peak memory, two ways, beside the prediction (its activations
   at their peak, and ``param_scale`` 2: the parameters and their gradients),
   each measured in a step of its own after the gradients are dropped, plus
@@ -94,7 +95,7 @@ def measure(module: nn.Sequential, option: Option, plan: Plan, input: Any, targe
             loss: Any, rounds: int) -> Tuple[float, Dict[str, Any]]:
     """A configuration's median traced step, and each rank's peak memory in its step
     beside its prediction."""
-    from benchmarks.plan import settled, steps_of  # imported here: it imports this module
+    from benchmarks.plan import WARM_UP, settled, steps_of  # it imports this module
     layout = Plan(option, [], plan.devices, None, processes=True)
     with warnings.catch_warnings():
         # A configuration of the grid may leave a rank only layers without
@@ -104,6 +105,7 @@ def measure(module: nn.Sequential, option: Option, plan: Plan, input: Any, targe
 
     def step() -> None:
         pipe.train_step(input, target, loss, schedule=option.schedule)
+    settled()
     settle(step)
     own = sum(p.numel() * p.element_size() for p in pipe.parameters())
     module.zero_grad(set_to_none=True)
@@ -115,7 +117,8 @@ def measure(module: nn.Sequential, option: Option, plan: Plan, input: Any, targe
     tensors = tensor_peak(module, step) + own
     memory: List[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(memory, (float(tensors), float(resident)))
-    settled()
+    for _ in range(WARM_UP):
+        step()
     with torchgpipe.trace(pipe) as timeline:
         for _ in range(rounds):
             step()
