@@ -320,6 +320,9 @@ def _step_in_a_forked_child() -> None:
 
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not hasattr(os, 'fork'), reason='os.fork is POSIX only')
+# Python 3.12 and later warn of any fork of a process with threads: the one forked
+# here has the parked ones, which is the point.
+@pytest.mark.filterwarnings('ignore:This process .* is multi-threaded:DeprecationWarning')
 def test_a_forked_child_does_not_wait_for_the_parents_parked_workers() -> None:
     computing_threads(THREADED)
     assert PARKING.parked()

@@ -3,10 +3,10 @@
 The overhead per task is measured the way it is used: a pipeline of layers
 too small to cost anything (one ``nn.Linear(1, 1)`` per worker) runs
 training steps of 1F1B, and the step's time (its tasks' span, as a trace
-gives it: :func:`span`), over the number of tasks the simulator puts on its
-longest path, is what each task adds. Checkpointed
-tasks add more (the recomputation's bookkeeping and the random state they
-restore): the same steps with ``checkpoint='always'`` give that extra; and
+gives it: :func:`traced_span`), over the number of tasks the simulator puts
+on its longest path, is what each task adds. Checkpointed tasks add more
+(the recomputation's bookkeeping and the random state they restore): the
+same steps with ``checkpoint='always'`` give that extra; and
 so do split backward passes (the walk that splits the graph), from steps of
 ZB-H1.
 
@@ -94,19 +94,19 @@ def threads(devices: Sequence[torch.device]) -> Timer:
 
 def median_step(pipe: Any, step: Callable[[], object],
                 ready: Callable[[], object] = lambda: None) -> float:
-    """The median time of ``step()`` of ``pipe`` (as :func:`span` measures it), the first
-    call (which starts the workers) left out.
+    """The median time of ``step()`` of ``pipe`` (as :func:`traced_span` measures it),
+    the first call (which starts the workers) left out.
 
     ``ready()`` runs before each step, untimed.
     """
     times = []
     for _ in range(STEPS + 1):
         ready()
-        times.append(span(pipe, step))
+        times.append(traced_span(pipe, step))
     return statistics.median(times[1:])
 
 
-def span(pipe: Any, step: Callable[[], object]) -> float:
+def traced_span(pipe: Any, step: Callable[[], object]) -> float:
     """The time of one training step of ``pipe`` (a GPipe or a DistributedGPipe, every
     rank's), ``step()``: from its first task's start to its last task's end, as a trace
     of the step gives it and the simulator predicts it, without the call's own start

@@ -18,8 +18,8 @@ pass keeps for the backward pass (the tensors autograd saves, the outputs
 the next layer saves and stashed skip tensors, each storage once; see
 :func:`~torchgpipe.balance.profile.kept_by_forward`), of the output (what
 a boundary after the layer sends), the most its backward pass holds beside
-them and what ``I`` keeps for ``W`` (see :mod:`~torchgpipe.planner.working`),
-of the parameters. A loss is measured as one more layer, the last's.
+them and what ``I`` keeps for ``W`` (:mod:`~torchgpipe.planner.working`),
+and of the parameters. A loss is measured as one more layer, the last's.
 
 Sizes in between those measured are read by linear interpolation
 (:meth:`Costs.at`): a layer's time grows with its micro-batch in steps, not

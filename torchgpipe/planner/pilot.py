@@ -42,7 +42,7 @@ from torchgpipe.balance import blockpartition
 from torchgpipe.engine.step import LossFunction
 from torchgpipe.foundation.microbatch import Batch, TensorOrTensors
 from torchgpipe.gpipe import GPipe
-from torchgpipe.planner.calibrate import solve, span
+from torchgpipe.planner.calibrate import solve, traced_span
 from torchgpipe.planner.costs import Costs
 from torchgpipe.planner.predict import Candidate, micro_batches, predict
 
@@ -186,8 +186,8 @@ def model_steps(module: nn.Sequential, sample: TensorOrTensors,
         model.zero_grad()
         ready()
         pipe = pipes[key]
-        return agree(span(pipe, functools.partial(pipe.train_step, sample, labels, loss,
-                                                  schedule=schedule)))
+        return agree(traced_span(pipe, functools.partial(
+            pipe.train_step, sample, labels, loss, schedule=schedule)))
     return step
 
 
