@@ -5,9 +5,9 @@ can work on them at the same time. Each distinct device gets one thread, fed
 through a queue; partitions sharing a device share its thread, so tasks on one
 device run in the order they were issued. Between calls the threads park
 (:class:`~torchgpipe.runtime.crew.Parking`), for a thread's first operators
-are slow. A pipeline whose
-partitions all share one device has nothing to overlap: its tasks run in the
-calling thread, which spares a thread switch per task. The executor
+are slow. A pipeline whose partitions all share one device has nothing to
+overlap: its tasks run in the calling thread, which spares a thread switch
+per task. The executor
 (:func:`torchgpipe.engine.step.execute`) gives each worker one task: its
 device's actions in clock order, which wait for each other's messages.
 
