@@ -13,6 +13,7 @@ from typing import List
 import pytest
 import torch
 
+from conftest import worker_threads
 from helpers import cpu_devices
 from torchgpipe.foundation.microbatch import Batch
 from torchgpipe.foundation.stream import CPUStream
@@ -333,3 +334,14 @@ def test_a_forked_child_does_not_wait_for_the_parents_parked_workers() -> None:
     if alive:
         child.kill()
     assert not alive and child.exitcode == 0
+
+
+def test_a_call_that_fails_before_its_workers_wake_still_waits_for_them_to_exit() -> None:
+    """A parked thread wakes up to its job in its own time: a call that fails at once
+    (before any job began) returns only once its threads have exited all the same."""
+    for _ in range(50):
+        parked = computing_threads(THREADED)
+        with pytest.raises(ValueError):
+            with spawn_workers(THREADED):
+                raise ValueError('at once')
+        assert worker_threads() == [] and not any(t.is_alive() for t in parked)

@@ -101,13 +101,16 @@ class Crew:
 
     Threads come from :data:`PARKING`. :meth:`wait` parks them again once
     their jobs have ended; :meth:`stop` retires them, and waits until every
-    one whose job began has exited.
+    one that runs has exited: a parked thread may not have woken up to its
+    job yet, and does nothing but exit once it does.
     """
 
     def __init__(self) -> None:
         #: Set by :meth:`stop`; workers check it before each piece of work.
         self.stopping = threading.Event()
         self._jobs: List[Tuple[threading.Event, threading.Event, List[bool], Hand]] = []
+        #: The hands whose threads run (parked before, or started).
+        self._running: List[Hand] = []
 
     def start(self, target: Callable[[], None], name: str) -> None:
         """Runs ``target`` in a worker thread named ``name`` unless the crew is stopping."""
@@ -128,6 +131,7 @@ class Crew:
         hand.jobs.put(job)
         if hand.thread.ident is None:
             hand.thread.start()
+        self._running.append(hand)
 
     def wait(self, wake: Optional[Callable[[], None]] = None) -> None:
         """Waits until every job has ended, then parks the threads; after a Ctrl-C
@@ -145,11 +149,13 @@ class Crew:
         for _, _, clean, hand in self._jobs:
             if clean[0]:
                 PARKING.park(hand)
-            else:  # its job raised past the worker's own handling: let the thread end
+            else:  # its job raised past the worker's own handling: the thread ends
                 hand.jobs.put(None)
+                hand.exited.wait()
+                hand.thread.join()
 
     def stop(self, wake: Optional[Callable[[], None]] = None) -> None:
-        """Stops the jobs, and waits until every thread whose job began has exited.
+        """Stops the jobs, and waits until every thread that runs has exited.
 
         Each finishes at most the piece of work it is doing. A
         ``KeyboardInterrupt`` meanwhile is raised once they all have.
@@ -172,7 +178,7 @@ class Crew:
                         hand.jobs.put(None)
                     retired = True
                 for begun, _, _, hand in self._jobs:
-                    if begun.is_set():
+                    if begun.is_set() or hand in self._running:
                         hand.exited.wait()
                         # Its loop is done: the join only waits for the
                         # thread to leave threading's list of live threads.
