@@ -1,7 +1,7 @@
 """The planner: its predictions are the simulator's, its choice fits and is the fastest
 predicted, and the plan applies, saves, loads and compares as documented."""
 import json
-from typing import Any, List
+from typing import Any, List, Tuple
 from fractions import Fraction
 
 import pytest
@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 import torchgpipe
+from helpers import PopAdd, Stash
 from torchgpipe import GPipe, Plan
 from torchgpipe.engine.generators import named
 from torchgpipe.engine.schedule import Kind, simulate
@@ -499,15 +500,23 @@ def test_the_predicted_peak_is_the_pipelines(name: str, schedule: str, chunks: i
         assert unwrapped <= measured
 
 
-@pytest.mark.parametrize('name', MEMORY_MODELS)
+def skip_model() -> Tuple[nn.Sequential, Tensor, Tensor, Any]:
+    """A skip around two layers; its pop has no weight, but the layer after has."""
+    return (nn.Sequential(nn.Linear(16, 64), Stash(), nn.Linear(64, 64), nn.ReLU(), PopAdd(),
+                          nn.Linear(64, 16)),
+            torch.randn(32, 16), torch.randn(32, 16), F.mse_loss)
+
+
+@pytest.mark.parametrize('name', [*MEMORY_MODELS, 'skip'])
 def test_the_gradients_i_keeps_for_w_are_the_layers_sum(name: str) -> None:
     """A partition after the first, its backward pass split: what ``I`` leaves alive for
     ``W`` (the gradients that reached each node leading to a weight) is the sum of what
-    the planner measured for each of its layers alone."""
+    the planner measured for each of its layers alone. A popped skip is an input of its
+    layer there, not a weight."""
     from torchgpipe.engine.split import input_pass
     from torchgpipe.planner.working import Live
     torch.manual_seed(0)
-    module, input, target, loss_fn = MEMORY_MODELS[name]()
+    module, input, target, loss_fn = (skip_model if name == 'skip' else MEMORY_MODELS[name])()
     plan = torchgpipe.plan(module, input, devices=['cpu:0'], chunks=1, schedules=['1f1b'],
                            checkpoint=['never'], repeat=1)
     assert plan.costs is not None

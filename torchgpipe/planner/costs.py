@@ -299,13 +299,13 @@ def _first_pass(layers: Sequence[nn.Module], values: TensorOrTensors,
             inputs = {y.untyped_storage().data_ptr() for y in Batch(x)}
             storages.append((held, saved, inputs))
             return result
-        # As the first micro-batch of a step, a later one, and split in two:
-        # a pop takes its skip tensor, so each pass gets it back after.
+        # As a step's first micro-batch, a later one, split in two (pops get skips back).
         waiting = dict(tracker.tensors)
         _, again = working_memory(layer, fresh_input(values), forward, accumulating=True)
         tracker.tensors.clear()
         tracker.tensors.update(waiting)
-        retained.append(float(retained_for_weights(layer, values, forward)))
+        retained.append(float(retained_for_weights(layer, values, forward, [
+            x for x in waiting.values() if isinstance(x, Tensor)])))
         tracker.tensors.clear()
         tracker.tensors.update(waiting)
         result, most = working_memory(layer, fresh_input(values), forward)

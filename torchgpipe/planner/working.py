@@ -21,7 +21,7 @@ What an operator allocates and frees inside itself (a convolution's
 unfolded input, on CPU) is not a tensor and is not seen.
 """
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -134,7 +134,8 @@ def working_memory(layer: nn.Module, values: TensorOrTensors,
 
 
 def retained_for_weights(layer: nn.Module, values: TensorOrTensors,
-                         forward: Callable[[TensorOrTensors], TensorOrTensors]) -> int:
+                         forward: Callable[[TensorOrTensors], TensorOrTensors],
+                         skips: Sequence[Tensor] = ()) -> int:
     """Runs ``forward(values)``, the pass of ``layer``, and the first half of a split
     backward pass (``I``, :func:`torchgpipe.engine.split.input_pass`); returns the bytes
     of the gradients ``I`` keeps for ``W``.
@@ -145,10 +146,14 @@ def retained_for_weights(layer: nn.Module, values: TensorOrTensors,
     to the other, beside the activations: as large as the outputs of those
     nodes, the layer's output among them if its last node is one. Nothing is
     kept when the input needs no gradient (``I`` has nothing to compute).
-    The weights are left without gradients.
+    The weights are left without gradients. ``skips`` are the leaves the
+    layer may pop (as the planner's skip tracker holds them): inputs too, as
+    a pipeline's received skips are, not weights; their gradients are left
+    as they were.
     """
     leaves = map_tensors(detach_tensor, values)
-    inputs = [x for x in Batch(leaves) if isinstance(x, Tensor) and x.requires_grad]
+    inputs = [x for x in [*Batch(leaves), *skips] if isinstance(x, Tensor) and x.requires_grad]
+    before = [x.grad for x in skips]
     # A copy, not the leaves: the layer may work in place (ReLU(inplace=True)).
     output = forward(map_tensors(torch.Tensor.clone, leaves))
     ends = [y for y in Batch(output) if isinstance(y, Tensor) and y.requires_grad]
@@ -160,4 +165,6 @@ def retained_for_weights(layer: nn.Module, values: TensorOrTensors,
     weights.run()
     for p in layer.parameters():
         p.grad = None
+    for x, grad in zip(skips, before):
+        x.grad = grad
     return sum(storages.values())
