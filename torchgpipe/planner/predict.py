@@ -155,10 +155,9 @@ class Partitions:
         # leading to a weight, where W starts.
         if j == 0:
             sums['retained'] = layers.output[stop - 1] if len(self.bounds) > 2 else 0.0
+            sums['input'] = 0.0
         else:
             sums['retained'] = sum(layers.retained[start:stop])
-        if j == 0:
-            sums['input'] = 0.0
         sums['weight'] = max(0.0, sums['backward'] - sums['input'])
         sums['entry'] = layers.output[start - 1] if start else self.costs.entry * size
         sums['exit'] = layers.output[self.bounds[j + 1] - 1]
