@@ -16,7 +16,8 @@ from helpers import PopAdd, Stash
 from torchgpipe import GPipe, Plan
 from torchgpipe.engine.generators import named
 from torchgpipe.engine.schedule import Kind, simulate
-from torchgpipe.planner.costs import Costs, LayerCosts, measure, tensor_bytes
+from torchgpipe.planner.costs import Costs, LayerCosts, measure
+from torchgpipe.planner.memory import tensor_bytes
 from torchgpipe.planner.predict import Candidate, micro_batches, predict
 from torchgpipe.planner.search import SHAPES, CHECKPOINTS, chunk_counts, search
 
@@ -420,6 +421,13 @@ def vocabulary_loss(output: Tensor, target: Tensor) -> Tensor:
     return F.cross_entropy(output.reshape(-1, output.size(-1)), target.reshape(-1))
 
 
+def skip_model() -> Tuple[nn.Sequential, Tensor, Tensor, Any]:
+    """A skip around two layers; its pop has no weight, but the layer after has."""
+    return (nn.Sequential(nn.Linear(16, 64), Stash(), nn.Linear(64, 64), nn.ReLU(), PopAdd(),
+                          nn.Linear(64, 16)),
+            torch.randn(32, 16), torch.randn(32, 16), F.mse_loss)
+
+
 MEMORY_MODELS = {
     'mlp': lambda: (nn.Sequential(nn.Linear(16, 256), nn.ReLU(), nn.Linear(256, 256),
                                   nn.Tanh(), nn.Linear(256, 16)),
@@ -436,6 +444,7 @@ MEMORY_MODELS = {
                                    nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.Flatten(),
                                    nn.Linear(16 * 16 * 16, 10)),
                      torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,)), F.cross_entropy),
+    'skip': skip_model,
 }
 
 
@@ -500,14 +509,7 @@ def test_the_predicted_peak_is_the_pipelines(name: str, schedule: str, chunks: i
         assert unwrapped <= measured
 
 
-def skip_model() -> Tuple[nn.Sequential, Tensor, Tensor, Any]:
-    """A skip around two layers; its pop has no weight, but the layer after has."""
-    return (nn.Sequential(nn.Linear(16, 64), Stash(), nn.Linear(64, 64), nn.ReLU(), PopAdd(),
-                          nn.Linear(64, 16)),
-            torch.randn(32, 16), torch.randn(32, 16), F.mse_loss)
-
-
-@pytest.mark.parametrize('name', [*MEMORY_MODELS, 'skip'])
+@pytest.mark.parametrize('name', MEMORY_MODELS)
 def test_the_gradients_i_keeps_for_w_are_the_layers_sum(name: str) -> None:
     """A partition after the first, its backward pass split: what ``I`` leaves alive for
     ``W`` (the gradients that reached each node leading to a weight) is the sum of what
@@ -516,7 +518,7 @@ def test_the_gradients_i_keeps_for_w_are_the_layers_sum(name: str) -> None:
     from torchgpipe.engine.split import input_pass
     from torchgpipe.planner.working import Live
     torch.manual_seed(0)
-    module, input, target, loss_fn = (skip_model if name == 'skip' else MEMORY_MODELS[name])()
+    module, input, target, loss_fn = MEMORY_MODELS[name]()
     plan = torchgpipe.plan(module, input, devices=['cpu:0'], chunks=1, schedules=['1f1b'],
                            checkpoint=['never'], repeat=1)
     assert plan.costs is not None

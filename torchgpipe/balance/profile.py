@@ -184,16 +184,17 @@ def allocated_by_forward(layer: nn.Module, values: TensorOrTensors, tracker: 'Sa
 def saved_by_forward(layer: nn.Module, values: TensorOrTensors,
                      tracker: 'SandboxSkipTracker') -> Tuple[TensorOrTensors, int]:
     """Runs the layer, measuring the bytes its forward pass keeps alive for training."""
-    output, saved, _ = kept_by_forward(layer, values, tracker)
+    output, saved, _, _ = kept_by_forward(layer, values, tracker)
     return output, sum(saved.values())
 
 
 def kept_by_forward(layer: nn.Module, values: TensorOrTensors, tracker: 'SandboxSkipTracker'
-                    ) -> Tuple[TensorOrTensors, Dict[int, int], Set[int]]:
+                    ) -> Tuple[TensorOrTensors, Dict[int, int], Set[int], List[Tensor]]:
     """Runs the layer; returns its output, the storages its forward pass keeps alive for
     training (what autograd saves, its outputs and stashed skip tensors, but not its input,
-    parameters or buffers), by address with their bytes, and the addresses of every
-    storage autograd saved (its input's among them, if it saved it)."""
+    parameters or buffers), by address with their bytes, the addresses of every
+    storage autograd saved (its input's among them, if it saved it), and the skip
+    tensors it stashed."""
     storages: Dict[int, int] = {}
     saved: Set[int] = set()
 
@@ -208,13 +209,15 @@ def kept_by_forward(layer: nn.Module, values: TensorOrTensors, tracker: 'Sandbox
 
     with saved_tensors_hooks(pack, lambda tensor: tensor):
         output = layer(values)
-    for tensor in [*Batch(output), *tracker.take_stashed()]:
+    stashed = tracker.take_stashed()
+    for tensor in [*Batch(output), *stashed]:
         record(tensor)
 
     preexisting: Set[int] = {x.untyped_storage().data_ptr() for x in Batch(values)}
     preexisting.update(p.untyped_storage().data_ptr() for p in layer.parameters())
     preexisting.update(b.untyped_storage().data_ptr() for b in layer.buffers())
-    return (output, {ptr: n for ptr, n in storages.items() if ptr not in preexisting}, saved)
+    return (output, {ptr: n for ptr, n in storages.items() if ptr not in preexisting}, saved,
+            stashed)
 
 
 class SandboxSkipTracker(SkipTracker):

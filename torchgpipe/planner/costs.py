@@ -13,13 +13,8 @@ schedule runs apart::
 ``W`` goes on from there).
 
 The memory comes from a pass of each layer on the detached output of the
-one before, so that each layer's share is its own: the bytes the forward
-pass keeps for the backward pass (the tensors autograd saves, the outputs
-the next layer saves and stashed skip tensors, each storage once; see
-:func:`~torchgpipe.balance.profile.kept_by_forward`), of the output (what
-a boundary after the layer sends), the most its backward pass holds beside
-them and what ``I`` keeps for ``W`` (:mod:`~torchgpipe.planner.working`),
-and of the parameters. A loss is measured as one more layer, the last's.
+one before (:mod:`~torchgpipe.planner.memory`), and from the bytes of the
+parameters. A loss is measured as one more layer, the last's.
 
 Sizes in between those measured are read by linear interpolation
 (:meth:`Costs.at`): a layer's time grows with its micro-batch in steps, not
@@ -31,17 +26,17 @@ import statistics
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 
-from torchgpipe.balance.profile import (SandboxSkipTracker, detach_tensor, fresh_input,
-                                        kept_by_forward, layerwise_sandbox, preserve_rng_state,
-                                        refuse_gradients, synchronize, to_device)
+from torchgpipe.balance.profile import (SandboxSkipTracker, fresh_input, layerwise_sandbox,
+                                        preserve_rng_state, refuse_gradients, synchronize,
+                                        to_device)
 from torchgpipe.engine.step import LossFunction
 from torchgpipe.foundation.microbatch import Batch, TensorOrTensors, map_tensors
-from torchgpipe.planner.working import retained_for_weights, working_memory
+from torchgpipe.planner.memory import Route, layer_memory, tensor_bytes
 from torchgpipe.skip.tracker import SkipTracker, use_skip_tracker
 
 __all__: List[str] = []
@@ -49,7 +44,8 @@ __all__: List[str] = []
 #: What :func:`measure` reads of each layer, at each micro-batch size: times in seconds.
 TIMES = ('forward', 'input', 'backward')
 #: ... and memory in bytes.
-BYTES = ('kept', 'output', 'working', 'unsaved', 'accumulating', 'retained')
+BYTES = ('kept', 'output', 'working', 'closing', 'unsaved', 'accumulating', 'retained',
+         'skipped', 'loose')
 
 
 @dataclass
@@ -66,6 +62,9 @@ class LayerCosts:
     output: List[float]
     #: The most its backward pass holds beyond ``kept`` (:mod:`~torchgpipe.planner.working`).
     working: List[float] = field(default_factory=list)
+    #: ... as a partition's last layer, whose output gradient the pipeline
+    #: holds (empty in older costs: ``working`` serves).
+    closing: List[float] = field(default_factory=list)
     #: The bytes of its output left out of ``kept`` because the next layer
     #: does not save it: a partition's last layer keeps them all the same.
     unsaved: List[float] = field(default_factory=list)
@@ -75,6 +74,12 @@ class LayerCosts:
     accumulating: List[float] = field(default_factory=list)
     #: What a split backward pass keeps from ``I`` to ``W`` (empty in older costs).
     retained: List[float] = field(default_factory=list)
+    #: The bytes of each skip (``skips`` of :class:`Costs`; empty in older costs).
+    skipped: List[float] = field(default_factory=list)
+    #: ... of those only the skip keeps on its stashing layer, left out of
+    #: ``kept``: freed at its pop, or held until the backward pass if a
+    #: later partition pops it.
+    loose: List[float] = field(default_factory=list)
 
 
 @dataclass
@@ -97,6 +102,9 @@ class Costs:
         shared: each parameter that more than one layer holds (a tied
             embedding and head): the layers, and its bytes (counted in each
             layer's ``parameters``, once on a device that holds several)
+        skips: the route of each skip connection, ``(a, b)``: layer ``a``
+            stashes it, layer ``b`` pops it (the bytes are ``skipped`` of
+            :class:`LayerCosts`)
     """
 
     batch: int
@@ -114,6 +122,7 @@ class Costs:
     #: else empty.
     pace: List[float] = field(default_factory=list)
     shared: List[Tuple[List[int], int]] = field(default_factory=list)
+    skips: List[Route] = field(default_factory=list)
     #: The interpolated costs, by micro-batch size, once asked for.
     _cache: Dict[int, LayerCosts] = field(default_factory=dict, repr=False, compare=False)
 
@@ -156,6 +165,7 @@ class Costs:
         data = dict(data)
         data['table'] = [LayerCosts(**row) for row in data['table']]
         data['transfer'] = tuple(data['transfer'])
+        data['skips'] = [(a, b) for a, b in data.get('skips', [])]
         return cls(**data)
 
 
@@ -185,14 +195,6 @@ class Loss(nn.Module):
 def rows(values: TensorOrTensors, size: int) -> TensorOrTensors:
     """The first ``size`` samples of each tensor of a batch."""
     return map_tensors(lambda x: x[:size], values)
-
-
-def tensor_bytes(values: TensorOrTensors) -> int:
-    """The bytes of a batch's tensors, each counted once (a view for what it shows, not
-    for the whole storage it looks into: a micro-batch sent on is a copy of its rows)."""
-    seen = {(x.data_ptr(), x.numel(), x.element_size()) for x in Batch(values)
-            if isinstance(x, Tensor)}
-    return sum(numel * size for _, numel, size in seen)
 
 
 def measure(module: nn.Sequential, sample: TensorOrTensors, sizes: Sequence[int],
@@ -231,10 +233,12 @@ def measure(module: nn.Sequential, sample: TensorOrTensors, sizes: Sequence[int]
     copies = list(layerwise_sandbox(module, device))
     tracker = SandboxSkipTracker()
     prepared = []  # each size's loss (as the last layer, or none) and memory
+    routes: List[Route] = []
     with preserve_rng_state(device), torch.enable_grad(), use_skip_tracker(tracker):
         for size in sizes:
             tail = [] if loss is None else [_loss_at(loss, size, device)]
-            prepared.append((tail, _first_pass(copies + tail, rows(sample, size), tracker)))
+            memory, routes = layer_memory(copies + tail, rows(sample, size), tracker)
+            prepared.append((tail, memory))
         timed: List[Dict[str, List[List[float]]]] = [{name: [] for name in TIMES}
                                                      for _ in sizes]
         # The rounds visit every size in turn, the first to warm up: a slow
@@ -255,7 +259,7 @@ def measure(module: nn.Sequential, sample: TensorOrTensors, sizes: Sequence[int]
         table.append(LayerCosts(**costs))
     parameters = [sum(p.numel() * p.element_size() for p in c.parameters()) for c in copies]
     return Costs(batch=batch, sizes=sizes, table=table, parameters=parameters,
-                 shared=shared_parameters(module),
+                 shared=shared_parameters(module), skips=routes,
                  entry=tensor_bytes(rows(sample, 1)), loss=loss is not None)
 
 
@@ -273,59 +277,6 @@ def _loss_at(loss: LossAndTarget, size: int, device: torch.device) -> nn.Module:
     """The loss as a layer, against the first ``size`` samples of the target."""
     loss_fn, target = loss
     return Loss(loss_fn, rows(to_device(target, device), size))
-
-
-def _first_pass(layers: Sequence[nn.Module], values: TensorOrTensors,
-                tracker: SandboxSkipTracker) -> Dict[str, List[float]]:
-    """Each layer's memory, each on the detached output of the layer before; a warm-up too.
-
-    A layer's output is kept for the backward pass only if the next layer
-    saves it (a linear layer does, a softmax loss does not): otherwise it is
-    freed once used, and not counted in ``kept`` but in ``unsaved`` (the
-    pipeline holds a partition's output all the same).
-    """
-    kept: List[float] = []
-    output: List[float] = []
-    working: List[float] = []
-    accumulating: List[float] = []
-    retained: List[float] = []
-    unsaved: List[float] = []  # the bytes of each output autograd did not save
-    saves_input: List[bool] = []
-    for layer in layers:
-        storages: List[Tuple[Dict[int, int], Set[int], Set[int]]] = []
-
-        def forward(x: TensorOrTensors, layer: nn.Module = layer) -> TensorOrTensors:
-            result, held, saved = kept_by_forward(layer, x, tracker)
-            inputs = {y.untyped_storage().data_ptr() for y in Batch(x)}
-            storages.append((held, saved, inputs))
-            return result
-        # As a step's first micro-batch, a later one, split in two (pops get skips back).
-        waiting = dict(tracker.tensors)
-        _, again = working_memory(layer, fresh_input(values), forward, accumulating=True)
-        tracker.tensors.clear()
-        tracker.tensors.update(waiting)
-        retained.append(float(retained_for_weights(layer, values, forward, [
-            x for x in waiting.values() if isinstance(x, Tensor)])))
-        tracker.tensors.clear()
-        tracker.tensors.update(waiting)
-        result, most = working_memory(layer, fresh_input(values), forward)
-        held, saved, inputs = storages[-1]
-        outputs = {y.untyped_storage().data_ptr() for y in Batch(result)}
-        kept.append(float(sum(held.values())))
-        unsaved.append(float(sum(n for ptr, n in held.items()
-                                 if ptr in outputs and ptr not in saved)))
-        saves_input.append(bool(inputs & saved))
-        output.append(float(tensor_bytes(result)))
-        working.append(float(most))
-        accumulating.append(float(max(0, again - most)))
-        values = map_tensors(detach_tensor, result)
-    for k in range(len(layers)):
-        if k + 1 < len(layers) and not saves_input[k + 1]:
-            kept[k] -= unsaved[k]
-        else:
-            unsaved[k] = 0.0
-    return {'kept': kept, 'output': output, 'working': working, 'unsaved': unsaved,
-            'accumulating': accumulating, 'retained': retained}
 
 
 def _timed_pass(layers: Sequence[nn.Module], sample: TensorOrTensors, device: torch.device,

@@ -22,11 +22,18 @@ gradients and temporaries beside them while it runs, and, for every
 micro-batch after the partition's first, the new gradients of its weights
 until they are added to those kept. Parameters, their gradients and the
 optimizer's state (``param_scale`` times the parameters) stay throughout.
+
+A skip connection between partitions is kept at both ends until their
+backward passes: on the stashing partition the tensor it stashed, on the
+popping one the copy it received from another worker; its gradient lives
+from the popping layer's backward pass to the stashing layer's, on the
+workers of both partitions (of neither partition it passes over).
 """
+import bisect
 import math
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Dict, List, Sequence, Set, Tuple
+from typing import Callable, Dict, List, Sequence, Set, Tuple
 
 from torchgpipe.engine.generators import named
 from torchgpipe.engine.schedule import Action, Kind, Schedule, simulate
@@ -102,9 +109,11 @@ def micro_batches(batch: int, chunks: int) -> List[int]:
 class Partitions:
     """The costs of each partition of a balance, for each micro-batch size, summed once."""
 
-    def __init__(self, costs: Costs, balance: Sequence[int]) -> None:
+    def __init__(self, costs: Costs, balance: Sequence[int],
+                 worker_of: Callable[[int], int] = lambda j: j) -> None:
         self.costs = costs
         self.bounds = [sum(balance[:j]) for j in range(len(balance) + 1)]
+        self.worker_of = worker_of
         self._sums: Dict[Tuple[int, int], Dict[str, float]] = {}
 
     def __call__(self, j: int, size: int) -> Dict[str, float]:
@@ -118,6 +127,8 @@ class Partitions:
         weight gradients at most), ``held`` (the bytes of its output in
         ``kept`` only because the pipeline holds them, until ``B`` or ``I``),
         ``retained`` (the gradients kept from ``I`` to ``W``),
+        ``received`` and ``handed`` (the skips it pops that a partition
+        before it stashed, on another worker or on its own),
         ``entry`` (the bytes of its input) and ``exit`` (of its output).
         """
         key = (j, size)
@@ -131,6 +142,10 @@ class Partitions:
             stop += 1  # the loss, which the last partition computes
         sums = {name: sum(getattr(layers, name)[start:stop])
                 for name in ('forward', 'input', 'backward', 'kept')}
+        # A skip stashed here and popped by a later partition is kept until
+        # the backward pass (one popped here is gone once popped).
+        sums['kept'] += sum(nbytes for (a, b), nbytes in zip(self.costs.skips, layers.loose)
+                            if start <= a < stop <= b)
         # The pipeline holds a partition's output until its backward pass,
         # whether or not the layer after it saves it.
         last = self.bounds[j + 1] - 1
@@ -140,7 +155,17 @@ class Partitions:
         # freeing the activations it used: the most any holds beyond what the
         # layers after it have freed by then; for a later micro-batch, with
         # its new weight gradients (``W`` holds those alone).
+        # A skip's gradient lives from the backward pass of the layer that
+        # pops it (or the start of this one's, if a later partition does) to
+        # that of the layer that stashed it (or its end, if an earlier one did),
+        # on the workers of those two partitions (not of those it passes over).
         working = layers.working[start:stop]
+        if layers.closing and stop - 1 < len(layers.closing):
+            working[-1] = layers.closing[stop - 1]
+        for (a, b), nbytes in zip(self.costs.skips, layers.skipped):
+            if start <= a < stop or start <= b < stop:
+                for k in range(max(a + 1, start), min(b, stop)):
+                    working[k - start] += nbytes
         accumulating = layers.accumulating[start:stop] or [0.0] * len(working)
         freed = sums['working'] = sums['accumulating'] = 0.0
         for kept, alone, more in reversed(list(zip(layers.kept[start:stop], working,
@@ -149,18 +174,28 @@ class Partitions:
             sums['accumulating'] = max(sums['accumulating'], alone + more - freed)
             freed += kept
         sums['gradients'] = max(accumulating, default=0.0)
+        sums['entry'] = layers.output[start - 1] if start else self.costs.entry * size
+        sums['exit'] = layers.output[self.bounds[j + 1] - 1]
+        sums['received'] = sums['handed'] = 0.0
+        for (a, b), nbytes in zip(self.costs.skips, layers.skipped):
+            if a < start <= b < stop:
+                source = bisect.bisect_right(self.bounds, a) - 1
+                near = self.worker_of(source) == self.worker_of(j)
+                sums['handed' if near else 'received'] += nbytes
         # The first partition's I computes nothing (no input gradient): W
         # starts from its outputs, and keeps their gradients until then. A
         # later one's I keeps the gradients that reached its layers' nodes
-        # leading to a weight, where W starts.
+        # leading to a weight, where W starts, and those of its input and
+        # popped skips, on their leaves, until W lets the pass go: copies of
+        # those another worker received, the same tensors on this one.
         if j == 0:
             sums['retained'] = layers.output[stop - 1] if len(self.bounds) > 2 else 0.0
             sums['input'] = 0.0
         else:
-            sums['retained'] = sum(layers.retained[start:stop])
+            apart = self.worker_of(j - 1) != self.worker_of(j)
+            sums['retained'] = (sum(layers.retained[start:stop]) + sums['received']
+                                + (sums['entry'] if apart else 0.0))
         sums['weight'] = max(0.0, sums['backward'] - sums['input'])
-        sums['entry'] = layers.output[start - 1] if start else self.costs.entry * size
-        sums['exit'] = layers.output[self.bounds[j + 1] - 1]
         return sums
 
 
@@ -180,7 +215,7 @@ def predict(costs: Costs, candidate: Candidate, *, param_scale: float = 2.0
     """
     sizes = micro_batches(costs.batch, candidate.chunks)
     schedule = candidate.plan(len(sizes))
-    parts = Partitions(costs, candidate.balance)
+    parts = Partitions(costs, candidate.balance, candidate.worker_of)
     checkpointed = checkpoints(candidate.checkpoint, len(sizes))
     n = len(candidate.balance)
 
@@ -262,7 +297,12 @@ def peak_memory(workers: Sequence[Sequence[Action]], worker: int, parts: Partiti
         part = parts(action.j, sizes[action.i])
         whole = part['kept'] + part['entry']
         kept = part['entry'] if checkpointed[action.i] else whole
-        again = whole if checkpointed[action.i] else 0.0
+        again = part['kept'] if checkpointed[action.i] else 0.0
+        # A skip received from another worker is a copy, kept until the
+        # backward pass; one handed over on this worker is the stashing
+        # partition's own tensor, unless a checkpointed pass made it (then
+        # nothing else keeps it for the recomputation).
+        kept += part['received'] + (part['handed'] if checkpointed[action.i] else 0.0)
         if action.kind is Kind.F:
             live += kept
         elif action.kind is Kind.I:

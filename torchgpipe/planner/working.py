@@ -17,6 +17,9 @@ working memory::
                    grad_output  grad_input  (weights' gradients left out:
                                              param_scale counts them)
 
+A layer that stashes skip tensors gets their gradients in its backward
+pass too, as the layer that pops them sends them back in training.
+
 What an operator allocates and frees inside itself (a convolution's
 unfolded input, on CPU) is not a tensor and is not seen.
 """
@@ -33,6 +36,16 @@ from torchgpipe.engine.split import input_pass
 from torchgpipe.foundation.microbatch import Batch, TensorOrTensors, map_tensors
 
 __all__: List[str] = []
+
+#: A layer's forward pass as the planner runs it: the output, and the skip
+#: tensors the layer stashed, whose gradients its backward pass receives.
+Pass = Callable[[TensorOrTensors], Tuple[TensorOrTensors, List[Tensor]]]
+
+
+def ends_of(output: TensorOrTensors, stashed: Sequence[Tensor]) -> List[Tensor]:
+    """Where a layer's backward pass starts: its output and its stashed skips, those
+    that need a gradient."""
+    return [y for y in [*Batch(output), *stashed] if isinstance(y, Tensor) and y.requires_grad]
 
 
 class Live(TorchDispatchMode):  # type: ignore[no-untyped-call]
@@ -96,14 +109,33 @@ class Live(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return top - base if since < len(self.log) else 0
 
 
-def working_memory(layer: nn.Module, values: TensorOrTensors,
-                   forward: Callable[[TensorOrTensors], TensorOrTensors], *,
-                   accumulating: bool = False) -> Tuple[TensorOrTensors, int]:
+class _Seed(torch.autograd.Function):
+    """The start of a layer's backward pass, as within a partition: the gradients of
+    its outputs come from the backward pass itself, which alone holds them (and may
+    add another into one in place), not from the caller."""
+
+    @staticmethod
+    def forward(ctx: Any, *ends: Tensor) -> Tensor:
+        ctx.like = [(y.shape, y.dtype, y.device) for y in ends]
+        return torch.zeros(())
+
+    @staticmethod
+    def backward(ctx: Any, _: Tensor) -> Tuple[Tensor, ...]:
+        return tuple(torch.ones(shape, dtype=dtype, device=device)
+                     for shape, dtype, device in ctx.like)
+
+
+def working_memory(layer: nn.Module, values: TensorOrTensors, forward: Pass, *,
+                   accumulating: bool = False, last: bool = False
+                   ) -> Tuple[TensorOrTensors, int]:
     """Runs ``forward(values)``, the pass of ``layer``, and its backward pass; returns the
     output and the most bytes the backward pass held beside what the forward pass left.
 
-    The gradient of the output is made as training would pass it in, and
-    counted. The gradients of the layer's weights are not (the planner
+    The gradients of the output and of the stashed skips are made as
+    training would pass them in, and counted: within a partition, by the
+    backward pass, which frees each once used (and may add another into it
+    in place); to a partition's ``last`` layer, by the pipeline, which holds
+    them until the pass ends. The gradients of the layer's weights are not (the planner
     counts them with the parameters), unless ``accumulating``: then the
     weights already have gradients, as from an earlier micro-batch of the
     step, and each new one is a temporary, alive until it is added to the
@@ -121,11 +153,13 @@ def working_memory(layer: nn.Module, values: TensorOrTensors,
               if isinstance(x, Tensor)}
     live = Live(before)
     with live:
-        output = forward(values)
+        output, stashed = forward(values)
         since = len(live.log)
-        ends = [y for y in Batch(output) if isinstance(y, Tensor) and y.requires_grad]
-        if ends:
+        ends = ends_of(output, stashed)
+        if ends and last:
             torch.autograd.backward(ends, [torch.ones_like(y) for y in ends])
+        elif ends:
+            _Seed.apply(*ends).backward()  # type: ignore[no-untyped-call]
     # Gradients made in the pass (none when accumulating) became the weights' own.
     weights = live.numbers([p.grad for p in parameters if p.grad is not None])
     for p in parameters:
@@ -133,8 +167,7 @@ def working_memory(layer: nn.Module, values: TensorOrTensors,
     return output, live.peak(weights, since)
 
 
-def retained_for_weights(layer: nn.Module, values: TensorOrTensors,
-                         forward: Callable[[TensorOrTensors], TensorOrTensors],
+def retained_for_weights(layer: nn.Module, values: TensorOrTensors, forward: Pass,
                          skips: Sequence[Tensor] = ()) -> int:
     """Runs ``forward(values)``, the pass of ``layer``, and the first half of a split
     backward pass (``I``, :func:`torchgpipe.engine.split.input_pass`); returns the bytes
@@ -155,8 +188,7 @@ def retained_for_weights(layer: nn.Module, values: TensorOrTensors,
     inputs = [x for x in [*Batch(leaves), *skips] if isinstance(x, Tensor) and x.requires_grad]
     before = [x.grad for x in skips]
     # A copy, not the leaves: the layer may work in place (ReLU(inplace=True)).
-    output = forward(map_tensors(torch.Tensor.clone, leaves))
-    ends = [y for y in Batch(output) if isinstance(y, Tensor) and y.requires_grad]
+    ends = ends_of(*forward(map_tensors(torch.Tensor.clone, leaves)))
     if not ends or not inputs:
         return 0
     weights = input_pass(ends, [torch.ones_like(y) for y in ends], inputs)

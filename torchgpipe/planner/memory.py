@@ -1,0 +1,162 @@
+"""Each layer's memory, read in one pass: the bytes :func:`~torchgpipe.planner.costs.measure`
+gives the planner.
+
+Each layer runs on the detached output of the one before, so that its
+share is its own: the bytes its forward pass keeps for the backward pass
+(the tensors autograd saves, the outputs the next layer saves and stashed
+skip tensors, each storage once; see
+:func:`~torchgpipe.balance.profile.kept_by_forward`), of its output (what
+a boundary after it sends), the most its backward pass holds beside them
+and what ``I`` keeps for ``W`` (:mod:`~torchgpipe.planner.working`).
+
+A skip connection is measured at both of its ends::
+
+    layer a  stash(s) ──────── s ────────► layer b  pop(s)
+             backward  ◄─── grad s ───────          backward
+
+- the stashing layer's backward pass takes the gradient of ``s`` beside its
+  output's, as in training, where the popping layer sends it back: a
+  shortcut's projection runs its backward pass then, and the gradients of
+  its input from both branches are summed (three tensors as large as the
+  input, alive together);
+- the route ``(a, b)`` and the bytes of ``s``, so that the prediction
+  counts, on the partition that pops it, the copy of ``s`` it receives
+  from a partition of another worker (or holds for its recomputation),
+  from its forward pass to its backward pass.
+"""
+from typing import Dict, List, Optional, Sequence, Set, Tuple
+
+from torch import Tensor, nn
+
+from torchgpipe.balance.profile import (SandboxSkipTracker, detach_tensor, fresh_input,
+                                        kept_by_forward)
+from torchgpipe.foundation.microbatch import Batch, TensorOrTensors, map_tensors
+from torchgpipe.planner.working import retained_for_weights, working_memory
+from torchgpipe.skip.namespace import Namespace
+
+__all__: List[str] = []
+
+#: A skip's route: the layer that stashes it and the layer that pops it.
+Route = Tuple[int, int]
+
+#: A skip as a tracker keeps it.
+SkipKey = Tuple[Namespace, str]
+
+#: What a tracker holds no tensor under.
+_NOTHING = object()
+
+
+def tensor_bytes(values: TensorOrTensors) -> int:
+    """The bytes of a batch's tensors, each counted once (a view for what it shows, not
+    for the whole storage it looks into: a micro-batch sent on is a copy of its rows)."""
+    seen = {(x.data_ptr(), x.numel(), x.element_size()) for x in Batch(values)
+            if isinstance(x, Tensor)}
+    return sum(numel * size for _, numel, size in seen)
+
+
+def layer_memory(layers: Sequence[nn.Module], values: TensorOrTensors,
+                 tracker: SandboxSkipTracker) -> Tuple[Dict[str, List[float]], List[Route]]:
+    """Each layer's memory, each on the detached output of the layer before; a warm-up too.
+
+    A layer's output is kept for the backward pass only if the next layer
+    saves it (a linear layer does, a softmax loss does not): otherwise it is
+    freed once used, and not counted in ``kept`` but in ``unsaved`` (the
+    pipeline holds a partition's output all the same).
+
+    Returns:
+        the lists of :class:`~torchgpipe.planner.costs.LayerCosts`' bytes
+        (``skipped``: the bytes of each skip, in the order of the routes),
+        and each skip's route
+    """
+    measured: Dict[str, List[float]] = {name: [] for name in (
+        'kept', 'output', 'working', 'closing', 'unsaved', 'accumulating', 'retained')}
+    saves_input: List[bool] = []
+    passes: List[bool] = []  # whether each layer's output is its input
+    skips = _Skips()
+    for k, layer in enumerate(layers):
+        storages: List[Tuple[Dict[int, int], Set[int], Set[int]]] = []
+
+        def forward(x: TensorOrTensors, layer: nn.Module = layer
+                    ) -> Tuple[TensorOrTensors, List[Tensor]]:
+            result, held, saved, stashed = kept_by_forward(layer, x, tracker)
+            inputs = {y.untyped_storage().data_ptr() for y in Batch(x)}
+            storages.append((held, saved, inputs))
+            return result, stashed
+        # As a step's first micro-batch, a later one, split in two (pops get skips back).
+        waiting = dict(tracker.tensors)
+        _, again = working_memory(layer, fresh_input(values), forward, accumulating=True)
+        _restore(tracker, waiting)
+        measured['retained'].append(float(retained_for_weights(layer, values, forward, [
+            x for x in waiting.values() if isinstance(x, Tensor)])))
+        _restore(tracker, waiting)
+        _, closing = working_memory(layer, fresh_input(values), forward, last=True)
+        _restore(tracker, waiting)
+        result, most = working_memory(layer, fresh_input(values), forward)
+        held, saved, inputs = storages[-1]
+        outputs = {y.untyped_storage().data_ptr() for y in Batch(result)}
+        loose = skips.note(k, waiting, tracker.tensors, {
+            ptr: n for ptr, n in held.items() if ptr not in saved and ptr not in outputs})
+        measured['kept'].append(float(sum(held.values()) - loose))
+        measured['unsaved'].append(float(sum(n for ptr, n in held.items()
+                                             if ptr in outputs and ptr not in saved)))
+        saves_input.append(bool(inputs & saved))
+        passes.append(bool(inputs & outputs))
+        measured['output'].append(float(tensor_bytes(result)))
+        measured['working'].append(float(most))
+        measured['closing'].append(float(closing))
+        measured['accumulating'].append(float(max(0, again - most)))
+        values = map_tensors(detach_tensor, result)
+    kept, unsaved = measured['kept'], measured['unsaved']
+    for k in range(len(layers)):
+        # The layers after that return their input as it is (a stash, an
+        # identity) hand the output on: any of them, or the first after
+        # them, may save it.
+        later = k + 1
+        while later < len(layers) and passes[later] and not saves_input[later]:
+            later += 1
+        if later < len(layers) and not saves_input[later]:
+            kept[k] -= unsaved[k]
+        else:
+            unsaved[k] = 0.0
+    measured['skipped'], measured['loose'] = skips.skipped, skips.loose
+    return measured, skips.routes
+
+
+class _Skips:
+    """The skips of a pass, followed from the tracker as each layer stashes and pops."""
+
+    def __init__(self) -> None:
+        #: The layer that stashed each skip waiting, and its loose bytes, by key.
+        self.waiting: Dict[SkipKey, Tuple[int, float]] = {}
+        #: Each skip popped: its route, its bytes, and its loose bytes.
+        self.routes: List[Route] = []
+        self.skipped: List[float] = []
+        self.loose: List[float] = []
+
+    def note(self, k: int, before: Dict[SkipKey, Optional[Tensor]],
+             after: Dict[SkipKey, Optional[Tensor]], loose: Dict[int, int]) -> float:
+        """Notes what layer ``k`` popped and stashed (the tracker ``before`` and
+        ``after`` its pass); returns the bytes of the storages it stashed that only
+        their skips keep (``loose``: the bytes the layer keeps that are neither
+        saved by autograd nor its outputs, by address)."""
+        for key, x in before.items():
+            if after.get(key, _NOTHING) is not x and key in self.waiting:
+                stasher, alone = self.waiting.pop(key)
+                self.routes.append((stasher, k))
+                self.skipped.append(float(tensor_bytes(x) if x is not None else 0))
+                self.loose.append(alone)
+        total = 0.0
+        for key, x in after.items():
+            if before.get(key, _NOTHING) is x:
+                continue
+            # (A storage stashed twice is counted once.)
+            nbytes = float(loose.pop(x.untyped_storage().data_ptr(), 0)) if x is not None else 0.0
+            self.waiting[key] = (k, nbytes)
+            total += nbytes
+        return total
+
+
+def _restore(tracker: SandboxSkipTracker, waiting: Dict[SkipKey, Optional[Tensor]]) -> None:
+    """Puts back the skips that waited before a layer's pass (its pops took some)."""
+    tracker.tensors.clear()
+    tracker.tensors.update(waiting)
