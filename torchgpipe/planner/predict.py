@@ -124,8 +124,9 @@ class Partitions:
         (the most its backward pass holds beyond ``kept``), ``accumulating``
         (the same, for a micro-batch after the first: with its weights' new
         gradients, until added to those kept), ``gradients`` (a layer's new
-        weight gradients at most), ``held`` (the bytes of its output in
-        ``kept`` only because the pipeline holds them, until ``B`` or ``I``),
+        weight gradients at most), ``held`` (the bytes of its output and of
+        the skips it sends in ``kept`` only because the pipeline holds them,
+        until ``B`` or ``I``),
         ``retained`` (the gradients kept from ``I`` to ``W``),
         ``received`` and ``handed`` (the skips it pops that a partition
         before it stashed, on another worker or on its own),
@@ -142,14 +143,13 @@ class Partitions:
             stop += 1  # the loss, which the last partition computes
         sums = {name: sum(getattr(layers, name)[start:stop])
                 for name in ('forward', 'input', 'backward', 'kept')}
-        # A skip stashed here and popped by a later partition is kept until
-        # the backward pass (one popped here is gone once popped).
-        sums['kept'] += sum(nbytes for (a, b), nbytes in zip(self.costs.skips, layers.loose)
-                            if start <= a < stop <= b)
-        # The pipeline holds a partition's output until its backward pass,
-        # whether or not the layer after it saves it.
+        # The pipeline holds a partition's output until its backward pass (or
+        # I), whether or not the layer after it saves it; and so a skip it
+        # stashed that a later partition pops (one popped here is gone then).
         last = self.bounds[j + 1] - 1
         sums['held'] = layers.unsaved[last] if last < len(layers.unsaved) else 0.0
+        sums['held'] += sum(nbytes for (a, b), nbytes in zip(self.costs.skips, layers.loose)
+                            if start <= a < stop <= b)
         sums['kept'] += sums['held']
         # The layers' backward passes run one after another, last first, each
         # freeing the activations it used: the most any holds beyond what the
@@ -173,6 +173,8 @@ class Partitions:
             sums['working'] = max(sums['working'], alone - freed)
             sums['accumulating'] = max(sums['accumulating'], alone + more - freed)
             freed += kept
+        # I frees nothing on its way: W needs the graph as it is.
+        sums['holding'] = max(working, default=0.0)
         sums['gradients'] = max(accumulating, default=0.0)
         sums['entry'] = layers.output[start - 1] if start else self.costs.entry * size
         sums['exit'] = layers.output[self.bounds[j + 1] - 1]
@@ -190,6 +192,9 @@ class Partitions:
         # those another worker received, the same tensors on this one.
         if j == 0:
             sums['retained'] = layers.output[stop - 1] if len(self.bounds) > 2 else 0.0
+            sums['retained'] += sum(nbytes for (a, b), nbytes in zip(self.costs.skips,
+                                                                     layers.skipped)
+                                    if start <= a < stop <= b)
             sums['input'] = 0.0
         else:
             apart = self.worker_of(j - 1) != self.worker_of(j)
@@ -315,8 +320,12 @@ def peak_memory(workers: Sequence[Sequence[Action]], worker: int, parts: Partiti
         later = action.j in graded
         if action.kind is Kind.B or action.kind is Kind.W and action.j == 0:
             working = part['accumulating' if later else 'working']
+            if action.kind is Kind.W:
+                working -= part['retained']  # the gradients it starts from, live since I
         elif action.kind is Kind.I and action.j:
-            working = part['working']
+            working = part['holding']
+        elif action.kind is Kind.I:
+            working = part['retained']  # the gradients it receives, its output still held
         else:
             working = part['gradients'] if action.kind is Kind.W and later else 0.0
         if action.kind in (Kind.B, Kind.W):
