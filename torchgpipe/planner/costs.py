@@ -45,7 +45,7 @@ __all__: List[str] = []
 TIMES = ('forward', 'input', 'backward')
 #: ... and memory in bytes.
 BYTES = ('kept', 'output', 'working', 'closing', 'unsaved', 'accumulating', 'retained',
-         'skipped', 'loose')
+         'skipped', 'loose', 'passed')
 
 
 @dataclass
@@ -68,6 +68,9 @@ class LayerCosts:
     #: The bytes of its output left out of ``kept`` because the next layer
     #: does not save it: a partition's last layer keeps them all the same.
     unsaved: List[float] = field(default_factory=list)
+    #: The bytes of its output in ``kept`` that only the layer after it saves,
+    #: freed by that layer's backward pass (empty in older costs).
+    passed: List[float] = field(default_factory=list)
     #: What its backward pass holds further when its weights' gradients
     #: accumulate (every micro-batch of a step after the first): the new
     #: gradients, until added. Empty in costs saved before it was measured.

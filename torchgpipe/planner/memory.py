@@ -69,7 +69,8 @@ def layer_memory(layers: Sequence[nn.Module], values: TensorOrTensors,
         and each skip's route
     """
     measured: Dict[str, List[float]] = {name: [] for name in (
-        'kept', 'output', 'working', 'closing', 'unsaved', 'accumulating', 'retained')}
+        'kept', 'output', 'working', 'closing', 'unsaved', 'accumulating', 'retained',
+        'passed')}
     saves_input: List[bool] = []
     passes: List[bool] = []  # whether each layer's output is its input
     skips = _Skips()
@@ -116,7 +117,9 @@ def layer_memory(layers: Sequence[nn.Module], values: TensorOrTensors,
             later += 1
         if later < len(layers) and not saves_input[later]:
             kept[k] -= unsaved[k]
+            measured['passed'].append(0.0)
         else:
+            measured['passed'].append(unsaved[k])
             unsaved[k] = 0.0
     measured['skipped'], measured['loose'] = skips.skipped, skips.loose
     return measured, skips.routes

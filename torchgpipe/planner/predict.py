@@ -168,10 +168,12 @@ class Partitions:
                     working[k - start] += nbytes
         accumulating = layers.accumulating[start:stop] or [0.0] * len(working)
         freed = sums['working'] = sums['accumulating'] = 0.0
-        for kept, alone, more in reversed(list(zip(layers.kept[start:stop], working,
-                                                   accumulating))):
-            sums['working'] = max(sums['working'], alone - freed)
-            sums['accumulating'] = max(sums['accumulating'], alone + more - freed)
+        # (A layer's output that only the next layer saved is gone by its turn.)
+        passed = layers.passed[start:stop - 1] + [0.0] if layers.passed else [0.0] * len(working)
+        for kept, alone, more, gone in reversed(list(zip(layers.kept[start:stop], working,
+                                                         accumulating, passed))):
+            sums['working'] = max(sums['working'], alone - freed - gone)
+            sums['accumulating'] = max(sums['accumulating'], alone + more - freed - gone)
             freed += kept
         # I frees nothing on its way: W needs the graph as it is.
         sums['holding'] = max(working, default=0.0)
@@ -190,6 +192,11 @@ class Partitions:
         # leading to a weight, where W starts, and those of its input and
         # popped skips, on their leaves, until W lets the pass go: copies of
         # those another worker received, the same tensors on this one.
+        # I lets go of the graph above the layers with weights (a loss, the
+        # activations after the last linear layer): no W starts there.
+        weighted = [k for k in range(start, min(stop, len(self.costs.parameters)))
+                    if self.costs.parameters[k]]
+        sums['above'] = sum(layers.kept[weighted[-1] + 1:stop]) if j and weighted else 0.0
         if j == 0:
             sums['retained'] = layers.output[stop - 1] if len(self.bounds) > 2 else 0.0
             sums['retained'] += sum(nbytes for (a, b), nbytes in zip(self.costs.skips,
@@ -335,7 +342,7 @@ def peak_memory(workers: Sequence[Sequence[Action]], worker: int, parts: Partiti
             live -= kept
         elif action.kind is Kind.I:
             # The output goes (W needs only what autograd saved), gradients stay.
-            live += part['retained'] - part['held']
+            live += part['retained'] - part['held'] - part['above']
         elif action.kind is Kind.W:
-            live -= kept + again - part['held'] + part['retained']
+            live -= kept + again - part['held'] - part['above'] + part['retained']
     return peak
