@@ -180,6 +180,7 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
             costs.transfer = team.first(
                 lambda: message_cost(wide, team.size, team.device, overheads))
             costs.overhead, costs.checkpoint_overhead, costs.split_overhead = overheads
+            costs.processes = True
             if team.size > 1 and team.device.type == 'cpu':
                 # Processes sharing the machine's cores: their pace. Every
                 # rank has the same costs and the slowest rank's steps, and

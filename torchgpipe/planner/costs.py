@@ -105,6 +105,8 @@ class Costs:
         shared: each parameter that more than one layer holds (a tied
             embedding and head): the layers, and its bytes (counted in each
             layer's ``parameters``, once on a device that holds several)
+        processes: whether the workers are processes, which sum the gradients
+            of a weight they share by messages as a step ends
         skips: the route of each skip connection, ``(a, b)``: layer ``a``
             stashes it, layer ``b`` pops it (the bytes are ``skipped`` of
             :class:`LayerCosts`)
@@ -126,6 +128,7 @@ class Costs:
     pace: List[float] = field(default_factory=list)
     shared: List[Tuple[List[int], int]] = field(default_factory=list)
     skips: List[Route] = field(default_factory=list)
+    processes: bool = False
     #: The interpolated costs, by micro-batch size, once asked for.
     _cache: Dict[int, LayerCosts] = field(default_factory=dict, repr=False, compare=False)
 

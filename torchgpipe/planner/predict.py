@@ -23,6 +23,10 @@ micro-batch after the partition's first, the new gradients of its weights
 until they are added to those kept. Parameters, their gradients and the
 optimizer's state (``param_scale`` times the parameters) stay throughout.
 
+Across processes, the workers holding a weight they share (a tied
+embedding and head) sum its gradient as a step ends, each holding the
+others' parts and the sum beside its own for a moment.
+
 A skip connection between partitions is kept at both ends until their
 backward passes: on the stashing partition the tensor it stashed, on the
 popping one the copy it received from another worker; its gradient lives
@@ -263,7 +267,8 @@ def predict(costs: Costs, candidate: Candidate, *, param_scale: float = 2.0
     times = simulate(schedule.workers, n, cost.__getitem__)
     ends = {action: float(end) / NANOSECONDS for action, (_, end) in times.items()}
     step = max(ends.values(), default=0.0)
-    memory = [peak_memory(schedule.workers, w, parts, sizes, checkpointed)
+    memory = [max(peak_memory(schedule.workers, w, parts, sizes, checkpointed),
+                  exchange_memory(costs, candidate, w))
               + static_memory(costs, candidate, w, param_scale)
               for w in range(candidate.workers)]
     return Prediction(step=step, memory=memory, busy=busy, ends=ends)
@@ -297,6 +302,21 @@ def static_memory(costs: Costs, candidate: Candidate, worker: int,
         if layers:
             held -= (param_scale * (len(layers) - 1) - (len(partitions) - 1)) * nbytes
     return held
+
+
+def exchange_memory(costs: Costs, candidate: Candidate, worker: int) -> float:
+    """What a worker holds beside a shared weight's gradient as processes sum it at the
+    end of a step: the gradient of each other worker holding it, received, and the sum
+    (see :class:`torchgpipe.distributed.tied.TiedGradients`), in bytes."""
+    if not costs.processes:
+        return 0.0
+    bounds = [sum(candidate.balance[:j]) for j in range(len(candidate.balance) + 1)]
+    total = 0.0
+    for holders, nbytes in costs.shared:
+        workers = {candidate.worker_of(bisect.bisect_right(bounds, k) - 1) for k in holders}
+        if worker in workers and len(workers) > 1:
+            total += len(workers) * nbytes
+    return total
 
 
 def peak_memory(workers: Sequence[Sequence[Action]], worker: int, parts: Partitions,
