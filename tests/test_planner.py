@@ -20,6 +20,7 @@ from torchgpipe.planner.costs import Costs, LayerCosts, measure
 from torchgpipe.planner.memory import tensor_bytes
 from torchgpipe.planner.predict import Candidate, micro_batches, predict
 from torchgpipe.planner.search import SHAPES, CHECKPOINTS, chunk_counts, search
+from torchgpipe.skip import pop, skippable, stash
 
 SCHEDULES = sorted(SHAPES)
 
@@ -507,6 +508,46 @@ def test_the_predicted_peak_is_the_pipelines(name: str, schedule: str, chunks: i
         unwrapped = live_peak(lambda: loss_fn(module(input), target).backward(), module,
                               input, target)
         assert unwrapped <= measured
+
+
+@skippable(stash=['skip'])
+class StashProjection(nn.Module):
+    """Stashes a projection of its input, which nothing else keeps, and returns the input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        yield stash('skip', self.linear(x))
+        return x
+
+
+@skippable(pop=['skip'])
+class PopMul(nn.Module):
+    """Multiplies its input by the skip: saves the skip for its backward pass."""
+
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        skip = yield pop('skip')
+        return x * skip
+
+
+@pytest.mark.parametrize('stasher, popper, loose, reused', [
+    (StashProjection, PopAdd, True, False), (Stash, PopAdd, False, False),
+    (StashProjection, PopMul, True, True)])
+def test_a_skip_is_measured_with_its_route_and_what_each_end_keeps(
+        stasher: Any, popper: Any, loose: bool, reused: bool) -> None:
+    """Each skip's route and bytes; its bytes only the skip keeps (a projection's, not
+    the stashing layer's input); those the pop saves; and they survive a saved plan."""
+    module = nn.Sequential(nn.Linear(8, 16), stasher(), nn.Linear(16, 16), popper())
+    costs = measure(module, torch.randn(4, 8), [4], torch.device('cpu'), repeat=1)
+    costs.processes = True
+    nbytes = 4 * 16 * 4
+    at = costs.at(4)
+    assert costs.skips == [(1, 3)] and at.skipped == [nbytes]
+    assert at.loose == [nbytes if loose else 0.0]
+    assert at.reused == [nbytes if reused else 0.0]
+    assert Costs.from_dict(json.loads(json.dumps(costs.to_dict()))) == costs
 
 
 @pytest.mark.parametrize('name', MEMORY_MODELS)

@@ -236,6 +236,8 @@ class SandboxSkipTracker(SkipTracker):
     def __init__(self) -> None:
         super().__init__()
         self.stashed: List[Tensor] = []
+        #: The copy each pop was last handed, by the skip's namespace and name.
+        self.popped: Dict[Tuple[Namespace, str], Tensor] = {}
 
     def save(self, batch: Batch, ns: Namespace, name: str, tensor: Optional[Tensor]) -> None:
         if tensor is not None:
@@ -245,9 +247,12 @@ class SandboxSkipTracker(SkipTracker):
 
     def load(self, batch: Batch, ns: Namespace, name: str) -> Optional[Tensor]:
         tensor = super().load(batch, ns, name)
+        if tensor is None:
+            return None
         # A copy for the popping layer, made as it pops (not counted in the
         # stashing layer's memory), which that layer may change in place.
-        return None if tensor is None else tensor.clone()
+        copy = self.popped[(ns, name)] = tensor.clone()
+        return copy
 
     def take_stashed(self) -> List[Tensor]:
         """Returns the tensors stashed since the last call, and forgets them."""

@@ -45,14 +45,16 @@ __all__: List[str] = []
 TIMES = ('forward', 'input', 'backward')
 #: ... and memory in bytes.
 BYTES = ('kept', 'output', 'working', 'closing', 'unsaved', 'accumulating', 'retained',
-         'skipped', 'loose', 'passed')
+         'skipped', 'loose', 'reused', 'passed')
 
 
 @dataclass
 class LayerCosts:
     """The costs of every layer at one micro-batch size, a list per quantity.
 
-    A loss measured with the layers is the last entry of each list.
+    A loss measured with the layers is the last entry of each list, but of
+    ``skipped``, ``loose`` and ``reused``, which have an entry per skip
+    connection (``skips`` of :class:`Costs`).
     """
 
     forward: List[float]
@@ -68,8 +70,9 @@ class LayerCosts:
     #: The bytes of its output left out of ``kept`` because the next layer
     #: does not save it: a partition's last layer keeps them all the same.
     unsaved: List[float] = field(default_factory=list)
-    #: The bytes of its output in ``kept`` that only the layer after it saves,
-    #: freed by that layer's backward pass (empty in older costs).
+    #: The bytes of its output in ``kept`` that it does not save itself (a
+    #: later layer does, or none does: the last), freed before its own
+    #: backward pass (empty in older costs).
     passed: List[float] = field(default_factory=list)
     #: What its backward pass holds further when its weights' gradients
     #: accumulate (every micro-batch of a step after the first): the new
@@ -83,6 +86,9 @@ class LayerCosts:
     #: ``kept``: freed at its pop, or held until the backward pass if a
     #: later partition pops it.
     loose: List[float] = field(default_factory=list)
+    #: ... of those the popping layer saves for its backward pass, counted
+    #: in its ``kept``.
+    reused: List[float] = field(default_factory=list)
 
 
 @dataclass

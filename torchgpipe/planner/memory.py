@@ -3,11 +3,11 @@ gives the planner.
 
 Each layer runs on the detached output of the one before, so that its
 share is its own: the bytes its forward pass keeps for the backward pass
-(the tensors autograd saves, the outputs the next layer saves and stashed
-skip tensors, each storage once; see
-:func:`~torchgpipe.balance.profile.kept_by_forward`), of its output (what
-a boundary after it sends), the most its backward pass holds beside them
-and what ``I`` keeps for ``W`` (:mod:`~torchgpipe.planner.working`).
+(the tensors autograd saves and the outputs the next layer saves, each
+storage once; see :func:`~torchgpipe.balance.profile.kept_by_forward`), of
+its output (what a boundary after it sends), the most its backward pass
+holds beside them, within a partition and as its last layer, and what
+``I`` keeps for ``W`` (:mod:`~torchgpipe.planner.working`).
 
 A skip connection is measured at both of its ends::
 
@@ -22,7 +22,10 @@ A skip connection is measured at both of its ends::
 - the route ``(a, b)`` and the bytes of ``s``, so that the prediction
   counts, on the partition that pops it, the copy of ``s`` it receives
   from a partition of another worker (or holds for its recomputation),
-  from its forward pass to its backward pass.
+  from its forward pass to its backward pass; and those only the skip
+  keeps on layer ``a`` (*loose*: not a tensor autograd saved, nor an
+  output), left out of ``a``'s share, since a pop in the same partition
+  frees them.
 """
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
@@ -83,7 +86,8 @@ def layer_memory(layers: Sequence[nn.Module], values: TensorOrTensors,
             inputs = {y.untyped_storage().data_ptr() for y in Batch(x)}
             storages.append((held, saved, inputs))
             return result, stashed
-        # As a step's first micro-batch, a later one, split in two (pops get skips back).
+        # As a step's first micro-batch, a later one, split in two, as a partition's
+        # last layer, and within one (pops get their skips back each time).
         waiting = dict(tracker.tensors)
         _, again = working_memory(layer, fresh_input(values), forward, accumulating=True)
         _restore(tracker, waiting)
@@ -95,8 +99,8 @@ def layer_memory(layers: Sequence[nn.Module], values: TensorOrTensors,
         result, most = working_memory(layer, fresh_input(values), forward)
         held, saved, inputs = storages[-1]
         outputs = {y.untyped_storage().data_ptr() for y in Batch(result)}
-        loose = skips.note(k, waiting, tracker.tensors, {
-            ptr: n for ptr, n in held.items() if ptr not in saved and ptr not in outputs})
+        loose = skips.note(k, waiting, tracker, {
+            ptr: n for ptr, n in held.items() if ptr not in saved and ptr not in outputs}, saved)
         measured['kept'].append(float(sum(held.values()) - loose))
         measured['unsaved'].append(float(sum(n for ptr, n in held.items()
                                              if ptr in outputs and ptr not in saved)))
@@ -122,6 +126,7 @@ def layer_memory(layers: Sequence[nn.Module], values: TensorOrTensors,
             measured['passed'].append(unsaved[k])
             unsaved[k] = 0.0
     measured['skipped'], measured['loose'] = skips.skipped, skips.loose
+    measured['reused'] = skips.reused
     return measured, skips.routes
 
 
@@ -131,23 +136,30 @@ class _Skips:
     def __init__(self) -> None:
         #: The layer that stashed each skip waiting, and its loose bytes, by key.
         self.waiting: Dict[SkipKey, Tuple[int, float]] = {}
-        #: Each skip popped: its route, its bytes, and its loose bytes.
+        #: Each skip popped: its route, its bytes, its loose bytes, and those
+        #: the popping layer saved for its backward pass (counted in its ``kept``).
         self.routes: List[Route] = []
         self.skipped: List[float] = []
         self.loose: List[float] = []
+        self.reused: List[float] = []
 
     def note(self, k: int, before: Dict[SkipKey, Optional[Tensor]],
-             after: Dict[SkipKey, Optional[Tensor]], loose: Dict[int, int]) -> float:
-        """Notes what layer ``k`` popped and stashed (the tracker ``before`` and
-        ``after`` its pass); returns the bytes of the storages it stashed that only
-        their skips keep (``loose``: the bytes the layer keeps that are neither
-        saved by autograd nor its outputs, by address)."""
+             tracker: SandboxSkipTracker, loose: Dict[int, int], saved: Set[int]) -> float:
+        """Notes what layer ``k`` popped and stashed (the tracker's skips ``before``
+        its pass, and the tracker after it); returns the bytes of the storages it
+        stashed that only their skips keep (``loose``: the bytes the layer keeps that
+        are neither saved by autograd nor its outputs, by address; ``saved``: the
+        addresses of the storages autograd saved)."""
+        after = tracker.tensors
         for key, x in before.items():
             if after.get(key, _NOTHING) is not x and key in self.waiting:
                 stasher, alone = self.waiting.pop(key)
                 self.routes.append((stasher, k))
                 self.skipped.append(float(tensor_bytes(x) if x is not None else 0))
                 self.loose.append(alone)
+                copy = tracker.popped.pop(key, None)
+                self.reused.append(float(tensor_bytes(copy)) if copy is not None
+                                   and copy.untyped_storage().data_ptr() in saved else 0.0)
         total = 0.0
         for key, x in after.items():
             if before.get(key, _NOTHING) is x:

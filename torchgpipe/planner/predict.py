@@ -14,7 +14,8 @@ and, when the next partition is on another worker, the message::
 The memory walks each worker's actions in order: a forward pass keeps the
 partition's activations (only its input, if checkpointed) until the
 micro-batch's backward pass frees them (``I`` frees the partition's output,
-if autograd did not save it: ``W`` does not need it, but it needs the
+if autograd did not save it, and what autograd saved above its last layer
+with weights, a loss's for one: ``W`` needs neither, but it needs the
 gradients ``I`` left at each node leading to a weight, kept until then);
 the recomputation brings them back for the length of ``B``, or from ``I``
 to ``W``; a backward pass holds its
@@ -131,7 +132,10 @@ class Partitions:
         weight gradients at most), ``held`` (the bytes of its output and of
         the skips it sends in ``kept`` only because the pipeline holds them,
         until ``B`` or ``I``),
-        ``retained`` (the gradients kept from ``I`` to ``W``),
+        ``retained`` (the gradients kept from ``I`` to ``W``), ``holding``
+        (the most ``I`` holds beyond ``kept``: it frees nothing on its
+        way), ``above`` (the bytes of ``kept`` above its last layer with
+        weights, which ``I`` lets go of once done),
         ``received`` and ``handed`` (the skips it pops that a partition
         before it stashed, on another worker or on its own),
         ``entry`` (the bytes of its input) and ``exit`` (of its output).
@@ -185,11 +189,13 @@ class Partitions:
         sums['entry'] = layers.output[start - 1] if start else self.costs.entry * size
         sums['exit'] = layers.output[self.bounds[j + 1] - 1]
         sums['received'] = sums['handed'] = 0.0
-        for (a, b), nbytes in zip(self.costs.skips, layers.skipped):
+        reused = layers.reused or [0.0] * len(layers.skipped)
+        for (a, b), nbytes, saved in zip(self.costs.skips, layers.skipped, reused):
             if a < start <= b < stop:
                 source = bisect.bisect_right(self.bounds, a) - 1
                 near = self.worker_of(source) == self.worker_of(j)
-                sums['handed' if near else 'received'] += nbytes
+                # (What the popping layer saves, its ``kept`` counts.)
+                sums['handed' if near else 'received'] += nbytes - saved
         # The first partition's I computes nothing (no input gradient): W
         # starts from its outputs, and keeps their gradients until then. A
         # later one's I keeps the gradients that reached its layers' nodes
