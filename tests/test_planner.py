@@ -547,6 +547,10 @@ def test_a_skip_is_measured_with_its_route_and_what_each_end_keeps(
     assert costs.skips == [(1, 3)] and at.skipped == [nbytes]
     assert at.loose == [nbytes if loose else 0.0]
     assert at.reused == [nbytes if reused else 0.0]
+    # The first layer's output: saved by the third, through a stash that passes
+    # it on (not freed before the first's backward pass, which a partition
+    # boundary after the stash would make the pipeline's to hold), or not.
+    assert at.passed[0] == (0.0 if stasher is Stash else nbytes)
     assert Costs.from_dict(json.loads(json.dumps(costs.to_dict()))) == costs
 
 

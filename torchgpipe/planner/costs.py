@@ -70,8 +70,8 @@ class LayerCosts:
     #: The bytes of its output left out of ``kept`` because the next layer
     #: does not save it: a partition's last layer keeps them all the same.
     unsaved: List[float] = field(default_factory=list)
-    #: The bytes of its output in ``kept`` that it does not save itself (a
-    #: later layer does, or none does: the last), freed before its own
+    #: The bytes of its output in ``kept`` that it does not save itself (the
+    #: next layer does, or none does: the last), freed before its own
     #: backward pass (empty in older costs).
     passed: List[float] = field(default_factory=list)
     #: What its backward pass holds further when its weights' gradients

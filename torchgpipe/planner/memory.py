@@ -123,7 +123,9 @@ def layer_memory(layers: Sequence[nn.Module], values: TensorOrTensors,
             kept[k] -= unsaved[k]
             measured['passed'].append(0.0)
         else:
-            measured['passed'].append(unsaved[k])
+            # Freed by the next layer's backward pass, if that layer saves it:
+            # one saving it beyond a pass-through may be in the next partition.
+            measured['passed'].append(unsaved[k] if later == k + 1 else 0.0)
             unsaved[k] = 0.0
     measured['skipped'], measured['loose'] = skips.skipped, skips.loose
     measured['reused'] = skips.reused
