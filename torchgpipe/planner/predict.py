@@ -162,11 +162,13 @@ class Partitions:
         # The layers' backward passes run one after another, last first, each
         # freeing the activations it used: the most any holds beyond what the
         # layers after it have freed by then; for a later micro-batch, with
-        # its new weight gradients (``W`` holds those alone).
-        # A skip's gradient lives from the backward pass of the layer that
-        # pops it (or the start of this one's, if a later partition does) to
-        # that of the layer that stashed it (or its end, if an earlier one did),
-        # on the workers of those two partitions (not of those it passes over).
+        # its new weight gradients (``W`` holds those alone). The last layer's
+        # output gradient is the pipeline's, held (``closing``); the others'
+        # come from the pass itself. A skip's gradient lives from the backward
+        # pass of the layer that pops it (or the start of this one's, if a
+        # later partition does) to that of the layer that stashed it (or its
+        # end, if an earlier one did), on the workers of those two partitions
+        # (not of those it passes over).
         working = layers.working[start:stop]
         if layers.closing and stop - 1 < len(layers.closing):
             working[-1] = layers.closing[stop - 1]
@@ -196,17 +198,17 @@ class Partitions:
                 near = self.worker_of(source) == self.worker_of(j)
                 # (What the popping layer saves, its ``kept`` counts.)
                 sums['handed' if near else 'received'] += nbytes - saved
-        # The first partition's I computes nothing (no input gradient): W
-        # starts from its outputs, and keeps their gradients until then. A
-        # later one's I keeps the gradients that reached its layers' nodes
-        # leading to a weight, where W starts, and those of its input and
-        # popped skips, on their leaves, until W lets the pass go: copies of
-        # those another worker received, the same tensors on this one.
         # I lets go of the graph above the layers with weights (a loss, the
         # activations after the last linear layer): no W starts there.
         weighted = [k for k in range(start, min(stop, len(self.costs.parameters)))
                     if self.costs.parameters[k]]
         sums['above'] = sum(layers.kept[weighted[-1] + 1:stop]) if j and weighted else 0.0
+        # The first partition's I computes nothing (no input gradient): W
+        # starts from its outputs (and sent skips), and keeps their gradients
+        # until then. A later one's I keeps the gradients that reached its
+        # layers' nodes leading to a weight, where W starts, and those of its
+        # input and popped skips, on their leaves, until W lets the pass go:
+        # copies of those another worker received, the same tensors on this one.
         if j == 0:
             sums['retained'] = layers.output[stop - 1] if len(self.bounds) > 2 else 0.0
             sums['retained'] += sum(nbytes for (a, b), nbytes in zip(self.costs.skips,
