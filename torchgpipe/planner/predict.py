@@ -35,6 +35,7 @@ from the popping layer's backward pass to the stashing layer's, on the
 workers of both partitions (of neither partition it passes over).
 """
 import bisect
+import itertools
 import math
 from dataclasses import dataclass
 from fractions import Fraction
@@ -80,6 +81,10 @@ class Candidate:
     def worker_of(self, j: int) -> int:
         """The worker that runs partition ``j``."""
         return worker_of(j, len(self.balance), self.workers, self.placement)
+
+    def partition_of(self, layer: int) -> int:
+        """The partition that holds ``layer``."""
+        return bisect.bisect_right(list(itertools.accumulate(self.balance)), layer)
 
     def plan(self, micro_batches: int) -> Schedule:
         """The schedule's action lists, for the micro-batches the chunks really make."""
@@ -155,9 +160,9 @@ class Partitions:
         # I), whether or not the layer after it saves it; and so a skip it
         # stashed that a later partition pops (one popped here is gone then).
         last = self.bounds[j + 1] - 1
+        sent = [s for s, (a, b) in enumerate(self.costs.skips) if start <= a < stop <= b]
         sums['held'] = layers.unsaved[last] if last < len(layers.unsaved) else 0.0
-        sums['held'] += sum(nbytes for (a, b), nbytes in zip(self.costs.skips, layers.loose)
-                            if start <= a < stop <= b)
+        sums['held'] += sum(layers.loose[s] for s in sent if s < len(layers.loose))
         sums['kept'] += sums['held']
         # The layers' backward passes run one after another, last first, each
         # freeing the activations it used: the most any holds beyond what the
@@ -211,9 +216,8 @@ class Partitions:
         # copies of those another worker received, the same tensors on this one.
         if j == 0:
             sums['retained'] = layers.output[stop - 1] if len(self.bounds) > 2 else 0.0
-            sums['retained'] += sum(nbytes for (a, b), nbytes in zip(self.costs.skips,
-                                                                     layers.skipped)
-                                    if start <= a < stop <= b)
+            sums['retained'] += sum(layers.skipped[s] for s in sent
+                                    if s < len(layers.skipped))
             sums['input'] = 0.0
         else:
             apart = self.worker_of(j - 1) != self.worker_of(j)
@@ -305,8 +309,8 @@ def static_memory(costs: Costs, candidate: Candidate, worker: int,
     mine = [j for j in range(n) if candidate.worker_of(j) == worker]
     held = param_scale * sum(sum(costs.parameters[bounds[j]:bounds[j + 1]]) for j in mine)
     for holders, nbytes in costs.shared:
-        layers = [k for k in holders if any(bounds[j] <= k < bounds[j + 1] for j in mine)]
-        partitions = {next(j for j in mine if bounds[j] <= k < bounds[j + 1]) for k in layers}
+        layers = [k for k in holders if candidate.partition_of(k) in mine]
+        partitions = {candidate.partition_of(k) for k in layers}
         if layers:
             held -= (param_scale * (len(layers) - 1) - (len(partitions) - 1)) * nbytes
     return held
@@ -318,10 +322,9 @@ def exchange_memory(costs: Costs, candidate: Candidate, worker: int) -> float:
     (see :class:`torchgpipe.distributed.tied.TiedGradients`), in bytes."""
     if not costs.processes:
         return 0.0
-    bounds = [sum(candidate.balance[:j]) for j in range(len(candidate.balance) + 1)]
     total = 0.0
     for holders, nbytes in costs.shared:
-        workers = {candidate.worker_of(bisect.bisect_right(bounds, k) - 1) for k in holders}
+        workers = {candidate.worker_of(candidate.partition_of(k)) for k in holders}
         if worker in workers and len(workers) > 1:
             total += len(workers) * nbytes
     return total
