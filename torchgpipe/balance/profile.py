@@ -236,8 +236,10 @@ class SandboxSkipTracker(SkipTracker):
     def __init__(self) -> None:
         super().__init__()
         self.stashed: List[Tensor] = []
-        #: The copy each pop was last handed, by the skip's namespace and name.
-        self.popped: Dict[Tuple[Namespace, str], Tensor] = {}
+        #: The storage of the copy each pop was last handed (its address and
+        #: bytes, not the copy: the tracker keeps no memory alive), by the
+        #: skip's namespace and name.
+        self.popped: Dict[Tuple[Namespace, str], Tuple[int, int]] = {}
 
     def save(self, batch: Batch, ns: Namespace, name: str, tensor: Optional[Tensor]) -> None:
         if tensor is not None:
@@ -251,7 +253,9 @@ class SandboxSkipTracker(SkipTracker):
             return None
         # A copy for the popping layer, made as it pops (not counted in the
         # stashing layer's memory), which that layer may change in place.
-        copy = self.popped[(ns, name)] = tensor.clone()
+        copy = tensor.clone()
+        self.popped[(ns, name)] = (copy.untyped_storage().data_ptr(),
+                                   copy.numel() * copy.element_size())
         return copy
 
     def take_stashed(self) -> List[Tensor]:

@@ -159,9 +159,8 @@ class _Skips:
                 self.routes.append((stasher, k))
                 self.skipped.append(float(tensor_bytes(x) if x is not None else 0))
                 self.loose.append(alone)
-                copy = tracker.popped.pop(key, None)
-                self.reused.append(float(tensor_bytes(copy)) if copy is not None
-                                   and copy.untyped_storage().data_ptr() in saved else 0.0)
+                address, size = tracker.popped.pop(key, (0, 0))
+                self.reused.append(float(size) if address in saved else 0.0)
         total = 0.0
         for key, x in after.items():
             if before.get(key, _NOTHING) is x:
