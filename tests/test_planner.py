@@ -1,7 +1,7 @@
 """The planner: its predictions are the simulator's, its choice fits and is the fastest
 predicted, and the plan applies, saves, loads and compares as documented."""
 import json
-from typing import Any, List, Tuple
+from typing import Any, List, Optional, Tuple
 from fractions import Fraction
 
 import pytest
@@ -15,7 +15,8 @@ import torchgpipe
 from helpers import PopAdd, Stash
 from torchgpipe import GPipe, Plan
 from torchgpipe.engine.generators import named
-from torchgpipe.engine.schedule import Kind, simulate
+from torchgpipe.engine.schedule import Kind
+from torchgpipe.engine.sharing import simulate_sharing
 from torchgpipe.planner.costs import Costs, LayerCosts, measure
 from torchgpipe.planner.memory import tensor_bytes
 from torchgpipe.planner.predict import Candidate, micro_batches, predict
@@ -61,12 +62,14 @@ def test_one_partition_per_worker_takes_the_papers_time(schedule: str, p: int, p
 @settings(max_examples=60, deadline=None)
 @given(data=st.data(), schedule=st.sampled_from(SCHEDULES), p=st.integers(1, 3),
        m=st.integers(1, 12), checkpoint=st.sampled_from(CHECKPOINTS),
-       overhead=st.sampled_from([0.0, 1e-4]), transfer=st.sampled_from([0.0, 1e-9]))
+       overhead=st.sampled_from([0.0, 1e-4]), transfer=st.sampled_from([0.0, 1e-9]),
+       cores=st.sampled_from([None, 1.5]))
 def test_predictions_are_the_simulators(data: st.DataObject, schedule: str, p: int, m: int,
                                         checkpoint: str, overhead: float,
-                                        transfer: float) -> None:
+                                        transfer: float, cores: Optional[float]) -> None:
     """The step predicted is the simulator's, each action costing its partition's layers
-    (once more for a checkpointed backward), the overhead, and any message it sends."""
+    (once more for a checkpointed backward), the overhead, and any message it sends; the
+    workers sharing the cores ``Costs.cores`` says."""
     virtual, placement = data.draw(st.sampled_from(SHAPES[schedule]))
     n = virtual * p
     layers = data.draw(st.integers(n, n + 4))
@@ -77,6 +80,7 @@ def test_predictions_are_the_simulators(data: st.DataObject, schedule: str, p: i
     costs.overhead, costs.checkpoint_overhead, costs.split_overhead = \
         overhead, 2 * overhead, 3 * overhead
     costs.transfer = (transfer * 1e3, transfer)
+    costs.cores = cores
     candidate = Candidate(schedule, balance, m, checkpoint, p, placement)
 
     sizes = micro_batches(12, m)
@@ -100,7 +104,7 @@ def test_predictions_are_the_simulators(data: st.DataObject, schedule: str, p: i
             seconds += transfer * 1e3 + transfer * 250 * size
         return Fraction(round(seconds * 1e9))
 
-    times = simulate(schedule_.workers, n, cost)
+    times = simulate_sharing(schedule_.workers, n, cost, cores)
     expected = float(max(end for _, end in times.values())) / 1e9
     assert predict(costs, candidate).step == pytest.approx(expected, rel=1e-9, abs=1e-12)
 

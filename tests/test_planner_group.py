@@ -305,3 +305,25 @@ def test_each_rank_holds_the_peak_predicted() -> None:
               for rank, peaks in enumerate(ranks)
               for config, (predicted, measured) in zip(PEAKS, peaks)]
     assert all(abs(error) < 0.1 for *_, error in errors), errors
+
+
+@pytest.mark.parametrize('hosts, cores, threads, size, shared', [
+    (['a'] * 4, 2, 1, 4, 2.0),     # four ranks on two cores: they share them
+    (['a'] * 4, 4, 2, 4, 2.0),     # ... and so on four cores, with two threads each
+    (['a'] * 2, 2, 1, 2, None),    # a core each
+    (['a', 'a', 'b', 'b'], 1, 1, 4, None),  # across machines: not modelled
+])
+def test_ranks_share_the_cores_when_they_outnumber_them(
+        monkeypatch: pytest.MonkeyPatch, hosts: List[str], cores: int, threads: int, size: int,
+        shared: Optional[float]) -> None:
+    """What Team.cores tells the planner (``Costs.cores``), from every rank's machine, its
+    cores and its threads; on CUDA devices, nothing."""
+    from torchgpipe.planner.group import Team
+    monkeypatch.setattr(torch, 'get_num_threads', lambda: threads)
+    monkeypatch.setattr('os.sched_getaffinity', lambda pid: set(range(cores)), raising=False)
+    team = object.__new__(Team)
+    team.size, team.device = size, torch.device('cpu')
+    team._gather = lambda value, device: [(host, *value[1:]) for host in hosts]  # type: ignore
+    assert team.cores() == shared
+    team.device = torch.device('cuda', 0)
+    assert team.cores() is None

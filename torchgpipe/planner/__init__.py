@@ -174,11 +174,11 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
                 lambda: measure(module, sample, sizes, team.device, repeat=repeat,
                                 loss=loss).to_dict(),
                 load=(module, sample, sizes[len(sizes) // 2])))
-            timer = team.timer()
-            overheads = task_overhead(timer, team.size)
+            timer, costs.cores = team.timer(), team.cores()
+            overheads = task_overhead(timer, team.size, costs.cores)
             wide = wide_step(timer, team.size)
             costs.transfer = team.first(
-                lambda: message_cost(wide, team.size, team.device, overheads))
+                lambda: message_cost(wide, team.size, team.device, overheads, costs.cores))
             costs.overhead, costs.checkpoint_overhead, costs.split_overhead = overheads
             costs.processes = True
             if team.size > 1 and team.device.type == 'cpu':

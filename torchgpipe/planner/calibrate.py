@@ -18,14 +18,15 @@ predict the measured steps of a pipeline whose every message is large.
 import statistics
 import time
 from fractions import Fraction
-from typing import Any, Callable, List, Sequence, Tuple, cast
+from typing import Any, Callable, List, Optional, Sequence, Tuple, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from torchgpipe.engine.generators import named
-from torchgpipe.engine.schedule import Action, Kind, simulate
+from torchgpipe.engine.schedule import Action, Kind
+from torchgpipe.engine.sharing import simulate_sharing
 from torchgpipe.foundation.microbatch import TensorOrTensors
 from torchgpipe.foundation.placement import same_memory
 from torchgpipe.gpipe import GPipe
@@ -51,22 +52,24 @@ WIDE = 1 << 18
 Timer = Callable[[nn.Sequential, str, str, Tensor], float]
 
 
-def task_overhead(timer: Timer, p: int) -> Tuple[float, float, float]:
+def task_overhead(timer: Timer, p: int, cores: Optional[float] = None
+                  ) -> Tuple[float, float, float]:
     """The time the pipeline adds to each task, to each checkpointed backward, and to I or W.
 
     Args:
         timer: runs the calibration's steps on the ``p`` workers
         p: the workers
+        cores: the cores they share, if fewer than ``p`` (``Costs.cores``)
 
     Returns:
         seconds per task, the further seconds per checkpointed ``B``, and
         the seconds per task of a split backward pass (``I`` or ``W``)
     """
-    tasks = _span('1f1b', p, 1.0)  # in units of one task
+    tasks = _span('1f1b', p, 1.0, cores=cores)  # in units of one task
     model, input = empty(p), torch.zeros(CHUNKS, 1)
     plain = timer(model, 'never', '1f1b', input) / tasks
     checkpointed = timer(model, 'always', '1f1b', input) / tasks
-    split = _split_cost(timer(model, 'never', 'zb_h1', input), plain, p)
+    split = _split_cost(timer(model, 'never', 'zb_h1', input), plain, p, cores)
     # Checkpointing costs nothing more in F, and all of its extra in B: half the tasks.
     return plain, max(0.0, 2.0 * (checkpointed - plain)), split
 
@@ -117,18 +120,19 @@ def traced_span(pipe: Any, step: Callable[[], object]) -> float:
     return timeline.summary(0).step_time
 
 
-def _span(schedule: str, p: int, split: float, plain: float = 1.0) -> float:
+def _span(schedule: str, p: int, split: float, plain: float = 1.0,
+          cores: Optional[float] = None) -> float:
     """The step of the schedule if F and B take ``plain`` and I and W ``split``."""
     def cost(action: Action) -> Fraction:
         seconds = split if action.kind in (Kind.I, Kind.W) else plain
         return Fraction(round(seconds * 1e9))
-    times = simulate(named(schedule, CHUNKS, p, p).workers, p, cost)
+    times = simulate_sharing(named(schedule, CHUNKS, p, p).workers, p, cost, cores)
     return float(max(end for _, end in times.values())) / 1e9
 
 
-def _split_cost(step: float, plain: float, p: int) -> float:
+def _split_cost(step: float, plain: float, p: int, cores: Optional[float]) -> float:
     """The cost of an I or a W that makes ZB-H1's step take ``step``, its F taking ``plain``."""
-    return solve(lambda split: _span('zb_h1', p, split, plain), step, step)
+    return solve(lambda split: _span('zb_h1', p, split, plain, cores), step, step)
 
 
 def copy_cost(devices: Sequence[torch.device], size: int = 1 << 24) -> Tuple[float, float]:
@@ -160,7 +164,8 @@ def wide_step(timer: Timer, p: int) -> float:
 
 
 def message_cost(step: float, p: int, device: torch.device,
-                 overheads: Tuple[float, float, float]) -> Tuple[float, float]:
+                 overheads: Tuple[float, float, float], cores: Optional[float] = None
+                 ) -> Tuple[float, float]:
     """A message's latency and time per byte between the workers, as a 1F1B step sees them.
 
     The latency is zero: the small messages of the empty pipeline's steps
@@ -173,6 +178,7 @@ def message_cost(step: float, p: int, device: torch.device,
         step: what :func:`wide_step` measured on the ``p`` workers
         device: where to measure the wide pipeline's layers
         overheads: what :func:`task_overhead` gave
+        cores: the cores the workers share, if fewer (``Costs.cores``)
     """
     if p < 2:
         return 0.0, 0.0  # no message
@@ -180,6 +186,7 @@ def message_cost(step: float, p: int, device: torch.device,
     costs = measure(empty(p), input, [1], device, repeat=STEPS,
                     loss=(zeros_loss, torch.zeros_like(input)))
     costs.overhead, costs.checkpoint_overhead, costs.split_overhead = overheads
+    costs.cores = cores
     candidate = Candidate('1f1b', (1,) * p, CHUNKS, 'never', p)
 
     def predicted(per_byte: float) -> float:

@@ -116,6 +116,10 @@ class Costs:
         skips: the route of each skip connection, ``(a, b)``: layer ``a``
             stashes it, layer ``b`` pops it (the bytes are ``skipped`` of
             :class:`LayerCosts`)
+        cores: when the workers are processes of one machine that outnumber
+            its cores, how many of them can be at work at full speed at once
+            (its cores over each one's threads): they share the cores
+            (:mod:`~torchgpipe.engine.sharing`). ``None``: a core each.
     """
 
     batch: int
@@ -135,6 +139,7 @@ class Costs:
     shared: List[Tuple[List[int], int]] = field(default_factory=list)
     skips: List[Route] = field(default_factory=list)
     processes: bool = False
+    cores: Optional[float] = None
     #: The interpolated costs, by micro-batch size, once asked for.
     _cache: Dict[int, LayerCosts] = field(default_factory=dict, repr=False, compare=False)
 

@@ -10,6 +10,7 @@ measured is what the pipeline will see::
     measures the layers             train copies of the layers (the load of
                                     a busy pipeline on the same machine)
     ---- the layers' costs, or rank 0's error, sent to every rank ----
+    whether the ranks outnumber the cores of one machine  (every rank)
     steps of DistributedGPipe across the group: overhead per task, and
     steps of large messages                               (every rank)
     fits the cost per byte to those steps
@@ -24,6 +25,8 @@ waiting. (The steps across the group fail as DistributedGPipe's steps do,
 on every rank.)
 """
 import contextlib
+import os
+import socket
 import warnings
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 
@@ -125,6 +128,22 @@ class Team:
         with on(device):
             dist.all_gather_object(everyone, value, group=self.group)
         return everyone
+
+    def cores(self) -> Optional[float]:
+        """How many ranks can be at work at full speed at once, when the ranks are
+        processes of one machine that outnumber its cores (``Costs.cores``): its cores
+        over the threads of each rank's operators. ``None`` (a core each) on CUDA
+        devices, across machines, or with cores enough."""
+        if self.device.type != 'cpu':
+            return None
+        usable = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') \
+            else os.cpu_count() or 1
+        everyone = self._gather((socket.gethostname(), usable, torch.get_num_threads()),
+                                self.device)
+        if len({host for host, _, _ in everyone}) > 1:
+            return None
+        capacity = min(c for _, c, _ in everyone) / max(t for _, _, t in everyone)
+        return capacity if capacity < self.size else None
 
     def first(self, work: Callable[[], Any],
               load: Optional[Tuple[nn.Sequential, TensorOrTensors, int]] = None) -> Any:

@@ -1,6 +1,7 @@
 """A configuration's step time and peak memory per worker, from measured costs.
 
-The time is the simulator's (:func:`torchgpipe.engine.schedule.simulate`):
+The time is the simulator's (:func:`torchgpipe.engine.sharing.simulate_sharing`,
+which shares the cores when ``Costs.cores`` says the workers outnumber them):
 the schedule's own action lists, each action costing what its partition's
 layers cost at its micro-batch's size, plus the pipeline's overhead per task
 and, when the next partition is on another worker, the message::
@@ -42,7 +43,8 @@ from fractions import Fraction
 from typing import Callable, Dict, List, Sequence, Set, Tuple
 
 from torchgpipe.engine.generators import named
-from torchgpipe.engine.schedule import Action, Kind, Schedule, simulate
+from torchgpipe.engine.schedule import Action, Kind, Schedule
+from torchgpipe.engine.sharing import simulate_sharing
 from torchgpipe.planner.costs import Costs, LayerCosts
 
 __all__: List[str] = []
@@ -276,7 +278,7 @@ def predict(costs: Costs, candidate: Candidate, *, param_scale: float = 2.0
             into = busy[candidate.worker_of(action.j)]
             for kind, time in work.items():
                 into[kind] = into.get(kind, 0.0) + time
-    times = simulate(schedule.workers, n, cost.__getitem__)
+    times = simulate_sharing(schedule.workers, n, cost.__getitem__, costs.cores)
     ends = {action: float(end) / NANOSECONDS for action, (_, end) in times.items()}
     step = max(ends.values(), default=0.0)
     memory = [max(peak_memory(schedule.workers, w, parts, sizes, checkpointed),

@@ -1,0 +1,107 @@
+"""The simulator of workers sharing fewer cores than they are: what it must give, whatever
+the schedule and the costs, and how the planner's predictions use it."""
+from fractions import Fraction
+from typing import Dict
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from torchgpipe.engine.generators import SCHEDULES, named
+from torchgpipe.engine.schedule import Action, Schedule, simulate
+from torchgpipe.engine.sharing import simulate_sharing
+from torchgpipe.planner.costs import Costs
+from torchgpipe.planner.predict import Candidate, predict
+from test_planner import linear_costs
+
+
+def shapes() -> 'st.SearchStrategy[tuple]':
+    """(name, micro-batches, partitions, workers) of every built-in schedule."""
+    return st.sampled_from(SCHEDULES).flatmap(lambda name: st.tuples(
+        st.just(name), st.integers(1, 8),
+        st.integers(1, 3).map(lambda k: 2 * k) if name in ('interleaved_1f1b', 'zbv')
+        else st.integers(1, 4)))
+
+
+def plan_and_costs(data: st.DataObject) -> 'tuple[Schedule, int, Dict[Action, Fraction]]':
+    name, m, n = data.draw(shapes())
+    workers = n // 2 if name in ('interleaved_1f1b', 'zbv') else n
+    plan = named(name, m, n, workers)
+    costs = {a: Fraction(data.draw(st.integers(0, 20))) for actions in plan.workers
+             for a in actions}
+    return plan, n, costs
+
+
+def step(times: Dict[Action, tuple]) -> Fraction:
+    return max((end for _, end in times.values()), default=Fraction(0))
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data())
+def test_a_core_per_worker_is_the_plain_simulation(data: st.DataObject) -> None:
+    plan, n, costs = plan_and_costs(data)
+    cores = data.draw(st.sampled_from([None, len(plan.workers), len(plan.workers) + 0.5]))
+    assert simulate_sharing(plan.workers, n, costs.__getitem__, cores) == \
+        simulate(plan.workers, n, costs.__getitem__)
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data())
+def test_one_core_does_all_the_work_one_action_at_a_time(data: st.DataObject) -> None:
+    """One core is never idle while an action is left (no schedule waits in a circle):
+    the step is the sum of the work."""
+    plan, n, costs = plan_and_costs(data)
+    assert step(simulate_sharing(plan.workers, n, costs.__getitem__, 1)) == sum(costs.values())
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data(), cores=st.sampled_from([0.5, 1.0, 1.5, 2.0, 3.0]))
+def test_shared_cores_stretch_the_step_within_bounds(data: st.DataObject, cores: float) -> None:
+    """Sharing never makes a step faster than a core each, nor than the work over the
+    cores; and since each action goes at least ``cores / workers`` of its speed, never
+    slower than the plain step stretched by ``workers / cores``. Each worker still runs
+    its actions in order, after what they wait for."""
+    plan, n, costs = plan_and_costs(data)
+    shared = simulate_sharing(plan.workers, n, costs.__getitem__, cores)
+    plain = step(simulate(plan.workers, n, costs.__getitem__))
+    capacity = min(Fraction(cores), Fraction(len(plan.workers)))
+    assert max(plain, sum(costs.values()) / capacity) <= step(shared)
+    assert step(shared) <= plain * max(1, len(plan.workers) / capacity)
+    for actions in plan.workers:
+        for before, after in zip(actions, actions[1:]):
+            assert shared[before][1] <= shared[after][0]
+    for action, (start, end) in shared.items():
+        assert end - start >= costs[action]
+
+
+def test_four_workers_on_two_cores_go_at_half_speed_together() -> None:
+    """Fill-drain's forward passes of four workers, each alone at first, then all four."""
+    plan = named('fill_drain', 8, 4, 4)
+    unit = lambda action: Fraction(1)  # noqa: E731
+    shared = step(simulate_sharing(plan.workers, 4, unit, 2))
+    assert step(simulate(plan.workers, 4, unit)) == 22  # 2 (m + p - 1)
+    assert 32 <= shared < 44  # the work over two cores; the plain step, twice
+
+
+def test_cores_must_be_positive() -> None:
+    plan = named('1f1b', 2, 2, 2)
+    with pytest.raises(ValueError, match='cores must be positive'):
+        simulate_sharing(plan.workers, 2, lambda a: Fraction(1), 0)
+
+
+def test_the_planner_predicts_with_the_cores_shared() -> None:
+    """With ``Costs.cores``, a step of workers that all work at once takes longer, and one
+    of a single micro-batch (one worker at a time) no longer; the costs keep the cores
+    through JSON."""
+    costs = linear_costs(8, batch=16)
+    busy = Candidate('1f1b', (2, 2, 2, 2), 16, 'never', 4)
+    alone = Candidate('1f1b', (2, 2, 2, 2), 1, 'never', 4)
+    own = predict(costs, busy).step, predict(costs, alone).step
+    costs.cores = 2.0
+    shared = predict(costs, busy).step, predict(costs, alone).step
+    assert shared[0] > own[0] * 1.2
+    assert shared[1] == pytest.approx(own[1])
+    costs.cores = 1.0
+    work = sum(sum(b.values()) for b in predict(costs, busy).busy)
+    assert predict(costs, busy).step == pytest.approx(work)
+    assert Costs.from_dict(costs.to_dict()).cores == 1.0
