@@ -308,22 +308,29 @@ def test_each_rank_holds_the_peak_predicted() -> None:
 
 
 @pytest.mark.parametrize('hosts, cores, threads, size, shared', [
-    (['a'] * 4, 2, 1, 4, 2.0),     # four ranks on two cores: they share them
-    (['a'] * 4, 4, 2, 4, 2.0),     # ... and so on four cores, with two threads each
-    (['a'] * 2, 2, 1, 2, None),    # a core each
-    (['a', 'a', 'b', 'b'], 1, 1, 4, None),  # across machines: not modelled
+    (['a'] * 4, [{0, 1}] * 4, 1, 4, 2.0),  # four ranks on two cores: they share them
+    (['a'] * 4, [{0, 1, 2, 3}] * 4, 2, 4, 2.0),  # ... and on four, two threads each
+    (['a'] * 4, [{0}, {0}, {1}, {1}], 1, 4, 2.0),  # pinned two to a core
+    (['a'] * 4, [{0}, {1}, {2}, {3}], 1, 4, None),  # pinned a core each
+    (['a'] * 2, [{0, 1}] * 2, 8, 2, 1.0),  # more threads than cores: each has them all
+    (['a'] * 2, [{0, 1}] * 2, 1, 2, None),  # a core each
+    (['a', 'a', 'b', 'b'], [{0}] * 4, 1, 4, None),  # across machines: not modelled
 ])
 def test_ranks_share_the_cores_when_they_outnumber_them(
-        monkeypatch: pytest.MonkeyPatch, hosts: List[str], cores: int, threads: int, size: int,
-        shared: Optional[float]) -> None:
-    """What Team.cores tells the planner (``Costs.cores``), from every rank's machine, its
-    cores and its threads; on CUDA devices, nothing."""
+        monkeypatch: pytest.MonkeyPatch, hosts: List[str], cores: List[set], threads: int,
+        size: int, shared: Optional[float]) -> None:
+    """What Team.cores tells the planner (``Costs.cores``), from every rank's machine, the
+    cores it may run on and its threads; on CUDA devices, nothing."""
     from torchgpipe.planner.group import Team
     monkeypatch.setattr(torch, 'get_num_threads', lambda: threads)
-    monkeypatch.setattr('os.sched_getaffinity', lambda pid: set(range(cores)), raising=False)
+    monkeypatch.setattr('os.sched_getaffinity', lambda pid: cores[0], raising=False)
+    monkeypatch.setattr('socket.gethostname', lambda: hosts[0])
     team = object.__new__(Team)
     team.size, team.device = size, torch.device('cpu')
-    team._gather = lambda value, device: [(host, *value[1:]) for host in hosts]  # type: ignore
+    # This rank's report, and the others' as theirs would be on their machines and cores.
+    team._gather = lambda value, device: [value] + [  # type: ignore
+        (host, sorted(mine), min(threads, len(mine)))
+        for host, mine in zip(hosts[1:], cores[1:])]
     assert team.cores() == shared
     team.device = torch.device('cuda', 0)
     assert team.cores() is None

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from torchgpipe.engine.generators import SCHEDULES, named
 from torchgpipe.engine.schedule import Action, Schedule, simulate
-from torchgpipe.engine.sharing import simulate_sharing
+from torchgpipe.engine.sharing import _shared, simulate_sharing
 from torchgpipe.planner.costs import Costs
 from torchgpipe.planner.predict import Candidate, predict
 from test_planner import linear_costs
@@ -40,9 +40,12 @@ def step(times: Dict[Action, tuple]) -> Fraction:
 @given(data=st.data())
 def test_a_core_per_worker_is_the_plain_simulation(data: st.DataObject) -> None:
     plan, n, costs = plan_and_costs(data)
+    plain = simulate(plan.workers, n, costs.__getitem__)
     cores = data.draw(st.sampled_from([None, len(plan.workers), len(plan.workers) + 0.5]))
-    assert simulate_sharing(plan.workers, n, costs.__getitem__, cores) == \
-        simulate(plan.workers, n, costs.__getitem__)
+    assert simulate_sharing(plan.workers, n, costs.__getitem__, cores) == plain
+    # The events themselves, with cores enough, give the same times.
+    capacity = Fraction(len(plan.workers) + data.draw(st.integers(0, 2)))
+    assert _shared(plan.workers, n, costs.__getitem__, capacity) == plain
 
 
 @settings(max_examples=80, deadline=None)
@@ -83,10 +86,19 @@ def test_four_workers_on_two_cores_go_at_half_speed_together() -> None:
     assert 32 <= shared < 44  # the work over two cores; the plain step, twice
 
 
-def test_cores_must_be_positive() -> None:
+@pytest.mark.parametrize('cores', [0, -1, 1e-6])
+def test_cores_must_be_positive(cores: float) -> None:
     plan = named('1f1b', 2, 2, 2)
     with pytest.raises(ValueError, match='cores must be positive'):
-        simulate_sharing(plan.workers, 2, lambda a: Fraction(1), 0)
+        simulate_sharing(plan.workers, 2, lambda a: Fraction(1), cores)
+
+
+def test_a_schedule_that_waits_in_a_circle_is_named() -> None:
+    """As the plain simulator's clock order does, not a hang."""
+    first, second = named('1f1b', 2, 2, 2).workers
+    stuck = [first, [second[1], second[0], *second[2:]]]  # 1B0 before its own 1F0
+    with pytest.raises(ValueError, match='cannot go on'):
+        simulate_sharing(stuck, 2, lambda a: Fraction(1), 1)
 
 
 def test_the_planner_predicts_with_the_cores_shared() -> None:
@@ -101,7 +113,13 @@ def test_the_planner_predicts_with_the_cores_shared() -> None:
     shared = predict(costs, busy).step, predict(costs, alone).step
     assert shared[0] > own[0] * 1.2
     assert shared[1] == pytest.approx(own[1])
+    costs.cores = None
+    alone = predict(costs, busy).busy
     costs.cores = 1.0
-    work = sum(sum(b.values()) for b in predict(costs, busy).busy)
-    assert predict(costs, busy).step == pytest.approx(work)
+    one = predict(costs, busy)
+    assert one.step == pytest.approx(sum(sum(b.values()) for b in alone))
+    # Each worker's work as a trace sees it: stretched while others work beside it.
+    for stretched, own_work in zip(one.busy, alone):
+        assert sum(stretched.values()) > sum(own_work.values()) * 1.2
+        assert sum(stretched.values()) <= one.step * (1 + 1e-9)
     assert Costs.from_dict(costs.to_dict()).cores == 1.0

@@ -56,53 +56,44 @@ def simulate_sharing(workers: Sequence[Sequence[Action]], n: int, cost: Cost,
     """
     if cores is None or cores >= len(workers):
         return simulate(workers, n, cost)
-    if cores <= 0:
-        raise ValueError(f'cores must be positive (got {cores}): give None for a core '
-                         'per worker')
     # Exact arithmetic, as the plain simulator's: a share of the cores is a
     # fraction with a small denominator.
-    capacity = Fraction(cores).limit_denominator(1000)
+    capacity = Fraction(cores).limit_denominator(1000) if cores > 0 else Fraction(0)
+    if capacity <= 0:
+        raise ValueError(f'cores must be positive (got {cores}): give None for a core '
+                         'per worker')
+    return _shared(workers, n, cost, capacity)
+
+
+def _shared(workers: Sequence[Sequence[Action]], n: int, cost: Cost, capacity: Fraction
+            ) -> Dict[Action, Tuple[Fraction, Fraction]]:
+    """:func:`simulate_sharing`'s events, with ``capacity`` cores (any positive number:
+    at least the workers, it is the plain simulation)."""
     needs = dependencies(workers, n)
     times: Dict[Action, Tuple[Fraction, Fraction]] = {}
     position = [0] * len(workers)
-    free = [Fraction(0)] * len(workers)
     # The action each busy worker is at: when it started, and its work left
     # (in time alone on a core).
     working: Dict[int, Tuple[Action, Fraction, Fraction]] = {}
     now = Fraction(0)
-
-    def ready(w: int) -> Optional[Fraction]:
-        """When worker ``w``'s next action may start; ``None``: not known yet."""
-        if position[w] == len(workers[w]):
-            return None
-        start = free[w]
-        for need in needs[workers[w][position[w]]]:
-            if need not in times:
-                return None
-            start = max(start, times[need][1])
-        return start
-
     total = sum(len(actions) for actions in workers)
     while len(times) < total:
-        for w in range(len(workers)):
-            start = ready(w) if w not in working else None
-            if start is not None and start <= now:
-                action = workers[w][position[w]]
-                working[w] = (action, now, cost(action))
-        share = min(Fraction(1), capacity / len(working)) if working else Fraction(1)
-        events = [now + left / share for _, _, left in working.values()]
-        events += [t for t in (ready(w) for w in range(len(workers)) if w not in working)
-                   if t is not None]
-        if not events:
+        # Whatever an idle worker's next action waits for ended at an event
+        # already past: it starts now.
+        for w, actions in enumerate(workers):
+            if w not in working and position[w] < len(actions) \
+                    and all(need in times for need in needs[actions[position[w]]]):
+                working[w] = (actions[position[w]], now, Fraction(cost(actions[position[w]])))
+        if not working:
             clock_order(workers, n)  # raises, naming the circle of actions
-        later = min(events)
+        share = min(Fraction(1), capacity / len(working))
+        later = min(now + left / share for _, _, left in working.values())
         for w, (action, started, left) in list(working.items()):
             left -= (later - now) * share
-            if left:
+            if left > 0:
                 working[w] = (action, started, left)
-            else:  # exact: Fractions
+            else:
                 times[action] = (started, later)
-                free[w] = later
                 position[w] += 1
                 del working[w]
         now = later

@@ -131,18 +131,21 @@ class Team:
 
     def cores(self) -> Optional[float]:
         """How many ranks can be at work at full speed at once, when the ranks are
-        processes of one machine that outnumber its cores (``Costs.cores``): its cores
-        over the threads of each rank's operators. ``None`` (a core each) on CUDA
-        devices, across machines, or with cores enough."""
+        processes of one machine that outnumber its cores (``Costs.cores``): the cores
+        they may run on (the union of their CPU affinities) over the most threads a
+        rank's operators use (at most its own cores). ``None`` (a core each) on CUDA
+        devices, across machines, or with cores enough. A container's CPU quota is not
+        seen: set each rank's affinity to the cores it may use."""
         if self.device.type != 'cpu':
             return None
-        usable = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') \
-            else os.cpu_count() or 1
-        everyone = self._gather((socket.gethostname(), usable, torch.get_num_threads()),
-                                self.device)
+        allowed = os.sched_getaffinity(0) if hasattr(os, 'sched_getaffinity') \
+            else set(range(os.cpu_count() or 1))
+        everyone = self._gather((socket.gethostname(), sorted(allowed),
+                                 min(torch.get_num_threads(), len(allowed))), self.device)
         if len({host for host, _, _ in everyone}) > 1:
             return None
-        capacity = min(c for _, c, _ in everyone) / max(t for _, _, t in everyone)
+        cores = len(set().union(*(mine for _, mine, _ in everyone)))
+        capacity = float(cores / max(threads for _, _, threads in everyone))
         return capacity if capacity < self.size else None
 
     def first(self, work: Callable[[], Any],

@@ -102,6 +102,7 @@ class Prediction:
         memory: each worker's peak memory, in bytes
         busy: each worker's time at work by kind of task (``'forward'``,
             ``'recompute'``, ``'backward'``, ``'input'``, ``'weight'``), in seconds
+            (as a trace sees it: longer where the workers share the cores)
         ends: when each action ends, in seconds (the simulator's)
     """
 
@@ -269,16 +270,21 @@ def predict(costs: Costs, candidate: Candidate, *, param_scale: float = 2.0
         message = latency + per_byte * sent if crosses else 0.0
         return sum(work.values()) + overhead + message, work
 
-    busy: List[Dict[str, float]] = [{} for _ in range(candidate.workers)]
     cost: Dict[Action, Fraction] = {}
+    works: Dict[Action, Dict[str, float]] = {}
     for actions in schedule.workers:
         for action in actions:
-            total, work = seconds(action)
+            total, works[action] = seconds(action)
             cost[action] = Fraction(round(total * NANOSECONDS))
-            into = busy[candidate.worker_of(action.j)]
-            for kind, time in work.items():
-                into[kind] = into.get(kind, 0.0) + time
     times = simulate_sharing(schedule.workers, n, cost.__getitem__, costs.cores)
+    busy: List[Dict[str, float]] = [{} for _ in range(candidate.workers)]
+    for action, work in works.items():
+        # Cores shared stretch an action's work as a trace would see it.
+        start, end = times[action]
+        stretch = float((end - start) / cost[action]) if cost[action] else 1.0
+        into = busy[candidate.worker_of(action.j)]
+        for kind, time in work.items():
+            into[kind] = into.get(kind, 0.0) + time * stretch
     ends = {action: float(end) / NANOSECONDS for action, (_, end) in times.items()}
     step = max(ends.values(), default=0.0)
     memory = [max(peak_memory(schedule.workers, w, parts, sizes, checkpointed),
