@@ -539,10 +539,12 @@ class PopMul(nn.Module):
 @pytest.mark.parametrize('stasher, popper, loose, reused', [
     (StashProjection, PopAdd, True, False), (Stash, PopAdd, False, False),
     (StashProjection, PopMul, True, True)])
+# (An addition gives the skip its output's gradient itself; a product, one of its own.)
 def test_a_skip_is_measured_with_its_route_and_what_each_end_keeps(
         stasher: Any, popper: Any, loose: bool, reused: bool) -> None:
     """Each skip's route and bytes; its bytes only the skip keeps (a projection's, not
-    the stashing layer's input); those the pop saves; and they survive a saved plan."""
+    the stashing layer's input); those the pop saves; those of its gradient that are the
+    pop's output gradient; and they survive a saved plan."""
     module = nn.Sequential(nn.Linear(8, 16), stasher(), nn.Linear(16, 16), popper())
     costs = measure(module, torch.randn(4, 8), [4], torch.device('cpu'), repeat=1)
     costs.processes = True
@@ -551,6 +553,10 @@ def test_a_skip_is_measured_with_its_route_and_what_each_end_keeps(
     assert costs.skips == [(1, 3)] and at.skipped == [nbytes]
     assert at.loose == [nbytes if loose else 0.0]
     assert at.reused == [nbytes if reused else 0.0]
+    assert at.aliased == [nbytes if popper is PopAdd else 0.0]
+    # A stash of the layer's own output gets two gradients, added in place in
+    # training (a projection's third, its input's, comes from its own pass).
+    assert at.working[1] < 3 * nbytes if stasher is Stash else at.working[1] > 3 * nbytes
     # The first layer's output: saved by the third, through a stash that passes
     # it on (not freed before the first's backward pass, which a partition
     # boundary after the stash would make the pipeline's to hold), or not.
@@ -582,3 +588,20 @@ def test_the_gradients_i_keeps_for_w_are_the_layers_sum(name: str) -> None:
         kept = sum(live.log[number][1] for number in made) - tensor_bytes(leaf.grad)
         weights.run()
     assert predicted > 0 and abs(predicted / kept - 1) < 0.1, (predicted, kept)
+
+
+def test_a_loss_keeps_neither_its_target_nor_its_output() -> None:
+    """The target is the user's before the step (the loss's micro-batches of it are
+    views), and the pipeline keeps the weighted number of a loss, not its output (whose
+    storage, mse_loss's on CPU, is as large as its input): a loss that saves only its
+    input and its target keeps nothing of its own, whatever storage the target is in."""
+    module = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 256))
+    input = torch.randn(32, 16)
+    compact = torch.randn(32, 256)
+    inside = torch.randn(32, 1024)[:, :256]  # a view of a storage four times larger
+    for target in (compact, inside):
+        costs = measure(module, input, [4, 32], torch.device('cpu'), repeat=1,
+                        loss=(F.mse_loss, target))
+        assert [costs.at(size).kept[-1] for size in (4, 32)] == [0.0, 0.0]
+        assert [costs.at(size).passed[-1] for size in (4, 32)] == [0.0, 0.0]
+

@@ -219,6 +219,22 @@ def test_summed_loss(threaded: bool) -> None:
         balance=[2, 2], devices=cpu_devices(2, threaded), chunks=3)
 
 
+def test_the_loss_reads_the_users_target_in_place(threaded: bool) -> None:
+    """On CPU devices, each micro-batch's target is a view of the user's tensor, as the
+    unwrapped model's loss reads it: no copy of it per micro-batch ('cpu:1' is in the
+    memory of 'cpu' too)."""
+    target = torch.randn(8, 2)
+    seen: List[int] = []
+
+    def loss_fn(output: Tensor, micro_target: Tensor) -> Tensor:
+        seen.append(micro_target.untyped_storage().data_ptr())
+        return F.mse_loss(output, micro_target)
+
+    pipe = GPipe(mlp(3, 5, 2), balance=[2, 2], devices=cpu_devices(2, threaded), chunks=4)
+    pipe.train_step(torch.randn(8, 3), target, loss_fn)
+    assert len(seen) >= 4 and set(seen) == {target.untyped_storage().data_ptr()}
+
+
 def test_cross_entropy_and_tuples(threaded: bool) -> None:
     class Pair(nn.Module):
         def forward(self, x: Tensor) -> Tuple[Tensor, Tensor]:

@@ -12,6 +12,7 @@ of ``@skippable`` layers travel through a :class:`~torchgpipe.skip.tracker.SkipT
 of the profiler's own, fresh for every pass, and are detached the same way.
 """
 import copy
+import functools
 import time
 from typing import ContextManager, Dict, Generator, List, Optional, Set, Tuple
 
@@ -240,6 +241,9 @@ class SandboxSkipTracker(SkipTracker):
         #: bytes, not the copy: the tracker keeps no memory alive), by the
         #: skip's namespace and name.
         self.popped: Dict[Tuple[Namespace, str], Tuple[int, int]] = {}
+        #: The storage of the gradient the last backward pass gave each copy
+        #: (its address), by the skip's namespace and name.
+        self.gradients: Dict[Tuple[Namespace, str], int] = {}
 
     def save(self, batch: Batch, ns: Namespace, name: str, tensor: Optional[Tensor]) -> None:
         if tensor is not None:
@@ -256,7 +260,13 @@ class SandboxSkipTracker(SkipTracker):
         copy = tensor.clone()
         self.popped[(ns, name)] = (copy.untyped_storage().data_ptr(),
                                    copy.numel() * copy.element_size())
+        if copy.requires_grad:
+            note = functools.partial(self._note_gradient, (ns, name))
+            copy.register_hook(note)  # type: ignore[no-untyped-call]
         return copy
+
+    def _note_gradient(self, key: Tuple[Namespace, str], grad: Tensor) -> None:
+        self.gradients[key] = grad.untyped_storage().data_ptr()
 
     def take_stashed(self) -> List[Tensor]:
         """Returns the tensors stashed since the last call, and forgets them."""

@@ -43,7 +43,8 @@ def split_step(input: TensorOrTensors, target: TensorOrTensors, chunks: int, red
                                   'input: a mini-batch of 0 rows',
                                   'skip empty batches, e.g. with drop_last=True in the '
                                   'DataLoader'))
-    for t in targets:
-        t[:] = tuple(x.to(last_device) for x in t)
+    # Views of the user's target where it is already in the last device's
+    # memory (any CPU device, 'cpu:1' too): no copy of it per micro-batch.
+    microbatch.move(targets, last_device)
     weights = [size / total if reduction == 'mean' else 1.0 for size in sizes]
     return batches, [t.plain for t in targets], weights

@@ -45,7 +45,7 @@ __all__: List[str] = []
 TIMES = ('forward', 'input', 'backward')
 #: ... and memory in bytes.
 BYTES = ('kept', 'output', 'working', 'closing', 'unsaved', 'accumulating', 'retained',
-         'skipped', 'loose', 'reused', 'passed')
+         'skipped', 'loose', 'reused', 'aliased', 'passed')
 
 
 @dataclass
@@ -53,7 +53,7 @@ class LayerCosts:
     """The costs of every layer at one micro-batch size, a list per quantity.
 
     A loss measured with the layers is the last entry of each list, but of
-    ``skipped``, ``loose`` and ``reused``, which have an entry per skip
+    ``skipped``, ``loose``, ``reused`` and ``aliased``, which have an entry per skip
     connection (``skips`` of :class:`Costs`).
     """
 
@@ -89,6 +89,10 @@ class LayerCosts:
     #: ... of those the popping layer saves for its backward pass, counted
     #: in its ``kept``.
     reused: List[float] = field(default_factory=list)
+    #: ... of those whose gradient the popping layer's backward pass gives
+    #: as its output's gradient itself (an addition's): one tensor until the
+    #: layer before the pop is done (empty in older costs).
+    aliased: List[float] = field(default_factory=list)
 
 
 @dataclass
@@ -204,6 +208,11 @@ class Loss(nn.Module):
         super().__init__()
         self.loss_fn = loss_fn
         self.target = target
+        # The target is there before the step, as the user's (its micro-batches
+        # are views of it): what the loss saves of it is no memory of the pass.
+        # As buffers, kept_by_forward leaves their storages out.
+        for k, tensor in enumerate(x for x in Batch(target) if isinstance(x, Tensor)):
+            self.register_buffer(f'target_{k}', tensor, persistent=False)
 
     def forward(self, output: TensorOrTensors) -> Tensor:
         return self.loss_fn(output, self.target)
@@ -254,7 +263,8 @@ def measure(module: nn.Sequential, sample: TensorOrTensors, sizes: Sequence[int]
     with preserve_rng_state(device), torch.enable_grad(), use_skip_tracker(tracker):
         for size in sizes:
             tail = [] if loss is None else [_loss_at(loss, size, device)]
-            memory, routes = layer_memory(copies + tail, rows(sample, size), tracker)
+            memory, routes = layer_memory(copies + tail, rows(sample, size), tracker,
+                                          loss=bool(tail))
             prepared.append((tail, memory))
         timed: List[Dict[str, List[List[float]]]] = [{name: [] for name in TIMES}
                                                      for _ in sizes]

@@ -25,7 +25,14 @@ A skip connection is measured at both of its ends::
   from its forward pass to its backward pass; and those only the skip
   keeps on layer ``a`` (*loose*: not a tensor autograd saved, nor an
   output), left out of ``a``'s share, since a pop in the same partition
-  frees them.
+  frees them;
+- whether the popping layer's backward pass gives the skip its output's
+  gradient itself (an addition does: *aliased*), so that the layer before
+  the pop holds one tensor where two would be counted.
+
+A loss, the last layer when measured, keeps neither its target (the
+user's, of which each micro-batch is a view) nor its output: the pipeline
+keeps the weighted number it makes of it.
 """
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
@@ -58,13 +65,17 @@ def tensor_bytes(values: TensorOrTensors) -> int:
 
 
 def layer_memory(layers: Sequence[nn.Module], values: TensorOrTensors,
-                 tracker: SandboxSkipTracker) -> Tuple[Dict[str, List[float]], List[Route]]:
+                 tracker: SandboxSkipTracker, loss: bool = False
+                 ) -> Tuple[Dict[str, List[float]], List[Route]]:
     """Each layer's memory, each on the detached output of the layer before; a warm-up too.
 
     A layer's output is kept for the backward pass only if the next layer
     saves it (a linear layer does, a softmax loss does not): otherwise it is
     freed once used, and not counted in ``kept`` but in ``unsaved`` (the
-    pipeline holds a partition's output all the same).
+    pipeline holds a partition's output all the same). With ``loss``, the
+    last layer is a loss: the pipeline keeps the number it weighs from its
+    output, not the output (whose storage may be as large as the loss's
+    input: ``mse_loss``'s on CPU).
 
     Returns:
         the lists of :class:`~torchgpipe.planner.costs.LayerCosts`' bytes
@@ -74,6 +85,10 @@ def layer_memory(layers: Sequence[nn.Module], values: TensorOrTensors,
     measured: Dict[str, List[float]] = {name: [] for name in (
         'kept', 'output', 'working', 'closing', 'unsaved', 'accumulating', 'retained',
         'passed')}
+    # The storages of the gradients each layer's outputs got in its last
+    # backward pass: a pop that hands its skip the same one (an addition)
+    # gives the skip no gradient of its own until the layer before is done.
+    given: Set[int] = set()
     saves_input: List[bool] = []
     passes: List[bool] = []  # whether each layer's output is its input
     skips = _Skips()
@@ -85,6 +100,10 @@ def layer_memory(layers: Sequence[nn.Module], values: TensorOrTensors,
             result, held, saved, stashed = kept_by_forward(layer, x, tracker)
             inputs = {y.untyped_storage().data_ptr() for y in Batch(x)}
             storages.append((held, saved, inputs))
+            for y in Batch(result):
+                if isinstance(y, Tensor) and y.requires_grad:
+                    y.register_hook(  # type: ignore[no-untyped-call]
+                        lambda grad: given.add(grad.untyped_storage().data_ptr()))
             return result, stashed
         # As a step's first micro-batch, a later one, split in two, as a partition's
         # last layer, and within one (pops get their skips back each time).
@@ -96,11 +115,15 @@ def layer_memory(layers: Sequence[nn.Module], values: TensorOrTensors,
         _restore(tracker, waiting)
         _, closing = working_memory(layer, fresh_input(values), forward, last=True)
         _restore(tracker, waiting)
+        given.clear()
         result, most = working_memory(layer, fresh_input(values), forward)
         held, saved, inputs = storages[-1]
         outputs = {y.untyped_storage().data_ptr() for y in Batch(result)}
+        if loss and k == len(layers) - 1:
+            held = {ptr: n for ptr, n in held.items() if ptr in saved or ptr not in outputs}
         loose = skips.note(k, waiting, tracker, {
-            ptr: n for ptr, n in held.items() if ptr not in saved and ptr not in outputs}, saved)
+            ptr: n for ptr, n in held.items() if ptr not in saved and ptr not in outputs}, saved,
+            given)
         measured['kept'].append(float(sum(held.values()) - loose))
         measured['unsaved'].append(float(sum(n for ptr, n in held.items()
                                              if ptr in outputs and ptr not in saved)))
@@ -128,7 +151,7 @@ def layer_memory(layers: Sequence[nn.Module], values: TensorOrTensors,
             measured['passed'].append(unsaved[k] if later == k + 1 else 0.0)
             unsaved[k] = 0.0
     measured['skipped'], measured['loose'] = skips.skipped, skips.loose
-    measured['reused'] = skips.reused
+    measured['reused'], measured['aliased'] = skips.reused, skips.aliased
     return measured, skips.routes
 
 
@@ -144,14 +167,19 @@ class _Skips:
         self.skipped: List[float] = []
         self.loose: List[float] = []
         self.reused: List[float] = []
+        #: ... and those of its gradient that are the popping layer's output
+        #: gradient itself.
+        self.aliased: List[float] = []
 
     def note(self, k: int, before: Dict[SkipKey, Optional[Tensor]],
-             tracker: SandboxSkipTracker, loose: Dict[int, int], saved: Set[int]) -> float:
+             tracker: SandboxSkipTracker, loose: Dict[int, int], saved: Set[int],
+             given: Set[int]) -> float:
         """Notes what layer ``k`` popped and stashed (the tracker's skips ``before``
         its pass, and the tracker after it); returns the bytes of the storages it
         stashed that only their skips keep (``loose``: the bytes the layer keeps that
         are neither saved by autograd nor its outputs, by address; ``saved``: the
-        addresses of the storages autograd saved)."""
+        addresses of the storages autograd saved; ``given``: those of the gradients
+        its outputs got)."""
         after = tracker.tensors
         for key, x in before.items():
             if after.get(key, _NOTHING) is not x and key in self.waiting:
@@ -161,6 +189,8 @@ class _Skips:
                 self.loose.append(alone)
                 address, size = tracker.popped.pop(key, (0, 0))
                 self.reused.append(float(size) if address in saved else 0.0)
+                aliased = tracker.gradients.pop(key, None) in given
+                self.aliased.append(self.skipped[-1] if aliased else 0.0)
         total = 0.0
         for key, x in after.items():
             if before.get(key, _NOTHING) is x:

@@ -180,18 +180,23 @@ class Partitions:
         working = layers.working[start:stop]
         if layers.closing and stop - 1 < len(layers.closing):
             working[-1] = layers.closing[stop - 1]
-        for (a, b), nbytes in zip(self.costs.skips, layers.skipped):
+        # (A gradient the pop gives its output and the skip alike, as an addition
+        # does, is the layer before's own in B; I, keeping all, holds both.)
+        aliased = layers.aliased or [0.0] * len(layers.skipped)
+        alone = list(working)
+        for (a, b), nbytes, alias in zip(self.costs.skips, layers.skipped, aliased):
             if start <= a < stop or start <= b < stop:
                 for k in range(max(a + 1, start), min(b, stop)):
                     working[k - start] += nbytes
+                    alone[k - start] += nbytes - (alias if k == b - 1 else 0.0)
         accumulating = layers.accumulating[start:stop] or [0.0] * len(working)
         freed = sums['working'] = sums['accumulating'] = 0.0
         # (A layer's output that only the next layer saved is gone by its turn.)
         passed = layers.passed[start:stop - 1] + [0.0] if layers.passed else [0.0] * len(working)
-        for kept, alone, more, gone in reversed(list(zip(layers.kept[start:stop], working,
-                                                         accumulating, passed))):
-            sums['working'] = max(sums['working'], alone - freed - gone)
-            sums['accumulating'] = max(sums['accumulating'], alone + more - freed - gone)
+        for kept, most, more, gone in reversed(list(zip(layers.kept[start:stop], alone,
+                                                        accumulating, passed))):
+            sums['working'] = max(sums['working'], most - freed - gone)
+            sums['accumulating'] = max(sums['accumulating'], most + more - freed - gone)
             freed += kept
         # I frees nothing on its way: W needs the graph as it is.
         sums['holding'] = max(working, default=0.0)

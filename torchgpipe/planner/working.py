@@ -24,7 +24,7 @@ What an operator allocates and frees inside itself (a convolution's
 unfolded input, on CPU) is not a tensor and is not seen.
 """
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, cast
 
 import torch
 from torch import Tensor, nn
@@ -117,12 +117,23 @@ class _Seed(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, *ends: Tensor) -> Tensor:
         ctx.like = [(y.shape, y.dtype, y.device) for y in ends]
+        # A tensor that is an end twice (a stash of the layer's own output)
+        # gets two gradients in training, which the engine adds in place.
+        firsts: Dict[int, int] = {}
+        ctx.first = [firsts.setdefault(id(y), k) for k, y in enumerate(ends)]
         return torch.zeros(())
 
     @staticmethod
-    def backward(ctx: Any, _: Tensor) -> Tuple[Tensor, ...]:
-        return tuple(torch.ones(shape, dtype=dtype, device=device)
-                     for shape, dtype, device in ctx.like)
+    def backward(ctx: Any, _: Tensor) -> Tuple[Optional[Tensor], ...]:
+        grads: List[Optional[Tensor]] = []
+        for k, (shape, dtype, device) in enumerate(ctx.like):
+            grad = torch.ones(shape, dtype=dtype, device=device)
+            if ctx.first[k] == k:
+                grads.append(grad)
+            else:
+                cast(Tensor, grads[ctx.first[k]]).add_(grad)
+                grads.append(None)
+        return tuple(grads)
 
 
 def working_memory(layer: nn.Module, values: TensorOrTensors, forward: Pass, *,
