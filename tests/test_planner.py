@@ -536,10 +536,20 @@ class PopMul(nn.Module):
         return x * skip
 
 
+@skippable(pop=['skip'])
+class PopCat(nn.Module):
+    """Concatenates the skip to its input."""
+
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        skip = yield pop('skip')
+        return torch.cat([x, skip], dim=1)
+
+
 @pytest.mark.parametrize('stasher, popper, loose, reused', [
     (StashProjection, PopAdd, True, False), (Stash, PopAdd, False, False),
-    (StashProjection, PopMul, True, True)])
-# (An addition gives the skip its output's gradient itself; a product, one of its own.)
+    (StashProjection, PopMul, True, True), (Stash, PopCat, False, False)])
+# (An addition gives the skip its output's gradient itself; a product, one of its
+# own; a concatenation, a part of its own output's.)
 def test_a_skip_is_measured_with_its_route_and_what_each_end_keeps(
         stasher: Any, popper: Any, loose: bool, reused: bool) -> None:
     """Each skip's route and bytes; its bytes only the skip keeps (a projection's, not
@@ -605,3 +615,30 @@ def test_a_loss_keeps_neither_its_target_nor_its_output() -> None:
         assert [costs.at(size).kept[-1] for size in (4, 32)] == [0.0, 0.0]
         assert [costs.at(size).passed[-1] for size in (4, 32)] == [0.0, 0.0]
 
+
+def test_a_gradient_an_addition_shares_with_its_skip_counts_once_before_the_pop() -> None:
+    """Within the partition of the pop, the layer before it gets the very gradient the
+    skip does: its backward pass holds one tensor, not two. A pop that opens the next
+    partition hands the two over apart (a message, or two leaves' gradients)."""
+    from torchgpipe.planner.predict import Partitions
+    module = nn.Sequential(nn.Linear(8, 16), Stash(), nn.Tanh(), PopAdd(), nn.Linear(16, 4))
+    costs = measure(module, torch.randn(4, 8), [4], torch.device('cpu'), repeat=1)
+    apart = Costs.from_dict({**costs.to_dict(), 'table': [
+        {**vars(row), 'aliased': [0.0] * len(row.aliased)} for row in costs.table]})
+    assert costs.at(4).aliased == costs.at(4).skipped != [0.0]
+    assert Partitions(costs, [5])(0, 4)['working'] < Partitions(apart, [5])(0, 4)['working']
+    assert Partitions(costs, [3, 2])(0, 4) == Partitions(apart, [3, 2])(0, 4)
+
+
+@pytest.mark.cuda
+def test_a_target_copied_to_the_last_device_counts() -> None:
+    """A CPU target for a CUDA pipeline: each micro-batch of it is a copy on the last
+    device, kept for the step; cross entropy saves it, so its bytes count."""
+    module = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 10))
+    target = torch.randint(0, 10, (32,))
+    on_host = measure(module, torch.randn(32, 8), [8], torch.device('cuda'), repeat=1,
+                      loss=(F.cross_entropy, target))
+    on_device = measure(module, torch.randn(32, 8), [8], torch.device('cuda'), repeat=1,
+                        loss=(F.cross_entropy, target.cuda()))
+    rows_bytes = 8 * target.element_size()
+    assert on_host.at(8).kept[-1] - on_device.at(8).kept[-1] >= rows_bytes

@@ -241,9 +241,10 @@ class SandboxSkipTracker(SkipTracker):
         #: bytes, not the copy: the tracker keeps no memory alive), by the
         #: skip's namespace and name.
         self.popped: Dict[Tuple[Namespace, str], Tuple[int, int]] = {}
-        #: The storage of the gradient the last backward pass gave each copy
-        #: (its address), by the skip's namespace and name.
-        self.gradients: Dict[Tuple[Namespace, str], int] = {}
+        #: While not ``None``, the gradient each copy handed to a pop gets in a
+        #: backward pass, by the skip's namespace and name (held: a pass that
+        #: compares gradients, not one that measures memory).
+        self.gradients: Optional[Dict[Tuple[Namespace, str], Tensor]] = None
 
     def save(self, batch: Batch, ns: Namespace, name: str, tensor: Optional[Tensor]) -> None:
         if tensor is not None:
@@ -260,13 +261,10 @@ class SandboxSkipTracker(SkipTracker):
         copy = tensor.clone()
         self.popped[(ns, name)] = (copy.untyped_storage().data_ptr(),
                                    copy.numel() * copy.element_size())
-        if copy.requires_grad:
-            note = functools.partial(self._note_gradient, (ns, name))
+        if copy.requires_grad and self.gradients is not None:
+            note = functools.partial(self.gradients.__setitem__, (ns, name))
             copy.register_hook(note)  # type: ignore[no-untyped-call]
         return copy
-
-    def _note_gradient(self, key: Tuple[Namespace, str], grad: Tensor) -> None:
-        self.gradients[key] = grad.untyped_storage().data_ptr()
 
     def take_stashed(self) -> List[Tensor]:
         """Returns the tensors stashed since the last call, and forgets them."""

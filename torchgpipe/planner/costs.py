@@ -36,6 +36,7 @@ from torchgpipe.balance.profile import (SandboxSkipTracker, fresh_input, layerwi
                                         to_device)
 from torchgpipe.engine.step import LossFunction
 from torchgpipe.foundation.microbatch import Batch, TensorOrTensors, map_tensors
+from torchgpipe.foundation.placement import same_memory
 from torchgpipe.planner.memory import Route, layer_memory, tensor_bytes
 from torchgpipe.skip.tracker import SkipTracker, use_skip_tracker
 
@@ -202,17 +203,23 @@ LossAndTarget = Tuple[LossFunction, TensorOrTensors]
 
 
 class Loss(nn.Module):
-    """A loss as a layer: ``loss_fn(output, target)`` of the output before it."""
+    """A loss as a layer: ``loss_fn(output, target)`` of the output before it.
 
-    def __init__(self, loss_fn: LossFunction, target: TensorOrTensors) -> None:
+    ``given``: whether the target is the user's, in the loss's memory (each
+    micro-batch of it a view, there before the step): what the loss saves of
+    it is then no memory of the pass, and as buffers, its tensors are left
+    out by kept_by_forward. Otherwise, the pipeline copies each micro-batch
+    of it to the last device, and the copies count.
+    """
+
+    def __init__(self, loss_fn: LossFunction, target: TensorOrTensors,
+                 given: bool = True) -> None:
         super().__init__()
         self.loss_fn = loss_fn
         self.target = target
-        # The target is there before the step, as the user's (its micro-batches
-        # are views of it): what the loss saves of it is no memory of the pass.
-        # As buffers, kept_by_forward leaves their storages out.
-        for k, tensor in enumerate(x for x in Batch(target) if isinstance(x, Tensor)):
-            self.register_buffer(f'target_{k}', tensor, persistent=False)
+        if given:
+            for k, tensor in enumerate(x for x in Batch(target) if isinstance(x, Tensor)):
+                self.register_buffer(f'target_{k}', tensor, persistent=False)
 
     def forward(self, output: TensorOrTensors) -> Tensor:
         return self.loss_fn(output, self.target)
@@ -303,7 +310,9 @@ def shared_parameters(module: nn.Sequential) -> List[Tuple[List[int], int]]:
 def _loss_at(loss: LossAndTarget, size: int, device: torch.device) -> nn.Module:
     """The loss as a layer, against the first ``size`` samples of the target."""
     loss_fn, target = loss
-    return Loss(loss_fn, rows(to_device(target, device), size))
+    given = all(same_memory(x.device, device) for x in Batch(target) if isinstance(x, Tensor))
+    micro = rows(to_device(target, device), size)
+    return Loss(loss_fn, micro if given else map_tensors(torch.clone, micro), given)
 
 
 def _timed_pass(layers: Sequence[nn.Module], sample: TensorOrTensors, device: torch.device,

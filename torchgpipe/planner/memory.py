@@ -34,8 +34,9 @@ A loss, the last layer when measured, keeps neither its target (the
 user's, of which each micro-batch is a view) nor its output: the pipeline
 keeps the weighted number it makes of it.
 """
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
+import torch
 from torch import Tensor, nn
 
 from torchgpipe.balance.profile import (SandboxSkipTracker, detach_tensor, fresh_input,
@@ -85,10 +86,6 @@ def layer_memory(layers: Sequence[nn.Module], values: TensorOrTensors,
     measured: Dict[str, List[float]] = {name: [] for name in (
         'kept', 'output', 'working', 'closing', 'unsaved', 'accumulating', 'retained',
         'passed')}
-    # The storages of the gradients each layer's outputs got in its last
-    # backward pass: a pop that hands its skip the same one (an addition)
-    # gives the skip no gradient of its own until the layer before is done.
-    given: Set[int] = set()
     saves_input: List[bool] = []
     passes: List[bool] = []  # whether each layer's output is its input
     skips = _Skips()
@@ -100,10 +97,6 @@ def layer_memory(layers: Sequence[nn.Module], values: TensorOrTensors,
             result, held, saved, stashed = kept_by_forward(layer, x, tracker)
             inputs = {y.untyped_storage().data_ptr() for y in Batch(x)}
             storages.append((held, saved, inputs))
-            for y in Batch(result):
-                if isinstance(y, Tensor) and y.requires_grad:
-                    y.register_hook(  # type: ignore[no-untyped-call]
-                        lambda grad: given.add(grad.untyped_storage().data_ptr()))
             return result, stashed
         # As a step's first micro-batch, a later one, split in two, as a partition's
         # last layer, and within one (pops get their skips back each time).
@@ -115,7 +108,6 @@ def layer_memory(layers: Sequence[nn.Module], values: TensorOrTensors,
         _restore(tracker, waiting)
         _, closing = working_memory(layer, fresh_input(values), forward, last=True)
         _restore(tracker, waiting)
-        given.clear()
         result, most = working_memory(layer, fresh_input(values), forward)
         held, saved, inputs = storages[-1]
         outputs = {y.untyped_storage().data_ptr() for y in Batch(result)}
@@ -123,7 +115,7 @@ def layer_memory(layers: Sequence[nn.Module], values: TensorOrTensors,
             held = {ptr: n for ptr, n in held.items() if ptr in saved or ptr not in outputs}
         loose = skips.note(k, waiting, tracker, {
             ptr: n for ptr, n in held.items() if ptr not in saved and ptr not in outputs}, saved,
-            given)
+            lambda: _aliased(layer, values, tracker, waiting))
         measured['kept'].append(float(sum(held.values()) - loose))
         measured['unsaved'].append(float(sum(n for ptr, n in held.items()
                                              if ptr in outputs and ptr not in saved)))
@@ -173,24 +165,28 @@ class _Skips:
 
     def note(self, k: int, before: Dict[SkipKey, Optional[Tensor]],
              tracker: SandboxSkipTracker, loose: Dict[int, int], saved: Set[int],
-             given: Set[int]) -> float:
+             aliased: Callable[[], Set[SkipKey]]) -> float:
         """Notes what layer ``k`` popped and stashed (the tracker's skips ``before``
         its pass, and the tracker after it); returns the bytes of the storages it
         stashed that only their skips keep (``loose``: the bytes the layer keeps that
         are neither saved by autograd nor its outputs, by address; ``saved``: the
-        addresses of the storages autograd saved; ``given``: those of the gradients
-        its outputs got)."""
-        after = tracker.tensors
-        for key, x in before.items():
-            if after.get(key, _NOTHING) is not x and key in self.waiting:
-                stasher, alone = self.waiting.pop(key)
-                self.routes.append((stasher, k))
-                self.skipped.append(float(tensor_bytes(x) if x is not None else 0))
-                self.loose.append(alone)
-                address, size = tracker.popped.pop(key, (0, 0))
-                self.reused.append(float(size) if address in saved else 0.0)
-                aliased = tracker.gradients.pop(key, None) in given
-                self.aliased.append(self.skipped[-1] if aliased else 0.0)
+        addresses of the storages autograd saved; ``aliased()``: the skips the layer
+        gives its output's gradient, asked once the layer is known to pop)."""
+        after = dict(tracker.tensors)
+        popped = [key for key, x in before.items()
+                  if after.get(key, _NOTHING) is not x and key in self.waiting]
+        alike = aliased() if popped else set()
+        tracker.tensors.clear()
+        tracker.tensors.update(after)
+        for key in popped:
+            x = before[key]
+            stasher, alone = self.waiting.pop(key)
+            self.routes.append((stasher, k))
+            self.skipped.append(float(tensor_bytes(x) if x is not None else 0))
+            self.loose.append(alone)
+            address, size = tracker.popped.pop(key, (0, 0))
+            self.reused.append(float(size) if address in saved else 0.0)
+            self.aliased.append(self.skipped[-1] if key in alike else 0.0)
         total = 0.0
         for key, x in after.items():
             if before.get(key, _NOTHING) is x:
@@ -200,6 +196,40 @@ class _Skips:
             self.waiting[key] = (k, nbytes)
             total += nbytes
         return total
+
+
+def _aliased(layer: nn.Module, values: TensorOrTensors, tracker: SandboxSkipTracker,
+             waiting: Dict[SkipKey, Optional[Tensor]]) -> Set[SkipKey]:
+    """The skips ``layer`` pops whose gradient its backward pass gives as its output's
+    gradient itself (an addition does; a concatenation gives a part of it): a pass of
+    its own, whose gradients are held to be compared (an address alone may be a freed
+    one's again), its memory not measured."""
+    _restore(tracker, waiting)
+    popped = dict(tracker.popped)
+    tracker.gradients = {}
+    given: List[Tensor] = []
+    try:
+        output = layer(fresh_input(values))
+        tracker.take_stashed()
+        ends = [y for y in Batch(output) if isinstance(y, Tensor) and y.requires_grad]
+        for y in ends:
+            y.register_hook(given.append)  # type: ignore[no-untyped-call]
+        if ends:
+            torch.autograd.backward(ends, [torch.ones_like(y) for y in ends])
+        return {key for key, grad in tracker.gradients.items()
+                if any(_same(grad, g) for g in given)}
+    finally:
+        tracker.gradients = None
+        tracker.popped.clear()
+        tracker.popped.update(popped)
+        for p in layer.parameters():
+            p.grad = None
+
+
+def _same(a: Tensor, b: Tensor) -> bool:
+    """Whether two tensors are one: the same elements of the same storage."""
+    return (a.data_ptr(), a.shape, a.stride(), a.dtype) == (b.data_ptr(), b.shape, b.stride(),
+                                                            b.dtype)
 
 
 def _restore(tracker: SandboxSkipTracker, waiting: Dict[SkipKey, Optional[Tensor]]) -> None:

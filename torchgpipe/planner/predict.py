@@ -188,7 +188,7 @@ class Partitions:
             if start <= a < stop or start <= b < stop:
                 for k in range(max(a + 1, start), min(b, stop)):
                     working[k - start] += nbytes
-                    alone[k - start] += nbytes - (alias if k == b - 1 else 0.0)
+                    alone[k - start] += nbytes - (alias if k == b - 1 < stop - 1 else 0.0)
         accumulating = layers.accumulating[start:stop] or [0.0] * len(working)
         freed = sums['working'] = sums['accumulating'] = 0.0
         # (A layer's output that only the next layer saved is gone by its turn.)
