@@ -11,9 +11,10 @@ micro-batch) as long as each alone::
     cores 2, workers at work 4:  each runs at 2/4 of its speed
     cores 2, workers at work 1:  it runs at full speed
 
-So the simulation here goes from event to event (an action ends, or a
-worker's next action may start), and between two events every action at
-work advances by the time passed times ``min(1, cores / at work)``.
+So the simulation here goes from one action's end to the next: at each,
+every idle worker whose next action has what it waits for starts it, and
+until the next end every action at work advances by the time passed times
+``min(1, cores / at work)``.
 """
 from fractions import Fraction
 from typing import Dict, Optional, Sequence, Tuple
@@ -58,7 +59,7 @@ def simulate_sharing(workers: Sequence[Sequence[Action]], n: int, cost: Cost,
         return simulate(workers, n, cost)
     # Exact arithmetic, as the plain simulator's: a share of the cores is a
     # fraction with a small denominator.
-    capacity = Fraction(cores).limit_denominator(1000) if cores > 0 else Fraction(0)
+    capacity = Fraction(cores).limit_denominator(1000)
     if capacity <= 0:
         raise ValueError(f'cores must be positive (got {cores}): give None for a core '
                          'per worker')
@@ -81,9 +82,11 @@ def _shared(workers: Sequence[Sequence[Action]], n: int, cost: Cost, capacity: F
         # Whatever an idle worker's next action waits for ended at an event
         # already past: it starts now.
         for w, actions in enumerate(workers):
-            if w not in working and position[w] < len(actions) \
-                    and all(need in times for need in needs[actions[position[w]]]):
-                working[w] = (actions[position[w]], now, Fraction(cost(actions[position[w]])))
+            if w in working or position[w] == len(actions):
+                continue
+            action = actions[position[w]]
+            if all(need in times for need in needs[action]):
+                working[w] = (action, now, Fraction(cost(action)))
         if not working:
             clock_order(workers, n)  # raises, naming the circle of actions
         share = min(Fraction(1), capacity / len(working))

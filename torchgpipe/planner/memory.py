@@ -175,9 +175,11 @@ class _Skips:
         after = dict(tracker.tensors)
         popped = [key for key, x in before.items()
                   if after.get(key, _NOTHING) is not x and key in self.waiting]
-        alike = aliased() if popped else set()
-        tracker.tensors.clear()
-        tracker.tensors.update(after)
+        alike: Set[SkipKey] = set()
+        if popped:
+            alike = aliased()  # a pass of the layer again: the tracker as it was after
+            tracker.tensors.clear()
+            tracker.tensors.update(after)
         for key in popped:
             x = before[key]
             stasher, alone = self.waiting.pop(key)
