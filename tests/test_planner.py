@@ -68,8 +68,8 @@ def test_predictions_are_the_simulators(data: st.DataObject, schedule: str, p: i
                                         checkpoint: str, overhead: float,
                                         transfer: float, cores: Optional[float]) -> None:
     """The step predicted is the simulator's, each action costing its partition's layers
-    (once more for a checkpointed backward), the overhead, and any message it sends; the
-    workers sharing the cores ``Costs.cores`` says."""
+    (once more for a checkpointed backward, ahead of its gradient), the overhead, and any
+    message it sends; the workers sharing the cores ``Costs.cores`` says."""
     virtual, placement = data.draw(st.sampled_from(SHAPES[schedule]))
     n = virtual * p
     layers = data.draw(st.integers(n, n + 4))
@@ -87,24 +87,30 @@ def test_predictions_are_the_simulators(data: st.DataObject, schedule: str, p: i
     schedule_ = named(schedule, len(sizes), n, p)
     workers = [min(j, n - 1 - j) if placement == 'v' else j % p for j in range(n)]
 
+    def again(action) -> bool:
+        """Whether the action recomputes its micro-batch's forward pass first."""
+        return action.kind in (Kind.B, Kind.I) and (
+            checkpoint == 'always' or checkpoint == 'except_last' and action.i < len(sizes) - 1)
+
+    def recompute(action) -> Fraction:
+        return Fraction(round(2e-3 * balance[action.j] * sizes[action.i] * 1e9 * again(action)))
+
     def cost(action) -> Fraction:
         layers_j, size = balance[action.j], sizes[action.i]
-        again = checkpoint == 'always' or checkpoint == 'except_last' and action.i < len(sizes) - 1
         # I reaches the partition's inputs (the first has none to reach),
         # W does the rest of B.
         i_ = 1e-3 if action.j else 0.0
-        per_layer = {Kind.F: 2e-3, Kind.B: 4e-3 + 2e-3 * again, Kind.I: i_ + 2e-3 * again,
-                     Kind.W: 4e-3 - i_}[action.kind]
+        per_layer = {Kind.F: 2e-3, Kind.B: 4e-3, Kind.I: i_, Kind.W: 4e-3 - i_}[action.kind]
         split = action.kind in (Kind.I, Kind.W)
         seconds = (3 if split else 1) * overhead + per_layer * layers_j * size
-        if action.kind in (Kind.B, Kind.I) and again:
-            seconds += 2 * overhead
+        seconds += 2 * overhead * again(action)
         to = action.j + 1 if action.kind is Kind.F else action.j - 1
         if action.kind is not Kind.W and 0 <= to < n and workers[to] != workers[action.j]:
             seconds += transfer * 1e3 + transfer * 250 * size
-        return Fraction(round(seconds * 1e9))
+        return Fraction(round(seconds * 1e9)) + recompute(action)
 
-    times = simulate_sharing(schedule_.workers, n, cost, cores)
+    # The recomputation runs ahead of the gradient it does not need.
+    times = simulate_sharing(schedule_.workers, n, cost, cores, recompute)
     expected = float(max(end for _, end in times.values())) / 1e9
     assert predict(costs, candidate).step == pytest.approx(expected, rel=1e-9, abs=1e-12)
 

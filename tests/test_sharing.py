@@ -1,14 +1,14 @@
 """The simulator of workers sharing fewer cores than they are: what it must give, whatever
 the schedule and the costs, and how the planner's predictions use it."""
 from fractions import Fraction
-from typing import Dict
+from typing import Dict, Optional
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torchgpipe.engine.generators import SCHEDULES, named
-from torchgpipe.engine.schedule import Action, Schedule, simulate
+from torchgpipe.engine.schedule import Action, Kind, Schedule, simulate
 from torchgpipe.engine.sharing import _shared, simulate_sharing
 from torchgpipe.planner.costs import Costs
 from torchgpipe.planner.predict import Candidate, predict
@@ -32,6 +32,14 @@ def plan_and_costs(data: st.DataObject) -> 'tuple[Schedule, int, Dict[Action, Fr
     return plan, n, costs
 
 
+def ahead_of(data: st.DataObject, costs: Dict[Action, Fraction]) -> Dict[Action, Fraction]:
+    """A part ahead for some backward passes, up to a little more than their cost (which
+    the simulators take as all of it); none for the rest."""
+    return {a: Fraction(data.draw(st.integers(0, int(cost) + 2)))
+            if a.kind in (Kind.B, Kind.I) and data.draw(st.booleans()) else Fraction(0)
+            for a, cost in costs.items()}
+
+
 def step(times: Dict[Action, tuple]) -> Fraction:
     return max((end for _, end in times.values()), default=Fraction(0))
 
@@ -40,21 +48,24 @@ def step(times: Dict[Action, tuple]) -> Fraction:
 @given(data=st.data())
 def test_a_core_per_worker_is_the_plain_simulation(data: st.DataObject) -> None:
     plan, n, costs = plan_and_costs(data)
-    plain = simulate(plan.workers, n, costs.__getitem__)
+    ahead = ahead_of(data, costs).__getitem__
+    plain = simulate(plan.workers, n, costs.__getitem__, ahead)
     cores = data.draw(st.sampled_from([None, len(plan.workers), len(plan.workers) + 0.5]))
-    assert simulate_sharing(plan.workers, n, costs.__getitem__, cores) == plain
+    assert simulate_sharing(plan.workers, n, costs.__getitem__, cores, ahead) == plain
     # The events themselves, with cores enough, give the same times.
     capacity = Fraction(len(plan.workers) + data.draw(st.integers(0, 2)))
-    assert _shared(plan.workers, n, costs.__getitem__, capacity) == plain
+    assert _shared(plan.workers, n, costs.__getitem__, capacity, ahead) == plain
 
 
 @settings(max_examples=80, deadline=None)
 @given(data=st.data())
 def test_one_core_does_all_the_work_one_action_at_a_time(data: st.DataObject) -> None:
     """One core is never idle while an action is left (no schedule waits in a circle):
-    the step is the sum of the work."""
+    the step is the sum of the work, whatever runs ahead."""
     plan, n, costs = plan_and_costs(data)
-    assert step(simulate_sharing(plan.workers, n, costs.__getitem__, 1)) == sum(costs.values())
+    ahead = ahead_of(data, costs).__getitem__
+    shared = simulate_sharing(plan.workers, n, costs.__getitem__, 1, ahead)
+    assert step(shared) == sum(costs.values())
 
 
 @settings(max_examples=80, deadline=None)
@@ -65,8 +76,9 @@ def test_shared_cores_stretch_the_step_within_bounds(data: st.DataObject, cores:
     slower than the plain step stretched by ``workers / cores``. Each worker still runs
     its actions in order, after what they wait for."""
     plan, n, costs = plan_and_costs(data)
-    shared = simulate_sharing(plan.workers, n, costs.__getitem__, cores)
-    plain = step(simulate(plan.workers, n, costs.__getitem__))
+    ahead = ahead_of(data, costs).__getitem__
+    shared = simulate_sharing(plan.workers, n, costs.__getitem__, cores, ahead)
+    plain = step(simulate(plan.workers, n, costs.__getitem__, ahead))
     capacity = min(Fraction(cores), Fraction(len(plan.workers)))
     assert max(plain, sum(costs.values()) / capacity) <= step(shared)
     assert step(shared) <= plain * max(1, len(plan.workers) / capacity)
@@ -75,6 +87,35 @@ def test_shared_cores_stretch_the_step_within_bounds(data: st.DataObject, cores:
             assert shared[before][1] <= shared[after][0]
     for action, (start, end) in shared.items():
         assert end - start >= costs[action]
+
+
+@pytest.mark.parametrize('cores', [None, 2, 4])
+@pytest.mark.parametrize('p', [1, 2, 4])
+def test_a_recomputation_ahead_waits_for_no_gradient(p: int, cores: Optional[float]) -> None:
+    """One micro-batch through ``p`` workers, F = 1, B = 2 and a recomputation of 3 in
+    each B: every worker but the last recomputes while the gradient is on its way, so
+    only the last one's shows in the step, where inside B all ``p`` would. On as many
+    cores as workers or fewer, the recomputations that run together share them."""
+    plan = named('fill_drain', 1, p, p)
+
+    def cost(action: Action) -> Fraction:
+        return Fraction(1 if action.kind is Kind.F else 5)
+
+    def recompute(action: Action) -> Fraction:
+        return Fraction(3 if action.kind is Kind.B else 0)
+
+    inside = step(simulate_sharing(plan.workers, p, cost, cores))
+    ahead = simulate_sharing(plan.workers, p, cost, cores, recompute)
+    assert inside == 6 * p
+    expected = 3 * p + 3  # the forward passes, the last recomputation, the backward passes
+    if cores is None or cores >= p:
+        assert step(ahead) == expected
+    else:  # the first workers' recomputations share the cores with the forward passes after
+        assert expected < step(ahead) < inside
+    # Each backward pass, the time it waited between its parts left out, spans its cost.
+    for action in plan.workers[0]:
+        start, end = ahead[action]
+        assert end - start >= cost(action)
 
 
 def test_four_workers_on_two_cores_go_at_half_speed_together() -> None:

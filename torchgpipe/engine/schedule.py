@@ -404,15 +404,16 @@ def unit_cost(action: Action) -> Fraction:
     return Fraction(2 if action.kind is Kind.B else 1)
 
 
-def simulate(workers: Sequence[Sequence[Action]], n: int, cost: Cost
-             ) -> Dict[Action, Tuple[Fraction, Fraction]]:
+def simulate(workers: Sequence[Sequence[Action]], n: int, cost: Cost,
+             ahead: Optional[Cost] = None) -> Dict[Action, Tuple[Fraction, Fraction]]:
     """When each action starts and ends if they take ``cost`` and messages take no time.
 
-    Each worker runs its actions in order, each as soon as the worker is free
-    and what it waits for has ended.
+    Each worker runs its actions in order, each once the worker is free and
+    what it waits for has ended; but the first ``ahead(action)`` of its cost
+    (a checkpointed backward pass's recomputation) needs the worker only.
 
     Returns:
-        the start and the end of each action
+        the start and the end of each action (of one that waited within: its end less its cost)
     """
     times: Dict[Action, Tuple[Fraction, Fraction]] = {}
     needs = dependencies(workers, n)
@@ -421,9 +422,9 @@ def simulate(workers: Sequence[Sequence[Action]], n: int, cost: Cost
     for cycle in clock_order(workers, n):
         for action in cycle:
             previous = before[action]
-            start = times[previous][1] if previous is not None else Fraction(0)
-            for need in needs[action]:
-                start = max(start, times[need][1])
+            lead = min(ahead(action), cost(action)) if ahead is not None else Fraction(0)
+            start = max([times[previous][1] if previous is not None else Fraction(0)]
+                        + [times[need][1] - lead for need in needs[action]])
             times[action] = (start, start + cost(action))
     return times
 

@@ -12,6 +12,9 @@ and, when the next partition is on another worker, the message::
     I   input gradients (after the same recomputation)     (+ message to j-1)
     W   the rest of B: the weights' gradients
 
+The recomputation runs as soon as the worker is free, before the gradient
+from ``j+1`` arrives, as the engine runs it (the simulator's ``ahead``).
+
 The memory walks each worker's actions in order: a forward pass keeps the
 partition's activations (only its input, if checkpointed) until the
 micro-batch's backward pass frees them (``I`` frees the partition's output,
@@ -281,7 +284,12 @@ def predict(costs: Costs, candidate: Candidate, *, param_scale: float = 2.0
         for action in actions:
             total, works[action] = seconds(action)
             cost[action] = Fraction(round(total * NANOSECONDS))
-    times = simulate_sharing(schedule.workers, n, cost.__getitem__, costs.cores)
+    # The engine recomputes a micro-batch before it waits for its gradient:
+    # the recomputation needs the worker only.
+    ahead = {action: Fraction(round(work.get('recompute', 0.0) * NANOSECONDS))
+             for action, work in works.items()}
+    times = simulate_sharing(schedule.workers, n, cost.__getitem__, costs.cores,
+                             ahead.__getitem__)
     busy: List[Dict[str, float]] = [{} for _ in range(candidate.workers)]
     for action, work in works.items():
         # Cores shared stretch an action's work as a trace would see it.
