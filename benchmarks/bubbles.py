@@ -12,7 +12,7 @@ Three parts:
   paper's costs (``F = I = W = 1``, ``B = 2``, halved for the half-size
   partitions of two per worker), the idle time per worker of each built-in
   schedule, computed from its actions
-  (:func:`torchgpipe.engine.schedule.idle`), beside its formula
+  (:func:`torchgpipe.engine.simulator.idle`), beside its formula
   (:data:`torchgpipe.engine.generators.BUBBLES`) and as a ratio of 1F1B's
   (targets: interleaved 1F1B, ``v = 2``, <= 0.55x; ZB-H1 <= 0.40x; ZBV <= 0.20x);
 - the measured rows: the parallelism workload (2 workers, ``cpu:0`` and
@@ -44,7 +44,8 @@ from benchmarks.runner import Experiment, Figure, Preset, main as run_main
 from benchmarks.timing import time_steps, warmup_steps
 from torchgpipe import GPipe
 from torchgpipe.engine.generators import BUBBLES, SCHEDULES, named
-from torchgpipe.engine.schedule import Action, idle, unit_cost
+from torchgpipe.engine.schedule import Action
+from torchgpipe.engine.simulator import idle, unit_cost
 
 Row = Dict[str, Any]
 Step = Callable[[], None]

@@ -15,8 +15,8 @@ import torchgpipe
 from helpers import PopAdd, Stash
 from torchgpipe import GPipe, Plan
 from torchgpipe.engine.generators import named
-from torchgpipe.engine.schedule import Kind
-from torchgpipe.engine.sharing import simulate_sharing
+from torchgpipe.engine.schedule import Action, Kind
+from torchgpipe.engine.simulator import simulate_sharing
 from torchgpipe.planner.costs import Costs, LayerCosts, measure
 from torchgpipe.planner.memory import tensor_bytes
 from torchgpipe.planner.predict import Candidate, micro_batches, predict
@@ -87,15 +87,15 @@ def test_predictions_are_the_simulators(data: st.DataObject, schedule: str, p: i
     schedule_ = named(schedule, len(sizes), n, p)
     workers = [min(j, n - 1 - j) if placement == 'v' else j % p for j in range(n)]
 
-    def again(action) -> bool:
+    def again(action: Action) -> bool:
         """Whether the action recomputes its micro-batch's forward pass first."""
         return action.kind in (Kind.B, Kind.I) and (
             checkpoint == 'always' or checkpoint == 'except_last' and action.i < len(sizes) - 1)
 
-    def recompute(action) -> Fraction:
+    def recompute(action: Action) -> Fraction:
         return Fraction(round(2e-3 * balance[action.j] * sizes[action.i] * 1e9 * again(action)))
 
-    def cost(action) -> Fraction:
+    def cost(action: Action) -> Fraction:
         layers_j, size = balance[action.j], sizes[action.i]
         # I reaches the partition's inputs (the first has none to reach),
         # W does the rest of B.

@@ -18,8 +18,8 @@ import torchgpipe.schedules
 from torchgpipe.engine.generators import (BUBBLES, SCHEDULES, check_schedule, fill_drain,
                                           interleaved_1f1b, named, one_f_one_b, resolve, zb_h1, zbv)
 from helpers import random_order
-from torchgpipe.engine.schedule import (Action, Kind, Schedule, clock_order, dependencies, idle,
-                                        in_flight)
+from torchgpipe.engine.schedule import Action, Kind, Schedule, clock_order, dependencies, in_flight
+from torchgpipe.engine.simulator import idle
 
 
 def unit(n: int, p: int) -> Callable[[Action], Fraction]:

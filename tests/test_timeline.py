@@ -24,7 +24,8 @@ import torchgpipe
 from torchgpipe import GPipe
 from torchgpipe.engine.generators import resolve
 from torchgpipe.engine.pipeline import clock_cycles
-from torchgpipe.engine.schedule import Action, Kind, idle, simulate, unit_cost
+from torchgpipe.engine.schedule import Action, Kind
+from torchgpipe.engine.simulator import idle, simulate, unit_cost
 from torchgpipe.timeline import Event, Timeline, segments
 
 CHECKPOINT_STOP = {'always': lambda m, chunks: m,

@@ -5,8 +5,9 @@
 - :mod:`~torchgpipe.engine.schedule`: a schedule is a list of actions per
   worker (``0F1``, ``1B0``, ``2I0``, ``2W0``), with its text and its checks.
 - :mod:`~torchgpipe.engine.generators`: the built-in schedules, short pure
-  functions; :mod:`~torchgpipe.engine.sharing`: the simulator of workers
-  that share fewer cores than they are.
+  functions; :mod:`~torchgpipe.engine.simulator`: when each action of a
+  schedule starts and ends, given its cost (each worker with a core, or
+  sharing fewer cores than they are).
 - :mod:`~torchgpipe.engine.inputs`: a step's input and target, in micro-batches.
 - :mod:`~torchgpipe.engine.step`: :class:`~torchgpipe.engine.step.Step` runs any
   schedule's actions on the workers of :mod:`torchgpipe.runtime.worker`.

@@ -27,8 +27,8 @@ import re
 from fractions import Fraction
 from typing import Callable, Dict, Hashable, List, NamedTuple, Optional, Sequence, Tuple
 
-from torchgpipe.engine.schedule import (Action, Kind, Schedule, ScheduleLike, clock_order, idle,
-                                        simulate, unit_cost)
+from torchgpipe.engine.schedule import Action, Kind, Schedule, ScheduleLike, clock_order
+from torchgpipe.engine.simulator import idle, simulate, unit_cost
 from torchgpipe.foundation.validation import brief, describe
 
 __all__: List[str] = []

@@ -25,7 +25,6 @@ any work, that a schedule runs each action once and can finish;
 import enum
 import re
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import (Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union,
                     cast)
 
@@ -393,57 +392,3 @@ def in_flight(actions: Sequence[Action]) -> int:
         elif action.kind is not Kind.I:
             alive -= 1
     return peak
-
-
-#: The time an action takes, in any unit.
-Cost = Callable[[Action], Fraction]
-
-
-def unit_cost(action: Action) -> Fraction:
-    """The costs of the zero-bubble paper's analysis: F = I = W = 1, and so B = 2."""
-    return Fraction(2 if action.kind is Kind.B else 1)
-
-
-def simulate(workers: Sequence[Sequence[Action]], n: int, cost: Cost,
-             ahead: Optional[Cost] = None) -> Dict[Action, Tuple[Fraction, Fraction]]:
-    """When each action starts and ends if they take ``cost`` and messages take no time.
-
-    Each worker runs its actions in order, each once the worker is free and
-    what it waits for has ended; but the first ``ahead(action)`` of its cost
-    (a checkpointed backward pass's recomputation) needs the worker only.
-
-    Returns:
-        the start and the end of each action (of one that waited within: its end less its cost)
-    """
-    times: Dict[Action, Tuple[Fraction, Fraction]] = {}
-    needs = dependencies(workers, n)
-    before = {a: actions[k - 1] if k else None
-              for actions in workers for k, a in enumerate(actions)}
-    for cycle in clock_order(workers, n):
-        for action in cycle:
-            previous = before[action]
-            lead = min(ahead(action), cost(action)) if ahead is not None else Fraction(0)
-            start = max([times[previous][1] if previous is not None else Fraction(0)]
-                        + [times[need][1] - lead for need in needs[action]])
-            times[action] = (start, start + cost(action))
-    return times
-
-
-def idle(workers: Sequence[Sequence[Action]], n: int, cost: Cost) -> Fraction:
-    """The idle time per worker of a step: the span of the step less its work, averaged.
-
-    With each action's cost that of the paper's analysis, this is the
-    schedule's bubble; :data:`torchgpipe.engine.generators.BUBBLES` gives each
-    built-in schedule's formula.
-
-    Example::
-
-        >>> from torchgpipe.engine.generators import one_f_one_b
-        >>> unit = lambda a: Fraction(2 if a.kind is Kind.B else 1)
-        >>> idle(one_f_one_b(8, 4).workers, 4, unit)  # (p - 1)(F + B)
-        Fraction(9, 1)
-    """
-    times = simulate(workers, n, cost)
-    span = max((end for _, end in times.values()), default=Fraction(0))
-    work = sum((cost(a) for actions in workers for a in actions), Fraction(0))
-    return span - work / len(workers) if workers else Fraction(0)

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from torchgpipe.engine.generators import named
 from torchgpipe.engine.schedule import Action, Kind
-from torchgpipe.engine.sharing import simulate_sharing
+from torchgpipe.engine.simulator import simulate_sharing
 from torchgpipe.foundation.microbatch import TensorOrTensors
 from torchgpipe.foundation.placement import same_memory
 from torchgpipe.gpipe import GPipe

@@ -16,7 +16,7 @@ their messages wait for the receiving process to be scheduled: steps
 across them, too, take longer than their layers timed on one rank (by a
 quarter at 2 to 32 micro-batches for a CNN on two cores). Where the ranks
 outnumber the cores, the simulator shares the cores among the ranks at
-work (``Costs.cores``, :mod:`~torchgpipe.engine.sharing`), and the pace
+work (``Costs.cores``, :mod:`~torchgpipe.engine.simulator`), and the pace
 is what is left beyond that.
 
 So the planner runs the model itself: for each micro-batch size it timed

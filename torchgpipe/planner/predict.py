@@ -1,6 +1,6 @@
 """A configuration's step time and peak memory per worker, from measured costs.
 
-The time is the simulator's (:func:`torchgpipe.engine.sharing.simulate_sharing`,
+The time is the simulator's (:func:`torchgpipe.engine.simulator.simulate_sharing`,
 which shares the cores when ``Costs.cores`` says the workers outnumber them):
 the schedule's own action lists, each action costing what its partition's
 layers cost at its micro-batch's size, plus the pipeline's overhead per task
@@ -12,8 +12,9 @@ and, when the next partition is on another worker, the message::
     I   input gradients (after the same recomputation)     (+ message to j-1)
     W   the rest of B: the weights' gradients
 
-The recomputation runs as soon as the worker is free, before the gradient
-from ``j+1`` arrives, as the engine runs it (the simulator's ``ahead``).
+The recomputation runs as soon as the worker is free, without waiting for
+the gradient from ``j+1``, as the engine runs it (the simulator's
+``ahead``); the checkpoint's own overhead is counted after the wait.
 
 The memory walks each worker's actions in order: a forward pass keeps the
 partition's activations (only its input, if checkpointed) until the
@@ -47,7 +48,7 @@ from typing import Callable, Dict, List, Sequence, Set, Tuple
 
 from torchgpipe.engine.generators import named
 from torchgpipe.engine.schedule import Action, Kind, Schedule
-from torchgpipe.engine.sharing import simulate_sharing
+from torchgpipe.engine.simulator import simulate_sharing
 from torchgpipe.planner.costs import Costs, LayerCosts
 
 __all__: List[str] = []

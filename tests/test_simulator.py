@@ -1,5 +1,6 @@
-"""The simulator of workers sharing fewer cores than they are: what it must give, whatever
-the schedule and the costs, and how the planner's predictions use it."""
+"""The simulator of a step with a core per worker or fewer cores than workers, and with
+recomputations ahead of the gradients: what it must give, whatever the schedule and the
+costs, and how the planner's predictions use it."""
 from fractions import Fraction
 from typing import Dict, Optional
 
@@ -8,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torchgpipe.engine.generators import SCHEDULES, named
-from torchgpipe.engine.schedule import Action, Kind, Schedule, simulate
-from torchgpipe.engine.sharing import _shared, simulate_sharing
+from torchgpipe.engine.schedule import Action, Kind, Schedule
+from torchgpipe.engine.simulator import _shared, simulate, simulate_sharing
 from torchgpipe.planner.costs import Costs
 from torchgpipe.planner.predict import Candidate, predict
 from test_planner import linear_costs
@@ -33,9 +34,9 @@ def plan_and_costs(data: st.DataObject) -> 'tuple[Schedule, int, Dict[Action, Fr
 
 
 def ahead_of(data: st.DataObject, costs: Dict[Action, Fraction]) -> Dict[Action, Fraction]:
-    """A part ahead for some backward passes, up to a little more than their cost (which
-    the simulators take as all of it); none for the rest."""
-    return {a: Fraction(data.draw(st.integers(0, int(cost) + 2)))
+    """A part ahead for some backward passes, from a little below 0 to a little more than
+    their cost (which the simulators take as 0 and as all of it); none for the rest."""
+    return {a: Fraction(data.draw(st.integers(-2, int(cost) + 2)))
             if a.kind in (Kind.B, Kind.I) and data.draw(st.booleans()) else Fraction(0)
             for a, cost in costs.items()}
 
@@ -50,6 +51,8 @@ def test_a_core_per_worker_is_the_plain_simulation(data: st.DataObject) -> None:
     plan, n, costs = plan_and_costs(data)
     ahead = ahead_of(data, costs).__getitem__
     plain = simulate(plan.workers, n, costs.__getitem__, ahead)
+    # A start is the end less the cost, whatever the action waited for after its part ahead.
+    assert all(end - start == costs[a] for a, (start, end) in plain.items())
     cores = data.draw(st.sampled_from([None, len(plan.workers), len(plan.workers) + 0.5]))
     assert simulate_sharing(plan.workers, n, costs.__getitem__, cores, ahead) == plain
     # The events themselves, with cores enough, give the same times.
@@ -89,13 +92,18 @@ def test_shared_cores_stretch_the_step_within_bounds(data: st.DataObject, cores:
         assert end - start >= costs[action]
 
 
-@pytest.mark.parametrize('cores', [None, 2, 4])
-@pytest.mark.parametrize('p', [1, 2, 4])
-def test_a_recomputation_ahead_waits_for_no_gradient(p: int, cores: Optional[float]) -> None:
-    """One micro-batch through ``p`` workers, F = 1, B = 2 and a recomputation of 3 in
-    each B: every worker but the last recomputes while the gradient is on its way, so
-    only the last one's shows in the step, where inside B all ``p`` would. On as many
-    cores as workers or fewer, the recomputations that run together share them."""
+@pytest.mark.parametrize('cores, p, expected', [
+    (None, 1, 6), (None, 2, 9), (None, 4, 15), (4, 4, 15), (2, 2, 9),
+    # Two cores: 0F0, then 1F0 beside 0's recomputation, each at full speed; then
+    # 2F0 beside two recomputations (2/3 speed), ... until t = 9; the backward
+    # passes after that one at a time.
+    (2, 4, 17)])
+def test_a_recomputation_ahead_waits_for_no_gradient(cores: Optional[float], p: int,
+                                                     expected: int) -> None:
+    """One micro-batch through ``p`` workers, F = 1, B = 5 of which a recomputation of 3:
+    every worker but the last recomputes while the gradient is on its way, so only the
+    last one's shows in the step (3p + 3), where inside B all ``p`` would (6p). On fewer
+    cores than workers, the recomputations that run together share them."""
     plan = named('fill_drain', 1, p, p)
 
     def cost(action: Action) -> Fraction:
@@ -104,18 +112,16 @@ def test_a_recomputation_ahead_waits_for_no_gradient(p: int, cores: Optional[flo
     def recompute(action: Action) -> Fraction:
         return Fraction(3 if action.kind is Kind.B else 0)
 
-    inside = step(simulate_sharing(plan.workers, p, cost, cores))
+    assert step(simulate_sharing(plan.workers, p, cost, cores)) == 6 * p
     ahead = simulate_sharing(plan.workers, p, cost, cores, recompute)
-    assert inside == 6 * p
-    expected = 3 * p + 3  # the forward passes, the last recomputation, the backward passes
+    assert step(ahead) == expected
+    # Each backward pass spans its cost, the wait between its parts left out; longer
+    # only where it shared the cores.
+    spans = [ahead[actions[-1]][1] - ahead[actions[-1]][0] for actions in plan.workers]
     if cores is None or cores >= p:
-        assert step(ahead) == expected
-    else:  # the first workers' recomputations share the cores with the forward passes after
-        assert expected < step(ahead) < inside
-    # Each backward pass, the time it waited between its parts left out, spans its cost.
-    for action in plan.workers[0]:
-        start, end = ahead[action]
-        assert end - start >= cost(action)
+        assert spans == [5] * p
+    else:
+        assert min(spans) >= 5 and max(spans) > 5
 
 
 def test_four_workers_on_two_cores_go_at_half_speed_together() -> None:

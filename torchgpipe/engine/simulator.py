@@ -1,0 +1,214 @@
+"""The simulator: when each action of a schedule starts and ends, given what each costs.
+
+:func:`simulate` gives every worker a core of its own: each runs its
+actions in order, each as soon as the worker is free and what it waits for
+(:func:`~torchgpipe.engine.schedule.depends_on`) has ended, and messages
+take no time. With each action's cost that of the zero-bubble paper's
+analysis (:func:`unit_cost`), the time a step leaves its workers
+:func:`idle` is the schedule's bubble.
+
+A checkpointed backward pass (``B`` or ``I``) recomputes its micro-batch's
+forward pass before it waits for the gradient from the partition after it
+(:class:`~torchgpipe.engine.stage.Stage` does so): that first part of its
+cost, ``ahead``, needs the worker only. The action's own forward pass is
+always earlier on the same worker (a schedule keeps each partition on
+one worker), so nothing else holds it back::
+
+    worker j    ... jFi | recompute i | (waits for (j+1)Bi) | rest of jBi ...
+
+Processes of one machine, more of them than its cores, do not each have a
+core: while more workers are at work than there are cores, the operating
+system shares the cores among them, and each goes as fast as its share. A
+step of four ranks on two cores, where all four work at once, takes about
+as long as half of all their work; one where they take turns (a single
+micro-batch) as long as each alone::
+
+    cores 2, workers at work 4:  each runs at 2/4 of its speed
+    cores 2, workers at work 1:  it runs at full speed
+
+So :func:`simulate_sharing` goes from one action's end to the next: at
+each, every idle worker whose next action has what it waits for starts it
+(and any idle worker starts the part ahead of its next action), and until
+the next end every action at work advances by the time passed times
+``min(1, cores / at work)``.
+"""
+from fractions import Fraction
+from typing import Callable, Dict, Optional, Sequence, Tuple
+
+from torchgpipe.engine.schedule import Action, Kind, clock_order, dependencies
+
+__all__ = ['Cost', 'unit_cost', 'simulate', 'idle', 'simulate_sharing']
+
+#: The time an action takes, in any unit.
+Cost = Callable[[Action], Fraction]
+
+
+def unit_cost(action: Action) -> Fraction:
+    """The costs of the zero-bubble paper's analysis: F = I = W = 1, and so B = 2."""
+    return Fraction(2 if action.kind is Kind.B else 1)
+
+
+def lead(action: Action, cost: Cost, ahead: Optional[Cost]) -> Fraction:
+    """The part of ``action`` that runs ahead of what it waits for: ``ahead(action)``,
+    within 0 and the action's cost."""
+    if ahead is None:
+        return Fraction(0)
+    return max(Fraction(0), min(Fraction(ahead(action)), Fraction(cost(action))))
+
+
+def simulate(workers: Sequence[Sequence[Action]], n: int, cost: Cost,
+             ahead: Optional[Cost] = None) -> Dict[Action, Tuple[Fraction, Fraction]]:
+    """When each action starts and ends if each worker has a core of its own.
+
+    Args:
+        workers: each worker's actions, in order
+        n: the partitions
+        cost: an action's time
+        ahead: how much of an action's cost needs the worker only (a
+            checkpointed backward pass's recomputation), taken within 0 and
+            the cost; none if ``None``
+
+    Returns:
+        the start and the end of each action, the wait between its part
+        ahead and the rest left out (the start is the end less the cost)
+
+    Raises:
+        ValueError: the schedule can never finish (as
+            :func:`~torchgpipe.engine.schedule.clock_order` says)
+
+    Example::
+
+        >>> from torchgpipe.engine.generators import fill_drain
+        >>> plan = fill_drain(1, 2).workers  # 0F0 0B0 / 1F0 1B0
+        >>> recompute = lambda a: Fraction(1 if a.kind is Kind.B else 0)
+        >>> max(end for _, end in simulate(plan, 2, unit_cost).values())
+        Fraction(6, 1)
+        >>> max(end for _, end in simulate(plan, 2, unit_cost, recompute).values())
+        Fraction(5, 1)
+    """
+    times: Dict[Action, Tuple[Fraction, Fraction]] = {}
+    needs = dependencies(workers, n)
+    before = {a: actions[k - 1] if k else None
+              for actions in workers for k, a in enumerate(actions)}
+    for cycle in clock_order(workers, n):
+        for action in cycle:
+            previous = before[action]
+            # The rest starts once the part ahead and what it waits for have ended.
+            early = lead(action, cost, ahead)
+            start = max([times[previous][1] if previous is not None else Fraction(0)]
+                        + [times[need][1] - early for need in needs[action]])
+            times[action] = (start, start + cost(action))
+    return times
+
+
+def idle(workers: Sequence[Sequence[Action]], n: int, cost: Cost) -> Fraction:
+    """The idle time per worker of a step: the span of the step less its work, averaged.
+
+    With each action's cost that of the paper's analysis, this is the
+    schedule's bubble; :data:`torchgpipe.engine.generators.BUBBLES` gives each
+    built-in schedule's formula.
+
+    Example::
+
+        >>> from torchgpipe.engine.generators import one_f_one_b
+        >>> idle(one_f_one_b(8, 4).workers, 4, unit_cost)  # (p - 1)(F + B)
+        Fraction(9, 1)
+    """
+    times = simulate(workers, n, cost)
+    span = max((end for _, end in times.values()), default=Fraction(0))
+    work = sum((cost(a) for actions in workers for a in actions), Fraction(0))
+    return span - work / len(workers) if workers else Fraction(0)
+
+
+def simulate_sharing(workers: Sequence[Sequence[Action]], n: int, cost: Cost,
+                     cores: Optional[float] = None, ahead: Optional[Cost] = None
+                     ) -> Dict[Action, Tuple[Fraction, Fraction]]:
+    """When each action starts and ends if the workers share ``cores`` cores.
+
+    Each worker runs its actions in order, each as soon as the worker is
+    free and what it waits for has ended (its part ahead, as soon as the
+    worker is free); an action alone on a core takes ``cost(action)``.
+
+    Args:
+        workers: each worker's actions, in order
+        n: the partitions
+        cost: an action's time with a core of its own
+        cores: how many actions can be at work at full speed at once, not
+            necessarily whole (``None``, or at least the workers: every worker
+            has a core, as :func:`simulate` takes it)
+        ahead: how much of an action's cost needs the worker only (as for
+            :func:`simulate`)
+
+    Returns:
+        the start and the end of each action, the wait between its part
+        ahead and the rest left out (the start is the end less the time it
+        was at work)
+
+    Raises:
+        ValueError: ``cores`` is not positive, or the schedule can never
+            finish (as :func:`~torchgpipe.engine.schedule.clock_order` says)
+
+    Example::
+
+        >>> from torchgpipe.engine.generators import fill_drain
+        >>> unit = lambda action: Fraction(1)
+        >>> plan = fill_drain(4, 2).workers
+        >>> max(end for _, end in simulate_sharing(plan, 2, unit, cores=1).values())
+        Fraction(16, 1)
+    """
+    if cores is None or cores >= len(workers):
+        return simulate(workers, n, cost, ahead)
+    # Exact arithmetic, as the plain simulator's: a share of the cores is a
+    # fraction with a small denominator.
+    capacity = Fraction(cores).limit_denominator(1000)
+    if capacity <= 0:
+        raise ValueError(f'cores must be positive (got {cores}): give None for a core '
+                         'per worker')
+    return _shared(workers, n, cost, capacity, ahead)
+
+
+def _shared(workers: Sequence[Sequence[Action]], n: int, cost: Cost, capacity: Fraction,
+            ahead: Optional[Cost] = None) -> Dict[Action, Tuple[Fraction, Fraction]]:
+    """:func:`simulate_sharing`'s events, with ``capacity`` cores (any positive number:
+    at least the workers, it is the plain simulation)."""
+    needs = dependencies(workers, n)
+    times: Dict[Action, Tuple[Fraction, Fraction]] = {}
+    position = [0] * len(workers)
+    # The action each busy worker is at: the time it has been at work, its
+    # work left (in time alone on a core), and whether that is its part ahead.
+    working: Dict[int, Tuple[Action, Fraction, Fraction, bool]] = {}
+    # Workers whose next action ran its part ahead: the time that was at
+    # work, and the work left.
+    waiting: Dict[int, Tuple[Fraction, Fraction]] = {}
+    now = Fraction(0)
+    total = sum(len(actions) for actions in workers)
+    while len(times) < total:
+        # An idle worker starts its next action's part ahead at once, and the
+        # rest once what it waits for ended (at an event already past).
+        for w, actions in enumerate(workers):
+            if w in working or position[w] == len(actions):
+                continue
+            action = actions[position[w]]
+            early = lead(action, cost, ahead)
+            if w not in waiting and early > 0:
+                working[w] = (action, Fraction(0), early, True)
+            elif all(need in times for need in needs[action]):
+                spent, left = waiting.pop(w, (Fraction(0), Fraction(cost(action))))
+                working[w] = (action, spent, left, False)
+        if not working:
+            clock_order(workers, n)  # raises, naming the circle of actions
+        share = min(Fraction(1), capacity / len(working))
+        later = min(now + left / share for _, _, left, _ in working.values())
+        for w, (action, spent, left, is_ahead) in list(working.items()):
+            spent, left = spent + later - now, left - (later - now) * share
+            if left > 0:
+                working[w] = (action, spent, left, is_ahead)
+                continue
+            del working[w]
+            if is_ahead:
+                waiting[w] = (spent, cost(action) - lead(action, cost, ahead))
+            else:
+                times[action] = (later - spent, later)
+                position[w] += 1
+        now = later
+    return times
