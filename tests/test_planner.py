@@ -203,6 +203,30 @@ def test_measuring_leaves_the_model_and_the_random_state_as_they_were() -> None:
     assert costs.entry == 8 * 4  # one sample of the input, not the storage it is a view of
 
 
+def test_a_pass_another_process_interrupts_is_left_out(monkeypatch: pytest.MonkeyPatch
+                                                       ) -> None:
+    """A layer's time is the least of its rounds: another process's slice of the core makes
+    a pass longer, never shorter, even when it falls on most rounds of a layer."""
+    from torchgpipe.planner import costs as module
+    calls = []
+
+    def timed_pass(layers: Any, sample: Any, device: Any, split: bool) -> Any:
+        # Two sizes, I and B each: four passes a round. Rounds 1 and 2 (of the
+        # three timed after the one to warm up) are interrupted at every layer.
+        slow = 1 + 99 * (len(calls) // 4 in (1, 2))
+        calls.append(split)
+        times = [slow * (k + 1) * 1e-3 for k in range(len(layers))]
+        return {'forward': times, 'input': times} if split else {'backward': times}
+    monkeypatch.setattr(module, '_timed_pass', timed_pass)
+    costs = measure(nn.Sequential(*model()), torch.randn(8, 8), [2, 8], torch.device('cpu'),
+                    repeat=3)
+    assert len(calls) == 4 * 4
+    for size in (2, 8):
+        at = costs.at(size)
+        expected = [(k + 1) * 1e-3 for k in range(costs.layers)]
+        assert at.forward == at.input == at.backward == pytest.approx(expected)
+
+
 @pytest.fixture(scope='module')
 def planned() -> Plan:
     return torchgpipe.plan(model(), torch.randn(16, 8), devices=['cpu:0', 'cpu:1'],

@@ -334,3 +334,32 @@ def test_ranks_share_the_cores_when_they_outnumber_them(
     assert team.cores() == shared
     team.device = torch.device('cuda', 0)
     assert team.cores() is None
+
+
+@pytest.mark.parametrize('size, cores, loading', [
+    (4, None, [1, 2, 3]),  # a core each: every other rank loads, as a pipeline would
+    (4, 2.0, [1]),  # two cores: rank 0 keeps one, one other rank loads the other
+    (4, 1.5, []),  # not even two: rank 0 alone
+    (8, 4.0, [1, 2, 3]),
+])
+def test_while_rank_0_measures_only_ranks_that_leave_it_a_core_load_the_machine(
+        monkeypatch: pytest.MonkeyPatch, size: int, cores: Optional[float],
+        loading: List[int]) -> None:
+    """Team.first's load: the simulator shares the cores (``Costs.cores``), so the layers
+    must be timed with a core of their own, not shared a second time."""
+    import contextlib
+    from torchgpipe.planner import group
+    loaded: List[int] = []
+
+    @contextlib.contextmanager
+    def companions(count: int, layers: Any, sample: Any, device: Any) -> Any:
+        loaded.append(team.rank)
+        yield
+    monkeypatch.setattr(group, 'Companions', companions)
+    team = object.__new__(group.Team)
+    team.size, team.device = size, torch.device('cpu')
+    team._share = lambda value: ('value', 42)  # type: ignore
+    module = nn.Sequential(nn.Linear(2, 2))
+    for team.rank in range(1, size):
+        assert team.first(lambda: 0, load=(module, torch.zeros(4, 2), 2), cores=cores) == 42
+    assert loaded == loading

@@ -170,11 +170,12 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
                                           pilot.gpipes(workers))
             names_of = [str(d) for d in workers]
         else:
+            cores = team.cores()
             costs = Costs.from_dict(team.first(
                 lambda: measure(module, sample, sizes, team.device, repeat=repeat,
                                 loss=loss).to_dict(),
-                load=(module, sample, sizes[len(sizes) // 2])))
-            timer, costs.cores = team.timer(), team.cores()
+                load=(module, sample, sizes[len(sizes) // 2]), cores=cores))
+            timer, costs.cores = team.timer(), cores
             overheads = task_overhead(timer, team.size, costs.cores)
             wide = wide_step(timer, team.size)
             costs.transfer = team.first(

@@ -22,7 +22,6 @@ smoothly, but between powers of two a line is close.
 """
 import copy
 import functools
-import statistics
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -109,6 +108,8 @@ class Costs:
         loss: whether the last entry of each list of ``table`` is a loss
         overhead: the time the pipeline adds to each task, in seconds
         checkpoint_overhead: what it adds further to a checkpointed ``B`` or ``I``
+            (after the wait for the gradient, where the calibration's steps
+            put it: on the step's longest path)
         split_overhead: what it adds to an ``I`` or a ``W``, instead of ``overhead``
         transfer: a message's latency in seconds and its time per byte,
             between two workers (zero within one memory)
@@ -124,7 +125,7 @@ class Costs:
         cores: when the workers are processes of one machine that outnumber
             its cores, how many of them can be at work at full speed at once
             (its cores over each one's threads): they share the cores
-            (:mod:`~torchgpipe.engine.sharing`). ``None``: a core each.
+            (:mod:`~torchgpipe.engine.simulator`). ``None``: a core each.
     """
 
     batch: int
@@ -242,7 +243,9 @@ def measure(module: nn.Sequential, sample: TensorOrTensors, sizes: Sequence[int]
     A first pass, of each layer on the detached output of the one before,
     reads the memory. Then, in rounds that visit every size in turn, a pass
     with ``I`` alone and one with ``B`` whole: the first round warms up, the
-    next ``repeat`` are timed, and the median of each time is kept. (A layer
+    next ``repeat`` are timed, and the least of each time is kept: a pass
+    that the operating system interrupts for another process takes longer,
+    never shorter, and by a slice of milliseconds. (A layer
     timed alone, again and again, finds its weights in the cache, which a
     whole pass does not: times so measured come out too short.) ``module``
     and the random number generators are left as they were.
@@ -277,7 +280,7 @@ def measure(module: nn.Sequential, sample: TensorOrTensors, sizes: Sequence[int]
                                                      for _ in sizes]
         # The rounds visit every size in turn, the first to warm up: a slow
         # spell of the machine then falls on one round of each size, which
-        # the median leaves out, rather than on every round of one size,
+        # the least leaves out, rather than on every round of one size,
         # which would skew every configuration of that size.
         for turn in range(repeat + 1):
             for size, (tail, _), into in zip(sizes, prepared, timed):
@@ -289,7 +292,7 @@ def measure(module: nn.Sequential, sample: TensorOrTensors, sizes: Sequence[int]
     table = []
     for (_, costs), passes in zip(prepared, timed):
         for name, rounds in passes.items():
-            costs[name] = [statistics.median(layer) for layer in zip(*rounds)]
+            costs[name] = [min(layer) for layer in zip(*rounds)]
         table.append(LayerCosts(**costs))
     parameters = [sum(p.numel() * p.element_size() for p in c.parameters()) for c in copies]
     return Costs(batch=batch, sizes=sizes, table=table, parameters=parameters,

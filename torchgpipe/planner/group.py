@@ -7,10 +7,11 @@ measured is what the pipeline will see::
 
     rank 0                          ranks 1 .. p-1
     agree: the same arguments, and devices of one type   (every rank)
-    measures the layers             train copies of the layers (the load of
-                                    a busy pipeline on the same machine)
-    ---- the layers' costs, or rank 0's error, sent to every rank ----
     whether the ranks outnumber the cores of one machine  (every rank)
+    measures the layers             train copies of the layers (the load of
+                                    a busy pipeline on the same machine; only
+                                    those that leave rank 0 a core of its own)
+    ---- the layers' costs, or rank 0's error, sent to every rank ----
     steps of DistributedGPipe across the group: overhead per task, and
     steps of large messages                               (every rank)
     fits the cost per byte to those steps
@@ -25,6 +26,7 @@ waiting. (The steps across the group fail as DistributedGPipe's steps do,
 on every rank.)
 """
 import contextlib
+import math
 import os
 import socket
 import warnings
@@ -149,15 +151,22 @@ class Team:
         return capacity if capacity < self.size else None
 
     def first(self, work: Callable[[], Any],
-              load: Optional[Tuple[nn.Sequential, TensorOrTensors, int]] = None) -> Any:
+              load: Optional[Tuple[nn.Sequential, TensorOrTensors, int]] = None,
+              cores: Optional[float] = None) -> Any:
         """What ``work()`` gives on rank 0, on every rank; its error, as an error on every rank.
 
         Args:
             work: what rank 0 runs (and no other rank)
-            load: on CPU, a module, a sample and a micro-batch size: the
-                other ranks train a copy of the module on that many samples
+            load: on CPU, a module, a sample and a micro-batch size: other
+                ranks train a copy of the module on that many samples
                 meanwhile, the load of a busy pipeline on the same machine
                 (at one size; rank 0 measures every size)
+            cores: the cores the ranks share, if fewer than the ranks
+                (:meth:`cores`): then only as many ranks load the machine as
+                leave rank 0 a core of its own. The simulator shares the
+                cores itself; timed while waiting for a core, a layer would
+                count the sharing twice, and by chance (a pass a slice of
+                another process interrupts takes milliseconds longer)
 
         Raises:
             RuntimeError: on the other ranks, if ``work`` raised on rank 0
@@ -170,7 +179,8 @@ class Team:
                 raise
             self._share(value)
             return value[1]
-        if load is not None and self.device.type == 'cpu':
+        loaders = self.size - 1 if cores is None else max(0, math.floor(cores) - 1)
+        if load is not None and self.device.type == 'cpu' and self.rank <= loaders:
             module, sample, size = load
             with Companions(1, list(module), rows(to_device(sample, self.device), size),
                             self.device):
