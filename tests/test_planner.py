@@ -208,11 +208,12 @@ def test_a_pass_another_process_interrupts_is_left_out(monkeypatch: pytest.Monke
     """A layer's time is the least of its rounds: another process's slice of the core makes
     a pass longer, never shorter, even when it falls on most rounds of a layer."""
     from torchgpipe.planner import costs as module
-    calls = []
+    calls: List[bool] = []
 
     def timed_pass(layers: Any, sample: Any, device: Any, split: bool) -> Any:
-        # Two sizes, I and B each: four passes a round. Rounds 1 and 2 (of the
-        # three timed after the one to warm up) are interrupted at every layer.
+        # A round visits both sizes, I and B each: four passes. Rounds 1 and 2
+        # (of the three timed after the one to warm up) are interrupted at
+        # every layer.
         slow = 1 + 99 * (len(calls) // 4 in (1, 2))
         calls.append(split)
         times = [slow * (k + 1) * 1e-3 for k in range(len(layers))]

@@ -336,17 +336,22 @@ def test_ranks_share_the_cores_when_they_outnumber_them(
     assert team.cores() is None
 
 
-@pytest.mark.parametrize('size, cores, loading', [
-    (4, None, [1, 2, 3]),  # a core each: every other rank loads, as a pipeline would
-    (4, 2.0, [1]),  # two cores: rank 0 keeps one, one other rank loads the other
-    (4, 1.5, []),  # not even two: rank 0 alone
-    (8, 4.0, [1, 2, 3]),
+UNPINNED = [set(range(2))] * 8
+
+
+@pytest.mark.parametrize('size, cores, affinities, loading', [
+    (4, None, UNPINNED, [1, 2, 3]),  # a core each: every other rank loads, as a pipeline would
+    (4, 2.0, UNPINNED, [1]),  # two cores: rank 0 keeps one, one other rank loads the other
+    (4, 2.0, [{0}, {0}, {1}, {1}], [2]),  # pinned two to a core: one away from rank 0's
+    (4, 1.5, UNPINNED, []),  # not even two: rank 0 alone
+    (8, 4.0, [{0}, {0}, {1}, {1}, {2}, {2}, {3}, {3}], [2, 3, 4]),
 ])
 def test_while_rank_0_measures_only_ranks_that_leave_it_a_core_load_the_machine(
         monkeypatch: pytest.MonkeyPatch, size: int, cores: Optional[float],
-        loading: List[int]) -> None:
-    """Team.first's load: the simulator shares the cores (``Costs.cores``), so the layers
-    must be timed with a core of their own, not shared a second time."""
+        affinities: List[set], loading: List[int]) -> None:
+    """Team.loaders, and Team.first's load on those ranks only: the simulator shares the
+    cores (``Costs.cores``), so the layers must be timed with a core of their own, not
+    shared a second time."""
     import contextlib
     from torchgpipe.planner import group
     loaded: List[int] = []
@@ -357,9 +362,10 @@ def test_while_rank_0_measures_only_ranks_that_leave_it_a_core_load_the_machine(
         yield
     monkeypatch.setattr(group, 'Companions', companions)
     team = object.__new__(group.Team)
-    team.size, team.device = size, torch.device('cpu')
+    team.size, team.device, team.affinities = size, torch.device('cpu'), affinities[:size]
     team._share = lambda value: ('value', 42)  # type: ignore
-    module = nn.Sequential(nn.Linear(2, 2))
+    assert team.loaders(cores) == loading
+    load = group.Load(nn.Sequential(nn.Linear(2, 2)), torch.zeros(4, 2), 2, loading)
     for team.rank in range(1, size):
-        assert team.first(lambda: 0, load=(module, torch.zeros(4, 2), 2), cores=cores) == 42
+        assert team.first(lambda: 0, load=load) == 42
     assert loaded == loading

@@ -14,7 +14,7 @@ cost, ``ahead``, needs the worker only. The action's own forward pass is
 always earlier on the same worker (a schedule keeps each partition on
 one worker), so nothing else holds it back::
 
-    worker j    ... jFi | recompute i | (waits for (j+1)Bi) | rest of jBi ...
+    worker j    ... jFi | recompute i | (waits for (j+1)Bi or Ii) | rest of jBi ...
 
 Processes of one machine, more of them than its cores, do not each have a
 core: while more workers are at work than there are cores, the operating
@@ -48,7 +48,7 @@ def unit_cost(action: Action) -> Fraction:
     return Fraction(2 if action.kind is Kind.B else 1)
 
 
-def lead(action: Action, cost: Cost, ahead: Optional[Cost]) -> Fraction:
+def _lead(action: Action, cost: Cost, ahead: Optional[Cost]) -> Fraction:
     """The part of ``action`` that runs ahead of what it waits for: ``ahead(action)``,
     within 0 and the action's cost."""
     if ahead is None:
@@ -94,7 +94,7 @@ def simulate(workers: Sequence[Sequence[Action]], n: int, cost: Cost,
         for action in cycle:
             previous = before[action]
             # The rest starts once the part ahead and what it waits for have ended.
-            early = lead(action, cost, ahead)
+            early = _lead(action, cost, ahead)
             start = max([times[previous][1] if previous is not None else Fraction(0)]
                         + [times[need][1] - early for need in needs[action]])
             times[action] = (start, start + cost(action))
@@ -189,7 +189,7 @@ def _shared(workers: Sequence[Sequence[Action]], n: int, cost: Cost, capacity: F
             if w in working or position[w] == len(actions):
                 continue
             action = actions[position[w]]
-            early = lead(action, cost, ahead)
+            early = _lead(action, cost, ahead)
             if w not in waiting and early > 0:
                 working[w] = (action, Fraction(0), early, True)
             elif all(need in times for need in needs[action]):
@@ -206,7 +206,7 @@ def _shared(workers: Sequence[Sequence[Action]], n: int, cost: Cost, capacity: F
                 continue
             del working[w]
             if is_ahead:
-                waiting[w] = (spent, cost(action) - lead(action, cost, ahead))
+                waiting[w] = (spent, cost(action) - _lead(action, cost, ahead))
             else:
                 times[action] = (later - spent, later)
                 position[w] += 1

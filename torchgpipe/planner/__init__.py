@@ -63,7 +63,8 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
     ``group``, one worker each: every rank calls ``plan`` with the same
     arguments and its own ``device``. Rank 0 measures the layers while the
     others train copies of them (the load a pipeline puts on a shared
-    machine); the pipeline's cost per task and per message are measured by
+    machine; only as many as leave it a core of its own, where the ranks
+    outnumber the cores); the pipeline's cost per task and per message are measured by
     steps across the group; every rank returns the same plan.
 
     Args:
@@ -142,7 +143,7 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
     team = None
     if group is not None:
         # Imported here: ``import torchgpipe`` loads no torchgpipe.distributed.
-        from torchgpipe.planner.group import Team
+        from torchgpipe.planner.group import Load, Team
         team = Team(group, device, problem, {} if problem else {
             'layers': [sum(p.numel() for p in layer.parameters()) for layer in module],
             'sample': [(tuple(x.shape), str(x.dtype)) for x in Batch(sample)
@@ -174,7 +175,7 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
             costs = Costs.from_dict(team.first(
                 lambda: measure(module, sample, sizes, team.device, repeat=repeat,
                                 loss=loss).to_dict(),
-                load=(module, sample, sizes[len(sizes) // 2]), cores=cores))
+                load=Load(module, sample, sizes[len(sizes) // 2], team.loaders(cores))))
             timer, costs.cores = team.timer(), cores
             overheads = task_overhead(timer, team.size, costs.cores)
             wide = wide_step(timer, team.size)

@@ -245,10 +245,11 @@ def measure(module: nn.Sequential, sample: TensorOrTensors, sizes: Sequence[int]
     with ``I`` alone and one with ``B`` whole: the first round warms up, the
     next ``repeat`` are timed, and the least of each time is kept: a pass
     that the operating system interrupts for another process takes longer,
-    never shorter, and by a slice of milliseconds. (A layer
-    timed alone, again and again, finds its weights in the cache, which a
-    whole pass does not: times so measured come out too short.) ``module``
-    and the random number generators are left as they were.
+    never shorter, and by a slice of milliseconds. (What slows every round
+    alike stays in; on CPU workers, the pilot's pace carries the rest. A
+    layer timed alone, again and again, finds its weights in the cache,
+    which a whole pass does not: times so measured come out too short.)
+    ``module`` and the random number generators are left as they were.
 
     Args:
         module: the model
@@ -388,8 +389,10 @@ class Companions:
 
     Processes of a pipeline on one machine share its cores and its memory's
     bandwidth: a layer whose pipeline keeps the other ranks busy takes
-    longer than it does alone. Each rank that does not time the layers
-    trains copies of them on ``sample`` in ``count`` threads meanwhile, so
+    longer than it does alone. Ranks that do not time the layers train
+    copies of them on ``sample`` in ``count`` threads meanwhile (as many
+    as leave the timing rank a core of its own:
+    :meth:`~torchgpipe.planner.group.Team.loaders`), so
     that the layers take about what they take in a busy pipeline (the
     pilot, :mod:`~torchgpipe.planner.pilot`, corrects the rest).
 

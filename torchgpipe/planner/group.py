@@ -10,7 +10,8 @@ measured is what the pipeline will see::
     whether the ranks outnumber the cores of one machine  (every rank)
     measures the layers             train copies of the layers (the load of
                                     a busy pipeline on the same machine; only
-                                    those that leave rank 0 a core of its own)
+                                    those that leave rank 0 a core of its own:
+                                    Team.loaders)
     ---- the layers' costs, or rank 0's error, sent to every rank ----
     steps of DistributedGPipe across the group: overhead per task, and
     steps of large messages                               (every rank)
@@ -30,7 +31,7 @@ import math
 import os
 import socket
 import warnings
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, NamedTuple, Optional, Set
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,16 @@ from torchgpipe.planner.costs import Companions, rows
 from torchgpipe.planner.pilot import Make
 
 __all__: List[str] = []
+
+class Load(NamedTuple):
+    """What loads the machine while rank 0 measures: ``ranks`` train a copy of ``module``
+    on ``size`` samples of ``sample``."""
+
+    module: nn.Sequential
+    sample: TensorOrTensors
+    size: int
+    ranks: List[int]
+
 
 #: How to name a device for DistributedGPipe's ``device`` argument.
 DEVICE_FIX = "give this rank's own device, such as device='cpu', or a CUDA device it has"
@@ -86,6 +97,8 @@ class Team:
         #: Each rank's name as a traced step names its row, ``'rank r'`` (r its global rank).
         self.names = [f'rank {dist.get_global_rank(group, r)}' for r in range(self.size)]
         self.device = self._agree(device, problem, signature)
+        #: The CPUs each rank may run on, once :meth:`cores` has asked.
+        self.affinities: List[Set[int]] = []
 
     def _agree(self, device: Optional[Device], problem: Optional[Exception],
                signature: Dict[str, Any]) -> torch.device:
@@ -146,27 +159,42 @@ class Team:
                                  min(torch.get_num_threads(), len(allowed))), self.device)
         if len({host for host, _, _ in everyone}) > 1:
             return None
-        cores = len(set().union(*(mine for _, mine, _ in everyone)))
+        self.affinities = [set(mine) for _, mine, _ in everyone]
+        cores = len(set().union(*self.affinities))
         capacity = float(cores / max(threads for _, _, threads in everyone))
         return capacity if capacity < self.size else None
 
-    def first(self, work: Callable[[], Any],
-              load: Optional[Tuple[nn.Sequential, TensorOrTensors, int]] = None,
-              cores: Optional[float] = None) -> Any:
+    def loaders(self, cores: Optional[float]) -> List[int]:
+        """The ranks that load the machine while rank 0 measures the layers.
+
+        With a core each (``cores`` ``None``), every other rank, as a
+        pipeline would. Where the ranks outnumber the cores, only as many as
+        leave rank 0 a core of its own, those pinned away from rank 0's cores
+        first: the simulator shares the cores itself (``Costs.cores``), and a
+        layer timed while waiting for a core would count the sharing twice
+        (and by chance: a pass a slice of another process interrupts takes
+        milliseconds longer).
+
+        Args:
+            cores: how many ranks can be at work at full speed at once, if
+                fewer than the ranks (what :meth:`cores` gave, on every rank)
+        """
+        others = range(1, self.size)
+        if cores is None:
+            return list(others)
+        affinities = self.affinities or [set()] * self.size
+        apart = sorted(others, key=lambda r: (bool(affinities[r] & affinities[0]), r))
+        return apart[:max(0, math.floor(cores) - 1)]
+
+    def first(self, work: Callable[[], Any], load: Optional[Load] = None) -> Any:
         """What ``work()`` gives on rank 0, on every rank; its error, as an error on every rank.
 
         Args:
             work: what rank 0 runs (and no other rank)
-            load: on CPU, a module, a sample and a micro-batch size: other
-                ranks train a copy of the module on that many samples
-                meanwhile, the load of a busy pipeline on the same machine
-                (at one size; rank 0 measures every size)
-            cores: the cores the ranks share, if fewer than the ranks
-                (:meth:`cores`): then only as many ranks load the machine as
-                leave rank 0 a core of its own. The simulator shares the
-                cores itself; timed while waiting for a core, a layer would
-                count the sharing twice, and by chance (a pass a slice of
-                another process interrupts takes milliseconds longer)
+            load: on CPU, what the ranks of ``load.ranks`` (:meth:`loaders`)
+                do meanwhile: train a copy of the module on that many samples,
+                the load of a busy pipeline on the same machine (at one size;
+                rank 0 measures every size)
 
         Raises:
             RuntimeError: on the other ranks, if ``work`` raised on rank 0
@@ -179,11 +207,9 @@ class Team:
                 raise
             self._share(value)
             return value[1]
-        loaders = self.size - 1 if cores is None else max(0, math.floor(cores) - 1)
-        if load is not None and self.device.type == 'cpu' and self.rank <= loaders:
-            module, sample, size = load
-            with Companions(1, list(module), rows(to_device(sample, self.device), size),
-                            self.device):
+        if load is not None and self.device.type == 'cpu' and self.rank in load.ranks:
+            with Companions(1, list(load.module), rows(to_device(load.sample, self.device),
+                                                       load.size), self.device):
                 kind, value = self._share(None)
         else:
             kind, value = self._share(None)
