@@ -175,10 +175,11 @@ def _shared(workers: Sequence[Sequence[Action]], n: int, cost: Cost, capacity: F
     times: Dict[Action, Tuple[Fraction, Fraction]] = {}
     position = [0] * len(workers)
     # The action each busy worker is at: the time it has been at work, its
-    # work left (in time alone on a core), and whether that is its part ahead.
-    working: Dict[int, Tuple[Action, Fraction, Fraction, bool]] = {}
-    # Workers whose next action ran its part ahead: the time that was at
-    # work, and the work left.
+    # work left (in time alone on a core), and, for its part ahead, the work
+    # after it (``None``: nothing is left to wait for).
+    working: Dict[int, Tuple[Action, Fraction, Fraction, Optional[Fraction]]] = {}
+    # Workers whose next action waits for what it needs: the time it was at
+    # work so far (its part ahead), and the work left.
     waiting: Dict[int, Tuple[Fraction, Fraction]] = {}
     now = Fraction(0)
     total = sum(len(actions) for actions in workers)
@@ -189,24 +190,27 @@ def _shared(workers: Sequence[Sequence[Action]], n: int, cost: Cost, capacity: F
             if w in working or position[w] == len(actions):
                 continue
             action = actions[position[w]]
-            early = _lead(action, cost, ahead)
-            if w not in waiting and early > 0:
-                working[w] = (action, Fraction(0), early, True)
-            elif all(need in times for need in needs[action]):
-                spent, left = waiting.pop(w, (Fraction(0), Fraction(cost(action))))
-                working[w] = (action, spent, left, False)
+            if w not in waiting:
+                early = _lead(action, cost, ahead)
+                if early > 0:
+                    working[w] = (action, Fraction(0), early, cost(action) - early)
+                    continue
+                waiting[w] = (Fraction(0), Fraction(cost(action)))
+            if all(need in times for need in needs[action]):
+                spent, left = waiting.pop(w)
+                working[w] = (action, spent, left, None)
         if not working:
             clock_order(workers, n)  # raises, naming the circle of actions
         share = min(Fraction(1), capacity / len(working))
         later = min(now + left / share for _, _, left, _ in working.values())
-        for w, (action, spent, left, is_ahead) in list(working.items()):
+        for w, (action, spent, left, rest) in list(working.items()):
             spent, left = spent + later - now, left - (later - now) * share
             if left > 0:
-                working[w] = (action, spent, left, is_ahead)
+                working[w] = (action, spent, left, rest)
                 continue
             del working[w]
-            if is_ahead:
-                waiting[w] = (spent, cost(action) - _lead(action, cost, ahead))
+            if rest is not None:
+                waiting[w] = (spent, rest)
             else:
                 times[action] = (later - spent, later)
                 position[w] += 1
