@@ -47,6 +47,7 @@ from torchgpipe.planner.pilot import Make
 
 __all__: List[str] = []
 
+
 class Load(NamedTuple):
     """What loads the machine while rank 0 measures: ``ranks`` train a copy of ``module``
     on ``size`` samples of ``sample``."""
