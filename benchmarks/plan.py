@@ -231,8 +231,14 @@ def planned_rows(name: str, config: Dict[str, Any], device: torch.device, worker
                      'predicted': option.step, 'measured': measured,
                      'fits': limit is None or max(option.memory) <= limit,
                      'memory': max(option.memory), 'chosen': option is plan.chosen, **more})
+    costs = plan.costs
+    assert costs is not None
+    # What the planner measured of the pipeline itself, beside the layers.
+    calibration = {'overhead': costs.overhead, 'checkpoint_overhead': costs.checkpoint_overhead,
+                   'split_overhead': costs.split_overhead, 'transfer': list(costs.transfer),
+                   'pace': costs.pace, 'cores': costs.cores}
     result = {'model': name, 'plan': str(plan), 'planning_seconds': planning, 'limit': limit,
-              'rows': rows}
+              'calibration': calibration, 'rows': rows}
     return result, (module, plan, input, target, loss, batch)
 
 

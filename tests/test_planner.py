@@ -68,9 +68,8 @@ def test_predictions_are_the_simulators(data: st.DataObject, schedule: str, p: i
                                         checkpoint: str, overhead: float,
                                         transfer: float, cores: Optional[float]) -> None:
     """The step predicted is the simulator's, each action costing its partition's layers
-    (once more for a checkpointed backward, ahead of its gradient), the overhead, and the
-    bytes of any message it sends, the message arriving a latency later; the workers
-    sharing the cores ``Costs.cores`` says."""
+    (once more for a checkpointed backward, ahead of its gradient), the overhead, and any
+    message it sends; the workers sharing the cores ``Costs.cores`` says."""
     virtual, placement = data.draw(st.sampled_from(SHAPES[schedule]))
     n = virtual * p
     layers = data.draw(st.integers(n, n + 4))
@@ -107,12 +106,11 @@ def test_predictions_are_the_simulators(data: st.DataObject, schedule: str, p: i
         seconds += 2 * overhead * again(action)
         to = action.j + 1 if action.kind is Kind.F else action.j - 1
         if action.kind is not Kind.W and 0 <= to < n and workers[to] != workers[action.j]:
-            seconds += transfer * 250 * size
+            seconds += transfer * 1e3 + transfer * 250 * size
         return Fraction(round(seconds * 1e9)) + recompute(action)
 
     # The recomputation runs ahead of the gradient it does not need.
-    times = simulate_sharing(schedule_.workers, n, cost, cores, recompute,
-                             Fraction(round(transfer * 1e3 * 1e9)))
+    times = simulate_sharing(schedule_.workers, n, cost, cores, recompute)
     expected = float(max(end for _, end in times.values())) / 1e9
     assert predict(costs, candidate).step == pytest.approx(expected, rel=1e-9, abs=1e-12)
 

@@ -1,6 +1,6 @@
-"""The simulator of a step with a core per worker or fewer cores than workers, with
-recomputations ahead of the gradients and messages that take time to arrive: what it must
-give, whatever the schedule and the costs, and how the planner's predictions use it."""
+"""The simulator of a step with a core per worker or fewer cores than workers, and with
+recomputations ahead of the gradients: what it must give, whatever the schedule and the
+costs, and how the planner's predictions use it."""
 from fractions import Fraction
 from typing import Dict, Optional
 
@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torchgpipe.engine.generators import SCHEDULES, named
-from torchgpipe.engine.schedule import Action, Kind, Schedule, dependencies
+from torchgpipe.engine.schedule import Action, Kind, Schedule
 from torchgpipe.engine.simulator import _shared, simulate, simulate_sharing
 from torchgpipe.planner.costs import Costs
 from torchgpipe.planner.predict import Candidate, predict
@@ -41,10 +41,6 @@ def ahead_of(data: st.DataObject, costs: Dict[Action, Fraction]) -> Dict[Action,
             for a, cost in costs.items()}
 
 
-def latency_of(data: st.DataObject) -> Fraction:
-    return Fraction(data.draw(st.integers(0, 6)), 2)
-
-
 def step(times: Dict[Action, tuple]) -> Fraction:
     return max((end for _, end in times.values()), default=Fraction(0))
 
@@ -54,15 +50,14 @@ def step(times: Dict[Action, tuple]) -> Fraction:
 def test_a_core_per_worker_is_the_plain_simulation(data: st.DataObject) -> None:
     plan, n, costs = plan_and_costs(data)
     ahead = ahead_of(data, costs).__getitem__
-    latency = latency_of(data)
-    plain = simulate(plan.workers, n, costs.__getitem__, ahead, latency)
+    plain = simulate(plan.workers, n, costs.__getitem__, ahead)
     # A start is the end less the cost, whatever the action waited for after its part ahead.
     assert all(end - start == costs[a] for a, (start, end) in plain.items())
     cores = data.draw(st.sampled_from([None, len(plan.workers), len(plan.workers) + 0.5]))
-    assert simulate_sharing(plan.workers, n, costs.__getitem__, cores, ahead, latency) == plain
+    assert simulate_sharing(plan.workers, n, costs.__getitem__, cores, ahead) == plain
     # The events themselves, with cores enough, give the same times.
     capacity = Fraction(len(plan.workers) + data.draw(st.integers(0, 2)))
-    assert _shared(plan.workers, n, costs.__getitem__, capacity, ahead, latency) == plain
+    assert _shared(plan.workers, n, costs.__getitem__, capacity, ahead) == plain
 
 
 @settings(max_examples=80, deadline=None)
@@ -84,27 +79,17 @@ def test_shared_cores_stretch_the_step_within_bounds(data: st.DataObject, cores:
     slower than the plain step stretched by ``workers / cores``. Each worker still runs
     its actions in order, after what they wait for."""
     plan, n, costs = plan_and_costs(data)
-    parts = ahead_of(data, costs)
-    latency = latency_of(data)
-    shared = simulate_sharing(plan.workers, n, costs.__getitem__, cores, parts.__getitem__,
-                              latency)
-    plain = step(simulate(plan.workers, n, costs.__getitem__, parts.__getitem__, latency))
+    ahead = ahead_of(data, costs).__getitem__
+    shared = simulate_sharing(plan.workers, n, costs.__getitem__, cores, ahead)
+    plain = step(simulate(plan.workers, n, costs.__getitem__, ahead))
     capacity = min(Fraction(cores), Fraction(len(plan.workers)))
     assert max(plain, sum(costs.values()) / capacity) <= step(shared)
     assert step(shared) <= plain * max(1, len(plan.workers) / capacity)
     for actions in plan.workers:
         for before, after in zip(actions, actions[1:]):
             assert shared[before][1] <= shared[after][0]
-    home = {a: w for w, actions in enumerate(plan.workers) for a in actions}
-    needs = dependencies(plan.workers, n)
     for action, (start, end) in shared.items():
         assert end - start >= costs[action]
-        # What comes from another worker arrives a latency after its end; only the
-        # part ahead runs before that.
-        rest = costs[action] - min(max(parts[action], Fraction(0)), costs[action])
-        for need in needs[action]:
-            arrival = shared[need][1] + (latency if home[need] != home[action] else 0)
-            assert end - arrival >= rest
 
 
 @pytest.mark.parametrize('cores, p, expected', [
@@ -146,37 +131,6 @@ def test_four_workers_on_two_cores_go_at_half_speed_together() -> None:
     shared = step(simulate_sharing(plan.workers, 4, unit, 2))
     assert step(simulate(plan.workers, 4, unit)) == 22  # 2 (m + p - 1)
     assert 32 <= shared < 44  # the work over two cores; the plain step, twice
-
-
-@pytest.mark.parametrize('cores', [None, 4, 2, 1])
-@pytest.mark.parametrize('p, m', [(2, 1), (2, 8), (3, 5), (4, 8)])
-def test_a_latency_shows_where_the_receiver_waits(cores: Optional[float], p: int,
-                                                  m: int) -> None:
-    """Fill-drain's forward passes find their messages arrived, but for the fill; its
-    backward passes, but for the drain: with a core each, its step of F = B = 1 is
-    2 (m + p - 1) + 2 (p - 1) L. 1F1B's workers wait for each other at every action
-    once the pipeline is full: a latency costs it more, once m > 1."""
-    unit = lambda action: Fraction(1)  # noqa: E731
-    drained = named('fill_drain', m, p, p).workers
-    each = named('1f1b', m, p, p).workers
-    for latency in map(Fraction, (0, 1, 3)):
-        fill_drain = step(simulate_sharing(drained, p, unit, cores, latency=latency))
-        one_f_one_b = step(simulate_sharing(each, p, unit, cores, latency=latency))
-        if cores is None or cores >= p:
-            assert fill_drain == 2 * (m + p - 1) + 2 * (p - 1) * latency
-        if latency and m > 1:
-            assert one_f_one_b > fill_drain
-        # A latency takes no core: it can only add to a step what it lasts, per hop.
-        unpaid = step(simulate_sharing(drained, p, unit, cores))
-        assert unpaid <= fill_drain <= unpaid + 2 * (p - 1) * latency
-
-
-def test_a_latency_must_not_be_negative() -> None:
-    plan = named('1f1b', 2, 2, 2)
-    for cores in (None, 1):
-        with pytest.raises(ValueError, match='latency must not be negative'):
-            simulate_sharing(plan.workers, 2, lambda a: Fraction(1), cores,
-                             latency=Fraction(-1))
 
 
 @pytest.mark.parametrize('cores', [0, -1, 1e-6])

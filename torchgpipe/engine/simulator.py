@@ -2,20 +2,10 @@
 
 :func:`simulate` gives every worker a core of its own: each runs its
 actions in order, each as soon as the worker is free and what it waits for
-(:func:`~torchgpipe.engine.schedule.depends_on`) has arrived. What another
-worker's action sends arrives ``latency`` after that action ends (the
-sender goes on at once; the bytes themselves are in the sender's cost, if
-anywhere); what the worker's own earlier action left, at once. With each
-action's cost that of the zero-bubble paper's analysis (:func:`unit_cost`)
-and no latency, the time a step leaves its workers :func:`idle` is the
-schedule's bubble.
-
-A latency shows only where the receiver waits. Once 1F1B's pipeline is
-full, each of its actions waits for the other worker's last one, and so
-pays a latency; fill-drain's forward passes find theirs long arrived::
-
-    1F1B, worker 1:        F0 B0 (waits for 0F1) F1 B1 (waits for 0F2) F2 ...
-    fill-drain, worker 1:  F0 F1 F2 F3 ... (0F1 arrived while it ran F0)
+(:func:`~torchgpipe.engine.schedule.depends_on`) has ended, and messages
+take no time. With each action's cost that of the zero-bubble paper's
+analysis (:func:`unit_cost`), the time a step leaves its workers
+:func:`idle` is the schedule's bubble.
 
 A checkpointed backward pass (``B`` or ``I``) recomputes its micro-batch's
 forward pass before it waits for the gradient from the partition after it
@@ -47,9 +37,6 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 
 from torchgpipe.engine.schedule import Action, Kind, clock_order, dependencies
 
-#: When each action starts and ends.
-Times = Dict[Action, Tuple[Fraction, Fraction]]
-
 __all__ = ['Cost', 'unit_cost', 'simulate', 'idle', 'simulate_sharing']
 
 #: The time an action takes, in any unit.
@@ -69,15 +56,8 @@ def _lead(action: Action, cost: Cost, ahead: Optional[Cost]) -> Fraction:
     return max(Fraction(0), min(Fraction(ahead(action)), Fraction(cost(action))))
 
 
-def _arrival(times: Times, need: Action, home: Dict[Action, int], worker: int,
-             latency: Fraction) -> Fraction:
-    """When what ``need`` sends reaches ``worker``: at its end on its own worker, a
-    ``latency`` later on another."""
-    return times[need][1] + (latency if home[need] != worker else 0)
-
-
 def simulate(workers: Sequence[Sequence[Action]], n: int, cost: Cost,
-             ahead: Optional[Cost] = None, latency: Fraction = Fraction(0)) -> Times:
+             ahead: Optional[Cost] = None) -> Dict[Action, Tuple[Fraction, Fraction]]:
     """When each action starts and ends if each worker has a core of its own.
 
     Args:
@@ -87,16 +67,14 @@ def simulate(workers: Sequence[Sequence[Action]], n: int, cost: Cost,
         ahead: how much of an action's cost needs the worker only (a
             checkpointed backward pass's recomputation), taken within 0 and
             the cost; none if ``None``
-        latency: the time from an action's end to its message's arrival on
-            another worker (not negative)
 
     Returns:
         the start and the end of each action, the wait between its part
         ahead and the rest left out (the start is the end less the cost)
 
     Raises:
-        ValueError: ``latency`` is negative, or the schedule can never
-            finish (as :func:`~torchgpipe.engine.schedule.clock_order` says)
+        ValueError: the schedule can never finish (as
+            :func:`~torchgpipe.engine.schedule.clock_order` says)
 
     Example::
 
@@ -107,32 +85,20 @@ def simulate(workers: Sequence[Sequence[Action]], n: int, cost: Cost,
         Fraction(6, 1)
         >>> max(end for _, end in simulate(plan, 2, unit_cost, recompute).values())
         Fraction(5, 1)
-        >>> max(end for _, end in simulate(plan, 2, unit_cost, latency=Fraction(1)).values())
-        Fraction(8, 1)
     """
-    latency = _checked(latency)
-    times: Times = {}
+    times: Dict[Action, Tuple[Fraction, Fraction]] = {}
     needs = dependencies(workers, n)
-    home = {a: w for w, actions in enumerate(workers) for a in actions}
     before = {a: actions[k - 1] if k else None
               for actions in workers for k, a in enumerate(actions)}
     for cycle in clock_order(workers, n):
         for action in cycle:
             previous = before[action]
-            # The rest starts once the part ahead has ended and what it waits for arrived.
+            # The rest starts once the part ahead and what it waits for have ended.
             early = _lead(action, cost, ahead)
             start = max([times[previous][1] if previous is not None else Fraction(0)]
-                        + [_arrival(times, need, home, home[action], latency) - early
-                           for need in needs[action]])
+                        + [times[need][1] - early for need in needs[action]])
             times[action] = (start, start + cost(action))
     return times
-
-
-def _checked(latency: Fraction) -> Fraction:
-    if latency < 0:
-        raise ValueError(f'latency must not be negative (got {latency}): give 0 for '
-                         'messages that arrive as they are sent')
-    return Fraction(latency)
 
 
 def idle(workers: Sequence[Sequence[Action]], n: int, cost: Cost) -> Fraction:
@@ -155,12 +121,12 @@ def idle(workers: Sequence[Sequence[Action]], n: int, cost: Cost) -> Fraction:
 
 
 def simulate_sharing(workers: Sequence[Sequence[Action]], n: int, cost: Cost,
-                     cores: Optional[float] = None, ahead: Optional[Cost] = None,
-                     latency: Fraction = Fraction(0)) -> Times:
+                     cores: Optional[float] = None, ahead: Optional[Cost] = None
+                     ) -> Dict[Action, Tuple[Fraction, Fraction]]:
     """When each action starts and ends if the workers share ``cores`` cores.
 
     Each worker runs its actions in order, each as soon as the worker is
-    free and what it waits for has arrived (its part ahead, as soon as the
+    free and what it waits for has ended (its part ahead, as soon as the
     worker is free); an action alone on a core takes ``cost(action)``.
 
     Args:
@@ -172,8 +138,6 @@ def simulate_sharing(workers: Sequence[Sequence[Action]], n: int, cost: Cost,
             has a core, as :func:`simulate` takes it)
         ahead: how much of an action's cost needs the worker only (as for
             :func:`simulate`)
-        latency: a message's time between workers (as for :func:`simulate`);
-            it takes no core
 
     Returns:
         the start and the end of each action, the wait between its part
@@ -181,9 +145,8 @@ def simulate_sharing(workers: Sequence[Sequence[Action]], n: int, cost: Cost,
         was at work)
 
     Raises:
-        ValueError: ``cores`` is not positive, ``latency`` is negative, or
-            the schedule can never finish (as
-            :func:`~torchgpipe.engine.schedule.clock_order` says)
+        ValueError: ``cores`` is not positive, or the schedule can never
+            finish (as :func:`~torchgpipe.engine.schedule.clock_order` says)
 
     Example::
 
@@ -194,23 +157,22 @@ def simulate_sharing(workers: Sequence[Sequence[Action]], n: int, cost: Cost,
         Fraction(16, 1)
     """
     if cores is None or cores >= len(workers):
-        return simulate(workers, n, cost, ahead, latency)
+        return simulate(workers, n, cost, ahead)
     # Exact arithmetic, as the plain simulator's: a share of the cores is a
     # fraction with a small denominator.
     capacity = Fraction(cores).limit_denominator(1000)
     if capacity <= 0:
         raise ValueError(f'cores must be positive (got {cores}): give None for a core '
                          'per worker')
-    return _shared(workers, n, cost, capacity, ahead, _checked(latency))
+    return _shared(workers, n, cost, capacity, ahead)
 
 
 def _shared(workers: Sequence[Sequence[Action]], n: int, cost: Cost, capacity: Fraction,
-            ahead: Optional[Cost] = None, latency: Fraction = Fraction(0)) -> Times:
+            ahead: Optional[Cost] = None) -> Dict[Action, Tuple[Fraction, Fraction]]:
     """:func:`simulate_sharing`'s events, with ``capacity`` cores (any positive number:
     at least the workers, it is the plain simulation)."""
     needs = dependencies(workers, n)
-    home = {a: w for w, actions in enumerate(workers) for a in actions}
-    times: Times = {}
+    times: Dict[Action, Tuple[Fraction, Fraction]] = {}
     position = [0] * len(workers)
     # The action each busy worker is at: the time it has been at work, its
     # work left (in time alone on a core), and, for its part ahead, the work
@@ -223,9 +185,7 @@ def _shared(workers: Sequence[Sequence[Action]], n: int, cost: Cost, capacity: F
     total = sum(len(actions) for actions in workers)
     while len(times) < total:
         # An idle worker starts its next action's part ahead at once, and the
-        # rest once what it waits for arrived; a message still on its way is
-        # an event of its own.
-        arrivals = []
+        # rest once what it waits for ended (at an event already past).
         for w, actions in enumerate(workers):
             if w in working or position[w] == len(actions):
                 continue
@@ -237,17 +197,12 @@ def _shared(workers: Sequence[Sequence[Action]], n: int, cost: Cost, capacity: F
                     continue
                 waiting[w] = (Fraction(0), Fraction(cost(action)))
             if all(need in times for need in needs[action]):
-                arrived = max([_arrival(times, need, home, w, latency)
-                               for need in needs[action]], default=now)
-                if arrived > now:
-                    arrivals.append(arrived)
-                    continue
                 spent, left = waiting.pop(w)
                 working[w] = (action, spent, left, None)
-        if not working and not arrivals:
+        if not working:
             clock_order(workers, n)  # raises, naming the circle of actions
-        share = min(Fraction(1), capacity / max(1, len(working)))
-        later = min([now + left / share for _, _, left, _ in working.values()] + arrivals)
+        share = min(Fraction(1), capacity / len(working))
+        later = min(now + left / share for _, _, left, _ in working.values())
         for w, (action, spent, left, rest) in list(working.items()):
             spent, left = spent + later - now, left - (later - now) * share
             if left > 0:

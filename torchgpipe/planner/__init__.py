@@ -162,9 +162,9 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
     with sharing_cores(local), untouched_random_state(local):
         if team is None:
             costs = measure(module, sample, sizes, workers[0], repeat=repeat, loss=loss)
-            costs.overhead, costs.checkpoint_overhead, costs.split_overhead, latency = \
+            costs.overhead, costs.checkpoint_overhead, costs.split_overhead = \
                 task_overhead(threads(workers), len(workers))
-            costs.transfer = (latency, copy_cost(workers))
+            costs.transfer = copy_cost(workers)
             if workers[0].type == 'cpu' and len(workers) > 1:
                 # Threads sharing the cores and the interpreter's lock: their pace.
                 steps = pilot.model_steps(module, sample, target, loss_fn,
@@ -181,7 +181,7 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
             wide = wide_step(timer, team.size)
             costs.transfer = team.first(
                 lambda: message_cost(wide, team.size, team.device, overheads, costs.cores))
-            costs.overhead, costs.checkpoint_overhead, costs.split_overhead, _ = overheads
+            costs.overhead, costs.checkpoint_overhead, costs.split_overhead = overheads
             costs.processes = True
             if team.size > 1 and team.device.type == 'cpu':
                 # Processes sharing the machine's cores: their pace. Every

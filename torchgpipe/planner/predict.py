@@ -274,9 +274,9 @@ def predict(costs: Costs, candidate: Candidate, *, param_scale: float = 2.0
             if checkpointed[action.i]:
                 work['recompute'] = part['forward']
                 overhead += costs.checkpoint_overhead
-        # The sender pays for the bytes; the receiver waits for the latency.
+        latency, per_byte = costs.transfer
         crosses = 0 <= to < n and candidate.worker_of(to) != candidate.worker_of(action.j)
-        message = costs.transfer[1] * sent if crosses else 0.0
+        message = latency + per_byte * sent if crosses else 0.0
         return sum(work.values()) + overhead + message, work
 
     cost: Dict[Action, Fraction] = {}
@@ -290,8 +290,7 @@ def predict(costs: Costs, candidate: Candidate, *, param_scale: float = 2.0
     ahead = {action: Fraction(round(work.get('recompute', 0.0) * NANOSECONDS))
              for action, work in works.items()}
     times = simulate_sharing(schedule.workers, n, cost.__getitem__, costs.cores,
-                             ahead.__getitem__,
-                             Fraction(round(costs.transfer[0] * NANOSECONDS)))
+                             ahead.__getitem__)
     busy: List[Dict[str, float]] = [{} for _ in range(candidate.workers)]
     for action, work in works.items():
         # Cores shared stretch an action's work as a trace would see it.
