@@ -239,8 +239,20 @@ def tied_model() -> nn.Sequential:
     return nn.Sequential(embedding, nn.Linear(32, 32), nn.GELU(), head)
 
 
+def resnet_model() -> nn.Sequential:
+    """The benchmark's CNN, small: under [8, 11], rank 0's largest backward pass is
+    that of a layer before its last, while the gradient of its output, which the
+    pipeline holds until the pass ends, is still alive (with 1F1B, it still holds
+    13% more than predicted: what, is not known yet)."""
+    from benchmarks.models.resnet import resnet
+    torch.manual_seed(0)
+    return resnet((1, 1, 1), width=8, num_classes=10, batch_norm=False, small_input=True)
+
+
 #: The models whose peaks are compared, with a batch, its target and a loss.
 PEAK_MODELS: Dict[str, Tuple[Any, Any]] = {
+    'resnet': (resnet_model, lambda: (torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,)),
+                                      F.cross_entropy)),
     'shortcut': (shortcut_model, lambda: (torch.randn(8, 3, 8, 8), torch.randint(0, 10, (8,)),
                                           F.cross_entropy)),
     'gated': (gated_model, lambda: (torch.randn(8, 3, 8, 8), torch.randint(0, 10, (8,)),
@@ -260,7 +272,7 @@ PEAKS = [('shortcut', 'fill_drain', (3, 6), 1, 'never'),
          ('shortcut', 'zb_h1', (3, 6), 4, 'never'), ('shortcut', 'zb_h1', (2, 7), 2, 'never'),
          ('wide', 'fill_drain', (3, 2), 1, 'never'), ('wide', '1f1b', (3, 2), 2, 'never'),
          ('vocabulary', 'zb_h1', (2, 2), 4, 'never'), ('tied', '1f1b', (2, 2), 4, 'never'),
-         ('gated', '1f1b', (3, 6), 4, 'never')]
+         ('gated', '1f1b', (3, 6), 4, 'never'), ('resnet', 'zb_h1', (8, 11), 1, 'never')]
 
 
 def predicted_and_measured_peaks(rank: int, world_size: int) -> List[Tuple[float, float]]:
@@ -298,8 +310,8 @@ def test_each_rank_holds_the_peak_predicted() -> None:
     log-probabilities once done; the GELU's output, which only the next layer saves,
     is gone by the GELU's backward pass; the ranks sharing a weight hold the other's
     share of its gradient and the sum as the step ends; a pop that saves the skip it
-    receives keeps that one tensor. Without any one of these, a
-    rank is 14% to 40% off."""
+    receives keeps that one tensor; the gradients the pipeline passes a backward pass
+    stay until it ends. Without any one of these, a rank is 14% to 40% off."""
     ranks = run_distributed(predicted_and_measured_peaks, timeout=120)
     errors = [(rank, config, round(predicted / measured - 1, 3))
               for rank, peaks in enumerate(ranks)

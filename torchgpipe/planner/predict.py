@@ -193,6 +193,21 @@ class Partitions:
                 for k in range(max(a + 1, start), min(b, stop)):
                     working[k - start] += nbytes
                     alone[k - start] += nbytes - (alias if k == b - 1 < stop - 1 else 0.0)
+        # The pipeline passes a backward pass the gradients of the partition's
+        # output and of the skips it sent on (torch.autograd.backward(tensors,
+        # grads)), and holds them until the pass returns, after the layers that
+        # used them: the output's beside every layer but the last (whose
+        # ``closing`` counts it), a skip's beside the layers before the one that
+        # stashed it (whose own pass counts it as it uses it).
+        held = [0.0] * len(working)
+        if j < len(self.bounds) - 2:
+            held[:-1] = [layers.output[stop - 1]] * (len(working) - 1)
+        for (a, b), nbytes in zip(self.costs.skips, layers.skipped):
+            if start <= a < stop <= b:
+                for k in range(start, a):
+                    held[k - start] += nbytes
+        working = [w + h for w, h in zip(working, held)]
+        alone = [w + h for w, h in zip(alone, held)]
         accumulating = layers.accumulating[start:stop] or [0.0] * len(working)
         freed = sums['working'] = sums['accumulating'] = 0.0
         # (A layer's output that only the next layer saved is gone by its turn.)
