@@ -26,8 +26,10 @@ the recomputation brings them back for the length of ``B``, or from ``I``
 to ``W``; a backward pass holds its
 gradients and temporaries beside them while it runs, and, for every
 micro-batch after the partition's first, the new gradients of its weights
-until they are added to those kept. Parameters, their gradients and the
-optimizer's state (``param_scale`` times the parameters) stay throughout.
+until they are added to those kept. Parameters and the optimizer's state
+stay throughout; the weights' gradients (one of the ``param_scale`` tensors
+per parameter) are made in the step, as after ``zero_grad()``, which sets
+them to None: a partition's in its first backward pass (``B``, or ``W``).
 
 Across processes, the workers holding a weight they share (a tied
 embedding and head) sum its gradient as a step ends, each holding the
@@ -251,6 +253,10 @@ class Partitions:
             sums['retained'] = (sum(layers.retained[start:stop]) + sums['received']
                                 + (sums['entry'] if apart else 0.0))
         sums['weight'] = max(0.0, sums['backward'] - sums['input'])
+        # The gradients of its weights, a weight several of its layers hold once.
+        sums['grads'] = float(sum(self.costs.parameters[start:min(stop, self.bounds[-1])]))
+        for holders, nbytes in self.costs.shared:
+            sums['grads'] -= max(0, sum(start <= k < stop for k in holders) - 1) * nbytes
         return sums
 
 
@@ -316,9 +322,15 @@ def predict(costs: Costs, candidate: Candidate, *, param_scale: float = 2.0
             into[kind] = into.get(kind, 0.0) + time * stretch
     ends = {action: float(end) / NANOSECONDS for action, (_, end) in times.items()}
     step = max(ends.values(), default=0.0)
-    memory = [max(peak_memory(schedule.workers, w, parts, sizes, checkpointed),
-                  exchange_memory(costs, candidate, w))
-              + static_memory(costs, candidate, w, param_scale)
+    # The weights' gradients, one of ``param_scale``'s tensors per parameter, are
+    # made in the step (zero_grad leaves None): from each partition's first
+    # backward pass on, and all of them beside the exchange at the step's end.
+    made = min(1.0, max(0.0, param_scale - 1.0))
+    grads = [made * sum(parts(j, sizes[0])['grads'] for j in range(n)
+                        if candidate.worker_of(j) == w) for w in range(candidate.workers)]
+    memory = [max(peak_memory(schedule.workers, w, parts, sizes, checkpointed, made),
+                  grads[w] + exchange_memory(costs, candidate, w))
+              + static_memory(costs, candidate, w, param_scale) - grads[w]
               for w in range(candidate.workers)]
     return Prediction(step=step, memory=memory, busy=busy, ends=ends)
 
@@ -368,8 +380,10 @@ def exchange_memory(costs: Costs, candidate: Candidate, worker: int) -> float:
 
 
 def peak_memory(workers: Sequence[Sequence[Action]], worker: int, parts: Partitions,
-                sizes: Sequence[int], checkpointed: Sequence[bool]) -> float:
-    """The most activation memory a worker holds at once over its actions."""
+                sizes: Sequence[int], checkpointed: Sequence[bool], grads: float = 0.0
+                ) -> float:
+    """The most activation memory a worker holds at once over its actions, with
+    ``grads`` times each partition's weights from its first backward pass on."""
     live = peak = 0.0
     graded: Set[int] = set()  # the partitions whose weights have gradients
     # The built-in schedules number their workers as Candidate.worker_of does.
@@ -393,6 +407,8 @@ def peak_memory(workers: Sequence[Sequence[Action]], worker: int, parts: Partiti
         # one holds its own until added to them. The first partition's I has
         # no input gradient to compute: its W is the whole backward pass.
         later = action.j in graded
+        # The partition's first B (or W) makes its weights' gradients.
+        made = part['grads'] * grads if action.kind in (Kind.B, Kind.W) and not later else 0.0
         if action.kind is Kind.B or action.kind is Kind.W and action.j == 0:
             working = part['accumulating' if later else 'working']
             if action.kind is Kind.W:
@@ -405,7 +421,8 @@ def peak_memory(workers: Sequence[Sequence[Action]], worker: int, parts: Partiti
             working = part['gradients'] if action.kind is Kind.W and later else 0.0
         if action.kind in (Kind.B, Kind.W):
             graded.add(action.j)
-        peak = max(peak, live + working + (again if action.kind is Kind.B else 0.0))
+        peak = max(peak, live + made + working + (again if action.kind is Kind.B else 0.0))
+        live += made
         if action.kind is Kind.B:
             live -= kept
         elif action.kind is Kind.I:
