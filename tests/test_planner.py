@@ -651,7 +651,7 @@ def test_a_gradient_an_addition_shares_with_its_skip_counts_once_before_the_pop(
     """Within the partition of the pop, the layer before it gets the very gradient the
     skip does: its backward pass holds one tensor, not two. A pop that opens the next
     partition hands the two over apart (a message, or two leaves' gradients)."""
-    from torchgpipe.planner.predict import Partitions
+    from torchgpipe.planner.partitions import Partitions
     module = nn.Sequential(nn.Linear(8, 16), Stash(), nn.Tanh(), PopAdd(), nn.Linear(16, 4))
     costs = measure(module, torch.randn(4, 8), [4], torch.device('cpu'), repeat=1)
     apart = Costs.from_dict({**costs.to_dict(), 'table': [

@@ -23,8 +23,9 @@ if autograd did not save it, and what autograd saved above its last layer
 with weights, a loss's for one: ``W`` needs neither, but it needs the
 gradients ``I`` left at each node leading to a weight, kept until then);
 the recomputation brings them back for the length of ``B``, or from ``I``
-to ``W``; a backward pass holds its
-gradients and temporaries beside them while it runs, and, for every
+to ``W``; a backward pass holds its gradients and temporaries beside them
+while it runs (a partition's figures are its layers', summed by
+:class:`~torchgpipe.planner.partitions.Partitions`), and, for every
 micro-batch after the partition's first, the new gradients of its weights
 until they are added to those kept. Parameters and the optimizer's state
 stay throughout; the weights' gradients (one of the ``param_scale`` tensors
@@ -46,12 +47,13 @@ import itertools
 import math
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Callable, Dict, List, Sequence, Set, Tuple
+from typing import Dict, List, Sequence, Set, Tuple
 
 from torchgpipe.engine.generators import named
 from torchgpipe.engine.schedule import Action, Kind, Schedule
 from torchgpipe.engine.simulator import simulate_sharing
-from torchgpipe.planner.costs import Costs, LayerCosts
+from torchgpipe.planner.costs import Costs
+from torchgpipe.planner.partitions import Partitions
 
 __all__: List[str] = []
 
@@ -125,141 +127,6 @@ def micro_batches(batch: int, chunks: int) -> List[int]:
     return [size] * (count - 1) + [batch - size * (count - 1)]
 
 
-class Partitions:
-    """The costs of each partition of a balance, for each micro-batch size, summed once."""
-
-    def __init__(self, costs: Costs, balance: Sequence[int],
-                 worker_of: Callable[[int], int] = lambda j: j) -> None:
-        self.costs = costs
-        self.bounds = [sum(balance[:j]) for j in range(len(balance) + 1)]
-        self.worker_of = worker_of
-        self._sums: Dict[Tuple[int, int], Dict[str, float]] = {}
-
-    def __call__(self, j: int, size: int) -> Dict[str, float]:
-        """Partition ``j``'s times and bytes for a micro-batch of ``size``.
-
-        Keys: ``forward``, ``input``, ``weight``, ``backward`` and ``kept``
-        (its layers' sums, the loss's with the last partition's), ``working``
-        (the most its backward pass holds beyond ``kept``), ``accumulating``
-        (the same, for a micro-batch after the first: with its weights' new
-        gradients, until added to those kept), ``gradients`` (a layer's new
-        weight gradients at most), ``held`` (the bytes of its output and of
-        the skips it sends in ``kept`` only because the pipeline holds them,
-        until ``B`` or ``I``),
-        ``retained`` (the gradients kept from ``I`` to ``W``), ``holding``
-        (the most ``I`` holds beyond ``kept``: it frees nothing on its
-        way), ``above`` (the bytes of ``kept`` above its last layer with
-        weights, which ``I`` lets go of once done),
-        ``received`` and ``handed`` (the skips it pops that a partition
-        before it stashed, on another worker or on its own),
-        ``entry`` (the bytes of its input) and ``exit`` (of its output).
-        """
-        key = (j, size)
-        if key not in self._sums:
-            self._sums[key] = self._sum(j, self.costs.at(size), size)
-        return self._sums[key]
-
-    def _sum(self, j: int, layers: LayerCosts, size: int) -> Dict[str, float]:
-        start, stop = self.bounds[j], self.bounds[j + 1]
-        if j == len(self.bounds) - 2 and self.costs.loss:
-            stop += 1  # the loss, which the last partition computes
-        sums = {name: sum(getattr(layers, name)[start:stop])
-                for name in ('forward', 'input', 'backward', 'kept')}
-        # The pipeline holds a partition's output until its backward pass (or
-        # I), whether or not the layer after it saves it; and so a skip it
-        # stashed that a later partition pops (one popped here is gone then).
-        last = self.bounds[j + 1] - 1
-        sent = [s for s, (a, b) in enumerate(self.costs.skips) if start <= a < stop <= b]
-        sums['held'] = layers.unsaved[last] if last < len(layers.unsaved) else 0.0
-        sums['held'] += sum(layers.loose[s] for s in sent if s < len(layers.loose))
-        sums['kept'] += sums['held']
-        # The layers' backward passes run one after another, last first, each
-        # freeing the activations it used: the most any holds beyond what the
-        # layers after it have freed by then; for a later micro-batch, with
-        # its new weight gradients (``W`` holds those alone). The last layer's
-        # output gradient is the pipeline's, held (``closing``); the others'
-        # come from the pass itself. A skip's gradient lives from the backward
-        # pass of the layer that pops it (or the start of this one's, if a
-        # later partition does) to that of the layer that stashed it (or its
-        # end, if an earlier one did), on the workers of those two partitions
-        # (not of those it passes over).
-        working = layers.working[start:stop]
-        if layers.closing and stop - 1 < len(layers.closing):
-            working[-1] = layers.closing[stop - 1]
-        # (A gradient the pop gives its output and the skip alike, as an addition
-        # does, is the layer before's own in B; I, keeping all, holds both.)
-        aliased = layers.aliased or [0.0] * len(layers.skipped)
-        alone = list(working)
-        for (a, b), nbytes, alias in zip(self.costs.skips, layers.skipped, aliased):
-            if start <= a < stop or start <= b < stop:
-                for k in range(max(a + 1, start), min(b, stop)):
-                    working[k - start] += nbytes
-                    alone[k - start] += nbytes - (alias if k == b - 1 < stop - 1 else 0.0)
-        # The pipeline passes a backward pass the gradients of the partition's
-        # output and of the skips it sent on (torch.autograd.backward(tensors,
-        # grads)), and holds them until the pass returns, after the layers that
-        # used them: the output's beside every layer but the last (whose
-        # ``closing`` counts it), a skip's beside the layers before the one that
-        # stashed it (whose own pass counts it as it uses it).
-        held = [0.0] * len(working)
-        if j < len(self.bounds) - 2:
-            held[:-1] = [layers.output[stop - 1]] * (len(working) - 1)
-        for (a, b), nbytes in zip(self.costs.skips, layers.skipped):
-            if start <= a < stop <= b:
-                for k in range(start, a):
-                    held[k - start] += nbytes
-        working = [w + h for w, h in zip(working, held)]
-        alone = [w + h for w, h in zip(alone, held)]
-        accumulating = layers.accumulating[start:stop] or [0.0] * len(working)
-        freed = sums['working'] = sums['accumulating'] = 0.0
-        # (A layer's output that only the next layer saved is gone by its turn.)
-        passed = layers.passed[start:stop - 1] + [0.0] if layers.passed else [0.0] * len(working)
-        for kept, most, more, gone in reversed(list(zip(layers.kept[start:stop], alone,
-                                                        accumulating, passed))):
-            sums['working'] = max(sums['working'], most - freed - gone)
-            sums['accumulating'] = max(sums['accumulating'], most + more - freed - gone)
-            freed += kept
-        # I frees nothing on its way: W needs the graph as it is.
-        sums['holding'] = max(working, default=0.0)
-        sums['gradients'] = max(accumulating, default=0.0)
-        sums['entry'] = layers.output[start - 1] if start else self.costs.entry * size
-        sums['exit'] = layers.output[self.bounds[j + 1] - 1]
-        sums['received'] = sums['handed'] = 0.0
-        reused = layers.reused or [0.0] * len(layers.skipped)
-        for (a, b), nbytes, saved in zip(self.costs.skips, layers.skipped, reused):
-            if a < start <= b < stop:
-                source = bisect.bisect_right(self.bounds, a) - 1
-                near = self.worker_of(source) == self.worker_of(j)
-                # (What the popping layer saves, its ``kept`` counts.)
-                sums['handed' if near else 'received'] += nbytes - saved
-        # I lets go of the graph above the layers with weights (a loss, the
-        # activations after the last linear layer): no W starts there.
-        weighted = [k for k in range(start, min(stop, len(self.costs.parameters)))
-                    if self.costs.parameters[k]]
-        sums['above'] = sum(layers.kept[weighted[-1] + 1:stop]) if j and weighted else 0.0
-        # The first partition's I computes nothing (no input gradient): W
-        # starts from its outputs (and sent skips), and keeps their gradients
-        # until then. A later one's I keeps the gradients that reached its
-        # layers' nodes leading to a weight, where W starts, and those of its
-        # input and popped skips, on their leaves, until W lets the pass go:
-        # copies of those another worker received, the same tensors on this one.
-        if j == 0:
-            sums['retained'] = layers.output[stop - 1] if len(self.bounds) > 2 else 0.0
-            sums['retained'] += sum(layers.skipped[s] for s in sent
-                                    if s < len(layers.skipped))
-            sums['input'] = 0.0
-        else:
-            apart = self.worker_of(j - 1) != self.worker_of(j)
-            sums['retained'] = (sum(layers.retained[start:stop]) + sums['received']
-                                + (sums['entry'] if apart else 0.0))
-        sums['weight'] = max(0.0, sums['backward'] - sums['input'])
-        # The gradients of its weights, a weight several of its layers hold once.
-        sums['grads'] = float(sum(self.costs.parameters[start:min(stop, self.bounds[-1])]))
-        for holders, nbytes in self.costs.shared:
-            sums['grads'] -= max(0, sum(start <= k < stop for k in holders) - 1) * nbytes
-        return sums
-
-
 def predict(costs: Costs, candidate: Candidate, *, param_scale: float = 2.0
             ) -> Prediction:
     """Predicts the step time and each worker's peak memory of ``candidate``.
@@ -325,7 +192,7 @@ def predict(costs: Costs, candidate: Candidate, *, param_scale: float = 2.0
     # The weights' gradients, one of ``param_scale``'s tensors per parameter, are
     # made in the step (zero_grad leaves None): from each partition's first
     # backward pass on, and all of them beside the exchange at the step's end.
-    made = min(1.0, max(0.0, param_scale - 1.0))
+    made = gradient_share(param_scale)
     grads = [made * sum(parts(j, sizes[0])['grads'] for j in range(n)
                         if candidate.worker_of(j) == w) for w in range(candidate.workers)]
     memory = [max(peak_memory(schedule.workers, w, parts, sizes, checkpointed, made),
@@ -344,6 +211,12 @@ def checkpoints(mode: str, m: int) -> List[bool]:
     return [False] * m
 
 
+def gradient_share(param_scale: float) -> float:
+    """How many of ``param_scale``'s tensors per parameter are its gradient: one, but
+    none (or a part) where training keeps no more than the parameter itself."""
+    return min(1.0, max(0.0, param_scale - 1.0))
+
+
 def static_memory(costs: Costs, candidate: Candidate, worker: int,
                   param_scale: float) -> float:
     """A worker's parameters, their gradients and the optimizer's state, in bytes.
@@ -351,7 +224,8 @@ def static_memory(costs: Costs, candidate: Candidate, worker: int,
     A parameter several of its partitions hold (a tied weight) is one tensor
     there, with one gradient and one optimizer state; each partition after
     the first that holds it adds its micro-batches' gradients into a share
-    of its own until the step sums them (see ``torchgpipe.foundation.tied``).
+    of its own until the step sums them (see ``torchgpipe.foundation.tied``),
+    where training makes gradients (:func:`gradient_share`).
     """
     n = len(candidate.balance)
     bounds = [sum(candidate.balance[:j]) for j in range(n + 1)]
@@ -361,7 +235,8 @@ def static_memory(costs: Costs, candidate: Candidate, worker: int,
         layers = [k for k in holders if candidate.partition_of(k) in mine]
         partitions = {candidate.partition_of(k) for k in layers}
         if layers:
-            held -= (param_scale * (len(layers) - 1) - (len(partitions) - 1)) * nbytes
+            held -= (param_scale * (len(layers) - 1)
+                     - gradient_share(param_scale) * (len(partitions) - 1)) * nbytes
     return held
 
 
@@ -380,10 +255,11 @@ def exchange_memory(costs: Costs, candidate: Candidate, worker: int) -> float:
 
 
 def peak_memory(workers: Sequence[Sequence[Action]], worker: int, parts: Partitions,
-                sizes: Sequence[int], checkpointed: Sequence[bool], grads: float = 0.0
+                sizes: Sequence[int], checkpointed: Sequence[bool], made: float = 0.0
                 ) -> float:
     """The most activation memory a worker holds at once over its actions, with
-    ``grads`` times each partition's weights from its first backward pass on."""
+    ``made`` times the bytes of each partition's weight gradients from its first
+    backward pass on."""
     live = peak = 0.0
     graded: Set[int] = set()  # the partitions whose weights have gradients
     # The built-in schedules number their workers as Candidate.worker_of does.
@@ -403,12 +279,12 @@ def peak_memory(workers: Sequence[Sequence[Action]], worker: int, parts: Partiti
             live += again  # recomputed, and kept for W
         # B (or I) holds its working memory beside what is live, and B the
         # recomputed activations it frees at once. B and W make the weights'
-        # gradients: the first keeps them (counted in static_memory); a later
-        # one holds its own until added to them. The first partition's I has
+        # gradients: the first makes those kept (``grads``); a later one holds
+        # its own until added to them. The first partition's I has
         # no input gradient to compute: its W is the whole backward pass.
         later = action.j in graded
         # The partition's first B (or W) makes its weights' gradients.
-        made = part['grads'] * grads if action.kind in (Kind.B, Kind.W) and not later else 0.0
+        grads = part['grads'] * made if action.kind in (Kind.B, Kind.W) and not later else 0.0
         if action.kind is Kind.B or action.kind is Kind.W and action.j == 0:
             working = part['accumulating' if later else 'working']
             if action.kind is Kind.W:
@@ -421,8 +297,8 @@ def peak_memory(workers: Sequence[Sequence[Action]], worker: int, parts: Partiti
             working = part['gradients'] if action.kind is Kind.W and later else 0.0
         if action.kind in (Kind.B, Kind.W):
             graded.add(action.j)
-        peak = max(peak, live + made + working + (again if action.kind is Kind.B else 0.0))
-        live += made
+        peak = max(peak, live + grads + working + (again if action.kind is Kind.B else 0.0))
+        live += grads
         if action.kind is Kind.B:
             live -= kept
         elif action.kind is Kind.I:

@@ -1,0 +1,179 @@
+"""A partition's costs, summed from its layers' at a micro-batch size: the times of its
+actions, and the bytes the planner's walk of a worker's memory takes at each action
+(:func:`~torchgpipe.planner.predict.peak_memory`).
+
+Within a partition the layers' backward passes run one after another, last
+first, each freeing the activations it used; so the most a partition's
+backward pass holds is the most any layer's does beyond what the layers
+after it have freed by then. Between partitions, the pipeline holds what it
+hands over (a partition's output, its skips) until the backward pass that
+needs it, and the gradients it passes a backward pass until that pass
+returns.
+"""
+import bisect
+from typing import Callable, Dict, List, Sequence, Tuple
+
+from torchgpipe.planner.costs import Costs, LayerCosts
+
+__all__: List[str] = []
+
+
+class Partitions:
+    """The costs of each partition of a balance, for each micro-batch size, summed once."""
+
+    def __init__(self, costs: Costs, balance: Sequence[int],
+                 worker_of: Callable[[int], int] = lambda j: j) -> None:
+        self.costs = costs
+        self.bounds = [sum(balance[:j]) for j in range(len(balance) + 1)]
+        self.worker_of = worker_of
+        self._sums: Dict[Tuple[int, int], Dict[str, float]] = {}
+
+    def __call__(self, j: int, size: int) -> Dict[str, float]:
+        """Partition ``j``'s times and bytes for a micro-batch of ``size``.
+
+        Keys: ``forward``, ``input``, ``weight``, ``backward`` and ``kept``
+        (its layers' sums, the loss's with the last partition's), ``working``
+        (the most its backward pass holds beyond ``kept``), ``accumulating``
+        (the same, for a micro-batch after the first: with its weights' new
+        gradients, until added to those kept), ``gradients`` (a layer's new
+        weight gradients at most), ``held`` (the bytes of its output and of
+        the skips it sends in ``kept`` only because the pipeline holds them,
+        until ``B`` or ``I``),
+        ``retained`` (the gradients kept from ``I`` to ``W``), ``holding``
+        (the most ``I`` holds beyond ``kept``: it frees nothing on its
+        way), ``above`` (the bytes of ``kept`` above its last layer with
+        weights, which ``I`` lets go of once done),
+        ``received`` and ``handed`` (the skips it pops that a partition
+        before it stashed, on another worker or on its own),
+        ``entry`` (the bytes of its input), ``exit`` (of its output) and
+        ``grads`` (of its weights' gradients, a weight several of its layers
+        hold counted once).
+        """
+        key = (j, size)
+        if key not in self._sums:
+            self._sums[key] = self._sum(j, self.costs.at(size), size)
+        return self._sums[key]
+
+    def _sum(self, j: int, layers: LayerCosts, size: int) -> Dict[str, float]:
+        start, stop = self.bounds[j], self.bounds[j + 1]
+        if j == len(self.bounds) - 2 and self.costs.loss:
+            stop += 1  # the loss, which the last partition computes
+        sums = {name: sum(getattr(layers, name)[start:stop])
+                for name in ('forward', 'input', 'backward', 'kept')}
+        # The pipeline holds a partition's output until its backward pass (or
+        # I), whether or not the layer after it saves it; and so a skip it
+        # stashed that a later partition pops (one popped here is gone then).
+        last = self.bounds[j + 1] - 1
+        sent = [s for s, (a, b) in enumerate(self.costs.skips) if start <= a < stop <= b]
+        sums['held'] = layers.unsaved[last] if last < len(layers.unsaved) else 0.0
+        sums['held'] += sum(layers.loose[s] for s in sent if s < len(layers.loose))
+        sums['kept'] += sums['held']
+        # The layers' backward passes run one after another, last first, each
+        # freeing the activations it used: the most any holds beyond what the
+        # layers after it have freed by then; for a later micro-batch, with
+        # its new weight gradients (``W`` holds those alone). The last layer's
+        # output gradient is the pipeline's, held (``closing``); the others'
+        # come from the pass itself. A skip's gradient lives from the backward
+        # pass of the layer that pops it (or the start of this one's, if a
+        # later partition does) to that of the layer that stashed it (or its
+        # end, if an earlier one did), on the workers of those two partitions
+        # (not of those it passes over).
+        working = layers.working[start:stop]
+        if layers.closing and stop - 1 < len(layers.closing):
+            working[-1] = layers.closing[stop - 1]
+        # (A gradient the pop gives its output and the skip alike, as an addition
+        # does, is the layer before's own in B; I, keeping all, holds both.)
+        aliased = layers.aliased or [0.0] * len(layers.skipped)
+        alone = list(working)
+        for (a, b), nbytes, alias in zip(self.costs.skips, layers.skipped, aliased):
+            if start <= a < stop or start <= b < stop:
+                for k in range(max(a + 1, start), min(b, stop)):
+                    working[k - start] += nbytes
+                    alone[k - start] += nbytes - (alias if k == b - 1 < stop - 1 else 0.0)
+        passed_in = self._passed_in(j, layers, start, len(working))
+        working = [w + h for w, h in zip(working, passed_in)]
+        alone = [w + h for w, h in zip(alone, passed_in)]
+        accumulating = layers.accumulating[start:stop] or [0.0] * len(working)
+        freed = sums['working'] = sums['accumulating'] = 0.0
+        # (A layer's output that only the next layer saved is gone by its turn.)
+        passed = layers.passed[start:stop - 1] + [0.0] if layers.passed else [0.0] * len(working)
+        for kept, most, more, gone in reversed(list(zip(layers.kept[start:stop], alone,
+                                                        accumulating, passed))):
+            sums['working'] = max(sums['working'], most - freed - gone)
+            sums['accumulating'] = max(sums['accumulating'], most + more - freed - gone)
+            freed += kept
+        # I frees nothing on its way: W needs the graph as it is.
+        sums['holding'] = max(working, default=0.0)
+        sums['gradients'] = max(accumulating, default=0.0)
+        sums['entry'] = layers.output[start - 1] if start else self.costs.entry * size
+        sums['exit'] = layers.output[self.bounds[j + 1] - 1]
+        sums['received'], sums['handed'] = self._popped(j, layers, start, stop)
+        # I lets go of the graph above the layers with weights (a loss, the
+        # activations after the last linear layer): no W starts there.
+        weighted = [k for k in range(start, min(stop, len(self.costs.parameters)))
+                    if self.costs.parameters[k]]
+        sums['above'] = sum(layers.kept[weighted[-1] + 1:stop]) if j and weighted else 0.0
+        # The first partition's I computes nothing (no input gradient): W
+        # starts from its outputs (and sent skips), and keeps their gradients
+        # until then. A later one's I keeps the gradients that reached its
+        # layers' nodes leading to a weight, where W starts, and those of its
+        # input and popped skips, on their leaves, until W lets the pass go:
+        # copies of those another worker received, the same tensors on this one.
+        if j == 0:
+            sums['retained'] = layers.output[stop - 1] if len(self.bounds) > 2 else 0.0
+            sums['retained'] += sum(layers.skipped[s] for s in sent
+                                    if s < len(layers.skipped))
+            sums['input'] = 0.0
+        else:
+            apart = self.worker_of(j - 1) != self.worker_of(j)
+            sums['retained'] = (sum(layers.retained[start:stop]) + sums['received']
+                                + (sums['entry'] if apart else 0.0))
+        sums['weight'] = max(0.0, sums['backward'] - sums['input'])
+        sums['grads'] = self._weight_gradients(start, stop)
+        return sums
+
+    def _popped(self, j: int, layers: LayerCosts, start: int, stop: int
+                ) -> Tuple[float, float]:
+        """The bytes of the skips partition ``j`` (layers ``start`` to ``stop``) pops that
+        an earlier partition stashed: on another worker (received, a copy), and on its
+        own (handed over as they are)."""
+        received = handed = 0.0
+        reused = layers.reused or [0.0] * len(layers.skipped)
+        for (a, b), nbytes, saved in zip(self.costs.skips, layers.skipped, reused):
+            if a < start <= b < stop:
+                source = bisect.bisect_right(self.bounds, a) - 1
+                # (What the popping layer saves, its ``kept`` counts.)
+                if self.worker_of(source) == self.worker_of(j):
+                    handed += nbytes - saved
+                else:
+                    received += nbytes - saved
+        return received, handed
+
+    def _passed_in(self, j: int, layers: LayerCosts, start: int, count: int) -> List[float]:
+        """What the gradients the pipeline passes partition ``j``'s backward pass add
+        beside each of its ``count`` layers' (from ``start``).
+
+        It passes those of the partition's output and of the skips it sent on
+        (``torch.autograd.backward(tensors, grads)``) and holds them until the
+        pass returns, after the layers that used them: the output's beside
+        every layer but the last (whose ``closing`` counts it), a skip's beside
+        the layers before the one that stashed it (whose own pass counts it as
+        it uses it).
+        """
+        stop = self.bounds[j + 1]
+        added = [0.0] * count
+        if j < len(self.bounds) - 2:
+            added[:-1] = [layers.output[stop - 1]] * (count - 1)
+        for (a, b), nbytes in zip(self.costs.skips, layers.skipped):
+            if start <= a < stop <= b:
+                for k in range(start, a):
+                    added[k - start] += nbytes
+        return added
+
+    def _weight_gradients(self, start: int, stop: int) -> float:
+        """The bytes of the gradients of layers ``start`` to ``stop`` (a weight several of
+        them hold, once)."""
+        nbytes = float(sum(self.costs.parameters[start:stop]))
+        for holders, shared in self.costs.shared:
+            nbytes -= max(0, sum(start <= k < stop for k in holders) - 1) * shared
+        return nbytes
