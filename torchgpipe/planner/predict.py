@@ -224,8 +224,7 @@ def static_memory(costs: Costs, candidate: Candidate, worker: int,
     A parameter several of its partitions hold (a tied weight) is one tensor
     there, with one gradient and one optimizer state; each partition after
     the first that holds it adds its micro-batches' gradients into a share
-    of its own until the step sums them (see ``torchgpipe.foundation.tied``),
-    where training makes gradients (:func:`gradient_share`).
+    of its own until the step sums them (see ``torchgpipe.foundation.tied``).
     """
     n = len(candidate.balance)
     bounds = [sum(candidate.balance[:j]) for j in range(n + 1)]
@@ -235,8 +234,7 @@ def static_memory(costs: Costs, candidate: Candidate, worker: int,
         layers = [k for k in holders if candidate.partition_of(k) in mine]
         partitions = {candidate.partition_of(k) for k in layers}
         if layers:
-            held -= (param_scale * (len(layers) - 1)
-                     - gradient_share(param_scale) * (len(partitions) - 1)) * nbytes
+            held -= (param_scale * (len(layers) - 1) - (len(partitions) - 1)) * nbytes
     return held
 
 
