@@ -11,7 +11,7 @@ needs it, and the gradients it passes a backward pass until that pass
 returns.
 """
 import bisect
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Sequence, Tuple
 
 from torchgpipe.planner.costs import Costs, LayerCosts
 
@@ -45,9 +45,7 @@ class Partitions:
         weights, which ``I`` lets go of once done),
         ``received`` and ``handed`` (the skips it pops that a partition
         before it stashed, on another worker or on its own),
-        ``entry`` (the bytes of its input), ``exit`` (of its output) and
-        ``grads`` (of its weights' gradients, a weight several of its layers
-        hold counted once).
+        ``entry`` (the bytes of its input) and ``exit`` (of its output).
         """
         key = (j, size)
         if key not in self._sums:
@@ -129,7 +127,6 @@ class Partitions:
             sums['retained'] = (sum(layers.retained[start:stop]) + sums['received']
                                 + (sums['entry'] if apart else 0.0))
         sums['weight'] = max(0.0, sums['backward'] - sums['input'])
-        sums['grads'] = self._weight_gradients(start, stop)
         return sums
 
     def _popped(self, j: int, layers: LayerCosts, start: int, stop: int
@@ -170,10 +167,28 @@ class Partitions:
                     added[k - start] += nbytes
         return added
 
-    def _weight_gradients(self, start: int, stop: int) -> float:
-        """The bytes of the gradients of layers ``start`` to ``stop`` (a weight several of
-        them hold, once)."""
-        nbytes = float(sum(self.costs.parameters[start:stop]))
+    def parameters(self, js: Iterable[int]) -> float:
+        """The bytes of the weights of partitions ``js``, a weight several of their layers
+        hold (a tied one) counted once."""
+        return self._distinct([k for j in js for k in range(self.bounds[j], self.bounds[j + 1])])
+
+    def gradients(self, js: Iterable[int]) -> float:
+        """The bytes of the weights' gradients partitions ``js`` (of one worker) make.
+
+        A tied weight has a gradient per partition in one process (the first
+        partition's, and each later one's share, which the step sums as it
+        ends: see ``torchgpipe.foundation.tied``), but one per worker across
+        processes, where the partitions of a rank add into one gradient.
+        """
+        js = list(js)
+        if self.costs.processes:
+            return self.parameters(js)
+        return sum(self.parameters([j]) for j in js)
+
+    def _distinct(self, layers: Sequence[int]) -> float:
+        """The bytes of the weights of ``layers``, a weight several of them hold once."""
+        nbytes = float(sum(self.costs.parameters[k] for k in layers
+                           if k < len(self.costs.parameters)))
         for holders, shared in self.costs.shared:
-            nbytes -= max(0, sum(start <= k < stop for k in holders) - 1) * shared
+            nbytes -= max(0, len(set(holders) & set(layers)) - 1) * shared
         return nbytes

@@ -32,9 +32,12 @@ stay throughout; the weights' gradients (one of the ``param_scale`` tensors
 per parameter) are made in the step, as after ``zero_grad()``, which sets
 them to None: a partition's in its first backward pass (``B``, or ``W``).
 
-Across processes, the workers holding a weight they share (a tied
-embedding and head) sum its gradient as a step ends, each holding the
-others' parts and the sum beside its own for a moment.
+A weight several partitions share (a tied embedding and head) is one
+tensor on each worker holding it. In one process, each partition after the
+first adds its gradients into a share of its own, summed as the step ends.
+Across processes, a rank's partitions add into one gradient, and the ranks
+holding the weight sum theirs as a step ends, each holding the others'
+parts and the sum beside its own for a moment.
 
 A skip connection between partitions is kept at both ends until their
 backward passes: on the stashing partition the tensor it stashed, on the
@@ -193,12 +196,15 @@ def predict(costs: Costs, candidate: Candidate, *, param_scale: float = 2.0
     # made in the step (zero_grad leaves None): from each partition's first
     # backward pass on, and all of them beside the exchange at the step's end.
     made = gradient_share(param_scale)
-    grads = [made * sum(parts(j, sizes[0])['grads'] for j in range(n)
-                        if candidate.worker_of(j) == w) for w in range(candidate.workers)]
-    memory = [max(peak_memory(schedule.workers, w, parts, sizes, checkpointed, made),
-                  grads[w] + exchange_memory(costs, candidate, w))
-              + static_memory(costs, candidate, w, param_scale) - grads[w]
-              for w in range(candidate.workers)]
+    memory = []
+    for w in range(candidate.workers):
+        mine = [j for j in range(n) if candidate.worker_of(j) == w]
+        grads = made * parts.gradients(mine)
+        # The parameters and the optimizer's state; a tied weight's share of
+        # its gradient in one process, whatever ``param_scale`` says.
+        static = (param_scale - 1) * parts.parameters(mine) + parts.gradients(mine)
+        memory.append(max(peak_memory(schedule.workers, w, parts, sizes, checkpointed, made),
+                          grads + exchange_memory(costs, candidate, w)) + static - grads)
     return Prediction(step=step, memory=memory, busy=busy, ends=ends)
 
 
@@ -215,27 +221,6 @@ def gradient_share(param_scale: float) -> float:
     """How many of ``param_scale``'s tensors per parameter are its gradient: one, but
     none (or a part) where training keeps no more than the parameter itself."""
     return min(1.0, max(0.0, param_scale - 1.0))
-
-
-def static_memory(costs: Costs, candidate: Candidate, worker: int,
-                  param_scale: float) -> float:
-    """A worker's parameters, their gradients and the optimizer's state, in bytes.
-
-    A parameter several of its partitions hold (a tied weight) is one tensor
-    there, with one gradient and one optimizer state; each partition after
-    the first that holds it adds its micro-batches' gradients into a share
-    of its own until the step sums them (see ``torchgpipe.foundation.tied``).
-    """
-    n = len(candidate.balance)
-    bounds = [sum(candidate.balance[:j]) for j in range(n + 1)]
-    mine = [j for j in range(n) if candidate.worker_of(j) == worker]
-    held = param_scale * sum(sum(costs.parameters[bounds[j]:bounds[j + 1]]) for j in mine)
-    for holders, nbytes in costs.shared:
-        layers = [k for k in holders if candidate.partition_of(k) in mine]
-        partitions = {candidate.partition_of(k) for k in layers}
-        if layers:
-            held -= (param_scale * (len(layers) - 1) - (len(partitions) - 1)) * nbytes
-    return held
 
 
 def exchange_memory(costs: Costs, candidate: Candidate, worker: int) -> float:
@@ -281,8 +266,10 @@ def peak_memory(workers: Sequence[Sequence[Action]], worker: int, parts: Partiti
         # its own until added to them. The first partition's I has
         # no input gradient to compute: its W is the whole backward pass.
         later = action.j in graded
-        # The partition's first B (or W) makes its weights' gradients.
-        grads = part['grads'] * made if action.kind in (Kind.B, Kind.W) and not later else 0.0
+        # The partition's first B (or W) makes its weights' gradients (across
+        # processes, but those of a weight tied to a partition graded before).
+        grads = (made * (parts.gradients(graded | {action.j}) - parts.gradients(graded))
+                 if action.kind in (Kind.B, Kind.W) and not later else 0.0)
         if action.kind is Kind.B or action.kind is Kind.W and action.j == 0:
             working = part['accumulating' if later else 'working']
             if action.kind is Kind.W:
