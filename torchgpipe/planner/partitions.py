@@ -33,16 +33,19 @@ class Partitions:
 
         Keys: ``forward``, ``input``, ``weight``, ``backward`` and ``kept``
         (its layers' sums, the loss's with the last partition's), ``working``
-        (the most its backward pass holds beyond ``kept``), ``accumulating``
+        (the most its backward pass holds beyond ``kept``), ``making`` (the same,
+        with the weights' gradients the pass has made by then, in the step's
+        first pass), ``accumulating``
         (the same, for a micro-batch after the first: with its weights' new
         gradients, until added to those kept), ``gradients`` (a layer's new
         weight gradients at most), ``held`` (the bytes of its output and of
         the skips it sends in ``kept`` only because the pipeline holds them,
         until ``B`` or ``I``),
         ``retained`` (the gradients kept from ``I`` to ``W``), ``holding``
-        (the most ``I`` holds beyond ``kept``: it frees nothing on its
-        way), ``above`` (the bytes of ``kept`` above its last layer with
-        weights, which ``I`` lets go of once done),
+        (the most ``I`` holds beyond ``kept``: it frees nothing on its way,
+        and keeps what it leaves for ``W``), ``above`` (the bytes of
+        ``kept`` above its last layer with weights, which ``I`` lets go of
+        once done),
         ``received`` and ``handed`` (the skips it pops that a partition
         before it stashed, on another worker or on its own),
         ``entry`` (the bytes of its input) and ``exit`` (of its output).
@@ -66,6 +69,43 @@ class Partitions:
         sums['held'] = layers.unsaved[last] if last < len(layers.unsaved) else 0.0
         sums['held'] += sum(layers.loose[s] for s in sent if s < len(layers.loose))
         sums['kept'] += sums['held']
+        # Saved by the next layer, the output is the pipeline's alone all the
+        # same where that layer's partition is a process of its own: it got a copy.
+        if (self.costs.processes and j < len(self.bounds) - 2
+                and self.worker_of(j + 1) != self.worker_of(j) and last < len(layers.passed)):
+            sums['held'] += layers.passed[last]
+        sums.update(self._passes(j, layers, start, stop))
+        sums['entry'] = layers.output[start - 1] if start else self.costs.entry * size
+        sums['exit'] = layers.output[self.bounds[j + 1] - 1]
+        sums['received'], sums['handed'] = self._popped(j, layers, start, stop)
+        # I lets go of the graph above the layers with weights (a loss, the
+        # activations after the last linear layer): no W starts there.
+        weighted = [k for k in range(start, min(stop, len(self.costs.parameters)))
+                    if self.costs.parameters[k]]
+        sums['above'] = sum(layers.kept[weighted[-1] + 1:stop]) if j and weighted else 0.0
+        # The first partition's I computes nothing (no input gradient): W
+        # starts from its outputs (and sent skips), and keeps their gradients
+        # until then. A later one's I keeps the gradients that reached its
+        # layers' nodes leading to a weight, where W starts, and those of its
+        # input and popped skips, on their leaves, until W lets the pass go:
+        # copies of those another worker received, the same tensors on this one.
+        if j == 0:
+            sums['retained'] = layers.output[stop - 1] if len(self.bounds) > 2 else 0.0
+            sums['retained'] += sum(layers.skipped[s] for s in sent
+                                    if s < len(layers.skipped))
+            sums['input'] = 0.0
+        else:
+            apart = self.worker_of(j - 1) != self.worker_of(j)
+            sums['retained'] = (sum(layers.retained[start:stop]) + sums['received']
+                                + (sums['entry'] if apart else 0.0))
+        sums['weight'] = max(0.0, sums['backward'] - sums['input'])
+        return sums
+
+    def _passes(self, j: int, layers: LayerCosts, start: int, stop: int
+                ) -> Dict[str, float]:
+        """The most partition ``j``'s backward passes hold beyond ``kept``, layers ``start``
+        to ``stop`` (its loss's too): the keys ``working``, ``accumulating``,
+        ``making``, ``holding`` and ``gradients`` of :meth:`__call__`."""
         # The layers' backward passes run one after another, last first, each
         # freeing the activations it used: the most any holds beyond what the
         # layers after it have freed by then; for a later micro-batch, with
@@ -92,42 +132,30 @@ class Partitions:
         working = [w + h for w, h in zip(working, passed_in)]
         alone = [w + h for w, h in zip(alone, passed_in)]
         accumulating = layers.accumulating[start:stop] or [0.0] * len(working)
-        freed = sums['working'] = sums['accumulating'] = 0.0
+        freed = most_working = most_accumulating = most_making = 0.0
         # (A layer's output that only the next layer saved is gone by its turn.)
         passed = layers.passed[start:stop - 1] + [0.0] if layers.passed else [0.0] * len(working)
-        for kept, most, more, gone in reversed(list(zip(layers.kept[start:stop], alone,
-                                                        accumulating, passed))):
-            sums['working'] = max(sums['working'], most - freed - gone)
-            sums['accumulating'] = max(sums['accumulating'], most + more - freed - gone)
+        # The step's first pass makes the weights' gradients as it goes: by a
+        # layer's turn, those of the layers after it, and its own.
+        for kept, most, more, gone, made in reversed(list(zip(
+                layers.kept[start:stop], alone, accumulating, passed,
+                self._made_by(start, stop)))):
+            most_working = max(most_working, most - freed - gone)
+            most_accumulating = max(most_accumulating, most + more - freed - gone)
+            most_making = max(most_making, most + made - freed - gone)
             freed += kept
-        # I frees nothing on its way: W needs the graph as it is.
-        sums['holding'] = max(working, default=0.0)
-        sums['gradients'] = max(accumulating, default=0.0)
-        sums['entry'] = layers.output[start - 1] if start else self.costs.entry * size
-        sums['exit'] = layers.output[self.bounds[j + 1] - 1]
-        sums['received'], sums['handed'] = self._popped(j, layers, start, stop)
-        # I lets go of the graph above the layers with weights (a loss, the
-        # activations after the last linear layer): no W starts there.
-        weighted = [k for k in range(start, min(stop, len(self.costs.parameters)))
-                    if self.costs.parameters[k]]
-        sums['above'] = sum(layers.kept[weighted[-1] + 1:stop]) if j and weighted else 0.0
-        # The first partition's I computes nothing (no input gradient): W
-        # starts from its outputs (and sent skips), and keeps their gradients
-        # until then. A later one's I keeps the gradients that reached its
-        # layers' nodes leading to a weight, where W starts, and those of its
-        # input and popped skips, on their leaves, until W lets the pass go:
-        # copies of those another worker received, the same tensors on this one.
-        if j == 0:
-            sums['retained'] = layers.output[stop - 1] if len(self.bounds) > 2 else 0.0
-            sums['retained'] += sum(layers.skipped[s] for s in sent
-                                    if s < len(layers.skipped))
-            sums['input'] = 0.0
-        else:
-            apart = self.worker_of(j - 1) != self.worker_of(j)
-            sums['retained'] = (sum(layers.retained[start:stop]) + sums['received']
-                                + (sums['entry'] if apart else 0.0))
-        sums['weight'] = max(0.0, sums['backward'] - sums['input'])
-        return sums
+        # I frees nothing on its way: W needs the graph as it is, and the
+        # gradients left for it by the layers after each.
+        kept_for_w = layers.retained[start:stop] or [0.0] * len(working)
+        if j < len(self.bounds) - 2 and kept_for_w:
+            # What the last layer leaves W may be the output's gradient itself,
+            # which the pipeline holds beside the layers before already.
+            kept_for_w[-1] = max(0.0, kept_for_w[-1] - layers.output[stop - 1])
+        holding = max((most + sum(kept_for_w[k + 1:]) for k, most in enumerate(working)),
+                      default=0.0)
+        return {'working': most_working, 'accumulating': most_accumulating,
+                'making': most_making, 'holding': holding,
+                'gradients': max(accumulating, default=0.0)}
 
     def _popped(self, j: int, layers: LayerCosts, start: int, stop: int
                 ) -> Tuple[float, float]:
@@ -184,6 +212,19 @@ class Partitions:
         if self.costs.processes:
             return self.parameters(js)
         return sum(self.parameters([j]) for j in js)
+
+    def _made_by(self, start: int, stop: int) -> List[float]:
+        """For each layer from ``start`` to ``stop``, the bytes of the gradients of the
+        weights of the layers from it on (a weight several of them hold, once)."""
+        made, total, seen = [0.0] * (stop - start), 0.0, set()
+        for k in reversed(range(start, stop)):
+            total += self.costs.parameters[k] if k < len(self.costs.parameters) else 0.0
+            for tie, (holders, nbytes) in enumerate(self.costs.shared):
+                if k in holders:
+                    total -= nbytes if tie in seen else 0.0
+                    seen.add(tie)
+            made[k - start] = total
+        return made
 
     def _distinct(self, layers: Sequence[int]) -> float:
         """The bytes of the weights of ``layers``, a weight several of them hold once."""
