@@ -172,9 +172,9 @@ def test_a_plan_for_processes_gives_distributed_gpipe_its_arguments_and_saves_so
 class Project(nn.Module):
     """Stashes a projection of its input (its gradient comes back) and returns the input."""
 
-    def __init__(self) -> None:
+    def __init__(self, inputs: int = 8, outputs: int = 32) -> None:
         super().__init__()
-        self.conv = nn.Conv2d(8, 32, 1)
+        self.conv = nn.Conv2d(inputs, outputs, 1)
 
     def forward(self, x: torch.Tensor):  # type: ignore[no-untyped-def]
         yield stash('shortcut', self.conv(x))
@@ -219,6 +219,24 @@ def wide_model() -> nn.Sequential:
                          nn.Linear(512, 16))
 
 
+def projected_model() -> nn.Sequential:
+    """Under [4, 6], rank 0's peak is in the backward pass of its layer before last, which
+    stashed the projection rank 1 pops: the gradient rank 1 sends back for it is held
+    until the pass returns (the ReLU before keeps the projection's input alive)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 64, 1), nn.ReLU(), Project(64, 64), nn.Conv2d(64, 64, 1),
+                         nn.ReLU(), Merge(), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(64, 10))
+
+
+def rectified_model() -> nn.Sequential:
+    """Under [4, 1], rank 0's output is a ReLU's, which saves it: the pipeline holds it
+    through the backward pass all the same, past the ReLU's."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                         nn.Linear(256, 16))
+
+
 def vocabulary_model() -> nn.Sequential:
     """A head over a vocabulary: its loss keeps the log-probabilities until ``I``."""
     torch.manual_seed(0)
@@ -242,8 +260,8 @@ def tied_model() -> nn.Sequential:
 def resnet_model() -> nn.Sequential:
     """The benchmark's CNN, small: under [8, 11], rank 0's largest backward pass is
     that of a layer before its last, while the gradient of its output, which the
-    pipeline holds until the pass ends, is still alive (with 1F1B, it still holds
-    13% more than predicted: what, is not known yet)."""
+    pipeline holds until the pass ends, is still alive, and so are the gradient of
+    the skip it sent on and its output, a ReLU's."""
     from benchmarks.models.resnet import resnet
     torch.manual_seed(0)
     return resnet((1, 1, 1), width=8, num_classes=10, batch_norm=False, small_input=True)
@@ -258,6 +276,10 @@ PEAK_MODELS: Dict[str, Tuple[Any, Any]] = {
     'gated': (gated_model, lambda: (torch.randn(8, 3, 8, 8), torch.randint(0, 10, (8,)),
                                     F.cross_entropy)),
     'wide': (wide_model, lambda: (torch.randn(1024, 16), torch.randn(1024, 16), F.mse_loss)),
+    'rectified': (rectified_model, lambda: (torch.randn(1024, 16), torch.randn(1024, 16),
+                                            F.mse_loss)),
+    'projected': (projected_model, lambda: (torch.randn(8, 3, 16, 16),
+                                            torch.randint(0, 10, (8,)), F.cross_entropy)),
     'vocabulary': (vocabulary_model, lambda: (torch.randint(0, 100, (16, 8)),
                                               torch.randint(0, 4096, (16, 8)), vocabulary_loss)),
     'tied': (tied_model, lambda: (torch.randint(0, 4096, (16, 8)),
@@ -275,7 +297,9 @@ PEAKS = [('shortcut', 'fill_drain', (3, 6), 1, 'never'),
          ('gated', '1f1b', (3, 6), 4, 'never'), ('resnet', 'zb_h1', (8, 11), 1, 'never'),
          ('vocabulary', 'interleaved_1f1b', (1, 1, 1, 1), 2, 'never'),
          ('tied', 'zbv', (1, 1, 1, 1), 8, 'never'), ('vocabulary', 'zb_h1', (2, 2), 1, 'never'),
-         ('wide', 'zb_h1', (2, 3), 1, 'never'), ('resnet', 'zb_h1', (11, 8), 1, 'never')]
+         ('wide', 'zb_h1', (2, 3), 1, 'never'), ('resnet', 'zb_h1', (11, 8), 1, 'never'),
+         ('projected', 'fill_drain', (4, 6), 1, 'never'),
+         ('rectified', 'fill_drain', (4, 1), 1, 'never'), ('resnet', '1f1b', (8, 11), 1, 'never')]
 
 
 def predicted_and_measured_peaks(rank: int, world_size: int) -> List[Tuple[float, float]]:
@@ -325,8 +349,10 @@ def test_each_rank_holds_the_peak_predicted() -> None:
     vocabulary model's rank 0 in ZB-H1, one micro-batch); the output a rank sends
     another goes at ``I``, whether or not the next layer saves it (its copy, there:
     the wide model's rank 0 under [2, 3]); ``I`` keeps the gradients it leaves ``W``
-    as it goes on (the small CNN's rank 1 under [11, 8]). Without any one of these, a
-    rank is 10.5% to 40% off."""
+    as it goes on (the small CNN's rank 1 under [11, 8]); B holds the gradient of a
+    skip it sent on from the start (the projected model), and the output it starts
+    from to the end (the rectified model). Without any one of these, a rank is 10.5%
+    to 40% off."""
     ranks = run_distributed(predicted_and_measured_peaks, timeout=120)
     errors = [(rank, config, round(predicted / measured - 1, 3))
               for rank, peaks in enumerate(ranks)

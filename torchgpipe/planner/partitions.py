@@ -33,7 +33,8 @@ class Partitions:
 
         Keys: ``forward``, ``input``, ``weight``, ``backward`` and ``kept``
         (its layers' sums, the loss's with the last partition's), ``working``
-        (the most its backward pass holds beyond ``kept``), ``making`` (the same,
+        (the most its backward pass holds beyond ``kept``; the first
+        partition's ``W``, the whole pass too, ``working_w``), ``making`` (the same,
         with the weights' gradients the pass has made by then, in the step's
         first pass), ``accumulating``
         (the same, for a micro-batch after the first: with its weights' new
@@ -105,7 +106,9 @@ class Partitions:
                 ) -> Dict[str, float]:
         """The most partition ``j``'s backward passes hold beyond ``kept``, layers ``start``
         to ``stop`` (its loss's too): the keys ``working``, ``accumulating``,
-        ``making``, ``holding`` and ``gradients`` of :meth:`__call__`."""
+        ``making``, ``holding`` and ``gradients`` of :meth:`__call__`, and for the
+        first partition those of ``working``, ``accumulating`` and ``making`` for
+        its ``W`` (``working_w``...)."""
         # The layers' backward passes run one after another, last first, each
         # freeing the activations it used: the most any holds beyond what the
         # layers after it have freed by then; for a later micro-batch, with
@@ -119,6 +122,13 @@ class Partitions:
         working = layers.working[start:stop]
         if layers.closing and stop - 1 < len(layers.closing):
             working[-1] = layers.closing[stop - 1]
+            # A layer stashing a skip a later partition pops gets the skip's
+            # gradient from the pipeline, held until the pass returns, as the
+            # last layer gets its output's (which a stashing layer returning its
+            # input, a shortcut, passes on as its input's: held too).
+            for a, b in self.costs.skips:
+                if start <= a < stop <= b:
+                    working[a - start] = max(working[a - start], layers.closing[a])
         # (A gradient the pop gives its output and the skip alike, as an addition
         # does, is the layer before's own in B; I, keeping all, holds both.)
         aliased = layers.aliased or [0.0] * len(layers.skipped)
@@ -132,18 +142,22 @@ class Partitions:
         working = [w + h for w, h in zip(working, passed_in)]
         alone = [w + h for w, h in zip(alone, passed_in)]
         accumulating = layers.accumulating[start:stop] or [0.0] * len(working)
-        freed = most_working = most_accumulating = most_making = 0.0
         # (A layer's output that only the next layer saved is gone by its turn.)
         passed = layers.passed[start:stop - 1] + [0.0] if layers.passed else [0.0] * len(working)
         # The step's first pass makes the weights' gradients as it goes: by a
         # layer's turn, those of the layers after it, and its own.
-        for kept, most, more, gone, made in reversed(list(zip(
-                layers.kept[start:stop], alone, accumulating, passed,
-                self._made_by(start, stop)))):
-            most_working = max(most_working, most - freed - gone)
-            most_accumulating = max(most_accumulating, most + more - freed - gone)
-            most_making = max(most_making, most + made - freed - gone)
-            freed += kept
+        besides = {'working': [0.0] * len(alone), 'accumulating': accumulating,
+                   'making': self._made_by(start, stop)}
+        frees = layers.kept[start:stop]
+        # The first partition's W starts from the graph, not from its output.
+        sums = {name + '_w': _most(alone, extra, frees, passed)
+                for name, extra in besides.items()} if j == 0 else {}
+        # B starts from the output, which the pipeline holds until B returns:
+        # the last layer's pass frees none of it, even what it saved itself (a ReLU's).
+        if j < len(self.bounds) - 2 and layers.unsaved and layers.passed:
+            own = layers.output[stop - 1] - layers.unsaved[stop - 1] - layers.passed[stop - 1]
+            frees[-1] -= min(frees[-1], max(0.0, own))
+        sums.update({name: _most(alone, extra, frees, passed) for name, extra in besides.items()})
         # I frees nothing on its way: W needs the graph as it is, and the
         # gradients left for it by the layers after each.
         kept_for_w = layers.retained[start:stop] or [0.0] * len(working)
@@ -153,9 +167,7 @@ class Partitions:
             kept_for_w[-1] = max(0.0, kept_for_w[-1] - layers.output[stop - 1])
         holding = max((most + sum(kept_for_w[k + 1:]) for k, most in enumerate(working)),
                       default=0.0)
-        return {'working': most_working, 'accumulating': most_accumulating,
-                'making': most_making, 'holding': holding,
-                'gradients': max(accumulating, default=0.0)}
+        return {**sums, 'holding': holding, 'gradients': max(accumulating, default=0.0)}
 
     def _popped(self, j: int, layers: LayerCosts, start: int, stop: int
                 ) -> Tuple[float, float]:
@@ -233,3 +245,15 @@ class Partitions:
         for holders, shared in self.costs.shared:
             nbytes -= max(0, len(set(holders) & set(layers)) - 1) * shared
         return nbytes
+
+
+def _most(alone: Sequence[float], besides: Sequence[float], frees: Sequence[float],
+          passed: Sequence[float]) -> float:
+    """The most a backward pass through layers holds at once beyond what their forward
+    passes kept: each layer's own (``alone``, ``besides`` it), less what the layers
+    after it ``frees`` and what it ``passed`` on (gone by its turn), last first."""
+    most = freed = 0.0
+    for own, extra, kept, gone in reversed(list(zip(alone, besides, frees, passed))):
+        most = max(most, own + extra - freed - gone)
+        freed += kept
+    return most

@@ -271,11 +271,13 @@ def peak_memory(workers: Sequence[Sequence[Action]], worker: int, parts: Partiti
         grads = (made * (parts.gradients(graded | {action.j}) - parts.gradients(graded))
                  if action.kind in (Kind.B, Kind.W) and not later else 0.0)
         if action.kind is Kind.B or action.kind is Kind.W and action.j == 0:
+            # (The first partition's W starts from its graph, not its output.)
+            w = '_w' if action.kind is Kind.W else ''
             # Beside ``grads``, which the first pass has all made only as it
             # ends: at its peak, those of the layers done by then.
-            working = part['accumulating'] if later else (
-                (1 - made) * part['working']
-                + made * (part['making'] - parts.parameters([action.j])))
+            working = part['accumulating' + w] if later else (
+                (1 - made) * part['working' + w]
+                + made * (part['making' + w] - parts.parameters([action.j])))
             if action.kind is Kind.W:
                 working -= part['retained']  # the gradients it starts from, live since I
         elif action.kind is Kind.I and action.j:
