@@ -44,8 +44,8 @@ __all__: List[str] = []
 #: What :func:`measure` reads of each layer, at each micro-batch size: times in seconds.
 TIMES = ('forward', 'input', 'backward')
 #: ... and memory in bytes.
-BYTES = ('kept', 'output', 'working', 'closing', 'unsaved', 'accumulating', 'retained',
-         'skipped', 'loose', 'reused', 'aliased', 'passed')
+BYTES = ('kept', 'output', 'working', 'closing', 'holding', 'unsaved', 'accumulating',
+         'retained', 'skipped', 'loose', 'reused', 'aliased', 'passed')
 
 
 @dataclass
@@ -67,6 +67,9 @@ class LayerCosts:
     #: ... as a partition's last layer, whose output gradient the pipeline
     #: holds (empty in older costs: ``working`` serves).
     closing: List[float] = field(default_factory=list)
+    #: ... in ``I``, which frees nothing the forward pass saved (empty in
+    #: older costs: ``working`` serves).
+    holding: List[float] = field(default_factory=list)
     #: The bytes of its output left out of ``kept`` because the next layer
     #: does not save it: a partition's last layer keeps them all the same.
     unsaved: List[float] = field(default_factory=list)

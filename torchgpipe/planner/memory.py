@@ -6,8 +6,9 @@ share is its own: the bytes its forward pass keeps for the backward pass
 (the tensors autograd saves and the outputs the next layer saves, each
 storage once; see :func:`~torchgpipe.balance.profile.kept_by_forward`), of
 its output (what a boundary after it sends), the most its backward pass
-holds beside them, within a partition and as its last layer, and what
-``I`` keeps for ``W`` (:mod:`~torchgpipe.planner.working`).
+holds beside them, within a partition and as its last layer, the most
+``I`` holds (which frees none of them), and what ``I`` keeps for ``W``
+(:mod:`~torchgpipe.planner.working`).
 
 A skip connection is measured at both of its ends::
 
@@ -42,7 +43,7 @@ from torch import Tensor, nn
 from torchgpipe.balance.profile import (SandboxSkipTracker, detach_tensor, fresh_input,
                                         kept_by_forward)
 from torchgpipe.foundation.microbatch import Batch, TensorOrTensors, map_tensors
-from torchgpipe.planner.working import retained_for_weights, working_memory
+from torchgpipe.planner.working import input_memory, retained_for_weights, working_memory
 from torchgpipe.skip.namespace import Namespace
 
 __all__: List[str] = []
@@ -84,8 +85,8 @@ def layer_memory(layers: Sequence[nn.Module], values: TensorOrTensors,
         and each skip's route
     """
     measured: Dict[str, List[float]] = {name: [] for name in (
-        'kept', 'output', 'working', 'closing', 'unsaved', 'accumulating', 'retained',
-        'passed')}
+        'kept', 'output', 'working', 'closing', 'holding', 'unsaved', 'accumulating',
+        'retained', 'passed')}
     saves_input: List[bool] = []
     passes: List[bool] = []  # whether each layer's output is its input
     skips = _Skips()
@@ -103,8 +104,10 @@ def layer_memory(layers: Sequence[nn.Module], values: TensorOrTensors,
         waiting = dict(tracker.tensors)
         _, again = working_memory(layer, fresh_input(values), forward, accumulating=True)
         _restore(tracker, waiting)
-        measured['retained'].append(float(retained_for_weights(layer, values, forward, [
-            x for x in waiting.values() if isinstance(x, Tensor)])))
+        popped = [x for x in waiting.values() if isinstance(x, Tensor)]
+        measured['retained'].append(float(retained_for_weights(layer, values, forward, popped)))
+        _restore(tracker, waiting)
+        measured['holding'].append(float(input_memory(layer, values, forward, popped)))
         _restore(tracker, waiting)
         _, closing = working_memory(layer, fresh_input(values), forward, last=True)
         _restore(tracker, waiting)

@@ -80,10 +80,12 @@ class Partitions:
         sums['exit'] = layers.output[self.bounds[j + 1] - 1]
         sums['received'], sums['handed'] = self._popped(j, layers, start, stop)
         # I lets go of the graph above the layers with weights (a loss, the
-        # activations after the last linear layer): no W starts there.
+        # activations after the last linear layer): no W starts there; of a
+        # partition without weights, of all of it (W has nothing to do).
         weighted = [k for k in range(start, min(stop, len(self.costs.parameters)))
                     if self.costs.parameters[k]]
-        sums['above'] = sum(layers.kept[weighted[-1] + 1:stop]) if j and weighted else 0.0
+        sums['above'] = (sum(layers.kept[weighted[-1] + 1:stop]) if weighted
+                         else sums['kept'] - sums['held']) if j else 0.0
         # The first partition's I computes nothing (no input gradient): W
         # starts from its outputs (and sent skips), and keeps their gradients
         # until then. A later one's I keeps the gradients that reached its
@@ -165,8 +167,14 @@ class Partitions:
             # What the last layer leaves W may be the output's gradient itself,
             # which the pipeline holds beside the layers before already.
             kept_for_w[-1] = max(0.0, kept_for_w[-1] - layers.output[stop - 1])
-        holding = max((most + sum(kept_for_w[k + 1:]) for k, most in enumerate(working)),
-                      default=0.0)
+        # (What a layer's own pass frees once used and I keeps: its ``holding``.)
+        keeps = ([max(0.0, i - b) for i, b in zip(layers.holding[start:stop],
+                                                  layers.working[start:stop])]
+                 if layers.holding else [0.0] * len(working))
+        holding = max((most + more + sum(kept_for_w[k + 1:])
+                       for k, (most, more) in enumerate(zip(working, keeps))), default=0.0)
+        if not any(self.costs.parameters[start:stop]):
+            holding = sums['working']  # no W to keep the graph for: I frees it as B does
         return {**sums, 'holding': holding, 'gradients': max(accumulating, default=0.0)}
 
     def _popped(self, j: int, layers: LayerCosts, start: int, stop: int

@@ -178,6 +178,43 @@ def working_memory(layer: nn.Module, values: TensorOrTensors, forward: Pass, *,
     return output, live.peak(weights, since)
 
 
+def input_memory(layer: nn.Module, values: TensorOrTensors, forward: Pass,
+                 skips: Sequence[Tensor] = ()) -> int:
+    """Runs ``forward(values)``, the pass of ``layer``, and ``I`` (the first half of a
+    split backward pass); returns the most bytes ``I`` held beside what the forward
+    pass left.
+
+    ``I`` keeps the graph for ``W``: what the layer saved stays, where a whole
+    backward pass frees each saved tensor once used and makes room for the
+    temporaries after (a GELU's, say, whose are as many as it saved). The
+    gradients of the output and of the stashed skips come from within, as
+    within a partition (:func:`working_memory` counts what the pipeline
+    holds); ``skips`` are the leaves the layer may pop, inputs too. Nothing is
+    held when the input needs no gradient (``I`` has nothing to compute).
+    """
+    leaves = map_tensors(detach_tensor, values)
+    inputs = [x for x in [*Batch(leaves), *skips] if isinstance(x, Tensor) and x.requires_grad]
+    before = [x.grad for x in skips]
+    live = Live({x.untyped_storage().data_ptr()
+                 for x in [*layer.parameters(), *layer.buffers(), *Batch(leaves), *skips]
+                 if isinstance(x, Tensor)})
+    with live:
+        # A copy, not the leaves: the layer may work in place.
+        output, stashed = forward(map_tensors(torch.Tensor.clone, leaves))
+        since = len(live.log)
+        ends = ends_of(output, stashed)
+        if ends and inputs:
+            # Within a partition with weights, I always keeps the graph (not
+            # input_pass's choice for a layer alone without any).
+            seed = _Seed.apply(*ends)  # type: ignore[no-untyped-call]
+            torch.autograd.backward(seed, inputs=inputs, retain_graph=True)
+    for p in layer.parameters():
+        p.grad = None
+    for x, grad in zip(skips, before):
+        x.grad = grad
+    return live.peak(set(), since)
+
+
 def retained_for_weights(layer: nn.Module, values: TensorOrTensors, forward: Pass,
                          skips: Sequence[Tensor] = ()) -> int:
     """Runs ``forward(values)``, the pass of ``layer``, and the first half of a split
