@@ -210,22 +210,52 @@ def test_a_pass_another_process_interrupts_is_left_out(monkeypatch: pytest.Monke
     from torchgpipe.planner import costs as module
     calls: List[bool] = []
 
-    def timed_pass(layers: Any, sample: Any, device: Any, split: bool) -> Any:
-        # A round visits both sizes, I and B each: four passes. Rounds 1 and 2
-        # (of the three timed after the one to warm up) are interrupted at
-        # every layer.
+    def layer_times(layers: Any, sample: Any, device: Any, split: bool) -> Any:
+        # A round visits both sizes, I and W, and B, each: four passes. Rounds
+        # 1 and 2 (of the three timed after the one to warm up) are
+        # interrupted at every layer. B takes I's time and W's.
         slow = 1 + 99 * (len(calls) // 4 in (1, 2))
         calls.append(split)
         times = [slow * (k + 1) * 1e-3 for k in range(len(layers))]
-        return {'forward': times, 'input': times} if split else {'backward': times}
-    monkeypatch.setattr(module, '_timed_pass', timed_pass)
+        if split:
+            return {'forward': times, 'input': times, 'weight': [sum(times)]}
+        return {'backward': [2 * t for t in times]}
+    monkeypatch.setattr(module, 'layer_times', layer_times)
     costs = measure(nn.Sequential(*model()), torch.randn(8, 8), [2, 8], torch.device('cpu'),
                     repeat=3)
     assert len(calls) == 4 * 4
     for size in (2, 8):
         at = costs.at(size)
         expected = [(k + 1) * 1e-3 for k in range(costs.layers)]
-        assert at.forward == at.input == at.backward == pytest.approx(expected)
+        assert at.forward == at.input == at.weight == pytest.approx(expected)
+        assert at.backward == pytest.approx([2 * t for t in expected])
+
+
+def test_the_split_backward_pass_is_timed_as_the_engine_runs_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``I`` and ``W`` are timed as :mod:`torchgpipe.engine.split` runs them: ``I`` from
+    the last output to the first layer's, made a leaf as a partition's input is, and
+    ``W`` after it, once; the first layer has no ``I`` (no partition before it waits for
+    its input's gradient), and every gradient made is let go of."""
+    from torchgpipe.engine import split
+    from torchgpipe.planner import timing
+    layers = list(model())
+    sample = torch.randn(4, 8)
+    first = layers[0](sample)
+    passes: List[Any] = []
+
+    def spied(tensors: Any, grads: Any, inputs: List[Tensor], outputs: Any = ()) -> Any:
+        weights = split.input_pass(tensors, grads, inputs, outputs)
+        passes.append((inputs, weights))
+        monkeypatch.setattr(weights, 'run', lambda: passes.append(split.WeightPass.run(weights)))
+        return weights
+    monkeypatch.setattr(timing, 'input_pass', spied)
+    times = timing.layer_times(layers, sample, torch.device('cpu'), split=True)
+    (inputs, _), ran = passes
+    assert len(inputs) == 1 and inputs[0].is_leaf and inputs[0].shape == first.shape
+    assert ran is None  # W ran once, after I
+    assert times['input'][0] == 0 and len(times['weight']) == 1 and times['weight'][0] > 0
+    assert all(p.grad is None for layer in layers for p in layer.parameters())
 
 
 @pytest.fixture(scope='module')

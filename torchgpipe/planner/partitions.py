@@ -101,7 +101,8 @@ class Partitions:
             apart = self.worker_of(j - 1) != self.worker_of(j)
             sums['retained'] = (sum(layers.retained[start:stop]) + sums['received']
                                 + (sums['entry'] if apart else 0.0))
-        sums['weight'] = max(0.0, sums['backward'] - sums['input'])
+        sums['weight'] = (sum(layers.weight[start:stop]) if layers.weight
+                          else max(0.0, sums['backward'] - sums['input']))
         return sums
 
     def _passes(self, j: int, layers: LayerCosts, start: int, stop: int
