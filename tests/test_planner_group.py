@@ -248,7 +248,7 @@ class TanhGELU(nn.Module):
 
 
 def composite_model() -> nn.Sequential:
-    """Under [2, 3] in ZB-H1, rank 1's ``I`` keeps what the first GELU saved beside the
+    """Under [2, 3] in ZB-H1, rank 1's ``I`` keeps what the second GELU saved beside the
     temporaries of its backward pass, which ``B`` frees once used; in ZBV under
     [1, 2, 1, 1], rank 1's partition with the second GELU alone has no weights: its
     ``I`` keeps nothing."""

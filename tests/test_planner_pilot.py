@@ -62,7 +62,7 @@ def test_a_pace_scales_the_times_of_its_size_alone() -> None:
     faster = scaled(costs, {4: 2.5})
     for size, before, after in zip(costs.sizes, costs.table, faster.table):
         factor = 2.5 if size == 4 else 1.0
-        for name in ('forward', 'input', 'backward'):
+        for name in ('forward', 'input', 'backward', 'weight'):
             assert getattr(after, name) == pytest.approx(
                 [factor * t for t in getattr(before, name)]), (size, name)
         for name in ('kept', 'output', 'working', 'unsaved'):

@@ -247,7 +247,7 @@ def measure(module: nn.Sequential, sample: TensorOrTensors, sizes: Sequence[int]
     pass in order, then one backward pass, timed at each layer's boundary.
     A first pass, of each layer on the detached output of the one before,
     reads the memory. Then, in rounds that visit every size in turn, a pass
-    with ``I`` alone and one with ``B`` whole: the first round warms up, the
+    split in ``I`` and ``W`` and one with ``B`` whole: the first round warms up, the
     next ``repeat`` are timed, and the least of each time is kept: a pass
     that the operating system interrupts for another process takes longer,
     never shorter, and by a slice of milliseconds. (What slows every round
@@ -282,8 +282,7 @@ def measure(module: nn.Sequential, sample: TensorOrTensors, sizes: Sequence[int]
             memory, routes = layer_memory(copies + tail, rows(sample, size), tracker,
                                           loss=bool(tail))
             prepared.append((tail, memory))
-        timed: List[Dict[str, List[List[float]]]] = [{name: [] for name in TIMES}
-                                                     for _ in sizes]
+        timed: List[Dict[str, List[List[float]]]] = [{} for _ in sizes]
         # The rounds visit every size in turn, the first to warm up: a slow
         # spell of the machine then falls on one round of each size, which
         # the least leaves out, rather than on every round of one size,
@@ -294,20 +293,30 @@ def measure(module: nn.Sequential, sample: TensorOrTensors, sizes: Sequence[int]
                     laps = layer_times(copies + tail, rows(sample, size), device, split)
                     for name, values in laps.items():
                         if turn:
-                            into[name].append(values)
+                            into.setdefault(name, []).append(values)
     table = []
     for (_, costs), passes in zip(prepared, timed):
         for name, rounds in passes.items():
             costs[name] = [min(layer) for layer in zip(*rounds)]
-        # W's time, whole, shared among the layers as what B does beyond I.
-        beyond = [max(0.0, b - i) for b, i in zip(costs['backward'], costs['input'])]
-        whole = sum(beyond)
-        costs['weight'] = [costs['weight'][0] * t / whole if whole else 0.0 for t in beyond]
+        costs['weight'] = _shared(costs['weight'][0], int(costs.pop('cut')[0]),
+                                  costs['backward'], costs['input'])
         table.append(LayerCosts(**costs))
     parameters = [sum(p.numel() * p.element_size() for p in c.parameters()) for c in copies]
     return Costs(batch=batch, sizes=sizes, table=table, parameters=parameters,
                  shared=shared_parameters(module), skips=routes,
                  entry=tensor_bytes(rows(sample, 1)), loss=loss is not None)
+
+
+def _shared(weight: float, cut: int, backward: Sequence[float], input: Sequence[float]
+            ) -> List[float]:
+    """Each layer's part of ``W``'s time, ``weight``, taken after the first ``cut`` layers:
+    theirs is their whole backward pass (the first partition's ``W`` is its whole
+    pass); the others share it as what their ``B`` does beyond their ``I`` (evenly,
+    if none does)."""
+    beyond = [max(0.0, b - i) for b, i in zip(backward[cut:], input[cut:])]
+    whole = sum(beyond)
+    return [*backward[:cut], *[weight * t / whole if whole else weight / len(beyond)
+                               for t in beyond]]
 
 
 def shared_parameters(module: nn.Sequential) -> List[Tuple[List[int], int]]:

@@ -32,21 +32,24 @@ class Partitions:
         """Partition ``j``'s times and bytes for a micro-batch of ``size``.
 
         Keys: ``forward``, ``input``, ``weight``, ``backward`` and ``kept``
-        (its layers' sums, the loss's with the last partition's), ``working``
-        (the most its backward pass holds beyond ``kept``; the first
-        partition's ``W``, the whole pass too, ``working_w``), ``making`` (the same,
-        with the weights' gradients the pass has made by then, in the step's
-        first pass), ``accumulating``
-        (the same, for a micro-batch after the first: with its weights' new
-        gradients, until added to those kept), ``gradients`` (a layer's new
-        weight gradients at most), ``held`` (the bytes of its output and of
-        the skips it sends in ``kept`` only because the pipeline holds them,
-        until ``B`` or ``I``),
+        (its layers' sums, the loss's with the last partition's; ``weight``,
+        of the first partition, whose ``I`` has nothing to compute, is its
+        whole backward pass);
+        ``working`` (the most its backward pass holds beyond ``kept``),
+        ``making`` (the same, with the weights' gradients the pass has made by
+        then, in the step's first pass) and ``accumulating`` (the same, for a
+        micro-batch after the first: with its weights' new gradients, until
+        added to those kept); of the first partition, ``working_w``,
+        ``making_w`` and ``accumulating_w`` too, for its ``W`` (which starts
+        from the graph, not from its output);
+        ``gradients`` (a layer's new weight gradients at most), ``held`` (the
+        bytes of its output and of the skips it sends in ``kept`` only
+        because the pipeline holds them, until ``B`` or ``I``),
         ``retained`` (the gradients kept from ``I`` to ``W``), ``holding``
         (the most ``I`` holds beyond ``kept``: it frees nothing on its way,
         and keeps what it leaves for ``W``), ``above`` (the bytes of
-        ``kept`` above its last layer with weights, which ``I`` lets go of
-        once done),
+        ``kept`` that ``I`` lets go of once done: above its last layer with
+        weights, or all of it but ``held`` if it has none),
         ``received`` and ``handed`` (the skips it pops that a partition
         before it stashed, on another worker or on its own),
         ``entry`` (the bytes of its input) and ``exit`` (of its output).
@@ -72,9 +75,11 @@ class Partitions:
         sums['kept'] += sums['held']
         # Saved by the next layer, the output is the pipeline's alone all the
         # same where that layer's partition is a process of its own: it got a copy.
+        copied = 0.0
         if (self.costs.processes and j < len(self.bounds) - 2
                 and self.worker_of(j + 1) != self.worker_of(j) and last < len(layers.passed)):
-            sums['held'] += layers.passed[last]
+            copied = layers.passed[last]
+            sums['held'] += copied
         sums.update(self._passes(j, layers, start, stop))
         sums['entry'] = layers.output[start - 1] if start else self.costs.entry * size
         sums['exit'] = layers.output[self.bounds[j + 1] - 1]
@@ -84,14 +89,22 @@ class Partitions:
         # partition without weights, of all of it (W has nothing to do).
         weighted = [k for k in range(start, min(stop, len(self.costs.parameters)))
                     if self.costs.parameters[k]]
-        sums['above'] = (sum(layers.kept[weighted[-1] + 1:stop]) if weighted
-                         else sums['kept'] - sums['held']) if j else 0.0
+        if j == 0:
+            sums['above'] = 0.0
+        elif weighted:
+            # (The copied output, in the last layer's ``kept``, is ``held`` already.)
+            sums['above'] = (sum(layers.kept[weighted[-1] + 1:stop])
+                             - (copied if weighted[-1] < last else 0.0))
+        else:
+            sums['above'] = sums['kept'] - sums['held']
         # The first partition's I computes nothing (no input gradient): W
         # starts from its outputs (and sent skips), and keeps their gradients
         # until then. A later one's I keeps the gradients that reached its
         # layers' nodes leading to a weight, where W starts, and those of its
         # input and popped skips, on their leaves, until W lets the pass go:
         # copies of those another worker received, the same tensors on this one.
+        # (W's time: of the first partition, its whole backward pass.)
+        measured = sum(layers.weight[start:stop]) + (0.0 if j else sums['input'])
         if j == 0:
             sums['retained'] = layers.output[stop - 1] if len(self.bounds) > 2 else 0.0
             sums['retained'] += sum(layers.skipped[s] for s in sent
@@ -101,7 +114,7 @@ class Partitions:
             apart = self.worker_of(j - 1) != self.worker_of(j)
             sums['retained'] = (sum(layers.retained[start:stop]) + sums['received']
                                 + (sums['entry'] if apart else 0.0))
-        sums['weight'] = (sum(layers.weight[start:stop]) if layers.weight
+        sums['weight'] = (measured if layers.weight
                           else max(0.0, sums['backward'] - sums['input']))
         return sums
 
@@ -156,9 +169,10 @@ class Partitions:
         sums = {name + '_w': _most(alone, extra, frees, passed)
                 for name, extra in besides.items()} if j == 0 else {}
         # B starts from the output, which the pipeline holds until B returns:
-        # the last layer's pass frees none of it, even what it saved itself (a ReLU's).
-        if j < len(self.bounds) - 2 and layers.unsaved and layers.passed:
-            own = layers.output[stop - 1] - layers.unsaved[stop - 1] - layers.passed[stop - 1]
+        # the last layer's pass frees none of it, whoever saved it (the layer
+        # itself, a ReLU; the next one).
+        if j < len(self.bounds) - 2 and layers.unsaved:
+            own = layers.output[stop - 1] - layers.unsaved[stop - 1]
             frees[-1] -= min(frees[-1], max(0.0, own))
         sums.update({name: _most(alone, extra, frees, passed) for name, extra in besides.items()})
         # I frees nothing on its way: W needs the graph as it is, and the

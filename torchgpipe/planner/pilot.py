@@ -46,7 +46,7 @@ from torchgpipe.engine.step import LossFunction
 from torchgpipe.foundation.microbatch import Batch, TensorOrTensors
 from torchgpipe.gpipe import GPipe
 from torchgpipe.planner.calibrate import solve, traced_span
-from torchgpipe.planner.costs import Costs
+from torchgpipe.planner.costs import TIMES, Costs
 from torchgpipe.planner.predict import Candidate, micro_batches, predict
 
 __all__: List[str] = []
@@ -147,12 +147,13 @@ def fill_in(sizes: Sequence[int], found: Sequence[Optional[float]]) -> List[floa
 
 
 def scaled(costs: Costs, factors: Dict[int, float]) -> Costs:
-    """``costs`` with each size's times (F, I and B) times its factor (sizes not given: 1)."""
+    """``costs`` with each size's times (F, I, B and W) times its factor (sizes not given:
+    1)."""
     table = []
     for size, layers in zip(costs.sizes, costs.table):
         factor = factors.get(size, 1.0)
         table.append(replace(layers, **{name: [t * factor for t in getattr(layers, name)]
-                                        for name in ('forward', 'input', 'backward')}))
+                                        for name in TIMES}))
     return replace(costs, table=table, _cache={})
 
 

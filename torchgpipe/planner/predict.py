@@ -10,7 +10,8 @@ and, when the next partition is on another worker, the message::
     B   backward of its layers; first their forward again,
         if the micro-batch is checkpointed                 (+ message to j-1)
     I   input gradients (after the same recomputation)     (+ message to j-1)
-    W   the rest of B: the weights' gradients
+    W   the weights' gradients, after I (of the first partition, whose I
+        has nothing to compute, its whole backward pass)
 
 The recomputation runs as soon as the worker is free, without waiting for
 the gradient from ``j+1``, as the engine runs it (the simulator's
@@ -200,8 +201,9 @@ def predict(costs: Costs, candidate: Candidate, *, param_scale: float = 2.0
     for w in range(candidate.workers):
         mine = [j for j in range(n) if candidate.worker_of(j) == w]
         grads = made * parts.gradients(mine)
-        # The parameters and the optimizer's state; a tied weight's share of
-        # its gradient in one process, whatever ``param_scale`` says.
+        # The parameters, the optimizer's state and the gradients; in one
+        # process, a tied weight's share of its gradient whatever
+        # ``param_scale`` says (``- grads`` below leaves what the walk lacks).
         static = (param_scale - 1) * parts.parameters(mine) + parts.gradients(mine)
         memory.append(max(peak_memory(schedule.workers, w, parts, sizes, checkpointed, made),
                           grads + exchange_memory(costs, candidate, w)) + static - grads)
@@ -273,11 +275,12 @@ def peak_memory(workers: Sequence[Sequence[Action]], worker: int, parts: Partiti
         if action.kind is Kind.B or action.kind is Kind.W and action.j == 0:
             # (The first partition's W starts from its graph, not its output.)
             w = '_w' if action.kind is Kind.W else ''
-            # Beside ``grads``, which the first pass has all made only as it
-            # ends: at its peak, those of the layers done by then.
+            # The first pass makes ``grads`` as it goes: at its peak, those of
+            # the layers done by then (all of theirs: across processes, a
+            # weight tied to a partition graded before has one already, which
+            # this leaves in, on the safe side).
             working = part['accumulating' + w] if later else (
-                (1 - made) * part['working' + w]
-                + made * (part['making' + w] - parts.parameters([action.j])))
+                (1 - made) * part['working' + w] + made * part['making' + w] - grads)
             if action.kind is Kind.W:
                 working -= part['retained']  # the gradients it starts from, live since I
         elif action.kind is Kind.I and action.j:

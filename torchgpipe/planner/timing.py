@@ -40,8 +40,10 @@ def layer_times(layers: Sequence[nn.Module], sample: TensorOrTensors, device: to
 
     What ``I`` does before its engine starts (finding where ``W`` will start,
     in Python, for each node of the graph) is shared among the layers as
-    their ``I`` times are; ``W``'s time comes whole (``weight``, one entry):
-    :func:`~torchgpipe.planner.costs.measure` shares it as what ``B`` does beyond ``I``.
+    their ``I`` times are; ``W``'s time comes whole (``weight``, one entry),
+    with the number of layers before the cut (``cut``, one entry), whose
+    weights' gradients it leaves out: :func:`~torchgpipe.planner.costs.measure`
+    shares it among the others as what ``B`` does beyond ``I``.
     """
     clock = _Clock(device)
     forward: List[float] = []
@@ -97,7 +99,7 @@ def layer_times(layers: Sequence[nn.Module], sample: TensorOrTensors, device: to
     for k in range((first or 0) + 1):
         times[k] = 0.0
     ahead, total = stamps[-1] - start, sum(times)
-    return {'forward': forward, 'weight': [weight],
+    return {'forward': forward, 'weight': [weight], 'cut': [float((first or 0) + 1)],
             'input': [t + ahead * t / total if total else t for t in times]}
 
 
