@@ -200,11 +200,12 @@ def predict(costs: Costs, candidate: Candidate, *, param_scale: float = 2.0
     memory = []
     for w in range(candidate.workers):
         mine = [j for j in range(n) if candidate.worker_of(j) == w]
-        grads = made * parts.gradients(mine)
+        gradients = parts.gradients(mine)
+        grads = made * gradients
         # The parameters, the optimizer's state and the gradients; in one
         # process, a tied weight's share of its gradient whatever
         # ``param_scale`` says (``- grads`` below leaves what the walk lacks).
-        static = (param_scale - 1) * parts.parameters(mine) + parts.gradients(mine)
+        static = (param_scale - 1) * parts.parameters(mine) + gradients
         memory.append(max(peak_memory(schedule.workers, w, parts, sizes, checkpointed, made),
                           grads + exchange_memory(costs, candidate, w)) + static - grads)
     return Prediction(step=step, memory=memory, busy=busy, ends=ends)
