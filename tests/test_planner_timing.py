@@ -1,0 +1,83 @@
+"""The planner's timing of a training pass: each layer's part of it is the work its
+partition would run, wherever the engine runs it.
+
+The clock is a stand-in that moves only inside the layers' backward passes, by
+what each declares: the times asserted are those the timing attributes, not
+the machine's.
+"""
+from types import SimpleNamespace
+from typing import Any, Generator, List, Tuple
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from torchgpipe.planner import timing
+from torchgpipe.skip import pop, skippable, stash
+
+
+class Clock:
+    """The stand-in for :func:`time.perf_counter` (from 100: a stamp of 0 means none)."""
+
+    now = 100.0
+
+    @classmethod
+    def perf_counter(cls) -> float:
+        return cls.now
+
+
+class Costly(torch.autograd.Function):
+    """The identity, whose backward pass takes ``cost`` seconds of the stand-in clock."""
+
+    @staticmethod
+    def forward(ctx: Any, input: Tensor, cost: float) -> Tensor:
+        ctx.cost = cost
+        return input.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tuple[Tensor, None]:
+        Clock.now += ctx.cost
+        return grad, None
+
+
+@skippable(stash=['projection'])
+class Shortcut(nn.Module):
+    """Stashes a projection of its input, of a second's backward pass; passes the input on."""
+
+    def forward(self, input: Tensor) -> Generator[Any, Any, Tensor]:
+        yield stash('projection', Costly.apply(input, 1.0))  # type: ignore[no-untyped-call]
+        return input
+
+
+class Residual(nn.Module):
+    """A layer of 10 ms' backward pass."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        return Costly.apply(input, 0.01)  # type: ignore[no-untyped-call,no-any-return]
+
+
+@skippable(pop=['projection'])
+class Add(nn.Module):
+    def forward(self, input: Tensor) -> Generator[Any, Any, Tensor]:
+        projection = yield pop('projection')
+        return input + projection  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def layers(monkeypatch: pytest.MonkeyPatch) -> List[nn.Module]:
+    monkeypatch.setattr(timing, 'time', SimpleNamespace(perf_counter=Clock.perf_counter))
+    return [nn.Linear(4, 4), Shortcut(), Residual(), Add()]
+
+
+@pytest.mark.parametrize('split', [False, True], ids=['B', 'I'])
+def test_a_shortcuts_projection_is_timed_on_the_shortcut(layers: List[nn.Module],
+                                                         split: bool) -> None:
+    """The engine runs the projection's backward pass after the residual layer's (it was
+    made before it), before the boundary of the shortcut, whose output is its input:
+    timed at the layers' boundaries alone, the residual layer would take both. In a
+    pipeline, the shortcut's partition runs it."""
+    times = timing.layer_times(layers, torch.randn(2, 4), torch.device('cpu'), split)
+    kind = 'input' if split else 'backward'
+    assert times[kind][1] == pytest.approx(1.0)
+    assert times[kind][2] == pytest.approx(0.01)
+    assert sum(times[kind]) == pytest.approx(1.01)
