@@ -200,7 +200,17 @@ def test_measuring_leaves_the_model_and_the_random_state_as_they_were() -> None:
     assert 0 < costs.at(2).kept[1] < costs.at(8).kept[1]
     assert costs.at(8).kept[0] == 0
     assert costs.at(8).output[0] == 8 * 32 * 4
-    assert costs.entry == 8 * 4  # one sample of the input, not the storage it is a view of
+    assert costs.entry == 0  # the input is the caller's, where the first partition runs
+
+
+def test_an_input_copied_to_the_first_device_is_the_first_partitions_memory(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Given in another memory (on CPU, said to be), each micro-batch of the input is a
+    copy the first partition holds: its bytes, not those of the storage it is a view of."""
+    from torchgpipe.planner import costs as module
+    monkeypatch.setattr(module, 'same_memory', lambda a, b: False)
+    costs = measure(model(), torch.randn(8, 8), [2, 8], torch.device('cpu'), repeat=1)
+    assert costs.entry == 8 * 4
 
 
 def test_a_pass_another_process_interrupts_is_left_out(monkeypatch: pytest.MonkeyPatch
@@ -471,11 +481,13 @@ def test_one_device_plans_one_partition() -> None:
     assert planned.schedule in ('fill_drain', '1f1b', 'zb_h1')
 
 
-
 def live_peak(step: Any, module: nn.Sequential, input: Tensor, target: Tensor) -> int:
     """The most bytes of tensors ``step()`` holds at once, beside the parameters, their
-    gradients, the input and the target."""
+    gradients, the input and the target; after a first step (a pipeline's first runs
+    each partition on copies of its input, to learn whether it changes them)."""
     from torchgpipe.planner.working import Live
+    step()
+    module.zero_grad(set_to_none=True)
     live = Live({t.untyped_storage().data_ptr()
                  for t in [*module.parameters(), input, target]})
     with live:

@@ -109,7 +109,10 @@ class Costs:
         sizes: the micro-batch sizes measured, ascending
         table: for each size (in the order of ``sizes``), the layers' costs
         parameters: the bytes of each layer's parameters
-        entry: the bytes of one sample of the model's input
+        entry: the bytes of one sample of the model's input that the first
+            partition holds of its own: none where the input lies in the first
+            device's memory (each micro-batch a view of the caller's batch, as
+            a given target is, :class:`Loss`), a copy's otherwise
         loss: whether the last entry of each list of ``table`` is a loss
         overhead: the time the pipeline adds to each task, in seconds
         checkpoint_overhead: what it adds further to a checkpointed ``B`` or ``I``
@@ -269,6 +272,7 @@ def measure(module: nn.Sequential, sample: TensorOrTensors, sizes: Sequence[int]
         Costs: without overhead and transfer costs, which the planner adds
     """
     refuse_gradients(module)
+    given = all(same_memory(x.device, device) for x in Batch(sample) if isinstance(x, Tensor))
     sample = to_device(sample, device)
     batch = next(x for x in Batch(sample) if isinstance(x, Tensor)).size(0)
     sizes = sorted(set(sizes))
@@ -304,7 +308,7 @@ def measure(module: nn.Sequential, sample: TensorOrTensors, sizes: Sequence[int]
     parameters = [sum(p.numel() * p.element_size() for p in c.parameters()) for c in copies]
     return Costs(batch=batch, sizes=sizes, table=table, parameters=parameters,
                  shared=shared_parameters(module), skips=routes,
-                 entry=tensor_bytes(rows(sample, 1)), loss=loss is not None)
+                 entry=0.0 if given else tensor_bytes(rows(sample, 1)), loss=loss is not None)
 
 
 def _shared(weight: float, cut: int, backward: Sequence[float], input: Sequence[float]
