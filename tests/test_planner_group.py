@@ -238,6 +238,17 @@ def rectified_model() -> nn.Sequential:
                          nn.Linear(256, 16))
 
 
+def blocks_model() -> nn.Sequential:
+    """Under [2, 2], rank 1's first layer ends in a ReLU, which saves its output: within
+    the partition nothing else holds it, and it is gone once the ReLU's backward pass
+    has run, before the linear layer's input gradient is made. Rank 0's last layer is
+    the same, its output held by the pipeline: a later micro-batch's new weight
+    gradient comes at its peak."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 256), nn.Sequential(nn.Linear(256, 512), nn.ReLU()),
+                         nn.Sequential(nn.Linear(512, 512), nn.ReLU()), nn.Linear(512, 16))
+
+
 class TanhGELU(nn.Module):
     """GELU's tanh approximation in elementary operations (GPT-2's): its backward pass
     makes as many temporaries as the tensors it saved."""
@@ -298,6 +309,8 @@ PEAK_MODELS: Dict[str, Tuple[Any, Any]] = {
     'wide': (wide_model, lambda: (torch.randn(1024, 16), torch.randn(1024, 16), F.mse_loss)),
     'composite': (composite_model, lambda: (torch.randn(1024, 16), torch.randn(1024, 16),
                                             F.mse_loss)),
+    'blocks': (blocks_model, lambda: (torch.randn(1024, 16), torch.randn(1024, 16),
+                                      F.mse_loss)),
     'rectified': (rectified_model, lambda: (torch.randn(1024, 16), torch.randn(1024, 16),
                                             F.mse_loss)),
     'projected': (projected_model, lambda: (torch.randn(8, 3, 16, 16),
@@ -322,7 +335,8 @@ PEAKS = [('shortcut', 'fill_drain', (3, 6), 1, 'never'),
          ('wide', 'zb_h1', (2, 3), 1, 'never'), ('resnet', 'zb_h1', (11, 8), 1, 'never'),
          ('projected', 'fill_drain', (4, 6), 1, 'never'),
          ('rectified', 'fill_drain', (4, 1), 1, 'never'), ('resnet', '1f1b', (8, 11), 1, 'never'),
-         ('composite', 'zb_h1', (2, 3), 1, 'never'), ('composite', 'zbv', (1, 2, 1, 1), 1, 'never')]
+         ('composite', 'zb_h1', (2, 3), 1, 'never'), ('composite', 'zbv', (1, 2, 1, 1), 1, 'never'),
+         ('blocks', '1f1b', (2, 2), 4, 'never')]
 
 
 def predicted_and_measured_peaks(rank: int, world_size: int) -> List[Tuple[float, float]]:

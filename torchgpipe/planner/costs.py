@@ -45,7 +45,7 @@ __all__: List[str] = []
 TIMES = ('forward', 'input', 'backward', 'weight')
 #: ... and memory in bytes.
 BYTES = ('kept', 'output', 'working', 'closing', 'holding', 'unsaved', 'accumulating',
-         'retained', 'skipped', 'loose', 'reused', 'aliased', 'passed')
+         'accumulating_last', 'retained', 'skipped', 'loose', 'reused', 'aliased', 'passed')
 
 
 @dataclass
@@ -83,6 +83,9 @@ class LayerCosts:
     #: accumulate (every micro-batch of a step after the first): the new
     #: gradients, until added. Empty in costs saved before it was measured.
     accumulating: List[float] = field(default_factory=list)
+    #: ... as a partition's last layer, which holds its output to the end
+    #: (empty in older costs: ``accumulating`` serves).
+    accumulating_last: List[float] = field(default_factory=list)
     #: What a split backward pass keeps from ``I`` to ``W`` (empty in older costs).
     retained: List[float] = field(default_factory=list)
     #: The bytes of each skip (``skips`` of :class:`Costs`; empty in older costs).

@@ -86,34 +86,37 @@ def layer_memory(layers: Sequence[nn.Module], values: TensorOrTensors,
     """
     measured: Dict[str, List[float]] = {name: [] for name in (
         'kept', 'output', 'working', 'closing', 'holding', 'unsaved', 'accumulating',
-        'retained', 'passed')}
+        'accumulating_last', 'retained', 'passed')}
     saves_input: List[bool] = []
     passes: List[bool] = []  # whether each layer's output is its input
     skips = _Skips()
     for k, layer in enumerate(layers):
-        storages: List[Tuple[Dict[int, int], Set[int], Set[int]]] = []
+        storages: List[Tuple[Dict[int, int], Set[int], Set[int], Set[int]]] = []
 
         def forward(x: TensorOrTensors, layer: nn.Module = layer
                     ) -> Tuple[TensorOrTensors, List[Tensor]]:
             result, held, saved, stashed = kept_by_forward(layer, x, tracker)
             inputs = {y.untyped_storage().data_ptr() for y in Batch(x)}
-            storages.append((held, saved, inputs))
+            storages.append((held, saved, inputs,
+                             {y.untyped_storage().data_ptr() for y in Batch(result)}))
             return result, stashed
-        # As a step's first micro-batch, a later one, split in two, as a partition's
-        # last layer, and within one (pops get their skips back each time).
+        # As a step's later micro-batches (accumulating) and its first, as a
+        # partition's last layer and within one; split in two (pops get their
+        # skips back each time).
         waiting = dict(tracker.tensors)
-        _, again = working_memory(layer, fresh_input(values), forward, accumulating=True)
-        _restore(tracker, waiting)
+        peaks = {}
+        for accumulating, last in ((True, False), (True, True), (False, True)):
+            peaks[accumulating, last] = working_memory(
+                layer, fresh_input(values), forward, accumulating=accumulating, last=last)[1]
+            _restore(tracker, waiting)
         popped = [x for x in waiting.values() if isinstance(x, Tensor)]
         measured['retained'].append(float(retained_for_weights(layer, values, forward, popped)))
         _restore(tracker, waiting)
         measured['holding'].append(float(input_memory(layer, values, forward, popped)))
         _restore(tracker, waiting)
-        _, closing = working_memory(layer, fresh_input(values), forward, last=True)
-        _restore(tracker, waiting)
         result, most = working_memory(layer, fresh_input(values), forward)
-        held, saved, inputs = storages[-1]
-        outputs = {y.untyped_storage().data_ptr() for y in Batch(result)}
+        # (The storages of the output itself: working_memory hands back a copy.)
+        held, saved, inputs, outputs = storages[-1]
         if loss and k == len(layers) - 1:
             held = {ptr: n for ptr, n in held.items() if ptr in saved or ptr not in outputs}
         loose = skips.note(k, waiting, tracker, {
@@ -126,8 +129,11 @@ def layer_memory(layers: Sequence[nn.Module], values: TensorOrTensors,
         passes.append(bool(inputs & outputs))
         measured['output'].append(float(tensor_bytes(result)))
         measured['working'].append(float(most))
-        measured['closing'].append(float(closing))
-        measured['accumulating'].append(float(max(0, again - most)))
+        measured['closing'].append(float(peaks[False, True]))
+        # (Within a partition the layer frees its output as it goes, and the
+        # new gradients may come after its peak; as the last, it does not.)
+        measured['accumulating'].append(float(max(0, peaks[True, False] - most)))
+        measured['accumulating_last'].append(float(max(0, peaks[True, True] - peaks[False, True])))
         values = map_tensors(detach_tensor, result)
     kept, unsaved = measured['kept'], measured['unsaved']
     for k in range(len(layers)):

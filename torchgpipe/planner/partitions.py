@@ -158,6 +158,8 @@ class Partitions:
         working = [w + h for w, h in zip(working, passed_in)]
         alone = [w + h for w, h in zip(alone, passed_in)]
         accumulating = layers.accumulating[start:stop] or [0.0] * len(working)
+        if layers.accumulating_last and layers.closing and stop - 1 < len(layers.closing):
+            accumulating[-1] = layers.accumulating_last[stop - 1]
         # (A layer's output that only the next layer saved is gone by its turn.)
         passed = layers.passed[start:stop - 1] + [0.0] if layers.passed else [0.0] * len(working)
         # The step's first pass makes the weights' gradients as it goes: by a
@@ -182,9 +184,12 @@ class Partitions:
             # What the last layer leaves W may be the output's gradient itself,
             # which the pipeline holds beside the layers before already.
             kept_for_w[-1] = max(0.0, kept_for_w[-1] - layers.output[stop - 1])
-        # (What a layer's own pass frees once used and I keeps: its ``holding``.)
-        keeps = ([max(0.0, i - b) for i, b in zip(layers.holding[start:stop],
-                                                  layers.working[start:stop])]
+        # (What a layer's own pass frees once used and I keeps: its ``holding``,
+        # beyond its B's; the last layer's B as the last, its output held.)
+        passes = layers.working[start:stop]
+        if layers.closing and stop - 1 < len(layers.closing):
+            passes[-1] = layers.closing[stop - 1]
+        keeps = ([max(0.0, i - b) for i, b in zip(layers.holding[start:stop], passes)]
                  if layers.holding else [0.0] * len(working))
         holding = max((most + more + sum(kept_for_w[k + 1:])
                        for k, (most, more) in enumerate(zip(working, keeps))), default=0.0)

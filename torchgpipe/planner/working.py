@@ -146,13 +146,16 @@ def working_memory(layer: nn.Module, values: TensorOrTensors, forward: Pass, *,
     training would pass them in, and counted: within a partition, by the
     backward pass, which frees each once used (and may add another into it
     in place); to a partition's ``last`` layer, by the pipeline, which holds
-    them until the pass ends. The gradients of the layer's weights are not (the planner
-    counts them with the parameters), unless ``accumulating``: then the
-    weights already have gradients, as from an earlier micro-batch of the
-    step, and each new one is a temporary, alive until it is added to the
-    gradient (as large as its weight: an embedding's, say). What the
-    backward pass frees as it goes (a saved activation, once used) makes
-    room, as in training. The weights are left without gradients.
+    them until the pass ends, with the output itself. Within a partition
+    nothing holds the output but what saved it (a ReLU, its own), and it is
+    freed once that node has run: the caller gets a copy. The gradients of the
+    layer's weights are not counted (the planner counts them with the
+    parameters), unless ``accumulating``: then the weights already have
+    gradients, as from an earlier micro-batch of the step, and each new one
+    is a temporary, alive until it is added to the gradient (as large as its
+    weight: an embedding's, say). What the backward pass frees as it goes (a
+    saved activation, once used) makes room, as in training. The weights are
+    left without gradients.
     """
     parameters = [p for p in layer.parameters() if p.requires_grad]
     if accumulating:
@@ -163,16 +166,28 @@ def working_memory(layer: nn.Module, values: TensorOrTensors, forward: Pass, *,
                         *[p.grad for p in parameters if p.grad is not None]]
               if isinstance(x, Tensor)}
     live = Live(before)
+    weights: Set[int] = set()  # (the copy of the output, left out as the weights' gradients)
     with live:
         output, stashed = forward(values)
-        since = len(live.log)
         ends = ends_of(output, stashed)
         if ends and last:
+            since = len(live.log)
             torch.autograd.backward(ends, [torch.ones_like(y) for y in ends])
-        elif ends:
-            _Seed.apply(*ends).backward()  # type: ignore[no-untyped-call]
+        else:
+            # Within a partition nothing holds the output but what saved it
+            # (a ReLU its own): gone once that node has run, before the
+            # layer's input gradient is made. The caller gets a copy.
+            copy = map_tensors(lambda y: y.detach().clone().requires_grad_(y.requires_grad),
+                               output)
+            seed = _Seed.apply(*ends) if ends else None  # type: ignore[no-untyped-call]
+            del output, ends
+            since = len(live.log)
+            if seed is not None:
+                seed.backward()
+            output = copy
+            weights = live.numbers([y for y in Batch(copy) if isinstance(y, Tensor)])
     # Gradients made in the pass (none when accumulating) became the weights' own.
-    weights = live.numbers([p.grad for p in parameters if p.grad is not None])
+    weights |= live.numbers([p.grad for p in parameters if p.grad is not None])
     for p in parameters:
         p.grad = None
     return output, live.peak(weights, since)
