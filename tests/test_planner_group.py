@@ -336,7 +336,11 @@ PEAKS = [('shortcut', 'fill_drain', (3, 6), 1, 'never'),
          ('projected', 'fill_drain', (4, 6), 1, 'never'),
          ('rectified', 'fill_drain', (4, 1), 1, 'never'), ('resnet', '1f1b', (8, 11), 1, 'never'),
          ('composite', 'zb_h1', (2, 3), 1, 'never'), ('composite', 'zbv', (1, 2, 1, 1), 1, 'never'),
-         ('blocks', '1f1b', (2, 2), 4, 'never')]
+         ('blocks', '1f1b', (2, 2), 4, 'never'), ('resnet', 'zbv', (6, 2, 4, 7), 2, 'except_last')]
+#: Configurations whose every tensor the prediction accounts for, held to 2%:
+#: rank 0 of the small CNN in ZBV recomputes its first partition, whose
+#: addition's sum and its operands are alive at once, beside all the rest.
+EXACT = PEAKS[-2:]
 
 
 def predicted_and_measured_peaks(rank: int, world_size: int) -> List[Tuple[float, float]]:
@@ -390,12 +394,17 @@ def test_each_rank_holds_the_peak_predicted() -> None:
     skip it sent on from the start (the projected model), and the output it starts
     from to the end (the rectified model); ``I`` frees none of what the layers saved,
     but where the partition has no weights (the composite model). Without any one of
-    these, a rank is 10.5% to 40% off."""
+    these, a rank is 10.5% to 40% off. Within a partition, a layer's output goes
+    once what saved it has run (the blocks model's rank 1), and a partition's last
+    layer holds it to the end, where a later micro-batch's new weight gradients
+    come (its rank 0); a recomputation peaks within its forward pass (the small
+    CNN's rank 0 in ZBV, EXACT: 9.2% under without)."""
     ranks = run_distributed(predicted_and_measured_peaks, timeout=120)
     errors = [(rank, config, round(predicted / measured - 1, 3))
               for rank, peaks in enumerate(ranks)
               for config, (predicted, measured) in zip(PEAKS, peaks)]
-    assert all(abs(error) < 0.1 for *_, error in errors), errors
+    assert all(abs(error) < (0.02 if config in EXACT else 0.1)
+               for _, config, error in errors), errors
 
 
 @pytest.mark.parametrize('hosts, cores, threads, size, shared', [

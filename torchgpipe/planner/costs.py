@@ -45,7 +45,8 @@ __all__: List[str] = []
 TIMES = ('forward', 'input', 'backward', 'weight')
 #: ... and memory in bytes.
 BYTES = ('kept', 'output', 'working', 'closing', 'holding', 'unsaved', 'accumulating',
-         'accumulating_last', 'retained', 'skipped', 'loose', 'reused', 'aliased', 'passed')
+         'accumulating_last', 'retained', 'skipped', 'loose', 'reused', 'aliased', 'passed',
+         'forwarding')
 
 
 @dataclass
@@ -86,6 +87,9 @@ class LayerCosts:
     #: ... as a partition's last layer, which holds its output to the end
     #: (empty in older costs: ``accumulating`` serves).
     accumulating_last: List[float] = field(default_factory=list)
+    #: The most its forward pass holds at once beyond what it leaves: its
+    #: temporaries (empty in older costs).
+    forwarding: List[float] = field(default_factory=list)
     #: What a split backward pass keeps from ``I`` to ``W`` (empty in older costs).
     retained: List[float] = field(default_factory=list)
     #: The bytes of each skip (``skips`` of :class:`Costs`; empty in older costs).

@@ -43,7 +43,8 @@ from torch import Tensor, nn
 from torchgpipe.balance.profile import (SandboxSkipTracker, detach_tensor, fresh_input,
                                         kept_by_forward)
 from torchgpipe.foundation.microbatch import Batch, TensorOrTensors, map_tensors
-from torchgpipe.planner.working import input_memory, retained_for_weights, working_memory
+from torchgpipe.planner.working import (forward_memory, input_memory, retained_for_weights,
+                                         working_memory)
 from torchgpipe.skip.namespace import Namespace
 
 __all__: List[str] = []
@@ -86,7 +87,7 @@ def layer_memory(layers: Sequence[nn.Module], values: TensorOrTensors,
     """
     measured: Dict[str, List[float]] = {name: [] for name in (
         'kept', 'output', 'working', 'closing', 'holding', 'unsaved', 'accumulating',
-        'accumulating_last', 'retained', 'passed')}
+        'accumulating_last', 'retained', 'passed', 'forwarding')}
     saves_input: List[bool] = []
     passes: List[bool] = []  # whether each layer's output is its input
     skips = _Skips()
@@ -113,6 +114,13 @@ def layer_memory(layers: Sequence[nn.Module], values: TensorOrTensors,
         measured['retained'].append(float(retained_for_weights(layer, values, forward, popped)))
         _restore(tracker, waiting)
         measured['holding'].append(float(input_memory(layer, values, forward, popped)))
+        _restore(tracker, waiting)
+        made = forward_memory(layer, fresh_input(values), forward)
+        # (Less the copies of the skips it popped, the tracker's: a pipeline
+        # pops the tensor itself, or a copy it counts as received.)
+        copies = sum(tensor_bytes(x) for key, x in waiting.items()
+                     if isinstance(x, Tensor) and key not in tracker.tensors)
+        measured['forwarding'].append(float(max(0, made - copies)))
         _restore(tracker, waiting)
         result, most = working_memory(layer, fresh_input(values), forward)
         # (The storages of the output itself: working_memory hands back a copy.)

@@ -52,7 +52,8 @@ class Partitions:
         weights, or all of it but ``held`` if it has none),
         ``received`` and ``handed`` (the skips it pops that a partition
         before it stashed, on another worker or on its own),
-        ``entry`` (the bytes of its input) and ``exit`` (of its output).
+        ``entry`` (the bytes of its input) and ``exit`` (of its output),
+        ``forwarding`` (the most its forward pass holds beyond ``kept``).
         """
         key = (j, size)
         if key not in self._sums:
@@ -81,6 +82,7 @@ class Partitions:
             copied = layers.passed[last]
             sums['held'] += copied
         sums.update(self._passes(j, layers, start, stop))
+        sums['forwarding'] = self._forwarding(layers, start, stop, sums['kept'])
         sums['entry'] = layers.output[start - 1] if start else self.costs.entry * size
         sums['exit'] = layers.output[self.bounds[j + 1] - 1]
         sums['received'], sums['handed'] = self._popped(j, layers, start, stop)
@@ -196,6 +198,24 @@ class Partitions:
         if not any(self.costs.parameters[start:stop]):
             holding = sums['working']  # no W to keep the graph for: I frees it as B does
         return {**sums, 'holding': holding, 'gradients': max(accumulating, default=0.0)}
+
+    def _forwarding(self, layers: LayerCosts, start: int, stop: int, kept: float) -> float:
+        """The most the forward pass of layers ``start`` to ``stop`` holds at once beyond
+        ``kept``, what it leaves: at each layer, what the layers before keep, its input
+        if none of them keeps it, the skips stashed before it that it or a later layer
+        pops, and all it makes (what it leaves and its temporaries)."""
+        if not layers.forwarding:
+            return 0.0
+        loose = layers.loose or [0.0] * len(self.costs.skips)
+        most = before = 0.0
+        for k in range(start, stop):
+            alive = layers.unsaved[k - 1] if k > start and layers.unsaved else 0.0
+            alive += sum(nbytes for (a, b), nbytes in zip(self.costs.skips, loose)
+                         if start <= a < k <= b)
+            own = layers.kept[k] + (layers.unsaved[k] if layers.unsaved else 0.0)
+            most = max(most, before + alive + own + layers.forwarding[k])
+            before += layers.kept[k]
+        return max(0.0, most - kept)
 
     def _popped(self, j: int, layers: LayerCosts, start: int, stop: int
                 ) -> Tuple[float, float]:

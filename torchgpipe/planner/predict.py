@@ -288,11 +288,17 @@ def peak_memory(workers: Sequence[Sequence[Action]], worker: int, parts: Partiti
             working = part['holding']
         elif action.kind is Kind.I:
             working = part['retained']  # the gradients it receives, its output still held
-        else:
-            working = part['gradients'] if action.kind is Kind.W and later else 0.0
+        elif action.kind is Kind.W:
+            working = part['gradients'] if later else 0.0
+        else:  # F: its temporaries (checkpointed, it keeps nothing to add them to)
+            working = 0.0 if checkpointed[action.i] else part['forwarding']
         if action.kind in (Kind.B, Kind.W):
             graded.add(action.j)
         peak = max(peak, live + grads + working + (again if action.kind is Kind.B else 0.0))
+        if again and action.kind in (Kind.B, Kind.I):
+            # The recomputation, before the backward pass: the forward pass's
+            # own peak, beside what it keeps.
+            peak = max(peak, live + part['forwarding'] + (again if action.kind is Kind.B else 0.0))
         live += grads
         if action.kind is Kind.B:
             live -= kept

@@ -193,6 +193,20 @@ def working_memory(layer: nn.Module, values: TensorOrTensors, forward: Pass, *,
     return output, live.peak(weights, since)
 
 
+def forward_memory(layer: nn.Module, values: TensorOrTensors, forward: Pass) -> int:
+    """Runs ``forward(values)``, the pass of ``layer``; returns the most bytes it held at
+    once beyond what it left (what it keeps, its output, its skips): its temporaries,
+    an addition's sum before the ReLU after it, say."""
+    live = Live({x.untyped_storage().data_ptr()
+                 for x in [*layer.parameters(), *layer.buffers(), *Batch(values)]
+                 if isinstance(x, Tensor)})
+    with live:
+        made = forward(values)
+        left = sum(change for _, change in live.log)  # (``made`` alive: in what it left)
+    del made
+    return max(0, live.peak(set(), 0) - left)
+
+
 def input_memory(layer: nn.Module, values: TensorOrTensors, forward: Pass,
                  skips: Sequence[Tensor] = ()) -> int:
     """Runs ``forward(values)``, the pass of ``layer``, and ``I`` (the first half of a
