@@ -87,8 +87,8 @@ class LayerCosts:
     #: ... as a partition's last layer, which holds its output to the end
     #: (empty in older costs: ``accumulating`` serves).
     accumulating_last: List[float] = field(default_factory=list)
-    #: The most its forward pass holds at once beyond what it leaves: its
-    #: temporaries (empty in older costs).
+    #: The temporaries of its forward pass, the most it holds at once beyond
+    #: what it leaves (empty in older costs).
     forwarding: List[float] = field(default_factory=list)
     #: What a split backward pass keeps from ``I`` to ``W`` (empty in older costs).
     retained: List[float] = field(default_factory=list)
@@ -119,7 +119,7 @@ class Costs:
         entry: the bytes of one sample of the model's input that the first
             partition holds of its own: none where the input lies in the first
             device's memory (each micro-batch a view of the caller's batch, as
-            a given target is, :class:`Loss`), a copy's otherwise
+            a given target is, ``Loss``), a copy's otherwise
         loss: whether the last entry of each list of ``table`` is a loss
         overhead: the time the pipeline adds to each task, in seconds
         checkpoint_overhead: what it adds further to a checkpointed ``B`` or ``I``

@@ -45,7 +45,7 @@ def layer_times(layers: Sequence[nn.Module], sample: TensorOrTensors, device: to
     projection) and passes its input on has no boundary of its own for that
     work, which the engine runs later, among the layers after it: its
     nodes are timed one by one, and their time moved to the layer
-    (:class:`_SkipWork`), whose partition runs them in a pipeline.
+    (``_SkipWork``), whose partition runs them in a pipeline.
 
     What ``I`` does before its engine starts (finding where ``W`` will start,
     in Python, for each node of the graph) is shared among the layers as
