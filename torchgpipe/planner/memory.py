@@ -106,23 +106,22 @@ def layer_memory(layers: Sequence[nn.Module], values: TensorOrTensors,
         # skips back each time).
         waiting = dict(tracker.tensors)
         peaks = {}
+        to_loss = loss and k == len(layers) - 2  # (its output the loss's, which the pipeline holds)
         for accumulating, last in ((True, False), (True, True), (False, True)):
             peaks[accumulating, last] = working_memory(
-                layer, fresh_input(values), forward, accumulating=accumulating, last=last)[1]
+                layer, fresh_input(values), forward, accumulating=accumulating, last=last,
+                held=to_loss)[1]
             _restore(tracker, waiting)
         popped = [x for x in waiting.values() if isinstance(x, Tensor)]
         measured['retained'].append(float(retained_for_weights(layer, values, forward, popped)))
         _restore(tracker, waiting)
         measured['holding'].append(float(input_memory(layer, values, forward, popped)))
         _restore(tracker, waiting)
-        made = forward_memory(layer, fresh_input(values), forward)
-        # (Less the copies of the skips it popped, the tracker's: a pipeline
-        # pops the tensor itself, or a copy it counts as received.)
-        copies = sum(tensor_bytes(x) for key, x in waiting.items()
-                     if isinstance(x, Tensor) and key not in tracker.tensors)
-        measured['forwarding'].append(float(max(0, made - copies)))
+        measured['forwarding'].append(float(_temporaries(
+            forward_memory(layer, fresh_input(values), forward), tracker, waiting,
+            storages[-1][0])))
         _restore(tracker, waiting)
-        result, most = working_memory(layer, fresh_input(values), forward)
+        result, most = working_memory(layer, fresh_input(values), forward, held=to_loss)
         # (The storages of the output itself: working_memory hands back a copy.)
         held, saved, inputs, outputs = storages[-1]
         if loss and k == len(layers) - 1:
@@ -249,6 +248,16 @@ def _same(a: Tensor, b: Tensor) -> bool:
     """Whether two tensors are one: the same elements of the same storage."""
     return (a.data_ptr(), a.shape, a.stride(), a.dtype) == (b.data_ptr(), b.shape, b.stride(),
                                                             b.dtype)
+
+
+def _temporaries(made: int, tracker: SandboxSkipTracker, waiting: Dict[SkipKey, Optional[Tensor]],
+                 left: Dict[int, int]) -> int:
+    """A forward pass's temporaries, ``made``, less the copies of the skips it popped and
+    did not keep (not in ``left``): the tracker's, where a pipeline pops the tensor
+    itself, or a copy it counts as received."""
+    copies = sum(nbytes for key, (ptr, nbytes) in tracker.popped.items()
+                 if key in waiting and key not in tracker.tensors and ptr not in left)
+    return max(0, made - copies)
 
 
 def _restore(tracker: SandboxSkipTracker, waiting: Dict[SkipKey, Optional[Tensor]]) -> None:

@@ -188,10 +188,10 @@ class Partitions:
             kept_for_w[-1] = max(0.0, kept_for_w[-1] - layers.output[stop - 1])
         # (What a layer's own pass frees once used and I keeps: its ``holding``,
         # beyond its B's; the last layer's B as the last, its output held.)
-        passes = layers.working[start:stop]
+        b_peaks = layers.working[start:stop]
         if layers.closing and stop - 1 < len(layers.closing):
-            passes[-1] = layers.closing[stop - 1]
-        keeps = ([max(0.0, i - b) for i, b in zip(layers.holding[start:stop], passes)]
+            b_peaks[-1] = layers.closing[stop - 1]
+        keeps = ([max(0.0, i - b) for i, b in zip(layers.holding[start:stop], b_peaks)]
                  if layers.holding else [0.0] * len(working))
         holding = max((most + more + sum(kept_for_w[k + 1:])
                        for k, (most, more) in enumerate(zip(working, keeps))), default=0.0)
@@ -202,7 +202,7 @@ class Partitions:
     def _forwarding(self, layers: LayerCosts, start: int, stop: int, kept: float) -> float:
         """The most the forward pass of layers ``start`` to ``stop`` holds at once beyond
         ``kept``, what it leaves: at each layer, what the layers before keep, its input
-        if none of them keeps it, the skips stashed before it that it or a later layer
+        if none of them keeps it, the skips stashed by then that it or a later layer
         pops, and all it makes (what it leaves and its temporaries)."""
         if not layers.forwarding:
             return 0.0
@@ -211,7 +211,7 @@ class Partitions:
         for k in range(start, stop):
             alive = layers.unsaved[k - 1] if k > start and layers.unsaved else 0.0
             alive += sum(nbytes for (a, b), nbytes in zip(self.costs.skips, loose)
-                         if start <= a < k <= b)
+                         if start <= a <= k <= b)
             own = layers.kept[k] + (layers.unsaved[k] if layers.unsaved else 0.0)
             most = max(most, before + alive + own + layers.forwarding[k])
             before += layers.kept[k]

@@ -290,12 +290,12 @@ def peak_memory(workers: Sequence[Sequence[Action]], worker: int, parts: Partiti
             working = part['retained']  # the gradients it receives, its output still held
         elif action.kind is Kind.W:
             working = part['gradients'] if later else 0.0
-        else:  # F: its temporaries (checkpointed, it keeps nothing to add them to)
+        else:  # F: its temporaries (checkpointed: its recomputation's count)
             working = 0.0 if checkpointed[action.i] else part['forwarding']
         if action.kind in (Kind.B, Kind.W):
             graded.add(action.j)
         peak = max(peak, live + grads + working + (again if action.kind is Kind.B else 0.0))
-        if again and action.kind in (Kind.B, Kind.I):
+        if checkpointed[action.i] and action.kind in (Kind.B, Kind.I):
             # The recomputation, before the backward pass: the forward pass's
             # own peak, beside what it keeps.
             peak = max(peak, live + part['forwarding'] + (again if action.kind is Kind.B else 0.0))

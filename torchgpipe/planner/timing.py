@@ -101,6 +101,8 @@ def layer_times(layers: Sequence[nn.Module], sample: TensorOrTensors, device: to
     # input's (stamps[k - 1], or the end for the first layer). An output
     # whose gradient never came (nothing needed it) takes the stamp of the
     # one after it: the layer after it then took no time of its own.
+    for hook in hooks:  # (each node's hook refers to the node: let the graph go)
+        hook.remove()
     for k in range(len(layers) - 2, -1, -1):
         stamps[k] = stamps[k] or stamps[k + 1]
     times = [max(0.0, (stamps[k - 1] if k else end) - stamps[k]) for k in range(len(layers))]

@@ -137,7 +137,7 @@ class _Seed(torch.autograd.Function):
 
 
 def working_memory(layer: nn.Module, values: TensorOrTensors, forward: Pass, *,
-                   accumulating: bool = False, last: bool = False
+                   accumulating: bool = False, last: bool = False, held: bool = False
                    ) -> Tuple[TensorOrTensors, int]:
     """Runs ``forward(values)``, the pass of ``layer``, and its backward pass; returns the
     output and the most bytes the backward pass held beside what the forward pass left.
@@ -148,7 +148,8 @@ def working_memory(layer: nn.Module, values: TensorOrTensors, forward: Pass, *,
     in place); to a partition's ``last`` layer, by the pipeline, which holds
     them until the pass ends, with the output itself. Within a partition
     nothing holds the output but what saved it (a ReLU, its own), and it is
-    freed once that node has run: the caller gets a copy. The gradients of the
+    freed once that node has run: the caller gets a copy; unless ``held``
+    (the layer before a loss: the pipeline holds the loss's input). The gradients of the
     layer's weights are not counted (the planner counts them with the
     parameters), unless ``accumulating``: then the weights already have
     gradients, as from an earlier micro-batch of the step, and each new one
@@ -173,6 +174,10 @@ def working_memory(layer: nn.Module, values: TensorOrTensors, forward: Pass, *,
         if ends and last:
             since = len(live.log)
             torch.autograd.backward(ends, [torch.ones_like(y) for y in ends])
+        elif held:
+            since = len(live.log)
+            if ends:
+                _Seed.apply(*ends).backward()  # type: ignore[no-untyped-call]
         else:
             # Within a partition nothing holds the output but what saved it
             # (a ReLU its own): gone once that node has run, before the
