@@ -17,7 +17,7 @@ from torch.autograd.graph import Node
 from torch.utils.hooks import RemovableHandle
 
 from torchgpipe.balance.profile import detach_tensor, fresh_input, synchronize
-from torchgpipe.engine.split import input_pass
+from torchgpipe.engine.split import children, input_pass
 from torchgpipe.foundation.microbatch import Batch, TensorOrTensors, map_tensors
 from torchgpipe.skip.namespace import Namespace
 from torchgpipe.skip.tracker import SkipTracker, use_skip_tracker
@@ -200,7 +200,7 @@ def _made_since(first: int, roots: Sequence[Optional[Node]]) -> Set[Node]:
         if node in seen or hasattr(node, 'variable') or node._sequence_nr() < first:
             continue
         seen.add(node)
-        stack.extend(child for child, _ in node.next_functions if child is not None)
+        stack.extend(children(node))
     return seen
 
 
