@@ -336,12 +336,16 @@ PEAKS = [('shortcut', 'fill_drain', (3, 6), 1, 'never'),
          ('projected', 'fill_drain', (4, 6), 1, 'never'),
          ('rectified', 'fill_drain', (4, 1), 1, 'never'), ('resnet', '1f1b', (8, 11), 1, 'never'),
          ('composite', 'zb_h1', (2, 3), 1, 'never'), ('composite', 'zbv', (1, 2, 1, 1), 1, 'never'),
-         ('blocks', '1f1b', (2, 2), 4, 'never'), ('resnet', 'zbv', (6, 2, 4, 7), 2, 'except_last')]
+         ('blocks', '1f1b', (2, 2), 4, 'never'), ('resnet', 'zbv', (6, 2, 4, 7), 2, 'except_last'),
+         ('resnet', 'zbv', (6, 2, 4, 7), 2, 'never'), ('resnet', 'zbv', (6, 1, 5, 7), 2, 'always'),
+         ('resnet', 'zbv', (7, 4, 4, 4), 2, 'never')]
 #: Configurations whose every tensor the prediction accounts for, held to 2%:
-#: the blocks model's (see it), and rank 0 of the small CNN in ZBV, which
+#: the blocks model's (see it); rank 0 of the small CNN in ZBV, which
 #: recomputes its first partition, whose addition's sum and its operands are
-#: alive at once, beside all the rest.
-EXACT = [('blocks', '1f1b', (2, 2), 4, 'never'), ('resnet', 'zbv', (6, 2, 4, 7), 2, 'except_last')]
+#: alive at once, beside all the rest; and its rank 1, which holds both
+#: partitions of the V's turn, the first a shortcut alone, checkpointed.
+EXACT = [('blocks', '1f1b', (2, 2), 4, 'never'), ('resnet', 'zbv', (6, 2, 4, 7), 2, 'except_last'),
+         ('resnet', 'zbv', (6, 1, 5, 7), 2, 'always')]
 
 
 def predicted_and_measured_peaks(rank: int, world_size: int) -> List[Tuple[float, float]]:

@@ -206,7 +206,9 @@ def kept_by_forward(layer: nn.Module, values: TensorOrTensors, tracker: 'Sandbox
     def pack(tensor: Tensor) -> Tensor:
         record(tensor)
         saved.add(tensor.untyped_storage().data_ptr())
-        return tensor
+        # Detached: an output saved as it is would hold its own node, a cycle
+        # that keeps both alive after a pass that retains the graph (``I``).
+        return tensor.detach()
 
     with saved_tensors_hooks(pack, lambda tensor: tensor):
         output = layer(values)

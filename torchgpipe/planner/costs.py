@@ -45,8 +45,8 @@ __all__: List[str] = []
 TIMES = ('forward', 'input', 'backward', 'weight')
 #: ... and memory in bytes.
 BYTES = ('kept', 'output', 'working', 'closing', 'holding', 'unsaved', 'accumulating',
-         'accumulating_last', 'retained', 'skipped', 'loose', 'reused', 'aliased', 'passed',
-         'forwarding')
+         'accumulating_last', 'retained', 'given', 'shed', 'skipped', 'loose', 'reused', 'aliased',
+         'passed', 'forwarding', 'through')
 
 
 @dataclass
@@ -90,8 +90,18 @@ class LayerCosts:
     #: The temporaries of its forward pass, the most it holds at once beyond
     #: what it leaves (empty in older costs).
     forwarding: List[float] = field(default_factory=list)
+    #: The bytes of its output that are its input, passed on as it is (a
+    #: shortcut that stashes a projection; empty in older costs).
+    through: List[float] = field(default_factory=list)
     #: What a split backward pass keeps from ``I`` to ``W`` (empty in older costs).
     retained: List[float] = field(default_factory=list)
+    #: ... of those, the output's gradient itself, as the layer was given it
+    #: (its last node leads to a weight: a linear layer's; empty in older costs).
+    given: List[float] = field(default_factory=list)
+    #: The bytes of ``kept`` that ``I`` lets go of where the layer is the last with
+    #: weights of its partition: what the nodes above where ``W`` starts saved
+    #: (a ReLU's output, after a convolution; empty in older costs).
+    shed: List[float] = field(default_factory=list)
     #: The bytes of each skip (``skips`` of :class:`Costs`; empty in older costs).
     skipped: List[float] = field(default_factory=list)
     #: ... of those only the skip keeps on its stashing layer, left out of

@@ -87,7 +87,7 @@ def layer_memory(layers: Sequence[nn.Module], values: TensorOrTensors,
     """
     measured: Dict[str, List[float]] = {name: [] for name in (
         'kept', 'output', 'working', 'closing', 'holding', 'unsaved', 'accumulating',
-        'accumulating_last', 'retained', 'passed', 'forwarding')}
+        'accumulating_last', 'retained', 'given', 'shed', 'passed', 'forwarding', 'through')}
     saves_input: List[bool] = []
     passes: List[bool] = []  # whether each layer's output is its input
     skips = _Skips()
@@ -113,7 +113,12 @@ def layer_memory(layers: Sequence[nn.Module], values: TensorOrTensors,
                 held=to_loss)[1]
             _restore(tracker, waiting)
         popped = [x for x in waiting.values() if isinstance(x, Tensor)]
-        measured['retained'].append(float(retained_for_weights(layer, values, forward, popped)))
+        retained, given, freed = retained_for_weights(layer, values, forward, popped)
+        measured['retained'].append(float(retained))
+        measured['given'].append(float(given))
+        held, saved = storages[-1][:2]
+        measured['shed'].append(float(sum(n for ptr, n in held.items()
+                                          if ptr in saved and ptr in freed)))
         _restore(tracker, waiting)
         measured['holding'].append(float(input_memory(layer, values, forward, popped)))
         _restore(tracker, waiting)
@@ -135,6 +140,7 @@ def layer_memory(layers: Sequence[nn.Module], values: TensorOrTensors,
         saves_input.append(bool(inputs & saved))
         passes.append(bool(inputs & outputs))
         measured['output'].append(float(tensor_bytes(result)))
+        measured['through'].append(measured['output'][-1] if passes[-1] else 0.0)
         measured['working'].append(float(most))
         measured['closing'].append(float(peaks[False, True]))
         # (Within a partition the layer frees its output as it goes, and the
@@ -142,15 +148,26 @@ def layer_memory(layers: Sequence[nn.Module], values: TensorOrTensors,
         measured['accumulating'].append(float(max(0, peaks[True, False] - most)))
         measured['accumulating_last'].append(float(max(0, peaks[True, True] - peaks[False, True])))
         values = map_tensors(detach_tensor, result)
+    _hand_on(measured, passes, saves_input)
+    measured['skipped'], measured['loose'] = skips.skipped, skips.loose
+    measured['reused'], measured['aliased'] = skips.reused, skips.aliased
+    return measured, skips.routes
+
+
+def _hand_on(measured: Dict[str, List[float]], passes: List[bool], saves_input: List[bool]
+             ) -> None:
+    """Settles, in ``measured``, where each layer's output that it does not save itself
+    is counted (``kept``, ``unsaved``, ``passed``), from whether each layer returns its
+    input as it is (``passes``) and whether it saves its input (``saves_input``)."""
     kept, unsaved = measured['kept'], measured['unsaved']
-    for k in range(len(layers)):
+    for k in range(len(passes)):
         # The layers after that return their input as it is (a stash, an
         # identity) hand the output on: any of them, or the first after
         # them, may save it.
         later = k + 1
-        while later < len(layers) and passes[later] and not saves_input[later]:
+        while later < len(passes) and passes[later] and not saves_input[later]:
             later += 1
-        if later < len(layers) and not saves_input[later]:
+        if later < len(passes) and not saves_input[later]:
             kept[k] -= unsaved[k]
             measured['passed'].append(0.0)
         else:
@@ -158,9 +175,6 @@ def layer_memory(layers: Sequence[nn.Module], values: TensorOrTensors,
             # one saving it beyond a pass-through may be in the next partition.
             measured['passed'].append(unsaved[k] if later == k + 1 else 0.0)
             unsaved[k] = 0.0
-    measured['skipped'], measured['loose'] = skips.skipped, skips.loose
-    measured['reused'], measured['aliased'] = skips.reused, skips.aliased
-    return measured, skips.routes
 
 
 class _Skips:

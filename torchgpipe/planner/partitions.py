@@ -27,6 +27,7 @@ class Partitions:
         self.bounds = [sum(balance[:j]) for j in range(len(balance) + 1)]
         self.worker_of = worker_of
         self._sums: Dict[Tuple[int, int], Dict[str, float]] = {}
+        self._lent: Dict[Tuple[int, int], Tuple[Dict[int, float], Dict[int, float]]] = {}
 
     def __call__(self, j: int, size: int) -> Dict[str, float]:
         """Partition ``j``'s times and bytes for a micro-batch of ``size``.
@@ -84,21 +85,34 @@ class Partitions:
         sums.update(self._passes(j, layers, start, stop))
         sums['forwarding'] = self._forwarding(layers, start, stop, sums['kept'])
         sums['entry'] = layers.output[start - 1] if start else self.costs.entry * size
+        # A process running the partition before too hands its output over as
+        # it is: one tensor, which that partition holds (``turned``); if it
+        # checkpointed the micro-batch, only where the output is its input,
+        # which it keeps then (``turned_through``).
+        turned = bool(self.costs.processes and j and self.worker_of(j - 1) == self.worker_of(j))
+        through = layers.through[self.bounds[j - 1]:start] if j else []
+        sums['turned'] = sums['entry'] if turned else 0.0
+        sums['turned_through'] = sums['entry'] if turned and through and all(through) else 0.0
         sums['exit'] = layers.output[self.bounds[j + 1] - 1]
-        sums['received'], sums['handed'] = self._popped(j, layers, start, stop)
         # I lets go of the graph above the layers with weights (a loss, the
         # activations after the last linear layer): no W starts there; of a
         # partition without weights, of all of it (W has nothing to do).
-        weighted = [k for k in range(start, min(stop, len(self.costs.parameters)))
-                    if self.costs.parameters[k]]
+        top = self._top(start, stop)
+        # (A skip received for a layer up there goes with it, and its gradient.)
+        sums['received'], sums['handed'], up = self._popped(j, layers, start, stop, top)
         if j == 0:
             sums['above'] = 0.0
-        elif weighted:
+        elif top >= start:
+            # Above where W starts: the layers after the last with weights, the
+            # output that the next of them saved, and what the nodes of that
+            # layer above its weights saved (a ReLU after its convolution).
             # (The copied output, in the last layer's ``kept``, is ``held`` already.)
-            sums['above'] = (sum(layers.kept[weighted[-1] + 1:stop])
-                             - (copied if weighted[-1] < last else 0.0))
+            sums['above'] = (sum(layers.kept[top + 1:stop])
+                             + (layers.shed[top] if top < len(layers.shed) else 0.0)
+                             + (layers.passed[top] if top < last and layers.passed else 0.0)
+                             - (copied if top < last else 0.0) + up)
         else:
-            sums['above'] = sums['kept'] - sums['held']
+            sums['above'] = sums['kept'] - sums['held'] + up
         # The first partition's I computes nothing (no input gradient): W
         # starts from its outputs (and sent skips), and keeps their gradients
         # until then. A later one's I keeps the gradients that reached its
@@ -114,11 +128,71 @@ class Partitions:
             sums['input'] = 0.0
         else:
             apart = self.worker_of(j - 1) != self.worker_of(j)
-            sums['retained'] = (sum(layers.retained[start:stop]) + sums['received']
+            sums['retained'] = (sum(layers.retained[start:stop]) + sums['received'] - up
                                 + (sums['entry'] if apart else 0.0))
         sums['weight'] = (measured if layers.weight
                           else max(0.0, sums['backward'] - sums['input']))
         return sums
+
+    def _top(self, start: int, stop: int) -> int:
+        """The last layer with weights from ``start`` to ``stop`` (``start - 1`` if none)."""
+        parameters = self.costs.parameters
+        return next((k for k in reversed(range(start, min(stop, len(parameters))))
+                     if parameters[k]), start - 1)
+
+    def lent(self, j: int, size: int) -> Tuple[Dict[int, float], Dict[int, float]]:
+        """What partition ``j`` hands a later partition of the same process as it is,
+        by that partition, for a micro-batch of ``size`` (across processes; within
+        one, each gets a copy):
+
+        - what its ``I`` lets go of that the later one holds on until its ``W``
+          (or ``B``): its output to the next, where the pipeline held it or its
+          last layer saved it above where its ``W`` starts, and the skips it
+          stashed that the later one pops below where that one's ``W`` starts;
+        - what it makes for the later one in a checkpointed forward pass, which
+          keeps nothing of its own: its output to the next, unless that is its
+          input, and the skips it stashed that the later one pops.
+        """
+        if not self.costs.processes:
+            return {}, {}
+        if (j, size) not in self._lent:
+            layers, lent, made = self.costs.at(size), {}, {}
+            start, stop = self.bounds[j], self.bounds[j + 1]
+            last = stop - 1
+            if j + 2 < len(self.bounds) and self.worker_of(j + 1) == self.worker_of(j):
+                unsaved = layers.unsaved[last] if layers.unsaved else 0.0
+                own = (min(layers.output[last] - unsaved, layers.shed[last])
+                       if layers.shed and self._top(start, stop) == last else 0.0)
+                lent[j + 1] = unsaved + own
+                through = layers.through[start:stop]
+                made[j + 1] = 0.0 if through and all(through) else layers.output[last]
+            reused = layers.reused or [0.0] * len(layers.loose)
+            for (a, b), loose, nbytes, saved in zip(self.costs.skips, layers.loose,
+                                                    layers.skipped, reused):
+                k = bisect.bisect_right(self.bounds, b) - 1
+                if start <= a < stop <= b and self.worker_of(k) == self.worker_of(j):
+                    made[k] = made.get(k, 0.0) + nbytes - saved
+                    if b <= self._top(self.bounds[k], self.bounds[k + 1]):
+                        lent[k] = lent.get(k, 0.0) + loose
+            self._lent[j, size] = lent, made
+        return self._lent[j, size]
+
+    def returned(self, j: int, size: int) -> List[Tuple[int, float, bool]]:
+        """The gradients partition ``j``'s backward pass hands back as they are to an
+        earlier partition of the same process (not the first, whose ``W`` is its
+        whole backward pass), for a micro-batch of ``size``: to which, their bytes,
+        and whether ``j``'s leaf keeps them until its ``W`` (its input's)."""
+        if not self.costs.processes or j < 2:
+            return []
+        layers, start = self.costs.at(size), self.bounds[j]
+        mine = self.worker_of(j)
+        back = [(j - 1, layers.output[start - 1], True)] if self.worker_of(j - 1) == mine else []
+        for (a, b), nbytes in zip(self.costs.skips, layers.skipped):
+            source = bisect.bisect_right(self.bounds, a) - 1
+            if (0 < source < j and start <= b < self.bounds[j + 1]
+                    and self.worker_of(source) == mine):
+                back.append((source, nbytes, False))
+        return back
 
     def _passes(self, j: int, layers: LayerCosts, start: int, stop: int
                 ) -> Dict[str, float]:
@@ -185,7 +259,8 @@ class Partitions:
         if j < len(self.bounds) - 2 and kept_for_w:
             # What the last layer leaves W may be the output's gradient itself,
             # which the pipeline holds beside the layers before already.
-            kept_for_w[-1] = max(0.0, kept_for_w[-1] - layers.output[stop - 1])
+            kept_for_w[-1] -= (layers.given[stop - 1] if layers.given
+                               else min(kept_for_w[-1], layers.output[stop - 1]))
         # (What a layer's own pass frees once used and I keeps: its ``holding``,
         # beyond its B's; the last layer's B as the last, its output held.)
         b_peaks = layers.working[start:stop]
@@ -217,12 +292,13 @@ class Partitions:
             before += layers.kept[k]
         return max(0.0, most - kept)
 
-    def _popped(self, j: int, layers: LayerCosts, start: int, stop: int
-                ) -> Tuple[float, float]:
+    def _popped(self, j: int, layers: LayerCosts, start: int, stop: int, top: int
+                ) -> Tuple[float, float, float]:
         """The bytes of the skips partition ``j`` (layers ``start`` to ``stop``) pops that
         an earlier partition stashed: on another worker (received, a copy), and on its
-        own (handed over as they are)."""
-        received = handed = 0.0
+        own (handed over as they are); and of those received for a layer after ``top``
+        (the last with weights), which ``I`` lets go of with their gradients."""
+        received = handed = up = 0.0
         reused = layers.reused or [0.0] * len(layers.skipped)
         for (a, b), nbytes, saved in zip(self.costs.skips, layers.skipped, reused):
             if a < start <= b < stop:
@@ -232,7 +308,8 @@ class Partitions:
                     handed += nbytes - saved
                 else:
                     received += nbytes - saved
-        return received, handed
+                    up += nbytes - saved if b > top else 0.0
+        return received, handed, up
 
     def _passed_in(self, j: int, layers: LayerCosts, start: int, count: int) -> List[float]:
         """What the gradients the pipeline passes partition ``j``'s backward pass add

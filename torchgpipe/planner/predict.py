@@ -57,6 +57,7 @@ from torchgpipe.engine.generators import named
 from torchgpipe.engine.schedule import Action, Kind, Schedule
 from torchgpipe.engine.simulator import simulate_sharing
 from torchgpipe.planner.costs import Costs
+from torchgpipe.planner.handover import Handover
 from torchgpipe.planner.partitions import Partitions
 
 __all__: List[str] = []
@@ -248,11 +249,14 @@ def peak_memory(workers: Sequence[Sequence[Action]], worker: int, parts: Partiti
     backward pass on."""
     live = peak = 0.0
     graded: Set[int] = set()  # the partitions whose weights have gradients
+    handover = Handover(parts, sizes, checkpointed)
     # The built-in schedules number their workers as Candidate.worker_of does.
     for action in workers[worker]:
         part = parts(action.j, sizes[action.i])
-        whole = part['kept'] + part['entry']
-        kept = part['entry'] if checkpointed[action.i] else whole
+        # (An input handed over as it is: the partition before holds it, unless
+        # it checkpointed the micro-batch, which keeps nothing of what it made.)
+        whole = part['kept'] + part['entry'] - part['turned']
+        kept = part['entry'] - part['turned_through'] if checkpointed[action.i] else whole
         again = part['kept'] if checkpointed[action.i] else 0.0
         # A skip received from another worker is a copy, kept until the
         # backward pass; one handed over on this worker is the stashing
@@ -294,6 +298,7 @@ def peak_memory(workers: Sequence[Sequence[Action]], worker: int, parts: Partiti
             working = 0.0 if checkpointed[action.i] else part['forwarding']
         if action.kind in (Kind.B, Kind.W):
             graded.add(action.j)
+        working -= handover.counted(action)
         peak = max(peak, live + grads + working + (again if action.kind is Kind.B else 0.0))
         if checkpointed[action.i] and action.kind in (Kind.B, Kind.I):
             # The recomputation, before the backward pass: the forward pass's
@@ -307,4 +312,6 @@ def peak_memory(workers: Sequence[Sequence[Action]], worker: int, parts: Partiti
             live += part['retained'] - part['held'] - part['above']
         elif action.kind is Kind.W:
             live -= kept + again - part['held'] - part['above'] + part['retained']
+        live += handover.after(action)
     return peak
+

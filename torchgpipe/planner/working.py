@@ -24,7 +24,9 @@ What an operator allocates and frees inside itself (a convolution's
 unfolded input, on CPU) is not a tensor and is not seen.
 """
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, cast
+from contextlib import contextmanager
+from typing import (Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple,
+                    cast)
 
 import torch
 from torch import Tensor, nn
@@ -226,13 +228,7 @@ def input_memory(layer: nn.Module, values: TensorOrTensors, forward: Pass,
     holds); ``skips`` are the leaves the layer may pop, inputs too. Nothing is
     held when the input needs no gradient (``I`` has nothing to compute).
     """
-    leaves = map_tensors(detach_tensor, values)
-    inputs = [x for x in [*Batch(leaves), *skips] if isinstance(x, Tensor) and x.requires_grad]
-    before = [x.grad for x in skips]
-    live = Live({x.untyped_storage().data_ptr()
-                 for x in [*layer.parameters(), *layer.buffers(), *Batch(leaves), *skips]
-                 if isinstance(x, Tensor)})
-    with live:
+    with _split(layer, values, skips) as (leaves, inputs, live), live:
         # A copy, not the leaves: the layer may work in place.
         output, stashed = forward(map_tensors(torch.Tensor.clone, leaves))
         since = len(live.log)
@@ -242,18 +238,13 @@ def input_memory(layer: nn.Module, values: TensorOrTensors, forward: Pass,
             # input_pass's choice for a layer alone without any).
             seed = _Seed.apply(*ends)  # type: ignore[no-untyped-call]
             torch.autograd.backward(seed, inputs=inputs, retain_graph=True)
-    for p in layer.parameters():
-        p.grad = None
-    for x, grad in zip(skips, before):
-        x.grad = grad
     return live.peak(set(), since)
 
 
 def retained_for_weights(layer: nn.Module, values: TensorOrTensors, forward: Pass,
-                         skips: Sequence[Tensor] = ()) -> int:
+                         skips: Sequence[Tensor] = ()) -> Tuple[int, int, Set[int]]:
     """Runs ``forward(values)``, the pass of ``layer``, and the first half of a split
-    backward pass (``I``, :func:`torchgpipe.engine.split.input_pass`); returns the bytes
-    of the gradients ``I`` keeps for ``W``.
+    backward pass (``I``, :func:`torchgpipe.engine.split.input_pass`).
 
     ``I`` computes the gradient of the layer's input only; each node on the
     way that leads to a weight (a linear layer's, a convolution's) keeps the
@@ -261,24 +252,56 @@ def retained_for_weights(layer: nn.Module, values: TensorOrTensors, forward: Pas
     to the other, beside the activations: as large as the outputs of those
     nodes, the layer's output among them if its last node is one. Nothing is
     kept when the input needs no gradient (``I`` has nothing to compute).
-    The weights are left without gradients. ``skips`` are the leaves the
-    layer may pop (as the planner's skip tracker holds them): inputs too, as
-    a pipeline's received skips are, not weights; their gradients are left
-    as they were.
+
+    ``W`` starts from those nodes, so the nodes above them (a ReLU after the
+    layer's convolution) are gone with the outputs, and what they saved: the
+    storages freed. The weights are left without gradients. ``skips`` are the
+    leaves the layer may pop (as the planner's skip tracker holds them):
+    inputs too, as a pipeline's received skips are, not weights; their
+    gradients are left as they were.
+
+    Returns:
+        the bytes of the gradients ``I`` keeps for ``W``, those of them that are
+        the output's gradient itself (as the layer was given it), and the
+        addresses (as they were after the forward pass) of the storages freed
+        once ``I`` is done and the outputs are let go
     """
+    with _split(layer, values, skips) as (leaves, inputs, live):
+        with live:
+            # A copy, not the leaves: the layer may work in place (ReLU(inplace=True)).
+            ends = ends_of(*forward(map_tensors(torch.Tensor.clone, leaves)))
+            made = dict(live.alive)  # (the storages the forward pass left, by address)
+            if not ends or not inputs:
+                return 0, 0, set()
+            seeds: List[Optional[Tensor]] = [torch.ones_like(y) for y in ends]
+            weights = input_pass(ends, seeds, inputs)
+            del ends
+            freed = {ptr for ptr, number in made.items() if live.alive.get(ptr) != number}
+        storages = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes()
+                    for grads in weights.kept.values() for g in grads if g is not None}
+        given = {g.untyped_storage().data_ptr() for g in seeds if g is not None}
+        weights.run()
+    return (sum(storages.values()), sum(n for ptr, n in storages.items() if ptr in given),
+            freed)
+
+
+@contextmanager
+def _split(layer: nn.Module, values: TensorOrTensors, skips: Sequence[Tensor]
+           ) -> Iterator[Tuple[TensorOrTensors, List[Tensor], Live]]:
+    """For a split backward pass of ``layer`` alone: its leaves (``values`` detached),
+    those that need a gradient (``skips`` too), and a :class:`Live` mode that counts
+    none of them nor the weights; afterwards, the weights without gradients and the
+    skips' as they were."""
     leaves = map_tensors(detach_tensor, values)
     inputs = [x for x in [*Batch(leaves), *skips] if isinstance(x, Tensor) and x.requires_grad]
     before = [x.grad for x in skips]
-    # A copy, not the leaves: the layer may work in place (ReLU(inplace=True)).
-    ends = ends_of(*forward(map_tensors(torch.Tensor.clone, leaves)))
-    if not ends or not inputs:
-        return 0
-    weights = input_pass(ends, [torch.ones_like(y) for y in ends], inputs)
-    storages = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes()
-                for grads in weights.kept.values() for g in grads if g is not None}
-    weights.run()
-    for p in layer.parameters():
-        p.grad = None
-    for x, grad in zip(skips, before):
-        x.grad = grad
-    return sum(storages.values())
+    try:
+        yield leaves, inputs, Live({
+            x.untyped_storage().data_ptr()
+            for x in [*layer.parameters(), *layer.buffers(), *Batch(leaves), *skips]
+            if isinstance(x, Tensor)})
+    finally:
+        for p in layer.parameters():
+            p.grad = None
+        for x, grad in zip(skips, before):
+            x.grad = grad

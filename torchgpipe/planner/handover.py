@@ -1,0 +1,100 @@
+"""What partitions of one process hand each other as they are, followed through a walk
+of a worker's actions (:func:`~torchgpipe.planner.predict.peak_memory`).
+
+Across processes, a message is a copy; within one, the receiving partition
+holds the very tensor the sending one made. Where a worker runs two
+partitions of a micro-batch (ZBV's turn, a skip between the two arms of its
+V), a tensor they share is alive until both have let go of it::
+
+    partition j (earlier)                      partition k (later, same worker)
+    F   makes its output, a skip  ──── lent ──►  F  takes them as its input, a pop
+    I   lets go of them           ·········      W  lets go of them (what it saved)
+    I   needs their gradients  ◄── handed ────── I  makes them, as they are
+
+- what ``j`` lends ``k`` stays until ``k``'s ``W`` (or ``B``) too, where ``j``'s
+  ``I`` would let go of it (:meth:`Partitions.lent`); and a checkpointed ``F``
+  of ``j``, which keeps nothing, makes it for ``k``, so it is alive from then;
+- what ``k`` hands back (its input's gradient, a popped skip's) is alive from
+  ``k``'s backward pass until ``j``'s has used it, whose working memory counts
+  it already, and, where ``k``'s leaf keeps it (its input's, after ``I``),
+  until ``k``'s ``W`` too (:meth:`Partitions.returned`).
+"""
+from typing import Dict, List, Sequence, Set, Tuple
+
+from torchgpipe.engine.schedule import Action, Kind
+from torchgpipe.planner.partitions import Partitions
+
+__all__: List[str] = []
+
+
+class Handover:
+    """The bytes partitions of one worker share, alive as its actions run one by one.
+
+    Args:
+        parts: the partitions' costs (their ``lent`` and ``returned``)
+        sizes: the size of each micro-batch
+        checkpointed: whether each micro-batch is checkpointed
+    """
+
+    def __init__(self, parts: Partitions, sizes: Sequence[int],
+                 checkpointed: Sequence[bool]) -> None:
+        self.parts = parts
+        self.sizes = sizes
+        self.checkpointed = checkpointed
+        #: Lent bytes alive on a borrower's account, by micro-batch, borrower, and
+        #: the action that lets go of them (its F, for what a checkpointed F
+        #: made; its W or B otherwise).
+        self.lent: Dict[Tuple[int, int, Kind], float] = {}
+        #: The micro-batches and partitions whose W (or B) has run.
+        self.released: Set[Tuple[int, int]] = set()
+        #: Gradients handed back, alive, by micro-batch, the partition they go to,
+        #: the one that made them and whether its leaf keeps them: their bytes,
+        #: and how many actions have yet to let go of them.
+        self.handed: Dict[Tuple[int, int, int, bool], List[float]] = {}
+
+    def counted(self, action: Action) -> float:
+        """The bytes of the gradients handed back to ``action`` (a ``B`` or an ``I``) that
+        are alive already: its working memory counts them too."""
+        if action.kind not in (Kind.B, Kind.I):
+            return 0.0
+        return sum(nbytes for (i, j, _, _), (nbytes, _) in self.handed.items()
+                   if (i, j) == (action.i, action.j))
+
+    def after(self, action: Action) -> float:
+        """The change in the bytes alive as ``action`` ends."""
+        i, j, kind = action.i, action.j, action.kind
+        change = -self._let_go(action)
+        lends, makes = self.parts.lent(j, self.sizes[i])
+        if kind is Kind.F:
+            change -= self.lent.pop((i, j, Kind.F), 0.0)  # (its own now)
+        if kind is Kind.F and self.checkpointed[i] or kind is Kind.I and not self.checkpointed[i]:
+            # (A checkpointed I lets go of what it recomputed: the borrower's own
+            # tensors are those F made.)
+            for borrower, nbytes in (makes if kind is Kind.F else lends).items():
+                if (i, borrower) in self.released:
+                    continue  # (it let go first)
+                key = (i, borrower, Kind.F if kind is Kind.F else Kind.W)
+                change += nbytes
+                self.lent[key] = self.lent.get(key, 0.0) + nbytes
+        elif kind in (Kind.B, Kind.W):
+            change -= self.lent.pop((i, j, Kind.W), 0.0)
+            self.released.add((i, j))
+        if kind in (Kind.B, Kind.I):
+            for to, nbytes, leaf in self.parts.returned(j, self.sizes[i]):
+                change += nbytes
+                self.handed[i, to, j, leaf] = [nbytes, 2 if leaf and kind is Kind.I else 1]
+        return change
+
+    def _let_go(self, action: Action) -> float:
+        """The bytes of the handed-back gradients freed as ``action`` ends: each once the
+        backward pass that used it has, and the ``W`` of the partition that made it, if
+        its leaf kept it."""
+        freed = 0.0
+        for key in list(self.handed):
+            i, to, made, leaf = key
+            if i == action.i and (action.kind in (Kind.B, Kind.I) and to == action.j
+                                  or action.kind is Kind.W and made == action.j and leaf):
+                self.handed[key][1] -= 1
+                if self.handed[key][1] == 0:
+                    freed += self.handed.pop(key)[0]
+        return freed
