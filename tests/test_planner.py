@@ -18,8 +18,10 @@ from torchgpipe.engine.generators import named
 from torchgpipe.engine.schedule import Action, Kind
 from torchgpipe.engine.simulator import simulate_sharing
 from torchgpipe.planner.costs import Costs, LayerCosts, measure
+from torchgpipe.planner.handover import Handover
 from torchgpipe.planner.memory import tensor_bytes
-from torchgpipe.planner.predict import Candidate, micro_batches, predict
+from torchgpipe.planner.partitions import Partitions
+from torchgpipe.planner.predict import Candidate, checkpoints, micro_batches, predict
 from torchgpipe.planner.search import SHAPES, CHECKPOINTS, chunk_counts, search
 from torchgpipe.skip import pop, skippable, stash
 
@@ -127,6 +129,42 @@ def test_memory_frees_what_backward_passes_finish() -> None:
     assert max(checkpointed) < max(all_) / 2
 
 
+@settings(max_examples=30, deadline=None)
+@given(chunks=st.integers(1, 8), mode=st.sampled_from(['never', 'except_last', 'always']))
+def test_what_partitions_of_one_rank_hand_each_other_is_let_go_of_by_the_end(
+        chunks: int, mode: str) -> None:
+    """Across processes, where a rank runs two partitions of a micro-batch (ZBV's turn),
+    the input of the later one is the earlier one's output, counted once, and its
+    gradient goes back as it is; a skip between the V's arms is lent the same way;
+    what they share is let go of by the step's end, even where the later one lets go
+    first (ZBV's W of the last partition before the first's I)."""
+    costs = linear_costs(4, batch=8)
+    costs.processes = True
+    # Half the output is held by the pipeline, half saved by the layer above
+    # its weights (let go of by I, as the rest of what it keeps); a skip from
+    # the first partition to the last, both on the first rank.
+    costs.skips = [(0, 3)]
+    for layers in costs.table:
+        layers.unsaved = [nbytes / 2 for nbytes in layers.output]
+        layers.shed = list(layers.kept)
+        layers.skipped = layers.loose = [layers.output[0]]
+    candidate = Candidate('zbv', (1, 1, 1, 1), chunks, mode, 2, 'v')
+    sizes = micro_batches(costs.batch, chunks)
+    parts = Partitions(costs, candidate.balance, candidate.worker_of)
+    turn = parts(2, sizes[0])
+    assert turn['turned'] == turn['entry'] > 0 and parts(1, sizes[0])['turned'] == 0
+    assert parts.returned(2, sizes[0]) == [(1, turn['entry'], True)]
+    assert parts.lent(1, sizes[0]) == ({2: costs.at(sizes[0]).output[1]},
+                                       {2: costs.at(sizes[0]).output[1]})
+    assert parts.lent(0, sizes[0]) == ({3: costs.at(sizes[0]).output[0]},
+                                       {3: costs.at(sizes[0]).output[0]})
+    for actions in candidate.plan(len(sizes)).workers:
+        handover = Handover(parts, sizes, checkpoints(mode, len(sizes)))
+        assert sum(handover.after(action) for action in actions) == pytest.approx(0.0)
+        assert not handover.lent and not handover.handed
+
+
+@pytest.mark.unmeasured
 @settings(max_examples=12, deadline=None)
 @given(p=st.integers(1, 3), layers=st.integers(3, 8), limit=st.floats(1e5, 5e6),
        heavy=st.integers(-1, 2))

@@ -1,10 +1,11 @@
 """What partitions of one process hand each other as they are, followed through a walk
 of a worker's actions (:func:`~torchgpipe.planner.predict.peak_memory`).
 
-Across processes, a message is a copy; within one, the receiving partition
-holds the very tensor the sending one made. Where a worker runs two
-partitions of a micro-batch (ZBV's turn, a skip between the two arms of its
-V), a tensor they share is alive until both have let go of it::
+In a :class:`~torchgpipe.distributed.DistributedGPipe` job, a message from
+one rank to another is a copy, but between two partitions of one rank the
+receiving partition holds the very tensor the sending one made. Where a rank
+runs two partitions of a micro-batch (ZBV's turn, a skip between the two
+arms of its V), a tensor they share is alive until both have let go of it::
 
     partition j (earlier)                      partition k (later, same worker)
     F   makes its output, a skip  ──── lent ──►  F  takes them as its input, a pop
@@ -12,12 +13,14 @@ V), a tensor they share is alive until both have let go of it::
     I   needs their gradients  ◄── handed ────── I  makes them, as they are
 
 - what ``j`` lends ``k`` stays until ``k``'s ``W`` (or ``B``) too, where ``j``'s
-  ``I`` would let go of it (:meth:`Partitions.lent`); and a checkpointed ``F``
-  of ``j``, which keeps nothing, makes it for ``k``, so it is alive from then;
+  ``I`` would let go of it; and a checkpointed ``F`` of ``j``, which keeps
+  nothing, makes it for ``k``, so it is alive from then
+  (:meth:`~torchgpipe.planner.partitions.Partitions.lent`);
 - what ``k`` hands back (its input's gradient, a popped skip's) is alive from
   ``k``'s backward pass until ``j``'s has used it, whose working memory counts
   it already, and, where ``k``'s leaf keeps it (its input's, after ``I``),
-  until ``k``'s ``W`` too (:meth:`Partitions.returned`).
+  until ``k``'s ``W`` too
+  (:meth:`~torchgpipe.planner.partitions.Partitions.returned`).
 """
 from typing import Dict, List, Sequence, Set, Tuple
 
