@@ -278,6 +278,7 @@ def test_gpipe_trains_the_flattened_model_like_the_original(name: str, checkpoin
     assert_trains_like_original(original, gpipe, data())
 
 
+@pytest.mark.unmeasured
 @pytest.mark.parametrize('copier', COPIERS)
 @pytest.mark.parametrize('name', list(MODELS))
 def test_a_copy_of_the_flattened_model_trains_like_the_original(
