@@ -135,19 +135,19 @@ def test_what_partitions_of_one_rank_hand_each_other_is_let_go_of_by_the_end(
         chunks: int, mode: str) -> None:
     """Across processes, where a rank runs two partitions of a micro-batch (ZBV's turn),
     the input of the later one is the earlier one's output, counted once, and its
-    gradient goes back as it is; a skip between the V's arms is lent the same way;
+    gradient goes back as it is; skips between the V's arms are lent the same way;
     what they share is let go of by the step's end, even where the later one lets go
     first (ZBV's W of the last partition before the first's I)."""
     costs = linear_costs(4, batch=8)
     costs.processes = True
     # Half the output is held by the pipeline, half saved by the layer above
-    # its weights (let go of by I, as the rest of what it keeps); a skip from
+    # its weights (let go of by I, as the rest of what it keeps); two skips from
     # the first partition to the last, both on the first rank.
-    costs.skips = [(0, 3)]
+    costs.skips = [(0, 3), (0, 3)]
     for layers in costs.table:
         layers.unsaved = [nbytes / 2 for nbytes in layers.output]
         layers.shed = list(layers.kept)
-        layers.skipped = layers.loose = [layers.output[0]]
+        layers.skipped = layers.loose = [layers.output[0]] * 2
     candidate = Candidate('zbv', (1, 1, 1, 1), chunks, mode, 2, 'v')
     sizes = micro_batches(costs.batch, chunks)
     parts = Partitions(costs, candidate.balance, candidate.worker_of)
@@ -156,11 +156,14 @@ def test_what_partitions_of_one_rank_hand_each_other_is_let_go_of_by_the_end(
     assert parts.returned(2, sizes[0]) == [(1, turn['entry'], True)]
     assert parts.lent(1, sizes[0]) == ({2: costs.at(sizes[0]).output[1]},
                                        {2: costs.at(sizes[0]).output[1]})
-    assert parts.lent(0, sizes[0]) == ({3: costs.at(sizes[0]).output[0]},
-                                       {3: costs.at(sizes[0]).output[0]})
+    assert parts.lent(0, sizes[0]) == ({3: 2 * costs.at(sizes[0]).output[0]},
+                                       {3: 2 * costs.at(sizes[0]).output[0]})
+    assert parts.returned(3, sizes[0]) == [(0, costs.at(sizes[0]).output[0], False)] * 2
     for actions in candidate.plan(len(sizes)).workers:
         handover = Handover(parts, sizes, checkpoints(mode, len(sizes)))
-        assert sum(handover.after(action) for action in actions) == pytest.approx(0.0)
+        # (As the walk asks, an F what it takes over, then each action what it leaves.)
+        change = sum(-handover.taken(action) + handover.after(action) for action in actions)
+        assert change == pytest.approx(0.0)
         assert not handover.lent and not handover.handed
 
 

@@ -90,8 +90,8 @@ class LayerCosts:
     #: The temporaries of its forward pass, the most it holds at once beyond
     #: what it leaves (empty in older costs).
     forwarding: List[float] = field(default_factory=list)
-    #: The bytes of its output that are its input, passed on as it is (a
-    #: shortcut that stashes a projection; empty in older costs).
+    #: The bytes of its output, where the output is (or holds) its input as it
+    #: is (a shortcut that stashes a projection; empty in older costs).
     through: List[float] = field(default_factory=list)
     #: What a split backward pass keeps from ``I`` to ``W`` (empty in older costs).
     retained: List[float] = field(default_factory=list)

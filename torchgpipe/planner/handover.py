@@ -63,13 +63,18 @@ class Handover:
         return sum(nbytes for (i, j, _, _), (nbytes, _) in self.handed.items()
                    if (i, j) == (action.i, action.j))
 
+    def taken(self, action: Action) -> float:
+        """The bytes an ``F`` takes over that a checkpointed ``F`` of an earlier partition
+        made for it (counted from then, and in its own ``kept`` from now on)."""
+        if action.kind is not Kind.F:
+            return 0.0
+        return self.lent.pop((action.i, action.j, Kind.F), 0.0)
+
     def after(self, action: Action) -> float:
         """The change in the bytes alive as ``action`` ends."""
         i, j, kind = action.i, action.j, action.kind
         change = -self._let_go(action)
         lends, makes = self.parts.lent(j, self.sizes[i])
-        if kind is Kind.F:
-            change -= self.lent.pop((i, j, Kind.F), 0.0)  # (its own now)
         if kind is Kind.F and self.checkpointed[i] or kind is Kind.I and not self.checkpointed[i]:
             # (A checkpointed I lets go of what it recomputed: the borrower's own
             # tensors are those F made.)
@@ -85,7 +90,9 @@ class Handover:
         if kind in (Kind.B, Kind.I):
             for to, nbytes, leaf in self.parts.returned(j, self.sizes[i]):
                 change += nbytes
-                self.handed[i, to, j, leaf] = [nbytes, 2 if leaf and kind is Kind.I else 1]
+                # (Two skips from one partition share a key, and their bytes.)
+                entry = self.handed.setdefault((i, to, j, leaf), [0.0, 0.0])
+                entry[:] = [entry[0] + nbytes, 2 if leaf and kind is Kind.I else 1]
         return change
 
     def _let_go(self, action: Action) -> float:

@@ -48,12 +48,18 @@ class Partitions:
         because the pipeline holds them, until ``B`` or ``I``),
         ``retained`` (the gradients kept from ``I`` to ``W``), ``holding``
         (the most ``I`` holds beyond ``kept``: it frees nothing on its way,
-        and keeps what it leaves for ``W``), ``above`` (the bytes of
-        ``kept`` that ``I`` lets go of once done: above its last layer with
-        weights, or all of it but ``held`` if it has none),
+        and keeps what it leaves for ``W``), ``above`` (the bytes ``I`` lets
+        go of once done, beside ``held``: what the layers after its last
+        with weights keep, and what that layer's nodes above its weights
+        saved; all it keeps if it has no weights; and the skips received for
+        layers up there),
         ``received`` and ``handed`` (the skips it pops that a partition
         before it stashed, on another worker or on its own),
         ``entry`` (the bytes of its input) and ``exit`` (of its output),
+        ``turned`` (of its input, where the partition before runs in the
+        same process and holds it: counted there) and ``turned_through``
+        (the same, where that partition's output is its own input, which it
+        keeps checkpointed too),
         ``forwarding`` (the most its forward pass holds beyond ``kept``).
         """
         key = (j, size)
@@ -109,7 +115,7 @@ class Partitions:
             # (The copied output, in the last layer's ``kept``, is ``held`` already.)
             sums['above'] = (sum(layers.kept[top + 1:stop])
                              + (layers.shed[top] if top < len(layers.shed) else 0.0)
-                             + (layers.passed[top] if top < last and layers.passed else 0.0)
+                             + (layers.passed[top] if top + 1 < stop and layers.passed else 0.0)
                              - (copied if top < last else 0.0) + up)
         else:
             sums['above'] = sums['kept'] - sums['held'] + up
@@ -146,8 +152,8 @@ class Partitions:
         one, each gets a copy):
 
         - what its ``I`` lets go of that the later one holds on until its ``W``
-          (or ``B``): its output to the next, where the pipeline held it or its
-          last layer saved it above where its ``W`` starts, and the skips it
+          (or ``B``): its output to the next, where the pipeline held it or
+          what its ``I`` lets go of (``above``) holds it, and the skips it
           stashed that the later one pops below where that one's ``W`` starts;
         - what it makes for the later one in a checkpointed forward pass, which
           keeps nothing of its own: its output to the next, unless that is its
@@ -161,9 +167,13 @@ class Partitions:
             last = stop - 1
             if j + 2 < len(self.bounds) and self.worker_of(j + 1) == self.worker_of(j):
                 unsaved = layers.unsaved[last] if layers.unsaved else 0.0
-                own = (min(layers.output[last] - unsaved, layers.shed[last])
-                       if layers.shed and self._top(start, stop) == last else 0.0)
-                lent[j + 1] = unsaved + own
+                # (Above the last layer with weights, all it keeps goes at I;
+                # of that layer, what its nodes above its weights saved. The
+                # first partition's I lets go of nothing it keeps.)
+                top = self._top(start, stop)
+                above = (0.0 if j == 0 else layers.kept[last] if top < last
+                         else layers.shed[last] if layers.shed else 0.0)
+                lent[j + 1] = unsaved + min(layers.output[last] - unsaved, above)
                 through = layers.through[start:stop]
                 made[j + 1] = 0.0 if through and all(through) else layers.output[last]
             reused = layers.reused or [0.0] * len(layers.loose)
@@ -179,17 +189,19 @@ class Partitions:
 
     def returned(self, j: int, size: int) -> List[Tuple[int, float, bool]]:
         """The gradients partition ``j``'s backward pass hands back as they are to an
-        earlier partition of the same process (not the first, whose ``W`` is its
-        whole backward pass), for a micro-batch of ``size``: to which, their bytes,
-        and whether ``j``'s leaf keeps them until its ``W`` (its input's)."""
-        if not self.costs.processes or j < 2:
+        earlier partition of the same process, for a micro-batch of ``size``: to which,
+        their bytes, and whether ``j``'s leaf keeps them until its ``W`` (its input's;
+        not to the first partition, whose ``W``, its whole backward pass, counts its
+        output's gradient from its ``I``)."""
+        if not self.costs.processes or j == 0:
             return []
         layers, start = self.costs.at(size), self.bounds[j]
         mine = self.worker_of(j)
-        back = [(j - 1, layers.output[start - 1], True)] if self.worker_of(j - 1) == mine else []
+        back = ([(j - 1, layers.output[start - 1], True)]
+                if j > 1 and self.worker_of(j - 1) == mine else [])
         for (a, b), nbytes in zip(self.costs.skips, layers.skipped):
             source = bisect.bisect_right(self.bounds, a) - 1
-            if (0 < source < j and start <= b < self.bounds[j + 1]
+            if (source < j and start <= b < self.bounds[j + 1]
                     and self.worker_of(source) == mine):
                 back.append((source, nbytes, False))
         return back

@@ -264,7 +264,7 @@ def peak_memory(workers: Sequence[Sequence[Action]], worker: int, parts: Partiti
         # nothing else keeps it for the recomputation).
         kept += part['received'] + (part['handed'] if checkpointed[action.i] else 0.0)
         if action.kind is Kind.F:
-            live += kept
+            live += kept - handover.taken(action)
         elif action.kind is Kind.I:
             live += again  # recomputed, and kept for W
         # B (or I) holds its working memory beside what is live, and B the
@@ -314,4 +314,3 @@ def peak_memory(workers: Sequence[Sequence[Action]], worker: int, parts: Partiti
             live -= kept + again - part['held'] - part['above'] + part['retained']
         live += handover.after(action)
     return peak
-
