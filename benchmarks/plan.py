@@ -9,8 +9,9 @@ Run from the repository root::
 
 For each of three models, :func:`torchgpipe.plan` plans for the devices
 (one intra-op thread per worker, ``--threads 1``), then a grid of
-configurations is measured, each a few training steps traced by
-:func:`torchgpipe.trace` (the median step):
+configurations is measured: every configuration's pipeline is made, then
+each takes a training step in turn, traced by :func:`torchgpipe.trace`, for
+a few rounds (the median step; see :func:`in_rounds`):
 
 - an MLP: 12 blocks of ``Linear(512, 512)`` and ReLU, batch 64, MSE loss;
 - a CNN with skips: a bottleneck ResNet of 3 stages (its shortcuts are skip
@@ -47,6 +48,7 @@ against its measured one (target: within 10%). The even split is not
 compared there.
 """
 import copy
+import functools
 import gc
 import statistics
 import sys
@@ -64,10 +66,10 @@ from benchmarks.models.resnet import resnet
 from benchmarks.report import format_table
 from benchmarks.runner import Experiment, Figure, Preset, main as run_main
 from torchgpipe import GPipe, Plan
+from torchgpipe.planner.calibrate import traced_span
 from torchgpipe.planner.option import Option
-from torchgpipe.planner.pilot import time_balance
+from torchgpipe.planner.pilot import in_turns, time_balance
 from torchgpipe.planner.search import SHAPES
-from torchgpipe.timeline import Timeline
 
 Row = Dict[str, Any]
 Loss = Callable[[Any, Tensor], Tensor]
@@ -75,17 +77,17 @@ Loss = Callable[[Any, Tensor], Tensor]
 MODES = ['never', 'except_last', 'always']
 PRESETS: Dict[str, Preset] = {
     'cpu': Preset('an MLP, a CNN with skips and a transformer on cpu:0 and cpu:1 (~10 min)',
-                  device='cpu', workers=2, scale=1, rounds=5, most_chunks=32,
+                  device='cpu', workers=2, scale=1, rounds=7, most_chunks=32,
                   models=['mlp', 'cnn', 'transformer'], layers_100=100,
                   modes=MODES, limited='transformer'),
     'cpu2': Preset('the same models on 2 processes, one CPU thread each (~15 min)',
-                   device='cpu', ranks=2, scale=1, rounds=5, most_chunks=32,
+                   device='cpu', ranks=2, scale=1, rounds=7, most_chunks=32,
                    models=['mlp', 'cnn', 'transformer'], modes=MODES, limited='transformer'),
     'cpu4': Preset('the same models on 4 processes, one CPU thread each (~25 min)',
-                   device='cpu', ranks=4, scale=1, rounds=5, most_chunks=32,
+                   device='cpu', ranks=4, scale=1, rounds=7, most_chunks=32,
                    models=['mlp', 'cnn', 'transformer'], modes=MODES, limited='transformer'),
     'cuda': Preset('the same models, 4 times wider, on 4 CUDA devices',
-                   device='cuda', workers=4, scale=4, rounds=5, most_chunks=32,
+                   device='cuda', workers=4, scale=4, rounds=7, most_chunks=32,
                    models=['mlp', 'cnn', 'transformer'], layers_100=100,
                    modes=MODES, limited='transformer'),
 }
@@ -137,41 +139,50 @@ def transformer(scale: int) -> Tuple[nn.Sequential, Tensor, Tensor, Loss]:
         loss
 
 
+#: Untimed steps of a configuration as its pipeline is made, before the rounds.
+WARM_UP = 2
+#: Times one training step of a configuration: its span, in seconds, as a trace gives it.
+Timer = Callable[[], float]
+
+
 def traced_step(module: nn.Sequential, option: Option, plan: Plan, input: Tensor,
-                target: Tensor, loss: Loss, rounds: int) -> Tuple[float, Row]:
-    """The median time of ``rounds`` traced training steps of a configuration, after
-    :data:`WARM_UP` more; and every step's time (``steps``)."""
+                target: Tensor, loss: Loss) -> Tuple[Timer, Row]:
+    """A configuration's pipeline on the plan's devices, after :data:`WARM_UP` steps, and
+    the function that times one more step of it (traced)."""
     layout = Plan(option, [], plan.devices, None)
     pipe = GPipe(module, **layout.kwargs)
-    settled()
-    for _ in range(WARM_UP):
+
+    def step() -> None:
         pipe.train_step(input, target, loss, schedule=option.schedule)
-    with torchgpipe.trace(pipe) as timeline:
-        for _ in range(rounds):
-            pipe.train_step(input, target, loss, schedule=option.schedule)
-            synchronize(pipe.devices)
-    module.zero_grad(set_to_none=True)
-    return steps_of(timeline, rounds)
+        synchronize(pipe.devices)
+    for _ in range(WARM_UP):
+        step()
+    return functools.partial(traced_span, pipe, step), {}
 
 
-#: Untimed steps before a configuration's timed ones.
-WARM_UP = 3
+def in_rounds(timers: Sequence[Timer], rounds: int) -> List[Tuple[float, Row]]:
+    """The median of ``rounds`` steps of each configuration, and each step's time
+    (``steps``), measured in turns: a round times one step of each, after a round to
+    warm up.
 
+    The machine has slow spells of a second or more: measured one after the
+    other, two runs of the same configuration came out up to a third apart
+    (their medians of five steps). In turns, a spell falls on one step of
+    many configurations, which their medians leave out.
 
-def settled() -> None:
-    """Collects the garbage of what ran before (the planner's copies, the pipelines of
-    the configurations measured before), so that no collection of it falls within the
-    steps timed next: the first configuration measured, the choice, came right after
-    the planner and ran a fifth slower in some runs. The first two or three steps after
-    a collection run slower too (by up to half, on the MLP): :data:`WARM_UP` steps
-    come between."""
+    What ran before (the planner's copies, the pipelines just made) is
+    collected first, and what is left is frozen out of the collector's
+    reach, so that no collection of it falls within a step timed (the first
+    two or three steps after a collection ran slower, by up to half, on the
+    MLP).
+    """
     gc.collect()
-
-
-def steps_of(timeline: Timeline, rounds: int) -> Tuple[float, Row]:
-    """The median of a timeline's ``rounds`` steps, and each step's time."""
-    steps = [timeline.summary(k).step_time for k in range(rounds)]
-    return statistics.median(steps), {'steps': steps}
+    gc.freeze()
+    try:
+        measured = in_turns(timers, rounds)
+    finally:
+        gc.unfreeze()
+    return [(statistics.median(steps), {'steps': steps}) for steps in measured]
 
 
 def grid(plan: Plan, most_chunks: int, batch: int, modes: Sequence[str]) -> List[Option]:
@@ -194,16 +205,17 @@ def grid(plan: Plan, most_chunks: int, batch: int, modes: Sequence[str]) -> List
     return options
 
 
-#: Measures one configuration: ``(module, option, plan, input, target, loss, rounds)``
-#: to its step time and any further figures of its row.
-Measure = Callable[..., Tuple[float, Row]]
+#: Readies one configuration: ``(module, option, plan, input, target, loss)`` to the
+#: :data:`Timer` of its steps and any further figures of its row.
+Ready = Callable[..., Tuple[Timer, Row]]
 
 
 def planned_rows(name: str, config: Dict[str, Any], device: torch.device, workers: int,
-                 where: Row, measure: Measure, sync: Callable[[], object] = lambda: None
+                 where: Row, ready: Ready, sync: Callable[[], object] = lambda: None
                  ) -> Tuple[Dict[str, Any], Tuple[Any, ...]]:
     """Plans one model (``where``: the planner's ``devices`` or ``group``), then measures
-    the choice and the grid's other configurations with ``measure``.
+    the choice and the grid's other configurations in rounds (:func:`in_rounds`), each
+    readied by ``ready``.
 
     Returns:
         the model's result, and what the even split needs: the module, the
@@ -223,14 +235,14 @@ def planned_rows(name: str, config: Dict[str, Any], device: torch.device, worker
     plan = planner(memory_limit=limit)
     planning = time.perf_counter() - started
     options = grid(plan, most, batch, config['modes'])
-    rows = []
     # The choice, then the grid's configurations that are not the choice.
-    for option in [plan.chosen, *(o for o in options if o.describe() != plan.chosen.describe())]:
-        measured, more = measure(module, option, plan, input, target, loss, config['rounds'])
-        rows.append({'model': name, 'configuration': option.describe(),
-                     'predicted': option.step, 'measured': measured,
-                     'fits': limit is None or max(option.memory) <= limit,
-                     'memory': max(option.memory), 'chosen': option is plan.chosen, **more})
+    options = [plan.chosen, *(o for o in options if o.describe() != plan.chosen.describe())]
+    readied = [ready(module, option, plan, input, target, loss) for option in options]
+    rows = [{'model': name, 'configuration': option.describe(), 'predicted': option.step,
+             'measured': measured, 'fits': limit is None or max(option.memory) <= limit,
+             'memory': max(option.memory), 'chosen': option is plan.chosen, **more, **steps}
+            for option, (_, more), (measured, steps) in zip(
+                options, readied, in_rounds([timer for timer, _ in readied], config['rounds']))]
     costs = plan.costs
     assert costs is not None
     # What the planner measured of the pipeline itself, beside the layers.
@@ -275,9 +287,9 @@ def against_even_split(module: nn.Sequential, plan: Plan, input: Tensor, target:
                or max(o.memory) <= plan.memory_limit]
     if not fitting:
         return {'even': None}
-    measured = {o.describe(): traced_step(module, o, plan, input, target, loss,
-                                          config['rounds'])[0]
-                for o in fitting}
+    timed = in_rounds([traced_step(module, o, plan, input, target, loss)[0] for o in fitting],
+                      config['rounds'])
+    measured = {o.describe(): seconds for o, (seconds, _) in zip(fitting, timed)}
     best = min(fitting, key=lambda o: measured[o.describe()])
     ratios = []
     pipes = {key: (GPipe(copy.deepcopy(module), **Plan(o, [], plan.devices, None).kwargs),

@@ -5,9 +5,9 @@ Every rank of a gloo group (one intra-op thread each) plans the models with
 grid (and the choice) as a :class:`~torchgpipe.distributed.DistributedGPipe`
 built from its ``Plan.kwargs``:
 
-- the step time: the median of a few steps traced on every rank
-  (:func:`torchgpipe.trace`), after the memory's steps and a few more
-  (``WARM_UP``);
+- the step time: every rank's span of a step traced by
+  :func:`torchgpipe.trace`, the median of the rounds of
+  :func:`benchmarks.plan.in_rounds` (the ranks started together at each);
 - each rank's peak memory, two ways, beside the prediction (its activations
   at their peak, and ``param_scale`` 2: the parameters and their gradients),
   each measured in a step of its own after the gradients are dropped, plus
@@ -47,11 +47,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-import torchgpipe
 from benchmarks.distributed import spawn_ranks
 from benchmarks.memory import fix_malloc, step_peak_memory, trim_malloc, tune_malloc
 from torchgpipe import Plan
 from torchgpipe.distributed import DistributedGPipe
+from torchgpipe.planner.calibrate import traced_span
 from torchgpipe.planner.option import Option
 from torchgpipe.planner.working import Live
 from torchgpipe.timeline.clock import proc_status
@@ -87,15 +87,15 @@ def model_rows(name: str, config: Dict[str, Any]) -> Dict[str, Any]:
     from benchmarks import plan as bench  # imported here: it imports this module
     result: Dict[str, Any] = bench.planned_rows(
         name, config, torch.device('cpu'), dist.get_world_size(), {'group': dist.group.WORLD},
-        measure, sync=dist.barrier)[0]
+        ready, sync=dist.barrier)[0]
     return result
 
 
-def measure(module: nn.Sequential, option: Option, plan: Plan, input: Any, target: Tensor,
-            loss: Any, rounds: int) -> Tuple[float, Dict[str, Any]]:
-    """A configuration's median traced step, and each rank's peak memory in its step
-    beside its prediction."""
-    from benchmarks.plan import WARM_UP, settled, steps_of  # it imports this module
+def ready(module: nn.Sequential, option: Option, plan: Plan, input: Any, target: Tensor,
+          loss: Any) -> Tuple[Callable[[], float], Dict[str, Any]]:
+    """A configuration's pipeline, settled, and each rank's peak memory in its step beside
+    its prediction; and the function that times one more step of it (every rank's span,
+    the ranks started together)."""
     layout = Plan(option, [], plan.devices, None, processes=True)
     with warnings.catch_warnings():
         # A configuration of the grid may leave a rank only layers without
@@ -105,7 +105,7 @@ def measure(module: nn.Sequential, option: Option, plan: Plan, input: Any, targe
 
     def step() -> None:
         pipe.train_step(input, target, loss, schedule=option.schedule)
-    settled()
+    gc.collect()
     settle(step)
     own = sum(p.numel() * p.element_size() for p in pipe.parameters())
     module.zero_grad(set_to_none=True)
@@ -117,16 +117,13 @@ def measure(module: nn.Sequential, option: Option, plan: Plan, input: Any, targe
     tensors = tensor_peak(module, step) + own
     memory: List[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(memory, (float(tensors), float(resident)))
-    for _ in range(WARM_UP):
-        step()
-    with torchgpipe.trace(pipe) as timeline:
-        for _ in range(rounds):
-            step()
-    module.zero_grad(set_to_none=True)
-    step_time, steps = steps_of(timeline, rounds)
-    return step_time, {**steps, 'memory_predicted': option.memory,
-                       'memory_measured': [m[0] for m in memory],
-                       'memory_resident': [m[1] for m in memory]}
+
+    def timer() -> float:
+        dist.barrier()
+        return traced_span(pipe, step)
+    return timer, {'memory_predicted': option.memory,
+                   'memory_measured': [m[0] for m in memory],
+                   'memory_resident': [m[1] for m in memory]}
 
 
 def tensor_peak(module: nn.Module, step: Callable[[], None]) -> int:
