@@ -65,29 +65,40 @@ def test_one_partition_per_worker_takes_the_papers_time(schedule: str, p: int, p
 @given(data=st.data(), schedule=st.sampled_from(SCHEDULES), p=st.integers(1, 3),
        m=st.integers(1, 12), checkpoint=st.sampled_from(CHECKPOINTS),
        overhead=st.sampled_from([0.0, 1e-4]), transfer=st.sampled_from([0.0, 1e-9]),
-       cores=st.sampled_from([None, 1.5]))
+       skip_overhead=st.sampled_from([0.0, 5e-4]), cores=st.sampled_from([None, 1.5]))
 def test_predictions_are_the_simulators(data: st.DataObject, schedule: str, p: int, m: int,
-                                        checkpoint: str, overhead: float,
-                                        transfer: float, cores: Optional[float]) -> None:
+                                        checkpoint: str, overhead: float, transfer: float,
+                                        skip_overhead: float, cores: Optional[float]) -> None:
     """The step predicted is the simulator's, each action costing its partition's layers
     (once more for a checkpointed backward, ahead of its gradient), the overhead, and any
-    message it sends; the workers sharing the cores ``Costs.cores`` says."""
+    message it sends (its output's or input gradient's, and one for each skip to or from
+    another worker); the workers sharing the cores ``Costs.cores`` says."""
     virtual, placement = data.draw(st.sampled_from(SHAPES[schedule]))
     n = virtual * p
     layers = data.draw(st.integers(n, n + 4))
     cuts = sorted(data.draw(st.sets(st.integers(1, layers - 1), min_size=n - 1,
                                     max_size=n - 1))) if n > 1 else []
     balance = tuple(b - a for a, b in zip([0, *cuts], [*cuts, layers]))
+    routes = data.draw(st.lists(st.integers(0, layers - 2).flatmap(
+        lambda a: st.tuples(st.just(a), st.integers(a + 1, layers - 1))),
+        max_size=3 if layers > 1 else 0))
     costs = linear_costs(layers, batch=12, forward=2e-3, input=1e-3, weight=3e-3)
     costs.overhead, costs.checkpoint_overhead, costs.split_overhead = \
         overhead, 2 * overhead, 3 * overhead
     costs.transfer = (transfer * 1e3, transfer)
+    costs.skips, costs.skip_overhead = routes, skip_overhead
+    for size, table in zip(costs.sizes, costs.table):
+        table.skipped = [100.0 * size] * len(routes)
+        table.working = [0.0] * layers  # (what the memory's walk needs of a skip's layers)
     costs.cores = cores
     candidate = Candidate(schedule, balance, m, checkpoint, p, placement)
 
     sizes = micro_batches(12, m)
     schedule_ = named(schedule, len(sizes), n, p)
     workers = [min(j, n - 1 - j) if placement == 'v' else j % p for j in range(n)]
+
+    def partition_of(layer: int) -> int:
+        return next(j for j in range(n) if layer < sum(balance[:j + 1]))
 
     def again(action: Action) -> bool:
         """Whether the action recomputes its micro-batch's forward pass first."""
@@ -109,6 +120,13 @@ def test_predictions_are_the_simulators(data: st.DataObject, schedule: str, p: i
         to = action.j + 1 if action.kind is Kind.F else action.j - 1
         if action.kind is not Kind.W and 0 <= to < n and workers[to] != workers[action.j]:
             seconds += transfer * 1e3 + transfer * 250 * size
+        for a, b in routes:
+            ends = (partition_of(a), partition_of(b))
+            # F sends what it stashes; B or I sends back the gradients of what it pops.
+            mine, other = ends if action.kind is Kind.F else ends[::-1]
+            if (action.kind is not Kind.W and mine == action.j != other
+                    and workers[other] != workers[mine]):
+                seconds += transfer * 1e3 + skip_overhead + transfer * 100 * size
         return Fraction(round(seconds * 1e9)) + recompute(action)
 
     # The recomputation runs ahead of the gradient it does not need.

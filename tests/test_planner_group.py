@@ -49,6 +49,13 @@ def plan_and_train(rank: int, world_size: int) -> List[Dict[str, Any]]:
                         if plan.costs else None, 'trained': trained,
                         'compared': sorted({(r.device, r.what) for r in compared.rows
                                             if r.measured > 0})})
+    # A model with a skip between the ranks: what the skip's messages cost, measured.
+    sample, target = torch.randn(8, 3, 8, 8), torch.randint(0, 10, (8,))
+    skipping = torchgpipe.plan(shortcut_model(), sample, group=dist.group.WORLD, target=target,
+                               loss_fn=F.cross_entropy, chunks=2, repeat=1,
+                               schedules=['1f1b'], checkpoint=['never'], trials=0)
+    assert skipping.costs is not None
+    results.append({'costs': skipping.costs.to_dict()})
     return results
 
 
@@ -93,6 +100,16 @@ def test_every_rank_gets_one_plan_that_trains_as_the_unwrapped_model(
     # Bit for bit GPipe's in one process, and the unwrapped model's to rounding.
     assert_equal(actual, one_process(first, config), exact=True)
     assert_equal(actual, unwrapped(config), exact=False)
+
+
+def test_the_ranks_agree_on_what_a_skips_message_costs(
+        two_ranks: List[List[Dict[str, Any]]]) -> None:
+    """Planning a model whose skips cross ranks calibrates a skip's message on every rank
+    together (rank 0 finds its cost); a model without skips leaves it at nothing."""
+    first, second = (r[-1]['costs'] for r in two_ranks)
+    assert first['skips'] and first == second
+    assert first['skip_overhead'] >= 0.0
+    assert all(r[0]['costs']['skip_overhead'] == 0.0 for r in two_ranks)  # the MLP
 
 
 class Broken(nn.Module):

@@ -11,7 +11,8 @@ that fits the memory limit as a :class:`~torchgpipe.Plan`
 of the few predicted fastest, timed on the model (:mod:`~torchgpipe.planner.trial`).
 """
 from contextlib import contextmanager
-from typing import Any, Callable, Generator, Iterable, List, Optional, Sequence, Tuple
+from typing import (TYPE_CHECKING, Any, Callable, Generator, Iterable, List, Optional,
+                    Sequence, Tuple, cast)
 
 import torch
 from torch import Tensor, nn
@@ -24,13 +25,16 @@ from torchgpipe.foundation.microbatch import Batch, TensorOrTensors
 from torchgpipe.foundation.validation import (Device, brief, check_available, check_chunks,
                                               describe, parse_device, verify_module)
 from torchgpipe.planner import pilot, trial
-from torchgpipe.planner.calibrate import (copy_cost, message_cost, task_overhead, threads,
-                                          wide_step)
+from torchgpipe.planner.calibrate import (Timer, copy_cost, message_cost, skip_cost,
+                                          skip_step, task_overhead, threads, wide_step)
 from torchgpipe.planner.costs import Costs, measure
 from torchgpipe.planner.option import Option, option, size
 from torchgpipe.planner.result import Plan
 from torchgpipe.planner.predict import micro_batches
 from torchgpipe.planner.search import CHECKPOINTS, Scored, chunk_counts, search
+
+if TYPE_CHECKING:
+    from torchgpipe.planner.group import Team
 
 __all__ = ['plan', 'Plan']
 
@@ -181,6 +185,7 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
             wide = wide_step(timer, team.size)
             costs.transfer = team.first(
                 lambda: message_cost(wide, team.size, team.device, overheads, costs.cores))
+            costs.skip_overhead = skip_overhead(team, timer, overheads, costs)
             costs.overhead, costs.checkpoint_overhead, costs.split_overhead = overheads
             costs.processes = True
             if team.size > 1 and team.device.type == 'cpu':
@@ -198,6 +203,17 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
         return choose(found, names_of, names, memory_limit, runners_up, costs,
                       float(param_scale), processes=group is not None,
                       order=trial.order(steps, trials, names_of, group is not None))
+
+
+def skip_overhead(team: 'Team', timer: Timer, overheads: Tuple[float, float, float],
+                  costs: Costs) -> float:
+    """What a skip's message between the ranks of ``team`` costs (nothing where the model
+    has no skip): every rank steps the skipping pipeline, rank 0 finds the cost."""
+    if not costs.skips:
+        return 0.0
+    step = skip_step(timer, team.size)
+    return cast(float, team.first(lambda: skip_cost(step, team.size, team.device, overheads,
+                                                    costs.transfer, costs.cores)))
 
 
 def check_arguments(module: nn.Sequential, sample: TensorOrTensors,

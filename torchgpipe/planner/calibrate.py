@@ -30,8 +30,9 @@ from torchgpipe.engine.simulator import simulate_sharing
 from torchgpipe.foundation.microbatch import TensorOrTensors
 from torchgpipe.foundation.placement import same_memory
 from torchgpipe.gpipe import GPipe
-from torchgpipe.planner.costs import measure
+from torchgpipe.planner.costs import Costs, measure
 from torchgpipe.planner.predict import Candidate, predict
+from torchgpipe.skip import pop, skippable, stash
 from torchgpipe.timeline import trace
 
 __all__: List[str] = []
@@ -182,11 +183,8 @@ def message_cost(step: float, p: int, device: torch.device,
     """
     if p < 2:
         return 0.0, 0.0  # no message
-    input = torch.zeros(CHUNKS, WIDE, 1)
-    costs = measure(empty(p), input, [1], device, repeat=STEPS,
-                    loss=(zeros_loss, torch.zeros_like(input)))
-    costs.overhead, costs.checkpoint_overhead, costs.split_overhead = overheads
-    costs.cores = cores
+    costs = _calibration_costs(empty(p), torch.zeros(CHUNKS, WIDE, 1), device, overheads,
+                               cores)
     candidate = Candidate('1f1b', (1,) * p, CHUNKS, 'never', p)
 
     def predicted(per_byte: float) -> float:
@@ -195,6 +193,80 @@ def message_cost(step: float, p: int, device: torch.device,
 
     # No message can take longer than the whole step.
     return 0.0, solve(predicted, step, step / (WIDE * 4))
+
+
+@skippable(stash=['skip'])
+class _Stash(nn.Linear):
+    """A layer of the skipping pipeline that stashes its output for the last one."""
+
+    def forward(self, input: Tensor):  # type: ignore[no-untyped-def]
+        output = super().forward(input)
+        yield stash('skip', output)
+        return output
+
+
+@skippable(pop=['skip'])
+class _PopAdd(nn.Linear):
+    """The skipping pipeline's last layer, which adds the skip to its output."""
+
+    def forward(self, input: Tensor):  # type: ignore[no-untyped-def]
+        skip = yield pop('skip')
+        return super().forward(input) + skip
+
+
+def skipping(p: int) -> nn.Sequential:
+    """The empty pipeline of ``p`` layers with a skip from its first to its last."""
+    return nn.Sequential(_Stash(1, 1), *[nn.Linear(1, 1) for _ in range(p - 2)], _PopAdd(1, 1))
+
+
+def skip_step(timer: Timer, p: int) -> float:
+    """The step of the skipping pipeline (for :func:`skip_cost`)."""
+    return timer(skipping(p), 'never', '1f1b', torch.zeros(CHUNKS, 1))
+
+
+def skip_cost(step: float, p: int, device: torch.device,
+              overheads: Tuple[float, float, float], transfer: Tuple[float, float],
+              cores: Optional[float] = None) -> float:
+    """What a skip's message between two processes adds beside its bytes' time, as a
+    1F1B step sees it: the ``skip_overhead`` with which the simulator predicts
+    ``step``, what :func:`skip_step` measured on the ``p`` workers (whose skip goes
+    from the first to the last, and its gradient back: a message each way for each
+    micro-batch).
+
+    A message is cheap to send, but it has a header, a payload and a wait
+    of its own: across two processes of the 2-core machine of the
+    benchmarks, about a millisecond each way, as much as an empty task.
+
+    Args:
+        step: what :func:`skip_step` measured
+        overheads: what :func:`task_overhead` gave
+        transfer: what :func:`message_cost` gave
+        cores: the cores the workers share, if fewer (``Costs.cores``)
+    """
+    if p < 2:
+        return 0.0  # no message
+    costs = _calibration_costs(skipping(p), torch.zeros(CHUNKS, 1), device, overheads, cores)
+    costs.transfer = transfer
+    candidate = Candidate('1f1b', (1,) * p, CHUNKS, 'never', p)
+
+    def predicted(overhead: float) -> float:
+        costs.skip_overhead = overhead
+        return predict(costs, candidate).step
+
+    # Two messages a micro-batch cannot take longer than the whole step.
+    return solve(predicted, step, step / (2 * CHUNKS))
+
+
+def _calibration_costs(model: nn.Sequential, input: Tensor, device: torch.device,
+                       overheads: Tuple[float, float, float], cores: Optional[float]
+                       ) -> Costs:
+    """The costs of a calibration pipeline's layers (measured as the planner measures
+    any layer, its target zeros), with the pipeline's overheads."""
+    costs = measure(model, input, [1], device, repeat=STEPS,
+                    loss=(zeros_loss, torch.zeros_like(input)))
+    costs.overhead, costs.checkpoint_overhead, costs.split_overhead = overheads
+    costs.cores = cores
+    return costs
 
 
 def solve(grows: Callable[[float], float], target: float, high: float) -> float:

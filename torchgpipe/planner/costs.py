@@ -138,6 +138,9 @@ class Costs:
         split_overhead: what it adds to an ``I`` or a ``W``, instead of ``overhead``
         transfer: a message's latency in seconds and its time per byte,
             between two workers (zero within one memory)
+        skip_overhead: what a skip's message between two processes adds beside its
+            bytes' time, in seconds: a message of its own, after the task's own
+            (whose cost ``overhead`` holds), each way (its gradient's too)
         pace: the factor each size's times carry from a pilot of the pipeline
         shared: each parameter that more than one layer holds (a tied
             embedding and head): the layers, and its bytes (counted in each
@@ -163,6 +166,7 @@ class Costs:
     checkpoint_overhead: float = 0.0
     split_overhead: float = 0.0
     transfer: Tuple[float, float] = (0.0, 0.0)
+    skip_overhead: float = 0.0
     #: For workers of CPU devices (threads or processes), the factor each
     #: size's times were scaled by (see :mod:`~torchgpipe.planner.pilot`);
     #: else empty.

@@ -26,8 +26,14 @@ class Partitions:
         self.costs = costs
         self.bounds = [sum(balance[:j]) for j in range(len(balance) + 1)]
         self.worker_of = worker_of
+        #: The partitions of each skip's two ends, the layers that stash and pop it.
+        self.ends = [(self._partition_of(a), self._partition_of(b)) for a, b in costs.skips]
         self._sums: Dict[Tuple[int, int], Dict[str, float]] = {}
         self._lent: Dict[Tuple[int, int], Tuple[Dict[int, float], Dict[int, float]]] = {}
+        self._returned: Dict[Tuple[int, int], List[Tuple[int, float, bool]]] = {}
+
+    def _partition_of(self, layer: int) -> int:
+        return bisect.bisect_right(self.bounds, layer) - 1
 
     def __call__(self, j: int, size: int) -> Dict[str, float]:
         """Partition ``j``'s times and bytes for a micro-batch of ``size``.
@@ -56,6 +62,10 @@ class Partitions:
         ``received`` and ``handed`` (the skips it pops that a partition
         before it stashed, on another worker or on its own),
         ``entry`` (the bytes of its input) and ``exit`` (of its output),
+        ``skips_out`` and ``skips_out_bytes`` (how many skips it stashes that a
+        partition on another worker pops, a message each in ``F``, and their
+        bytes), ``skips_back`` and ``skips_back_bytes`` (of those it pops that one
+        on another worker stashed, whose gradients it sends back),
         ``turned`` (of its input, where the partition before runs in the
         same process and holds it: counted there) and ``turned_through``
         (the same, where that partition's output is its own input, which it
@@ -100,6 +110,7 @@ class Partitions:
         sums['turned'] = sums['entry'] if turned else 0.0
         sums['turned_through'] = sums['entry'] if turned and through and all(through) else 0.0
         sums['exit'] = layers.output[self.bounds[j + 1] - 1]
+        sums.update(self._messages(j, layers))
         # I lets go of the graph above the layers with weights (a loss, the
         # activations after the last linear layer): no W starts there; of a
         # partition without weights, of all of it (W has nothing to do).
@@ -140,6 +151,19 @@ class Partitions:
                           else max(0.0, sums['backward'] - sums['input']))
         return sums
 
+    def _messages(self, j: int, layers: LayerCosts) -> Dict[str, float]:
+        """The skips partition ``j`` sends to or takes from another worker, a message of
+        its own each: ``F`` sends those it stashed, ``B`` (or ``I``) the gradients
+        of those it popped (the keys ``skips_out``... of :meth:`__call__`)."""
+        mine, sums = self.worker_of(j), {}
+        for name, near, far in (('skips_out', 0, 1), ('skips_back', 1, 0)):
+            skips = [k for k, ends in enumerate(self.ends)
+                     if ends[near] == j != ends[far] and self.worker_of(ends[far]) != mine]
+            sums[name] = float(len(skips))
+            sums[name + '_bytes'] = sum(layers.skipped[k] for k in skips
+                                        if k < len(layers.skipped))
+        return sums
+
     def _top(self, start: int, stop: int) -> int:
         """The last layer with weights from ``start`` to ``stop`` (``start - 1`` if none)."""
         parameters = self.costs.parameters
@@ -177,9 +201,8 @@ class Partitions:
                 through = layers.through[start:stop]
                 made[j + 1] = 0.0 if through and all(through) else layers.output[last]
             reused = layers.reused or [0.0] * len(layers.loose)
-            for (a, b), loose, nbytes, saved in zip(self.costs.skips, layers.loose,
-                                                    layers.skipped, reused):
-                k = bisect.bisect_right(self.bounds, b) - 1
+            for (a, b), (_, k), loose, nbytes, saved in zip(
+                    self.costs.skips, self.ends, layers.loose, layers.skipped, reused):
                 if start <= a < stop <= b and self.worker_of(k) == self.worker_of(j):
                     made[k] = made.get(k, 0.0) + nbytes - saved
                     if b <= self._top(self.bounds[k], self.bounds[k + 1]):
@@ -195,16 +218,15 @@ class Partitions:
         output's gradient from its ``I``)."""
         if not self.costs.processes or j == 0:
             return []
-        layers, start = self.costs.at(size), self.bounds[j]
-        mine = self.worker_of(j)
-        back = ([(j - 1, layers.output[start - 1], True)]
-                if j > 1 and self.worker_of(j - 1) == mine else [])
-        for (a, b), nbytes in zip(self.costs.skips, layers.skipped):
-            source = bisect.bisect_right(self.bounds, a) - 1
-            if (source < j and start <= b < self.bounds[j + 1]
-                    and self.worker_of(source) == mine):
-                back.append((source, nbytes, False))
-        return back
+        if (j, size) not in self._returned:
+            layers, mine = self.costs.at(size), self.worker_of(j)
+            back = ([(j - 1, layers.output[self.bounds[j] - 1], True)]
+                    if j > 1 and self.worker_of(j - 1) == mine else [])
+            back += [(source, nbytes, False)
+                     for (source, sink), nbytes in zip(self.ends, layers.skipped)
+                     if source < j == sink and self.worker_of(source) == mine]
+            self._returned[j, size] = back
+        return self._returned[j, size]
 
     def _passes(self, j: int, layers: LayerCosts, start: int, stop: int
                 ) -> Dict[str, float]:
@@ -312,9 +334,9 @@ class Partitions:
         (the last with weights), which ``I`` lets go of with their gradients."""
         received = handed = up = 0.0
         reused = layers.reused or [0.0] * len(layers.skipped)
-        for (a, b), nbytes, saved in zip(self.costs.skips, layers.skipped, reused):
+        for (a, b), (source, _), nbytes, saved in zip(self.costs.skips, self.ends,
+                                                      layers.skipped, reused):
             if a < start <= b < stop:
-                source = bisect.bisect_right(self.bounds, a) - 1
                 # (What the popping layer saves, its ``kept`` counts.)
                 if self.worker_of(source) == self.worker_of(j):
                     handed += nbytes - saved

@@ -13,6 +13,11 @@ and, when the next partition is on another worker, the message::
     W   the weights' gradients, after I (of the first partition, whose I
         has nothing to compute, its whole backward pass)
 
+Each skip between partitions of two workers is a message of its own
+besides, each way: ``F`` sends those its partition stashes, ``B`` (or ``I``)
+the gradients of those it pops, each costing ``Costs.skip_overhead`` beside
+its bytes' time.
+
 The recomputation runs as soon as the worker is free, without waiting for
 the gradient from ``j+1``, as the engine runs it (the simulator's
 ``ahead``); the checkpoint's own overhead is counted after the wait.
@@ -45,6 +50,11 @@ backward passes: on the stashing partition the tensor it stashed, on the
 popping one the copy it received from another worker; its gradient lives
 from the popping layer's backward pass to the stashing layer's, on the
 workers of both partitions (of neither partition it passes over).
+
+Across processes, a rank running two partitions of a micro-batch (ZBV's
+turn, a skip between the arms of its V) hands the later one its tensors as
+they are, not a copy: what they share is counted once, alive until both
+have let go of it (:class:`~torchgpipe.planner.handover.Handover`).
 """
 import bisect
 import itertools
@@ -157,10 +167,11 @@ def predict(costs: Costs, candidate: Candidate, *, param_scale: float = 2.0
         part = parts(action.j, sizes[action.i])
         split = action.kind in (Kind.I, Kind.W)
         overhead = costs.split_overhead if split else costs.overhead
+        skips = 'skips_out' if action.kind is Kind.F else 'skips_back'
         if action.kind is Kind.F:
             work, sent, to = {'forward': part['forward']}, part['exit'], action.j + 1
         elif action.kind is Kind.W:
-            work, sent, to = {'weight': part['weight']}, 0.0, action.j
+            work, sent, to, skips = {'weight': part['weight']}, 0.0, action.j, ''
         else:
             kind = 'backward' if action.kind is Kind.B else 'input'
             work, sent, to = {kind: part[kind]}, part['entry'], action.j - 1
@@ -170,6 +181,9 @@ def predict(costs: Costs, candidate: Candidate, *, param_scale: float = 2.0
         latency, per_byte = costs.transfer
         crosses = 0 <= to < n and candidate.worker_of(to) != candidate.worker_of(action.j)
         message = latency + per_byte * sent if crosses else 0.0
+        if skips:  # a message of its own for each skip to or from another worker
+            message += (part[skips] * (latency + costs.skip_overhead)
+                        + per_byte * part[skips + '_bytes'])
         return sum(work.values()) + overhead + message, work
 
     cost: Dict[Action, Fraction] = {}
