@@ -48,7 +48,6 @@ against its measured one (target: within 10%). The even split is not
 compared there.
 """
 import copy
-import functools
 import gc
 import statistics
 import sys
@@ -148,7 +147,8 @@ Timer = Callable[[], float]
 def traced_step(module: nn.Sequential, option: Option, plan: Plan, input: Tensor,
                 target: Tensor, loss: Loss) -> Tuple[Timer, Row]:
     """A configuration's pipeline on the plan's devices, after :data:`WARM_UP` steps, and
-    the function that times one more step of it (traced)."""
+    the function that times one more step of it (traced), its gradients made anew, as
+    after ``zero_grad()`` (the planner predicts such a step, and its pilot times them)."""
     layout = Plan(option, [], plan.devices, None)
     pipe = GPipe(module, **layout.kwargs)
 
@@ -157,7 +157,11 @@ def traced_step(module: nn.Sequential, option: Option, plan: Plan, input: Tensor
         synchronize(pipe.devices)
     for _ in range(WARM_UP):
         step()
-    return functools.partial(traced_span, pipe, step), {}
+
+    def timer() -> float:
+        module.zero_grad(set_to_none=True)  # as a training loop does, before its step
+        return traced_span(pipe, step)
+    return timer, {}
 
 
 def in_rounds(timers: Sequence[Timer], rounds: int) -> List[Tuple[float, Row]]:

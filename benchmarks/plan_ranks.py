@@ -119,6 +119,7 @@ def ready(module: nn.Sequential, option: Option, plan: Plan, input: Any, target:
     dist.all_gather_object(memory, (float(tensors), float(resident)))
 
     def timer() -> float:
+        module.zero_grad(set_to_none=True)  # a step after zero_grad(), as traced_step's
         dist.barrier()
         return traced_span(pipe, step)
     return timer, {'memory_predicted': option.memory,
