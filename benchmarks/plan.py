@@ -252,6 +252,7 @@ def planned_rows(name: str, config: Dict[str, Any], device: torch.device, worker
     # What the planner measured of the pipeline itself, beside the layers.
     calibration = {'overhead': costs.overhead, 'checkpoint_overhead': costs.checkpoint_overhead,
                    'split_overhead': costs.split_overhead, 'transfer': list(costs.transfer),
+                   'skip_overhead': costs.skip_overhead,
                    'pace': costs.pace, 'cores': costs.cores}
     result = {'model': name, 'plan': str(plan), 'planning_seconds': planning, 'limit': limit,
               'calibration': calibration, 'rows': rows}

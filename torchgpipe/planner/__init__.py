@@ -68,8 +68,9 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
     arguments and its own ``device``. Rank 0 measures the layers while the
     others train copies of them (the load a pipeline puts on a shared
     machine; only as many as leave it a core of its own, where the ranks
-    outnumber the cores); the pipeline's cost per task and per message are
-    measured by steps across the group; every rank returns the same plan.
+    outnumber the cores); the pipeline's cost per task and per message
+    (a skip's between ranks too, a message of its own) are measured by
+    steps across the group; every rank returns the same plan.
 
     Args:
         module (torch.nn.Sequential): the model
