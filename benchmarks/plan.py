@@ -141,16 +141,22 @@ def transformer(scale: int) -> Tuple[nn.Sequential, Tensor, Tensor, Loss]:
 #: Untimed steps of a configuration as its pipeline is made, before the rounds.
 WARM_UP = 2
 #: Times one training step of a configuration: its span, in seconds, as a trace gives it.
-Timer = Callable[[], float]
+StepTimer = Callable[[], float]
 
 
 def traced_step(module: nn.Sequential, option: Option, plan: Plan, input: Tensor,
-                target: Tensor, loss: Loss) -> Tuple[Timer, Row]:
+                target: Tensor, loss: Loss) -> Tuple[StepTimer, Row]:
     """A configuration's pipeline on the plan's devices, after :data:`WARM_UP` steps, and
     the function that times one more step of it (traced), its gradients made anew, as
-    after ``zero_grad()`` (the planner predicts such a step, and its pilot times them)."""
+    after ``zero_grad()`` (the planner predicts such a step, and its pilot times them).
+
+    On CUDA devices the pipeline is made again before each step, untimed: the
+    pipelines of the other configurations moved the layers to their devices
+    since (CPU devices share one memory, where nothing moves).
+    """
     layout = Plan(option, [], plan.devices, None)
     pipe = GPipe(module, **layout.kwargs)
+    moved = any(device.type != 'cpu' for device in pipe.devices)
 
     def step() -> None:
         pipe.train_step(input, target, loss, schedule=option.schedule)
@@ -159,12 +165,15 @@ def traced_step(module: nn.Sequential, option: Option, plan: Plan, input: Tensor
         step()
 
     def timer() -> float:
+        nonlocal pipe
+        if moved:
+            pipe = GPipe(module, **layout.kwargs)
         module.zero_grad(set_to_none=True)  # as a training loop does, before its step
         return traced_span(pipe, step)
     return timer, {}
 
 
-def in_rounds(timers: Sequence[Timer], rounds: int) -> List[Tuple[float, Row]]:
+def in_rounds(timers: Sequence[StepTimer], rounds: int) -> List[Tuple[float, Row]]:
     """The median of ``rounds`` steps of each configuration, and each step's time
     (``steps``), measured in turns: a round times one step of each, after a round to
     warm up.
@@ -210,8 +219,8 @@ def grid(plan: Plan, most_chunks: int, batch: int, modes: Sequence[str]) -> List
 
 
 #: Readies one configuration: ``(module, option, plan, input, target, loss)`` to the
-#: :data:`Timer` of its steps and any further figures of its row.
-Ready = Callable[..., Tuple[Timer, Row]]
+#: :data:`StepTimer` of its steps and any further figures of its row.
+Ready = Callable[..., Tuple[StepTimer, Row]]
 
 
 def planned_rows(name: str, config: Dict[str, Any], device: torch.device, workers: int,

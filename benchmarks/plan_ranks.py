@@ -41,7 +41,7 @@ import os
 import sys
 import warnings
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,9 @@ from torchgpipe.planner.calibrate import traced_span
 from torchgpipe.planner.option import Option
 from torchgpipe.planner.working import Live
 from torchgpipe.timeline.clock import proc_status
+
+if TYPE_CHECKING:  # (benchmarks.plan imports this module)
+    from benchmarks.plan import StepTimer
 
 #: The most steps :func:`settle` takes after the first.
 SETTLING = 6
@@ -92,7 +95,7 @@ def model_rows(name: str, config: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def ready(module: nn.Sequential, option: Option, plan: Plan, input: Any, target: Tensor,
-          loss: Any) -> Tuple[Callable[[], float], Dict[str, Any]]:
+          loss: Any) -> Tuple['StepTimer', Dict[str, Any]]:
     """A configuration's pipeline, settled, and each rank's peak memory in its step beside
     its prediction; and the function that times one more step of it (every rank's span,
     the ranks started together)."""

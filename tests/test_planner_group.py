@@ -108,7 +108,7 @@ def test_the_ranks_agree_on_what_a_skips_message_costs(
     together (rank 0 finds its cost); a model without skips leaves it at nothing."""
     first, second = (r[-1]['costs'] for r in two_ranks)
     assert first['skips'] and first == second
-    assert first['skip_overhead'] >= 0.0
+    assert first['skip_overhead'] > 0.0  # (found by halving: never 0 for a step that took time)
     assert all(r[0]['costs']['skip_overhead'] == 0.0 for r in two_ranks)  # the MLP
 
 

@@ -138,9 +138,10 @@ class Costs:
         split_overhead: what it adds to an ``I`` or a ``W``, instead of ``overhead``
         transfer: a message's latency in seconds and its time per byte,
             between two workers (zero within one memory)
-        skip_overhead: what a skip's message between two processes adds beside its
-            bytes' time, in seconds: a message of its own, after the task's own
-            (whose cost ``overhead`` holds), each way (its gradient's too)
+        skip_overhead: what a skip's message between two processes adds beside the
+            latency and the bytes' time of ``transfer``, in seconds: a message of
+            its own, after the task's own (whose cost ``overhead`` holds), each way
+            (its gradient's too)
         pace: the factor each size's times carry from a pilot of the pipeline
         shared: each parameter that more than one layer holds (a tied
             embedding and head): the layers, and its bytes (counted in each

@@ -16,7 +16,8 @@ and, when the next partition is on another worker, the message::
 Each skip between partitions of two workers is a message of its own
 besides, each way: ``F`` sends those its partition stashes, ``B`` (or ``I``)
 the gradients of those it pops, each costing ``Costs.skip_overhead`` beside
-its bytes' time.
+a message's latency and its bytes' time (``Costs.transfer``: between CUDA
+devices of one process, a copy's).
 
 The recomputation runs as soon as the worker is free, without waiting for
 the gradient from ``j+1``, as the engine runs it (the simulator's
