@@ -215,10 +215,8 @@ class _PopAdd(nn.Linear):
 
 
 def skipping(p: int) -> nn.Sequential:
-    """The empty pipeline of ``p`` layers (at least 2) with a skip from its first to its
-    last."""
-    if p < 2:
-        raise ValueError(f'a skip needs two layers to cross (got p={p})')
+    """The empty pipeline of ``p`` layers (at least 2: a skip needs two to cross) with a
+    skip from its first to its last."""
     return nn.Sequential(_Stash(1, 1), *[nn.Linear(1, 1) for _ in range(p - 2)], _PopAdd(1, 1))
 
 
