@@ -208,14 +208,13 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
 
 def skip_overhead(team: 'Team', timer: Timer, overheads: Tuple[float, float, float],
                   costs: Costs) -> float:
-    """What a skip's message between the ranks of ``team`` costs (nothing where the model
-    has no skip, or the group one rank): every rank steps the skipping pipeline, rank 0
-    finds the cost."""
+    """What a skip's message between the ranks of ``team`` costs (none without skips or
+    ranks to cross): every rank steps the skipping pipeline, rank 0 finds the cost."""
     if not costs.skips or team.size < 2:
         return 0.0
     step = skip_step(timer, team.size)
-    return cast(float, team.first(lambda: skip_cost(step, team.size, team.device, overheads,
-                                                    costs.transfer, costs.cores)))
+    return cast(float, team.first(lambda: skip_cost(
+        step, team.size, team.device, overheads, costs.transfer, costs.cores)))
 
 
 def check_arguments(module: nn.Sequential, sample: TensorOrTensors,
