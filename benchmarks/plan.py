@@ -2,9 +2,9 @@
 
 Run from the repository root::
 
-    python -m benchmarks.plan                  # 3 models on cpu:0 and cpu:1 (~10 min)
-    python -m benchmarks.plan --preset cpu2    # the same across 2 processes (~15 min)
-    python -m benchmarks.plan --preset cpu4    # the same across 4 processes (~25 min)
+    python -m benchmarks.plan                  # 3 models on cpu:0 and cpu:1 (~7 min)
+    python -m benchmarks.plan --preset cpu2    # the same across 2 processes (~30 min)
+    python -m benchmarks.plan --preset cpu4    # the same across 4 processes (~45 min)
     python -m benchmarks.plan --preset cuda    # the same models, larger, on 4 CUDA devices
 
 For each of three models, :func:`torchgpipe.plan` plans for the devices
@@ -75,14 +75,14 @@ Loss = Callable[[Any, Tensor], Tensor]
 
 MODES = ['never', 'except_last', 'always']
 PRESETS: Dict[str, Preset] = {
-    'cpu': Preset('an MLP, a CNN with skips and a transformer on cpu:0 and cpu:1 (~10 min)',
+    'cpu': Preset('an MLP, a CNN with skips and a transformer on cpu:0 and cpu:1 (~7 min)',
                   device='cpu', workers=2, scale=1, rounds=7, most_chunks=32,
                   models=['mlp', 'cnn', 'transformer'], layers_100=100,
                   modes=MODES, limited='transformer'),
-    'cpu2': Preset('the same models on 2 processes, one CPU thread each (~15 min)',
+    'cpu2': Preset('the same models on 2 processes, one CPU thread each (~30 min)',
                    device='cpu', ranks=2, scale=1, rounds=7, most_chunks=32,
                    models=['mlp', 'cnn', 'transformer'], modes=MODES, limited='transformer'),
-    'cpu4': Preset('the same models on 4 processes, one CPU thread each (~25 min)',
+    'cpu4': Preset('the same models on 4 processes, one CPU thread each (~45 min)',
                    device='cpu', ranks=4, scale=1, rounds=7, most_chunks=32,
                    models=['mlp', 'cnn', 'transformer'], modes=MODES, limited='transformer'),
     'cuda': Preset('the same models, 4 times wider, on 4 CUDA devices',
