@@ -26,10 +26,15 @@ The grid: every schedule with its layouts (one partition per worker;
 interleaved 1F1B with two per worker in a loop; ZBV with two in a V), the
 time-optimal balance of :func:`torchgpipe.balance.blockpartition.solve`,
 chunks 1, 2, 4, ... up to the batch or 32, and every checkpoint mode; plus
-the plan's choice. Three tables:
+the plan's choice, and the configurations the planner's pilot stepped to
+find its pace (1F1B, one balance per micro-batch size; see :func:`pilots`).
+Three tables:
 
 - prediction against measurement, every configuration measured (targets:
-  median error within 10%, none beyond 20%);
+  median error within 10%, none beyond 20%). The pilot's configurations are
+  predicted at what the pilot measured, by construction: their errors (the
+  *pilot drift*) are how far the machine moved between the planner's
+  first minute and the grid's rounds, a floor under the others';
 - the choice against the fastest configuration of the grid that fits the
   memory limit by prediction (target: within 5%);
 - on the transformer, the plan against the even split by layer count with
@@ -199,11 +204,12 @@ def in_rounds(timers: Sequence[StepTimer], rounds: int) -> List[Tuple[float, Row
 
 
 def grid(plan: Plan, most_chunks: int, batch: int, modes: Sequence[str]) -> List[Option]:
-    """Every schedule and layout, the time-optimal balance, chunks in powers of two, every mode."""
+    """Every schedule and layout, the time-optimal balance, chunks in powers of two, every mode;
+    then the pilot's configurations that are not among them (:func:`pilots`)."""
     costs = plan.costs
     assert costs is not None
     middle = costs.sizes[len(costs.sizes) // 2]
-    options = []
+    options: List[Option] = []
     for schedule, shapes in SHAPES.items():
         for virtual, _ in shapes:
             n = virtual * len(plan.devices)
@@ -215,7 +221,32 @@ def grid(plan: Plan, most_chunks: int, batch: int, modes: Sequence[str]) -> List
                 for mode in modes:
                     options.append(plan.predict(schedule, balance, chunks, mode))
                 chunks *= 2
-    return options
+    known = {o.describe() for o in options}
+    return options + [o for o in pilots(plan, most_chunks) if o.describe() not in known]
+
+
+def pilots(plan: Plan, most_chunks: int) -> List[Option]:
+    """The configurations the planner's pilot stepped to find its pace: 1F1B without
+    checkpointing, one partition per worker, the balance that evens the layers' times, at
+    each micro-batch size the mini-batch splits into evenly (see
+    :mod:`torchgpipe.planner.pilot`).
+
+    Each is predicted at the median step the pilot measured, by construction:
+    measured again in the grid, its error is the machine's drift between the
+    planner's first minute and the grid's rounds, not the time model's.
+    """
+    costs = plan.costs
+    assert costs is not None
+    p = len(plan.devices)
+    found: List[Option] = []
+    if not costs.pace:  # no pilot: CUDA devices, or one worker
+        return found
+    for size in costs.sizes:
+        chunks = costs.batch // size
+        if p > 1 and chunks <= most_chunks and chunks * size == costs.batch:
+            found.append(plan.predict('1f1b', list(time_balance(costs, size, p)), chunks,
+                                      'never'))
+    return found
 
 
 #: Readies one configuration: ``(module, option, plan, input, target, loss)`` to the
@@ -250,10 +281,12 @@ def planned_rows(name: str, config: Dict[str, Any], device: torch.device, worker
     options = grid(plan, most, batch, config['modes'])
     # The choice, then the grid's configurations that are not the choice.
     options = [plan.chosen, *(o for o in options if o.describe() != plan.chosen.describe())]
+    piloted = {o.describe() for o in pilots(plan, most)}
     readied = [ready(module, option, plan, input, target, loss) for option in options]
     rows = [{'model': name, 'configuration': option.describe(), 'predicted': option.step,
              'measured': measured, 'fits': limit is None or max(option.memory) <= limit,
-             'memory': max(option.memory), 'chosen': option is plan.chosen, **more, **steps}
+             'memory': max(option.memory), 'chosen': option is plan.chosen,
+             'pilot': option.describe() in piloted, **more, **steps}
             for option, (_, more), (measured, steps) in zip(
                 options, readied, in_rounds([timer for timer, _ in readied], config['rounds']))]
     costs = plan.costs
@@ -357,6 +390,11 @@ def summary(document: Dict[str, Any]) -> Dict[str, float]:
     gaps = [abs(e) for e in errors(document)]
     figures = {'median error': statistics.median(gaps), 'largest error': max(gaps),
                'median step spread': statistics.median(spreads(document))}
+    drift = [abs(r['predicted'] / r['measured'] - 1) for m in document['results']
+             for r in m['rows'] if r.get('pilot')]
+    if drift:  # the pilot's own configurations: the machine's drift since the planner
+        figures['median pilot drift'] = statistics.median(drift)
+        figures['largest pilot drift'] = max(drift)
     if 'planning_100' in document:
         figures['planning 100 layers'] = document['planning_100']
     memory = [abs(e) for e in memory_errors(document)]
@@ -379,7 +417,8 @@ def table(document: Dict[str, Any]) -> str:
     lines = []
     for m in document['results']:
         lines += [f"{m['model']}: {m['plan']}", '']
-        cells = [[r['configuration'] + (' (chosen)' if r['chosen'] else ''),
+        cells = [[r['configuration'] + (' (chosen)' if r['chosen'] else '')
+                  + (' (pilot)' if r.get('pilot') else ''),
                   f"{r['predicted'] * 1e3:.2f}", f"{r['measured'] * 1e3:.2f}",
                   f"{(r['predicted'] / r['measured'] - 1) * 100:+.1f}%",
                   'yes' if r['fits'] else 'no']
