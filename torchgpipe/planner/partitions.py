@@ -27,12 +27,13 @@ class Partitions:
         self.bounds = [sum(balance[:j]) for j in range(len(balance) + 1)]
         self.worker_of = worker_of
         #: The partitions of each skip's two ends, the layers that stash and pop it.
-        self.ends = [(self._partition_of(a), self._partition_of(b)) for a, b in costs.skips]
+        self.ends = [(self.partition_of(a), self.partition_of(b)) for a, b in costs.skips]
         self._sums: Dict[Tuple[int, int], Dict[str, float]] = {}
         self._lent: Dict[Tuple[int, int], Tuple[Dict[int, float], Dict[int, float]]] = {}
         self._returned: Dict[Tuple[int, int], List[Tuple[int, float, bool]]] = {}
 
-    def _partition_of(self, layer: int) -> int:
+    def partition_of(self, layer: int) -> int:
+        """The partition that holds ``layer``."""
         return bisect.bisect_right(self.bounds, layer) - 1
 
     def __call__(self, j: int, size: int) -> Dict[str, float]:

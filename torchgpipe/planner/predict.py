@@ -57,8 +57,6 @@ turn, a skip between the arms of its V) hands the later one its tensors as
 they are, not a copy: what they share is counted once, alive until both
 have let go of it (:class:`~torchgpipe.planner.handover.Handover`).
 """
-import bisect
-import itertools
 import math
 from dataclasses import dataclass
 from fractions import Fraction
@@ -107,10 +105,6 @@ class Candidate:
     def worker_of(self, j: int) -> int:
         """The worker that runs partition ``j``."""
         return worker_of(j, len(self.balance), self.workers, self.placement)
-
-    def partition_of(self, layer: int) -> int:
-        """The partition that holds ``layer``."""
-        return bisect.bisect_right(list(itertools.accumulate(self.balance)), layer)
 
     def plan(self, micro_batches: int) -> Schedule:
         """The schedule's action lists, for the micro-batches the chunks really make."""
@@ -223,7 +217,7 @@ def predict(costs: Costs, candidate: Candidate, *, param_scale: float = 2.0
         # ``param_scale`` says (``- grads`` below leaves what the walk lacks).
         static = (param_scale - 1) * parts.parameters(mine) + gradients
         memory.append(max(peak_memory(schedule.workers, w, parts, sizes, checkpointed, made),
-                          grads + exchange_memory(costs, candidate, w)) + static - grads)
+                          grads + exchange_memory(parts, candidate, w)) + static - grads)
     return Prediction(step=step, memory=memory, busy=busy, ends=ends)
 
 
@@ -242,15 +236,15 @@ def gradient_share(param_scale: float) -> float:
     return min(1.0, max(0.0, param_scale - 1.0))
 
 
-def exchange_memory(costs: Costs, candidate: Candidate, worker: int) -> float:
+def exchange_memory(parts: Partitions, candidate: Candidate, worker: int) -> float:
     """What a worker holds beside a shared weight's gradient as processes sum it at the
     end of a step: the gradient of each other worker holding it, received, and the sum
     (see :class:`torchgpipe.distributed.tied.TiedGradients`), in bytes."""
-    if not costs.processes:
+    if not parts.costs.processes:
         return 0.0
     total = 0.0
-    for holders, nbytes in costs.shared:
-        workers = {candidate.worker_of(candidate.partition_of(k)) for k in holders}
+    for holders, nbytes in parts.costs.shared:
+        workers = {candidate.worker_of(parts.partition_of(k)) for k in holders}
         if worker in workers and len(workers) > 1:
             total += len(workers) * nbytes
     return total
