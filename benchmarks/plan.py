@@ -2,9 +2,9 @@
 
 Run from the repository root::
 
-    python -m benchmarks.plan                  # 3 models on cpu:0 and cpu:1 (~7 min)
-    python -m benchmarks.plan --preset cpu2    # the same across 2 processes (~30 min)
-    python -m benchmarks.plan --preset cpu4    # the same across 4 processes (~45 min)
+    python -m benchmarks.plan                  # 3 models on cpu:0 and cpu:1 (~7-10 min)
+    python -m benchmarks.plan --preset cpu2    # the same across 2 processes (~15-30 min)
+    python -m benchmarks.plan --preset cpu4    # the same across 4 processes (~25-45 min)
     python -m benchmarks.plan --preset cuda    # the same models, larger, on 4 CUDA devices
 
 For each of three models, :func:`torchgpipe.plan` plans for the devices
@@ -80,14 +80,14 @@ Loss = Callable[[Any, Tensor], Tensor]
 
 MODES = ['never', 'except_last', 'always']
 PRESETS: Dict[str, Preset] = {
-    'cpu': Preset('an MLP, a CNN with skips and a transformer on cpu:0 and cpu:1 (~7 min)',
+    'cpu': Preset('an MLP, a CNN with skips and a transformer on cpu:0 and cpu:1 (~7-10 min)',
                   device='cpu', workers=2, scale=1, rounds=7, most_chunks=32,
                   models=['mlp', 'cnn', 'transformer'], layers_100=100,
                   modes=MODES, limited='transformer'),
-    'cpu2': Preset('the same models on 2 processes, one CPU thread each (~30 min)',
+    'cpu2': Preset('the same models on 2 processes, one CPU thread each (~15-30 min)',
                    device='cpu', ranks=2, scale=1, rounds=7, most_chunks=32,
                    models=['mlp', 'cnn', 'transformer'], modes=MODES, limited='transformer'),
-    'cpu4': Preset('the same models on 4 processes, one CPU thread each (~45 min)',
+    'cpu4': Preset('the same models on 4 processes, one CPU thread each (~25-45 min)',
                    device='cpu', ranks=4, scale=1, rounds=7, most_chunks=32,
                    models=['mlp', 'cnn', 'transformer'], modes=MODES, limited='transformer'),
     'cuda': Preset('the same models, 4 times wider, on 4 CUDA devices',
@@ -229,11 +229,16 @@ def pilots(plan: Plan, most_chunks: int) -> List[Option]:
     """The configurations the planner's pilot stepped to find its pace: 1F1B without
     checkpointing, one partition per worker, the balance that evens the layers' times, at
     each micro-batch size the mini-batch splits into evenly (see
-    :mod:`torchgpipe.planner.pilot`).
+    :mod:`torchgpipe.planner.pilot`), in at most ``most_chunks`` micro-batches (the
+    grid's most: the MLP's pilot of 64 is left out).
 
-    Each is predicted at the median step the pilot measured, by construction:
-    measured again in the grid, its error is the machine's drift between the
-    planner's first minute and the grid's rounds, not the time model's.
+    Each is predicted at the median step the pilot measured, by construction,
+    where the pilot's steps gave its size a pace (a size they could not, which
+    takes its neighbours', did not happen in the committed runs): measured
+    again in the grid, its error is the machine's drift between the planner's
+    first minute and the grid's rounds, not the time model's. The balance is
+    found again from the paced costs, which scale each size's layers by one
+    factor: the pilot's but for a tie of two balances.
     """
     costs = plan.costs
     assert costs is not None

@@ -174,9 +174,15 @@ def check_plan(document: Dict[str, Any]) -> None:
         assert all(min(r['steps']) <= r['measured'] <= max(r['steps']) for r in model['rows'])
         assert model['plan'].startswith('plan: ')
     assert any(m.get('even', {}).get('ratio', 0) > 0 for m in document['results'])
+    # The pilot's own configurations are measured too: 1F1B, nothing checkpointed.
+    piloted = [r['configuration'] for m in document['results'] for r in m['rows']
+               if r['pilot']]
+    assert piloted and all(c.startswith('1f1b,') and "checkpoint='never'" in c
+                           for c in piloted)
     assert {f['label'] for f in document['headline']} == {
         'median error', 'largest error', 'choice over the best', 'plan over the even split',
-        'planning 100 layers', 'median step spread'}
+        'planning 100 layers', 'median step spread', 'median pilot drift',
+        'largest pilot drift'}
 
 
 #: What each experiment's results must hold beyond what every document holds.
