@@ -204,8 +204,7 @@ def in_rounds(timers: Sequence[StepTimer], rounds: int) -> List[Tuple[float, Row
 
 
 def grid(plan: Plan, most_chunks: int, batch: int, modes: Sequence[str]) -> List[Option]:
-    """Every schedule and layout, the time-optimal balance, chunks in powers of two, every mode;
-    then the pilot's configurations that are not among them (:func:`pilots`)."""
+    """Every schedule and layout, the time-optimal balance, chunks in powers of two, every mode."""
     costs = plan.costs
     assert costs is not None
     middle = costs.sizes[len(costs.sizes) // 2]
@@ -221,8 +220,7 @@ def grid(plan: Plan, most_chunks: int, batch: int, modes: Sequence[str]) -> List
                 for mode in modes:
                     options.append(plan.predict(schedule, balance, chunks, mode))
                 chunks *= 2
-    known = {o.describe() for o in options}
-    return options + [o for o in pilots(plan, most_chunks) if o.describe() not in known]
+    return options
 
 
 def pilots(plan: Plan, most_chunks: int) -> List[Option]:
@@ -248,7 +246,7 @@ def pilots(plan: Plan, most_chunks: int) -> List[Option]:
         return found
     for size in costs.sizes:
         chunks = costs.batch // size
-        if p > 1 and chunks <= most_chunks and chunks * size == costs.batch:
+        if chunks <= most_chunks and chunks * size == costs.batch:
             found.append(plan.predict('1f1b', list(time_balance(costs, size, p)), chunks,
                                       'never'))
     return found
@@ -283,15 +281,18 @@ def planned_rows(name: str, config: Dict[str, Any], device: torch.device, worker
     started = time.perf_counter()
     plan = planner(memory_limit=limit)
     planning = time.perf_counter() - started
-    options = grid(plan, most, batch, config['modes'])
-    # The choice, then the grid's configurations that are not the choice.
-    options = [plan.chosen, *(o for o in options if o.describe() != plan.chosen.describe())]
-    piloted = {o.describe() for o in pilots(plan, most)}
+    piloted = pilots(plan, most)
+    # The choice, then the grid's configurations, then the pilot's, each once.
+    unique: Dict[str, Option] = {}
+    for option in [plan.chosen, *grid(plan, most, batch, config['modes']), *piloted]:
+        unique.setdefault(option.describe(), option)
+    options = list(unique.values())
+    pilot_keys = {o.describe() for o in piloted}
     readied = [ready(module, option, plan, input, target, loss) for option in options]
     rows = [{'model': name, 'configuration': option.describe(), 'predicted': option.step,
              'measured': measured, 'fits': limit is None or max(option.memory) <= limit,
              'memory': max(option.memory), 'chosen': option is plan.chosen,
-             'pilot': option.describe() in piloted, **more, **steps}
+             'pilot': option.describe() in pilot_keys, **more, **steps}
             for option, (_, more), (measured, steps) in zip(
                 options, readied, in_rounds([timer for timer, _ in readied], config['rounds']))]
     costs = plan.costs
