@@ -129,7 +129,7 @@ def test_distributed_pipeline_example_takes_every_schedule_and_the_v() -> None:
         assert (args.schedule, args.placement) == (name, placement)
     assert parse(['--schedule', 'zbv', '--placement', 'v']).placement == 'v'
     for wrong in [['--schedule', '1f1b', '--placement', 'v'],
-                  ['--schedule', 'zbv', '--placement', 'loop'], ['--schedule', 'gpipe']]:
+                  ['--schedule', 'zbv', '--placement', 'loop'], ['--schedule', '1fb1']]:
         with pytest.raises(SystemExit):
             parse(wrong)
 

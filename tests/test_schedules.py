@@ -267,7 +267,8 @@ def test_any_deadlock_is_named_as_a_circle_of_true_waits(shape: tuple, seed: int
 @pytest.mark.parametrize('written, name', [
     ('1F1B', '1f1b'), (' 1f1b ', '1f1b'), ('ZB-H1', 'zb_h1'), ('zbh1', 'zb_h1'),
     ('Interleaved-1F1B', 'interleaved_1f1b'), ('fill-drain', 'fill_drain'),
-    ('FILL_DRAIN', 'fill_drain'), ('ZBV', 'zbv')])
+    ('FILL_DRAIN', 'fill_drain'), ('ZBV', 'zbv'), ('gpipe', 'fill_drain'),
+    ('GPipe', 'fill_drain')])
 def test_schedule_names_read_as_users_write_them(written: str, name: str) -> None:
     check_schedule(written)
     assert torchgpipe.schedules.built_in(written) == name
@@ -277,7 +278,9 @@ def test_schedule_names_read_as_users_write_them(written: str, name: str) -> Non
 
 @pytest.mark.parametrize('written, closest', [
     ('zbh2', 'zb_h1'), ('interleaved', 'interleaved_1f1b'), ('1f2b', '1f1b'),
-    ('filldrian', 'fill_drain'), ('gpipe', None)])
+    ('filldrian', 'fill_drain'), ('chimera', None),
+    # Shaped as an action (partition 1, micro-batch 1), but close to a name.
+    ('1fb1', '1f1b'), ('1F0B', '1f1b')])
 def test_an_unknown_name_lists_the_names_and_the_closest(written: str,
                                                          closest: 'str | None') -> None:
     with pytest.raises(ValueError) as caught:

@@ -357,30 +357,40 @@ def _key(name: str) -> str:
     return re.sub(r'[\s_-]', '', name.lower())
 
 
-_BY_KEY = {_key(name): name for name in SCHEDULES}
+#: Other names users write for a built-in schedule: the paper's, for fill-drain.
+ALIASES = {'gpipe': 'fill_drain'}
+
+_BY_KEY = {_key(name): name for name in SCHEDULES} | ALIASES
 
 
 def built_in(name: object) -> Optional[str]:
     """The built-in schedule that ``name`` means, as users write it; ``None`` if none.
 
     Case, spaces, ``-`` and ``_`` do not count: ``'1F1B'``, ``'ZB-H1'``,
-    ``'zbh1'``, ``'Interleaved-1F1B'`` and ``' fill-drain '`` are built-in names.
+    ``'zbh1'``, ``'Interleaved-1F1B'`` and ``' fill-drain '`` are built-in names;
+    ``'gpipe'``, the paper's name, is fill-drain.
 
     Example::
 
-        >>> built_in('ZB-H1'), built_in('Interleaved-1F1B'), built_in('gpipe')
-        ('zb_h1', 'interleaved_1f1b', None)
+        >>> built_in('ZB-H1'), built_in('Interleaved-1F1B'), built_in('gpipe'), built_in('1fb1')
+        ('zb_h1', 'interleaved_1f1b', 'fill_drain', None)
     """
     return _BY_KEY.get(_key(name)) if isinstance(name, str) else None
 
 
+def closest_name(name: str) -> Optional[str]:
+    """The built-in schedule whose name is closest to ``name``, if one is close."""
+    close = difflib.get_close_matches(_key(name), list(_BY_KEY), n=1, cutoff=0.5)
+    return _BY_KEY[close[0]] if close else None
+
+
 def unknown_name(name: str) -> ValueError:
     """The error for a name that is no built-in schedule: it lists them, and the closest."""
-    close = difflib.get_close_matches(_key(name), list(_BY_KEY), n=1, cutoff=0.5)
+    close = closest_name(name)
     return ValueError(describe(
         f'schedule must be one of {", ".join(map(repr, SCHEDULES))}, or a schedule of its '
         "actions (text such as '0F0 0B0', or a list of action lists)", f'schedule: {name!r}',
-        f'did you mean {_BY_KEY[close[0]]!r}?' if close else "use schedule='1f1b'"))
+        f'did you mean {close!r}?' if close else "use schedule='1f1b'"))
 
 
 def check_schedule(schedule: object) -> None:
@@ -396,9 +406,11 @@ def check_schedule(schedule: object) -> None:
     try:
         Schedule.parse(schedule)  # type: ignore[arg-type]
     except ValueError as exc:
-        # One word that is not an action, such as 'gpipe' or 'zbh2': meant as a name.
-        if isinstance(schedule, str) and not re.search(r'[\s,]', schedule.strip()) \
-                and not re.fullmatch(r'\d+[A-Za-z]+\d+', schedule.strip()):
+        # One word meant as a name: not of an action's shape ('zbh2'), or
+        # close to a name ('1fb1' is shaped as an action but means '1f1b').
+        word = schedule.strip() if isinstance(schedule, str) else None
+        if word and not re.search(r'[\s,]', word) and (
+                not re.fullmatch(r'\d+[A-Za-z]+\d+', word) or closest_name(word)):
             raise unknown_name(schedule) from exc
         raise  # meant as a schedule: it names the action written wrong
     except TypeError as exc:
