@@ -408,9 +408,9 @@ def check_schedule(schedule: object) -> None:
     except ValueError as exc:
         # One word meant as a name: not of an action's shape ('zbh2'), or
         # close to a name ('1fb1' is shaped as an action but means '1f1b').
-        word = schedule.strip() if isinstance(schedule, str) else None
-        if word and not re.search(r'[\s,]', word) and (
-                not re.fullmatch(r'\d+[A-Za-z]+\d+', word) or closest_name(word)):
+        if isinstance(schedule, str) and not re.search(r'[\s,]', schedule.strip()) and (
+                not re.fullmatch(r'\d+[A-Za-z]+\d+', schedule.strip())
+                or closest_name(schedule)):
             raise unknown_name(schedule) from exc
         raise  # meant as a schedule: it names the action written wrong
     except TypeError as exc:

@@ -14,6 +14,7 @@ as requirements, word for word) and copy the fix. Arguments are checked
 before anything is changed: a failed call leaves the user's module as it was.
 """
 import numbers
+import sys
 from typing import Dict, Iterable, List, Optional, Tuple, Union, cast
 
 import torch
@@ -190,7 +191,7 @@ class BalanceError(ValueError):
     """The balance does not fit the module."""
 
 
-def verify_module(module: nn.Sequential) -> None:
+def verify_module(module: object) -> None:
     """Checks that the module can be partitioned.
 
     Parameters shared by children are allowed (tied weights): see
@@ -202,8 +203,15 @@ def verify_module(module: nn.Sequential) -> None:
     """
     if not isinstance(module, nn.Sequential):
         # The 0.0.7 messages of this function are matched on by users: they
-        # stay word for word; docs/troubleshooting.rst gives the fix.
-        raise TypeError('module must be nn.Sequential to be partitioned')
+        # stay word for word; docs/troubleshooting.rst gives the fix, and a
+        # note (shown under the message, not part of str()) points to it.
+        error = TypeError('module must be nn.Sequential to be partitioned')
+        if sys.version_info >= (3, 11):
+            error.add_note(f'(module: {type(module).__name__}) flatten it first with '
+                           'torchgpipe.to_sequential(module), or write its layers as an '
+                           'nn.Sequential; see "module must be nn.Sequential" in the '
+                           "documentation's troubleshooting page")
+        raise error
 
     # Sequential's own iteration would hide a repeated child: it lists each
     # module once.
