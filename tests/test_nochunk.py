@@ -5,10 +5,14 @@ from typing import Any, Generator, List, Tuple
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from helpers import cpu_devices
+from process_group import no_child_left  # noqa: F401 (an autouse fixture)
+from process_group import run_distributed
 from torchgpipe import GPipe, NoChunk
+from torchgpipe.distributed import DistributedGPipe, PeerFailed
 from torchgpipe.skip import pop, skippable, stash
 
 FEATURES = 4
@@ -188,6 +192,49 @@ def test_unsplittable_inputs_are_refused(input: Any, error: type, message: str,
                   devices=cpu_devices(2, threaded), chunks=2)
     with pytest.raises(error, match=re.escape(message)):
         gpipe(input)
+
+
+class Named(nn.Module):
+    """Returns a dict, as a layer written for keyword access might."""
+
+    def forward(self, x: Tensor) -> Any:
+        return {'x': x}
+
+
+#: What a dict at a boundary gets, on every path, with the fix.
+DICT_REFUSED = ('output of partition 0 must be a tensor or a tuple of tensors (output of '
+                'partition 0: dict); use a tuple of its values instead, such as '
+                'tuple(d.values()), and take them by position where they are used')
+
+
+def dict_at_boundary() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(FEATURES, FEATURES), Named(), nn.Identity())
+
+
+def test_a_dict_at_a_boundary_is_refused_with_the_fix(threaded: bool) -> None:
+    gpipe = GPipe(dict_at_boundary(), [2, 1], devices=cpu_devices(2, threaded), chunks=2)
+    batch = torch.zeros(4, FEATURES)
+    for step in [lambda: gpipe(batch), lambda: gpipe.train_step(batch, batch, F.mse_loss)]:
+        with pytest.raises(TypeError) as caught:
+            step()
+        assert str(caught.value) == DICT_REFUSED
+
+
+def dict_across_ranks(rank: int, world_size: int) -> str:
+    pipe = DistributedGPipe(dict_at_boundary(), [2, 1], chunks=2)
+    batch = torch.zeros(4, FEATURES)
+    try:
+        pipe.train_step(batch, batch, F.mse_loss)
+    except (TypeError, PeerFailed) as exc:
+        return f'{type(exc).__name__}: {exc}'
+    return 'trained'
+
+
+def test_a_dict_at_a_boundary_is_refused_alike_across_processes() -> None:
+    """One rule for both faces: the rank whose partition returns it raises the same error."""
+    first, second = run_distributed(dict_across_ranks, timeout=60)
+    assert first == f'TypeError: {DICT_REFUSED}'
+    assert second == f'PeerFailed: rank 0 (partition 0) failed: TypeError: {DICT_REFUSED}'
 
 
 def test_a_partition_output_without_tensor_is_refused(threaded: bool) -> None:

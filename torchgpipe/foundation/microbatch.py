@@ -7,7 +7,7 @@ A tuple may also hold values that are not split: ``None``, booleans,
 numbers, strings, and tensors wrapped in :class:`~torchgpipe.NoChunk`; every micro-batch
 gets them as they are.
 """
-from typing import (Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union,
+from typing import (Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union,
                     cast, overload)
 
 import torch
@@ -227,6 +227,9 @@ def check(input: object, what: str = 'input') -> None:
         TypeError: ``input`` is neither a tensor nor such a tuple
     """
     requirement = f'{what} must be a tensor or a tuple of tensors'
+    # A dict cannot be split or sent as it is: its values, in a tuple, can.
+    by_position = ('use a tuple of its values instead, such as tuple(d.values()), and take '
+                   'them by position where they are used')
     if isinstance(input, tuple):
         has_tensor = False
         for index, x in enumerate(input):
@@ -236,6 +239,7 @@ def check(input: object, what: str = 'input') -> None:
                 raise TypeError(describe(requirement,
                                          f'{what}: a tuple holding {type(x).__name__} '
                                          f'at index {index}',
+                                         by_position if isinstance(x, Mapping) else
                                          'make it a tensor, or a value a tuple may hold besides '
                                          'tensors: None, bool, int, float, str or '
                                          'NoChunk(tensor)'))
@@ -249,6 +253,8 @@ def check(input: object, what: str = 'input') -> None:
     if not isinstance(input, Tensor):
         if isinstance(input, list):
             fix = 'use a tuple instead, such as tuple(values)'
+        elif isinstance(input, Mapping):
+            fix = by_position
         else:
             fix = 'make it a tensor, or give the value to the layer another way'
         raise TypeError(describe(requirement, f'{what}: {type(input).__name__}', fix))
