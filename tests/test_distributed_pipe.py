@@ -712,3 +712,35 @@ def test_bad_arguments_are_refused_before_any_message() -> None:
         "ValueError: schedule 'zbv' runs partitions [0, 3] on one worker, but they are on "
         "['rank 0', 'rank 1']; lay the partitions over the ranks as it does: placement='v' "
         "for 'zbv', 'loop' for the others"]
+
+
+def on_meta(rank: int, world_size: int) -> Tuple[str, float, float]:
+    """A model on the meta device: refused where a rank's own layers are there, trained where
+    only other ranks' layers are (a rank never places theirs)."""
+    with torch.device('meta'):
+        shapes_only = model('mlp')
+    try:
+        DistributedGPipe(shapes_only, [3, 2])
+        refused = ''
+    except ValueError as exc:
+        refused = str(exc)
+    real = model('mlp')
+    mine = range(3) if rank == 0 else range(3, 5)
+    for index in mine:
+        shapes_only[index] = real[index]
+    pipe = DistributedGPipe(shapes_only, [3, 2], chunks=2)
+    input, target = batch(0)
+    loss = pipe.train_step(input, target, F.mse_loss)
+    return refused, float(loss), float(F.mse_loss(real(input), target))
+
+
+def test_a_model_on_the_meta_device_is_refused_where_it_would_be_placed() -> None:
+    ranks = run_distributed(on_meta, timeout=GLOO_TIMEOUT)
+    first_layer = {0: '0', 1: '4'}  # the first with parameters of each rank's partition
+    for rank, (refused, loss, expected) in enumerate(ranks):
+        assert refused == (
+            'the layers must hold data to be placed on their devices '
+            f"('{first_layer[rank]}.weight' on the meta device, for cpu); materialize it "
+            'first: model.to_empty(device=...), then initialize it (reset_parameters() or '
+            'load_state_dict()), or build it on a real device')
+        assert loss == pytest.approx(expected, rel=1e-12)

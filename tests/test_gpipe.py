@@ -275,6 +275,9 @@ CONSTRUCTOR_ERRORS = [
     pytest.param(with_layer(nn.LazyBatchNorm1d()), dict(balance=[3, 3], devices=['meta'] * 2),
                  ValueError, id='lazy-batchnorm'),
     pytest.param(with_layer(StashOnly()), dict(balance=[3, 3]), TypeError, id='skippables'),
+    # Refused before the BatchNorm layers of the first partition are replaced.
+    pytest.param(with_layer(nn.Linear(2, 2, device='meta')),
+                 dict(balance=[3, 3], devices=['cpu', 'cpu']), ValueError, id='meta-layer'),
     pytest.param(lambda model: model.append(model[0]), dict(balance=[3, 3]), ValueError,
                  id='duplicate-children'),
 ]
@@ -283,10 +286,11 @@ CONSTRUCTOR_ERRORS = [
 def snapshot(model: nn.Module) -> list:
     """Every submodule (name, identity, class, training flag), then every
     parameter and buffer (name, identity, device, dtype, requires_grad, a copy
-    of the values; none for an uninitialized lazy tensor)."""
+    of the values; none for an uninitialized lazy tensor or one on the meta device)."""
     modules = [(name, id(m), type(m), m.training) for name, m in model.named_modules()]
     tensors = [(name, id(t), t.device, t.dtype, t.requires_grad,
-                None if isinstance(t, UninitializedTensorMixin) else t.detach().clone())
+                None if isinstance(t, UninitializedTensorMixin) or t.is_meta
+                else t.detach().clone())
                for name, t in [*model.named_parameters(), *model.named_buffers()]]
     return [modules, tensors]
 

@@ -9,9 +9,9 @@ from torchgpipe.engine.core import Core, CoreModule
 from torchgpipe.foundation import microbatch
 from torchgpipe.foundation.microbatch import TensorOrTensors
 from torchgpipe.foundation.validation import (BalanceError, Device, Devices, check_balance,
-                                              check_chunks, check_devices, deny_moving, describe,
-                                              example_balance, recommend_auto_balance,
-                                              verify_module)
+                                              check_chunks, check_devices, check_materialized,
+                                              deny_moving, describe, example_balance,
+                                              recommend_auto_balance, verify_module)
 from torchgpipe.runtime import plain
 from torchgpipe.runtime.batchnorm import DeferredBatchNorm
 from torchgpipe.runtime.partition import split_module
@@ -70,8 +70,9 @@ class GPipe(CoreModule):
             ``devices`` a single device, ``chunks`` not a number).
         ValueError: an argument has a wrong value, the balance does not fit
             the module (the message recommends :mod:`torchgpipe.balance`), a
-            CUDA device in use does not exist, or a buffer (or a layer with
-            parameters or buffers) is in two partitions. Parameters alone
+            CUDA device in use does not exist, a layer's tensor is on the meta
+            device, or a buffer (or a layer with parameters or buffers) is in
+            two partitions. Parameters alone
             may be shared across partitions (tied weights: see
             :ref:`guide-tied-weights`).
         IndexError: the number of devices is fewer than the number of
@@ -115,6 +116,7 @@ class GPipe(CoreModule):
         except BalanceError as exc:
             raise ValueError(recommend_auto_balance(str(exc))) from None
         device_list = check_devices(devices, len(balance))
+        check_materialized(module, balance, device_list)
         chunks = check_chunks(chunks)
         # As in 0.0.7, any object that reads as a mode is one, such as an
         # enum member whose str() is 'always'.

@@ -26,8 +26,9 @@ import torch
 from torch import nn
 
 from torchgpipe.foundation import microbatch
-from torchgpipe.foundation.validation import (Device, check_available, check_chunks, describe,
-                                              parse_device, verify_module)
+from torchgpipe.foundation.validation import (Device, check_available, check_chunks,
+                                              check_materialized, describe, parse_device,
+                                              verify_module)
 from torchgpipe.balance import blockpartition
 from torchgpipe.balance.profile import profile_sizes, profile_times
 from torchgpipe.foundation.microbatch import TensorOrTensors
@@ -103,6 +104,7 @@ def balance_by_time(partitions: int, module: nn.Sequential, sample: TensorOrTens
     microbatch.check(sample, 'sample')
     check_real('timeout', timeout, 'give a time in seconds, such as timeout=1.0')
     profile_device = check_device(device)
+    check_materialized(module, [len(module)], [profile_device])
 
     times = profile_times(module, sample, timeout, profile_device)
     return balance_cost(times, partitions)
@@ -198,6 +200,7 @@ def balance_by_size(partitions: int, module: nn.Sequential, input: TensorOrTenso
                'give the number of parameter-sized copies training keeps, such as '
                'param_scale=4.0 for Adam')
     profile_device = check_device(device)
+    check_materialized(module, [len(module)], [profile_device])
     # Before profiling, which may take long: an input that cannot be split
     # fails now.
     microbatch.scatter(input, chunks)

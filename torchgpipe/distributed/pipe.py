@@ -21,8 +21,8 @@ from torchgpipe.foundation.microbatch import TensorOrTensors
 from torchgpipe.foundation.placement import place
 from torchgpipe.foundation.tied import find_ties
 from torchgpipe.foundation.validation import (check_available, check_balance, check_chunks,
-                                              check_step, check_timeout, describe, parse_device,
-                                              verify_module)
+                                              check_materialized, check_step, check_timeout,
+                                              describe, parse_device, verify_module)
 from torchgpipe.runtime.batchnorm import DeferredBatchNorm
 from torchgpipe.skip.layout import inspect_skip_layout
 from torchgpipe.skip.skippable import verify_skippables
@@ -130,6 +130,8 @@ class DistributedGPipe(CoreModule):
         self.device = torch.device('cpu') if device is None else parse_device('device', device,
                                                                                fix)
         check_available('device', self.device, fix)
+        check_materialized(module, balance, [self.device if r == dist.get_rank(group) else None
+                                             for r in self.rank_of])
         verify_skippables(module)
         if deferred_batch_norm:
             module = cast(nn.Sequential,

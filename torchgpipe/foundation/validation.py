@@ -15,7 +15,7 @@ before anything is changed: a failed call leaves the user's module as it was.
 """
 import numbers
 import sys
-from typing import Dict, Iterable, List, Optional, Tuple, Union, cast
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union, cast
 
 import torch
 from torch import nn
@@ -217,6 +217,38 @@ def verify_module(module: object) -> None:
     # module once.
     if shares_objects(module._modules.items()):
         raise ValueError('module with duplicate children is not supported')
+
+
+def check_materialized(module: nn.Sequential, balance: List[int],
+                       devices: Sequence[Optional[torch.device]]) -> None:
+    """Checks that the layers of each partition hold data to place on its device.
+
+    A model built on the meta device has shapes but no values: it cannot be
+    copied to a device, and training it would need its initialization first.
+
+    Args:
+        module: the module, split as ``balance`` says
+        balance: the number of layers of each partition
+        devices: the device of each partition; ``None`` for a partition
+            this process does not keep (another rank's), which is not checked
+
+    Raises:
+        ValueError: a parameter or buffer of a kept partition is on the meta
+            device, and the partition's is not
+    """
+    children = iter(module.named_children())
+    for size, device in zip(balance, devices):
+        for child, layer in (next(children) for _ in range(size)):
+            if device is None or device.type == 'meta':
+                continue
+            for name, tensor in [*layer.named_parameters(), *layer.named_buffers()]:
+                if tensor.is_meta:
+                    raise ValueError(describe(
+                        'the layers must hold data to be placed on their devices',
+                        f"'{child}.{name}' on the meta device, for {device}",
+                        'materialize it first: model.to_empty(device=...), then '
+                        'initialize it (reset_parameters() or load_state_dict()), or build it on '
+                        'a real device'))
 
 
 def shares_objects(owned: Iterable[Tuple[str, object]]) -> bool:

@@ -13,7 +13,7 @@ from torch import nn
 
 from torchgpipe.foundation.microbatch import TensorOrTensors, check
 from torchgpipe.foundation.tied import place_partitions
-from torchgpipe.foundation.validation import check_balance, check_devices
+from torchgpipe.foundation.validation import check_balance, check_devices, check_materialized
 from torchgpipe.skip.tracker import SkipTracker, use_skip_tracker
 
 __all__ = ['split_module']
@@ -49,11 +49,12 @@ def split_module(module: nn.Sequential, balance: Iterable[int],
             has a non-positive entry
         IndexError: fewer devices than partitions
         ValueError: a device in use is a CUDA device that does not exist here;
-            or a buffer, or a layer with parameters or buffers, is in two
-            partitions
+            a layer's tensor is on the meta device; or a buffer, or a layer
+            with parameters or buffers, is in two partitions
     """
     balance = check_balance(module, balance)
     devices = check_devices(devices, len(balance))
+    check_materialized(module, balance, devices)
 
     children = iter(module.named_children())
     partitions = []
