@@ -24,7 +24,7 @@ few hundred steps of training to well above the tolerance; in float64 it stays n
 1e-15, so any visible difference would be a real bug.
 
 Run it with ``python examples/demo.py`` (``--help`` lists the options). Progress is
-shown with tqdm when it is installed, otherwise as plain lines.
+shown with tqdm in a terminal when it is installed, otherwise as a line per epoch.
 """
 import argparse
 import copy
@@ -117,23 +117,26 @@ def batch_order(steps: int, batch_size: int, seed: int) -> List[Tensor]:
     return order[:steps]
 
 
-def progress(iterable: Sequence[Tensor], desc: str) -> Tuple[Iterable[Tensor],
-                                                             Callable[[int, float], None]]:
+def progress(iterable: Sequence[Tensor], desc: str, every: int,
+             ) -> Tuple[Iterable[Tensor], Callable[[int, float], None]]:
     """Wraps ``iterable`` with a progress display.
 
-    Returns the iterable to loop over and a callback ``report(step, loss)``. Uses
-    tqdm when available; otherwise prints a line every tenth of the run.
+    Returns the iterable to loop over and a callback ``report(step, loss)``. In
+    a terminal, a tqdm bar when tqdm is installed; elsewhere (a log, a pipe), or
+    without tqdm, a line every ``every`` steps (an epoch) and at the end, as a
+    bar redrawn there would leave every redraw in the log.
     """
+    total = len(iterable)
+
+    def report_plain(step: int, loss: float) -> None:
+        if (step + 1) % every == 0 or step + 1 == total:
+            print(f'{desc}: step {step + 1}/{total} loss {loss:.4f}', flush=True)
+
+    if not sys.stderr.isatty():
+        return iterable, report_plain
     try:
         from tqdm import tqdm
     except ImportError:
-        total = len(iterable)
-        every = max(1, total // 10)
-
-        def report_plain(step: int, loss: float) -> None:
-            if (step + 1) % every == 0 or step + 1 == total:
-                print(f'{desc}: step {step + 1}/{total} loss {loss:.4f}', flush=True)
-
         return iterable, report_plain
 
     bar = tqdm(iterable, desc=desc, unit='step', leave=True, dynamic_ncols=True)
@@ -156,7 +159,7 @@ def train(model: nn.Module, batches: Sequence[Tensor], train_x: Tensor, train_y:
     model.train()
     losses: List[float] = []
     samples = 0
-    iterator, report = progress(batches, desc)
+    iterator, report = progress(batches, desc, max(1, TRAIN_SAMPLES // len(batches[0])))
 
     start = time.perf_counter()
     for step, index in enumerate(iterator):

@@ -167,12 +167,22 @@ def test_demo_matches_the_unwrapped_model_on_both_paths(
         status = demo['main'](['--steps', '3', '--batch-size', '16', '--chunks', '4'])
     finally:
         torch.set_num_threads(threads)
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert status == 0, out
     assert 'GPipe, 1 thread' in out and 'GPipe, 4 threads' in out, out
     said = [line for line in out.splitlines() if line.strip()]
     assert said[0].startswith('A CNN of 11 layers trained three times'), out
     assert said[-1].startswith('OK: on both paths'), out  # the summary line comes last
+    # Not a terminal here: no bar redrawn into the log, a line per run's end.
+    assert '\r' not in out + err and err == '', err
+    assert len([line for line in said if ': step 3/3 loss ' in line]) == 3, out
+
+    # A line an epoch: here 4 steps each.
+    iterable, report = demo['progress'](list(range(10)), 'run', 4)
+    for step in iterable:
+        report(step, 0.5)
+    assert capsys.readouterr().out.splitlines() == [
+        f'run: step {step}/10 loss 0.5000' for step in (4, 8, 10)]
 
 
 # The documented spelling, run as a user's script would: `import torchgpipe`
