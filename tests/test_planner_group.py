@@ -167,9 +167,12 @@ def test_a_wrong_rank_makes_every_rank_raise() -> None:
 def test_group_needs_distributed_and_device_needs_group() -> None:
     sample = torch.zeros(4, 2)
     module = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    assert not dist.is_initialized()
+    # Before init_process_group, group=dist.group.WORLD is None.
+    with pytest.raises(RuntimeError, match=r'call torch\.distributed\.init_process_group'):
+        torchgpipe.plan(module, sample, group=dist.group.WORLD, device='cpu')
     with pytest.raises(ValueError, match='device is for planning across processes'):
         torchgpipe.plan(module, sample, devices=['cpu:0', 'cpu:1'], device='cpu')
-    assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match='plan with group= needs torch.distributed'):
         torchgpipe.plan(module, sample, group=object())
 

@@ -114,8 +114,8 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
 
     Raises:
         TypeError: an argument of the wrong type
-        RuntimeError: with ``group``, torch.distributed is not initialized,
-            or (on the other ranks) rank 0 failed measuring the layers
+        RuntimeError: with ``group`` or ``device``, torch.distributed is not
+            initialized, or (on the other ranks) rank 0 failed measuring the layers
         ValueError: a bad argument (named), fewer layers than devices,
             ``schedules`` none of which fits the devices and the layers, or a
             ``memory_limit`` no configuration fits, naming the least memory
@@ -234,6 +234,9 @@ def check_arguments(module: nn.Sequential, sample: TensorOrTensors,
     """
     verify_module(module)
     if group is None and device is not None:
+        if devices is None:
+            # group=torch.distributed.group.WORLD is None until the group is made.
+            check_process_group()
         raise ValueError(describe('device is for planning across processes, with group',
                                   f'device: {device!r}, group: None',
                                   'give devices=[...] to plan in one process'))
@@ -254,6 +257,19 @@ def check_arguments(module: nn.Sequential, sample: TensorOrTensors,
     check_real('param_scale', param_scale, 'give e.g. param_scale=4.0 for Adam')
     check_loss(target, loss_fn)
     return batch, workers, names, modes, most
+
+
+def check_process_group() -> None:
+    """Checks that torch.distributed is initialized, as planning across processes needs.
+
+    Raises:
+        RuntimeError: it is not
+    """
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        raise RuntimeError('plan with group= needs torch.distributed: call '
+                           "torch.distributed.init_process_group('gloo') (or 'nccl') "
+                           'first, on every rank (until then, torch.distributed.group.WORLD '
+                           'is None)')
 
 
 def check_loss(target: Optional[TensorOrTensors], loss_fn: Optional[LossFunction]) -> None:
