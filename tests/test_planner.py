@@ -485,6 +485,16 @@ def test_planning_leaves_the_random_state_and_the_threads_as_they_were() -> None
     assert torch.equal(torch.get_rng_state(), rng) and torch.get_num_threads() == threads
 
 
+def test_planning_a_model_with_gradients_leaves_them() -> None:
+    """Planned as if it had none (its copies have none), every gradient is the same
+    tensor with the same values after."""
+    module, input = model(), torch.randn(16, 8)
+    F.mse_loss(module(input), torch.randn(16, 4)).backward()
+    grads = [(p, p.grad, p.grad.clone()) for p in module.parameters()]
+    torchgpipe.plan(module, input, devices=['cpu:0', 'cpu:1'], chunks=2, repeat=1)
+    assert all(p.grad is grad and torch.equal(grad, values) for p, grad, values in grads)
+
+
 def test_a_first_layer_that_needs_no_gradient_leaves_the_others_an_input_pass() -> None:
     """The input pass starts from the first output that needs a gradient: behind a
     Flatten (no parameters, an input without gradient), the layers still have an I."""

@@ -60,7 +60,8 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
     to ``chunks``, every checkpoint mode and a few balances is predicted by
     the simulator: its step time and each device's peak memory. The best
     are refined by moving a boundary one layer at a time. ``module`` is
-    left untouched, and so are the random number generators.
+    left untouched (gradients it holds are set aside while planning, and
+    given back as they were), and so are the random number generators.
 
     With ``group``, the plan is for a
     :class:`~torchgpipe.distributed.DistributedGPipe` over the processes of
@@ -164,7 +165,7 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
     sizes = sizes_to_measure(batch, counts)
     steps: Optional[pilot.ModelStep] = None
     local = workers if team is None else [team.device]
-    with sharing_cores(local), untouched_random_state(local):
+    with sharing_cores(local), untouched_random_state(local), gradients_set_aside(module):
         if team is None:
             costs = measure(module, sample, sizes, workers[0], repeat=repeat, loss=loss)
             costs.overhead, costs.checkpoint_overhead, costs.split_overhead = \
@@ -382,6 +383,24 @@ def sharing_cores(workers: Sequence[torch.device]) -> Generator[None, None, None
         yield
     finally:
         torch.set_num_threads(before)
+
+
+@contextmanager
+def gradients_set_aside(module: nn.Module) -> Generator[None, None, None]:
+    """Plans a module that holds gradients as one that holds none, and gives them back.
+
+    The planner measures copies of the layers, which must start without
+    gradients, as training after ``zero_grad()`` does; each ``.grad`` is
+    the same tensor, untouched, after planning.
+    """
+    held = [(p, p.grad) for p in module.parameters() if p.grad is not None]
+    for p, _ in held:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, grad in held:
+            p.grad = grad
 
 
 def sizes_to_measure(batch: int, counts: Sequence[int]) -> List[int]:
