@@ -165,7 +165,8 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
     sizes = sizes_to_measure(batch, counts)
     steps: Optional[pilot.ModelStep] = None
     local = workers if team is None else [team.device]
-    with sharing_cores(local), untouched_random_state(local), gradients_set_aside(module):
+    with sharing_cores(local) as worker_threads, untouched_random_state(local), \
+            gradients_set_aside(module):
         if team is None:
             costs = measure(module, sample, sizes, workers[0], repeat=repeat, loss=loss)
             costs.overhead, costs.checkpoint_overhead, costs.split_overhead = \
@@ -204,7 +205,8 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
                        chunks=counts, checkpoints=modes, param_scale=param_scale)
         return choose(found, names_of, names, memory_limit, runners_up, costs,
                       float(param_scale), processes=group is not None,
-                      order=trial.order(steps, trials, names_of, group is not None))
+                      order=trial.order(steps, trials, names_of, group is not None),
+                      threads=worker_threads)
 
 
 def skip_overhead(team: 'Team', timer: Timer, overheads: Tuple[float, float, float],
@@ -288,11 +290,13 @@ def check_loss(target: Optional[TensorOrTensors], loss_fn: Optional[LossFunction
 def choose(found: List[Scored], names_of: List[str], names: List[str],
            memory_limit: Optional[float], runners_up: int, costs: Costs,
            param_scale: float, processes: bool = False,
-           order: Callable[[List[Option]], List[Option]] = lambda options: options) -> Plan:
+           order: Callable[[List[Option]], List[Option]] = lambda options: options,
+           threads: Optional[int] = None) -> Plan:
     """The plan of the first configuration that fits, in the ``order`` given to those
     (fastest predicted first); errors when none does.
 
-    ``names_of`` names each worker: its device, or its rank (``processes``).
+    ``names_of`` names each worker: its device, or its rank (``processes``);
+    ``threads`` is what each measured with (:attr:`Plan.threads`).
 
     Raises:
         ValueError: no schedule fits the devices and layers, or nothing fits the memory limit
@@ -316,7 +320,7 @@ def choose(found: List[Scored], names_of: List[str], names: List[str],
     fitting = order([o for o, s in zip(options, found) if s.fits(memory_limit)])
     return Plan(fitting[0], fitting[1:1 + runners_up], names_of,
                 None if memory_limit is None else float(memory_limit), costs, param_scale,
-                processes)
+                processes, threads)
 
 
 @contextmanager
@@ -369,18 +373,22 @@ def check_count(name: str, value: object, least: int) -> None:
 
 
 @contextmanager
-def sharing_cores(workers: Sequence[torch.device]) -> Generator[None, None, None]:
+def sharing_cores(workers: Sequence[torch.device]) -> Generator[Optional[int], None, None]:
     """Measures CPU layers with the threads each worker will have: the cores, shared.
 
     The workers of CPU devices run at once, each calling into torch's
     thread pool, so each gets about its share of the cores; a layer
-    measured with all of them would be predicted too fast.
+    measured with all of them would be predicted too fast. Yields the
+    threads each CPU worker measures with (``None`` on CUDA devices, whose
+    layers do not run in the pool), which training must have too.
     """
     before = torch.get_num_threads()
-    if workers[0].type == 'cpu':
-        torch.set_num_threads(max(1, before // len(workers)))
+    if workers[0].type != 'cpu':
+        yield None
+        return
+    torch.set_num_threads(max(1, before // len(workers)))
     try:
-        yield
+        yield torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
 
