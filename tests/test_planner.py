@@ -1,7 +1,9 @@
 """The planner: its predictions are the simulator's, its choice fits and is the fastest
 predicted, and the plan applies, saves, loads and compares as documented."""
 import json
-from typing import Any, List, Optional, Tuple
+import warnings
+from contextlib import contextmanager
+from typing import Any, Iterator, List, Optional, Tuple
 from fractions import Fraction
 
 import pytest
@@ -20,6 +22,7 @@ from torchgpipe.engine.simulator import simulate_sharing
 from torchgpipe.planner.costs import Costs, LayerCosts, measure
 from torchgpipe.planner.handover import Handover
 from torchgpipe.planner.memory import tensor_bytes
+from torchgpipe.planner.option import Option
 from torchgpipe.planner.partitions import Partitions
 from torchgpipe.planner.predict import Candidate, checkpoints, micro_batches, predict
 from torchgpipe.planner.search import SHAPES, CHECKPOINTS, chunk_counts, search
@@ -407,6 +410,9 @@ def test_a_plan_saves_and_loads(planned: Plan, tmp_path) -> None:
     loaded = Plan.load(path)
     assert loaded.kwargs == planned.kwargs and loaded.table() == planned.table()
     assert str(loaded) == str(planned)
+    # The threads each worker measured with (the conftest's one), kept and printed.
+    assert loaded.threads == planned.threads == planned.kwargs['planned_threads'] == 1
+    assert 'intra-op threads per worker: 1, as measured' in str(loaded)
     with pytest.raises(ValueError, match='predict needs the measurements'):
         loaded.predict('1f1b', [3, 2], chunks=1)
     # A plan saved before trials (no measured), or by a later version (a field more).
@@ -483,6 +489,75 @@ def test_planning_leaves_the_random_state_and_the_threads_as_they_were() -> None
         torchgpipe.plan(module, input, devices=['cpu:0', 'cpu:1'], chunks=2, repeat=1,
                         memory_limit=1)
     assert torch.equal(torch.get_rng_state(), rng) and torch.get_num_threads() == threads
+
+
+def test_planning_a_model_with_gradients_leaves_them_and_records_its_threads() -> None:
+    """Planned as if it had none (its copies have none), every gradient is the same
+    tensor with the same values after. Two threads on two workers: each measures with
+    one, which the plan records for the pipeline it gives."""
+    module, input = model(), torch.randn(16, 8)
+    F.mse_loss(module(input), torch.randn(16, 4)).backward()
+    grads = [(p, p.grad, p.grad.clone()) for p in module.parameters()]
+    with intra_op_threads(2):
+        plan = torchgpipe.plan(module, input, devices=['cpu:0', 'cpu:1'], chunks=2, repeat=1)
+    assert all(p.grad is grad and torch.equal(grad, values) for p, grad, values in grads)
+    assert plan.threads == plan.kwargs['planned_threads'] == 1
+
+
+@contextmanager
+def intra_op_threads(count: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def thread_warnings(caught: List[warnings.WarningMessage]) -> List[str]:
+    return [str(w.message) for w in caught if 'intra-op threads' in str(w.message)]
+
+
+@pytest.mark.parametrize('first', ['forward', 'train_step', 'eval_step'])
+def test_a_planned_pipeline_warns_once_at_its_first_step_under_other_threads(
+        planned: Plan, threaded: bool, first: str) -> None:
+    """Whichever step comes first, on both paths; and not under the threads planned."""
+    kwargs = dict(planned.kwargs)
+    if not threaded:
+        kwargs['devices'] = ['cpu'] * len(planned.balance)
+    input, target = torch.randn(16, 8), torch.randn(16, 4)
+    steps = {'forward': lambda pipe: pipe(input),
+             'train_step': lambda pipe: pipe.train_step(input, target, F.mse_loss),
+             'eval_step': lambda pipe: pipe.eval_step(input)}
+    for threads, expected in ((planned.threads, 0), (planned.threads + 1, 1)):
+        with intra_op_threads(threads), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter('always')
+            pipe = GPipe(model(), **kwargs)
+            steps[first](pipe)
+            for step in steps.values():
+                step(pipe)
+        said = thread_warnings(caught)
+        assert len(said) == expected, said
+    assert 'planned_threads: 1, torch.get_num_threads(): 2' in said[0]
+    assert 'call torch.set_num_threads(1) before the first step, or plan again' in said[0]
+    with pytest.raises(ValueError, match='planned_threads must be positive'):
+        GPipe(model(), **{**kwargs, 'planned_threads': 0})
+    with pytest.raises(TypeError, match='planned_threads must be an int'):
+        GPipe(model(), **{**kwargs, 'planned_threads': '1'})
+
+
+def test_a_plan_says_why_chunks_1_won_and_which_trials_overruled_the_prediction() -> None:
+    def made(chunks: int, step: float, measured: Optional[float]) -> Option:
+        return Option('1f1b', [3, 2], chunks, 'never', 'loop', step, [1.0, 1.0],
+                      measured=measured)
+    chosen = made(1, 10e-3, 10e-3)
+    runners_up = [made(4, 9e-3, 12e-3), made(2, 11e-3, 13e-3), made(8, 8e-3, None)]
+    lines = str(Plan(chosen, runners_up, ['cpu:0', 'cpu:1'], None)).splitlines()
+    assert any(line.startswith('  chunks=1, no pipelining: what each micro-batch adds')
+               for line in lines)
+    labelled = [line for line in lines if line.endswith('(predicted faster, measured slower)')]
+    assert labelled == [line for line in lines if 'chunks=4' in line]
+    assert 'no pipelining' not in str(Plan(runners_up[0], [chosen], ['cpu:0', 'cpu:1'], None))
 
 
 def test_a_first_layer_that_needs_no_gradient_leaves_the_others_an_input_pass() -> None:

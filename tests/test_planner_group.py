@@ -1,5 +1,6 @@
 """The planner across processes: every rank gets one plan, which trains as the unwrapped model."""
 import math
+import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
@@ -37,10 +38,20 @@ def plan_and_train(rank: int, world_size: int) -> List[Dict[str, Any]]:
     results = []
     for schedules in SCHEDULES:
         plan = planned(model('mlp'), schedules)
-        pipe = DistributedGPipe(model('mlp'), **plan.kwargs)
         config = Config('mlp', tuple(plan.balance), plan.schedule, plan.checkpoint,
                         plan.chosen.placement)
-        trained = train(pipe, config, pipe.train_step)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter('always')
+            pipe = DistributedGPipe(model('mlp'), **plan.kwargs)
+            trained = train(pipe, config, pipe.train_step)
+            # Another pipeline of the plan, its first steps under other threads.
+            torch.set_num_threads(plan.kwargs['planned_threads'] + 1)
+            try:
+                other = DistributedGPipe(model('mlp'), **plan.kwargs)
+                for _ in range(2):
+                    other.eval_step(batch(0)[0])
+            finally:
+                torch.set_num_threads(plan.kwargs['planned_threads'])
         with torchgpipe.trace(pipe) as timeline:
             pipe.train_step(*batch(0), F.mse_loss, schedule=plan.schedule)
         compared = plan.compare(timeline)
@@ -48,7 +59,9 @@ def plan_and_train(rank: int, world_size: int) -> List[Dict[str, Any]]:
                         'processes': plan.processes, 'costs': plan.costs.to_dict()
                         if plan.costs else None, 'trained': trained,
                         'compared': sorted({(r.device, r.what) for r in compared.rows
-                                            if r.measured > 0})})
+                                            if r.measured > 0}),
+                        'warned': [str(w.message) for w in caught
+                                   if 'intra-op threads' in str(w.message)]})
     # A model with a skip between the ranks: what the skip's messages cost, measured.
     sample, target = torch.randn(8, 3, 8, 8), torch.randint(0, 10, (8,))
     skipping = torchgpipe.plan(shortcut_model(), sample, group=dist.group.WORLD, target=target,
@@ -100,6 +113,10 @@ def test_every_rank_gets_one_plan_that_trains_as_the_unwrapped_model(
     # Bit for bit GPipe's in one process, and the unwrapped model's to rounding.
     assert_equal(actual, one_process(first, config), exact=True)
     assert_equal(actual, unwrapped(config), exact=False)
+    # Under the threads planned, no warning; another pipeline under more, one, on each rank.
+    for rank in two_ranks:
+        said = rank[index]['warned']
+        assert len(said) == 1 and 'planned_threads: 1, torch.get_num_threads(): 2' in said[0]
 
 
 def test_the_ranks_agree_on_what_a_skips_message_costs(
@@ -167,9 +184,12 @@ def test_a_wrong_rank_makes_every_rank_raise() -> None:
 def test_group_needs_distributed_and_device_needs_group() -> None:
     sample = torch.zeros(4, 2)
     module = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    assert not dist.is_initialized()
+    # Before init_process_group, group=dist.group.WORLD is None.
+    with pytest.raises(RuntimeError, match=r'call torch\.distributed\.init_process_group'):
+        torchgpipe.plan(module, sample, group=dist.group.WORLD, device='cpu')
     with pytest.raises(ValueError, match='device is for planning across processes'):
         torchgpipe.plan(module, sample, devices=['cpu:0', 'cpu:1'], device='cpu')
-    assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match='plan with group= needs torch.distributed'):
         torchgpipe.plan(module, sample, group=object())
 
@@ -179,7 +199,8 @@ def test_a_plan_for_processes_gives_distributed_gpipe_its_arguments_and_saves_so
     from torchgpipe.planner.option import Option
     chosen = Option('zbv', [1, 2, 2, 1], 4, 'never', 'v', 0.01, [1.0, 2.0])
     plan = torchgpipe.Plan(chosen, [], ['rank 0', 'rank 1'], None, processes=True)
-    expected = {'balance': [1, 2, 2, 1], 'chunks': 4, 'checkpoint': 'never', 'placement': 'v'}
+    expected = {'balance': [1, 2, 2, 1], 'chunks': 4, 'checkpoint': 'never', 'placement': 'v',
+                'planned_threads': None}
     assert plan.kwargs == expected
     plan.save(tmp_path / 'plan.json')
     loaded = torchgpipe.Plan.load(tmp_path / 'plan.json')

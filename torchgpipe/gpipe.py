@@ -10,8 +10,9 @@ from torchgpipe.foundation import microbatch
 from torchgpipe.foundation.microbatch import TensorOrTensors
 from torchgpipe.foundation.validation import (BalanceError, Device, Devices, check_balance,
                                               check_chunks, check_devices, check_materialized,
-                                              deny_moving, describe, example_balance,
-                                              recommend_auto_balance, verify_module)
+                                              check_planned_threads, deny_moving, describe,
+                                              example_balance, recommend_auto_balance,
+                                              verify_module)
 from torchgpipe.runtime import plain
 from torchgpipe.runtime.batchnorm import DeferredBatchNorm
 from torchgpipe.runtime.partition import split_module
@@ -58,6 +59,10 @@ class GPipe(CoreModule):
             is one of them (default: ``'except_last'``)
         deferred_batch_norm (bool): whether to use deferred BatchNorm moving
             statistics (default: ``False``)
+        planned_threads (int, optional): the intra-op threads per worker
+            :func:`torchgpipe.plan` measured with, as ``plan.kwargs`` gives
+            it: the first step warns if ``torch.get_num_threads()`` differs
+            (default: ``None``, no check)
 
     Every argument is checked before anything changes: if the constructor
     raises, ``module`` is left as it was (no layer moved, no BatchNorm layer
@@ -100,7 +105,8 @@ class GPipe(CoreModule):
 
     def __init__(self, module: nn.Sequential, balance: Optional[Iterable[int]] = None, *,
                  devices: Optional[Devices] = None, chunks: int = 1,
-                 checkpoint: str = 'except_last', deferred_batch_norm: bool = False) -> None:
+                 checkpoint: str = 'except_last', deferred_batch_norm: bool = False,
+                 planned_threads: Optional[int] = None) -> None:
         super().__init__()
 
         # Everything is checked before anything changes: a failed constructor
@@ -118,6 +124,7 @@ class GPipe(CoreModule):
         device_list = check_devices(devices, len(balance))
         check_materialized(module, balance, device_list)
         chunks = check_chunks(chunks)
+        planned_threads = check_planned_threads(planned_threads)
         # As in 0.0.7, any object that reads as a mode is one, such as an
         # enum member whose str() is 'always'.
         checkpoint = str(checkpoint)
@@ -138,6 +145,7 @@ class GPipe(CoreModule):
         #: The pipeline the module runs: every partition, in this process.
         self.core = Core(dict(enumerate(partitions)), self.devices,
                          inspect_skip_layout(partitions), chunks, checkpoint)
+        self.core.planned_threads = planned_threads
 
     def _partitions(self) -> List[nn.Sequential]:
         return cast(List[nn.Sequential], list(self.partitions))

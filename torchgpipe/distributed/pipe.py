@@ -21,8 +21,9 @@ from torchgpipe.foundation.microbatch import TensorOrTensors
 from torchgpipe.foundation.placement import place
 from torchgpipe.foundation.tied import find_ties
 from torchgpipe.foundation.validation import (check_available, check_balance, check_chunks,
-                                              check_materialized, check_step, check_timeout,
-                                              describe, parse_device, verify_module)
+                                              check_materialized, check_planned_threads,
+                                              check_step, check_timeout, describe, parse_device,
+                                              verify_module)
 from torchgpipe.runtime.batchnorm import DeferredBatchNorm
 from torchgpipe.skip.layout import inspect_skip_layout
 from torchgpipe.skip.skippable import verify_skippables
@@ -79,6 +80,9 @@ class DistributedGPipe(CoreModule):
             layer) raises :class:`~torchgpipe.distributed.StepTimeout`,
             naming it and the message it waits for (default: ``None``, the
             process group's timeout, for each message)
+        planned_threads (int, optional): as for :class:`~torchgpipe.GPipe`:
+            this rank's first step warns if its intra-op threads differ from
+            those :func:`torchgpipe.plan` measured with (default: ``None``)
 
     Raises:
         RuntimeError: torch.distributed is not initialized
@@ -105,7 +109,8 @@ class DistributedGPipe(CoreModule):
                  checkpoint: str = 'except_last', group: Optional[dist.ProcessGroup] = None,
                  device: Optional[Union[torch.device, str, int]] = None,
                  deferred_batch_norm: bool = False, placement: str = 'loop',
-                 timeout: Optional[float] = None) -> None:
+                 timeout: Optional[float] = None,
+                 planned_threads: Optional[int] = None) -> None:
         super().__init__()
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError('DistributedGPipe needs torch.distributed: call '
@@ -123,6 +128,7 @@ class DistributedGPipe(CoreModule):
         self.rank_of = ranks_of_partitions(balance, size, placement)
         chunks = check_chunks(chunks)
         timeout = check_timeout(timeout)
+        planned_threads = check_planned_threads(planned_threads)
         checkpoint = str(checkpoint)
         if checkpoint not in ('always', 'except_last', 'never'):
             raise ValueError("checkpoint is not one of 'always', 'except_last', or 'never'")
@@ -160,6 +166,7 @@ class DistributedGPipe(CoreModule):
         #: The pipeline the module runs: this rank's partitions, and the wire.
         self.core = RankCore(here, self.device, self.rank_of, self.ranks, group, tied,
                              inspect_skip_layout(partitions), chunks, checkpoint, timeout)
+        self.core.planned_threads = planned_threads
 
     @property
     def timeout(self) -> Optional[float]:

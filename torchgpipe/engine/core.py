@@ -19,6 +19,7 @@ step, which :class:`~torchgpipe.distributed.core.RankCore` overrides.
 Other parts of the package (the timeline, DDP's step) reach a pipeline through
 its core, never through the private names of its face.
 """
+import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, cast
 
 import torch
@@ -36,7 +37,7 @@ from torchgpipe.foundation import microbatch
 from torchgpipe.foundation.microbatch import TensorOrTensors
 from torchgpipe.foundation.stream import current_stream, use_device
 from torchgpipe.foundation.tied import shares_apart, tied_masters
-from torchgpipe.foundation.validation import check_one_process, check_step
+from torchgpipe.foundation.validation import check_one_process, check_step, describe
 from torchgpipe.runtime.batchnorm import DeferredBatchNorm, deferred_step
 from torchgpipe.runtime.checkpoint import checkpoint_stop
 from torchgpipe.runtime.state import RunState
@@ -73,6 +74,29 @@ class Core:
         #: What runs learn and keep (copy streams, partition traits, the
         #: recorder), which no copy of the pipeline shares.
         self.state = RunState(len(partitions))
+        #: The intra-op threads the plan of this pipeline measured with, if any,
+        #: and whether the first step has compared them with its own.
+        self.planned_threads: Optional[int] = None
+        self.threads_checked = False
+
+    def check_threads(self) -> None:
+        """Warns at the first step if its intra-op threads are not those planned with.
+
+        :func:`torchgpipe.plan` predicts steps with each worker's share of the
+        cores; with more threads the workers oversubscribe them, with fewer
+        they leave some idle, and the steps take another time than predicted.
+        """
+        if self.threads_checked:
+            return
+        self.threads_checked = True
+        now = torch.get_num_threads()
+        if self.planned_threads is not None and now != self.planned_threads:
+            warnings.warn(describe(
+                'the intra-op threads of a planned pipeline must be those its plan measured '
+                'with, or its steps take another time than predicted',
+                f'planned_threads: {self.planned_threads}, torch.get_num_threads(): {now}',
+                f'call torch.set_num_threads({self.planned_threads}) before the first step, '
+                'or plan again for the threads you train with'), UserWarning)
 
     def stop(self, m: int, training: bool) -> int:
         """How many of ``m`` micro-batches are checkpointed, in this mode."""
@@ -87,6 +111,7 @@ class Core:
         The partitions held elsewhere are ``None`` to the step, whose
         messages to them go through ``mailbox``.
         """
+        self.check_threads()
         n = len(self.devices)
         here = list(self.partitions)
         traits = [PartitionTraits() for _ in range(n)]
@@ -106,6 +131,7 @@ class Core:
     def forward(self, batches: List[microbatch.Batch], training: bool) -> None:
         """The forward path (0.0.7's): the micro-batches through every partition, in
         clock cycles, as one autograd graph that the caller's ``backward()`` runs."""
+        self.check_threads()
         microbatch.move(batches, self.devices[0])
         streams = [current_stream(d) for d in self.devices]
         with use_device(self.devices[0]):

@@ -407,6 +407,25 @@ def check_timeout(timeout: object) -> Optional[float]:
     return float(timeout)
 
 
+def check_planned_threads(planned_threads: object) -> Optional[int]:
+    """Checks the intra-op threads a plan measured with: a positive int, or ``None``.
+
+    Raises:
+        TypeError: it is not an int
+        ValueError: it is not positive
+    """
+    if planned_threads is None:
+        return None
+    fix = 'pass plan.kwargs as torchgpipe.plan gives them, or leave planned_threads out'
+    if isinstance(planned_threads, bool) or not isinstance(planned_threads, int):
+        raise TypeError(describe('planned_threads must be an int, or None',
+                                 f'planned_threads: {planned_threads!r}', fix))
+    if planned_threads < 1:
+        raise ValueError(describe('planned_threads must be positive',
+                                  f'planned_threads: {planned_threads!r}', fix))
+    return planned_threads
+
+
 def check_loss_value(loss: object) -> torch.Tensor:
     """Returns what ``loss_fn`` returned, if it is a tensor of one element.
 

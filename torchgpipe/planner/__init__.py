@@ -60,7 +60,8 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
     to ``chunks``, every checkpoint mode and a few balances is predicted by
     the simulator: its step time and each device's peak memory. The best
     are refined by moving a boundary one layer at a time. ``module`` is
-    left untouched, and so are the random number generators.
+    left untouched (gradients it holds are set aside while planning, and
+    given back as they were), and so are the random number generators.
 
     With ``group``, the plan is for a
     :class:`~torchgpipe.distributed.DistributedGPipe` over the processes of
@@ -114,8 +115,8 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
 
     Raises:
         TypeError: an argument of the wrong type
-        RuntimeError: with ``group``, torch.distributed is not initialized,
-            or (on the other ranks) rank 0 failed measuring the layers
+        RuntimeError: with ``group`` or ``device``, torch.distributed is not
+            initialized, or (on the other ranks) rank 0 failed measuring the layers
         ValueError: a bad argument (named), fewer layers than devices,
             ``schedules`` none of which fits the devices and the layers, or a
             ``memory_limit`` no configuration fits, naming the least memory
@@ -164,7 +165,8 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
     sizes = sizes_to_measure(batch, counts)
     steps: Optional[pilot.ModelStep] = None
     local = workers if team is None else [team.device]
-    with sharing_cores(local), untouched_random_state(local):
+    with sharing_cores(local) as worker_threads, untouched_random_state(local), \
+            gradients_set_aside(module):
         if team is None:
             costs = measure(module, sample, sizes, workers[0], repeat=repeat, loss=loss)
             costs.overhead, costs.checkpoint_overhead, costs.split_overhead = \
@@ -203,7 +205,8 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
                        chunks=counts, checkpoints=modes, param_scale=param_scale)
         return choose(found, names_of, names, memory_limit, runners_up, costs,
                       float(param_scale), processes=group is not None,
-                      order=trial.order(steps, trials, names_of, group is not None))
+                      order=trial.order(steps, trials, names_of, group is not None),
+                      threads=worker_threads)
 
 
 def skip_overhead(team: 'Team', timer: Timer, overheads: Tuple[float, float, float],
@@ -234,6 +237,9 @@ def check_arguments(module: nn.Sequential, sample: TensorOrTensors,
     """
     verify_module(module)
     if group is None and device is not None:
+        if devices is None:
+            # group=torch.distributed.group.WORLD is None until the group is made.
+            check_process_group()
         raise ValueError(describe('device is for planning across processes, with group',
                                   f'device: {device!r}, group: None',
                                   'give devices=[...] to plan in one process'))
@@ -256,6 +262,19 @@ def check_arguments(module: nn.Sequential, sample: TensorOrTensors,
     return batch, workers, names, modes, most
 
 
+def check_process_group() -> None:
+    """Checks that torch.distributed is initialized, as planning across processes needs.
+
+    Raises:
+        RuntimeError: it is not
+    """
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        raise RuntimeError('plan with group= needs torch.distributed: call '
+                           "torch.distributed.init_process_group('gloo') (or 'nccl') "
+                           'first, on every rank (until then, torch.distributed.group.WORLD '
+                           'is None)')
+
+
 def check_loss(target: Optional[TensorOrTensors], loss_fn: Optional[LossFunction]) -> None:
     """Checks that the target and the loss function come together, and the function calls."""
     if (target is None) != (loss_fn is None):
@@ -271,11 +290,13 @@ def check_loss(target: Optional[TensorOrTensors], loss_fn: Optional[LossFunction
 def choose(found: List[Scored], names_of: List[str], names: List[str],
            memory_limit: Optional[float], runners_up: int, costs: Costs,
            param_scale: float, processes: bool = False,
-           order: Callable[[List[Option]], List[Option]] = lambda options: options) -> Plan:
+           order: Callable[[List[Option]], List[Option]] = lambda options: options,
+           threads: Optional[int] = None) -> Plan:
     """The plan of the first configuration that fits, in the ``order`` given to those
     (fastest predicted first); errors when none does.
 
-    ``names_of`` names each worker: its device, or its rank (``processes``).
+    ``names_of`` names each worker: its device, or its rank (``processes``);
+    ``threads`` is what each measured with (:attr:`Plan.threads`).
 
     Raises:
         ValueError: no schedule fits the devices and layers, or nothing fits the memory limit
@@ -299,7 +320,7 @@ def choose(found: List[Scored], names_of: List[str], names: List[str],
     fitting = order([o for o, s in zip(options, found) if s.fits(memory_limit)])
     return Plan(fitting[0], fitting[1:1 + runners_up], names_of,
                 None if memory_limit is None else float(memory_limit), costs, param_scale,
-                processes)
+                processes, threads)
 
 
 @contextmanager
@@ -352,20 +373,42 @@ def check_count(name: str, value: object, least: int) -> None:
 
 
 @contextmanager
-def sharing_cores(workers: Sequence[torch.device]) -> Generator[None, None, None]:
+def sharing_cores(workers: Sequence[torch.device]) -> Generator[Optional[int], None, None]:
     """Measures CPU layers with the threads each worker will have: the cores, shared.
 
     The workers of CPU devices run at once, each calling into torch's
     thread pool, so each gets about its share of the cores; a layer
-    measured with all of them would be predicted too fast.
+    measured with all of them would be predicted too fast. Yields the
+    threads each CPU worker measures with (``None`` on CUDA devices, whose
+    layers do not run in the pool), which training must have too.
     """
     before = torch.get_num_threads()
-    if workers[0].type == 'cpu':
-        torch.set_num_threads(max(1, before // len(workers)))
+    if workers[0].type != 'cpu':
+        yield None
+        return
+    torch.set_num_threads(max(1, before // len(workers)))
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+
+
+@contextmanager
+def gradients_set_aside(module: nn.Module) -> Generator[None, None, None]:
+    """Plans a module that holds gradients as one that holds none, and gives them back.
+
+    The planner measures copies of the layers, which must start without
+    gradients, as training after ``zero_grad()`` does; each ``.grad`` is
+    the same tensor, untouched, after planning.
+    """
+    held = [(p, p.grad) for p in module.parameters() if p.grad is not None]
+    for p, _ in held:
+        p.grad = None
     try:
         yield
     finally:
-        torch.set_num_threads(before)
+        for p, grad in held:
+            p.grad = grad
 
 
 def sizes_to_measure(batch: int, counts: Sequence[int]) -> List[int]:

@@ -41,6 +41,7 @@ from torchgpipe.balance.profile import to_device
 from torchgpipe.distributed import DistributedGPipe
 from torchgpipe.foundation.microbatch import TensorOrTensors
 from torchgpipe.foundation.validation import Device, check_available, describe, parse_device
+from torchgpipe.planner import check_process_group
 from torchgpipe.planner.calibrate import CHUNKS, Timer, median_step, zeros_loss
 from torchgpipe.planner.costs import Companions, rows
 from torchgpipe.planner.pilot import Make
@@ -82,10 +83,7 @@ class Team:
 
     def __init__(self, group: Any, device: Optional[Device], problem: Optional[Exception],
                  signature: Dict[str, Any]) -> None:
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError('plan with group= needs torch.distributed: call '
-                               "torch.distributed.init_process_group('gloo') (or 'nccl') "
-                               'first, on every rank')
+        check_process_group()
         if group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group gives the others
             raise ValueError(describe('this process must be in group', f'rank {dist.get_rank()}',
                                       'plan only on the ranks of the pipeline group'))

@@ -48,12 +48,17 @@ class Plan:
             processes, its rank (``'rank 0'``, ... as a traced step names them)
         memory_limit (float or None): the limit it was planned under, in bytes
         processes (bool): whether the plan is for the processes of a group
+        threads (int or None): the intra-op threads (``torch.get_num_threads()``)
+            each worker of CPU devices measured with, which training must have
+            too (the pipeline of :attr:`kwargs` warns otherwise); ``None`` on CUDA
     """
 
     def __init__(self, chosen: Option, runners_up: List[Option], devices: List[str],
                  memory_limit: Optional[float], costs: Optional[Costs] = None,
-                 param_scale: float = 2.0, processes: bool = False) -> None:
+                 param_scale: float = 2.0, processes: bool = False,
+                 threads: Optional[int] = None) -> None:
         self.processes = processes
+        self.threads = threads
         self.chosen = chosen
         self.runners_up = runners_up
         self.devices = devices
@@ -145,9 +150,11 @@ class Plan:
         (which takes ``group`` and ``device`` from each rank beside them)."""
         if self.processes:
             return {'balance': self.balance, 'chunks': self.chunks,
-                    'checkpoint': self.checkpoint, 'placement': self.chosen.placement}
+                    'checkpoint': self.checkpoint, 'placement': self.chosen.placement,
+                    'planned_threads': self.threads}
         return {'balance': self.balance, 'devices': self.partition_devices(),
-                'chunks': self.chunks, 'checkpoint': self.checkpoint}
+                'chunks': self.chunks, 'checkpoint': self.checkpoint,
+                'planned_threads': self.threads}
 
     @property
     def step_time(self) -> float:
@@ -174,14 +181,24 @@ class Plan:
         lines = [f'plan: {self.chosen.describe()}',
                  f'  on {", ".join(self.devices)}, {limit}',
                  f'  predicted step {self.chosen.step * 1e3:.2f} ms, peak memory '
-                 + ', '.join(f'{d} {size(m)}' for d, m in self.memory.items()),
-                 '', f'{"step":>10}  {"vs chosen":>9}  {"tried":>10}  {"peak memory":>12}  '
-                 'configuration']
+                 + ', '.join(f'{d} {size(m)}' for d, m in self.memory.items())]
+        if self.threads is not None:
+            lines.append(f'  intra-op threads per worker: {self.threads}, as measured; train '
+                         f'with torch.set_num_threads({self.threads})')
+        if self.chunks == 1:
+            lines.append('  chunks=1, no pipelining: what each micro-batch adds (the '
+                         "pipeline's work per task, smaller operations) outweighs the idle "
+                         'time it would fill')
+        lines += ['', f'{"step":>10}  {"vs chosen":>9}  {"tried":>10}  {"peak memory":>12}  '
+                  'configuration']
         chosen = max(self.chosen.step, 1e-12)
         for o in [self.chosen, *self.runners_up]:
             tried = '-' if o.measured is None else f'{o.measured * 1e3:.2f} ms'
+            # The trials overruled the prediction.
+            overruled = o.measured is not None and o.step < self.chosen.step
             lines.append(f'{o.step * 1e3:>7.2f} ms  {o.step / chosen:>8.3f}x  {tried:>10}  '
-                         f'{size(max(o.memory)):>12}  {o.describe()}')
+                         f'{size(max(o.memory)):>12}  {o.describe()}'
+                         + ('  (predicted faster, measured slower)' if overruled else ''))
         return '\n'.join(lines)
 
     def __repr__(self) -> str:
@@ -220,7 +237,7 @@ class Plan:
         data = {'format': FORMAT, 'chosen': asdict(self.chosen),
                 'runners_up': [asdict(o) for o in self.runners_up],
                 'devices': self.devices, 'memory_limit': self.memory_limit,
-                'processes': self.processes}
+                'processes': self.processes, 'threads': self.threads}
         with open(path, 'w') as file:
             json.dump(data, file, indent=1)
 
@@ -243,4 +260,4 @@ class Plan:
             return Option(**{k: v for k, v in option.items() if k in FIELDS})
         return cls(read(data['chosen']), [read(o) for o in data['runners_up']],
                    data['devices'], data['memory_limit'],
-                   processes=bool(data.get('processes', False)))
+                   processes=bool(data.get('processes', False)), threads=data.get('threads'))
