@@ -739,8 +739,8 @@ def test_a_model_on_the_meta_device_is_refused_where_it_would_be_placed() -> Non
     first_layer = {0: '0', 1: '4'}  # the first with parameters of each rank's partition
     for rank, (refused, loss, expected) in enumerate(ranks):
         assert refused == (
-            'the layers must hold data to be placed on their devices '
-            f"('{first_layer[rank]}.weight' on the meta device, for cpu); materialize it "
-            'first: model.to_empty(device=...), then initialize it (reset_parameters() or '
+            'the layers must hold data to be placed on a device '
+            f"('{first_layer[rank]}.weight' on the meta device); materialize it first: "
+            'model.to_empty(device=...), then initialize it (reset_parameters() or '
             'load_state_dict()), or build it on a real device')
         assert loss == pytest.approx(expected, rel=1e-12)

@@ -11,7 +11,9 @@ from torch import nn
 from torch.nn.parameter import UninitializedTensorMixin
 
 from helpers import cpu_devices
+import torchgpipe
 from torchgpipe import GPipe, NoChunk, to_sequential
+from torchgpipe.balance import balance_by_size, balance_by_time
 from torchgpipe.gpipe import BalanceError, split_module, verify_module
 from torchgpipe.runtime.batchnorm import DeferredBatchNorm
 from torchgpipe.skip import skippable, stash
@@ -316,6 +318,27 @@ def test_failed_constructor_leaves_module_untouched(change: Any, arguments: dict
         GPipe(model, kwargs.pop('balance'), **kwargs)
 
     assert_same_snapshot(snapshot(model), before)
+
+
+def test_a_model_on_the_meta_device_is_refused_with_the_fix() -> None:
+    """Wherever its layers would be placed or measured, before anything changes."""
+    with torch.device('meta'):
+        model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
+    sample = torch.randn(4, 2)
+    calls = [lambda: GPipe(model, [2, 1], devices=CPU2),
+             lambda: split_module(model, [2, 1], [torch.device('cpu')] * 2),
+             lambda: balance_by_time(2, model, sample, device='cpu'),
+             lambda: balance_by_size(2, model, sample, device='cpu'),
+             lambda: torchgpipe.plan(model, sample, devices=['cpu:0', 'cpu:1'])]
+    for call in calls:
+        with pytest.raises(ValueError) as caught:
+            call()
+        assert str(caught.value) == (
+            "the layers must hold data to be placed on a device ('0.weight' on the meta "
+            'device); materialize it first: model.to_empty(device=...), then initialize it '
+            '(reset_parameters() or load_state_dict()), or build it on a real device')
+    # Shapes alone are enough where nothing is placed elsewhere.
+    assert GPipe(model, [2, 1], devices=['meta'] * 2)[0].weight.is_meta
 
 
 def test_successful_constructor_on_the_same_model() -> None:

@@ -219,36 +219,36 @@ def verify_module(module: object) -> None:
         raise ValueError('module with duplicate children is not supported')
 
 
-def check_materialized(module: nn.Sequential, balance: List[int],
-                       devices: Sequence[Optional[torch.device]]) -> None:
-    """Checks that the layers of each partition hold data to place on its device.
+def check_materialized(module: nn.Sequential, balance: Optional[List[int]] = None,
+                       devices: Sequence[Optional[torch.device]] = ()) -> None:
+    """Checks that the layers to place on a device hold data.
 
     A model built on the meta device has shapes but no values: it cannot be
     copied to a device, and training it would need its initialization first.
 
     Args:
         module: the module, split as ``balance`` says
-        balance: the number of layers of each partition
-        devices: the device of each partition; ``None`` for a partition
-            this process does not keep (another rank's), which is not checked
+        balance: the number of layers of each partition (default: every
+            layer checked)
+        devices: the device of each partition; a partition on the meta
+            device, or ``None`` (another rank's), is not checked
 
     Raises:
-        ValueError: a parameter or buffer of a kept partition is on the meta
-            device, and the partition's is not
+        ValueError: a parameter or buffer of a checked layer is on the meta device
     """
-    children = iter(module.named_children())
-    for size, device in zip(balance, devices):
-        for child, layer in (next(children) for _ in range(size)):
-            if device is None or device.type == 'meta':
-                continue
-            for name, tensor in [*layer.named_parameters(), *layer.named_buffers()]:
-                if tensor.is_meta:
-                    raise ValueError(describe(
-                        'the layers must hold data to be placed on their devices',
-                        f"'{child}.{name}' on the meta device, for {device}",
-                        'materialize it first: model.to_empty(device=...), then '
-                        'initialize it (reset_parameters() or load_state_dict()), or build it on '
-                        'a real device'))
+    layers = list(module.named_children())
+    if balance is not None:
+        placed = [d is not None and d.type != 'meta' for d, n in zip(devices, balance)
+                  for _ in range(n)]
+        layers = [layer for layer, kept in zip(layers, placed) if kept]
+    for child, layer in layers:
+        for name, tensor in [*layer.named_parameters(), *layer.named_buffers()]:
+            if tensor.is_meta:
+                raise ValueError(describe(
+                    'the layers must hold data to be placed on a device',
+                    f"'{child}.{name}' on the meta device",
+                    'materialize it first: model.to_empty(device=...), then initialize it '
+                    '(reset_parameters() or load_state_dict()), or build it on a real device'))
 
 
 def shares_objects(owned: Iterable[Tuple[str, object]]) -> bool:

@@ -23,7 +23,8 @@ from torchgpipe.engine.step import LossFunction
 from torchgpipe.foundation import microbatch
 from torchgpipe.foundation.microbatch import Batch, TensorOrTensors
 from torchgpipe.foundation.validation import (Device, brief, check_available, check_chunks,
-                                              describe, parse_device, verify_module)
+                                              check_materialized, describe, parse_device,
+                                              verify_module)
 from torchgpipe.planner import pilot, trial
 from torchgpipe.planner.calibrate import (Timer, copy_cost, message_cost, skip_cost,
                                           skip_step, task_overhead, threads, wide_step)
@@ -249,6 +250,7 @@ def check_arguments(module: nn.Sequential, sample: TensorOrTensors,
                                   "leave devices out, and give each rank's own device="))
     batch = check_sample(sample, target)
     workers = check_devices(devices, len(module)) if group is None else []
+    check_materialized(module)  # every layer is measured
     names = check_schedules(schedules)
     modes = check_modes(checkpoint)
     most = check_chunks(chunks)
