@@ -70,9 +70,22 @@ class Core:
         self.checkpoint = checkpoint
         self.deferred_batch_norms = [m for p in partitions.values() for m in p.modules()
                                      if isinstance(m, DeferredBatchNorm)]
+        #: The layers that refuse a mode they have no code for (the children
+        #: to_sequential generates from code captured in one mode).
+        self.mode_checked = [m for p in partitions.values() for m in p.modules()
+                             if callable(getattr(type(m), 'check_mode', None))]
         #: What runs learn and keep (copy streams, partition traits, the
         #: recorder), which no copy of the pipeline shares.
         self.state = RunState(len(partitions))
+
+    def check_modes(self) -> None:
+        """Asks each layer whether it can run in its mode, before a step here starts work.
+
+        Raises:
+            RuntimeError: a layer cannot (its ``check_mode()`` says why)
+        """
+        for layer in self.mode_checked:
+            getattr(layer, 'check_mode')()
 
     def stop(self, m: int, training: bool) -> int:
         """How many of ``m`` micro-batches are checkpointed, in this mode."""
@@ -106,6 +119,7 @@ class Core:
     def forward(self, batches: List[microbatch.Batch], training: bool) -> None:
         """The forward path (0.0.7's): the micro-batches through every partition, in
         clock cycles, as one autograd graph that the caller's ``backward()`` runs."""
+        self.check_modes()
         microbatch.move(batches, self.devices[0])
         streams = [current_stream(d) for d in self.devices]
         with use_device(self.devices[0]):
@@ -127,6 +141,7 @@ class Core:
         # Before the input is split: that of an empty pipeline's forward fails.
         if not self.devices:
             raise ValueError('train_step needs at least one layer: this GPipe is empty')
+        self.check_modes()
         batches, targets, weights = split_step(input, target, self.chunks, reduction,
                                                self.devices[-1])
         m, n = len(batches), len(self.devices)
@@ -147,6 +162,7 @@ class Core:
         see :meth:`GPipe.eval_step <torchgpipe.GPipe.eval_step>`."""
         if not self.devices:
             raise ValueError('eval_step needs at least one layer: this GPipe is empty')
+        self.check_modes()
         batches, targets, weights = split_evaluation(input, target, self.chunks, reduction,
                                                      self.devices[-1])
         microbatch.move(batches, self.devices[0])
