@@ -7,7 +7,10 @@ the attention's ``dropout_p``), which export records in one mode.
 ``to_sequential`` captures the other mode too, into the same children:
 ``pipe.train()``, ``pipe.eval()``, ``train_step``, ``eval_step`` and
 ``generate`` then go in any order, each equal to the unwrapped model in
-that mode, and the user's model is left in its modes.
+that mode, and the user's model is left in its modes. torch.fx bakes the
+mode into its trace too. The generated children follow the user's
+``model.train()`` and ``model.eval()``; a mode they cannot run is refused
+before a step starts.
 """
 import copy
 import pickle
@@ -167,12 +170,14 @@ class Noisy(nn.Module):
         return self.drop(self.fc2(h)) + x
 
 
+@pytest.mark.parametrize('capture', ['fx', 'export'])
 @pytest.mark.parametrize('start', ['train', 'eval'])
-def test_functional_dropout_follows_the_mode(start: str) -> None:
+def test_functional_dropout_follows_the_mode(start: str, capture: str) -> None:
     torch.manual_seed(0)
     model = Noisy().double().train(start == 'train')
     before = modes(model)
-    seq = to_sequential(model, example_inputs=torch.randn(2, 8, dtype=torch.float64))
+    seq = to_sequential(model, example_inputs=None if capture == 'fx' else
+                        torch.randn(2, 8, dtype=torch.float64))
     assert modes(model) == before
     x = torch.randn(4, 8, dtype=torch.float64)
     for mode in [True, False, True, False]:
@@ -184,6 +189,20 @@ def test_functional_dropout_follows_the_mode(start: str) -> None:
         torch.testing.assert_close(actual, model(x))
     model.train(start == 'train')
     assert modes(model) == before or start == 'train'
+
+
+def test_fx_traces_a_constant_of_each_mode() -> None:
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x: Tensor) -> Tensor:
+            # One code in both modes, reading a tensor fx keeps of each.
+            return self.fc(x) * torch.full((), 0.5 if self.training else 2.0)
+
+    model = Scaled()
+    assert_runs_in_both_modes(to_sequential(model), model, torch.randn(4, 8))
 
 
 @pytest.mark.parametrize('copier', [copy.deepcopy, lambda m: pickle.loads(pickle.dumps(m))],
@@ -208,3 +227,106 @@ def test_balance_by_time_profiles_training() -> None:
     seq = to_sequential(Noisy().eval(), example_inputs=torch.randn(2, 8))
     x = torch.randn(4, 8)
     assert sum(balance_by_time(2, seq, x, timeout=0.05, device='cpu')) == len(seq)
+
+
+class Branchy(nn.Module):
+    """Code run in training mode only (baked in by either capture), and a batch norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.norm, self.fc2 = nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.norm(self.fc1(x))
+        if self.training:
+            h = h * 0.5
+        return self.fc2(torch.tanh(h))
+
+
+CAPTURES = {'fx': None, 'export': torch.randn(2, 8, dtype=torch.float64)}
+
+
+@pytest.mark.parametrize('capture', CAPTURES)
+def test_the_users_model_and_the_pipeline_set_the_mode_of_every_layer(capture: str,
+                                                                       threaded: bool) -> None:
+    torch.manual_seed(0)
+    model = Branchy().double()
+    reference = copy.deepcopy(model)
+    seq = to_sequential(model.eval(), example_inputs=CAPTURES[capture])
+    pipe = GPipe(seq, [2, len(seq) - 2], devices=cpu_devices(2, threaded), chunks=2)
+    x, target = torch.randn(6, 8, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+
+    def assert_steps_as(mode: Callable[[nn.Module], object]) -> None:
+        """train_step, then forward and backward, give what ``reference`` gives in ``mode``."""
+        mode(reference)
+        expected = F.mse_loss(reference(x), target)
+        expected.backward()
+        for run in (lambda: pipe.train_step(x, target, F.mse_loss),
+                    lambda: F.mse_loss(pipe(x), target)):
+            loss = run()
+            if loss.requires_grad:
+                loss.backward()
+            torch.testing.assert_close(loss.detach(), expected.detach())
+            assert grads(model).keys() == grads(reference).keys()
+            for key, grad in grads(reference).items():
+                torch.testing.assert_close(grads(model)[key], grad, msg=key)
+            model.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+
+    def frozen(m: nn.Module) -> None:
+        m.train()
+        m.norm.eval()  # on purpose: statistics of its own
+
+    # The user's model.train() reaches the children generated from its
+    # forward: its branch runs. The batch norm the user froze stays frozen.
+    frozen(model)
+    assert_steps_as(frozen)
+    assert model.fc1.training and not model.norm.training
+    # So does the pipeline's eval(), after the user's train().
+    pipe.eval()
+    assert_steps_as(lambda m: m.eval())
+    assert not model.training
+    model.train()
+    model.norm.eval()
+    assert_steps_as(frozen)
+    model.eval()
+    assert_steps_as(lambda m: m.eval())
+
+
+class TrainingOnlyLayer(nn.Module):
+    """A layer called in training mode only: each mode's graph cuts into other children."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.extra, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.fc1(x)
+        if self.training:
+            h = self.extra(h)
+        return self.fc2(h)
+
+
+@pytest.mark.parametrize('capture', CAPTURES)
+def test_a_step_in_a_mode_the_capture_cannot_run_is_refused_before_it_starts(
+        capture: str, threaded: bool) -> None:
+    model = TrainingOnlyLayer().double()
+    seq = to_sequential(model.eval(), example_inputs=CAPTURES[capture])
+    # The first generated child, which runs first.
+    name = next(n for n, child in seq.named_children()
+                if all(child is not m for m in model.modules()))
+    pipe = GPipe(seq, [1, len(seq) - 1], devices=cpu_devices(2, threaded), chunks=2)
+    started = []
+    pipe.partitions[0].register_forward_pre_hook(lambda *_: started.append(True))
+    x, target = torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64)
+    model.train()
+    for run in (lambda: pipe(x), lambda: pipe.train_step(x, target, F.mse_loss)):
+        with pytest.raises(RuntimeError, match=(
+                r'captured in evaluation mode and cannot run in training mode: its forward '
+                rf"runs other code in training mode, .* \(child '{name}' of the sequential: "
+                r'training=True\)')):
+            run()
+    assert started == [] and all(p.grad is None for p in model.parameters())
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), model(x))

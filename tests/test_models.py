@@ -5,14 +5,18 @@ The models of ``benchmarks/models/zoo.py``, in float64, go through
 copy, ``helpers.captured``), then GPipe on a balance by time, on both
 execution paths, by forward and backward and by train_step.
 """
+import copy
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import Tensor
 
-from helpers import assert_flattened_trains_like_original, captured
-from torchgpipe import to_sequential
+from helpers import assert_flattened_trains_like_original, captured, cpu_devices
+from torchgpipe import GPipe, to_sequential
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -47,3 +51,34 @@ def test_vision_model_without_example_says_how() -> None:
     with pytest.raises(RuntimeError, match=r"to_sequential\(module, example_inputs="
                                            r"\{'pixel_values': x\}\)"):
         to_sequential(model)
+
+
+def test_wrapping_trains_the_users_model_and_leaves_its_registration(threaded: bool) -> None:
+    model, seq = captured('gpt2')
+    reference = copy.deepcopy(model)
+    keys = list(model.state_dict())
+    registered = [(name, id(p)) for name, p in model.named_parameters(remove_duplicate=False)]
+    pipe = GPipe(seq, [len(seq) // 2, len(seq) - len(seq) // 2],
+                 devices=cpu_devices(2, threaded), chunks=2)
+    # The tied head keeps its weight registered, as before wrapping.
+    assert list(model.state_dict()) == keys and 'lm_head.weight' in keys
+    assert [(name, id(p)) for name, p in
+            model.named_parameters(remove_duplicate=False)] == registered
+    assert len(to_sequential(model)) == len(seq)
+
+    ids = MODELS['gpt2'].inputs()['input_ids']
+
+    def loss_fn(output: Any, labels: Tensor) -> Tensor:
+        logits = seq.interface.outputs(output).logits
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+    pipe.train_step(seq.interface.inputs(input_ids=ids), ids, loss_fn)
+    torch.optim.SGD(pipe.parameters(), lr=0.1).step()
+    F.cross_entropy(reference(input_ids=ids).logits.flatten(0, 1), ids.flatten()).backward()
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    # The user's own parameters trained, under every key of the user's model.
+    trained, wanted = model.state_dict(), reference.state_dict()
+    assert list(trained) == keys
+    for key in keys:
+        torch.testing.assert_close(trained[key], wanted[key], msg=key)
+    assert model.lm_head.weight is model.transformer.wte.weight

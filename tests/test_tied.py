@@ -130,16 +130,19 @@ def test_any_balance_trains_as_unwrapped(cuts: List[bool], chunks: int, threaded
 
 
 @pytest.mark.parametrize('balance', BALANCES.values(), ids=BALANCES.keys())
-def test_listed_once_and_owned_by_the_first_partition(balance: List[int]) -> None:
+def test_listed_once_and_the_users_layers_left_as_they_were(balance: List[int]) -> None:
     model = tied_model()
     count = len(list(model.parameters()))
+    registered = list(model.named_parameters(remove_duplicate=False))
+    keys = list(model.state_dict())
     gpipe = GPipe(model, balance, devices=['cpu'] * len(balance))
     assert len(list(gpipe.parameters())) == count
-    owner = gpipe.partitions[0]
-    assert any(p is gpipe[0].weight for p in owner.parameters())
-    for partition in list(gpipe.partitions)[1:]:
-        assert all(p is not gpipe[0].weight for p in partition.parameters())
+    # The layers are the user's: the head keeps the tied weight registered.
+    assert list(model.named_parameters(remove_duplicate=False)) == registered
+    assert list(model.state_dict()) == keys
     assert gpipe[HEAD].weight is gpipe[0].weight
+    loss_fn(gpipe(tokens())).backward()
+    assert list(model.named_parameters(remove_duplicate=False)) == registered
 
 
 @pytest.mark.parametrize('devices', [['cpu', 'meta', 'meta'], ['meta', 'cpu', 'cpu']])

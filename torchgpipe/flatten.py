@@ -29,6 +29,7 @@ the child holding it stashes it and the child using it pops it
 partition that makes it to the partition that uses it.
 """
 from collections import OrderedDict
+from functools import partial
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -38,7 +39,7 @@ from torchgpipe.capture import export, fx as fx_capture
 from torchgpipe.capture import pieces
 from torchgpipe.capture.cut import GeneratedChild, child_name, transient
 from torchgpipe.capture.fx import LeafSpec
-from torchgpipe.capture.graph import Captured, named_arguments
+from torchgpipe.capture.graph import named_arguments
 from torchgpipe.foundation.validation import brief, describe
 from torchgpipe.gpipe import GPipe
 from torchgpipe.skip.namespace import Namespace
@@ -114,11 +115,12 @@ def to_sequential(module: nn.Module, *,
         and buffers that ``forward`` never reads are not in the sequential,
         nor in ``state_dict_map``.
 
-    With torch.export, the operations recorded depend on the mode
-    (``training``): dropout written ``F.dropout(x, p, self.training)`` is
-    recorded on or off. So the module is captured in both modes (each of its
-    modules is put back in its own mode after), and each generated child
-    runs the code of the mode it is in, like the module: ``seq.train()`` and
+    The operations captured depend on the mode (``training``): dropout
+    written ``F.dropout(x, p, self.training)`` is recorded on or off, code
+    under ``if self.training:`` recorded or not. So the module is captured
+    in both modes (each of its modules is put back in its own mode after),
+    and each generated child runs the code of its mode, which is the
+    module's: ``module.train()``, ``module.eval()``, ``seq.train()`` and
     ``seq.eval()`` (and GPipe's ``train_step``, ``eval_step``,
     :func:`~torchgpipe.generate`) go in any order. If the graph of the other
     mode does not cut into the same children (code run in one mode only,
@@ -178,8 +180,6 @@ def to_sequential(module: nn.Module, *,
     """
     leaves = _check_arguments(module, leaf_modules)
     example = example_inputs if example_inputs is not None else _dummy_inputs(module)
-    other: Optional[Captured] = None
-    refusal = ''
     if example is not None:
         if leaves or concrete_args is not None:
             raise TypeError(describe(
@@ -187,10 +187,19 @@ def to_sequential(module: nn.Module, *,
                 'torch.export', 'example_inputs: given' if example_inputs is not None else
                 f'module: {type(module).__name__}, which gives dummy_inputs',
                 'leave them out: calls of modules whose forward takes one tensor stay whole'))
-        captured = export.capture(module, example)
-        other, refusal = pieces.capture_other_mode(module, example)
+        capture = partial(export.capture, module, example)
     else:
-        captured = fx_capture.capture(module, leaves, concrete_args)
+        capture = partial(fx_capture.capture, module, leaves, concrete_args)
+    captured = capture()
+    other, refusal = pieces.capture_other_mode(module, capture)
+    if example is None:
+        # fx bakes the mode into its trace (a branch on self.training, the
+        # flag of F.dropout) without saying so: one trace in both modes runs
+        # in both, else the trace in each mode runs in its own, as export's.
+        if other is not None and pieces.same(captured, other):
+            other = None
+        else:
+            captured.interface.training = module.training
     graph, root, interface = captured
     plan = pieces.plan(graph, root)
     orders: Optional[List[List[fx.Node]]] = None
@@ -226,7 +235,7 @@ def to_sequential(module: nn.Module, *,
                                    tuple(sorted(pop_names)))
         step = step_cls(graph_module, len(plan.inputs[k]) != 1, pop_names, stash_names,
                         list(dict.fromkeys(transients)), interface.training, other_mode,
-                        refusal)
+                        refusal, module)
         # In the module's mode, as the user's modules are; the step's own
         # modules alone: its graph module may hold the user's modules, each
         # in its own mode.

@@ -34,10 +34,9 @@ class GeneratedChild(nn.Module):
         stashes (list of strs): the skip names to stash, in result order
         transient (list of strs): the qualified names, in ``graph_module``,
             of the tensors to leave out of the state dict
-        captured_training (bool, optional): the mode torch.export recorded
-            ``graph_module`` in (its operations may depend on it: dropout
-            recorded on or off); ``None`` for a graph traced by torch.fx,
-            which runs in both
+        captured_training (bool, optional): the mode ``graph_module`` was
+            captured in (its operations may depend on it: dropout recorded
+            on or off); ``None`` for a graph traced alike in both modes
         other_mode (torch.fx.GraphModule, optional): the same piece as
             recorded in the other mode, run in that mode; it reads its
             tensors and modules from ``graph_module``, which holds them all
@@ -45,6 +44,8 @@ class GeneratedChild(nn.Module):
             the other mode
         refusal (str, optional): why there is no ``other_mode``, for the
             error of a call in that mode
+        captured_from (nn.Module, optional): the module captured, whose
+            mode is this child's (see :attr:`training`)
     """
 
     other_mode: Optional[fx.GraphModule]
@@ -52,8 +53,11 @@ class GeneratedChild(nn.Module):
     def __init__(self, graph_module: fx.GraphModule, tuple_input: bool,
                  pops: List[str], stashes: List[str], transient: List[str],
                  captured_training: Optional[bool] = None,
-                 other_mode: Optional[fx.GraphModule] = None, refusal: str = '') -> None:
+                 other_mode: Optional[fx.GraphModule] = None, refusal: str = '',
+                 captured_from: Optional[nn.Module] = None) -> None:
         super().__init__()
+        # Not a submodule either: after Module.__init__, which sets the mode.
+        self.__dict__['captured_from'] = captured_from
         self.graph = graph_module
         self.tuple_input = tuple_input
         self.pops = pops
@@ -67,6 +71,24 @@ class GeneratedChild(nn.Module):
         self.__dict__['other_mode'] = other_mode
         self._share()
         self._leave_out_transient()
+
+    # The code of this child is code of the captured module's forward: it runs
+    # in that module's mode, so that the user's model.train() reaches it as
+    # it reaches the user's modules in the sequential, and seq.train() sets
+    # the captured module's mode too. A copy has a mode of its own.
+    @property
+    def training(self) -> bool:
+        """The mode of the module captured (this child's own mode in a copy)."""
+        source = self.__dict__.get('captured_from')
+        return bool(self.__dict__['own_training'] if source is None else source.training)
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        source = self.__dict__.get('captured_from')
+        if source is None:
+            self.__dict__['own_training'] = mode
+        else:
+            source.training = mode
 
     @property
     def only_mode(self) -> Optional[bool]:
@@ -90,6 +112,10 @@ class GeneratedChild(nn.Module):
     #
     # The step asks nothing else of the graph module: another way to
     # capture the graph only needs a module that copies itself.
+    def __getstate__(self) -> Dict[str, Any]:
+        state: Dict[str, Any] = super().__getstate__()  # type: ignore[no-untyped-call]
+        return {**state, 'captured_from': None, 'own_training': self.training}
+
     def __setstate__(self, state: Dict[str, Any]) -> None:
         super().__setstate__(state)  # type: ignore[no-untyped-call]
         self.__dict__.setdefault('other_mode', None)
@@ -105,22 +131,31 @@ class GeneratedChild(nn.Module):
             owner, _, field = name.rpartition('.')
             self.graph.get_submodule(owner)._non_persistent_buffers_set.add(field)
 
+    def check_mode(self) -> None:
+        """Refuses a call in a mode this child has no code for; GPipe asks before a step.
+
+        Raises:
+            RuntimeError: the child runs in one mode only, and is in the other
+        """
+        if self.only_mode is None or self.training == self.only_mode:
+            return
+        # Running the operations recorded in the other mode would be
+        # silently wrong: dropout on in evaluation, or off in training.
+        mode, other = ('training', 'evaluation') if self.only_mode \
+            else ('evaluation', 'training')
+        raise RuntimeError(describe(
+            f'this part of the sequential was captured in {mode} mode and cannot run in '
+            f'{other} mode: {self.refusal}',
+            f'child {type(self.graph).__name__!r} of the sequential: training={self.training}',
+            'write what depends on the mode so that both modes record it, as '
+            'F.dropout(x, p, self.training) does, rather than in a branch on '
+            'self.training, or keep that code in a module whose forward takes '
+            'one tensor (its calls follow the mode)'))
+
     def forward(self, input: TensorOrTensors) -> Generator[Any, Any, TensorOrTensors]:
+        self.check_mode()
         graph = self.graph
-        if self.captured_training is not None and self.training != self.captured_training:
-            if self.other_mode is None:
-                # Running the operations recorded in the other mode would be
-                # silently wrong: dropout on in evaluation, or off in training.
-                mode, other = ('training', 'evaluation') if self.captured_training \
-                    else ('evaluation', 'training')
-                raise RuntimeError(describe(
-                    f'this part of the sequential was captured in {mode} mode by '
-                    f'torch.export and cannot run in {other} mode: {self.refusal}',
-                    f'{type(self).__name__}: training={self.training}',
-                    'write what depends on the mode so that both modes record it, as '
-                    'F.dropout(x, p, self.training) does, rather than in a branch on '
-                    'self.training, or keep that code in a module whose forward takes '
-                    'one tensor (its calls follow the mode)'))
+        if self.other_mode is not None and self.training != self.captured_training:
             graph = self.other_mode
         inputs = input if self.tuple_input else (input,)
         popped = []

@@ -31,8 +31,8 @@ class Interface:
         structure: how the original arranges the tensors it returns, or
             ``None`` for a tensor or a tuple of tensors as the sequential
         training (bool, optional): the mode the graph was captured in first,
-            when the generated children depend on it (torch.export); they
-            run the other mode's graph in the other mode
+            when the generated children depend on it; they run the other
+            mode's graph in the other mode
 
     Example::
 

@@ -2,18 +2,19 @@
 
 :func:`plan` cuts a graph into the children of the sequential and says what
 passes between them (outputs to the next child, skips to later ones);
-:func:`piece` makes the graph of one generated child. A graph captured by
-torch.export records the operations of one mode (``training``):
-:func:`capture_other_mode` captures the other, and :func:`match` checks that
-it cuts into children alike, so that each generated child can run the piece
-of the mode it is in (:class:`~torchgpipe.capture.cut.GeneratedChild`).
+:func:`piece` makes the graph of one generated child. A captured graph
+records the operations of one mode (``training``):
+:func:`capture_other_mode` captures the other (:func:`same` tells a trace of
+torch.fx that does not depend on it), and :func:`match` checks that it cuts
+into children alike, so that each generated child can run the piece of the
+mode it is in (:class:`~torchgpipe.capture.cut.GeneratedChild`).
 """
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union, cast
 
 import torch
 from torch import fx, nn
 
-from torchgpipe.capture import cut, export, fx as fx_capture
+from torchgpipe.capture import cut, fx as fx_capture
 from torchgpipe.capture.cut import child_name, floating, with_shapes
 from torchgpipe.capture.graph import Captured, attr, is_shape
 from torchgpipe.capture.interface import Interface
@@ -187,7 +188,7 @@ def match(plan: Plan, other: Plan, captured: Captured,
         (pops, ''): for each child, what its piece of the other mode's graph
         pops, in the order of the skip names of ``plan``; or (None, why not)
     """
-    mode = 'training' if other_captured.interface.training else 'evaluation'
+    mode = 'evaluation' if captured.interface.training else 'training'
     differs = f'its forward runs other code in {mode} mode, which '
     if (captured.interface.names != other_captured.interface.names
             or captured.interface.structure != other_captured.interface.structure):
@@ -233,8 +234,9 @@ def alike(values: List[fx.Node], others: List[fx.Node]) -> bool:
     return True
 
 
-def capture_other_mode(module: nn.Module, example: Any) -> Tuple[Optional[Captured], str]:
-    """``module`` captured by torch.export in the mode it is not in, its modes put back after.
+def capture_other_mode(module: nn.Module, capture: Callable[[], Captured]
+                       ) -> Tuple[Optional[Captured], str]:
+    """``module`` captured by ``capture`` in the mode it is not in, its modes put back after.
 
     Returns:
         (captured, ''), or (None, why not)
@@ -243,9 +245,21 @@ def capture_other_mode(module: nn.Module, example: Any) -> Tuple[Optional[Captur
     modes = [(m, m.training) for m in module.modules()]
     module.train(not module.training)
     try:
-        return export.capture(module, example), ''
+        return capture(), ''
     except (RuntimeError, TypeError, ValueError) as exc:
-        return None, f'torch.export cannot capture it in {mode} mode ({str(exc).splitlines()[0]})'
+        return None, f'it cannot be captured in {mode} mode ({str(exc).splitlines()[0]})'
     finally:
         for m, training in modes:
             m.training = training
+
+
+def same(captured: Captured, other: Captured) -> bool:
+    """Whether two captures are one: the same code, returning the same structure, reading
+    the same tensors (or equal constants)."""
+    if captured.graph.python_code('self').src != other.graph.python_code('self').src \
+            or captured.interface.structure != other.interface.structure:
+        return False
+    ours, theirs = cast(Dict[str, Any], captured.root), cast(Dict[str, Any], other.root)
+    return all(value is theirs[name] or (
+        isinstance(value, torch.Tensor) and value.dtype == theirs[name].dtype
+        and torch.equal(value, theirs[name])) for name, value in ours.items())

@@ -71,6 +71,10 @@ class Core:
         self.checkpoint = checkpoint
         self.deferred_batch_norms = [m for p in partitions.values() for m in p.modules()
                                      if isinstance(m, DeferredBatchNorm)]
+        #: The layers that refuse a mode they have no code for (the children
+        #: to_sequential generates from code captured in one mode).
+        self.mode_checked = [m for p in partitions.values() for m in p.modules()
+                             if callable(getattr(type(m), 'check_mode', None))]
         #: What runs learn and keep (copy streams, partition traits, the
         #: recorder), which no copy of the pipeline shares.
         self.state = RunState(len(partitions))
@@ -97,6 +101,15 @@ class Core:
                 f'planned_threads: {self.planned_threads}, torch.get_num_threads(): {now}',
                 f'call torch.set_num_threads({self.planned_threads}) before the first step, '
                 'or plan again for the threads you train with'), UserWarning)
+
+    def check_modes(self) -> None:
+        """Asks each layer whether it can run in its mode, before a step here starts work.
+
+        Raises:
+            RuntimeError: a layer cannot (its ``check_mode()`` says why)
+        """
+        for layer in self.mode_checked:
+            getattr(layer, 'check_mode')()
 
     def stop(self, m: int, training: bool) -> int:
         """How many of ``m`` micro-batches are checkpointed, in this mode."""
@@ -131,6 +144,7 @@ class Core:
     def forward(self, batches: List[microbatch.Batch], training: bool) -> None:
         """The forward path (0.0.7's): the micro-batches through every partition, in
         clock cycles, as one autograd graph that the caller's ``backward()`` runs."""
+        self.check_modes()
         self.check_threads()
         microbatch.move(batches, self.devices[0])
         streams = [current_stream(d) for d in self.devices]
@@ -153,6 +167,7 @@ class Core:
         # Before the input is split: that of an empty pipeline's forward fails.
         if not self.devices:
             raise ValueError('train_step needs at least one layer: this GPipe is empty')
+        self.check_modes()
         batches, targets, weights = split_step(input, target, self.chunks, reduction,
                                                self.devices[-1])
         m, n = len(batches), len(self.devices)
@@ -173,6 +188,7 @@ class Core:
         see :meth:`GPipe.eval_step <torchgpipe.GPipe.eval_step>`."""
         if not self.devices:
             raise ValueError('eval_step needs at least one layer: this GPipe is empty')
+        self.check_modes()
         batches, targets, weights = split_evaluation(input, target, self.chunks, reduction,
                                                      self.devices[-1])
         microbatch.move(batches, self.devices[0])

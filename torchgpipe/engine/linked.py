@@ -35,7 +35,6 @@ from torchgpipe.foundation.microbatch import Batch, TensorOrTensors
 from torchgpipe.foundation.record import Recorder, label
 from torchgpipe.foundation.rng import cpu_generator_held, training_flags, watch
 from torchgpipe.foundation.stream import AbstractStream, is_cuda, use_device, use_stream
-from torchgpipe.foundation.tied import partition_parameters
 from torchgpipe.runtime.checkpoint import Checkpointing
 from torchgpipe.runtime.partition import partition_function
 from torchgpipe.runtime.traits import PartitionTraits
@@ -141,10 +140,10 @@ class LinkedStage:
         self.traits = traits
         self.flags = training_flags(partition)
         self.last = j == len(linked.devices) - 1
-        # Checkpoints return the gradients of their partition's parameters,
-        # and of the tied parameters of earlier partitions it uses: those
-        # that require grad, picked once here rather than in every task.
-        self.parameters = tuple(p for p in partition_parameters(partition) if p.requires_grad) \
+        # Checkpoints return the gradients of their partition's parameters
+        # (tied ones of earlier partitions included, registered here too):
+        # those that require grad, picked once here rather than in every task.
+        self.parameters = tuple(p for p in partition.parameters() if p.requires_grad) \
             if linked.checkpoint_stop else ()
         #: The phony of the last output's fork, for the next input to join.
         self.phony: Optional[Tensor] = None

@@ -50,10 +50,14 @@ def _indexed(device: torch.device) -> torch.device:
     return device
 
 
-def place(module: nn.Module, device: torch.device) -> None:
+def place(module: nn.Module, device: torch.device,
+          placed: Optional[Dict[int, Tensor]] = None) -> None:
     """Moves the parameters, their gradients and the buffers of ``module``
-    to ``device``, each keeping its object where PyTorch allows (see above)."""
-    placed: Dict[int, Tensor] = {}
+    to ``device``, each keeping its object where PyTorch allows (see above).
+
+    ``placed`` (by id, each tensor placed so far) leaves those where they are.
+    """
+    placed = {} if placed is None else placed
     moved = False
     for layer in module.modules():
         parameters = cast(Dict[str, Optional[Tensor]], layer._parameters)

@@ -2,16 +2,17 @@
 
 A parameter shared by layers of different partitions (an input embedding tied
 to the output projection, ``head.weight = embedding.weight``) has one master:
-the parameter itself, owned by the layer of its first partition, on that
-partition's device. The layers of later partitions own nothing of it: their
-slot is emptied (``None`` in ``_parameters``), so that ``parameters()``, the
-state of an optimizer and DistributedDataParallel see the master alone, once.
-Such a layer holds the master as a plain attribute between calls. During a
-call of its partition it uses the master itself if the master is in the
+the parameter itself, on the device of its first partition. The layers of
+later partitions keep it registered, as in the unwrapped model (they are
+often the user's own modules): ``parameters()``, the state of an optimizer
+and DistributedDataParallel list it once, as for any shared parameter, and
+the state dict has it under the key of every use. During a call of its
+partition, such a layer uses the master itself if the master is in the
 memory of its device (every CPU device is one memory), else a differentiable
-copy of it on its device (another CUDA device): the gradient of every use
-flows back, through its copy if there is one, into the master and is summed
-there, as in the unwrapped model.
+copy of it on its device (another CUDA device), an attribute that hides the
+registered master for the call: the gradient of every use flows back,
+through its copy if there is one, into the master and is summed there, as in
+the unwrapped model.
 
 A buffer cannot be shared this way: a layer changes its buffers in place
 (BatchNorm's running statistics), and a copy would not carry the change back.
@@ -57,11 +58,8 @@ class Use(NamedTuple):
 
 
 class TiedUses:
-    """The uses of earlier partitions' parameters in one partition, and the
-    hooks of that partition which lend the masters to them.
-
-    Called, it is the partition's state-dict post-hook (a method could not
-    be one: PyTorch marks the hook with an attribute).
+    """The uses of earlier partitions' parameters in one partition; called, the
+    partition's forward pre-hook that lends the masters to them.
 
     Args:
         keys: each state-dict key of a later use within the partition (a
@@ -70,11 +68,9 @@ class TiedUses:
     """
 
     def __init__(self, keys: List[Tuple[str, Use]], device: torch.device) -> None:
-        self.keys = keys
         # A layer shared within the partition uses a master once.
         self.uses = list({(id(use.user), use.user_name): use for _, use in keys}.values())
         self.device = device
-        self.keep_vars = False
         #: In a training step, this partition's share of each master's
         #: gradient, by the master's id (see :func:`shares_apart`).
         self.shares: Optional[Dict[int, Tensor]] = None
@@ -83,7 +79,7 @@ class TiedUses:
         """The distinct masters this partition uses."""
         return tuple({id(p): p for p in (use.master() for use in self.uses)}.values())
 
-    def lend(self, partition: nn.Module, input: Any) -> None:
+    def __call__(self, partition: nn.Module, input: Any) -> None:
         """Forward pre-hook: gives each use its master, or a copy of it on this device."""
         # A copy per call of the partition, that is per micro-batch and per
         # pass, rather than one per forward: made inside the call, it follows
@@ -104,39 +100,14 @@ class TiedUses:
                     Tensor, Share.apply(master, shares))  # type: ignore[no-untyped-call]
                 copies[id(master)] = (used if same_memory(master.device, self.device)
                                       else used.to(self.device))
-            # Past nn.Module.__setattr__, which would register a parameter.
+            # An attribute, past nn.Module.__setattr__, which would register a
+            # parameter: it hides the registered master for the call.
             object.__setattr__(use.user, use.user_name, copies[id(master)])
 
     def give_back(self, partition: nn.Module, input: Any, output: Any) -> None:
-        """Forward hook, also after an exception: the uses hold their masters again."""
-        self.hold_masters()
-
-    def hold_masters(self) -> None:
-        """Makes each use hold its master, as a plain attribute."""
+        """Forward hook, also after an exception: the uses read their registered masters."""
         for use in self.uses:
-            object.__setattr__(use.user, use.user_name, use.master())
-
-    def note_keep_vars(self, partition: nn.Module, prefix: str, keep_vars: bool) -> None:
-        """State-dict pre-hook: the post-hook saves the masters as the others are saved."""
-        self.keep_vars = keep_vars
-
-    def __call__(self, partition: nn.Module, state_dict: Dict[str, Any], prefix: str,
-                 local_metadata: Dict[str, Any]) -> None:
-        """State-dict post-hook: saves the master under the key of each later
-        use too, as the unwrapped model has it."""
-        for path, use in self.keys:
-            master = use.master()
-            state_dict[prefix + path] = master if self.keep_vars else master.detach()
-
-    def load(self, partition: nn.Module, state_dict: Dict[str, Any], prefix: str,
-             local_metadata: Dict[str, Any], strict: bool, missing_keys: List[str],
-             unexpected_keys: List[str], error_msgs: List[str]) -> None:
-        """Load-state-dict pre-hook: takes the keys of the later uses out of
-        the state dict, so that no layer finds them unexpected, and reports
-        them missing if absent. The master loads from its own key."""
-        for path, _ in self.keys:
-            if state_dict.pop(prefix + path, None) is None:
-                missing_keys.append(prefix + path)
+            use.user.__dict__.pop(use.user_name, None)
 
 
 def shared_error(name: str, j: int, later_name: str, k: int) -> ValueError:
@@ -192,7 +163,7 @@ def find_ties(partitions: Sequence[nn.Module]) -> List[List[Tuple[str, Use]]]:
 
 def place_partitions(partitions: Sequence[nn.Module], devices: Sequence[torch.device]) -> None:
     """Moves each partition to its device; a parameter shared across
-    partitions stays with the first, and the later ones borrow it.
+    partitions stays with the first, and the later ones borrow it at each call.
 
     Every tensor keeps its object (:func:`~torchgpipe.foundation.placement.place`): one
     already in the memory of its partition's device (any CPU device, for a
@@ -208,54 +179,16 @@ def place_partitions(partitions: Sequence[nn.Module], devices: Sequence[torch.de
             two partitions; nothing is changed then
     """
     ties = find_ties(partitions)
-    all_tied: List[TiedUses] = []
     for partition, device, keys in zip(partitions, devices, ties):
-        if not keys:
-            continue
-        tied = TiedUses(keys, device)
-        all_tied.append(tied)
-        for use in tied.uses:
-            # Emptied before any partition moves, or the later partition
-            # would move the master. None keeps the slot, and so the order of
-            # the state dict, for retie(); nn.Module skips it everywhere
-            # (parameters(), to(), state_dict()).
-            use.user._parameters[use.user_name] = None
-        partition.register_forward_pre_hook(tied.lend)
-        partition.register_forward_hook(tied.give_back, always_call=True)
-        partition.register_state_dict_pre_hook(  # type: ignore[no-untyped-call]
-            tied.note_keep_vars)
-        partition.register_state_dict_post_hook(tied)  # type: ignore[no-untyped-call]
-        partition.register_load_state_dict_pre_hook(  # type: ignore[no-untyped-call]
-            tied.load)
+        if keys:
+            tied = TiedUses(keys, device)
+            partition.register_forward_pre_hook(tied)
+            partition.register_forward_hook(tied.give_back, always_call=True)
 
+    # One memo for all: a tensor moves with its first partition only.
+    placed: Dict[int, Tensor] = {}
     for partition, device in zip(partitions, devices):
-        place(partition, device)
-    # After moving: a move to a device whose tensors cannot take another's
-    # data in place (the 'meta' device) makes a new master.
-    for tied in all_tied:
-        tied.hold_masters()
-
-
-def partition_parameters(partition: nn.Module) -> Tuple[Tensor, ...]:
-    """The parameters a partition computes with: its own, then the masters of
-    those it shares with earlier partitions.
-
-    A checkpoint returns the gradients of these: a master's, summed by the
-    autograd engine with its other uses', is accumulated once.
-    """
-    masters = [master for hook in tied_uses([partition]) for master in hook.masters()]
-    return (*partition.parameters(), *masters)
-
-
-def retie(module: nn.Module) -> None:
-    """Gives the layers of a copy of a later use their master back as a
-    parameter: the tie of a deep copy, made with the master's, is then as in
-    the unwrapped model."""
-    for layer in module.modules():
-        for name, parameter in list(layer._parameters.items()):
-            borrowed = layer.__dict__.get(name)
-            if parameter is None and isinstance(borrowed, nn.Parameter):
-                layer._parameters[name] = layer.__dict__.pop(name)
+        place(partition, device, placed)
 
 
 class Share(torch.autograd.Function):
@@ -289,7 +222,7 @@ class Share(torch.autograd.Function):
 
 def tied_uses(partitions: Sequence[nn.Module]) -> List[TiedUses]:
     """The hooks of the partitions that use earlier partitions' parameters, in order."""
-    return [hook for partition in partitions for hook in partition._state_dict_hooks.values()
+    return [hook for partition in partitions for hook in partition._forward_pre_hooks.values()
             if isinstance(hook, TiedUses)]
 
 

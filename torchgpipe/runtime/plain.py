@@ -15,7 +15,6 @@ import torch
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from torchgpipe.foundation.tied import retie
 from torchgpipe.foundation.validation import Device, check_available, parse_device
 from torchgpipe.runtime.batchnorm import restore_batch_norm
 
@@ -99,11 +98,8 @@ def unwrap(partitions: List[nn.Sequential], training: bool,
         for name, layer in partition.named_children():
             # Moved layer by layer: a partition's device never holds a
             # copy of more than one of its layers.
-            # Copied with the same memo as the master, a later use of a
-            # tied parameter gets it back as its own parameter.
-            layer_copy = copy.deepcopy(layer, memo)
-            retie(layer_copy)
-            layers[name] = layer_copy.to(target)
+            # Copied with the same memo, a tied parameter stays one.
+            layers[name] = copy.deepcopy(layer, memo).to(target)
 
     module = nn.Sequential(layers)
     # Not train(): each layer keeps its own mode.
