@@ -2,8 +2,7 @@
 predicted, and the plan applies, saves, loads and compares as documented."""
 import json
 import warnings
-from contextlib import contextmanager
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 from fractions import Fraction
 
 import pytest
@@ -14,6 +13,7 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 import torchgpipe
+from benchmarks.environment import threads as intra_op_threads
 from helpers import PopAdd, Stash
 from torchgpipe import GPipe, Plan
 from torchgpipe.engine.generators import named
@@ -502,16 +502,6 @@ def test_planning_a_model_with_gradients_leaves_them_and_records_its_threads() -
         plan = torchgpipe.plan(module, input, devices=['cpu:0', 'cpu:1'], chunks=2, repeat=1)
     assert all(p.grad is grad and torch.equal(grad, values) for p, grad, values in grads)
     assert plan.threads == plan.kwargs['planned_threads'] == 1
-
-
-@contextmanager
-def intra_op_threads(count: int) -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def thread_warnings(caught: List[warnings.WarningMessage]) -> List[str]:
