@@ -7,7 +7,8 @@ for the stopped one, names the stopped one too, wherever it stands in the
 pipeline, in a forward or a backward pass, under every schedule. Ranks
 given different mini-batches, chunks or schedules, or no data where it is
 needed, all refuse the step before any of its messages, and train on once
-they agree.
+they agree; ranks that would lay out the layers differently all refuse to
+build the pipeline.
 """
 import os
 import re
@@ -233,7 +234,7 @@ def test_every_rank_names_the_stopped_one(world_size: int, cases: List[Case],
 
 def disagreeing(rank: int, world_size: int) -> Dict[str, List[str]]:
     """Steps that the two ranks are called for differently, or without the data they
-    need; then a step they agree on, after each."""
+    need; pipelines they build differently; then a step they agree on, after each."""
     def refused(attempts: List[Any], then: Any) -> List[str]:
         errors = []
         for attempt in attempts:
@@ -244,8 +245,11 @@ def disagreeing(rank: int, world_size: int) -> Dict[str, List[str]]:
             then()  # the pipeline is whole, the ranks in step
         return errors
 
+    def linear(features: int = FEATURES) -> nn.Module:
+        return nn.Linear(FEATURES, features).double()
+
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(FEATURES, FEATURES), nn.Linear(FEATURES, FEATURES)).double()
+    model = nn.Sequential(linear(), linear())
     pipe = DistributedGPipe(model, [1, 1], chunks=CHUNKS)
     input, target = batch(0)
 
@@ -265,6 +269,17 @@ def disagreeing(rank: int, world_size: int) -> Dict[str, List[str]]:
             lambda: pipe.train_step(input, None if rank else target, F.mse_loss),
             lambda: pipe.eval_step(input, None if rank else target, F.mse_loss),
         ], agreed),
+        'layouts': refused([
+            lambda: DistributedGPipe(model, [1, 1], checkpoint='never' if rank else 'always'),
+            lambda: DistributedGPipe(nn.Sequential(*(linear() for _ in range(4))),
+                                     [1, 3] if rank else [3, 1]),
+            lambda: DistributedGPipe(nn.Sequential(*(linear() for _ in range(4))),
+                                     [1, 1, 1, 1], placement='v' if rank else 'loop'),
+            lambda: DistributedGPipe(nn.Sequential(*(linear() for _ in range(2 + rank))),
+                                     [2, 1] if rank else [1, 1]),
+            lambda: DistributedGPipe(nn.Sequential(linear(), linear(FEATURES + rank)), [1, 1]),
+        ], lambda: DistributedGPipe(model, [1, 1], chunks=CHUNKS).train_step(
+            input, target, F.mse_loss)),
     }
 
 
@@ -297,3 +312,20 @@ def test_a_rank_given_no_data_it_needs_makes_every_rank_refuse_the_step(
         f'Mismatch: rank 1 holds the last partition and needs the target (target: None); '
         f'pass it on rank 1: {fix}'] * 2
 
+
+def test_ranks_that_lay_out_the_layers_differently_all_refuse_to_build(
+        disagreements: List[Dict[str, List[str]]]) -> None:
+    assert disagreements[0]['layouts'] == disagreements[1]['layouts']
+    fix = ('build the pipeline alike on every rank: the same module, and one balance, '
+           'placement and checkpoint for all (such as plan.kwargs of '
+           'torchgpipe.plan(..., group=...), the same on every rank)')
+    layer = "['weight ({}, 4) torch.float64', 'bias ({},) torch.float64']"
+    assert disagreements[0]['layouts'] == [
+        f'Mismatch: the ranks of the pipeline lay out its layers differently ({ranks}); {fix}'
+        for ranks in [
+            "rank 0: {'checkpoint': 'always'}; rank 1: {'checkpoint': 'never'}",
+            "rank 0: {'balance': [3, 1]}; rank 1: {'balance': [1, 3]}",
+            "rank 0: {'placement': 'loop'}; rank 1: {'placement': 'v'}",
+            "rank 0: {'balance': [1, 1], 'layers': 2}; rank 1: {'balance': [2, 1], 'layers': 3}",
+            f"rank 0: {{'parameters of layer 1': {layer.format(4, 4)}}}; "
+            f"rank 1: {{'parameters of layer 1': {layer.format(5, 5)}}}"]]

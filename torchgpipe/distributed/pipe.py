@@ -10,7 +10,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from torchgpipe.distributed.core import RankCore
 from torchgpipe.distributed.norm import check_finite, clip_grads, slots, total_norm
-from torchgpipe.distributed.ranks import ranks_of_partitions
+from torchgpipe.distributed.ranks import agree_on_layout, ranks_of_partitions
 from torchgpipe.distributed.tied import TiedGradients, ties_across_ranks
 from torchgpipe.engine.core import CoreModule
 from torchgpipe.engine.evaluation import check_evaluation, evaluating
@@ -85,6 +85,9 @@ class DistributedGPipe(CoreModule):
         TypeError, ValueError: as for :class:`~torchgpipe.GPipe`; also, a
             balance whose length is not a multiple of the group's size, or
             an unknown ``placement``
+        ValueError: on every rank, if the ranks differ in ``balance``,
+            ``placement``, ``checkpoint``, or the number of layers or their
+            parameters' shapes, before any layer moves
 
     Example::
 
@@ -131,6 +134,11 @@ class DistributedGPipe(CoreModule):
                                                                                fix)
         check_available('device', self.device, fix)
         verify_skippables(module)
+        self.ranks = [dist.get_global_rank(group, r) if group is not None else r
+                      for r in range(size)]
+        # Before any layer moves: ranks that would cut the layers differently all refuse.
+        agree_on_layout(module, {'balance': balance, 'placement': placement,
+                                 'checkpoint': checkpoint}, group, self.ranks, self.device)
         if deferred_batch_norm:
             module = cast(nn.Sequential,
                           DeferredBatchNorm.convert_deferred_batch_norm(module, chunks))
@@ -146,8 +154,6 @@ class DistributedGPipe(CoreModule):
         self.balance = balance
         self.group = group
         self.rank = dist.get_rank(group)
-        self.ranks = [dist.get_global_rank(group, r) if group is not None else r
-                      for r in range(size)]
         # The parameters shared with layers on other ranks, a copy on each.
         tied = TiedGradients(ties_across_ranks(
             partitions, [self.ranks[r] for r in self.rank_of], dist.get_rank()), dist.get_rank())
