@@ -141,11 +141,12 @@ class Exploit:
 
 
 def hostile_peer(rank: int, world_size: int, path: str) -> str:
-    """Rank 0 trains; rank 1 answers its first word with a crafted pickle."""
+    """Both ranks build the pipeline (they agree on its layout); rank 0 trains, and
+    rank 1 answers its first word with a crafted pickle."""
+    from torchgpipe.distributed import DistributedGPipe
+    torch.manual_seed(0)
+    pipe = DistributedGPipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), [1, 1])
     if rank == 0:
-        from torchgpipe.distributed import DistributedGPipe
-        torch.manual_seed(0)
-        pipe = DistributedGPipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), [1, 1])
         try:
             pipe.train_step(torch.randn(4, 4), torch.randn(4, 4), F.mse_loss)
         except Unreadable as exc:

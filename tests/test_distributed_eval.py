@@ -16,7 +16,7 @@ from torch import nn
 from process_group import no_child_left  # noqa: F401 (an autouse fixture)
 from process_group import run_distributed
 from test_distributed import TOLERANCE
-from test_distributed_pipe import CHUNKS, Config, Result, batch, model, pipeline
+from test_distributed_pipe import CHUNKS, Config, Result, batch, model, pipeline, where_used
 from torchgpipe import GPipe
 
 pytestmark = pytest.mark.timeout(180)
@@ -26,9 +26,13 @@ TWO_RANKS = [Config('mlp', (3, 2), '1f1b', 'except_last'),
              Config('batchnorm', (3, 4), '1f1b', 'never'),
              Config('packed', (2, 2), 'fill_drain', 'except_last'),
              Config('tied', (3, 3), '1f1b', 'except_last')]
-THREE_RANKS = [Config('unet', (3, 2, 5), '1f1b', 'except_last')]
+# Given only what they use, with a loss and without: the middle rank None
+# for both; the last rank the target alone, and without a loss nothing.
+THREE_RANKS = [Config('unet', (3, 2, 5), '1f1b', 'except_last'),
+               Config('unet', (3, 2, 5), '1f1b', 'except_last', only_where_used=True)]
 VIRTUAL = [Config('unet', (3, 2, 2, 3), 'interleaved_1f1b', 'except_last'),
-           Config('batchnorm', (2, 2, 2, 1), 'zbv', 'never', 'v')]
+           Config('batchnorm', (2, 2, 2, 1), 'zbv', 'never', 'v'),
+           Config('batchnorm', (2, 2, 2, 1), 'zbv', 'never', 'v', only_where_used=True)]
 
 
 def evaluate(pipe: nn.Module, eval_step: Any) -> Result:
@@ -59,7 +63,9 @@ def evaluate_pipelines(rank: int, world_size: int, configs: List[Config]) -> Dic
     results = {}
     for config in configs:
         pipe = pipeline(config)
-        results[config.id] = train_then_evaluate(pipe, config, pipe.train_step, pipe.eval_step)
+        results[config.id] = train_then_evaluate(
+            pipe, config, where_used(pipe.train_step, config, rank, world_size),
+            where_used(pipe.eval_step, config, rank, world_size))
     return results
 
 

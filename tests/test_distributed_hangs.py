@@ -5,8 +5,10 @@ others within their step timeout, each naming the rank, its partition, and
 the message it waited for; a rank that waited for another, itself waiting
 for the stopped one, names the stopped one too, wherever it stands in the
 pipeline, in a forward or a backward pass, under every schedule. Ranks
-given different mini-batches, chunks or schedules all refuse the step
-before any of its messages, and train on once they agree.
+given different mini-batches, chunks or schedules, or no data where it is
+needed, all refuse the step before any of its messages, and train on once
+they agree; ranks that would lay out the layers differently all refuse to
+build the pipeline.
 """
 import os
 import re
@@ -230,36 +232,100 @@ def test_every_rank_names_the_stopped_one(world_size: int, cases: List[Case],
             check_blame(share, run.result())
 
 
-def disagreeing(rank: int, world_size: int) -> List[str]:
-    """Steps that the two ranks are called for differently; then one they agree on."""
-    errors = []
+def disagreeing(rank: int, world_size: int) -> Dict[str, List[str]]:
+    """Steps that the two ranks are called for differently, or without the data they
+    need; pipelines they build differently; then a step they agree on, after each."""
+    def refused(attempts: List[Any], then: Any) -> List[str]:
+        errors = []
+        for attempt in attempts:
+            try:
+                attempt()
+            except ValueError as exc:
+                errors.append(f'{type(exc).__name__}: {exc}')
+            then()  # the pipeline is whole, the ranks in step
+        return errors
+
+    def linear(features: int = FEATURES) -> nn.Module:
+        return nn.Linear(FEATURES, features).double()
+
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(FEATURES, FEATURES), nn.Linear(FEATURES, FEATURES)).double()
+    model = nn.Sequential(linear(), linear())
     pipe = DistributedGPipe(model, [1, 1], chunks=CHUNKS)
     input, target = batch(0)
-    calls = [
-        lambda: pipe.train_step(input[:12] if rank else input, target[:12] if rank else target,
-                                F.mse_loss),
-        lambda: pipe.train_step(input, target, F.mse_loss,
-                                schedule='fill_drain' if rank else '1f1b'),
-        lambda: pipe.eval_step(input, everywhere=rank == 1),
-    ]
-    for call in calls:
-        try:
-            call()
-        except ValueError as exc:
-            errors.append(str(exc))
-    pipe.train_step(input, target, F.mse_loss)  # the pipeline is whole
-    return errors
+
+    def agreed() -> None:
+        pipe.train_step(input, target, F.mse_loss)
+    return {
+        'steps': refused([
+            lambda: pipe.train_step(input[:12] if rank else input,
+                                    target[:12] if rank else target, F.mse_loss),
+            lambda: pipe.train_step(input, target, F.mse_loss,
+                                    schedule='fill_drain' if rank else '1f1b'),
+            lambda: pipe.eval_step(input, everywhere=rank == 1),
+        ], agreed),
+        # Rank 0 holds the first partition, rank 1 the last.
+        'data': refused([
+            lambda: pipe.train_step(input if rank else None, target, F.mse_loss),
+            lambda: pipe.train_step(input, None if rank else target, F.mse_loss),
+            lambda: pipe.eval_step(input, None if rank else target, F.mse_loss),
+        ], agreed),
+        'layouts': refused([
+            lambda: DistributedGPipe(model, [1, 1], checkpoint='never' if rank else 'always'),
+            lambda: DistributedGPipe(nn.Sequential(*(linear() for _ in range(4))),
+                                     [1, 3] if rank else [3, 1]),
+            lambda: DistributedGPipe(nn.Sequential(*(linear() for _ in range(4))),
+                                     [1, 1, 1, 1], placement='v' if rank else 'loop'),
+            lambda: DistributedGPipe(nn.Sequential(*(linear() for _ in range(2 + rank))),
+                                     [2, 1] if rank else [1, 1]),
+            lambda: DistributedGPipe(nn.Sequential(linear(), linear(FEATURES + rank)), [1, 1]),
+        ], lambda: DistributedGPipe(model, [1, 1], chunks=CHUNKS).train_step(
+            input, target, F.mse_loss)),
+    }
 
 
-def test_ranks_called_for_different_steps_refuse_them_and_train_on() -> None:
-    ranks = run_distributed(disagreeing, timeout=60)
-    assert ranks[0] == ranks[1]
-    sizes, schedules, evaluations = ranks[0]
-    assert sizes.startswith("the ranks of the pipeline run different steps (rank 0: {'step': "
-                            "'train_step', 'micro-batches': [4, 4, 4, 4], 'schedule': '1f1b ")
+@pytest.fixture(scope='module')
+def disagreements() -> List[Dict[str, List[str]]]:
+    return run_distributed(disagreeing, timeout=60)
+
+
+def test_ranks_called_for_different_steps_refuse_them_and_train_on(
+        disagreements: List[Dict[str, List[str]]]) -> None:
+    assert disagreements[0] == disagreements[1]
+    sizes, schedules, evaluations = disagreements[0]['steps']
+    assert sizes.startswith("Mismatch: the ranks of the pipeline run different steps (rank "
+                            "0: {'step': 'train_step', 'micro-batches': [4, 4, 4, 4], "
+                            "'schedule': '1f1b'}")
     assert "rank 1: {'step': 'train_step', 'micro-batches': [3, 3, 3, 3]" in sizes
     assert sizes.endswith('give every rank the same mini-batch, chunks and schedule')
-    assert "'schedule': 'fill_drain (" in schedules and "'schedule': '1f1b (" in schedules
+    assert "'schedule': 'fill_drain'" in schedules and "'schedule': '1f1b'" in schedules
     assert "'everywhere': False" in evaluations and "'everywhere': True" in evaluations
+
+
+def test_a_rank_given_no_data_it_needs_makes_every_rank_refuse_the_step(
+        disagreements: List[Dict[str, List[str]]]) -> None:
+    assert disagreements[0]['data'] == disagreements[1]['data']
+    fix = ("the first partition's rank needs the input, the last one's the target, and the "
+           'others may pass None')
+    assert disagreements[0]['data'] == [
+        f'Mismatch: rank 0 holds the first partition and needs the input (input: None); '
+        f'pass it on rank 0: {fix}'] + [
+        f'Mismatch: rank 1 holds the last partition and needs the target (target: None); '
+        f'pass it on rank 1: {fix}'] * 2
+
+
+def test_ranks_that_lay_out_the_layers_differently_all_refuse_to_build(
+        disagreements: List[Dict[str, List[str]]]) -> None:
+    assert disagreements[0]['layouts'] == disagreements[1]['layouts']
+    fix = ('build the pipeline alike on every rank: the same module, and one balance, '
+           'placement and checkpoint for all (such as plan.kwargs of '
+           'torchgpipe.plan(..., group=...), the same on every rank)')
+    layer = "['weight ({}, 4) torch.float64', 'bias ({},) torch.float64']"
+    assert disagreements[0]['layouts'] == [
+        f'Mismatch: the ranks of the pipeline lay out its layers differently ({ranks}); {fix}'
+        for ranks in [
+            "rank 0: {'checkpoint': 'always'}; rank 1: {'checkpoint': 'never'}",
+            "rank 0: {'balance': [3, 1]}; rank 1: {'balance': [1, 3]}",
+            "rank 0: {'placement': 'loop'}; rank 1: {'placement': 'v'}",
+            "rank 0: {'balance': [1, 1], 'layers': 2}; rank 1: {'balance': [2, 1], 'layers': 3}",
+            f"rank 0: {{'parameters of layer 1': {layer.format(4, 4)}}}; "
+            f"rank 1: {{'parameters of layer 1': {layer.format(5, 5)}}}"]]

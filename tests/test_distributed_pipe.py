@@ -82,11 +82,14 @@ class Config(NamedTuple):
     checkpoint: str
     #: With more partitions than ranks: 'loop' or 'v'.
     placement: str = 'loop'
+    #: Each rank is given only what its partitions use, and None for the rest.
+    only_where_used: bool = False
 
     @property
     def id(self) -> str:
         where = f'-{self.placement}' if self.placement != 'loop' else ''
-        return f'{self.model}-{list(self.balance)}-{self.schedule}-{self.checkpoint}{where}'
+        given = '-only-where-used' if self.only_where_used else ''
+        return f'{self.model}-{list(self.balance)}-{self.schedule}-{self.checkpoint}{where}{given}'
 
     def ranks(self, size: int) -> List[int]:
         """The rank of each partition."""
@@ -124,7 +127,9 @@ TWO_RANKS += [Config('tied', (3, 3), s, c) for s, c in zip(['1f1b', 'fill_drain'
                                                            CHECKPOINT_MODES)]
 THREE_RANKS = [Config('unet', (3, 2, 5), s, c) for s, c in SCHEDULE_CHECKPOINTS] + [
     Config('tied', (2, 2, 2), s, c) for s, c in zip(['1f1b', 'fill_drain', 'zb_h1'],
-                                                     CHECKPOINT_MODES)]
+                                                     CHECKPOINT_MODES)] + [
+    # The middle rank is given None for both, while a skip leaps over it.
+    Config('unet', (3, 2, 5), '1f1b', 'except_last', only_where_used=True)]
 # Two partitions per rank, in a loop or a V; unet's skips cross virtual stages.
 # Each schedule meets each checkpoint mode once, with one model or another.
 VIRTUAL = [Config(m, b, s, CHECKPOINT_MODES[(k + n) % 3], placement)
@@ -136,7 +141,11 @@ VIRTUAL = [Config(m, b, s, CHECKPOINT_MODES[(k + n) % 3], placement)
     Config('tied', (2, 1, 1, 2), s, c, 'v') for s, c in itertools.product(
         ['zbv', 'zb_h1'], CHECKPOINT_MODES)] + [
     # In a loop, they are on rank 0 and rank 1.
-    Config('tied', (2, 1, 1, 2), 'interleaved_1f1b', c) for c in CHECKPOINT_MODES]
+    Config('tied', (2, 1, 1, 2), 'interleaved_1f1b', c) for c in CHECKPOINT_MODES] + [
+    # Given only what they use: in a V, rank 0 both, rank 1 neither; in a
+    # loop, rank 0 the input alone, rank 1 the target alone.
+    Config('unet', (3, 2, 2, 3), 'zbv', 'except_last', 'v', only_where_used=True),
+    Config('mlp', (2, 1, 1, 1), 'interleaved_1f1b', 'always', only_where_used=True)]
 
 
 def batch(step: int, size: int = BATCH) -> Tuple[Tensor, Tensor]:
@@ -184,11 +193,25 @@ def pipeline(config: Config) -> DistributedGPipe:
                             placement=config.placement)
 
 
+def where_used(step_fn: Any, config: Config, rank: int, world_size: int) -> Any:
+    """``step_fn`` of this rank, given the input only if it holds the first partition of
+    ``config``, and the target only if the last (under ``config.only_where_used``)."""
+    if not config.only_where_used:
+        return step_fn
+    ranks = config.ranks(world_size)
+
+    def step(input: Tensor, target: Optional[Tensor] = None, *args: Any, **kwargs: Any) -> Any:
+        return step_fn(input if ranks[0] == rank else None,
+                       target if ranks[-1] == rank else None, *args, **kwargs)
+    return step
+
+
 def train_pipelines(rank: int, world_size: int, configs: List[Config]) -> Dict[str, Result]:
     results = {}
     for config in configs:
         pipe = pipeline(config)
-        results[config.id] = train(pipe, config, pipe.train_step)
+        results[config.id] = train(pipe, config, where_used(pipe.train_step, config, rank,
+                                                            world_size))
     return results
 
 

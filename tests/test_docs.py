@@ -433,7 +433,7 @@ def message_fragments() -> Iterator[str]:
     """The most telling fixed part of every error message of the library.
 
     Collected from the first argument of every call to an exception class
-    (``...Error(...)``, ``...Exception(...)``), from the fix given to
+    (``...Error(...)``, ``...Exception(...)``, ``Mismatch(...)``), from the fix given to
     ``describe(requirement, received, fix)``, and from the lines
     :func:`torchgpipe.skip.verify_skippables` assembles into ``msg``. In an
     f-string, the longest literal piece between substitutions is taken.
@@ -463,7 +463,8 @@ def message_fragments() -> Iterator[str]:
             if isinstance(node, ast.Call) and node.args:
                 func = node.func
                 name = func.id if isinstance(func, ast.Name) else getattr(func, 'attr', '')
-                if name.endswith(('Error', 'Exception')):
+                # Mismatch: torchgpipe.distributed's ValueError of ranks that disagree.
+                if name.endswith(('Error', 'Exception')) or name == 'Mismatch':
                     messages.append(node.args[0])
                 elif name == 'describe' and len(node.args) == 3:
                     # torchgpipe.foundation.validation.describe(requirement, received, fix):

@@ -557,10 +557,10 @@ def small() -> GPipe:
 
 
 @pytest.mark.parametrize('call, error, message', [
-    (lambda g: g.train_step(torch.ones(4, 2), torch.ones(4, 2), F.mse_loss, schedule='gpipe'),
+    (lambda g: g.train_step(torch.ones(4, 2), torch.ones(4, 2), F.mse_loss, schedule='chimera'),
      ValueError, "schedule must be one of 'fill_drain', '1f1b', 'interleaved_1f1b', 'zb_h1', "
      "'zbv', or a schedule of its actions (text such as '0F0 0B0', or a list of action "
-     "lists) (schedule: 'gpipe'); use schedule='1f1b'"),
+     "lists) (schedule: 'chimera'); use schedule='1f1b'"),
     (lambda g: g.train_step(torch.ones(4, 2), torch.ones(4, 2), F.mse_loss, reduction='none'),
      ValueError, "reduction must be 'mean' or 'sum'"),
     (lambda g: g.train_step(torch.ones(4, 2), torch.ones(4, 2), 'mse'),

@@ -10,7 +10,7 @@ refuses further steps.
 """
 from contextlib import contextmanager
 from hashlib import sha1
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, cast
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -22,9 +22,9 @@ from torchgpipe.distributed.shared import Shared
 from torchgpipe.distributed.tied import TiedGradients
 from torchgpipe.distributed.wire import Channels, Mismatch, Wire
 from torchgpipe.engine.core import Core, Done
-from torchgpipe.engine.evaluation import forward_only, join, split_evaluation
-from torchgpipe.engine.generators import resolve
-from torchgpipe.engine.inputs import split_step
+from torchgpipe.engine.evaluation import forward_only, join
+from torchgpipe.engine.generators import built_in, resolve
+from torchgpipe.engine.inputs import split_given, weighted
 from torchgpipe.engine.schedule import Schedule, ScheduleLike
 from torchgpipe.engine.step import LossFunction, Step
 from torchgpipe.foundation import microbatch
@@ -33,6 +33,14 @@ from torchgpipe.runtime.batchnorm import deferred_step
 from torchgpipe.skip.layout import SkipLayout
 
 __all__ = ['RankCore']
+
+#: What a rank makes of its input and target (see split_given): the
+#: micro-batches of each, and their sizes, each ``None`` if not given.
+Given = Tuple[Optional[List[microbatch.Batch]], Optional[List[TensorOrTensors]],
+              Optional[List[int]]]
+#: What a step of micro-batches of given sizes runs: its schedule, the weight
+#: of each micro-batch's loss, and its checkpoint stop.
+Prepared = Tuple[Schedule, List[float], int]
 
 
 class RankCore(Core):
@@ -90,23 +98,25 @@ class RankCore(Core):
         """The parameters shared with other ranks, whose gradients are summed as a step ends."""
         return self.tied_gradients.parameters()
 
-    def train(self, input: TensorOrTensors, target: TensorOrTensors, loss_fn: LossFunction,
-              schedule: ScheduleLike, reduction: str, training: bool,
+    def train(self, input: Optional[TensorOrTensors], target: Optional[TensorOrTensors],
+              loss_fn: LossFunction, schedule: ScheduleLike, reduction: str, training: bool,
               done: Optional[Done] = None) -> Tensor:
         """A training step over the ranks, its arguments checked: see
         :meth:`DistributedGPipe.train_step
         <torchgpipe.distributed.DistributedGPipe.train_step>`."""
         self.check_whole()
-        batches, targets, weights = split_step(input, target, self.chunks, reduction,
-                                               self.device)
-        m = len(batches)
-        plan = resolve(schedule, m, len(self.rank_of), [f'rank {r}' for r in self.rank_of],
-                       "lay the partitions over the ranks as it does: placement='v' for "
-                       "'zbv', 'loop' for the others")
-        self.tied_gradients.start()
-        with self.wired(batches, targets, loss_fn, weights, plan, self.stop(m, training),
-                        done=done) as (step, wire):
-            with deferred_step(self.deferred_batch_norms, m):
+        given = split_given(input, target, self.chunks, self.device)
+        workers = [f'rank {r}' for r in self.rank_of]
+
+        def prepare(sizes: List[int]) -> Prepared:
+            m = len(sizes)
+            return (resolve(schedule, m, len(workers), workers,
+                            "lay the partitions over the ranks as it does: placement='v' for "
+                            "'zbv', 'loop' for the others"),
+                    weighted(sizes, reduction), self.stop(m, training))
+        with self.wired(given, loss_fn, prepare, done=done,
+                        signature={'schedule': schedule_label(schedule)}) as (step, wire):
+            with deferred_step(self.deferred_batch_norms, len(step.shared.batches)):
                 loss = step.run()
             loss, received = wire.finish(loss, self.tied_gradients.shares(wire.others))
         # Every rank is past the end of the step: copies of a tied parameter
@@ -114,7 +124,7 @@ class RankCore(Core):
         self.tied_gradients.sum(received)
         return cast(Tensor, loss)
 
-    def evaluate(self, input: TensorOrTensors, target: Optional[TensorOrTensors],
+    def evaluate(self, input: Optional[TensorOrTensors], target: Optional[TensorOrTensors],
                  loss_fn: Optional[LossFunction], reduction: str,
                  output_fn: Optional[Callable[[TensorOrTensors], Any]],
                  everywhere: bool = False) -> Any:
@@ -122,10 +132,12 @@ class RankCore(Core):
         evaluation mode: see :meth:`DistributedGPipe.eval_step
         <torchgpipe.distributed.DistributedGPipe.eval_step>`."""
         self.check_whole()
-        batches, targets, weights = split_evaluation(input, target, self.chunks, reduction,
-                                                     self.device)
-        with self.wired(batches, targets, loss_fn, weights,
-                        forward_only(len(batches), len(self.rank_of)), 0, train=False,
+        given = split_given(input, target, self.chunks, self.device)
+
+        def prepare(sizes: List[int]) -> Prepared:
+            weights = [1.0] * len(sizes) if loss_fn is None else weighted(sizes, reduction)
+            return forward_only(len(sizes), len(self.rank_of)), weights, 0
+        with self.wired(given, loss_fn, prepare, train=False,
                         signature={'loss': loss_fn is not None,
                                    'everywhere': everywhere}) as (step, wire):
             loss = step.run()
@@ -137,36 +149,50 @@ class RankCore(Core):
         return output if loss_fn is None and not everywhere else result
 
     @contextmanager
-    def wired(self, batches: List[microbatch.Batch], targets: Sequence[Any],
-              loss_fn: Optional[LossFunction], weights: List[float], plan: Schedule, stop: int,
-              *, done: Optional[Done] = None, train: bool = True,
-              signature: Optional[Dict[str, Any]] = None) -> Iterator[Tuple[Step, Wire]]:
-        """A step of ``plan`` (a training step's, or an evaluation's), its mailbox the wire.
+    def wired(self, given: Given, loss_fn: Optional[LossFunction],
+              prepare: Callable[[List[int]], Prepared], *, done: Optional[Done] = None,
+              train: bool = True, signature: Optional[Dict[str, Any]] = None
+              ) -> Iterator[Tuple[Step, Wire]]:
+        """A step (a training step's, or an evaluation's) of this rank's data, its mailbox
+        the wire.
 
         On entry every rank agrees on the step (ranks that disagree all raise
-        here, before any message); the body runs the step and finishes the
-        wire. A failure in the body is told to every rank, and breaks the
-        pipeline.
+        here, before any message), and a rank given no data learns the sizes
+        of the micro-batches; the body runs the step and finishes the wire. A
+        failure in the body is told to every rank, and breaks the pipeline.
 
         Args:
-            stop: the checkpoint stop (see :class:`~torchgpipe.engine.step.Step`)
+            given: what :func:`~torchgpipe.engine.inputs.split_given` made of
+                this rank's input and target
+            prepare: the schedule, the weights of the losses and the checkpoint
+                stop (see :class:`~torchgpipe.engine.step.Step`) of micro-batches
+                of these sizes
             train: a training step, whose end carries the gradients of tied
                 parameters; else an evaluation
             signature: more of the step, which every rank must run alike
         """
-        if 0 in self.partitions:
+        batches, targets, sizes = given
+        # This rank's data is refused before any message; a rank given none
+        # prepares once it has the sizes, which the others have checked.
+        prepared = None if sizes is None else prepare(sizes)
+        if 0 in self.partitions and batches is not None:
             microbatch.move(batches, self.device)
+        lacking = ['input'] if 0 in self.partitions and batches is None else []
+        if len(self.rank_of) - 1 in self.partitions and loss_fn is not None and targets is None:
+            lacking.append('target')
+        if train:
+            self.tied_gradients.start()
         wire = Wire(Channels(self.device, self.group, self.capacities, self.blocks,
                              self.shared, self.timeout),
                     [self.ranks[r] for r in self.rank_of], dist.get_rank(), self.routes,
                     self.state.recorder)
-        step = self.step(batches, targets, loss_fn, weights, plan, stop, mailbox=wire,
-                         done=done, train=train)
         try:
-            wire.agree({'step': 'train_step' if train else 'eval_step',
-                        'micro-batches': [batch[0].size(0) for batch in batches],
-                        'schedule': f'{plan.name} ({sha1(str(plan).encode()).hexdigest()[:8]})',
-                        **(signature or {})})
+            sizes = wire.agree({'step': 'train_step' if train else 'eval_step',
+                                'micro-batches': sizes, **(signature or {})}, lacking)
+            plan, weights, stop = prepared or prepare(sizes)
+            m = len(sizes)
+            step = self.step(batches or [None] * m, targets or [None] * m, loss_fn, weights,
+                             plan, stop, mailbox=wire, done=done, train=train)
             yield step, wire
         except Mismatch:
             self.tied_gradients.abandon()
@@ -179,3 +205,13 @@ class RankCore(Core):
             wire.fail(exc)
             self.abandoned = wire.channels
             raise
+
+
+def schedule_label(schedule: ScheduleLike) -> str:
+    """The schedule of a step, as the ranks agree on it before a rank given no data
+    knows the micro-batches: a built-in one's name, or a schedule's name and digest."""
+    name = built_in(schedule)
+    if name is not None:
+        return name
+    given = Schedule.parse(schedule)
+    return f'{given.name} ({sha1(str(given).encode()).hexdigest()[:8]})'

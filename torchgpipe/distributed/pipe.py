@@ -10,7 +10,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from torchgpipe.distributed.core import RankCore
 from torchgpipe.distributed.norm import check_finite, clip_grads, slots, total_norm
-from torchgpipe.distributed.ranks import ranks_of_partitions
+from torchgpipe.distributed.ranks import agree_on_layout, ranks_of_partitions
 from torchgpipe.distributed.tied import TiedGradients, ties_across_ranks
 from torchgpipe.engine.core import CoreModule
 from torchgpipe.engine.evaluation import check_evaluation, evaluating
@@ -89,6 +89,9 @@ class DistributedGPipe(CoreModule):
         TypeError, ValueError: as for :class:`~torchgpipe.GPipe`; also, a
             balance whose length is not a multiple of the group's size, or
             an unknown ``placement``
+        ValueError: on every rank, if the ranks differ in ``balance``,
+            ``placement``, ``checkpoint``, or the number of layers or their
+            parameters' shapes, before any layer moves
 
     Example::
 
@@ -139,6 +142,11 @@ class DistributedGPipe(CoreModule):
         check_materialized(module, balance, [self.device if r == dist.get_rank(group) else None
                                              for r in self.rank_of])
         verify_skippables(module)
+        self.ranks = [dist.get_global_rank(group, r) if group is not None else r
+                      for r in range(size)]
+        # Before any layer moves: ranks that would cut the layers differently all refuse.
+        agree_on_layout(module, {'balance': balance, 'placement': placement,
+                                 'checkpoint': checkpoint}, group, self.ranks, self.device)
         if deferred_batch_norm:
             module = cast(nn.Sequential,
                           DeferredBatchNorm.convert_deferred_batch_norm(module, chunks))
@@ -154,8 +162,6 @@ class DistributedGPipe(CoreModule):
         self.balance = balance
         self.group = group
         self.rank = dist.get_rank(group)
-        self.ranks = [dist.get_global_rank(group, r) if group is not None else r
-                      for r in range(size)]
         # The parameters shared with layers on other ranks, a copy on each.
         tied = TiedGradients(ties_across_ranks(
             partitions, [self.ranks[r] for r in self.rank_of], dist.get_rank()), dist.get_rank())
@@ -220,16 +226,18 @@ class DistributedGPipe(CoreModule):
         """The layers of this process's partitions, in order, as one sequential module."""
         return nn.Sequential(OrderedDict(self.named_children()))
 
-    def train_step(self, input: TensorOrTensors, target: TensorOrTensors,
+    def train_step(self, input: Optional[TensorOrTensors], target: Optional[TensorOrTensors],
                    loss_fn: LossFunction, *, schedule: ScheduleLike = '1f1b',
                    reduction: str = 'mean') -> Tensor:
         """Runs a training step of the pipeline; every rank of the group calls it.
 
-        Every rank passes the same mini-batch: the first partition's rank
-        takes the input, the last one's the target (and computes the loss);
-        the others only look at their size, which sets the micro-batches.
-        The arguments are those of :meth:`GPipe.train_step
-        <torchgpipe.GPipe.train_step>`.
+        The first partition's rank takes the input, the last one's the target
+        (and computes the loss): each needs its part of the mini-batch, and
+        may pass ``None`` for the other; a rank holding neither may pass
+        ``None`` for both, and learns the sizes of the micro-batches from the
+        others, so that a data loader runs only where its data is used.
+        Passing the whole mini-batch everywhere works too. The arguments are
+        those of :meth:`GPipe.train_step <torchgpipe.GPipe.train_step>`.
 
         Returns:
             torch.Tensor: the loss of the mini-batch, on every rank (on its
@@ -243,6 +251,9 @@ class DistributedGPipe(CoreModule):
                 error: restart the job, from a checkpoint
             RuntimeError: an earlier step failed: this pipeline's ranks no
                 longer agree on their messages
+            ValueError: on every rank, if the ranks were called for
+                different steps, or the first partition's rank was given no
+                input, or the last one's no target; the pipeline stays whole
             ValueError: the copies of a parameter tied across ranks differ
                 (checked at the end of the first step and of the first after
                 a load); nothing else is wrong, and the pipeline trains on
@@ -254,7 +265,8 @@ class DistributedGPipe(CoreModule):
         check_step(reduction, loss_fn)
         return self.core.train(input, target, loss_fn, schedule, reduction, self.training)
 
-    def eval_step(self, input: TensorOrTensors, target: Optional[TensorOrTensors] = None,
+    def eval_step(self, input: Optional[TensorOrTensors],
+                  target: Optional[TensorOrTensors] = None,
                   loss_fn: Optional[LossFunction] = None, *, reduction: str = 'mean',
                   everywhere: bool = False,
                   output_fn: Optional[Callable[[TensorOrTensors], Any]] = None) -> Any:
@@ -264,11 +276,14 @@ class DistributedGPipe(CoreModule):
         model: the micro-batches go through the partitions, forward only,
         without autograd, the layers in evaluation mode for the step (and
         back in their own mode after), so that dropout is off and BatchNorm
-        (deferred or not) uses and keeps its running statistics. Every rank
-        passes the same mini-batch, as to :meth:`train_step`.
+        (deferred or not) uses and keeps its running statistics. As for
+        :meth:`train_step`, the first partition's rank needs the input and,
+        with ``loss_fn``, the last one's the target; the others may pass
+        ``None`` for them (``loss_fn``, ``everywhere`` and ``output_fn`` the
+        same on every rank).
 
         Args:
-            input (torch.Tensor or tuple): the mini-batch
+            input (torch.Tensor or tuple): the mini-batch (or ``None``, above)
             target (torch.Tensor or tuple, optional): with ``loss_fn``, the
                 target, split as the input
             loss_fn (callable, optional): ``loss_fn(output, target)`` of a
@@ -290,10 +305,11 @@ class DistributedGPipe(CoreModule):
             rank with ``everywhere``, and ``None`` on the others
 
         Raises:
-            ValueError: ``target`` without ``loss_fn``, or the other way, or
-                ``output_fn`` with ``loss_fn``
+            ValueError: ``target`` without ``loss_fn``, or ``output_fn`` with
+                ``loss_fn``
             TypeError: ``output_fn`` not callable
             PeerFailed, RuntimeError: as for :meth:`train_step`
+            ValueError: on every rank, as for :meth:`train_step`
             ValueError, TypeError: the input or the target do not split, as
                 for :meth:`train_step`
 
@@ -303,7 +319,7 @@ class DistributedGPipe(CoreModule):
             loss = pipe.eval_step(input, target, F.cross_entropy)   # on every rank
             logits = pipe.eval_step(input)           # on the last partition's rank
         """
-        check_evaluation(target, loss_fn, reduction, output_fn)
+        check_evaluation(target, loss_fn, reduction, output_fn, target_elsewhere=True)
         with evaluating(self):
             return self.core.evaluate(input, target, loss_fn, reduction, output_fn, everywhere)
 

@@ -1,6 +1,12 @@
-"""Which rank holds each partition of a DistributedGPipe: in a loop, or in a V."""
-from typing import List
+"""Which rank holds each partition of a DistributedGPipe, and every rank agreeing on it."""
+import json
+from typing import Any, Dict, List, Optional
 
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torchgpipe.distributed.wire import Mismatch, by_rank
 from torchgpipe.foundation.validation import describe
 
 __all__: List[str] = []
@@ -30,3 +36,62 @@ def ranks_of_partitions(balance: List[int], size: int, placement: str) -> List[i
     if placement == 'v':
         return [min(j, n - 1 - j) for j in range(n)]
     return [j % size for j in range(n)]
+
+
+def agree_on_layout(module: nn.Sequential, arguments: Dict[str, Any],
+                    group: Optional[dist.ProcessGroup], ranks: List[int],
+                    device: torch.device) -> None:
+    """Checks that every rank of ``group`` cuts the same layers alike, in one exchange.
+
+    Ranks that disagree on ``arguments`` (the balance, the placement, the
+    checkpoint mode) or build different layers would run some layers twice
+    and others never, and each step's agreement, on its micro-batches, would
+    not see it.
+
+    Args:
+        ranks: the global rank of every rank of ``group``
+
+    Raises:
+        Mismatch: on every rank, if any differ: the arguments that do, or the
+            number of layers, or the first layer whose parameters do
+    """
+    layers = [[f'{name} {tuple(p.shape)} {p.dtype}' for name, p in layer.named_parameters()]
+              for layer in module]
+    # As JSON, never pickled: a rank reads another's data, not its code.
+    everyone = [json.loads(data) for data in all_gather_bytes(
+        json.dumps([arguments, layers]).encode(), group, device)]
+    said = [{**theirs, 'layers': len(shapes)} for theirs, shapes in everyone]
+    if len({values['layers'] for values in said}) == 1:
+        # Their first layer whose parameters differ, if any.
+        for k in range(len(layers)):
+            if any(theirs[k] != everyone[0][1][k] for _, theirs in everyone):
+                for values, (_, theirs) in zip(said, everyone):
+                    values[f'parameters of layer {k}'] = theirs[k]
+                break
+    keys = [key for key in said[0] if any(values[key] != said[0][key] for values in said)]
+    if keys:
+        raise Mismatch('the ranks of the pipeline lay out its layers differently '
+                       f'({by_rank({r: {k: v[k] for k in keys} for r, v in zip(ranks, said)})}); '
+                       'build the pipeline alike on every rank: the same module, and one '
+                       'balance, placement and checkpoint for all (such as plan.kwargs of '
+                       'torchgpipe.plan(..., group=...), the same on every rank)')
+
+
+def all_gather_bytes(data: bytes, group: Optional[dist.ProcessGroup],
+                     device: torch.device) -> List[bytes]:
+    """What each rank of ``group`` gave, in rank order: the sizes first, then
+    the bytes, padded to the longest (on ``device``: CUDA for NCCL).
+
+    Unlike :func:`torch.distributed.all_gather_object`, it needs no NumPy,
+    which torch does not require.
+    """
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = [torch.empty_like(size) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, size, group=group)
+    longest = max(int(s) for s in sizes)
+    buffer = torch.zeros(longest, dtype=torch.uint8, device=device)
+    if data:
+        buffer[:len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    buffers = [torch.empty_like(buffer) for _ in sizes]
+    dist.all_gather(buffers, buffer, group=group)
+    return [bytes(b[:int(s)].cpu().tolist()) for b, s in zip(buffers, sizes)]

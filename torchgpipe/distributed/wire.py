@@ -36,6 +36,7 @@ from torchgpipe.distributed.faults import (Disconnected, PeerFailed, TimedOut, f
 from torchgpipe.engine.mailbox import (Activation, Gradient, Key, Mailbox, Skip, SkipGradient,
                                        SkipKey)
 from torchgpipe.foundation.record import Recorder
+from torchgpipe.foundation.validation import describe
 
 __all__: List[str] = []
 
@@ -275,13 +276,26 @@ class Wire(Mailbox):
         self.channels.close()
         return result, received
 
-    def agree(self, signature: Any) -> None:
+    def agree(self, signature: Dict[str, Any], lacking: Sequence[str] = ()) -> List[int]:
         """Starts a step: every rank tells every other what step it runs (the
-        sizes of its micro-batches, the schedule), before any of its messages.
+        sizes of its micro-batches, the schedule), and what it needs but was
+        not given, before any of its messages.
+
+        A rank given no data says ``None`` for its sizes
+        (``signature['micro-batches']``), and learns them here from the first
+        partition's rank.
+
+        Args:
+            signature: the step, as this rank runs it
+            lacking: what this rank needs and was not given: ``'input'`` (it
+                holds the first partition), ``'target'`` (the last)
+
+        Returns:
+            the sizes of the micro-batches
 
         Raises:
-            Mismatch: the ranks run different steps; every rank raises it,
-                and the pipeline stays whole
+            Mismatch: the ranks run different steps, or a rank lacks what it
+                needs; every rank raises it, and the pipeline stays whole
             PeerFailed, StepTimeout: as :meth:`receive`
         """
         # With the step, the probe of this rank's shared memory, until the
@@ -290,26 +304,26 @@ class Wire(Mailbox):
         probe = shared.probe_word() if self.channels.sharing else None
         for rank in self.others:
             with lost(rank, self.ranks.index(rank), 'sending it the start of the step'):
-                self.channels.send(rank, 'message', (None, (signature, probe)))
+                self.channels.send(rank, 'message', (None, (signature, list(lacking), probe)))
         # Nothing posted ahead: if the ranks disagree, this step ends here,
         # and a receive posted for it would take the next step's message.
-        others = {}
+        said = {self.me: (signature, list(lacking))}
         for rank in self.others:
-            others[rank], theirs = self.receive(self.ranks.index(rank),
-                                                'waiting for the start of the step',
-                                                last=True)[1]
+            step, needs, theirs = self.receive(self.ranks.index(rank),
+                                               'waiting for the start of the step',
+                                               last=True)[1]
+            said[rank] = (step, needs)
             if self.channels.sharing:
                 shared.test(rank, theirs)
-        if any(theirs != signature for theirs in others.values()):
+        error = refusal(said, self.ranks[0])
+        if error is not None:
             # Every rank has received this one's word: its buffers may go
             # back to the pool, for the next step's messages.
             with lost(None, None, "waiting for this rank's messages to arrive"):
                 self.channels.wait_sent()
             self.channels.close()
-            steps = '; '.join(f'rank {rank}: {step}' for rank, step in
-                              sorted({self.me: signature, **others}.items()))
-            raise Mismatch(f'the ranks of the pipeline run different steps ({steps}); give '
-                           'every rank the same mini-batch, chunks and schedule')
+            raise error
+        return cast(List[int], said[self.ranks[0]][0]['micro-batches'])
 
     def fail(self, error: BaseException) -> None:
         """Tells every other rank that this one failed, so none waits for it forever.
@@ -340,6 +354,37 @@ class Wire(Mailbox):
                 self.channels.send(rank, 'failure', word)
             except Disconnected:
                 pass  # that rank is gone already
+
+
+def refusal(said: Dict[int, Tuple[Dict[str, Any], List[str]]], first: int
+            ) -> Optional[Mismatch]:
+    """Why the ranks cannot run the step each said (see :meth:`Wire.agree`), if they cannot.
+
+    Args:
+        said: each rank's step and what it lacks, by rank
+        first: the rank of the first partition, whose sizes a rank given no data takes
+    """
+    missing = [(rank, what) for rank, (_, lacking) in sorted(said.items()) for what in lacking]
+    if missing:
+        rank, what = missing[0]
+        return Mismatch(describe(f'rank {rank} holds the {"first" if what == "input" else "last"} '
+                                 f'partition and needs the {what}', f'{what}: None',
+                                 f"pass it on rank {rank}: the first partition's rank needs "
+                                 "the input, the last one's the target, and the others may "
+                                 'pass None'))
+    steps = {rank: step for rank, (step, _) in said.items()}
+    sizes = steps[first]['micro-batches']
+    # A rank given no data (None) runs the micro-batches of the first partition's rank.
+    if any({**step, 'micro-batches': step['micro-batches'] or sizes} != steps[first]
+           for step in steps.values()):
+        return Mismatch(f'the ranks of the pipeline run different steps ({by_rank(steps)}); '
+                        'give every rank the same mini-batch, chunks and schedule')
+    return None
+
+
+def by_rank(values: Dict[int, Any]) -> str:
+    """Every rank's value, as a :class:`Mismatch` says them: ``rank 0: ...; rank 1: ...``."""
+    return '; '.join(f'rank {rank}: {value}' for rank, value in sorted(values.items()))
 
 
 def checked(word: Any, rank: int) -> Dict[str, Any]:

@@ -115,7 +115,7 @@ class Core:
         """How many of ``m`` micro-batches are checkpointed, in this mode."""
         return checkpoint_stop(self.checkpoint, self.chunks, m, training)
 
-    def step(self, batches: List[microbatch.Batch], targets: Sequence[Any],
+    def step(self, batches: Sequence[Optional[microbatch.Batch]], targets: Sequence[Any],
              loss_fn: Optional[LossFunction], weights: List[float], plan: Schedule, stop: int,
              *, mailbox: Optional[Mailbox] = None, done: Optional[Done] = None,
              train: bool = True) -> Step:

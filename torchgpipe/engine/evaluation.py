@@ -57,9 +57,12 @@ def evaluating(module: nn.Module) -> Iterator[None]:
 
 
 def check_evaluation(target: Optional[TensorOrTensors], loss_fn: object, reduction: str,
-                     output_fn: object) -> None:
+                     output_fn: object, target_elsewhere: bool = False) -> None:
     """Checks the arguments of an evaluation step: a target and a loss function,
     or neither, and then maybe a function of the output.
+
+    With ``target_elsewhere`` (a process of a pipeline across processes), a
+    loss function may come without the target, which another process holds.
 
     Raises:
         TypeError: ``loss_fn`` or ``output_fn`` is not callable, or
@@ -76,7 +79,7 @@ def check_evaluation(target: Optional[TensorOrTensors], loss_fn: object, reducti
             raise TypeError(describe('output_fn must be callable', f'output_fn: {output_fn!r}',
                                      'pass a function of the output, e.g. '
                                      'lambda logits: logits.argmax(-1)'))
-    if (target is None) != (loss_fn is None):
+    if (target is None) != (loss_fn is None) and not (target_elsewhere and target is None):
         given, missing = ('target', 'loss_fn') if loss_fn is None else ('loss_fn', 'target')
         raise ValueError(describe('eval_step takes a target and a loss_fn together, or neither',
                                   f'{given} without {missing}',

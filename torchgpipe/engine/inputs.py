@@ -1,5 +1,5 @@
 """A training step's input and target, split into micro-batches and checked before any work."""
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -25,16 +25,53 @@ def split_step(input: TensorOrTensors, target: TensorOrTensors, chunks: int, red
         TypeError: the input or the target is not a tensor or a tuple of them
         ValueError: they cannot be split alike, or the mini-batch is empty
     """
-    microbatch.check(input)
-    microbatch.check(target, 'target')
-    batches = microbatch.scatter(input, chunks)
-    targets = microbatch.scatter(target, chunks, 'target')
-    sizes = [b[0].size(0) for b in batches]
-    target_sizes = [t[0].size(0) for t in targets]
-    if sizes != target_sizes:
+    batches, targets, sizes = split_given(input, target, chunks, last_device)
+    assert batches is not None and targets is not None and sizes is not None
+    return batches, targets, weighted(sizes, reduction)
+
+
+def split_given(input: Optional[TensorOrTensors], target: Optional[TensorOrTensors],
+                chunks: int, last_device: torch.device
+                ) -> Tuple[Optional[List[Batch]], Optional[List[TensorOrTensors]],
+                           Optional[List[int]]]:
+    """Splits what is given (not ``None``) of a step's input and target, as :func:`split_step`.
+
+    A process of a pipeline across processes is given only what its
+    partitions use (:class:`~torchgpipe.distributed.DistributedGPipe`).
+
+    Returns:
+        (batches, targets, sizes): each ``None`` if not given; the sizes of
+        the micro-batches are the input's, or the target's
+
+    Raises:
+        as :func:`split_step`, but for an empty mini-batch (see :func:`weighted`)
+    """
+    if input is not None:
+        microbatch.check(input)
+    if target is not None:
+        microbatch.check(target, 'target')
+    batches = None if input is None else microbatch.scatter(input, chunks)
+    targets = None if target is None else microbatch.scatter(target, chunks, 'target')
+    sizes = None if batches is None else [b[0].size(0) for b in batches]
+    target_sizes = None if targets is None else [t[0].size(0) for t in targets]
+    if sizes is not None and target_sizes is not None and sizes != target_sizes:
         raise ValueError(describe('target must split into the micro-batches the input does',
                                   f'input micro-batches of {sizes}, target of {target_sizes}',
                                   'give a target with one row per sample of the input'))
+    if targets is None:
+        return batches, None, sizes
+    # Views of the user's target where it is already in the last device's
+    # memory (any CPU device, 'cpu:1' too): no copy of it per micro-batch.
+    microbatch.move(targets, last_device)
+    return batches, [t.plain for t in targets], sizes or target_sizes
+
+
+def weighted(sizes: List[int], reduction: str) -> List[float]:
+    """The weight of the loss of each micro-batch of ``sizes`` samples, under ``reduction``.
+
+    Raises:
+        ValueError: the mini-batch is empty
+    """
     total = sum(sizes)
     if not total:
         # The unwrapped model's mean loss would be nan: a step on an
@@ -43,8 +80,4 @@ def split_step(input: TensorOrTensors, target: TensorOrTensors, chunks: int, red
                                   'input: a mini-batch of 0 rows',
                                   'skip empty batches, e.g. with drop_last=True in the '
                                   'DataLoader'))
-    # Views of the user's target where it is already in the last device's
-    # memory (any CPU device, 'cpu:1' too): no copy of it per micro-batch.
-    microbatch.move(targets, last_device)
-    weights = [size / total if reduction == 'mean' else 1.0 for size in sizes]
-    return batches, [t.plain for t in targets], weights
+    return [size / total if reduction == 'mean' else 1.0 for size in sizes]

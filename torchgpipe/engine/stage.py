@@ -73,8 +73,8 @@ class Shared:
 
     #: The number of partitions.
     n: int
-    #: The input micro-batches (read by partition 0).
-    batches: List[Batch]
+    #: The input micro-batches (read by partition 0, ``None`` where it runs elsewhere).
+    batches: Sequence[Optional[Batch]]
     #: The weighted loss of micro-batch ``i``'s output (the last partition's);
     #: ``None``: the step keeps the outputs.
     loss: Optional[Callable[[int, Batch], Tensor]]
@@ -209,7 +209,7 @@ class Stage:
     def receive(self, i: int) -> Batch:
         """The input of micro-batch ``i``: the mini-batch's, or what the partition before sent."""
         if self.j == 0:
-            return self.shared.batches[i]
+            return cast(Batch, self.shared.batches[i])
         output, sent_grad, ready = self.shared.mailbox.take(Activation(i, self.j))
         input = Batch(output.plain, output.layout)
         input[:] = tuple(cast(Tensor, leaf(x, self.device, g, ready, self.stream(i)))

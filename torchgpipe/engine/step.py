@@ -43,7 +43,8 @@ class Step:
             runs elsewhere (in another process), whose messages ``mailbox``
             carries
         devices: the device of each partition
-        batches: the input micro-batches, on the first device
+        batches: the input micro-batches, on the first device (``None``
+            where the first partition runs elsewhere)
         targets: the target of each micro-batch
         loss_fn: ``loss_fn(output, target)`` of one micro-batch
         weights: what each micro-batch's loss is multiplied by
@@ -65,7 +66,7 @@ class Step:
     """
 
     def __init__(self, partitions: Sequence[Optional[nn.Sequential]],
-                 devices: Sequence[torch.device], batches: List[Batch],
+                 devices: Sequence[torch.device], batches: Sequence[Optional[Batch]],
                  targets: Sequence[Optional[TensorOrTensors]], loss_fn: Optional[LossFunction],
                  weights: Sequence[float], schedule: Schedule,
                  layout: SkipLayout, checkpoint_stop: int, traits: Sequence[PartitionTraits],

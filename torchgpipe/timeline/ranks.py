@@ -38,6 +38,8 @@ def gather(events: List[Event], memory: Dict[str, int], group: Optional[dist.Pro
     Returns:
         the events of every rank, and the peak memory of every rank's track
     """
+    # Imported here: ``import torchgpipe`` loads no torchgpipe.distributed.
+    from torchgpipe.distributed.ranks import all_gather_bytes
     mine = json.dumps({'events': [asdict(e) for e in events], 'memory': memory}).encode()
     everyone: List[Event] = []
     peaks: Dict[str, int] = {}
@@ -54,18 +56,3 @@ def decode(fields: Dict[str, Any]) -> Event:
     fields['pieces'] = tuple((float(a), float(b)) for a, b in fields['pieces'])
     return Event(**fields)
 
-
-def all_gather_bytes(data: bytes, group: Optional[dist.ProcessGroup],
-                     device: torch.device) -> List[bytes]:
-    """What each rank of ``group`` gave, in rank order: the sizes first, then
-    the bytes, padded to the longest."""
-    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    sizes = [torch.empty_like(size) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(sizes, size, group=group)
-    longest = max(int(s) for s in sizes)
-    buffer = torch.zeros(longest, dtype=torch.uint8, device=device)
-    if data:
-        buffer[:len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-    buffers = [torch.empty_like(buffer) for _ in sizes]
-    dist.all_gather(buffers, buffer, group=group)
-    return [bytes(b[:int(s)].cpu().tolist()) for b, s in zip(buffers, sizes)]
