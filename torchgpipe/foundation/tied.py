@@ -207,6 +207,10 @@ def place_partitions(partitions: Sequence[nn.Module], devices: Sequence[torch.de
         ValueError: a buffer, or a layer with parameters or buffers, is in
             two partitions; nothing is changed then
     """
+    # Layers a pipeline made borrow a parameter (wrapped before, or copies
+    # of such) own it again, or this pipeline would not see the tie.
+    for partition in partitions:
+        retie(partition)
     ties = find_ties(partitions)
     all_tied: List[TiedUses] = []
     for partition, device, keys in zip(partitions, devices, ties):
