@@ -112,9 +112,14 @@ class TiedUses:
         self.hold_masters()
 
     def hold_masters(self) -> None:
-        """Makes each use hold its master, as a plain attribute."""
+        """Makes each use hold its master, as a plain attribute; a use that
+        keeps it registered (a rank's copy, which two of its partitions use:
+        ``torchgpipe.distributed.tied``) holds it there, nothing lent over it."""
         for use in self.uses:
-            object.__setattr__(use.user, use.user_name, use.master())
+            if use.user._parameters.get(use.user_name) is None:
+                object.__setattr__(use.user, use.user_name, use.master())
+            else:
+                use.user.__dict__.pop(use.user_name, None)
 
     def note_keep_vars(self, partition: nn.Module, prefix: str, keep_vars: bool) -> None:
         """State-dict pre-hook: the post-hook saves the masters as the others are saved."""
@@ -190,6 +195,35 @@ def find_ties(partitions: Sequence[nn.Module]) -> List[List[Tuple[str, Use]]]:
     return found
 
 
+def tie_partitions(partitions: Sequence[nn.Module],
+                   devices: Sequence[torch.device]) -> List[TiedUses]:
+    """Hooks each partition that uses earlier partitions' parameters: it lends
+    them to its layers at every call (:meth:`TiedUses.lend`), and its state
+    dict holds them under their keys too.
+
+    Returns:
+        the hooks, in the order of their partitions
+
+    Raises:
+        ValueError: a buffer, or a layer with parameters or buffers, is in
+            two partitions; nothing is hooked then
+    """
+    all_tied: List[TiedUses] = []
+    for partition, device, keys in zip(partitions, devices, find_ties(partitions)):
+        if not keys:
+            continue
+        tied = TiedUses(keys, device)
+        all_tied.append(tied)
+        partition.register_forward_pre_hook(tied.lend)
+        partition.register_forward_hook(tied.give_back, always_call=True)
+        partition.register_state_dict_pre_hook(  # type: ignore[no-untyped-call]
+            tied.note_keep_vars)
+        partition.register_state_dict_post_hook(tied)  # type: ignore[no-untyped-call]
+        partition.register_load_state_dict_pre_hook(  # type: ignore[no-untyped-call]
+            tied.load)
+    return all_tied
+
+
 def place_partitions(partitions: Sequence[nn.Module], devices: Sequence[torch.device]) -> None:
     """Moves each partition to its device; a parameter shared across
     partitions stays with the first, and the later ones borrow it.
@@ -211,26 +245,14 @@ def place_partitions(partitions: Sequence[nn.Module], devices: Sequence[torch.de
     # of such) own it again, or this pipeline would not see the tie.
     for partition in partitions:
         retie(partition)
-    ties = find_ties(partitions)
-    all_tied: List[TiedUses] = []
-    for partition, device, keys in zip(partitions, devices, ties):
-        if not keys:
-            continue
-        tied = TiedUses(keys, device)
-        all_tied.append(tied)
+    all_tied = tie_partitions(partitions, devices)
+    for tied in all_tied:
         for use in tied.uses:
             # Emptied before any partition moves, or the later partition
             # would move the master. None keeps the slot, and so the order of
             # the state dict, for retie(); nn.Module skips it everywhere
             # (parameters(), to(), state_dict()).
             use.user._parameters[use.user_name] = None
-        partition.register_forward_pre_hook(tied.lend)
-        partition.register_forward_hook(tied.give_back, always_call=True)
-        partition.register_state_dict_pre_hook(  # type: ignore[no-untyped-call]
-            tied.note_keep_vars)
-        partition.register_state_dict_post_hook(tied)  # type: ignore[no-untyped-call]
-        partition.register_load_state_dict_pre_hook(  # type: ignore[no-untyped-call]
-            tied.load)
 
     for partition, device in zip(partitions, devices):
         place(partition, device)
