@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from torchgpipe.engine.pipeline import clock_cycles
-from torchgpipe.engine.schedule import Action, Kind, Schedule
+from torchgpipe.engine.schedule import Action, Kind, Schedule, clock_order
 from torchgpipe.skip import pop, skippable, stash
 
 
@@ -116,8 +116,10 @@ COPIERS = [deepcopy, pickled, saved]
 
 
 def run_in_clock_order(model: nn.Sequential, balance: Sequence[int], input: Tensor,
-                       chunks: int) -> Tensor:
-    """Runs the unwrapped model on micro-batches in GPipe's clock-cycle order.
+                       chunks: int, schedule: Optional[Schedule] = None) -> Tensor:
+    """Runs the unwrapped model on micro-batches in GPipe's clock-cycle order,
+    or in the order of the forward actions of ``schedule``'s clock cycles
+    (``train_step``'s).
 
     With random layers such as dropout, this is what GPipe computes: the
     random numbers are drawn micro-batch by micro-batch, in this order.
@@ -129,9 +131,13 @@ def run_in_clock_order(model: nn.Sequential, balance: Sequence[int], input: Tens
         partitions.append(nn.Sequential(*layers[offset:offset + size]))
         offset += size
     batches = list(input.chunk(chunks))
-    for schedule in clock_cycles(len(batches), len(partitions)):
-        for i, j in schedule:
-            batches[i] = partitions[j](batches[i])
+    if schedule is None:
+        order = [(i, j) for cycle in clock_cycles(len(batches), len(partitions)) for i, j in cycle]
+    else:
+        order = [(a.i, a.j) for cycle in clock_order(schedule.workers, len(partitions))
+                 for a in cycle if a.kind is Kind.F]
+    for i, j in order:
+        batches[i] = partitions[j](batches[i])
     return torch.cat(batches)
 
 

@@ -251,8 +251,10 @@ def merge(ranks: List[Result]) -> Result:
 
 def assert_equal(actual: Result, expected: Result, exact: bool) -> None:
     tolerance = {'rtol': 0, 'atol': 0} if exact else TOLERANCE
-    torch.testing.assert_close(torch.tensor(actual['losses']),
-                               torch.tensor(expected['losses']), **tolerance)
+
+    def tensor(values: Any) -> Tensor:  # float64: float32 would round a last bit away
+        return torch.tensor(values, dtype=torch.float64)
+    torch.testing.assert_close(tensor(actual['losses']), tensor(expected['losses']), **tolerance)
     for step, (a, e) in enumerate(zip(actual['snapshots'], expected['snapshots'])):
         for kind in e:
             assert a[kind].keys() == e[kind].keys(), kind
@@ -260,8 +262,8 @@ def assert_equal(actual: Result, expected: Result, exact: bool) -> None:
                 if e[kind][name] is None or a[kind][name] is None:  # no gradient
                     assert a[kind][name] is e[kind][name] is None, (step, kind, name)
                     continue
-                torch.testing.assert_close(torch.tensor(a[kind][name]),
-                                           torch.tensor(e[kind][name]), **tolerance,
+                torch.testing.assert_close(tensor(a[kind][name]), tensor(e[kind][name]),
+                                           **tolerance,
                                            msg=lambda m: f'step {step} {kind} {name}: {m}')
 
 

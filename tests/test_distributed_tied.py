@@ -7,7 +7,9 @@ generic grid (a linear first and last layer sharing a weight, every
 schedule and checkpoint mode) is in ``test_distributed_pipe.py``; here are
 real models, gradient accumulation and data parallelism over the pipelines.
 """
+import copy
 import functools
+import itertools
 import pickle
 import sys
 from pathlib import Path
@@ -18,15 +20,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from helpers import captured, cpu_devices
+from helpers import CHECKPOINT_MODES, captured, cpu_devices
 from process_group import no_child_left  # noqa: F401 (an autouse fixture)
 from process_group import run_distributed
 from test_distributed import TOLERANCE
 from test_distributed_pipe import (CHUNKS, STEPS, Config, Result, assert_equal,
                                    assert_grid_trains_as_unwrapped, batch, merge, model,
                                    snapshot, train_grid)
+from test_tied import dropout_step, tied_dropout_model
 from torchgpipe import GPipe
 from torchgpipe.distributed import DistributedGPipe
+from torchgpipe.distributed.ranks import ranks_of_partitions
 
 # Language models, whose lines the smaller tests measure: untraced, at a third of the time.
 pytestmark = [pytest.mark.timeout(240), pytest.mark.unmeasured]
@@ -229,3 +233,48 @@ def test_copies_that_differ_are_refused_at_the_first_step_and_after_a_load() -> 
             f"{other}); "
             'build the module alike on every rank (seed torch.manual_seed alike before '
             'building it) and load the same state dict on every rank'] * 2
+
+
+# --- dropout, and two partitions of one rank -----------------------------------------------
+
+#: The partitions of each schedule on two ranks: one each, or two each in a loop or a V
+#: (whose rank 0 holds both the embedding and the head).
+ON_TWO_RANKS = {'fill_drain': 2, '1f1b': 2, 'zb_h1': 2, 'interleaved_1f1b': 4, 'zbv': 4}
+
+
+def placement(schedule: str) -> str:
+    return 'v' if schedule == 'zbv' else 'loop'
+
+
+def tied_dropout_steps(rank: int, world_size: int) -> Dict[str, Result]:
+    """A step of the tied model with dropout, for every schedule and checkpoint mode.
+
+    Dropout follows the embedding only: each rank draws from its own
+    generator, and rank 0's draws are one process's only if no other rank draws.
+    """
+    results = {}
+    for (schedule, n), checkpoint in itertools.product(ON_TWO_RANKS.items(), CHECKPOINT_MODES):
+        model, balance = tied_dropout_model(n, dropout_everywhere=False)
+        pipe = DistributedGPipe(model, balance, chunks=CHUNKS, checkpoint=checkpoint,
+                                placement=placement(schedule))
+        loss = dropout_step(pipe, schedule)[0]
+        results[f'{schedule}-{checkpoint}'] = {'losses': [float(loss)],
+                                               'snapshots': [snapshot(pipe)]}
+    return results
+
+
+def test_tied_gradient_with_dropout_bit_for_bit_on_two_ranks() -> None:
+    """Two ranks give the tied gradient of one process, bit for bit, for every
+    schedule and checkpoint mode: partitions 0 and 3 of a V, on one rank,
+    keep their gradients apart as two partitions of one process do."""
+    ranks = run_distributed(tied_dropout_steps, timeout=150)
+    for (schedule, n), checkpoint in itertools.product(ON_TWO_RANKS.items(), CHECKPOINT_MODES):
+        actual = merge([r[f'{schedule}-{checkpoint}'] for r in ranks])
+        model, balance = tied_dropout_model(n, dropout_everywhere=False)
+        workers = ranks_of_partitions(balance, 2, placement(schedule))
+        for threads in (False, True):
+            gpipe = GPipe(copy.deepcopy(model), balance, chunks=CHUNKS, checkpoint=checkpoint,
+                          devices=[f'cpu:{w}' if threads else 'cpu' for w in workers])
+            loss = dropout_step(gpipe, schedule)[0]
+            assert_equal(actual, {'losses': [float(loss)], 'snapshots': [snapshot(gpipe, 2)]},
+                         exact=True)

@@ -433,7 +433,7 @@ def test_each_rank_holds_the_peak_predicted() -> None:
     partition's in its first backward pass (rank 0 of the vocabulary model in
     interleaved 1F1B, the embedding's and the GELU's, peaks in the GELU's backward
     passes, before the embedding's gradient is made); a rank's partitions sharing a
-    weight (the tied model's rank 0 in ZBV) add into one gradient; the first backward
+    weight (the tied model's rank 0 in ZBV) hold a gradient each; the first backward
     pass has made, at its peak, the gradients of the layers done by then only (the
     vocabulary model's rank 0 in ZB-H1, one micro-batch); the output a rank sends
     another goes at ``I``, whether or not the next layer saves it (its copy, there:

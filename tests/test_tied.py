@@ -2,7 +2,8 @@
 as in the unwrapped model, is listed once, and lives with its first partition."""
 import copy
 import io
-from typing import Dict, List
+import sys
+from typing import Dict, List, Sequence, Tuple
 
 import pytest
 import torch
@@ -10,8 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
-from helpers import assert_same_training_step, cpu_devices
+from helpers import (assert_same_training_step, cpu_devices, run_in_clock_order,
+                     schedule_devices)
 from torchgpipe import GPipe
+from torchgpipe.schedules import Schedule, build
 
 VOCAB, DIM, BATCH = 11, 4, 6
 HEAD = 5  # the index of the layer tied to the embedding (layer 0)
@@ -365,3 +368,117 @@ def test_the_drop_in_path_bit_for_bit_but_the_tied_gradient(dtype: torch.dtype,
                                atol=8 * torch.finfo(dtype).eps * scale)
     for a, b in zip(inline[2:], threads[2:]):
         assert torch.equal(a, b)
+
+
+class Busy(nn.Module):
+    """Its input, after as much work as :attr:`rounds` asks: it moves the
+    workers' timing, never a number."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rounds = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        for _ in range(self.rounds):
+            torch.ones(256).cumsum(0)
+        return x
+
+
+def tied_dropout_model(partitions: int, dropout_everywhere: bool = True
+                       ) -> Tuple[nn.Sequential, List[int]]:
+    """An embedding tied to its head, with dropout, in float64, and a balance
+    of ``partitions``, each starting with a :class:`Busy` layer.
+
+    Dropout follows the embedding, and each hidden layer if ``dropout_everywhere``.
+    """
+    torch.manual_seed(0)
+    embedding = nn.Embedding(VOCAB, DIM)
+    head = nn.Linear(DIM, VOCAB)
+    head.weight = embedding.weight
+
+    def dropout() -> nn.Module:
+        return nn.Dropout(0.1) if dropout_everywhere else nn.Identity()
+    layers: List[nn.Module] = [Busy(), embedding, nn.Dropout(0.1)]
+    for _ in range(partitions - 1):
+        layers += [Busy(), nn.Linear(DIM, DIM), nn.Tanh(), dropout()]
+    layers.append(head)
+    return nn.Sequential(*layers).double(), [3] + [4] * (partitions - 2) + [5]
+
+
+#: The partitions of each schedule: in a loop or a V over two workers, four.
+PARTITIONS = {'fill_drain': 3, '1f1b': 3, 'zb_h1': 3, 'interleaved_1f1b': 4, 'zbv': 4}
+CHUNKS = 4
+TOKENS = torch.randint(VOCAB, (4 * CHUNKS,), generator=torch.Generator().manual_seed(1))
+TARGETS = torch.randint(VOCAB, (4 * CHUNKS,), generator=torch.Generator().manual_seed(2))
+
+
+def plan(schedule: str, partitions: int) -> Schedule:
+    """``schedule``, interleaved 1F1B's over two workers on any path (by its
+    name, it loops over the devices given: one with ``['cpu'] * n``)."""
+    return build(schedule, micro_batches=CHUNKS, partitions=partitions, workers=2)
+
+
+def dropout_gpipe(devices: Sequence[str], checkpoint: str, rounds: Sequence[int] = ()) -> GPipe:
+    """:func:`tied_dropout_model` on ``devices``; the Busy layer of partition
+    ``j`` does ``rounds[j]``."""
+    model, balance = tied_dropout_model(len(devices))
+    for busy, count in zip([m for m in model if isinstance(m, Busy)], rounds):
+        busy.rounds = count
+    return GPipe(model, balance, devices=list(devices), chunks=CHUNKS, checkpoint=checkpoint)
+
+
+def dropout_step(pipe: nn.Module, schedule: str) -> List[Tensor]:
+    """The loss, then every gradient, of a train_step of a GPipe or a
+    DistributedGPipe after ``torch.manual_seed(42)``."""
+    torch.manual_seed(42)
+    loss = pipe.train_step(TOKENS, TARGETS, nn.functional.cross_entropy,
+                           schedule=plan(schedule, len(pipe.balance)))
+    return [loss, *(p.grad for p in pipe.parameters())]
+
+
+@pytest.mark.parametrize('schedule', list(PARTITIONS))
+def test_tied_gradient_bit_for_bit_with_dropout_whatever_the_timing(schedule: str,
+                                                                     checkpoint: str) -> None:
+    """The worker threads give the tied gradient of one thread, bit for bit,
+    with dropout, under 20 timings: the workers' shares of each partition
+    are summed in the order of the partitions whichever finished first
+    (``torchgpipe.foundation.tied.shares_apart``)."""
+    n = PARTITIONS[schedule]
+    inline = dropout_step(dropout_gpipe(['cpu'] * n, checkpoint), schedule)
+    # The unwrapped model draws the same masks run on the micro-batches in
+    # the order of the step's forward actions; it sums their terms otherwise.
+    model, balance = tied_dropout_model(n)
+    torch.manual_seed(42)
+    output = run_in_clock_order(model, balance, TOKENS, CHUNKS, plan(schedule, n))
+    loss = nn.functional.cross_entropy(output, TARGETS)
+    loss.backward()
+    for actual, expected in zip(inline, [loss, *(p.grad for p in model.parameters())],
+                                strict=True):
+        torch.testing.assert_close(actual, expected)
+
+    interval = sys.getswitchinterval()
+    try:
+        for k in range(20):
+            # Threads switch every microsecond to every 10 ms, and the
+            # partitions take turns being the slowest.
+            sys.setswitchinterval(10.0 ** -(2 + k % 5))
+            rounds = [25 * ((k + j) % n) for j in range(n)]
+            devices = schedule_devices(schedule, n, threaded=True)
+            threads = dropout_step(dropout_gpipe(devices, checkpoint, rounds), schedule)
+            assert all(torch.equal(a, b) for a, b in zip(inline, threads, strict=True)), k
+    finally:
+        sys.setswitchinterval(interval)
+
+
+@pytest.mark.parametrize('schedule', ['fill_drain', 'zb_h1'])
+def test_layers_wrapped_before_keep_their_tie(schedule: str, threaded: bool) -> None:
+    """A pipeline of layers that an earlier one made borrow their tied
+    parameter (a model wrapped twice) sees the tie: its gradient is the one
+    of a pipeline of fresh layers, bit for bit."""
+    fresh = dropout_step(dropout_gpipe(['cpu'] * 3, 'except_last'), schedule)
+    first = dropout_gpipe(['cpu'] * 3, 'except_last')
+    again = GPipe(nn.Sequential(*first), first.balance, devices=cpu_devices(3, threaded),
+                  chunks=CHUNKS)
+    assert again[-1].weight is again[1].weight
+    assert all(torch.equal(a, b) for a, b in zip(fresh, dropout_step(again, schedule),
+                                                 strict=True))

@@ -19,7 +19,7 @@ from torchgpipe.engine.schedule import ScheduleLike
 from torchgpipe.engine.step import LossFunction
 from torchgpipe.foundation.microbatch import TensorOrTensors
 from torchgpipe.foundation.placement import place
-from torchgpipe.foundation.tied import find_ties
+from torchgpipe.foundation.tied import find_ties, tie_partitions
 from torchgpipe.foundation.validation import (check_available, check_balance, check_chunks,
                                               check_materialized, check_planned_threads,
                                               check_step, check_timeout, describe, parse_device,
@@ -162,10 +162,13 @@ class DistributedGPipe(CoreModule):
         self.balance = balance
         self.group = group
         self.rank = dist.get_rank(group)
-        # The parameters shared with layers on other ranks, a copy on each.
-        tied = TiedGradients(ties_across_ranks(
-            partitions, [self.ranks[r] for r in self.rank_of], dist.get_rank()), dist.get_rank())
         here = self._keep(partitions)
+        # The parameters shared by several partitions, a copy on each rank
+        # using them; the later partitions here using one keep their gradients apart.
+        tie_partitions(list(here.values()), [self.device] * len(here))
+        tied = TiedGradients(ties_across_ranks(
+            partitions, [self.ranks[r] for r in self.rank_of], dist.get_rank()), dist.get_rank(),
+            list(here.values()))
         #: The names of the layers of the other partitions.
         self._others = [name for j, p in enumerate(partitions) if j not in here
                         for name, _ in p.named_children()]

@@ -18,8 +18,15 @@ same sum, bit for bit, which an optimizer then turns into the same update::
 
 The sum is the gradient of the one parameter in one process, bit for bit:
 ``train_step`` in one process adds it in the same order
-(``torchgpipe.foundation.tied.shares_apart``). (Partitions of one rank that use a
-tied parameter add into one gradient, in the order the rank runs them.)
+(``torchgpipe.foundation.tied.shares_apart``). A rank with several
+partitions using it (the first and the last, in a V) keeps their
+gradients apart as one process does: the later ones' uses go through
+``torchgpipe.foundation.tied.Share`` into shares of their own, and the
+rank sends, and adds, one gradient per partition::
+
+    rank 0  (partitions 0, 3)  g0 = .grad, g3 = share ─┐
+                                                       ├─► g0 + g1 + g3
+    rank 1  (partition 1)      g1 ─────────────────────┘
 
 A gradient left by earlier steps (accumulated without ``zero_grad()``) is set
 aside while the step runs and added back after the sum: it has been summed
@@ -30,12 +37,12 @@ forgotten on one rank, and they would train apart in silence): the first
 step, and the first after a ``load_state_dict()``, also sends the copies
 themselves, and a rank whose copy differs from another's raises.
 """
-from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, cast
 
 import torch
 from torch import Tensor, nn
 
-from torchgpipe.foundation.tied import add, add_in_order
+from torchgpipe.foundation.tied import add_in_order, tied_uses
 from torchgpipe.foundation.validation import describe
 
 __all__: List[str] = []
@@ -50,8 +57,8 @@ class Tie(NamedTuple):
 
     #: Its name in the unwrapped module (where it is first found).
     key: str
-    #: The global ranks holding a layer that uses it, in the order of their
-    #: first partitions using it: the order its gradients are added in.
+    #: The global rank of each partition using it, in their order (a rank
+    #: twice for two of its partitions): the order its gradients are added in.
     ranks: Tuple[int, ...]
     #: A layer of this rank that uses it, and the name it has there.
     layer: nn.Module
@@ -77,34 +84,38 @@ def ties_across_ranks(partitions: Sequence[nn.Module], ranks: Sequence[int],
         the ties of this rank, in the order of their names, which every rank
         sees alike
     """
-    # By tensor: the first name, the ranks using it, and a use here.
-    found: Dict[int, Tuple[str, Dict[int, None], List[Tuple[nn.Module, str, str]]]] = {}
-    for partition, rank in zip(partitions, ranks):
+    # By tensor: the first name, the rank of each partition using it, and a use here.
+    found: Dict[int, Tuple[str, Dict[int, int], List[Tuple[nn.Module, str, str]]]] = {}
+    for j, (partition, rank) in enumerate(zip(partitions, ranks)):
         for path, layer in partition.named_modules(remove_duplicate=False):
             for name, parameter in layer._parameters.items():
                 if parameter is None:
                     continue
                 key = f'{path}.{name}' if path else name
                 _, holders, here = found.setdefault(id(parameter), (key, {}, []))
-                holders[rank] = None
+                holders[j] = rank
                 if rank == me:
                     here.append((layer, name, key))
-    return sorted((Tie(key, tuple(holders), *here[0])
+    return sorted((Tie(key, tuple(holders.values()), *here[0])
                    for key, holders, here in found.values() if len(holders) > 1 and here),
                   key=lambda tie: tie.key)
 
 
 class TiedGradients:
-    """Sums the gradients of this rank's ties over their ranks, once per step.
+    """Sums the gradients of this rank's ties over their partitions, once per step.
 
     Args:
         ties: this rank's ties (see :func:`ties_across_ranks`)
         me: this process's global rank
+        partitions: this rank's partitions, in order, those using an earlier
+            one's parameter hooked (``torchgpipe.foundation.tied.tie_partitions``)
     """
 
-    def __init__(self, ties: Sequence[Tie], me: int) -> None:
+    def __init__(self, ties: Sequence[Tie], me: int,
+                 partitions: Sequence[nn.Module] = ()) -> None:
         self.ties = list(ties)
         self.me = me
+        self.hooks = tied_uses(partitions)
         #: The gradients of earlier steps, set aside during a step.
         self.kept: List[Optional[Tensor]] = []
         #: Whether the next step sends the copies too, to compare them (the
@@ -123,14 +134,27 @@ class TiedGradients:
             self.kept.append(None if p is None else p.grad)
             if p is not None:
                 p.grad = None
+        for hook in self.hooks:
+            hook.shares = {}
+
+    def own(self, tie: Tie) -> List[Optional[Tensor]]:
+        """This rank's gradients of ``tie`` in the step, one for each of its
+        partitions using it, in order: the first's in ``.grad``, the later
+        ones' in their shares."""
+        p = tie.parameter()
+        if p is None:
+            return [None] * tie.ranks.count(self.me)
+        return [p.grad, *(cast(Dict[int, Tensor], hook.shares).get(id(p)) for hook in self.hooks
+                          if any(m is p for m in hook.masters()))]
 
     def shares(self, others: Iterable[int]) -> Dict[int, Share]:
-        """What this rank sends each of ``others``: its step's gradient of each
-        tie they share, and the copies themselves if :attr:`check`."""
+        """What this rank sends each of ``others``: its step's gradients of each
+        tie they share (see :meth:`own`), and the copies themselves if :attr:`check`."""
         parameters = [tie.parameter() for tie in self.ties]
-        grads = [None if p is None else p.grad for p in parameters]
+        grads = [self.own(tie) for tie in self.ties]
         values = [None if p is None else p.detach() for p in parameters]
-        return {rank: ([g for tie, g in zip(self.ties, grads) if rank in tie.ranks],
+        return {rank: ([g for tie, own in zip(self.ties, grads) if rank in tie.ranks
+                        for g in own],
                        [v for tie, v in zip(self.ties, values) if rank in tie.ranks]
                        if self.check else None)
                 for rank in others}
@@ -153,13 +177,13 @@ class TiedGradients:
             raise
         self.check = False
         cursors = {rank: iter(grads) for rank, (grads, _) in received.items()}
+        cursors[self.me] = iter([g for tie in self.ties for g in self.own(tie)])
         for tie, kept in zip(self.ties, self.kept):
             p = tie.parameter()
-            grads = [(None if p is None else p.grad) if rank == self.me else next(cursors[rank])
-                     for rank in tie.ranks]
+            grads = [next(cursors[rank]) for rank in tie.ranks]
             if p is not None:
                 p.grad = add_in_order(kept, None, grads)
-        self.kept = []
+        self.end()
 
     def compare(self, rank: int, values: List[Optional[Tensor]]) -> None:
         """Refuses copies of ``rank`` (those of the ties it shares) unequal to this rank's."""
@@ -178,6 +202,12 @@ class TiedGradients:
         for tie, kept in zip(self.ties, self.kept):
             p = tie.parameter()
             if p is not None:
-                p.grad = add(kept, p.grad)
+                p.grad = add_in_order(kept, p.grad, self.own(tie)[1:])
+        self.end()
+
+    def end(self) -> None:
+        """After a step: nothing set aside, and no shares."""
         self.kept = []
+        for hook in self.hooks:
+            hook.shares = None
 

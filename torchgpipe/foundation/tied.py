@@ -161,6 +161,21 @@ def find_ties(partitions: Sequence[nn.Module]) -> List[List[Tuple[str, Use]]]:
     return found
 
 
+def tie_partitions(partitions: Sequence[nn.Module], devices: Sequence[torch.device]) -> None:
+    """Hooks each partition that uses earlier partitions' parameters, to lend
+    them to its layers at every call (:class:`TiedUses`).
+
+    Raises:
+        ValueError: a buffer, or a layer with parameters or buffers, is in
+            two partitions; nothing is hooked then
+    """
+    for partition, device, keys in zip(partitions, devices, find_ties(partitions)):
+        if keys:
+            tied = TiedUses(keys, device)
+            partition.register_forward_pre_hook(tied)
+            partition.register_forward_hook(tied.give_back, always_call=True)
+
+
 def place_partitions(partitions: Sequence[nn.Module], devices: Sequence[torch.device]) -> None:
     """Moves each partition to its device; a parameter shared across
     partitions stays with the first, and the later ones borrow it at each call.
@@ -178,13 +193,7 @@ def place_partitions(partitions: Sequence[nn.Module], devices: Sequence[torch.de
         ValueError: a buffer, or a layer with parameters or buffers, is in
             two partitions; nothing is changed then
     """
-    ties = find_ties(partitions)
-    for partition, device, keys in zip(partitions, devices, ties):
-        if keys:
-            tied = TiedUses(keys, device)
-            partition.register_forward_pre_hook(tied)
-            partition.register_forward_hook(tied.give_back, always_call=True)
-
+    tie_partitions(partitions, devices)
     # One memo for all: a tensor moves with its first partition only.
     placed: Dict[int, Tensor] = {}
     for partition, device in zip(partitions, devices):

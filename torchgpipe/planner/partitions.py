@@ -375,14 +375,10 @@ class Partitions:
     def gradients(self, js: Iterable[int]) -> float:
         """The bytes of the weights' gradients partitions ``js`` (of one worker) make.
 
-        A tied weight has a gradient per partition in one process (the first
-        partition's, and each later one's share, which the step sums as it
-        ends: see ``torchgpipe.foundation.tied``), but one per worker across
-        processes, where the partitions of a rank add into one gradient.
+        A tied weight has a gradient per partition, in one process as across
+        processes (the first partition's, and each later one's share, which
+        the step sums as it ends: see ``torchgpipe.foundation.tied``).
         """
-        js = list(js)
-        if self.costs.processes:
-            return self.parameters(js)
         return sum(self.parameters([j]) for j in js)
 
     def _made_by(self, start: int, stop: int) -> List[float]:

@@ -40,11 +40,10 @@ per parameter) are made in the step, as after ``zero_grad()``, which sets
 them to None: a partition's in its first backward pass (``B``, or ``W``).
 
 A weight several partitions share (a tied embedding and head) is one
-tensor on each worker holding it. In one process, each partition after the
-first adds its gradients into a share of its own, summed as the step ends.
-Across processes, a rank's partitions add into one gradient, and the ranks
-holding the weight sum theirs as a step ends, each holding the others'
-parts and the sum beside its own for a moment.
+tensor on each worker holding it. Each partition after the first adds its
+gradients into a share of its own, summed as the step ends; across
+processes, the ranks holding the weight exchange theirs then, each holding
+the other ranks' parts and the sum beside its own for a moment.
 
 A skip connection between partitions is kept at both ends until their
 backward passes: on the stashing partition the tensor it stashed, on the
@@ -212,9 +211,9 @@ def predict(costs: Costs, candidate: Candidate, *, param_scale: float = 2.0
         mine = [j for j in range(n) if candidate.worker_of(j) == w]
         gradients = parts.gradients(mine)
         grads = made * gradients
-        # The parameters, the optimizer's state and the gradients; in one
-        # process, a tied weight's share of its gradient whatever
-        # ``param_scale`` says (``- grads`` below leaves what the walk lacks).
+        # The parameters, the optimizer's state and the gradients; a tied
+        # weight's share of its gradient whatever ``param_scale`` says
+        # (``- grads`` below leaves what the walk lacks).
         static = (param_scale - 1) * parts.parameters(mine) + gradients
         memory.append(max(peak_memory(schedule.workers, w, parts, sizes, checkpointed, made),
                           grads + exchange_memory(parts, candidate, w)) + static - grads)
@@ -237,16 +236,17 @@ def gradient_share(param_scale: float) -> float:
 
 
 def exchange_memory(parts: Partitions, candidate: Candidate, worker: int) -> float:
-    """What a worker holds beside a shared weight's gradient as processes sum it at the
-    end of a step: the gradient of each other worker holding it, received, and the sum
-    (see :class:`torchgpipe.distributed.tied.TiedGradients`), in bytes."""
+    """What a worker holds beside a shared weight's gradients as processes sum them at
+    the end of a step: the gradient of each partition of another worker using it,
+    received, and the sum (see :class:`torchgpipe.distributed.tied.TiedGradients`),
+    in bytes."""
     if not parts.costs.processes:
         return 0.0
     total = 0.0
     for holders, nbytes in parts.costs.shared:
-        workers = {candidate.worker_of(parts.partition_of(k)) for k in holders}
+        workers = [candidate.worker_of(j) for j in {parts.partition_of(k) for k in holders}]
         if worker in workers and len(workers) > 1:
-            total += len(workers) * nbytes
+            total += (len(workers) - workers.count(worker) + 1) * nbytes
     return total
 
 
@@ -282,17 +282,14 @@ def peak_memory(workers: Sequence[Sequence[Action]], worker: int, parts: Partiti
         # its own until added to them. The first partition's I has
         # no input gradient to compute: its W is the whole backward pass.
         later = action.j in graded
-        # The partition's first B (or W) makes its weights' gradients (across
-        # processes, but those of a weight tied to a partition graded before).
-        grads = (made * (parts.gradients(graded | {action.j}) - parts.gradients(graded))
+        # The partition's first B (or W) makes its weights' gradients.
+        grads = (made * parts.gradients([action.j])
                  if action.kind in (Kind.B, Kind.W) and not later else 0.0)
         if action.kind is Kind.B or action.kind is Kind.W and action.j == 0:
             # (The first partition's W starts from its graph, not its output.)
             w = '_w' if action.kind is Kind.W else ''
             # The first pass makes ``grads`` as it goes: at its peak, those of
-            # the layers done by then (all of theirs: across processes, a
-            # weight tied to a partition graded before has one already, which
-            # this leaves in, on the safe side).
+            # the layers done by then.
             working = part['accumulating' + w] if later else (
                 (1 - made) * part['working' + w] + made * part['making' + w] - grads)
             if action.kind is Kind.W:
