@@ -8,11 +8,11 @@ from torch.nn.modules.module import _IncompatibleKeys
 from torchgpipe.engine.core import Core, CoreModule
 from torchgpipe.foundation import microbatch
 from torchgpipe.foundation.microbatch import TensorOrTensors
+from torchgpipe.foundation.placement import check_materialized
 from torchgpipe.foundation.validation import (BalanceError, Device, Devices, check_balance,
-                                              check_chunks, check_devices, check_materialized,
-                                              check_planned_threads, deny_moving, describe,
-                                              example_balance, recommend_auto_balance,
-                                              verify_module)
+                                              check_chunks, check_devices, check_planned_threads,
+                                              deny_moving, describe, example_balance,
+                                              recommend_auto_balance, verify_module)
 from torchgpipe.runtime import plain
 from torchgpipe.runtime.batchnorm import DeferredBatchNorm
 from torchgpipe.runtime.partition import split_module

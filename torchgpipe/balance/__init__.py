@@ -26,9 +26,9 @@ import torch
 from torch import nn
 
 from torchgpipe.foundation import microbatch
-from torchgpipe.foundation.validation import (Device, check_available, check_chunks,
-                                              check_materialized, describe, parse_device,
-                                              verify_module)
+from torchgpipe.foundation.placement import check_materialized
+from torchgpipe.foundation.validation import (Device, check_available, check_chunks, describe,
+                                              parse_device, verify_module)
 from torchgpipe.balance import blockpartition
 from torchgpipe.balance.profile import profile_sizes, profile_times
 from torchgpipe.foundation.microbatch import TensorOrTensors

@@ -18,12 +18,11 @@ from torchgpipe.engine.generators import check_schedule
 from torchgpipe.engine.schedule import ScheduleLike
 from torchgpipe.engine.step import LossFunction
 from torchgpipe.foundation.microbatch import TensorOrTensors
-from torchgpipe.foundation.placement import place
+from torchgpipe.foundation.placement import check_materialized, place
 from torchgpipe.foundation.tied import find_ties, tie_partitions
 from torchgpipe.foundation.validation import (check_available, check_balance, check_chunks,
-                                              check_materialized, check_planned_threads,
-                                              check_step, check_timeout, describe, parse_device,
-                                              verify_module)
+                                              check_planned_threads, check_step, check_timeout,
+                                              describe, parse_device, verify_module)
 from torchgpipe.runtime.batchnorm import DeferredBatchNorm
 from torchgpipe.skip.layout import inspect_skip_layout
 from torchgpipe.skip.skippable import verify_skippables

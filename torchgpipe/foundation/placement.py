@@ -21,10 +21,12 @@ Only where a device's tensors cannot take another device's data (the
 ``'meta'`` device) are the tensors replaced, as :meth:`~torch.nn.Module.to`
 replaces them.
 """
-from typing import Dict, List, Optional, cast
+from typing import Dict, List, Optional, Sequence, cast
 
 import torch
 from torch import Tensor, nn
+
+from torchgpipe.foundation.validation import describe
 
 __all__: List[str] = []
 
@@ -98,3 +100,35 @@ def _place(tensor: Tensor, device: torch.device) -> Tensor:
                 parameter.grad = grad.to(device)
             return parameter
         return data.requires_grad_(tensor.requires_grad)
+
+
+def check_materialized(module: nn.Sequential, balance: Optional[List[int]] = None,
+                       devices: Sequence[Optional[torch.device]] = ()) -> None:
+    """Checks that the layers to place on a device hold data.
+
+    A model built on the meta device has shapes but no values: it cannot be
+    copied to a device, and training it would need its initialization first.
+
+    Args:
+        module: the module, split as ``balance`` says
+        balance: the number of layers of each partition (default: every
+            layer checked)
+        devices: the device of each partition; a partition on the meta
+            device, or ``None`` (another rank's), is not checked
+
+    Raises:
+        ValueError: a parameter or buffer of a checked layer is on the meta device
+    """
+    layers = list(module.named_children())
+    if balance is not None:
+        placed = [d is not None and d.type != 'meta' for d, n in zip(devices, balance)
+                  for _ in range(n)]
+        layers = [layer for layer, kept in zip(layers, placed) if kept]
+    for child, layer in layers:
+        for name, tensor in [*layer.named_parameters(), *layer.named_buffers()]:
+            if tensor.is_meta:
+                raise ValueError(describe(
+                    'the layers must hold data to be placed on a device',
+                    f"'{child}.{name}' on the meta device",
+                    'materialize it first: model.to_empty(device=...), then initialize it '
+                    '(reset_parameters() or load_state_dict()), or build it on a real device'))

@@ -15,7 +15,7 @@ before anything is changed: a failed call leaves the user's module as it was.
 """
 import numbers
 import sys
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union, cast
+from typing import Dict, Iterable, List, Optional, Tuple, Union, cast
 
 import torch
 from torch import nn
@@ -217,38 +217,6 @@ def verify_module(module: object) -> None:
     # module once.
     if shares_objects(module._modules.items()):
         raise ValueError('module with duplicate children is not supported')
-
-
-def check_materialized(module: nn.Sequential, balance: Optional[List[int]] = None,
-                       devices: Sequence[Optional[torch.device]] = ()) -> None:
-    """Checks that the layers to place on a device hold data.
-
-    A model built on the meta device has shapes but no values: it cannot be
-    copied to a device, and training it would need its initialization first.
-
-    Args:
-        module: the module, split as ``balance`` says
-        balance: the number of layers of each partition (default: every
-            layer checked)
-        devices: the device of each partition; a partition on the meta
-            device, or ``None`` (another rank's), is not checked
-
-    Raises:
-        ValueError: a parameter or buffer of a checked layer is on the meta device
-    """
-    layers = list(module.named_children())
-    if balance is not None:
-        placed = [d is not None and d.type != 'meta' for d, n in zip(devices, balance)
-                  for _ in range(n)]
-        layers = [layer for layer, kept in zip(layers, placed) if kept]
-    for child, layer in layers:
-        for name, tensor in [*layer.named_parameters(), *layer.named_buffers()]:
-            if tensor.is_meta:
-                raise ValueError(describe(
-                    'the layers must hold data to be placed on a device',
-                    f"'{child}.{name}' on the meta device",
-                    'materialize it first: model.to_empty(device=...), then initialize it '
-                    '(reset_parameters() or load_state_dict()), or build it on a real device'))
 
 
 def shares_objects(owned: Iterable[Tuple[str, object]]) -> bool:

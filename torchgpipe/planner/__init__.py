@@ -11,28 +11,24 @@ that fits the memory limit as a :class:`~torchgpipe.Plan`
 of the few predicted fastest, timed on the model (:mod:`~torchgpipe.planner.trial`).
 """
 from contextlib import contextmanager
-from typing import (TYPE_CHECKING, Any, Callable, Generator, Iterable, List, Optional,
+from typing import (TYPE_CHECKING, Any, Callable, Generator, List, Optional,
                     Sequence, Tuple, cast)
 
 import torch
 from torch import Tensor, nn
 
-from torchgpipe.balance import check_real
-from torchgpipe.engine.generators import SCHEDULES, built_in, unknown_name
 from torchgpipe.engine.step import LossFunction
-from torchgpipe.foundation import microbatch
 from torchgpipe.foundation.microbatch import Batch, TensorOrTensors
-from torchgpipe.foundation.validation import (Device, brief, check_available, check_chunks,
-                                              check_materialized, describe, parse_device,
-                                              verify_module)
+from torchgpipe.foundation.validation import Device, describe
 from torchgpipe.planner import pilot, trial
+from torchgpipe.planner.arguments import check_arguments
 from torchgpipe.planner.calibrate import (Timer, copy_cost, message_cost, skip_cost,
                                           skip_step, task_overhead, threads, wide_step)
 from torchgpipe.planner.costs import Costs, measure
 from torchgpipe.planner.option import Option, option, size
 from torchgpipe.planner.result import Plan
 from torchgpipe.planner.predict import micro_batches
-from torchgpipe.planner.search import CHECKPOINTS, Scored, chunk_counts, search
+from torchgpipe.planner.search import Scored, chunk_counts, search
 
 if TYPE_CHECKING:
     from torchgpipe.planner.group import Team
@@ -221,74 +217,6 @@ def skip_overhead(team: 'Team', timer: Timer, overheads: Tuple[float, float, flo
         step, team.size, team.device, overheads, costs.transfer, costs.cores)))
 
 
-def check_arguments(module: nn.Sequential, sample: TensorOrTensors,
-                    target: Optional[TensorOrTensors], loss_fn: Optional[LossFunction],
-                    devices: Optional[Sequence[Device]], group: Optional[Any],
-                    device: Optional[Device], schedules: Optional[Sequence[str]],
-                    checkpoint: Optional[Sequence[str]], chunks: int, repeat: int,
-                    runners_up: int, trials: int, memory_limit: Optional[float],
-                    param_scale: float
-                    ) -> Tuple[int, List[torch.device], List[str], List[str], int]:
-    """Checks :func:`plan`'s arguments, before any work.
-
-    Returns:
-        the sample's batch size, the devices (in one process; none with
-        ``group``), the schedules' and the checkpoint modes' names, and the
-        most micro-batches
-    """
-    verify_module(module)
-    if group is None and device is not None:
-        if devices is None:
-            # group=torch.distributed.group.WORLD is None until the group is made.
-            check_process_group()
-        raise ValueError(describe('device is for planning across processes, with group',
-                                  f'device: {device!r}, group: None',
-                                  'give devices=[...] to plan in one process'))
-    if group is not None and devices is not None:
-        raise ValueError(describe('plan takes devices or group, not both',
-                                  f'devices: {devices!r}, group: given',
-                                  "leave devices out, and give each rank's own device="))
-    batch = check_sample(sample, target)
-    workers = check_devices(devices, len(module)) if group is None else []
-    check_materialized(module)  # every layer is measured
-    names = check_schedules(schedules)
-    modes = check_modes(checkpoint)
-    most = check_chunks(chunks)
-    for name, value, least in (('repeat', repeat, 1), ('runners_up', runners_up, 0),
-                               ('trials', trials, 0)):
-        check_count(name, value, least)
-    if memory_limit is not None:
-        check_real('memory_limit', memory_limit, 'give bytes, such as memory_limit=8 * 2**30')
-    check_real('param_scale', param_scale, 'give e.g. param_scale=4.0 for Adam')
-    check_loss(target, loss_fn)
-    return batch, workers, names, modes, most
-
-
-def check_process_group() -> None:
-    """Checks that torch.distributed is initialized, as planning across processes needs.
-
-    Raises:
-        RuntimeError: it is not
-    """
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        raise RuntimeError('plan with group= needs torch.distributed: call '
-                           "torch.distributed.init_process_group('gloo') (or 'nccl') "
-                           'first, on every rank (until then, torch.distributed.group.WORLD '
-                           'is None)')
-
-
-def check_loss(target: Optional[TensorOrTensors], loss_fn: Optional[LossFunction]) -> None:
-    """Checks that the target and the loss function come together, and the function calls."""
-    if (target is None) != (loss_fn is None):
-        raise ValueError(describe('target and loss_fn are given together, or neither',
-                                  f'target: {"given" if target is not None else None}, '
-                                  f'loss_fn: {"given" if loss_fn is not None else None}',
-                                  'give both, so that the loss is measured with the last layer'))
-    if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(describe('loss_fn must be callable', f'loss_fn: {loss_fn!r}',
-                                 'give e.g. loss_fn=F.cross_entropy'))
-
-
 def choose(found: List[Scored], names_of: List[str], names: List[str],
            memory_limit: Optional[float], runners_up: int, costs: Costs,
            param_scale: float, processes: bool = False,
@@ -332,46 +260,6 @@ def untouched_random_state(workers: Sequence[torch.device]) -> Generator[None, N
                       for d in workers if d.type == 'cuda'})
     with torch.random.fork_rng(devices=indices):
         yield
-
-
-def check_sample(sample: TensorOrTensors, target: Optional[TensorOrTensors]) -> int:
-    """The sample's batch size, after checking that it (and the target) can be measured.
-
-    Raises:
-        TypeError: not a tensor or a tuple of tensors, or holding a NoChunk tensor
-        ValueError: no batch dimension, or a target of another batch size
-    """
-    microbatch.check(sample, 'sample')
-    held = Batch(sample)
-    tensors = list(held)
-    if held.layout is not None and held.layout.nochunk:
-        raise TypeError(describe('plan measures samples of tensors split along dimension 0',
-                                 'sample: a tuple holding a NoChunk tensor',
-                                 'give the sample without it, as its layers see it, or plan '
-                                 'by hand with balance_by_time'))
-    first = next((x for x in tensors if isinstance(x, Tensor)), None)
-    if first is None or first.dim() == 0:
-        raise ValueError(describe('sample must hold a tensor with a batch dimension',
-                                  f'sample: {brief(sample)}', 'give one mini-batch'))
-    batch = first.size(0)
-    if target is not None:
-        microbatch.check(target, 'target')
-        sizes = {x.size(0) for x in Batch(target) if isinstance(x, Tensor) and x.dim()}
-        if sizes != {batch}:
-            raise ValueError(describe('target must have the batch size of sample',
-                                      f'sample: {batch}, target: {sorted(sizes)}',
-                                      "give the sample's own target"))
-    return batch
-
-
-def check_count(name: str, value: object, least: int) -> None:
-    """Checks an integer argument of at least ``least``."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(describe(f'{name} must be an int', f'{name}: {value!r}',
-                                 f'give e.g. {name}={max(least, 3)}'))
-    if value < least:
-        raise ValueError(describe(f'{name} must be at least {least}', f'{name}: {value!r}',
-                                  f'give e.g. {name}={max(least, 3)}'))
 
 
 @contextmanager
@@ -428,68 +316,3 @@ def sizes_to_measure(batch: int, counts: Sequence[int]) -> List[int]:
     return sorted(sizes)
 
 
-def check_devices(devices: Optional[Sequence[Device]], layers: int) -> List[torch.device]:
-    """The planner's devices, one worker each: distinct, available, no more than the layers."""
-    fix = "give e.g. devices=['cuda:0', 'cuda:1'], or devices=['cpu:0', 'cpu:1'] on CPU"
-    if devices is None:
-        if not torch.cuda.is_available():
-            raise ValueError(describe('plan needs devices when CUDA is not available',
-                                      'devices: None', fix))
-        devices = [f'cuda:{k}' for k in range(torch.cuda.device_count())]
-    if isinstance(devices, (str, torch.device)) or not isinstance(devices, Sequence):
-        raise TypeError(describe('devices must be a list of devices', f'devices: {devices!r}',
-                                 fix))
-    parsed = [parse_device(f'devices[{k}]', d, fix) for k, d in enumerate(devices)]
-    for k, device in enumerate(parsed):
-        check_available(f'devices[{k}]', device, fix)
-    if len({d.type for d in parsed}) > 1:
-        raise ValueError(describe('devices must be of one type',
-                                  f'devices: {[str(d) for d in parsed]}',
-                                  'plan for CUDA devices or for CPU devices'))
-    if not parsed or len(set(map(str, parsed))) != len(parsed):
-        raise ValueError(describe('devices must be distinct, one worker each',
-                                  f'devices: {[str(d) for d in parsed]}',
-                                  'give each device once; on CPU, number them, as '
-                                  "['cpu:0', 'cpu:1'], for a worker thread each"))
-    if len(parsed) > layers:
-        raise ValueError(describe('devices must be no more than the layers',
-                                  f'{len(parsed)} devices, {layers} layers',
-                                  f'give at most {layers} devices'))
-    return parsed
-
-
-def check_schedules(schedules: Optional[Sequence[str]]) -> List[str]:
-    """The built-in schedules to try, by their names."""
-    if schedules is None:
-        return list(SCHEDULES)
-    if isinstance(schedules, str):
-        schedules = [schedules]
-    if not isinstance(schedules, Iterable):
-        raise TypeError(describe('schedules must be a list of names', f'schedules: {schedules!r}',
-                                 "give e.g. schedules=['1f1b', 'zb_h1']"))
-    names = []
-    for name in schedules:
-        known = built_in(name)
-        if known is None:
-            raise unknown_name(str(name))
-        names.append(known)
-    if not names:
-        raise ValueError(describe('schedules must name at least one schedule', 'schedules: []',
-                                  'leave it out to try every built-in schedule'))
-    return list(dict.fromkeys(names))
-
-
-def check_modes(checkpoint: Optional[Sequence[str]]) -> List[str]:
-    """The checkpoint modes to try."""
-    if checkpoint is None:
-        return list(CHECKPOINTS)
-    if not isinstance(checkpoint, (str, Iterable)):
-        raise TypeError(describe(f'checkpoint must list modes of {list(CHECKPOINTS)}',
-                                 f'checkpoint: {checkpoint!r}',
-                                 "give e.g. checkpoint=['never', 'except_last']"))
-    modes = [checkpoint] if isinstance(checkpoint, str) else list(checkpoint)
-    if not modes or any(str(m) not in CHECKPOINTS for m in modes):
-        raise ValueError(describe(f'checkpoint must list modes of {list(CHECKPOINTS)}',
-                                  f'checkpoint: {checkpoint!r}',
-                                  "give e.g. checkpoint=['never', 'except_last']"))
-    return list(dict.fromkeys(str(m) for m in modes))

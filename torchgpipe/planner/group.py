@@ -41,7 +41,7 @@ from torchgpipe.balance.profile import to_device
 from torchgpipe.distributed import DistributedGPipe
 from torchgpipe.foundation.microbatch import TensorOrTensors
 from torchgpipe.foundation.validation import Device, check_available, describe, parse_device
-from torchgpipe.planner import check_process_group
+from torchgpipe.planner.arguments import check_process_group
 from torchgpipe.planner.calibrate import CHUNKS, Timer, median_step, zeros_loss
 from torchgpipe.planner.costs import Companions, rows
 from torchgpipe.planner.pilot import Make

@@ -13,7 +13,8 @@ from torch import nn
 
 from torchgpipe.foundation.microbatch import TensorOrTensors, check
 from torchgpipe.foundation.tied import place_partitions
-from torchgpipe.foundation.validation import check_balance, check_devices, check_materialized
+from torchgpipe.foundation.placement import check_materialized
+from torchgpipe.foundation.validation import check_balance, check_devices
 from torchgpipe.skip.tracker import SkipTracker, use_skip_tracker
 
 __all__ = ['split_module']
