@@ -95,9 +95,18 @@ def train_language_models(rank: int, world_size: int, models: bytes) -> Dict[str
     come through shared memory, one storage for every rank to update in turn.
     """
     results = {}
-    for key, seq in pickle.loads(models).items():
+    for key, (user, seq) in pickle.loads(models).items():
+        keys = list(user.state_dict())
+        registered = [(n, id(p)) for n, p in user.named_parameters(remove_duplicate=False)]
         pipe = DistributedGPipe(seq, even(len(seq), world_size), chunks=CHUNKS)
         results[key] = train_language_model(pipe, seq, pipe.train_step)
+        # The user's model is as it was, and holds what this rank trained.
+        mine = {id(p) for p in pipe.parameters()}
+        results[key]['user'] = {
+            'kept': list(user.state_dict()) == keys and registered == [
+                (n, id(p)) for n, p in user.named_parameters(remove_duplicate=False)],
+            'trained here': sum(id(p) in mine for p in user.parameters()),
+            'parameters here': len(mine)}
     return results
 
 
@@ -128,7 +137,7 @@ def unwrapped_language_model(name: str) -> Result:
 def language_model_ranks(request: pytest.FixtureRequest) -> Tuple[int, List[Dict[str, Result]]]:
     # Not measured: the tied grid of test_distributed_pipe.py runs the same code.
     # float32 on 2 ranks only: the order of additions is the point, not the layout.
-    models = pickle.dumps({f'{name}-{dtype}': language_model(name, DTYPES[dtype])[1]
+    models = pickle.dumps({f'{name}-{dtype}': language_model(name, DTYPES[dtype])
                            for name in LANGUAGE_MODELS
                            for dtype in (DTYPES if request.param == 2 else ['float64'])})
     return request.param, run_distributed(train_language_models, models,
@@ -143,6 +152,9 @@ def test_a_language_model_with_tied_embeddings_trains_as_one_process(
     parts, ranks = language_model_ranks
     if f'{name}-{dtype}' not in ranks[0]:
         pytest.skip(f'{dtype} runs on 2 ranks only')
+    for rank in ranks:  # the pipeline trains the user's own parameters, left registered
+        user = rank[f'{name}-{dtype}'].pop('user')
+        assert user['kept'] and user['trained here'] == user['parameters here'] > 0, user
     actual = merge([r[f'{name}-{dtype}'] for r in ranks])
     original, seq = language_model(name)
     embedding, head = (seq.state_dict_map[k] for k in ('transformer.wte.weight', 'lm_head.weight')
