@@ -13,7 +13,9 @@ mode into its trace too. The generated children follow the user's
 before a step starts.
 """
 import copy
+import gc
 import pickle
+import weakref
 from typing import Any, Callable, Dict, List, Tuple
 
 import pytest
@@ -24,6 +26,7 @@ from torch import Tensor, nn
 from helpers import assert_runs_in_both_modes, capture_once, cpu_devices
 from torchgpipe import GPipe, generate, to_sequential
 from torchgpipe.balance import balance_by_time
+from torchgpipe.capture.cut import GeneratedChild
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -330,3 +333,33 @@ def test_a_step_in_a_mode_the_capture_cannot_run_is_refused_before_it_starts(
     model.eval()
     with torch.no_grad():
         torch.testing.assert_close(pipe(x), model(x))
+
+
+def test_generated_children_hold_the_captured_model_weakly() -> None:
+    """The model goes with its last reference (a rank of a DistributedGPipe frees the
+    other ranks' layers with it); a child keeps the mode it last read of it."""
+    model = Branchy().double()
+    seq = to_sequential(model.train())
+    generated = [m for m in seq.modules() if isinstance(m, GeneratedChild)]
+    assert generated
+    model.eval()
+    assert not any(child.training for child in generated)
+    gone = weakref.ref(model)
+    del model, seq
+    gc.collect()
+    assert gone() is None
+    assert not any(child.training for child in generated)
+    generated[0].train()
+    assert generated[0].training
+
+
+def test_a_child_pickled_with_a_flag_of_its_own_loads() -> None:
+    """As pickled before the mode followed the captured model: ``training`` in its state."""
+    child = next(m for m in to_sequential(Branchy().double()).modules()
+                 if isinstance(m, GeneratedChild))
+    state = child.__getstate__()
+    del state['own_training'], state['captured_from']
+    state['training'] = False
+    old = GeneratedChild.__new__(GeneratedChild)
+    old.__setstate__(state)
+    assert old.training is False

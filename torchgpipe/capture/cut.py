@@ -9,7 +9,8 @@ partitions (a module with state called twice, a parameter read at two
 places) is never cut.
 """
 import operator
-from typing import Any, Dict, Generator, List, Optional, Union
+import weakref
+from typing import Any, Dict, Generator, List, Optional, Union, cast
 
 from torch import Tensor, fx, nn
 
@@ -56,8 +57,11 @@ class GeneratedChild(nn.Module):
                  other_mode: Optional[fx.GraphModule] = None, refusal: str = '',
                  captured_from: Optional[nn.Module] = None) -> None:
         super().__init__()
-        # Not a submodule either: after Module.__init__, which sets the mode.
-        self.__dict__['captured_from'] = captured_from
+        # Not a submodule either, and weakly held: a rank of a
+        # DistributedGPipe frees the layers of the others with the model.
+        # After Module.__init__, which sets the mode.
+        self.__dict__['captured_from'] = None if captured_from is None else \
+            weakref.ref(captured_from)
         self.graph = graph_module
         self.tuple_input = tuple_input
         self.pops = pops
@@ -75,20 +79,26 @@ class GeneratedChild(nn.Module):
     # The code of this child is code of the captured module's forward: it runs
     # in that module's mode, so that the user's model.train() reaches it as
     # it reaches the user's modules in the sequential, and seq.train() sets
-    # the captured module's mode too. A copy has a mode of its own.
+    # the captured module's mode too. A copy, or a child whose module is
+    # gone, has a mode of its own (the module's, as last read).
     @property
     def training(self) -> bool:
         """The mode of the module captured (this child's own mode in a copy)."""
-        source = self.__dict__.get('captured_from')
-        return bool(self.__dict__['own_training'] if source is None else source.training)
+        source = self._captured_from()
+        if source is not None:
+            self.__dict__['own_training'] = source.training
+        return bool(self.__dict__['own_training'])
 
     @training.setter
     def training(self, mode: bool) -> None:
-        source = self.__dict__.get('captured_from')
-        if source is None:
-            self.__dict__['own_training'] = mode
-        else:
+        self.__dict__['own_training'] = mode
+        source = self._captured_from()
+        if source is not None:
             source.training = mode
+
+    def _captured_from(self) -> Optional[nn.Module]:
+        ref = self.__dict__.get('captured_from')
+        return None if ref is None else cast(Optional[nn.Module], ref())
 
     @property
     def only_mode(self) -> Optional[bool]:
@@ -119,6 +129,9 @@ class GeneratedChild(nn.Module):
     def __setstate__(self, state: Dict[str, Any]) -> None:
         super().__setstate__(state)  # type: ignore[no-untyped-call]
         self.__dict__.setdefault('other_mode', None)
+        # Pickled before the mode followed the captured module: a flag of its own.
+        self.__dict__.setdefault('captured_from', None)
+        self.__dict__.setdefault('own_training', self.__dict__.pop('training', True))
         self._share()
         self._leave_out_transient()
 
