@@ -194,6 +194,15 @@ def test_group_needs_distributed_and_device_needs_group() -> None:
         torchgpipe.plan(module, sample, group=object())
 
 
+def test_a_job_of_torchrun_planning_before_init_process_group_is_told_to_call_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without device= too: group=dist.group.WORLD is None, as if no group was given."""
+    monkeypatch.setenv('WORLD_SIZE', '2')  # as torchrun sets it in each rank
+    with pytest.raises(RuntimeError, match=r'call torch\.distributed\.init_process_group'):
+        torchgpipe.plan(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), torch.zeros(4, 2),
+                        group=dist.group.WORLD)
+
+
 def test_a_plan_for_processes_gives_distributed_gpipe_its_arguments_and_saves_so(
         tmp_path: Any) -> None:
     from torchgpipe.planner.option import Option

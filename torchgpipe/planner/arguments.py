@@ -1,5 +1,6 @@
 """The checks of :func:`torchgpipe.plan`'s arguments, before any work, in the package's one
 message format (``torchgpipe.foundation.validation.describe``)."""
+import os
 from typing import Any, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -34,10 +35,11 @@ def check_arguments(module: nn.Sequential, sample: TensorOrTensors,
         most micro-batches
     """
     verify_module(module)
+    # group=torch.distributed.group.WORLD is None until the group is made: a
+    # call with device=, or without devices in a job torchrun started, meant it.
+    if group is None and devices is None and (device is not None or 'WORLD_SIZE' in os.environ):
+        check_process_group()
     if group is None and device is not None:
-        if devices is None:
-            # group=torch.distributed.group.WORLD is None until the group is made.
-            check_process_group()
         raise ValueError(describe('device is for planning across processes, with group',
                                   f'device: {device!r}, group: None',
                                   'give devices=[...] to plan in one process'))
