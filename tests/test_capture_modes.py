@@ -363,3 +363,25 @@ def test_a_child_pickled_with_a_flag_of_its_own_loads() -> None:
     old = GeneratedChild.__new__(GeneratedChild)
     old.__setstate__(state)
     assert old.training is False
+
+
+class Halved(nn.Module):
+    """Its forward makes a constant tensor, which a capture keeps as the child's own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(self.a(x) * torch.full((), 0.5, dtype=x.dtype))
+
+
+@pytest.mark.parametrize('capture', ['fx', 'export'])
+def test_a_capture_holding_a_constant_pickles(capture: str) -> None:
+    """fx traces a loaded child's code again, with the tracer its graph names: the constant
+    its code makes goes where fx looks for it."""
+    model = Halved().double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    seq = to_sequential(model, example_inputs=x[:2] if capture == 'export' else None)
+    loaded = pickle.loads(pickle.dumps(seq))
+    torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)

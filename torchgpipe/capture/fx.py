@@ -36,7 +36,8 @@ class Tracer(fx.Tracer):
     again when it loads a pickled child (see :class:`~torchgpipe.capture.cut.GeneratedChild`).
     """
 
-    def __init__(self, leaf_modules: Sequence[LeafSpec] = ()) -> None:
+    def __init__(self, leaf_modules: Sequence[LeafSpec] = (),
+                 constants: Optional[Dict[str, Any]] = None) -> None:
         super().__init__()
         # Buffers read in forward become nodes, not constants: a causal mask
         # sliced by a traced length (mask[:T, :T]) then traces.
@@ -44,8 +45,10 @@ class Tracer(fx.Tracer):
         self.leaf_types = tuple(m for m in leaf_modules if isinstance(m, type))
         self.leaf_ids = {id(m) for m in leaf_modules if isinstance(m, nn.Module)}
 
-        #: the constant tensors forward makes, by the name get_attr nodes read them by
-        self.constants: Dict[str, Any] = {}
+        #: the constant tensors forward makes, by the name get_attr nodes read
+        #: them by; None: on the module traced, as fx keeps them (fx's tracer
+        #: of a loaded child, whose module is fx's, not the user's)
+        self.constants = constants
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         # A skippable layer's forward is a generator that talks to the skip
@@ -58,7 +61,8 @@ class Tracer(fx.Tracer):
     def create_arg(self, a: Any) -> Any:
         # fx keeps a constant tensor as an attribute of the module it traces,
         # which is the user's: kept here instead.
-        if isinstance(a, torch.Tensor) and a not in self.tensor_attrs:
+        if self.constants is not None and isinstance(a, torch.Tensor) and \
+                a not in self.tensor_attrs:
             name = f'_tensor_constant{len(self.constants)}'
             self.constants[name] = a
             self.tensor_attrs[a] = name
@@ -104,7 +108,8 @@ def capture(module: nn.Module, leaves: List[LeafSpec],
                 concrete_args: Optional[Dict[str, Any]]) -> Captured:
     """Traces ``module`` with :mod:`torch.fx`, with symbolic values: no example needed."""
     check_root_hooks(module)
-    tracer = Tracer(leaves)
+    constants: Dict[str, Any] = {}
+    tracer = Tracer(leaves, constants)
     # Called as the module is usually called: an argument with a default
     # (mask=None, is_causal=False) takes it, unless concrete_args says else.
     # Traced as an input instead, a None default would be taken for a tensor.
@@ -125,7 +130,7 @@ def capture(module: nn.Module, leaves: List[LeafSpec],
     plain = isinstance(output.args[0], fx.Node) or (
         type(output.args[0]) is tuple and all(isinstance(r, fx.Node) for r in output.args[0]))
     output.args = (results[0] if len(results) == 1 else tuple(results),)
-    root = resolve(graph, module, tracer.constants)
+    root = resolve(graph, module, constants)
     alias.out_of_place(graph, root)
     return Captured(graph, root, Interface(names, concrete_args, None if plain else structure))
 
