@@ -9,6 +9,8 @@
   gradients by point-to-point operations; its
   :meth:`~DistributedGPipe.clip_grad_norm_` clips by the norm over every rank.
 - :class:`GradScaler`: loss scaling whose ranks skip a step together.
+- :exc:`PeerFailed` (and its :exc:`StepTimeout`), :exc:`Mismatch`: what a rank
+  raises when another fails or hangs, or when the ranks disagree.
 """
 from torchgpipe.distributed.ddp import train_step
 from torchgpipe.distributed.pipe import DistributedGPipe
