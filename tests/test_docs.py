@@ -321,6 +321,37 @@ def test_user_pages_leave_maintainer_material_to_internals() -> None:
     assert 'This path is untested' in scaling_out and 'NCCL is untested' in scaling_out
 
 
+#: torchgpipe 0.0.7's modules, which its users' scripts import (torchgpipe/__init__.py).
+MODULES_OF_0_0_7 = ['__version__', 'batchnorm', 'checkpoint', 'copy', 'dependency', 'gpipe',
+                    'microbatch', 'phony', 'pipeline', 'stream', 'worker']
+
+
+def test_user_pages_name_only_public_paths() -> None:
+    """Every ``torchgpipe.`` path a user page names lies in a module the API
+    reference documents (or one of 0.0.7's): internal modules are for
+    docs/internals.rst and docs/design.rst."""
+    from importlib.util import find_spec
+
+    api = read(os.path.join('docs', 'api.rst'))
+    public = set(re.findall(r'^\.\. (?:automodule|currentmodule):: (\S+)$', api, re.M))
+    public |= {'torchgpipe', *(f'torchgpipe.{name}' for name in MODULES_OF_0_0_7)}
+    pages = [p for p in user_pages() if not p.endswith('benchmarks.rst')]
+    pages += [os.path.join('docs', f'{name}.rst') for name in ['api', 'differences', 'index']]
+    internal = []
+    for page in pages:
+        for path in set(re.findall(r'\btorchgpipe(?:\.\w+)+', read(page))):
+            module = 'torchgpipe'  # then the longest prefix that is a module
+            for part in path.split('.')[1:]:
+                spec = find_spec(module)
+                if not (spec and spec.submodule_search_locations
+                        and find_spec(f'{module}.{part}')):
+                    break
+                module = f'{module}.{part}'
+            if module not in public:
+                internal.append(f'{page}: {path}')
+    assert not internal, internal
+
+
 def test_the_six_properties_the_tests_cite_are_listed_with_their_tests() -> None:
     """Tests cite "Property 1" to "Property 6" (SPEC's properties of GPipe);
     docs/guide.rst lists all six, each with test files that exist, and every

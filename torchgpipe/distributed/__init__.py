@@ -9,10 +9,13 @@
   gradients by point-to-point operations; its
   :meth:`~DistributedGPipe.clip_grad_norm_` clips by the norm over every rank.
 - :class:`GradScaler`: loss scaling whose ranks skip a step together.
+- :exc:`PeerFailed` (and its :exc:`StepTimeout`), :exc:`Mismatch`: what a rank
+  raises when another fails or hangs, or when the ranks disagree.
 """
 from torchgpipe.distributed.ddp import train_step
 from torchgpipe.distributed.pipe import DistributedGPipe
 from torchgpipe.distributed.faults import PeerFailed, StepTimeout
 from torchgpipe.distributed.scaler import GradScaler
+from torchgpipe.distributed.wire import Mismatch
 
-__all__ = ['DistributedGPipe', 'GradScaler', 'PeerFailed', 'StepTimeout', 'train_step']
+__all__ = ['DistributedGPipe', 'GradScaler', 'Mismatch', 'PeerFailed', 'StepTimeout', 'train_step']

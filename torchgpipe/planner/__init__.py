@@ -24,6 +24,7 @@ from torchgpipe.planner import pilot, trial
 from torchgpipe.planner.arguments import check_arguments
 from torchgpipe.planner.calibrate import (Timer, copy_cost, message_cost, skip_cost,
                                           skip_step, task_overhead, threads, wide_step)
+from torchgpipe.planner.compare import Comparison
 from torchgpipe.planner.costs import Costs, measure
 from torchgpipe.planner.option import Option, option, size
 from torchgpipe.planner.result import Plan
@@ -33,7 +34,7 @@ from torchgpipe.planner.search import Scored, chunk_counts, search
 if TYPE_CHECKING:
     from torchgpipe.planner.group import Team
 
-__all__ = ['plan', 'Plan']
+__all__ = ['plan', 'Plan', 'Option', 'Comparison']
 
 def plan(module: nn.Sequential, sample: TensorOrTensors, *,
          devices: Optional[Sequence[Device]] = None, group: Optional[Any] = None,
