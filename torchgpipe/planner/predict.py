@@ -61,7 +61,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Dict, List, Sequence, Set, Tuple
 
-from torchgpipe.engine.generators import named
+from torchgpipe.engine.generators import named, worker_of
 from torchgpipe.engine.schedule import Action, Kind, Schedule
 from torchgpipe.engine.simulator import simulate_sharing
 from torchgpipe.planner.costs import Costs
@@ -73,11 +73,6 @@ __all__: List[str] = []
 #: Each action's time is rounded to whole nanoseconds, so that the
 #: simulator adds exact integers.
 NANOSECONDS = 1_000_000_000
-
-
-def worker_of(j: int, partitions: int, workers: int, placement: str) -> int:
-    """The worker of partition ``j``: in a loop (``j % workers``), or in a V."""
-    return min(j, partitions - 1 - j) if placement == 'v' else j % workers
 
 
 @dataclass(frozen=True)
