@@ -108,7 +108,6 @@ def greedy(m: int, n: int, placement: Sequence[int], split: bool, rule: Rule) ->
     """
     p = max(placement) + 1
     size = Fraction(p, n)
-    cost = {Kind.F: size, Kind.B: 2 * size, Kind.I: size, Kind.W: size}
     kinds = (Kind.F, Kind.I, Kind.W) if split else (Kind.F, Kind.B)
     # The next micro-batch of each kind of action on each partition.
     next_i = {(kind, j): 0 for kind in kinds for j in range(n)}
@@ -131,7 +130,7 @@ def greedy(m: int, n: int, placement: Sequence[int], split: bool, rule: Rule) ->
                 continue
             next_i[action.kind, action.j] += 1
             alive[w] += {Kind.F: 1, Kind.B: -1, Kind.I: 0, Kind.W: -1}[action.kind]
-            free[w] = end[action] = now + cost[action.kind]
+            free[w] = end[action] = now + size * unit_cost(action)
             workers[w].append(action)
             left -= 1
         later = [t for t in free if t > now]

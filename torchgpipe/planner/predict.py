@@ -85,8 +85,7 @@ class Candidate:
         chunks: micro-batches (as many as the mini-batch splits into)
         checkpoint: ``'always'``, ``'except_last'`` or ``'never'``
         workers: devices, or ranks, the partitions run on
-        placement: ``'loop'`` (partition ``j`` on worker ``j % workers``) or
-            ``'v'`` (worker ``w`` keeps partitions ``w`` and ``2 workers - 1 - w``)
+        placement: ``'loop'`` or ``'v'`` (see :func:`~torchgpipe.engine.generators.worker_of`)
     """
 
     schedule: str
