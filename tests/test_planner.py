@@ -17,6 +17,7 @@ from benchmarks.environment import threads as intra_op_threads
 from helpers import PopAdd, Stash
 from torchgpipe import GPipe, Plan
 from torchgpipe.engine.generators import named
+from torchgpipe.engine.generators import BUILT_INS
 from torchgpipe.engine.schedule import Action, Kind
 from torchgpipe.engine.simulator import simulate_sharing
 from torchgpipe.planner.costs import Costs, LayerCosts, measure
@@ -25,10 +26,10 @@ from torchgpipe.planner.memory import tensor_bytes
 from torchgpipe.planner.option import Option
 from torchgpipe.planner.partitions import Partitions
 from torchgpipe.planner.predict import Candidate, checkpoints, micro_batches, predict
-from torchgpipe.planner.search import SHAPES, CHECKPOINTS, chunk_counts, search
+from torchgpipe.planner.search import CHECKPOINTS, chunk_counts, search
 from torchgpipe.skip import pop, skippable, stash
 
-SCHEDULES = sorted(SHAPES)
+SCHEDULES = sorted(BUILT_INS)
 
 
 def linear_costs(layers: int, batch: int = 16, *, forward: float = 1e-3, input: float = 1e-3,
@@ -76,7 +77,7 @@ def test_predictions_are_the_simulators(data: st.DataObject, schedule: str, p: i
     (once more for a checkpointed backward, ahead of its gradient), the overhead, and any
     message it sends (its output's or input gradient's, and one for each skip to or from
     another worker); the workers sharing the cores ``Costs.cores`` says."""
-    virtual, placement = data.draw(st.sampled_from(SHAPES[schedule]))
+    virtual, placement = data.draw(st.sampled_from(BUILT_INS[schedule].shapes))
     n = virtual * p
     layers = data.draw(st.integers(n, n + 4))
     cuts = sorted(data.draw(st.sets(st.integers(1, layers - 1), min_size=n - 1,

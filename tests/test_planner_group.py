@@ -12,8 +12,9 @@ from torch import nn
 import torchgpipe
 from torchgpipe import GPipe
 from torchgpipe.distributed import DistributedGPipe
+from torchgpipe.engine.generators import worker_of
 from torchgpipe.planner.costs import measure
-from torchgpipe.planner.predict import Candidate, predict, worker_of
+from torchgpipe.planner.predict import Candidate, predict
 from torchgpipe.skip import pop, skippable, stash
 
 from process_group import run_distributed

@@ -15,11 +15,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import torchgpipe.schedules
-from torchgpipe.engine.generators import (BUBBLES, SCHEDULES, check_schedule, fill_drain,
-                                          interleaved_1f1b, named, one_f_one_b, resolve, zb_h1, zbv)
+from torchgpipe.distributed.ranks import ranks_of_partitions
+from torchgpipe.engine.generators import (BUILT_INS, SCHEDULES, check_schedule, fill_drain,
+                                          interleaved_1f1b, named, one_f_one_b, resolve, worker_of,
+                                          zb_h1, zbv)
 from helpers import random_order
 from torchgpipe.engine.schedule import Action, Kind, Schedule, clock_order, dependencies, in_flight
 from torchgpipe.engine.simulator import idle
+from torchgpipe.planner.predict import Candidate
 
 
 def unit(n: int, p: int) -> Callable[[Action], Fraction]:
@@ -146,6 +149,21 @@ def test_zbv_folds_the_partitions_into_a_v_at_1f1b_peak(m: int, p: int) -> None:
     assert all(in_flight(actions) <= 2 * p for actions in schedule.workers)
 
 
+@pytest.mark.parametrize('name', SCHEDULES)
+def test_the_schedule_the_planner_and_the_ranks_place_each_shape_alike(name: str) -> None:
+    """Every shape of the table: the schedule runs partition j on worker_of's worker,
+    where the planner predicts it and DistributedGPipe puts it."""
+    for virtual, layout in BUILT_INS[name].shapes:
+        for p in (1, 2, 3):
+            n = virtual * p
+            placement = named(name, 4, n, p).placement()
+            candidate = Candidate(name, (1,) * n, 4, 'never', p, layout)
+            expected = [worker_of(j, n, p, layout) for j in range(n)]
+            assert [placement[j] for j in range(n)] == expected, (name, n, p)
+            assert [candidate.worker_of(j) for j in range(n)] == expected
+            assert ranks_of_partitions([1] * n, p, layout) == expected
+
+
 def test_idle_time_as_the_formulas_say() -> None:
     # The targets of benchmarks.schedules, p = 4, m = 8: idle per worker
     # against 1F1B's (p-1)(F+B) = 9.
@@ -155,7 +173,7 @@ def test_idle_time_as_the_formulas_say() -> None:
         n = 2 * p if name in ('interleaved_1f1b', 'zbv') else p
         schedule = named(name, m, n, p)
         measured = idle(schedule.workers, n, unit(n, p))
-        formula = BUBBLES[name].value(p, n // p, Fraction(1), Fraction(2), Fraction(1))
+        formula = BUILT_INS[name].bubble(p, n // p, Fraction(1), Fraction(2), Fraction(1))
         if name != 'zbv':
             assert measured == formula, name
         ratios[name] = measured / 9

@@ -23,7 +23,7 @@ from torchgpipe.distributed.tied import TiedGradients
 from torchgpipe.distributed.wire import Channels, Mismatch, Wire
 from torchgpipe.engine.core import Core, Done
 from torchgpipe.engine.evaluation import forward_only, join
-from torchgpipe.engine.generators import built_in, resolve
+from torchgpipe.engine.generators import BUILT_INS, built_in, resolve
 from torchgpipe.engine.inputs import split_given, weighted
 from torchgpipe.engine.schedule import Schedule, ScheduleLike
 from torchgpipe.engine.step import LossFunction, Step
@@ -112,7 +112,8 @@ class RankCore(Core):
             m = len(sizes)
             return (resolve(schedule, m, len(workers), workers,
                             "lay the partitions over the ranks as it does: placement='v' for "
-                            "'zbv', 'loop' for the others"),
+                            + ', '.join(repr(name) for name, facts in BUILT_INS.items()
+                                        if facts.shapes[0][1] == 'v') + ", 'loop' for the others"),
                     weighted(sizes, reduction), self.stop(m, training))
         with self.wired(given, loss_fn, prepare, done=done,
                         signature={'schedule': schedule_label(schedule)}) as (step, wire):

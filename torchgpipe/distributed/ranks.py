@@ -7,6 +7,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchgpipe.distributed.wire import Mismatch, by_rank
+from torchgpipe.engine.generators import worker_of
 from torchgpipe.foundation.validation import describe
 
 __all__: List[str] = []
@@ -33,9 +34,7 @@ def ranks_of_partitions(balance: List[int], size: int, placement: str) -> List[i
                                   'partitions', f'balance: {balance}, ranks: {size}',
                                   f'give {size} numbers of layers (or a multiple of {size}), '
                                   f'or run {n} processes'))
-    if placement == 'v':
-        return [min(j, n - 1 - j) for j in range(n)]
-    return [j % size for j in range(n)]
+    return [worker_of(j, n, size, placement) for j in range(n)]
 
 
 def agree_on_layout(module: nn.Sequential, arguments: Dict[str, Any],

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from torchgpipe.engine.inputs import split_step
+from torchgpipe.engine.pipeline import clock_cycles
 from torchgpipe.engine.schedule import Action, Kind, Schedule
 from torchgpipe.foundation import microbatch
 from torchgpipe.foundation.microbatch import Batch, TensorOrTensors
@@ -32,7 +33,7 @@ __all__: List[str] = []
 
 
 def forward_only(m: int, n: int) -> Schedule:
-    """The forward actions of ``m`` micro-batches through ``n`` partitions, one worker each.
+    """Each of ``n`` partitions' forward actions on ``m`` micro-batches, in clock order.
 
     Example::
 
@@ -40,7 +41,8 @@ def forward_only(m: int, n: int) -> Schedule:
         0F0 0F1
         1F0 1F1
     """
-    return Schedule(([Action(Kind.F, i, j) for i in range(m)] for j in range(n)),
+    tasks = [task for cycle in clock_cycles(m, n) for task in cycle]
+    return Schedule(([Action(Kind.F, i, j) for i, j in tasks if j == w] for w in range(n)),
                     name='forward only')
 
 

@@ -19,19 +19,27 @@ The schedules whose order is not a fixed pattern are laid out by
 :func:`greedy`, which simulates the step with the costs of the paper's
 analysis (``F = I = W = 1``, ``B = 2``; halved for half-size partitions)
 and lets each free worker pick its next action by the schedule's rule. What
-they leave idle, per worker, is what :data:`BUBBLES` says beside each.
+they leave idle, per worker, is what :data:`BUILT_INS` says beside each.
 """
 import difflib
 import functools
 import re
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Callable, Dict, Hashable, List, NamedTuple, Optional, Sequence, Tuple
 
-from torchgpipe.engine.schedule import Action, Kind, Schedule, ScheduleLike, clock_order
+from torchgpipe.engine.schedule import (Action, Kind, Schedule, ScheduleLike, clock_order,
+                                        depends_on)
 from torchgpipe.engine.simulator import idle, simulate, unit_cost
 from torchgpipe.foundation.validation import brief, describe
 
 __all__: List[str] = []
+
+
+def worker_of(j: int, n: int, workers: int, layout: str) -> int:
+    """The worker of partition ``j`` of ``n``: in a loop (``j % workers``), or in a V
+    (``layout='v'``: worker ``w`` keeps partitions ``w`` and ``n - 1 - w``)."""
+    return min(j, n - 1 - j) if layout == 'v' else j % workers
 
 
 def fill_drain(m: int, n: int) -> Schedule:
@@ -86,9 +94,10 @@ def greedy(m: int, n: int, placement: Sequence[int], split: bool, rule: Rule) ->
 
     Each partition runs its forward passes, its backward passes (``B``, or
     ``I`` if ``split``) and its ``W`` each in micro-batch order; a worker
-    may run any of its partitions' next actions once what they wait for has
-    ended. Costs are the paper's: ``F = I = W = 1``, ``B = 2``, divided by the
-    partitions per worker. The result can finish by construction.
+    may run any of its partitions' next actions once what they wait for
+    (:func:`~torchgpipe.engine.schedule.depends_on`) has ended. Costs are
+    the paper's: ``F = I = W = 1``, ``B = 2``, divided by the partitions per
+    worker. The result can finish by construction.
 
     Args:
         m: micro-batches
@@ -99,36 +108,29 @@ def greedy(m: int, n: int, placement: Sequence[int], split: bool, rule: Rule) ->
     """
     p = max(placement) + 1
     size = Fraction(p, n)
-    cost = {Kind.F: size, Kind.B: 2 * size, Kind.I: size, Kind.W: size}
-    back = Kind.I if split else Kind.B
-    # The next micro-batch of each partition's forward, backward and W.
-    nf, nb, nw = [0] * n, [0] * n, [0] * n
+    kinds = (Kind.F, Kind.I, Kind.W) if split else (Kind.F, Kind.B)
+    # The next micro-batch of each kind of action on each partition.
+    next_i = {(kind, j): 0 for kind in kinds for j in range(n)}
     end: Dict[Action, Fraction] = {}
     free = [Fraction(0)] * p
     alive = [0] * p
     workers: List[List[Action]] = [[] for _ in range(p)]
     now = Fraction(0)
-    left = m * n * (3 if split else 2)
+    left = m * n * len(kinds)
     while left:
         for w in range(p):
             if free[w] > now:
                 continue
-            ready = []
-            for j in (j for j in range(n) if placement[j] == w):
-                if nf[j] < m and (j == 0 or end.get(Action(Kind.F, nf[j], j - 1), now + 1) <= now):
-                    ready.append(Action(Kind.F, nf[j], j))
-                if nb[j] < nf[j] and end[Action(Kind.F, nb[j], j)] <= now and (
-                        j == n - 1 or end.get(Action(back, nb[j], j + 1), now + 1) <= now):
-                    ready.append(Action(back, nb[j], j))
-                if split and nw[j] < nb[j]:
-                    ready.append(Action(Kind.W, nw[j], j))
+            heads = [Action(kind, next_i[kind, j], j) for j in range(n) if placement[j] == w
+                     for kind in kinds if next_i[kind, j] < m]
+            ready = [a for a in heads if all(end.get(d, now + 1) <= now
+                                             for d in depends_on(a, n, lambda i, j: split))]
             action = rule(Worker(w, alive[w]), ready) if ready else None
             if action is None:
                 continue
-            counters = {Kind.F: nf, Kind.B: nb, Kind.I: nb, Kind.W: nw}[action.kind]
-            counters[action.j] += 1
+            next_i[action.kind, action.j] += 1
             alive[w] += {Kind.F: 1, Kind.B: -1, Kind.I: 0, Kind.W: -1}[action.kind]
-            free[w] = end[action] = now + cost[action.kind]
+            free[w] = end[action] = now + size * unit_cost(action)
             workers[w].append(action)
             left -= 1
         later = [t for t in free if t > now]
@@ -204,9 +206,9 @@ def interleaved_1f1b(m: int, n: int, p: int) -> Schedule:
         """Each worker warming up with ``more`` forward passes than the rule gives."""
         workers = []
         for w in range(p):
-            forward = [Action(Kind.F, i, k * p + w) for r in rounds for k in range(v) for i in r]
-            backward = [Action(Kind.B, i, k * p + w)
-                        for r in rounds for k in reversed(range(v)) for i in r]
+            mine = [j for j in range(n) if worker_of(j, n, p, 'loop') == w]
+            forward = [Action(Kind.F, i, j) for r in rounds for j in mine for i in r]
+            backward = [Action(Kind.B, i, j) for r in rounds for j in reversed(mine) for i in r]
             # One partition per worker (v = 1): 1F1B's warm-up, and 1F1B itself.
             warmup = min((v - 1) * p + (p - 1 - w) * (2 if v > 1 else 1) + more, len(forward))
             actions = forward[:warmup]
@@ -255,24 +257,35 @@ def zbv(m: int, n: int) -> Schedule:
                 return min(actions, key=lambda a: (a.i, -a.j))
         return None
 
-    return greedy(m, n, [min(j, n - 1 - j) for j in range(n)], True, rule)
+    return greedy(m, n, [worker_of(j, n, n // 2, 'v') for j in range(n)], True, rule)
 
 
-class Bubble(NamedTuple):
-    """The idle time per worker a schedule leaves, as a formula of ``p``, ``v``, F, B and W."""
+@dataclass(frozen=True)
+class BuiltIn:
+    """A built-in schedule, as all its users read it: a new schedule is one entry."""
 
-    text: str
-    value: Callable[[int, int, Fraction, Fraction, Fraction], Fraction]
+    #: Its action lists for ``m`` micro-batches, ``n`` partitions and ``p`` workers.
+    lay_out: Callable[[int, int, int], Schedule]
+    #: Its idle time per worker, as a formula of ``p``, ``v``, F, B and W (the costs of
+    #: a worker's share of the model, ``B = I + W``), and the formula's value.
+    formula: str
+    bubble: Callable[[int, int, Fraction, Fraction, Fraction], Fraction]
+    #: The partitions per worker the planner tries, and their layout (:func:`worker_of`).
+    shapes: Tuple[Tuple[int, str], ...] = ((1, 'loop'),)
 
 
-#: Each built-in schedule's idle time per worker by its formula, where F, B and W are
-#: the costs of a worker's share of the model (``B = I + W``).
-BUBBLES: Dict[str, Bubble] = {
-    'fill_drain': Bubble('(p-1)(F+B)', lambda p, v, f, b, w: (p - 1) * (f + b)),
-    '1f1b': Bubble('(p-1)(F+B)', lambda p, v, f, b, w: (p - 1) * (f + b)),
-    'interleaved_1f1b': Bubble('(p-1)(F+B)/v', lambda p, v, f, b, w: (p - 1) * (f + b) / v),
-    'zb_h1': Bubble('(p-1)(F+B-2W)', lambda p, v, f, b, w: (p - 1) * (f + b - 2 * w)),
-    'zbv': Bubble('~0', lambda p, v, f, b, w: Fraction(0)),
+#: The built-in schedules, by name.
+BUILT_INS: Dict[str, BuiltIn] = {
+    'fill_drain': BuiltIn(lambda m, n, p: fill_drain(m, n), '(p-1)(F+B)',
+                          lambda p, v, f, b, w: (p - 1) * (f + b)),
+    '1f1b': BuiltIn(lambda m, n, p: one_f_one_b(m, n), '(p-1)(F+B)',
+                    lambda p, v, f, b, w: (p - 1) * (f + b)),
+    'interleaved_1f1b': BuiltIn(interleaved_1f1b, '(p-1)(F+B)/v',
+                                lambda p, v, f, b, w: (p - 1) * (f + b) / v,
+                                ((2, 'loop'), (4, 'loop'))),
+    'zb_h1': BuiltIn(lambda m, n, p: zb_h1(m, n), '(p-1)(F+B-2W)',
+                     lambda p, v, f, b, w: (p - 1) * (f + b - 2 * w)),
+    'zbv': BuiltIn(lambda m, n, p: zbv(m, n), '~0', lambda p, v, f, b, w: Fraction(0), ((2, 'v'),)),
 }
 
 
@@ -283,11 +296,7 @@ def named(name: str, m: int, n: int, p: int) -> Schedule:
     ``p`` counts only for interleaved 1F1B; the others know their workers.
     The result is checked, and shared by the calls with the same arguments.
     """
-    if name == 'interleaved_1f1b':
-        schedule = interleaved_1f1b(m, n, p)
-    else:
-        schedule = {'fill_drain': fill_drain, '1f1b': one_f_one_b, 'zb_h1': zb_h1,
-                    'zbv': zbv}[name](m, n)
+    schedule = BUILT_INS[name].lay_out(m, n, p)
     schedule.name = name
     schedule.check(micro_batches=m, partitions=n)
     return schedule
@@ -343,13 +352,13 @@ def expected_bubble(schedule: Schedule, n: int) -> Tuple[str, float]:
     times = simulate(workers, n, unit_cost)
     span = max((end for _, end in times.values()), default=Fraction(0))
     waiting = idle(workers, n, unit_cost)
-    bubble = BUBBLES.get(schedule.name)
-    text = f'{bubble.text} ({schedule.name})' if bubble is not None else 'its schedule'
+    facts = BUILT_INS.get(schedule.name)
+    text = f'{facts.formula} ({schedule.name})' if facts is not None else 'its schedule'
     return text, float(waiting / span) if span else 0.0
 
 
 #: The schedules :meth:`torchgpipe.GPipe.train_step` knows, by name.
-SCHEDULES = tuple(BUBBLES)
+SCHEDULES = tuple(BUILT_INS)
 
 
 def _key(name: str) -> str:

@@ -105,7 +105,7 @@ def idle(workers: Sequence[Sequence[Action]], n: int, cost: Cost) -> Fraction:
     """The idle time per worker of a step: the span of the step less its work, averaged.
 
     With each action's cost that of the paper's analysis, this is the
-    schedule's bubble; :data:`torchgpipe.engine.generators.BUBBLES` gives each
+    schedule's bubble; :data:`torchgpipe.engine.generators.BUILT_INS` gives each
     built-in schedule's formula.
 
     Example::

@@ -61,7 +61,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Dict, List, Sequence, Set, Tuple
 
-from torchgpipe.engine.generators import named
+from torchgpipe.engine.generators import named, worker_of
 from torchgpipe.engine.schedule import Action, Kind, Schedule
 from torchgpipe.engine.simulator import simulate_sharing
 from torchgpipe.planner.costs import Costs
@@ -75,11 +75,6 @@ __all__: List[str] = []
 NANOSECONDS = 1_000_000_000
 
 
-def worker_of(j: int, partitions: int, workers: int, placement: str) -> int:
-    """The worker of partition ``j``: in a loop (``j % workers``), or in a V."""
-    return min(j, partitions - 1 - j) if placement == 'v' else j % workers
-
-
 @dataclass(frozen=True)
 class Candidate:
     """One way to run a step: a configuration the planner predicts.
@@ -90,8 +85,7 @@ class Candidate:
         chunks: micro-batches (as many as the mini-batch splits into)
         checkpoint: ``'always'``, ``'except_last'`` or ``'never'``
         workers: devices, or ranks, the partitions run on
-        placement: ``'loop'`` (partition ``j`` on worker ``j % workers``) or
-            ``'v'`` (worker ``w`` keeps partitions ``w`` and ``2 workers - 1 - w``)
+        placement: ``'loop'`` or ``'v'`` (see :func:`~torchgpipe.engine.generators.worker_of`)
     """
 
     schedule: str

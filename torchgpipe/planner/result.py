@@ -12,13 +12,13 @@ import os
 from dataclasses import asdict, fields
 from typing import Any, Dict, List, Optional, Sequence, Union
 
-from torchgpipe.engine.generators import built_in, unknown_name
+from torchgpipe.engine.generators import BUILT_INS, built_in, unknown_name, worker_of
 from torchgpipe.foundation.validation import check_chunks, describe
 from torchgpipe.planner.compare import Comparison, compare
 from torchgpipe.planner.costs import Costs
 from torchgpipe.planner.option import Option, option, size
-from torchgpipe.planner.predict import Candidate, micro_batches, predict, worker_of
-from torchgpipe.planner.search import CHECKPOINTS, SHAPES
+from torchgpipe.planner.predict import Candidate, micro_batches, predict
+from torchgpipe.planner.search import CHECKPOINTS
 from torchgpipe.timeline import Timeline
 
 __all__: List[str] = []
@@ -99,9 +99,9 @@ class Plan:
         if name is None:
             raise unknown_name(str(schedule))
         p = len(self.devices)
-        shape = next(((v, where) for v, where in SHAPES[name] if v * p == len(balance)), None)
+        shape = next((s for s in BUILT_INS[name].shapes if s[0] * p == len(balance)), None)
         if shape is None:
-            counts = ' or '.join(str(v * p) for v, _ in SHAPES[name])
+            counts = ' or '.join(str(v * p) for v, _ in BUILT_INS[name].shapes)
             raise ValueError(describe(f'balance must have {counts} partitions for {name} on '
                                       f'{p} devices', f'balance: {list(balance)}',
                                       f'give {counts} numbers of layers'))

@@ -14,19 +14,12 @@ from dataclasses import dataclass, replace
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from torchgpipe.balance import blockpartition
+from torchgpipe.engine.generators import BUILT_INS
 from torchgpipe.planner.costs import Costs
 from torchgpipe.planner.predict import Candidate, Prediction, micro_batches, predict
 
 __all__: List[str] = []
 
-#: Each built-in schedule's shapes: partitions per worker, and their placement.
-SHAPES: Dict[str, Tuple[Tuple[int, str], ...]] = {
-    'fill_drain': ((1, 'loop'),),
-    '1f1b': ((1, 'loop'),),
-    'zb_h1': ((1, 'loop'),),
-    'interleaved_1f1b': ((2, 'loop'), (4, 'loop')),
-    'zbv': ((2, 'v'),),
-}
 CHECKPOINTS = ('never', 'except_last', 'always')
 #: How many of the best configurations have their balance refined.
 REFINED = 8
@@ -89,7 +82,7 @@ def configurations(costs: Costs, workers: int, *, schedules: Sequence[str],
                    param_scale: float) -> Iterator[Candidate]:
     """Every configuration of the grid, with the balances of :func:`balances`."""
     for name in schedules:
-        for virtual, placement in SHAPES[name]:
+        for virtual, placement in BUILT_INS[name].shapes:
             if virtual > 1 and workers == 1:
                 continue  # one worker: more partitions only add overhead
             for balance in balances(costs, virtual * workers, param_scale):
