@@ -7,8 +7,8 @@ for the stopped one, names the stopped one too, wherever it stands in the
 pipeline, in a forward or a backward pass, under every schedule. Ranks
 given different mini-batches, chunks or schedules, or no data where it is
 needed, all refuse the step before any of its messages, and train on once
-they agree; ranks that would lay out the layers differently all refuse to
-build the pipeline.
+they agree; ranks that would lay out the layers differently, or of which
+one cannot build the pipeline, all refuse to build it.
 """
 import os
 import re
@@ -16,7 +16,7 @@ import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -30,6 +30,8 @@ from process_group import run_distributed
 from test_distributed import FEATURES
 from test_distributed_pipe import CHUNKS, Fault, batch
 from torchgpipe.distributed import DistributedGPipe, PeerFailed, StepTimeout
+from torchgpipe.foundation.placement import check_materialized
+from torchgpipe.foundation.validation import check_balance
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -232,15 +234,16 @@ def test_every_rank_names_the_stopped_one(world_size: int, cases: List[Case],
             check_blame(share, run.result())
 
 
-def disagreeing(rank: int, world_size: int) -> Dict[str, List[str]]:
+def disagreeing(rank: int, world_size: int) -> Dict[str, Any]:
     """Steps that the two ranks are called for differently, or without the data they
-    need; pipelines they build differently; then a step they agree on, after each."""
+    need; pipelines they build differently, or that one cannot build; then a step
+    they agree on, after each."""
     def refused(attempts: List[Any], then: Any) -> List[str]:
         errors = []
         for attempt in attempts:
             try:
                 attempt()
-            except ValueError as exc:
+            except Exception as exc:
                 errors.append(f'{type(exc).__name__}: {exc}')
             then()  # the pipeline is whole, the ranks in step
         return errors
@@ -255,6 +258,14 @@ def disagreeing(rank: int, world_size: int) -> Dict[str, List[str]]:
 
     def agreed() -> None:
         pipe.train_step(input, target, F.mse_loss)
+
+    def built() -> None:
+        DistributedGPipe(model, [1, 1], chunks=CHUNKS).train_step(input, target, F.mse_loss)
+
+    # Rank 1's own layer on the meta device (rank 0 never places it).
+    with torch.device('meta' if rank else 'cpu'):
+        half_meta = nn.Sequential(linear(), linear())
+    half_meta[0] = model[0]
     return {
         'steps': refused([
             lambda: pipe.train_step(input[:12] if rank else input,
@@ -278,19 +289,26 @@ def disagreeing(rank: int, world_size: int) -> Dict[str, List[str]]:
             lambda: DistributedGPipe(nn.Sequential(*(linear() for _ in range(2 + rank))),
                                      [2, 1] if rank else [1, 1]),
             lambda: DistributedGPipe(nn.Sequential(linear(), linear(FEATURES + rank)), [1, 1]),
-        ], lambda: DistributedGPipe(model, [1, 1], chunks=CHUNKS).train_step(
-            input, target, F.mse_loss)),
+            lambda: DistributedGPipe(model, [1, 1], deferred_batch_norm=rank == 1),
+            lambda: DistributedGPipe(nn.Sequential(linear(), nn.ReLU() if rank else nn.Tanh()),
+                                     [1, 1]),
+        ], built),
+        'one cannot build': refused([
+            lambda: DistributedGPipe(nn.Sequential(*(linear() for _ in range(4))),
+                                     [3, 2] if rank else [2, 2]),
+            lambda: DistributedGPipe(half_meta, [1, 1]),
+        ], built),
     }
 
 
 @pytest.fixture(scope='module')
-def disagreements() -> List[Dict[str, List[str]]]:
+def disagreements() -> List[Dict[str, Any]]:
     return run_distributed(disagreeing, timeout=60)
 
 
 def test_ranks_called_for_different_steps_refuse_them_and_train_on(
-        disagreements: List[Dict[str, List[str]]]) -> None:
-    assert disagreements[0] == disagreements[1]
+        disagreements: List[Dict[str, Any]]) -> None:
+    assert disagreements[0]['steps'] == disagreements[1]['steps']
     sizes, schedules, evaluations = disagreements[0]['steps']
     assert sizes.startswith("Mismatch: the ranks of the pipeline run different steps (rank "
                             "0: {'step': 'train_step', 'micro-batches': [4, 4, 4, 4], "
@@ -302,7 +320,7 @@ def test_ranks_called_for_different_steps_refuse_them_and_train_on(
 
 
 def test_a_rank_given_no_data_it_needs_makes_every_rank_refuse_the_step(
-        disagreements: List[Dict[str, List[str]]]) -> None:
+        disagreements: List[Dict[str, Any]]) -> None:
     assert disagreements[0]['data'] == disagreements[1]['data']
     fix = ("the first partition's rank needs the input, the last one's the target, and the "
            'others may pass None')
@@ -314,12 +332,12 @@ def test_a_rank_given_no_data_it_needs_makes_every_rank_refuse_the_step(
 
 
 def test_ranks_that_lay_out_the_layers_differently_all_refuse_to_build(
-        disagreements: List[Dict[str, List[str]]]) -> None:
+        disagreements: List[Dict[str, Any]]) -> None:
     assert disagreements[0]['layouts'] == disagreements[1]['layouts']
     fix = ('build the pipeline alike on every rank: the same module, and one balance, '
-           'placement and checkpoint for all (such as plan.kwargs of '
+           'placement, checkpoint and deferred_batch_norm for all (such as plan.kwargs of '
            'torchgpipe.plan(..., group=...), the same on every rank)')
-    layer = "['weight ({}, 4) torch.float64', 'bias ({},) torch.float64']"
+    layer = "['Linear', 'weight ({}, 4) torch.float64', 'bias ({},) torch.float64']"
     assert disagreements[0]['layouts'] == [
         f'Mismatch: the ranks of the pipeline lay out its layers differently ({ranks}); {fix}'
         for ranks in [
@@ -327,5 +345,34 @@ def test_ranks_that_lay_out_the_layers_differently_all_refuse_to_build(
             "rank 0: {'balance': [3, 1]}; rank 1: {'balance': [1, 3]}",
             "rank 0: {'placement': 'loop'}; rank 1: {'placement': 'v'}",
             "rank 0: {'balance': [1, 1], 'layers': 2}; rank 1: {'balance': [2, 1], 'layers': 3}",
-            f"rank 0: {{'parameters of layer 1': {layer.format(4, 4)}}}; "
-            f"rank 1: {{'parameters of layer 1': {layer.format(5, 5)}}}"]]
+            f"rank 0: {{'layer 1': {layer.format(4, 4)}}}; "
+            f"rank 1: {{'layer 1': {layer.format(5, 5)}}}",
+            "rank 0: {'deferred_batch_norm': False}; rank 1: {'deferred_batch_norm': True}",
+            "rank 0: {'layer 1': ['Tanh']}; rank 1: {'layer 1': ['ReLU']}"]]
+
+
+def error_of(check: Callable[[], Any]) -> str:
+    """What ``check()`` raises, as the ranks report it."""
+    with pytest.raises(Exception) as info:
+        check()
+    return f'{type(info.value).__name__}: {info.value}'
+
+
+def assert_refused_by(rank: int, own: str, said: str, refusals: List[str]) -> None:
+    """``rank`` raised its own error, unchanged; the other rank a Mismatch naming it."""
+    assert refusals[rank] == own
+    assert refusals[1 - rank] == f'Mismatch: rank {rank} cannot {said}: {own}'
+
+
+def test_a_rank_that_cannot_build_the_pipeline_makes_every_rank_refuse(
+        disagreements: List[Dict[str, Any]]) -> None:
+    def linear() -> nn.Module:
+        return nn.Linear(FEATURES, FEATURES)
+    with torch.device('meta'):
+        on_meta = nn.Sequential(linear(), linear())
+    balance, meta = zip(*(d['one cannot build'] for d in disagreements))
+    assert_refused_by(1, error_of(lambda: check_balance(
+        nn.Sequential(*(linear() for _ in range(4))), [3, 2])), 'build the pipeline',
+        list(balance))
+    assert_refused_by(1, error_of(lambda: check_materialized(
+        on_meta, [1, 1], [None, torch.device('cpu')])), 'build the pipeline', list(meta))
