@@ -6,10 +6,12 @@ the message it waited for; a rank that waited for another, itself waiting
 for the stopped one, names the stopped one too, wherever it stands in the
 pipeline, in a forward or a backward pass, under every schedule. Ranks
 given different mini-batches, chunks or schedules, or no data where it is
-needed, all refuse the step before any of its messages, and train on once
-they agree; ranks that would lay out the layers differently, or of which
-one cannot build the pipeline, all refuse to build it.
+needed, or that one rank refuses (its data, its arguments, a layer that
+cannot run in its mode), all refuse the step before any of its messages,
+and train on once they agree; ranks that would lay out the layers
+differently, or of which one cannot build the pipeline, all refuse to build it.
 """
+import copy
 import os
 import re
 import signal
@@ -17,6 +19,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Tuple
+from unittest import mock
 
 import pytest
 import torch
@@ -29,7 +32,11 @@ from process_group import no_child_left  # noqa: F401 (an autouse fixture)
 from process_group import run_distributed
 from test_distributed import FEATURES
 from test_distributed_pipe import CHUNKS, Fault, batch
+from test_distributed_pipe import model as model_named
+from torchgpipe import to_sequential
 from torchgpipe.distributed import DistributedGPipe, PeerFailed, StepTimeout
+from torchgpipe.engine.generators import check_schedule
+from torchgpipe.engine.inputs import split_given, weighted
 from torchgpipe.foundation.placement import check_materialized
 from torchgpipe.foundation.validation import check_balance
 
@@ -234,10 +241,26 @@ def test_every_rank_names_the_stopped_one(world_size: int, cases: List[Case],
             check_blame(share, run.result())
 
 
+class TrainingOnly(nn.Module):
+    """Calls a layer in training mode only: captured in evaluation mode, it
+    becomes a child with no code for training."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.extra, self.last = (nn.Linear(FEATURES, FEATURES).double()
+                                             for _ in range(3))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.first(x)
+        if self.training:
+            h = self.extra(h)
+        return self.last(h)
+
+
 def disagreeing(rank: int, world_size: int) -> Dict[str, Any]:
     """Steps that the two ranks are called for differently, or without the data they
-    need; pipelines they build differently, or that one cannot build; then a step
-    they agree on, after each."""
+    need, or that one refuses; pipelines they build differently, or that one cannot
+    build; then a step they agree on, after each."""
     def refused(attempts: List[Any], then: Any) -> List[str]:
         errors = []
         for attempt in attempts:
@@ -266,7 +289,39 @@ def disagreeing(rank: int, world_size: int) -> Dict[str, Any]:
     with torch.device('meta' if rank else 'cpu'):
         half_meta = nn.Sequential(linear(), linear())
     half_meta[0] = model[0]
+    # A child captured in evaluation mode, on rank 0, asked to train.
+    torch.manual_seed(0)  # the same on both ranks (layers on the meta device draw nothing)
+    captured = TrainingOnly()
+    unwrapped = copy.deepcopy(captured).eval()
+    F.mse_loss(unwrapped(input), target).backward()
+    pipe_of_captured = DistributedGPipe(
+        to_sequential(captured.eval(), example_inputs=input[:2]), [1, 1], chunks=CHUNKS)
+
+    def train_captured() -> None:
+        pipe_of_captured.train().train_step(input, target, F.mse_loss)
+
+    def captured_in_its_mode() -> Dict[str, Any]:
+        """Nothing changed by the refused step; then a step in evaluation mode, as the
+        unwrapped model's: the names of the parameters here whose gradients are its."""
+        untouched = all(p.grad is None for p in captured.parameters())
+        pipe_of_captured.eval().train_step(input, target, F.mse_loss)
+        return {'untouched': untouched, 'as unwrapped': sorted(
+            name for name, p in captured.named_parameters() if p.grad is not None and
+            torch.allclose(p.grad, unwrapped.get_parameter(name).grad, rtol=1e-12))}
+
+    def wire_fails() -> bool:
+        """A step whose wire cannot be built refused; True if the gradients of a
+        weight tied across the ranks stay as they were."""
+        tied = DistributedGPipe(model_named('tied'), [3, 3], chunks=CHUNKS)
+        tied.train_step(input, target, F.mse_loss)
+        before = [p.grad.clone() for p in tied.parameters() if p.grad is not None]
+        with mock.patch('torchgpipe.distributed.core.Wire', side_effect=OSError('no wire')):
+            with pytest.raises(OSError):
+                tied.train_step(input, target, F.mse_loss)
+        after = [p.grad for p in tied.parameters() if p.grad is not None]
+        return len(after) == len(before) and all(map(torch.equal, after, before))
     return {
+        'gradients kept': wire_fails(),
         'steps': refused([
             lambda: pipe.train_step(input[:12] if rank else input,
                                     target[:12] if rank else target, F.mse_loss),
@@ -280,6 +335,17 @@ def disagreeing(rank: int, world_size: int) -> Dict[str, Any]:
             lambda: pipe.train_step(input, None if rank else target, F.mse_loss),
             lambda: pipe.eval_step(input, None if rank else target, F.mse_loss),
         ], agreed),
+        # One rank's own arguments fail; the other is given nothing wrong.
+        'one refuses a step': refused([
+            lambda: pipe.train_step(None if rank else {'x': input},  # type: ignore[arg-type]
+                                    target if rank else None, F.mse_loss),
+            lambda: pipe.train_step(input[:0] if rank else input,
+                                    target[:0] if rank else target, F.mse_loss),
+            lambda: pipe.train_step(input, target, F.mse_loss,
+                                    schedule='1f1b' if rank else '0F0 0X0'),
+            train_captured,
+        ], agreed),
+        'captured': captured_in_its_mode(),  # after train_captured
         'layouts': refused([
             lambda: DistributedGPipe(model, [1, 1], checkpoint='never' if rank else 'always'),
             lambda: DistributedGPipe(nn.Sequential(*(linear() for _ in range(4))),
@@ -362,6 +428,37 @@ def assert_refused_by(rank: int, own: str, said: str, refusals: List[str]) -> No
     """``rank`` raised its own error, unchanged; the other rank a Mismatch naming it."""
     assert refusals[rank] == own
     assert refusals[1 - rank] == f'Mismatch: rank {rank} cannot {said}: {own}'
+
+
+def test_a_rank_that_refuses_a_step_makes_every_rank_refuse_it(
+        disagreements: List[Dict[str, Any]]) -> None:
+    input, target = batch(0)
+    cpu = torch.device('cpu')
+    refusals = list(zip(*(d['one refuses a step'] for d in disagreements)))
+    assert len(refusals) == 4
+    dictionary, empty, schedule, captured = refusals
+    assert_refused_by(0, error_of(lambda: split_given({'x': input}, None, CHUNKS, cpu)),
+                      'run the step', list(dictionary))
+    assert_refused_by(1, error_of(lambda: weighted([0] * CHUNKS, 'mean')), 'run the step',
+                      list(empty))
+    assert_refused_by(0, error_of(lambda: check_schedule('0F0 0X0')), 'run the step',
+                      list(schedule))
+    assert re.fullmatch(r'RuntimeError: this part of the sequential was captured in evaluation '
+                        r'mode and cannot run in training mode: .*', captured[0])
+    assert_refused_by(0, captured[0], 'run the step', list(captured))
+
+
+def test_a_refused_step_of_a_captured_child_leaves_the_pipeline_whole(
+        disagreements: List[Dict[str, Any]]) -> None:
+    # Rank 0 holds the generated child of 'first', rank 1 'last'.
+    assert [d['captured'] for d in disagreements] == [
+        {'untouched': True, 'as unwrapped': [f'{layer}.{name}' for name in ('bias', 'weight')]}
+        for layer in ('first', 'last')]
+
+
+def test_a_step_whose_wire_fails_keeps_the_gradients_of_tied_weights(
+        disagreements: List[Dict[str, Any]]) -> None:
+    assert [d['gradients kept'] for d in disagreements] == [True, True]
 
 
 def test_a_rank_that_cannot_build_the_pipeline_makes_every_rank_refuse(

@@ -13,15 +13,14 @@ from torchgpipe.distributed.norm import check_finite, clip_grads, slots, total_n
 from torchgpipe.distributed.ranks import agree_on_layout, ranks_of_partitions
 from torchgpipe.distributed.tied import TiedGradients, ties_across_ranks
 from torchgpipe.engine.core import CoreModule
-from torchgpipe.engine.evaluation import check_evaluation, evaluating
-from torchgpipe.engine.generators import check_schedule
+from torchgpipe.engine.evaluation import evaluating
 from torchgpipe.engine.schedule import ScheduleLike
 from torchgpipe.engine.step import LossFunction
 from torchgpipe.foundation.microbatch import TensorOrTensors
 from torchgpipe.foundation.placement import check_materialized, place
 from torchgpipe.foundation.tied import find_ties, tie_partitions
 from torchgpipe.foundation.validation import (check_available, check_balance, check_chunks,
-                                              check_planned_threads, check_step, check_timeout,
+                                              check_planned_threads, check_timeout,
                                               describe, parse_device, verify_module)
 from torchgpipe.runtime.batchnorm import DeferredBatchNorm
 from torchgpipe.skip.layout import inspect_skip_layout
@@ -266,7 +265,9 @@ class DistributedGPipe(CoreModule):
                 longer agree on their messages
             ValueError: on every rank, if the ranks were called for
                 different steps, or the first partition's rank was given no
-                input, or the last one's no target; the pipeline stays whole
+                input, or the last one's no target; on the others, if one
+                rank refuses the step for a reason below (that rank raises its
+                own error); the pipeline stays whole
             ValueError: the copies of a parameter tied across ranks differ
                 (checked at the end of the first step and of the first after
                 a load); nothing else is wrong, and the pipeline trains on
@@ -274,8 +275,6 @@ class DistributedGPipe(CoreModule):
             ValueError, TypeError: as for :meth:`GPipe.train_step
                 <torchgpipe.GPipe.train_step>`
         """
-        check_schedule(schedule)
-        check_step(reduction, loss_fn)
         return self.core.train(input, target, loss_fn, schedule, reduction, self.training)
 
     def eval_step(self, input: Optional[TensorOrTensors],
@@ -332,7 +331,6 @@ class DistributedGPipe(CoreModule):
             loss = pipe.eval_step(input, target, F.cross_entropy)   # on every rank
             logits = pipe.eval_step(input)           # on the last partition's rank
         """
-        check_evaluation(target, loss_fn, reduction, output_fn, target_elsewhere=True)
         with evaluating(self):
             return self.core.evaluate(input, target, loss_fn, reduction, output_fn, everywhere)
 
