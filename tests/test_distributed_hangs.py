@@ -6,17 +6,20 @@ the message it waited for; a rank that waited for another, itself waiting
 for the stopped one, names the stopped one too, wherever it stands in the
 pipeline, in a forward or a backward pass, under every schedule. Ranks
 given different mini-batches, chunks or schedules, or no data where it is
-needed, all refuse the step before any of its messages, and train on once
-they agree; ranks that would lay out the layers differently all refuse to
-build the pipeline.
+needed, or that one rank refuses (its data, its arguments, a layer that
+cannot run in its mode), all refuse the step before any of its messages,
+and train on once they agree; ranks that would lay out the layers
+differently, or of which one cannot build the pipeline, all refuse to build it.
 """
+import copy
 import os
 import re
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
+from unittest import mock
 
 import pytest
 import torch
@@ -29,7 +32,13 @@ from process_group import no_child_left  # noqa: F401 (an autouse fixture)
 from process_group import run_distributed
 from test_distributed import FEATURES
 from test_distributed_pipe import CHUNKS, Fault, batch
+from test_distributed_pipe import model as model_named
+from torchgpipe import to_sequential
 from torchgpipe.distributed import DistributedGPipe, PeerFailed, StepTimeout
+from torchgpipe.engine.generators import check_schedule
+from torchgpipe.engine.inputs import split_given, weighted
+from torchgpipe.foundation.placement import check_materialized
+from torchgpipe.foundation.validation import check_balance
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -232,15 +241,32 @@ def test_every_rank_names_the_stopped_one(world_size: int, cases: List[Case],
             check_blame(share, run.result())
 
 
-def disagreeing(rank: int, world_size: int) -> Dict[str, List[str]]:
+class TrainingOnly(nn.Module):
+    """Calls a layer in training mode only: captured in evaluation mode, it
+    becomes a child with no code for training."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.extra, self.last = (nn.Linear(FEATURES, FEATURES).double()
+                                             for _ in range(3))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.first(x)
+        if self.training:
+            h = self.extra(h)
+        return self.last(h)
+
+
+def disagreeing(rank: int, world_size: int) -> Dict[str, Any]:
     """Steps that the two ranks are called for differently, or without the data they
-    need; pipelines they build differently; then a step they agree on, after each."""
+    need, or that one refuses; pipelines they build differently, or that one cannot
+    build; then a step they agree on, after each."""
     def refused(attempts: List[Any], then: Any) -> List[str]:
         errors = []
         for attempt in attempts:
             try:
                 attempt()
-            except ValueError as exc:
+            except Exception as exc:
                 errors.append(f'{type(exc).__name__}: {exc}')
             then()  # the pipeline is whole, the ranks in step
         return errors
@@ -255,7 +281,47 @@ def disagreeing(rank: int, world_size: int) -> Dict[str, List[str]]:
 
     def agreed() -> None:
         pipe.train_step(input, target, F.mse_loss)
+
+    def built() -> None:
+        DistributedGPipe(model, [1, 1], chunks=CHUNKS).train_step(input, target, F.mse_loss)
+
+    # Rank 1's own layer on the meta device (rank 0 never places it).
+    with torch.device('meta' if rank else 'cpu'):
+        half_meta = nn.Sequential(linear(), linear())
+    half_meta[0] = model[0]
+    # A child captured in evaluation mode, on rank 0, asked to train.
+    torch.manual_seed(0)  # the same on both ranks (layers on the meta device draw nothing)
+    captured = TrainingOnly()
+    unwrapped = copy.deepcopy(captured).eval()
+    F.mse_loss(unwrapped(input), target).backward()
+    pipe_of_captured = DistributedGPipe(
+        to_sequential(captured.eval(), example_inputs=input[:2]), [1, 1], chunks=CHUNKS)
+
+    def train_captured() -> None:
+        pipe_of_captured.train().train_step(input, target, F.mse_loss)
+
+    def captured_in_its_mode() -> Dict[str, Any]:
+        """Nothing changed by the refused step; then a step in evaluation mode, as the
+        unwrapped model's: the names of the parameters here whose gradients are its."""
+        untouched = all(p.grad is None for p in captured.parameters())
+        pipe_of_captured.eval().train_step(input, target, F.mse_loss)
+        return {'untouched': untouched, 'as unwrapped': sorted(
+            name for name, p in captured.named_parameters() if p.grad is not None and
+            torch.allclose(p.grad, unwrapped.get_parameter(name).grad, rtol=1e-12))}
+
+    def wire_fails() -> bool:
+        """A step whose wire cannot be built refused; True if the gradients of a
+        weight tied across the ranks stay as they were."""
+        tied = DistributedGPipe(model_named('tied'), [3, 3], chunks=CHUNKS)
+        tied.train_step(input, target, F.mse_loss)
+        before = [p.grad.clone() for p in tied.parameters() if p.grad is not None]
+        with mock.patch('torchgpipe.distributed.core.Wire', side_effect=OSError('no wire')):
+            with pytest.raises(OSError):
+                tied.train_step(input, target, F.mse_loss)
+        after = [p.grad for p in tied.parameters() if p.grad is not None]
+        return len(after) == len(before) and all(map(torch.equal, after, before))
     return {
+        'gradients kept': wire_fails(),
         'steps': refused([
             lambda: pipe.train_step(input[:12] if rank else input,
                                     target[:12] if rank else target, F.mse_loss),
@@ -269,6 +335,17 @@ def disagreeing(rank: int, world_size: int) -> Dict[str, List[str]]:
             lambda: pipe.train_step(input, None if rank else target, F.mse_loss),
             lambda: pipe.eval_step(input, None if rank else target, F.mse_loss),
         ], agreed),
+        # One rank's own arguments fail; the other is given nothing wrong.
+        'one refuses a step': refused([
+            lambda: pipe.train_step(None if rank else {'x': input},  # type: ignore[arg-type]
+                                    target if rank else None, F.mse_loss),
+            lambda: pipe.train_step(input[:0] if rank else input,
+                                    target[:0] if rank else target, F.mse_loss),
+            lambda: pipe.train_step(input, target, F.mse_loss,
+                                    schedule='1f1b' if rank else '0F0 0X0'),
+            train_captured,
+        ], agreed),
+        'captured': captured_in_its_mode(),  # after train_captured
         'layouts': refused([
             lambda: DistributedGPipe(model, [1, 1], checkpoint='never' if rank else 'always'),
             lambda: DistributedGPipe(nn.Sequential(*(linear() for _ in range(4))),
@@ -278,19 +355,26 @@ def disagreeing(rank: int, world_size: int) -> Dict[str, List[str]]:
             lambda: DistributedGPipe(nn.Sequential(*(linear() for _ in range(2 + rank))),
                                      [2, 1] if rank else [1, 1]),
             lambda: DistributedGPipe(nn.Sequential(linear(), linear(FEATURES + rank)), [1, 1]),
-        ], lambda: DistributedGPipe(model, [1, 1], chunks=CHUNKS).train_step(
-            input, target, F.mse_loss)),
+            lambda: DistributedGPipe(model, [1, 1], deferred_batch_norm=rank == 1),
+            lambda: DistributedGPipe(nn.Sequential(linear(), nn.ReLU() if rank else nn.Tanh()),
+                                     [1, 1]),
+        ], built),
+        'one cannot build': refused([
+            lambda: DistributedGPipe(nn.Sequential(*(linear() for _ in range(4))),
+                                     [3, 2] if rank else [2, 2]),
+            lambda: DistributedGPipe(half_meta, [1, 1]),
+        ], built),
     }
 
 
 @pytest.fixture(scope='module')
-def disagreements() -> List[Dict[str, List[str]]]:
+def disagreements() -> List[Dict[str, Any]]:
     return run_distributed(disagreeing, timeout=60)
 
 
 def test_ranks_called_for_different_steps_refuse_them_and_train_on(
-        disagreements: List[Dict[str, List[str]]]) -> None:
-    assert disagreements[0] == disagreements[1]
+        disagreements: List[Dict[str, Any]]) -> None:
+    assert disagreements[0]['steps'] == disagreements[1]['steps']
     sizes, schedules, evaluations = disagreements[0]['steps']
     assert sizes.startswith("Mismatch: the ranks of the pipeline run different steps (rank "
                             "0: {'step': 'train_step', 'micro-batches': [4, 4, 4, 4], "
@@ -302,7 +386,7 @@ def test_ranks_called_for_different_steps_refuse_them_and_train_on(
 
 
 def test_a_rank_given_no_data_it_needs_makes_every_rank_refuse_the_step(
-        disagreements: List[Dict[str, List[str]]]) -> None:
+        disagreements: List[Dict[str, Any]]) -> None:
     assert disagreements[0]['data'] == disagreements[1]['data']
     fix = ("the first partition's rank needs the input, the last one's the target, and the "
            'others may pass None')
@@ -314,12 +398,12 @@ def test_a_rank_given_no_data_it_needs_makes_every_rank_refuse_the_step(
 
 
 def test_ranks_that_lay_out_the_layers_differently_all_refuse_to_build(
-        disagreements: List[Dict[str, List[str]]]) -> None:
+        disagreements: List[Dict[str, Any]]) -> None:
     assert disagreements[0]['layouts'] == disagreements[1]['layouts']
     fix = ('build the pipeline alike on every rank: the same module, and one balance, '
-           'placement and checkpoint for all (such as plan.kwargs of '
+           'placement, checkpoint and deferred_batch_norm for all (such as plan.kwargs of '
            'torchgpipe.plan(..., group=...), the same on every rank)')
-    layer = "['weight ({}, 4) torch.float64', 'bias ({},) torch.float64']"
+    layer = "['Linear', 'weight ({}, 4) torch.float64', 'bias ({},) torch.float64']"
     assert disagreements[0]['layouts'] == [
         f'Mismatch: the ranks of the pipeline lay out its layers differently ({ranks}); {fix}'
         for ranks in [
@@ -327,5 +411,65 @@ def test_ranks_that_lay_out_the_layers_differently_all_refuse_to_build(
             "rank 0: {'balance': [3, 1]}; rank 1: {'balance': [1, 3]}",
             "rank 0: {'placement': 'loop'}; rank 1: {'placement': 'v'}",
             "rank 0: {'balance': [1, 1], 'layers': 2}; rank 1: {'balance': [2, 1], 'layers': 3}",
-            f"rank 0: {{'parameters of layer 1': {layer.format(4, 4)}}}; "
-            f"rank 1: {{'parameters of layer 1': {layer.format(5, 5)}}}"]]
+            f"rank 0: {{'layer 1': {layer.format(4, 4)}}}; "
+            f"rank 1: {{'layer 1': {layer.format(5, 5)}}}",
+            "rank 0: {'deferred_batch_norm': False}; rank 1: {'deferred_batch_norm': True}",
+            "rank 0: {'layer 1': ['Tanh']}; rank 1: {'layer 1': ['ReLU']}"]]
+
+
+def error_of(check: Callable[[], Any]) -> str:
+    """What ``check()`` raises, as the ranks report it."""
+    with pytest.raises(Exception) as info:
+        check()
+    return f'{type(info.value).__name__}: {info.value}'
+
+
+def assert_refused_by(rank: int, own: str, said: str, refusals: List[str]) -> None:
+    """``rank`` raised its own error, unchanged; the other rank a Mismatch naming it."""
+    assert refusals[rank] == own
+    assert refusals[1 - rank] == f'Mismatch: rank {rank} cannot {said}: {own}'
+
+
+def test_a_rank_that_refuses_a_step_makes_every_rank_refuse_it(
+        disagreements: List[Dict[str, Any]]) -> None:
+    input, target = batch(0)
+    cpu = torch.device('cpu')
+    refusals = list(zip(*(d['one refuses a step'] for d in disagreements)))
+    assert len(refusals) == 4
+    dictionary, empty, schedule, captured = refusals
+    assert_refused_by(0, error_of(lambda: split_given({'x': input}, None, CHUNKS, cpu)),
+                      'run the step', list(dictionary))
+    assert_refused_by(1, error_of(lambda: weighted([0] * CHUNKS, 'mean')), 'run the step',
+                      list(empty))
+    assert_refused_by(0, error_of(lambda: check_schedule('0F0 0X0')), 'run the step',
+                      list(schedule))
+    assert re.fullmatch(r'RuntimeError: this part of the sequential was captured in evaluation '
+                        r'mode and cannot run in training mode: .*', captured[0])
+    assert_refused_by(0, captured[0], 'run the step', list(captured))
+
+
+def test_a_refused_step_of_a_captured_child_leaves_the_pipeline_whole(
+        disagreements: List[Dict[str, Any]]) -> None:
+    # Rank 0 holds the generated child of 'first', rank 1 'last'.
+    assert [d['captured'] for d in disagreements] == [
+        {'untouched': True, 'as unwrapped': [f'{layer}.{name}' for name in ('bias', 'weight')]}
+        for layer in ('first', 'last')]
+
+
+def test_a_step_whose_wire_fails_keeps_the_gradients_of_tied_weights(
+        disagreements: List[Dict[str, Any]]) -> None:
+    assert [d['gradients kept'] for d in disagreements] == [True, True]
+
+
+def test_a_rank_that_cannot_build_the_pipeline_makes_every_rank_refuse(
+        disagreements: List[Dict[str, Any]]) -> None:
+    def linear() -> nn.Module:
+        return nn.Linear(FEATURES, FEATURES)
+    with torch.device('meta'):
+        on_meta = nn.Sequential(linear(), linear())
+    balance, meta = zip(*(d['one cannot build'] for d in disagreements))
+    assert_refused_by(1, error_of(lambda: check_balance(
+        nn.Sequential(*(linear() for _ in range(4))), [3, 2])), 'build the pipeline',
+        list(balance))
+    assert_refused_by(1, error_of(lambda: check_materialized(
+        on_meta, [1, 1], [None, torch.device('cpu')])), 'build the pipeline', list(meta))

@@ -22,13 +22,14 @@ from torchgpipe.distributed.shared import Shared
 from torchgpipe.distributed.tied import TiedGradients
 from torchgpipe.distributed.wire import Channels, Mismatch, Wire
 from torchgpipe.engine.core import Core, Done
-from torchgpipe.engine.evaluation import forward_only, join
-from torchgpipe.engine.generators import BUILT_INS, built_in, resolve
+from torchgpipe.engine.evaluation import check_evaluation, forward_only, join
+from torchgpipe.engine.generators import BUILT_INS, built_in, check_schedule, resolve
 from torchgpipe.engine.inputs import split_given, weighted
 from torchgpipe.engine.schedule import Schedule, ScheduleLike
 from torchgpipe.engine.step import LossFunction, Step
 from torchgpipe.foundation import microbatch
 from torchgpipe.foundation.microbatch import TensorOrTensors
+from torchgpipe.foundation.validation import check_step
 from torchgpipe.runtime.batchnorm import deferred_step
 from torchgpipe.skip.layout import SkipLayout
 
@@ -105,8 +106,13 @@ class RankCore(Core):
         :meth:`DistributedGPipe.train_step
         <torchgpipe.distributed.DistributedGPipe.train_step>`."""
         self.check_whole()
-        given = split_given(input, target, self.chunks, self.device)
         workers = [f'rank {r}' for r in self.rank_of]
+
+        def arguments() -> Tuple[Given, Dict[str, Any]]:
+            check_schedule(schedule)
+            check_step(reduction, loss_fn)
+            return (split_given(input, target, self.chunks, self.device),
+                    {'schedule': schedule_label(schedule)})
 
         def prepare(sizes: List[int]) -> Prepared:
             m = len(sizes)
@@ -115,8 +121,7 @@ class RankCore(Core):
                             + ', '.join(repr(name) for name, facts in BUILT_INS.items()
                                         if facts.shapes[0][1] == 'v') + ", 'loop' for the others"),
                     weighted(sizes, reduction), self.stop(m, training))
-        with self.wired(given, loss_fn, prepare, done=done,
-                        signature={'schedule': schedule_label(schedule)}) as (step, wire):
+        with self.wired(arguments, loss_fn, prepare, done=done) as (step, wire):
             with deferred_step(self.deferred_batch_norms, len(step.shared.batches)):
                 loss = step.run()
             loss, received = wire.finish(loss, self.tied_gradients.shares(wire.others))
@@ -133,14 +138,16 @@ class RankCore(Core):
         evaluation mode: see :meth:`DistributedGPipe.eval_step
         <torchgpipe.distributed.DistributedGPipe.eval_step>`."""
         self.check_whole()
-        given = split_given(input, target, self.chunks, self.device)
+
+        def arguments() -> Tuple[Given, Dict[str, Any]]:
+            check_evaluation(target, loss_fn, reduction, output_fn, target_elsewhere=True)
+            return (split_given(input, target, self.chunks, self.device),
+                    {'loss': loss_fn is not None, 'everywhere': everywhere})
 
         def prepare(sizes: List[int]) -> Prepared:
             weights = [1.0] * len(sizes) if loss_fn is None else weighted(sizes, reduction)
             return forward_only(len(sizes), len(self.rank_of)), weights, 0
-        with self.wired(given, loss_fn, prepare, train=False,
-                        signature={'loss': loss_fn is not None,
-                                   'everywhere': everywhere}) as (step, wire):
+        with self.wired(arguments, loss_fn, prepare, train=False) as (step, wire):
             loss = step.run()
             output = None if loss_fn is not None else join(step.outputs())
             if output is not None and output_fn is not None:
@@ -150,10 +157,9 @@ class RankCore(Core):
         return output if loss_fn is None and not everywhere else result
 
     @contextmanager
-    def wired(self, given: Given, loss_fn: Optional[LossFunction],
-              prepare: Callable[[List[int]], Prepared], *, done: Optional[Done] = None,
-              train: bool = True, signature: Optional[Dict[str, Any]] = None
-              ) -> Iterator[Tuple[Step, Wire]]:
+    def wired(self, arguments: Callable[[], Tuple[Given, Dict[str, Any]]],
+              loss_fn: Optional[LossFunction], prepare: Callable[[List[int]], Prepared], *,
+              done: Optional[Done] = None, train: bool = True) -> Iterator[Tuple[Step, Wire]]:
         """A step (a training step's, or an evaluation's) of this rank's data, its mailbox
         the wire.
 
@@ -163,33 +169,45 @@ class RankCore(Core):
         failure in the body is told to every rank, and breaks the pipeline.
 
         Args:
-            given: what :func:`~torchgpipe.engine.inputs.split_given` made of
-                this rank's input and target
+            arguments: checks this rank's arguments; returns what
+                :func:`~torchgpipe.engine.inputs.split_given` made of its
+                input and target, and more of the step, which every rank
+                must run alike
             prepare: the schedule, the weights of the losses and the checkpoint
                 stop (see :class:`~torchgpipe.engine.step.Step`) of micro-batches
                 of these sizes
             train: a training step, whose end carries the gradients of tied
                 parameters; else an evaluation
-            signature: more of the step, which every rank must run alike
         """
+        given: Given = (None, None, None)
+        signature: Dict[str, Any] = {}
+        prepared: Optional[Prepared] = None
+        problem: Optional[Exception] = None
+        # What this rank refuses (a layer that cannot run in its mode, data
+        # that does not split or fit the schedule), every rank refuses in the
+        # agreement, before any message. A rank given no data prepares once it
+        # has the sizes, which the others have checked.
+        try:
+            self.check_modes()
+            given, signature = arguments()
+            prepared = None if given[2] is None else prepare(given[2])
+            if 0 in self.partitions and given[0] is not None:
+                microbatch.move(given[0], self.device)
+        except Exception as exc:
+            problem = exc
         batches, targets, sizes = given
-        # This rank's data is refused before any message; a rank given none
-        # prepares once it has the sizes, which the others have checked.
-        prepared = None if sizes is None else prepare(sizes)
-        if 0 in self.partitions and batches is not None:
-            microbatch.move(batches, self.device)
         lacking = ['input'] if 0 in self.partitions and batches is None else []
         if len(self.rank_of) - 1 in self.partitions and loss_fn is not None and targets is None:
             lacking.append('target')
-        if train:
-            self.tied_gradients.start()
         wire = Wire(Channels(self.device, self.group, self.capacities, self.blocks,
                              self.shared, self.timeout),
                     [self.ranks[r] for r in self.rank_of], dist.get_rank(), self.routes,
                     self.state.recorder)
         try:
+            if train:
+                self.tied_gradients.start()
             sizes = wire.agree({'step': 'train_step' if train else 'eval_step',
-                                'micro-batches': sizes, **(signature or {})}, lacking)
+                                'micro-batches': sizes, **signature}, lacking, problem)
             plan, weights, stop = prepared or prepare(sizes)
             m = len(sizes)
             step = self.step(batches or [None] * m, targets or [None] * m, loss_fn, weights,
@@ -197,6 +215,9 @@ class RankCore(Core):
             yield step, wire
         except Mismatch:
             self.tied_gradients.abandon()
+            if problem is not None:
+                # This rank's own error, as it was raised (not in the Mismatch's context).
+                raise problem from problem.__cause__
             raise
         except BaseException as exc:
             self.tied_gradients.abandon()

@@ -13,15 +13,14 @@ from torchgpipe.distributed.norm import check_finite, clip_grads, slots, total_n
 from torchgpipe.distributed.ranks import agree_on_layout, ranks_of_partitions
 from torchgpipe.distributed.tied import TiedGradients, ties_across_ranks
 from torchgpipe.engine.core import CoreModule
-from torchgpipe.engine.evaluation import check_evaluation, evaluating
-from torchgpipe.engine.generators import check_schedule
+from torchgpipe.engine.evaluation import evaluating
 from torchgpipe.engine.schedule import ScheduleLike
 from torchgpipe.engine.step import LossFunction
 from torchgpipe.foundation.microbatch import TensorOrTensors
 from torchgpipe.foundation.placement import check_materialized, place
 from torchgpipe.foundation.tied import find_ties, tie_partitions
 from torchgpipe.foundation.validation import (check_available, check_balance, check_chunks,
-                                              check_planned_threads, check_step, check_timeout,
+                                              check_planned_threads, check_timeout,
                                               describe, parse_device, verify_module)
 from torchgpipe.runtime.batchnorm import DeferredBatchNorm
 from torchgpipe.skip.layout import inspect_skip_layout
@@ -89,8 +88,9 @@ class DistributedGPipe(CoreModule):
             balance whose length is not a multiple of the group's size, or
             an unknown ``placement``
         ValueError: on every rank, if the ranks differ in ``balance``,
-            ``placement``, ``checkpoint``, or the number of layers or their
-            parameters' shapes, before any layer moves
+            ``placement``, ``checkpoint``, ``deferred_batch_norm``, or the
+            number of layers, their types or their parameters' shapes, before
+            any layer moves; on the others, if one rank raises an error above
 
     Example::
 
@@ -118,34 +118,44 @@ class DistributedGPipe(CoreModule):
             raise RuntimeError('DistributedGPipe needs torch.distributed: call '
                                "torch.distributed.init_process_group('gloo') (or 'nccl') "
                                'first, on every rank')
-        verify_module(module)
-        balance = check_balance(module, balance)
         if dist.get_rank(group) < 0:
             raise ValueError(describe('this process must be in group', f'rank {dist.get_rank()}',
                                       'build the DistributedGPipe only on the ranks of its '
                                       'group, giving each rank its own pipeline group'))
         size = dist.get_world_size(group)
-        self.placement = placement
-        #: The rank (in the group) of each partition.
-        self.rank_of = ranks_of_partitions(balance, size, placement)
-        chunks = check_chunks(chunks)
-        timeout = check_timeout(timeout)
-        planned_threads = check_planned_threads(planned_threads)
-        checkpoint = str(checkpoint)
-        if checkpoint not in ('always', 'except_last', 'never'):
-            raise ValueError("checkpoint is not one of 'always', 'except_last', or 'never'")
-        fix = "give this process's device, such as device='cpu'"
-        self.device = torch.device('cpu') if device is None else parse_device('device', device,
-                                                                               fix)
-        check_available('device', self.device, fix)
-        check_materialized(module, balance, [self.device if r == dist.get_rank(group) else None
-                                             for r in self.rank_of])
-        verify_skippables(module)
         self.ranks = [dist.get_global_rank(group, r) if group is not None else r
                       for r in range(size)]
-        # Before any layer moves: ranks that would cut the layers differently all refuse.
+        self.placement = placement
+        problem: Optional[Exception] = None
+        this_device: Optional[torch.device] = None  # once checked
+        try:
+            fix = "give this process's device, such as device='cpu'"
+            given = torch.device('cpu') if device is None else parse_device('device', device, fix)
+            check_available('device', given, fix)
+            this_device = given
+            verify_module(module)
+            balance = check_balance(module, balance)
+            #: The rank (in the group) of each partition.
+            self.rank_of = ranks_of_partitions(balance, size, placement)
+            chunks = check_chunks(chunks)
+            timeout = check_timeout(timeout)
+            planned_threads = check_planned_threads(planned_threads)
+            checkpoint = str(checkpoint)
+            if checkpoint not in ('always', 'except_last', 'never'):
+                raise ValueError("checkpoint is not one of 'always', 'except_last', or 'never'")
+            check_materialized(module, balance, [given if r == dist.get_rank(group) else None
+                                                 for r in self.rank_of])
+            verify_skippables(module)
+        except (TypeError, ValueError, IndexError) as exc:
+            problem = exc
+        # Before any layer moves: if one rank cannot build the pipeline, or the
+        # ranks would cut the layers differently, every rank refuses.
         agree_on_layout(module, {'balance': balance, 'placement': placement,
-                                 'checkpoint': checkpoint}, group, self.ranks, self.device)
+                                 'checkpoint': checkpoint,
+                                 'deferred_batch_norm': bool(deferred_batch_norm)},
+                        problem, group, self.ranks, this_device)
+        assert this_device is not None  # else agree_on_layout raised
+        self.device = this_device
         if deferred_batch_norm:
             module = cast(nn.Sequential,
                           DeferredBatchNorm.convert_deferred_batch_norm(module, chunks))
@@ -255,7 +265,9 @@ class DistributedGPipe(CoreModule):
                 longer agree on their messages
             ValueError: on every rank, if the ranks were called for
                 different steps, or the first partition's rank was given no
-                input, or the last one's no target; the pipeline stays whole
+                input, or the last one's no target; on the others, if one
+                rank refuses the step for a reason below (that rank raises its
+                own error); the pipeline stays whole
             ValueError: the copies of a parameter tied across ranks differ
                 (checked at the end of the first step and of the first after
                 a load); nothing else is wrong, and the pipeline trains on
@@ -263,8 +275,6 @@ class DistributedGPipe(CoreModule):
             ValueError, TypeError: as for :meth:`GPipe.train_step
                 <torchgpipe.GPipe.train_step>`
         """
-        check_schedule(schedule)
-        check_step(reduction, loss_fn)
         return self.core.train(input, target, loss_fn, schedule, reduction, self.training)
 
     def eval_step(self, input: Optional[TensorOrTensors],
@@ -321,7 +331,6 @@ class DistributedGPipe(CoreModule):
             loss = pipe.eval_step(input, target, F.cross_entropy)   # on every rank
             logits = pipe.eval_step(input)           # on the last partition's rank
         """
-        check_evaluation(target, loss_fn, reduction, output_fn, target_elsewhere=True)
         with evaluating(self):
             return self.core.evaluate(input, target, loss_fn, reduction, output_fn, everywhere)
 

@@ -38,42 +38,62 @@ def ranks_of_partitions(balance: List[int], size: int, placement: str) -> List[i
 
 
 def agree_on_layout(module: nn.Sequential, arguments: Dict[str, Any],
-                    group: Optional[dist.ProcessGroup], ranks: List[int],
-                    device: torch.device) -> None:
-    """Checks that every rank of ``group`` cuts the same layers alike, in one exchange.
+                    problem: Optional[Exception], group: Optional[dist.ProcessGroup],
+                    ranks: List[int], device: Optional[torch.device]) -> None:
+    """Checks that every rank of ``group`` can build the pipeline, and cuts the same layers
+    alike, in one exchange.
 
-    Ranks that disagree on ``arguments`` (the balance, the placement, the
-    checkpoint mode) or build different layers would run some layers twice
-    and others never, and each step's agreement, on its micro-batches, would
-    not see it.
+    A rank that raised alone would leave the others waiting for it in the
+    exchange. Ranks that disagree on ``arguments`` (the balance, the
+    placement, the checkpoint mode, deferred BatchNorm) or build different
+    layers would run some layers twice and others never, and each step's
+    agreement, on its micro-batches, would not see it.
 
     Args:
+        arguments: what decides the layout, checked unless there is a ``problem``
+        problem: what this rank's checks of its arguments raised, if anything
         ranks: the global rank of every rank of ``group``
+        device: this rank's device; ``None`` if it is not a good one
 
     Raises:
-        Mismatch: on every rank, if any differ: the arguments that do, or the
-            number of layers, or the first layer whose parameters do
+        Exception: ``problem``, on its rank, once every other rank knows of it
+        Mismatch: on every other rank, if a rank has a problem; on every
+            rank, if any differ: the arguments that do, or the number of
+            layers, or the first layer whose type or parameters do
     """
-    layers = [[f'{name} {tuple(p.shape)} {p.dtype}' for name, p in layer.named_parameters()]
-              for layer in module]
+    if device is None:  # the device of the backend's collectives
+        device = torch.device('cuda', torch.cuda.current_device()) \
+            if dist.get_backend(group) == 'nccl' else torch.device('cpu')
+    layers = [] if problem is not None else [
+        [type(layer).__name__,
+         *(f'{name} {tuple(p.shape)} {p.dtype}' for name, p in layer.named_parameters())]
+        for layer in module]
+    error = None if problem is None else f'{type(problem).__name__}: {problem}'
     # As JSON, never pickled: a rank reads another's data, not its code.
-    everyone = [json.loads(data) for data in all_gather_bytes(
-        json.dumps([arguments, layers]).encode(), group, device)]
-    said = [{**theirs, 'layers': len(shapes)} for theirs, shapes in everyone]
+    mine = [{} if problem is not None else arguments, layers, error]
+    everyone = [json.loads(data) for data in all_gather_bytes(json.dumps(mine).encode(), group,
+                                                               device)]
+    if problem is not None:
+        raise problem
+    for rank, (_, _, theirs) in zip(ranks, everyone):
+        if theirs is not None:
+            raise Mismatch(f'rank {rank} cannot build the pipeline: {theirs}')
+    said = [{**theirs, 'layers': len(described)} for theirs, described, _ in everyone]
     if len({values['layers'] for values in said}) == 1:
-        # Their first layer whose parameters differ, if any.
+        # Their first layer whose type or parameters differ, if any.
         for k in range(len(layers)):
-            if any(theirs[k] != everyone[0][1][k] for _, theirs in everyone):
-                for values, (_, theirs) in zip(said, everyone):
-                    values[f'parameters of layer {k}'] = theirs[k]
+            if any(theirs[k] != everyone[0][1][k] for _, theirs, _ in everyone):
+                for values, (_, theirs, _) in zip(said, everyone):
+                    values[f'layer {k}'] = theirs[k]
                 break
     keys = [key for key in said[0] if any(values[key] != said[0][key] for values in said)]
     if keys:
         raise Mismatch('the ranks of the pipeline lay out its layers differently '
                        f'({by_rank({r: {k: v[k] for k in keys} for r, v in zip(ranks, said)})}); '
                        'build the pipeline alike on every rank: the same module, and one '
-                       'balance, placement and checkpoint for all (such as plan.kwargs of '
-                       'torchgpipe.plan(..., group=...), the same on every rank)')
+                       'balance, placement, checkpoint and deferred_batch_norm for all (such '
+                       'as plan.kwargs of torchgpipe.plan(..., group=...), the same on every '
+                       'rank)')
 
 
 def all_gather_bytes(data: bytes, group: Optional[dist.ProcessGroup],

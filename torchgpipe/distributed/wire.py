@@ -42,6 +42,9 @@ __all__: List[str] = []
 
 #: The route of a skip, (the partition that stashes it, the one that pops it).
 Route = Tuple[int, int]
+#: What a rank says as a step starts (see Wire.agree): its step, what it
+#: lacks, and why it cannot run the step, if it cannot.
+Said = Tuple[Dict[str, Any], List[str], Optional[str]]
 
 
 class Mismatch(ValueError):
@@ -276,10 +279,11 @@ class Wire(Mailbox):
         self.channels.close()
         return result, received
 
-    def agree(self, signature: Dict[str, Any], lacking: Sequence[str] = ()) -> List[int]:
+    def agree(self, signature: Dict[str, Any], lacking: Sequence[str] = (),
+              problem: Optional[Exception] = None) -> List[int]:
         """Starts a step: every rank tells every other what step it runs (the
-        sizes of its micro-batches, the schedule), and what it needs but was
-        not given, before any of its messages.
+        sizes of its micro-batches, the schedule), what it needs but was
+        not given, and what it refuses, before any of its messages.
 
         A rank given no data says ``None`` for its sizes
         (``signature['micro-batches']``), and learns them here from the first
@@ -289,40 +293,45 @@ class Wire(Mailbox):
             signature: the step, as this rank runs it
             lacking: what this rank needs and was not given: ``'input'`` (it
                 holds the first partition), ``'target'`` (the last)
+            problem: why this rank cannot run the step (what its arguments raised), if it
+                cannot
 
         Returns:
             the sizes of the micro-batches
 
         Raises:
             Mismatch: the ranks run different steps, or a rank lacks what it
-                needs; every rank raises it, and the pipeline stays whole
+                needs, or cannot run it; every rank raises it, and the pipeline
+                stays whole
             PeerFailed, StepTimeout: as :meth:`receive`
         """
         # With the step, the probe of this rank's shared memory, until the
         # ranks know who reads whose (see torchgpipe.distributed.shared).
         shared = self.channels.shared
         probe = shared.probe_word() if self.channels.sharing else None
+        error = None if problem is None else f'{type(problem).__name__}: {problem}'
         for rank in self.others:
             with lost(rank, self.ranks.index(rank), 'sending it the start of the step'):
-                self.channels.send(rank, 'message', (None, (signature, list(lacking), probe)))
+                self.channels.send(rank, 'message',
+                                   (None, (signature, list(lacking), error, probe)))
         # Nothing posted ahead: if the ranks disagree, this step ends here,
         # and a receive posted for it would take the next step's message.
-        said = {self.me: (signature, list(lacking))}
+        said: Dict[int, Said] = {self.me: (signature, list(lacking), error)}
         for rank in self.others:
-            step, needs, theirs = self.receive(self.ranks.index(rank),
-                                               'waiting for the start of the step',
-                                               last=True)[1]
-            said[rank] = (step, needs)
+            step, needs, refused, theirs = self.receive(self.ranks.index(rank),
+                                                        'waiting for the start of the step',
+                                                        last=True)[1]
+            said[rank] = (step, needs, refused)
             if self.channels.sharing:
                 shared.test(rank, theirs)
-        error = refusal(said, self.ranks[0])
-        if error is not None:
+        mismatch = refusal(said, self.ranks[0])
+        if mismatch is not None:
             # Every rank has received this one's word: its buffers may go
             # back to the pool, for the next step's messages.
             with lost(None, None, "waiting for this rank's messages to arrive"):
                 self.channels.wait_sent()
             self.channels.close()
-            raise error
+            raise mismatch
         return cast(List[int], said[self.ranks[0]][0]['micro-batches'])
 
     def fail(self, error: BaseException) -> None:
@@ -356,15 +365,18 @@ class Wire(Mailbox):
                 pass  # that rank is gone already
 
 
-def refusal(said: Dict[int, Tuple[Dict[str, Any], List[str]]], first: int
-            ) -> Optional[Mismatch]:
+def refusal(said: Dict[int, Said], first: int) -> Optional[Mismatch]:
     """Why the ranks cannot run the step each said (see :meth:`Wire.agree`), if they cannot.
 
     Args:
-        said: each rank's step and what it lacks, by rank
+        said: each rank's step, what it lacks and its error, by rank
         first: the rank of the first partition, whose sizes a rank given no data takes
     """
-    missing = [(rank, what) for rank, (_, lacking) in sorted(said.items()) for what in lacking]
+    errors = [(rank, error) for rank, (_, _, error) in sorted(said.items()) if error is not None]
+    if errors:
+        rank, error = errors[0]
+        return Mismatch(f'rank {rank} cannot run the step: {error}')
+    missing = [(rank, what) for rank, (_, lacking, _) in sorted(said.items()) for what in lacking]
     if missing:
         rank, what = missing[0]
         return Mismatch(describe(f'rank {rank} holds the {"first" if what == "input" else "last"} '
@@ -372,7 +384,7 @@ def refusal(said: Dict[int, Tuple[Dict[str, Any], List[str]]], first: int
                                  f"pass it on rank {rank}: the first partition's rank needs "
                                  "the input, the last one's the target, and the others may "
                                  'pass None'))
-    steps = {rank: step for rank, (step, _) in said.items()}
+    steps = {rank: step for rank, (step, _, _) in said.items()}
     sizes = steps[first]['micro-batches']
     # A rank given no data (None) runs the micro-batches of the first partition's rank.
     if any({**step, 'micro-batches': step['micro-batches'] or sizes} != steps[first]
