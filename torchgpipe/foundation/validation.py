@@ -356,42 +356,39 @@ def check_step(reduction: object, loss_fn: object) -> None:
                            'of them, or call the module itself for inference')
 
 
-def check_timeout(timeout: object) -> Optional[float]:
-    """Checks a timeout in seconds: a positive number, or ``None``.
+def check_optional_positive(name: str, value: object, kind: str, types: Tuple[type, ...],
+                            fix: str, value_fix: Optional[str] = None) -> Optional[float]:
+    """Checks an optional positive number: ``None``, or of ``types`` (no bool) and above 0.
 
     Raises:
-        TypeError: it is not a number
+        TypeError: it is of another type (``kind`` says which it must be)
         ValueError: it is not positive
     """
-    if timeout is None:
+    if value is None:
         return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(describe('timeout must be a number of seconds, or None',
-                                 f'timeout: {timeout!r}', 'give seconds, e.g. timeout=600'))
-    if not timeout > 0:
-        raise ValueError(describe('timeout must be positive', f'timeout: {timeout!r}',
-                                  'give seconds, e.g. timeout=600, or None for the process '
-                                  "group's"))
-    return float(timeout)
+    if isinstance(value, bool) or not isinstance(value, types):
+        raise TypeError(describe(f'{name} must be {kind}, or None', f'{name}: {value!r}', fix))
+    number = cast(float, value)
+    if not number > 0:
+        raise ValueError(describe(f'{name} must be positive', f'{name}: {value!r}',
+                                  value_fix or fix))
+    return number
+
+
+def check_timeout(timeout: object) -> Optional[float]:
+    """Checks a timeout in seconds: a positive number, or ``None``."""
+    seconds = check_optional_positive('timeout', timeout, 'a number of seconds', (int, float),
+                                      'give seconds, e.g. timeout=600',
+                                      "give seconds, e.g. timeout=600, or None for the process "
+                                      "group's")
+    return None if seconds is None else float(seconds)
 
 
 def check_planned_threads(planned_threads: object) -> Optional[int]:
-    """Checks the intra-op threads a plan measured with: a positive int, or ``None``.
-
-    Raises:
-        TypeError: it is not an int
-        ValueError: it is not positive
-    """
-    if planned_threads is None:
-        return None
-    fix = 'pass plan.kwargs as torchgpipe.plan gives them, or leave planned_threads out'
-    if isinstance(planned_threads, bool) or not isinstance(planned_threads, int):
-        raise TypeError(describe('planned_threads must be an int, or None',
-                                 f'planned_threads: {planned_threads!r}', fix))
-    if planned_threads < 1:
-        raise ValueError(describe('planned_threads must be positive',
-                                  f'planned_threads: {planned_threads!r}', fix))
-    return planned_threads
+    """Checks the intra-op threads a plan measured with: a positive int, or ``None``."""
+    return cast(Optional[int], check_optional_positive(
+        'planned_threads', planned_threads, 'an int', (int,),
+        'pass plan.kwargs as torchgpipe.plan gives them, or leave planned_threads out'))
 
 
 def check_loss_value(loss: object) -> torch.Tensor:
