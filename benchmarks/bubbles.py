@@ -13,7 +13,7 @@ Three parts:
   partitions of two per worker), the idle time per worker of each built-in
   schedule, computed from its actions
   (:func:`torchgpipe.engine.simulator.idle`), beside its formula
-  (:data:`torchgpipe.engine.generators.BUBBLES`) and as a ratio of 1F1B's
+  (:data:`torchgpipe.engine.generators.BUILT_INS`) and as a ratio of 1F1B's
   (targets: interleaved 1F1B, ``v = 2``, <= 0.55x; ZB-H1 <= 0.40x; ZBV <= 0.20x);
 - the measured rows: the parallelism workload (2 workers, ``cpu:0`` and
   ``cpu:1``), ``checkpoint='never'``: ZB-H1's step against 1F1B's, timed side
@@ -43,7 +43,7 @@ from benchmarks.report import format_table
 from benchmarks.runner import Experiment, Figure, Preset, main as run_main
 from benchmarks.timing import time_steps, warmup_steps
 from torchgpipe import GPipe
-from torchgpipe.engine.generators import BUBBLES, SCHEDULES, named
+from torchgpipe.engine.generators import BUILT_INS, SCHEDULES, named
 from torchgpipe.engine.schedule import Action
 from torchgpipe.engine.simulator import idle, unit_cost
 
@@ -84,10 +84,10 @@ def unit_rows(p: int = 4, m: int = 8) -> List[Row]:
         schedule = named(name, m, n, p)
         waiting = idle(schedule.workers, n, cost)
         base = waiting if name == '1f1b' else base
-        bubble = BUBBLES[name]
+        facts = BUILT_INS[name]
         rows.append({'schedule': name, 'p': p, 'm': m, 'v': v, 'idle': float(waiting),
-                     'formula': bubble.text,
-                     'formula_value': float(bubble.value(p, v, Fraction(1), Fraction(2),
+                     'formula': facts.formula,
+                     'formula_value': float(facts.bubble(p, v, Fraction(1), Fraction(2),
                                                          Fraction(1)))})
     for row in rows:
         row['ratio'] = row['idle'] / float(base) if base else 0.0

@@ -73,7 +73,7 @@ from torchgpipe import GPipe, Plan
 from torchgpipe.planner.calibrate import traced_span
 from torchgpipe.planner.option import Option
 from torchgpipe.planner.pilot import in_turns, time_balance
-from torchgpipe.planner.search import SHAPES
+from torchgpipe.engine.generators import BUILT_INS
 
 Row = Dict[str, Any]
 Loss = Callable[[Any, Tensor], Tensor]
@@ -209,8 +209,8 @@ def grid(plan: Plan, most_chunks: int, batch: int, modes: Sequence[str]) -> List
     assert costs is not None
     middle = costs.sizes[len(costs.sizes) // 2]
     options: List[Option] = []
-    for schedule, shapes in SHAPES.items():
-        for virtual, _ in shapes:
+    for schedule, facts in BUILT_INS.items():
+        for virtual, _ in facts.shapes:
             n = virtual * len(plan.devices)
             if n > costs.layers or virtual == 4:
                 continue
