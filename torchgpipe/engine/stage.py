@@ -32,8 +32,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, TypeVar, cas
 import torch
 from torch import Tensor, nn
 
-from torchgpipe.engine.mailbox import (Activation, Gradient, Mailbox, Parcel, Reply, SkipGradient,
-                                       StepSkips, leaf)
+from torchgpipe.engine.mailbox import (Activation, ForwardMessage, Gradient, Mailbox, Reply,
+                                       SkipGradient, StepSkips, leaf)
 from torchgpipe.engine.schedule import Action, Kind
 from torchgpipe.engine.split import WeightPass, input_pass
 from torchgpipe.foundation.copy import Ready
@@ -272,8 +272,8 @@ class Stage:
             current.skips.sent.clear()
         if not self.is_last:
             self.shared.mailbox.put(Activation(i, self.j + 1),
-                                    Parcel(output, current.sent_grad,
-                                           Ready(self.device, self.stream(i))))
+                                    ForwardMessage(output, current.sent_grad,
+                                                   Ready(self.device, self.stream(i))))
 
     def recompute(self, i: int, current: Pass) -> None:
         assert current.replay is not None

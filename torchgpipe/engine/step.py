@@ -27,7 +27,8 @@ from torchgpipe.foundation.record import Recorder
 from torchgpipe.foundation.stream import AbstractStream
 from torchgpipe.foundation.validation import check_loss_value
 from torchgpipe.runtime.traits import PartitionTraits
-from torchgpipe.runtime.worker import ExcInfo, Stopped, Task, Turns, distinct_devices, spawn_workers
+from torchgpipe.runtime.worker import (ExcInfo, IssueOrder, Stopped, Task, distinct_devices,
+                                       spawn_workers)
 from torchgpipe.skip.layout import SkipLayout
 
 __all__: List[str] = []
@@ -162,13 +163,13 @@ def execute(order: Sequence[Action], stages: Mapping[int, StageLike], mailbox: M
             from it)
     """
     devices = [stage.device for stage in stages.values()]
-    turns = Turns() if len(distinct_devices(devices)) > 1 else None
+    issue_order = IssueOrder() if len(distinct_devices(devices)) > 1 else None
 
     def stop() -> None:
         # Ends every wait of the actions, for a message or a turn.
         mailbox.stop()
-        if turns is not None:
-            turns.stop()
+        if issue_order is not None:
+            issue_order.stop()
 
     queue = {j: k for k, j in enumerate(stages)}
     tasks: Dict[torch.device, Tuple[int, List[Tuple[int, Callable[[], None]]]]] = {}
@@ -176,8 +177,8 @@ def execute(order: Sequence[Action], stages: Mapping[int, StageLike], mailbox: M
         stage = stages[action.j]
         _, works = tasks.setdefault(distinct_devices([stage.device])[0], (queue[action.j], []))
         work: Callable[[], None] = functools.partial(stage.run, action)
-        if turns is not None and action.kind is Kind.F and stage.draws_random() is not False:
-            work = turns.take(work)
+        if issue_order is not None and action.kind is Kind.F and stage.draws_random() is not False:
+            work = issue_order.wrap(work)
         works.append((index, work))
     failures: List[Tuple[int, ExcInfo]] = []
     # On Ctrl-C the workers stop after the action they run; no action may

@@ -17,7 +17,7 @@ threads by two rules (3 and 4):
    meant for the other, the first pass of a checkpointed task could not be
    replayed, and the results would depend on thread timing. So tasks that
    draw from the CPU generator *take turns*
-   (:class:`~torchgpipe.runtime.worker.Turns`): each waits for
+   (:class:`~torchgpipe.runtime.worker.IssueOrder`): each waits for
    the previous drawing task in issue order, which is the order of the
    single-thread run. Tasks that draw nothing run freely.
 
@@ -27,7 +27,7 @@ threads by two rules (3 and 4):
    generator (point 3). A CUDA device's generator needs no turns: only its
    own worker draws from it, in issue order.
 
-3. **One holder at a time, across pipelines.** Turns order the tasks of one
+3. **One holder at a time, across pipelines.** IssueOrder order the tasks of one
    pipeline; other pipelines, in other threads, draw from the same CPU
    generator. A recomputation restores the state its first pass saved: if
    another task drew between that save and the first pass's last draw, the
