@@ -87,20 +87,13 @@ class Routes(Protocol):
 
 
 class SkipTrackerAcross(SkipTracker, abc.ABC):
-    """The skip tracker of one micro-batch in either engine: one way for skips to cross partitions.
+    """The skip tracker of one micro-batch in either engine.
 
-    A skip stashed and popped in the same partition stays in the
-    dictionary. One that crosses partitions (the layout says which) is
-    handed to :meth:`send` at its stash and taken from :meth:`receive` at
-    its pop: how it travels is the engine's. The forward path builds one
-    autograd graph through every partition, and carries it in a portal
-    (:class:`SkipTrackerThroughPortals`); a training step cuts the graph at
-    partition boundaries, and sends it as a message
+    A skip stashed and popped in one partition stays in the dictionary; one that
+    crosses partitions (per ``skip_layout``) goes to :meth:`send` at its stash and
+    comes from :meth:`receive` at its pop. The forward path carries it in a portal
+    (:class:`SkipTrackerThroughPortals`); a training step sends it as a message
     (:class:`~torchgpipe.engine.mailbox.StepSkips`).
-
-    Args:
-        skip_layout (SkipLayout): the partitions that stash and pop each skip
-            (:class:`~torchgpipe.skip.layout.SkipLayout`)
     """
 
     def __init__(self, skip_layout: Routes) -> None:
@@ -247,22 +240,18 @@ SkipTrackerThroughPotals = SkipTrackerThroughPortals
 def fork_from_batch(batch: Batch, requires_grad: bool, name: str) -> Tuple[Tensor, Optional[int]]:
     """Forks a phony off every floating point tensor of the batch that may carry a gradient.
 
-    When the skip requires grad, so does the phony: the skip's backward hangs
-    on it, and autograd would never reach a phony that does not.
-
-    Every tensor, not only the first: the gradient leaves the batch through
-    each of them, and each must wait for the phony's backward (the skip's
-    gradient put in its portal, or copied back). A gradient that went on
-    without it could reach the stashing layer's backward first, which would
-    find the portal empty::
+    The phony requires grad when the skip does, so autograd reaches the skip's
+    backward. Every tensor, not the first alone: a gradient that left the batch
+    without waiting for the phony could reach the stashing layer's backward
+    before its portal is filled::
 
         stash ──(joined into a)──► (a, b) ─► swap ─► (b, a) ─► pop
                                                         │
         forked off b alone: a's gradient does not wait ─┘
 
     Returns:
-        ``(phony, index)``: the phony, and the index of the first forked
-        tensor (``None`` if the batch has no floating point tensor)
+        ``(phony, index)``: the phony, and the index of the first forked tensor
+        (``None`` if the batch has no floating point tensor)
 
     Raises:
         RuntimeError: the skip requires grad, grad is enabled, and the batch
