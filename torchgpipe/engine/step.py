@@ -1,15 +1,10 @@
 """Training steps the library drives: each partition's actions, in a schedule's order.
 
-Each partition of a step is a :class:`~torchgpipe.engine.stage.Stage`, whose
-graph stands alone, cut at its input (see :mod:`torchgpipe.engine.stage`).
-The actions of a schedule (:mod:`torchgpipe.engine.schedule`) are laid out in
-clock cycles and issued at once, each to the worker of its partition's
-device (:mod:`torchgpipe.runtime.worker`, as the forward path's tasks), which runs
-them in that order, waiting in a :class:`~torchgpipe.engine.mailbox.Mailbox`
-for what others send. Forward actions that may draw random numbers take the
-same turns and hold the CPU generator as the forward path's tasks
-(:mod:`torchgpipe.foundation.rng`). The first failure of any action stops every
-other, and reaches the caller as itself.
+Each partition is a :class:`~torchgpipe.engine.stage.Stage`. The schedule's
+actions are laid out in clock cycles and issued to the worker of each
+partition's device (:mod:`torchgpipe.runtime.worker`), which runs them in
+order, waiting in a :class:`~torchgpipe.engine.mailbox.Mailbox` for what
+others send. The first failure stops every action and reaches the caller as itself.
 """
 import functools
 import sys
@@ -141,16 +136,13 @@ class StageLike(Protocol):
 
 
 def execute(order: Sequence[Action], stages: Mapping[int, StageLike], mailbox: Mailbox) -> None:
-    """Runs actions in order on the workers of their partitions' devices, one thread each.
+    """Runs actions in order on the workers of their partitions' devices: the one executor
+    of the forward path, steps and ranks.
 
-    The one executor of every way to run: the forward path's tasks
-    (:mod:`torchgpipe.engine.linked`), a step's actions
-    (:mod:`torchgpipe.engine.stage`), in one process or across processes.
-    Each device's actions run in ``order``, the one task of its worker (a
-    task per action would wake the calling thread at every action), and
-    wait in ``mailbox`` for what others send. Forward actions that may draw
-    random numbers take turns in ``order`` on threads: they draw what they
-    would on one thread, where they run in that order anyway.
+    Each device's actions are its worker's one task (a task per action would
+    wake the calling thread at every action). Forward actions that may draw
+    random numbers run in ``order`` (:class:`~torchgpipe.runtime.worker.IssueOrder`),
+    drawing what they would on one thread.
 
     Args:
         order: the actions of the partitions here, in clock order
@@ -158,9 +150,8 @@ def execute(order: Sequence[Action], stages: Mapping[int, StageLike], mailbox: M
         mailbox: where the stages wait for each other's messages
 
     Raises:
-        BaseException: the first failure of an action in ``order``, as
-            itself, once every worker has stopped (the others may follow
-            from it)
+        BaseException: the first failure of an action in ``order``, as itself,
+            once every worker has stopped
     """
     devices = [stage.device for stage in stages.values()]
     issue_order = IssueOrder() if len(distinct_devices(devices)) > 1 else None
