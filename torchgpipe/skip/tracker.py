@@ -27,38 +27,20 @@ __all__: List[str] = []
 
 
 class SkipTracker:
-    """Keeps stashed skip tensors in a dictionary until they are popped.
-
-    It serves outside GPipe, where the whole model runs in one place, and
-    inside GPipe for the skips that stay within one partition.
-    """
+    """Keeps stashed skip tensors in a dictionary until they are popped: outside GPipe,
+    and inside it for skips within one partition."""
 
     def __init__(self) -> None:
         self.tensors: Dict[Tuple[Namespace, str], Optional[Tensor]] = {}
 
     def save(self, batch: Batch, ns: Namespace, name: str, tensor: Optional[Tensor]) -> None:
-        """Keeps a stashed skip tensor until its pop.
-
-        Args:
-            batch (Batch): the stashing layer's output; a subclass may tie the
-                skip to it
-            ns (Namespace): the skip's namespace
-            name (str): the skip's name
-            tensor (torch.Tensor or None): the stashed tensor
-        """
+        """Keeps ``tensor``, stashed under ``(ns, name)``, until its pop; a subclass may tie
+        it to ``batch``, the stashing layer's output."""
         self.tensors[(ns, name)] = tensor
 
     def load(self, batch: Batch, ns: Namespace, name: str) -> Optional[Tensor]:
-        """Takes a stashed skip tensor out, for its pop.
-
-        Args:
-            batch (Batch): the popping layer's input; a subclass may tie the
-                skip to it
-            ns (Namespace): the skip's namespace
-            name (str): the skip's name
-
-        Returns:
-            torch.Tensor or None: the stashed tensor
+        """Takes the tensor stashed under ``(ns, name)`` out, for its pop; a subclass may tie
+        it to ``batch``, the popping layer's input.
 
         Raises:
             KeyError: nothing is stashed under the key
@@ -196,27 +178,18 @@ class SkipTrackerThroughPortals(SkipTrackerAcross):
 
     def copy(self, batch: Batch, prev_stream: AbstractStream, next_stream: AbstractStream,
              ns: Namespace, name: str) -> Optional[Tensor]:
-        """Moves a skip tensor to the popping partition's device.
-
-        The pipeline calls it before the popping partition runs. The copy is
-        forked off ``batch`` and joined back into it, so the gradient's copy
-        back runs after that partition's backward pass and before the
-        backward pass of the stashing partition.
-
-        Args:
-            batch (Batch): the popping partition's input
-            prev_stream: the copy stream of the stashing partition's device
-            next_stream: the copy stream of the popping partition's device
-            ns (Namespace): the skip's namespace
-            name (str): the skip's name
+        """Moves a skip tensor to the popping partition's device, on the copy streams of
+        the stashing and popping devices, before the popping partition runs. The copy is
+        forked off ``batch`` and joined back into it, so the gradient's copy back runs
+        after that partition's backward and before the stashing partition's.
 
         Returns:
-            torch.Tensor or None: the copy's phony, whose backward node copies
-            the gradient back; ``None`` if there was nothing to copy
+            torch.Tensor or None: the copy's phony, whose backward copies the gradient
+            back; ``None`` if there was nothing to copy
 
         Raises:
-            RuntimeError: the skip requires grad but ``batch`` has no
-                floating point tensor to carry its gradient
+            RuntimeError: the skip requires grad but ``batch`` has no floating point
+                tensor to carry its gradient
         """
         # No portal: the stash did not go through this tracker. A module
         # that runs a skippable layer by its dispatch() handles the skip
