@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers import CHECKPOINT_MODES
 
-from torchgpipe.runtime.crew import PARKING
+from torchgpipe.runtime.threads import IDLE_WORKERS
 
 # The repository's root: tests import the benchmarks package too.
 ROOT = str(Path(__file__).resolve().parent.parent)
@@ -24,7 +24,7 @@ if ROOT not in sys.path:
 
 def worker_threads() -> list:
     """GPipe's worker threads alive and not parked (idle between calls)."""
-    parked = set(PARKING.parked())
+    parked = set(IDLE_WORKERS.threads())
     return [t for t in threading.enumerate()
             if t.name.startswith('torchgpipe worker') and t not in parked]
 

@@ -23,7 +23,7 @@ from torchgpipe import NoChunk
 from torchgpipe.distributed.channels import SMALL, Channels
 from torchgpipe.distributed.codec import (Unreadable, Unsendable, decode, dump_header, encode,
                                           load_header)
-from torchgpipe.engine.mailbox import Activation, Gradient, Parcel, Reply
+from torchgpipe.engine.mailbox import Activation, ForwardMessage, Gradient, Reply
 from torchgpipe.foundation.copy import Ready
 from torchgpipe.foundation.microbatch import Batch
 
@@ -44,7 +44,7 @@ def round_trip(message: Any) -> Any:
 
 def test_every_value_a_pipeline_sends_comes_back_as_it_went() -> None:
     x, y = torch.randn(2, 3), torch.arange(4).to(torch.int8)
-    message = (Activation(3, 1), Parcel(Batch((x, None, 2.5, 'scale', True, NoChunk(y))),
+    message = (Activation(3, 1), ForwardMessage(Batch((x, None, 2.5, 'scale', True, NoChunk(y))),
                                         [True, False], Ready(torch.device('cpu'))))
     key, (batch, requires_grad, ready) = round_trip(message)
     assert key == Activation(3, 1) and requires_grad == [True, False]

@@ -247,7 +247,7 @@ MECHANISMS = {
     'a worker thread per device': ('torchgpipe.runtime.worker', {
         'torchgpipe.engine.step': {'spawn_workers'}}),
     'turns on the CPU generator': ('torchgpipe.runtime.worker', {
-        'torchgpipe.engine.step': {'Turns'}}),
+        'torchgpipe.engine.step': {'IssueOrder'}}),
     'the probe of random draws': ('torchgpipe.foundation.rng', {
         'torchgpipe.engine.linked': {'watch', 'cpu_generator_held'},
         'torchgpipe.engine.stage': {'watch', 'cpu_generator_held'}}),
@@ -291,7 +291,7 @@ def test_one_module_starts_threads_and_one_reads_generator_states() -> None:
     # which load the cores while it times layers, outside any pipeline.
     assert [m for m, text in sorted(sources.items()) if 'threading.Thread(' in text] == \
         ['torchgpipe.distributed.waiting', 'torchgpipe.planner.costs',
-         'torchgpipe.runtime.crew']
+         'torchgpipe.runtime.threads']
     assert [m for m, text in sources.items() if 'get_rng_state(' in text
             and 'torch.get_rng_state()' in text.replace('torch.cuda', '')] == \
         ['torchgpipe.foundation.rng']

@@ -17,8 +17,8 @@ from conftest import worker_threads
 from helpers import cpu_devices
 from torchgpipe.foundation.microbatch import Batch
 from torchgpipe.foundation.stream import CPUStream
-from torchgpipe.runtime.crew import PARKING
-from torchgpipe.runtime.worker import Stopped, Task, Turns, spawn_workers
+from torchgpipe.runtime.threads import IDLE_WORKERS
+from torchgpipe.runtime.worker import IssueOrder, Stopped, Task, spawn_workers
 
 CPU = torch.device('cpu')
 
@@ -115,9 +115,9 @@ def test_task_finalize() -> None:
 
 
 def test_turns_run_in_the_order_they_were_taken() -> None:
-    turns = Turns()
+    issue_order = IssueOrder()
     order: List[int] = []
-    tasks = [turns.take(lambda k=k: order.append(k)) for k in range(6)]
+    tasks = [issue_order.wrap(lambda k=k: order.append(k)) for k in range(6)]
     # Started last first, each still waits for the one taken before it.
     threads = [threading.Thread(target=task) for task in reversed(tasks)]
     for thread in threads:
@@ -128,12 +128,12 @@ def test_turns_run_in_the_order_they_were_taken() -> None:
 
 
 def test_a_failed_turn_hands_over_to_the_next() -> None:
-    turns = Turns()
+    issue_order = IssueOrder()
 
     def fail() -> None:
         raise ValueError('boom')
 
-    first, second = turns.take(fail), turns.take(lambda: 'ran')
+    first, second = issue_order.wrap(fail), issue_order.wrap(lambda: 'ran')
     with pytest.raises(ValueError):
         first()
     assert second() == 'ran'
@@ -141,8 +141,8 @@ def test_a_failed_turn_hands_over_to_the_next() -> None:
 
 def test_a_stopped_turn_ends_every_wait_for_it() -> None:
     """A task skipped after Ctrl-C never ends its turn: those after it must not wait for ever."""
-    turns = Turns()
-    skipped, waiting = turns.take(lambda: None), turns.take(lambda: 'ran')
+    issue_order = IssueOrder()
+    skipped, waiting = issue_order.wrap(lambda: None), issue_order.wrap(lambda: 'ran')
     del skipped  # never runs
     outcome: List[object] = []
 
@@ -154,11 +154,11 @@ def test_a_stopped_turn_ends_every_wait_for_it() -> None:
 
     thread = threading.Thread(target=run)
     thread.start()
-    turns.stop()
+    issue_order.stop()
     thread.join(timeout=10)
     assert not thread.is_alive() and isinstance(outcome[0], Stopped)
     with pytest.raises(Stopped):
-        turns.take(lambda: None)()
+        issue_order.wrap(lambda: None)()
 
 
 def test_join_running_workers(threaded: bool) -> None:
@@ -210,9 +210,9 @@ def test_an_exception_wakes_a_task_waiting_for_a_skipped_turn() -> None:
     """The one Ctrl-C handshake: the turn of a task skipped in its queue never comes, so
     spawn_workers wakes every wait (its ``wake``) before it waits for the workers."""
     devices = [torch.device('cpu', 0), torch.device('cpu', 1)]
-    turns = Turns()
-    skipped = turns.take(lambda: Batch(torch.zeros(1)))
-    waiting = turns.take(lambda: Batch(torch.ones(1)))
+    issue_order = IssueOrder()
+    skipped = issue_order.wrap(lambda: Batch(torch.zeros(1)))
+    waiting = issue_order.wrap(lambda: Batch(torch.ones(1)))
     waits, stopping = threading.Event(), threading.Event()
 
     def wait_for_turn() -> Batch:
@@ -228,7 +228,7 @@ def test_an_exception_wakes_a_task_waiting_for_a_skipped_turn() -> None:
 
     def wake() -> None:
         stopping.set()
-        turns.stop()
+        issue_order.stop()
 
     with pytest.raises(KeyboardInterrupt):
         with spawn_workers(devices, wake=wake) as (in_queues, out_queues):
@@ -259,7 +259,7 @@ def computing_threads(devices: List[torch.device]) -> List[threading.Thread]:
 def test_workers_park_between_calls_and_serve_the_next() -> None:
     """A thread's first operators are slow: the next call runs on the same threads."""
     first = computing_threads(THREADED)
-    assert set(first) <= set(PARKING.parked())
+    assert set(first) <= set(IDLE_WORKERS.threads())
     assert all(thread.is_alive() for thread in first)
     assert computing_threads(THREADED) == first
     # A call inside a task of another (a GPipe inside a partition) gets threads of its
@@ -276,7 +276,7 @@ def test_workers_park_between_calls_and_serve_the_next() -> None:
     assert all(ok for ok, _ in run([Task(CPUStream, compute=nested, finalize=None), idle],
                                    THREADED))
     assert outer == first[:1] and len(inner) == 2 and not set(inner) & set(first)
-    assert set(inner + first) <= set(PARKING.parked())
+    assert set(inner + first) <= set(IDLE_WORKERS.threads())
 
 
 def test_the_workers_of_a_failed_call_exit_and_the_next_call_starts_others() -> None:
@@ -290,7 +290,7 @@ def test_the_workers_of_a_failed_call_exit_and_the_next_call_starts_others() -> 
                 out_queue.get()
             raise KeyboardInterrupt
     assert not any(thread.is_alive() for thread in parked)
-    assert not set(parked) & set(PARKING.parked())
+    assert not set(parked) & set(IDLE_WORKERS.threads())
     fresh = computing_threads(THREADED)
     assert all(thread.is_alive() for thread in fresh) and not set(fresh) & set(parked)
 
@@ -326,7 +326,7 @@ def _step_in_a_forked_child() -> None:
 @pytest.mark.filterwarnings('ignore:This process .* is multi-threaded:DeprecationWarning')
 def test_a_forked_child_does_not_wait_for_the_parents_parked_workers() -> None:
     computing_threads(THREADED)
-    assert PARKING.parked()
+    assert IDLE_WORKERS.threads()
     child = multiprocessing.get_context('fork').Process(target=_step_in_a_forked_child)
     child.start()
     child.join(60)

@@ -1,32 +1,14 @@
 """Flattening a module into an ``nn.Sequential`` that GPipe can cut anywhere.
 
-:func:`to_sequential` has :mod:`torchgpipe.capture` capture a module's
-``forward`` (with :mod:`torch.fx`, or given an example with
-:func:`torch.export.export`, into a graph of one form), has
-:mod:`torchgpipe.capture.cut` cut the graph into a row of children, and puts them
-in an ``nn.Sequential``:
-
-* every *leaf* module called once (``nn.Linear``, ``nn.LayerNorm``, a module
-  named in ``leaf_modules``...) becomes a child of its own; containers
-  (``nn.Sequential``, ``nn.ModuleList`` loops, nested blocks) are traced
-  through, so they dissolve into their leaves;
-* the code between two leaf calls (``F.*`` calls, tensor methods, ``+``,
-  ``torch.cat``, indexing, parameters and buffers read in ``forward``)
-  becomes a small generated child, an :class:`torch.fx.GraphModule` that
-  holds the very parameters and buffers it reads;
-* a module with parameters or buffers called at several places, or a
-  parameter read by glue code at several places, cannot be two children
-  (GPipe refuses a layer in two partitions), so the first use, the last one
-  and everything between become one generated child. A module without
-  either (a dropout, an activation) joins nothing: each call is a child. A
-  parameter tied between two different modules (an embedding and an output
-  projection) joins nothing either: GPipe shares it across partitions.
-
-Each child passes the next one exactly the values it needs (a tensor, or a
-tuple of tensors). A value used further down travels as a skip connection:
-the child holding it stashes it and the child using it pops it
-(:mod:`torchgpipe.skip`), so that inside GPipe it goes straight from the
-partition that makes it to the partition that uses it.
+:func:`to_sequential` captures a module's ``forward`` (:mod:`torchgpipe.capture`),
+cuts the graph into a row of children (:mod:`torchgpipe.capture.cut`) and puts
+them in an ``nn.Sequential``: each leaf module called once is a child; the code
+between two leaf calls is a small generated :class:`torch.fx.GraphModule`; a
+module or parameter used at several places joins its uses into one child (GPipe
+refuses a layer in two partitions), except parameters tied between modules,
+which GPipe shares. A value used further down travels as a skip connection
+(:mod:`torchgpipe.skip`), straight from the partition that makes it to the one
+that uses it.
 """
 from collections import OrderedDict
 from functools import partial
@@ -53,118 +35,63 @@ def to_sequential(module: nn.Module, *,
                   concrete_args: Optional[Dict[str, Any]] = None) -> nn.Sequential:
     """Flattens a module into an ``nn.Sequential`` that GPipe can partition anywhere.
 
-    The graph of ``module.forward`` is captured in one of two ways. Without
-    an example, it is traced symbolically with :mod:`torch.fx`: no input
-    needed, every size symbolic. With ``example_inputs``, or the
-    ``dummy_inputs`` a model gives (the models of Hugging Face
-    transformers), :func:`torch.export.export` runs it on fake tensors of
-    the example's shapes: it follows branches on sizes and reads any
-    signature (``(self, *args, **kwargs)``), and calls of modules whose
-    ``forward`` takes one tensor are folded back into calls of the modules.
+    Without an example, ``forward`` is traced with :mod:`torch.fx` (sizes
+    symbolic); with ``example_inputs`` (or a model's ``dummy_inputs``, as in
+    transformers) it is captured by :func:`torch.export.export`, which follows
+    branches on sizes and reads any signature.
 
-    The result holds, in order, the leaf modules of ``module`` themselves
-    (the same objects, so an optimizer built on ``module.parameters()``
-    trains the sequential too) and small generated children for the code
-    between them. A value used later than by the next child travels as a
-    skip connection (:mod:`torchgpipe.skip`), in a namespace of its own.
-
-    Children are named after the traced nodes: a leaf module by its
-    qualified name with ``_`` for ``.`` (``layers_0_attn``), generated code
-    by its first operation (``add_3``, ``cat``). A module with parameters
-    or buffers called at several places, or a parameter read by glue code
-    at several places, cannot be two children: its first use, its last one
-    and everything between become one generated child (a module with
-    neither, such as a dropout, is a child at each call). Parameters tied
-    between different modules (an embedding and the output projection) do
-    not join them: each module stays a child, and GPipe shares the
-    parameter across partitions.
-
-    The sequential takes a tensor, or a tuple of tensors: with torch.fx,
-    the arguments of ``module.forward`` that have no default value; with
-    torch.export, the tensors of the example. Its attribute ``interface``
-    (:class:`~torchgpipe.capture.Interface`) arranges a call of the
-    original (``input_ids=ids, attention_mask=mask``) into that input, and
-    the tensors the sequential returns into what the original returns (a
-    dict, a ``ModelOutput``...). With torch.fx, arguments
-    with a default (``mask=None``, ``is_causal=False``) take it, as in a
-    call ``module(x)``, unless ``concrete_args`` fixes another
-    (``concrete_args={'mask': torch.fx.PH}`` makes ``mask`` an input too).
-    Its attribute ``state_dict_map`` maps each key of ``module.state_dict()``
-    to the sequential's key of the same tensor, to move checkpoints across::
+    The result holds the leaf modules themselves (so an optimizer built on
+    ``module.parameters()`` trains it too), named by qualified name
+    (``layers_0_attn``), and generated children for the code between them, named
+    by their first operation (``add_3``). A module with parameters or buffers
+    called at several places, with everything between its first and last use,
+    becomes one generated child. It takes a tensor or a tuple of tensors (fx: the
+    arguments of ``forward`` without a default; export: the example's tensors).
+    Its ``interface`` (:class:`~torchgpipe.capture.Interface`) maps a call of the
+    original to that input and the outputs back (a dict, a ``ModelOutput``...);
+    its ``state_dict_map`` maps each key of ``module.state_dict()`` to its own::
 
         seq = to_sequential(model)
         seq.load_state_dict({seq.state_dict_map[k]: v for k, v in checkpoint.items()})
 
-    Everything ``forward`` does besides computing is repeated at each call
-    of the sequential or refused, never dropped: hooks of submodules keep
-    them whole, updates in place become new values, and a buffer updated
-    or an attribute assigned outside a module kept whole is refused (see
-    :ref:`any-model-effects`). The module given is left exactly as it was.
-
-    The sequential copies like any module (:func:`copy.deepcopy`, ``pickle``,
-    :func:`torch.save`), ``state_dict_map`` included, and a copy trains like
-    the original.
+    Side effects of ``forward`` are repeated at each call or refused, never
+    dropped (:ref:`any-model-effects`); ``module`` is left as it was. The result
+    copies and pickles like any module. The module is captured in both modes
+    (``training``), and each generated child runs the code of the current mode; a
+    mode whose graph cuts differently is refused, saying why (:doc:`/troubleshooting`).
 
     .. note::
 
-        Values between children must be what GPipe carries: tensors. Shapes
-        and sizes (``x.size()``, ``x.shape``) are computed again by each
-        child that reads them; any other number, list or ``None`` passed
-        from one part of ``forward`` to a later one fails in GPipe, and so
-        would be kept inside one leaf module (``leaf_modules``). Parameters
-        and buffers that ``forward`` never reads are not in the sequential,
-        nor in ``state_dict_map``.
-
-    The operations captured depend on the mode (``training``): dropout
-    written ``F.dropout(x, p, self.training)`` is recorded on or off, code
-    under ``if self.training:`` recorded or not. So the module is captured
-    in both modes (each of its modules is put back in its own mode after),
-    and each generated child runs the code of its mode, which is the
-    module's: ``module.train()``, ``module.eval()``, ``seq.train()`` and
-    ``seq.eval()`` (and GPipe's ``train_step``, ``eval_step``,
-    :func:`~torchgpipe.generate`) go in any order. If the graph of the other
-    mode does not cut into the same children (code run in one mode only,
-    under ``if self.training:``), the sequential refuses that mode, saying
-    why (see :doc:`/troubleshooting`).
+        Values between children must be tensors. Sizes are computed again by
+        each child that reads them; any other value passed to a later part of
+        ``forward`` fails, and belongs inside one leaf module (``leaf_modules``).
 
     Args:
         module (torch.nn.Module): the module to flatten
 
     Keyword Args:
-        example_inputs (optional): an example of the input, to capture with
-            :func:`torch.export.export`: a tensor, a tuple of positional
-            arguments, or a dict of keyword arguments of ``forward``; give
-            at least 2 of each size, which may then be anything (default:
-            the module's ``dummy_inputs`` if it has them, else none: trace
-            with torch.fx)
-        leaf_modules (iterable): module classes, or modules, kept whole as
-            one child each besides those of ``torch.nn`` and skippable
-            layers: a module whose ``forward`` fx cannot trace (default:
-            none)
-        concrete_args (dict, optional): arguments of ``forward`` fixed to a
-            value while tracing, given to :meth:`torch.fx.Tracer.trace`;
-            the sequential does not take them (default: none; arguments
-            with a default value are fixed to it, unless given
-            ``torch.fx.PH``: then the sequential takes them as inputs)
+        example_inputs (optional): an example input for :func:`torch.export.export`:
+            a tensor, a tuple of positional arguments, or a dict of keyword
+            arguments; give at least 2 of each size (default: the module's
+            ``dummy_inputs`` if any, else trace with torch.fx)
+        leaf_modules (iterable): module classes, or modules, kept whole as one
+            child each besides those of ``torch.nn`` and skippable layers (default: none)
+        concrete_args (dict, optional): arguments of ``forward`` fixed while
+            tracing, as for :meth:`torch.fx.Tracer.trace`; ``torch.fx.PH`` makes
+            an argument with a default an input (default: none)
 
     Returns:
         torch.nn.Sequential: the flattened module
 
     Raises:
-        RuntimeError: fx cannot trace ``module``, for example because of
-            control flow that depends on a tensor (the message names the
-            module and the line); torch.export cannot capture it; the
-            captured code updates a buffer outside the module holding it;
-            or ``forward`` changes the module's state (assigns an
-            attribute), which the captured graph would not repeat. The
-            module is left as it was in every case
-        TypeError: ``module`` is not an ``nn.Module`` (a function) or is a
-            TorchScript module; ``leaf_modules`` is not an iterable (a
-            single class, a string) or holds something other than module
-            classes and modules; ``example_inputs`` does not fit
-            ``forward``, or comes with ``leaf_modules`` or
-            ``concrete_args``; or ``module`` returns other values than
-            tensors
+        RuntimeError: fx cannot trace ``module`` (the message names the line),
+            torch.export cannot capture it, or the captured code updates a buffer
+            outside its module or assigns an attribute; ``module`` is left as it was
+        TypeError: ``module`` is not an ``nn.Module`` or is a TorchScript module;
+            ``leaf_modules`` is not an iterable of module classes and modules;
+            ``example_inputs`` does not fit ``forward``, or comes with
+            ``leaf_modules`` or ``concrete_args``; or ``module`` returns other
+            values than tensors
 
     Example::
 

@@ -1,19 +1,13 @@
 """Greedy generation with a pipelined causal language model, in one process or across ranks.
 
-A language model too big for one device generates as it trains: pipelined.
-:func:`generate` appends the most likely next token to every sequence of a
-batch, one token per :meth:`eval_step <torchgpipe.GPipe.eval_step>`, whose
-micro-batches keep every partition at work (several sequences in flight).
-Only the next tokens leave the last partition: each step reduces the logits
-to them there (``output_fn``), and across processes sends every rank those
-few integers, never the logits::
+:func:`generate` appends the most likely next token to every sequence, one
+token per :meth:`eval_step <torchgpipe.GPipe.eval_step>`. Only the next tokens
+leave the last partition (``output_fn``), never the logits::
 
     ids ─► eval_step(ids) ─► last position's argmax ─► ids + token ─► eval_step ...
 
-There is no cache of keys and values: each step runs the whole sequence
-again. For a prompt of ``P`` tokens and ``N`` new ones, that is
-``N P + N (N - 1) / 2`` tokens through the model, against ``P + N - 1`` with a
-cache: fine for short continuations, the cost of long ones.
+There is no key-value cache: each step runs the whole sequence again, fine
+for short continuations.
 """
 from typing import TYPE_CHECKING, Any, Optional, Union, cast
 
@@ -36,23 +30,19 @@ def generate(model: Union[GPipe, 'DistributedGPipe'], input_ids: Tensor, max_new
     """Continues each sequence of ``input_ids`` with its most likely tokens, one at a time.
 
     The tokens of Hugging Face's ``model.generate(input_ids, do_sample=False,
-    max_new_tokens=...)`` on the unwrapped model, for prompts of one length
-    (no padding, no attention mask). On a
-    :class:`~torchgpipe.distributed.DistributedGPipe`, every rank calls it
-    with the same ``input_ids``, and every rank gets the result.
+    max_new_tokens=...)`` on the unwrapped model, for prompts of one length. On a
+    :class:`~torchgpipe.distributed.DistributedGPipe`, every rank calls it with the
+    same ``input_ids`` and gets the result.
 
     Args:
         model (GPipe or DistributedGPipe): the pipelined causal language model
         input_ids (torch.Tensor): the prompts, ``(batch, length)`` token ids
         max_new_tokens (int): how many tokens to add, at most
         interface: for a model flattened by :func:`~torchgpipe.to_sequential`,
-            its ``interface`` (``seq.interface``): the pipeline's input is
-            then ``interface.inputs(input_ids=ids)`` and the logits
-            ``interface.outputs(output).logits``; without it, the pipeline
-            takes the ids and returns the logits
-        eos_token_id (int, optional): a sequence that generates it is done:
-            later tokens are ``pad_token_id``, and generation stops once every
-            sequence is done
+            its ``interface``; without it, the pipeline takes the ids and
+            returns the logits
+        eos_token_id (int, optional): a sequence that generates it is done;
+            generation stops once every sequence is
         pad_token_id (int, optional): what follows a finished sequence
             (default: ``eos_token_id``)
 

@@ -28,22 +28,13 @@ class GPipe(CoreModule):
 
     .. _GPipe: https://arxiv.org/abs/1811.06965
 
-    The children of ``module`` are split into consecutive partitions, the
-    ``j``-th holding ``balance[j]`` layers on ``devices[j]``; their
-    parameters and buffers move there in place, each staying the tensor
-    object it was, and one already in that device's memory (every CPU
-    device is one memory) is not copied. Each mini-batch
-    is split into ``chunks`` micro-batches that flow through the partitions
-    one clock cycle apart, so the devices work at the same time; activations
-    inside a partition are dropped after the forward pass and recomputed for
-    the backward pass (``checkpoint``), so memory holds little more than the
-    activations at partition boundaries. Outputs and gradients are those of
-    ``module`` on the whole mini-batch.
-
-    ``balance`` is not chosen for you: pick it by hand or with
-    :mod:`torchgpipe.balance`. Called, a GPipe module takes and returns what
-    ``module`` does, provided that it is a tensor or a tuple of tensors, here
-    and at every partition boundary.
+    The children are split into consecutive partitions, the ``j``-th holding
+    ``balance[j]`` layers on ``devices[j]`` (moved in place: each tensor stays the
+    object it was). Each mini-batch is split into ``chunks`` micro-batches that
+    flow through the partitions one clock cycle apart; activations inside a
+    partition are recomputed for the backward pass (``checkpoint``). Pick
+    ``balance`` by hand or with :mod:`torchgpipe.balance`. Inputs and outputs, here
+    and at every partition boundary, are a tensor or a tuple of tensors.
 
     Args:
         module (torch.nn.Sequential): sequential module to be parallelized
@@ -52,36 +43,26 @@ class GPipe(CoreModule):
     Keyword Args:
         devices (iterable of devices): devices to use, as ``torch.device``,
             strings or CUDA indices (default: all CUDA devices)
-        chunks (int): number of micro-batches; an integral number such as
-            ``8.0`` or ``torch.tensor(8)`` is taken as an int (default: ``1``)
+        chunks (int): number of micro-batches (default: ``1``)
         checkpoint (str): when to enable checkpointing, one of ``'always'``,
-            ``'except_last'``, or ``'never'``, or an object whose ``str()``
-            is one of them (default: ``'except_last'``)
+            ``'except_last'``, or ``'never'`` (default: ``'except_last'``)
         deferred_batch_norm (bool): whether to use deferred BatchNorm moving
             statistics (default: ``False``)
         planned_threads (int, optional): the intra-op threads per worker
-            :func:`torchgpipe.plan` measured with, as ``plan.kwargs`` gives
-            it: the first step warns if ``torch.get_num_threads()`` differs
-            (default: ``None``, no check)
+            :func:`torchgpipe.plan` measured with (``plan.kwargs``): the first
+            step warns if ``torch.get_num_threads()`` differs (default: no check)
 
-    Every argument is checked before anything changes: if the constructor
-    raises, ``module`` is left as it was (no layer moved, no BatchNorm layer
-    replaced). Each message names the argument, the value received and a fix
-    (see :doc:`troubleshooting`).
+    Every argument is checked before anything changes (see :doc:`troubleshooting`).
 
     Raises:
         TypeError: the module is not a :class:`nn.Sequential <torch.nn.Sequential>`,
-            or an argument has the wrong type (``balance`` not a list of ints,
-            ``devices`` a single device, ``chunks`` not a number).
-        ValueError: an argument has a wrong value, the balance does not fit
-            the module (the message recommends :mod:`torchgpipe.balance`), a
-            CUDA device in use does not exist, a layer's tensor is on the meta
-            device, or a buffer (or a layer with parameters or buffers) is in
-            two partitions. Parameters alone
-            may be shared across partitions (tied weights: see
-            :ref:`guide-tied-weights`).
-        IndexError: the number of devices is fewer than the number of
-            partitions.
+            or an argument has the wrong type.
+        ValueError: an argument has a wrong value, the balance does not fit the
+            module (the message recommends :mod:`torchgpipe.balance`), a CUDA
+            device does not exist, a layer's tensor is on the meta device, or a
+            buffer (or a layer with parameters or buffers) is in two partitions.
+            Parameters alone may be shared (tied weights: :ref:`guide-tied-weights`).
+        IndexError: the number of devices is fewer than the number of partitions.
 
     Example::
 
@@ -198,22 +179,13 @@ class GPipe(CoreModule):
                         error_if_nonfinite: bool = False,
                         foreach: Optional[bool] = None) -> torch.Tensor:
         """Clips the gradients of every partition by their norm together, as
-        :func:`torch.nn.utils.clip_grad_norm_` clips the unwrapped module's.
-
-        In one process every partition's parameters are here, a tied one
-        once, so this is :func:`torch.nn.utils.clip_grad_norm_` over
-        ``parameters()``; the method exists so that one line clips a
-        :class:`~torchgpipe.GPipe` and a
-        :class:`~torchgpipe.distributed.DistributedGPipe` alike (see
-        :meth:`DistributedGPipe.clip_grad_norm_
-        <torchgpipe.distributed.DistributedGPipe.clip_grad_norm_>`).
+        :func:`torch.nn.utils.clip_grad_norm_` clips the unwrapped module's; one line
+        then clips a GPipe and a :class:`~torchgpipe.distributed.DistributedGPipe` alike.
 
         Args:
             max_norm (float): the largest norm the gradients keep
-            norm_type (float): the p of the p-norm, ``float('inf')`` for the
-                largest absolute value (default: ``2.0``)
-            error_if_nonfinite (bool): raise if the norm is NaN or infinite,
-                rather than scale the gradients by it (default: ``False``)
+            norm_type (float): the p of the p-norm (default: ``2.0``)
+            error_if_nonfinite (bool): raise if the norm is NaN or infinite (default: ``False``)
             foreach (bool, optional): as for :func:`torch.nn.utils.clip_grad_norm_`
 
         Returns:
@@ -238,33 +210,22 @@ class GPipe(CoreModule):
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
                         assign: bool = False) -> _IncompatibleKeys:
         """Copies parameters and buffers from ``state_dict``, as
-        :meth:`torch.nn.Module.load_state_dict`, in either of two key styles.
-
-        The keys may be those :meth:`~torch.nn.Module.state_dict` returns,
-        ``partitions.<j>.<child name>.<name>`` (as in torchgpipe 0.0.7), or
-        those of the unwrapped :class:`nn.Sequential <torch.nn.Sequential>`,
-        ``<child name>.<name>``: the state dict of a model trained without
-        GPipe, or of the one :meth:`unwrap` returns, loads directly. The
-        style is that of the keys GPipe knows; missing and unexpected keys
-        are reported in the style given.
-
-        With ``deferred_batch_norm=True``, a plain BatchNorm layer's state
-        loads into the deferred layer that replaced it, also with
-        ``strict=True``.
+        :meth:`torch.nn.Module.load_state_dict`, with the keys of either GPipe
+        (``partitions.<j>.<child name>.<name>``, as in 0.0.7) or the unwrapped module
+        (``<child name>.<name>``); missing and unexpected keys are reported in the
+        style given. A plain BatchNorm layer's state loads into its deferred replacement.
 
         Args:
             state_dict (dict): the state, in either style
-            strict (bool): whether the keys must match exactly
-                (default: ``True``)
-            assign (bool): as for :meth:`torch.nn.Module.load_state_dict`
-                (default: ``False``)
+            strict (bool): whether the keys must match exactly (default: ``True``)
+            assign (bool): as for :meth:`torch.nn.Module.load_state_dict` (default: ``False``)
 
         Returns:
             ``NamedTuple`` with ``missing_keys`` and ``unexpected_keys``
 
         Raises:
-            RuntimeError: with ``strict=True``, a key is missing or
-                unexpected; or a tensor has the wrong shape
+            RuntimeError: with ``strict=True``, a key is missing or unexpected; or a
+                tensor has the wrong shape
 
         Example::
 
@@ -283,21 +244,16 @@ class GPipe(CoreModule):
             lambda state: super(GPipe, self).load_state_dict(state, strict, assign))
 
     def unwrap(self, device: Optional[Device] = None) -> nn.Sequential:
-        """The plain :class:`nn.Sequential <torch.nn.Sequential>` this GPipe
-        trains, on one device, for inference or export without torchgpipe.
+        """The plain :class:`nn.Sequential <torch.nn.Sequential>` this GPipe trains,
+        on one device, for inference or export without torchgpipe.
 
-        The layers are deep copies, sharing nothing with this GPipe, under
-        their original names in the original order: the state dict of the
-        result has the keys of the module given to GPipe, and loads into it
-        with ``strict=True``. Layers replaced by ``deferred_batch_norm=True``
-        come back as the BatchNorm class they replaced (``nn.BatchNorm2d``,
-        ...), with the same running statistics, parameters, ``eps`` and
-        ``momentum``. Training modes are kept.
+        Its layers are deep copies under their original names, so its state dict
+        loads into the module given to GPipe; deferred BatchNorm layers come back as
+        the class they replaced. Training modes are kept.
 
         Args:
-            device (torch.device, str or int, optional): the device of the
-                whole result (default: the CPU, whose memory is usually the
-                only one that holds a model that needed several devices)
+            device (torch.device, str or int, optional): the device of the whole
+                result (default: the CPU)
 
         Returns:
             nn.Sequential: the unwrapped module
@@ -322,25 +278,18 @@ class GPipe(CoreModule):
         return plain.unwrap(self._partitions(), self.training, device)
 
     def forward(self, input: TensorOrTensors) -> TensorOrTensors:
-        """Runs a mini-batch through the pipeline.
-
-        The input is split along dimension 0 into micro-batches, which pass
-        through the partitions in clock cycles; their outputs are
-        concatenated back into one. An input that is not on the first
-        partition's device is moved there.
+        """Runs a mini-batch through the pipeline: split along dimension 0 into
+        micro-batches (moved to the first device), gathered back into one.
 
         Args:
-            input (torch.Tensor or tuple): input mini-batch: a tensor, or a
-                tuple of tensors that may also hold ``None``, booleans,
-                numbers, strings and :class:`~torchgpipe.NoChunk` tensors,
-                which every micro-batch gets as they are
+            input (torch.Tensor or tuple): a tensor, or a tuple of tensors that may
+                also hold ``None``, booleans, numbers, strings and
+                :class:`~torchgpipe.NoChunk` tensors, which every micro-batch gets as is
 
         Returns:
-            tensor or tuple: output mini-batch, on ``devices[-1]``; other
-            values than tensors, and NoChunk tensors (unwrapped), come from
-            the first micro-batch. A GPipe of an empty ``nn.Sequential``
-            returns the input as it is (NoChunk tensors unwrapped), without
-            splitting it: it may then be a 0-dim tensor or an empty tuple
+            tensor or tuple: output mini-batch, on ``devices[-1]``; non-tensor values
+            and NoChunk tensors (unwrapped) come from the first micro-batch. An empty
+            ``nn.Sequential`` returns the input unsplit
 
         Raises:
             TypeError: input is not a tensor or such a tuple.

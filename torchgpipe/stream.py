@@ -1,8 +1,4 @@
-"""torchgpipe 0.0.7's path of :mod:`torchgpipe.foundation.stream`, which is the module itself.
-
-This module puts that one in its place in :data:`sys.modules`: every name,
-private or not, and the module's state are the same by either path.
-"""
+"""torchgpipe 0.0.7's path of :mod:`torchgpipe.foundation.stream`: the module itself."""
 import sys
 
 from torchgpipe.foundation.stream import *  # noqa: F401,F403 (its names, for type checkers)

@@ -1,13 +1,10 @@
 """Automatic balancing: the ``balance`` argument of :class:`~torchgpipe.GPipe`, from profiling.
 
-Writing ``balance`` by hand means guessing what each layer costs. These
-functions measure it instead, layer by layer, by time
-(:func:`balance_by_time`) or by memory (:func:`balance_by_size`), and split
-the costs into contiguous partitions with
-:func:`torchgpipe.balance.blockpartition.solve`: the costliest partition is
-as cheap as possible, since the slowest (or fullest) device decides the
-pipeline's speed (or whether the model fits), and among such splits the
-partitions are as even as possible.
+Each layer's cost is measured, by time (:func:`balance_by_time`) or by memory
+(:func:`balance_by_size`), and the costs are split into contiguous partitions
+by :func:`torchgpipe.balance.blockpartition.solve`: the costliest partition as
+cheap as possible (the slowest or fullest device decides), then as even as
+possible.
 
 Example::
 
@@ -45,36 +42,23 @@ def balance_by_time(partitions: int, module: nn.Sequential, sample: TensorOrTens
                     timeout: float = 1.0, device: Device = torch.device('cuda')) -> List[int]:
     """Computes a ``balance`` that evens out the time of each partition.
 
-    Every layer is timed, forward and backward, on a copy of itself on
-    ``device``, the layers one after the other starting from ``sample``. A
-    first pass pays for one-time initializations and is not counted; then
-    whole passes are repeated until ``timeout`` seconds have passed since
-    the start (at least one timed pass). The layers are then split so that
-    the slowest partition is as fast as possible, since it sets the pace of
-    the whole pipeline.
-
-    Profiling leaves ``module`` untouched: its device, parameters, buffers
-    and training flag stay as they are, no gradient is left behind, and the
-    random number generators are restored. Layers made with
-    :func:`@skippable <torchgpipe.skip.skippable>`, layers that work in
-    place, and tuples of tensors between layers are all supported.
-    ``module`` and ``sample`` may be on any device: what is profiled is
-    copied to ``device``.
+    Every layer is timed, forward and backward, on a copy on ``device``, from
+    ``sample``: a first pass warms up, then whole passes repeat until ``timeout``.
+    ``module`` is left untouched (device, parameters, training flag, no gradient,
+    generators restored); skippable layers, in-place layers and tuples between
+    layers are supported.
 
     Args:
         partitions (int): how many partitions to split the layers into,
             usually the number of devices
         module (torch.nn.Sequential): the model to split
-        sample (torch.Tensor or tuple of tensors): an input of the model;
-            its batch size is free, but a batch like the training ones times
-            the layers as they will run
+        sample (torch.Tensor or tuple of tensors): an input of the model, best
+            of the batch size of training
 
     Keyword Args:
-        timeout (float): how long to keep profiling, in seconds; more
-            passes average out noise (default: ``1.0``)
-        device ('cpu' or 'cuda' device): where to time the layers, ideally
-            a device like those the partitions will run on (default: the
-            current CUDA device)
+        timeout (float): how long to keep profiling, in seconds (default: ``1.0``)
+        device ('cpu' or 'cuda' device): where to time the layers, ideally like
+            the partitions' devices (default: the current CUDA device)
 
     Returns:
         list of ints: the number of layers of each partition, to pass to
@@ -82,12 +66,11 @@ def balance_by_time(partitions: int, module: nn.Sequential, sample: TensorOrTens
 
     Raises:
         TypeError: ``module`` is not an :class:`nn.Sequential
-            <torch.nn.Sequential>`, ``sample`` is neither a tensor nor a
-            tuple of tensors, or an argument has the wrong type
+            <torch.nn.Sequential>`, ``sample`` is neither a tensor nor a tuple of
+            tensors, or an argument has the wrong type
         ValueError: ``partitions`` is not positive or exceeds the number of
-            layers, ``timeout`` is negative, ``device`` is not available, or
-            a parameter already has a gradient (``'some parameter already has
-            gradient'``)
+            layers, ``timeout`` is negative, ``device`` is not available, or a
+            parameter already has a gradient (``'some parameter already has gradient'``)
 
     Example::
 
@@ -96,9 +79,6 @@ def balance_by_time(partitions: int, module: nn.Sequential, sample: TensorOrTens
         >>> gpipe = GPipe(model, balance, devices=['cpu', 'cpu'], chunks=4)
         >>> sum(balance)
         4
-
-    On GPUs, time the layers on one of them, the current one by default:
-    ``balance_by_time(torch.cuda.device_count(), model, sample)``.
     """
     check_partitions(partitions, module)
     microbatch.check(sample, 'sample')
@@ -115,54 +95,27 @@ def balance_by_size(partitions: int, module: nn.Sequential, input: TensorOrTenso
                     device: Device = torch.device('cuda')) -> List[int]:
     """Computes a ``balance`` that evens out the memory each partition needs for training.
 
-    A layer's size is what its training keeps on a device: the activations
-    its forward pass keeps for one micro-batch (the first of the ``chunks``
-    micro-batches of ``input``, which is the largest) plus ``param_scale``
-    times the bytes of its parameters. The layers are then split so that
-    the fullest partition is as small as possible, since it decides whether
-    the model fits.
+    A layer's size is the activations its forward keeps for the first (largest)
+    of ``chunks`` micro-batches of ``input``, plus ``param_scale`` times the bytes
+    of its parameters. On CUDA the activations are the allocator's growth over the
+    forward; on CPU, the bytes of the tensors saved for backward, of the outputs
+    and of stashed skips, each storage once. ``module`` is left untouched.
 
-    On CUDA, the activations are the growth of the caching allocator's
-    allocated memory over the layer's forward pass. Elsewhere (on CPU), they
-    are the bytes of the tensors autograd saves for the backward pass (seen
-    through :class:`torch.autograd.graph.saved_tensors_hooks`), of the
-    layer's outputs and of its stashed skip tensors, each storage counted
-    once.
-
-    Profiling leaves ``module`` untouched: its device, parameters, buffers
-    and training flag stay as they are, no gradient is left behind, and the
-    random number generators are restored. ``module`` and ``input`` may be
-    on any device: what is profiled is copied to ``device``.
-
-    ``param_scale`` counts the parameter-sized tensors training keeps per
-    parameter: the parameter and its gradient (hence the default, 2), plus
-    the optimizer's state:
-
-    =======================  ===============  ==============================================
-    Optimizer                ``param_scale``  State per parameter, besides its gradient
-    =======================  ===============  ==============================================
-    SGD                      2                none
-    SGD with momentum        3                ``momentum_buffer``
-    Adam, AdamW              4                ``exp_avg``, ``exp_avg_sq``
-    Adam with ``amsgrad``    5                ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``
-    Adadelta                 4                ``square_avg``, ``acc_delta``
-    Adagrad                  3                ``sum``
-    RMSprop                  3--5             ``square_avg``, (``momentum_buffer`` with
-                                              ``momentum``), (``grad_avg`` if ``centered``)
-    =======================  ===============  ==============================================
+    ``param_scale`` counts parameter-sized tensors per parameter: the parameter
+    and its gradient (2), plus the optimizer's state: 3 for SGD with momentum or
+    Adagrad, 4 for Adam, AdamW or Adadelta, 5 for Adam with ``amsgrad``.
 
     Args:
         partitions (int): how many partitions to split the layers into,
             usually the number of devices
         module (torch.nn.Sequential): the model to split
         input (torch.Tensor or tuple of tensors): a mini-batch of the size
-            training will use, since activations grow with it
+            training will use
 
     Keyword Args:
-        chunks (int): the number of micro-batches GPipe will split each
-            mini-batch into (default: ``1``)
-        param_scale (float): parameter-sized tensors kept per parameter, as
-            in the table above (default: ``2.0``)
+        chunks (int): the number of micro-batches (default: ``1``)
+        param_scale (float): parameter-sized tensors kept per parameter
+            (default: ``2.0``)
         device ('cpu' or 'cuda' device): where to measure the layers
             (default: the current CUDA device)
 
@@ -172,14 +125,13 @@ def balance_by_size(partitions: int, module: nn.Sequential, input: TensorOrTenso
 
     Raises:
         TypeError: ``module`` is not an :class:`nn.Sequential
-            <torch.nn.Sequential>`, ``input`` is neither a tensor nor a
-            tuple of tensors, or an argument has the wrong type
+            <torch.nn.Sequential>`, ``input`` is neither a tensor nor a tuple of
+            tensors, or an argument has the wrong type
         ValueError: ``partitions`` is not positive or exceeds the number of
             layers, ``chunks`` is not a positive integer, ``param_scale`` is
-            negative, ``input`` cannot be split into micro-batches (no
-            tensor, no batch dimension, or sizes differing in dimension 0),
-            ``device`` is not available, or a parameter already has a
-            gradient (``'some parameter already has gradient'``)
+            negative, ``input`` cannot be split into micro-batches, ``device`` is
+            not available, or a parameter already has a gradient
+            (``'some parameter already has gradient'``)
 
     Example::
 
@@ -188,10 +140,6 @@ def balance_by_size(partitions: int, module: nn.Sequential, input: TensorOrTenso
         ...                           param_scale=4.0, device='cpu')  # 4 for Adam
         >>> len(balance), sum(balance)
         (2, 3)
-
-    On GPUs, measure on one of them, the current one by default:
-    ``balance_by_size(torch.cuda.device_count(), model, input, chunks=8,
-    param_scale=4.0)``.
     """
     check_partitions(partitions, module)
     microbatch.check(input)

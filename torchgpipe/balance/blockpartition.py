@@ -1,38 +1,21 @@
 """Optimal block partitioning: the partitioner behind :mod:`torchgpipe.balance`.
 
-:func:`solve` splits a sequence of non-negative costs (one per layer) into
-contiguous non-empty blocks (one per pipeline stage). The slowest stage paces
-the whole pipeline, so the first goal is the smallest possible largest block
-sum (the *bottleneck*). Many partitions usually share that bottleneck; among
-them :func:`solve` takes the one whose smallest block is the largest, i.e. the
-smallest spread ``max - min``, so no stage sits idle more than it must. The
-remaining ties are broken deterministically: the earliest cuts win.
+:func:`solve` splits non-negative costs (one per layer) into contiguous
+non-empty blocks (one per stage): first the smallest largest block sum (the
+slowest stage paces the pipeline), then the largest smallest block sum, then
+the earliest cuts. With ``n`` items into ``k`` blocks:
 
-How it works, with ``n`` items into ``k`` blocks:
+1. **Bottleneck** ``U``: searched among the sums of contiguous runs, with a
+   greedy feasibility walk over prefix sums and random pivots, as in
+   quickselect (``O(log n)`` rounds expected).
+2. **Spread**: with ``U`` fixed, the largest lower bound ``L`` is found the
+   same way; feasibility of exactly ``k`` blocks in ``[L, U]`` is a dynamic
+   program over suffixes (block counts as bit sets), kept linear by a
+   two-stack sliding window.
+3. The partition is read off the program, shortest block first.
 
-1. **Bottleneck** ``U``: the optimum is the sum of some contiguous run of
-   items, so it is searched for among those sums. "Do blocks of sum at most
-   ``B`` fit in ``k`` blocks?" is a greedy walk over the prefix sums (``k``
-   binary searches); it is monotone in ``B``. Each round draws a pivot
-   uniformly among the run sums still in the search interval (they are
-   counted with two binary searches per start index), like a quickselect:
-   ``O(log n)`` rounds are expected, whatever the magnitude of the costs.
-2. **Spread**: with ``U`` fixed, the largest feasible lower bound ``L`` on
-   every block sum is found the same way. "Is there a partition into exactly
-   ``k`` blocks, each of sum in ``[L, U]``?" is an exact dynamic program: for
-   every suffix, the set of block counts it can be split into, as a bit set.
-   The suffixes a block starting at ``i`` may end at form a window of indices
-   whose both ends move monotonically, so a two-stack sliding window keeps
-   the program linear.
-3. The partition is read off the program for ``[L, U]``, taking the shortest
-   possible block at each step.
-
-All in all, ``O(n log^2 n)`` expected time: 1,000 costs into 64 blocks take
-a few tens of milliseconds (``python -m benchmarks.solver_speed``).
-
-Arithmetic is exact: integer costs are used as they are, and other real costs
-(floats, fractions) are scaled to integers by their common denominator, so
-ties and optimality never depend on rounding.
+``O(n log^2 n)`` expected. Non-integer costs are scaled to integers by their
+common denominator, so ties and optimality never depend on rounding.
 """
 import math
 import numbers
@@ -52,12 +35,8 @@ PIVOT_SEED = 0
 
 
 def solve(sequence: Sequence[T], partitions: int = 1) -> List[List[T]]:
-    """Splits a sequence of costs into contiguous blocks whose largest sum is smallest.
-
-    Among the partitions with that minimal largest block sum, it returns one
-    whose smallest block sum is the largest, i.e. with the smallest spread
-    (largest minus smallest block sum). If several remain, it returns the one
-    whose block lengths are lexicographically smallest (earliest cuts).
+    """Splits a sequence of costs into contiguous blocks whose largest sum is smallest;
+    among those, the smallest block sum is the largest, then the cuts are earliest.
 
     Example::
 
@@ -71,8 +50,8 @@ def solve(sequence: Sequence[T], partitions: int = 1) -> List[List[T]]:
         partitions (int): the number of blocks (default: ``1``)
 
     Returns:
-        list of lists: ``partitions`` non-empty blocks, the items of
-        ``sequence`` in order (their concatenation is ``list(sequence)``)
+        list of lists: ``partitions`` non-empty blocks whose concatenation is
+        ``list(sequence)``
 
     Raises:
         ValueError: ``partitions`` is less than 1 or more than the number of

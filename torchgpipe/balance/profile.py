@@ -1,15 +1,10 @@
 """Per-layer profiling for automatic balancing: the time and the memory of each layer.
 
-Every layer is profiled on a copy (see :func:`layerwise_sandbox`), so the
-user's module keeps its device, parameters, training flag and gradients
-(none). The global random number generators are restored afterwards too:
-profiling a model with dropout does not shift the random numbers of the
-training that follows.
-
-Layers are run one by one in order, each on the detached output of the
-previous one, so each layer's backward stays within the layer. Skip tensors
-of ``@skippable`` layers travel through a :class:`~torchgpipe.skip.tracker.SkipTracker`
-of the profiler's own, fresh for every pass, and are detached the same way.
+Every layer runs on a copy (:func:`layerwise_sandbox`), so the user's module
+stays as it was, and the random generators are restored afterwards. Layers
+run one by one, each on the detached output of the previous, so each backward
+stays within its layer; skips travel through a tracker of the profiler's own,
+detached the same way.
 """
 import copy
 import functools
@@ -52,15 +47,8 @@ def layerwise_sandbox(module: nn.Sequential,
 
 def profile_times(module: nn.Sequential, sample: TensorOrTensors, timeout: float,
                   device: torch.device) -> List[int]:
-    """Profiles the forward and backward time of each layer.
-
-    After one warm-up pass, whole passes over the layers are repeated until
-    ``timeout`` seconds have passed since the start (at least one timed
-    pass), each starting again from ``sample``.
-
-    Returns:
-        list of ints: the total time of each layer over the timed passes, in
-        microseconds
+    """Profiles the forward and backward time of each layer, in microseconds summed
+    over whole passes repeated until ``timeout`` (after one warm-up pass).
 
     Raises:
         ValueError: a parameter of ``module`` already has a gradient
@@ -118,23 +106,9 @@ def timed_pass(module: nn.Sequential, sample: TensorOrTensors, device: torch.dev
 
 def profile_sizes(module: nn.Sequential, input: TensorOrTensors, chunks: int,
                   param_scale: float, device: torch.device) -> List[int]:
-    """Profiles the memory each layer needs for training.
-
-    A layer's size is the memory its forward pass keeps for one micro-batch
-    (what autograd saves for the backward pass, the outputs, and stashed skip
-    tensors) plus ``param_scale`` times the bytes of its parameters. The
-    micro-batch is the first (largest) one GPipe would split ``input`` into
-    with ``chunks``.
-
-    On CUDA, the kept memory is the growth of the caching allocator's
-    allocated bytes over the forward pass. Elsewhere, it is the bytes of the
-    distinct storages autograd saves (seen through
-    :class:`torch.autograd.graph.saved_tensors_hooks`) and the layer returns
-    or stashes, without the layer's parameters, buffers and inputs (they are
-    counted elsewhere or already existed).
-
-    Returns:
-        list of ints: the size of each layer in bytes
+    """Profiles the memory each layer needs for training, in bytes: what its forward
+    keeps for the first micro-batch, plus ``param_scale`` times its parameters'
+    bytes (see :func:`~torchgpipe.balance.balance_by_size`).
 
     Raises:
         ValueError: a parameter of ``module`` already has a gradient, or an
@@ -224,16 +198,11 @@ def kept_by_forward(layer: nn.Module, values: TensorOrTensors, tracker: 'Sandbox
 
 
 class SandboxSkipTracker(SkipTracker):
-    """A skip tracker that hands each pop its tensor detached from the stashing layer's graph.
+    """A skip tracker that hands each pop a detached copy of its tensor, so that the
+    popping layer's backward stays within it and it may change the tensor in place.
 
-    Detached, so that a popping layer's backward stays within that layer,
-    like the backward of every profiled layer, and copied, as every layer's
-    input is (:func:`fresh_input`), so that a layer may modify it in place
-    (``x += skip``, as generated code of :func:`~torchgpipe.to_sequential`
-    does). The stashed tensors
-    themselves are kept aside until :meth:`take_stashed`: they belong to the
-    stashing layer, whose backward pass (for time) or memory (for size)
-    they are part of.
+    The stashed tensors are kept aside until :meth:`take_stashed`: they count for
+    the stashing layer.
     """
 
     def __init__(self) -> None:

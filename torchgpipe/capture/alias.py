@@ -1,22 +1,15 @@
 """Memory shared by values of a captured graph, and the updates in place of it.
 
-Eager code may give one memory several names, a view (``v = h[:, :4]``) or
-the result of an update in place (``h.add_(1)`` returns ``h``), and update
-it in place: every name then sees the update, from that point on. Cut into
-children, that breaks: GPipe gives a partition its inputs as copies on its
-device, a skip travels as a copy, and a checkpointed partition is run again
-from its input. So, in both kinds of captured graph (fx's methods and
-operators, export's ATen operations):
+Eager code may give one memory several names (a view, the result of
+``h.add_(1)``) and update it in place. Cut into children that breaks:
+partitions get copies of their inputs, and recompute from them. So:
 
-* an update in place of a value that has no other name (``out += identity``)
-  becomes a new value (:func:`out_of_place`): a recomputation then reads
-  what the first pass read;
-* an update of a buffer or a parameter outside the module holding it is
-  refused: generated code runs once per micro-batch, and again when
-  recomputed;
-* what is left, an update of memory that another child would read by
-  another name, keeps every reader of that memory in one child
-  (:func:`shared_memory`), as if the code were not cut there.
+* an update in place of a value with no other name becomes a new value
+  (:func:`out_of_place`);
+* an update of a buffer or parameter outside its module is refused
+  (generated code runs once per micro-batch, and again when recomputed);
+* any other update keeps every reader of that memory in one child
+  (:func:`shared_memory`).
 """
 import operator
 from typing import Any, Dict, List, NoReturn, Optional, Set, Union
@@ -207,16 +200,9 @@ def out_of_place(graph: fx.Graph, root: Root) -> None:
 
 
 def shared_memory(nodes: List[fx.Node], root: Root) -> List[Set[fx.Node]]:
-    """The sets of nodes that must be in one child, for the updates in place left.
-
-    An update in place of memory another node reads by another name (a
-    view, the value before the update) is seen by that reader only in one
-    child: passed to another child, the reader would hold a copy, or its
-    recomputation would read the updated memory. The update, every name of
-    the memory and every reader of them then stay in one child. An update
-    whose memory is read afterwards only through its own result (``bn ->
-    relu(inplace=True) -> conv``) needs nothing: that result is passed on.
-    """
+    """The sets of nodes that must be in one child, for the updates in place left: the
+    update, every name of its memory and every reader of them. An update read later
+    only through its own result (``bn -> relu(inplace=True) -> conv``) needs nothing."""
     position = {n: i for i, n in enumerate(nodes)}
     together = []
     for update in nodes:

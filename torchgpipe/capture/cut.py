@@ -76,11 +76,9 @@ class GeneratedChild(nn.Module):
         self._share()
         self._leave_out_transient()
 
-    # The code of this child is code of the captured module's forward: it runs
-    # in that module's mode, so that the user's model.train() reaches it as
-    # it reaches the user's modules in the sequential, and seq.train() sets
-    # the captured module's mode too. A copy, or a child whose module is
-    # gone, has a mode of its own (the module's, as last read).
+    # This child runs in the captured module's mode, so that model.train()
+    # reaches it and seq.train() sets the module's; a copy, or a child whose
+    # module is gone, keeps a mode of its own (the module's, as last read).
     @property
     def training(self) -> bool:
         """The mode of the module captured (this child's own mode in a copy)."""
@@ -105,23 +103,11 @@ class GeneratedChild(nn.Module):
         """The one mode this child runs in, or ``None`` when it runs in both."""
         return self.captured_training if self.other_mode is None else None
 
-    # How a step is copied (pickle, torch.save, copy.deepcopy):
-    #
-    # * this class is found by its name, and the skippable class generated
-    #   around it is made again from it and the skip names (see Skippable);
-    # * the graph module copies itself, as fx does: deepcopy builds it again
-    #   from a copy of its graph; pickle saves the source fx generated from
-    #   the graph (fx's choice: its Graph format may change between
-    #   versions) and, on load, runs it and traces it again into a graph,
-    #   with the tracer class the graph names (fx.Graph(tracer_cls=...)):
-    #   ours, which keeps buffers as nodes as when the model was traced;
-    # * both ways fx registers every tensor the code reads as a persistent
-    #   buffer again, so the step marks its transient tensors once more;
-    # * the graph of the other mode copies itself the same way, into
-    #   attributes of its own: it is made to read those of self.graph again.
-    #
-    # The step asks nothing else of the graph module: another way to
-    # capture the graph only needs a module that copies itself.
+    # Copies (pickle, torch.save, deepcopy): the graph module copies itself
+    # as fx does (pickle re-traces fx's generated source with the tracer the
+    # graph names, ours), and fx registers every tensor the code reads as a
+    # persistent buffer again, so the transient ones are marked once more;
+    # the other mode's graph is made to read self.graph's tensors again.
     def __getstate__(self) -> Dict[str, Any]:
         state: Dict[str, Any] = super().__getstate__()  # type: ignore[no-untyped-call]
         return {**state, 'captured_from': None, 'own_training': self.training}
@@ -240,19 +226,12 @@ def segments(graph: fx.Graph, root: Union[nn.Module, Dict[str, Any]]) -> List[Li
                          and u.target is operator.getitem)
     index = {n: i for i, n in enumerate(nodes)}
 
-    # A module called at several places, or a parameter read by glue code at
-    # several places, must stay in one child (GPipe refuses a layer in two
-    # partitions, and a read parameter would travel between children as a
-    # value): the span from its first use to its last one is never cut. So
-    # must a buffer shared by two modules, as GPipe cannot share a buffer
-    # between partitions. A parameter shared by two different leaf modules,
-    # or by a module and glue code (tied weights: an embedding and an output
-    # projection), does not join them: each stays a child of its own, and
-    # GPipe keeps the parameter once across partitions. A module with neither
-    # parameters nor buffers (a dropout, an activation) holds nothing a
-    # partition must own: each of its calls may be a child of its own, so
-    # that a dropout used after the embeddings and after the last layer
-    # does not make one child of the whole model.
+    # The span from the first to the last use of a module called at several
+    # places, a parameter read by glue code at several places, or a buffer
+    # shared by two modules is never cut: GPipe refuses a layer (or buffer) in
+    # two partitions. Parameters tied between modules join nothing (GPipe
+    # shares them), nor do modules without state (a dropout), lest a dropout
+    # used at both ends make one child of the whole model.
     uses: Dict[object, List[int]] = {}
     for n in nodes:
         if n.op == 'call_module':

@@ -1,31 +1,13 @@
 """Capturing a graph with :func:`torch.export.export`, for :func:`~torchgpipe.to_sequential`.
 
-:mod:`torch.fx` traces ``forward`` with symbolic values and no example: it
-keeps every shape symbolic and needs no input, but it fails on code that
-decides anything from a traced value (``if batch_size != ids.shape[0]``)
-and on forwards that take ``(*args, **kwargs)``, which is how the models of
-Hugging Face transformers are written. :func:`torch.export.export` runs
-``forward`` on an example instead, with fake tensors whose sizes are
-symbols: it follows every branch the example takes, and records a check
-where a branch depends on a size. :func:`capture` gives
-:func:`~torchgpipe.to_sequential` such a graph, in the form a
-:mod:`torch.fx` trace has:
-
-* each parameter, buffer or constant tensor ``forward`` reads is a
-  ``get_attr`` node naming the user's tensor itself (the same object: an
-  optimizer built on the model trains the sequential too);
-* each call of a module that fx would keep whole (one of ``torch.nn``, or
-  a module without submodules) whose ``forward`` takes one tensor is a
-  ``call_module`` node again, folded back from the operations export
-  recorded for it: the child is the user's module, which follows
-  ``train()`` and ``eval()`` and reads its own state;
-* what is left between those calls runs as recorded: ATen operations.
-
-Those operations were recorded in the mode the module was in (the
-``training`` flag decides dropout and such); the :class:`Interface` keeps
-that mode. :func:`~torchgpipe.to_sequential` captures the other mode too,
-and gives each generated child (``GeneratedChild``) its pieces of both
-graphs.
+:mod:`torch.fx` needs no example but fails on code that branches on a traced
+value and on ``(*args, **kwargs)`` forwards, as transformers models are
+written. :func:`torch.export.export` runs ``forward`` on fake tensors of
+symbolic sizes instead. :func:`capture` gives the graph the form of an fx
+trace: each tensor ``forward`` reads is a ``get_attr`` of the user's tensor
+itself; each call of a module fx would keep whole that takes one tensor is
+folded back into a ``call_module`` of the user's module; the rest are ATen
+operations, recorded in the module's mode (``to_sequential`` captures both).
 """
 import inspect
 import itertools

@@ -1,15 +1,12 @@
 """A capture leaves the module it is given as it was, and names what ``forward`` changed.
 
-Both captures run the user's ``forward`` as Python: fx on symbolic values,
-export on fake tensors. What that code assigns (``self.count += 1``,
-``self.avg = h.mean()``) would land in the user's model as a number counted
-once, a :class:`torch.fx.Proxy` or a fake tensor, and what it registers (a
-hook) would stay registered. The captured graph repeats none of it: at each
-call of the sequential the assignment would not happen again. So
-:class:`Untouched` takes a shallow snapshot of every module's attributes (and
-of the dicts inside: parameters, buffers, submodules, hooks) before a
-capture, puts all of it back after, and raises an error naming each change
-that ``forward`` made: silently dropping an effect would be a wrong result.
+Both captures run ``forward`` as Python, so what it assigns
+(``self.count += 1``) or registers (a hook) would land in the user's model as
+a proxy or fake tensor, and the captured graph would never repeat it.
+:class:`Untouched` snapshots every module's attributes (and its dicts of
+parameters, buffers, submodules, hooks) before a capture, restores them
+after, and raises naming each change: a silently dropped effect would be a
+wrong result.
 """
 from types import TracebackType
 from typing import Any, Dict, List, Optional, Tuple, Type

@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type
 import torch
 from torch import Tensor
 
-from torchgpipe.engine.mailbox import Activation, Gradient, Parcel, Reply
+from torchgpipe.engine.mailbox import Activation, ForwardMessage, Gradient, Reply
 from torchgpipe.foundation.copy import Ready
 from torchgpipe.foundation.microbatch import Batch
 from torchgpipe.foundation.nochunk import NoChunk
@@ -113,7 +113,7 @@ def dtype_named(name: str) -> torch.dtype:
 TYPES: Dict[Type[Any], Tuple[str, Callable[[Any], Any], Callable[[Any], Any]]] = {
     Activation: ('A', lambda k: (k.i, k.j), lambda v: Activation(*v)),
     Gradient: ('G', lambda k: (k.i, k.j), lambda v: Gradient(*v)),
-    Parcel: ('P', tuple, lambda v: Parcel(*v)),
+    ForwardMessage: ('P', tuple, lambda v: ForwardMessage(*v)),
     Reply: ('Y', tuple, lambda v: Reply(*v)),
     Batch: ('B', lambda b: b.values, Batch),
     NoChunk: ('N', lambda n: n.tensor, NoChunk),

@@ -1,23 +1,18 @@
 """The pipeline core: the partitions one process holds, and the steps that run them.
 
-:class:`~torchgpipe.GPipe` and
-:class:`~torchgpipe.distributed.DistributedGPipe` are the
-:class:`torch.nn.Module` faces of a pipeline: they check what the user
-gives, register the layers, and keep the habits of a module (state dicts,
-copies, modes). What runs is the :class:`Core` each holds as ``core``::
+:class:`~torchgpipe.GPipe` and :class:`~torchgpipe.distributed.DistributedGPipe`
+are the :class:`torch.nn.Module` faces of a pipeline (checks, registration,
+state dicts, modes); what runs is the :class:`Core` each holds as ``core``::
 
     GPipe ──────────────► Core                 all partitions, a mailbox in memory
     DistributedGPipe ───► RankCore(Core)       this rank's partitions, the wire
 
-A core knows the partitions held here (by index), the device of every
-partition, the skip layout, the number of micro-batches and the checkpoint
-mode, and it keeps what runs learn (:class:`~torchgpipe.runtime.state.RunState`).
-It builds each step on the one executor (:class:`~torchgpipe.engine.step.Step`);
-what differs across processes is only the mailbox and what surrounds the
-step, which :class:`~torchgpipe.distributed.core.RankCore` overrides.
-
-Other parts of the package (the timeline, DDP's step) reach a pipeline through
-its core, never through the private names of its face.
+A core builds each step on the one executor
+(:class:`~torchgpipe.engine.step.Step`) and keeps what runs learn
+(:class:`~torchgpipe.runtime.state.RunState`); across processes only the
+mailbox and what surrounds the step differ
+(:class:`~torchgpipe.distributed.core.RankCore`). The rest of the package
+reaches a pipeline through its core.
 """
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, cast
@@ -238,53 +233,39 @@ class CoreModule(nn.Module):
                    schedule: ScheduleLike = '1f1b', reduction: str = 'mean') -> torch.Tensor:
         """Runs the forward and backward passes of a mini-batch, scheduled by the pipeline.
 
-        After it, every parameter's ``.grad`` holds (added to what it held)
-        what ``loss_fn(model(input), target).backward()`` gives the
-        unwrapped model. Unlike :meth:`~torchgpipe.GPipe.forward` followed by ``backward()``,
-        the backward pass of each partition runs in the worker of its
-        device, interleaved with forward passes as ``schedule`` says, so
-        devices work on forward and backward passes at once, CPU devices
-        with distinct indices included.
-
-        The input and the target are split into micro-batches alike; the
-        loss of each micro-batch is weighted by its share of the mini-batch
-        (``reduction='mean'``, for a loss averaged over the samples: the
-        default of PyTorch's losses) or not weighted (``reduction='sum'``,
-        for a summed loss), so that the gradients are those of the loss of
-        the whole mini-batch.
+        After it, every parameter's ``.grad`` holds (added to what it held) what
+        ``loss_fn(model(input), target).backward()`` gives the unwrapped model. Each
+        partition's backward runs in its device's worker, interleaved with forward
+        passes as ``schedule`` says. Each micro-batch's loss is weighted by its share
+        of the mini-batch (``reduction='mean'``) or not (``'sum'``).
 
         Args:
             input (torch.Tensor or tuple): the mini-batch, as
                 :meth:`~torchgpipe.GPipe.forward` takes it
-            target (torch.Tensor or tuple): the target, split along dimension
-                0 like the input (a :class:`~torchgpipe.NoChunk` tensor of a
-                tuple is given whole, unwrapped, to every micro-batch's
-                loss); moved to the last device
-            loss_fn (callable): ``loss_fn(output, target)`` of one
-                micro-batch, returning a tensor of one element. It is called
-                once per micro-batch, and once more for each checkpointed
-                micro-batch, when its backward action recomputes the last
-                partition: then :func:`~torchgpipe.is_recomputing` is true,
-                and random numbers it draws are the first call's
+            target (torch.Tensor or tuple): split along dimension 0 like the input
+                (a :class:`~torchgpipe.NoChunk` tensor goes whole to every loss);
+                moved to the last device
+            loss_fn (callable): ``loss_fn(output, target)`` of one micro-batch,
+                returning one element; called again for a checkpointed micro-batch's
+                recomputation (:func:`~torchgpipe.is_recomputing` is then true)
             schedule (str or schedule): ``'1f1b'`` (default), ``'fill_drain'``,
-                ``'interleaved_1f1b'``, ``'zb_h1'``, ``'zbv'``, or a schedule of
-                one's own: see :doc:`/schedules` for what each keeps and leaves idle
+                ``'interleaved_1f1b'``, ``'zb_h1'``, ``'zbv'``, or one's own
+                (:doc:`/schedules`)
             reduction (str): ``'mean'`` (default) or ``'sum'``: how ``loss_fn``
                 reduces a micro-batch
 
         Returns:
-            torch.Tensor: the loss of the mini-batch, on the last device,
-            without autograd history
+            torch.Tensor: the loss of the mini-batch, on the last device, without
+            autograd history
 
         Raises:
-            ValueError: an unknown ``schedule`` or ``reduction``, a schedule
-                that does not fit the step or the devices, a target that does
-                not split like the input, an empty mini-batch, or no layers
-            TypeError: ``schedule`` or ``reduction`` of another type, or
-                ``loss_fn`` not callable or not returning one element
-            RuntimeError: called with gradients disabled, or in a
-                torch.distributed job of several processes (for data
-                parallelism, use :func:`torchgpipe.distributed.train_step`)
+            ValueError: an unknown ``schedule`` or ``reduction``, a schedule that
+                does not fit the step or the devices, a target that does not split
+                like the input, an empty mini-batch, or no layers
+            TypeError: ``schedule`` or ``reduction`` of another type, or ``loss_fn``
+                not callable or not returning one element
+            RuntimeError: called with gradients disabled, or in a torch.distributed
+                job of several processes (use :func:`torchgpipe.distributed.train_step`)
 
         Example::
 
@@ -309,30 +290,22 @@ class CoreModule(nn.Module):
                   output_fn: Optional[Callable[[TensorOrTensors], Any]] = None) -> Any:
         """Evaluates the pipeline on a mini-batch: its output, or its loss.
 
-        What ``model.eval()`` and :func:`torch.no_grad` give the unwrapped
-        model, run by the engine of :meth:`train_step` with forward actions
-        alone: the layers are in evaluation mode for the step (and back in
-        their own mode after), so that dropout is off and BatchNorm
-        (deferred or not) uses and keeps its running statistics. As
-        :meth:`DistributedGPipe.eval_step
-        <torchgpipe.distributed.DistributedGPipe.eval_step>` does across
-        processes.
+        What ``model.eval()`` and :func:`torch.no_grad` give the unwrapped model, with
+        forward actions alone; the layers are back in their own mode after.
 
         Args:
             input (torch.Tensor or tuple): the mini-batch, as
                 :meth:`~torchgpipe.GPipe.forward` takes it
-            target (torch.Tensor or tuple, optional): with ``loss_fn``, the
-                target, split as the input
+            target (torch.Tensor or tuple, optional): with ``loss_fn``, the target
             loss_fn (callable, optional): ``loss_fn(output, target)`` of a
                 micro-batch, weighted as :meth:`train_step` weights it
             reduction (str): ``'mean'`` (default) or ``'sum'``, as for :meth:`train_step`
-            output_fn (callable, optional): without ``loss_fn``, what to
-                return of the output (the argmax of the logits, say)
+            output_fn (callable, optional): without ``loss_fn``, what to return of
+                the output (the argmax of the logits, say)
 
         Returns:
-            with ``loss_fn``, the loss of the mini-batch, as :meth:`train_step`
-            returns it; without, the output, as :meth:`~torchgpipe.GPipe.forward`
-            returns it, or ``output_fn(output)``
+            with ``loss_fn``, the loss of the mini-batch; without, the output (or
+            ``output_fn(output)``)
 
         Raises:
             ValueError: ``target`` without ``loss_fn``, or the other way, or

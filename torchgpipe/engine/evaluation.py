@@ -1,20 +1,13 @@
 """An evaluation step: the forward actions of a step alone, without autograd, in eval mode.
 
-A model that needs a pipeline to fit needs it to be evaluated too, and
-calling the pipeline under :func:`torch.no_grad` is possible in one process
-only. ``eval_step`` runs the engine of a training step
-(:class:`~torchgpipe.engine.step.Step`) with a schedule of forward actions
-alone, in fill-drain order (nothing waits for a backward pass), each
-partition under ``torch.no_grad()`` and keeping nothing for a backward
-pass; the last partition keeps its outputs, or computes the loss of each
-micro-batch, weighted as a training step weights it::
+``eval_step`` runs the engine of a training step with forward actions alone,
+in fill-drain order, each partition under ``torch.no_grad()``; the last keeps
+its outputs, or each micro-batch's weighted loss::
 
     partition 0   F0 F1 F2 F3
     partition 1      F0 F1 F2 F3   ─► outputs, or the loss of each
 
-The module is put in evaluation mode for the step (dropout off, BatchNorm
-on its running statistics, deferred BatchNorm untouched), and each of its
-layers back in its own mode after.
+The layers are in evaluation mode for the step, and back in their own after.
 """
 from contextlib import contextmanager
 from typing import Iterator, List, Optional, Tuple

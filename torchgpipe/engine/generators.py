@@ -92,12 +92,10 @@ Rule = Callable[[Worker, List[Action]], Optional[Action]]
 def greedy(m: int, n: int, placement: Sequence[int], split: bool, rule: Rule) -> Schedule:
     """Lays out a schedule by simulating it: each worker, when free, runs what ``rule`` picks.
 
-    Each partition runs its forward passes, its backward passes (``B``, or
-    ``I`` if ``split``) and its ``W`` each in micro-batch order; a worker
-    may run any of its partitions' next actions once what they wait for
-    (:func:`~torchgpipe.engine.schedule.depends_on`) has ended. Costs are
-    the paper's: ``F = I = W = 1``, ``B = 2``, divided by the partitions per
-    worker. The result can finish by construction.
+    Each partition runs its ``F``, its ``B`` (or ``I`` if ``split``) and its ``W``
+    each in micro-batch order, once what they wait for
+    (:func:`~torchgpipe.engine.schedule.depends_on`) has ended, with the paper's
+    costs divided by the partitions per worker; the result can finish by construction.
 
     Args:
         m: micro-batches
@@ -173,24 +171,14 @@ def interleaved_1f1b(m: int, n: int, p: int) -> Schedule:
     """Interleaved 1F1B: ``v = n / p`` partitions per worker, in a loop.
 
     Partition ``j`` runs on worker ``j % p``. A worker takes micro-batches in
-    rounds of ``p``: their forward passes through its first partition, then
-    its second, and so on; backward passes in the same rounds, last partition
-    first. After ``(v - 1) p + 2 (p - 1 - w)`` forward passes to warm up (as
-    Megatron-LM and torch.distributed.pipelining do; with ``v = 1``,
-    1F1B's ``p - 1 - w``), worker ``w`` alternates one forward and one
-    backward pass; it keeps at most ``v p + p - 1 - 2 w`` partitions'
-    activations (``p - w`` with ``v = 1``).
-
-    Why twice ``p - 1 - w``, where ``p - 1 - w`` (one forward fewer per
-    worker after the last) would keep less: the backward pass a worker
-    alternates with comes back from a worker after it, and with ``p - 1 - w``
-    it is due exactly when the forward pass before it ends, so every
-    message's time on the wire adds to the step. The longer warm-up leaves
-    the messages a forward pass of slack (simulated with messages of a
-    third of a forward pass, p=2, v=2, m=8: 6 % shorter steps). Where a
-    last round of fewer than ``p`` micro-batches would leave that warm-up
-    waiting in a circle, every worker warms up with as many more forward
-    passes as it takes to finish.
+    rounds of ``p``, forward through its partitions in order, backward in reverse.
+    Worker ``w`` warms up with ``(v - 1) p + 2 (p - 1 - w)`` forward passes (as
+    Megatron-LM and torch.distributed.pipelining do), then alternates one forward
+    and one backward pass, keeping at most ``v p + p - 1 - 2 w`` partitions'
+    activations. Twice ``p - 1 - w`` rather than once gives each message a forward
+    pass of slack, so time on the wire does not add to the step. Where a short
+    last round would leave the warm-up waiting in a circle, every worker warms
+    up with as many more forward passes as it takes to finish.
 
     Raises:
         ValueError: ``n`` is not a multiple of ``p``
@@ -304,21 +292,20 @@ def named(name: str, m: int, n: int, p: int) -> Schedule:
 
 def resolve(schedule: ScheduleLike, m: int, n: int, workers: Sequence[Hashable],
             fix: Optional[str] = None) -> Schedule:
-    """The schedule a step runs: a built-in one by name, or the user's; checked, before any work.
+    """The schedule a step runs: a built-in one by name, or the user's; checked before any work.
 
     Args:
-        schedule: a name of :data:`SCHEDULES` (as :func:`built_in` reads
-            it), or a schedule (its text, or a list of action lists)
+        schedule: a name of :data:`SCHEDULES` (as :func:`built_in` reads it), or
+            a schedule (its text, or a list of action lists)
         m: micro-batches
         n: partitions
-        workers: what runs each partition (a device's thread, a rank): a
-            worker of the schedule must run on one of them
+        workers: what runs each partition (a device's thread, a rank)
         fix: how to lay out the partitions otherwise (default: which
             ``devices`` to give)
 
     Raises:
-        ValueError: the schedule does not fit the step, or cannot finish,
-            or a worker of it has partitions on two devices
+        ValueError: the schedule does not fit the step, or cannot finish, or a
+            worker of it has partitions on two devices
     """
     name = built_in(schedule)
     if name is not None:

@@ -1,13 +1,10 @@
 """The linked boundary: the forward path's partitions, one autograd graph across them.
 
 :meth:`GPipe.forward <torchgpipe.GPipe.forward>` runs the forward-only
-schedule on the executor of a step (:func:`torchgpipe.engine.step.execute`),
-as ``eval_step`` does, but leaves the backward pass to the caller's
-``loss.backward()``. So what a partition hands the next one stays in the
-graph: the Copy and Wait of :mod:`torchgpipe.foundation.copy` move it between streams,
-portals carry the skips, and :class:`~torchgpipe.runtime.checkpoint.Checkpoint` and
-``Recompute`` replay a checkpointed micro-batch. Each forward task
-``F(i, j)``, on its partition's worker::
+schedule on the one executor but leaves the backward to the caller's
+``loss.backward()``, so what a partition hands the next stays in the graph:
+Copy and Wait move it, portals carry skips, Checkpoint and Recompute replay.
+Each forward task ``F(i, j)``, on its partition's worker::
 
     receive   the skips popped here, then the input, copied on the copy
               streams of micro-batch i (from j-1's to j's);

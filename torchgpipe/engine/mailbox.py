@@ -5,11 +5,11 @@ a worker sends the next partition its output, detached, and the previous
 one the gradient of its input, through a :class:`Mailbox`. Messages are
 filed under typed keys, one class per kind of message::
 
-    partition j-1                                   partition j
-    (j-1)Fi  ── Activation(i, j): Parcel ─────────► jFi
-    (j-1)Bi  ◄─ Gradient(i, j-1): Reply ─────────── jBi
-    a stash  ── Skip(i, key): Parcel ─────────────► its pop (any later partition)
-    B        ◄─ SkipGradient(i, key): Reply ──────── B
+    partition j-1                                          partition j
+    (j-1)Fi  ── Activation(i, j): ForwardMessage ─────────► jFi
+    (j-1)Bi  ◄─ Gradient(i, j-1): Reply ────────────────── jBi
+    a stash  ── Skip(i, key): ForwardMessage ─────────────► its pop (any later partition)
+    B        ◄─ SkipGradient(i, key): Reply ────────────── B
 
 (Actions written as schedules write them: ``jFi`` is the forward pass of
 micro-batch ``i`` on partition ``j``.)
@@ -75,7 +75,7 @@ class SkipGradient:
 Key = Union[Activation, Gradient, Skip, SkipGradient]
 
 
-class Parcel(NamedTuple):
+class ForwardMessage(NamedTuple):
     """What goes forward: tensors (or one), whether each will require grad, and when ready."""
 
     tensors: Any
@@ -182,7 +182,7 @@ class StepSkips(SkipTrackerAcross):
             requires_grad = tensor is not None and (tensor.requires_grad or (
                 self.train and not torch.is_grad_enabled() and tensor.is_floating_point()))
             self.mailbox.put(Skip(self.i, (ns, name)),
-                             Parcel(tensor, requires_grad, Ready(self.device, self.stream)))
+                             ForwardMessage(tensor, requires_grad, Ready(self.device, self.stream)))
 
     def receive(self, batch: Batch, ns: Namespace, name: str) -> Optional[Tensor]:
         if self.replay:

@@ -1,25 +1,16 @@
 """The pipeline: runs every micro-batch through every partition by clock cycles.
 
-Algorithm 1 of the paper (deterministic clock-cycle): at clock ``k`` the tasks
-``F(i, j)`` with ``i + j == k`` are independent, so they run at the same time,
-one per device::
+Algorithm 1 of the paper: at clock ``k`` the tasks ``F(i, j)`` with
+``i + j == k`` are independent, so they run at the same time, one per device::
 
     clock    0       1       2       3       4          m = 3 micro-batches
     dev 0  F(0,0)  F(1,0)  F(2,0)                       n = 3 partitions
     dev 1          F(0,1)  F(1,1)  F(2,1)
     dev 2                  F(0,2)  F(1,2)  F(2,2)
 
-:func:`clock_cycles` gives that order: the clock cycles of the forward-only
-schedule, the layout :func:`~torchgpipe.engine.schedule.clock_order` gives any
-schedule. :class:`Pipeline` runs it on the executor of every way to run
-(:func:`torchgpipe.engine.step.execute`): each device's worker takes its
-tasks in clock order, the partitions linked into one autograd graph
-(:mod:`torchgpipe.engine.linked`), whose backward pass is the caller's. With
-a worker thread per device, tasks that draw from the CPU generator take
-turns in that same order, so random numbers are drawn as on one thread. On
-either path, each holds the CPU generator while it runs, so that tasks of
-another pipeline, in another thread, cannot draw between a first pass and
-the state its recomputation replays (see :mod:`torchgpipe.foundation.rng`).
+:class:`Pipeline` runs that order on the one executor
+(:func:`torchgpipe.engine.step.execute`), the partitions linked into one
+autograd graph (:mod:`torchgpipe.engine.linked`) whose backward is the caller's.
 """
 from typing import Iterable, List, Optional, Sequence, Tuple
 

@@ -264,19 +264,10 @@ class Schedule:
 
 
 def depends_on(action: Action, n: int, split: Callable[[int, int], bool]) -> List[Action]:
-    """The actions that ``action`` waits for.
-
-    In the schedules' notation (partition, kind, micro-batch): ``jFi`` needs
-    the output of ``(j-1)Fi``; ``jBi`` or ``jIi`` needs ``jFi`` and the
-    gradient that ``(j+1)Bi`` or ``(j+1)Ii`` sends back; ``jWi`` needs
-    ``jIi``. (Skip connections add nothing: a skip from partition ``a`` to
-    ``b`` travels with these, since ``a < b``.)
-
-    Args:
-        action: the action
-        n: the number of partitions
-        split: whether the backward pass of ``(i, j)`` is split into I and W
-    """
+    """The actions that ``action`` waits for, of ``n`` partitions (``split``: backward
+    passes split into I and W): ``jFi`` needs ``(j-1)Fi``; ``jBi`` or ``jIi`` needs
+    ``jFi`` and the gradient from ``(j+1)Bi`` or ``(j+1)Ii``; ``jWi`` needs ``jIi``.
+    Skips add nothing: they go from a partition to a later one, along these."""
     i, j = action.i, action.j
     if action.kind is Kind.F:
         return [Action(Kind.F, i, j - 1)] if j > 0 else []
@@ -296,19 +287,16 @@ def dependencies(workers: Sequence[Sequence[Action]], n: int) -> Dict[Action, Li
 
 
 def clock_order(workers: Sequence[Sequence[Action]], n: int) -> List[List[Action]]:
-    """Lays a schedule out in clock cycles, every action taking one cycle.
-
-    At each cycle every worker runs its next action if what it waits for
-    ran in an earlier cycle. Running the actions cycle by cycle (or each
-    worker's in order, on threads of their own) therefore never waits
-    for an action that waits in turn.
+    """Lays a schedule out in clock cycles: at each, every worker runs its next action if
+    what it waits for ran in an earlier cycle; so running them in this order never waits
+    in a circle.
 
     Returns:
         the actions of each cycle, in worker order
 
     Raises:
-        ValueError: the schedule can never finish; the message names the
-            circle of actions that wait for each other (:func:`circle`)
+        ValueError: the schedule can never finish; the message names the circle
+            of actions that wait for each other (:func:`circle`)
     """
     needs = dependencies(workers, n)
     done: Set[Action] = set()
@@ -336,11 +324,9 @@ def circle(workers: Sequence[Sequence[Action]], needs: Dict[Action, List[Action]
            done: Set[Action], position: List[int]) -> str:
     """The actions that wait for each other in a circle, once no worker's next action can run.
 
-    An action waits for what it needs, or, if its worker runs another first,
-    for that one (``before it on worker w``). Every action left waits so,
-    and a walk along the waits comes back where it was: the circle. It starts,
-    when it can, at a worker's next action waiting for an action later on
-    the same worker, where a reorder is most likely meant.
+    An action waits for what it needs, or for the action before it on its worker.
+    The walk starts, when it can, at a next action waiting for a later one on its
+    own worker, where a reorder is most likely meant.
 
     Returns:
         the circle in words, such as ``0B0 can never run, for it waits for

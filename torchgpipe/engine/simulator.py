@@ -1,35 +1,19 @@
 """The simulator: when each action of a schedule starts and ends, given what each costs.
 
-:func:`simulate` gives every worker a core of its own: each runs its
-actions in order, each as soon as the worker is free and what it waits for
-(:func:`~torchgpipe.engine.schedule.depends_on`) has ended, and messages
-take no time. With each action's cost that of the zero-bubble paper's
-analysis (:func:`unit_cost`), the time a step leaves its workers
-:func:`idle` is the schedule's bubble.
+:func:`simulate` gives every worker a core: each runs its actions in order,
+each once the worker is free and what it waits for
+(:func:`~torchgpipe.engine.schedule.depends_on`) has ended; messages take no
+time. With the costs of the zero-bubble paper (:func:`unit_cost`), the time a
+step leaves its workers :func:`idle` is the schedule's bubble.
 
-A checkpointed backward pass (``B`` or ``I``) recomputes its micro-batch's
-forward pass before it waits for the gradient from the partition after it
-(:class:`~torchgpipe.engine.stage.Stage` does so): that first part of its
-cost, ``ahead``, needs the worker only. The action's own forward pass is
-always earlier on the same worker (a schedule keeps each partition on
-one worker), so nothing else holds it back::
+A checkpointed backward pass recomputes before it waits for the gradient
+(as :class:`~torchgpipe.engine.stage.Stage` does): that part, ``ahead``, needs
+the worker only::
 
     worker j    ... jFi | recompute i | (waits for (j+1)Bi or Ii) | rest of jBi ...
 
-Processes of one machine, more of them than its cores, do not each have a
-core: while more workers are at work than there are cores, the operating
-system shares the cores among them, and each goes as fast as its share. A
-step of four ranks on two cores, where all four work at once, takes about
-as long as half of all their work; one where they take turns (a single
-micro-batch) as long as each alone::
-
-    cores 2, workers at work 4:  each runs at 2/4 of its speed
-    cores 2, workers at work 1:  it runs at full speed
-
-So :func:`simulate_sharing` goes from one action's end to the next: at
-each, every idle worker whose next action has what it waits for starts it
-(and any idle worker starts the part ahead of its next action), and until
-the next end every action at work advances by the time passed times
+:func:`simulate_sharing` models more workers than cores: from one action's end
+to the next, every action at work advances by the time passed times
 ``min(1, cores / at work)``.
 """
 from fractions import Fraction

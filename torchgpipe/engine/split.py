@@ -1,33 +1,24 @@
 """The backward pass in two: the gradients of a partition's inputs (I), then of its parameters (W).
 
-The partition before waits only for the first half; zero-bubble schedules
-put the second where a worker would otherwise wait. The split works on the
-autograd graph of one micro-batch, as built by the forward pass (or the
-recomputation). Take a partition ``y = W2 relu(W1 x)``::
+The partition before waits only for ``I``; zero-bubble schedules put ``W``
+where a worker would otherwise wait. Take a partition ``y = W2 relu(W1 x)``::
 
     y ─► Mm2 ──► Relu ─► Mm1 ─► x          C: the nodes that lead to the input x
           │               │                R: nodes of C with an edge out of C
           ▼               ▼                   towards a parameter (Mm1, Mm2)
           W2              W1
 
-``I`` runs the engine from the outputs to ``x`` only: it calls every node of
-``C``, and each computes just the gradients its edges in ``C`` need (Mm2 the
-gradient of relu's output, not of W2). A hook on each node of ``R`` keeps
-the gradient the node received. ``W`` runs the engine again from each node of
-``R``, with the gradient it kept, towards the parameters only: the node
-computes what it skipped (Mm2 the gradient of W2), and nothing of ``C`` runs
-twice. Every parameter's ``.grad`` is accumulated by its own accumulator, as
-in a whole backward pass, so hooks on it (DDP's, tied weights') run as they
-would.
+``I`` runs the engine from the outputs to ``x`` only, so each node of ``C``
+computes just what ``C`` needs; a hook keeps the gradient each node of ``R``
+received. ``W`` runs the engine again from each node of ``R`` towards the
+parameters only: nothing of ``C`` runs twice, and each ``.grad`` is
+accumulated by its own accumulator (hooks run as usual).
 
-Nodes of ``R`` that share a parameter (a weight used twice) start one engine
-call together. If one of them leads to another through ``C`` (a weight used
-before and after a layer that depends on the input), that call would also run
-the path between them again, and count it twice: those parameters' gradients
-are computed in ``I`` instead, which is exact and only less split. So are
-those of a node that must run once (a custom autograd Function, an output
-that retains its gradient), and a partition with a reentrant checkpoint
-inside runs its whole backward pass in ``I``.
+Parameters whose nodes of ``R`` lead to one another through ``C`` (a weight
+used before and after an input-dependent layer) would count that path twice:
+their gradients are computed in ``I``, as are those of nodes that must run
+once (a custom Function, an output retaining its gradient). A partition with
+a reentrant checkpoint inside runs its whole backward in ``I``.
 """
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 

@@ -1,29 +1,18 @@
 """One partition in a training step: its forward and backward actions, and its messages.
 
-:meth:`GPipe.forward <torchgpipe.GPipe.forward>` builds one autograd graph
-through every partition and leaves the backward pass to the caller's
-``loss.backward()``, which PyTorch runs in one thread on CPU. In a step
-(:mod:`torchgpipe.engine.step`), each partition's graph stands alone, cut at
-its input, and the worker that owns the partition runs its backward pass
-itself, when the schedule says::
+In a step each partition's graph stands alone, cut at its input, and the
+worker owning the partition runs its backward when the schedule says::
 
     partition j-1                           partition j
     F  x ─► layers ─► y ───── y ──────────► x' = y.detach(), requiring grad
                                              x' ─► layers ─► z ─► ...
     B  backward(y, dy) ◄──── dy = x'.grad ◄─ backward(z, dz)
 
-A skip connection from partition ``a`` to ``b`` is cut the same way: ``b``
-pops a detached leaf, and sends its gradient back to ``a``, whose backward
-pass starts from both its output and the stashed tensor. What a partition
-sends and receives moves on its copy stream of the micro-batch
-(:class:`~torchgpipe.foundation.copy.Ready`), off the compute streams.
-
-A checkpointed micro-batch runs its forward pass without keeping
-activations, and its backward action (``B``, or ``I`` when the backward
-pass is split) recomputes them first, in the same replay as the forward
-path's (:mod:`torchgpipe.runtime.replay`). ``I`` sends the gradients of the
-partition's inputs back at once; its ``W`` accumulates the parameters'
-later, from what ``I`` kept (:mod:`torchgpipe.engine.split`).
+A skip from partition ``a`` to ``b`` is cut the same way. Messages move on
+the micro-batch's copy stream (:class:`~torchgpipe.foundation.copy.Ready`). A
+checkpointed micro-batch's ``B`` (or ``I``) recomputes first, in the replay of
+:mod:`torchgpipe.runtime.replay`; ``W`` comes later from what ``I`` kept
+(:mod:`torchgpipe.engine.split`).
 """
 import functools
 from dataclasses import dataclass, field
@@ -32,8 +21,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, TypeVar, cas
 import torch
 from torch import Tensor, nn
 
-from torchgpipe.engine.mailbox import (Activation, Gradient, Mailbox, Parcel, Reply, SkipGradient,
-                                       StepSkips, leaf)
+from torchgpipe.engine.mailbox import (Activation, ForwardMessage, Gradient, Mailbox, Reply,
+                                       SkipGradient, StepSkips, leaf)
 from torchgpipe.engine.schedule import Action, Kind
 from torchgpipe.engine.split import WeightPass, input_pass
 from torchgpipe.foundation.copy import Ready
@@ -272,8 +261,8 @@ class Stage:
             current.skips.sent.clear()
         if not self.is_last:
             self.shared.mailbox.put(Activation(i, self.j + 1),
-                                    Parcel(output, current.sent_grad,
-                                           Ready(self.device, self.stream(i))))
+                                    ForwardMessage(output, current.sent_grad,
+                                                   Ready(self.device, self.stream(i))))
 
     def recompute(self, i: int, current: Pass) -> None:
         assert current.replay is not None

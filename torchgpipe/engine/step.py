@@ -1,15 +1,10 @@
 """Training steps the library drives: each partition's actions, in a schedule's order.
 
-Each partition of a step is a :class:`~torchgpipe.engine.stage.Stage`, whose
-graph stands alone, cut at its input (see :mod:`torchgpipe.engine.stage`).
-The actions of a schedule (:mod:`torchgpipe.engine.schedule`) are laid out in
-clock cycles and issued at once, each to the worker of its partition's
-device (:mod:`torchgpipe.runtime.worker`, as the forward path's tasks), which runs
-them in that order, waiting in a :class:`~torchgpipe.engine.mailbox.Mailbox`
-for what others send. Forward actions that may draw random numbers take the
-same turns and hold the CPU generator as the forward path's tasks
-(:mod:`torchgpipe.foundation.rng`). The first failure of any action stops every
-other, and reaches the caller as itself.
+Each partition is a :class:`~torchgpipe.engine.stage.Stage`. The schedule's
+actions are laid out in clock cycles and issued to the worker of each
+partition's device (:mod:`torchgpipe.runtime.worker`), which runs them in
+order, waiting in a :class:`~torchgpipe.engine.mailbox.Mailbox` for what
+others send. The first failure stops every action and reaches the caller as itself.
 """
 import functools
 import sys
@@ -27,7 +22,8 @@ from torchgpipe.foundation.record import Recorder
 from torchgpipe.foundation.stream import AbstractStream
 from torchgpipe.foundation.validation import check_loss_value
 from torchgpipe.runtime.traits import PartitionTraits
-from torchgpipe.runtime.worker import ExcInfo, Stopped, Task, Turns, distinct_devices, spawn_workers
+from torchgpipe.runtime.worker import (ExcInfo, IssueOrder, Stopped, Task, distinct_devices,
+                                       spawn_workers)
 from torchgpipe.skip.layout import SkipLayout
 
 __all__: List[str] = []
@@ -140,16 +136,13 @@ class StageLike(Protocol):
 
 
 def execute(order: Sequence[Action], stages: Mapping[int, StageLike], mailbox: Mailbox) -> None:
-    """Runs actions in order on the workers of their partitions' devices, one thread each.
+    """Runs actions in order on the workers of their partitions' devices: the one executor
+    of the forward path, steps and ranks.
 
-    The one executor of every way to run: the forward path's tasks
-    (:mod:`torchgpipe.engine.linked`), a step's actions
-    (:mod:`torchgpipe.engine.stage`), in one process or across processes.
-    Each device's actions run in ``order``, the one task of its worker (a
-    task per action would wake the calling thread at every action), and
-    wait in ``mailbox`` for what others send. Forward actions that may draw
-    random numbers take turns in ``order`` on threads: they draw what they
-    would on one thread, where they run in that order anyway.
+    Each device's actions are its worker's one task (a task per action would
+    wake the calling thread at every action). Forward actions that may draw
+    random numbers run in ``order`` (:class:`~torchgpipe.runtime.worker.IssueOrder`),
+    drawing what they would on one thread.
 
     Args:
         order: the actions of the partitions here, in clock order
@@ -157,18 +150,17 @@ def execute(order: Sequence[Action], stages: Mapping[int, StageLike], mailbox: M
         mailbox: where the stages wait for each other's messages
 
     Raises:
-        BaseException: the first failure of an action in ``order``, as
-            itself, once every worker has stopped (the others may follow
-            from it)
+        BaseException: the first failure of an action in ``order``, as itself,
+            once every worker has stopped
     """
     devices = [stage.device for stage in stages.values()]
-    turns = Turns() if len(distinct_devices(devices)) > 1 else None
+    issue_order = IssueOrder() if len(distinct_devices(devices)) > 1 else None
 
     def stop() -> None:
         # Ends every wait of the actions, for a message or a turn.
         mailbox.stop()
-        if turns is not None:
-            turns.stop()
+        if issue_order is not None:
+            issue_order.stop()
 
     queue = {j: k for k, j in enumerate(stages)}
     tasks: Dict[torch.device, Tuple[int, List[Tuple[int, Callable[[], None]]]]] = {}
@@ -176,8 +168,8 @@ def execute(order: Sequence[Action], stages: Mapping[int, StageLike], mailbox: M
         stage = stages[action.j]
         _, works = tasks.setdefault(distinct_devices([stage.device])[0], (queue[action.j], []))
         work: Callable[[], None] = functools.partial(stage.run, action)
-        if turns is not None and action.kind is Kind.F and stage.draws_random() is not False:
-            work = turns.take(work)
+        if issue_order is not None and action.kind is Kind.F and stage.draws_random() is not False:
+            work = issue_order.wrap(work)
         works.append((index, work))
     failures: List[Tuple[int, ExcInfo]] = []
     # On Ctrl-C the workers stop after the action they run; no action may

@@ -1,16 +1,10 @@
 """Moving a micro-batch between devices and streams: Copy and Wait, and Ready.
 
-Both engines move tensors with :func:`copy_tensors`. The forward path, whose
-backward pass is one autograd graph, does it through two autograd functions
-(below); a training step, whose partitions send each other messages, with
-:class:`Ready` (at the end).
-
-``Copy`` moves tensors to the device of ``next_stream``, issuing the copy on
-``prev_stream`` (source device) and ``next_stream`` (destination device) so
-that it never queues behind, or blocks, the compute streams. ``Wait`` makes
-one stream wait for another, so the consumer of a copy starts only when the
-copy is done. Both are autograd functions: in the backward pass the gradients
-travel the same way back, on the same streams, in reverse::
+Both engines move tensors with :func:`copy_tensors`: the forward path through
+the autograd functions ``Copy`` and ``Wait``, a training step's messages with
+:class:`Ready`. ``Copy`` issues the copy on the source's and the destination's
+copy streams, never on the compute streams; ``Wait`` makes the consumer's
+stream wait for it. The gradients go back the same way::
 
     forward:  compute(j) ─Wait─► copy stream(j) ─Copy─► copy stream(j+1) ─Wait─► compute(j+1)
     backward: compute(j) ◄─Wait─ copy stream(j) ◄─Copy─ copy stream(j+1) ◄─Wait─ compute(j+1)
@@ -136,24 +130,21 @@ def _wait(source: AbstractStream, target: AbstractStream,
 class Ready:
     """Marks, on CUDA, the moment the tensors a worker sends are computed on its stream.
 
-    The receiving worker moves them with :func:`copy_tensors`, as the
-    forward path's :class:`Copy` does, on copy streams: the sender's, given
-    here, and the receiver's, given to :meth:`receive`. Both wait for that
-    moment; the receiver's compute stream waits for the copy::
+    The receiver copies them with :func:`copy_tensors` on the sender's copy stream
+    (given here) and its own (given to :meth:`receive`), both waiting for that
+    moment; its compute stream waits for the copy::
 
         sender compute   ──F──●event
         sender copy               ╰wait─┐
         receiver copy             ╰wait─┴─copy─┐
         receiver compute ──────────────────────╰wait──F──
 
-    So a transfer never queues behind, or holds up, the computation of
-    either side. On CPU, where work is done when a call returns, it holds
-    nothing.
+    On CPU, where work is done when a call returns, it holds nothing.
 
     Args:
         device: the sender's device
-        stream: the sender's copy stream for this message (default: the
-            current stream of the tensors' device, when it is received)
+        stream: the sender's copy stream for this message (default: the current
+            stream of the tensors' device, when it is received)
     """
 
     __slots__ = ('event', 'stream')

@@ -1,10 +1,9 @@
 """Fork and Join: arbitrary dependencies in the backward graph (Section 3.2.2).
 
-The autograd engine orders backward tasks only by data dependencies, so
-``B(i, j)`` and ``B(i+1, j)`` (independent micro-batches) could run in any
-order. GPipe needs ``B(i+1, j)`` before ``B(i, j)``. Fork and Join add that
-edge without touching any data: in the forward pass, ``fork`` splits a phony
-off ``x(i, j)`` and ``join`` glues it onto ``x(i+1, j-1)``::
+Autograd orders backward tasks by data alone, so ``B(i, j)`` and
+``B(i+1, j)`` could run in any order; GPipe needs ``B(i+1, j)`` first. ``fork``
+splits a phony off ``x(i, j)`` and ``join`` glues it onto ``x(i+1, j-1)``, the
+input of ``F(i+1, j)``::
 
     forward                            backward (arrows = "runs after")
 
@@ -13,10 +12,7 @@ off ``x(i, j)`` and ``join`` glues it onto ``x(i+1, j-1)``::
                └─phony─┐                                    │ gradient, i.e. for
     x(i+1,j-1) ──Join──► x(i+1,j-1)    Join.backward ◄──────┘ B(i+1, j) to pass Join
 
-Since ``x(i+1, j-1)`` becomes the input of ``F(i+1, j)``, ``Fork.backward`` for
-micro-batch ``i`` cannot run until ``B(i+1, j)`` has produced its input
-gradient, so everything before the fork on micro-batch ``i`` (its recomputation
-and ``B(i, j)``) runs after ``B(i+1, j)``.
+So micro-batch ``i``'s recomputation and ``B(i, j)`` run after ``B(i+1, j)``.
 """
 from typing import List, Optional, Tuple
 

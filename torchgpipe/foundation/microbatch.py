@@ -28,16 +28,15 @@ Function = Callable[[TensorOrTensors], TensorOrTensors]
 class Batch:
     """One micro-batch: a tensor (atomic) or a tuple.
 
-    It behaves like a sequence of its tensors in both cases, so the pipeline
-    can copy, wait on and fork every tensor without caring about the form
-    or about the other values of a tuple, while :meth:`call` hands a layer
-    the value in its original form.
+    Either way it is a sequence of its tensors, so the pipeline copies, waits on
+    and forks them all alike, while :meth:`call` hands a layer the value in its
+    original form.
 
     Args:
-        values: a tensor, or a tuple of tensors, :class:`~torchgpipe.NoChunk` tensors
-            and other values
-        layout: the layout of ``values`` when its NoChunk tensors are
-            already unwrapped (``None``: found out here)
+        values: a tensor, or a tuple of tensors, :class:`~torchgpipe.NoChunk`
+            tensors and other values
+        layout: the layout of ``values`` when its NoChunk tensors are already
+            unwrapped (``None``: found out here)
 
     Example::
 
@@ -214,14 +213,9 @@ def arrange(atomic: bool, layout: Optional[Layout], tensors: Sequence[Tensor]) -
 
 
 def check(input: object, what: str = 'input') -> None:
-    """Checks that ``input`` is a tensor, or a tuple of tensors and other values allowed.
-
-    A tuple may hold, besides tensors, :class:`~torchgpipe.NoChunk` tensors, ``None``,
-    booleans, numbers and strings, but at least one tensor.
-
-    Args:
-        input: the value to check
-        what (str): how to name the value in the error message
+    """Checks that ``input`` (named ``what`` in the message) is a tensor, or a tuple of at
+    least one tensor and :class:`~torchgpipe.NoChunk` tensors, ``None``, booleans, numbers
+    and strings.
 
     Raises:
         TypeError: ``input`` is neither a tensor nor such a tuple
@@ -261,28 +255,21 @@ def check(input: object, what: str = 'input') -> None:
 
 
 def scatter(input: TensorOrTensors, chunks: int, what: str = 'input') -> List[Batch]:
-    """Splits the input along dimension 0 into at most ``chunks`` micro-batches.
-
-    It follows :func:`torch.chunk`: a batch that does not divide evenly gets a
-    smaller last micro-batch, and a batch smaller than ``chunks`` gets fewer
-    micro-batches. Every tensor of a tuple must have the same size in
-    dimension 0, whatever ``chunks`` is. Other values of a tuple, and
-    :class:`~torchgpipe.NoChunk` tensors (unwrapped), are given to every micro-batch as
-    they are.
+    """Splits the input along dimension 0 into at most ``chunks`` micro-batches, as
+    :func:`torch.chunk` does; other values and :class:`~torchgpipe.NoChunk` tensors
+    (unwrapped) go to every micro-batch as they are.
 
     Args:
         input (torch.Tensor or tuple): the mini-batch
         chunks (int): the number of micro-batches wanted
-        what (str): how to name the value in error messages (``'target'``
-            for :meth:`~torchgpipe.GPipe.train_step`'s target)
+        what (str): how to name the value in error messages
 
     Returns:
         list of :class:`Batch`: the micro-batches, in order
 
     Raises:
-        ValueError: the input holds no tensor to split, a tensor to split
-            has no batch dimension, or the tensors to split differ in size
-            in dimension 0
+        ValueError: the input holds no tensor to split, a tensor to split has no
+            batch dimension, or the tensors to split differ in size in dimension 0
     """
     atomic = isinstance(input, Tensor)
     batch = Batch(input)
@@ -331,18 +318,8 @@ def scatter(input: TensorOrTensors, chunks: int, what: str = 'input') -> List[Ba
 
 
 def gather(outputs: List[Batch]) -> TensorOrTensors:
-    """Concatenates the output micro-batches into a mini-batch along dimension 0.
-
-    Other values than tensors, and :class:`~torchgpipe.NoChunk` tensors (unwrapped), are
-    taken from the first micro-batch.
-
-    Args:
-        outputs (list of :class:`Batch`): the micro-batches, in order, all
-            of the same form (a tensor, or tuples of the same layout)
-
-    Returns:
-        torch.Tensor or tuple: the mini-batch, in that form
-    """
+    """Concatenates output micro-batches (of one form) into a mini-batch along dimension 0;
+    other values and :class:`~torchgpipe.NoChunk` tensors (unwrapped) come from the first."""
     first = outputs[0]
     if len(outputs) == 1:
         # Nothing to concatenate: spare a copy.
@@ -370,18 +347,8 @@ def gather(outputs: List[Batch]) -> TensorOrTensors:
 
 
 def map_tensors(function: Callable[[Tensor], Tensor], values: TensorOrTensors) -> TensorOrTensors:
-    """Applies ``function`` to every tensor of a tensor or a tuple, keeping its form.
-
-    Other values of a tuple are kept as they are; a :class:`~torchgpipe.NoChunk` gets
-    ``function`` of its tensor, wrapped again.
-
-    Args:
-        function (callable): takes and returns one tensor
-        values (torch.Tensor or tuple): the tensors
-
-    Returns:
-        torch.Tensor or tuple: ``function(values)`` for a tensor, else the
-        tuple of ``function(x)`` for every tensor ``x`` of ``values``
+    """Applies ``function`` to every tensor of a tensor or a tuple, keeping its form;
+    a :class:`~torchgpipe.NoChunk` gets ``function`` of its tensor, wrapped again.
 
     Example::
 

@@ -21,13 +21,10 @@ PLAIN_TYPES = (type(None), bool, int, float, str)
 class NoChunk:
     """Wraps a tensor that every micro-batch gets whole, instead of a slice of it.
 
-    Put it in the input tuple of :class:`~torchgpipe.GPipe`, or in what a
-    partition returns, for a tensor that has no batch dimension (a mask, a
-    bias, a lookup table). Layers receive the tensor itself, not the
-    wrapper, and every micro-batch receives the same tensor object, so a
-    tensor that requires grad gets the sum of its gradients over the
-    micro-batches, as without GPipe. At the end, the output holds the
-    tensor of the first micro-batch, unwrapped.
+    For a tensor without a batch dimension (a mask, a bias), in GPipe's input or
+    what a partition returns. Layers get the tensor itself, the same object in
+    every micro-batch, so its gradient sums over them as without GPipe; the
+    output holds the first micro-batch's, unwrapped.
 
     Args:
         tensor (torch.Tensor): the tensor not to split

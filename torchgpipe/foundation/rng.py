@@ -1,86 +1,47 @@
 """Random numbers in the pipeline: replayed by recomputations, drawn in one order.
 
 PyTorch has one CPU generator per process, shared by every thread, and one
-generator per CUDA device. Two promises rest on them (1 and 2), kept across
-threads by two rules (3 and 4):
+per CUDA device. Four rules keep results independent of threads:
 
-1. **Replay.** A recomputation draws exactly the random numbers its first pass
-   drew. The first pass saves the CPU generator's state (and its CUDA
-   device's); the recomputation runs from those states and puts the
-   generators back as it found them, so the random stream of the rest of the
-   program is not disturbed.
+1. **Replay.** A first pass saves the CPU generator's state (and its CUDA
+   device's); its recomputation runs from them and puts the generators back
+   as it found them.
 
-2. **One order in every execution mode.** On one thread, tasks draw from the
-   CPU generator in the order the schedule issues them. With a worker thread
-   per device, tasks of different devices run at the same time; if two of
-   them drew from the shared CPU generator at once, each would get numbers
-   meant for the other, the first pass of a checkpointed task could not be
-   replayed, and the results would depend on thread timing. So tasks that
-   draw from the CPU generator *take turns*
-   (:class:`~torchgpipe.runtime.worker.Turns`): each waits for
-   the previous drawing task in issue order, which is the order of the
-   single-thread run. Tasks that draw nothing run freely.
+2. **One order.** With a worker per device, tasks drawing from the shared
+   CPU generator at once would swap numbers. So drawing tasks take turns in
+   issue order (:class:`~torchgpipe.runtime.worker.IssueOrder`), the order
+   of a single-thread run. Which partitions draw is learned by comparing the
+   generator's state around a partition's first run (per setting of its
+   ``training`` flags). A CUDA generator needs no turns: only its own
+   worker draws from it.
 
-   Which partitions draw is learned, not guessed: the first time a partition
-   runs (for each setting of its modules' ``training`` flags), its task
-   compares the CPU generator's state before and after it, holding the
-   generator (point 3). A CUDA device's generator needs no turns: only its
-   own worker draws from it, in issue order.
+3. **One holder at a time, across pipelines.** Another pipeline drawing
+   between a first pass's save and its last draw would make the
+   recomputation replay other numbers, silently. So every task that may
+   draw holds :data:`cpu_generator_lock` while it runs
+   (:func:`cpu_generator_held`): first passes, probes and recomputations
+   (on CUDA, autograd runs each device's backward in its own thread). It
+   takes the lock last, after its turn and its inputs, and waits for
+   nothing while holding it, so no two tasks wait for each other. Tasks
+   known to draw nothing take no lock, and keep overlapping. Workers take
+   the caller's hold with them (:func:`holding_for_caller`): a GPipe nested
+   in a partition of another would otherwise wait for its caller's lock.
+   A thread drawing outside any pipeline cannot be ordered: the
+   recomputation detects it (:class:`~torchgpipe.runtime.replay.FirstPass`).
 
-3. **One holder at a time, across pipelines.** Turns order the tasks of one
-   pipeline; other pipelines, in other threads, draw from the same CPU
-   generator. A recomputation restores the state its first pass saved: if
-   another task drew between that save and the first pass's last draw, the
-   recomputation replays other numbers (another dropout mask), silently. So
-   every task that may draw from the CPU generator holds
-   :data:`cpu_generator_lock` while it runs (:func:`cpu_generator_held`),
-   on either path and in either engine: a first pass from before it saves
-   the state until after its last draw, an uncheckpointed pass, a probe
-   that learns whether its partition draws (its look at the state
-   included), and a recomputation (on CUDA, the autograd engine runs the
-   backward of each device in its own thread, and recomputations of
-   different devices could otherwise interleave). It takes the lock last,
-   after its turn and after anything it waits for from another task, and
-   waits for nothing while holding it: no two tasks can wait for each other.
-
-   Tasks of a partition known to draw nothing take no lock, so they never
-   wait for another pipeline: that keeps the worker threads overlapping. A
-   recomputation of such a partition leaves the CPU generator alone:
-   swapping its state, even for a moment, would change the numbers of a
-   task drawing meanwhile.
-
-   A pipeline may run inside a task that holds the lock (a GPipe nested in
-   a partition of another): its worker threads would wait for ever for a
-   lock their caller holds while it waits for them. So workers take the
-   caller's hold with them, as they take its grad mode and autocast state
-   (:func:`holding_for_caller`): their tasks draw under it, in the turns of
-   their own pipeline, while the caller waits.
-
-   The lock only orders the library's own tasks. A thread that draws from
-   the CPU generator outside any pipeline (``torch.randn`` in a data
-   loading thread, say) can draw between a first pass's save and its
-   draws, and no library can replay that: such a thread should draw from a
-   :class:`torch.Generator` of its own. The recomputation finds it out, as
-   it ends with the generator elsewhere than its first pass did, and raises
-   (:class:`~torchgpipe.runtime.replay.FirstPass`).
-
-4. **No deadlock with the GIL.** PyTorch guards each generator with a C++
-   mutex. Reading a state (``torch.get_rng_state()``) holds that mutex while
-   it wraps the state in a new Python tensor, which may start the garbage
-   collector, which may run Python code and hand the GIL to another thread.
-   If that thread then asks for the same mutex *while holding the GIL* (which
-   every state read or write does), neither can go on::
+4. **No deadlock with the GIL.** ``torch.get_rng_state()`` holds the
+   generator's C++ mutex while it allocates a tensor, which may run the
+   garbage collector and hand the GIL to a thread that then waits for the
+   mutex while holding the GIL::
 
        worker A                            worker B
        get_rng_state: mutex ─► allocate    (holds the GIL)
          └► GC ─► finalizer yields GIL ──► get_rng_state: waits for mutex
        waits for the GIL ◄──────────────── holds the GIL: deadlock
 
-   Kernels that draw (dropout) take the mutex with the GIL released, so they
-   cannot close such a circle. Every read and write of a generator's state
-   here goes through ``state_lock``, a Python lock, which a thread waits
-   for with the GIL released: at most one thread is ever inside a state call,
-   and the one waiting for it does not hold what that call needs.
+   So every state read and write here goes through ``state_lock``, a Python
+   lock, which a thread waits for with the GIL released. (Kernels that draw
+   take the mutex with the GIL released: they cannot close the circle.)
 """
 import threading
 from contextlib import contextmanager
@@ -197,21 +158,8 @@ _NO_LOCK = _NoLock()
 
 
 def cpu_generator_held(may_draw: bool) -> ContextManager[object]:
-    """What a task holds while it runs: :data:`cpu_generator_lock`, if it may draw from it.
-
-    Both engines run every task in it, and every recomputation
-    (:func:`restore_rng_states`): the one rule of point 3 above. Enter it
-    only once the task's turn has come and all it waits for from other
-    tasks is there; inside, wait for nothing.
-
-    Args:
-        may_draw: whether the task may draw from the CPU generator: false
-            only for a partition known to draw nothing, whose task then
-            holds nothing and runs beside any other
-
-    Returns:
-        the context to run the task in
-    """
+    """What a task holds while it runs (point 3 above): :data:`cpu_generator_lock` if
+    ``may_draw``, nothing for a partition known to draw nothing."""
     if not may_draw or getattr(_caller, 'held', False):
         # A worker of a caller holding the lock draws under its hold.
         return _NO_LOCK
@@ -219,25 +167,14 @@ def cpu_generator_held(may_draw: bool) -> ContextManager[object]:
 
 
 def cpu_generator_owned() -> bool:
-    """Whether the calling thread holds the CPU generator: its lock, or its caller's hold.
-
-    Read in the thread that starts worker threads, and given to
-    :func:`holding_for_caller` in each of them.
-    """
+    """Whether the calling thread holds the CPU generator: its lock, or its caller's hold."""
     return bool(getattr(_caller, 'held', False)) or cast(Any, cpu_generator_lock)._is_owned()
 
 
 @contextmanager
 def holding_for_caller(held: bool) -> Generator[None, None, None]:
-    """Runs a worker thread's tasks under its caller's hold of the CPU generator, if any.
-
-    The caller waits for its workers while it holds the generator: they
-    must not wait for it (see point 3 above).
-
-    Args:
-        held: what :func:`cpu_generator_owned` said in the thread that
-            started the worker
-    """
+    """Runs a worker thread's tasks under its caller's hold of the CPU generator, if
+    ``held`` (:func:`cpu_generator_owned` in the caller): see point 3 above."""
     _caller.held = held
     try:
         yield

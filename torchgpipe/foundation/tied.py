@@ -1,30 +1,16 @@
 """Tied parameters: one parameter used by layers in several partitions.
 
-A parameter shared by layers of different partitions (an input embedding tied
-to the output projection, ``head.weight = embedding.weight``) has one master:
-the parameter itself, on the device of its first partition. The layers of
-later partitions keep it registered, as in the unwrapped model (they are
-often the user's own modules): ``parameters()``, the state of an optimizer
-and DistributedDataParallel list it once, as for any shared parameter, and
-the state dict has it under the key of every use. During a call of its
-partition, such a layer uses the master itself if the master is in the
-memory of its device (every CPU device is one memory), else a differentiable
-copy of it on its device (another CUDA device), an attribute that hides the
-registered master for the call: the gradient of every use flows back,
-through its copy if there is one, into the master and is summed there, as in
-the unwrapped model.
+A parameter shared across partitions (``head.weight = embedding.weight``) has
+one master, on its first partition's device, and stays registered in every
+layer (listed once by ``parameters()``, as any shared parameter). During a
+call, a layer of a later partition uses the master itself if it is in its
+device's memory, else a differentiable copy on its device: every use's
+gradient flows back into the master, as in the unwrapped model. Buffers cannot
+be shared: a copy would not carry in-place changes back.
 
-A buffer cannot be shared this way: a layer changes its buffers in place
-(BatchNorm's running statistics), and a copy would not carry the change back.
-
-In a training step (``train_step``), the gradient of a master adds up in one
-order, whichever way the step runs (:func:`shares_apart`): the uses of each
-later partition add their micro-batches' gradients into a share of their
-own, in the order the partition runs them, and the step sums the shares in
-the order of the partitions as it ends, after the owner's. A pipeline
-across processes adds the copies' gradients in that order too
-(:mod:`torchgpipe.distributed.tied`), so the three ways to run it give the
-same bits::
+In a training step the master's gradient adds up in one order whichever way
+the step runs (:func:`shares_apart`, :mod:`torchgpipe.distributed.tied`), so
+every way gives the same bits::
 
     partition 0 (owner)  g00 + g01 + ... ───► master.grad ─┐
     partition 3 (uses)   g30 + g31 + ... ───► share 3 ─────┴─► master.grad + share 3
@@ -177,21 +163,13 @@ def tie_partitions(partitions: Sequence[nn.Module], devices: Sequence[torch.devi
 
 
 def place_partitions(partitions: Sequence[nn.Module], devices: Sequence[torch.device]) -> None:
-    """Moves each partition to its device; a parameter shared across
+    """Moves each partition to its device, each tensor keeping its object
+    (:func:`~torchgpipe.foundation.placement.place`); a parameter shared across
     partitions stays with the first, and the later ones borrow it at each call.
 
-    Every tensor keeps its object (:func:`~torchgpipe.foundation.placement.place`): one
-    already in the memory of its partition's device (any CPU device, for a
-    tensor on the CPU) is left as it is, one that must move (CPU to CUDA)
-    moves in place, so the user's modules holding it see it moved.
-
-    Args:
-        partitions: the partitions, not moved yet
-        devices: the device of each partition
-
     Raises:
-        ValueError: a buffer, or a layer with parameters or buffers, is in
-            two partitions; nothing is changed then
+        ValueError: a buffer, or a layer with parameters or buffers, is in two
+            partitions; nothing is changed then
     """
     tie_partitions(partitions, devices)
     # One memo for all: a tensor moves with its first partition only.

@@ -1,17 +1,14 @@
 """Argument validation: one message format and one policy for every entry point.
 
-An argument of the wrong type raises :exc:`TypeError`; an argument of the
-right type but a wrong value raises :exc:`ValueError` (or the subclass the
-contract names, such as :class:`BalanceError`, or
-:exc:`IndexError` for too few devices). Every message says, in this order,
-what is required, what was received, and how to fix it::
+A wrong type raises :exc:`TypeError`; a wrong value :exc:`ValueError` (or the
+subclass the contract names: :class:`BalanceError`, :exc:`IndexError` for too
+few devices). Every message says what is required (0.0.7's messages word for
+word), what was received, and how to fix it::
 
     number of chunks must be positive integer (chunks: 0); give the number of
     micro-batches, such as chunks=8
 
-so a user can match on the requirement (torchgpipe 0.0.7's messages are kept
-as requirements, word for word) and copy the fix. Arguments are checked
-before anything is changed: a failed call leaves the user's module as it was.
+Arguments are checked before anything changes.
 """
 import numbers
 import sys
@@ -84,15 +81,8 @@ def as_int(value: object) -> Optional[int]:
 
 
 def check_chunks(chunks: object) -> int:
-    """Checks the number of micro-batches, wherever it is given.
-
-    An integral number that is not an :class:`int` (``8.0``, a NumPy
-    integer, ``torch.tensor(8)``) is accepted, as in torchgpipe 0.0.7. A
-    bool or a non-number is of the wrong type; a number that is not a
-    positive integer (``0``, ``1.5``) is a wrong value.
-
-    Returns:
-        int: the number of micro-batches
+    """Checks the number of micro-batches, wherever it is given; an integral non-int
+    (``8.0``, ``torch.tensor(8)``) is accepted, as in 0.0.7.
 
     Raises:
         TypeError: ``chunks`` is not a number
@@ -109,16 +99,9 @@ def check_chunks(chunks: object) -> int:
 
 
 def parse_device(name: str, value: object, fix: str) -> torch.device:
-    """Parses a device argument.
-
-    Args:
-        name (str): how to name the argument, such as ``'device'`` or
-            ``'devices[1]'``
-        value: a :class:`torch.device`, a string or a CUDA index
-        fix (str): the caller's correct call
-
-    Returns:
-        torch.device: the device, as given (a bare ``'cuda'`` keeps no index)
+    """Parses the device argument ``name`` (``'devices[1]'``): a :class:`torch.device`,
+    a string or a CUDA index, as given (a bare ``'cuda'`` keeps no index); ``fix`` is the
+    caller's correct call.
 
     Raises:
         TypeError: ``value`` is none of the accepted types
@@ -289,16 +272,8 @@ def device_example(device: object) -> str:
 
 
 def check_devices(devices: object, partitions: int) -> List[torch.device]:
-    """Checks the devices and that there is one for each partition.
-
-    Args:
-        devices: the ``devices`` argument of :class:`GPipe`; ``None`` for
-            every CUDA device
-        partitions (int): the number of partitions
-
-    Returns:
-        list of torch.device: every device given (not only the first
-        ``partitions``)
+    """Checks ``devices`` (``None``: every CUDA device), and that there is one for each
+    partition; returns every device given.
 
     Raises:
         TypeError: ``devices`` is not an iterable of devices

@@ -1,28 +1,11 @@
 """Deferred batch normalization: running statistics of the whole mini-batch.
 
-GPipe splits a mini-batch into micro-batches and runs each through a layer
-separately. An ordinary :class:`nn.BatchNorm2d <torch.nn.BatchNorm2d>` would
-therefore update its running statistics once per *micro*-batch: ``chunks``
-momentum steps per training step, each from a small and noisy sample. A model
-trained that way would evaluate differently from the same model trained
-without GPipe.
-
-:class:`DeferredBatchNorm` keeps the normalization of each micro-batch as it
-is (in training, a micro-batch is normalized by its own statistics, exactly as
-``nn.BatchNorm`` would do for it), but *defers* the update of the running
-statistics: the per-channel sum and sum of squares of every micro-batch are
-accumulated, and once the last of ``chunks`` micro-batches has passed, the
-running mean and variance are updated once, as ``nn.BatchNorm`` would have
-updated them for a single call on the whole mini-batch.
-
-A checkpointed micro-batch runs its forward twice (Section 3.2.4 of the
-paper); the recomputation must not count the same samples again, so nothing
-is accumulated while :func:`torchgpipe.is_recomputing` is true.
-
-Inside GPipe, a step may fail halfway (an exception in a layer, Ctrl-C), after
-some layers saw every micro-batch and others only a few. So GPipe holds the
-commit until the whole step is done (``deferred_step``): a step that
-fails commits nothing and leaves no sums behind for the next to mix in.
+A BatchNorm layer inside GPipe sees micro-batches, so it would take ``chunks``
+noisy momentum steps per training step. :class:`DeferredBatchNorm` normalizes
+each micro-batch as ``nn.BatchNorm`` would, but accumulates the statistics and
+commits them once per mini-batch. A recomputation (:func:`torchgpipe.is_recomputing`)
+counts nothing; inside GPipe the commit waits for the whole step
+(``deferred_step``), so a failed step commits nothing.
 """
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Type
@@ -43,48 +26,27 @@ __all__ = ['DeferredBatchNorm']
 class DeferredBatchNorm(_BatchNorm):
     r"""A BatchNorm layer that commits its running statistics once per mini-batch.
 
-    In training mode (with ``track_running_stats=True``), every call
-    normalizes its input with that input's own batch statistics, like
-    :class:`nn.BatchNorm1d <torch.nn.BatchNorm1d>`, ``BatchNorm2d`` and
-    ``BatchNorm3d`` do, but leaves the running statistics alone. Instead it
-    accumulates the per-channel sum and sum of squares of the input. After
-    ``chunks`` calls, ``running_mean``, ``running_var`` and
-    ``num_batches_tracked`` are updated exactly once, to the values that an
-    ``nn.BatchNorm`` layer would have after one call on the concatenation of
-    those ``chunks`` inputs: the exponential moving average with
-    ``momentum``, or the cumulative average when ``momentum`` is ``None``,
-    of the mean and the unbiased variance of the whole mini-batch.
-
-    Calls made while :func:`torchgpipe.is_recomputing` returns
-    ``True`` (the recomputation of a checkpointed micro-batch) are
-    normalized the same way but are not counted.
-
-    In evaluation mode, or with ``track_running_stats=False``, it behaves
-    exactly like ``nn.BatchNorm``.
-
-    The layer accepts 2D to 5D inputs of shape ``(N, C, *)``, so one
-    class stands in for ``BatchNorm1d``, ``BatchNorm2d`` and ``BatchNorm3d``.
-
-    Usually you don't create it yourself: :class:`~torchgpipe.GPipe` with
-    ``deferred_batch_norm=True`` calls :meth:`convert_deferred_batch_norm`.
+    In training (with ``track_running_stats=True``), every call normalizes its
+    input by that input's own statistics and accumulates their per-channel sums;
+    after ``chunks`` calls, ``running_mean``, ``running_var`` and
+    ``num_batches_tracked`` are updated once, to what an ``nn.BatchNorm`` layer
+    would hold after one call on the concatenated inputs. Recomputations are not
+    counted. In evaluation, or without running statistics, it is ``nn.BatchNorm``.
+    Inputs are 2D to 5D, ``(N, C, *)``: one class stands in for ``BatchNorm1d``,
+    ``2d`` and ``3d``. :class:`~torchgpipe.GPipe` with ``deferred_batch_norm=True``
+    makes them (:meth:`convert_deferred_batch_norm`).
 
     Args:
         num_features (int): number of channels ``C``
-        eps (float): value added to the denominator for numerical stability
-            (default: ``1e-5``)
-        momentum (float or None): factor of the exponential moving average of
-            the running statistics, or ``None`` for a cumulative moving
-            average (default: ``0.1``)
-        affine (bool): whether to have learnable affine parameters
-            (default: ``True``)
-        chunks (int): number of micro-batches that make up one mini-batch,
-            i.e. number of training calls per commit (default: ``1``)
+        eps (float): added to the denominator for numerical stability (default: ``1e-5``)
+        momentum (float or None): factor of the exponential moving average, or
+            ``None`` for a cumulative average (default: ``0.1``)
+        affine (bool): whether to have learnable affine parameters (default: ``True``)
+        chunks (int): training calls per commit (default: ``1``)
 
     Keyword Args:
-        track_running_stats (bool): whether to track running statistics
-            (default: ``True``)
-        bias (bool): whether the affine transformation has a learnable bias;
-            ignored when ``affine`` is ``False`` (default: ``True``)
+        track_running_stats (bool): whether to track running statistics (default: ``True``)
+        bias (bool): whether the affine transformation has a bias (default: ``True``)
         device (torch.device, optional): device of the parameters and buffers
         dtype (torch.dtype, optional): dtype of the parameters and buffers
 
@@ -300,43 +262,26 @@ class DeferredBatchNorm(_BatchNorm):
 
     @classmethod
     def convert_deferred_batch_norm(cls, module: nn.Module, chunks: int = 1) -> nn.Module:
-        """Replaces every BatchNorm layer in ``module`` with :class:`DeferredBatchNorm`.
+        """Replaces every BatchNorm layer in ``module`` with :class:`DeferredBatchNorm`, in place.
 
-        Every :class:`_BatchNorm <torch.nn.modules.batchnorm._BatchNorm>`
-        (``nn.BatchNorm1d``, ``BatchNorm2d``, ``BatchNorm3d``,
-        ``SyncBatchNorm``, ...) found recursively in ``module`` is replaced in
-        place, in its parent, by a :class:`DeferredBatchNorm` sharing its
-        weight and bias (the same :class:`~torch.nn.Parameter` objects, so an
-        optimizer built before the conversion still updates them) and its
-        running statistics, with the same ``eps``, ``momentum``, ``affine``
-        and training mode. A layer reached through several parents is
-        replaced by one shared :class:`DeferredBatchNorm`. As in torchgpipe
-        0.0.7, a layer that is already deferred is left as it is when its
-        ``chunks`` is the one asked for, and replaced like any other
-        BatchNorm layer when it is not: it would otherwise commit its
-        statistics after the wrong number of micro-batches. Its replacement
-        shares its parameters and running statistics in the same way, and
-        starts a new mini-batch: sums accumulated by the old layer in the
-        middle of one are not carried over. A layer with
-        ``track_running_stats=False`` has no running statistics to defer
-        and is left as it is.
+        Each replacement shares its layer's parameters (an optimizer built before
+        still updates them) and running statistics, with the same ``eps``,
+        ``momentum``, ``affine`` and training mode. A layer already deferred over
+        ``chunks`` micro-batches, or without running statistics, stays; one deferred
+        over other ``chunks`` is replaced, as in torchgpipe 0.0.7.
 
         Args:
-            module (nn.Module): the module to convert; if it is itself a
-                BatchNorm layer to replace, a new module is returned instead
-            chunks (int): number of micro-batches per mini-batch; an
-                integral number such as ``4.0`` is taken as an int
-                (default: ``1``)
+            module (nn.Module): the module to convert (a BatchNorm layer itself is
+                replaced by a new module, returned)
+            chunks (int): number of micro-batches per mini-batch (default: ``1``)
 
         Returns:
-            nn.Module: ``module``, or its replacement when ``module`` itself
-            is a BatchNorm layer that is replaced
+            nn.Module: ``module``, or its replacement
 
         Raises:
             TypeError: ``chunks`` is not a number.
-            ValueError: ``chunks`` is not a positive integer, or a lazy
-                BatchNorm layer has not been initialized yet; ``module`` is
-                then left as it was.
+            ValueError: ``chunks`` is not a positive integer, or a lazy BatchNorm
+                layer is not initialized yet; ``module`` is then left as it was.
 
         Example::
 
@@ -366,10 +311,7 @@ class DeferredBatchNorm(_BatchNorm):
 
     @classmethod
     def _from_batch_norm(cls, layer: nn.Module, chunks: int) -> Optional['DeferredBatchNorm']:
-        """The deferred replacement of a BatchNorm layer; ``None`` for any
-        other layer, for a layer already deferred over ``chunks``
-        micro-batches, and for one without running statistics (there is
-        nothing to defer)."""
+        """The deferred replacement of a BatchNorm layer; ``None``: nothing to replace."""
         if not isinstance(layer, _BatchNorm) or not layer.track_running_stats:
             return None
         if isinstance(layer, DeferredBatchNorm) and layer.chunks == chunks:
@@ -388,19 +330,8 @@ class DeferredBatchNorm(_BatchNorm):
 
 @contextmanager
 def deferred_step(layers: Sequence[DeferredBatchNorm], chunks: int) -> Iterator[None]:
-    """Runs a step of ``chunks`` micro-batches, committing the layers' statistics at its end.
-
-    Within the context, the layers accumulate the statistics of every
-    micro-batch without committing them. If the context ends normally, each
-    layer that saw micro-batches in training commits once, for the whole
-    mini-batch. If it ends by an exception (``KeyboardInterrupt`` too), the
-    sums are dropped, and the running statistics stay as they were before
-    the step, whichever layers had seen every micro-batch.
-
-    Args:
-        layers: the deferred BatchNorm layers of the pipeline
-        chunks: the number of micro-batches of the step
-    """
+    """Runs a step of ``chunks`` micro-batches; the layers commit their statistics once
+    at its end, or drop them if it ends by an exception (``KeyboardInterrupt`` too)."""
     for layer in layers:
         # Leftovers of a call outside a step would mix into this one.
         layer._reset_accumulators()
@@ -422,18 +353,11 @@ def deferred_step(layers: Sequence[DeferredBatchNorm], chunks: int) -> Iterator[
 
 def restore_batch_norm(module: nn.Module) -> nn.Module:
     """Turns every :class:`DeferredBatchNorm` that
-    :meth:`~DeferredBatchNorm.convert_deferred_batch_norm` made in ``module``
-    back into the BatchNorm layer it replaced, in place.
+    :meth:`~DeferredBatchNorm.convert_deferred_batch_norm` made in ``module`` back
+    into the layer it replaced (same tensors), in place.
 
-    The restored layer is of the replaced class (``nn.BatchNorm2d``, ...),
-    with the deferred layer's parameters and running statistics (the same
-    tensors), ``eps``, ``momentum`` and training mode; the accumulators of a
-    mini-batch in progress are dropped. A :class:`DeferredBatchNorm` made
-    directly has no class to return to and stays.
-
-    Returns:
-        nn.Module: ``module``, or its replacement when ``module`` itself is
-        a converted layer
+    A :class:`DeferredBatchNorm` made directly has no class to return to and stays.
+    Returns ``module``, or its replacement when ``module`` itself was converted.
     """
     def restore(layer: nn.Module) -> Optional[nn.Module]:
         if not isinstance(layer, DeferredBatchNorm) or layer.replaced_class is None:

@@ -1,13 +1,10 @@
 """Checkpointing with two autograd functions sharing memory (Section 3.2.4).
 
-PyTorch's own checkpoint recomputes a forward inside the backward of a single
-autograd node, tying the recomputation ``F'(i, j)`` to ``B(i, j)``. GPipe
-wants the recomputation to start *before* the gradient from the next partition
-has arrived, so the two overlap. Here :class:`Checkpoint` (forward without
-keeping activations, backward through the recomputed graph) and
-:class:`Recompute` (the recomputation) are separate nodes that share a
-``recomputed`` slot. Recompute passes the output through; the pipeline puts
-the Wait for the gradient's copy stream between the two::
+PyTorch's checkpoint recomputes inside one node's backward, tying the
+recomputation ``F'(i, j)`` to ``B(i, j)``. GPipe starts it *before* the
+gradient from the next partition arrives, so the two overlap:
+:class:`Checkpoint` and :class:`Recompute` are separate nodes sharing a
+``recomputed`` slot, with the Wait for the gradient's copy between them::
 
     forward:   input ─► Checkpoint ─► output ─► Wait ─► Recompute ─► output'
 
@@ -18,20 +15,11 @@ the Wait for the gradient's copy stream between the two::
                3. Wait.backward: the compute stream waits for the copy
                4. Checkpoint.backward: backpropagate through the stashed graph
 
-On CUDA, the recomputation's kernels thus queue before the wait, and run
-while the gradient is still being copied.
-
-The recomputation replays the forward exactly: the two passes run in the
-contexts of :mod:`torchgpipe.runtime.replay`, which a training step's recomputation
-uses too, so dropout draws the same masks and mixed precision computes in the
-same dtypes. Recompute keeps what it replays from
-(the input and the generator states) as saved tensors, so a graph kept by
-``retain_graph=True`` can be backpropagated through again, recomputing again.
-
-A partition that changes its input in place (``nn.ReLU(inplace=True)`` first)
-would overwrite the input saved for the recomputation, and cannot run on a
-leaf in the recomputation. For such a partition (see
-:class:`~torchgpipe.runtime.traits.PartitionTraits`) both passes run on copies.
+Both passes run in the contexts of :mod:`torchgpipe.runtime.replay` (same
+dropout masks, same autocast). Recompute keeps what it replays from as saved
+tensors, so a graph kept by ``retain_graph=True`` recomputes again. A
+partition that changes its input in place runs both passes on copies
+(:class:`~torchgpipe.runtime.traits.PartitionTraits`).
 """
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, cast
 
@@ -61,26 +49,20 @@ Recomputed = Tuple[TensorOrTensors, Tensors, List[Tensor]]
 
 
 class Context:
-    """What a :class:`Checkpoint` and its :class:`Recompute` share, apart from tensors.
-
-    Tensors go through the autograd functions' arguments and saved tensors,
-    which autograd tracks and releases; this holds the rest, and the slots
-    through which the passes hand over their results. One is made for every
-    checkpointed task, hence a plain class with slots.
+    """What a :class:`Checkpoint` and its :class:`Recompute` share, apart from tensors
+    (which go through autograd, which tracks and frees them).
 
     Args:
-        function: the partition, as a function of a tensor or a tuple of
-            tensors
+        function: the partition, as a function of a tensor or a tuple of tensors
         atomic: whether the function takes a tensor rather than a tuple
-        layout: where the input tensors go among the other values of the
-            input tuple (``None``: the input is tensors only)
+        layout: where the input tensors go among the input tuple's other values
+            (``None``: tensors only)
         num_inputs: how many leading tensor arguments are the input (then
             parameters, or generator states)
-        traits: what earlier runs showed about the partition; the first pass
-            learns whether it modifies its input in place
-        exclusive_rng: whether the recomputation may draw from the CPU
-            generator, and so must hold it alone
-        task: the task's ``(i, j)``, for the labels of a profiler
+        traits: what earlier runs showed about the partition
+        exclusive_rng: whether the recomputation may draw from the CPU generator,
+            and so must hold it alone
+        task: the task's ``(i, j)``, for a profiler's labels
     """
 
     __slots__ = ('function', 'atomic', 'layout', 'num_inputs', 'traits', 'exclusive_rng',
@@ -122,17 +104,12 @@ class Checkpointing:
     Args:
         function: the partition to run on the batch
         batch (Batch): the input micro-batch
-        parameters: the parameters of the function that require grad.
-            Their gradients are returned by the checkpoint's backward, summed
-            by the autograd engine over micro-batches and accumulated once per
-            backward pass, as without checkpointing (DistributedDataParallel
-            relies on that). Gradients of other leaves the function reaches are
-            accumulated directly.
-        traits: what earlier runs showed about the partition; whether it
-            modifies its input in place is learned here
-        exclusive_rng: whether the recomputation may draw from the CPU
-            generator, and so must hold it alone
-        task: the task's ``(i, j)``, which labels its backward pass for a profiler
+        parameters: the function's parameters that require grad: their gradients
+            are returned by the checkpoint's backward, so the engine accumulates
+            them once per backward pass, as without checkpointing (DDP relies on it)
+        traits: what earlier runs showed about the partition
+        exclusive_rng: as for :class:`Context`
+        task: the task's ``(i, j)``, for a profiler's labels
     """
 
     def __init__(self, function: Function, batch: Batch, parameters: Sequence[Tensor] = (),
@@ -160,13 +137,9 @@ class Checkpointing:
         return Batch(output)
 
     def recompute(self, batch: Batch) -> None:
-        """Schedules the recomputation right before the checkpoint's backward.
-
-        Args:
-            batch (Batch): the output batch :meth:`checkpoint` returned; each
-                tensor that requires grad is replaced by one that carries the
-                dependency
-        """
+        """Schedules the recomputation right before the checkpoint's backward; each tensor
+        of ``batch`` (:meth:`checkpoint`'s output) that requires grad is replaced by one
+        carrying that dependency."""
         context = self.context
         assert context.first_pass is not None
         (cpu_rng_state, gpu_rng_state) = context.first_pass.rng
@@ -187,31 +160,16 @@ class Checkpointing:
 
 
 def checkpoint_stop(checkpoint: str, chunks: int, m: int, training: bool) -> int:
-    """How many of the first of ``m`` micro-batches the checkpoint mode ``checkpoint`` checkpoints.
-
-    None without a backward pass to come (in evaluation mode, or with
-    gradients disabled). As in torchgpipe 0.0.7, ``'except_last'`` spares
-    the last of ``chunks`` micro-batches: a short mini-batch split into fewer
-    micro-batches has all of them checkpointed.
-    """
+    """How many of the first of ``m`` micro-batches ``checkpoint`` checkpoints: none
+    without a backward to come; ``'except_last'`` spares the last of ``chunks``, as in 0.0.7."""
     if not (training and torch.is_grad_enabled()):
         return 0
     return {'always': m, 'except_last': min(m, chunks - 1), 'never': 0}[checkpoint]
 
 
 def checkpoint(function: Function, input: TensorOrTensors) -> TensorOrTensors:
-    """Makes a checkpoint with a simple interface, like :func:`torch.utils.checkpoint.checkpoint`.
-
-    It is only meant to test or debug :class:`Checkpoint` and
-    :class:`Recompute` without boilerplate.
-
-    Args:
-        function: a function of a tensor or a tuple of tensors
-        input (torch.Tensor or tuple of tensors): its input
-
-    Returns:
-        torch.Tensor or tuple of tensors: what ``function`` returns, with
-        activations dropped and recomputed during the backward pass
+    """Checkpoints ``function`` on ``input``, like :func:`torch.utils.checkpoint.checkpoint`:
+    for tests and debugging of :class:`Checkpoint` and :class:`Recompute`.
 
     Example::
 
@@ -230,8 +188,7 @@ def checkpoint(function: Function, input: TensorOrTensors) -> TensorOrTensors:
 class Checkpoint(torch.autograd.Function):
     """Runs the function without keeping activations; backward uses :class:`Recompute`'s graph.
 
-    Why the parameters are arguments of Checkpoint, and what
-    :func:`reachable_leaves` is for::
+    Why the parameters are arguments of Checkpoint::
 
         without checkpointing             with checkpointing
 
@@ -243,16 +200,9 @@ class Checkpoint(torch.autograd.Function):
                                               AccumulateGrad(W), once, after the
                                               engine summed dW over micro-batches
 
-    The backward differentiates the recomputed graph as
-    :func:`torch.autograd.grad` does (:func:`differentiate`), which returns
-    gradients instead of accumulating them. Returning each parameter's as the
-    gradient of a Checkpoint input leaves the accumulation to the engine, once
-    per backward pass as without checkpointing: hooks on it
-    (DistributedDataParallel's) fire as usual. Differentiating needs the list
-    of leaves to differentiate for; :func:`reachable_leaves` walks the
-    recomputed graph to find them all, so leaves that are neither the input
-    nor a parameter of the partition (a tensor a layer captured) get their
-    gradients too.
+    So hooks on the accumulation (DDP's) fire as usual. :func:`reachable_leaves`
+    finds every leaf of the recomputed graph, so a tensor a layer captured gets
+    its gradient too.
     """
 
     @staticmethod

@@ -25,15 +25,9 @@ def split_module(module: nn.Sequential, balance: Iterable[int],
                  ) -> Tuple[List[nn.Sequential], List[int], List[torch.device]]:
     """Splits a module into partitions by the balance, each moved to its device.
 
-    Every argument is checked before the first layer moves.
-
-    Every parameter and buffer moves in place, keeping its object (a module
-    of the user's holding it sees it moved), and one already in the memory
-    of its partition's device (any CPU device, for a tensor on the CPU) is
-    not copied. A parameter used by layers of several partitions (tied
-    weights) stays with its first partition; the layers of later partitions
-    use it, or a copy of it made at each call if their device is in another
-    memory (see :ref:`guide-tied-weights`).
+    Every argument is checked before the first layer moves. Tensors move in place,
+    keeping their objects; a parameter tied across partitions stays with its first
+    (see :ref:`guide-tied-weights`).
 
     Args:
         module (nn.Sequential): the module to split
@@ -46,12 +40,12 @@ def split_module(module: nn.Sequential, balance: Iterable[int],
 
     Raises:
         TypeError: the balance is not an iterable of ints
-        BalanceError: the balance does not sum to the number of layers, or
-            has a non-positive entry
+        BalanceError: the balance does not sum to the number of layers, or has
+            a non-positive entry
         IndexError: fewer devices than partitions
-        ValueError: a device in use is a CUDA device that does not exist here;
-            a layer's tensor is on the meta device; or a buffer, or a layer
-            with parameters or buffers, is in two partitions
+        ValueError: a device in use is a CUDA device that does not exist here; a
+            layer's tensor is on the meta device; or a buffer, or a layer with
+            parameters or buffers, is in two partitions
     """
     balance = check_balance(module, balance)
     devices = check_devices(devices, len(balance))

@@ -1,11 +1,8 @@
 """The plain ``nn.Sequential`` behind a GPipe: its state-dict keys, and the module itself.
 
-A GPipe's state dict has the keys of its partitions,
-``partitions.<j>.<child name>.<name>`` (as in torchgpipe 0.0.7), while a
-model trained without GPipe has those of the sequential,
-``<child name>.<name>``. :func:`load_state_dict` takes either style;
-:func:`unwrap` gives the sequential back, on one device. Both are the bodies
-of the GPipe methods of the same names.
+The bodies of :meth:`GPipe.load_state_dict <torchgpipe.GPipe.load_state_dict>`
+(keys ``partitions.<j>.<child>.<name>`` or the sequential's ``<child>.<name>``)
+and :meth:`GPipe.unwrap <torchgpipe.GPipe.unwrap>`.
 """
 import copy
 from collections import OrderedDict

@@ -1,10 +1,6 @@
 """Replay: a checkpointed micro-batch's first pass, and a recomputation that computes alike.
 
-Both engines checkpoint. The forward path does it with the autograd functions
-of :mod:`torchgpipe.runtime.checkpoint`, whose recomputation the caller's
-``loss.backward()`` triggers; a training step (:mod:`torchgpipe.engine.step`)
-recomputes in its backward action. Either way, the two passes of a micro-batch
-run in the two contexts below, which makes them compute alike::
+Both engines run the two passes of a micro-batch in these two contexts::
 
     first_pass(device)                      recomputation(device, states, ...)
       save generator states + autocast  ──►   the same generator states, put
@@ -12,8 +8,8 @@ run in the two contexts below, which makes them compute alike::
       is_checkpointing() is True              grad enabled
                                               is_recomputing() is True
 
-so dropout draws the same masks (:mod:`torchgpipe.foundation.rng`) and mixed precision
-computes in the same dtypes (:mod:`torchgpipe.foundation.autocast`).
+so dropout draws the same masks (:mod:`torchgpipe.foundation.rng`) and mixed
+precision computes in the same dtypes (:mod:`torchgpipe.foundation.autocast`).
 """
 from contextlib import contextmanager
 from typing import Generator, List, Optional
@@ -31,18 +27,14 @@ __all__: List[str] = []
 
 
 class FirstPass:
-    """What a first pass leaves for its recomputation: the states to replay, and
-    where the CPU generator was as it ended.
+    """What a first pass leaves for its recomputation: the states to replay, and where
+    the CPU generator was as it ended.
 
-    A recomputation that draws what its first pass drew ends with the CPU
-    generator where the first pass left it. If another thread drew from the
-    generator in between (a data loader's ``torch.randn``), within the first
-    pass or the recomputation, the two passes drew other numbers (another
-    dropout mask) and the generator ends elsewhere: :func:`recomputation`
-    raises rather than let the gradients be silently wrong
-    (:func:`replayed_otherwise`; passes that draw nothing are left alone). Only a pass
-    that holds the generator (:func:`~torchgpipe.foundation.rng.cpu_generator_held`)
-    notes its end: the library's own tasks then draw nothing in between.
+    A recomputation that ends with the generator elsewhere drew other numbers
+    (another thread drew in between): :func:`recomputation` raises rather than
+    give silently wrong gradients (:func:`replayed_otherwise`). Only a pass that
+    holds the generator (:func:`~torchgpipe.foundation.rng.cpu_generator_held`)
+    notes its end.
 
     Args:
         rng: the generators' states as the first pass began
@@ -93,19 +85,13 @@ def first_pass(device: torch.device) -> Generator[FirstPass, None, None]:
 @contextmanager
 def recomputation(device: torch.device, states: FirstPass, *,
                   exclusive: bool) -> Generator[None, None, None]:
-    """Runs a recomputation from what its :func:`first_pass` saved.
-
-    Args:
-        device: the device the first pass ran on
-        states: what entering the first pass gave
-        exclusive: whether the recomputation may draw from the CPU
-            generator: then it replays that generator too, holding it
-            alone (see :func:`~torchgpipe.foundation.rng.restore_rng_states`)
+    """Runs a recomputation from what its :func:`first_pass` saved (``states``), on its
+    ``device``; if ``exclusive`` (it may draw from the CPU generator) it replays that
+    generator too, holding it alone.
 
     Raises:
-        RuntimeError: the recomputation ended with the CPU generator
-            elsewhere than its first pass: something else drew from it
-            in between (see :class:`FirstPass`)
+        RuntimeError: the recomputation ended with the CPU generator elsewhere
+            than its first pass: something else drew from it in between
     """
     with restore_rng_states(device, states.rng, exclusive=exclusive), \
             restore_autocast_states(states.autocast), torch.enable_grad(), enable_recomputing():

@@ -1,17 +1,15 @@
 """What running a partition has shown about it, so later runs can take shortcuts.
 
-Two habits of a partition change what the pipeline must do, and neither can be
-read off the modules reliably (any custom layer may have them):
+Two habits no module reveals reliably change what the pipeline must do:
 
-- It **modifies its input in place** (``nn.ReLU(inplace=True)`` right after a
-  partition boundary). A checkpointed first pass must then run on a copy of
-  its input, or the input saved for the recomputation is overwritten.
-- It **draws from the CPU generator** (dropout on CPU). With worker threads, its
-  tasks must then take turns with others that do (see :mod:`torchgpipe.foundation.rng`).
+- a partition that **modifies its input in place** must run its checkpointed
+  first pass on a copy, or the input saved for the recomputation is lost;
+- a partition that **draws from the CPU generator** must take turns with
+  others that do (:mod:`torchgpipe.foundation.rng`).
 
-Until a habit is known, the pipeline assumes the cautious answer and watches.
-These facts belong to one GPipe instance's run, not to its model: a copy of the
-GPipe starts with none (see :class:`~torchgpipe.runtime.state.RunState`).
+Until a habit is known the pipeline assumes the cautious answer and watches.
+The facts belong to one GPipe's run, not to its model
+(:class:`~torchgpipe.runtime.state.RunState`).
 """
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple, TypeVar
@@ -53,12 +51,9 @@ class PartitionTraits:
 
     def call(self, function: Callable[[T], R], input: Tuple[Tensor, ...],
              arguments: Callable[[Tuple[Tensor, ...]], T], again: str) -> R:
-        """Calls ``function`` on the partition's input, or on copies unless it leaves it alone.
-
-        The input must stay as it is: a recomputation runs from it again,
-        and a leaf that requires grad cannot be changed in place at all. A
-        partition not known to leave its input alone runs on copies, which
-        shows whether it changes them (:attr:`modifies_input`).
+        """Calls ``function`` on the partition's input, on copies unless it is known to leave
+        its input alone (a recomputation runs from the input again, and a leaf requiring
+        grad cannot change in place); the copies show whether it changes them.
 
         Args:
             function: the partition's function
@@ -67,8 +62,8 @@ class PartitionTraits:
             again: what to call again after the error below (``'GPipe'``)
 
         Raises:
-            RuntimeError: a partition known to leave its input alone changed
-                it; from now on it runs on copies
+            RuntimeError: a partition known to leave its input alone changed it;
+                from now on it runs on copies
         """
         if self.modifies_input is False:
             versions = [x._version for x in input]

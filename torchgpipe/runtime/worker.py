@@ -1,30 +1,15 @@
-"""Workers: one thread per device, running the tasks both engines issue.
+"""Workers: one thread per distinct device, running the tasks the executor issues.
 
-The tasks of one clock cycle are independent (Section 3.2.1), so the devices
-can work on them at the same time. Each distinct device gets one thread, fed
-through a queue; partitions sharing a device share its thread, so tasks on one
-device run in the order they were issued. Between calls the threads park
-(:class:`~torchgpipe.runtime.crew.Parking`), for a thread's first operators
-are slow. A pipeline whose partitions all share one device has nothing to
-overlap: its tasks run in the calling thread, which spares a thread switch
-per task. The executor
-(:func:`torchgpipe.engine.step.execute`) gives each worker one task: its
-device's actions in clock order, which wait for each other's messages.
+The tasks of one clock cycle are independent (Section 3.2.1), so each
+distinct device gets a thread fed through a queue; partitions sharing a
+device share its thread, so its tasks run in issue order. When every
+partition shares one device there is nothing to overlap: tasks run in the
+calling thread.
 
-Tasks on different threads that draw from the CPU generator take
-:class:`Turns` in issue order (see :mod:`torchgpipe.foundation.rng`). A task waiting for
-something that will not come, because the run stopped, ends with
-:class:`Stopped`.
-
-Grad mode and autocast are thread-local in PyTorch; a new thread starts with
-grad enabled and autocast off. The workers take both from the caller at each
-call, with its number of intra-op threads, so
-``torch.no_grad()`` and ``torch.autocast()`` around a GPipe call work. They
-take its hold of the CPU generator too: a GPipe inside a partition of
-another runs while its caller holds it (see :mod:`torchgpipe.foundation.rng`).
-
-CPU devices with distinct indices (``'cpu:0'``, ``'cpu:1'``) count as distinct
-devices: their partitions get threads of their own and may run concurrently.
+Grad mode, autocast and the number of intra-op threads are thread-local in
+PyTorch, so workers take them from the caller at each call, and its hold of
+the CPU generator too (see :mod:`torchgpipe.foundation.rng`). CPU devices
+with distinct indices (``'cpu:0'``, ``'cpu:1'``) get threads of their own.
 """
 import functools
 import sys
@@ -43,7 +28,7 @@ from torchgpipe.foundation.autocast import (AutocastStates, restore_autocast_sta
 from torchgpipe.foundation.microbatch import Batch
 from torchgpipe.foundation.rng import cpu_generator_owned, holding_for_caller
 from torchgpipe.foundation.stream import AbstractStream, use_device, use_stream
-from torchgpipe.runtime.crew import Crew
+from torchgpipe.runtime.threads import WorkerGroup
 
 __all__: List[str] = []
 
@@ -56,19 +41,17 @@ class Stopped(Exception):
     """Ends a task waiting for something that will not come: the run it belongs to stopped."""
 
 
-class Turns:
-    """Runs tasks one at a time, in the order they were issued, whatever thread runs them.
+class IssueOrder:
+    """Runs wrapped tasks one at a time in the order they were wrapped, whatever thread runs them.
 
-    Each task wrapped by :meth:`take` waits until the task wrapped before it
-    has finished (succeeded or failed), so tasks on different threads draw
-    random numbers in the order one thread would. :meth:`stop` ends every
-    wait with :class:`Stopped`: after a failure or Ctrl-C, tasks left in the
-    queues are skipped, and a turn after theirs never comes.
+    So tasks on different threads draw random numbers in the order one thread
+    would. :meth:`stop` ends every wait with :class:`Stopped`: after a failure
+    or Ctrl-C, a task skipped in its queue never ends its turn.
 
     Example::
 
-        >>> turns = Turns()
-        >>> first, second = turns.take(lambda: 1), turns.take(lambda: 2)
+        >>> order = IssueOrder()
+        >>> first, second = order.wrap(lambda: 1), order.wrap(lambda: 2)
         >>> first(), second()
         (1, 2)
     """
@@ -79,8 +62,8 @@ class Turns:
         self._turn = 0
         self._stopped = False
 
-    def take(self, compute: Callable[[], T]) -> Callable[[], T]:
-        """Wraps ``compute`` to run after every task wrapped before it.
+    def wrap(self, compute: Callable[[], T]) -> Callable[[], T]:
+        """Wraps ``compute`` to run after every task wrapped before it has finished.
 
         Raises (the wrapper):
             Stopped: :meth:`stop` was called before the turn came
@@ -111,11 +94,7 @@ class Turns:
 
 
 class Task:
-    """A task: a computation for a worker, and a finalization for the thread that gets its result.
-
-    ``compute`` runs in the worker thread. ``finalize``, as torchgpipe 0.0.7
-    had it, runs where the result is collected (the executor's tasks need
-    none: each action attaches what it builds itself).
+    """A computation for a worker, and a finalization for the thread that gets its result.
 
     Args:
         stream: the stream to compute on (``None``: the worker's current one)
@@ -176,11 +155,10 @@ def worker(in_queue: 'Queue[Optional[Task]]', out_queue: 'Queue[Result]', device
     """A worker thread's job for one call: computes tasks until it gets ``None``, or is
     stopped.
 
-    If ``held``, the caller holds the CPU generator while it waits for the
-    tasks: they draw under its hold. ``threads`` is the caller's number of
-    intra-op threads: a thread takes PyTorch's setting at its first
-    operator only, and a parked worker may have started before the caller
-    changed it.
+    If ``held``, the tasks draw under the caller's hold of the CPU generator.
+    ``threads``, the caller's intra-op threads, is set again because a thread
+    reads PyTorch's setting at its first operator only, and an idle worker
+    may have started before the caller changed it.
     """
     torch.set_grad_enabled(grad_mode)
     if torch.get_num_threads() != threads:
@@ -229,24 +207,20 @@ def spawn_workers(devices: Iterable[torch.device], wake: Optional[Callable[[], N
                   ) -> Generator[Tuple[List[InQueue], List[OutQueue]], None, None]:
     """Gives one worker thread to each distinct device, and takes them back on exit.
 
-    On a normal exit, the workers finish the tasks left in their queues
-    first. On an exception (a failed task re-raised, or Ctrl-C), they skip
-    them: each finishes at most the task it is running. Either way the
-    context ends only once no worker is left to change tensors behind the
-    caller's back. The threads are parked ones when there are (see
-    :class:`~torchgpipe.runtime.crew.Parking`); after a normal exit they
-    park again, after an exception they have exited. With a single distinct device, no thread
-    works: the tasks run in the calling thread, as they are put.
+    On a normal exit the workers finish the tasks left in their queues, then
+    wait idle for the next call; on an exception (a failed task re-raised, or
+    Ctrl-C) each finishes at most the task it runs, and exits. Either way the
+    context ends only once no worker can change tensors behind the caller's
+    back. With one distinct device, tasks run in the calling thread as put.
 
     Args:
         devices: the device of each partition
-        wake: ends every wait of a task for another (:meth:`Turns.stop`, a
-            mailbox's ``stop``): on an exception, the tasks skipped would
-            leave those waits without an end
+        wake: ends every wait of a task for another (:meth:`IssueOrder.stop`,
+            a mailbox's ``stop``), which skipped tasks would leave without end
 
     Yields:
-        (in_queues, out_queues): the queues of each partition's worker, in
-        the order of ``devices``; partitions on the same device share them
+        (in_queues, out_queues): each partition's worker queues, in the order
+        of ``devices``; partitions on the same device share them
     """
     devices = [_normalize(d) for d in devices]
     distinct = distinct_devices(devices)
@@ -257,28 +231,27 @@ def spawn_workers(devices: Iterable[torch.device], wake: Optional[Callable[[], N
 
     queues = {d: (cast('Queue[Optional[Task]]', Queue()), cast('Queue[Result]', Queue()))
               for d in distinct}
-    crew = Crew()
+    workers = WorkerGroup()
     grad_mode = torch.is_grad_enabled()
     autocast_states = save_autocast_states()
     held = cpu_generator_owned()
     threads = torch.get_num_threads()
     try:
         for device in distinct:
-            crew.start(functools.partial(worker, *queues[device], device, grad_mode,
-                                         autocast_states, crew.stopping, held, threads),
+            workers.start(functools.partial(worker, *queues[device], device, grad_mode,
+                                         autocast_states, workers.stopping, held, threads),
                        name=f'torchgpipe worker ({device})')
         yield ([queues[d][0] for d in devices], [queues[d][1] for d in devices])
     except BaseException:
-        # Tasks left in the queues are skipped: a worker checks the flag
-        # before each.
-        crew.stopping.set()
+        # A worker checks the flag before each task: those left are skipped.
+        workers.stopping.set()
         raise
     finally:
         # A None after the last task ends each worker, also one waiting for
         # a task.
         for in_queue, _ in queues.values():
             in_queue.put(None)
-        if crew.stopping.is_set():
-            crew.stop(wake)
+        if workers.stopping.is_set():
+            workers.stop(wake)
         else:
-            crew.wait(wake)
+            workers.wait(wake)

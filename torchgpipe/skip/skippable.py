@@ -111,23 +111,17 @@ class Skippable(nn.Module):
             yield self.namespaced(name)
 
     def isolate(self: T, ns: Namespace, *, only: Optional[Iterable[str]] = None) -> T:
-        """Moves skip names of this layer into the namespace ``ns``.
-
-        A skip is matched by its namespace and its name, so two pairs of
-        layers may use the same name in one model once each pair is isolated
-        in a namespace of its own. Names never isolated share one default
-        namespace. Isolating again moves the names again.
+        """Moves skip names of this layer into the namespace ``ns``, so that
+        pairs of layers isolated apart may use the same name.
 
         Args:
             ns (Namespace): the namespace to move the names into
 
         Keyword Args:
-            only (iterable of strs, optional): the names to move; by default
-                every name the layer stashes or pops
+            only (iterable of strs, optional): the names to move (default: all)
 
         Returns:
-            this layer, so that calls can be chained and written inline in
-            an ``nn.Sequential``
+            this layer, so that it can be written inline in an ``nn.Sequential``
 
         Raises:
             ValueError: ``only`` holds a name the layer does not declare
@@ -164,27 +158,13 @@ class Skippable(nn.Module):
     def dispatch(self, input: TensorOrTensors,
                  handle_stash: Callable[[str, Optional[Tensor]], None],
                  handle_pop: Callable[[str], Optional[Tensor]]) -> Any:
-        """Runs the wrapped module's ``forward``, answering its commands with two callbacks.
+        """Runs the wrapped module's ``forward``, answering ``yield stash(name, tensor)``
+        with ``handle_stash(name, tensor)`` and ``yield pop(name)`` with ``handle_pop(name)``.
 
-        :meth:`forward` uses it with the current skip tracker behind the
-        callbacks. A module holding a skippable layer may call it directly to
-        take over the layer's skips, for example to pass a stashed tensor on
-        in its own output.
-
-        Args:
-            input (torch.Tensor or tuple of tensors): the wrapped module's input
-            handle_stash (callable): called as ``handle_stash(name, tensor)``
-                for every ``yield stash(name, tensor)``
-            handle_pop (callable): called as ``handle_pop(name)`` for every
-                ``yield pop(name)``; what it returns is sent back to the
-                generator as the popped tensor
-
-        Returns:
-            what the wrapped module's ``forward`` returns
+        A module holding a skippable layer may call it to take over the layer's skips.
 
         Raises:
-            TypeError: the ``forward`` yielded something other than
-                :class:`stash` or :class:`pop`
+            TypeError: ``forward`` yielded something other than :class:`stash` or :class:`pop`
         """
         generator = self.module(input)
 
@@ -324,42 +304,28 @@ def skippable(stash: Iterable[str] = (),
               ) -> Callable[[Type[nn.Module]], Type[Skippable]]:
     """Makes a module class whose ``forward`` can stash and pop skip tensors.
 
-    A skip tensor goes from the layer that stashes it to a later layer that
-    pops it, past the layers in between. The decorated class's ``forward`` is
-    written as a generator: ``yield stash(name, tensor)`` hands a tensor
-    over, ``tensor = yield pop(name)`` receives it, and ``return`` gives the
-    layer's output as usual. Every name must be declared in the decorator,
-    and every call of ``forward`` must stash or pop each declared name once.
-
-    Skippable layers work in any ``nn.Sequential``, with or without
-    :class:`~torchgpipe.GPipe`. Inside GPipe, a skip tensor is copied
-    straight from the stashing partition's device to the popping one. In
-    one model each name must be stashed by exactly one layer and popped by
-    exactly one later layer; :class:`~torchgpipe.GPipe` checks it with
-    :func:`verify_skippables`. To use a name more than once, isolate each
-    pair with :meth:`~torchgpipe.skip.skippable.Skippable.isolate`.
+    The decorated ``forward`` is a generator: ``yield stash(name, tensor)`` hands a
+    tensor to a later layer, ``tensor = yield pop(name)`` receives it, ``return``
+    gives the output. Every call stashes or pops each declared name once. In one
+    model each name has exactly one stashing layer and one later popping layer
+    (:func:`verify_skippables`); :meth:`~torchgpipe.skip.skippable.Skippable.isolate`
+    reuses a name. Works with or without :class:`~torchgpipe.GPipe`, which copies a
+    skip straight from the stashing partition's device to the popping one.
 
     .. note::
 
-        The decorator returns a new class, a subclass of
-        :class:`~torchgpipe.skip.skippable.Skippable`, which type checkers
-        cannot see through a class decorator. Silence them with
-        ``# type: ignore``, or call the decorator as a function:
-        ``Layer = skippable(stash=['x'])(Layer)``.
-
-    Layers copy as other modules do, with :func:`copy.deepcopy`,
-    ``pickle`` and :func:`torch.save`, when the decorated class is defined
-    at module level: pickle saves classes by name, so a class defined in a
-    function cannot be loaded again.
+        Type checkers cannot see the :class:`~torchgpipe.skip.skippable.Skippable`
+        subclass a class decorator returns: use ``# type: ignore``, or
+        ``Layer = skippable(stash=['x'])(Layer)``. Define the class at module
+        level for pickling.
 
     Args:
         stash (iterable of strs): the names the layer stashes (default: none)
         pop (iterable of strs): the names the layer pops (default: none)
 
     Returns:
-        a class decorator: it returns a
-        :class:`~torchgpipe.skip.skippable.Skippable` subclass of the
-        same name, whose instances wrap an instance of the decorated class
+        a class decorator returning a :class:`~torchgpipe.skip.skippable.Skippable`
+        subclass of the same name, whose instances wrap the decorated class's
 
     Raises:
         TypeError: ``stash`` or ``pop`` is a string rather than a list of names

@@ -27,38 +27,20 @@ __all__: List[str] = []
 
 
 class SkipTracker:
-    """Keeps stashed skip tensors in a dictionary until they are popped.
-
-    It serves outside GPipe, where the whole model runs in one place, and
-    inside GPipe for the skips that stay within one partition.
-    """
+    """Keeps stashed skip tensors in a dictionary until they are popped: outside GPipe,
+    and inside it for skips within one partition."""
 
     def __init__(self) -> None:
         self.tensors: Dict[Tuple[Namespace, str], Optional[Tensor]] = {}
 
     def save(self, batch: Batch, ns: Namespace, name: str, tensor: Optional[Tensor]) -> None:
-        """Keeps a stashed skip tensor until its pop.
-
-        Args:
-            batch (Batch): the stashing layer's output; a subclass may tie the
-                skip to it
-            ns (Namespace): the skip's namespace
-            name (str): the skip's name
-            tensor (torch.Tensor or None): the stashed tensor
-        """
+        """Keeps ``tensor``, stashed under ``(ns, name)``, until its pop; a subclass may tie
+        it to ``batch``, the stashing layer's output."""
         self.tensors[(ns, name)] = tensor
 
     def load(self, batch: Batch, ns: Namespace, name: str) -> Optional[Tensor]:
-        """Takes a stashed skip tensor out, for its pop.
-
-        Args:
-            batch (Batch): the popping layer's input; a subclass may tie the
-                skip to it
-            ns (Namespace): the skip's namespace
-            name (str): the skip's name
-
-        Returns:
-            torch.Tensor or None: the stashed tensor
+        """Takes the tensor stashed under ``(ns, name)`` out, for its pop; a subclass may tie
+        it to ``batch``, the popping layer's input.
 
         Raises:
             KeyError: nothing is stashed under the key
@@ -87,20 +69,13 @@ class Routes(Protocol):
 
 
 class SkipTrackerAcross(SkipTracker, abc.ABC):
-    """The skip tracker of one micro-batch in either engine: one way for skips to cross partitions.
+    """The skip tracker of one micro-batch in either engine.
 
-    A skip stashed and popped in the same partition stays in the
-    dictionary. One that crosses partitions (the layout says which) is
-    handed to :meth:`send` at its stash and taken from :meth:`receive` at
-    its pop: how it travels is the engine's. The forward path builds one
-    autograd graph through every partition, and carries it in a portal
-    (:class:`SkipTrackerThroughPortals`); a training step cuts the graph at
-    partition boundaries, and sends it as a message
+    A skip stashed and popped in one partition stays in the dictionary; one that
+    crosses partitions (per ``skip_layout``) goes to :meth:`send` at its stash and
+    comes from :meth:`receive` at its pop. The forward path carries it in a portal
+    (:class:`SkipTrackerThroughPortals`); a training step sends it as a message
     (:class:`~torchgpipe.engine.mailbox.StepSkips`).
-
-    Args:
-        skip_layout (SkipLayout): the partitions that stash and pop each skip
-            (:class:`~torchgpipe.skip.layout.SkipLayout`)
     """
 
     def __init__(self, skip_layout: Routes) -> None:
@@ -203,27 +178,18 @@ class SkipTrackerThroughPortals(SkipTrackerAcross):
 
     def copy(self, batch: Batch, prev_stream: AbstractStream, next_stream: AbstractStream,
              ns: Namespace, name: str) -> Optional[Tensor]:
-        """Moves a skip tensor to the popping partition's device.
-
-        The pipeline calls it before the popping partition runs. The copy is
-        forked off ``batch`` and joined back into it, so the gradient's copy
-        back runs after that partition's backward pass and before the
-        backward pass of the stashing partition.
-
-        Args:
-            batch (Batch): the popping partition's input
-            prev_stream: the copy stream of the stashing partition's device
-            next_stream: the copy stream of the popping partition's device
-            ns (Namespace): the skip's namespace
-            name (str): the skip's name
+        """Moves a skip tensor to the popping partition's device, on the copy streams of
+        the stashing and popping devices, before the popping partition runs. The copy is
+        forked off ``batch`` and joined back into it, so the gradient's copy back runs
+        after that partition's backward and before the stashing partition's.
 
         Returns:
-            torch.Tensor or None: the copy's phony, whose backward node copies
-            the gradient back; ``None`` if there was nothing to copy
+            torch.Tensor or None: the copy's phony, whose backward copies the gradient
+            back; ``None`` if there was nothing to copy
 
         Raises:
-            RuntimeError: the skip requires grad but ``batch`` has no
-                floating point tensor to carry its gradient
+            RuntimeError: the skip requires grad but ``batch`` has no floating point
+                tensor to carry its gradient
         """
         # No portal: the stash did not go through this tracker. A module
         # that runs a skippable layer by its dispatch() handles the skip
@@ -247,22 +213,18 @@ SkipTrackerThroughPotals = SkipTrackerThroughPortals
 def fork_from_batch(batch: Batch, requires_grad: bool, name: str) -> Tuple[Tensor, Optional[int]]:
     """Forks a phony off every floating point tensor of the batch that may carry a gradient.
 
-    When the skip requires grad, so does the phony: the skip's backward hangs
-    on it, and autograd would never reach a phony that does not.
-
-    Every tensor, not only the first: the gradient leaves the batch through
-    each of them, and each must wait for the phony's backward (the skip's
-    gradient put in its portal, or copied back). A gradient that went on
-    without it could reach the stashing layer's backward first, which would
-    find the portal empty::
+    The phony requires grad when the skip does, so autograd reaches the skip's
+    backward. Every tensor, not the first alone: a gradient that left the batch
+    without waiting for the phony could reach the stashing layer's backward
+    before its portal is filled::
 
         stash ──(joined into a)──► (a, b) ─► swap ─► (b, a) ─► pop
                                                         │
         forked off b alone: a's gradient does not wait ─┘
 
     Returns:
-        ``(phony, index)``: the phony, and the index of the first forked
-        tensor (``None`` if the batch has no floating point tensor)
+        ``(phony, index)``: the phony, and the index of the first forked tensor
+        (``None`` if the batch has no floating point tensor)
 
     Raises:
         RuntimeError: the skip requires grad, grad is enabled, and the batch

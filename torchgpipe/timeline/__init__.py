@@ -1,47 +1,23 @@
 """The timeline of a pipeline: every task, where and when it really ran.
 
-:func:`trace` records, for each step of a :class:`~torchgpipe.GPipe` inside it,
-every forward task, recomputation, backward task and copy between devices,
-measured rather than simulated, each named as a schedule writes its actions
-(partition, kind, micro-batch): ``jFi`` for the forward pass of micro-batch
-``i`` on partition ``j``, ``jF'i`` for its recomputation, ``jBi`` for its
-backward pass. Paper, Figure 7, drawn from a run, a row per device (whose
-partition's index the names leave out)::
+:func:`trace` records, for each step of a pipeline inside it, every forward
+task, recomputation, backward task and copy, measured, each named as a
+schedule writes actions: ``jFi``, ``jF'i`` (recomputation), ``jBi``. Paper,
+Figure 7, drawn from a run, a row per device::
 
     cpu:0  F0 F1 F2 F3                  F'3 B3 F'2 B2 ...
     cpu:1     F0 F1 F2 F3            F'3 B3 F'2 B2 ...
     cpu:2        F0 F1 F2 F3      F'3 B3 ...
     cpu:3           F0 F1 F2 F3 B3 B2 ...
 
-How each kind is caught:
-
-- forward tasks are timed by the worker that runs them, around the task;
-- copies between devices are timed by the worker that receives them;
-- backward tasks and recomputations happen inside the autograd engine: when
-  a forward task is done, the pipeline hands its output to the recorder,
-  which walks the task's part of the autograd graph (from its outputs down
-  to its inputs' nodes, the parameters' accumulators and the portals of skip
-  connections) and hooks every node of it. ``jBi`` spans from the first of
-  its nodes to start to the last to finish, once per backward pass (a graph
-  kept by ``retain_graph=True`` gives one per pass).
-
-The engine may run nodes of other tasks in between (on CPU it runs every
-node of a backward pass in one thread, by its own priorities), so an event
-keeps the *pieces* of time in which its own work ran; busy times add those up.
-
-On CPU the times are wall-clock (:func:`time.perf_counter`). On CUDA they are
-CUDA events recorded on the stream that ran the work, so they measure the
-device rather than the launch; they are read once the device is synchronized.
-
-Across processes (a :class:`~torchgpipe.distributed.DistributedGPipe`), each
-rank records its own tasks the same way, on a row named after the rank, and
-the messages it sends and waits for on a row beside it; when the trace ends,
-the ranks gather everything into each rank's timeline
-(:mod:`torchgpipe.timeline.ranks`), and the Chrome trace draws each message
-as an arrow from its sender to its receiver (:mod:`torchgpipe.timeline.chrome`).
-
-Outside :func:`trace` none of this runs: a pipeline checks once per task
-whether a recorder is attached.
+Forward tasks are timed by their worker, copies by the receiving worker.
+Backward tasks run inside the autograd engine: the recorder hooks every node
+of a task's part of the graph, and keeps the pieces of time its own nodes ran
+(the engine interleaves tasks). Times are :func:`time.perf_counter` on CPU,
+CUDA events on CUDA. Across processes each rank records its own tasks and
+messages, and the ranks gather them at the end
+(:mod:`torchgpipe.timeline.ranks`). Outside :func:`trace`, a pipeline checks
+once per task whether a recorder is attached.
 """
 from contextlib import contextmanager
 from typing import Any, Generator
@@ -61,13 +37,9 @@ __all__ = ['trace', 'Timeline', 'Event', 'StepInfo', 'Summary', 'DeviceSummary',
 def trace(module: Any) -> Generator[Timeline, None, None]:
     """Records the timeline of every forward and backward pass of a pipeline within the context.
 
-    On a :class:`~torchgpipe.distributed.DistributedGPipe`, every rank of its
-    group enters the context (a barrier starts every rank's clock together)
-    and leaves it (the ranks then exchange their events): each rank's
-    timeline holds every rank's events, a row per rank and one per rank's
-    messages, and its summary every rank's busy and idle time. If the
-    context ends with an exception, the ranks exchange nothing, and each
-    timeline holds its own rank's events only.
+    On a :class:`~torchgpipe.distributed.DistributedGPipe`, every rank enters and
+    leaves the context together, and each timeline then holds every rank's
+    events (only its own if the context ends with an exception).
 
     Args:
         module (GPipe or DistributedGPipe): the pipeline to watch
