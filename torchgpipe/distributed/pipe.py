@@ -128,7 +128,9 @@ class DistributedGPipe(CoreModule):
         self.placement = placement
         problem: Optional[Exception] = None
         this_device: Optional[torch.device] = None  # once checked
+        deferred = False
         try:
+            deferred = bool(deferred_batch_norm)
             fix = "give this process's device, such as device='cpu'"
             given = torch.device('cpu') if device is None else parse_device('device', device, fix)
             check_available('device', given, fix)
@@ -146,17 +148,17 @@ class DistributedGPipe(CoreModule):
             check_materialized(module, balance, [given if r == dist.get_rank(group) else None
                                                  for r in self.rank_of])
             verify_skippables(module)
-        except (TypeError, ValueError, IndexError) as exc:
+        except Exception as exc:  # anything one rank raises alone, the others hear
             problem = exc
         # Before any layer moves: if one rank cannot build the pipeline, or the
         # ranks would cut the layers differently, every rank refuses.
         agree_on_layout(module, {'balance': balance, 'placement': placement,
                                  'checkpoint': checkpoint,
-                                 'deferred_batch_norm': bool(deferred_batch_norm)},
+                                 'deferred_batch_norm': deferred},
                         problem, group, self.ranks, this_device)
         assert this_device is not None  # else agree_on_layout raised
         self.device = this_device
-        if deferred_batch_norm:
+        if deferred:
             module = cast(nn.Sequential,
                           DeferredBatchNorm.convert_deferred_batch_norm(module, chunks))
 
