@@ -470,15 +470,18 @@ def test_a_limit_nothing_fits_names_the_least_memory_and_its_device() -> None:
 
 
 def test_a_plan_under_a_limit_fits_it_and_gives_up_what_does_not() -> None:
+    # Between the least and the most memory any configuration takes: which one
+    # is fastest depends on this machine's timings, the memory each takes not.
     free = torchgpipe.plan(model(), torch.randn(16, 8), devices=['cpu:0', 'cpu:1'], chunks=4,
                            repeat=1, runners_up=100, trials=0)
-    least = min(max(r['memory'].values()) for r in free.table())
-    limit = (least + max(free.chosen.memory)) / 2
-    assert least < limit < max(free.chosen.memory)
+    peaks = [max(r['memory'].values()) for r in free.table()]
+    limit = (min(peaks) + max(peaks)) / 2
+    assert min(peaks) < limit < max(peaks)
     limited = torchgpipe.plan(model(), torch.randn(16, 8), devices=['cpu:0', 'cpu:1'],
-                              chunks=4, repeat=1, memory_limit=limit)
+                              chunks=4, repeat=1, runners_up=100, trials=0, memory_limit=limit)
+    # What does not fit (some configurations, above) is given up: every one it lists fits.
     assert all(m <= limit for m in limited.memory.values())
-    assert limited.chosen.describe() != free.chosen.describe()
+    assert all(max(r['memory'].values()) <= limit for r in limited.table())
 
 
 def test_planning_leaves_the_random_state_and_the_threads_as_they_were() -> None:
