@@ -22,7 +22,8 @@ from torchgpipe.distributed.shared import Shared
 from torchgpipe.distributed.tied import TiedGradients
 from torchgpipe.distributed.wire import Channels, Mismatch, Wire
 from torchgpipe.engine.core import Core, Done
-from torchgpipe.engine.evaluation import check_evaluation, forward_only, join
+from torchgpipe.engine.evaluation import (check_evaluation, evaluation_weights, forward_only,
+                                          join)
 from torchgpipe.engine.generators import BUILT_INS, built_in, check_schedule, resolve
 from torchgpipe.engine.inputs import split_given, weighted
 from torchgpipe.engine.schedule import Schedule, ScheduleLike
@@ -145,8 +146,8 @@ class RankCore(Core):
                     {'loss': loss_fn is not None, 'everywhere': everywhere})
 
         def prepare(sizes: List[int]) -> Prepared:
-            weights = [1.0] * len(sizes) if loss_fn is None else weighted(sizes, reduction)
-            return forward_only(len(sizes), len(self.rank_of)), weights, 0
+            return (forward_only(len(sizes), len(self.rank_of)),
+                    evaluation_weights(sizes, reduction, loss_fn is not None), 0)
         with self.wired(arguments, loss_fn, prepare, train=False) as (step, wire):
             loss = step.run()
             output = None if loss_fn is not None else join(step.outputs())

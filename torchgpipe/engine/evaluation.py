@@ -15,7 +15,7 @@ from typing import Iterator, List, Optional, Tuple
 import torch
 from torch import nn
 
-from torchgpipe.engine.inputs import split_step
+from torchgpipe.engine.inputs import split_given, weighted
 from torchgpipe.engine.pipeline import clock_cycles
 from torchgpipe.engine.schedule import Action, Kind, Schedule
 from torchgpipe.foundation import microbatch
@@ -96,12 +96,16 @@ def split_evaluation(input: TensorOrTensors, target: Optional[TensorOrTensors], 
     Raises:
         as :func:`~torchgpipe.engine.inputs.split_step`
     """
-    if target is not None:
-        batches, targets, weights = split_step(input, target, chunks, reduction, last_device)
-        return batches, list(targets), weights
-    microbatch.check(input)
-    batches = microbatch.scatter(input, chunks)
-    return batches, [None] * len(batches), [1.0] * len(batches)
+    batches, targets, sizes = split_given(input, target, chunks, last_device)
+    assert batches is not None and sizes is not None
+    return (batches, list(targets) if targets is not None else [None] * len(batches),
+            evaluation_weights(sizes, reduction, target is not None))
+
+
+def evaluation_weights(sizes: List[int], reduction: str, loss: bool) -> List[float]:
+    """The weight of each micro-batch's loss, as :func:`~torchgpipe.engine.inputs.weighted`
+    gives it; 1 for each without a loss (an output alone)."""
+    return weighted(sizes, reduction) if loss else [1.0] * len(sizes)
 
 
 def join(outputs: Optional[List[Batch]]) -> Optional[TensorOrTensors]:
