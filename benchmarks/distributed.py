@@ -23,6 +23,11 @@ turns round after round:
   ``'zbv'`` (``placement='v'``) (target: at most 1.0x); ``'fill_drain'``
   for information.
 
+A *latency-bound* pair, where messages rather than compute make the step
+(as on a GPU, whose micro-batches compute in microseconds): four
+``Linear(16, 16)``, batch 8, four micro-batches, 1F1B, no checkpointing,
+``Schedule1F1B`` against ``DistributedGPipe`` (target: at most 1.2x).
+
 Each step starts after a barrier; its time is the slowest rank's. On 2 CPU
 ranks, between rounds, while rank 1 waits, rank 0 times more steps for
 comparison, in the same run: the one-process ``GPipe.train_step`` of each
@@ -44,6 +49,7 @@ parameters never change, so every step's mini-batch loss is the same: the
 largest relative difference between the steps' losses is reported, and must
 be float rounding.
 """
+import copy
 import functools
 import os
 import socket
@@ -92,6 +98,10 @@ TARGETS = {'1f1b': 0.97, 'interleaved_1f1b': 1.0, 'zb_h1': 0.97, 'zbv': 1.0}
 #: On more ranks than cores, which is noisy: every schedule at par.
 CROWDED_TARGET = 1.0
 TARGET = TARGETS['1f1b']
+#: The latency-bound pair's target: our step over the anchor's, on 2 ranks.
+LATENCY_TARGET = 1.2
+#: The latency-bound model: its layers, width, batch and micro-batches.
+LATENCY = dict(layers=4, width=16, batch=8, chunks=4)
 #: The largest ratio allowed: the one-process train_step of each schedule
 #: over the anchor's step on 2 ranks.
 ONE_PROCESS_TARGET = 0.90
@@ -111,6 +121,12 @@ def one_process_name(schedule: str) -> str:
 
 def fill_drain_name(ranks: int = 2) -> str:
     return f'DistributedGPipe fill-drain, {ranks} ranks'
+
+
+def latency_names(ranks: int) -> List[str]:
+    """The latency-bound pair's steps: the anchor's, then ours."""
+    return [f'pipelining Schedule1F1B, latency-bound, {ranks} ranks',
+            f'DistributedGPipe 1f1b, latency-bound, {ranks} ranks']
 
 
 ANCHOR = anchor_name('1f1b')
@@ -219,6 +235,7 @@ def ranks_steps(config: Dict[str, Any], rank: int) -> Dict[str, Step]:
             # train_step runs after its checks.
             steps[one_process_name(schedule)] = functools.partial(
                 gpipe.core.train, input, target, F.mse_loss, schedule, 'mean', gpipe.training)
+    steps.update(latency_bound(config, rank))
     if rank == 0 and one_process(config):
         plain = copy()
 
@@ -228,6 +245,46 @@ def ranks_steps(config: Dict[str, Any], rank: int) -> Dict[str, Step]:
             return loss.detach()
         steps[UNWRAPPED] = unwrapped
     return steps
+
+
+def latency_bound(config: Dict[str, Any], rank: int) -> Dict[str, Step]:
+    """The latency-bound pair's steps on this rank: the anchor's, then ours."""
+    import torch.distributed.pipelining as pipelining
+
+    from torchgpipe.distributed import DistributedGPipe
+
+    device = device_of(config, rank)
+    ranks, width = config['ranks'], LATENCY['width']
+    torch.manual_seed(0)
+    layers = [nn.Linear(width, width).to(device) for _ in range(LATENCY['layers'])]
+    input = torch.randn(LATENCY['batch'], width, device=device)
+    target = torch.randn(LATENCY['batch'], width, device=device)
+    per = len(layers) // ranks
+    mine = nn.Sequential(*[copy.deepcopy(layer) for layer in layers[rank * per:(rank + 1) * per]])
+    runner = pipelining.Schedule1F1B(pipelining.PipelineStage(mine, rank, ranks, device),
+                                     n_microbatches=LATENCY['chunks'], loss_fn=F.mse_loss)
+
+    def anchor() -> Optional[torch.Tensor]:
+        if rank == 0:
+            runner.step(input, return_outputs=False)
+        elif rank < ranks - 1:
+            runner.step(return_outputs=False)
+        else:
+            losses: List[torch.Tensor] = []
+            runner.step(target=target, losses=losses, return_outputs=False)
+            sync(device)
+            return torch.stack(losses).detach().mean()
+        sync(device)
+        return None
+    pipe = DistributedGPipe(nn.Sequential(*copy.deepcopy(layers)), [per] * ranks,
+                            chunks=LATENCY['chunks'], checkpoint='never', device=device)
+
+    def ours() -> Optional[torch.Tensor]:
+        loss = pipe.train_step(input, target, F.mse_loss, schedule='1f1b')
+        sync(device)
+        return loss
+    theirs_name, ours_name_ = latency_names(ranks)
+    return {theirs_name: anchor, ours_name_: ours}
 
 
 def rank_main(rank: int, world_size: int, port: int, config: Dict[str, Any],
@@ -250,7 +307,8 @@ def rank_main(rank: int, world_size: int, port: int, config: Dict[str, Any],
     steps = ranks_steps(config, rank)
     ranks = config['ranks']
     names = [n for s in SCHEDULES for n in (anchor_name(s, ranks), ours_name(s, ranks))] + \
-        [fill_drain_name(ranks)] + list(RANK_0_ONLY if one_process(config) else ())
+        [fill_drain_name(ranks)] + latency_names(ranks) + \
+        list(RANK_0_ONLY if one_process(config) else ())
     seconds: Dict[str, List[float]] = {name: [] for name in names}
     losses: Dict[str, float] = {}
     warmup = warmup_steps(config)  # rounds, untimed
@@ -335,6 +393,8 @@ def run(config: Dict[str, Any]) -> Dict[str, Any]:
     rows = [ratio(ours_name(s, ranks), anchor_name(s, ranks), seconds,
                   TARGETS[s] if ranks == 2 else CROWDED_TARGET) for s in SCHEDULES]
     rows.append(ratio(fill_drain_name(ranks), anchor, seconds))
+    theirs, ours = latency_names(ranks)
+    rows.append(ratio(ours, theirs, seconds, LATENCY_TARGET if ranks == 2 else None))
     if ONE_PROCESS in times:
         rows += [ratio(one_process_name(s), anchor_name(s), seconds, ONE_PROCESS_TARGET)
                  for s in SCHEDULES]
@@ -342,8 +402,9 @@ def run(config: Dict[str, Any]) -> Dict[str, Any]:
     reference = losses[anchor]
     return {'results': rows, 'times': {name: ms(t) for name, t in times.items()},
             'ranks': ranks, 'target': TARGET, 'losses': losses,
-            'max_loss_difference': max(abs(v - reference) for v in losses.values())
-            / abs(reference),
+            'max_loss_difference': max(abs(v - reference) for name, v in losses.items()
+                                       if name not in (theirs, ours)) / abs(reference),
+            'latency_loss_difference': abs(losses[ours] - losses[theirs]) / abs(losses[theirs]),
             'ranks_malloc_tuned': reported['malloc_tuned']}
 
 
@@ -381,7 +442,8 @@ def table(document: Dict[str, Any]) -> str:
                       format_table(['step', 'time'], [[name, format_spread(t)] for name, t
                                                       in document['times'].items()]),
                       '', 'the same mini-batch loss in every step: largest relative '
-                      f"difference {document['max_loss_difference']:.1e}"])
+                      f"difference {document['max_loss_difference']:.1e} (latency-bound pair: "
+                      f"{document.get('latency_loss_difference', 0.0):.1e})"])
 
 
 def headline(document: Dict[str, Any]) -> List[Figure]:

@@ -5,11 +5,11 @@ the library does not write is refused with :class:`Unreadable`, and a
 message that ``pickle`` would have turned into code (a file created here)
 makes the receiving rank raise instead, touching nothing.
 """
+import json
 import math
 import pickle
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any, List, cast
+from typing import Any, List
 
 import pytest
 import torch
@@ -20,9 +20,9 @@ from torch import Tensor, nn
 from process_group import no_child_left  # noqa: F401 (an autouse fixture)
 from process_group import run_distributed
 from torchgpipe import NoChunk
-from torchgpipe.distributed.channels import SMALL, Channels
-from torchgpipe.distributed.codec import (Unreadable, Unsendable, decode, dump_header, encode,
-                                          load_header)
+from torchgpipe.distributed.channels import WORD_LIMIT, WORD_TAG, metas_of, read_word, wired
+from torchgpipe.distributed.codec import Unreadable, Unsendable, decode, encode
+from torchgpipe.distributed.faults import read_header
 from torchgpipe.engine.mailbox import Activation, ForwardMessage, Gradient, Reply
 from torchgpipe.foundation.copy import Ready
 from torchgpipe.foundation.microbatch import Batch
@@ -31,14 +31,11 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def round_trip(message: Any) -> Any:
+    """``message`` through a header and back, its tensors beside it."""
     tensors: List[Tensor] = []
-    body = encode(message, tensors)
-    offsets = [64 * k for k in range(len(tensors))]
-    kind, metas, size, body, at = load_header(dump_header('message', tensors, offsets, 99, body,
-                                                          ['arena', 128]))
-    assert kind == 'message' and size == 99 and at == ['arena', 128]
-    assert [(shape, dtype, offset) for shape, dtype, offset in metas] == \
-        [(list(t.shape), t.dtype, offset) for t, offset in zip(tensors, offsets)]
+    header = json.dumps([['Activation', 0, 1], encode(message, tensors), metas_of(tensors)])
+    _, body, metas = read_header(header.encode(), 1)
+    assert metas == [[list(t.shape), str(t.dtype).split('.')[-1]] for t in tensors]
     return decode(body, tensors, torch.device('cpu'))
 
 
@@ -70,50 +67,37 @@ def test_another_value_is_refused_when_sent() -> None:
 @pytest.mark.parametrize('data, why', [
     (pickle.dumps(('message', [], None)), 'not a header'),
     (b'{"kind": 1}', 'not a header'),
-    (b'["message", [[[-1], "float32", 0]], 4, null, null]', 'not a tensor'),
-    (b'["message", [[[1], "object", 0]], 8, null, null]', 'not a tensor'),
-    (b'["message", [[[1], "float32", -64]], 4, null, null]', 'not a tensor'),
-    (b'["message", [[[1], "float32"]], 4, null, null]', 'not a tensor'),
-    (b'["message", [], -1, null, null]', 'no kind, tensors, payload size and place'),
-    (b'["message", [], 4, null, ["arena"]]', 'no kind, tensors, payload size and place'),
-    (b'["message", [], 4, null, [0, 64]]', 'no kind, tensors, payload size and place'),
-    (b'["message", [], 4, null]', 'not a header'),
+    (b'[1, null, [[[-1], "float32"]]]', 'not tensors'),
+    (b'[1, null, [[[1], "object"]]]', 'not tensors'),
+    (b'[1, null, [[[1], "float32", 0]]]', 'not tensors'),
+    (b'[1, null, [[[1.5], "float32"]]]', 'not tensors'),
+    (b'[1, null]', 'not a header'),
     (b'[' * 100000 + b']' * 100000, 'not a header'),
     (b'5', 'not a header'),
 ])
 def test_a_header_of_other_bytes_is_refused(data: bytes, why: str) -> None:
     with pytest.raises(Unreadable, match=why):
-        load_header(data)
+        read_header(data, 1)
 
 
-def test_a_lone_tensor_is_sent_as_it_is() -> None:
-    """The payload of a message with one contiguous tensor is that tensor's own
-    memory, without a copy; tensors it cannot be (several, strided, a
-    conjugate view) are copied into a buffer of their own."""
-    sender = SimpleNamespace(device=torch.device('cpu'),
-                             buffer=lambda size: torch.empty(size, dtype=torch.uint8))
+@pytest.mark.parametrize('length', [0, WORD_LIMIT + 1, 1 << 62])
+def test_a_word_of_another_length_is_refused(length: int) -> None:
+    buffer = torch.zeros(8 + WORD_LIMIT, dtype=torch.uint8)
+    buffer[:8] = torch.tensor(list(length.to_bytes(8, 'little')), dtype=torch.uint8)
+    with pytest.raises(Unreadable, match=f'a word of {length} bytes from rank 1'):
+        read_word(buffer, 1)
+
+
+def test_tensors_are_sent_as_their_values_without_a_copy_where_they_can_be() -> None:
+    """A contiguous tensor goes as it is; a strided one, or a conjugate or
+    negative view, goes as a contiguous copy of its values."""
     x = torch.randn(4, 3)
-    payload, offsets = Channels.payload(cast(Any, sender), [x])
-    assert payload.data_ptr() == x.data_ptr() and offsets == [0]
-    assert payload.numel() == x.numel() * x.element_size()
-    for tensors in ([x, x], [x.t()], [torch.randn(3, dtype=torch.complex64).conj()]):
-        payload, offsets = Channels.payload(cast(Any, sender), tensors)
-        assert all(payload.data_ptr() != t.data_ptr() for t in tensors)
-        for t, offset in zip(tensors, offsets):
-            received = payload[offset:offset + t.numel() * t.element_size()].view(t.dtype)
-            assert torch.equal(received.view(t.shape), t.resolve_conj())
-
-
-@pytest.mark.parametrize('capacities', [[8, SMALL], [SMALL, 1 << 41], [SMALL, 1.5]])
-def test_a_raise_of_capacities_no_rank_sends_is_refused(capacities: Any) -> None:
-    """A capacity below the smallest a channel starts with, or beyond any a
-    rank could use: no rank of the pipeline raises a channel to it."""
-    data = dump_header('grow', [], [], 1, capacities)
-    buffer = torch.zeros(SMALL, dtype=torch.uint8)
-    buffer[:8 + len(data)] = torch.tensor(list(len(data).to_bytes(8, 'little') + data),
-                                          dtype=torch.uint8)
-    with pytest.raises(Unreadable, match="a message of kind 'grow'"):
-        Channels.parse(cast(Any, None), buffer)  # reads nothing of its channels
+    assert wired(x).data_ptr() == x.data_ptr()
+    z = torch.randn(3, dtype=torch.complex64)
+    for t in (x.t(), z.conj(), z.conj().imag):
+        sent = wired(t)
+        assert sent.is_contiguous() and not sent.is_conj() and not sent.is_neg()
+        assert torch.equal(sent, t.resolve_conj().resolve_neg())
 
 
 @pytest.mark.parametrize('body, why', [
@@ -140,9 +124,10 @@ class Exploit:
         return (open, (self.path, 'w'))
 
 
-def hostile_peer(rank: int, world_size: int, path: str) -> str:
+def hostile_peer(rank: int, world_size: int, path: str, length: int) -> str:
     """Both ranks build the pipeline (they agree on its layout); rank 0 trains, and
-    rank 1 answers its first word with a crafted pickle."""
+    rank 1, agreeing on the step, answers its first message with a crafted header:
+    a pickle of ``length`` bytes (or its length alone, if none could be sent)."""
     from torchgpipe.distributed import DistributedGPipe
     torch.manual_seed(0)
     pipe = DistributedGPipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), [1, 1])
@@ -152,23 +137,23 @@ def hostile_peer(rank: int, world_size: int, path: str) -> str:
         except Unreadable as exc:
             return str(exc)
         return 'no error'
-    # The header of rank 0's first word (the step it runs), where rank 0
-    # waits for rank 1's.
-    dist.recv(torch.empty(SMALL, dtype=torch.uint8), 0)
-    payload = pickle.dumps(('message', [], pickle.dumps(Exploit(path))))
-    buffer = torch.zeros(SMALL, dtype=torch.uint8)
-    buffer[:8] = torch.tensor(list(len(payload).to_bytes(8, 'little')), dtype=torch.uint8)
-    buffer[8:8 + len(payload)] = torch.tensor(list(payload), dtype=torch.uint8)
-    dist.send(buffer, 0)
-    dist.recv(torch.empty(SMALL, dtype=torch.uint8), 0)  # that word's payload
+    word = torch.empty(8 + WORD_LIMIT, dtype=torch.uint8)
+    dist.recv(word, 0, tag=WORD_TAG)  # rank 0's step: rank 1 says the same
+    dist.send(word[:8 + int.from_bytes(bytes(word[:8].tolist()), 'little')], 0, tag=WORD_TAG)
+    dist.send(torch.tensor([length]), 0)
+    if length < 1 << 20:
+        payload = pickle.dumps(Exploit(path))
+        dist.send(torch.tensor(list(payload.ljust(length)), dtype=torch.uint8), 0)
     return 'sent'
 
 
-def test_a_hostile_message_runs_no_code_and_is_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize('length, error', [
+    (1000, 'a message from rank 1 is none this library writes (not a header: '),
+    (1 << 40, 'a message from rank 1 has a header of 1099511627776 bytes')])
+def test_a_hostile_message_runs_no_code_and_is_refused(tmp_path: Path, length: int,
+                                                      error: str) -> None:
     path = tmp_path / 'pwned'
-    error, sent = run_distributed(hostile_peer, str(path), timeout=60)
+    raised, sent = run_distributed(hostile_peer, str(path), length, timeout=60)
     assert sent == 'sent'
     assert not path.exists()
-    assert error.startswith('a message from rank 1 is none this library writes (not a '
-                            'header: '), error
-    assert error.endswith('only the ranks of the pipeline may reach its ports'), error
+    assert raised.startswith(error), raised

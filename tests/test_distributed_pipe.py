@@ -372,44 +372,52 @@ def test_two_gpus_over_nccl_give_the_results_of_one_process() -> None:
                      exact=False)
 
 
-# --- the wire's memory -------------------------------------------------------------------
+# --- messages at their exact sizes -----------------------------------------------------
 
 
-def pooled_blocks(rank: int, world_size: int, schedules: List[str]) -> Dict[str, List[Any]]:
-    """The free blocks of each size in the wire's pool after each of 4 steps, per schedule.
-
-    Also the bytes of the storage of each loss returned, in ``'losses'``.
-    """
+def recorded_operations(rank: int, world_size: int) -> List[List[Any]]:
+    """Each step's tensor operations (not words) of this rank: its kind, the
+    other rank, each tensor's type and shape. Steps 0-2 have one batch size,
+    3-4 another; the model passes skips across the ranks."""
+    import torchgpipe.distributed.channels as channels
     # The wire goes through torch alone: Tensor.numpy() needs numpy, which
     # torch does not require.
     def no_numpy(self: Tensor, *args: Any, **kwargs: Any) -> Any:
         raise AssertionError('Tensor.numpy() called')
     torch.Tensor.numpy = no_numpy  # type: ignore[method-assign]
-    pools: Dict[str, List[Any]] = {'losses': []}
-    for schedule in schedules:
-        pipe = DistributedGPipe(model('unet'), [5, 5], chunks=CHUNKS)
-        pools[schedule] = []
-        for step in range(4):
-            loss = pipe.train_step(*batch(step), F.mse_loss, schedule=schedule)
-            pools['losses'].append(loss.untyped_storage().nbytes())
-            del loss
-            free = pipe.core.blocks.free
-            pools[schedule].append({size: len(blocks) for size, blocks in free.items()})
-    return pools
+    steps: List[List[Any]] = []
+    started = channels.operations
+
+    def recorded(op: Any, tensors: List[Tensor], other: int, group: Any, tag: int = 0) -> Any:
+        if tag != channels.WORD_TAG:
+            steps[-1].extend((op.__name__, other, str(t.dtype), list(t.shape)) for t in tensors)
+        return started(op, tensors, other, group, tag)
+    channels.operations = recorded  # type: ignore[assignment]
+    pipe = DistributedGPipe(model('unet'), [5, 5], chunks=CHUNKS)
+    for step, size in enumerate([BATCH] * 3 + [BATCH // 2] * 2):
+        steps.append([])
+        pipe.train_step(*batch(step, size), F.mse_loss)
+    return steps
 
 
-def test_the_memory_of_messages_is_reused_from_step_to_step() -> None:
-    schedules = ['1f1b', 'fill_drain']
-    for pools in run_distributed(pooled_blocks, schedules, timeout=150):
-        for schedule in schedules:
-            after = pools[schedule]
-            # Every block came back once its tensors were gone ...
-            assert sum(after[1].values()) > 0, schedule
-            # ... and later steps took those again, rather than new ones (the
-            # first step also had the messages that set the channels' capacity).
-            assert after[1] == after[2] == after[3], (schedule, after)
-        # A loss kept for logging holds its own bytes, not a message's buffer.
-        assert pools['losses'] == [torch.finfo(torch.float64).bits // 8] * 8
+def test_tensors_go_at_their_exact_sizes_with_headers_only_for_new_shapes() -> None:
+    ranks = run_distributed(recorded_operations, timeout=150)
+    for rank, steps in enumerate(ranks):
+        def headers(step: List[Any]) -> List[Any]:
+            return [op for op in step if op[2] in ('torch.uint8', 'torch.int64')]
+        # The first step of each batch size sends a header (its length and its
+        # bytes) before each message; the next ones, the same tensors without.
+        for first, later in ((0, 1), (0, 2), (3, 4)):
+            assert headers(steps[first]) and not headers(steps[later]), rank
+            assert sorted(op for op in steps[first] if op not in headers(steps[first])) == \
+                sorted(steps[later]), rank
+        assert sorted(steps[1]) != sorted(steps[4])
+    # Every tensor sent is received into a buffer of its type and shape.
+    for step in range(5):
+        for rank, other in ((0, 1), (1, 0)):
+            sent = sorted(op[2:] for op in ranks[rank][step] if op[0] == 'isend')
+            received = sorted(op[2:] for op in ranks[other][step] if op[0] == 'irecv')
+            assert sent == received and sent, (step, rank)
 
 
 # --- pipeline x data parallelism ----------------------------------------------------------

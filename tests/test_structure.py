@@ -285,12 +285,11 @@ def test_every_way_to_run_is_one_executor() -> None:
 def test_one_module_starts_threads_and_one_reads_generator_states() -> None:
     """No engine keeps a worker loop or a generator probe of its own."""
     sources = {module_name(path): path.read_text() for path in PACKAGE.rglob('*.py')}
-    # Besides the workers: the threads that keep a step's deadline across
-    # processes, and wait for its messages (gloo's own timeout would close
-    # the connections), which run no task; and the planner's companions,
-    # which load the cores while it times layers, outside any pipeline.
+    # Besides the workers: the threads that wait for a step's messages across
+    # processes (a gloo wait cannot be interrupted), which run no task; and
+    # the planner's companions, which load the cores while it times layers, outside any pipeline.
     assert [m for m, text in sorted(sources.items()) if 'threading.Thread(' in text] == \
-        ['torchgpipe.distributed.waiting', 'torchgpipe.planner.costs',
+        ['torchgpipe.distributed.channels', 'torchgpipe.planner.costs',
          'torchgpipe.runtime.threads']
     assert [m for m, text in sources.items() if 'get_rng_state(' in text
             and 'torch.get_rng_state()' in text.replace('torch.cuda', '')] == \

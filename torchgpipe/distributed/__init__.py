@@ -14,8 +14,7 @@
 """
 from torchgpipe.distributed.ddp import train_step
 from torchgpipe.distributed.pipe import DistributedGPipe
-from torchgpipe.distributed.faults import PeerFailed, StepTimeout
+from torchgpipe.distributed.faults import Mismatch, PeerFailed, StepTimeout
 from torchgpipe.distributed.scaler import GradScaler
-from torchgpipe.distributed.wire import Mismatch
 
 __all__ = ['DistributedGPipe', 'GradScaler', 'Mismatch', 'PeerFailed', 'StepTimeout', 'train_step']

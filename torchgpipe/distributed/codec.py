@@ -1,9 +1,9 @@
 """The header of a message between ranks: data only, which a peer's bytes can never make code.
 
-A message (:class:`~torchgpipe.distributed.channels.Channels`) is its header,
-then the bytes of its tensors. The header is JSON: the message's kind, the
-shape and type of each tensor, and the message itself with each tensor
-replaced by its index. JSON holds numbers, strings, lists, ``true``,
+A message between ranks (:class:`~torchgpipe.distributed.wire.Wire`) is its
+tensors and, on the first step of its shapes, a header: JSON of the
+message's key, the shape and type of each tensor, and the message itself
+with each tensor replaced by its index. JSON holds numbers, strings, lists, ``true``,
 ``false`` and ``null``; every other value the pipeline sends is a JSON
 object of one tagged entry::
 
@@ -15,8 +15,7 @@ Decoding builds only these values and the library's own message types, and
 refuses anything else (:class:`Unreadable`), where ``pickle`` would have run
 whatever code a crafted message named.
 """
-import json
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type
+from typing import Any, Callable, Dict, List, Sequence, Tuple, Type
 
 import torch
 from torch import Tensor
@@ -123,44 +122,3 @@ TYPES: Dict[Type[Any], Tuple[str, Callable[[Any], Any], Callable[[Any], Any]]] =
     torch.device: ('dv', str, torch.device),
 }
 BUILDERS = {tag: build for tag, _, build in TYPES.values()}
-
-
-def align(offset: int) -> int:
-    """``offset`` rounded up to a multiple of 64 bytes, which suits any type's
-    alignment: where each tensor of a payload starts, in its buffer or arena."""
-    return -(-offset // 64) * 64
-
-
-def dump_header(kind: str, tensors: Sequence[Tensor], offsets: Sequence[int], size: int,
-                body: Any, at: Optional[List[Any]] = None) -> bytes:
-    """A message's header: its kind, each tensor's shape, type and offset in the
-    payload, the payload's size in bytes, its encoded body, and where the payload
-    is when it does not follow the header (``at``: an arena's name and offset)."""
-    metas = [[list(t.shape), NAMES[t.dtype], offset] for t, offset in zip(tensors, offsets)]
-    return json.dumps([kind, metas, size, body, at], separators=(',', ':')).encode()
-
-
-def load_header(data: bytes,
-                ) -> Tuple[str, List[Tuple[List[int], torch.dtype, int]], int, Any, Any]:
-    """What :func:`dump_header` wrote, checked.
-
-    Raises:
-        Unreadable: ``data`` is not a header
-    """
-    try:
-        kind, metas, size, body, at = json.loads(data.decode())
-    except (ValueError, TypeError, UnicodeDecodeError, RecursionError) as exc:
-        raise Unreadable(f'not a header: {exc}') from exc
-    if not isinstance(kind, str) or not isinstance(metas, list) or \
-            type(size) is not int or size < 0 or not (at is None or (
-                isinstance(at, list) and len(at) == 2 and isinstance(at[0], str)
-                and type(at[1]) is int)):
-        raise Unreadable('not a header: no kind, tensors, payload size and place')
-    checked = []
-    for meta in metas:
-        if not (isinstance(meta, list) and len(meta) == 3 and isinstance(meta[0], list)
-                and all(type(n) is int and n >= 0 for n in meta[0])
-                and meta[1] in DTYPES and type(meta[2]) is int and meta[2] >= 0):
-            raise Unreadable(f'not a tensor: {meta!r}'[:200])
-        checked.append((meta[0], DTYPES[meta[1]], meta[2]))
-    return kind, checked, size, body, at

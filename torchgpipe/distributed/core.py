@@ -8,6 +8,8 @@ each step, it makes every rank agree on what runs, sums the gradients of
 parameters tied across ranks, and, when a step fails, tells every rank and
 refuses further steps.
 """
+import json
+from collections import OrderedDict
 from contextlib import contextmanager
 from hashlib import sha1
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, cast
@@ -16,11 +18,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from torchgpipe.distributed.blocks import Blocks
-from torchgpipe.distributed.channels import Capacity
-from torchgpipe.distributed.shared import Shared
+from torchgpipe.distributed.channels import Channels, metas_of
+from torchgpipe.distributed.codec import Unsendable, encode
 from torchgpipe.distributed.tied import TiedGradients
-from torchgpipe.distributed.wire import Channels, Mismatch, Wire
+from torchgpipe.distributed.faults import Mismatch
+from torchgpipe.distributed.wire import Sequences, Wire
 from torchgpipe.engine.core import Core, Done
 from torchgpipe.engine.evaluation import (check_evaluation, evaluation_weights, forward_only,
                                           join)
@@ -74,16 +76,14 @@ class RankCore(Core):
         #: The skips that cross from one partition to another, by name.
         self.routes = {key: route for key, route in skip_layout.by_ns_name.items()
                        if route[0] != route[1]}
-        #: The capacities of the channel to and from each rank (see Channels).
-        self.capacities: Dict[Tuple[int, bool], Capacity] = {}
-        #: The CPU memory of the messages, reused from step to step.
-        self.blocks = Blocks()
-        #: The shared memory of the messages to and from ranks of this host.
-        self.shared = Shared()
+        # Words go on gloo with a tag of their own: beside an NCCL group, a gloo group.
+        words = group if dist.get_backend(group) != 'nccl' else dist.new_group(
+            ranks, backend='gloo', use_local_synchronization=True)
+        self.channels = Channels(device, group, words)
+        #: The sequences of messages of the signatures run before (see Wire).
+        self.known: 'OrderedDict[str, Sequences]' = OrderedDict()
         #: Why the pipeline cannot run any more, after a failed step.
         self.broken: Optional[str] = None
-        #: The channels of a failed step, whose sends may still run.
-        self.abandoned: Optional[Channels] = None
 
     def check_whole(self) -> None:
         """Refuses a step after one that failed: every step checks it first.
@@ -200,15 +200,14 @@ class RankCore(Core):
         lacking = ['input'] if 0 in self.partitions and batches is None else []
         if len(self.rank_of) - 1 in self.partitions and loss_fn is not None and targets is None:
             lacking.append('target')
-        wire = Wire(Channels(self.device, self.group, self.capacities, self.blocks,
-                             self.shared, self.timeout),
-                    [self.ranks[r] for r in self.rank_of], dist.get_rank(), self.routes,
-                    self.state.recorder)
+        wire = Wire(self.channels, [self.ranks[r] for r in self.rank_of], dist.get_rank(),
+                    self.routes, self.known, self.timeout, self.state.recorder)
         try:
             if train:
                 self.tied_gradients.start()
             sizes = wire.agree({'step': 'train_step' if train else 'eval_step',
-                                'micro-batches': sizes, **signature}, lacking, problem)
+                                'micro-batches': sizes, 'input': described(batches),
+                                **signature}, lacking, problem)
             plan, weights, stop = prepared or prepare(sizes)
             m = len(sizes)
             step = self.step(batches or [None] * m, targets or [None] * m, loss_fn, weights,
@@ -226,7 +225,6 @@ class RankCore(Core):
             # Ranks waiting for this one's messages raise PeerFailed, and tell
             # the ranks waiting for theirs in turn.
             wire.fail(exc)
-            self.abandoned = wire.channels
             raise
 
 
@@ -238,3 +236,17 @@ def schedule_label(schedule: ScheduleLike) -> str:
         return name
     given = Schedule.parse(schedule)
     return f'{given.name} ({sha1(str(given).encode()).hexdigest()[:8]})'
+
+
+def described(value: Any) -> Optional[str]:
+    """A digest of ``value``'s structure, each tensor as its shape, type and
+    whether it requires grad: what makes the shapes of a step's messages."""
+    if value is None:
+        return None
+    tensors: List[Tensor] = []
+    try:
+        body = encode(value, tensors)
+    except Unsendable:
+        body = repr(type(value))
+    facts = [body, metas_of(tensors), [t.requires_grad for t in tensors]]
+    return sha1(json.dumps(facts).encode()).hexdigest()

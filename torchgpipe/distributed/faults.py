@@ -14,15 +14,24 @@ A step across processes ends on every rank, whatever happens on one:
 Whatever the error, ``PeerFailed.rank`` is the rank at fault, as named.
 
 Point-to-point operations raise ``RuntimeError`` for all of these, as
-anything else may; :func:`disconnected` marks theirs.
+anything else may: :mod:`~torchgpipe.distributed.channels` raises theirs as
+:class:`Disconnected`.
 """
+import json
 from contextlib import contextmanager
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+from torchgpipe.distributed.codec import DTYPES, Unreadable
 
 from torchgpipe.engine.mailbox import Activation, Gradient, Key, Skip, SkipGradient
 from torchgpipe.engine.schedule import Action, Kind
+from torchgpipe.foundation.validation import describe
 
 __all__: List[str] = []
+
+#: What a rank says as a step starts (see Wire.agree): its step, what it
+#: lacks, and why it cannot run the step, if it cannot.
+Said = Tuple[Dict[str, Any], List[str], Optional[str]]
 
 
 class PeerFailed(RuntimeError):
@@ -46,46 +55,20 @@ class Disconnected(RuntimeError):
     """A point-to-point operation of torch.distributed failed: its connection broke or timed out."""
 
 
-class TimedOut(Disconnected):
-    """A point-to-point operation did not end by the step's deadline.
-
-    Args:
-        seconds: the step timeout
-    """
-
-    def __init__(self, message: str, seconds: float) -> None:
-        super().__init__(message)
-        self.seconds = seconds
-
-
-@contextmanager
-def disconnected() -> Iterator[None]:
-    """Raises what a point-to-point operation raises (``RuntimeError``) as :class:`Disconnected`.
-
-    Only those operations: a ``RuntimeError`` of anything else, such as a
-    copy, is no lost connection.
-    """
-    try:
-        yield
-    except TimedOut:
-        raise
-    except RuntimeError as exc:
-        raise Disconnected(str(exc)) from exc
+class TimedOut(Exception):
+    """A point-to-point operation did not end by the step's deadline."""
 
 
 @contextmanager
 def lost(rank: Optional[int], j: Optional[int], doing: str) -> Iterator[None]:
-    """Raises a broken or timed-out connection to ``rank`` (any: ``None``) as PeerFailed.
+    """Raises a broken connection to ``rank`` (any: ``None``) as PeerFailed.
 
     torch.distributed raises it sending as receiving (gloo: "Connection
-    closed by peer"), and :class:`~torchgpipe.distributed.channels.Channels` as
-    :class:`Disconnected`: code that restarts a job on ``PeerFailed`` must
-    see it as one.
+    closed by peer"), as :class:`Disconnected`: code that restarts a job on
+    ``PeerFailed`` must see it as one.
     """
     try:
         yield
-    except TimedOut as exc:
-        raise timed_out([(rank, j)], doing, exc.seconds) from exc
     except Disconnected as exc:
         raise lost_in([(rank, j)], doing, exc) from exc
 
@@ -145,3 +128,92 @@ def waiting_for(key: Key) -> str:
         return f"waiting for skip '{name}' of micro-batch {key.i}"
     assert isinstance(key, SkipGradient)
     return f"waiting for the gradient of skip '{name}' of micro-batch {key.i}"
+
+
+class Mismatch(ValueError):
+    """The ranks of a pipeline were called for different steps."""
+
+
+def refusal(said: Dict[int, Said], first: int) -> Optional[Mismatch]:
+    """Why the ranks cannot run the step each said (see :meth:`Wire.agree`), if they cannot.
+
+    Args:
+        said: each rank's step, what it lacks and its error, by rank
+        first: the rank of the first partition, whose sizes a rank given no data takes
+    """
+    errors = [(rank, error) for rank, (_, _, error) in sorted(said.items()) if error is not None]
+    if errors:
+        rank, error = errors[0]
+        return Mismatch(f'rank {rank} cannot run the step: {error}')
+    missing = [(rank, what) for rank, (_, lacking, _) in sorted(said.items()) for what in lacking]
+    if missing:
+        rank, what = missing[0]
+        return Mismatch(describe(f'rank {rank} holds the {"first" if what == "input" else "last"} '
+                                 f'partition and needs the {what}', f'{what}: None',
+                                 f"pass it on rank {rank}: the first partition's rank needs "
+                                 "the input, the last one's the target, and the others may "
+                                 'pass None'))
+    # The input's shapes are the first partition's rank's: others may be given other data.
+    steps = {rank: {k: v for k, v in step.items() if k != 'input'}
+             for rank, (step, _, _) in said.items()}
+    sizes = steps[first]['micro-batches']
+    # A rank given no data (None) runs the micro-batches of the first partition's rank.
+    if any({**step, 'micro-batches': step['micro-batches'] or sizes} != steps[first]
+           for step in steps.values()):
+        return Mismatch(f'the ranks of the pipeline run different steps ({by_rank(steps)}); '
+                        'give every rank the same mini-batch, chunks and schedule')
+    return None
+
+
+def by_rank(values: Dict[int, Any]) -> str:
+    """Every rank's value, as a :class:`Mismatch` says them: ``rank 0: ...; rank 1: ...``."""
+    return '; '.join(f'rank {rank}: {value}' for rank, value in sorted(values.items()))
+
+
+def checked(word: Any, rank: int) -> Dict[str, Any]:
+    """``word``, if it is one :class:`Wire` sends: of the start of a step, its end, or a failure.
+
+    Raises:
+        Unreadable: it is not
+    """
+    if isinstance(word, dict) and len(word) in (1, 2):
+        value = next(iter(word.values()))
+        if set(word) == {'error', 'rank'} and isinstance(word['error'], str) and \
+                (word['rank'] is None or type(word['rank']) is int):
+            return word
+        if set(word) == {'waiting'} and type(value) is list and len(value) == 2 and \
+                all(type(x) is int for x in value):
+            return word
+        if set(word) == {'agree'} and type(value) is list and len(value) == 3 and \
+                isinstance(value[0], dict) and type(value[1]) is list and \
+                all(w in ('input', 'target') for w in value[1]) and \
+                (value[2] is None or isinstance(value[2], str)):
+            return word
+        if set(word) == {'done'} and tensors_described(value) and value and \
+                value[0][1] == 'uint8' and len(value[0][0]) == 1:
+            return word
+    raise Unreadable(f'a word from rank {rank} is none this library sends: {word!r}'[:300])
+
+
+def read_header(data: bytes, rank: int) -> Tuple[Any, Any, Any]:
+    """A message's header, sent by ``rank``: its key, its body and its tensors' shapes and types.
+
+    Raises:
+        Unreadable: it is none this library writes
+    """
+    try:
+        key, body, metas = json.loads(data.decode())
+        if not tensors_described(metas):
+            raise ValueError(f'not tensors: {metas!r}'[:200])
+    except (ValueError, TypeError, UnicodeDecodeError, RecursionError) as exc:
+        raise Unreadable(f'a message from rank {rank} is none this library writes (not a '
+                         f'header: {exc}); only the ranks of the pipeline may reach its ports'
+                         ) from exc
+    return key, body, metas
+
+
+def tensors_described(metas: Any) -> bool:
+    """Whether ``metas`` describes tensors: a shape and a type each."""
+    return type(metas) is list and all(
+        type(m) is list and len(m) == 2 and type(m[0]) is list and
+        all(type(n) is int and n >= 0 for n in m[0]) and m[1] in DTYPES for m in metas)

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchgpipe.distributed.wire import Mismatch, by_rank
+from torchgpipe.distributed.faults import Mismatch, by_rank
 from torchgpipe.engine.generators import worker_of
 from torchgpipe.foundation.validation import describe
 

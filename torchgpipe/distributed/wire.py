@@ -1,38 +1,42 @@
-"""The wire: a training step's messages between partitions in different processes.
+"""The wire: a step's messages between partitions in different processes.
 
-:class:`~torchgpipe.engine.step.Step` sends and takes its messages through a
-:class:`~torchgpipe.engine.mailbox.Mailbox`. :class:`Wire` is the mailbox of
-the partitions of one process, whose neighbours may live in other processes:
-a message to another rank is described with its key in a header of data
-alone (:mod:`torchgpipe.distributed.codec`), and sent with torch.distributed's
-point-to-point operations as that header and a payload of its tensors
-(:class:`~torchgpipe.distributed.channels.Channels`); a message between
-two partitions of this process (two virtual stages of one rank) stays in
-the mailbox.
+:class:`Wire` is the :class:`~torchgpipe.engine.mailbox.Mailbox` of this
+process's partitions. A message to another rank is its tensors, sent at
+their exact sizes (:class:`~torchgpipe.distributed.channels.Channels`); a
+message between two partitions of this process stays in the mailbox.
 
-Sends never wait (``isend``): a rank only waits for what it needs, so a
-schedule that :meth:`~torchgpipe.schedules.Schedule.check` accepts runs
-without deadlock. Between two ranks, messages arrive in the order they were
-sent, whatever the backend (NCCL has no tags), which need not be the order
-the receiving rank takes them in (with several partitions per rank, or a
-schedule of one's own). So every message carries its key, and a rank
-waiting for one key keeps the messages that come before it, by key, for
-the actions that will take them::
+A step starts with every rank's word of what it runs (:meth:`Wire.agree`).
+The first step of a *signature* (the words of all ranks: micro-batches,
+input shapes, schedule) sends a header before each message (its key, the
+shapes and types of its tensors, and what else it holds, as data:
+:mod:`~torchgpipe.distributed.codec`), and both ends keep the sequence of
+messages. A later step of the same signature sends the tensors alone, each
+rank posting the receives of the next message from each rank ahead, in the
+order the sender sends them, which need not be the order it takes them::
 
-    rank 0 sends    Activation(0, 1)  Activation(0, 3)  Gradient(0, 1)
-    rank 1 takes    Activation(0, 1)  Gradient(0, 1)    Activation(0, 3)
-                                      ▲ receives Activation(0, 3) first: kept
+    first step of a signature   rank 0: | header | x | header | x |  ...  (sequence kept)
+    later steps                 rank 0: | x | x | ...   rank 1: receives posted as kept
+
+A sender checks each message against the sequence: one that differs (a
+layer whose output shape depends on the values) fails the step, on every
+rank, rather than reaching a buffer of another size. A step ends with every
+rank's word that it is done, which carries the loss (:meth:`Wire.finish`),
+or of its failure (:meth:`Wire.tell`): no rank waits for one that failed.
 """
+import json
 import time
+from collections import OrderedDict
+from contextlib import suppress
 from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 
+import torch
 from torch import Tensor
 
-# Channels: imported from here too, by DistributedGPipe.
-from torchgpipe.distributed.channels import Channels as Channels
-from torchgpipe.distributed.codec import Unreadable
-from torchgpipe.distributed.faults import (Disconnected, PeerFailed, TimedOut, failed, lost,
-                                           lost_in, timed_out, waiting_for)
+from torchgpipe.distributed.channels import Channels, Metas, Received, host_bytes, metas_of
+from torchgpipe.distributed.codec import Unreadable, decode, encode
+from torchgpipe.distributed.faults import (Disconnected, PeerFailed, Said, TimedOut,
+                                           checked, failed, lost, lost_in, read_header,
+                                           refusal, timed_out, waiting_for)
 from torchgpipe.engine.mailbox import (Activation, Gradient, Key, Mailbox, Skip, SkipGradient,
                                        SkipKey)
 from torchgpipe.foundation.record import Recorder
@@ -42,13 +46,27 @@ __all__: List[str] = []
 
 #: The route of a skip, (the partition that stashes it, the one that pops it).
 Route = Tuple[int, int]
-#: What a rank says as a step starts (see Wire.agree): its step, what it
-#: lacks, and why it cannot run the step, if it cannot.
-Said = Tuple[Dict[str, Any], List[str], Optional[str]]
+#: A message as a header describes it: its key, its body (codec.encode), its tensors.
+Entry = Tuple[Any, Any, Metas]
+#: The largest header, in bytes: a longer one is refused before its buffer is taken.
+HEADER_LIMIT = 1 << 20
+#: How many signatures each rank keeps the sequences of.
+SIGNATURES = 64
 
 
-class Mismatch(ValueError):
-    """The ranks of a pipeline were called for different steps."""
+class Sequences:
+    """The messages of a step of one signature, in the order each rank sends them:
+    this rank's to each other (as JSON, to compare), and each other's to this one."""
+
+    def __init__(self) -> None:
+        self.sent: Dict[int, List[str]] = {}
+        self.received: Dict[int, List[Entry]] = {}
+        #: Where each key comes in each rank's sequence, by its JSON.
+        self.positions: Dict[int, Dict[str, int]] = {}
+
+    def index(self) -> None:
+        self.positions = {rank: {json.dumps(key): p for p, (key, _, _) in enumerate(entries)}
+                          for rank, entries in self.received.items()}
 
 
 class Wire(Mailbox):
@@ -59,29 +77,48 @@ class Wire(Mailbox):
         ranks: the global rank of each partition
         me: the global rank of this process
         routes: the route of each skip that crosses partitions, by key
+        known: the sequences of the signatures run before, kept by the caller
+        timeout: the step timeout, in seconds (``None``: none)
         recorder: records each message to or from another rank, inside
             :func:`torchgpipe.trace`
     """
 
     def __init__(self, channels: Channels, ranks: Sequence[int], me: int,
-                 routes: Dict[SkipKey, Route], recorder: Optional[Recorder] = None) -> None:
+                 routes: Dict[SkipKey, Route], known: 'OrderedDict[str, Sequences]',
+                 timeout: Optional[float], recorder: Optional[Recorder] = None) -> None:
         super().__init__()
         self.channels = channels
         self.recorder = recorder
         self.ranks = ranks
         self.me = me
         self.routes = routes
+        self.known = known
+        self.timeout = timeout
+        #: When the step times out, by ``time.monotonic()``.
+        self.deadline = None if timeout is None else time.monotonic() + timeout
         #: Every other rank of the pipeline, once.
         self.others = [r for r in dict.fromkeys(ranks) if r != me]
         #: The skips by index, which every rank numbers alike (in the order of
         #: the layers), while a skip's namespace differs from process to process.
         self.skips = list(routes)
         self.index = {key: k for k, key in enumerate(self.skips)}
+        #: The sequences this step follows (a signature run before), or records.
+        self.sequences = Sequences()
+        self.recording = True
+        self.signature = ''
+        self.sent = {rank: 0 for rank in self.others}
+        #: Receives posted ahead, by rank and position, and the next position to post.
+        self.posted: Dict[int, Dict[int, Received]] = {rank: {} for rank in self.others}
+        self.next_post = {rank: 0 for rank in self.others}
+        #: Messages received before they were wanted (a recording step).
+        self.early: Dict[str, Any] = {}
+        #: Each rank's word of what step it runs, and then that it is done.
+        self.agreed: Dict[int, Any] = {}
+        self.ends: Dict[int, Any] = {}
         #: Whether this rank has told the others why it stops (see tell).
         self.told = False
-        channels.alarm = self.tell
 
-    def ends(self, key: Key) -> Route:
+    def ends_of(self, key: Key) -> Route:
         """The partitions a message goes from and to."""
         if isinstance(key, Activation):
             return key.j - 1, key.j
@@ -90,28 +127,22 @@ class Wire(Mailbox):
         a, b = self.routes[key.key]
         return (a, b) if isinstance(key, Skip) else (b, a)
 
-    def encode(self, key: Key) -> Any:
-        """A key as it travels: a skip's by the skip's index."""
+    def key_id(self, key: Key) -> Any:
+        """A key as JSON data, alike on every rank: a skip's by the skip's index."""
         if isinstance(key, (Skip, SkipGradient)):
-            return (type(key).__name__, key.i, self.index[key.key])
-        return key
-
-    def decode(self, wired: Any) -> Key:
-        if isinstance(wired, tuple):
-            kind, i, k = wired
-            return (Skip if kind == 'Skip' else SkipGradient)(i, self.skips[k])
-        return cast(Key, wired)
+            return [type(key).__name__, key.i, self.index[key.key]]
+        return [type(key).__name__, key.i, key.j]
 
     def name(self, key: Key) -> str:
         """What a message is, in words both its ranks write alike (a trace pairs them so)."""
-        a, b = self.ends(key)
+        a, b = self.ends_of(key)
         kind = type(key).__name__
         if isinstance(key, (Skip, SkipGradient)):
             kind += f' #{self.index[key.key]}'
         return f'{kind} of micro-batch {key.i}, partition {a} to {b}'
 
     def put(self, key: Key, message: Any) -> None:
-        source, j = self.ends(key)
+        source, j = self.ends_of(key)
         rank = self.ranks[j]
         if rank == self.me:
             super().put(key, message)
@@ -119,15 +150,37 @@ class Wire(Mailbox):
 
         def send() -> None:
             with lost(rank, j, 'sending it a message'):
-                self.channels.send(rank, 'message', (self.encode(key), message))
+                self.send(rank, key, message)
         if self.recorder is None:
             send()
         else:
             self.recorder.messaged('send', key.i, source, self.channels.device, self.name(key),
                                    send)
 
+    def send(self, rank: int, key: Key, message: Any) -> None:
+        tensors: List[Tensor] = []
+        entry = [self.key_id(key), encode(message, tensors), metas_of(tensors)]
+        described = json.dumps(entry)
+        sent = self.sequences.sent.setdefault(rank, [])
+        if self.recording:
+            sent.append(described)
+            header = torch.frombuffer(bytearray(described.encode()), dtype=torch.uint8)
+            self.channels.send(rank, [torch.tensor([header.numel()]), header, *tensors])
+            return
+        p = self.sent[rank]
+        if p >= len(sent) or sent[p] != described:
+            expected = 'nothing' if p >= len(sent) else sent[p]
+            raise ValueError(describe(
+                f'the {self.name(key)} differs from the same message in the first step with '
+                'these inputs', f'{described[:200]}, then: {expected[:200]}',
+                'DistributedGPipe sends a step\'s tensors at the shapes of the first step of '
+                'the same input shapes and schedule: make the shapes (and values other than '
+                'tensors) a partition sends depend on its input shapes alone (pad them)'))
+        self.sent[rank] = p + 1
+        self.channels.send(rank, tensors)
+
     def take(self, key: Key) -> Any:
-        source, j = self.ends(key)
+        source, j = self.ends_of(key)
         if self.ranks[source] == self.me:
             return super().take(key)
         if self.recorder is None:
@@ -137,295 +190,257 @@ class Wire(Mailbox):
 
     def take_from(self, source: int, key: Key) -> Any:
         """Waits for the message under ``key`` from partition ``source``, in another rank."""
-        if self.has(key):
-            return super().take(key)
-        while True:
-            wired, message = self.receive(source, waiting_for(key))
-            received = self.decode(wired)
-            if received == key:
-                return message
-            # Sent before, for an action of this process still to come.
-            super().put(received, message)
+        rank = self.ranks[source]
+        wanted = json.dumps(self.key_id(key))
+        doing = waiting_for(key)
+        if not self.recording:
+            p = self.sequences.positions[rank][wanted]
+            self.post(rank, p + 1)  # and the next one, ahead of the compute
+            received = self.posted[rank].pop(p)
+            self.wait(received, rank, source, doing)
+            return self.decode(self.sequences.received[rank][p][1], received.tensors, rank)
+        while wanted not in self.early:
+            entry, tensors = self.receive_described(rank, source, doing)
+            self.sequences.received.setdefault(rank, []).append(entry)
+            self.early[json.dumps(entry[0])] = self.decode(entry[1], tensors, rank)
+        return self.early.pop(wanted)
 
-    def has(self, key: Key) -> bool:
-        with self._condition:
-            return key in self._messages
-
-    def receive(self, j: int, doing: str, last: bool = False) -> Any:
-        """Waits for the next message from the rank of partition ``j``; ``doing``
-        says what for, if it never comes. Unless it is the ``last`` that rank
-        sends in this step, the receives of the next are posted.
+    def decode(self, body: Any, tensors: List[Tensor], rank: int) -> Any:
+        """A message from ``rank``: its body (JSON, or its bytes) with its tensors.
 
         Raises:
-            PeerFailed: that rank failed, or the connection to it broke
-            StepTimeout: it sent nothing by the step's deadline
+            Unreadable: it holds what no rank sends
         """
-        rank = self.ranks[j]
+        try:
+            if isinstance(body, bytes):
+                body = json.loads(body.decode())
+            return decode(body, tensors, self.channels.device)
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            raise Unreadable(f'a message from rank {rank} holds what no rank sends ({exc})'
+                             ) from exc
+
+    def post(self, rank: int, until: int) -> None:
+        """Posts the receives from ``rank`` up to position ``until``, in its order."""
+        entries = self.sequences.received.get(rank, [])
+        while self.next_post[rank] <= min(until, len(entries) - 1):
+            p = self.next_post[rank]
+            with lost(rank, self.partition_of(rank), 'receiving from it'):
+                self.posted[rank][p] = self.channels.post(rank, entries[p][2])
+            self.next_post[rank] = p + 1
+
+    def partition_of(self, rank: int) -> int:
+        return self.ranks.index(rank)
+
+    def receive_described(self, rank: int, j: int, doing: str) -> Tuple[Entry, List[Tensor]]:
+        """The next message from ``rank``, its header first: the header read, and its tensors.
+
+        Raises:
+            Unreadable: the header is none this library writes
+        """
+        length = self.receive(rank, j, doing, [([1], 'int64')])[0]
+        size = int(length.item())
+        if not 0 < size <= HEADER_LIMIT:
+            raise Unreadable(f'a message from rank {rank} has a header of {size} bytes')
+        key, body, metas = read_header(
+            host_bytes(self.receive(rank, j, doing, [([size], 'uint8')])[0]), rank)
+        return (key, body, metas), self.receive(rank, j, doing, metas)
+
+    def receive(self, rank: int, j: int, doing: str, metas: Metas) -> List[Tensor]:
+        """Receives tensors of ``metas`` from ``rank``, now."""
         with lost(rank, j, doing):
-            try:
-                kind, message = self.channels.receive(rank, waiting={'waiting': [rank, j]},
-                                                      ahead=not last)
-            except TimedOut:
-                kind, message = 'failure', None
-        if kind == 'failure':
-            raise self.blame(j, doing, message)
-        if self.told:
-            # It came after the deadline, once this rank had told the others
-            # it waits for it: too late, the step is over.
-            raise timed_out([(rank, j)], doing, self.channels.timeout or 0.0)
-        return message
+            received = self.channels.post(rank, metas)
+        self.wait(received, rank, j, doing)
+        return received.tensors
 
-    def blame(self, j: int, doing: str, word: Any) -> PeerFailed:
-        """What to raise when the rank of partition ``j`` sent word of its
-        failure (``word``: see :meth:`tell`), or nothing (``None``) by the step's deadline.
+    def wait(self, received: Received, rank: int, j: int, doing: str) -> None:
+        """Waits for a receive from ``rank`` (partition ``j``), hearing the words that come.
 
-        The rank at fault may be another: every rank's deadline falls at
-        about the same moment, so a rank that waits for one waiting in turn
-        for a stopped rank times out with it, and hears from neither. So a
-        rank that times out, or hears that the rank it waits for did, first
-        tells every other rank whom it waits for; then, within a grace of
-        one more step timeout, it hears the rank it waited for, and the one
-        that rank waited for, and so on, until a rank says it failed (named,
-        as it said), or sends nothing, or a message instead (named as the
-        one that did not answer). The grace is long enough: ranks start a
-        step less than a timeout apart (they wait for each other's first
-        word), so their deadlines fall less than a timeout apart::
-
-            rank 0  waits for 1 ── deadline: "0 waits for 1" ── hears "1 waits for 2"
-            rank 1  waits for 2 ── deadline: "1 waits for 2" ──┐    hears nothing from 2 │
-            rank 2  stopped                                    └─ both name rank 2 ──────┘
+        Raises:
+            PeerFailed: that rank (or another) failed, or the connection broke
+            StepTimeout: nothing came by the step's deadline
         """
-        seconds = self.channels.timeout or 0.0
-        chain: List[Tuple[int, int]] = [(self.ranks[j], j)]
-        if self.channels.closed():
-            # Told at the deadline, then given the grace: that rank sent nothing.
-            return timed_out(chain, doing, seconds)
-        if word is not None:
-            word = checked(word, chain[0][0])
-        if word is None or 'waiting' in word:
-            self.tell({'waiting': list(chain[0])})
-        until = time.monotonic() + seconds
-        while True:
-            rank = chain[-1][0]
-            if word is None:
-                try:
-                    word = self.word(rank, until, stale=len(chain) > 1)
-                except Disconnected as exc:
-                    return lost_in(chain, doing, exc)
-                if word is None:
-                    return timed_out(chain, doing, seconds)
-            if 'waiting' not in word:
-                return failed(chain, doing, word)
-            link = (word['waiting'][0], word['waiting'][1])
-            if link[0] == self.me or link[0] in (r for r, _ in chain):
-                # Waiting for each other: no rank that started it.
-                return timed_out(chain, doing, seconds)
-            chain.append(link)
-            word = None
+        if received.done:
+            return
+        self.channels.watch(received)
+        while not received.done:
+            self.event(rank, j, doing)
 
-    def word(self, rank: int, until: float, stale: bool) -> Optional[Dict[str, Any]]:
-        """The word ``rank`` sends next, by ``until``; ``None`` if none, or
-        if it sends a message first, unless ``stale`` (then skipped: the
-        messages it sent this rank before it stopped).
+    def event(self, rank: int, j: int, doing: str) -> None:
+        """Waits for the next operation to end, while waiting for ``rank``'s partition ``j``:
+        keeps a word of the start or the end of the step, raises one of failure."""
+        try:
+            kind, source, value = self.channels.next_event(self.deadline)
+        except TimedOut:
+            self.tell({'waiting': [rank, j]})
+            raise self.blame(rank, j, doing, None) from None
+        if kind == 'lost':
+            exc = lost_in([(rank if source is None else source,
+                            j if source is None else self.partition_of(source))], doing, value)
+            raise exc
+        if kind != 'word':
+            return
+        word = checked(value, source)
+        if 'agree' in word:
+            self.agreed[source] = word['agree']
+            with lost(source, self.partition_of(source), 'receiving from it'):
+                self.channels.expect_word(source)  # its end, or its failure
+            return
+        if 'error' in word or 'waiting' in word and source == rank:
+            raise self.blame(source, self.partition_of(source), doing, word)
+        # Done, or waiting for another: heard when this rank's own wait ends.
+        self.ends[source] = word
+
+    def agree(self, signature: Dict[str, Any], lacking: Sequence[str] = (),
+              problem: Optional[Exception] = None) -> List[int]:
+        """Starts a step: every rank tells every other the step it runs
+        (``signature``: micro-batch sizes, ``None`` if given no data, schedule,
+        input), what it ``lacks`` (``'input'``, ``'target'``), and the
+        ``problem`` that makes it refuse the step, if any. Returns the sizes
+        of the micro-batches, the first partition's rank's.
+
+        Raises:
+            Mismatch: on every rank, if the ranks run different steps, or one
+                lacks what it needs or refuses; the pipeline stays whole
+            PeerFailed, StepTimeout: a rank failed, or did not answer
         """
-        while True:
-            try:
-                kind, message = self.channels.receive(rank, until)
-            except TimedOut:
-                return None
-            if kind == 'failure':
-                return checked(message, rank)
-            if not stale:
-                return None
+        error = None if problem is None else f'{type(problem).__name__}: {problem}'[:4096]
+        for rank in self.others:
+            with lost(rank, self.partition_of(rank), 'sending it the start of the step'):
+                self.channels.expect_word(rank)
+                self.channels.send_word(rank, {'agree': [signature, list(lacking), error]})
+        for rank in self.others:
+            while rank not in self.agreed:
+                self.event(rank, self.partition_of(rank), 'waiting for the start of the step')
+        said = {self.me: (signature, list(lacking), error),
+                **{rank: cast(Said, tuple(word)) for rank, word in self.agreed.items()}}
+        mismatch = refusal(said, self.ranks[0])
+        if mismatch is not None:
+            self.finish(None)  # a step without messages: the pipeline stays whole
+            raise mismatch
+        sizes = cast(List[int], said[self.ranks[0]][0]['micro-batches'])
+        steps = [{**said[rank][0], 'micro-batches': sizes,
+                  'input': said[self.ranks[0]][0].get('input')} for rank in sorted(said)]
+        self.signature = json.dumps(steps, sort_keys=True)
+        known = self.known.get(self.signature)
+        if known is not None:
+            self.known.move_to_end(self.signature)
+            self.sequences, self.recording = known, False
+            for rank in self.others:
+                self.post(rank, 0)
+        return sizes
 
     def finish(self, result: Any, shares: Optional[Dict[int, Any]] = None,
                ) -> Tuple[Any, Dict[int, Any]]:
-        """Ends the step on every rank: returns what the last partition's rank
-        sends everyone (a training step's loss).
-
-        Each rank tells every other that it is done (the last partition's,
-        with ``result``), then waits for the word of every other rank, and
-        for its own sends to arrive. The word may carry more:
-        ``shares[rank]`` to each rank (the gradients of tied parameters, say).
-
-        Returns:
-            the last partition's ``result``, and what each other rank's word carried
+        """Ends the step: every rank tells every other it is done, with its
+        ``result`` and ``shares[rank]`` (gradients of tied parameters), and
+        waits for theirs. Returns the last partition's ``result`` and what
+        each other rank sent this one.
 
         Raises:
             PeerFailed: another rank failed in this step
         """
         shares = shares or {}
-        shared = self.channels.shared
         for rank in self.others:
-            # The word also says whether this rank read the other's shared memory.
-            with lost(rank, self.ranks.index(rank), 'sending it the end of the step'):
-                self.channels.send(rank, 'message',
-                                   (None, (result, shares.get(rank), rank in shared.seen)))
+            # The body as a tensor too: a result of values may outgrow a word.
+            tensors: List[Tensor] = []
+            data = json.dumps(encode((result, shares.get(rank)), tensors)).encode()
+            tensors.insert(0, torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            with lost(rank, self.partition_of(rank), 'sending it the end of the step'):
+                self.channels.send_word(rank, {'done': metas_of(tensors)})
+                self.channels.send(rank, tensors)
         received: Dict[int, Any] = {}
-        reads: Dict[int, bool] = {}
         for rank in self.others:
-            _, (sent, received[rank], read) = self.receive(
-                self.ranks.index(rank), 'waiting for the end of the step', last=True)
-            reads[rank] = read is True
+            j = self.partition_of(rank)
+            while self.ends.get(rank) is None:
+                self.event(rank, j, 'waiting for the end of the step')
+            if 'done' not in self.ends[rank]:
+                raise self.blame(rank, j, 'waiting for the end of the step', self.ends[rank])
+            body, *theirs = self.receive(rank, j, 'waiting for the end of the step',
+                                         self.ends[rank]['done'])
+            sent, received[rank] = self.decode(host_bytes(body), theirs, rank)
             if rank == self.ranks[-1]:
-                result = owned(sent)
-        # Each rank's last message: nothing of this step is posted ahead.
-        assert not self.channels.pending
+                result = sent
         # Every rank has said it is done: a send failing now failed on the way.
-        with lost(None, None, "waiting for this rank's messages to arrive"):
-            self.channels.wait_sent()
-        self.channels.blocks.trim()
-        shared.end_step(reads)
-        self.channels.close()
+        doing = "waiting for this rank's messages to arrive"
+        try:
+            with lost(None, None, doing):
+                self.channels.wait_sent(self.deadline)
+        except TimedOut:
+            raise timed_out([(None, None)], doing, self.timeout or 0.0) from None
+        if self.recording and self.signature:
+            self.sequences.index()
+            self.known[self.signature] = self.sequences
+            while len(self.known) > SIGNATURES:
+                self.known.popitem(last=False)
         return result, received
 
-    def agree(self, signature: Dict[str, Any], lacking: Sequence[str] = (),
-              problem: Optional[Exception] = None) -> List[int]:
-        """Starts a step: every rank tells every other what step it runs (the
-        sizes of its micro-batches, the schedule), what it needs but was
-        not given, and what it refuses, before any of its messages.
+    def blame(self, rank: int, j: int, doing: str, word: Any) -> PeerFailed:
+        """What to raise when ``rank`` (partition ``j``) sent word of its failure
+        (``word``: see :meth:`tell`), or nothing (``None``) by the step's deadline.
 
-        A rank given no data says ``None`` for its sizes
-        (``signature['micro-batches']``), and learns them here from the first
-        partition's rank.
+        The rank at fault may be another: deadlines fall at about the same
+        moment, so a rank waiting for one that waits for a stopped rank times
+        out with it. So a rank that times out tells every other whom it waits
+        for, then, within a grace of one more timeout, follows the words of
+        the ranks waited for until one says it failed, or says nothing::
 
-        Args:
-            signature: the step, as this rank runs it
-            lacking: what this rank needs and was not given: ``'input'`` (it
-                holds the first partition), ``'target'`` (the last)
-            problem: why this rank cannot run the step (what its arguments raised), if it
-                cannot
-
-        Returns:
-            the sizes of the micro-batches
-
-        Raises:
-            Mismatch: the ranks run different steps, or a rank lacks what it
-                needs, or cannot run it; every rank raises it, and the pipeline
-                stays whole
-            PeerFailed, StepTimeout: as :meth:`receive`
+            rank 0  waits for 1 ── deadline: "0 waits for 1" ── hears "1 waits for 2"
+            rank 1  waits for 2 ── deadline: "1 waits for 2" ──┐    hears nothing from 2 │
+            rank 2  stopped                                    └─ both name rank 2 ──────┘
         """
-        # With the step, the probe of this rank's shared memory, until the
-        # ranks know who reads whose (see torchgpipe.distributed.shared).
-        shared = self.channels.shared
-        probe = shared.probe_word() if self.channels.sharing else None
-        error = None if problem is None else f'{type(problem).__name__}: {problem}'
-        for rank in self.others:
-            with lost(rank, self.ranks.index(rank), 'sending it the start of the step'):
-                self.channels.send(rank, 'message',
-                                   (None, (signature, list(lacking), error, probe)))
-        # Nothing posted ahead: if the ranks disagree, this step ends here,
-        # and a receive posted for it would take the next step's message.
-        said: Dict[int, Said] = {self.me: (signature, list(lacking), error)}
-        for rank in self.others:
-            step, needs, refused, theirs = self.receive(self.ranks.index(rank),
-                                                        'waiting for the start of the step',
-                                                        last=True)[1]
-            said[rank] = (step, needs, refused)
-            if self.channels.sharing:
-                shared.test(rank, theirs)
-        mismatch = refusal(said, self.ranks[0])
-        if mismatch is not None:
-            # Every rank has received this one's word: its buffers may go
-            # back to the pool, for the next step's messages.
-            with lost(None, None, "waiting for this rank's messages to arrive"):
-                self.channels.wait_sent()
-            self.channels.close()
-            raise mismatch
-        return cast(List[int], said[self.ranks[0]][0]['micro-batches'])
+        seconds = self.timeout or 0.0
+        chain: List[Tuple[int, int]] = [(rank, j)]
+        if word is None or 'waiting' in word:
+            self.tell({'waiting': [rank, j]})
+        until = time.monotonic() + seconds
+        while True:
+            if word is None:
+                word = self.end_word(chain[-1][0], until)
+                if isinstance(word, BaseException):
+                    return lost_in(chain, doing, word)
+                if word is None or 'done' in word:
+                    return timed_out(chain, doing, seconds)
+            if 'waiting' not in word:
+                return failed(chain, doing, word)
+            link = (word['waiting'][0], word['waiting'][1])
+            if link[0] == self.me or link in chain:
+                # Waiting for each other: no rank that started it.
+                return timed_out(chain, doing, seconds)
+            chain.append(link)
+            word = None
+
+    def end_word(self, rank: int, until: float) -> Any:
+        """The word ``rank`` ends its step with, by ``until``: ``None`` if none
+        comes, the error if its connection breaks."""
+        while self.ends.get(rank) is None:
+            try:
+                kind, source, value = self.channels.next_event(until)
+            except TimedOut:
+                return None
+            if kind == 'lost' and source == rank:
+                return cast(BaseException, value)
+            if kind == 'word' and 'agree' in checked(value, source):
+                with suppress(Disconnected):  # far behind: its end may come yet
+                    self.channels.expect_word(source)
+            elif kind == 'word':
+                self.ends[source] = value
+        return self.ends[rank]
 
     def fail(self, error: BaseException) -> None:
         """Tells every other rank that this one failed, so none waits for it forever.
-
-        The sends and receives in flight are never waited for: the step is
-        over, and so is this pipeline (its ranks would not agree on which
-        messages are left). The caller keeps ``channels`` alive, so that
-        their buffers outlive them.
-        """
+        The operations in flight are left: the step is over, and so is the pipeline."""
         rank = error.rank if isinstance(error, PeerFailed) else self.me
-        self.tell({'error': f'{type(error).__name__}: {error}', 'rank': rank})
-        self.channels.close()
+        self.tell({'error': f'{type(error).__name__}: {error}'[:4096], 'rank': rank})
 
     def tell(self, word: Dict[str, Any]) -> None:
-        """Sends every other rank word of this one's failure, once.
-
-        A word is either ``{'error': description, 'rank': the rank at fault}``
-        (``None``: unknown), or ``{'waiting': [rank, partition]}``: this
-        rank stops, having waited for that rank's partition within the step
-        timeout (or for a rank that did so in turn), and its receivers
-        follow the waiting on (see :meth:`blame`).
-        """
+        """Sends every other rank, once, the word this one ends its step with:
+        ``{'error': description, 'rank': the rank at fault or None}``, or
+        ``{'waiting': [rank, partition]}`` (see :meth:`blame`)."""
         if self.told:
             return
         self.told = True
         for rank in self.others:
             try:
-                self.channels.send(rank, 'failure', word)
+                self.channels.send_word(rank, word)
             except Disconnected:
                 pass  # that rank is gone already
-
-
-def refusal(said: Dict[int, Said], first: int) -> Optional[Mismatch]:
-    """Why the ranks cannot run the step each said (see :meth:`Wire.agree`), if they cannot.
-
-    Args:
-        said: each rank's step, what it lacks and its error, by rank
-        first: the rank of the first partition, whose sizes a rank given no data takes
-    """
-    errors = [(rank, error) for rank, (_, _, error) in sorted(said.items()) if error is not None]
-    if errors:
-        rank, error = errors[0]
-        return Mismatch(f'rank {rank} cannot run the step: {error}')
-    missing = [(rank, what) for rank, (_, lacking, _) in sorted(said.items()) for what in lacking]
-    if missing:
-        rank, what = missing[0]
-        return Mismatch(describe(f'rank {rank} holds the {"first" if what == "input" else "last"} '
-                                 f'partition and needs the {what}', f'{what}: None',
-                                 f"pass it on rank {rank}: the first partition's rank needs "
-                                 "the input, the last one's the target, and the others may "
-                                 'pass None'))
-    steps = {rank: step for rank, (step, _, _) in said.items()}
-    sizes = steps[first]['micro-batches']
-    # A rank given no data (None) runs the micro-batches of the first partition's rank.
-    if any({**step, 'micro-batches': step['micro-batches'] or sizes} != steps[first]
-           for step in steps.values()):
-        return Mismatch(f'the ranks of the pipeline run different steps ({by_rank(steps)}); '
-                        'give every rank the same mini-batch, chunks and schedule')
-    return None
-
-
-def by_rank(values: Dict[int, Any]) -> str:
-    """Every rank's value, as a :class:`Mismatch` says them: ``rank 0: ...; rank 1: ...``."""
-    return '; '.join(f'rank {rank}: {value}' for rank, value in sorted(values.items()))
-
-
-def checked(word: Any, rank: int) -> Dict[str, Any]:
-    """``word``, if it is a word of failure as :meth:`Wire.tell` sends them.
-
-    Raises:
-        Unreadable: it is not
-    """
-    if isinstance(word, dict):
-        if set(word) == {'error', 'rank'} and isinstance(word['error'], str) and \
-                (word['rank'] is None or type(word['rank']) is int):
-            return word
-        link = word.get('waiting')
-        if set(word) == {'waiting'} and type(link) is list and len(link) == 2 and \
-                all(type(x) is int for x in link):
-            return word
-    raise Unreadable(f'a word of failure from rank {rank} is none this library sends: '
-                     f'{word!r}'[:300])
-
-
-def owned(message: Any) -> Any:
-    """``message`` with each tensor copied, in tuples and lists too.
-
-    A received tensor is a view of its message's buffer: one that outlives
-    the step (a loss kept for logging) must not hold the buffer, which the
-    pool gives to later messages.
-    """
-    if isinstance(message, Tensor):
-        return message.clone()
-    if type(message) in (tuple, list):
-        return type(message)(owned(x) for x in message)
-    return message
