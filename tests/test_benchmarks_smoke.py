@@ -139,14 +139,16 @@ def check_distributed(document: Dict[str, Any]) -> None:
     from benchmarks import distributed as d
 
     schedules = list(d.SCHEDULES)
+    latency = d.latency_names(2)
     names = [n for s in schedules for n in (d.anchor_name(s), d.ours_name(s))] + \
-        [d.FILL_DRAIN] + [d.one_process_name(s) for s in schedules] + [d.UNWRAPPED]
+        [d.FILL_DRAIN] + latency + [d.one_process_name(s) for s in schedules] + [d.UNWRAPPED]
     assert list(document['times']) == names
     for t in document['times'].values():
         assert 0 < t['min'] <= t['median'] <= t['max'] and t['samples'] >= 1
     results = document['results']
     assert [(r['measured'], r['against']) for r in results] == [
         (d.ours_name(s), d.anchor_name(s)) for s in schedules] + [(d.FILL_DRAIN, d.ANCHOR)] + [
+        (latency[1], latency[0])] + [
         (d.one_process_name(s), d.anchor_name(s)) for s in schedules] + [
         (d.OURS, d.ONE_PROCESS), (d.OURS, d.UNWRAPPED)]
     assert all(r['ratio'] > 0 and r['ratio_fastest'] > 0 and r['ratio_median'] > 0
@@ -158,10 +160,12 @@ def check_distributed(document: Dict[str, Any]) -> None:
     # the anchor's: targets; the others are for information.
     targeted = {(r['measured'], r['target']) for r in results if 'target' in r}
     assert targeted == {(d.ours_name(s), d.TARGETS[s]) for s in schedules} | {
-        (d.one_process_name(s), d.ONE_PROCESS_TARGET) for s in schedules}
+        (d.one_process_name(s), d.ONE_PROCESS_TARGET) for s in schedules} | {
+        (latency[1], d.LATENCY_TARGET)}
     # Every step trains the same mini-batch from the same parameters: the same loss.
     assert set(document['losses']) == set(names)
     assert document['max_loss_difference'] < 1e-5
+    assert document['latency_loss_difference'] < 1e-5
     assert document['ranks_malloc_tuned'] in (True, False)
 
 

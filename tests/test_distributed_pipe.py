@@ -402,16 +402,18 @@ def recorded_operations(rank: int, world_size: int) -> List[List[Any]]:
 
 def test_tensors_go_at_their_exact_sizes_with_headers_only_for_new_shapes() -> None:
     ranks = run_distributed(recorded_operations, timeout=150)
+    def headers(step: List[Any]) -> List[Any]:
+        return [op for op in step if op[2] == 'torch.int64']  # a header's length
+
+    def tensors(step: List[Any]) -> List[Any]:  # of the model (a step's end: uint8)
+        return sorted(op for op in step if op[2] == 'torch.float64')
     for rank, steps in enumerate(ranks):
-        def headers(step: List[Any]) -> List[Any]:
-            return [op for op in step if op[2] in ('torch.uint8', 'torch.int64')]
         # The first step of each batch size sends a header (its length and its
         # bytes) before each message; the next ones, the same tensors without.
         for first, later in ((0, 1), (0, 2), (3, 4)):
             assert headers(steps[first]) and not headers(steps[later]), rank
-            assert sorted(op for op in steps[first] if op not in headers(steps[first])) == \
-                sorted(steps[later]), rank
-        assert sorted(steps[1]) != sorted(steps[4])
+            assert tensors(steps[first]) == tensors(steps[later]), rank
+        assert tensors(steps[1]) != tensors(steps[4])
     # Every tensor sent is received into a buffer of its type and shape.
     for step in range(5):
         for rank, other in ((0, 1), (1, 0)):
