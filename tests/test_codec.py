@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from process_group import no_child_left  # noqa: F401 (an autouse fixture)
 from process_group import run_distributed
 from torchgpipe import NoChunk
-from torchgpipe.distributed.channels import WORD_LIMIT, WORD_TAG, metas_of, read_word, wired
+from torchgpipe.distributed.channels import WORD_LIMIT, metas_of, read_word, wired
 from torchgpipe.distributed.codec import Unreadable, Unsendable, decode, encode
 from torchgpipe.distributed.faults import read_header
 from torchgpipe.engine.mailbox import Activation, ForwardMessage, Gradient, Reply
@@ -138,12 +138,15 @@ def hostile_peer(rank: int, world_size: int, path: str, length: int) -> str:
             return str(exc)
         return 'no error'
     word = torch.empty(8 + WORD_LIMIT, dtype=torch.uint8)
-    dist.recv(word, 0, tag=WORD_TAG)  # rank 0's step: rank 1 says the same
-    dist.send(word[:8 + int.from_bytes(bytes(word[:8].tolist()), 'little')], 0, tag=WORD_TAG)
-    dist.send(torch.tensor([length]), 0)
+    channels = pipe.core.channels
+    dist.recv(word, 0, group=channels.words, tag=channels.word_tag)  # rank 0's step: the same
+    dist.send(word[:8 + int.from_bytes(bytes(word[:8].tolist()), 'little')], 0,
+              group=channels.words, tag=channels.word_tag)
+    dist.send(torch.tensor([length]), 0, group=channels.group)
     if length < 1 << 20:
         payload = pickle.dumps(Exploit(path))
-        dist.send(torch.tensor(list(payload.ljust(length)), dtype=torch.uint8), 0)
+        dist.send(torch.tensor(list(payload.ljust(length)), dtype=torch.uint8), 0,
+                  group=channels.group)
     return 'sent'
 
 

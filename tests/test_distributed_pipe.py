@@ -388,8 +388,8 @@ def recorded_operations(rank: int, world_size: int) -> List[List[Any]]:
     steps: List[List[Any]] = []
     started = channels.operations
 
-    def recorded(op: Any, tensors: List[Tensor], other: int, group: Any, tag: int = 0) -> Any:
-        if tag != channels.WORD_TAG:
+    def recorded(op: Any, tensors: List[Tensor], other: int, group: Any, tag: int) -> Any:
+        if tag % 2 == 0:  # tensors, not words
             steps[-1].extend((op.__name__, other, str(t.dtype), list(t.shape)) for t in tensors)
         return started(op, tensors, other, group, tag)
     channels.operations = recorded  # type: ignore[assignment]

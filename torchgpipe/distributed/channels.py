@@ -21,6 +21,7 @@ import queue
 import threading
 import time
 import weakref
+from datetime import timedelta
 from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 
 import torch
@@ -32,8 +33,6 @@ from torchgpipe.distributed.faults import Disconnected, TimedOut
 
 __all__: List[str] = []
 
-#: The tag of words, apart from tensors' (0) when both share a gloo group.
-WORD_TAG = 7467
 #: The largest word, in bytes: a word's receive buffer, fixed.
 WORD_LIMIT = 1 << 16
 
@@ -55,36 +54,37 @@ class Watchers:
     def __init__(self) -> None:
         # What ended: (tag, error or None), in the order they ended.
         self.ended: 'queue.SimpleQueue[Tuple[Any, Optional[BaseException]]]' = queue.SimpleQueue()
-        self.idle: List['queue.SimpleQueue[Optional[Tuple[dist.Work, Any]]]'] = []
+        self.idle: List['queue.SimpleQueue[Optional[Tuple[List[dist.Work], Any]]]'] = []
         self.lock = threading.Lock()
         # Idle threads end with the watchers.
         weakref.finalize(self, end_threads, self.idle)
 
-    def watch(self, work: dist.Work, tag: Any) -> None:
-        """Waits for ``work`` in a thread, which then reports ``tag`` to ``ended``."""
+    def watch(self, works: List[dist.Work], tag: Any) -> None:
+        """Waits for ``works`` in a thread, which then reports ``tag`` to ``ended``."""
         with self.lock:
             jobs = self.idle.pop() if self.idle else None
         if jobs is None:
             jobs = queue.SimpleQueue()
             threading.Thread(target=serve, args=(jobs, self.ended, self.idle, self.lock),
                              name='torchgpipe-wait', daemon=True).start()
-        jobs.put((work, tag))
+        jobs.put((works, tag))
 
 
-def serve(jobs: 'queue.SimpleQueue[Optional[Tuple[dist.Work, Any]]]',
+def serve(jobs: 'queue.SimpleQueue[Optional[Tuple[List[dist.Work], Any]]]',
           ended: 'queue.SimpleQueue[Tuple[Any, Optional[BaseException]]]',
           idle: List[Any], lock: threading.Lock) -> None:
     while True:
         job = jobs.get()
         if job is None:
             return
-        work, tag = job
+        works, tag = job
         error: Optional[BaseException] = None
         try:
-            work.wait()
+            for work in works:
+                work.wait()
         except BaseException as exc:
             error = exc
-        del work, job
+        del works, job
         ended.put((tag, error))
         with lock:
             idle.append(jobs)
@@ -107,22 +107,30 @@ class Received:
 class Channels:
     """Words and tensors to and from the other ranks of a group.
 
+    The pipeline's messages go on process groups of its own, which every
+    rank of the pipeline makes: the operations a failed step leaves never
+    meet another pipeline's, and ending them (:meth:`abandon`) leaves the
+    user's groups whole.
+
     Args:
         device: where tensors are received
-        group: the process group of tensors
-        words: the gloo group of words: ``group`` itself on gloo
+        ranks: the global ranks of the pipeline
+        backend: the backend of tensors: words go on gloo (a group of
+            their own beside NCCL)
     """
 
-    def __init__(self, device: torch.device, group: Optional[dist.ProcessGroup],
-                 words: Optional[dist.ProcessGroup]) -> None:
+    def __init__(self, device: torch.device, ranks: List[int], backend: str) -> None:
         self.device = device
-        self.group = group
-        self.words = words
+        self.group = dist.new_group(ranks, backend=backend, use_local_synchronization=True)
+        self.words = self.group if backend != 'nccl' else dist.new_group(
+            ranks, backend='gloo', use_local_synchronization=True)
+        #: The tags of tensors and of words.
+        self.tag, self.word_tag = 0, 1
         #: Whether waits are stream waits, which never block (NCCL).
-        self.streamed = dist.get_backend(group) == 'nccl'
+        self.streamed = backend == 'nccl'
         self.watchers = Watchers()
-        #: Sends in flight, with what they send (kept alive until they end).
-        self.sending: List[Tuple[dist.Work, Tensor]] = []
+        #: Sends in flight to each rank, and what they send (kept until they end).
+        self.sending: Dict[int, Received] = {}
         #: Words posted to be received, by tag ``('word', rank, n)``.
         self.posted_words: Dict[Any, Tensor] = {}
         #: Tensors posted to be received and watched, by tag ``('tensors', n)``.
@@ -132,15 +140,20 @@ class Channels:
     def send(self, rank: int, tensors: Sequence[Tensor]) -> None:
         """Sends each tensor at its exact size, without waiting."""
         sent = [wired(t) for t in tensors if t.numel()]
-        works = operations(dist.isend, sent, rank, self.group)
-        self.sending.extend(zip(works, sent))
+        self.sending_to(rank, sent, operations(dist.isend, sent, rank, self.group, self.tag))
+
+    def sending_to(self, rank: int, tensors: List[Tensor], works: List[dist.Work]) -> None:
+        sending = self.sending.setdefault(rank, Received([], []))
+        sending.tensors += tensors
+        sending.works += works
+        sending.done = not sending.works
 
     def post(self, rank: int, metas: Metas) -> Received:
         """Posts the receives of tensors of ``metas`` from ``rank``."""
         tensors = [torch.empty(shape, dtype=DTYPES[dtype], device=self.device)
                    for shape, dtype in metas]
         return Received(tensors, operations(dist.irecv, [t for t in tensors if t.numel()],
-                                            rank, self.group))
+                                            rank, self.group, self.tag))
 
     def send_word(self, rank: int, word: Any) -> None:
         """Sends ``word`` (JSON data) to ``rank``, without waiting."""
@@ -148,30 +161,30 @@ class Channels:
         assert len(data) <= WORD_LIMIT, 'words are bounded: errors cut, the input a digest'
         buffer = torch.frombuffer(bytearray(len(data).to_bytes(8, 'little') + data),
                                   dtype=torch.uint8)
-        work, = operations(dist.isend, [buffer], rank, self.words, WORD_TAG)
-        self.sending.append((work, buffer))
+        self.sending_to(rank, [buffer], operations(dist.isend, [buffer], rank, self.words,
+                                                   self.word_tag))
 
     def expect_word(self, rank: int) -> None:
         """Posts the receive of the next word from ``rank``, watched."""
         buffer = torch.empty(8 + WORD_LIMIT, dtype=torch.uint8)
-        work, = operations(dist.irecv, [buffer], rank, self.words, WORD_TAG)
+        work, = operations(dist.irecv, [buffer], rank, self.words, self.word_tag)
         self.count += 1
         tag = ('word', rank, self.count)
         self.posted_words[tag] = buffer
-        self.watchers.watch(work, tag)
+        self.watchers.watch([work], tag)
 
-    def watch(self, received: Received) -> Any:
-        """Reports the end of ``received``'s operations (on gloo); returns its tag."""
+    def watch(self, received: Received, rank: int) -> Any:
+        """Reports the end of ``received``'s operations with ``rank`` (on gloo);
+        returns its tag."""
         self.count += 1
-        tag = ('tensors', self.count)
+        tag = ('tensors', rank, self.count)
         if self.streamed:
             for work in received.works:
                 work.wait()  # the current stream waits; the CPU goes on
             received.done = True
         else:
             self.watched[tag] = received
-            for work in received.works:
-                self.watchers.watch(work, tag)
+            self.watchers.watch(received.works, tag)
         return tag
 
     def next_event(self, until: Optional[float]) -> Tuple[str, Any, Any]:
@@ -194,35 +207,31 @@ class Channels:
                 if error is not None:
                     return 'lost', tag[1], error
                 return 'word', tag[1], read_word(buffer, tag[1])
-            received = self.watched[tag]
+            received = self.watched.pop(tag)
             if error is not None:
-                return 'lost', None, error
-            received.works.pop()
-            if not received.works:
-                del self.watched[tag]
-                received.done = True
-                return 'tensors', tag, None
+                return 'lost', tag[1], error
+            received.done = True
+            return 'tensors', tag, None
 
-    def wait_sent(self, until: Optional[float]) -> None:
-        """Waits for every send to end, by ``until``, once every rank has said it
-        received what it needed: a gloo send then ends at once, an NCCL one as its
-        stream does.
+    def sent(self) -> Dict[int, Received]:
+        """The sends in flight to each rank, to wait for as receives are: each
+        ends once its receive is posted."""
+        sending, self.sending = self.sending, {}
+        return sending
 
-        Raises:
-            TimedOut, Disconnected: a send did not end by then, or failed
-        """
-        sending, self.sending = self.sending, []
-        for work, _ in sending:
-            try:
-                if not self.streamed:
-                    work.wait()
-                    continue
-                while not work.is_completed():
-                    if until is not None and time.monotonic() > until:
-                        raise TimedOut('a send did not end by the deadline')
-                    time.sleep(1e-4)
-            except RuntimeError as exc:
-                raise Disconnected(str(exc)) from exc
+    def abandon(self) -> None:
+        """After a failed step, ends the waits it left to the watchers, which no
+        message may end: a gloo wait given a timeout that passes closes the
+        pipeline's connections, ending the others (else destroying the groups
+        would abort the process, a thread inside a wait)."""
+        ranks = {tag[1] for tag in [*self.watched, *self.posted_words]}
+        for rank in ranks if not self.streamed else ():
+            for group in {id(self.group): self.group, id(self.words): self.words}.values():
+                try:
+                    work, = operations(dist.irecv, [torch.empty(1)], rank, group, 1 << 30)
+                    work.wait(timeout=timedelta(milliseconds=1))
+                except (RuntimeError, Disconnected):
+                    pass
 
 
 def read_word(buffer: Tensor, rank: int) -> Any:
@@ -255,7 +264,7 @@ def wired(tensor: Tensor) -> Tensor:
 
 
 def operations(op: Any, tensors: List[Tensor], rank: int, group: Optional[dist.ProcessGroup],
-               tag: int = 0) -> List[dist.Work]:
+               tag: int) -> List[dist.Work]:
     """Starts ``op`` (``isend`` or ``irecv``) of each tensor with ``rank``, as a batch if several.
 
     Raises:

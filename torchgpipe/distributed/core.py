@@ -76,10 +76,7 @@ class RankCore(Core):
         #: The skips that cross from one partition to another, by name.
         self.routes = {key: route for key, route in skip_layout.by_ns_name.items()
                        if route[0] != route[1]}
-        # Words go on gloo with a tag of their own: beside an NCCL group, a gloo group.
-        words = group if dist.get_backend(group) != 'nccl' else dist.new_group(
-            ranks, backend='gloo', use_local_synchronization=True)
-        self.channels = Channels(device, group, words)
+        self.channels = Channels(device, ranks, dist.get_backend(group))
         #: The sequences of messages of the signatures run before (see Wire).
         self.known: 'OrderedDict[str, Sequences]' = OrderedDict()
         #: Why the pipeline cannot run any more, after a failed step.
@@ -225,6 +222,7 @@ class RankCore(Core):
             # Ranks waiting for this one's messages raise PeerFailed, and tell
             # the ranks waiting for theirs in turn.
             wire.fail(exc)
+            self.channels.abandon()
             raise
 
 

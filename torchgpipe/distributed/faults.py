@@ -134,6 +134,11 @@ class Mismatch(ValueError):
     """The ranks of a pipeline were called for different steps."""
 
 
+#: What a rank's step says of its data, which the ranks need not share: the
+#: first partition's input (another rank may be given other data, or none).
+FACTS = ('input',)
+
+
 def refusal(said: Dict[int, Said], first: int) -> Optional[Mismatch]:
     """Why the ranks cannot run the step each said (see :meth:`Wire.agree`), if they cannot.
 
@@ -153,8 +158,7 @@ def refusal(said: Dict[int, Said], first: int) -> Optional[Mismatch]:
                                  f"pass it on rank {rank}: the first partition's rank needs "
                                  "the input, the last one's the target, and the others may "
                                  'pass None'))
-    # The input's shapes are the first partition's rank's: others may be given other data.
-    steps = {rank: {k: v for k, v in step.items() if k != 'input'}
+    steps = {rank: {k: v for k, v in step.items() if k not in FACTS}
              for rank, (step, _, _) in said.items()}
     sizes = steps[first]['micro-batches']
     # A rank given no data (None) runs the micro-batches of the first partition's rank.
@@ -189,8 +193,8 @@ def checked(word: Any, rank: int) -> Dict[str, Any]:
                 all(w in ('input', 'target') for w in value[1]) and \
                 (value[2] is None or isinstance(value[2], str)):
             return word
-        if set(word) == {'done'} and tensors_described(value) and value and \
-                value[0][1] == 'uint8' and len(value[0][0]) == 1:
+        if set(word) == {'done'} and type(value) is list and len(value) == 2 and \
+                (value[0] is None or isinstance(value[0], str)) and tensors_described(value[1]):
             return word
     raise Unreadable(f'a word from rank {rank} is none this library sends: {word!r}'[:300])
 

@@ -126,6 +126,10 @@ class TiedGradients:
         """The tied parameters of this rank."""
         return [p for p in (tie.parameter() for tie in self.ties) if p is not None]
 
+    def checking(self) -> bool:
+        """Whether the next step sends copies of tied parameters, to compare them."""
+        return self.check and bool(self.ties)
+
     def start(self) -> None:
         """Sets the gradients of earlier steps aside, before a step."""
         self.kept = []
@@ -156,7 +160,7 @@ class TiedGradients:
         return {rank: ([g for tie, own in zip(self.ties, grads) if rank in tie.ranks
                         for g in own],
                        [v for tie, v in zip(self.ties, values) if rank in tie.ranks]
-                       if self.check else None)
+                       if self.checking() else None)
                 for rank in others}
 
     def sum(self, received: Dict[int, Share]) -> None:

@@ -32,7 +32,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 import torch
 from torch import Tensor
 
-from torchgpipe.distributed.channels import Channels, Metas, Received, host_bytes, metas_of
+from torchgpipe.distributed.channels import (WORD_LIMIT, Channels, Metas, Received, host_bytes,
+                                             metas_of)
 from torchgpipe.distributed.codec import Unreadable, decode, encode
 from torchgpipe.distributed.faults import (Disconnected, PeerFailed, Said, TimedOut,
                                            checked, failed, lost, lost_in, read_header,
@@ -112,7 +113,7 @@ class Wire(Mailbox):
         self.next_post = {rank: 0 for rank in self.others}
         #: Messages received before they were wanted (a recording step).
         self.early: Dict[str, Any] = {}
-        #: Each rank's word of what step it runs, and then that it is done.
+        #: Each rank's word of what step it runs, and then of its end.
         self.agreed: Dict[int, Any] = {}
         self.ends: Dict[int, Any] = {}
         #: Whether this rank has told the others why it stops (see tell).
@@ -212,8 +213,8 @@ class Wire(Mailbox):
             Unreadable: it holds what no rank sends
         """
         try:
-            if isinstance(body, bytes):
-                body = json.loads(body.decode())
+            if isinstance(body, (bytes, str)):
+                body = json.loads(body)
             return decode(body, tensors, self.channels.device)
         except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             raise Unreadable(f'a message from rank {rank} holds what no rank sends ({exc})'
@@ -253,7 +254,7 @@ class Wire(Mailbox):
         return received.tensors
 
     def wait(self, received: Received, rank: int, j: int, doing: str) -> None:
-        """Waits for a receive from ``rank`` (partition ``j``), hearing the words that come.
+        """Waits for operations with ``rank`` (partition ``j``), hearing the words that come.
 
         Raises:
             PeerFailed: that rank (or another) failed, or the connection broke
@@ -261,22 +262,20 @@ class Wire(Mailbox):
         """
         if received.done:
             return
-        self.channels.watch(received)
+        self.channels.watch(received, rank)
         while not received.done:
             self.event(rank, j, doing)
 
     def event(self, rank: int, j: int, doing: str) -> None:
         """Waits for the next operation to end, while waiting for ``rank``'s partition ``j``:
-        keeps a word of the start or the end of the step, raises one of failure."""
+        keeps a word of the start or the end of a step, raises one of failure."""
         try:
             kind, source, value = self.channels.next_event(self.deadline)
         except TimedOut:
             self.tell({'waiting': [rank, j]})
             raise self.blame(rank, j, doing, None) from None
         if kind == 'lost':
-            exc = lost_in([(rank if source is None else source,
-                            j if source is None else self.partition_of(source))], doing, value)
-            raise exc
+            raise lost_in([(source, self.partition_of(source))], doing, value)
         if kind != 'word':
             return
         word = checked(value, source)
@@ -284,11 +283,10 @@ class Wire(Mailbox):
             self.agreed[source] = word['agree']
             with lost(source, self.partition_of(source), 'receiving from it'):
                 self.channels.expect_word(source)  # its end, or its failure
-            return
-        if 'error' in word or 'waiting' in word and source == rank:
+        elif 'error' in word or 'waiting' in word and source == rank:
             raise self.blame(source, self.partition_of(source), doing, word)
-        # Done, or waiting for another: heard when this rank's own wait ends.
-        self.ends[source] = word
+        else:  # done, or waiting for another: heard when this rank's own wait ends
+            self.ends[source] = word
 
     def agree(self, signature: Dict[str, Any], lacking: Sequence[str] = (),
               problem: Optional[Exception] = None) -> List[int]:
@@ -333,40 +331,42 @@ class Wire(Mailbox):
                ) -> Tuple[Any, Dict[int, Any]]:
         """Ends the step: every rank tells every other it is done, with its
         ``result`` and ``shares[rank]`` (gradients of tied parameters), and
-        waits for theirs. Returns the last partition's ``result`` and what
-        each other rank sent this one.
+        waits for theirs, and for its sends to end. Returns the last
+        partition's ``result`` and what each other rank sent this one.
 
         Raises:
             PeerFailed: another rank failed in this step
         """
         shares = shares or {}
         for rank in self.others:
-            # The body as a tensor too: a result of values may outgrow a word.
             tensors: List[Tensor] = []
-            data = json.dumps(encode((result, shares.get(rank)), tensors)).encode()
-            tensors.insert(0, torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            body: Optional[str] = json.dumps(encode((result, shares.get(rank)), tensors))
+            if len(cast(str, body)) > WORD_LIMIT // 2:  # sent as the first tensor
+                data = bytearray(cast(str, body).encode())
+                tensors.insert(0, torch.frombuffer(data, dtype=torch.uint8))
+                body = None
             with lost(rank, self.partition_of(rank), 'sending it the end of the step'):
-                self.channels.send_word(rank, {'done': metas_of(tensors)})
+                self.channels.send_word(rank, {'done': [body, metas_of(tensors)]})
                 self.channels.send(rank, tensors)
         received: Dict[int, Any] = {}
+        doing = 'waiting for the end of the step'
         for rank in self.others:
             j = self.partition_of(rank)
             while self.ends.get(rank) is None:
-                self.event(rank, j, 'waiting for the end of the step')
+                self.event(rank, j, doing)
             if 'done' not in self.ends[rank]:
-                raise self.blame(rank, j, 'waiting for the end of the step', self.ends[rank])
-            body, *theirs = self.receive(rank, j, 'waiting for the end of the step',
-                                         self.ends[rank]['done'])
-            sent, received[rank] = self.decode(host_bytes(body), theirs, rank)
+                raise self.blame(rank, j, doing, self.ends[rank])
+            told, metas = self.ends[rank]['done']
+            theirs = self.receive(rank, j, doing, metas)
+            if told is None:
+                told, theirs = host_bytes(theirs[0]), theirs[1:]
+            sent, received[rank] = self.decode(told, theirs, rank)
             if rank == self.ranks[-1]:
                 result = sent
-        # Every rank has said it is done: a send failing now failed on the way.
-        doing = "waiting for this rank's messages to arrive"
-        try:
-            with lost(None, None, doing):
-                self.channels.wait_sent(self.deadline)
-        except TimedOut:
-            raise timed_out([(None, None)], doing, self.timeout or 0.0) from None
+        # Sends read their tensors until they end: the step returns once they have.
+        for rank, sending in self.channels.sent().items():
+            self.wait(sending, rank, self.partition_of(rank),
+                      'waiting for it to take the messages of this rank')
         if self.recording and self.signature:
             self.sequences.index()
             self.known[self.signature] = self.sequences
