@@ -58,6 +58,22 @@ def test_every_value_a_pipeline_sends_comes_back_as_it_went() -> None:
     assert round_trip([]) == [] and round_trip(()) == () and round_trip(None) is None
 
 
+def test_a_value_of_one_element_goes_inline_exactly() -> None:
+    """A step's end carries its loss in its word: each real type's value comes back
+    bit for bit, on the receiver's device; other tensors are sent as tensors."""
+    values = [torch.tensor(1 / 3, dtype=t) for t in (torch.float64, torch.float32,
+                                                     torch.float16, torch.bfloat16)]
+    values += [torch.tensor(math.nan), torch.tensor(-math.inf), torch.tensor(2 ** 62),
+               torch.tensor(True)]
+    tensors: List[Tensor] = []
+    body = json.loads(json.dumps(encode((values, torch.zeros(2)), tensors, inline=True)))
+    assert len(tensors) == 1
+    received, _ = decode(body, tensors, torch.device('cpu'))
+    for value, back in zip(values, received):
+        assert back.dtype == value.dtype and back.shape == ()
+        assert torch.equal(back, value) or (back.isnan() and value.isnan())
+
+
 def test_another_value_is_refused_when_sent() -> None:
     with pytest.raises(Unsendable, match=r'object cannot go to another rank: a message holds '
                                          r'tensors, tuples'):
@@ -108,6 +124,8 @@ def test_tensors_are_sent_as_their_values_without_a_copy_where_they_can_be() -> 
     ({'P': [1]}, "'P'"),
     ({'dt': 'os.system'}, "'dt'"),
     ({'d': [[1]]}, 'not pairs'),
+    ({'v': [1.5, 'object']}, "'v' of"),
+    ({'v': ['1', 'float32']}, "'v' of"),
 ])
 def test_a_body_of_other_data_is_refused(body: Any, why: str) -> None:
     with pytest.raises(Unreadable, match=why):

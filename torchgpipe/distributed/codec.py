@@ -42,8 +42,9 @@ class Unsendable(TypeError):
     """A message holds a value that a header cannot describe."""
 
 
-def encode(message: Any, tensors: List[Tensor]) -> Any:
-    """``message`` as JSON data; its tensors appended to ``tensors``, and replaced by their index.
+def encode(message: Any, tensors: List[Tensor], inline: bool = False) -> Any:
+    """``message`` as JSON data; its tensors appended to ``tensors``, and replaced by their
+    index; with ``inline``, a real tensor of one element is its value, exact, and its type.
 
     Raises:
         Unsendable: it holds a value of another type than those listed above
@@ -51,17 +52,20 @@ def encode(message: Any, tensors: List[Tensor]) -> Any:
     if message is None or isinstance(message, (bool, int, float, str)):
         return message
     if isinstance(message, Tensor):
+        if inline and message.dim() == 0 and not message.is_complex():
+            return {'v': [message.item(), NAMES[message.dtype]]}  # a float64 holds any
         tensors.append(message)
         return {'T': len(tensors) - 1}
     for kind, (tag, parts, _) in TYPES.items():
         if isinstance(message, kind):
-            return {tag: encode(parts(message), tensors)}
+            return {tag: encode(parts(message), tensors, inline)}
     if isinstance(message, list):
-        return {'l': [encode(x, tensors) for x in message]}
+        return {'l': [encode(x, tensors, inline) for x in message]}
     if isinstance(message, dict):
-        return {'d': [[encode(k, tensors), encode(v, tensors)] for k, v in message.items()]}
+        return {'d': [[encode(k, tensors, inline), encode(v, tensors, inline)]
+                      for k, v in message.items()]}
     if isinstance(message, tuple):  # after the named tuples and torch.Size
-        return {'t': [encode(x, tensors) for x in message]}
+        return {'t': [encode(x, tensors, inline) for x in message]}
     raise Unsendable(f'{type(message).__name__} cannot go to another rank: a message holds '
                      'tensors, tuples, lists, dicts, numbers, strings, None, dtypes and devices')
 
@@ -85,6 +89,11 @@ def decode(data: Any, tensors: Sequence[Tensor], device: torch.device) -> Any:
         return tensors[value]
     if tag == 'R':
         return Ready(device)  # received tensors are ready on this device's current stream
+    if tag == 'v':
+        if not (isinstance(value, list) and len(value) == 2 and value[1] in DTYPES and
+                isinstance(value[0], (bool, int, float))):
+            raise Unreadable(f"'v' of {value!r}"[:200])
+        return torch.tensor(value[0], dtype=DTYPES[value[1]], device=device)
     if tag in ('l', 't', 'd'):
         if not isinstance(value, list):
             raise Unreadable(f'{tag!r} of {type(value).__name__}')

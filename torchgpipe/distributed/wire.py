@@ -340,7 +340,8 @@ class Wire(Mailbox):
         shares = shares or {}
         for rank in self.others:
             tensors: List[Tensor] = []
-            body: Optional[str] = json.dumps(encode((result, shares.get(rank)), tensors))
+            body: Optional[str] = json.dumps(encode((result, shares.get(rank)), tensors,
+                                                    inline=True))
             if len(cast(str, body)) > WORD_LIMIT // 2:  # sent as the first tensor
                 data = bytearray(cast(str, body).encode())
                 tensors.insert(0, torch.frombuffer(data, dtype=torch.uint8))
