@@ -584,7 +584,7 @@ def test_no_schedule_that_fits_is_named() -> None:
     ({'schedules': ['gpipe2']}, ValueError, 'schedule must be one of'),
     ({'schedules': []}, ValueError, 'at least one schedule'),
     ({'checkpoint': ['sometimes']}, ValueError, 'checkpoint must list modes'),
-    ({'target': torch.randn(16, 4)}, ValueError, 'target and loss_fn'),
+    ({'target': torch.randn(16, 4)}, ValueError, 'plan takes a target and a loss_fn together'),
     ({'target': torch.randn(16, 4), 'loss_fn': 3}, TypeError, 'loss_fn must be callable'),
     ({'memory_limit': -1}, ValueError, 'memory_limit'),
     ({'chunks': 0}, ValueError, 'chunks'),

@@ -15,8 +15,6 @@ Example::
     balance = balance_by_time(torch.cuda.device_count(), model, sample)
     model = GPipe(model, balance, chunks=8)
 """
-import math
-import numbers
 from typing import List, Optional
 
 import torch
@@ -24,8 +22,9 @@ from torch import nn
 
 from torchgpipe.foundation import microbatch
 from torchgpipe.foundation.placement import check_materialized
-from torchgpipe.foundation.validation import (Device, check_available, check_chunks, describe,
-                                              parse_device, verify_module)
+from torchgpipe.foundation.validation import (Device, check_available, check_chunks,
+                                              check_number, describe, parse_device,
+                                              verify_module)
 from torchgpipe.balance import blockpartition
 from torchgpipe.balance.profile import profile_sizes, profile_times
 from torchgpipe.foundation.microbatch import TensorOrTensors
@@ -80,10 +79,10 @@ def balance_by_time(partitions: int, module: nn.Sequential, sample: TensorOrTens
         >>> sum(balance)
         4
     """
-    check_partitions(partitions, module)
+    check_splittable(partitions, module)
     microbatch.check(sample, 'sample')
-    check_real('timeout', timeout, 'give a time in seconds, such as timeout=1.0')
-    profile_device = check_device(device)
+    check_number('timeout', timeout, 'give a time in seconds, such as timeout=1.0')
+    profile_device = profiling_device(device)
     check_materialized(module, [len(module)], [profile_device])
 
     times = profile_times(module, sample, timeout, profile_device)
@@ -141,13 +140,13 @@ def balance_by_size(partitions: int, module: nn.Sequential, input: TensorOrTenso
         >>> len(balance), sum(balance)
         (2, 3)
     """
-    check_partitions(partitions, module)
+    check_splittable(partitions, module)
     microbatch.check(input)
     check_chunks(chunks)
-    check_real('param_scale', param_scale,
-               'give the number of parameter-sized copies training keeps, such as '
-               'param_scale=4.0 for Adam')
-    profile_device = check_device(device)
+    check_number('param_scale', param_scale,
+                 'give the number of parameter-sized copies training keeps, such as '
+                 'param_scale=4.0 for Adam')
+    profile_device = profiling_device(device)
     check_materialized(module, [len(module)], [profile_device])
     # Before profiling, which may take long: an input that cannot be split
     # fails now.
@@ -157,22 +156,16 @@ def balance_by_size(partitions: int, module: nn.Sequential, input: TensorOrTenso
     return balance_cost(sizes, partitions)
 
 
-def check_partitions(partitions: int, module: nn.Sequential) -> None:
+def check_splittable(partitions: int, module: nn.Sequential) -> None:
     """Checks ``partitions``, and that ``module`` can be split into that many.
 
     Raises:
         TypeError: ``partitions`` is not an int, or ``module`` is not an
             ``nn.Sequential``
         ValueError: ``partitions`` is not positive or exceeds the number of
-            layers, or ``module`` holds a child or a parameter twice
+            layers, or ``module`` holds a child twice
     """
-    fix = 'give the number of devices to balance over, such as partitions=2'
-    if isinstance(partitions, bool) or not isinstance(partitions, int):
-        raise TypeError(describe('partitions must be an int',
-                                 f'partitions: {partitions!r}', fix))
-    if partitions < 1:
-        raise ValueError(describe('partitions must be a positive integer',
-                                  f'partitions: {partitions!r}', fix))
+    blockpartition.check_partitions(partitions)
     verify_module(module)
     if partitions > len(module):
         raise ValueError(describe('partitions must not exceed the number of layers, since every '
@@ -181,21 +174,7 @@ def check_partitions(partitions: int, module: nn.Sequential) -> None:
                                   f'ask for at most {len(module)} partitions'))
 
 
-def check_real(name: str, value: object, fix: str) -> None:
-    """Checks that ``value`` is a finite, non-negative real number.
-
-    Raises:
-        TypeError: ``value`` is not a real number (``bool`` included)
-        ValueError: ``value`` is negative, infinite or NaN
-    """
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(describe(f'{name} must be a real number', f'{name}: {value!r}', fix))
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(describe(f'{name} must be finite and non-negative',
-                                  f'{name}: {value!r}', fix))
-
-
-def check_device(value: object) -> torch.device:
+def profiling_device(value: object) -> torch.device:
     """Resolves the device to profile on, and checks that it exists.
 
     Returns:

@@ -24,6 +24,8 @@ from bisect import bisect_left, bisect_right
 from itertools import accumulate
 from typing import List, Optional, Sequence, Tuple, TypeVar
 
+from torchgpipe.foundation.validation import check_number
+
 __all__: List[str] = []
 
 T = TypeVar('T', int, float)
@@ -58,10 +60,7 @@ def solve(sequence: Sequence[T], partitions: int = 1) -> List[List[T]]:
             items, or a cost is negative, NaN or infinite
         TypeError: ``partitions`` is not an int, or a cost is not a real number
     """
-    if not isinstance(partitions, int) or isinstance(partitions, bool):
-        raise TypeError(f'partitions must be an int (partitions: {partitions!r})')
-    if partitions < 1:
-        raise ValueError(f'partitions must be a positive integer (partitions: {partitions})')
+    check_partitions(partitions)
     n = len(sequence)
     if n < partitions:
         raise ValueError(f'sequence is shorter than intended partitions '
@@ -80,6 +79,13 @@ def solve(sequence: Sequence[T], partitions: int = 1) -> List[List[T]]:
     reach = suffix_block_counts(prefix, partitions, lower, upper)
     cuts = shortest_first_cuts(prefix, partitions, lower, reach)
     return [list(sequence[i:j]) for i, j in zip(cuts, cuts[1:])]
+
+
+def check_partitions(partitions: object) -> None:
+    """Checks a number of partitions: a positive int."""
+    check_number('partitions', partitions,
+                 'give the number of devices to balance over, such as partitions=2',
+                 integer=True, least=1, must='a positive integer')
 
 
 def exact_integers(sequence: Sequence[T]) -> List[int]:

@@ -20,7 +20,7 @@ from torchgpipe.engine.pipeline import clock_cycles
 from torchgpipe.engine.schedule import Action, Kind, Schedule
 from torchgpipe.foundation import microbatch
 from torchgpipe.foundation.microbatch import Batch, TensorOrTensors
-from torchgpipe.foundation.validation import check_loss, describe
+from torchgpipe.foundation.validation import check_loss, check_target_and_loss, describe
 
 __all__: List[str] = []
 
@@ -53,11 +53,9 @@ def evaluating(module: nn.Module) -> Iterator[None]:
 
 def check_evaluation(target: Optional[TensorOrTensors], loss_fn: object, reduction: str,
                      output_fn: object, target_elsewhere: bool = False) -> None:
-    """Checks the arguments of an evaluation step: a target and a loss function,
-    or neither, and then maybe a function of the output.
-
-    With ``target_elsewhere`` (a process of a pipeline across processes), a
-    loss function may come without the target, which another process holds.
+    """Checks the arguments of an evaluation step: a target and a loss function, or
+    neither, and then maybe a function of the output; with ``target_elsewhere`` (a
+    process of a pipeline across processes), a loss function may come without the target.
 
     Raises:
         TypeError: ``loss_fn`` or ``output_fn`` is not callable, or
@@ -74,14 +72,11 @@ def check_evaluation(target: Optional[TensorOrTensors], loss_fn: object, reducti
             raise TypeError(describe('output_fn must be callable', f'output_fn: {output_fn!r}',
                                      'pass a function of the output, e.g. '
                                      'lambda logits: logits.argmax(-1)'))
-    if (target is None) != (loss_fn is None) and not (target_elsewhere and target is None):
-        given, missing = ('target', 'loss_fn') if loss_fn is None else ('loss_fn', 'target')
-        raise ValueError(describe('eval_step takes a target and a loss_fn together, or neither',
-                                  f'{given} without {missing}',
-                                  f'pass {missing} too for the loss, or neither for the '
-                                  'output'))
+    if target is not None or not target_elsewhere:
+        check_target_and_loss('eval_step', target, loss_fn,
+                              'for the loss, or neither for the output')
     if loss_fn is not None:
-        check_loss(reduction, loss_fn)
+        check_loss(loss_fn, reduction)
 
 
 def split_evaluation(input: TensorOrTensors, target: Optional[TensorOrTensors], chunks: int,

@@ -10,6 +10,7 @@ word), what was received, and how to fix it::
 
 Arguments are checked before anything changes.
 """
+import math
 import numbers
 import sys
 from typing import Dict, Iterable, List, Optional, Tuple, Union, cast
@@ -98,6 +99,28 @@ def check_chunks(chunks: object) -> int:
                               f'chunks: {chunks!r}', fix))
 
 
+def check_number(name: str, value: object, fix: str, *, integer: bool = False, least: int = 0,
+                 must: str = 'finite and non-negative', optional: bool = False
+                 ) -> Optional[float]:
+    """Checks a number argument, wherever it is given: an int if ``integer``, else a real
+    number (a bool is neither), finite and at least ``least``; or ``None`` if ``optional``.
+
+    Raises:
+        TypeError: it is of another type
+        ValueError: it is not finite or below ``least`` (``must`` says what it must be)
+    """
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int if integer else numbers.Real):
+        kind = 'an int' if integer else 'a real number'
+        raise TypeError(describe(f'{name} must be {kind}' + (', or None' if optional else ''),
+                                 f'{name}: {value!r}', fix))
+    number = cast(float, value)  # an int or a numbers.Real, which the stubs cannot compare
+    if not least <= number < math.inf:
+        raise ValueError(describe(f'{name} must be {must}', f'{name}: {value!r}', fix))
+    return number
+
+
 def parse_device(name: str, value: object, fix: str) -> torch.device:
     """Parses the device argument ``name`` (``'devices[1]'``): a :class:`torch.device`,
     a string or a CUDA index, as given (a bare ``'cuda'`` keeps no index); ``fix`` is the
@@ -118,13 +141,8 @@ def parse_device(name: str, value: object, fix: str) -> torch.device:
 
 
 def check_available(name: str, device: torch.device, no_cuda_fix: str) -> None:
-    """Checks that a CUDA device exists here; other devices always pass.
-
-    Args:
-        name (str): how to name the argument
-        device (torch.device): the parsed device
-        no_cuda_fix (str): the fix when CUDA is not available: the caller's
-            call on the CPU
+    """Checks that the CUDA device ``name`` exists here; other devices always pass.
+    ``no_cuda_fix`` is the fix when CUDA is not available: the caller's call on the CPU.
 
     Raises:
         ValueError: CUDA is not available, or the CUDA index is too large
@@ -141,6 +159,26 @@ def check_available(name: str, device: torch.device, no_cuda_fix: str) -> None:
         raise ValueError(describe(f'{name} is {device} but only {count} CUDA devices are visible',
                                   f'{name}: {str(device)!r}',
                                   f"use an index below {count}, such as 'cuda:0'"))
+
+
+def parse_devices(devices: object, each: str, fix: str) -> List[torch.device]:
+    """Parses a list of devices, one per ``each`` (``'partition'``, ``'worker'``): any
+    iterable but a single device (a string is iterable, but its characters are no devices).
+
+    Raises:
+        TypeError: ``devices`` is not an iterable of devices
+        ValueError: a device is not valid
+    """
+    values = None
+    if not isinstance(devices, (str, int, torch.device)):
+        try:
+            values = list(cast(Iterable[object], devices))
+        except TypeError:
+            pass
+    if values is None:
+        raise TypeError(describe(f'devices must be a list of devices, one per {each}',
+                                 f'devices: {devices!r}', fix))
+    return [parse_device(f'devices[{i}]', value, fix) for i, value in enumerate(values)]
 
 
 # The wrapper's own arguments: the module, its balance, its devices.
@@ -282,20 +320,9 @@ def check_devices(devices: object, partitions: int) -> List[torch.device]:
     """
     if devices is None:
         devices = range(torch.cuda.device_count())
-
-    single = isinstance(devices, (str, int, torch.device)) and not isinstance(devices, bool)
-    example = [device_example(devices if single else None)] * partitions
-    fix = f'give one device per partition, such as devices={example}'
-    type_error = TypeError(describe('devices must be a list of devices, one per partition',
-                                    f'devices: {devices!r}', fix))
-    # A string is iterable, but its characters are no devices.
-    if single:
-        raise type_error
-    try:
-        values = list(cast(Iterable[object], devices))
-    except TypeError:
-        raise type_error from None
-    device_list = [parse_device(f'devices[{i}]', value, fix) for i, value in enumerate(values)]
+    example = [device_example(devices)] * partitions
+    device_list = parse_devices(devices, 'partition',
+                                f'give one device per partition, such as devices={example}')
 
     if len(device_list) < partitions:
         # Fill up with the last device: one device may hold several partitions.
@@ -324,46 +351,34 @@ def check_step(reduction: object, loss_fn: object) -> None:
         ValueError: an unknown ``reduction``
         RuntimeError: gradients are disabled
     """
-    check_loss(reduction, loss_fn)
+    check_loss(loss_fn, reduction)
     if not torch.is_grad_enabled():
         raise RuntimeError('train_step runs a backward pass, but gradients are disabled '
                            '(torch.no_grad() or torch.inference_mode()); call it outside '
                            'of them, or call the module itself for inference')
 
 
-def check_optional_positive(name: str, value: object, kind: str, types: Tuple[type, ...],
-                            fix: str, value_fix: Optional[str] = None) -> Optional[float]:
-    """Checks an optional positive number: ``None``, or of ``types`` (no bool) and above 0.
-
-    Raises:
-        TypeError: it is of another type (``kind`` says which it must be)
-        ValueError: it is not positive
-    """
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, types):
-        raise TypeError(describe(f'{name} must be {kind}, or None', f'{name}: {value!r}', fix))
-    number = cast(float, value)
-    if not number > 0:
-        raise ValueError(describe(f'{name} must be positive', f'{name}: {value!r}',
-                                  value_fix or fix))
-    return number
-
-
 def check_timeout(timeout: object) -> Optional[float]:
-    """Checks a timeout in seconds: a positive number, or ``None``."""
-    seconds = check_optional_positive('timeout', timeout, 'a number of seconds', (int, float),
-                                      'give seconds, e.g. timeout=600',
-                                      "give seconds, e.g. timeout=600, or None for the process "
-                                      "group's")
-    return None if seconds is None else float(seconds)
+    """Checks a step timeout in seconds: a positive number (not necessarily finite), or
+    ``None``."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(describe('timeout must be a number of seconds, or None',
+                                 f'timeout: {timeout!r}', 'give seconds, e.g. timeout=600'))
+    if not timeout > 0:
+        raise ValueError(describe('timeout must be positive', f'timeout: {timeout!r}',
+                                  "give seconds, e.g. timeout=600, or None for the process "
+                                  "group's"))
+    return float(timeout)
 
 
 def check_planned_threads(planned_threads: object) -> Optional[int]:
     """Checks the intra-op threads a plan measured with: a positive int, or ``None``."""
-    return cast(Optional[int], check_optional_positive(
-        'planned_threads', planned_threads, 'an int', (int,),
-        'pass plan.kwargs as torchgpipe.plan gives them, or leave planned_threads out'))
+    return cast(Optional[int], check_number(
+        'planned_threads', planned_threads,
+        'pass plan.kwargs as torchgpipe.plan gives them, or leave planned_threads out',
+        integer=True, least=1, must='positive', optional=True))
 
 
 def check_loss_value(loss: object) -> torch.Tensor:
@@ -382,8 +397,9 @@ def check_loss_value(loss: object) -> torch.Tensor:
     return loss
 
 
-def check_loss(reduction: object, loss_fn: object) -> None:
-    """Checks the loss function of a step, and how it reduces a micro-batch.
+def check_loss(loss_fn: object, reduction: object = 'mean') -> None:
+    """Checks a loss function, and how it reduces a micro-batch (which weighs the
+    micro-batches' losses; ``'mean'`` where none are weighed, as in plan).
 
     Raises:
         TypeError: ``reduction`` is not a string, or ``loss_fn`` is not callable
@@ -398,6 +414,19 @@ def check_loss(reduction: object, loss_fn: object) -> None:
     if not callable(loss_fn):
         raise TypeError(describe('loss_fn must be callable', f'loss_fn: {loss_fn!r}',
                                  'pass a function of (output, target), e.g. F.mse_loss'))
+
+
+def check_target_and_loss(caller: str, target: object, loss_fn: object, use: str) -> None:
+    """Checks that ``target`` and ``loss_fn`` come together, or neither; ``use`` says
+    what the pair is for, as the fix's end.
+
+    Raises:
+        ValueError: one comes without the other
+    """
+    if (target is None) != (loss_fn is None):
+        given, missing = ('target', 'loss_fn') if loss_fn is None else ('loss_fn', 'target')
+        raise ValueError(describe(f'{caller} takes a target and a loss_fn together, or neither',
+                                  f'{given} without {missing}', f'pass {missing} too {use}'))
 
 
 def check_one_process() -> None:
