@@ -7,8 +7,7 @@ order, waiting in a :class:`~torchgpipe.engine.mailbox.Mailbox` for what
 others send. The first failure stops every action and reaches the caller as itself.
 """
 import functools
-import sys
-from typing import Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple, cast
+from typing import Callable, Dict, List, Mapping, Optional, Protocol, Sequence, cast
 
 import torch
 from torch import Tensor, nn
@@ -22,8 +21,7 @@ from torchgpipe.foundation.record import Recorder
 from torchgpipe.foundation.stream import AbstractStream
 from torchgpipe.foundation.validation import check_loss_value
 from torchgpipe.runtime.traits import PartitionTraits
-from torchgpipe.runtime.worker import (ExcInfo, IssueOrder, Stopped, Task, distinct_devices,
-                                       spawn_workers)
+from torchgpipe.runtime.worker import IssueOrder, Work, distinct_devices, run_on_workers
 from torchgpipe.skip.layout import SkipLayout
 
 __all__: List[str] = []
@@ -136,22 +134,18 @@ class StageLike(Protocol):
 
 
 def execute(order: Sequence[Action], stages: Mapping[int, StageLike], mailbox: Mailbox) -> None:
-    """Runs actions in order on the workers of their partitions' devices: the one executor
-    of the forward path, steps and ranks.
+    """Runs actions in order on the workers of their partitions' devices, raising the
+    first failure as itself (:func:`~torchgpipe.runtime.worker.run_on_workers`): the
+    forward path, steps and ranks.
 
-    Each device's actions are its worker's one task (a task per action would
-    wake the calling thread at every action). Forward actions that may draw
-    random numbers run in ``order`` (:class:`~torchgpipe.runtime.worker.IssueOrder`),
-    drawing what they would on one thread.
+    Forward actions that may draw random numbers run in ``order``
+    (:class:`~torchgpipe.runtime.worker.IssueOrder`), drawing what they
+    would on one thread.
 
     Args:
         order: the actions of the partitions here, in clock order
         stages: the stage of each partition here, by index
         mailbox: where the stages wait for each other's messages
-
-    Raises:
-        BaseException: the first failure of an action in ``order``, as itself,
-            once every worker has stopped
     """
     devices = [stage.device for stage in stages.values()]
     issue_order = IssueOrder() if len(distinct_devices(devices)) > 1 else None
@@ -162,38 +156,12 @@ def execute(order: Sequence[Action], stages: Mapping[int, StageLike], mailbox: M
         if issue_order is not None:
             issue_order.stop()
 
-    queue = {j: k for k, j in enumerate(stages)}
-    tasks: Dict[torch.device, Tuple[int, List[Tuple[int, Callable[[], None]]]]] = {}
+    works: Dict[torch.device, List[Work]] = {}
     for index, action in enumerate(order):
         stage = stages[action.j]
-        _, works = tasks.setdefault(distinct_devices([stage.device])[0], (queue[action.j], []))
         work: Callable[[], None] = functools.partial(stage.run, action)
         if issue_order is not None and action.kind is Kind.F and stage.draws_random() is not False:
             work = issue_order.wrap(work)
-        works.append((index, work))
-    failures: List[Tuple[int, ExcInfo]] = []
-    # On Ctrl-C the workers stop after the action they run; no action may
-    # wait for a message or a turn of theirs.
-    with spawn_workers(devices, stop) as (in_queues, out_queues):
-        for k, works in tasks.values():
-            in_queues[k].put(Task(None, compute=functools.partial(run_works, works, stop,
-                                                                  failures), finalize=None))
-        for k, _ in tasks.values():
-            out_queues[k].get()
-    if failures:
-        _, (_, exc, tb) = min(failures, key=lambda f: f[0])
-        raise exc.with_traceback(tb)
-
-
-def run_works(works: List[Tuple[int, Callable[[], None]]], stop: Callable[[], None],
-              failures: List[Tuple[int, ExcInfo]]) -> None:
-    """Runs the actions of one device in order; a failure stops every other action."""
-    for index, work in works:
-        try:
-            work()
-        except Stopped:
-            return  # an action elsewhere failed, or Ctrl-C
-        except BaseException:
-            failures.append((index, cast(ExcInfo, sys.exc_info())))
-            stop()
-            return
+        works.setdefault(distinct_devices([stage.device])[0], []).append((index, work))
+    with run_on_workers(works, stop):
+        pass  # the workers run the actions; leaving waits for them

@@ -2,8 +2,8 @@
 
 A thread's first operators are slow while the math libraries set up its
 state, so a worker whose call ended normally waits in :data:`IDLE_WORKERS`
-for the next call on its device. The threads of a call that failed or was
-interrupted exit before the exception reaches the caller.
+for the next call on its device. The threads of an interrupted call
+(Ctrl-C) exit before the ``KeyboardInterrupt`` reaches the caller.
 """
 import os
 import threading
@@ -91,26 +91,26 @@ class WorkerGroup:
     def __init__(self) -> None:
         #: Set by :meth:`stop`; workers check it before each piece of work.
         self.stopping = threading.Event()
-        self._jobs: List[Tuple[threading.Event, threading.Event, List[bool], WorkerThread]] = []
+        self._jobs: List[Tuple[threading.Event, threading.Event, WorkerThread]] = []
         #: The workers whose threads run (idle before, or started).
         self._running: List[WorkerThread] = []
 
     def start(self, target: Callable[[], None], name: str) -> None:
-        """Runs ``target`` in a worker thread named ``name`` unless the group is stopping."""
-        begun, ended, clean = threading.Event(), threading.Event(), [False]
+        """Runs ``target``, which raises nothing, in a worker thread named ``name`` unless
+        the group is stopping."""
+        begun, ended = threading.Event(), threading.Event()
 
         def job() -> None:
             try:
                 begun.set()
                 if not self.stopping.is_set():
                     target()
-                clean[0] = True
             finally:
                 ended.set()
 
         worker = IDLE_WORKERS.take(name)
         # Known before its thread starts, so that stop() sees its begun flag.
-        self._jobs.append((begun, ended, clean, worker))
+        self._jobs.append((begun, ended, worker))
         worker.jobs.put(job)
         if worker.thread.ident is None:
             worker.thread.start()
@@ -120,18 +120,13 @@ class WorkerGroup:
         """Waits until every job has ended, then keeps the threads idle; after a Ctrl-C
         meanwhile, stops them first (``wake`` as for :meth:`stop`)."""
         try:
-            for _, ended, _, _ in self._jobs:
+            for _, ended, _ in self._jobs:
                 ended.wait()
         except BaseException:
             self.stop(wake)
             raise
-        for _, _, clean, worker in self._jobs:
-            if clean[0]:
-                IDLE_WORKERS.keep(worker)
-            else:  # its job raised past the worker's own handling: the thread ends
-                worker.jobs.put(None)
-                worker.exited.wait()
-                worker.thread.join()
+        for _, _, worker in self._jobs:
+            IDLE_WORKERS.keep(worker)
 
     def stop(self, wake: Optional[Callable[[], None]] = None) -> None:
         """Stops the jobs and waits until every thread that runs has exited; each
@@ -152,10 +147,10 @@ class WorkerGroup:
                 if wake is not None:
                     wake()
                 if not retired:
-                    for _, _, _, worker in self._jobs:
+                    for _, _, worker in self._jobs:
                         worker.jobs.put(None)
                     retired = True
-                for begun, _, _, worker in self._jobs:
+                for begun, _, worker in self._jobs:
                     if begun.is_set() or worker in self._running:
                         worker.exited.wait()
                         # Its loop is done: the join only waits for the

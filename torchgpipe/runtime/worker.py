@@ -1,10 +1,10 @@
-"""Workers: one thread per distinct device, running the tasks the executor issues.
+"""Workers: one thread per distinct device, running the works the executor issues.
 
 The tasks of one clock cycle are independent (Section 3.2.1), so each
-distinct device gets a thread fed through a queue; partitions sharing a
-device share its thread, so its tasks run in issue order. When every
-partition shares one device there is nothing to overlap: tasks run in the
-calling thread.
+distinct device gets a thread; partitions sharing a device share its
+thread, so its works run in issue order. When every partition shares one
+device there is nothing to overlap: works run in the calling thread.
+:func:`spawn_workers`, torchgpipe 0.0.7's queues of tasks, runs on the same executor.
 
 Grad mode, autocast and the number of intra-op threads are thread-local in
 PyTorch, so workers take them from the caller at each call, and its hold of
@@ -18,8 +18,8 @@ from collections import deque
 from contextlib import contextmanager, nullcontext
 from queue import Queue
 from types import TracebackType
-from typing import (Callable, Deque, Generator, Iterable, List, Optional, Protocol, Tuple,
-                    Type, TypeVar, Union, cast)
+from typing import (Callable, ContextManager, Deque, Generator, Iterable, Iterator, List,
+                    Mapping, Optional, Protocol, Tuple, Type, TypeVar, Union, cast)
 
 import torch
 
@@ -98,11 +98,9 @@ class Task:
 
     Args:
         stream: the stream to compute on (``None``: the worker's current one)
-        compute: produces the output batch (a training step's action: ``None``)
+        compute: produces the output batch
         finalize: post-processes the output batch, if given
     """
-
-    __slots__ = ('stream', '_compute', '_finalize')
 
     def __init__(self, stream: Optional[AbstractStream], *,
                  compute: Callable[[], Optional[Batch]],
@@ -112,66 +110,119 @@ class Task:
         self._finalize = finalize
 
     def compute(self) -> Optional[Batch]:
-        if self.stream is None:
-            return self._compute()
-        with use_stream(self.stream):
+        with use_stream(self.stream) if self.stream is not None else nullcontext():
             return self._compute()
 
     def finalize(self, batch: Batch) -> None:
-        if self._finalize is None:
-            return
-        with use_stream(self.stream) if self.stream is not None else nullcontext():
-            self._finalize(batch)
+        if self._finalize is not None:
+            with use_stream(self.stream) if self.stream is not None else nullcontext():
+                self._finalize(batch)
 
 
-# What a worker reports for each task: (True, (task, output batch)) or
+# What spawn_workers reports for each task: (True, (task, output batch)) or
 # (False, exc_info).
 Result = Tuple[bool, Union[Tuple[Task, Optional[Batch]], ExcInfo]]
 
 
 class InQueue(Protocol):
-    """Where the executor puts the tasks of a partition (``None`` stops a worker)."""
+    """Where the caller of :func:`spawn_workers` puts a partition's tasks (``None`` ends them)."""
 
     def put(self, task: Optional[Task]) -> None: ...
 
 
 class OutQueue(Protocol):
-    """Where the executor gets the results of a partition's tasks, in order."""
+    """Where the caller of :func:`spawn_workers` gets the results of a partition's tasks."""
 
     def get(self) -> Result: ...
 
 
-def run(task: Task) -> Result:
-    """Computes a task, capturing its exception to re-raise in the caller's thread."""
+def run(task: Task, report: Callable[[Result], None]) -> None:
+    """Computes a task and reports its result, or its exception, to :func:`spawn_workers`."""
     try:
-        return True, (task, task.compute())
+        result: Result = True, (task, task.compute())
     except BaseException:
-        return False, cast(ExcInfo, sys.exc_info())
+        result = False, cast(ExcInfo, sys.exc_info())
+    report(result)
 
 
-def worker(in_queue: 'Queue[Optional[Task]]', out_queue: 'Queue[Result]', device: torch.device,
-           grad_mode: bool, autocast_states: AutocastStates, stopping: threading.Event,
-           held: bool, threads: int) -> None:
-    """A worker thread's job for one call: computes tasks until it gets ``None``, or is
-    stopped.
+# One of a device's works: its index in the order of all the works, and the work.
+Work = Tuple[int, Callable[[], None]]
 
-    If ``held``, the tasks draw under the caller's hold of the CPU generator.
-    ``threads``, the caller's intra-op threads, is set again because a thread
-    reads PyTorch's setting at its first operator only, and an idle worker
-    may have started before the caller changed it.
-    """
+
+def worker(works: Iterable[Work], device: torch.device,
+           state: Callable[[], ContextManager[None]], stopping: threading.Event,
+           failures: List[Tuple[int, ExcInfo]], wake: Optional[Callable[[], None]]) -> None:
+    """Runs a device's works in order, in ``state``, until they end, one fails or
+    ``stopping`` is set: the one place a failure is caught, kept in ``failures`` with
+    its work's index while ``wake`` ends the other works' waits for it."""
+    index = -1
+    try:
+        with use_device(device), state():
+            for index, work in works:
+                if stopping.is_set():
+                    break
+                work()
+    except Stopped:
+        pass  # a work elsewhere failed, or Ctrl-C
+    except BaseException:
+        failures.append((index, cast(ExcInfo, sys.exc_info())))
+        if wake is not None:
+            wake()
+
+
+@contextmanager
+def _caller_state(grad_mode: bool, autocast_states: AutocastStates, held: bool,
+                  threads: int) -> Generator[None, None, None]:
     torch.set_grad_enabled(grad_mode)
+    # A thread reads PyTorch's setting at its first operator only, and an
+    # idle worker may have started before the caller changed it.
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
-    with use_device(device), restore_autocast_states(autocast_states), \
-            holding_for_caller(held):
-        while True:
-            task = in_queue.get()
-            if task is None or stopping.is_set():
-                break
-            out_queue.put(run(task))
-            # Do not keep the last task and its tensors alive while idle.
-            del task
+    with restore_autocast_states(autocast_states), holding_for_caller(held):
+        yield
+
+
+@contextmanager
+def run_on_workers(works: Mapping[torch.device, Iterable[Work]],
+                   wake: Optional[Callable[[], None]]) -> Generator[None, None, None]:
+    """The one executor: runs each distinct device's works in order on its worker thread
+    while the body runs, and waits for them on exit (with one device: in the calling
+    thread, on entry).
+
+    On an exception of the body (Ctrl-C) each worker finishes at most the
+    work it runs, and exits; otherwise the workers park for the next call.
+
+    Args:
+        works: each distinct device's works, in order
+        wake: ends every wait of a work for another (:meth:`IssueOrder.stop`,
+            a mailbox's ``stop``), which stopped works would leave without end
+
+    Raises:
+        BaseException: the first failure of a work, by index, as itself, once
+            every worker has stopped
+    """
+    failures: List[Tuple[int, ExcInfo]] = []
+    workers = WorkerGroup()
+    if len(works) == 1:
+        device, device_works = next(iter(works.items()))
+        worker(device_works, device, nullcontext, workers.stopping, failures, wake)
+        yield
+    else:
+        state = functools.partial(_caller_state, torch.is_grad_enabled(), save_autocast_states(),
+                                  cpu_generator_owned(), torch.get_num_threads())
+        try:
+            for device, device_works in works.items():
+                workers.start(functools.partial(worker, device_works, device, state,
+                                                workers.stopping, failures, wake),
+                              name=f'torchgpipe worker ({device})')
+            yield
+        except BaseException:
+            workers.stop(wake)
+            raise
+        workers.wait(wake)
+    if failures:
+        _, (_, exc, tb) = min(failures, key=lambda failure: failure[0])
+        raise exc.with_traceback(tb)
 
 
 class InlineWorker:
@@ -184,7 +235,7 @@ class InlineWorker:
     def put(self, task: Optional[Task]) -> None:
         assert task is not None
         with use_device(self.device):
-            self.results.append(run(task))
+            run(task, self.results.append)
 
     def get(self) -> Result:
         return self.results.popleft()
@@ -202,25 +253,22 @@ def distinct_devices(devices: Iterable[torch.device]) -> List[torch.device]:
     return list(dict.fromkeys(_normalize(d) for d in devices))
 
 
+def _queued(in_queue: 'Queue[Optional[Task]]', out_queue: 'Queue[Result]') -> Iterator[Work]:
+    # A device's works under spawn_workers: its tasks as they come, until None.
+    for task in iter(in_queue.get, None):
+        yield 0, functools.partial(run, task, out_queue.put)
+
+
 @contextmanager
 def spawn_workers(devices: Iterable[torch.device], wake: Optional[Callable[[], None]] = None,
                   ) -> Generator[Tuple[List[InQueue], List[OutQueue]], None, None]:
-    """Gives one worker thread to each distinct device, and takes them back on exit.
+    """torchgpipe 0.0.7's workers over :func:`run_on_workers`: yields the in- and
+    out-queues of each of ``devices`` (shared by a device's partitions).
 
-    On a normal exit the workers finish the tasks left in their queues, then
-    wait idle for the next call; on an exception (a failed task re-raised, or
-    Ctrl-C) each finishes at most the task it runs, and exits. Either way the
-    context ends only once no worker can change tensors behind the caller's
-    back. With one distinct device, tasks run in the calling thread as put.
-
-    Args:
-        devices: the device of each partition
-        wake: ends every wait of a task for another (:meth:`IssueOrder.stop`,
-            a mailbox's ``stop``), which skipped tasks would leave without end
-
-    Yields:
-        (in_queues, out_queues): each partition's worker queues, in the order
-        of ``devices``; partitions on the same device share them
+    On a normal exit the workers finish the tasks left in their queues; on an
+    exception each finishes at most the task it runs (``wake`` as for
+    :func:`run_on_workers`). With one distinct device, tasks run in the
+    calling thread as put.
     """
     devices = [_normalize(d) for d in devices]
     distinct = distinct_devices(devices)
@@ -228,30 +276,12 @@ def spawn_workers(devices: Iterable[torch.device], wake: Optional[Callable[[], N
         inline = InlineWorker(distinct[0])
         yield [inline] * len(devices), [inline] * len(devices)
         return
-
     queues = {d: (cast('Queue[Optional[Task]]', Queue()), cast('Queue[Result]', Queue()))
               for d in distinct}
-    workers = WorkerGroup()
-    grad_mode = torch.is_grad_enabled()
-    autocast_states = save_autocast_states()
-    held = cpu_generator_owned()
-    threads = torch.get_num_threads()
-    try:
-        for device in distinct:
-            workers.start(functools.partial(worker, *queues[device], device, grad_mode,
-                                         autocast_states, workers.stopping, held, threads),
-                       name=f'torchgpipe worker ({device})')
-        yield ([queues[d][0] for d in devices], [queues[d][1] for d in devices])
-    except BaseException:
-        # A worker checks the flag before each task: those left are skipped.
-        workers.stopping.set()
-        raise
-    finally:
-        # A None after the last task ends each worker, also one waiting for
-        # a task.
-        for in_queue, _ in queues.values():
-            in_queue.put(None)
-        if workers.stopping.is_set():
-            workers.stop(wake)
-        else:
-            workers.wait(wake)
+    with run_on_workers({d: _queued(*queues[d]) for d in distinct}, wake):
+        try:
+            yield [queues[d][0] for d in devices], [queues[d][1] for d in devices]
+        finally:
+            # Ends each worker once its queue is done, or at once when stopping.
+            for in_queue, _ in queues.values():
+                in_queue.put(None)
