@@ -128,39 +128,39 @@ def to_sequential(module: nn.Module, *,
         else:
             captured.interface.training = module.training
     graph, root, interface = captured
-    plan = pieces.plan(graph, root)
+    parts = pieces.cut_parts(graph, root)
     orders: Optional[List[List[fx.Node]]] = None
     if other is not None:
         other_root = other.root
-        other_plan = pieces.plan(other.graph, other_root)
-        orders, refusal = pieces.match(plan, other_plan, captured, other)
+        other_parts = pieces.cut_parts(other.graph, other_root)
+        orders, refusal = pieces.match(parts, other_parts, captured, other)
 
     ns = Namespace()
     users = {id(m) for m in module.modules()}
     state = {id(t): key for key, t in module.state_dict(keep_vars=True).items()}
     children: Dict[str, nn.Module] = {}
-    for k, segment in enumerate(plan.segments):
+    for k, segment in enumerate(parts.segments):
         name = child_name(segment)
-        held = pieces.lone_call(plan, k, root, interface)
+        held = pieces.lone_call(parts, k, root, interface)
         if orders is not None and \
-                held is not pieces.lone_call(other_plan, k, other_root, interface):
+                held is not pieces.lone_call(other_parts, k, other_root, interface):
             held = None  # a call in one mode only: generated in both
         if held is not None and all(child is not held for child in children.values()):
             children[name] = held
             continue
 
-        graph_module = fx.GraphModule(root, pieces.piece(plan, k, plan.pops[k]), class_name=name)
+        graph_module = fx.GraphModule(root, pieces.piece(parts, k, parts.pops[k]), class_name=name)
         transients = transient(root, segment, state)
         other_mode = None
         if orders is not None:
-            piece = pieces.piece(other_plan, k, orders[k])
+            piece = pieces.piece(other_parts, k, orders[k])
             transients += pieces.hold(graph_module, piece, other_root, state)
             other_mode = fx.GraphModule(graph_module, piece, class_name=name)
-        pop_names = [f'{a.name}:{k}' for a in plan.pops[k]]
-        stash_names = [f'{a.name}:{j}' for a, j in plan.stashes[k]]
+        pop_names = [f'{a.name}:{k}' for a in parts.pops[k]]
+        stash_names = [f'{a.name}:{j}' for a, j in parts.stashes[k]]
         step_cls = skippable_class(GeneratedChild, tuple(sorted(stash_names)),
                                    tuple(sorted(pop_names)))
-        step = step_cls(graph_module, len(plan.inputs[k]) != 1, pop_names, stash_names,
+        step = step_cls(graph_module, len(parts.inputs[k]) != 1, pop_names, stash_names,
                         list(dict.fromkeys(transients)), interface.training, other_mode,
                         refusal, module)
         # In the module's mode, as the user's modules are; the step's own

@@ -363,7 +363,7 @@ def _loss_at(loss: LossAndTarget, size: int, device: torch.device) -> nn.Module:
     return Loss(loss_fn, micro if given else map_tensors(torch.clone, micro), given)
 
 
-class Companions:
+class TrainingThreads:
     """Threads training copies of the layers while the layers are timed, as other workers do.
 
     Processes of a pipeline on one machine share its cores and its memory's
@@ -371,11 +371,11 @@ class Companions:
     longer than it does alone. Ranks that do not time the layers train
     copies of them on ``sample`` in ``count`` threads meanwhile (as many
     as leave the timing rank a core of its own:
-    :meth:`~torchgpipe.planner.group.Team.loaders`), so
+    :meth:`~torchgpipe.planner.group.PlanningGroup.loaders`), so
     that the layers take about what they take in a busy pipeline (the
     pilot, :mod:`~torchgpipe.planner.pilot`, corrects the rest).
 
-    A companion that fails stops quietly: its only use was the load it made.
+    A thread that fails stops quietly: its only use was the load it made.
     """
 
     def __init__(self, count: int, layers: Sequence[nn.Module], sample: TensorOrTensors,
@@ -383,7 +383,7 @@ class Companions:
         self.stop = threading.Event()
         self.threads = [threading.Thread(target=self._train, args=(copy.deepcopy(list(layers)),
                                                                    sample, device),
-                                         name='torchgpipe planner companion', daemon=True)
+                                         name='torchgpipe planner load', daemon=True)
                         for _ in range(count)]
 
     def _train(self, layers: List[nn.Module], sample: TensorOrTensors,
@@ -395,7 +395,7 @@ class Companions:
         except Exception:  # noqa: BLE001 (a load only; the timed passes go on alone)
             return
 
-    def __enter__(self) -> 'Companions':
+    def __enter__(self) -> 'TrainingThreads':
         for thread in self.threads:
             thread.start()
         return self

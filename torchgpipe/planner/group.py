@@ -11,7 +11,7 @@ measured is what the pipeline will see::
     measures the layers             train copies of the layers (the load of
                                     a busy pipeline on the same machine; only
                                     those that leave rank 0 a core of its own:
-                                    Team.loaders)
+                                    PlanningGroup.loaders)
     ---- the layers' costs, or rank 0's error, sent to every rank ----
     steps of DistributedGPipe across the group: overhead per task, and
     steps of large messages                               (every rank)
@@ -43,7 +43,7 @@ from torchgpipe.foundation.microbatch import TensorOrTensors
 from torchgpipe.foundation.validation import Device, check_available, describe, parse_device
 from torchgpipe.planner.arguments import check_process_group
 from torchgpipe.planner.calibrate import CHUNKS, Timer, median_step, zeros_loss
-from torchgpipe.planner.costs import Companions, rows
+from torchgpipe.planner.costs import TrainingThreads, rows
 from torchgpipe.planner.pilot import Make
 
 __all__: List[str] = []
@@ -63,7 +63,7 @@ class Load(NamedTuple):
 DEVICE_FIX = "give this rank's own device, such as device='cpu', or a CUDA device it has"
 
 
-class Team:
+class PlanningGroup:
     """The ranks of ``group`` planning together; this process is one of them.
 
     Args:
@@ -207,7 +207,7 @@ class Team:
             self._share(value)
             return value[1]
         if load is not None and self.device.type == 'cpu' and self.rank in load.ranks:
-            with Companions(1, list(load.module), rows(to_device(load.sample, self.device),
+            with TrainingThreads(1, list(load.module), rows(to_device(load.sample, self.device),
                                                        load.size), self.device):
                 kind, value = self._share(None)
         else:

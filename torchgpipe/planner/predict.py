@@ -54,7 +54,7 @@ workers of both partitions (of neither partition it passes over).
 Across processes, a rank running two partitions of a micro-batch (ZBV's
 turn, a skip between the arms of its V) hands the later one its tensors as
 they are, not a copy: what they share is counted once, alive until both
-have let go of it (:class:`~torchgpipe.planner.handover.Handover`).
+have let go of it (:class:`~torchgpipe.planner.sharing.SharedBytes`).
 """
 import math
 from dataclasses import dataclass
@@ -65,7 +65,7 @@ from torchgpipe.engine.generators import named, worker_of
 from torchgpipe.engine.schedule import Action, Kind, Schedule
 from torchgpipe.engine.simulator import simulate_sharing
 from torchgpipe.planner.costs import Costs
-from torchgpipe.planner.handover import Handover
+from torchgpipe.planner.sharing import SharedBytes
 from torchgpipe.planner.partitions import Partitions
 
 __all__: List[str] = []
@@ -252,7 +252,7 @@ def peak_memory(workers: Sequence[Sequence[Action]], worker: int, parts: Partiti
     backward pass on."""
     live = peak = 0.0
     graded: Set[int] = set()  # the partitions whose weights have gradients
-    handover = Handover(parts, sizes, checkpointed)
+    shared_bytes = SharedBytes(parts, sizes, checkpointed)
     # The built-in schedules number their workers as Candidate.worker_of does.
     for action in workers[worker]:
         part = parts(action.j, sizes[action.i])
@@ -267,7 +267,7 @@ def peak_memory(workers: Sequence[Sequence[Action]], worker: int, parts: Partiti
         # nothing else keeps it for the recomputation).
         kept += part['received'] + (part['handed'] if checkpointed[action.i] else 0.0)
         if action.kind is Kind.F:
-            live += kept - handover.taken(action)
+            live += kept - shared_bytes.taken(action)
         elif action.kind is Kind.I:
             live += again  # recomputed, and kept for W
         # B (or I) holds its working memory beside what is live, and B the
@@ -298,7 +298,7 @@ def peak_memory(workers: Sequence[Sequence[Action]], worker: int, parts: Partiti
             working = 0.0 if checkpointed[action.i] else part['forwarding']
         if action.kind in (Kind.B, Kind.W):
             graded.add(action.j)
-        working -= handover.counted(action)
+        working -= shared_bytes.counted(action)
         peak = max(peak, live + grads + working + (again if action.kind is Kind.B else 0.0))
         if checkpointed[action.i] and action.kind in (Kind.B, Kind.I):
             # The recomputation, before the backward pass: the forward pass's
@@ -312,5 +312,5 @@ def peak_memory(workers: Sequence[Sequence[Action]], worker: int, parts: Partiti
             live += part['retained'] - part['held'] - part['above']
         elif action.kind is Kind.W:
             live -= kept + again - part['held'] - part['above'] + part['retained']
-        live += handover.after(action)
+        live += shared_bytes.after(action)
     return peak

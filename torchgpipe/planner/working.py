@@ -41,7 +41,7 @@ __all__: List[str] = []
 
 #: A layer's forward pass as the planner runs it: the output, and the skip
 #: tensors the layer stashed, whose gradients its backward pass receives.
-Pass = Callable[[TensorOrTensors], Tuple[TensorOrTensors, List[Tensor]]]
+LayerForward = Callable[[TensorOrTensors], Tuple[TensorOrTensors, List[Tensor]]]
 
 
 def ends_of(output: TensorOrTensors, stashed: Sequence[Tensor]) -> List[Tensor]:
@@ -138,7 +138,7 @@ class _Seed(torch.autograd.Function):
         return tuple(grads)
 
 
-def working_memory(layer: nn.Module, values: TensorOrTensors, forward: Pass, *,
+def working_memory(layer: nn.Module, values: TensorOrTensors, forward: LayerForward, *,
                    accumulating: bool = False, last: bool = False, held: bool = False
                    ) -> Tuple[TensorOrTensors, int]:
     """Runs ``forward(values)``, the pass of ``layer``, and its backward pass; returns the
@@ -200,7 +200,7 @@ def working_memory(layer: nn.Module, values: TensorOrTensors, forward: Pass, *,
     return output, live.peak(weights, since)
 
 
-def forward_memory(layer: nn.Module, values: TensorOrTensors, forward: Pass) -> int:
+def forward_memory(layer: nn.Module, values: TensorOrTensors, forward: LayerForward) -> int:
     """Runs ``forward(values)``, the pass of ``layer``; returns the most bytes it held at
     once beyond what it left (what it keeps, its output, its skips): its temporaries,
     an addition's sum before the ReLU after it, say."""
@@ -214,7 +214,7 @@ def forward_memory(layer: nn.Module, values: TensorOrTensors, forward: Pass) -> 
     return max(0, live.peak(set(), 0) - left)
 
 
-def input_memory(layer: nn.Module, values: TensorOrTensors, forward: Pass,
+def input_memory(layer: nn.Module, values: TensorOrTensors, forward: LayerForward,
                  skips: Sequence[Tensor] = ()) -> int:
     """Runs ``forward(values)``, the pass of ``layer``, and ``I`` (the first half of a
     split backward pass); returns the most bytes ``I`` held beside what the forward
@@ -241,7 +241,7 @@ def input_memory(layer: nn.Module, values: TensorOrTensors, forward: Pass,
     return live.peak(set(), since)
 
 
-def retained_for_weights(layer: nn.Module, values: TensorOrTensors, forward: Pass,
+def retained_for_weights(layer: nn.Module, values: TensorOrTensors, forward: LayerForward,
                          skips: Sequence[Tensor] = ()) -> Tuple[int, int, Set[int]]:
     """Runs ``forward(values)``, the pass of ``layer``, and the first half of a split
     backward pass (``I``, :func:`torchgpipe.engine.split.input_pass`).

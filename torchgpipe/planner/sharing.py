@@ -30,7 +30,7 @@ from torchgpipe.planner.partitions import Partitions
 __all__: List[str] = []
 
 
-class Handover:
+class SharedBytes:
     """The bytes partitions of one worker share, alive as its actions run one by one.
 
     Args:
