@@ -1,16 +1,10 @@
-"""The foundation: what every layer above stands on, importing nothing of the package above it.
+"""The foundation: what every layer above stands on, importing nothing above it.
 
-Devices and streams (:mod:`~torchgpipe.foundation.stream`,
-:mod:`~torchgpipe.foundation.copy`, :mod:`~torchgpipe.foundation.placement`),
-micro-batches (:mod:`~torchgpipe.foundation.microbatch`,
-:mod:`~torchgpipe.foundation.nochunk`), the order of backward tasks
-(:mod:`~torchgpipe.foundation.dependency`, :mod:`~torchgpipe.foundation.phony`),
-which pass runs and what it must replay (:mod:`~torchgpipe.foundation.phase`,
-:mod:`~torchgpipe.foundation.rng`, :mod:`~torchgpipe.foundation.autocast`),
-the checks of every argument (:mod:`~torchgpipe.foundation.validation`), shared
-parameters (:mod:`~torchgpipe.foundation.tied`), in-place replacement of
-layers (:mod:`~torchgpipe.foundation.layers`), and the recording interface
-(:mod:`~torchgpipe.foundation.record`).
+Devices and streams (``stream``, ``copy``, ``placement``), micro-batches
+(``microbatch``, ``nochunk``), the order of backward tasks (``dependency``,
+``phony``), which pass runs and what it replays (``phase``, ``rng``,
+``autocast``), argument checks (``validation``), shared parameters
+(``tied``), layer replacement (``layers``) and recording (``record``).
 """
 from typing import List
 
