@@ -28,18 +28,13 @@ class GeneratedChild(nn.Module):
         graph_module (torch.fx.GraphModule): takes the values received, then the
             popped ones; returns the output and the tuple of values to stash
         tuple_input (bool): whether the previous child passes a tuple
-        pops (list of strs): the skip names to pop, in argument order
-        stashes (list of strs): the skip names to stash, in result order
-        transient (list of strs): the names of tensors to leave out of the
-            state dict
+        pops, stashes (list of strs): the skip names, in argument and result order
+        transient (list of strs): the tensors to leave out of the state dict
         captured_training (bool, optional): the mode ``graph_module`` was
-            captured in, or ``None`` for a graph alike in both modes
-        other_mode (torch.fx.GraphModule, optional): the piece recorded in the
-            other mode, reading its tensors from ``graph_module``; without it,
-            the child refuses the other mode
-        refusal (str, optional): why there is no ``other_mode``
-        captured_from (nn.Module, optional): the module captured, whose mode is
-            this child's
+            captured in (``None``: alike in both)
+        other_mode (torch.fx.GraphModule, optional): the piece of the other mode
+            (else the child refuses it, saying ``refusal``)
+        captured_from (nn.Module, optional): the module whose mode is this child's
     """
 
     other_mode: Optional[fx.GraphModule]

@@ -33,15 +33,8 @@ _DROPPED = (torch.ops.aten._assert_tensor_metadata.default,)
 
 
 def capture(module: nn.Module, example: Any) -> Captured:
-    """Captures ``module`` called on ``example`` with :func:`torch.export.export`.
-
-    Args:
-        module (torch.nn.Module): the module
-        example: a tensor, a tuple of positional arguments, or a dict of keyword
-            arguments of ``module.forward``; every size stays dynamic
-
-    Returns:
-        Captured: the graph, its attributes and the sequential's interface
+    """Captures ``module`` called on ``example`` (a tensor, a tuple of positional arguments,
+    or a dict of keyword arguments, every size dynamic) with :func:`torch.export.export`.
 
     Raises:
         TypeError: ``example`` does not fit ``module.forward``

@@ -101,22 +101,16 @@ class Costs:
         table: the layers' costs at each of ``sizes``
         parameters: the bytes of each layer's parameters
         entry: the bytes per sample of the input the first partition copies
-            (none where the input already is in the first device's memory)
         loss: whether the last entry of each list of ``table`` is a loss
-        overhead: the time the pipeline adds to each task, in seconds
-        checkpoint_overhead: what it adds further to a checkpointed ``B`` or ``I``
-        split_overhead: what it adds to an ``I`` or a ``W``, instead of ``overhead``
-        transfer: a message's latency in seconds and its time per byte
-            between two workers (zero within one memory)
-        skip_overhead: what a skip's own message between processes adds, each way
+        overhead: the seconds the pipeline adds to each task; ``checkpoint_overhead``
+            further to a checkpointed ``B`` or ``I``; ``split_overhead`` to ``I``
+            or ``W`` instead; ``skip_overhead`` a skip's own message, each way
+        transfer: a message's latency and its seconds per byte between workers
         pace: the factor each size's times carry from the pilot
-        shared: each parameter several layers hold (tied weights): those
-            layers, and its bytes
-        processes: whether the workers are processes, which sum the gradients
-            of a shared weight by messages as a step ends
+        shared: each parameter several layers hold: those layers, and its bytes
+        processes: whether the workers are processes
         skips: each skip's route ``(a, b)``: layer ``a`` stashes, ``b`` pops
-        cores: for processes that outnumber one machine's cores, how many can
-            work at full speed at once (``None``: a core each)
+        cores: how many processes can work at full speed at once, if fewer
     """
 
     batch: int
@@ -218,25 +212,15 @@ def rows(values: TensorOrTensors, size: int) -> TensorOrTensors:
 def measure(module: nn.Sequential, sample: TensorOrTensors, sizes: Sequence[int],
             device: torch.device, *, repeat: int = 3, loss: Optional[LossAndTarget] = None
             ) -> Costs:
-    """Measures every layer of ``module`` (and the loss) at each micro-batch size of ``sizes``.
+    """Measures every layer of ``module`` (and the ``loss``) at each micro-batch size of
+    ``sizes`` on ``device``, from a ``sample`` of the largest size or more.
 
-    The layers are copied to ``device`` (the model must fit there) and run
-    in whole passes, timed at each layer's boundary: one to read the memory,
-    then rounds visiting every size in turn, the first a warm-up, each time
-    the least of ``repeat`` (interruptions only add time). Layers timed alone
-    would find their weights in the cache and come out too fast. ``module``
-    and the random number generators are left as they were.
-
-    Args:
-        module: the model
-        sample: a mini-batch of the model's input, at least the largest size
-        sizes: micro-batch sizes
-        device: where to run the layers
-        repeat: timed passes of each kind per size
-        loss: ``(loss_fn, target)``, to measure the loss of the last layer's output
-
-    Returns:
-        Costs: without overhead and transfer costs, which the planner adds
+    The layers' copies run in whole passes, timed at each layer's boundary:
+    one to read the memory, then rounds visiting every size in turn, the first
+    a warm-up, each time the least of ``repeat`` (interruptions only add time).
+    Layers timed alone would find their weights in the cache and come out too
+    fast. ``module`` and the random number generators are left as they were.
+    The planner adds the overheads and transfer costs.
     """
     refuse_gradients(module)
     given = all(same_memory(x.device, device) for x in Batch(sample) if isinstance(x, Tensor))

@@ -69,8 +69,8 @@ class PlanningGroup:
     Raises:
         RuntimeError: torch.distributed is not initialized
         TypeError: ``group`` is not a process group
-        ValueError: this process is not in ``group``; on every rank, if any
-            rank's arguments or device are wrong or differ from the others'
+        ValueError: this process is not in ``group``; any rank's arguments or
+            device are wrong, or differ from the others'
     """
 
     def __init__(self, group: Any, device: Optional[Device], problem: Optional[Exception],

@@ -1,25 +1,17 @@
 """Each layer's memory, read in one pass: the bytes :func:`~torchgpipe.planner.costs.measure`
 gives the planner.
 
-Each layer runs on the detached output of the one before, so its share is its
-own: what its forward pass keeps for backward
-(:func:`~torchgpipe.balance.profile.kept_by_forward`), its output, and what
-its backward pass, ``I`` and ``W`` hold beside them
-(:mod:`~torchgpipe.planner.working`). A skip is measured at both ends::
+Each layer runs on the detached output of the one before, so its share is
+its own (:func:`~torchgpipe.balance.profile.kept_by_forward`,
+:mod:`~torchgpipe.planner.working`). A skip is measured at both ends::
 
     layer a  stash(s) ──────── s ────────► layer b  pop(s)
              backward  ◄─── grad s ───────          backward
 
-- ``a``'s backward pass takes the gradient of ``s`` beside its output's, as
-  in training;
-- the route ``(a, b)``, the bytes of ``s`` (a copy on another worker), and
-  those only the skip keeps on ``a`` (*loose*), freed by a pop in the same
-  partition;
-- whether ``b``'s backward pass gives ``s`` its output's gradient itself
-  (an addition: *aliased*), one tensor where two would be counted.
-
-A loss keeps neither its target nor its output: the pipeline keeps the
-number it weighs from it.
+``a``'s backward takes the gradient of ``s`` as in training; the route, the
+bytes of ``s``, those only the skip keeps (*loose*), and whether ``b`` gives
+``s`` its output's gradient itself (*aliased*) let the planner count each
+tensor once.
 """
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 

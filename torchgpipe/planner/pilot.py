@@ -1,18 +1,12 @@
 """The pace of layers in a pipeline of threads or processes, measured on the model itself.
 
-Workers of CPU devices share the cores, and threads the interpreter's lock:
-once their micro-batches overlap, a step takes longer than the simulator
-predicts from layers timed one at a time, by an amount that depends on how
-long each operation holds the lock, which nothing but the model reproduces.
-(Where processes outnumber the cores, the simulator shares the cores
-itself, ``Costs.cores``; the pace is what is left.)
-
-So for each size it timed the layers at, the planner trains a copy of the
-model with 1F1B on the workers, one evenly timed partition each, in as many
-micro-batches as make that size, and scales that size's layer times by the
-*pace* with which the simulator predicts the steps measured. Sizes no number
-of micro-batches makes whole take their neighbours' pace. At one
-micro-batch the pace is about 1; it grows as micro-batches overlap.
+CPU workers share the cores (threads also the interpreter's lock), so once
+micro-batches overlap a step takes longer than layers timed alone predict,
+by an amount only the model reproduces. For each size it timed, the
+planner trains a copy of the model with 1F1B on the workers and scales
+that size's layer times by the *pace* with which the simulator predicts
+the steps measured; sizes no number of micro-batches makes take their
+neighbours'.
 """
 import copy
 import functools

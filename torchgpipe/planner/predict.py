@@ -1,9 +1,8 @@
 """A configuration's step time and peak memory per worker, from measured costs.
 
-The time is the simulator's (:func:`torchgpipe.engine.simulator.simulate_sharing`)
-over the schedule's own action lists, each action costing its partition's
-layers at its micro-batch size, the overhead per task, and a message when
-the next partition is on another worker::
+The time is the simulator's over the schedule's own action lists, each
+action costing its partition's layers at its micro-batch size, the
+overhead per task, and a message to another worker::
 
     F   forward of the partition's layers                  (+ message to j+1)
     B   backward of its layers; first their forward again,
@@ -12,18 +11,11 @@ the next partition is on another worker::
     W   the weights' gradients, after I (of the first partition, whose I
         has nothing to compute, its whole backward pass)
 
-A skip between workers is a message of its own each way. The recomputation
-runs as soon as the worker is free, before the gradient arrives, as the
-engine runs it (the simulator's ``ahead``).
-
-The memory walks each worker's actions in order (:func:`peak_memory`): a
-forward pass keeps its activations (only its input if checkpointed) until
-the backward pass frees them; a backward pass holds its gradients and
-temporaries beside them (:class:`~torchgpipe.planner.partitions.Partitions`).
-Parameters and optimizer state stay throughout; the weights' gradients are
-made in each partition's first backward pass (``zero_grad()`` leaves None).
-A tied weight is one tensor per worker, each later partition adding into a
-share of its own. Tensors partitions of one process share are counted once
+The memory walks each worker's actions (:func:`peak_memory`): activations
+kept from a forward pass to its backward pass, gradients and temporaries
+while a backward pass runs (:class:`~torchgpipe.planner.partitions.Partitions`),
+the weights' gradients from a partition's first backward pass, and tensors
+partitions of one process share counted once
 (:class:`~torchgpipe.planner.sharing.SharedBytes`).
 """
 import math

@@ -1,17 +1,14 @@
 """Trials: the configurations predicted fastest, timed on the model before one is chosen.
 
-On CPU the simulator is off by a tenth or so and steps vary by a fifth, so
-among configurations predicted close together the error decides. Where the
-pilot runs (two or more CPU workers), the planner trains a copy of the model
-in each of the few predicted fastest and chooses the fastest measured::
+On CPU the simulator is off by a tenth and steps vary by a fifth, so among
+close predictions the error decides. Where the pilot runs, the planner
+trains the model in each of the few predicted fastest (the fastest balance
+of each :func:`kind`, each fitting) and chooses the fastest measured::
 
     predicted   A 10.0 ms   B 10.3 ms   C 10.9 ms   D 12.4 ms   E 13.1 ms ...
                 '--- shortlist: at most `trials` kinds, within SPREAD ---'
     measured    A 12.1 ms   B 10.8 ms   C 11.5 ms   D 13.0 ms
     chosen      B, then C, A, D (measured), then E ... (predicted)
-
-Only the fastest balance of each :func:`kind` is tried, and only
-configurations that fit: the memory limit holds whatever is chosen.
 """
 import functools
 import statistics

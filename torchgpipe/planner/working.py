@@ -1,11 +1,9 @@
 """A layer's working memory: what its backward pass holds beside the activations kept.
 
-While a layer's backward pass runs, the gradients of its output and input
-and the temporaries between them (a softmax's gradient, as large as the
-logits) are alive together, on top of every micro-batch's activations.
-:func:`working_memory` runs the layer under :class:`Live`, which sees
-every storage an operator makes until it is freed, and takes the peak of
-the backward pass over what the forward pass left::
+The gradients of its output and input and the temporaries between them (a
+softmax's gradient, as large as the logits) are alive together.
+:func:`working_memory` runs the layer under :class:`Live`, which sees every
+storage an operator makes until it is freed::
 
     live bytes   ^        ___
                  |   ____|   |__          the peak, beside the activations
@@ -14,9 +12,7 @@ the backward pass over what the forward pass left::
                    grad_output  grad_input  (weights' gradients left out:
                                              param_scale counts them)
 
-A layer that stashes skips gets their gradients in its backward pass too.
-What an operator allocates inside itself (a convolution's unfolded input on
-CPU) is not a tensor and is not seen.
+What an operator allocates inside itself is not seen.
 """
 import weakref
 from contextlib import contextmanager
@@ -133,14 +129,12 @@ def working_memory(layer: nn.Module, values: TensorOrTensors, forward: LayerForw
     """Runs ``forward(values)``, the pass of ``layer``, and its backward pass; returns the
     output and the most bytes the backward pass held beside what the forward pass left.
 
-    The output's and stashed skips' gradients are made as training passes
-    them: within a partition by the backward pass, which frees each once used;
-    to a partition's ``last`` layer by the pipeline, which holds them with the
-    output to the end. Within a partition only what saved the output holds it,
-    so the caller gets a copy, unless ``held`` (the layer before a loss). The
-    weights' gradients are not counted (the planner counts them with the
-    parameters) unless ``accumulating``: then each new one is a temporary until
-    added. The weights are left without gradients.
+    Output gradients are made as training passes them: within a partition by
+    the backward pass, which frees each once used; to a partition's ``last``
+    layer by the pipeline, which holds them. The caller gets a copy of the
+    output unless ``held`` (the layer before a loss). The weights' gradients
+    count only ``accumulating``, as temporaries. The weights are left without
+    gradients.
     """
     parameters = [p for p in layer.parameters() if p.requires_grad]
     if accumulating:
@@ -218,18 +212,12 @@ def input_memory(layer: nn.Module, values: TensorOrTensors, forward: LayerForwar
 def retained_for_weights(layer: nn.Module, values: TensorOrTensors, forward: LayerForward,
                          skips: Sequence[Tensor] = ()) -> Tuple[int, int, Set[int]]:
     """Runs ``forward(values)`` and ``I`` (:func:`torchgpipe.engine.split.input_pass`): what
-    ``I`` keeps for ``W`` and what it frees.
-
-    Each node of ``I``'s way that leads to a weight keeps the gradient it
-    received, for ``W`` to start from; the nodes above them (a ReLU after a
-    convolution) are gone with what they saved. ``skips`` are the leaves the
-    layer may pop, inputs as a pipeline's received skips are; their gradients
-    are left as they were, the weights without any.
+    ``I`` keeps for ``W`` (the gradient at each node leading to a weight) and what it
+    frees (the nodes above them). ``skips`` are the leaves the layer may pop.
 
     Returns:
         the bytes of the gradients ``I`` keeps for ``W``, those of them that are
         the output's gradient itself, and the addresses of the storages freed
-        once ``I`` is done and the outputs are let go
     """
     with _split(layer, values, skips) as (leaves, inputs, live):
         with live:

@@ -43,17 +43,10 @@ Recomputed = Tuple[TensorOrTensors, Tensors, List[Tensor]]
 
 
 class Context:
-    """What a :class:`Checkpoint` and its :class:`Recompute` share besides tensors.
-
-    Args:
-        function: the partition, as a function of a tensor or a tuple of tensors
-        atomic: whether the function takes a tensor rather than a tuple
-        layout: where the input tensors go among the tuple's other values
-        num_inputs: how many leading tensor arguments are the input
-        traits: what earlier runs showed about the partition
-        exclusive_rng: whether the recomputation may draw from the CPU generator
-        task: the task's ``(i, j)``, for a profiler's labels
-    """
+    """What a :class:`Checkpoint` and its :class:`Recompute` share besides tensors: the
+    partition's ``function``, its input's form (``atomic``, ``layout``, ``num_inputs``
+    leading tensors), its ``traits``, whether the recomputation may draw from the CPU
+    generator (``exclusive_rng``), and the ``task`` for a profiler's labels."""
 
     __slots__ = ('function', 'atomic', 'layout', 'num_inputs', 'traits', 'exclusive_rng',
                  'task', 'first_pass', 'recomputed', 'autocast_states', 'ended',
@@ -87,18 +80,10 @@ class Context:
 
 
 class Checkpointing:
-    """Makes a pair of :class:`Checkpoint` and :class:`Recompute` for one batch.
-
-    Args:
-        function: the partition to run on the batch
-        batch (Batch): the input micro-batch
-        parameters: the parameters requiring grad, whose gradients the
-            checkpoint's backward returns, accumulated once per backward pass
-            as without checkpointing (DDP relies on it)
-        traits: what earlier runs showed about the partition
-        exclusive_rng: as for :class:`Context`
-        task: the task's ``(i, j)``, for a profiler's labels
-    """
+    """Makes a pair of :class:`Checkpoint` and :class:`Recompute` for one ``batch``.
+    ``parameters`` requiring grad get their gradients from the checkpoint's backward,
+    accumulated once per backward pass as without checkpointing (DDP relies on it); the
+    other arguments are :class:`Context`'s."""
 
     def __init__(self, function: Function, batch: Batch, parameters: Sequence[Tensor] = (),
                  traits: Optional[PartitionTraits] = None, exclusive_rng: bool = True,

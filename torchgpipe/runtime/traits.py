@@ -40,9 +40,8 @@ class PartitionTraits:
 
     def call(self, function: Callable[[T], R], input: Tuple[Tensor, ...],
              arguments: Callable[[Tuple[Tensor, ...]], T], again: str) -> R:
-        """Calls ``function`` on ``arguments(input)``, on copies unless the partition is known to
-        leave its input alone (a recomputation needs the input), the copies showing whether
-        it changes them.
+        """Calls ``function`` on ``arguments(input)``, on copies (showing whether it changes
+        them) unless the partition is known to leave its input, which a recomputation needs.
 
         Raises:
             RuntimeError: a partition known to leave its input alone changed it

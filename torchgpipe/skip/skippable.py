@@ -171,16 +171,10 @@ class Skippable(nn.Module):
     def forward(self, input: TensorOrTensors) -> TensorOrTensors:
         """Runs the wrapped module, taking and leaving its skips in the current tracker.
 
-        Args:
-            input (torch.Tensor or tuple of tensors): the wrapped module's input
-
-        Returns:
-            torch.Tensor or tuple of tensors: the wrapped module's output
-
         Raises:
-            RuntimeError: a name is popped before it was stashed, popped
-                twice in one call, stashed or popped without being declared,
-                or declared but not stashed or popped by the call
+            RuntimeError: a name is popped before it was stashed, popped twice in
+                one call, stashed or popped without being declared, or declared but
+                not stashed or popped by the call
         """
         skip_tracker = current_skip_tracker()
 

@@ -1,10 +1,9 @@
 """Skip trackers: where stashed skip tensors wait for their pops.
 
-Outside GPipe, a plain :class:`SkipTracker` per thread keeps them in a
-dictionary. Inside GPipe, each micro-batch has a :class:`SkipTrackerAcross`,
-which hands the skips that cross partitions to its engine: portals in the
-forward path (:class:`SkipTrackerThroughPortals`; 0.0.7's misspelled
-``SkipTrackerThroughPotals`` still works).
+A plain :class:`SkipTracker` per thread outside GPipe; inside it, a
+:class:`SkipTrackerAcross` per micro-batch hands skips crossing partitions
+to its engine (portals in the forward path: :class:`SkipTrackerThroughPortals`,
+0.0.7's ``SkipTrackerThroughPotals``).
 """
 import abc
 import threading
