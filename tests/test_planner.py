@@ -21,12 +21,12 @@ from torchgpipe.engine.generators import BUILT_INS
 from torchgpipe.engine.schedule import Action, Kind
 from torchgpipe.engine.simulator import simulate_sharing
 from torchgpipe.planner.costs import Costs, LayerCosts, measure
-from torchgpipe.planner.sharing import SharedBytes
 from torchgpipe.planner.memory import tensor_bytes
 from torchgpipe.planner.option import Option
 from torchgpipe.planner.partitions import Partitions
 from torchgpipe.planner.predict import Candidate, checkpoints, micro_batches, predict
 from torchgpipe.planner.search import CHECKPOINTS, chunk_counts, search
+from torchgpipe.planner.sharing import SharedBytes
 from torchgpipe.skip import pop, skippable, stash
 
 SCHEDULES = sorted(BUILT_INS)

@@ -27,8 +27,8 @@ from torchgpipe.engine.generators import named, worker_of
 from torchgpipe.engine.schedule import Action, Kind, Schedule
 from torchgpipe.engine.simulator import simulate_sharing
 from torchgpipe.planner.costs import Costs
-from torchgpipe.planner.sharing import SharedBytes
 from torchgpipe.planner.partitions import Partitions
+from torchgpipe.planner.sharing import SharedBytes
 
 __all__: List[str] = []
 
