@@ -292,7 +292,7 @@ def test_one_module_starts_threads_and_one_reads_generator_states() -> None:
     sources = {module_name(path): path.read_text() for path in PACKAGE.rglob('*.py')}
     # Besides the workers: the threads that keep a step's deadline across
     # processes, and wait for its messages (gloo's own timeout would close
-    # the connections), which run no task; and the planner's companions,
+    # the connections), which run no task; and the planner's training threads,
     # which load the cores while it times layers, outside any pipeline.
     assert [m for m, text in sorted(sources.items()) if 'threading.Thread(' in text] == \
         ['torchgpipe.distributed.waiting', 'torchgpipe.planner.costs',

@@ -32,7 +32,7 @@ from torchgpipe.planner.predict import micro_batches
 from torchgpipe.planner.search import Scored, chunk_counts, search
 
 if TYPE_CHECKING:
-    from torchgpipe.planner.group import Team
+    from torchgpipe.planner.group import PlanningGroup
 
 __all__ = ['plan', 'Plan', 'Option', 'Comparison']
 
@@ -147,8 +147,8 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
     team = None
     if group is not None:
         # Imported here: ``import torchgpipe`` loads no torchgpipe.distributed.
-        from torchgpipe.planner.group import Load, Team
-        team = Team(group, device, problem, {} if problem else {
+        from torchgpipe.planner.group import Load, PlanningGroup
+        team = PlanningGroup(group, device, problem, {} if problem else {
             'layers': [sum(p.numel() for p in layer.parameters()) for layer in module],
             'sample': [(tuple(x.shape), str(x.dtype)) for x in Batch(sample)
                        if isinstance(x, Tensor)],
@@ -207,7 +207,7 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
                       threads=worker_threads)
 
 
-def skip_overhead(team: 'Team', timer: Timer, overheads: Tuple[float, float, float],
+def skip_overhead(team: 'PlanningGroup', timer: Timer, overheads: Tuple[float, float, float],
                   costs: Costs) -> float:
     """What a skip's message between the ranks of ``team`` costs (none without skips or
     ranks to cross): every rank steps the skipping pipeline, rank 0 finds the cost."""
