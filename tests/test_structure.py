@@ -300,14 +300,14 @@ def test_one_module_starts_threads_and_one_reads_generator_states() -> None:
     assert [m for m, text in sources.items() if 'get_rng_state(' in text
             and 'torch.get_rng_state()' in text.replace('torch.cuda', '')] == \
         ['torchgpipe.foundation.rng']
-    from torchgpipe.foundation.copy import Copy, Ready, Wait, copy_tensors, hand_over
+    from torchgpipe.foundation.copy import Copy, Ready, Wait, copy_tensors, move_forward
     from torchgpipe.skip.tracker import SkipTrackerAcross, SkipTrackerThroughPortals
     from torchgpipe.engine.mailbox import StepSkips
     assert issubclass(SkipTrackerThroughPortals, SkipTrackerAcross)
     assert issubclass(StepSkips, SkipTrackerAcross)
     # Both ways of moving a batch end in the same copy.
     for code in (Copy.forward, Ready.receive):
-        assert 'copy_tensors' in code.__code__.co_names or hand_over.__name__ in \
+        assert 'copy_tensors' in code.__code__.co_names or move_forward.__name__ in \
             code.__code__.co_names, code
     assert copy_tensors.__module__ == Wait.__module__
 

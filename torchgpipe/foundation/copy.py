@@ -30,18 +30,18 @@ class Copy(torch.autograd.Function):
     def forward(ctx: Any,
                 prev_stream: AbstractStream, next_stream: AbstractStream,
                 *input: Optional[Tensor]) -> OptionalTensors:
-        return hand_over(ctx, copy_tensors, prev_stream, next_stream, input)
+        return move_forward(ctx, copy_tensors, prev_stream, next_stream, input)
 
     @staticmethod
     def backward(ctx: Any, *grad_output: Optional[Tensor]) -> Tuple[Any, ...]:
-        return hand_back(ctx, copy_tensors, grad_output)
+        return move_backward(ctx, copy_tensors, grad_output)
 
 
 Move = Callable[[AbstractStream, AbstractStream, OptionalTensors], OptionalTensors]
 
 
-def hand_over(ctx: Any, move: Move, prev_stream: AbstractStream, next_stream: AbstractStream,
-              input: OptionalTensors) -> OptionalTensors:
+def move_forward(ctx: Any, move: Move, prev_stream: AbstractStream, next_stream: AbstractStream,
+                 input: OptionalTensors) -> OptionalTensors:
     """The forward pass of :class:`Copy` and :class:`Wait`: ``move`` from ``prev_stream`` on."""
     ctx.prev_stream = prev_stream
     ctx.next_stream = next_stream
@@ -50,7 +50,7 @@ def hand_over(ctx: Any, move: Move, prev_stream: AbstractStream, next_stream: Ab
     return move(prev_stream, next_stream, input)
 
 
-def hand_back(ctx: Any, move: Move, grad_output: OptionalTensors) -> Tuple[Any, ...]:
+def move_backward(ctx: Any, move: Move, grad_output: OptionalTensors) -> Tuple[Any, ...]:
     """Their backward pass: the gradients ``move`` the other way; none for the streams."""
     return (None, None) + move(ctx.next_stream, ctx.prev_stream, grad_output)
 
@@ -86,11 +86,11 @@ class Wait(torch.autograd.Function):
     def forward(ctx: Any,
                 prev_stream: AbstractStream, next_stream: AbstractStream,
                 *input: Optional[Tensor]) -> OptionalTensors:
-        return hand_over(ctx, _wait, prev_stream, next_stream, input)
+        return move_forward(ctx, _wait, prev_stream, next_stream, input)
 
     @staticmethod
     def backward(ctx: Any, *grad_output: Optional[Tensor]) -> Tuple[Any, ...]:
-        return hand_back(ctx, _wait, grad_output)
+        return move_backward(ctx, _wait, grad_output)
 
 
 def _wait(source: AbstractStream, target: AbstractStream,
