@@ -1,11 +1,4 @@
-"""Training steps the library drives: each partition's actions, in a schedule's order.
-
-Each partition is a :class:`~torchgpipe.engine.stage.Stage`. The schedule's
-actions are laid out in clock cycles and issued to the worker of each
-partition's device (:mod:`torchgpipe.runtime.worker`), which runs them in
-order, waiting in a :class:`~torchgpipe.engine.mailbox.Mailbox` for what
-others send. The first failure stops every action and reaches the caller as itself.
-"""
+"""Training steps: each partition's actions, in clock order, on its device's worker."""
 import functools
 from typing import Callable, Dict, List, Mapping, Optional, Protocol, Sequence, cast
 
@@ -30,34 +23,9 @@ LossFunction = Callable[[TensorOrTensors, TensorOrTensors], Tensor]
 
 
 class Step:
-    """Runs one training step of a schedule over the partitions.
-
-    Args:
-        partitions: the partitions, in order; ``None`` for a partition that
-            runs elsewhere (in another process), whose messages ``mailbox``
-            carries
-        devices: the device of each partition
-        batches: the input micro-batches, on the first device (``None``
-            where the first partition runs elsewhere)
-        targets: the target of each micro-batch
-        loss_fn: ``loss_fn(output, target)`` of one micro-batch
-        weights: what each micro-batch's loss is multiplied by
-        schedule: each worker's actions, checked (:meth:`Schedule.check
-            <torchgpipe.schedules.Schedule.check>`)
-        layout: where the skips go
-        checkpoint_stop: micro-batches ``0 .. checkpoint_stop - 1`` are checkpointed
-        traits: what runs showed about each partition (whether it draws random numbers)
-        recorder: records the actions, inside :func:`torchgpipe.trace`
-        mailbox: what carries messages between partitions (default: a new
-            :class:`~torchgpipe.engine.mailbox.Mailbox`, for partitions of this process)
-        done: called with ``j`` once partition ``j``'s gradients are final,
-            before it sends its last gradients back
-        train: a training step (default); else an evaluation, without
-            autograd (:mod:`torchgpipe.engine.evaluation`)
-        copy_streams: for each partition here, a copy stream per
-            micro-batch, which moves its messages (default: the devices'
-            current streams)
-    """
+    """One step of a checked schedule over the partitions (``None`` where held in another
+    process, which ``mailbox`` reaches); an evaluation without autograd unless ``train``.
+    ``done(j)`` is called once partition ``j``'s gradients are final."""
 
     def __init__(self, partitions: Sequence[Optional[nn.Sequential]],
                  devices: Sequence[torch.device], batches: Sequence[Optional[Batch]],
@@ -76,13 +44,11 @@ class Step:
         self.schedule = schedule
         self.shared = Shared(self.n, batches, None if loss_fn is None else self.loss, train,
                              layout, checkpoint_stop, mailbox or Mailbox(), recorder, done)
-        # Each partition's last action that accumulates its parameters' gradients.
         last = {a.j: a for actions in schedule.workers for a in actions
                 if a.kind in (Kind.B, Kind.W)}
         self.stages = {j: Stage(self.shared, j, p, devices[j], traits[j], last.get(j),
                                 None if copy_streams is None else copy_streams[j])
                        for j, p in enumerate(partitions) if p is not None}
-        #: This process's actions, in clock order.
         self.order = [a for cycle in clock_order(schedule.workers, self.n) for a in cycle
                       if a.j in self.stages]
 
@@ -93,12 +59,8 @@ class Step:
         return check_loss_value(loss) * self.weights[i]
 
     def run(self) -> Optional[Tensor]:
-        """Runs the step; returns the loss of the mini-batch, without graph
-        (``None`` without the last partition here, or without a loss function).
-
-        An exception of any action is raised here, as itself, once every
-        worker has stopped.
-        """
+        """Runs the step, raising an action's failure as itself; returns the loss, if the
+        last partition is here with a loss function."""
         shared = self.shared
         if shared.recorder is not None:
             shared.recorder.begin_step(len(shared.batches), self.devices,
@@ -113,7 +75,7 @@ class Step:
                                 for i in range(len(shared.batches))))
 
     def outputs(self) -> Optional[List[Batch]]:
-        """After an evaluation without a loss, each micro-batch's output, if here."""
+        """After an evaluation without a loss, the outputs, if here."""
         last = self.stages.get(self.n - 1)
         if last is None:
             return None
@@ -123,35 +85,20 @@ class Step:
 class StageLike(Protocol):
     """What the executor asks of a stage, whichever its boundary."""
 
-    #: The device of its partition.
     device: torch.device
 
-    def run(self, action: Action) -> None:
-        """Runs one of its actions."""
+    def run(self, action: Action) -> None: ...
 
-    def draws_random(self) -> Optional[bool]:
-        """Whether its forward actions may draw from the CPU generator (``None``: unknown)."""
+    def draws_random(self) -> Optional[bool]: ...
 
 
 def execute(order: Sequence[Action], stages: Mapping[int, StageLike], mailbox: Mailbox) -> None:
-    """Runs actions in order on the workers of their partitions' devices, raising the
-    first failure as itself (:func:`~torchgpipe.runtime.worker.run_on_workers`): the
-    forward path, steps and ranks.
-
-    Forward actions that may draw random numbers run in ``order``
-    (:class:`~torchgpipe.runtime.worker.IssueOrder`), drawing what they
-    would on one thread.
-
-    Args:
-        order: the actions of the partitions here, in clock order
-        stages: the stage of each partition here, by index
-        mailbox: where the stages wait for each other's messages
-    """
+    """The one executor: runs the actions on their devices' workers, raising the first failure
+    as itself; forward actions that may draw random numbers run in ``order``, as on one."""
     devices = [stage.device for stage in stages.values()]
     issue_order = IssueOrder() if len(distinct_devices(devices)) > 1 else None
 
     def stop() -> None:
-        # Ends every wait of the actions, for a message or a turn.
         mailbox.stop()
         if issue_order is not None:
             issue_order.stop()
