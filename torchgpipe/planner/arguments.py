@@ -1,5 +1,4 @@
-"""The checks of :func:`torchgpipe.plan`'s arguments, before any work, in the package's one
-message format (``torchgpipe.foundation.validation.describe``)."""
+"""The checks of :func:`torchgpipe.plan`'s arguments, before any work."""
 import os
 from typing import Any, Iterable, List, Optional, Sequence, Tuple
 
@@ -27,16 +26,11 @@ def check_arguments(module: nn.Sequential, sample: TensorOrTensors,
                     runners_up: int, trials: int, memory_limit: Optional[float],
                     param_scale: float
                     ) -> Tuple[int, List[torch.device], List[str], List[str], int]:
-    """Checks :func:`torchgpipe.plan`'s arguments, before any work.
-
-    Returns:
-        the sample's batch size, the devices (in one process; none with
-        ``group``), the schedules' and the checkpoint modes' names, and the
-        most micro-batches
-    """
+    """Checks :func:`torchgpipe.plan`'s arguments; returns the batch size, the devices (none
+    with ``group``), the schedules and checkpoint modes, and the most micro-batches."""
     verify_module(module)
-    # group=torch.distributed.group.WORLD is None until the group is made: a
-    # call with device=, or without devices in a job torchrun started, meant it.
+    # group.WORLD is None before init_process_group: device=, or no devices under
+    # torchrun, meant a group.
     if group is None and devices is None and (device is not None or 'WORLD_SIZE' in os.environ):
         check_process_group()
     if group is None and device is not None:
@@ -68,11 +62,7 @@ def check_arguments(module: nn.Sequential, sample: TensorOrTensors,
 
 
 def check_process_group() -> None:
-    """Checks that torch.distributed is initialized, as planning across processes needs.
-
-    Raises:
-        RuntimeError: it is not
-    """
+    """Checks that torch.distributed is initialized, as planning across processes needs."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         raise RuntimeError('plan with group= needs torch.distributed: call '
                            "torch.distributed.init_process_group('gloo') (or 'nccl') "
@@ -81,12 +71,7 @@ def check_process_group() -> None:
 
 
 def check_sample(sample: TensorOrTensors, target: Optional[TensorOrTensors]) -> int:
-    """The sample's batch size, after checking that it (and the target) can be measured.
-
-    Raises:
-        TypeError: not a tensor or a tuple of tensors, or holding a NoChunk tensor
-        ValueError: no batch dimension, or a target of another batch size
-    """
+    """The sample's batch size, once it (and the target) is checked."""
     microbatch.check(sample, 'sample')
     held = Batch(sample)
     tensors = list(held)

@@ -1,15 +1,6 @@
-"""Workers: one thread per distinct device, running the works the executor issues.
-
-The tasks of one clock cycle are independent (Section 3.2.1), so each
-distinct device gets a thread; partitions sharing a device share its
-thread, so its works run in issue order. When every partition shares one
-device there is nothing to overlap: works run in the calling thread.
-:func:`spawn_workers`, torchgpipe 0.0.7's queues of tasks, runs on the same executor.
-
-Grad mode, autocast and the number of intra-op threads are thread-local in
-PyTorch, so workers take them from the caller at each call, and its hold of
-the CPU generator too (see :mod:`torchgpipe.foundation.rng`). CPU devices
-with distinct indices (``'cpu:0'``, ``'cpu:1'``) get threads of their own.
+"""Workers: a thread per distinct device (``'cpu:0'`` and ``'cpu:1'`` too), running its
+works in issue order; with one device, the calling thread. They take the caller's
+thread-local state: grad mode, autocast, intra-op threads, hold of the CPU generator.
 """
 import functools
 import sys
@@ -42,19 +33,8 @@ class Stopped(Exception):
 
 
 class IssueOrder:
-    """Runs wrapped tasks one at a time in the order they were wrapped, whatever thread runs them.
-
-    So tasks on different threads draw random numbers in the order one thread
-    would. :meth:`stop` ends every wait with :class:`Stopped`: after a failure
-    or Ctrl-C, a task skipped in its queue never ends its turn.
-
-    Example::
-
-        >>> order = IssueOrder()
-        >>> first, second = order.wrap(lambda: 1), order.wrap(lambda: 2)
-        >>> first(), second()
-        (1, 2)
-    """
+    """Runs wrapped tasks one at a time in the order they were wrapped, on any thread: they
+    draw random numbers as on one. :meth:`stop` ends every wait with :class:`Stopped`."""
 
     def __init__(self) -> None:
         self._condition = threading.Condition()
@@ -63,11 +43,7 @@ class IssueOrder:
         self._stopped = False
 
     def wrap(self, compute: Callable[[], T]) -> Callable[[], T]:
-        """Wraps ``compute`` to run after every task wrapped before it has finished.
-
-        Raises (the wrapper):
-            Stopped: :meth:`stop` was called before the turn came
-        """
+        """Wraps ``compute`` to run once every task wrapped before it has finished."""
         turn = self._issued
         self._issued += 1
 
@@ -87,20 +63,14 @@ class IssueOrder:
         return compute_in_turn
 
     def stop(self) -> None:
-        """Ends every wait for a turn, now and later, with :class:`Stopped`."""
+        """Ends every wait for a turn, now and later (a skipped task never ends its turn)."""
         with self._condition:
             self._stopped = True
             self._condition.notify_all()
 
 
 class Task:
-    """A computation for a worker, and a finalization for the thread that gets its result.
-
-    Args:
-        stream: the stream to compute on (``None``: the worker's current one)
-        compute: produces the output batch
-        finalize: post-processes the output batch, if given
-    """
+    """0.0.7's task: a computation on ``stream``, and a finalization for the result's thread."""
 
     def __init__(self, stream: Optional[AbstractStream], *,
                  compute: Callable[[], Optional[Batch]],
@@ -119,25 +89,24 @@ class Task:
                 self._finalize(batch)
 
 
-# What spawn_workers reports for each task: (True, (task, output batch)) or
-# (False, exc_info).
+# A task's result: (True, (task, output batch)) or (False, exc_info).
 Result = Tuple[bool, Union[Tuple[Task, Optional[Batch]], ExcInfo]]
 
 
 class InQueue(Protocol):
-    """Where the caller of :func:`spawn_workers` puts a partition's tasks (``None`` ends them)."""
+    """Where a partition's tasks go (``None`` ends them)."""
 
     def put(self, task: Optional[Task]) -> None: ...
 
 
 class OutQueue(Protocol):
-    """Where the caller of :func:`spawn_workers` gets the results of a partition's tasks."""
+    """Where a partition's results come from."""
 
     def get(self) -> Result: ...
 
 
 def run(task: Task, report: Callable[[Result], None]) -> None:
-    """Computes a task and reports its result, or its exception, to :func:`spawn_workers`."""
+    """Computes a task and reports its result, or its exception."""
     try:
         result: Result = True, (task, task.compute())
     except BaseException:
@@ -145,16 +114,15 @@ def run(task: Task, report: Callable[[Result], None]) -> None:
     report(result)
 
 
-# One of a device's works: its index in the order of all the works, and the work.
+# A device's work, and its index among all the works.
 Work = Tuple[int, Callable[[], None]]
 
 
 def worker(works: Iterable[Work], device: torch.device,
            state: Callable[[], ContextManager[None]], stopping: threading.Event,
            failures: List[Tuple[int, ExcInfo]], wake: Optional[Callable[[], None]]) -> None:
-    """Runs a device's works in order, in ``state``, until they end, one fails or
-    ``stopping`` is set: the one place a failure is caught, kept in ``failures`` with
-    its work's index while ``wake`` ends the other works' waits for it."""
+    """Runs a device's works in order, in ``state``, until one fails or ``stopping`` is set:
+    the one place a failure is caught, kept with its index while ``wake`` ends the waits."""
     index = -1
     try:
         with use_device(device), state():
@@ -174,8 +142,7 @@ def worker(works: Iterable[Work], device: torch.device,
 def _caller_state(grad_mode: bool, autocast_states: AutocastStates, held: bool,
                   threads: int) -> Generator[None, None, None]:
     torch.set_grad_enabled(grad_mode)
-    # A thread reads PyTorch's setting at its first operator only, and an
-    # idle worker may have started before the caller changed it.
+    # A thread reads the setting at its first operator only, maybe before the caller's.
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     with restore_autocast_states(autocast_states), holding_for_caller(held):
@@ -186,21 +153,9 @@ def _caller_state(grad_mode: bool, autocast_states: AutocastStates, held: bool,
 def run_on_workers(works: Mapping[torch.device, Iterable[Work]],
                    wake: Optional[Callable[[], None]]) -> Generator[None, None, None]:
     """The one executor: runs each distinct device's works in order on its worker thread
-    while the body runs, and waits for them on exit (with one device: in the calling
-    thread, on entry).
-
-    On an exception of the body (Ctrl-C) each worker finishes at most the
-    work it runs, and exits; otherwise the workers park for the next call.
-
-    Args:
-        works: each distinct device's works, in order
-        wake: ends every wait of a work for another (:meth:`IssueOrder.stop`,
-            a mailbox's ``stop``), which stopped works would leave without end
-
-    Raises:
-        BaseException: the first failure of a work, by index, as itself, once
-            every worker has stopped
-    """
+    while the body runs (one device: in this thread, on entry), and raises the first
+    failure, by index, as itself once every worker stopped. ``wake`` ends every wait of a
+    work for another. On Ctrl-C each worker finishes at most its work and exits."""
     failures: List[Tuple[int, ExcInfo]] = []
     workers = WorkerGroup()
     if len(works) == 1:
@@ -226,7 +181,7 @@ def run_on_workers(works: Mapping[torch.device, Iterable[Work]],
 
 
 class InlineWorker:
-    """Computes each task in the calling thread as soon as it is put."""
+    """Computes each task in the calling thread as it is put."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -249,12 +204,11 @@ def _normalize(device: torch.device) -> torch.device:
 
 
 def distinct_devices(devices: Iterable[torch.device]) -> List[torch.device]:
-    """The distinct devices among ``devices``, in order: one worker each."""
+    """The distinct devices, in order: one worker each."""
     return list(dict.fromkeys(_normalize(d) for d in devices))
 
 
 def _queued(in_queue: 'Queue[Optional[Task]]', out_queue: 'Queue[Result]') -> Iterator[Work]:
-    # A device's works under spawn_workers: its tasks as they come, until None.
     for task in iter(in_queue.get, None):
         yield 0, functools.partial(run, task, out_queue.put)
 
@@ -262,14 +216,8 @@ def _queued(in_queue: 'Queue[Optional[Task]]', out_queue: 'Queue[Result]') -> It
 @contextmanager
 def spawn_workers(devices: Iterable[torch.device], wake: Optional[Callable[[], None]] = None,
                   ) -> Generator[Tuple[List[InQueue], List[OutQueue]], None, None]:
-    """torchgpipe 0.0.7's workers over :func:`run_on_workers`: yields the in- and
-    out-queues of each of ``devices`` (shared by a device's partitions).
-
-    On a normal exit the workers finish the tasks left in their queues; on an
-    exception each finishes at most the task it runs (``wake`` as for
-    :func:`run_on_workers`). With one distinct device, tasks run in the
-    calling thread as put.
-    """
+    """0.0.7's workers, on :func:`run_on_workers`: yields each device's in- and out-queues;
+    on exit, the tasks put are finished (on an exception, those running)."""
     devices = [_normalize(d) for d in devices]
     distinct = distinct_devices(devices)
     if len(distinct) == 1:
@@ -282,6 +230,5 @@ def spawn_workers(devices: Iterable[torch.device], wake: Optional[Callable[[], N
         try:
             yield [queues[d][0] for d in devices], [queues[d][1] for d in devices]
         finally:
-            # Ends each worker once its queue is done, or at once when stopping.
             for in_queue, _ in queues.values():
                 in_queue.put(None)
