@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+import torchgpipe.runtime.worker
 from conftest import worker_threads
 from helpers import cpu_devices
 from torchgpipe import GPipe, is_recomputing
@@ -110,6 +111,25 @@ def test_wrong_boundary_type_raises_type_error_in_first_cycle(threaded: bool) ->
     # Partition 1 never ran: the error surfaced in the first clock cycle.
     assert log == set()
 
+
+
+@pytest.mark.timeout(60)
+def test_a_failure_on_a_worker_outside_any_layer_reaches_the_caller(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Taking the caller's state fails on the worker threads: the call raises that
+    failure as itself, and the next call works."""
+    gpipe, _, _ = build(threaded=True)
+    error = Boom('no state')
+
+    def fail(held: bool) -> None:
+        raise error
+
+    monkeypatch.setattr(torchgpipe.runtime.worker, 'holding_for_caller', fail)
+    with pytest.raises(Boom) as excinfo:
+        gpipe(make_input())
+    assert excinfo.value is error
+    monkeypatch.undo()
+    gpipe(make_input()).sum().backward()
 
 
 class InterruptOnce(nn.Module):

@@ -21,12 +21,12 @@ from torchgpipe.engine.generators import BUILT_INS
 from torchgpipe.engine.schedule import Action, Kind
 from torchgpipe.engine.simulator import simulate_sharing
 from torchgpipe.planner.costs import Costs, LayerCosts, measure
-from torchgpipe.planner.handover import Handover
 from torchgpipe.planner.memory import tensor_bytes
 from torchgpipe.planner.option import Option
 from torchgpipe.planner.partitions import Partitions
 from torchgpipe.planner.predict import Candidate, checkpoints, micro_batches, predict
 from torchgpipe.planner.search import CHECKPOINTS, chunk_counts, search
+from torchgpipe.planner.sharing import SharedBytes
 from torchgpipe.skip import pop, skippable, stash
 
 SCHEDULES = sorted(BUILT_INS)
@@ -182,11 +182,11 @@ def test_what_partitions_of_one_rank_hand_each_other_is_let_go_of_by_the_end(
                                        {3: 2 * costs.at(sizes[0]).output[0]})
     assert parts.returned(3, sizes[0]) == [(0, costs.at(sizes[0]).output[0], False)] * 2
     for actions in candidate.plan(len(sizes)).workers:
-        handover = Handover(parts, sizes, checkpoints(mode, len(sizes)))
+        shared = SharedBytes(parts, sizes, checkpoints(mode, len(sizes)))
         # (As the walk asks, an F what it takes over, then each action what it leaves.)
-        change = sum(-handover.taken(action) + handover.after(action) for action in actions)
+        change = sum(-shared.taken(action) + shared.after(action) for action in actions)
         assert change == pytest.approx(0.0)
-        assert not handover.lent and not handover.handed
+        assert not shared.lent and not shared.handed
 
 
 @pytest.mark.unmeasured
@@ -584,7 +584,7 @@ def test_no_schedule_that_fits_is_named() -> None:
     ({'schedules': ['gpipe2']}, ValueError, 'schedule must be one of'),
     ({'schedules': []}, ValueError, 'at least one schedule'),
     ({'checkpoint': ['sometimes']}, ValueError, 'checkpoint must list modes'),
-    ({'target': torch.randn(16, 4)}, ValueError, 'target and loss_fn'),
+    ({'target': torch.randn(16, 4)}, ValueError, 'plan takes a target and a loss_fn together'),
     ({'target': torch.randn(16, 4), 'loss_fn': 3}, TypeError, 'loss_fn must be callable'),
     ({'memory_limit': -1}, ValueError, 'memory_limit'),
     ({'chunks': 0}, ValueError, 'chunks'),

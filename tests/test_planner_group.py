@@ -488,21 +488,21 @@ def test_each_rank_holds_the_peak_predicted() -> None:
 def test_ranks_share_the_cores_when_they_outnumber_them(
         monkeypatch: pytest.MonkeyPatch, hosts: List[str], cores: List[set], threads: int,
         size: int, shared: Optional[float]) -> None:
-    """What Team.cores tells the planner (``Costs.cores``), from every rank's machine, the
+    """What PlanningGroup.cores tells the planner (``Costs.cores``), from every rank's machine, the
     cores it may run on and its threads; on CUDA devices, nothing."""
-    from torchgpipe.planner.group import Team
+    from torchgpipe.planner.group import PlanningGroup
     monkeypatch.setattr(torch, 'get_num_threads', lambda: threads)
     monkeypatch.setattr('os.sched_getaffinity', lambda pid: cores[0], raising=False)
     monkeypatch.setattr('socket.gethostname', lambda: hosts[0])
-    team = object.__new__(Team)
-    team.size, team.device = size, torch.device('cpu')
+    planning = object.__new__(PlanningGroup)
+    planning.size, planning.device = size, torch.device('cpu')
     # This rank's report, and the others' as theirs would be on their machines and cores.
-    team._gather = lambda value, device: [value] + [  # type: ignore
+    planning._gather = lambda value, device: [value] + [  # type: ignore
         (host, sorted(mine), min(threads, len(mine)))
         for host, mine in zip(hosts[1:], cores[1:])]
-    assert team.cores() == shared
-    team.device = torch.device('cuda', 0)
-    assert team.cores() is None
+    assert planning.cores() == shared
+    planning.device = torch.device('cuda', 0)
+    assert planning.cores() is None
 
 
 UNPINNED = [set(range(2))] * 8
@@ -518,23 +518,24 @@ UNPINNED = [set(range(2))] * 8
 def test_while_rank_0_measures_only_ranks_that_leave_it_a_core_load_the_machine(
         monkeypatch: pytest.MonkeyPatch, size: int, cores: Optional[float],
         affinities: List[set], loading: List[int]) -> None:
-    """Team.loaders, and Team.first's load on those ranks only: the simulator shares the
-    cores (``Costs.cores``), so the layers must be timed with a core of their own, not
-    shared a second time."""
+    """PlanningGroup.loaders, and PlanningGroup.first's load on those ranks only: the
+    simulator shares the cores (``Costs.cores``), so the layers must be timed with a core
+    of their own, not shared a second time."""
     import contextlib
     from torchgpipe.planner import group
     loaded: List[int] = []
 
     @contextlib.contextmanager
-    def companions(count: int, layers: Any, sample: Any, device: Any) -> Any:
-        loaded.append(team.rank)
+    def training_threads(count: int, layers: Any, sample: Any, device: Any) -> Any:
+        loaded.append(planning.rank)
         yield
-    monkeypatch.setattr(group, 'Companions', companions)
-    team = object.__new__(group.Team)
-    team.size, team.device, team.affinities = size, torch.device('cpu'), affinities[:size]
-    team._share = lambda value: ('value', 42)  # type: ignore
-    assert team.loaders(cores) == loading
+    monkeypatch.setattr(group, 'TrainingThreads', training_threads)
+    planning = object.__new__(group.PlanningGroup)
+    planning.size, planning.device = size, torch.device('cpu')
+    planning.affinities = affinities[:size]
+    planning._share = lambda value: ('value', 42)  # type: ignore
+    assert planning.loaders(cores) == loading
     load = group.Load(nn.Sequential(nn.Linear(2, 2)), torch.zeros(4, 2), 2, loading)
-    for team.rank in range(1, size):
-        assert team.first(lambda: 0, load=load) == 42
+    for planning.rank in range(1, size):
+        assert planning.first(lambda: 0, load=load) == 42
     assert loaded == loading

@@ -245,7 +245,7 @@ def imported_names(module: str) -> Set[Tuple[str, str]]:
 #: run), the linked boundary (the forward path) and the cut one (steps).
 MECHANISMS = {
     'a worker thread per device': ('torchgpipe.runtime.worker', {
-        'torchgpipe.engine.step': {'spawn_workers'}}),
+        'torchgpipe.engine.step': {'run_on_workers'}}),
     'turns on the CPU generator': ('torchgpipe.runtime.worker', {
         'torchgpipe.engine.step': {'IssueOrder'}}),
     'the probe of random draws': ('torchgpipe.foundation.rng', {
@@ -271,14 +271,19 @@ def test_each_mechanism_comes_from_its_one_place(mechanism: str) -> None:
 
 def test_every_way_to_run_is_one_executor() -> None:
     """One function starts the workers, for the forward path (the pipeline), train_step,
-    eval_step and DistributedGPipe (a Step) alike."""
+    eval_step and DistributedGPipe (a Step) alike, and 0.0.7's spawn_workers over it."""
     starters = {module_name(path) for path in PACKAGE.rglob('*.py')
-                if ('torchgpipe.runtime.worker', 'spawn_workers') in
+                if ('torchgpipe.runtime.worker', 'run_on_workers') in
                 {(node.module, alias.name) for node in ast.walk(ast.parse(path.read_text()))
                  if isinstance(node, ast.ImportFrom) for alias in node.names}}
     assert starters == {'torchgpipe.engine.step'}
     step = (PACKAGE / 'engine' / 'step.py').read_text()
-    assert step.count('spawn_workers(') == 1 and 'execute(self.order' in step
+    assert step.count('run_on_workers(') == 1 and 'execute(self.order' in step
+    functions = {node.name: ast.unparse(node) for node in ast.walk(ast.parse(
+        (PACKAGE / 'runtime' / 'worker.py').read_text())) if isinstance(node, ast.FunctionDef)}
+    assert [name for name, text in functions.items() if 'WorkerGroup(' in text] == \
+        ['run_on_workers']
+    assert 'run_on_workers(' in functions['spawn_workers']
     assert ('torchgpipe.engine.step', 'execute') in imported_names('torchgpipe.engine.pipeline')
 
 
@@ -287,21 +292,22 @@ def test_one_module_starts_threads_and_one_reads_generator_states() -> None:
     sources = {module_name(path): path.read_text() for path in PACKAGE.rglob('*.py')}
     # Besides the workers: the threads that wait for a step's messages across
     # processes (a gloo wait cannot be interrupted), which run no task; and
-    # the planner's companions, which load the cores while it times layers, outside any pipeline.
+    # the planner's training threads, which load the cores while it times
+    # layers, outside any pipeline.
     assert [m for m, text in sorted(sources.items()) if 'threading.Thread(' in text] == \
         ['torchgpipe.distributed.channels', 'torchgpipe.planner.costs',
          'torchgpipe.runtime.threads']
     assert [m for m, text in sources.items() if 'get_rng_state(' in text
             and 'torch.get_rng_state()' in text.replace('torch.cuda', '')] == \
         ['torchgpipe.foundation.rng']
-    from torchgpipe.foundation.copy import Copy, Ready, Wait, copy_tensors, hand_over
+    from torchgpipe.foundation.copy import Copy, Ready, Wait, copy_tensors, move_forward
     from torchgpipe.skip.tracker import SkipTrackerAcross, SkipTrackerThroughPortals
     from torchgpipe.engine.mailbox import StepSkips
     assert issubclass(SkipTrackerThroughPortals, SkipTrackerAcross)
     assert issubclass(StepSkips, SkipTrackerAcross)
     # Both ways of moving a batch end in the same copy.
     for code in (Copy.forward, Ready.receive):
-        assert 'copy_tensors' in code.__code__.co_names or hand_over.__name__ in \
+        assert 'copy_tensors' in code.__code__.co_names or move_forward.__name__ in \
             code.__code__.co_names, code
     assert copy_tensors.__module__ == Wait.__module__
 

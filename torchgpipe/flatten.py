@@ -1,14 +1,10 @@
 """Flattening a module into an ``nn.Sequential`` that GPipe can cut anywhere.
 
-:func:`to_sequential` captures a module's ``forward`` (:mod:`torchgpipe.capture`),
-cuts the graph into a row of children (:mod:`torchgpipe.capture.cut`) and puts
-them in an ``nn.Sequential``: each leaf module called once is a child; the code
-between two leaf calls is a small generated :class:`torch.fx.GraphModule`; a
-module or parameter used at several places joins its uses into one child (GPipe
-refuses a layer in two partitions), except parameters tied between modules,
-which GPipe shares. A value used further down travels as a skip connection
-(:mod:`torchgpipe.skip`), straight from the partition that makes it to the one
-that uses it.
+:func:`to_sequential` captures ``forward`` (:mod:`torchgpipe.capture`) and cuts
+the graph into children (:mod:`torchgpipe.capture.cut`): each leaf module
+called once is a child, the code between leaf calls a generated
+:class:`torch.fx.GraphModule`; a value used further down travels as a skip
+connection (:mod:`torchgpipe.skip`), straight to the partition that uses it.
 """
 from collections import OrderedDict
 from functools import partial
@@ -40,31 +36,27 @@ def to_sequential(module: nn.Module, *,
     transformers) it is captured by :func:`torch.export.export`, which follows
     branches on sizes and reads any signature.
 
-    The result holds the leaf modules themselves (so an optimizer built on
+    The result holds the leaf modules themselves (an optimizer built on
     ``module.parameters()`` trains it too), named by qualified name
-    (``layers_0_attn``), and generated children for the code between them, named
-    by their first operation (``add_3``). A module with parameters or buffers
-    called at several places, with everything between its first and last use,
-    becomes one generated child. It takes a tensor or a tuple of tensors (fx: the
-    arguments of ``forward`` without a default; export: the example's tensors).
-    Its ``interface`` (:class:`~torchgpipe.capture.Interface`) maps a call of the
-    original to that input and the outputs back (a dict, a ``ModelOutput``...);
-    its ``state_dict_map`` maps each key of ``module.state_dict()`` to its own::
+    (``layers_0_attn``), and generated children for the code between them,
+    named by their first operation (``add_3``); a module with state called at
+    several places becomes one child with everything between its uses. Its
+    ``interface`` (:class:`~torchgpipe.capture.Interface`) maps a call of the
+    original to its input and the outputs back; its ``state_dict_map`` maps each
+    key of ``module.state_dict()`` to its own::
 
         seq = to_sequential(model)
         seq.load_state_dict({seq.state_dict_map[k]: v for k, v in checkpoint.items()})
 
     Side effects of ``forward`` are repeated at each call or refused, never
-    dropped (:ref:`any-model-effects`); ``module`` is left as it was. The result
-    copies and pickles like any module. The module is captured in both modes
-    (``training``), and each generated child runs the code of the current mode; a
-    mode whose graph cuts differently is refused, saying why (:doc:`/troubleshooting`).
+    dropped (:ref:`any-model-effects`); ``module`` is left as it was. Both modes
+    (``training``) are captured, each generated child running the current
+    mode's code; a mode that cuts differently is refused (:doc:`/troubleshooting`).
 
     .. note::
 
-        Values between children must be tensors. Sizes are computed again by
-        each child that reads them; any other value passed to a later part of
-        ``forward`` fails, and belongs inside one leaf module (``leaf_modules``).
+        Values between children must be tensors (sizes are computed again by
+        each child); any other value belongs inside one leaf module.
 
     Args:
         module (torch.nn.Module): the module to flatten
@@ -120,52 +112,49 @@ def to_sequential(module: nn.Module, *,
     captured = capture()
     other, refusal = pieces.capture_other_mode(module, capture)
     if example is None:
-        # fx bakes the mode into its trace (a branch on self.training, the
-        # flag of F.dropout) without saying so: one trace in both modes runs
-        # in both, else the trace in each mode runs in its own, as export's.
+        # fx bakes the mode into its trace silently: a trace alike in both modes runs in
+        # both, else each mode runs its own, as export's.
         if other is not None and pieces.same(captured, other):
             other = None
         else:
             captured.interface.training = module.training
     graph, root, interface = captured
-    plan = pieces.plan(graph, root)
+    parts = pieces.cut_parts(graph, root)
     orders: Optional[List[List[fx.Node]]] = None
     if other is not None:
         other_root = other.root
-        other_plan = pieces.plan(other.graph, other_root)
-        orders, refusal = pieces.match(plan, other_plan, captured, other)
+        other_parts = pieces.cut_parts(other.graph, other_root)
+        orders, refusal = pieces.match(parts, other_parts, captured, other)
 
     ns = Namespace()
     users = {id(m) for m in module.modules()}
     state = {id(t): key for key, t in module.state_dict(keep_vars=True).items()}
     children: Dict[str, nn.Module] = {}
-    for k, segment in enumerate(plan.segments):
+    for k, segment in enumerate(parts.segments):
         name = child_name(segment)
-        held = pieces.lone_call(plan, k, root, interface)
+        held = pieces.lone_call(parts, k, root, interface)
         if orders is not None and \
-                held is not pieces.lone_call(other_plan, k, other_root, interface):
+                held is not pieces.lone_call(other_parts, k, other_root, interface):
             held = None  # a call in one mode only: generated in both
         if held is not None and all(child is not held for child in children.values()):
             children[name] = held
             continue
 
-        graph_module = fx.GraphModule(root, pieces.piece(plan, k, plan.pops[k]), class_name=name)
+        graph_module = fx.GraphModule(root, pieces.piece(parts, k, parts.pops[k]), class_name=name)
         transients = transient(root, segment, state)
         other_mode = None
         if orders is not None:
-            piece = pieces.piece(other_plan, k, orders[k])
+            piece = pieces.piece(other_parts, k, orders[k])
             transients += pieces.hold(graph_module, piece, other_root, state)
             other_mode = fx.GraphModule(graph_module, piece, class_name=name)
-        pop_names = [f'{a.name}:{k}' for a in plan.pops[k]]
-        stash_names = [f'{a.name}:{j}' for a, j in plan.stashes[k]]
+        pop_names = [f'{a.name}:{k}' for a in parts.pops[k]]
+        stash_names = [f'{a.name}:{j}' for a, j in parts.stashes[k]]
         step_cls = skippable_class(GeneratedChild, tuple(sorted(stash_names)),
                                    tuple(sorted(pop_names)))
-        step = step_cls(graph_module, len(plan.inputs[k]) != 1, pop_names, stash_names,
+        step = step_cls(graph_module, len(parts.inputs[k]) != 1, pop_names, stash_names,
                         list(dict.fromkeys(transients)), interface.training, other_mode,
                         refusal, module)
-        # In the module's mode, as the user's modules are; the step's own
-        # modules alone: its graph module may hold the user's modules, each
-        # in its own mode.
+        # The child's own modules in the module's mode (it may hold the user's).
         for part in step.modules():
             if id(part) not in users:
                 part.training = module.training
@@ -178,11 +167,8 @@ def to_sequential(module: nn.Module, *,
 
 
 def _dummy_inputs(module: nn.Module) -> Optional[Dict[str, Any]]:
-    """The example a model gives of its inputs, as transformers models do, if any.
-
-    Only the arguments ``forward`` names are kept: transformers gives an
-    encoder alone the inputs of its decoder too.
-    """
+    """The example a model gives of its inputs (transformers' ``dummy_inputs``), if any, of
+    the arguments ``forward`` names."""
     dummy = getattr(module, 'dummy_inputs', None)
     if not isinstance(dummy, dict):
         return None
@@ -191,19 +177,9 @@ def _dummy_inputs(module: nn.Module) -> Optional[Dict[str, Any]]:
 
 
 def _check_arguments(module: object, leaf_modules: object) -> List[LeafSpec]:
-    """Checks the arguments of :func:`to_sequential` before it traces anything.
-
-    fx would otherwise fail deep inside on a TorchScript module or a
-    function, and silently ignore a string of leaf modules.
-
-    Returns:
-        list: the classes and modules of ``leaf_modules``
-
-    Raises:
-        TypeError: as :func:`to_sequential` says
-    """
-    # TorchScript modules are nn.Modules too, but compiled: no Python
-    # forward is left to trace.
+    """Checks the arguments of :func:`to_sequential` before it traces anything (fx would
+    fail deep inside on TorchScript, and ignore a string of leaf modules); returns the
+    leaf modules as a list."""
     if isinstance(module, torch.jit.ScriptModule):
         raise TypeError(describe('module must be a Python nn.Module to be flattened, '
                                  'not a TorchScript module',
@@ -219,7 +195,6 @@ def _check_arguments(module: object, leaf_modules: object) -> List[LeafSpec]:
                                  'flatten the model it wraps, to_sequential(gpipe.unwrap())'))
 
     fix = 'give a list of module classes or modules, such as leaf_modules=[nn.LSTM, model.head]'
-    # A string is an iterable too, of one-letter strings.
     if isinstance(leaf_modules, str):
         raise TypeError(describe('leaf_modules must be an iterable of module classes or modules, '
                                  'not a name', f'leaf_modules: {leaf_modules!r}',
@@ -241,14 +216,9 @@ def _check_arguments(module: object, leaf_modules: object) -> List[LeafSpec]:
 
 
 def _state_dict_map(module: nn.Module, seq: nn.Sequential) -> Dict[str, str]:
-    """Maps each key of ``module.state_dict()`` to the sequential's key of its tensor.
-
-    A tensor tied between modules has a key per module in both, so a key
-    goes to the key of the same slot (the same module, the same attribute)
-    first: ``head.weight`` to ``head.weight``, not to ``embedding.weight``.
-    A tensor that glue code reads moved into a generated child: its key
-    goes to the key of the same tensor.
-    """
+    """Maps each key of ``module.state_dict()`` to the sequential's key of its tensor: the
+    same slot (module and attribute) first, so a tied ``head.weight`` stays ``head.weight``;
+    else the same tensor (one glue code reads)."""
     def slots(m: nn.Module) -> Dict[str, Tuple[Tuple[int, str], int]]:
         found = {}
         for key, tensor in m.state_dict(keep_vars=True).items():

@@ -1,13 +1,11 @@
 """Greedy generation with a pipelined causal language model, in one process or across ranks.
 
-:func:`generate` appends the most likely next token to every sequence, one
-token per :meth:`eval_step <torchgpipe.GPipe.eval_step>`. Only the next tokens
-leave the last partition (``output_fn``), never the logits::
+One token per :meth:`eval_step <torchgpipe.GPipe.eval_step>`; only the next
+tokens leave the last partition (``output_fn``), never the logits::
 
     ids ─► eval_step(ids) ─► last position's argmax ─► ids + token ─► eval_step ...
 
-There is no key-value cache: each step runs the whole sequence again, fine
-for short continuations.
+No key-value cache: each step runs the whole sequence again.
 """
 from typing import TYPE_CHECKING, Any, Optional, Union, cast
 
@@ -41,14 +39,14 @@ def generate(model: Union[GPipe, 'DistributedGPipe'], input_ids: Tensor, max_new
         interface: for a model flattened by :func:`~torchgpipe.to_sequential`,
             its ``interface``; without it, the pipeline takes the ids and
             returns the logits
-        eos_token_id (int, optional): a sequence that generates it is done;
-            generation stops once every sequence is
+        eos_token_id (int, optional): ends a sequence; generation stops once
+            every sequence has ended
         pad_token_id (int, optional): what follows a finished sequence
             (default: ``eos_token_id``)
 
     Returns:
-        torch.Tensor: ``input_ids`` followed by the new tokens, ``(batch,
-        length + k)`` for ``k <= max_new_tokens``, on ``input_ids``' device
+        torch.Tensor: ``input_ids`` followed by at most ``max_new_tokens`` new
+        tokens, on ``input_ids``' device
 
     Raises:
         TypeError: ``model`` is not a GPipe or a DistributedGPipe, or

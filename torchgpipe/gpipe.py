@@ -28,13 +28,10 @@ class GPipe(CoreModule):
 
     .. _GPipe: https://arxiv.org/abs/1811.06965
 
-    The children are split into consecutive partitions, the ``j``-th holding
-    ``balance[j]`` layers on ``devices[j]`` (moved in place: each tensor stays the
-    object it was). Each mini-batch is split into ``chunks`` micro-batches that
-    flow through the partitions one clock cycle apart; activations inside a
-    partition are recomputed for the backward pass (``checkpoint``). Pick
-    ``balance`` by hand or with :mod:`torchgpipe.balance`. Inputs and outputs, here
-    and at every partition boundary, are a tensor or a tuple of tensors.
+    Partition ``j`` holds the next ``balance[j]`` children, moved in place to
+    ``devices[j]``. Each mini-batch is split into ``chunks`` micro-batches that flow
+    through the partitions one clock cycle apart. Inputs and outputs, here and at
+    every partition boundary, are a tensor or a tuple of tensors.
 
     Args:
         module (torch.nn.Sequential): sequential module to be parallelized
@@ -48,21 +45,15 @@ class GPipe(CoreModule):
             ``'except_last'``, or ``'never'`` (default: ``'except_last'``)
         deferred_batch_norm (bool): whether to use deferred BatchNorm moving
             statistics (default: ``False``)
-        planned_threads (int, optional): the intra-op threads per worker
-            :func:`torchgpipe.plan` measured with (``plan.kwargs``): the first
-            step warns if ``torch.get_num_threads()`` differs (default: no check)
-
-    Every argument is checked before anything changes (see :doc:`troubleshooting`).
+        planned_threads (int, optional): the intra-op threads :func:`torchgpipe.plan`
+            measured with; the first step warns if they differ (default: no check)
 
     Raises:
-        TypeError: the module is not a :class:`nn.Sequential <torch.nn.Sequential>`,
-            or an argument has the wrong type.
-        ValueError: an argument has a wrong value, the balance does not fit the
-            module (the message recommends :mod:`torchgpipe.balance`), a CUDA
-            device does not exist, a layer's tensor is on the meta device, or a
-            buffer (or a layer with parameters or buffers) is in two partitions.
-            Parameters alone may be shared (tied weights: :ref:`guide-tied-weights`).
-        IndexError: the number of devices is fewer than the number of partitions.
+        TypeError: the module is not an ``nn.Sequential``, or an argument's type is wrong
+        ValueError: a wrong value (:doc:`troubleshooting`): a balance that does not fit
+            (see :mod:`torchgpipe.balance`), a missing CUDA device, a meta tensor, or a
+            buffer in two partitions (tied parameters are fine: :ref:`guide-tied-weights`)
+        IndexError: fewer devices than partitions
 
     Example::
 
@@ -75,13 +66,8 @@ class GPipe(CoreModule):
     #: The number of layers in each partition.
     balance: List[int]
 
-    #: The device of each partition. The output is on ``devices[-1]``: put
-    #: the targets there before computing the loss::
-    #:
-    #:     for input, target in loader:
-    #:         output = gpipe(input)
-    #:         loss = F.cross_entropy(output, target.to(gpipe.devices[-1]))
-    #:
+    #: The device of each partition. The output is on ``devices[-1]``, where the
+    #: target goes: ``F.cross_entropy(output, target.to(gpipe.devices[-1]))``.
     devices: List[torch.device]
 
     def __init__(self, module: nn.Sequential, balance: Optional[Iterable[int]] = None, *,
@@ -90,8 +76,7 @@ class GPipe(CoreModule):
                  planned_threads: Optional[int] = None) -> None:
         super().__init__()
 
-        # Everything is checked before anything changes: a failed constructor
-        # leaves the module as it was (no BatchNorm replaced, no layer moved).
+        # Everything is checked before anything changes.
         verify_module(module)
         if balance is None:
             raise ValueError(recommend_auto_balance(describe(
@@ -106,24 +91,21 @@ class GPipe(CoreModule):
         check_materialized(module, balance, device_list)
         chunks = check_chunks(chunks)
         planned_threads = check_planned_threads(planned_threads)
-        # As in 0.0.7, any object that reads as a mode is one, such as an
-        # enum member whose str() is 'always'.
+        # As in 0.0.7, anything whose str() is a mode is one (an enum member).
         checkpoint = str(checkpoint)
         if checkpoint not in ('always', 'except_last', 'never'):
             # Word for word as in 0.0.7 (users match on it).
             raise ValueError("checkpoint is not one of 'always', 'except_last', or 'never'")
-        # Every skip must be stashed and popped exactly once, in this order.
         verify_skippables(module)
 
         if deferred_batch_norm:
-            # It checks every BatchNorm layer before replacing any.
             module = cast(nn.Sequential,
                           DeferredBatchNorm.convert_deferred_batch_norm(module, chunks))
 
         partitions, self.balance, self.devices = split_module(module, balance, device_list)
 
         self.partitions = nn.ModuleList(partitions)
-        #: The pipeline the module runs: every partition, in this process.
+        #: The pipeline of every partition, in this process.
         self.core = Core(dict(enumerate(partitions)), self.devices,
                          inspect_skip_layout(partitions), chunks, checkpoint)
         self.core.planned_threads = planned_threads
@@ -136,11 +118,7 @@ class GPipe(CoreModule):
         return sum(len(p) for p in self._partitions())
 
     def __getitem__(self, index: int) -> nn.Module:
-        """Gets a layer in the underlying sequential module (negative indices too).
-
-        Raises:
-            IndexError: the index is out of range
-        """
+        """Gets a layer of the underlying sequential module; ``IndexError`` past the end."""
         layers = list(self)
         if not -len(layers) <= index < len(layers):
             raise IndexError(f'index {index} is out of range for {len(layers)} layers')
@@ -160,11 +138,8 @@ class GPipe(CoreModule):
         raise deny_moving()
 
     def to(self, *args: Any, **kwargs: Any) -> 'GPipe':
-        """Casts parameters and buffers, as :meth:`torch.nn.Module.to`, but never moves them.
-
-        Raises:
-            TypeError: a device is given; GPipe manages device placement
-        """
+        """Casts parameters and buffers, as :meth:`torch.nn.Module.to`; a device or a
+        tensor to move to is a ``TypeError``, as GPipe places the partitions."""
         # to(device, ...) and to(tensor, ...) would move; to(dtype, ...) only casts.
         if 'device' in kwargs or 'tensor' in kwargs:
             raise deny_moving()
@@ -179,14 +154,12 @@ class GPipe(CoreModule):
                         error_if_nonfinite: bool = False,
                         foreach: Optional[bool] = None) -> torch.Tensor:
         """Clips the gradients of every partition by their norm together, as
-        :func:`torch.nn.utils.clip_grad_norm_` clips the unwrapped module's; one line
-        then clips a GPipe and a :class:`~torchgpipe.distributed.DistributedGPipe` alike.
+        :func:`torch.nn.utils.clip_grad_norm_` clips the unwrapped module's (and as
+        :class:`~torchgpipe.distributed.DistributedGPipe` does).
 
         Args:
             max_norm (float): the largest norm the gradients keep
-            norm_type (float): the p of the p-norm (default: ``2.0``)
-            error_if_nonfinite (bool): raise if the norm is NaN or infinite (default: ``False``)
-            foreach (bool, optional): as for :func:`torch.nn.utils.clip_grad_norm_`
+            norm_type, error_if_nonfinite, foreach: as for ``clip_grad_norm_``
 
         Returns:
             torch.Tensor: the norm of all the gradients before clipping
@@ -210,18 +183,17 @@ class GPipe(CoreModule):
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
                         assign: bool = False) -> _IncompatibleKeys:
         """Copies parameters and buffers from ``state_dict``, as
-        :meth:`torch.nn.Module.load_state_dict`, with the keys of either GPipe
+        :meth:`torch.nn.Module.load_state_dict` does, with the keys of either GPipe
         (``partitions.<j>.<child name>.<name>``, as in 0.0.7) or the unwrapped module
-        (``<child name>.<name>``); missing and unexpected keys are reported in the
-        style given. A plain BatchNorm layer's state loads into its deferred replacement.
+        (``<child name>.<name>``). A plain BatchNorm layer's state loads into its
+        deferred replacement.
 
         Args:
             state_dict (dict): the state, in either style
-            strict (bool): whether the keys must match exactly (default: ``True``)
-            assign (bool): as for :meth:`torch.nn.Module.load_state_dict` (default: ``False``)
+            strict, assign: as for :meth:`torch.nn.Module.load_state_dict`
 
         Returns:
-            ``NamedTuple`` with ``missing_keys`` and ``unexpected_keys``
+            ``NamedTuple`` with ``missing_keys`` and ``unexpected_keys``, in the style given
 
         Raises:
             RuntimeError: with ``strict=True``, a key is missing or unexpected; or a
@@ -244,19 +216,13 @@ class GPipe(CoreModule):
             lambda state: super(GPipe, self).load_state_dict(state, strict, assign))
 
     def unwrap(self, device: Optional[Device] = None) -> nn.Sequential:
-        """The plain :class:`nn.Sequential <torch.nn.Sequential>` this GPipe trains,
-        on one device, for inference or export without torchgpipe.
-
-        Its layers are deep copies under their original names, so its state dict
-        loads into the module given to GPipe; deferred BatchNorm layers come back as
-        the class they replaced. Training modes are kept.
+        """The plain :class:`nn.Sequential <torch.nn.Sequential>` this GPipe trains, on
+        one device, for inference or export without torchgpipe: deep copies of the
+        layers under their names and in their modes, deferred BatchNorm layers back as
+        the class they replaced.
 
         Args:
-            device (torch.device, str or int, optional): the device of the whole
-                result (default: the CPU)
-
-        Returns:
-            nn.Sequential: the unwrapped module
+            device (torch.device, str or int, optional): its device (default: the CPU)
 
         Raises:
             TypeError: ``device`` is not a device
@@ -282,24 +248,21 @@ class GPipe(CoreModule):
         micro-batches (moved to the first device), gathered back into one.
 
         Args:
-            input (torch.Tensor or tuple): a tensor, or a tuple of tensors that may
-                also hold ``None``, booleans, numbers, strings and
-                :class:`~torchgpipe.NoChunk` tensors, which every micro-batch gets as is
+            input (torch.Tensor or tuple): a tensor, or a tuple of tensors that may also
+                hold ``None``, numbers, strings and :class:`~torchgpipe.NoChunk`
+                tensors, which every micro-batch gets as is
 
         Returns:
-            tensor or tuple: output mini-batch, on ``devices[-1]``; non-tensor values
-            and NoChunk tensors (unwrapped) come from the first micro-batch. An empty
-            ``nn.Sequential`` returns the input unsplit
+            tensor or tuple: the output mini-batch, on ``devices[-1]`` (its non-tensor
+            values and NoChunk tensors, unwrapped, are the first micro-batch's)
 
         Raises:
-            TypeError: input is not a tensor or such a tuple.
-            ValueError: input cannot be split into micro-batches.
+            TypeError: input is not a tensor or such a tuple
+            ValueError: input cannot be split into micro-batches
         """
         microbatch.check(input)
         if not self.devices:
-            # An empty sequential module is the identity (NoChunk unwrapped),
-            # as in 0.0.7: nothing is split, so the input needs no batch
-            # dimension (a 0-dim tensor, an empty tuple come back as well).
+            # The identity, as in 0.0.7: nothing is split (NoChunk unwrapped).
             return microbatch.Batch(input).plain
         # Split first: an input that cannot be split fails before any work.
         batches = microbatch.scatter(input, self.chunks)

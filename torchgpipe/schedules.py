@@ -1,14 +1,10 @@
 """Schedules of one's own: what a user needs to write, read and check one.
 
-A schedule gives each worker (a device's thread, or a rank) its list of
-actions, each written ``{partition}{kind}{micro-batch}`` as in
-torch.distributed.pipelining: ``1F0`` is the forward pass of micro-batch 0
-on partition 1, ``0B2`` the backward pass of micro-batch 2 on partition 0
-(``I`` and ``W`` its two halves). The timeline writes its tasks the same
-way. Give :meth:`GPipe.train_step <torchgpipe.GPipe.train_step>` (or
-:class:`~torchgpipe.distributed.DistributedGPipe`'s) a :class:`Schedule`,
-its text, or lists of actions; or the name of a built-in one, written as
-you like (``'1F1B'``, ``'ZB-H1'``).
+A schedule gives each worker (a device's thread, or a rank) its actions, written
+``{partition}{kind}{micro-batch}`` as in torch.distributed.pipelining: ``1F0`` is the
+forward pass of micro-batch 0 on partition 1, ``0B2`` a backward pass (``I`` and ``W``
+its two halves). :meth:`GPipe.train_step <torchgpipe.GPipe.train_step>` takes one, its
+text, lists of actions, or a built-in one's name (``'1F1B'``, ``'ZB-H1'``).
 
 Example::
 
@@ -41,17 +37,16 @@ def build(name: str, *, micro_batches: int, partitions: int,
         name (str): a built-in schedule's name, as :func:`built_in` reads it
         micro_batches (int): the micro-batches of the step
         partitions (int): the partitions of the model
-        workers (int, optional): for ``'interleaved_1f1b'``, the devices (or
-            ranks) the partitions loop over; the others place their
-            partitions themselves (default: ``partitions``)
+        workers (int, optional): for ``'interleaved_1f1b'``, the devices the
+            partitions loop over (default: ``partitions``)
 
     Returns:
-        Schedule: checked, and shared by the calls with the same arguments
-        (copy it before changing it: ``Schedule(schedule.workers)``)
+        Schedule: checked, and shared by equal calls (change a copy:
+        ``Schedule(schedule.workers)``)
 
     Raises:
-        ValueError: an unknown name (with the closest, if one is close), or
-            a step the schedule cannot lay out (see :doc:`/troubleshooting`)
+        ValueError: an unknown name (with the closest), or a step the schedule cannot
+            lay out (:doc:`/troubleshooting`)
     """
     found = built_in(name)
     if found is None:

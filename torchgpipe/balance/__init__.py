@@ -1,22 +1,13 @@
 """Automatic balancing: the ``balance`` argument of :class:`~torchgpipe.GPipe`, from profiling.
 
-Each layer's cost is measured, by time (:func:`balance_by_time`) or by memory
-(:func:`balance_by_size`), and the costs are split into contiguous partitions
-by :func:`torchgpipe.balance.blockpartition.solve`: the costliest partition as
-cheap as possible (the slowest or fullest device decides), then as even as
-possible.
+Each layer's time or memory is measured, and the costliest partition made as cheap
+as possible (:func:`torchgpipe.balance.blockpartition.solve`).
 
 Example::
 
-    from torchgpipe import GPipe
-    from torchgpipe.balance import balance_by_time
-
-    sample = torch.empty(128, 3, 224, 224)
     balance = balance_by_time(torch.cuda.device_count(), model, sample)
     model = GPipe(model, balance, chunks=8)
 """
-import math
-import numbers
 from typing import List, Optional
 
 import torch
@@ -24,8 +15,9 @@ from torch import nn
 
 from torchgpipe.foundation import microbatch
 from torchgpipe.foundation.placement import check_materialized
-from torchgpipe.foundation.validation import (Device, check_available, check_chunks, describe,
-                                              parse_device, verify_module)
+from torchgpipe.foundation.validation import (Device, check_available, check_chunks,
+                                              check_number, describe, parse_device,
+                                              verify_module)
 from torchgpipe.balance import blockpartition
 from torchgpipe.balance.profile import profile_sizes, profile_times
 from torchgpipe.foundation.microbatch import TensorOrTensors
@@ -34,7 +26,7 @@ __all__ = ['balance_by_time', 'balance_by_size']
 
 
 def balance_cost(cost: List[int], partitions: int) -> List[int]:
-    """Turns per-layer costs into a ``balance``: the layer count of each optimal block."""
+    """Per-layer costs as a ``balance``."""
     return [len(block) for block in blockpartition.solve(cost, partitions)]
 
 
@@ -42,35 +34,27 @@ def balance_by_time(partitions: int, module: nn.Sequential, sample: TensorOrTens
                     timeout: float = 1.0, device: Device = torch.device('cuda')) -> List[int]:
     """Computes a ``balance`` that evens out the time of each partition.
 
-    Every layer is timed, forward and backward, on a copy on ``device``, from
-    ``sample``: a first pass warms up, then whole passes repeat until ``timeout``.
-    ``module`` is left untouched (device, parameters, training flag, no gradient,
-    generators restored); skippable layers, in-place layers and tuples between
-    layers are supported.
+    Every layer is timed, forward and backward, on a copy on ``device``, over whole passes
+    repeated until ``timeout`` (after one to warm up). ``module`` is left untouched.
 
     Args:
-        partitions (int): how many partitions to split the layers into,
-            usually the number of devices
+        partitions (int): how many partitions, usually the number of devices
         module (torch.nn.Sequential): the model to split
-        sample (torch.Tensor or tuple of tensors): an input of the model, best
-            of the batch size of training
+        sample (torch.Tensor or tuple of tensors): an input, best of the training batch size
 
     Keyword Args:
-        timeout (float): how long to keep profiling, in seconds (default: ``1.0``)
-        device ('cpu' or 'cuda' device): where to time the layers, ideally like
-            the partitions' devices (default: the current CUDA device)
+        timeout (float): how long to profile, in seconds (default: ``1.0``)
+        device ('cpu' or 'cuda' device): where to time the layers, like the partitions'
+            devices (default: the current CUDA device)
 
     Returns:
-        list of ints: the number of layers of each partition, to pass to
-        :class:`~torchgpipe.GPipe` as ``balance``
+        list of ints: the number of layers of each partition, the ``balance``
 
     Raises:
-        TypeError: ``module`` is not an :class:`nn.Sequential
-            <torch.nn.Sequential>`, ``sample`` is neither a tensor nor a tuple of
-            tensors, or an argument has the wrong type
-        ValueError: ``partitions`` is not positive or exceeds the number of
-            layers, ``timeout`` is negative, ``device`` is not available, or a
-            parameter already has a gradient (``'some parameter already has gradient'``)
+        TypeError: ``module`` is not an ``nn.Sequential``, ``sample`` is not a tensor or a
+            tuple of tensors, or an argument has the wrong type
+        ValueError: ``partitions`` is not positive or exceeds the layers, ``timeout`` is
+            negative, ``device`` is not available, or a parameter already has a gradient
 
     Example::
 
@@ -80,10 +64,10 @@ def balance_by_time(partitions: int, module: nn.Sequential, sample: TensorOrTens
         >>> sum(balance)
         4
     """
-    check_partitions(partitions, module)
+    check_splittable(partitions, module)
     microbatch.check(sample, 'sample')
-    check_real('timeout', timeout, 'give a time in seconds, such as timeout=1.0')
-    profile_device = check_device(device)
+    check_number('timeout', timeout, 'give a time in seconds, such as timeout=1.0')
+    profile_device = profiling_device(device)
     check_materialized(module, [len(module)], [profile_device])
 
     times = profile_times(module, sample, timeout, profile_device)
@@ -95,43 +79,30 @@ def balance_by_size(partitions: int, module: nn.Sequential, input: TensorOrTenso
                     device: Device = torch.device('cuda')) -> List[int]:
     """Computes a ``balance`` that evens out the memory each partition needs for training.
 
-    A layer's size is the activations its forward keeps for the first (largest)
-    of ``chunks`` micro-batches of ``input``, plus ``param_scale`` times the bytes
-    of its parameters. On CUDA the activations are the allocator's growth over the
-    forward; on CPU, the bytes of the tensors saved for backward, of the outputs
-    and of stashed skips, each storage once. ``module`` is left untouched.
-
-    ``param_scale`` counts parameter-sized tensors per parameter: the parameter
-    and its gradient (2), plus the optimizer's state: 3 for SGD with momentum or
-    Adagrad, 4 for Adam, AdamW or Adadelta, 5 for Adam with ``amsgrad``.
+    A layer's size is what its forward keeps for the first of ``chunks`` micro-batches
+    of ``input`` (on CUDA, the allocator's growth; on CPU, the storages saved for
+    backward, output or stashed), plus ``param_scale`` times its parameters' bytes.
+    ``module`` is left untouched.
 
     Args:
-        partitions (int): how many partitions to split the layers into,
-            usually the number of devices
+        partitions (int): how many partitions, usually the number of devices
         module (torch.nn.Sequential): the model to split
-        input (torch.Tensor or tuple of tensors): a mini-batch of the size
-            training will use
+        input (torch.Tensor or tuple of tensors): a mini-batch of the training size
 
     Keyword Args:
         chunks (int): the number of micro-batches (default: ``1``)
-        param_scale (float): parameter-sized tensors kept per parameter
-            (default: ``2.0``)
-        device ('cpu' or 'cuda' device): where to measure the layers
-            (default: the current CUDA device)
+        param_scale (float): parameter-sized tensors per parameter: 2 for the parameter
+            and its gradient (default), 3 with SGD's momentum, 4 with Adam
+        device ('cpu' or 'cuda' device): where to measure the layers (default: the
+            current CUDA device)
 
     Returns:
-        list of ints: the number of layers of each partition, to pass to
-        :class:`~torchgpipe.GPipe` as ``balance``
+        list of ints: the number of layers of each partition, the ``balance``
 
     Raises:
-        TypeError: ``module`` is not an :class:`nn.Sequential
-            <torch.nn.Sequential>`, ``input`` is neither a tensor nor a tuple of
-            tensors, or an argument has the wrong type
-        ValueError: ``partitions`` is not positive or exceeds the number of
-            layers, ``chunks`` is not a positive integer, ``param_scale`` is
-            negative, ``input`` cannot be split into micro-batches, ``device`` is
-            not available, or a parameter already has a gradient
-            (``'some parameter already has gradient'``)
+        TypeError: as for :func:`balance_by_time`
+        ValueError: as for :func:`balance_by_time`, or ``chunks`` or ``param_scale`` is
+            wrong, or ``input`` cannot be split into micro-batches
 
     Example::
 
@@ -141,38 +112,24 @@ def balance_by_size(partitions: int, module: nn.Sequential, input: TensorOrTenso
         >>> len(balance), sum(balance)
         (2, 3)
     """
-    check_partitions(partitions, module)
+    check_splittable(partitions, module)
     microbatch.check(input)
     check_chunks(chunks)
-    check_real('param_scale', param_scale,
-               'give the number of parameter-sized copies training keeps, such as '
-               'param_scale=4.0 for Adam')
-    profile_device = check_device(device)
+    check_number('param_scale', param_scale,
+                 'give the number of parameter-sized copies training keeps, such as '
+                 'param_scale=4.0 for Adam')
+    profile_device = profiling_device(device)
     check_materialized(module, [len(module)], [profile_device])
-    # Before profiling, which may take long: an input that cannot be split
-    # fails now.
+    # Fails before the long profiling.
     microbatch.scatter(input, chunks)
 
     sizes = profile_sizes(module, input, chunks, param_scale, profile_device)
     return balance_cost(sizes, partitions)
 
 
-def check_partitions(partitions: int, module: nn.Sequential) -> None:
-    """Checks ``partitions``, and that ``module`` can be split into that many.
-
-    Raises:
-        TypeError: ``partitions`` is not an int, or ``module`` is not an
-            ``nn.Sequential``
-        ValueError: ``partitions`` is not positive or exceeds the number of
-            layers, or ``module`` holds a child or a parameter twice
-    """
-    fix = 'give the number of devices to balance over, such as partitions=2'
-    if isinstance(partitions, bool) or not isinstance(partitions, int):
-        raise TypeError(describe('partitions must be an int',
-                                 f'partitions: {partitions!r}', fix))
-    if partitions < 1:
-        raise ValueError(describe('partitions must be a positive integer',
-                                  f'partitions: {partitions!r}', fix))
+def check_splittable(partitions: int, module: nn.Sequential) -> None:
+    """Checks ``partitions``, and that ``module`` can be split into that many."""
+    blockpartition.check_partitions(partitions)
     verify_module(module)
     if partitions > len(module):
         raise ValueError(describe('partitions must not exceed the number of layers, since every '
@@ -181,32 +138,8 @@ def check_partitions(partitions: int, module: nn.Sequential) -> None:
                                   f'ask for at most {len(module)} partitions'))
 
 
-def check_real(name: str, value: object, fix: str) -> None:
-    """Checks that ``value`` is a finite, non-negative real number.
-
-    Raises:
-        TypeError: ``value`` is not a real number (``bool`` included)
-        ValueError: ``value`` is negative, infinite or NaN
-    """
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(describe(f'{name} must be a real number', f'{name}: {value!r}', fix))
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(describe(f'{name} must be finite and non-negative',
-                                  f'{name}: {value!r}', fix))
-
-
-def check_device(value: object) -> torch.device:
-    """Resolves the device to profile on, and checks that it exists.
-
-    Returns:
-        torch.device: the device; a bare ``'cuda'`` gets the index of the
-        current CUDA device, so that every step of profiling uses the same one
-
-    Raises:
-        TypeError: ``value`` is not a device, a device string or an index
-        ValueError: ``value`` names no valid device, or the device is not
-            available
-    """
+def profiling_device(value: object) -> torch.device:
+    """The device to profile on, checked; a bare ``'cuda'`` gets the current index."""
     device = parse_device('device', value, "use a device such as device='cpu' or device='cuda:0'")
     check_available('device', device, "profile on the CPU with device='cpu'")
     # torch's stubs type the index as int, but a bare 'cuda' has none.

@@ -1,21 +1,10 @@
-"""Optimal block partitioning: the partitioner behind :mod:`torchgpipe.balance`.
+"""Optimal block partitioning, in ``O(n log^2 n)`` expected, on exact integers:
 
-:func:`solve` splits non-negative costs (one per layer) into contiguous
-non-empty blocks (one per stage): first the smallest largest block sum (the
-slowest stage paces the pipeline), then the largest smallest block sum, then
-the earliest cuts. With ``n`` items into ``k`` blocks:
-
-1. **Bottleneck** ``U``: searched among the sums of contiguous runs, with a
-   greedy feasibility walk over prefix sums and random pivots, as in
-   quickselect (``O(log n)`` rounds expected).
-2. **Spread**: with ``U`` fixed, the largest lower bound ``L`` is found the
-   same way; feasibility of exactly ``k`` blocks in ``[L, U]`` is a dynamic
-   program over suffixes (block counts as bit sets), kept linear by a
-   two-stack sliding window.
-3. The partition is read off the program, shortest block first.
-
-``O(n log^2 n)`` expected. Non-integer costs are scaled to integers by their
-common denominator, so ties and optimality never depend on rounding.
+1. the smallest largest block sum ``U`` (the slowest stage paces the pipeline), by
+   random pivots among run sums, each tried by a greedy walk over prefix sums;
+2. the largest smallest block sum ``L`` the same way, each tried by a dynamic program
+   over suffixes (block counts as bit sets) with a two-stack sliding window;
+3. the cuts, read off the program, shortest block first.
 """
 import math
 import numbers
@@ -24,19 +13,19 @@ from bisect import bisect_left, bisect_right
 from itertools import accumulate
 from typing import List, Optional, Sequence, Tuple, TypeVar
 
+from torchgpipe.foundation.validation import check_number
+
 __all__: List[str] = []
 
 T = TypeVar('T', int, float)
 
-# The pivots of the searches come from this seed. The result does not depend
-# on them (the optimum and its tie-break are unique), only the running time,
-# which is then reproducible.
+# The seed of the pivots: the result does not depend on them, the running time does.
 PIVOT_SEED = 0
 
 
 def solve(sequence: Sequence[T], partitions: int = 1) -> List[List[T]]:
-    """Splits a sequence of costs into contiguous blocks whose largest sum is smallest;
-    among those, the smallest block sum is the largest, then the cuts are earliest.
+    """Splits costs into contiguous blocks whose largest sum is smallest; then whose
+    smallest sum is largest; then whose cuts are earliest.
 
     Example::
 
@@ -45,23 +34,12 @@ def solve(sequence: Sequence[T], partitions: int = 1) -> List[List[T]]:
         >>> solve([1, 0, 1], partitions=2)
         [[1], [0, 1]]
 
-    Args:
-        sequence (sequence of ints or floats): non-negative costs, in order
-        partitions (int): the number of blocks (default: ``1``)
-
-    Returns:
-        list of lists: ``partitions`` non-empty blocks whose concatenation is
-        ``list(sequence)``
-
     Raises:
-        ValueError: ``partitions`` is less than 1 or more than the number of
-            items, or a cost is negative, NaN or infinite
+        ValueError: ``partitions`` is less than 1 or more than the items, or a cost is
+            negative, NaN or infinite
         TypeError: ``partitions`` is not an int, or a cost is not a real number
     """
-    if not isinstance(partitions, int) or isinstance(partitions, bool):
-        raise TypeError(f'partitions must be an int (partitions: {partitions!r})')
-    if partitions < 1:
-        raise ValueError(f'partitions must be a positive integer (partitions: {partitions})')
+    check_partitions(partitions)
     n = len(sequence)
     if n < partitions:
         raise ValueError(f'sequence is shorter than intended partitions '
@@ -82,8 +60,14 @@ def solve(sequence: Sequence[T], partitions: int = 1) -> List[List[T]]:
     return [list(sequence[i:j]) for i, j in zip(cuts, cuts[1:])]
 
 
+def check_partitions(partitions: object) -> None:
+    check_number('partitions', partitions,
+                 'give the number of devices to balance over, such as partitions=2',
+                 integer=True, least=1, must='a positive integer')
+
+
 def exact_integers(sequence: Sequence[T]) -> List[int]:
-    """Scales the costs to integers, exactly, by their common denominator."""
+    """The costs scaled to integers by their common denominator: no rounding decides."""
     ratios: List[Tuple[int, int]] = []
     for index, x in enumerate(sequence):
         if isinstance(x, numbers.Integral):
@@ -106,14 +90,12 @@ def exact_integers(sequence: Sequence[T]) -> List[int]:
 
 
 def min_bottleneck(prefix: List[int], partitions: int, rng: random.Random) -> int:
-    """Returns the smallest largest block sum of any partition into ``partitions`` blocks."""
+    """The smallest largest block sum of any partition into ``partitions`` blocks."""
     total = prefix[-1]
     largest = max(b - a for a, b in zip(prefix, prefix[1:]))
     average = -(-total // partitions)
-    # The bottleneck is at least the largest item and the average. Greedy
-    # blocks bounded by largest + average each sum to more than the average
-    # (but the last, since adding the next item would pass the bound), so
-    # there are at most `partitions` of them: that bound is feasible.
+    # At least the largest item and the average. Greedy blocks bounded by the upper
+    # bound each exceed the average (but the last): at most `partitions` of them.
     lower = max(largest, average)
     upper = largest + average
 
@@ -132,14 +114,9 @@ def min_bottleneck(prefix: List[int], partitions: int, rng: random.Random) -> in
 
 
 def greedy_blocks(prefix: List[int], bound: int, limit: int) -> int:
-    """Counts the blocks of sum at most ``bound`` that cover the sequence, greedily.
-
-    ``bound`` must be at least the largest item. Blocks are taken as long as
-    possible, which minimizes their number. The walk stops counting past
-    ``limit``. Splitting a block never raises a block sum (costs are
-    non-negative), so when the count is at most ``limit`` (and ``limit`` at
-    most the number of items), exactly ``limit`` blocks fit too.
-    """
+    """The fewest blocks of sum at most ``bound`` (at least the largest item), counted up
+    to ``limit`` + 1. Splitting a block never raises a sum: if they are at most ``limit``,
+    exactly ``limit`` fit too."""
     n = len(prefix) - 1
     start = 0
     blocks = 0
@@ -153,18 +130,12 @@ def greedy_blocks(prefix: List[int], bound: int, limit: int) -> int:
 
 def max_lower_bound(prefix: List[int], partitions: int, bottleneck: int,
                     rng: random.Random) -> int:
-    """Returns the largest lower bound on block sums that still admits a partition.
-
-    That is the largest ``L`` such that exactly ``partitions`` blocks, each
-    of sum in ``[L, bottleneck]``, cover the sequence.
-    """
+    """The largest ``L`` such that blocks of sums in ``[L, bottleneck]`` cover the sequence."""
     def fits(lower: int) -> bool:
         reach = suffix_block_counts(prefix, partitions, lower, bottleneck)
         return bool(reach[0] >> partitions & 1)
 
-    # Invariant: the optimum is in [lower, upper] and lower fits (0 does,
-    # since the bottleneck is feasible). The smallest block is at most the
-    # average.
+    # Invariant: the optimum is in [lower, upper] and lower fits; at most the average.
     lower = 0
     upper = min(bottleneck, prefix[-1] // partitions)
     while True:
@@ -179,11 +150,7 @@ def max_lower_bound(prefix: List[int], partitions: int, bottleneck: int,
 
 def random_run_sum(prefix: List[int], low: int, high: int,
                    rng: random.Random) -> Optional[int]:
-    """Draws one run sum in ``[low, high]`` at random, or ``None`` if there is none.
-
-    The sums of all non-empty contiguous runs in range are counted with
-    multiplicity, and one of them is drawn uniformly.
-    """
+    """A run sum in ``[low, high]`` drawn uniformly (counted with multiplicity), or ``None``."""
     if low > high:
         return None
     starts = prefix[:-1]
@@ -203,26 +170,17 @@ def random_run_sum(prefix: List[int], low: int, high: int,
 
 
 def suffix_block_counts(prefix: List[int], partitions: int, lower: int, upper: int) -> List[int]:
-    """Finds, for every suffix, into how many blocks of sums in ``[lower, upper]`` it splits.
-
-    The counts are a bit set: bit ``c`` for ``c`` blocks, up to
-    ``partitions``.
-
-    Returns:
-        list: ``reach[i]`` for the suffix starting at item ``i``; ``reach[n]``
-        is ``1`` (the empty suffix is zero blocks)
-    """
+    """For each suffix ``i``, the block counts (bit ``c`` for ``c``, up to ``partitions``)
+    it splits into with sums in ``[lower, upper]``; ``reach[n]`` is ``1``."""
     n = len(prefix) - 1
     mask = (1 << (partitions + 1)) - 1
     reach = [0] * (n + 1)
     reach[n] = 1
 
-    # The blocks starting at i may end at j in a window [first, last]; as i
-    # decreases, both ends decrease. The window's union of reach bits is kept
-    # by two stacks: the "front" [middle, last] as running unions from
-    # `middle` upwards (so dropping `last` is free), the "back" [first,
-    # middle) as one union growing downwards. When the front runs dry, the
-    # whole window becomes the new front: each index is rebuilt at most once.
+    # A block starting at i ends in a window [first, last] that slides down with i.
+    # Its union of reach bits is two stacks: the front [middle, last] as running
+    # unions from `middle` up (dropping `last` is free), the back [first, middle) one
+    # union growing down. A dry front is rebuilt from the window: each index once.
     front = [0] * (n + 1)
     first = middle = n + 1
     back = 0
@@ -251,15 +209,8 @@ def suffix_block_counts(prefix: List[int], partitions: int, lower: int, upper: i
 
 def shortest_first_cuts(prefix: List[int], partitions: int, lower: int,
                         reach: List[int]) -> List[int]:
-    """Reads the cut positions (``0`` and ``n`` included) off the dynamic program.
-
-    At each step it takes the shortest block that leaves a feasible rest.
-    ``reach`` must come from :func:`suffix_block_counts` with bounds that
-    admit ``partitions`` blocks. The search starts at the shortest block
-    reaching ``lower``; as some end in the window of admissible ends has the
-    right bit, the first end found is in the window, and the block keeps to
-    the upper bound as well.
-    """
+    """The cuts (``0`` and ``n`` included): each the shortest block reaching ``lower`` that
+    leaves a feasible rest (the first such end is within the upper bound too)."""
     cuts = [0]
     start = 0
     for remaining in range(partitions - 1, -1, -1):

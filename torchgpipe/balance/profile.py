@@ -1,10 +1,7 @@
 """Per-layer profiling for automatic balancing: the time and the memory of each layer.
 
-Every layer runs on a copy (:func:`layerwise_sandbox`), so the user's module
-stays as it was, and the random generators are restored afterwards. Layers
-run one by one, each on the detached output of the previous, so each backward
-stays within its layer; skips travel through a tracker of the profiler's own,
-detached the same way.
+Each layer runs as a copy, on the detached output of the previous one (skips too), so
+its backward stays within it and the user's module stays as it was.
 """
 import copy
 import functools
@@ -25,18 +22,11 @@ __all__: List[str] = []
 
 def layerwise_sandbox(module: nn.Sequential,
                       device: torch.device) -> Generator[nn.Module, None, None]:
-    """Yields a deep copy of each layer, moved to ``device`` and in training mode.
-
-    The copies are made one at a time, as they are asked for, so a model too
-    large for ``device`` can still be profiled layer by layer. ``module``
-    itself is not modified.
-    """
+    """Yields a deep copy of each layer on ``device``, in training mode, one at a time."""
     for layer in module:
         layer_copy = copy.deepcopy(layer)
         layer_copy.to(device)
-        # Balancing is for training: profile what training runs (dropout,
-        # batch statistics), whatever mode the user's module is in; except
-        # in code to_sequential recorded in one mode only, which runs in no other.
+        # Profile what training runs, but code captured in one mode runs in no other.
         layer_copy.train()
         for part in layer_copy.modules():
             only = getattr(part, 'only_mode', None)
@@ -47,14 +37,8 @@ def layerwise_sandbox(module: nn.Sequential,
 
 def profile_times(module: nn.Sequential, sample: TensorOrTensors, timeout: float,
                   device: torch.device) -> List[int]:
-    """Profiles the forward and backward time of each layer, in microseconds summed
-    over whole passes repeated until ``timeout`` (after one warm-up pass).
-
-    Raises:
-        ValueError: a parameter of ``module`` already has a gradient
-        TypeError: ``sample`` or a layer's output is neither a tensor nor a
-            tuple of tensors
-    """
+    """The forward and backward time of each layer, in microseconds summed over whole
+    passes repeated until ``timeout`` (after one warm-up pass)."""
     refuse_gradients(module)
     microbatch.check(sample, 'sample')
     sample = to_device(sample, device)
@@ -62,9 +46,7 @@ def profile_times(module: nn.Sequential, sample: TensorOrTensors, timeout: float
     elapsed = [0.0] * len(module)
     with preserve_rng_state(device), torch.enable_grad():
         started = time.perf_counter()
-        # The first pass pays for one-time initializations (the autograd
-        # engine's threads, kernel selection, allocator growth) that can
-        # take longer than the model itself; it is not counted.
+        # Not counted: the first pass pays for one-time set-ups (threads, kernels, allocator).
         timed_pass(module, sample, device, [0.0] * len(module))
         while True:
             timed_pass(module, sample, device, elapsed)
@@ -76,12 +58,7 @@ def profile_times(module: nn.Sequential, sample: TensorOrTensors, timeout: float
 
 def timed_pass(module: nn.Sequential, sample: TensorOrTensors, device: torch.device,
                elapsed: List[float]) -> None:
-    """Runs one forward and backward pass, layer by layer, adding each layer's time to ``elapsed``.
-
-    Times are in seconds.
-    """
-    # Fresh copies every pass: one layer at a time on the device, and no
-    # gradient carried over from the previous pass.
+    """Runs a training pass on fresh copies, adding each layer's seconds to ``elapsed``."""
     tracker = SandboxSkipTracker()
     values = sample
     with use_skip_tracker(tracker):
@@ -95,8 +72,7 @@ def timed_pass(module: nn.Sequential, sample: TensorOrTensors, device: torch.dev
             backward_tensors = [y for y in (*Batch(output), *tracker.take_stashed())
                                 if y.requires_grad]
             if backward_tensors:
-                # Any gradient of the right shape will do: the tensors
-                # themselves save allocating one.
+                # Any gradient of the right shape will do: no allocation.
                 torch.autograd.backward(backward_tensors, backward_tensors)
             synchronize(device)
             elapsed[index] += time.perf_counter() - tick
@@ -106,16 +82,7 @@ def timed_pass(module: nn.Sequential, sample: TensorOrTensors, device: torch.dev
 
 def profile_sizes(module: nn.Sequential, input: TensorOrTensors, chunks: int,
                   param_scale: float, device: torch.device) -> List[int]:
-    """Profiles the memory each layer needs for training, in bytes: what its forward
-    keeps for the first micro-batch, plus ``param_scale`` times its parameters'
-    bytes (see :func:`~torchgpipe.balance.balance_by_size`).
-
-    Raises:
-        ValueError: a parameter of ``module`` already has a gradient, or an
-            input tensor has no batch dimension
-        TypeError: ``input`` or a layer's output is neither a tensor nor a
-            tuple of tensors
-    """
+    """The bytes each layer needs for training, as ``balance_by_size`` counts them."""
     refuse_gradients(module)
     microbatch.check(input)
     values = to_device(microbatch.scatter(input, chunks)[0].plain, device)
@@ -124,7 +91,7 @@ def profile_sizes(module: nn.Sequential, input: TensorOrTensors, chunks: int,
     tracker = SandboxSkipTracker()
     with preserve_rng_state(device), torch.enable_grad(), use_skip_tracker(tracker):
         for index, layer in enumerate(layerwise_sandbox(module, device)):
-            # The previous layer's graph is dropped here, before measuring.
+            # Drops the previous layer's graph before measuring.
             values = fresh_input(values)
 
             if device.type == 'cuda':
@@ -137,7 +104,6 @@ def profile_sizes(module: nn.Sequential, input: TensorOrTensors, chunks: int,
             sizes.append(int(latent_size + param_scale * param_size))
 
             values = output
-            # Now only `values` holds the graph, to be dropped by fresh_input.
             del output
 
     return sizes
@@ -145,7 +111,7 @@ def profile_sizes(module: nn.Sequential, input: TensorOrTensors, chunks: int,
 
 def allocated_by_forward(layer: nn.Module, values: TensorOrTensors, tracker: 'SandboxSkipTracker',
                          device: torch.device) -> Tuple[TensorOrTensors, int]:
-    """Runs the layer, measuring the CUDA memory its forward pass leaves allocated."""
+    """Runs the layer; returns its output and the CUDA memory its forward left allocated."""
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     output = layer(values)
@@ -158,18 +124,16 @@ def allocated_by_forward(layer: nn.Module, values: TensorOrTensors, tracker: 'Sa
 
 def saved_by_forward(layer: nn.Module, values: TensorOrTensors,
                      tracker: 'SandboxSkipTracker') -> Tuple[TensorOrTensors, int]:
-    """Runs the layer, measuring the bytes its forward pass keeps alive for training."""
+    """Runs the layer; returns its output and the bytes its forward keeps for training."""
     output, saved, _, _ = kept_by_forward(layer, values, tracker)
     return output, sum(saved.values())
 
 
 def kept_by_forward(layer: nn.Module, values: TensorOrTensors, tracker: 'SandboxSkipTracker'
                     ) -> Tuple[TensorOrTensors, Dict[int, int], Set[int], List[Tensor]]:
-    """Runs the layer; returns its output, the storages its forward pass keeps alive for
-    training (what autograd saves, its outputs and stashed skip tensors, but not its input,
-    parameters or buffers), by address with their bytes, the addresses of every
-    storage autograd saved (its input's among them, if it saved it), and the skip
-    tensors it stashed."""
+    """Runs the layer; returns its output, the bytes of each storage its forward keeps
+    (saved, output or stashed; not its input, parameters or buffers) by address, the
+    addresses autograd saved (its input's too), and the skips it stashed."""
     storages: Dict[int, int] = {}
     saved: Set[int] = set()
 
@@ -180,8 +144,7 @@ def kept_by_forward(layer: nn.Module, values: TensorOrTensors, tracker: 'Sandbox
     def pack(tensor: Tensor) -> Tensor:
         record(tensor)
         saved.add(tensor.untyped_storage().data_ptr())
-        # Detached: an output saved as it is would hold its own node, a cycle
-        # that keeps both alive after a pass that retains the graph (``I``).
+        # Detached: a saved output would hold its own node, a cycle a kept graph keeps alive.
         return tensor.detach()
 
     with saved_tensors_hooks(pack, lambda tensor: tensor):
@@ -198,23 +161,15 @@ def kept_by_forward(layer: nn.Module, values: TensorOrTensors, tracker: 'Sandbox
 
 
 class SandboxSkipTracker(SkipTracker):
-    """A skip tracker that hands each pop a detached copy of its tensor, so that the
-    popping layer's backward stays within it and it may change the tensor in place.
-
-    The stashed tensors are kept aside until :meth:`take_stashed`: they count for
-    the stashing layer.
-    """
+    """A skip tracker whose pops get a detached copy, which the popping layer may change in
+    place; stashed tensors are kept for :meth:`take_stashed` (the stashing layer's)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.stashed: List[Tensor] = []
-        #: The storage of the copy each pop was last handed (its address and
-        #: bytes, not the copy: the tracker keeps no memory alive), by the
-        #: skip's namespace and name.
+        #: The address and bytes of each skip's last popped copy (not the copy itself).
         self.popped: Dict[Tuple[Namespace, str], Tuple[int, int]] = {}
-        #: While not ``None``, the gradient each copy handed to a pop gets in a
-        #: backward pass, by the skip's namespace and name (held: a pass that
-        #: compares gradients, not one that measures memory).
+        #: If not ``None``, each popped copy's gradient (held, so not to measure memory).
         self.gradients: Optional[Dict[Tuple[Namespace, str], Tensor]] = None
 
     def save(self, batch: Batch, ns: Namespace, name: str, tensor: Optional[Tensor]) -> None:
@@ -227,8 +182,7 @@ class SandboxSkipTracker(SkipTracker):
         tensor = super().load(batch, ns, name)
         if tensor is None:
             return None
-        # A copy for the popping layer, made as it pops (not counted in the
-        # stashing layer's memory), which that layer may change in place.
+        # Made as it pops: not the stashing layer's memory.
         copy = tensor.clone()
         self.popped[(ns, name)] = (copy.untyped_storage().data_ptr(),
                                    copy.numel() * copy.element_size())
@@ -238,52 +192,42 @@ class SandboxSkipTracker(SkipTracker):
         return copy
 
     def take_stashed(self) -> List[Tensor]:
-        """Returns the tensors stashed since the last call, and forgets them."""
+        """The tensors stashed since the last call, forgotten."""
         stashed = self.stashed
         self.stashed = []
         return stashed
 
 
 def refuse_gradients(module: nn.Module) -> None:
-    """Raises ValueError if a parameter holds a gradient.
-
-    Profiling must leave no gradient behind; refusing a module that already
-    has some keeps that promise checkable, and warns of a stale training
-    state the user probably did not mean to keep.
-    """
+    """Refuses a module holding gradients: profiling leaves none, and they are likely stale."""
     if any(p.grad is not None for p in module.parameters()):
         raise ValueError('some parameter already has gradient')
 
 
 def to_device(values: TensorOrTensors, device: torch.device) -> TensorOrTensors:
-    """Moves the sample to the device, detached from any graph of the user's."""
+    """The sample on ``device``, detached from the user's graph."""
     return map_tensors(lambda x: detach_tensor(x.to(device)), values)
 
 
 def fresh_input(values: TensorOrTensors) -> TensorOrTensors:
-    """Copies a layer's input, detached from the graph of the layer before.
-
-    The copy keeps whether each tensor requires grad, so the layer's backward
-    pass computes the gradient of its input as it would in training. Being a
-    copy (not a leaf), it may be modified in place, as by
-    ``nn.ReLU(inplace=True)``, without touching the sample for the next pass.
-    """
+    """A copy of a layer's input, detached from the layer before, requiring grad as it did,
+    that an in-place layer may change without touching the sample."""
     return map_tensors(lambda x: detach_tensor(x).clone(), values)
 
 
 def detach_tensor(tensor: Tensor) -> Tensor:
-    """Detaches a tensor from its graph, keeping whether it requires grad."""
+    """``tensor`` detached, requiring grad as it did."""
     return tensor.detach().requires_grad_(tensor.requires_grad)
 
 
 def synchronize(device: torch.device) -> None:
-    """Waits for the device's kernels, so the clock measures them."""
+    """Waits for the device's kernels, for the clock to count them."""
     if device.type == 'cuda':
         torch.cuda.synchronize(device)
 
 
 def preserve_rng_state(device: torch.device) -> ContextManager[None]:
-    """A context restoring the CPU random state, and the device's if it is CUDA."""
+    """Restores the CPU's random state, and a CUDA device's, on exit."""
     if device.type != 'cuda':
         return torch.random.fork_rng(devices=[])
     index = torch.cuda.current_device() if device.index is None else device.index

@@ -1,15 +1,10 @@
 """Memory shared by values of a captured graph, and the updates in place of it.
 
-Eager code may give one memory several names (a view, the result of
-``h.add_(1)``) and update it in place. Cut into children that breaks:
-partitions get copies of their inputs, and recompute from them. So:
-
-* an update in place of a value with no other name becomes a new value
-  (:func:`out_of_place`);
-* an update of a buffer or parameter outside its module is refused
-  (generated code runs once per micro-batch, and again when recomputed);
-* any other update keeps every reader of that memory in one child
-  (:func:`shared_memory`).
+Partitions get copies of their inputs and recompute from them, which breaks
+eager code's several names for one memory updated in place. So an update
+of a value with no other name becomes a new value (:func:`out_of_place`);
+an update of a buffer or parameter outside its module is refused; any other
+update keeps every reader of that memory in one child (:func:`shared_memory`).
 """
 import operator
 from typing import Any, Dict, List, NoReturn, Optional, Set, Union
@@ -24,8 +19,7 @@ __all__: List[str] = []
 
 Root = Union[nn.Module, Dict[str, Any]]
 
-# The documented views of PyTorch ("Tensor Views"), as methods and functions
-# that fx records by name: their result shares the memory of their input.
+# PyTorch's documented views ("Tensor Views"), as fx records them by name.
 _VIEWS = {
     'view', 'view_as', 'reshape', 'reshape_as', 'flatten', 'unflatten', 'expand', 'expand_as',
     'narrow', 'select', 'squeeze', 'unsqueeze', 'transpose', 'swapaxes', 'swapdims', 't',
@@ -43,8 +37,7 @@ _UPDATES = {
     operator.ilshift: operator.lshift, operator.irshift: operator.rshift,
     operator.setitem: None,
 }
-# Updates whose name without ``_`` means something else: bernoulli_(p)
-# draws with probability p, bernoulli() with the tensor's values.
+# Updates whose name without ``_`` means something else (bernoulli_(p)).
 _NO_TWIN = {'bernoulli_'}
 # Methods ending in ``_`` that change no values.
 _NOT_UPDATES = {'requires_grad_', 'retain_grad_', 'share_memory_', 'record_stream_'}
@@ -105,8 +98,7 @@ def written(node: fx.Node, root: Root) -> List[fx.Node]:
                 if argument.alias_info is not None and argument.alias_info.is_write
                 and isinstance(value, fx.Node)]
     if isinstance(node.target, torch._ops.HigherOrderOperator):
-        # The body of torch.no_grad() or torch.autocast in export's graphs:
-        # a graph called on the operands after it.
+        # torch.no_grad()'s or torch.autocast's body: a graph called on the operands after it.
         for k, value in enumerate(node.args):
             body = attr(root, value.target) if isinstance(value, fx.Node) \
                 and value.op == 'get_attr' else None
@@ -132,11 +124,8 @@ def refuse_update(buffer: str) -> NoReturn:
 
 
 def _twin(graph: fx.Graph, node: fx.Node, root: Root) -> Optional[fx.Node]:
-    """Inserts, before ``node``, the operation that returns what the update writes.
-
-    ``add`` for ``add_``, ``x + y`` for ``x += y``; ``None`` when there is no
-    such operation (``x[i] = y``, a module of the user updating in place).
-    """
+    """Inserts before ``node`` the operation returning what the update writes (``add`` for
+    ``add_``, ``x + y`` for ``x += y``); ``None`` if there is none (``x[i] = y``)."""
     target: Any = None
     kind = node.op
     if isinstance(node.target, torch._ops.OpOverload):
@@ -162,11 +151,9 @@ def _twin(graph: fx.Graph, node: fx.Node, root: Root) -> Optional[fx.Node]:
 
 
 def out_of_place(graph: fx.Graph, root: Root) -> None:
-    """Turns each update in place of a value with no other name into a new value.
-
-    ``x.add_(y)`` becomes ``x2 = x + y``, and what read ``x`` after the
-    update reads ``x2``. An update of a view, or of a value that has views,
-    is left as it is (the update shows through every name).
+    """Turns each update in place of a value with no other name into a new value: ``x.add_(y)``
+    becomes ``x2 = x + y``, read by what read ``x`` after it. Updates of views or of
+    values with views are left as they are.
 
     Raises:
         RuntimeError: the code updates a buffer or a parameter (or a view of one)
@@ -181,8 +168,7 @@ def out_of_place(graph: fx.Graph, root: Root) -> None:
         target = node.args[0]
         assert isinstance(target, fx.Node)
         position = {n: i for i, n in enumerate(graph.nodes)}
-        # Other names of the target: its views, and the updates in place
-        # before this one that stayed (those after it are turned in their turn).
+        # Other names: its views, and the updates before this one that stayed.
         aliased = any(returns_alias(u, root) and u.args[0] is target
                       and (not written(u, root) or position[u] < position[node])
                       for u in target.users if u is not node)
@@ -200,9 +186,9 @@ def out_of_place(graph: fx.Graph, root: Root) -> None:
 
 
 def shared_memory(nodes: List[fx.Node], root: Root) -> List[Set[fx.Node]]:
-    """The sets of nodes that must be in one child, for the updates in place left: the
-    update, every name of its memory and every reader of them. An update read later
-    only through its own result (``bn -> relu(inplace=True) -> conv``) needs nothing."""
+    """The sets of nodes that must be in one child for the updates in place left: the update,
+    every name of its memory and their readers (none where only the update's own result is
+    read later, as ``bn -> relu(inplace=True) -> conv``)."""
     position = {n: i for i, n in enumerate(nodes)}
     together = []
     for update in nodes:

@@ -1,12 +1,10 @@
 """Cutting a captured graph into the children of a sequential.
 
-:func:`segments` decides where the cuts go: a module kept whole and called
-once is a child of its own; the code between such calls becomes a
-:class:`GeneratedChild`, a :class:`torch.fx.GraphModule` of its own piece of
-the graph that pops the values it needs from earlier children and stashes
-those later children need (:mod:`torchgpipe.skip`). What cannot be in two
-partitions (a module with state called twice, a parameter read at two
-places) is never cut.
+A module kept whole and called once is a child of its own; the code
+between such calls becomes a :class:`GeneratedChild`, which pops the values
+it needs from earlier children and stashes those later ones need. What
+cannot be in two partitions (a stateful module called twice, a parameter
+read at two places) is never cut.
 """
 import operator
 import weakref
@@ -27,26 +25,16 @@ class GeneratedChild(nn.Module):
     """One generated child: runs its piece of the traced graph between pops and stashes.
 
     Args:
-        graph_module (torch.fx.GraphModule): takes the values received from
-            the previous child, then the popped ones; returns the output for
-            the next child and the tuple of values to stash
+        graph_module (torch.fx.GraphModule): takes the values received, then the
+            popped ones; returns the output and the tuple of values to stash
         tuple_input (bool): whether the previous child passes a tuple
-        pops (list of strs): the skip names to pop, in argument order
-        stashes (list of strs): the skip names to stash, in result order
-        transient (list of strs): the qualified names, in ``graph_module``,
-            of the tensors to leave out of the state dict
+        pops, stashes (list of strs): the skip names, in argument and result order
+        transient (list of strs): the tensors to leave out of the state dict
         captured_training (bool, optional): the mode ``graph_module`` was
-            captured in (its operations may depend on it: dropout recorded
-            on or off); ``None`` for a graph traced alike in both modes
-        other_mode (torch.fx.GraphModule, optional): the same piece as
-            recorded in the other mode, run in that mode; it reads its
-            tensors and modules from ``graph_module``, which holds them all
-            (see :func:`share_attributes`). Without it, the child refuses
-            the other mode
-        refusal (str, optional): why there is no ``other_mode``, for the
-            error of a call in that mode
-        captured_from (nn.Module, optional): the module captured, whose
-            mode is this child's (see :attr:`training`)
+            captured in (``None``: alike in both)
+        other_mode (torch.fx.GraphModule, optional): the piece of the other mode
+            (else the child refuses it, saying ``refusal``)
+        captured_from (nn.Module, optional): the module whose mode is this child's
     """
 
     other_mode: Optional[fx.GraphModule]
@@ -57,9 +45,7 @@ class GeneratedChild(nn.Module):
                  other_mode: Optional[fx.GraphModule] = None, refusal: str = '',
                  captured_from: Optional[nn.Module] = None) -> None:
         super().__init__()
-        # Not a submodule either, and weakly held: a rank of a
-        # DistributedGPipe frees the layers of the others with the model.
-        # After Module.__init__, which sets the mode.
+        # Weakly held, not a submodule: a rank frees the others' layers with the model.
         self.__dict__['captured_from'] = None if captured_from is None else \
             weakref.ref(captured_from)
         self.graph = graph_module
@@ -69,16 +55,12 @@ class GeneratedChild(nn.Module):
         self.transient = transient
         self.captured_training = captured_training
         self.refusal = refusal
-        # Not a submodule: its tensors and modules are those of self.graph,
-        # so it adds no key to the state dict, no module to modules(), and
-        # follows .to() as self.graph does.
+        # Not a submodule: it reads self.graph's tensors and modules.
         self.__dict__['other_mode'] = other_mode
         self._share()
         self._leave_out_transient()
 
-    # This child runs in the captured module's mode, so that model.train()
-    # reaches it and seq.train() sets the module's; a copy, or a child whose
-    # module is gone, keeps a mode of its own (the module's, as last read).
+    # The captured module's mode, both ways; a copy keeps a mode of its own.
     @property
     def training(self) -> bool:
         """The mode of the module captured (this child's own mode in a copy)."""
@@ -103,11 +85,8 @@ class GeneratedChild(nn.Module):
         """The one mode this child runs in, or ``None`` when it runs in both."""
         return self.captured_training if self.other_mode is None else None
 
-    # Copies (pickle, torch.save, deepcopy): the graph module copies itself
-    # as fx does (pickle re-traces fx's generated source with the tracer the
-    # graph names, ours), and fx registers every tensor the code reads as a
-    # persistent buffer again, so the transient ones are marked once more;
-    # the other mode's graph is made to read self.graph's tensors again.
+    # Copies: fx re-registers every tensor as a persistent buffer, and the other
+    # mode's graph must read self.graph's again.
     def __getstate__(self) -> Dict[str, Any]:
         state: Dict[str, Any] = super().__getstate__()  # type: ignore[no-untyped-call]
         return {**state, 'captured_from': None, 'own_training': self.training}
@@ -131,15 +110,14 @@ class GeneratedChild(nn.Module):
             self.graph.get_submodule(owner)._non_persistent_buffers_set.add(field)
 
     def check_mode(self) -> None:
-        """Refuses a call in a mode this child has no code for; GPipe asks before a step.
+        """Refuses a call in a mode this child has no code for (the other mode's operations
+        would be silently wrong: dropout on in evaluation).
 
         Raises:
             RuntimeError: the child runs in one mode only, and is in the other
         """
         if self.only_mode is None or self.training == self.only_mode:
             return
-        # Running the operations recorded in the other mode would be
-        # silently wrong: dropout on in evaluation, or off in training.
         mode, other = ('training', 'evaluation') if self.only_mode \
             else ('evaluation', 'training')
         raise RuntimeError(describe(
@@ -167,12 +145,8 @@ class GeneratedChild(nn.Module):
 
 
 def share_attributes(holder: fx.GraphModule, code: fx.GraphModule) -> None:
-    """Makes ``code`` read every tensor and module it names from ``holder``.
-
-    What ``holder`` lacks it takes from ``code`` first. Then ``code`` gets
-    ``holder``'s own dicts of submodules, parameters and buffers: a buffer
-    that ``holder.to(device)`` replaces is replaced for both.
-    """
+    """Makes ``code`` read every tensor and module it names from ``holder`` (taking what
+    ``holder`` lacks first), sharing its dicts so that ``holder.to()`` moves both."""
     for node in code.graph.nodes:
         if node.op in ('get_attr', 'call_module'):
             target = str(node.target)
@@ -185,11 +159,8 @@ def share_attributes(holder: fx.GraphModule, code: fx.GraphModule) -> None:
 
 
 def assign(module: nn.Module, target: str, value: Any) -> None:
-    """Puts ``value`` at the qualified name ``target`` of ``module``, as fx would.
-
-    Missing modules on the way are made empty; a tensor that is no parameter
-    becomes a buffer, so that it follows ``.to()``.
-    """
+    """Puts ``value`` at the qualified name ``target`` of ``module`` as fx would: empty
+    modules on the way, a tensor that is no parameter as a buffer."""
     *path, field = target.split('.')
     owner = module
     for part in path:
@@ -204,8 +175,7 @@ def assign(module: nn.Module, target: str, value: Any) -> None:
 def segments(graph: fx.Graph, root: Union[nn.Module, Dict[str, Any]]) -> List[List[fx.Node]]:
     """Cuts the graph's computing nodes into the runs of the children, in order."""
     order = {n: i for i, n in enumerate(graph.nodes)}
-    # Each get_attr node moves right before its first user, so that the
-    # tensor it reads goes to the child that uses it first.
+    # Each get_attr node moves right before its first user, into that child.
     nodes: List[fx.Node] = []
     for n in graph.nodes:
         if n.op in ('placeholder', 'output') or (n.op == 'get_attr' and n.users):
@@ -217,21 +187,16 @@ def segments(graph: fx.Graph, root: Union[nn.Module, Dict[str, Any]]) -> List[Li
             if a.op == 'get_attr' and min(a.users, key=order.__getitem__) is n:
                 nodes.append(a)
         nodes.append(n)
-        # A leaf module returning a tuple keeps the indexing of its output,
-        # so that only the items used later leave its child: a tuple may
-        # hold more than tensors (nn.MultiheadAttention's weights are None
-        # when not needed).
+        # Indexing a leaf module's tuple stays with it: only the items used leave
+        # (nn.MultiheadAttention's weights may be None).
         if n.op == 'call_module':
             nodes.extend(u for u in n.users if u.op == 'call_function'
                          and u.target is operator.getitem)
     index = {n: i for i, n in enumerate(nodes)}
 
-    # The span from the first to the last use of a module called at several
-    # places, a parameter read by glue code at several places, or a buffer
-    # shared by two modules is never cut: GPipe refuses a layer (or buffer) in
-    # two partitions. Parameters tied between modules join nothing (GPipe
-    # shares them), nor do modules without state (a dropout), lest a dropout
-    # used at both ends make one child of the whole model.
+    # GPipe refuses a layer or buffer in two partitions: the span between the uses
+    # of a stateful module, a glue parameter or a shared buffer is never cut.
+    # (Tied parameters GPipe shares; a stateless dropout may be anywhere.)
     uses: Dict[object, List[int]] = {}
     for n in nodes:
         if n.op == 'call_module':
@@ -242,8 +207,7 @@ def segments(graph: fx.Graph, root: Union[nn.Module, Dict[str, Any]]) -> List[Li
                 uses.setdefault(key, []).append(index[n])
         elif n.op == 'get_attr' and isinstance(attr(root, n.target), nn.Parameter):
             uses.setdefault(id(attr(root, n.target)), []).extend(index[u] for u in n.users)
-    # Memory updated in place and read elsewhere by another name stays in
-    # one child with its readers (see torchgpipe.capture.alias).
+    # Memory updated in place stays with its readers (torchgpipe.capture.alias).
     for k, group in enumerate(alias.shared_memory(nodes, root)):
         uses[('memory', k)] = [index[n] for n in group]
     span = list(range(len(nodes)))  # span[i]: the last node in the child of node i
@@ -256,8 +220,7 @@ def segments(graph: fx.Graph, root: Union[nn.Module, Dict[str, Any]]) -> List[Li
     reach = -1
     for i, n in enumerate(nodes):
         if n.op == 'call_module' and reach < i and span[i] == i:
-            # A leaf module used at this place only is a child of its own,
-            # with the tensors read for it.
+            # A leaf module used here only: a child of its own, with its tensors.
             attrs = [a for a in current if a.op == 'get_attr' and n in a.users]
             rest = [a for a in current if a not in attrs]
             if rest:
@@ -275,12 +238,8 @@ def segments(graph: fx.Graph, root: Union[nn.Module, Dict[str, Any]]) -> List[Li
     return segments
 
 def merge_checks(segments: List[List[fx.Node]]) -> List[List[fx.Node]]:
-    """Joins each run of checks alone to the child after it (or, at the end, before it).
-
-    A child must pass a value on, and ``torch._assert`` (with the shapes it
-    reads) makes none: as a child of its own it would hand ``None`` to the
-    next one.
-    """
+    """Joins each run of checks alone to the child after it (or, at the end, before it): a
+    child of checks would pass no value on."""
     merged: List[List[fx.Node]] = []
     pending: List[fx.Node] = []
     for segment in segments:
@@ -313,15 +272,8 @@ def with_shapes(segment: List[fx.Node]) -> List[fx.Node]:
 
 def transient(root: Union[nn.Module, Dict[str, Any]], segment: List[fx.Node],
                state: Dict[int, str]) -> List[str]:
-    """The tensors a generated child reads that the original leaves out of its state dict.
-
-    fx registers every tensor a generated child reads as a buffer, which
-    would add keys the original's checkpoints lack: a non-persistent buffer
-    such as a causal mask, or a constant tensor.
-
-    Returns:
-        list of strs: their qualified names, as the child's graph module has them
-    """
+    """The names of the tensors a generated child reads that the original leaves out of its
+    state dict (a non-persistent mask, a constant), which fx registers as buffers."""
     names = []
     for n in segment:
         if n.op != 'get_attr':
@@ -343,8 +295,6 @@ def stateless(module: nn.Module) -> bool:
 
 def child_name(segment: List[fx.Node]) -> str:
     """A child's name: its leaf module's, or its first operation's."""
-    # Not named after the tensors it reads, the shapes it computes again, nor
-    # the checks it runs first.
     computing = [n for n in segment
                  if n.op != 'get_attr' and not is_shape(n) and not is_check(n)] or segment
     name = computing[0].name

@@ -1,13 +1,11 @@
 """Capturing a graph with :func:`torch.export.export`, for :func:`~torchgpipe.to_sequential`.
 
-:mod:`torch.fx` needs no example but fails on code that branches on a traced
-value and on ``(*args, **kwargs)`` forwards, as transformers models are
-written. :func:`torch.export.export` runs ``forward`` on fake tensors of
-symbolic sizes instead. :func:`capture` gives the graph the form of an fx
-trace: each tensor ``forward`` reads is a ``get_attr`` of the user's tensor
-itself; each call of a module fx would keep whole that takes one tensor is
-folded back into a ``call_module`` of the user's module; the rest are ATen
-operations, recorded in the module's mode (``to_sequential`` captures both).
+Unlike :mod:`torch.fx`, export runs ``forward`` on fake tensors of symbolic
+sizes, so it follows branches on values and ``(*args, **kwargs)`` forwards
+(transformers models). :func:`capture` gives its graph the form of an fx
+trace: each tensor read is a ``get_attr`` of the user's tensor, and each
+call of a one-input module fx would keep whole folds back into a
+``call_module``; the rest are ATen operations of the module's mode.
 """
 import inspect
 import itertools
@@ -30,22 +28,13 @@ from torchgpipe.foundation.validation import brief, describe
 __all__: List[str] = []
 
 
-# Checks export adds for its own guarantees: that a ``.to()`` got the dtype
-# it was traced with. Each operation checks its operands anyway.
+# Export's checks of a ``.to()``'s dtype: each operation checks its operands anyway.
 _DROPPED = (torch.ops.aten._assert_tensor_metadata.default,)
 
 
 def capture(module: nn.Module, example: Any) -> Captured:
-    """Captures ``module`` called on ``example`` with :func:`torch.export.export`.
-
-    Args:
-        module (torch.nn.Module): the module
-        example: a tensor, a tuple of positional arguments, or a dict of
-            keyword arguments of ``module.forward``; every size of every
-            tensor may differ when the sequential is called
-
-    Returns:
-        Captured: the graph, its attributes and the sequential's interface
+    """Captures ``module`` called on ``example`` (a tensor, a tuple of positional arguments,
+    or a dict of keyword arguments, every size dynamic) with :func:`torch.export.export`.
 
     Raises:
         TypeError: ``example`` does not fit ``module.forward``
@@ -111,14 +100,9 @@ def capture(module: nn.Module, example: Any) -> Captured:
 
 def _export(module: nn.Module, kwargs: Dict[str, Any]) -> Any:
     """``torch.export.export`` of ``module`` on ``kwargs``, every size dynamic, the module
-    left as it was.
-
-    Raises:
-        RuntimeError: export cannot capture ``module``
-    """
+    left as it was; :class:`RuntimeError` if export cannot capture it."""
     shapes = {name: pytree.tree_map(_any_size, value) for name, value in kwargs.items()}
-    # Positional as far as they go, as a call module(x, mask) gives them:
-    # a forward pre-hook reads its inputs from args.
+    # Positional as far as they go: a forward pre-hook reads its inputs from args.
     positional = [name for name, p in inspect.signature(module.forward).parameters.items()
                   if p.kind == p.POSITIONAL_OR_KEYWORD]
     leading = list(itertools.takewhile(kwargs.__contains__, positional))
@@ -142,11 +126,8 @@ def _export(module: nn.Module, kwargs: Dict[str, Any]) -> Any:
 
 
 def _bind(module: nn.Module, example: Any) -> Dict[str, Any]:
-    """The example as keyword arguments of ``module.forward``, in the order of its signature.
-
-    In that order, so that the sequential takes its inputs in the order a
-    positional call gives them.
-    """
+    """The example as keyword arguments of ``module.forward`` in signature order, the order
+    a positional call gives the sequential's inputs."""
     named = named_arguments(module)
     if isinstance(example, dict):
         unknown = [key for key in example if key not in named]
@@ -174,8 +155,7 @@ def _bind(module: nn.Module, example: Any) -> Dict[str, Any]:
                                      f'{name}: a {type(value).__name__} of tensors',
                                      'give each tensor as an argument of its own'))
         if isinstance(value, Tensor) and value.dim() and value.size(0) < 2:
-            # export takes a size of 0 or 1 for a constant: a micro-batch of
-            # another size would run code made for that one.
+            # export takes a size of 0 or 1 for a constant.
             raise ValueError(describe(f'example_inputs[{name!r}] must hold at least 2 samples',
                                       f'{name}: shape {tuple(value.shape)}',
                                       'give an example batch of 2 or more'))
@@ -185,16 +165,14 @@ def _bind(module: nn.Module, example: Any) -> Dict[str, Any]:
                                  f'{brief(example)}', 'give an example batch of the inputs '
                                  f'of forward, such as {{{named[0]!r}: x}}' if named else
                                  'give an example batch of the inputs of forward'))
-    # One tensor given for two arguments would be one input of the graph:
-    # export reads both arguments from it. Each argument gets its own memory.
+    # One tensor given for two arguments would be one input: each gets its own memory.
     storages: Set[int] = set()
     for name, value in given.items():
         if isinstance(value, Tensor):
             if value.untyped_storage().data_ptr() in storages:
                 given[name] = value.detach().clone().requires_grad_(value.requires_grad)
             storages.add(value.untyped_storage().data_ptr())
-    # A cache of keys and values serves generation, not training, and is
-    # no tensor: transformers models make none when asked.
+    # A key-value cache serves generation, not training: transformers makes none if asked.
     if 'use_cache' in named and 'use_cache' not in given:
         given['use_cache'] = False
     return {name: given[name] for name in named if name in given}
@@ -208,8 +186,8 @@ def _any_size(value: Any) -> Any:
 
 
 def _foldable(module: nn.Module) -> bool:
-    """Whether calls of ``module`` become calls again: a leaf, or a module with hooks
-    (see :func:`~torchgpipe.capture.graph.has_hooks`), whose forward takes one value."""
+    """Whether calls of ``module`` become calls again: a leaf, or a module with hooks, whose
+    forward takes one value."""
     if not has_hooks(module):
         if isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
             return False
@@ -226,13 +204,8 @@ def _foldable(module: nn.Module) -> bool:
 
 
 def _fold(graph: fx.Graph, module: nn.Module, root: Dict[str, Any]) -> None:
-    """Folds the operations of each call of a foldable module into a ``call_module`` node.
-
-    A call folds when its operations read one value from outside (the
-    input), only the module's own tensors besides, and give one value to
-    the rest of the graph (the output). Sizes read from the input and used
-    outside stay in the graph, before the call.
-    """
+    """Folds each call of a foldable module into a ``call_module`` node, where its operations
+    read one value from outside and the module's own tensors, and give one value out."""
     modules = dict(module.named_modules())
     calls: Dict[str, Tuple[str, List[fx.Node]]] = {}
     for node in graph.nodes:
@@ -276,12 +249,8 @@ def _fold(graph: fx.Graph, module: nn.Module, root: Dict[str, Any]) -> None:
 
 
 def _plain(node: fx.Node, inside: Set[fx.Node]) -> bool:
-    """Whether a node of a module's call is an operation a call of the module would run.
-
-    Not a higher-order operation (the body of ``torch.no_grad()`` or
-    ``torch.autocast``, whose items carry the stack of the modules called
-    within): folded into a call, the module would run outside that context.
-    """
+    """Whether a node of a module's call is one a call of the module would run: not a
+    higher-order operation (``torch.no_grad()``'s body), whose context a call would lose."""
     if isinstance(node.target, torch._ops.OpOverload) or is_shape(node):
         return True
     return node.target is operator.getitem and node.args[0] in inside

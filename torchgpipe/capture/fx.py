@@ -1,10 +1,9 @@
 """Capturing a graph with :mod:`torch.fx`, for :func:`~torchgpipe.to_sequential`.
 
-``forward`` runs on symbolic values: no example is needed and every size
-stays symbolic. Modules of ``torch.nn``, skippable layers, modules with
-hooks and the ``leaf_modules`` a user names are kept whole, as
-``call_module`` nodes. When fx fails, the error names the module and the
-line, and a change that works.
+``forward`` runs on symbolic values: no example, every size symbolic.
+Modules of ``torch.nn``, skippable layers, modules with hooks and the
+``leaf_modules`` given stay whole. A failure names the module, the line,
+and a change that works.
 """
 import inspect
 import linecache
@@ -30,11 +29,8 @@ __all__: List[str] = []
 LeafSpec = Union[Type[nn.Module], nn.Module]
 
 class Tracer(fx.Tracer):
-    """fx's tracer, which also keeps the given classes and instances whole.
-
-    fx also makes one with no argument, to trace a generated child's code
-    again when it loads a pickled child (see :class:`~torchgpipe.capture.cut.GeneratedChild`).
-    """
+    """fx's tracer, which also keeps the given classes and instances whole (fx makes one
+    with no argument to trace a generated child again as it unpickles it)."""
 
     def __init__(self, leaf_modules: Sequence[LeafSpec] = (),
                  constants: Optional[Dict[str, Any]] = None) -> None:
@@ -45,22 +41,17 @@ class Tracer(fx.Tracer):
         self.leaf_types = tuple(m for m in leaf_modules if isinstance(m, type))
         self.leaf_ids = {id(m) for m in leaf_modules if isinstance(m, nn.Module)}
 
-        #: the constant tensors forward makes, by the name get_attr nodes read
-        #: them by; None: on the module traced, as fx keeps them (fx's tracer
-        #: of a loaded child, whose module is fx's, not the user's)
+        #: the constant tensors forward makes, by name; None: on the module traced
+        #: (a loaded child's, whose module is fx's)
         self.constants = constants
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        # A skippable layer's forward is a generator that talks to the skip
-        # tracker: it must stay a child, called by the sequential. A module
-        # with hooks stays whole so that they run at each call, as the user
-        # wrote them: traced through, their Python would run once, here.
+        # A skippable layer's generator talks to the skip tracker; hooks run at each call.
         return (isinstance(m, self.leaf_types + (Skippable,)) or id(m) in self.leaf_ids
                 or has_hooks(m) or super().is_leaf_module(m, module_qualified_name))
 
     def create_arg(self, a: Any) -> Any:
-        # fx keeps a constant tensor as an attribute of the module it traces,
-        # which is the user's: kept here instead.
+        # Not on the user's module, where fx would keep a constant tensor.
         if self.constants is not None and isinstance(a, torch.Tensor) and \
                 a not in self.tensor_attrs:
             name = f'_tensor_constant{len(self.constants)}'
@@ -73,9 +64,7 @@ class Tracer(fx.Tracer):
         fn, args = super().create_args_for_root(root_fn, is_module, concrete_args)
         if not (is_module and has_hooks(self.root)):
             return fn, args
-        # fx calls the root's forward, not the root: its own hooks would be
-        # left out. Called through nn.Module's call, they are traced too.
-        # check_root_hooks refused what fx would have wrapped (*args, **kwargs).
+        # fx calls the root's forward: through nn.Module's call its hooks trace too.
         assert fn is root_fn, 'a root with hooks whose forward fx wraps'
         call: Callable[..., Any] = nn.Module._call_impl
         return (lambda module, *inputs: call(module, *inputs)), args
@@ -85,9 +74,8 @@ def check_root_hooks(module: nn.Module) -> None:
     """Refuses hooks of the module itself that its trace cannot run, before tracing.
 
     Raises:
-        RuntimeError: the module has backward hooks, or hooks and a
-            ``forward`` that takes ``*args``, ``**kwargs`` or keyword-only
-            arguments (which fx calls through a wrapper of its own)
+        RuntimeError: the module has backward hooks, or hooks and a ``forward``
+            taking ``*args``, ``**kwargs`` or keyword-only arguments
     """
     if module._backward_pre_hooks or module._backward_hooks:
         raise RuntimeError(describe(
@@ -110,10 +98,8 @@ def capture(module: nn.Module, leaves: List[LeafSpec],
     check_root_hooks(module)
     constants: Dict[str, Any] = {}
     tracer = Tracer(leaves, constants)
-    # Called as the module is usually called: an argument with a default
-    # (mask=None, is_causal=False) takes it, unless concrete_args says else.
-    # Traced as an input instead, a None default would be taken for a tensor.
-    # torch.fx.PH (fx's placeholder) keeps such an argument an input.
+    # Arguments with defaults take them (a None would be traced as a tensor), unless
+    # concrete_args says else; torch.fx.PH keeps one an input.
     concrete_args = {name: value
                      for name, value in {**_defaults(module), **(concrete_args or {})}.items()
                      if value is not fx.PH}  # type: ignore[attr-defined]
@@ -122,8 +108,7 @@ def capture(module: nn.Module, leaves: List[LeafSpec],
     _drop_concrete_args(graph, module, concrete_args)
     # By the argument's name: fx renames a node that would shadow a builtin.
     names = [str(n.target) for n in graph.nodes if n.op == 'placeholder']
-    # A dict, a dataclass... of tensors is returned as the tuple of them,
-    # which the interface arranges back.
+    # A dict or dataclass of tensors returns as their tuple; the interface arranges it back.
     output = next(n for n in graph.nodes if n.op == 'output')
     flat, structure = pytree.tree_flatten(_mutable(output.args[0]))
     results = output_nodes(flat, output.args[0])
@@ -156,13 +141,11 @@ def _trace(module: nn.Module, tracer: Tracer,
         user = [(frame, lineno) for frame, lineno in traceback.walk_tb(exc.__traceback__)
                 if not os.path.abspath(frame.f_code.co_filename).startswith(torch_dir)
                 and frame.f_code.co_filename != __file__]
-        # Any trace fx fails, export may capture: it runs forward on an
-        # example, so it follows branches on sizes and any signature.
+        # Export, on an example, follows branches on sizes and any signature.
         export = ('give an example input to capture it with torch.export instead: '
                   f'to_sequential(module, example_inputs={_example_of(module)})')
         if not user:
-            # fx failed on its own, before any line of forward ran: a
-            # signature it cannot read, such as a decorator's (*args, **kwargs).
+            # fx failed before forward ran: a signature it cannot read.
             raise RuntimeError(f'torch.fx cannot trace the module ({type(module).__name__}) '
                                f'({type(exc).__name__}: {exc}); {export}') from exc
         frame, lineno = user[-1]
@@ -203,12 +186,8 @@ def _defaults(module: nn.Module) -> Dict[str, Any]:
 
 def _drop_concrete_args(graph: fx.Graph, module: nn.Module,
                         concrete_args: Dict[str, Any]) -> None:
-    """Removes the inputs fixed by ``concrete_args``, and fx's checks of their values.
-
-    fx keeps a placeholder for each, read only by an assertion that the
-    value given is the one traced with: the sequential takes the other
-    inputs alone, as GPipe passes tensors only.
-    """
+    """Removes the inputs fixed by ``concrete_args`` and fx's checks of their values: the
+    sequential takes the tensor inputs alone."""
     names = list(inspect.signature(module.forward).parameters)
     placeholders = [n for n in graph.nodes if n.op == 'placeholder']
     for name, placeholder in zip(names, placeholders):

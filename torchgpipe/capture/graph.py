@@ -1,11 +1,9 @@
 """The form of a captured graph, which both captures give and the cutting reads.
 
-A :class:`Captured` graph has the sequential's inputs as placeholders,
-``get_attr`` nodes for the tensors it reads and ``call_module`` nodes for the
-modules kept whole (both naming objects of the user's model, through
-``root``), and an output node returning a node or a tuple of nodes. Sizes
-and checks are told apart from the values that flow (:func:`is_shape`,
-:func:`is_check`): each child computes the sizes it reads again.
+Placeholders are the sequential's inputs; ``get_attr`` and ``call_module``
+nodes name the user's objects through ``root``; the output node returns a
+node or a tuple. Sizes and checks (:func:`is_shape`, :func:`is_check`) are
+computed again by each child that reads them.
 """
 import inspect
 from typing import Any, Dict, List, NamedTuple, Sequence, Union
@@ -37,11 +35,8 @@ _CHECKS = (torch._assert, torch.ops.aten._assert_scalar.default,
            torch.ops.aten.sym_constrain_range_for_size.default)
 
 def is_shape(node: fx.Node) -> bool:
-    """Whether a node computes a shape, a size or a number from shapes only.
-
-    Such values are no tensors, so they cannot go from child to child in
-    GPipe; each child that uses one computes it again from its tensor.
-    """
+    """Whether a node computes a shape, a size or a number from shapes only: no tensor, so
+    each child using one computes it again."""
     if node.op == 'call_method' and node.target in ('size', 'dim', 'numel'):
         return True
     if node.op != 'call_function':
@@ -50,8 +45,7 @@ def is_shape(node: fx.Node) -> bool:
         return node.args[1] in ('shape', 'ndim', 'dtype', 'device')
     if node.target in _SIZES:
         return True
-    # Arithmetic on sizes: Python's operators (fx), and torch.sym_max and
-    # such (export).
+    # Arithmetic on sizes: Python's operators (fx), torch.sym_max and such (export).
     if getattr(node.target, '__module__', '') in ('_operator', 'operator') \
             or getattr(node.target, '__name__', '').startswith('sym_'):
         return bool(node.all_input_nodes) and all(is_shape(a) for a in node.all_input_nodes)
@@ -76,23 +70,14 @@ def attr(root: Union[nn.Module, Dict[str, Any]], target: object) -> Any:
     return value
 
 def has_hooks(module: nn.Module) -> bool:
-    """Whether ``module`` has hooks that run when it is called.
-
-    Such a module stays whole, a child of its own, where it can: its hooks
-    then run at each call, as written. Traced through, their Python would
-    run once, while capturing.
-    """
+    """Whether ``module`` has hooks that run when it is called: it stays whole where it can,
+    so they run at each call rather than once while capturing."""
     return bool(module._forward_pre_hooks or module._forward_hooks
                 or module._backward_pre_hooks or module._backward_hooks)
 
 def resolve(graph: fx.Graph, module: nn.Module, extra: Dict[str, Any]) -> Dict[str, Any]:
-    """What each ``get_attr`` and ``call_module`` node of ``graph`` names.
-
-    Looked up in ``extra`` (the constants a capture made), else in ``module``.
-
-    Captures give the cutting this dict, not the user's module: nothing is
-    put on the module to be found there.
-    """
+    """What each ``get_attr`` and ``call_module`` node of ``graph`` names, in ``extra`` (the
+    capture's constants) or ``module``: nothing is put on the user's module."""
     found = {}
     for node in graph.nodes:
         if node.op in ('get_attr', 'call_module'):
@@ -110,8 +95,7 @@ def output_nodes(leaves: Sequence[Any], shown: object) -> List[fx.Node]:
     """The nodes of a graph's outputs, checked to be values the graph computes.
 
     Raises:
-        TypeError: an output is a constant (a number, ``None``): the
-            sequential returns tensors only
+        TypeError: an output is a constant: the sequential returns tensors only
     """
     if not all(isinstance(leaf, fx.Node) for leaf in leaves):
         raise TypeError(describe('module must return tensors to be flattened',

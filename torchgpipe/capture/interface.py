@@ -1,10 +1,4 @@
-"""How to call a flattened sequential as the original module was called.
-
-:func:`~torchgpipe.to_sequential` puts an :class:`Interface` on the
-sequential it returns: the sequential takes and returns tensors, the
-original keyword arguments and structured outputs (a dict, a transformers
-``ModelOutput``).
-"""
+"""How to call a flattened sequential as the original module was called."""
 from typing import Any, Dict, Optional, Sequence
 
 from torch.utils import _pytree as pytree
@@ -18,11 +12,10 @@ __all__ = ['Interface']
 class Interface:
     """How to call a flattened sequential as the original module was called.
 
-    :func:`~torchgpipe.to_sequential` puts one on the sequential it returns,
-    as ``seq.interface``. The sequential (and GPipe around it) takes one
-    tensor, or a tuple of tensors in the order of ``names``, and returns
-    a tensor or a tuple of tensors; :meth:`inputs` and :meth:`outputs`
-    translate from and to the original's way.
+    :func:`~torchgpipe.to_sequential` puts one on the sequential it returns, as
+    ``seq.interface``: :meth:`inputs` and :meth:`outputs` translate the
+    original's arguments and structured outputs (a dict, a transformers
+    ``ModelOutput``) from and to the tensors the sequential takes and returns.
 
     Args:
         names (tuple of strs): the original's arguments the sequential
@@ -31,8 +24,7 @@ class Interface:
         structure: how the original arranges the tensors it returns, or
             ``None`` for a tensor or a tuple of tensors as the sequential
         training (bool, optional): the mode the graph was captured in first,
-            when the generated children depend on it; they run the other
-            mode's graph in the other mode
+            when the generated children depend on it
 
     Example::
 
@@ -63,9 +55,7 @@ class Interface:
     def __repr__(self) -> str:
         return f'Interface(names={self.names})'
 
-    # pickle and copy.deepcopy: a TreeSpec's leaves do not copy quietly
-    # (torch warns about the class they are made again with), so the
-    # structure travels as nested tuples and is built again.
+    # pickle and deepcopy: a TreeSpec's leaves copy with a warning, so nested tuples travel.
     def __getstate__(self) -> Dict[str, Any]:
         state = dict(self.__dict__)
         state['structure'] = _encode(self.structure)
@@ -76,11 +66,8 @@ class Interface:
         self.structure = None if state['structure'] is None else _decode(state['structure'])
 
     def inputs(self, *args: Any, **kwargs: Any) -> TensorOrTensors:
-        """Arranges arguments given as to the original module into the sequential's input.
-
-        Returns:
-            torch.Tensor or tuple: the one input tensor, or the tuple of them
-            in the order of ``names``
+        """Arranges arguments given as to the original module into the sequential's input: one
+        tensor, or a tuple in the order of ``names``.
 
         Raises:
             TypeError: an input is missing, unknown or given twice, or an
@@ -117,15 +104,7 @@ class Interface:
         return values[0] if len(values) == 1 else values
 
     def outputs(self, output: TensorOrTensors) -> Any:
-        """Arranges the sequential's output as the original module returns it.
-
-        Args:
-            output (torch.Tensor or tuple): what the sequential (or GPipe
-                around it) returned
-
-        Returns:
-            the original's output: a ``ModelOutput`` of transformers, a
-            dict, a dataclass... holding those tensors
+        """Arranges the sequential's (or GPipe's) ``output`` as the original module returns it.
 
         Raises:
             TypeError: ``output`` holds another number of tensors than the

@@ -1,13 +1,9 @@
 """Where to_sequential cuts a captured graph into children, in one mode and in the other.
 
-:func:`plan` cuts a graph into the children of the sequential and says what
-passes between them (outputs to the next child, skips to later ones);
-:func:`piece` makes the graph of one generated child. A captured graph
-records the operations of one mode (``training``):
-:func:`capture_other_mode` captures the other (:func:`same` tells a trace of
-torch.fx that does not depend on it), and :func:`match` checks that it cuts
-into children alike, so that each generated child can run the piece of the
-mode it is in (:class:`~torchgpipe.capture.cut.GeneratedChild`).
+:func:`cut_parts` cuts a graph into children and says what passes between
+them; :func:`piece` makes one generated child's graph. A graph records one
+mode: :func:`capture_other_mode` captures the other, and :func:`match`
+checks it cuts alike, so each generated child runs the piece of its mode.
 """
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union, cast
 
@@ -24,8 +20,8 @@ __all__: List[str] = []
 Root = Union[nn.Module, Dict[str, Any]]
 
 
-class Plan(NamedTuple):
-    """Where a captured graph is cut into children, and what goes between them."""
+class Parts(NamedTuple):
+    """The parts a captured graph is cut into, one per child, and what goes between them."""
 
     #: each child's nodes, with the shapes it computes again
     segments: List[List[fx.Node]]
@@ -43,19 +39,17 @@ class Plan(NamedTuple):
     stashes: List[List[Tuple[fx.Node, int]]]
 
 
-def plan(graph: fx.Graph, root: Root) -> Plan:
+def cut_parts(graph: fx.Graph, root: Root) -> Parts:
     """Cuts a captured graph into the children of the sequential."""
     placeholders = [n for n in graph.nodes if n.op == 'placeholder']
     output_node = next(n for n in graph.nodes if n.op == 'output')
     result = output_node.args[0]
-    # A run of shape computations alone would pass no tensor on: it is left
-    # out, as every child computes the shapes it reads itself.
+    # Shape computations alone pass no tensor: each child computes its own.
     segments = cut.merge_checks([s for s in cut.segments(graph, root)
                                  if not all(map(is_shape, s))])
     last = len(segments) - 1
 
-    # Where each value is held: the child that computes it; the inputs are
-    # held by the first child, which receives them.
+    # The child that computes each value (the inputs: the first).
     holder: Dict[fx.Node, int] = {p: 0 for p in placeholders}
     for k, segment in enumerate(segments):
         holder.update((n, k) for n in segment)
@@ -74,21 +68,16 @@ def plan(graph: fx.Graph, root: Root) -> Plan:
         passed.append([a for a in needs[k + 1] if holder[a] == k])
         later = [a for j in range(k + 2, last + 1) for a in needs[j] if holder[a] == k]
         if passed[k] and all(floating(a) is False for a in passed[k]):
-            # The gradient of a stash (or of anything upstream) leaves a
-            # partition through a floating point tensor of its output: when
-            # child k would pass integers alone (token ids) and stash a
-            # float (a mask), child k + 1 takes over that float.
+            # Gradients leave a partition through a floating point output: child
+            # k + 1 takes over a float child k would stash (a mask beside token ids).
             carrier = next((a for a in later if floating(a)), None)
             if carrier is not None:
                 holder[carrier] = k + 1
                 passed[k].append(carrier)
         if passed[k]:
             continue
-        # Child k + 1 needs nothing of child k, but GPipe needs a tensor at
-        # every boundary, and the backward pass of a partition reaches the
-        # stashes of its children only through the outputs of the next
-        # ones: so child k + 1 takes over a value child k would stash, and
-        # stashes or passes it on itself.
+        # GPipe needs a tensor at every boundary (and gradients reach stashes only
+        # through outputs): child k + 1 takes over a value child k would stash.
         if later:
             holder[later[0]] = k + 1
             passed[k].append(later[0])
@@ -97,7 +86,7 @@ def plan(graph: fx.Graph, root: Root) -> Plan:
             passed[k].append([n for n in segments[k] if not is_shape(n)][-1])
 
     results = list(result) if isinstance(result, tuple) else [result]
-    return Plan(
+    return Parts(
         segments, result, holder,
         inputs=[placeholders] + passed,
         outputs=passed + [results],
@@ -108,53 +97,44 @@ def plan(graph: fx.Graph, root: Root) -> Plan:
                  for k in range(last + 1)])
 
 
-def lone_call(plan: Plan, k: int, root: Root,
+def lone_call(parts: Parts, k: int, root: Root,
                interface: Interface) -> Optional[nn.Module]:
-    """The module child ``k`` calls, if that call is all it does: then the child is the module.
-
-    With torch.export, the first child is always generated: when it runs in
-    one mode only, the check of its mode then runs on every call, even when
-    the code that depends on the mode recorded nothing.
-    """
-    segment = plan.segments[k]
-    if (len(segment) == 1 and segment[0].op == 'call_module' and not plan.pops[k]
+    """The module child ``k`` calls if that call is all it does: then the child is the module
+    (never the first with export, whose mode check must run)."""
+    segment = parts.segments[k]
+    if (len(segment) == 1 and segment[0].op == 'call_module' and not parts.pops[k]
             and not (k == 0 and interface.training is not None)
-            and not plan.stashes[k] and not segment[0].kwargs
-            and list(segment[0].args) == plan.inputs[k] and plan.outputs[k] == segment):
+            and not parts.stashes[k] and not segment[0].kwargs
+            and list(segment[0].args) == parts.inputs[k] and parts.outputs[k] == segment):
         return attr(root, segment[0].target)  # type: ignore[no-any-return]
     return None
 
 
-def piece(plan: Plan, k: int, pops: List[fx.Node]) -> fx.Graph:
+def piece(parts: Parts, k: int, pops: List[fx.Node]) -> fx.Graph:
     """The graph of generated child ``k``: its inputs and ``pops`` in, its output and
     stashes out."""
     # Named for fx's pickling, which traces the child's code again.
     sub = fx.Graph(tracer_cls=fx_capture.Tracer)
     env: Dict[fx.Node, fx.Node] = {}
-    for a in plan.inputs[k] + pops:
+    for a in parts.inputs[k] + pops:
         env[a] = sub.placeholder(a.name)
-    for n in plan.segments[k]:
+    for n in parts.segments[k]:
         env[n] = sub.node_copy(n, env.__getitem__)
-    if k == len(plan.segments) - 1:
-        output: Any = fx.node.map_arg(plan.result, env.__getitem__)
-    elif len(plan.outputs[k]) == 1:
-        output = env[plan.outputs[k][0]]
+    if k == len(parts.segments) - 1:
+        output: Any = fx.node.map_arg(parts.result, env.__getitem__)
+    elif len(parts.outputs[k]) == 1:
+        output = env[parts.outputs[k][0]]
     else:
-        output = tuple(env[a] for a in plan.outputs[k])
-    sub.output((output, tuple(env[a] for a, _ in plan.stashes[k])))
+        output = tuple(env[a] for a in parts.outputs[k])
+    sub.output((output, tuple(env[a] for a, _ in parts.stashes[k])))
     return sub
 
 
 def hold(holder: fx.GraphModule, piece: fx.Graph, root: Root,
           state: Dict[int, str]) -> List[str]:
-    """Puts in ``holder`` what ``piece``, of the other mode's graph, reads and it lacks.
-
-    A name ``holder`` has for another object (a constant of the other
-    capture) is renamed in ``piece``.
-
-    Returns:
-        list of strs: the names of those tensors to leave out of the state dict
-    """
+    """Puts in ``holder`` what ``piece``, of the other mode's graph, reads and it lacks
+    (renamed where ``holder`` has another object under the name); returns the names to
+    leave out of the state dict."""
     names = []
     for node in piece.nodes:
         if node.op not in ('get_attr', 'call_module'):
@@ -180,41 +160,38 @@ def hold(holder: fx.GraphModule, piece: fx.Graph, root: Root,
     return names
 
 
-def match(plan: Plan, other: Plan, captured: Captured,
+def match(parts: Parts, other: Parts, captured: Captured,
            other_captured: Captured) -> Tuple[Optional[List[List[fx.Node]]], str]:
-    """Whether the other mode's graph cuts into the same children, passing the same values.
-
-    Returns:
-        (pops, ''): for each child, what its piece of the other mode's graph
-        pops, in the order of the skip names of ``plan``; or (None, why not)
-    """
+    """Whether the other mode's graph cuts into the same children, passing the same values:
+    ``(pops, '')``, each child's pops of the other graph in the order of ``parts``', or
+    ``(None, why not)``."""
     mode = 'evaluation' if captured.interface.training else 'training'
     differs = f'its forward runs other code in {mode} mode, which '
     if (captured.interface.names != other_captured.interface.names
             or captured.interface.structure != other_captured.interface.structure):
         return None, differs + 'takes or returns other values'
-    if len(plan.segments) != len(other.segments):
+    if len(parts.segments) != len(other.segments):
         return None, differs + (f'cuts into {len(other.segments)} parts, not '
-                                f'{len(plan.segments)}')
-    for k in range(len(plan.segments)):
-        if not (alike(plan.outputs[k], other.outputs[k])
-                and alike([a for a, _ in plan.stashes[k]], [b for b, _ in other.stashes[k]])
-                and [j for _, j in plan.stashes[k]] == [j for _, j in other.stashes[k]]):
+                                f'{len(parts.segments)}')
+    for k in range(len(parts.segments)):
+        if not (alike(parts.outputs[k], other.outputs[k])
+                and alike([a for a, _ in parts.stashes[k]], [b for b, _ in other.stashes[k]])
+                and [j for _, j in parts.stashes[k]] == [j for _, j in other.stashes[k]]):
             return None, differs + (f'passes other values from part {k} '
-                                    f'({child_name(plan.segments[k])})')
+                                    f'({child_name(parts.segments[k])})')
 
-    def slot(p: Plan, k: int, value: fx.Node) -> Tuple[int, int]:
+    def slot(p: Parts, k: int, value: fx.Node) -> Tuple[int, int]:
         """Where the skip ``value`` popped by child ``k`` is stashed: (child, position)."""
         h = p.holder[value]
         return h, p.stashes[h].index((value, k))
 
     orders = []
-    for k in range(len(plan.segments)):
+    for k in range(len(parts.segments)):
         theirs = {slot(other, k, b): b for b in other.pops[k]}
-        ours = [slot(plan, k, a) for a in plan.pops[k]]
+        ours = [slot(parts, k, a) for a in parts.pops[k]]
         if sorted(ours) != sorted(theirs):
             return None, differs + (f'pops other values in part {k} '
-                                    f'({child_name(plan.segments[k])})')
+                                    f'({child_name(parts.segments[k])})')
         orders.append([theirs[s] for s in ours])
     return orders, ''
 
@@ -236,11 +213,8 @@ def alike(values: List[fx.Node], others: List[fx.Node]) -> bool:
 
 def capture_other_mode(module: nn.Module, capture: Callable[[], Captured]
                        ) -> Tuple[Optional[Captured], str]:
-    """``module`` captured by ``capture`` in the mode it is not in, its modes put back after.
-
-    Returns:
-        (captured, ''), or (None, why not)
-    """
+    """``module`` captured by ``capture`` in the mode it is not in, its modes put back after:
+    ``(captured, '')``, or ``(None, why not)``."""
     mode = 'evaluation' if module.training else 'training'
     modes = [(m, m.training) for m in module.modules()]
     module.train(not module.training)

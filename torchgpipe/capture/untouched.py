@@ -1,12 +1,9 @@
 """A capture leaves the module it is given as it was, and names what ``forward`` changed.
 
-Both captures run ``forward`` as Python, so what it assigns
-(``self.count += 1``) or registers (a hook) would land in the user's model as
-a proxy or fake tensor, and the captured graph would never repeat it.
-:class:`Untouched` snapshots every module's attributes (and its dicts of
-parameters, buffers, submodules, hooks) before a capture, restores them
-after, and raises naming each change: a silently dropped effect would be a
-wrong result.
+Both captures run ``forward`` as Python: what it assigns (``self.count += 1``)
+or registers would land in the model as a proxy or fake tensor, and the
+graph would never repeat it. :class:`Untouched` restores every module and
+names each change, since a silently dropped effect is a wrong result.
 """
 from types import TracebackType
 from typing import Any, Dict, List, Optional, Tuple, Type
@@ -19,11 +16,8 @@ __all__: List[str] = []
 
 
 class Untouched:
-    """Restores every module of ``module`` after a capture; refuses changes ``forward`` made.
-
-    Used as ``with Untouched(module): ...`` around a capture. On leaving, each
-    module's attributes are put back as they were; then, unless the capture
-    itself failed, a change is an error.
+    """Restores every module of ``module`` after a capture (``with Untouched(module):``);
+    unless the capture failed, a change is an error.
 
     Raises:
         RuntimeError: ``forward`` assigned, added or removed an attribute of
@@ -42,20 +36,14 @@ class Untouched:
             attributes = dict(m.__dict__)
             dicts = {k: dict(v) for k, v in attributes.items() if isinstance(v, dict)}
             self.saved.append((m, path, attributes, dicts))
-            # Tensors are not copied (parameters may be large): an update in
-            # place shows in the version counter, and is named, not undone.
+            # Not copied: an update in place shows in the version counter (named, not undone).
             for name, value in _tensors(attributes):
                 self.versions.setdefault(id(value), (_join(path, name), value, value._version))
         return self
 
     def note(self, *hook_arguments: Any) -> None:
-        """Notes what has changed so far; a forward hook of the module, for export.
-
-        export puts the attributes ``forward`` assigned back itself once it
-        is done, so the changes must be seen before: at the end of ``forward``.
-        Only those: meanwhile, export has its own fake parameters and hooks
-        in the modules' dicts.
-        """
+        """Notes the attributes changed so far: a forward hook for export, which puts them back
+        itself once ``forward`` is done."""
         self.noted = self.changes(attributes_only=True)
 
     def __exit__(self, kind: Optional[Type[BaseException]], error: Optional[BaseException],
@@ -72,12 +60,8 @@ class Untouched:
                 'the module was left as it was'))
 
     def changes(self, attributes_only: bool = False) -> List[str]:
-        """The qualified names of what changed since the snapshot.
-
-        Args:
-            attributes_only: leave out the dicts of parameters, buffers,
-                submodules and hooks, and the tensors' versions
-        """
+        """The qualified names of what changed since the snapshot (``attributes_only``: not the
+        dicts of parameters, buffers, submodules and hooks, nor the tensors' versions)."""
         changed: List[str] = []
         for m, path, attributes, dicts in self.saved:
             current = m.__dict__
@@ -119,13 +103,8 @@ def _tensors(attributes: Dict[str, Any]) -> List[Tuple[str, Tensor]]:
 
 
 def _same(value: Any, saved: Any) -> bool:
-    """Whether an attribute holds what it held: the same object, or an equal value.
-
-    Equal is enough for plain values: export puts back a copy of each
-    container it finds (``normalized_shape``, a tuple). Tensors, and
-    anything whose comparison is no plain ``bool`` (an fx proxy), must be
-    the same object.
-    """
+    """Whether an attribute holds what it held: the same object, or for plain values an
+    equal one (export puts back copies of containers)."""
     if value is saved:
         return True
     if isinstance(value, (Tensor, fx.Proxy)) or isinstance(saved, Tensor):

@@ -1,18 +1,9 @@
 """The pipeline core: the partitions one process holds, and the steps that run them.
 
-:class:`~torchgpipe.GPipe` and :class:`~torchgpipe.distributed.DistributedGPipe`
-are the :class:`torch.nn.Module` faces of a pipeline (checks, registration,
-state dicts, modes); what runs is the :class:`Core` each holds as ``core``::
+The modules are faces (checks, registration, state dicts); what runs is their ``core``::
 
     GPipe ──────────────► Core                 all partitions, a mailbox in memory
     DistributedGPipe ───► RankCore(Core)       this rank's partitions, the wire
-
-A core builds each step on the one executor
-(:class:`~torchgpipe.engine.step.Step`) and keeps what runs learn
-(:class:`~torchgpipe.runtime.state.RunState`); across processes only the
-mailbox and what surrounds the step differ
-(:class:`~torchgpipe.distributed.core.RankCore`). The rest of the package
-reaches a pipeline through its core.
 """
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, cast
@@ -42,20 +33,12 @@ from torchgpipe.skip.layout import SkipLayout
 
 __all__ = ['Core', 'CoreModule']
 
-#: What ``done(j)`` is told: partition ``j`` has no backward pass left in the step.
+#: Called with ``j`` once partition ``j`` has no backward pass left in the step.
 Done = Callable[[int], None]
 
 
 class Core:
-    """One process's share of a pipeline, and the steps that run it.
-
-    Args:
-        partitions: the partitions held in this process, by index
-        devices: the device of every partition (of those held elsewhere too)
-        skip_layout: where the skips of every partition go
-        chunks: the number of micro-batches
-        checkpoint: the checkpoint mode
-    """
+    """One process's share of a pipeline, and the steps that run it."""
 
     def __init__(self, partitions: Dict[int, nn.Sequential], devices: Sequence[torch.device],
                  skip_layout: SkipLayout, chunks: int, checkpoint: str) -> None:
@@ -66,25 +49,16 @@ class Core:
         self.checkpoint = checkpoint
         self.deferred_batch_norms = [m for p in partitions.values() for m in p.modules()
                                      if isinstance(m, DeferredBatchNorm)]
-        #: The layers that refuse a mode they have no code for (the children
-        #: to_sequential generates from code captured in one mode).
+        #: The layers that refuse a mode they have no code for (captured in one mode).
         self.mode_checked = [m for p in partitions.values() for m in p.modules()
                              if callable(getattr(type(m), 'check_mode', None))]
-        #: What runs learn and keep (copy streams, partition traits, the
-        #: recorder), which no copy of the pipeline shares.
         self.state = RunState(len(partitions))
-        #: The intra-op threads the plan of this pipeline measured with, if any,
-        #: and whether the first step has compared them with its own.
+        #: The intra-op threads its plan measured with, if any; compared once.
         self.planned_threads: Optional[int] = None
         self.threads_checked = False
 
     def check_threads(self) -> None:
-        """Warns at the first step if its intra-op threads are not those planned with.
-
-        :func:`torchgpipe.plan` predicts steps with each worker's share of the
-        cores; with more threads the workers oversubscribe them, with fewer
-        they leave some idle, and the steps take another time than predicted.
-        """
+        """Warns at the first step if its intra-op threads are not those its plan measured."""
         if self.threads_checked:
             return
         self.threads_checked = True
@@ -98,11 +72,7 @@ class Core:
                 'or plan again for the threads you train with'), UserWarning)
 
     def check_modes(self) -> None:
-        """Asks each layer whether it can run in its mode, before a step here starts work.
-
-        Raises:
-            RuntimeError: a layer cannot (its ``check_mode()`` says why)
-        """
+        """Raises a layer's ``check_mode()`` error before a step starts work."""
         for layer in self.mode_checked:
             getattr(layer, 'check_mode')()
 
@@ -114,11 +84,7 @@ class Core:
              loss_fn: Optional[LossFunction], weights: List[float], plan: Schedule, stop: int,
              *, mailbox: Optional[Mailbox] = None, done: Optional[Done] = None,
              train: bool = True) -> Step:
-        """A step of ``plan`` over the partitions here, on the one executor.
-
-        The partitions held elsewhere are ``None`` to the step, whose
-        messages to them go through ``mailbox``.
-        """
+        """A step of ``plan`` over the partitions here (``mailbox`` reaches the others)."""
         self.check_threads()
         n = len(self.devices)
         here = list(self.partitions)
@@ -133,12 +99,11 @@ class Core:
                     copy_streams=[streams.get(j) for j in range(n)])
 
     def tied(self) -> List[nn.Parameter]:
-        """The parameters several partitions use, whose gradients are whole as a step ends."""
+        """The parameters several partitions use."""
         return tied_masters(list(self.partitions.values()))
 
     def forward(self, batches: List[microbatch.Batch], training: bool) -> None:
-        """The forward path (0.0.7's): the micro-batches through every partition, in
-        clock cycles, as one autograd graph that the caller's ``backward()`` runs."""
+        """0.0.7's forward: one autograd graph, in clock cycles, for the caller's backward."""
         self.check_modes()
         self.check_threads()
         microbatch.move(batches, self.devices[0])
@@ -148,17 +113,15 @@ class Core:
         pipeline = Pipeline(batches, list(self.partitions.values()), self.devices, copy_streams,
                             streams, self.skip_layout, self.stop(len(batches), training),
                             self.state.traits, self.state.recorder)
-        # A short batch splits into fewer micro-batches than chunks: deferred
-        # BatchNorm commits once after this many, or not at all if the step fails.
+        # Deferred BatchNorm commits after this many (a short batch has fewer), or never
+        # if the step fails.
         with deferred_step(self.deferred_batch_norms, len(batches)):
             pipeline.run()
 
     def train(self, input: TensorOrTensors, target: TensorOrTensors, loss_fn: LossFunction,
               schedule: ScheduleLike, reduction: str, training: bool,
               done: Optional[Done] = None) -> torch.Tensor:
-        """A training step, its arguments checked: see :meth:`GPipe.train_step
-        <torchgpipe.GPipe.train_step>`. ``done(j)`` as for
-        :class:`~torchgpipe.engine.step.Step`."""
+        """:meth:`~torchgpipe.GPipe.train_step`, its arguments checked."""
         # Before the input is split: that of an empty pipeline's forward fails.
         if not self.devices:
             raise ValueError('train_step needs at least one layer: this GPipe is empty')
@@ -179,8 +142,7 @@ class Core:
     def evaluate(self, input: TensorOrTensors, target: Optional[TensorOrTensors],
                  loss_fn: Optional[LossFunction], reduction: str,
                  output_fn: Optional[Callable[[TensorOrTensors], Any]]) -> Any:
-        """An evaluation step, its arguments checked and the layers in evaluation mode:
-        see :meth:`GPipe.eval_step <torchgpipe.GPipe.eval_step>`."""
+        """:meth:`~torchgpipe.GPipe.eval_step`, its arguments checked, in evaluation mode."""
         if not self.devices:
             raise ValueError('eval_step needs at least one layer: this GPipe is empty')
         self.check_modes()
@@ -197,14 +159,7 @@ class Core:
 
 
 class CoreModule(nn.Module):
-    """A module whose pipeline is the :class:`Core` it holds.
-
-    The settings a user may change between steps live in the core, read and
-    written through these properties; the steps, whose arguments are checked
-    here, run there. :class:`~torchgpipe.GPipe` is one;
-    :class:`~torchgpipe.distributed.DistributedGPipe` another, with steps of
-    its own.
-    """
+    """A module whose settings live in, and whose checked steps run on, its :class:`Core`."""
 
     core: Core
 
@@ -219,9 +174,8 @@ class CoreModule(nn.Module):
 
     @property
     def checkpoint(self) -> str:
-        """The checkpoint mode, which says which micro-batches are checkpointed,
-        ``'always'`` (all), ``'except_last'`` (all but the last of ``chunks``, and
-        all of a short batch that splits into fewer) or ``'never'``."""
+        """The checkpoint mode, ``'always'``, ``'except_last'`` (every micro-batch but
+        the last of ``chunks``) or ``'never'``."""
         return self.core.checkpoint
 
     @checkpoint.setter
@@ -231,41 +185,34 @@ class CoreModule(nn.Module):
     def train_step(self, input: TensorOrTensors, target: TensorOrTensors,
                    loss_fn: Callable[[TensorOrTensors, TensorOrTensors], torch.Tensor], *,
                    schedule: ScheduleLike = '1f1b', reduction: str = 'mean') -> torch.Tensor:
-        """Runs the forward and backward passes of a mini-batch, scheduled by the pipeline.
+        """Runs the forward and backward passes of a mini-batch, as ``schedule`` orders them.
 
-        After it, every parameter's ``.grad`` holds (added to what it held) what
-        ``loss_fn(model(input), target).backward()`` gives the unwrapped model. Each
-        partition's backward runs in its device's worker, interleaved with forward
-        passes as ``schedule`` says. Each micro-batch's loss is weighted by its share
-        of the mini-batch (``reduction='mean'``) or not (``'sum'``).
+        Every parameter's ``.grad`` then holds (added to what it held) what
+        ``loss_fn(model(input), target).backward()`` gives the unwrapped model.
 
         Args:
-            input (torch.Tensor or tuple): the mini-batch, as
-                :meth:`~torchgpipe.GPipe.forward` takes it
-            target (torch.Tensor or tuple): split along dimension 0 like the input
-                (a :class:`~torchgpipe.NoChunk` tensor goes whole to every loss);
-                moved to the last device
-            loss_fn (callable): ``loss_fn(output, target)`` of one micro-batch,
-                returning one element; called again for a checkpointed micro-batch's
-                recomputation (:func:`~torchgpipe.is_recomputing` is then true)
+            input (torch.Tensor or tuple): as :meth:`~torchgpipe.GPipe.forward` takes it
+            target (torch.Tensor or tuple): split like the input (a
+                :class:`~torchgpipe.NoChunk` tensor goes whole to every loss)
+            loss_fn (callable): ``loss_fn(output, target)`` of one micro-batch, returning
+                one element; called again in a recomputation (see
+                :func:`~torchgpipe.is_recomputing`)
             schedule (str or schedule): ``'1f1b'`` (default), ``'fill_drain'``,
                 ``'interleaved_1f1b'``, ``'zb_h1'``, ``'zbv'``, or one's own
                 (:doc:`/schedules`)
-            reduction (str): ``'mean'`` (default) or ``'sum'``: how ``loss_fn``
-                reduces a micro-batch
+            reduction (str): how ``loss_fn`` reduces a micro-batch, ``'mean'``
+                (default: each loss weighted by its share of the mini-batch) or ``'sum'``
 
         Returns:
-            torch.Tensor: the loss of the mini-batch, on the last device, without
-            autograd history
+            torch.Tensor: the loss of the mini-batch, on the last device, without history
 
         Raises:
-            ValueError: an unknown ``schedule`` or ``reduction``, a schedule that
-                does not fit the step or the devices, a target that does not split
-                like the input, an empty mini-batch, or no layers
-            TypeError: ``schedule`` or ``reduction`` of another type, or ``loss_fn``
+            ValueError: an unknown ``schedule`` or ``reduction``, a schedule that does not
+                fit, a target that does not split like the input, an empty mini-batch
+            TypeError: ``schedule`` or ``reduction`` of another type, or a ``loss_fn``
                 not callable or not returning one element
-            RuntimeError: called with gradients disabled, or in a torch.distributed
-                job of several processes (use :func:`torchgpipe.distributed.train_step`)
+            RuntimeError: gradients disabled, or several processes (see
+                :func:`torchgpipe.distributed.train_step`)
 
         Example::
 
@@ -288,28 +235,23 @@ class CoreModule(nn.Module):
     def eval_step(self, input: TensorOrTensors, target: Optional[TensorOrTensors] = None,
                   loss_fn: Optional[LossFunction] = None, *, reduction: str = 'mean',
                   output_fn: Optional[Callable[[TensorOrTensors], Any]] = None) -> Any:
-        """Evaluates the pipeline on a mini-batch: its output, or its loss.
-
-        What ``model.eval()`` and :func:`torch.no_grad` give the unwrapped model, with
-        forward actions alone; the layers are back in their own mode after.
+        """Evaluates a mini-batch, as ``model.eval()`` and :func:`torch.no_grad` would the
+        unwrapped model; the layers are back in their own mode after.
 
         Args:
-            input (torch.Tensor or tuple): the mini-batch, as
-                :meth:`~torchgpipe.GPipe.forward` takes it
+            input (torch.Tensor or tuple): the mini-batch
             target (torch.Tensor or tuple, optional): with ``loss_fn``, the target
-            loss_fn (callable, optional): ``loss_fn(output, target)`` of a
-                micro-batch, weighted as :meth:`train_step` weights it
-            reduction (str): ``'mean'`` (default) or ``'sum'``, as for :meth:`train_step`
-            output_fn (callable, optional): without ``loss_fn``, what to return of
-                the output (the argmax of the logits, say)
+            loss_fn (callable, optional): as for :meth:`train_step`
+            reduction (str): as for :meth:`train_step`
+            output_fn (callable, optional): without ``loss_fn``, what to return of the
+                output (the argmax of the logits, say)
 
         Returns:
-            with ``loss_fn``, the loss of the mini-batch; without, the output (or
-            ``output_fn(output)``)
+            the loss of the mini-batch with ``loss_fn``; else the output (or ``output_fn`` of it)
 
         Raises:
-            ValueError: ``target`` without ``loss_fn``, or the other way, or
-                ``output_fn`` with ``loss_fn``; or as for :meth:`train_step`
+            ValueError: only one of ``target`` and ``loss_fn``, or ``output_fn`` with
+                them; or as for :meth:`train_step`
             TypeError: ``output_fn`` not callable; or as for :meth:`train_step`
 
         Example::

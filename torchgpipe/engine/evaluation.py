@@ -1,14 +1,5 @@
-"""An evaluation step: the forward actions of a step alone, without autograd, in eval mode.
-
-``eval_step`` runs the engine of a training step with forward actions alone,
-in fill-drain order, each partition under ``torch.no_grad()``; the last keeps
-its outputs, or each micro-batch's weighted loss::
-
-    partition 0   F0 F1 F2 F3
-    partition 1      F0 F1 F2 F3   ─► outputs, or the loss of each
-
-The layers are in evaluation mode for the step, and back in their own after.
-"""
+"""An evaluation step: a training step's forward actions alone, without autograd, in eval
+mode; the last partition keeps the outputs, or each micro-batch's weighted loss."""
 from contextlib import contextmanager
 from typing import Iterator, List, Optional, Tuple
 
@@ -20,13 +11,13 @@ from torchgpipe.engine.pipeline import clock_cycles
 from torchgpipe.engine.schedule import Action, Kind, Schedule
 from torchgpipe.foundation import microbatch
 from torchgpipe.foundation.microbatch import Batch, TensorOrTensors
-from torchgpipe.foundation.validation import check_loss, describe
+from torchgpipe.foundation.validation import check_loss, check_target_and_loss, describe
 
 __all__: List[str] = []
 
 
 def forward_only(m: int, n: int) -> Schedule:
-    """Each of ``n`` partitions' forward actions on ``m`` micro-batches, in clock order.
+    """The forward actions of ``m`` micro-batches on ``n`` partitions, in clock order.
 
     Example::
 
@@ -53,18 +44,8 @@ def evaluating(module: nn.Module) -> Iterator[None]:
 
 def check_evaluation(target: Optional[TensorOrTensors], loss_fn: object, reduction: str,
                      output_fn: object, target_elsewhere: bool = False) -> None:
-    """Checks the arguments of an evaluation step: a target and a loss function,
-    or neither, and then maybe a function of the output.
-
-    With ``target_elsewhere`` (a process of a pipeline across processes), a
-    loss function may come without the target, which another process holds.
-
-    Raises:
-        TypeError: ``loss_fn`` or ``output_fn`` is not callable, or
-            ``reduction`` not a string
-        ValueError: only one of ``target`` and ``loss_fn``, ``output_fn`` with
-            them, or an unknown ``reduction``
-    """
+    """Checks the arguments of an evaluation step: a target and a loss function, or neither
+    (a rank may have no target: ``target_elsewhere``), or else maybe ``output_fn``."""
     if output_fn is not None:
         if loss_fn is not None:
             raise ValueError(describe('eval_step returns the loss, or the output (or '
@@ -74,28 +55,17 @@ def check_evaluation(target: Optional[TensorOrTensors], loss_fn: object, reducti
             raise TypeError(describe('output_fn must be callable', f'output_fn: {output_fn!r}',
                                      'pass a function of the output, e.g. '
                                      'lambda logits: logits.argmax(-1)'))
-    if (target is None) != (loss_fn is None) and not (target_elsewhere and target is None):
-        given, missing = ('target', 'loss_fn') if loss_fn is None else ('loss_fn', 'target')
-        raise ValueError(describe('eval_step takes a target and a loss_fn together, or neither',
-                                  f'{given} without {missing}',
-                                  f'pass {missing} too for the loss, or neither for the '
-                                  'output'))
+    if target is not None or not target_elsewhere:
+        check_target_and_loss('eval_step', target, loss_fn,
+                              'for the loss, or neither for the output')
     if loss_fn is not None:
-        check_loss(reduction, loss_fn)
+        check_loss(loss_fn, reduction)
 
 
 def split_evaluation(input: TensorOrTensors, target: Optional[TensorOrTensors], chunks: int,
                      reduction: str, last_device: torch.device
                      ) -> Tuple[List[Batch], List[Optional[TensorOrTensors]], List[float]]:
-    """Splits an evaluation step's input, and its target if any, into micro-batches.
-
-    Returns:
-        as :func:`~torchgpipe.engine.inputs.split_step`; without a target, a
-        ``None`` target and a weight of 1 for each micro-batch
-
-    Raises:
-        as :func:`~torchgpipe.engine.inputs.split_step`
-    """
+    """As :func:`~torchgpipe.engine.inputs.split_step`, the target optional."""
     batches, targets, sizes = split_given(input, target, chunks, last_device)
     assert batches is not None and sizes is not None
     return (batches, list(targets) if targets is not None else [None] * len(batches),
@@ -103,11 +73,10 @@ def split_evaluation(input: TensorOrTensors, target: Optional[TensorOrTensors], 
 
 
 def evaluation_weights(sizes: List[int], reduction: str, loss: bool) -> List[float]:
-    """The weight of each micro-batch's loss, as :func:`~torchgpipe.engine.inputs.weighted`
-    gives it; 1 for each without a loss (an output alone)."""
+    """Each micro-batch's loss weight; 1 without a loss."""
     return weighted(sizes, reduction) if loss else [1.0] * len(sizes)
 
 
 def join(outputs: Optional[List[Batch]]) -> Optional[TensorOrTensors]:
-    """The outputs of the micro-batches as one mini-batch, if they are here."""
+    """The micro-batches' outputs as one mini-batch, if here."""
     return None if outputs is None else microbatch.gather(outputs)

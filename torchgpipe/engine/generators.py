@@ -1,11 +1,6 @@
 """The built-in schedules: short pure functions of the micro-batches ``m`` and partitions ``n``.
 
-Fill-drain (GPipe) and 1F1B have one partition per worker. Interleaved 1F1B
-loops ``v`` partitions over ``p = n / v`` workers (partition ``j`` on worker
-``j % p``), ZB-H1 splits 1F1B's backward passes into ``I`` and ``W``, and ZBV
-gives each of ``p = n / 2`` workers two partitions in a V (``w`` and
-``n - 1 - w``) and splits them too. For ``m = 4``, ``n = 3`` (``m = 4``,
-``n = 4`` for ZBV), one column per clock of unit actions::
+For ``m = 4``, ``n = 3``, one column per clock of unit actions::
 
     fill_drain  0: F0 F1 F2 F3             B3 B2 B1 B0
                 1:    F0 F1 F2 F3       B3 B2 B1 B0
@@ -14,12 +9,6 @@ gives each of ``p = n / 2`` workers two partitions in a V (``w`` and
     1f1b        0: F0 F1 F2       B0 F3 B1    B2    B3
                 1:    F0 F1    B0 F2 B1 F3 B2    B3
                 2:       F0 B0 F1 B1 F2 B2 F3 B3
-
-The schedules whose order is not a fixed pattern are laid out by
-:func:`greedy`, which simulates the step with the costs of the paper's
-analysis (``F = I = W = 1``, ``B = 2``; halved for half-size partitions)
-and lets each free worker pick its next action by the schedule's rule. What
-they leave idle, per worker, is what :data:`BUILT_INS` says beside each.
 """
 import difflib
 import functools
@@ -37,8 +26,8 @@ __all__: List[str] = []
 
 
 def worker_of(j: int, n: int, workers: int, layout: str) -> int:
-    """The worker of partition ``j`` of ``n``: in a loop (``j % workers``), or in a V
-    (``layout='v'``: worker ``w`` keeps partitions ``w`` and ``n - 1 - w``)."""
+    """The worker of partition ``j`` of ``n``: ``j % workers`` in a loop; in a V
+    (``layout='v'``), worker ``w`` keeps partitions ``w`` and ``n - 1 - w``."""
     return min(j, n - 1 - j) if layout == 'v' else j % workers
 
 
@@ -56,7 +45,7 @@ def fill_drain(m: int, n: int) -> Schedule:
 
 
 def one_f_one_b(m: int, n: int) -> Schedule:
-    """1F1B: ``n - j`` forward passes to warm up, then one backward and one forward, then drain.
+    """1F1B: ``n - j`` forward passes to warm up, then a backward and a forward, then drain.
 
     Example::
 
@@ -76,12 +65,10 @@ def one_f_one_b(m: int, n: int) -> Schedule:
 
 
 class Worker(NamedTuple):
-    """What a schedule's rule sees of a worker when it picks the worker's next action."""
+    """What a schedule's rule sees of a worker: its index, and the micro-batches whose
+    activations it keeps (F done, no B or W yet)."""
 
-    #: The worker's index.
     w: int
-    #: Micro-batches (of any of its partitions) whose forward pass ran and whose
-    #: activations are still kept (no B or W yet).
     alive: int
 
 
@@ -90,20 +77,9 @@ Rule = Callable[[Worker, List[Action]], Optional[Action]]
 
 
 def greedy(m: int, n: int, placement: Sequence[int], split: bool, rule: Rule) -> Schedule:
-    """Lays out a schedule by simulating it: each worker, when free, runs what ``rule`` picks.
-
-    Each partition runs its ``F``, its ``B`` (or ``I`` if ``split``) and its ``W``
-    each in micro-batch order, once what they wait for
-    (:func:`~torchgpipe.engine.schedule.depends_on`) has ended, with the paper's
-    costs divided by the partitions per worker; the result can finish by construction.
-
-    Args:
-        m: micro-batches
-        n: partitions
-        placement: the worker of each partition
-        split: whether backward passes are split into ``I`` and ``W``
-        rule: picks a worker's next action
-    """
+    """Lays out a schedule by simulating it with the paper's unit costs (shared by a
+    worker's partitions): each worker, when free, runs what ``rule`` picks of the actions
+    ready, each kind in micro-batch order. It can finish by construction."""
     p = max(placement) + 1
     size = Fraction(p, n)
     kinds = (Kind.F, Kind.I, Kind.W) if split else (Kind.F, Kind.B)
@@ -138,13 +114,8 @@ def greedy(m: int, n: int, placement: Sequence[int], split: bool, rule: Rule) ->
 
 
 def zb_h1(m: int, n: int) -> Schedule:
-    """ZB-H1 (zero bubble at 1F1B's memory): 1F1B with the backward pass split, W put off.
-
-    Partition ``j`` warms up with ``n - j`` forward passes, as in 1F1B, then
-    runs ``I`` (which the partition before waits for), the ``W`` of ``j``
-    micro-batches before, and the next forward pass; the ``W`` left run at
-    the end, where 1F1B waits. Every partition keeps at most ``min(n, m)``
-    micro-batches: 1F1B's first partition's peak.
+    """ZB-H1 (zero bubble at 1F1B's memory): 1F1B's warm-up, then ``I``, the ``W`` of
+    ``j`` micro-batches before, and the next ``F``; the ``W`` left run where 1F1B waits.
 
     Example::
 
@@ -168,17 +139,9 @@ def zb_h1(m: int, n: int) -> Schedule:
 
 
 def interleaved_1f1b(m: int, n: int, p: int) -> Schedule:
-    """Interleaved 1F1B: ``v = n / p`` partitions per worker, in a loop.
-
-    Partition ``j`` runs on worker ``j % p``. A worker takes micro-batches in
-    rounds of ``p``, forward through its partitions in order, backward in reverse.
-    Worker ``w`` warms up with ``(v - 1) p + 2 (p - 1 - w)`` forward passes (as
-    Megatron-LM and torch.distributed.pipelining do), then alternates one forward
-    and one backward pass, keeping at most ``v p + p - 1 - 2 w`` partitions'
-    activations. Twice ``p - 1 - w`` rather than once gives each message a forward
-    pass of slack, so time on the wire does not add to the step. Where a short
-    last round would leave the warm-up waiting in a circle, every worker warms
-    up with as many more forward passes as it takes to finish.
+    """Interleaved 1F1B: ``v = n / p`` partitions a worker (``j`` on ``j % p``), micro-batches
+    in rounds of ``p``. Worker ``w`` warms up with ``(v - 1) p + 2 (p - 1 - w)`` forward passes (as
+    Megatron-LM does: twice gives each message a forward pass of slack), then alternates.
 
     Raises:
         ValueError: ``n`` is not a multiple of ``p``
@@ -191,7 +154,6 @@ def interleaved_1f1b(m: int, n: int, p: int) -> Schedule:
     rounds = [range(start, min(start + p, m)) for start in range(0, m, p)]
 
     def lay_out(more: int) -> Schedule:
-        """Each worker warming up with ``more`` forward passes than the rule gives."""
         workers = []
         for w in range(p):
             mine = [j for j in range(n) if worker_of(j, n, p, 'loop') == w]
@@ -206,10 +168,8 @@ def interleaved_1f1b(m: int, n: int, p: int) -> Schedule:
             workers.append(actions)
         return Schedule(workers)
 
-    # A last round shorter than p can leave the rule's warm-up waiting in a
-    # circle (4 workers with 3 or more partitions each, m = 5, 9, 13, ...):
-    # one more forward pass at a time until it can finish. Every forward pass
-    # first, the last layout tried, always can.
+    # A short last round can leave the warm-up waiting in a circle (p = 4, v >= 3,
+    # m = 5, 9, ...): warm up more until it finishes (all forward passes first always does).
     for more in range(m * v):
         schedule = lay_out(more)
         try:
@@ -221,13 +181,9 @@ def interleaved_1f1b(m: int, n: int, p: int) -> Schedule:
 
 
 def zbv(m: int, n: int) -> Schedule:
-    """ZBV: ``p = n / 2`` workers, each with partitions ``w`` and ``n - 1 - w`` (a V), split.
-
-    Laid out by :func:`greedy`: a free worker runs an ``I`` if one can run,
-    else a forward pass while it keeps fewer than ``2 p`` partitions'
-    activations (each half of 1F1B's: 1F1B's first partition's peak), else
-    a ``W``. Among one kind, the oldest micro-batch first, then the partition
-    nearest the loss.
+    """ZBV: ``n / 2`` workers, each with partitions ``w`` and ``n - 1 - w`` (a V), split.
+    A free worker runs an ``I``, else an ``F`` while it keeps fewer than ``n`` (1F1B's
+    peak memory), else a ``W``: the oldest micro-batch first, then the latest partition.
 
     Raises:
         ValueError: ``n`` is odd
@@ -250,15 +206,16 @@ def zbv(m: int, n: int) -> Schedule:
 
 @dataclass(frozen=True)
 class BuiltIn:
-    """A built-in schedule, as all its users read it: a new schedule is one entry."""
+    """A built-in schedule, as all its users read it: a new schedule is one entry.
 
-    #: Its action lists for ``m`` micro-batches, ``n`` partitions and ``p`` workers.
+    ``lay_out(m, n, p)`` gives its actions; ``formula`` and ``bubble(p, v, F, B, W)`` its
+    idle time per worker; ``shapes`` the partitions per worker the planner tries, and their
+    layout (:func:`worker_of`).
+    """
+
     lay_out: Callable[[int, int, int], Schedule]
-    #: Its idle time per worker, as a formula of ``p``, ``v``, F, B and W (the costs of
-    #: a worker's share of the model, ``B = I + W``), and the formula's value.
     formula: str
     bubble: Callable[[int, int, Fraction, Fraction, Fraction], Fraction]
-    #: The partitions per worker the planner tries, and their layout (:func:`worker_of`).
     shapes: Tuple[Tuple[int, str], ...] = ((1, 'loop'),)
 
 
@@ -279,11 +236,7 @@ BUILT_INS: Dict[str, BuiltIn] = {
 
 @functools.lru_cache(maxsize=64)
 def named(name: str, m: int, n: int, p: int) -> Schedule:
-    """The built-in schedule ``name`` for ``m`` micro-batches, ``n`` partitions and ``p`` workers.
-
-    ``p`` counts only for interleaved 1F1B; the others know their workers.
-    The result is checked, and shared by the calls with the same arguments.
-    """
+    """The built-in schedule ``name``, checked, cached (``p`` counts for interleaved 1F1B)."""
     schedule = BUILT_INS[name].lay_out(m, n, p)
     schedule.name = name
     schedule.check(micro_batches=m, partitions=n)
@@ -292,20 +245,10 @@ def named(name: str, m: int, n: int, p: int) -> Schedule:
 
 def resolve(schedule: ScheduleLike, m: int, n: int, workers: Sequence[Hashable],
             fix: Optional[str] = None) -> Schedule:
-    """The schedule a step runs: a built-in one by name, or the user's; checked before any work.
+    """The schedule a step runs, checked before any work: built-in by name, or the user's.
 
-    Args:
-        schedule: a name of :data:`SCHEDULES` (as :func:`built_in` reads it), or
-            a schedule (its text, or a list of action lists)
-        m: micro-batches
-        n: partitions
-        workers: what runs each partition (a device's thread, a rank)
-        fix: how to lay out the partitions otherwise (default: which
-            ``devices`` to give)
-
-    Raises:
-        ValueError: the schedule does not fit the step, or cannot finish, or a
-            worker of it has partitions on two devices
+    ``workers`` runs each partition (a device's thread, a rank); ``fix`` ends the message
+    of a schedule worker with partitions on two of them (default: which ``devices`` to give).
     """
     name = built_in(schedule)
     if name is not None:
@@ -329,12 +272,7 @@ def resolve(schedule: ScheduleLike, m: int, n: int, workers: Sequence[Hashable],
 
 
 def expected_bubble(schedule: Schedule, n: int) -> Tuple[str, float]:
-    """The idle fraction of a step of ``schedule`` on ``n`` partitions, if F = I = W (B = 2).
-
-    Returns:
-        the formula it follows (a built-in schedule's), and its value,
-        computed from the schedule itself
-    """
+    """A step's idle fraction: its formula (a built-in's) and its value with unit costs."""
     workers = [actions for actions in schedule.workers if actions]
     times = simulate(workers, n, unit_cost)
     span = max((end for _, end in times.values()), default=Fraction(0))
@@ -349,7 +287,6 @@ SCHEDULES = tuple(BUILT_INS)
 
 
 def _key(name: str) -> str:
-    """A name as :func:`built_in` compares it: lowercase, without spaces, ``-`` or ``_``."""
     return re.sub(r'[\s_-]', '', name.lower())
 
 
@@ -360,11 +297,8 @@ _BY_KEY = {_key(name): name for name in SCHEDULES} | ALIASES
 
 
 def built_in(name: object) -> Optional[str]:
-    """The built-in schedule that ``name`` means, as users write it; ``None`` if none.
-
-    Case, spaces, ``-`` and ``_`` do not count: ``'1F1B'``, ``'ZB-H1'``,
-    ``'zbh1'``, ``'Interleaved-1F1B'`` and ``' fill-drain '`` are built-in names;
-    ``'gpipe'``, the paper's name, is fill-drain.
+    """The built-in schedule that ``name`` means (case, spaces, ``-`` and ``_`` aside;
+    ``'gpipe'`` is fill-drain), or ``None``.
 
     Example::
 
@@ -381,7 +315,7 @@ def closest_name(name: str) -> Optional[str]:
 
 
 def unknown_name(name: str) -> ValueError:
-    """The error for a name that is no built-in schedule: it lists them, and the closest."""
+    """The error for a name that is no built-in schedule, with the closest."""
     close = closest_name(name)
     return ValueError(describe(
         f'schedule must be one of {", ".join(map(repr, SCHEDULES))}, or a schedule of its '
@@ -390,20 +324,15 @@ def unknown_name(name: str) -> ValueError:
 
 
 def check_schedule(schedule: object) -> None:
-    """Checks that ``schedule`` names a built-in schedule or is one, before any work.
-
-    Raises:
-        ValueError: an unknown name (with the closest, if one is close), or
-            an action written wrong (named)
-        TypeError: neither a name nor a schedule
-    """
+    """Checks that ``schedule`` names a built-in schedule or is one (``ValueError`` for a
+    wrong name or action, ``TypeError`` for neither)."""
     if built_in(schedule) is not None:
         return
     try:
         Schedule.parse(schedule)  # type: ignore[arg-type]
     except ValueError as exc:
-        # One word meant as a name: not of an action's shape ('zbh2'), or
-        # close to a name ('1fb1' is shaped as an action but means '1f1b').
+        # One word meant as a name: not shaped as an action ('zbh2'), or close to a
+        # name ('1fb1').
         if isinstance(schedule, str) and not re.search(r'[\s,]', schedule.strip()) and (
                 not re.fullmatch(r'\d+[A-Za-z]+\d+', schedule.strip())
                 or closest_name(schedule)):

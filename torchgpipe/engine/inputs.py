@@ -13,18 +13,8 @@ __all__: List[str] = []
 def split_step(input: TensorOrTensors, target: TensorOrTensors, chunks: int, reduction: str,
                last_device: torch.device
                ) -> Tuple[List[Batch], List[TensorOrTensors], List[float]]:
-    """Splits a training step's input and target into micro-batches, checked before any work.
-
-    Returns:
-        (batches, targets, weights): the input's micro-batches; the target's,
-        on the last device, as the loss function sees them (NoChunk tensors
-        unwrapped, as a layer sees its input); and the weight of each
-        micro-batch's loss
-
-    Raises:
-        TypeError: the input or the target is not a tensor or a tuple of them
-        ValueError: they cannot be split alike, or the mini-batch is empty
-    """
+    """Splits a step's input and target into micro-batches, checked; the targets on the last
+    device, as the loss function sees them; and the weight of each micro-batch's loss."""
     batches, targets, sizes = split_given(input, target, chunks, last_device)
     assert batches is not None and targets is not None and sizes is not None
     return batches, targets, weighted(sizes, reduction)
@@ -34,18 +24,7 @@ def split_given(input: Optional[TensorOrTensors], target: Optional[TensorOrTenso
                 chunks: int, last_device: torch.device
                 ) -> Tuple[Optional[List[Batch]], Optional[List[TensorOrTensors]],
                            Optional[List[int]]]:
-    """Splits what is given (not ``None``) of a step's input and target, as :func:`split_step`.
-
-    A process of a pipeline across processes is given only what its
-    partitions use (:class:`~torchgpipe.distributed.DistributedGPipe`).
-
-    Returns:
-        (batches, targets, sizes): each ``None`` if not given; the sizes of
-        the micro-batches are the input's, or the target's
-
-    Raises:
-        as :func:`split_step`, but for an empty mini-batch (see :func:`weighted`)
-    """
+    """As :func:`split_step`, of what is given (a rank's), with sizes for weights."""
     if input is not None:
         microbatch.check(input)
     if target is not None:
@@ -60,22 +39,16 @@ def split_given(input: Optional[TensorOrTensors], target: Optional[TensorOrTenso
                                   'give a target with one row per sample of the input'))
     if targets is None:
         return batches, None, sizes
-    # Views of the user's target where it is already in the last device's
-    # memory (any CPU device, 'cpu:1' too): no copy of it per micro-batch.
+    # Views where the target is in the last device's memory already: no copies.
     microbatch.move(targets, last_device)
     return batches, [t.plain for t in targets], sizes or target_sizes
 
 
 def weighted(sizes: List[int], reduction: str) -> List[float]:
-    """The weight of the loss of each micro-batch of ``sizes`` samples, under ``reduction``.
-
-    Raises:
-        ValueError: the mini-batch is empty
-    """
+    """The weight of the loss of each micro-batch of ``sizes`` samples, under ``reduction``."""
     total = sum(sizes)
     if not total:
-        # The unwrapped model's mean loss would be nan: a step on an
-        # empty batch is a data loader's leftover, not a training step.
+        # A data loader's leftover, whose mean loss would be nan.
         raise ValueError(describe('train_step needs at least one sample',
                                   'input: a mini-batch of 0 rows',
                                   'skip empty batches, e.g. with drop_last=True in the '

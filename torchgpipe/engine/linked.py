@@ -1,10 +1,5 @@
-"""The linked boundary: the forward path's partitions, one autograd graph across them.
-
-:meth:`GPipe.forward <torchgpipe.GPipe.forward>` runs the forward-only
-schedule on the one executor but leaves the backward to the caller's
-``loss.backward()``, so what a partition hands the next stays in the graph:
-Copy and Wait move it, portals carry skips, Checkpoint and Recompute replay.
-Each forward task ``F(i, j)``, on its partition's worker::
+"""The linked boundary: the forward path's partitions, one autograd graph across them, whose
+backward is the caller's. Each forward task ``F(i, j)``, on its partition's worker::
 
     receive   the skips popped here, then the input, copied on the copy
               streams of micro-batch i (from j-1's to j's);
@@ -44,13 +39,8 @@ __all__: List[str] = []
 
 def copy(batch: Batch, prev_stream: AbstractStream, next_stream: AbstractStream,
          ) -> Optional[Tensor]:
-    """Moves the batch to ``next_stream``'s device, in place.
-
-    Returns:
-        torch.Tensor or None: a copied tensor (its node copies the gradients
-        back), or ``None`` if nothing had to move
-    """
-    # Between CPU "devices" a copy is the identity: skip the autograd node.
+    """Moves the batch to ``next_stream``'s device, in place; returns a copied tensor, or
+    ``None`` if nothing had to move (between CPU devices: no autograd node)."""
     if not (is_cuda(prev_stream) or is_cuda(next_stream)) or not len(batch):
         return None
     batch[:] = Copy.apply(prev_stream, next_stream, *batch)  # type: ignore[no-untyped-call]
@@ -73,30 +63,14 @@ def fork_off(batch: Batch) -> Optional[Tensor]:
 
 
 def join_in(batch: Batch, phony: Optional[Tensor]) -> None:
-    """Joins ``phony`` into the first floating point tensor of ``batch``, if both exist.
-
-    The backward pass of ``batch`` then finishes before that of the fork.
-    """
+    """Joins ``phony`` into ``batch``, if both exist: its backward then precedes the fork's."""
     k = batch.find(lambda x: x.is_floating_point())
     if phony is not None and k is not None:
         batch[k] = join(batch[k], phony)
 
 
 class Linked:
-    """The forward path of a GPipe call: what its linked stages share.
-
-    Args:
-        batches: the input micro-batches, on the first device; each is
-            replaced by its output
-        partitions: the partitions, in order
-        devices: the device of each partition
-        copy_streams: for each partition, one copy stream per micro-batch
-        streams: the compute stream of each partition
-        skip_layout: where each skip tensor is stashed and popped
-        checkpoint_stop: micro-batches ``0 .. checkpoint_stop - 1`` are checkpointed
-        traits: what earlier runs showed about each partition
-        recorder: records every task, inside :func:`torchgpipe.trace`
-    """
+    """What the linked stages of a forward call share; ``batches`` get the outputs."""
 
     def __init__(self, batches: List[Batch], partitions: Sequence[nn.Sequential],
                  devices: Sequence[torch.device],
@@ -112,21 +86,13 @@ class Linked:
         self.checkpoint_stop = checkpoint_stop
         self.recorder = recorder
         self.mailbox = Mailbox()
-        # Each micro-batch has its own skip tensors.
         self.skip_trackers = [SkipTrackerThroughPortals(skip_layout) for _ in batches]
         self.stages = [LinkedStage(self, j, p, traits[j])
                        for j, p in enumerate(partitions)]
 
 
 class LinkedStage:
-    """One partition in the forward path: its forward tasks, linked to its neighbours'.
-
-    Args:
-        linked: what the stages share
-        j: the partition's index
-        partition: the partition
-        traits: what runs showed about it; this one adds what it learns
-    """
+    """One partition in the forward path: its forward tasks, linked to its neighbours'."""
 
     def __init__(self, linked: Linked, j: int, partition: nn.Sequential,
                  traits: PartitionTraits) -> None:
@@ -137,22 +103,15 @@ class LinkedStage:
         self.traits = traits
         self.flags = training_flags(partition)
         self.last = j == len(linked.devices) - 1
-        # Checkpoints return the gradients of their partition's parameters
-        # (tied ones of earlier partitions included, registered here too):
-        # those that require grad, picked once here rather than in every task.
+        # Those a checkpoint returns gradients for (tied ones included), picked once.
         self.parameters = tuple(p for p in partition.parameters() if p.requires_grad) \
             if linked.checkpoint_stop else ()
         #: The phony of the last output's fork, for the next input to join.
         self.phony: Optional[Tensor] = None
 
     def draws_random(self) -> Optional[bool]:
-        """Whether the partition's tasks may draw from the CPU generator, if known.
-
-        Learned in every way to run: a checkpointed task of a partition known
-        to draw nothing neither replays the CPU generator in its
-        recomputation nor checks where it ended, which on small tasks costs
-        about as much as their kernels.
-        """
+        """Whether the tasks may draw from the CPU generator, if known: if not, a recomputation
+        skips replaying it, which costs small tasks about as much as their kernels."""
         return self.traits.draws(self.flags)
 
     def run(self, action: Action) -> None:
@@ -168,8 +127,7 @@ class LinkedStage:
             compute, finalize = chk.checkpoint, chk.recompute
         else:
             compute, finalize = functools.partial(batch.call, self.function(i)), None
-        # Inside a trace: the autograd nodes of the input, where the walk
-        # through the task's backward stops.
+        # Inside a trace: where the walk through the task's backward stops.
         boundary = [x.grad_fn for x in batch if x.grad_fn is not None] \
             if linked.recorder is not None else []
         output = self.compute(i, compute)
@@ -177,8 +135,7 @@ class LinkedStage:
             # The copy stream must wait for the output before copying it.
             wait(output, linked.streams[j], linked.copy_streams[j][i])
         if finalize is not None:
-            # Attached after the Wait above: in the backward pass, F'(i, j)
-            # runs before the wait for the incoming gradient's copy.
+            # After the Wait: in backward, F'(i, j) runs before waiting for the gradient.
             with use_device(self.device), use_stream(linked.streams[j]):
                 finalize(output)
         if linked.recorder is not None:
@@ -191,11 +148,10 @@ class LinkedStage:
             linked.mailbox.put(Activation(i, j + 1), output)
 
     def function(self, i: int) -> Callable[[TensorOrTensors], TensorOrTensors]:
-        """The partition as the function of micro-batch ``i``'s tasks, with its skips."""
         return partition_function(self.partition, self.j, self.linked.skip_trackers[i])
 
     def receive(self, i: int) -> Batch:
-        """The input of ``F(i, j)``, on this partition's compute stream, after ``F(i-1, j)``'s
+        """The input of ``F(i, j)``, on the compute stream, joined to come after ``F(i-1, j)``'s
         in the backward pass."""
         linked, j = self.linked, self.j
         if j == 0:
@@ -204,10 +160,8 @@ class LinkedStage:
             batch = linked.mailbox.take(Activation(i, j))
             next_stream = linked.copy_streams[j][i]
             tracker = linked.skip_trackers[i]
-            # Skips popped here come straight from the partition that stashed
-            # them. Before the input's copy, so that in the backward pass the
-            # input's Wait has synchronized the copy stream with the
-            # gradients these portals send back.
+            # Skips come straight from their stash, before the input: in backward, the
+            # input's Wait then synchronizes the copy stream with their gradients.
             for prev_j, ns, name in linked.skip_layout.copy_policy(j):
                 prev_stream = linked.copy_streams[prev_j][i]
                 self.move(i, 'skip', lambda: tracker.copy(batch, prev_stream, next_stream,
@@ -221,18 +175,16 @@ class LinkedStage:
         return batch
 
     def move(self, i: int, what: str, copy: Callable[[], Optional[Tensor]]) -> None:
-        """Runs a copy into this partition: recorded, inside a trace, both ways."""
+        """Runs a copy into this partition, recorded inside a trace."""
         recorder = self.linked.recorder
         if recorder is None:
             copy()
             return
-        # The copy runs on this partition's copy stream: time it there.
         with use_stream(self.linked.copy_streams[self.j][i]):
             recorder.copied(i, self.j, self.device, what, copy)
 
     def compute(self, i: int, compute: Callable[[], Batch]) -> Batch:
-        """Runs the computation of ``F(i, j)`` on the compute stream: labelled for a
-        profiler, timed by a timeline, holding the CPU generator if it may draw."""
+        """Runs ``F(i, j)``'s computation: labelled, timed, holding the generator if it may draw."""
         draws = self.draws_random()
         recorder = self.linked.recorder
 

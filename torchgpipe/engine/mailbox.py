@@ -1,23 +1,12 @@
 """What the workers of a training step send each other, and how they wait for it.
 
-Each partition's graph stands alone in a training step (:mod:`torchgpipe.engine.step`):
-a worker sends the next partition its output, detached, and the previous
-one the gradient of its input, through a :class:`Mailbox`. Messages are
-filed under typed keys, one class per kind of message::
+Messages are filed under typed keys::
 
     partition j-1                                          partition j
     (j-1)Fi  ── Activation(i, j): ForwardMessage ─────────► jFi
     (j-1)Bi  ◄─ Gradient(i, j-1): Reply ────────────────── jBi
     a stash  ── Skip(i, key): ForwardMessage ─────────────► its pop (any later partition)
     B        ◄─ SkipGradient(i, key): Reply ────────────── B
-
-(Actions written as schedules write them: ``jFi`` is the forward pass of
-micro-batch ``i`` on partition ``j``.)
-
-A :class:`~torchgpipe.foundation.copy.Ready` marks when, on CUDA, what is sent is
-computed, and moves it as the forward path's copies do; :func:`leaf` makes
-the receiving side's input. Skip connections that cross partitions
-are cut the same way, by :class:`StepSkips`.
 """
 import threading
 from dataclasses import dataclass
@@ -76,7 +65,7 @@ Key = Union[Activation, Gradient, Skip, SkipGradient]
 
 
 class ForwardMessage(NamedTuple):
-    """What goes forward: tensors (or one), whether each will require grad, and when ready."""
+    """What goes forward: tensors (or one), whether each will require grad, when ready."""
 
     tensors: Any
     requires_grad: Any
@@ -84,17 +73,14 @@ class ForwardMessage(NamedTuple):
 
 
 class Reply(NamedTuple):
-    """What goes backward: the gradients (or one, ``None`` where there is none), and when ready."""
+    """What goes backward: the gradients (or one, or ``None``), when ready."""
 
     grads: Any
     ready: Ready
 
 
 class Mailbox:
-    """Messages between the workers, by key; :meth:`take` waits for a message.
-
-    A stopped mailbox ends every wait with :class:`~torchgpipe.runtime.worker.Stopped`.
-    """
+    """Messages between the workers, by key; :meth:`take` waits for one."""
 
     def __init__(self) -> None:
         self._condition = threading.Condition()
@@ -107,11 +93,7 @@ class Mailbox:
             self._condition.notify_all()
 
     def take(self, key: Key) -> Any:
-        """Waits for the message under ``key`` and takes it.
-
-        Raises:
-            Stopped: :meth:`stop` was called before the message came
-        """
+        """Takes the message under ``key``, once it came; ``Stopped`` after :meth:`stop`."""
         with self._condition:
             while key not in self._messages:
                 if self._stopped:
@@ -120,24 +102,20 @@ class Mailbox:
             return self._messages.pop(key)
 
     def stop(self) -> None:
-        """Ends every wait for a message, now and later, with a ``Stopped``.
-
-        A worker then starts no further action.
-        """
+        """Ends every wait, now and later, with ``Stopped``."""
         with self._condition:
             self._stopped = True
             self._condition.notify_all()
 
     @property
     def stopped(self) -> bool:
-        """Whether :meth:`stop` was called: a worker starts no further action."""
+        """Whether :meth:`stop` was called (start no further action)."""
         return self._stopped
 
 
 def leaf(x: Optional[Tensor], device: torch.device, requires_grad: bool, ready: Ready,
          stream: Optional[AbstractStream]) -> Optional[Tensor]:
-    """Cuts the graph at a partition's input: a copy on ``device`` without history,
-    made on its copy ``stream``."""
+    """Cuts the graph at a partition's input: ``x`` on ``device``, without history."""
     if x is None:
         return None
     return ready.receive(x, device, stream).requires_grad_(requires_grad and
@@ -145,31 +123,21 @@ def leaf(x: Optional[Tensor], device: torch.device, requires_grad: bool, ready: 
 
 
 class StepSkips(SkipTrackerAcross):
-    """The skip tensors of one micro-batch on one partition, cut at partition boundaries.
-
-    A skip stashed and popped in the same partition stays in the tracker's
-    dictionary. One that crosses partitions is sent to the popping
-    partition, as the message :class:`Skip` of micro-batch ``i``, and
-    remembered in :attr:`sent`; its pop takes the message and makes a
-    detached leaf of it, remembered in :attr:`received`. When the partition
-    recomputes (``replay``), stashes are remembered again, with their new
-    graph, and pops give the leaves of the first pass.
-    """
+    """The skips of one micro-batch on one partition; those that cross partitions are sent
+    (:attr:`sent`) and received as leaves (:attr:`received`). A recomputation
+    (``replay``) remembers stashes again, with their new graph, and pops the same leaves."""
 
     def __init__(self, layout: SkipLayout, j: int, device: torch.device, mailbox: Mailbox,
                  i: int, train: bool = True, stream: Optional[AbstractStream] = None) -> None:
         super().__init__(layout)
         self.j = j
-        #: The partition's copy stream for micro-batch ``i``, both ways.
         self.stream = stream
-        #: Of a training step; else of an evaluation, which has no gradients.
         self.train = train
         self.device = device
         self.mailbox = mailbox
         self.i = i
         self.replay = False
-        #: The skips stashed here and popped by a later partition; the backward
-        #: pass starts from them too.
+        #: The skips stashed here and popped later; the backward pass starts from them too.
         self.sent: Dict[SkipKey, Optional[Tensor]] = {}
         #: The leaves of the skips popped here from an earlier partition.
         self.received: Dict[SkipKey, Optional[Tensor]] = {}
@@ -177,8 +145,7 @@ class StepSkips(SkipTrackerAcross):
     def send(self, batch: Batch, ns: Namespace, name: str, tensor: Optional[Tensor]) -> None:
         self.sent[(ns, name)] = tensor
         if not self.replay:
-            # Whether it will require grad, also when stashed without grad
-            # (a checkpointed first pass): then the recomputation gives it one.
+            # A checkpointed first pass stashes without grad; the recomputation gives it one.
             requires_grad = tensor is not None and (tensor.requires_grad or (
                 self.train and not torch.is_grad_enabled() and tensor.is_floating_point()))
             self.mailbox.put(Skip(self.i, (ns, name)),

@@ -1,16 +1,11 @@
-"""The pipeline: runs every micro-batch through every partition by clock cycles.
+"""The pipeline: every micro-batch through every partition, by clock cycles.
 
-Algorithm 1 of the paper: at clock ``k`` the tasks ``F(i, j)`` with
-``i + j == k`` are independent, so they run at the same time, one per device::
+At clock ``k`` the tasks ``F(i, j)`` with ``i + j == k`` run at once::
 
     clock    0       1       2       3       4          m = 3 micro-batches
     dev 0  F(0,0)  F(1,0)  F(2,0)                       n = 3 partitions
     dev 1          F(0,1)  F(1,1)  F(2,1)
     dev 2                  F(0,2)  F(1,2)  F(2,2)
-
-:class:`Pipeline` runs that order on the one executor
-(:func:`torchgpipe.engine.step.execute`), the partitions linked into one
-autograd graph (:mod:`torchgpipe.engine.linked`) whose backward is the caller's.
 """
 from typing import Iterable, List, Optional, Sequence, Tuple
 
@@ -30,16 +25,7 @@ __all__: List[str] = []
 
 
 def clock_cycles(m: int, n: int) -> Iterable[List[Tuple[int, int]]]:
-    """Generates the schedule of each clock cycle.
-
-    Args:
-        m (int): the number of micro-batches
-        n (int): the number of partitions
-
-    Yields:
-        list of (int, int): for clock ``k``, every ``(i, j)`` (micro-batch
-        ``i``, partition ``j``, both 0-based) with ``i + j == k``, in order
-        of ``j``
+    """For each clock ``k``, the ``(i, j)`` (micro-batch, partition) with ``i + j == k``.
 
     Example::
 
@@ -51,11 +37,7 @@ def clock_cycles(m: int, n: int) -> Iterable[List[Tuple[int, int]]]:
 
 
 class Pipeline:
-    """Runs micro-batches through partitions, in place of the input batches.
-
-    Args: as for :class:`~torchgpipe.engine.linked.Linked` (which works out
-    the rest from the devices).
-    """
+    """Runs micro-batches through linked partitions, in place of the input batches."""
 
     def __init__(self, batches: List[Batch], partitions: Sequence[nn.Sequential],
                  devices: Sequence[torch.device],
@@ -70,12 +52,10 @@ class Pipeline:
                              checkpoint_stop, traits, recorder)
 
     def run(self) -> None:
-        """Runs the pipeline; an exception of any task is raised here, as itself."""
+        """Runs the pipeline, raising a task's failure as itself."""
         m, n = len(self.batches), len(self.devices)
         if self.recorder is not None:
             self.recorder.begin_step(m, self.devices)
-        # The forward-only schedule in clock order. clock_cycles gives the same
-        # layout as clock_order gives any schedule (tests/test_order.py holds
-        # the two together), at a third of its cost, on every call.
+        # clock_order's layout (tests/test_order.py), at a third of its cost.
         order = [Action(Kind.F, i, j) for cycle in clock_cycles(m, n) for i, j in cycle]
         execute(order, dict(enumerate(self.linked.stages)), self.linked.mailbox)

@@ -1,26 +1,11 @@
-"""Schedules as data: which actions each worker runs, in which order, for one training step.
+"""Schedules as data: each worker's actions, in order, written ``{partition}{kind}{micro-batch}``.
 
-A worker is a device's thread in one process, or a rank across processes;
-it owns one partition or several (virtual stages). An action is one of four
-kinds of work on micro-batch ``i`` of partition ``j``, written as in
-torch.distributed.pipelining: ``{j}{kind}{i}``::
+A worker (a device's thread, or a rank) may own several partitions. The kinds::
 
     0F1   forward pass (without keeping activations, if checkpointed)
     1B0   backward pass, whole (after the recomputation, if checkpointed)
     2I0   backward pass for the partition's inputs only: sends their gradients
     2W0   the rest: the gradients of the partition's parameters, from what 2I0 kept
-
-A :class:`Schedule` is each worker's list of actions, one line per worker::
-
-    >>> print(Schedule.parse('0F0 0F1 0B0 0B1\\n1F0 1B0 1F1 1B1'))
-    0F0 0F1 0B0 0B1
-    1F0 1B0 1F1 1B1
-
-:meth:`Schedule.check <torchgpipe.schedules.Schedule.check>` proves, before
-any work, that a schedule runs each action once and can finish;
-:mod:`torchgpipe.engine.generators` writes the built-in ones;
-:mod:`torchgpipe.engine.step` runs any of them. Users import :class:`Kind`,
-:class:`Action` and :class:`Schedule` from :mod:`torchgpipe.schedules`.
 """
 import enum
 import re
@@ -40,36 +25,25 @@ class Kind(enum.Enum):
     F = 'F'
     #: The whole backward pass, after the recomputation if checkpointed.
     B = 'B'
-    #: The backward pass for the partition's inputs only, which the partition before waits for.
+    #: The backward pass for the partition's inputs only (the partition before waits for it).
     I = 'I'  # noqa: E741 (the letter of the notation)
     #: The gradients of the partition's parameters, from what ``I`` kept.
     W = 'W'
 
 
 def notation(partition: int, kind: str, micro_batch: int) -> str:
-    """How an action, or a timeline's task, is written: ``{partition}{kind}{micro-batch}``.
-
-    The one place of the notation: :class:`Action` prints with it, and so do
-    the timeline's events (``0F'1`` for a recomputation, ``1C0`` for a copy).
-
-    Example::
-
-        >>> notation(partition=1, kind='B', micro_batch=0)
-        '1B0'
-    """
+    """How an action, or a timeline's task (``0F'1``, ``1C0``), is written: ``'1B0'``."""
     return f'{partition}{kind}{micro_batch}'
 
 
 @dataclass(frozen=True, init=False)
 class Action:
-    """One action of a schedule: ``kind`` of micro-batch ``i`` on partition ``j``.
-
-    Printed as written in a schedule, the partition first: ``Action(Kind.F, 1, 0)``
-    is ``0F1``. As the two indices are easy to swap, they may be given by name.
+    """One action of a schedule: ``kind`` of micro-batch ``i`` on partition ``j``, printed
+    partition first (``Action(Kind.F, 1, 0)`` is ``0F1``).
 
     Args:
         kind (Kind or str): ``Kind.F`` or ``'F'``, and so on
-        i (int): the micro-batch; or ``micro_batch=``
+        i (int): the micro-batch; or ``micro_batch=``, harder to swap with ``j``
         j (int): the partition; or ``partition=``
 
     Raises:
@@ -124,7 +98,6 @@ class Action:
 
 
 def _index(positional: Optional[int], keyword: Optional[int], name: str) -> int:
-    """An index of :class:`Action`, given by position or by name, once."""
     if (positional is None) == (keyword is None):
         raise ValueError(describe(f'Action takes its {name} once, by position or as {name}=',
                                   f'{name}: {positional!r} and {keyword!r}',
@@ -139,7 +112,7 @@ ScheduleLike = Union['Schedule', str, Sequence[Sequence[Union[Action, str]]]]
 
 
 class Schedule:
-    """Each worker's actions, in the order the worker runs them.
+    """Each worker's actions, in the order the worker runs them; printed a line per worker.
 
     Args:
         workers: one list of actions per worker
@@ -172,7 +145,7 @@ class Schedule:
         """A schedule from its text (a line per worker), or from lists of actions or their text.
 
         Raises:
-            ValueError: an action is not of the form ``{partition}{kind}{micro-batch}``
+            ValueError: an action written wrong
             TypeError: ``schedule`` is none of these
         """
         if isinstance(schedule, Schedule):
@@ -208,24 +181,19 @@ class Schedule:
         return any(a.kind is Kind.I for actions in self.workers for a in actions)
 
     def check(self, *, micro_batches: int, partitions: int) -> List[List[Action]]:
-        """Proves the schedule can run a step of so many micro-batches and partitions.
-
-        Every action runs once: for each micro-batch and partition, ``F``, and
-        ``B`` or else both ``I`` and ``W``. And it can finish: laid out in
-        clock cycles, every action can run once what it waits for ran.
+        """Proves, before any work, that the schedule runs each action once (``F``, and
+        ``B`` or both ``I`` and ``W``, of each micro-batch on each partition) and can finish.
 
         Args:
-            micro_batches (int): the micro-batches of the step (keyword only,
-                as are the partitions: the two are easy to swap)
+            micro_batches (int): the micro-batches of the step
             partitions (int): the partitions of the model
 
         Returns:
-            the actions of each clock cycle (see
-            :func:`~torchgpipe.engine.schedule.clock_order`)
+            the actions of each clock cycle (:func:`~torchgpipe.engine.schedule.clock_order`)
 
         Raises:
-            ValueError: an action is missing, unknown, twice, or can never
-                run; the last names the cycle of actions that wait for each other
+            ValueError: an action is missing, unknown, twice, or can never run (the
+                message names the actions that wait for each other)
 
         Example::
 
@@ -264,10 +232,9 @@ class Schedule:
 
 
 def depends_on(action: Action, n: int, split: Callable[[int, int], bool]) -> List[Action]:
-    """The actions that ``action`` waits for, of ``n`` partitions (``split``: backward
-    passes split into I and W): ``jFi`` needs ``(j-1)Fi``; ``jBi`` or ``jIi`` needs
-    ``jFi`` and the gradient from ``(j+1)Bi`` or ``(j+1)Ii``; ``jWi`` needs ``jIi``.
-    Skips add nothing: they go from a partition to a later one, along these."""
+    """What ``action`` waits for: ``jFi`` for ``(j-1)Fi``; ``jBi`` or ``jIi`` for ``jFi``
+    and ``(j+1)Bi`` (``(j+1)Ii`` if ``split(i, j+1)``); ``jWi`` for ``jIi``. Skips add
+    nothing: they go forward along these."""
     i, j = action.i, action.j
     if action.kind is Kind.F:
         return [Action(Kind.F, i, j - 1)] if j > 0 else []
@@ -280,7 +247,7 @@ def depends_on(action: Action, n: int, split: Callable[[int, int], bool]) -> Lis
 
 
 def dependencies(workers: Sequence[Sequence[Action]], n: int) -> Dict[Action, List[Action]]:
-    """What each action of a schedule waits for (:func:`depends_on`, with its splits)."""
+    """What each action of a schedule waits for."""
     split = {(a.i, a.j) for actions in workers for a in actions if a.kind is Kind.I}
     return {a: depends_on(a, n, lambda i, j: (i, j) in split)
             for actions in workers for a in actions}
@@ -288,16 +255,7 @@ def dependencies(workers: Sequence[Sequence[Action]], n: int) -> Dict[Action, Li
 
 def clock_order(workers: Sequence[Sequence[Action]], n: int) -> List[List[Action]]:
     """Lays a schedule out in clock cycles: at each, every worker runs its next action if
-    what it waits for ran in an earlier cycle; so running them in this order never waits
-    in a circle.
-
-    Returns:
-        the actions of each cycle, in worker order
-
-    Raises:
-        ValueError: the schedule can never finish; the message names the circle
-            of actions that wait for each other (:func:`circle`)
-    """
+    what it waits for ran before; ``ValueError`` naming the :func:`circle` if it cannot finish."""
     needs = dependencies(workers, n)
     done: Set[Action] = set()
     position = [0] * len(workers)
@@ -322,17 +280,9 @@ def clock_order(workers: Sequence[Sequence[Action]], n: int) -> List[List[Action
 
 def circle(workers: Sequence[Sequence[Action]], needs: Dict[Action, List[Action]],
            done: Set[Action], position: List[int]) -> str:
-    """The actions that wait for each other in a circle, once no worker's next action can run.
-
-    An action waits for what it needs, or for the action before it on its worker.
-    The walk starts, when it can, at a next action waiting for a later one on its
-    own worker, where a reorder is most likely meant.
-
-    Returns:
-        the circle in words, such as ``0B0 can never run, for it waits for
-        1B0, which waits for 1F1 (before it on worker 1), which waits for 0F1,
-        which waits for 0B0 (before it on worker 0)``
-    """
+    """In words, the actions that wait for each other (what they need, or the action
+    before them on their worker) once no worker's next action can run; it starts where a
+    reorder is most likely meant, at one waiting for a later action of its own worker."""
     left = {a: w for w, actions in enumerate(workers) for a in actions[position[w]:]}
     heads = {w: actions[position[w]] for w, actions in enumerate(workers)
              if position[w] < len(actions)}
@@ -366,10 +316,7 @@ def circle(workers: Sequence[Sequence[Action]], needs: Dict[Action, List[Action]
 
 
 def in_flight(actions: Sequence[Action]) -> int:
-    """How many micro-batches' activations a worker keeps at most: forward done, backward not.
-
-    ``I`` keeps them: ``W`` still reads the layers' inputs.
-    """
+    """How many micro-batches' activations a worker keeps at most (``W`` frees them, not ``I``)."""
     alive = peak = 0
     for action in actions:
         if action.kind is Kind.F:

@@ -1,20 +1,10 @@
 """The simulator: when each action of a schedule starts and ends, given what each costs.
 
-:func:`simulate` gives every worker a core: each runs its actions in order,
-each once the worker is free and what it waits for
-(:func:`~torchgpipe.engine.schedule.depends_on`) has ended; messages take no
-time. With the costs of the zero-bubble paper (:func:`unit_cost`), the time a
-step leaves its workers :func:`idle` is the schedule's bubble.
-
-A checkpointed backward pass recomputes before it waits for the gradient
-(as :class:`~torchgpipe.engine.stage.Stage` does): that part, ``ahead``, needs
-the worker only::
+Each worker runs its actions in order, each once the worker is free and what it waits
+for has ended; messages take no time. A checkpointed backward pass recomputes before it
+waits for the gradient: that part, ``ahead``, needs the worker only::
 
     worker j    ... jFi | recompute i | (waits for (j+1)Bi or Ii) | rest of jBi ...
-
-:func:`simulate_sharing` models more workers than cores: from one action's end
-to the next, every action at work advances by the time passed times
-``min(1, cores / at work)``.
 """
 from fractions import Fraction
 from typing import Callable, Dict, Optional, Sequence, Tuple
@@ -28,13 +18,12 @@ Cost = Callable[[Action], Fraction]
 
 
 def unit_cost(action: Action) -> Fraction:
-    """The costs of the zero-bubble paper's analysis: F = I = W = 1, and so B = 2."""
+    """The costs of the zero-bubble paper's analysis: F = I = W = 1, B = 2."""
     return Fraction(2 if action.kind is Kind.B else 1)
 
 
 def _lead(action: Action, cost: Cost, ahead: Optional[Cost]) -> Fraction:
-    """The part of ``action`` that runs ahead of what it waits for: ``ahead(action)``,
-    within 0 and the action's cost."""
+    """``ahead(action)``, within 0 and the action's cost."""
     if ahead is None:
         return Fraction(0)
     return max(Fraction(0), min(Fraction(ahead(action)), Fraction(cost(action))))
@@ -42,23 +31,8 @@ def _lead(action: Action, cost: Cost, ahead: Optional[Cost]) -> Fraction:
 
 def simulate(workers: Sequence[Sequence[Action]], n: int, cost: Cost,
              ahead: Optional[Cost] = None) -> Dict[Action, Tuple[Fraction, Fraction]]:
-    """When each action starts and ends if each worker has a core of its own.
-
-    Args:
-        workers: each worker's actions, in order
-        n: the partitions
-        cost: an action's time
-        ahead: how much of an action's cost needs the worker only (a
-            checkpointed backward pass's recomputation), taken within 0 and
-            the cost; none if ``None``
-
-    Returns:
-        the start and the end of each action, the wait between its part
-        ahead and the rest left out (the start is the end less the cost)
-
-    Raises:
-        ValueError: the schedule can never finish (as
-            :func:`~torchgpipe.engine.schedule.clock_order` says)
+    """The start and end of each action if each worker has a core; ``ahead(action)`` is
+    the part of its cost that needs the worker only (the wait after it is left out).
 
     Example::
 
@@ -77,7 +51,6 @@ def simulate(workers: Sequence[Sequence[Action]], n: int, cost: Cost,
     for cycle in clock_order(workers, n):
         for action in cycle:
             previous = before[action]
-            # The rest starts once the part ahead and what it waits for have ended.
             early = _lead(action, cost, ahead)
             start = max([times[previous][1] if previous is not None else Fraction(0)]
                         + [times[need][1] - early for need in needs[action]])
@@ -86,11 +59,8 @@ def simulate(workers: Sequence[Sequence[Action]], n: int, cost: Cost,
 
 
 def idle(workers: Sequence[Sequence[Action]], n: int, cost: Cost) -> Fraction:
-    """The idle time per worker of a step: the span of the step less its work, averaged.
-
-    With each action's cost that of the paper's analysis, this is the
-    schedule's bubble; :data:`torchgpipe.engine.generators.BUILT_INS` gives each
-    built-in schedule's formula.
+    """The idle time per worker of a step: its span less the average work; with
+    :func:`unit_cost`, the schedule's bubble.
 
     Example::
 
@@ -107,43 +77,12 @@ def idle(workers: Sequence[Sequence[Action]], n: int, cost: Cost) -> Fraction:
 def simulate_sharing(workers: Sequence[Sequence[Action]], n: int, cost: Cost,
                      cores: Optional[float] = None, ahead: Optional[Cost] = None
                      ) -> Dict[Action, Tuple[Fraction, Fraction]]:
-    """When each action starts and ends if the workers share ``cores`` cores.
-
-    Each worker runs its actions in order, each as soon as the worker is
-    free and what it waits for has ended (its part ahead, as soon as the
-    worker is free); an action alone on a core takes ``cost(action)``.
-
-    Args:
-        workers: each worker's actions, in order
-        n: the partitions
-        cost: an action's time with a core of its own
-        cores: how many actions can be at work at full speed at once, not
-            necessarily whole (``None``, or at least the workers: every worker
-            has a core, as :func:`simulate` takes it)
-        ahead: how much of an action's cost needs the worker only (as for
-            :func:`simulate`)
-
-    Returns:
-        the start and the end of each action, the wait between its part
-        ahead and the rest left out (the start is the end less the time it
-        was at work)
-
-    Raises:
-        ValueError: ``cores`` is not positive, or the schedule can never
-            finish (as :func:`~torchgpipe.engine.schedule.clock_order` says)
-
-    Example::
-
-        >>> from torchgpipe.engine.generators import fill_drain
-        >>> unit = lambda action: Fraction(1)
-        >>> plan = fill_drain(4, 2).workers
-        >>> max(end for _, end in simulate_sharing(plan, 2, unit, cores=1).values())
-        Fraction(16, 1)
-    """
+    """As :func:`simulate`, the workers sharing ``cores`` (not necessarily whole; ``None``:
+    a core each): between two events, each action at work advances by the time passed
+    times ``min(1, cores / at work)``."""
     if cores is None or cores >= len(workers):
         return simulate(workers, n, cost, ahead)
-    # Exact arithmetic, as the plain simulator's: a share of the cores is a
-    # fraction with a small denominator.
+    # Exact arithmetic: a share of the cores is a fraction with a small denominator.
     capacity = Fraction(cores).limit_denominator(1000)
     if capacity <= 0:
         raise ValueError(f'cores must be positive (got {cores}): give None for a core '
@@ -153,23 +92,19 @@ def simulate_sharing(workers: Sequence[Sequence[Action]], n: int, cost: Cost,
 
 def _shared(workers: Sequence[Sequence[Action]], n: int, cost: Cost, capacity: Fraction,
             ahead: Optional[Cost] = None) -> Dict[Action, Tuple[Fraction, Fraction]]:
-    """:func:`simulate_sharing`'s events, with ``capacity`` cores (any positive number:
-    at least the workers, it is the plain simulation)."""
+    """:func:`simulate_sharing` with ``capacity`` cores."""
     needs = dependencies(workers, n)
     times: Dict[Action, Tuple[Fraction, Fraction]] = {}
     position = [0] * len(workers)
-    # The action each busy worker is at: the time it has been at work, its
-    # work left (in time alone on a core), and, for its part ahead, the work
-    # after it (``None``: nothing is left to wait for).
+    # Each busy worker's action: time at work, work left (alone on a core), and for a
+    # part ahead the work after it (else None).
     working: Dict[int, Tuple[Action, Fraction, Fraction, Optional[Fraction]]] = {}
-    # Workers whose next action waits for what it needs: the time it was at
-    # work so far (its part ahead), and the work left.
+    # Workers whose next action waits: its time at work so far, and its work left.
     waiting: Dict[int, Tuple[Fraction, Fraction]] = {}
     now = Fraction(0)
     total = sum(len(actions) for actions in workers)
     while len(times) < total:
-        # An idle worker starts its next action's part ahead at once, and the
-        # rest once what it waits for ended (at an event already past).
+        # An idle worker starts a part ahead at once, the rest once what it waits for ended.
         for w, actions in enumerate(workers):
             if w in working or position[w] == len(actions):
                 continue

@@ -8,17 +8,10 @@ where a worker would otherwise wait. Take a partition ``y = W2 relu(W1 x)``::
           ▼               ▼                   towards a parameter (Mm1, Mm2)
           W2              W1
 
-``I`` runs the engine from the outputs to ``x`` only, so each node of ``C``
-computes just what ``C`` needs; a hook keeps the gradient each node of ``R``
-received. ``W`` runs the engine again from each node of ``R`` towards the
-parameters only: nothing of ``C`` runs twice, and each ``.grad`` is
-accumulated by its own accumulator (hooks run as usual).
-
-Parameters whose nodes of ``R`` lead to one another through ``C`` (a weight
-used before and after an input-dependent layer) would count that path twice:
-their gradients are computed in ``I``, as are those of nodes that must run
-once (a custom Function, an output retaining its gradient). A partition with
-a reentrant checkpoint inside runs its whole backward in ``I``.
+``I`` runs the engine from the outputs to ``x`` only, a hook keeping what each node of
+``R`` received; ``W`` runs it from there to the parameters only, so nothing runs twice.
+Nodes that must run once (a custom Function, a retained gradient), and parameters whose
+nodes of ``R`` lead to one another through ``C``, get their gradients in ``I``.
 """
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
@@ -35,7 +28,7 @@ Call = Tuple[List[GradientEdge], List[Tensor], List[Tensor]]
 
 
 class WeightPass:
-    """What ``I`` left for ``W``: for each group of parameters, where to start and with what."""
+    """What ``I`` left for ``W``: for each group of parameters, where to start, with what."""
 
     def __init__(self, groups: List[Call], kept: Dict[Node, Tuple[Optional[Tensor], ...]]
                  ) -> None:
@@ -45,9 +38,8 @@ class WeightPass:
     def run(self) -> None:
         """Accumulates the gradients of the parameters, once; frees what ``I`` kept."""
         groups, self.groups = self.groups, []
-        # A root's own hooks (Tensor.register_hook on the output of the node)
-        # run again when the engine starts from it: the gradient the node
-        # computes from must be the one it received in I, whatever they do.
+        # A root's tensor hooks run again when the engine starts from it: the node must
+        # compute from what it received in I.
         handles = [node.register_prehook(lambda _, kept=kept: kept)
                    for node, kept in self.kept.items()]
         try:
@@ -74,20 +66,11 @@ Kids = Dict[Node, List[Node]]
 
 def explore(roots: List[Node], inputs: Set[Node], kids: Kids
             ) -> Tuple[Set[Node], Dict[Node, bool]]:
-    """Which nodes lead to ``inputs`` (``C``), and which lead to another leaf (a parameter).
-
-    Args:
-        roots: where the backward pass starts
-        inputs: the accumulators of the inputs
-        kids: filled with the children of every node under the roots
-
-    Returns:
-        ``C``, and for every node under the roots whether it leads to a parameter
-    """
+    """``C`` (the nodes under ``roots`` that lead to ``inputs``), and whether each node
+    leads to a parameter; fills ``kids``."""
     to_input: Dict[Node, bool] = {}
     to_param: Dict[Node, bool] = {}
-    # Depth first, each node after its children, without recursion (graphs
-    # are as deep as the partition).
+    # Depth first, children first, without recursion (graphs are as deep as the partition).
     stack: List[Tuple[Node, bool]] = [(root, False) for root in roots]
     while stack:
         node, expanded = stack.pop()
@@ -120,14 +103,8 @@ def reach(starts: List[Node], allowed: Set[Node], kids: Kids) -> Set[Node]:
 
 def input_pass(tensors: List[Tensor], grads: List[Optional[Tensor]], inputs: List[Tensor],
                outputs: Sequence[Any] = ()) -> WeightPass:
-    """Runs ``I``: accumulates the gradients of ``inputs`` (leaves); returns what ``W`` runs.
-
-    Args:
-        tensors: the tensors to backpropagate from (outputs, sent skips, loss)
-        grads: their gradients (``None`` for a loss)
-        inputs: the partition's leaves whose gradients the partition before waits for
-        outputs: the partition's outputs, if not among ``tensors`` (the loss's input)
-    """
+    """Runs ``I`` from ``tensors`` (outputs, sent skips or loss): accumulates the gradients
+    of the leaves ``inputs``; returns what ``W`` runs. ``outputs``: those not in ``tensors``."""
     roots = [node_of(t) for t in tensors]
     # The nodes whose runs do more than compute: W must not run them again.
     kept_alive = {node_of(t) for t in [*tensors, *outputs]
@@ -138,12 +115,11 @@ def input_pass(tensors: List[Tensor], grads: List[Optional[Tensor]], inputs: Lis
         stops = {node_of(x) for x in inputs} | early
         closure, to_param = explore(roots, stops, kids)
         if any(getattr(n, '_forward_cls', None) is CheckpointFunction for n in kids):
-            # A reentrant checkpoint runs its own backward pass, which cannot
-            # be told to stop at the inputs: the whole pass runs in I.
+            # A reentrant checkpoint's backward cannot stop at the inputs: all of it in I.
             torch.autograd.backward(tensors, grads)
             return WeightPass([], {})
-        # Where W starts: (node, slot) of nodes of C with a path out of C to a
-        # parameter, and outputs whose node is outside C but leads to one.
+        # Where W starts: nodes of C with an edge out of C towards a parameter, and outputs
+        # whose node is outside C but leads to one.
         starts = [n for n in to_param if n in closure
                   and any(c not in closure and to_param[c] for c in kids[n])]
         free = [k for k, node in enumerate(roots) if node not in closure and to_param[node]]
@@ -173,11 +149,7 @@ Start = Union[Node, int]
 
 def group(starts: List[Start], roots: List[Node], closure: Set[Node],
           to_param: Dict[Node, bool], kids: Kids) -> List[Tuple[List[Start], Set[Node]]]:
-    """Groups where W starts so that no two groups share a parameter.
-
-    Returns:
-        for each group, where it starts and the accumulators of its parameters
-    """
+    """Where W starts, in groups that share no parameter, with their parameters' accumulators."""
     below_closure = {n for n, yes in to_param.items() if yes and n not in closure}
     groups: List[Tuple[List[Start], Set[Node]]] = []
     for start in starts:
@@ -197,14 +169,8 @@ def group(starts: List[Start], roots: List[Node], closure: Set[Node],
 
 
 def once(start: Start, kept_alive: Set[Node]) -> bool:
-    """Whether a node W would start from must run once only.
-
-    A custom autograd Function's ``backward`` may change what it is given or
-    keep state (and turns a missing gradient into zeros); a tensor that
-    retains its gradient would add it twice. Their parameters' gradients
-    are computed in I.
-    """
-    # The nodes of Python Functions know the class they come from.
+    """Whether a node W would start from must run once only: a custom Function's (it may
+    keep state), or one whose tensor retains its gradient (it would add it twice)."""
     return not isinstance(start, int) and (hasattr(start, '_forward_cls')
                                            or start in kept_alive)
 
@@ -223,7 +189,7 @@ def crosses(members: List[Start], closure: Set[Node], kids: Kids) -> bool:
 def plan(groups: List[Tuple[List[Start], Set[Node]]],
          kept: Dict[Node, Tuple[Optional[Tensor], ...]], tensors: List[Tensor],
          grads: List[Optional[Tensor]]) -> List[Call]:
-    """The engine calls of ``W``: edges to start from, their gradients, the parameters."""
+    """The engine calls of ``W``."""
     calls: List[Call] = []
     for members, params in groups:
         edges: List[GradientEdge] = []
@@ -234,7 +200,6 @@ def plan(groups: List[Tuple[List[Start], Set[Node]]],
                 grad = grads[start]
                 values.append(torch.ones_like(tensors[start]) if grad is None else grad)
                 continue
-            # A node no gradient reached in I gets none in W either.
             for slot, grad in enumerate(kept.get(start, ())):
                 if grad is not None:
                     edges.append(GradientEdge(start, slot))

@@ -1,18 +1,12 @@
-"""One partition in a training step: its forward and backward actions, and its messages.
-
-In a step each partition's graph stands alone, cut at its input, and the
-worker owning the partition runs its backward when the schedule says::
+"""One partition in a training step: its graph cut at its input, its backward run when
+the schedule says::
 
     partition j-1                           partition j
     F  x ─► layers ─► y ───── y ──────────► x' = y.detach(), requiring grad
                                              x' ─► layers ─► z ─► ...
     B  backward(y, dy) ◄──── dy = x'.grad ◄─ backward(z, dz)
 
-A skip from partition ``a`` to ``b`` is cut the same way. Messages move on
-the micro-batch's copy stream (:class:`~torchgpipe.foundation.copy.Ready`). A
-checkpointed micro-batch's ``B`` (or ``I``) recomputes first, in the replay of
-:mod:`torchgpipe.runtime.replay`; ``W`` comes later from what ``I`` kept
-(:mod:`torchgpipe.engine.split`).
+Skips are cut the same way. A checkpointed micro-batch's ``B`` (or ``I``) recomputes first.
 """
 import functools
 from dataclasses import dataclass, field
@@ -48,9 +42,7 @@ class Pass:
     input: Batch
     skips: StepSkips
     output: Optional[Batch] = None
-    #: The weighted loss, with its graph (last partition, not checkpointed).
     loss: Optional[Tensor] = None
-    #: The states to recompute from (checkpointed micro-batches).
     replay: Optional[FirstPass] = None
     #: For each output tensor, whether the next partition's leaf requires grad.
     sent_grad: List[bool] = field(default_factory=list)
@@ -60,37 +52,21 @@ class Pass:
 class Shared:
     """What every stage of a step reads: the step's data, and where messages go."""
 
-    #: The number of partitions.
     n: int
-    #: The input micro-batches (read by partition 0, ``None`` where it runs elsewhere).
     batches: Sequence[Optional[Batch]]
-    #: The weighted loss of micro-batch ``i``'s output (the last partition's);
-    #: ``None``: the step keeps the outputs.
+    #: The weighted loss of micro-batch ``i``'s output; ``None`` keeps the outputs.
     loss: Optional[Callable[[int, Batch], Tensor]]
-    #: A training step; else an evaluation (no autograd).
     train: bool
     layout: SkipLayout
-    #: Micro-batches ``0 .. checkpoint_stop - 1`` are checkpointed.
     checkpoint_stop: int
     mailbox: Mailbox
     recorder: Optional[Recorder]
-    #: Called with ``j`` once partition ``j``'s gradients are final.
     done: Optional[Callable[[int], None]]
 
 
 class Stage:
     """One partition in a training step: runs its actions, keeps what they pass on.
-
-    Args:
-        shared: what every stage of the step reads
-        j: the partition's index
-        partition: the partition
-        device: its device
-        traits: what runs showed about it; this one adds what it learns
-        last: its last action that accumulates gradients of its parameters (B or W)
-        streams: its copy stream for each micro-batch, which moves what it
-            sends and receives (default: its device's current stream)
-    """
+    ``last`` is its last ``B`` or ``W``; ``streams`` its copy stream per micro-batch."""
 
     def __init__(self, shared: Shared, j: int, partition: nn.Sequential, device: torch.device,
                  traits: PartitionTraits, last: Optional[Action],
@@ -109,41 +85,28 @@ class Stage:
         self.deferred: Dict[int, WeightPass] = {}
         #: The loss of each micro-batch, without graph (the last partition's).
         self.losses: Dict[int, Tensor] = {}
-        #: Whether the forward action, loss included, drew in this step (the
-        #: last partition's, learned by its first forward action).
+        #: Whether the last partition's forward action, loss included, drew in this step.
         self.loss_draws: Optional[bool] = None
 
     def stream(self, i: int) -> Optional[AbstractStream]:
-        """The copy stream of micro-batch ``i``'s messages, if any."""
         return None if self.streams is None else self.streams[i]
 
     def draws_random(self) -> Optional[bool]:
-        """Whether the partition's forward actions may draw from the CPU generator, if known.
-
-        The loss is part of the last partition's forward actions. It may be
-        another function at every call, so whether the two together draw is
-        learned anew in every step, by the first of them (:attr:`loss_draws`).
-        """
+        """Whether the forward actions may draw from the CPU generator, if known; with the
+        last partition's loss, which may change at every call, learned anew each step."""
         drew = self.traits.draws(self.flags)
         if self.is_last and drew is False:
             return self.loss_draws
         return drew
 
     def run(self, action: Action) -> None:
-        """Runs an action: waits for what it needs, then does (and records) its work.
-
-        Waiting for another worker's message is no part of the work: a
-        timeline shows it as the gap it is.
-        """
+        """Runs an action: waits for what it needs, then does (and records) its work."""
         if self.shared.mailbox.stopped:
-            # An action elsewhere failed: start nothing more.
-            raise Stopped()
+            raise Stopped()  # an action elsewhere failed
         i = action.i
         if action.kind is Kind.F:
             input = self.receive(i)
-            # Held after the turn and the input came, never while waiting for
-            # another worker; throughout, as a forward path's task (see
-            # torchgpipe.foundation.rng): a first pass from before it saves the state.
+            # Held once the input came, never while waiting for another worker.
             with cpu_generator_held(self.draws_random() is not False):
                 self.record('forward', i, lambda: self.forward(i, input))
             self.send_output(i)
@@ -166,10 +129,9 @@ class Stage:
         self.send_gradients(i, current)
 
     def finish(self, action: Action) -> None:
-        """Says so once the partition's gradients are final, after its last ``B`` or ``W``."""
+        """Calls ``done`` after the last ``B`` or ``W``: the gradients may be all-reduced
+        while the partitions before still run backward passes."""
         if action == self.last and self.shared.done is not None:
-            # They may be all-reduced while the partitions before it still
-            # run backward passes.
             self.shared.done(self.j)
 
     def leaves(self, current: Pass) -> List[Tensor]:
@@ -179,7 +141,7 @@ class Stage:
                          if x is not None and x.requires_grad]
 
     def record(self, kind: str, i: int, work: Callable[[], T]) -> T:
-        """Runs an action's work, labelled for a profiler and recorded by a timeline."""
+        """Runs an action's work, labelled for a profiler, recorded by a timeline."""
         with label(kind, (i, self.j)):
             recorder = self.shared.recorder
             if recorder is None:
@@ -187,11 +149,8 @@ class Stage:
             return recorder.timed(kind, i, self.j, self.device, work)()
 
     def call(self, input: Batch, skips: StepSkips) -> Batch:
-        """Runs the partition on ``input``, on copies unless it is known to leave its input alone.
-
-        The input must stay as it is: a recomputation runs from it again,
-        and a leaf requiring grad cannot be changed in place at all.
-        """
+        """Runs the partition on ``input``, on copies unless it is known to leave it alone: a
+        recomputation runs from it again."""
         function = partition_function(self.partition, self.j, skips)
         return Batch(self.traits.call(function, tuple(input), input.with_tensors, 'train_step'))
 
@@ -211,9 +170,7 @@ class Stage:
                           self.stream(i))
         current = Pass(input, skips)
         checkpointed = i < shared.checkpoint_stop
-        # Not known yet whether the partition draws random numbers: the
-        # generator is held, so any change of its state is its doing, or its
-        # loss's (the loss is part of the last partition's work).
+        # Not known yet whether it draws: the generator is held, so a change is its doing.
         probing = self.draws_random() is None
         if checkpointed:
             with first_pass(self.device) as current.replay:
@@ -222,13 +179,11 @@ class Stage:
             with torch.set_grad_enabled(shared.train):
                 output, drew = watch(lambda: self.call(input, skips), probing)
         if probing:
-            # The partition's own draws, without its loss's: the forward
-            # path, which has no loss, shares what is learned here.
+            # Its own draws, without the loss's: the forward path shares them.
             self.traits.learn_draws(self.flags, drew)
         current.output = output
         if not self.is_last:
-            # Without a graph (checkpointed), a floating point output will
-            # have one after the recomputation: the next leaf requires grad.
+            # Checkpointed, a floating point output gets a graph in the recomputation.
             current.sent_grad = [x.requires_grad or (checkpointed and x.is_floating_point())
                                  for x in output]
         elif shared.loss is None:  # an evaluation's output, kept in its pass
@@ -252,11 +207,8 @@ class Stage:
         current = self.passes[i] if keep else self.passes.pop(i)
         output = current.output
         if current.replay is not None and self.shared.loss is not None:
-            # A checkpointed micro-batch's output, and the skips it sent, are
-            # made again by its recomputation: held until then, they would
-            # keep every such output of the step alive at once (the logits,
-            # say), and on another device or rank every such skip. Let go
-            # before the output goes: the next partition may run on at once.
+            # The recomputation makes them again: held, every checkpointed output of the
+            # step (the logits, say) would be alive at once. Let go before the output goes.
             current.output = None
             current.skips.sent.clear()
         if not self.is_last:
@@ -275,11 +227,7 @@ class Stage:
                 current.loss = self.shared.loss(i, current.output)
 
     def gradients(self, i: int, current: Pass) -> Tuple[List[Tensor], List[Optional[Tensor]]]:
-        """Waits for the gradients of micro-batch ``i``'s outputs and sent skips.
-
-        Returns:
-            the tensors to backpropagate from, and their gradients
-        """
+        """Micro-batch ``i``'s tensors to backpropagate from, and their gradients, awaited."""
         mailbox = self.shared.mailbox
         tensors: List[Tensor] = []
         grads: List[Optional[Tensor]] = []
@@ -308,8 +256,7 @@ class Stage:
         """Sends the gradients of micro-batch ``i``'s input and popped skips back."""
         mailbox = self.shared.mailbox
         ready = Ready(self.device, self.stream(i))
-        # The skips first: a mailbox to other processes holds them back until
-        # the main message goes, and sends them right after it.
+        # The skips first: a mailbox across processes holds them until the main message.
         for key, popped in current.skips.received.items():
             mailbox.put(SkipGradient(i, key),
                         Reply(None if popped is None else popped.grad, ready))

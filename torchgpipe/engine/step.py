@@ -1,14 +1,6 @@
-"""Training steps the library drives: each partition's actions, in a schedule's order.
-
-Each partition is a :class:`~torchgpipe.engine.stage.Stage`. The schedule's
-actions are laid out in clock cycles and issued to the worker of each
-partition's device (:mod:`torchgpipe.runtime.worker`), which runs them in
-order, waiting in a :class:`~torchgpipe.engine.mailbox.Mailbox` for what
-others send. The first failure stops every action and reaches the caller as itself.
-"""
+"""Training steps: each partition's actions, in clock order, on its device's worker."""
 import functools
-import sys
-from typing import Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple, cast
+from typing import Callable, Dict, List, Mapping, Optional, Protocol, Sequence, cast
 
 import torch
 from torch import Tensor, nn
@@ -22,8 +14,7 @@ from torchgpipe.foundation.record import Recorder
 from torchgpipe.foundation.stream import AbstractStream
 from torchgpipe.foundation.validation import check_loss_value
 from torchgpipe.runtime.traits import PartitionTraits
-from torchgpipe.runtime.worker import (ExcInfo, IssueOrder, Stopped, Task, distinct_devices,
-                                       spawn_workers)
+from torchgpipe.runtime.worker import IssueOrder, Work, distinct_devices, run_on_workers
 from torchgpipe.skip.layout import SkipLayout
 
 __all__: List[str] = []
@@ -32,34 +23,9 @@ LossFunction = Callable[[TensorOrTensors, TensorOrTensors], Tensor]
 
 
 class Step:
-    """Runs one training step of a schedule over the partitions.
-
-    Args:
-        partitions: the partitions, in order; ``None`` for a partition that
-            runs elsewhere (in another process), whose messages ``mailbox``
-            carries
-        devices: the device of each partition
-        batches: the input micro-batches, on the first device (``None``
-            where the first partition runs elsewhere)
-        targets: the target of each micro-batch
-        loss_fn: ``loss_fn(output, target)`` of one micro-batch
-        weights: what each micro-batch's loss is multiplied by
-        schedule: each worker's actions, checked (:meth:`Schedule.check
-            <torchgpipe.schedules.Schedule.check>`)
-        layout: where the skips go
-        checkpoint_stop: micro-batches ``0 .. checkpoint_stop - 1`` are checkpointed
-        traits: what runs showed about each partition (whether it draws random numbers)
-        recorder: records the actions, inside :func:`torchgpipe.trace`
-        mailbox: what carries messages between partitions (default: a new
-            :class:`~torchgpipe.engine.mailbox.Mailbox`, for partitions of this process)
-        done: called with ``j`` once partition ``j``'s gradients are final,
-            before it sends its last gradients back
-        train: a training step (default); else an evaluation, without
-            autograd (:mod:`torchgpipe.engine.evaluation`)
-        copy_streams: for each partition here, a copy stream per
-            micro-batch, which moves its messages (default: the devices'
-            current streams)
-    """
+    """One step of a checked schedule over the partitions (``None`` where held in another
+    process, which ``mailbox`` reaches); an evaluation without autograd unless ``train``.
+    ``done(j)`` is called once partition ``j``'s gradients are final."""
 
     def __init__(self, partitions: Sequence[Optional[nn.Sequential]],
                  devices: Sequence[torch.device], batches: Sequence[Optional[Batch]],
@@ -78,13 +44,11 @@ class Step:
         self.schedule = schedule
         self.shared = Shared(self.n, batches, None if loss_fn is None else self.loss, train,
                              layout, checkpoint_stop, mailbox or Mailbox(), recorder, done)
-        # Each partition's last action that accumulates its parameters' gradients.
         last = {a.j: a for actions in schedule.workers for a in actions
                 if a.kind in (Kind.B, Kind.W)}
         self.stages = {j: Stage(self.shared, j, p, devices[j], traits[j], last.get(j),
                                 None if copy_streams is None else copy_streams[j])
                        for j, p in enumerate(partitions) if p is not None}
-        #: This process's actions, in clock order.
         self.order = [a for cycle in clock_order(schedule.workers, self.n) for a in cycle
                       if a.j in self.stages]
 
@@ -95,12 +59,8 @@ class Step:
         return check_loss_value(loss) * self.weights[i]
 
     def run(self) -> Optional[Tensor]:
-        """Runs the step; returns the loss of the mini-batch, without graph
-        (``None`` without the last partition here, or without a loss function).
-
-        An exception of any action is raised here, as itself, once every
-        worker has stopped.
-        """
+        """Runs the step, raising an action's failure as itself; returns the loss, if the
+        last partition is here with a loss function."""
         shared = self.shared
         if shared.recorder is not None:
             shared.recorder.begin_step(len(shared.batches), self.devices,
@@ -115,7 +75,7 @@ class Step:
                                 for i in range(len(shared.batches))))
 
     def outputs(self) -> Optional[List[Batch]]:
-        """After an evaluation without a loss, each micro-batch's output, if here."""
+        """After an evaluation without a loss, the outputs, if here."""
         last = self.stages.get(self.n - 1)
         if last is None:
             return None
@@ -125,75 +85,30 @@ class Step:
 class StageLike(Protocol):
     """What the executor asks of a stage, whichever its boundary."""
 
-    #: The device of its partition.
     device: torch.device
 
-    def run(self, action: Action) -> None:
-        """Runs one of its actions."""
+    def run(self, action: Action) -> None: ...
 
-    def draws_random(self) -> Optional[bool]:
-        """Whether its forward actions may draw from the CPU generator (``None``: unknown)."""
+    def draws_random(self) -> Optional[bool]: ...
 
 
 def execute(order: Sequence[Action], stages: Mapping[int, StageLike], mailbox: Mailbox) -> None:
-    """Runs actions in order on the workers of their partitions' devices: the one executor
-    of the forward path, steps and ranks.
-
-    Each device's actions are its worker's one task (a task per action would
-    wake the calling thread at every action). Forward actions that may draw
-    random numbers run in ``order`` (:class:`~torchgpipe.runtime.worker.IssueOrder`),
-    drawing what they would on one thread.
-
-    Args:
-        order: the actions of the partitions here, in clock order
-        stages: the stage of each partition here, by index
-        mailbox: where the stages wait for each other's messages
-
-    Raises:
-        BaseException: the first failure of an action in ``order``, as itself,
-            once every worker has stopped
-    """
+    """The one executor: runs the actions on their devices' workers, raising the first failure
+    as itself; forward actions that may draw random numbers run in ``order``, as on one."""
     devices = [stage.device for stage in stages.values()]
     issue_order = IssueOrder() if len(distinct_devices(devices)) > 1 else None
 
     def stop() -> None:
-        # Ends every wait of the actions, for a message or a turn.
         mailbox.stop()
         if issue_order is not None:
             issue_order.stop()
 
-    queue = {j: k for k, j in enumerate(stages)}
-    tasks: Dict[torch.device, Tuple[int, List[Tuple[int, Callable[[], None]]]]] = {}
+    works: Dict[torch.device, List[Work]] = {}
     for index, action in enumerate(order):
         stage = stages[action.j]
-        _, works = tasks.setdefault(distinct_devices([stage.device])[0], (queue[action.j], []))
         work: Callable[[], None] = functools.partial(stage.run, action)
         if issue_order is not None and action.kind is Kind.F and stage.draws_random() is not False:
             work = issue_order.wrap(work)
-        works.append((index, work))
-    failures: List[Tuple[int, ExcInfo]] = []
-    # On Ctrl-C the workers stop after the action they run; no action may
-    # wait for a message or a turn of theirs.
-    with spawn_workers(devices, stop) as (in_queues, out_queues):
-        for k, works in tasks.values():
-            in_queues[k].put(Task(None, compute=functools.partial(run_works, works, stop,
-                                                                  failures), finalize=None))
-        for k, _ in tasks.values():
-            out_queues[k].get()
-    if failures:
-        _, (_, exc, tb) = min(failures, key=lambda f: f[0])
-        raise exc.with_traceback(tb)
-
-
-def run_works(works: List[Tuple[int, Callable[[], None]]], stop: Callable[[], None],
-              failures: List[Tuple[int, ExcInfo]]) -> None:
-    """Runs the actions of one device in order; a failure stops every other action."""
-    for index, work in works:
-        try:
-            work()
-        except Stopped:
-            return  # an action elsewhere failed, or Ctrl-C
-        except BaseException:
-            failures.append((index, cast(ExcInfo, sys.exc_info())))
-            stop()
-            return
+        works.setdefault(distinct_devices([stage.device])[0], []).append((index, work))
+    with run_on_workers(works, stop):
+        pass  # the workers run the actions; leaving waits for them

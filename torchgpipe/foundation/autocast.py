@@ -1,10 +1,8 @@
 """Autocast state: captured in one thread, entered again in another.
 
-Autocast is thread-local in PyTorch: a worker thread, or the autograd engine's
-thread running a recomputation, starts without the caller's. The pipeline
-captures the caller's state (:func:`save_autocast_states`) and enters exactly
-that state where its tasks run (:func:`restore_autocast_states`), so mixed
-precision computes in the same dtypes on every thread and in every pass.
+Autocast is thread-local: worker threads and the autograd engine's thread
+start without the caller's. So the caller's state is captured and entered
+where tasks run, computing in the same dtypes on every thread and pass.
 """
 from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any, ContextManager, Generator, List, Optional, Tuple
@@ -53,11 +51,7 @@ _NO_AUTOCAST = nullcontext()
 
 
 def restore_autocast_states(states: AutocastStates) -> ContextManager[Any]:
-    """Enters exactly the autocast contexts described by ``states`` (and no other).
-
-    Autocast state is thread-local: a worker thread or the autograd engine's
-    thread starts without the caller's, so it has to be carried over.
-    """
+    """Enters exactly the autocast contexts of ``states`` (and no other)."""
     if not states[0] and not save_autocast_states()[0]:
         # No autocast then or now, the common case: spare the contexts.
         return _NO_AUTOCAST

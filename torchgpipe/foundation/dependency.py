@@ -25,15 +25,9 @@ __all__: List[str] = []
 
 
 def fork(input: Tensor) -> Tuple[Tensor, Tensor]:
-    """Branches a phony off the input, to be joined into another tensor with :func:`join`.
-
-    Args:
-        input (torch.Tensor): the tensor to fork
-
-    Returns:
-        (torch.Tensor, torch.Tensor): the input (as a new autograd node) and
-        a phony whose gradient the input's backward waits for
-    """
+    """Branches a phony off ``input``, to be joined into another tensor with :func:`join`;
+    returns the input (a new autograd node) and the phony, whose gradient its backward
+    waits for."""
     if torch.is_grad_enabled() and input.requires_grad:
         input, phony = Fork.apply(input)  # type: ignore[no-untyped-call]
     else:
@@ -42,18 +36,12 @@ def fork(input: Tensor) -> Tuple[Tensor, Tensor]:
 
 
 class Fork(torch.autograd.Function):
-    """The autograd function behind :func:`fork`: it returns ``input`` and a phony.
-
-    Its backward runs once the gradients of both outputs are in, which is
-    how it waits for the tensor the phony was joined into. It passes on
-    ``input``'s gradient and drops the phony's.
-    """
+    """The autograd function behind :func:`fork`: its backward runs once both outputs'
+    gradients are in, so it waits for the tensor the phony was joined into."""
 
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, input: Tensor) -> Tuple[Tensor, Tensor]:
-        # An input nothing used gets no gradient (None), not zeros: zeros
-        # would give its parameters gradients of zero, where the unwrapped
-        # model leaves them None (which optimizers skip).
+        # None, not zeros, as the unwrapped model leaves an unused input's (optimizers skip).
         ctx.set_materialize_grads(False)
         phony = get_phony(input.device, requires_grad=False)
         return input.detach(), phony.detach()
@@ -65,26 +53,16 @@ class Fork(torch.autograd.Function):
 
 
 def join(input: Tensor, phony: Tensor) -> Tensor:
-    """Merges a phony into the input, so the phony's fork waits for the input's backward.
-
-    Args:
-        input (torch.Tensor): the tensor to join into
-        phony (torch.Tensor): a phony from :func:`fork`
-
-    Returns:
-        torch.Tensor: the input (as a new autograd node)
-    """
+    """Merges ``phony`` into ``input``, so the phony's fork waits for the input's backward;
+    returns the input (a new autograd node)."""
     if torch.is_grad_enabled() and (input.requires_grad or phony.requires_grad):
         input = Join.apply(input, phony)  # type: ignore[no-untyped-call]
     return input
 
 
 class Join(torch.autograd.Function):
-    """The autograd function behind :func:`join`: it returns ``input`` and takes in a phony.
-
-    Its backward passes ``input``'s gradient on and gives the phony none;
-    once it has run, the phony's :class:`Fork` may run its backward.
-    """
+    """The autograd function behind :func:`join`: its backward passes ``input``'s gradient on,
+    releasing the phony's :class:`Fork`."""
 
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx,

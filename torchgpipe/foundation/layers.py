@@ -1,11 +1,5 @@
-"""Replacing layers of a module in place, and a BatchNorm's state shared by its replacement.
-
-Deferred BatchNorm (:mod:`torchgpipe.runtime.batchnorm`) replaces the BatchNorm
-layers of a model by deferred ones, and :func:`~torchgpipe.runtime.batchnorm.restore_batch_norm`
-replaces them back: both walk the model with :func:`replace_layers`, and
-hand the replacement the very tensors of the layer it replaces
-(:func:`share_state`).
-"""
+"""Replacing layers of a module in place, and a BatchNorm's state shared by its replacement
+(for :mod:`torchgpipe.runtime.batchnorm`)."""
 from typing import Any, Callable, Dict, List, Optional
 
 from torch import nn
@@ -15,10 +9,8 @@ __all__: List[str] = []
 
 
 def share_state(source: _BatchNorm, target: _BatchNorm) -> None:
-    """Gives ``target`` the parameters, running statistics, training mode and
-    quantization config of ``source``: the same objects, not copies."""
-    # Share, don't copy: the optimizer and whoever else holds the
-    # parameters and buffers keep seeing the live tensors.
+    """Gives ``target`` the parameters, running statistics, training mode and quantization
+    config of ``source``: the same objects, so the optimizer keeps seeing them."""
     target.weight = source.weight
     target.bias = source.bias
     target.running_mean = source.running_mean
@@ -33,19 +25,9 @@ def share_state(source: _BatchNorm, target: _BatchNorm) -> None:
 
 def replace_layers(module: nn.Module,
                    replace: Callable[[nn.Module], Optional[nn.Module]]) -> nn.Module:
-    """Replaces layers in ``module``, in place, in their parents.
-
-    Args:
-        module (nn.Module): the module to walk, itself included
-        replace (callable): the replacement of a layer, or ``None`` to keep
-            the layer and look into its children instead
-
-    Returns:
-        nn.Module: ``module``, or its replacement
-
-    A layer reached through several parents is replaced once, by one shared
-    replacement.
-    """
+    """Replaces layers in ``module`` (itself included), in place, in their parents, and
+    returns ``module`` or its replacement; ``replace`` gives a layer's replacement, or
+    ``None`` to look into its children. A layer of several parents is replaced once."""
     memo: Dict[int, nn.Module] = {}
 
     def walk(layer: nn.Module) -> nn.Module:

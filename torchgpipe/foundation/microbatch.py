@@ -1,11 +1,10 @@
 """Micro-batches: splitting a mini-batch, carrying the pieces, and gathering them.
 
-A mini-batch is a tensor or a tuple. :func:`scatter` splits its tensors along
-dimension 0 into micro-batches (:class:`Batch`), the pipeline runs each of
-them through every partition, and :func:`gather` concatenates the outputs.
-A tuple may also hold values that are not split: ``None``, booleans,
-numbers, strings, and tensors wrapped in :class:`~torchgpipe.NoChunk`; every micro-batch
-gets them as they are.
+:func:`scatter` splits the tensors of a mini-batch (a tensor or a tuple)
+along dimension 0 into micro-batches (:class:`Batch`), and :func:`gather`
+concatenates the outputs. A tuple's other values (``None``, booleans,
+numbers, strings, :class:`~torchgpipe.NoChunk` tensors) go to every
+micro-batch as they are.
 """
 from typing import (Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union,
                     cast, overload)
@@ -26,17 +25,10 @@ Function = Callable[[TensorOrTensors], TensorOrTensors]
 
 
 class Batch:
-    """One micro-batch: a tensor (atomic) or a tuple.
-
-    Either way it is a sequence of its tensors, so the pipeline copies, waits on
-    and forks them all alike, while :meth:`call` hands a layer the value in its
-    original form.
-
-    Args:
-        values: a tensor, or a tuple of tensors, :class:`~torchgpipe.NoChunk`
-            tensors and other values
-        layout: the layout of ``values`` when its NoChunk tensors are already
-            unwrapped (``None``: found out here)
+    """One micro-batch: a tensor (atomic) or a tuple, a sequence of its tensors either way,
+    so the pipeline copies, waits on and forks them alike; :meth:`call` hands a layer
+    the value in its original form. ``layout``: that of ``values`` whose NoChunk tensors
+    are unwrapped already.
 
     Example::
 
@@ -55,8 +47,7 @@ class Batch:
 
     def __init__(self, values: TensorOrTensors, layout: Optional[Layout] = None) -> None:
         self.atomic = isinstance(values, Tensor)
-        # A layout only for tuples holding other values than tensors: a
-        # tensor or a tuple of tensors, the common case, costs no more.
+        # A layout only for tuples holding other values: the common case costs nothing.
         if layout is None and not self.atomic:
             for x in values:
                 if not isinstance(x, Tensor):
@@ -73,22 +64,15 @@ class Batch:
 
     @property
     def tensor(self) -> Tensor:
-        """The tensor of an atomic batch.
-
-        Raises:
-            AttributeError: the batch is a tuple; use :attr:`tensors`
-        """
+        """The tensor of an atomic batch (:class:`AttributeError` for a tuple)."""
         if not self.atomic:
             raise AttributeError('not atomic batch')
         return cast(Tensor, self._values)
 
     @property
     def tensors(self) -> Tensors:
-        """The tensors of a non-atomic batch, without its other values.
-
-        Raises:
-            AttributeError: the batch is a single tensor; use :attr:`tensor`
-        """
+        """The tensors of a non-atomic batch, without its other values (:class:`AttributeError`
+        for an atomic batch)."""
         if self.atomic:
             raise AttributeError('batch is atomic')
         return cast(Tensors, self._values) if self._layout is None else tuple(self)
@@ -110,18 +94,11 @@ class Batch:
         return arrange(self.atomic, self._layout, tensors)
 
     def call(self, function: Function) -> 'Batch':
-        """Calls ``function`` on the value, as a layer is called, and wraps the result.
-
-        Args:
-            function (callable): takes and returns a tensor or a tuple
-
-        Returns:
-            Batch: a new batch holding what ``function`` returned
-        """
+        """A new batch of what ``function`` returns on the value, called as a layer is."""
         return Batch(function(self._values))
 
     def find(self, predicate: Callable[[Tensor], bool]) -> Optional[int]:
-        """Returns the index of the first tensor satisfying ``predicate``, or ``None``."""
+        """The index of the first tensor satisfying ``predicate``, or ``None``."""
         if self.atomic:
             # The common case, several times per task: spare the iterators.
             return 0 if predicate(cast(Tensor, self._values)) else None
@@ -181,8 +158,7 @@ class Batch:
         self._values = tuple(values)
 
     def _setitem_by_slice(self, index: slice, value: Sequence[Tensor]) -> None:
-        # Only [:], replacing every tensor at once: other slices would make a
-        # tuple batch of a different length, which no caller needs.
+        # Only [:], replacing every tensor at once.
         if not (index.start is index.stop is index.step is None):
             raise NotImplementedError('only slice [:] supported')
         value = tuple(value)
@@ -197,14 +173,7 @@ class Batch:
 
 
 def arrange(atomic: bool, layout: Optional[Layout], tensors: Sequence[Tensor]) -> TensorOrTensors:
-    """The value a layer receives, from its tensors and the form of the batch they came from.
-
-    Args:
-        atomic (bool): whether the batch was a single tensor
-        layout (Layout, optional): where the tensors go in a tuple that holds
-            other values too
-        tensors (sequence of tensors): the tensors, in the batch's order
-    """
+    """The value a layer receives: ``tensors`` in the form of the batch they came from."""
     if atomic:
         return tensors[0]
     if layout is None:
@@ -215,11 +184,7 @@ def arrange(atomic: bool, layout: Optional[Layout], tensors: Sequence[Tensor]) -
 def check(input: object, what: str = 'input') -> None:
     """Checks that ``input`` (named ``what`` in the message) is a tensor, or a tuple of at
     least one tensor and :class:`~torchgpipe.NoChunk` tensors, ``None``, booleans, numbers
-    and strings.
-
-    Raises:
-        TypeError: ``input`` is neither a tensor nor such a tuple
-    """
+    and strings; else :class:`TypeError`."""
     requirement = f'{what} must be a tensor or a tuple of tensors'
     # A dict cannot be split or sent as it is: its values, in a tuple, can.
     by_position = ('use a tuple of its values instead, such as tuple(d.values()), and take '
@@ -255,17 +220,9 @@ def check(input: object, what: str = 'input') -> None:
 
 
 def scatter(input: TensorOrTensors, chunks: int, what: str = 'input') -> List[Batch]:
-    """Splits the input along dimension 0 into at most ``chunks`` micro-batches, as
+    """Splits ``input`` along dimension 0 into at most ``chunks`` micro-batches, as
     :func:`torch.chunk` does; other values and :class:`~torchgpipe.NoChunk` tensors
-    (unwrapped) go to every micro-batch as they are.
-
-    Args:
-        input (torch.Tensor or tuple): the mini-batch
-        chunks (int): the number of micro-batches wanted
-        what (str): how to name the value in error messages
-
-    Returns:
-        list of :class:`Batch`: the micro-batches, in order
+    (unwrapped) go to every micro-batch.
 
     Raises:
         ValueError: the input holds no tensor to split, a tensor to split has no
@@ -292,8 +249,7 @@ def scatter(input: TensorOrTensors, chunks: int, what: str = 'input') -> List[Ba
                                       f'a 0-dimensional tensor',
                                       'give it one entry per sample, such as '
                                       'x.expand(batch_size)'))
-    # Same sizes, not only the same number of micro-batches: with 8 and 7
-    # rows, both split into 4 pieces, but the last ones would not match.
+    # The same sizes: 8 and 7 rows both make 4 pieces, of other sizes.
     if any(x.size(0) != tensors[0].size(0) for x in tensors):
         raise ValueError(describe(f'tensors of the {what} tuple must have the same size in '
                                   'dimension 0',
@@ -363,13 +319,8 @@ def map_tensors(function: Callable[[Tensor], Tensor], values: TensorOrTensors) -
 
 
 def move(batches: List[Batch], device: torch.device) -> None:
-    """Moves the micro-batches to ``device``, in place, by differentiable copies.
-
-    Nothing is done when the first micro-batch is in the memory of
-    ``device`` already (on the CPU, for any CPU device). A
-    :class:`~torchgpipe.NoChunk` tensor, shared by every micro-batch, is
-    moved once, and stays shared.
-    """
+    """Moves the micro-batches to ``device`` in place by differentiable copies, unless the
+    first is in its memory already; a shared NoChunk tensor is moved once."""
     if all(same_memory(x.device, device) for x in batches[0]):
         return
     moved: Dict[int, Tensor] = {}

@@ -1,10 +1,5 @@
-"""What a tuple between partitions holds besides the tensors split into micro-batches.
-
-A :class:`~torchgpipe.NoChunk` tensor is given whole to every micro-batch; ``None``,
-booleans, numbers and strings (``PLAIN_TYPES``) too. A :class:`Layout`
-says where the tensors are in such a tuple, so that a checkpoint can keep
-the tensors alone and build the tuple again.
-"""
+"""What a tuple between partitions holds besides the tensors split into micro-batches:
+:class:`~torchgpipe.NoChunk` tensors and ``PLAIN_TYPES``, whose places a :class:`Layout` keeps."""
 from typing import Any, FrozenSet, Sequence, Tuple
 
 from torch import Tensor
@@ -21,10 +16,9 @@ PLAIN_TYPES = (type(None), bool, int, float, str)
 class NoChunk:
     """Wraps a tensor that every micro-batch gets whole, instead of a slice of it.
 
-    For a tensor without a batch dimension (a mask, a bias), in GPipe's input or
-    what a partition returns. Layers get the tensor itself, the same object in
-    every micro-batch, so its gradient sums over them as without GPipe; the
-    output holds the first micro-batch's, unwrapped.
+    For a tensor without a batch dimension (a mask, a bias). Layers get the
+    tensor itself in every micro-batch, so its gradient sums over them as
+    without GPipe; the output holds the first micro-batch's, unwrapped.
 
     Args:
         tensor (torch.Tensor): the tensor not to split
@@ -60,10 +54,8 @@ class NoChunk:
 
 
 class Layout:
-    """Where the tensors are in a tuple that holds other values too.
-
-    It holds no tensor: a checkpoint keeps it to rebuild its input from the
-    tensors it saved.
+    """Where the tensors are in a tuple that holds other values too (no tensor: a checkpoint
+    keeps it to rebuild its input).
 
     Args:
         template: the tuple, with ``None`` in place of every tensor

@@ -1,9 +1,7 @@
 """Which pass of a forward runs: the first pass of a checkpointed micro-batch, or its recomputation.
 
-A checkpointed micro-batch runs each partition's forward twice (see
-:mod:`torchgpipe.runtime.checkpoint`). Layers may ask which pass they are in, to
-avoid side effects twice (:func:`is_recomputing`); the skip tracker asks
-too, since a checkpointed stash is popped twice. The flags are per thread:
+Layers may ask, to avoid side effects twice (:func:`is_recomputing`); so does
+the skip tracker, as a checkpointed stash is popped twice. Per thread:
 workers run different micro-batches at once.
 """
 import threading
@@ -26,11 +24,8 @@ thread_local = ThreadLocal()
 
 
 class _Setting:
-    """Sets an attribute of :data:`thread_local` within the context.
-
-    A class rather than a generator-based context manager: it is entered
-    for every checkpointed task, and this is the cheaper of the two.
-    """
+    """Sets an attribute of :data:`thread_local` within the context (a class: cheaper than
+    a generator, entered for every checkpointed task)."""
 
     __slots__ = ('name', 'value', 'orig')
 
@@ -63,13 +58,8 @@ def collect_roots(roots: List[Tensor]) -> ContextManager[None]:
 
 
 def add_root(tensor: Tensor) -> None:
-    """Makes the backward pass of a recomputed graph start from ``tensor`` too.
-
-    The checkpoint's backward differentiates its recomputed graph from the
-    outputs that got a gradient. A node that must run even when none did (a
-    skip's portal, whose gradient comes from elsewhere) is given here.
-    Outside a recomputation, nothing happens.
-    """
+    """Makes the backward pass of a recomputed graph start from ``tensor`` too, even if no
+    output got a gradient (a skip's portal); nothing outside a recomputation."""
     if thread_local.roots is not None:
         thread_local.roots.append(tensor)
 
@@ -77,9 +67,8 @@ def add_root(tensor: Tensor) -> None:
 def is_checkpointing() -> bool:
     """Whether the current forward propagation is under checkpointing.
 
-    A checkpointed forward runs twice: once without keeping activations
-    (here this returns ``True``) and once more, to recompute them, just
-    before its backward (see :func:`is_recomputing`).
+    A checkpointed forward runs twice: first without keeping activations (here
+    this returns ``True``), then again before its backward (:func:`is_recomputing`).
 
     Returns:
         bool: ``True`` if it's under checkpointing

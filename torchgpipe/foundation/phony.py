@@ -1,9 +1,8 @@
 """The phony tensor: an empty tensor that carries nothing but a dependency.
 
-Fork, Join, Checkpoint and Recompute pass a phony tensor between autograd
-nodes to order them in the backward graph. It is empty so it costs no memory
-and no gradient arithmetic (footnote 3 of the paper), and it is cached per
-device so creating one in the hot path is free.
+Fork, Join, Checkpoint and Recompute pass it between autograd nodes to order
+the backward graph. Empty, it costs no memory and no arithmetic (footnote 3
+of the paper); cached per device, it costs nothing to make.
 """
 from typing import Dict, List, Tuple
 
@@ -17,16 +16,8 @@ _phonies: Dict[Tuple[torch.device, bool], torch.Tensor] = {}
 
 
 def get_phony(device: torch.device, *, requires_grad: bool) -> torch.Tensor:
-    """Returns a phony: an empty tensor on the device, shared by every caller.
-
-    Args:
-        device (torch.device): the device of the phony
-        requires_grad (bool): whether the phony requires grad; a phony that
-            requires grad makes the output of an autograd function taking it
-            require grad too, so the function gets a backward node
-
-    Returns:
-        torch.Tensor: an empty tensor; never modify it
+    """A phony on ``device``, shared by every caller: never modify it. One that
+    ``requires_grad`` gives an autograd function taking it a backward node.
 
     Example::
 
@@ -37,8 +28,7 @@ def get_phony(device: torch.device, *, requires_grad: bool) -> torch.Tensor:
     try:
         return _phonies[key]
     except KeyError:
-        # Allocate on the default stream: phonies outlive any stream they
-        # are used on, and an empty tensor holds no memory to protect.
+        # On the default stream: a phony outlives the streams that use it.
         with use_device(device), use_stream(default_stream(device)):
             phony = torch.empty(0, device=device, requires_grad=requires_grad)
         return _phonies.setdefault(key, phony)

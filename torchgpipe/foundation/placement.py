@@ -1,13 +1,10 @@
 """Placing layers on devices without replacing the tensors they hold.
 
-A tensor may be held by several modules (a buffer a generated child
-registers too). :meth:`torch.nn.Module.to` would split it in two, so that a
-later ``load_state_dict`` or in-place change would not reach the pipeline.
-Here every object is kept: a tensor already in the target's memory stays
-(every CPU device is the one CPU memory; the index only gives a worker
-thread), and one that must move takes its moved data in place
-(``t.data = t.data.to(device)``), gradient included. Only on the ``'meta'``
-device are tensors replaced.
+:meth:`torch.nn.Module.to` would split a tensor several modules hold, so a
+later ``load_state_dict`` or in-place change would miss the pipeline. Here
+a tensor already in the target's memory stays (every CPU device is one
+memory), and one that must move takes its moved data in place, gradient
+included. Only on the ``'meta'`` device are tensors replaced.
 """
 from typing import Dict, List, Optional, Sequence, cast
 
@@ -20,8 +17,7 @@ __all__: List[str] = []
 
 
 def same_memory(a: torch.device, b: torch.device) -> bool:
-    """Whether tensors on devices ``a`` and ``b`` are in the same memory, so
-    that neither needs a copy to be used on the other.
+    """Whether tensors on devices ``a`` and ``b`` share one memory, needing no copy.
 
     >>> same_memory(torch.device('cpu'), torch.device('cpu:1'))
     True
@@ -42,11 +38,8 @@ def _indexed(device: torch.device) -> torch.device:
 
 def place(module: nn.Module, device: torch.device,
           placed: Optional[Dict[int, Tensor]] = None) -> None:
-    """Moves the parameters, their gradients and the buffers of ``module``
-    to ``device``, each keeping its object where PyTorch allows (see above).
-
-    ``placed`` (by id, each tensor placed so far) leaves those where they are.
-    """
+    """Moves the parameters, their gradients and the buffers of ``module`` to ``device``,
+    each keeping its object where PyTorch allows; those in ``placed`` (by id) stay."""
     placed = {} if placed is None else placed
     moved = False
     for layer in module.modules():
@@ -62,8 +55,7 @@ def place(module: nn.Module, device: torch.device,
     if not moved:
         return
     for layer in module.modules():
-        # What nn.RNNBase does after Module.to: put the moved weights in one
-        # block of memory for cuDNN (in place; a no-op elsewhere).
+        # As nn.RNNBase after Module.to: one block of memory for cuDNN.
         if isinstance(layer, nn.RNNBase):
             layer.flatten_parameters()
 
@@ -80,8 +72,7 @@ def _place(tensor: Tensor, device: torch.device) -> Tensor:
             if grad is not None:
                 grad.data = grad.data.to(device)
             return tensor
-        # A device whose tensors cannot hold another's data: a new tensor,
-        # as Module.to makes.
+        # Tensors that cannot hold another device's data: a new one, as Module.to makes.
         if isinstance(tensor, nn.Parameter):
             parameter = nn.Parameter(data, tensor.requires_grad)
             if grad is not None:
@@ -92,9 +83,8 @@ def _place(tensor: Tensor, device: torch.device) -> Tensor:
 
 def check_materialized(module: nn.Sequential, balance: Optional[List[int]] = None,
                        devices: Sequence[Optional[torch.device]] = ()) -> None:
-    """Checks that the layers to place hold data: a layer on the meta device can be
-    neither copied nor trained before its initialization. Partitions on the meta device,
-    or ``None`` (another rank's), are not checked.
+    """Checks that the layers to place hold data (a meta layer can be neither copied nor
+    trained); partitions on the meta device or ``None`` (another rank's) are skipped.
 
     Raises:
         ValueError: a parameter or buffer of a checked layer is on the meta device

@@ -1,11 +1,9 @@
 """The recording interface: what the engine tells an attached recorder, and labels.
 
-The engine (the pipeline, train_step's executor, checkpointing) calls this
-module, never the timeline: a :class:`Recorder` sits in a GPipe's run state
-(:class:`~torchgpipe.runtime.state.RunState`) while :func:`torchgpipe.trace` is
-active, and is ``None`` otherwise, which costs a pipeline one check per
-task. :class:`~torchgpipe.timeline.Timeline` implements it, above the
-engine. :func:`label` names tasks for PyTorch's profiler, whoever records.
+The engine calls this module, never the timeline: a :class:`Recorder` sits
+in a GPipe's run state while :func:`torchgpipe.trace` is active, ``None``
+otherwise (one check per task). :class:`~torchgpipe.timeline.Timeline`
+implements it; :func:`label` names tasks for PyTorch's profiler.
 """
 from contextlib import nullcontext
 from typing import (Any, Callable, ContextManager, Iterable, List, Optional, Protocol, Sequence,
@@ -24,16 +22,10 @@ PREFIXES = {'forward': 'F', 'recompute': "F'", 'backward': 'B', 'input': 'I', 'w
 
 
 def label(kind: str, task: Tuple[int, int]) -> ContextManager[Any]:
-    """Labels task ``(i, j)`` of a kind for a profiler: ``torchgpipe jFi`` (or ``jF'i``, ``jBi``).
-
-    The task is written as a schedule writes its actions (partition, kind,
-    micro-batch), as the timeline names its events. Nothing is done, the
-    label not even formatted, unless a profiler records.
-    """
-    # A process-wide flag, set by torch.profiler.profile: cheaper than a
-    # record_function per task whether or not anyone profiles. The layout is
-    # torchgpipe.engine.schedule.notation's, written here again only because
-    # this module is a leaf (tests/test_timeline.py holds the two together).
+    """Labels task ``(i, j)`` for a profiler as ``torchgpipe jFi`` (a schedule's notation),
+    formatted only if a profiler records."""
+    # A process-wide flag, cheaper than a record_function per task. The notation is
+    # written again as this module is a leaf (tests/test_timeline.py checks both).
     if torch.autograd.profiler._is_profiler_enabled:
         return torch.profiler.record_function(f'torchgpipe {task[1]}{PREFIXES[kind]}{task[0]}')
     return nullcontext()
@@ -44,10 +36,8 @@ class Recorder(Protocol):
 
     def begin_step(self, micro_batches: int, devices: Sequence[torch.device],
                    kind: str = 'forward', bubble: Optional[Tuple[str, float]] = None) -> int:
-        """Starts a step (a call of the GPipe, or a train_step); returns its index.
-
-        ``bubble``: the formula of the step's bubble and its value, if not GPipe's.
-        """
+        """Starts a step (a call of the GPipe, or a train_step); returns its index. ``bubble``:
+        its formula and value, if not GPipe's."""
 
     def timed(self, kind: str, i: int, j: int, device: torch.device,
               function: Callable[[], T]) -> Callable[[], T]:
@@ -63,7 +53,5 @@ class Recorder(Protocol):
 
     def messaged(self, kind: str, i: int, j: int, device: torch.device, message: str,
                  work: Callable[[], T]) -> T:
-        """Runs and records ``work``, which sends (``kind``: ``'send'``) or waits for
-        (``'receive'``) a message of micro-batch ``i`` between ranks, on partition
-        ``j``'s side; ``message`` names it alike on both sides.
-        """
+        """Runs and records ``work``, which sends (``'send'``) or waits for (``'receive'``) the
+        message ``message`` of micro-batch ``i`` between ranks, on partition ``j``'s side."""

@@ -1,47 +1,37 @@
 """Random numbers in the pipeline: replayed by recomputations, drawn in one order.
 
-PyTorch has one CPU generator per process, shared by every thread, and one
-per CUDA device. Four rules keep results independent of threads:
+One CPU generator per process, shared by every thread, and one per CUDA
+device. Four rules keep results independent of threads:
 
-1. **Replay.** A first pass saves the CPU generator's state (and its CUDA
-   device's); its recomputation runs from them and puts the generators back
-   as it found them.
+1. **Replay.** A first pass saves the generators' states; its
+   recomputation runs from them and puts the generators back.
 
-2. **One order.** With a worker per device, tasks drawing from the shared
-   CPU generator at once would swap numbers. So drawing tasks take turns in
-   issue order (:class:`~torchgpipe.runtime.worker.IssueOrder`), the order
-   of a single-thread run. Which partitions draw is learned by comparing the
-   generator's state around a partition's first run (per setting of its
-   ``training`` flags). A CUDA generator needs no turns: only its own
-   worker draws from it.
+2. **One order.** Drawing tasks take turns in issue order
+   (:class:`~torchgpipe.runtime.worker.IssueOrder`), a single thread's
+   order. Which partitions draw is learned by comparing the generator's
+   state around a partition's first run (per setting of its ``training``
+   flags). A CUDA generator needs no turns: only its worker draws from it.
 
-3. **One holder at a time, across pipelines.** Another pipeline drawing
-   between a first pass's save and its last draw would make the
-   recomputation replay other numbers, silently. So every task that may
-   draw holds :data:`cpu_generator_lock` while it runs
-   (:func:`cpu_generator_held`): first passes, probes and recomputations
-   (on CUDA, autograd runs each device's backward in its own thread). It
-   takes the lock last, after its turn and its inputs, and waits for
-   nothing while holding it, so no two tasks wait for each other. Tasks
-   known to draw nothing take no lock, and keep overlapping. Workers take
-   the caller's hold with them (:func:`holding_for_caller`): a GPipe nested
-   in a partition of another would otherwise wait for its caller's lock.
-   A thread drawing outside any pipeline cannot be ordered: the
-   recomputation detects it (:class:`~torchgpipe.runtime.replay.FirstPass`).
+3. **One holder at a time, across pipelines.** Every task that may draw
+   holds :data:`cpu_generator_lock` while it runs (:func:`cpu_generator_held`),
+   else another pipeline could draw between a save and its replay. It takes
+   the lock last and waits for nothing while holding it, so no two tasks
+   wait for each other; workers take their caller's hold with them
+   (:func:`holding_for_caller`), for a GPipe nested in another. A thread
+   drawing outside any pipeline is detected by the recomputation
+   (:class:`~torchgpipe.runtime.replay.FirstPass`).
 
 4. **No deadlock with the GIL.** ``torch.get_rng_state()`` holds the
-   generator's C++ mutex while it allocates a tensor, which may run the
-   garbage collector and hand the GIL to a thread that then waits for the
-   mutex while holding the GIL::
+   generator's mutex while it allocates, which may run the garbage
+   collector and hand the GIL to a thread waiting for the mutex::
 
        worker A                            worker B
        get_rng_state: mutex ─► allocate    (holds the GIL)
          └► GC ─► finalizer yields GIL ──► get_rng_state: waits for mutex
        waits for the GIL ◄──────────────── holds the GIL: deadlock
 
-   So every state read and write here goes through ``state_lock``, a Python
-   lock, which a thread waits for with the GIL released. (Kernels that draw
-   take the mutex with the GIL released: they cannot close the circle.)
+   So every state read and write goes through ``state_lock``, a Python lock,
+   waited for with the GIL released.
 """
 import threading
 from contextlib import contextmanager
@@ -82,19 +72,8 @@ def cpu_rng_state() -> Tensor:
 
 
 def watch(compute: Callable[[], T], probing: bool = True) -> Tuple[T, bool]:
-    """Runs a task, and tells whether it drew from the CPU generator: the probe of point 2.
-
-    Run it holding the generator (:func:`cpu_generator_held`): a change of
-    the generator's state is then the task's doing.
-
-    Args:
-        compute: the task
-        probing: whether to watch (otherwise, the task runs as it is, and
-            is said to have drawn nothing)
-
-    Returns:
-        what ``compute`` returned, and whether it drew
-    """
+    """Runs ``compute`` holding the generator, and tells whether it drew from the CPU
+    generator (point 2); without ``probing``, says it drew nothing."""
     if not probing:
         return compute(), False
     before = cpu_rng_state()
@@ -116,15 +95,11 @@ def set_rng_states(device: torch.device,
 @contextmanager
 def restore_rng_states(device: torch.device, states: RNGStates, *,
                        exclusive: bool) -> Generator[None, None, None]:
-    """Runs the context from the saved states; the generators are put back after it.
+    """Runs the context from the saved ``states``, the generators put back after it.
 
-    Args:
-        device: the device the states were saved on
-        states: what :func:`save_rng_states` returned
-        exclusive: the context may draw from the CPU generator: replay it
-            too, holding :data:`cpu_generator_lock` throughout. Otherwise the
-            CPU generator, which other threads may be drawing from, is left
-            alone, and only the device's own generator is replayed
+    ``exclusive``: the context may draw from the CPU generator, so it is
+    replayed too, holding :data:`cpu_generator_lock`; otherwise only the
+    device's generator is.
     """
     if not exclusive and states[1] is None:
         # Nothing to replay: no device generator, and the CPU one left alone.
@@ -135,8 +110,7 @@ def restore_rng_states(device: torch.device, states: RNGStates, *,
         saved: Tuple[Optional[Tensor], Optional[Tensor]] = save_rng_states(device)
         replayed: Tuple[Optional[Tensor], Optional[Tensor]] = states
         if not exclusive:
-            # Swapping the shared CPU state without the lock would hand a
-            # thread that draws meanwhile the numbers of this replay.
+            # The shared CPU state is not swapped without the lock.
             replayed, saved = (None, states[1]), (None, saved[1])
         try:
             # Inside: an interrupt right after it must still put them back.
@@ -158,8 +132,7 @@ _NO_LOCK = _NoLock()
 
 
 def cpu_generator_held(may_draw: bool) -> ContextManager[object]:
-    """What a task holds while it runs (point 3 above): :data:`cpu_generator_lock` if
-    ``may_draw``, nothing for a partition known to draw nothing."""
+    """What a task holds while it runs (point 3): :data:`cpu_generator_lock` if ``may_draw``."""
     if not may_draw or getattr(_caller, 'held', False):
         # A worker of a caller holding the lock draws under its hold.
         return _NO_LOCK
@@ -173,8 +146,7 @@ def cpu_generator_owned() -> bool:
 
 @contextmanager
 def holding_for_caller(held: bool) -> Generator[None, None, None]:
-    """Runs a worker thread's tasks under its caller's hold of the CPU generator, if
-    ``held`` (:func:`cpu_generator_owned` in the caller): see point 3 above."""
+    """Runs a worker thread's tasks under its caller's hold of the CPU generator, if ``held``."""
     _caller.held = held
     try:
         yield

@@ -1,10 +1,8 @@
-"""Utilities for CUDA streams, with a CPU stand-in so the same code runs on CPU.
+"""CUDA streams, with a CPU stand-in so the same code runs on CPU.
 
-GPipe keeps computation on each device's default stream and issues every copy
-on a separate, non-default stream (Section 3.2.3 of the paper) so copies and
-computation overlap. CPU has no streams; :data:`CPUStream` is a placeholder
-that makes every stream operation below a no-op on CPU, so the pipeline can be
-written once and run on both.
+Computation stays on each device's default stream and every copy runs on
+another stream (Section 3.2.3), so they overlap. On CPU, :data:`CPUStream`
+makes every stream operation a no-op.
 """
 from contextlib import nullcontext
 from typing import Any, ContextManager, List, Union, cast
@@ -21,8 +19,7 @@ class CPUStreamType:
         return 'CPUStream'
 
     def __reduce__(self) -> str:
-        # Copied or pickled, it is still the one CPUStream: is_cuda() tells
-        # streams apart by identity.
+        # Still the one CPUStream once copied: is_cuda() compares identity.
         return 'CPUStream'
 
 
@@ -80,11 +77,8 @@ def get_device(stream: AbstractStream) -> torch.device:
 
 
 def wait_stream(source: AbstractStream, target: AbstractStream) -> None:
-    """Makes ``source`` wait until every kernel queued on ``target`` so far has finished.
-
-    Waiting for a CPU stream is nothing: its work is already done. A CPU
-    "stream" waiting for a CUDA stream means the host blocks on it.
-    """
+    """Makes ``source`` wait for every kernel queued on ``target`` so far (a CPU ``source``
+    blocks the host; a CPU ``target`` is done already)."""
     if not is_cuda(target):
         return
     if is_cuda(source):
@@ -94,12 +88,8 @@ def wait_stream(source: AbstractStream, target: AbstractStream) -> None:
 
 
 def record_stream(tensor: torch.Tensor, stream: AbstractStream) -> None:
-    """Marks ``tensor`` as in use by ``stream``.
-
-    The CUDA caching allocator only knows the stream a block was allocated on.
-    Without this, a tensor freed on its allocation stream could be handed to
-    another tensor while a kernel on ``stream`` still reads or writes it.
-    """
+    """Marks ``tensor`` as in use by ``stream``, so the caching allocator does not reuse its
+    memory while ``stream`` still works on it."""
     if is_cuda(stream):
         tensor.record_stream(as_cuda(stream))
 

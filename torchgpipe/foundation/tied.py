@@ -1,16 +1,13 @@
 """Tied parameters: one parameter used by layers in several partitions.
 
-A parameter shared across partitions (``head.weight = embedding.weight``) has
-one master, on its first partition's device, and stays registered in every
-layer (listed once by ``parameters()``, as any shared parameter). During a
-call, a layer of a later partition uses the master itself if it is in its
-device's memory, else a differentiable copy on its device: every use's
-gradient flows back into the master, as in the unwrapped model. Buffers cannot
-be shared: a copy would not carry in-place changes back.
-
-In a training step the master's gradient adds up in one order whichever way
-the step runs (:func:`shares_apart`, :mod:`torchgpipe.distributed.tied`), so
-every way gives the same bits::
+A parameter shared across partitions (``head.weight = embedding.weight``)
+has one master, on its first partition's device, registered in every layer.
+During a call a later partition's layer uses the master, or a
+differentiable copy on its device, so every gradient flows into the master
+as in the unwrapped model. Buffers cannot be shared: a copy would not carry
+in-place changes back. In a training step the master's gradient adds up in
+one order whichever way the step runs (:func:`shares_apart`), so every way
+gives the same bits::
 
     partition 0 (owner)  g00 + g01 + ... ───► master.grad ─┐
     partition 3 (uses)   g30 + g31 + ... ───► share 3 ─────┴─► master.grad + share 3
@@ -38,18 +35,16 @@ class Use(NamedTuple):
     user_name: str
 
     def master(self) -> nn.Parameter:
-        # Looked up at every use, never kept: load_state_dict(assign=True),
-        # or a conversion with overwritten parameters, replaces the master.
+        # Looked up each time: load_state_dict(assign=True) replaces the master.
         return cast(nn.Parameter, self.owner._parameters[self.owner_name])
 
 
 class TiedUses:
-    """The uses of earlier partitions' parameters in one partition; called, the
-    partition's forward pre-hook that lends the masters to them.
+    """The uses of earlier partitions' parameters in one partition; called, the partition's
+    forward pre-hook that lends the masters to them.
 
     Args:
-        keys: each state-dict key of a later use within the partition (a
-            layer reached by two paths has two), with its use
+        keys: each state-dict key of a later use within the partition, with its use
         device: the partition's device
     """
 
@@ -67,16 +62,9 @@ class TiedUses:
 
     def __call__(self, partition: nn.Module, input: Any) -> None:
         """Forward pre-hook: gives each use its master, or a copy of it on this device."""
-        # A copy per call of the partition, that is per micro-batch and per
-        # pass, rather than one per forward: made inside the call, it follows
-        # the grad mode of the pass (none in the no_grad first pass of a
-        # checkpointed micro-batch; a graph back to the master in its
-        # recomputation, in the backward thread, and in an uncheckpointed
-        # call, in a worker thread), and belongs to that micro-batch's graph
-        # alone, freed with it. A copy made once per forward, outside the
-        # passes, would be in no recomputed graph. In the master's own
-        # memory (any CPU device, when the master is on the CPU) the "copy"
-        # is the master itself, as in the unwrapped model.
+        # A copy per call (micro-batch and pass) follows the pass's grad mode and
+        # belongs to its graph alone, a recomputation's too. In the master's own
+        # memory the "copy" is the master itself.
         copies: Dict[int, Tensor] = {}
         shares = self.shares if torch.is_grad_enabled() else None
         for use in self.uses:
@@ -86,8 +74,7 @@ class TiedUses:
                     Tensor, Share.apply(master, shares))  # type: ignore[no-untyped-call]
                 copies[id(master)] = (used if same_memory(master.device, self.device)
                                       else used.to(self.device))
-            # An attribute, past nn.Module.__setattr__, which would register a
-            # parameter: it hides the registered master for the call.
+            # Past nn.Module.__setattr__: hides the registered master for the call.
             object.__setattr__(use.user, use.user_name, copies[id(master)])
 
     def give_back(self, partition: nn.Module, input: Any, output: Any) -> None:
@@ -106,18 +93,14 @@ def shared_error(name: str, j: int, later_name: str, k: int) -> ValueError:
 
 
 def find_ties(partitions: Sequence[nn.Module]) -> List[List[Tuple[str, Use]]]:
-    """Finds, for each partition, its uses of earlier partitions' parameters.
-
-    Returns:
-        for each partition, the state-dict key (within the partition) of each
-        later use, with the use
+    """For each partition, the state-dict key of each use of an earlier partition's
+    parameter, with the use.
 
     Raises:
         ValueError: a buffer, or a layer with parameters or buffers, is in
             two partitions
     """
-    # Where a tensor, or a layer with tensors of its own, is first found:
-    # its partition and its name, as in the unwrapped model.
+    # Where each tensor, or layer with tensors, is first found: partition and name.
     first: Dict[int, Tuple[int, str]] = {}
     owners: Dict[int, Tuple[nn.Module, str]] = {}
     found: List[List[Tuple[str, Use]]] = []
@@ -148,13 +131,9 @@ def find_ties(partitions: Sequence[nn.Module]) -> List[List[Tuple[str, Use]]]:
 
 
 def tie_partitions(partitions: Sequence[nn.Module], devices: Sequence[torch.device]) -> None:
-    """Hooks each partition that uses earlier partitions' parameters, to lend
-    them to its layers at every call (:class:`TiedUses`).
-
-    Raises:
-        ValueError: a buffer, or a layer with parameters or buffers, is in
-            two partitions; nothing is hooked then
-    """
+    """Hooks each partition that uses earlier partitions' parameters to lend them to its
+    layers at every call (:class:`TiedUses`); :class:`ValueError` as :func:`find_ties`,
+    before hooking anything."""
     for partition, device, keys in zip(partitions, devices, find_ties(partitions)):
         if keys:
             tied = TiedUses(keys, device)
@@ -163,14 +142,9 @@ def tie_partitions(partitions: Sequence[nn.Module], devices: Sequence[torch.devi
 
 
 def place_partitions(partitions: Sequence[nn.Module], devices: Sequence[torch.device]) -> None:
-    """Moves each partition to its device, each tensor keeping its object
-    (:func:`~torchgpipe.foundation.placement.place`); a parameter shared across
-    partitions stays with the first, and the later ones borrow it at each call.
-
-    Raises:
-        ValueError: a buffer, or a layer with parameters or buffers, is in two
-            partitions; nothing is changed then
-    """
+    """Moves each partition to its device, each tensor keeping its object; a parameter
+    shared across partitions stays with the first. :class:`ValueError` as
+    :func:`find_ties`, before changing anything."""
     tie_partitions(partitions, devices)
     # One memo for all: a tensor moves with its first partition only.
     placed: Dict[int, Tensor] = {}
@@ -179,15 +153,8 @@ def place_partitions(partitions: Sequence[nn.Module], devices: Sequence[torch.de
 
 
 class Share(torch.autograd.Function):
-    """The master as a later partition uses it in a training step: its gradient goes
-    to the partition's share, not to the master.
-
-    ::
-
-        master ─► Share ─► layers of the partition
-                    │
-                    └ backward: shares[id(master)] += gradient; nothing to the master
-    """
+    """The master as a later partition uses it in a training step: its gradient goes to
+    the partition's share, not to the master."""
 
     @staticmethod
     def forward(ctx: Any, master: Tensor, shares: Dict[int, Tensor]) -> Tensor:
@@ -219,7 +186,7 @@ def tied_masters(partitions: Sequence[nn.Module]) -> List[nn.Parameter]:
 
 
 def masters_of(hooks: Sequence[TiedUses]) -> List[nn.Parameter]:
-    """The parameters that the partitions of these hooks use, each once."""
+    """The parameters the partitions of these hooks use, each once."""
     masters = {id(m): m for hook in hooks for m in hook.masters()}
     return list(masters.values())
 
@@ -228,12 +195,11 @@ def masters_of(hooks: Sequence[TiedUses]) -> List[nn.Parameter]:
 def shares_apart(partitions: Sequence[nn.Module]) -> Iterator[None]:
     """Around a training step: the gradient of each tied master in one order of additions.
 
-    A master's gradient of earlier steps is set aside; the owner's uses
-    accumulate into ``.grad`` as usual, each later partition's into its
-    share (:class:`Share`). As the step ends, also when it fails, each
-    master gets its gradient back, plus the owner's, plus the shares in the
-    order of the partitions: the sum is the same bits on one thread, on a
-    worker thread per device, and across processes.
+    Earlier steps' gradients are set aside; the owner's uses accumulate into
+    ``.grad``, each later partition's into its share (:class:`Share`). As the
+    step ends, also on failure, each master gets back its gradient plus the
+    owner's plus the shares in partition order: the same bits on one thread,
+    on worker threads, and across processes.
     """
     hooks = tied_uses(partitions)
     masters = masters_of(hooks)
@@ -255,15 +221,9 @@ def shares_apart(partitions: Sequence[nn.Module]) -> Iterator[None]:
 
 def add_in_order(kept: Optional[Tensor], first: Optional[Tensor],
                  rest: Iterable[Optional[Tensor]]) -> Optional[Tensor]:
-    """``kept + (first + rest[0] + rest[1] + ...)``, added in that order.
-
-    The one order of additions of a tied weight's gradient, in one process
-    and across ranks: floating-point addition is not associative, so the same
-    order is what gives the same bits. The sum is written into ``first``'s
-    memory (a gradient of the caller's own), never into one of ``rest`` (a
-    share or a received message, whose memory may be reused). ``None`` is no
-    gradient.
-    """
+    """``kept + (first + rest[0] + rest[1] + ...)``, added in that order (floating-point
+    addition is not associative), into ``first``'s memory, never into one of ``rest``
+    (which may be reused). ``None`` is no gradient."""
     total = first
     with torch.no_grad():
         for grad in rest:
@@ -273,7 +233,7 @@ def add_in_order(kept: Optional[Tensor], first: Optional[Tensor],
 
 
 def add(kept: Optional[Tensor], grad: Optional[Tensor]) -> Optional[Tensor]:
-    """``kept + grad``, where ``None`` is no gradient; in ``kept``'s memory when there is one."""
+    """``kept + grad``, in ``kept``'s memory where there is one; ``None`` is no gradient."""
     if kept is None or grad is None:
         return grad if kept is None else kept
     with torch.no_grad():

@@ -1,15 +1,13 @@
 """Argument validation: one message format and one policy for every entry point.
 
-A wrong type raises :exc:`TypeError`; a wrong value :exc:`ValueError` (or the
-subclass the contract names: :class:`BalanceError`, :exc:`IndexError` for too
-few devices). Every message says what is required (0.0.7's messages word for
-word), what was received, and how to fix it::
+A wrong type is a :exc:`TypeError`, a wrong value a :exc:`ValueError`, checked before
+anything changes. A message says what is required (0.0.7's words), what was received,
+and the fix::
 
     number of chunks must be positive integer (chunks: 0); give the number of
     micro-batches, such as chunks=8
-
-Arguments are checked before anything changes.
 """
+import math
 import numbers
 import sys
 from typing import Dict, Iterable, List, Optional, Tuple, Union, cast
@@ -26,24 +24,13 @@ Devices = Union[Iterable[Device], List[Device]]
 
 
 def describe(requirement: str, received: str, fix: str) -> str:
-    """The message of a validation error.
-
-    Args:
-        requirement (str): what the argument must be, naming it
-        received (str): the argument's name and the value received, such as
-            ``"chunks: 0"``
-        fix (str): how to fix the call, with an example of a correct argument
-
-    Returns:
-        str: ``'<requirement> (<received>); <fix>'``
-    """
+    """The message of a validation error: what the argument must be, naming it; its name
+    and value (``"chunks: 0"``); and the fix, with an example."""
     return f'{requirement} ({received}); {fix}'
 
 
 def brief(value: object) -> str:
-    """A value as a message shows it: its ``repr`` when that is one short
-    line, else only its type (a module's or a tensor's ``repr`` can fill a
-    screen)."""
+    """A value as a message shows it: its ``repr`` if one short line, else its type."""
     text = repr(value)
     if len(text) <= 60 and '\n' not in text:
         return text
@@ -51,9 +38,7 @@ def brief(value: object) -> str:
 
 
 def real_number(value: object) -> Optional[numbers.Real]:
-    """The real number ``value`` stands for: itself, or the value of a 0-dim
-    tensor; ``None`` for a bool (a bool counts no micro-batches or layers),
-    a bool tensor, or anything that is no real number."""
+    """The real number ``value`` stands for (a 0-dim tensor's too); ``None`` for a bool."""
     if isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype != torch.bool:
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -62,14 +47,7 @@ def real_number(value: object) -> Optional[numbers.Real]:
 
 
 def as_int(value: object) -> Optional[int]:
-    """The :class:`int` an integral number stands for, as torchgpipe 0.0.7
-    took it: ``3``, ``3.0``, a NumPy integer or a 0-dim tensor such as
-    ``torch.tensor(3)``.
-
-    Returns:
-        int or None: the value as an int; ``None`` for a non-integral number
-        (``2.5``) or anything :func:`real_number` refuses
-    """
+    """The int an integral number stands for (``3.0``, ``torch.tensor(3)``), as in 0.0.7."""
     number = real_number(value)
     if number is None:
         return None
@@ -81,13 +59,7 @@ def as_int(value: object) -> Optional[int]:
 
 
 def check_chunks(chunks: object) -> int:
-    """Checks the number of micro-batches, wherever it is given; an integral non-int
-    (``8.0``, ``torch.tensor(8)``) is accepted, as in 0.0.7.
-
-    Raises:
-        TypeError: ``chunks`` is not a number
-        ValueError: ``chunks`` is not a positive integer
-    """
+    """Checks the number of micro-batches (an integral number, as :func:`as_int`)."""
     value = as_int(chunks)
     if value is not None and value > 0:
         return value
@@ -98,15 +70,25 @@ def check_chunks(chunks: object) -> int:
                               f'chunks: {chunks!r}', fix))
 
 
-def parse_device(name: str, value: object, fix: str) -> torch.device:
-    """Parses the device argument ``name`` (``'devices[1]'``): a :class:`torch.device`,
-    a string or a CUDA index, as given (a bare ``'cuda'`` keeps no index); ``fix`` is the
-    caller's correct call.
+def check_number(name: str, value: object, fix: str, *, integer: bool = False, least: int = 0,
+                 must: str = 'finite and non-negative', optional: bool = False
+                 ) -> Optional[float]:
+    """Checks a number argument: an int if ``integer``, else a real number (no bool), finite
+    and at least ``least`` (``must`` says so); or ``None`` if ``optional``."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int if integer else numbers.Real):
+        kind = 'an int' if integer else 'a real number'
+        raise TypeError(describe(f'{name} must be {kind}' + (', or None' if optional else ''),
+                                 f'{name}: {value!r}', fix))
+    number = cast(float, value)  # an int or a numbers.Real, which the stubs cannot compare
+    if not least <= number < math.inf:
+        raise ValueError(describe(f'{name} must be {must}', f'{name}: {value!r}', fix))
+    return number
 
-    Raises:
-        TypeError: ``value`` is none of the accepted types
-        ValueError: ``value`` is not a device
-    """
+
+def parse_device(name: str, value: object, fix: str) -> torch.device:
+    """Parses the device argument ``name``: a device, a string or a CUDA index, as given."""
     if isinstance(value, bool) or not isinstance(value, (torch.device, int, str)):
         raise TypeError(describe(f'{name} must be a torch.device, a string or a CUDA index',
                                  f'{name}: {value!r}', fix))
@@ -118,17 +100,7 @@ def parse_device(name: str, value: object, fix: str) -> torch.device:
 
 
 def check_available(name: str, device: torch.device, no_cuda_fix: str) -> None:
-    """Checks that a CUDA device exists here; other devices always pass.
-
-    Args:
-        name (str): how to name the argument
-        device (torch.device): the parsed device
-        no_cuda_fix (str): the fix when CUDA is not available: the caller's
-            call on the CPU
-
-    Raises:
-        ValueError: CUDA is not available, or the CUDA index is too large
-    """
+    """Checks that a CUDA device ``name`` exists here; other devices pass."""
     if device.type != 'cuda':
         return
     if not torch.cuda.is_available():
@@ -143,17 +115,27 @@ def check_available(name: str, device: torch.device, no_cuda_fix: str) -> None:
                                   f"use an index below {count}, such as 'cuda:0'"))
 
 
-# The wrapper's own arguments: the module, its balance, its devices.
+def parse_devices(devices: object, each: str, fix: str) -> List[torch.device]:
+    """Parses a list of devices, one per ``each``: any iterable but a single device."""
+    values = None
+    if not isinstance(devices, (str, int, torch.device)):
+        try:
+            values = list(cast(Iterable[object], devices))
+        except TypeError:
+            pass
+    if values is None:
+        raise TypeError(describe(f'devices must be a list of devices, one per {each}',
+                                 f'devices: {devices!r}', fix))
+    return [parse_device(f'devices[{i}]', value, fix) for i, value in enumerate(values)]
 
 
 def deny_moving() -> TypeError:
-    """The error of moving a GPipe module as a whole: each partition has its own device."""
-    # The text is torchgpipe 0.0.7's: scripts may match on it.
+    """The error of moving a GPipe module as a whole (0.0.7's words)."""
     return TypeError('denied to move parameters and buffers, '
                      'because GPipe should manage device placement')
 
 
-#: What every balance error adds: torchgpipe.balance finds a balance itself.
+#: What every balance error adds.
 BALANCE_HINT = """\
 torchgpipe.balance can find a balance for you, from the time (balance_by_time)
 or the memory (balance_by_size) each layer takes on a sample batch:
@@ -175,19 +157,14 @@ class BalanceError(ValueError):
 
 
 def verify_module(module: object) -> None:
-    """Checks that the module can be partitioned.
-
-    Parameters shared by children are allowed (tied weights): see
-    :func:`split_module`.
+    """Checks that the module can be partitioned (tied parameters may be shared).
 
     Raises:
         TypeError: the module is not :class:`~torch.nn.Sequential`
         ValueError: a child appears twice
     """
     if not isinstance(module, nn.Sequential):
-        # The 0.0.7 messages of this function are matched on by users: they
-        # stay word for word; docs/troubleshooting.rst gives the fix, and a
-        # note (shown under the message, not part of str()) points to it.
+        # 0.0.7's words, which users match on; the fix is a note, not part of str().
         error = TypeError('module must be nn.Sequential to be partitioned')
         if sys.version_info >= (3, 11):
             error.add_note(f'(module: {type(module).__name__}) flatten it first with '
@@ -196,8 +173,7 @@ def verify_module(module: object) -> None:
                            "documentation's troubleshooting page")
         raise error
 
-    # Sequential's own iteration would hide a repeated child: it lists each
-    # module once.
+    # Sequential's own iteration lists a repeated child once.
     if shares_objects(module._modules.items()):
         raise ValueError('module with duplicate children is not supported')
 
@@ -209,23 +185,14 @@ def shares_objects(owned: Iterable[Tuple[str, object]]) -> bool:
 
 
 def example_balance(layers: int) -> List[int]:
-    """A balance fitting ``layers`` layers, to show in error messages: two
-    even partitions (one for a single layer)."""
+    """A balance of ``layers`` layers for error messages: two even partitions."""
     partitions = min(2, layers)
     return [layers // partitions + (j < layers % partitions) for j in range(partitions)]
 
 
 def check_balance(module: nn.Sequential, balance: object) -> List[int]:
-    """Checks the balance against the module.
-
-    Returns:
-        list of ints: the balance
-
-    Raises:
-        TypeError: the balance is not an iterable of ints
-        BalanceError: the balance does not sum to the number of layers, or
-            has a non-positive entry
-    """
+    """Checks the balance against the module: ints (as :func:`as_int`), positive,
+    summing to its layers (else :class:`BalanceError`)."""
     layers = len(module)
     example = example_balance(layers)
 
@@ -240,8 +207,6 @@ def check_balance(module: nn.Sequential, balance: object) -> List[int]:
         values = list(cast(Iterable[object], balance))
     except TypeError:
         raise type_error from None
-    # Integral values such as 2.0, NumPy integers or torch.tensor(2) count
-    # as ints, as in torchgpipe 0.0.7.
     entries = [as_int(x) for x in values]
     if None in entries:
         raise type_error
@@ -261,8 +226,7 @@ def check_balance(module: nn.Sequential, balance: object) -> List[int]:
 
 
 def device_example(device: object) -> str:
-    """How a single device argument is written in an example of a correct
-    call; ``'cpu'`` for anything else."""
+    """A single device as an example of a correct call writes it; else ``'cpu'``."""
     if isinstance(device, (str, int, torch.device)) and not isinstance(device, bool):
         try:
             return str(torch.device(device))
@@ -272,30 +236,13 @@ def device_example(device: object) -> str:
 
 
 def check_devices(devices: object, partitions: int) -> List[torch.device]:
-    """Checks ``devices`` (``None``: every CUDA device), and that there is one for each
-    partition; returns every device given.
-
-    Raises:
-        TypeError: ``devices`` is not an iterable of devices
-        ValueError: a device is not valid, or is a CUDA device that does not exist here
-        IndexError: fewer devices than partitions
-    """
+    """Checks ``devices`` (``None``: every CUDA device): one per partition (else
+    ``IndexError``), those used available; returns every device given."""
     if devices is None:
         devices = range(torch.cuda.device_count())
-
-    single = isinstance(devices, (str, int, torch.device)) and not isinstance(devices, bool)
-    example = [device_example(devices if single else None)] * partitions
-    fix = f'give one device per partition, such as devices={example}'
-    type_error = TypeError(describe('devices must be a list of devices, one per partition',
-                                    f'devices: {devices!r}', fix))
-    # A string is iterable, but its characters are no devices.
-    if single:
-        raise type_error
-    try:
-        values = list(cast(Iterable[object], devices))
-    except TypeError:
-        raise type_error from None
-    device_list = [parse_device(f'devices[{i}]', value, fix) for i, value in enumerate(values)]
+    example = [device_example(devices)] * partitions
+    device_list = parse_devices(devices, 'partition',
+                                f'give one device per partition, such as devices={example}')
 
     if len(device_list) < partitions:
         # Fill up with the last device: one device may hold several partitions.
@@ -314,64 +261,38 @@ def check_devices(devices: object, partitions: int) -> List[torch.device]:
 
 
 def check_step(reduction: object, loss_fn: object) -> None:
-    """Checks the arguments of :meth:`GPipe.train_step <torchgpipe.GPipe.train_step>`.
-
-    And the state it runs in: gradients enabled. (The schedule is checked by
-    :func:`torchgpipe.engine.generators.check_schedule`.)
-
-    Raises:
-        TypeError: ``reduction`` is not a string, or ``loss_fn`` is not callable
-        ValueError: an unknown ``reduction``
-        RuntimeError: gradients are disabled
-    """
-    check_loss(reduction, loss_fn)
+    """Checks ``train_step``'s loss arguments, and that gradients are enabled."""
+    check_loss(loss_fn, reduction)
     if not torch.is_grad_enabled():
         raise RuntimeError('train_step runs a backward pass, but gradients are disabled '
                            '(torch.no_grad() or torch.inference_mode()); call it outside '
                            'of them, or call the module itself for inference')
 
 
-def check_optional_positive(name: str, value: object, kind: str, types: Tuple[type, ...],
-                            fix: str, value_fix: Optional[str] = None) -> Optional[float]:
-    """Checks an optional positive number: ``None``, or of ``types`` (no bool) and above 0.
-
-    Raises:
-        TypeError: it is of another type (``kind`` says which it must be)
-        ValueError: it is not positive
-    """
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, types):
-        raise TypeError(describe(f'{name} must be {kind}, or None', f'{name}: {value!r}', fix))
-    number = cast(float, value)
-    if not number > 0:
-        raise ValueError(describe(f'{name} must be positive', f'{name}: {value!r}',
-                                  value_fix or fix))
-    return number
-
-
 def check_timeout(timeout: object) -> Optional[float]:
-    """Checks a timeout in seconds: a positive number, or ``None``."""
-    seconds = check_optional_positive('timeout', timeout, 'a number of seconds', (int, float),
-                                      'give seconds, e.g. timeout=600',
-                                      "give seconds, e.g. timeout=600, or None for the process "
-                                      "group's")
-    return None if seconds is None else float(seconds)
+    """Checks a step timeout: positive seconds (``inf`` too), or ``None``."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(describe('timeout must be a number of seconds, or None',
+                                 f'timeout: {timeout!r}', 'give seconds, e.g. timeout=600'))
+    if not timeout > 0:
+        raise ValueError(describe('timeout must be positive', f'timeout: {timeout!r}',
+                                  "give seconds, e.g. timeout=600, or None for the process "
+                                  "group's"))
+    return float(timeout)
 
 
 def check_planned_threads(planned_threads: object) -> Optional[int]:
     """Checks the intra-op threads a plan measured with: a positive int, or ``None``."""
-    return cast(Optional[int], check_optional_positive(
-        'planned_threads', planned_threads, 'an int', (int,),
-        'pass plan.kwargs as torchgpipe.plan gives them, or leave planned_threads out'))
+    return cast(Optional[int], check_number(
+        'planned_threads', planned_threads,
+        'pass plan.kwargs as torchgpipe.plan gives them, or leave planned_threads out',
+        integer=True, least=1, must='positive', optional=True))
 
 
 def check_loss_value(loss: object) -> torch.Tensor:
-    """Returns what ``loss_fn`` returned, if it is a tensor of one element.
-
-    Raises:
-        TypeError: it is not
-    """
+    """What ``loss_fn`` returned, if a tensor of one element; else ``TypeError``."""
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         shape = f' of shape {tuple(loss.shape)}' if isinstance(loss, torch.Tensor) else ''
         raise TypeError(describe('loss_fn must return a tensor of one element (a reduced '
@@ -382,13 +303,8 @@ def check_loss_value(loss: object) -> torch.Tensor:
     return loss
 
 
-def check_loss(reduction: object, loss_fn: object) -> None:
-    """Checks the loss function of a step, and how it reduces a micro-batch.
-
-    Raises:
-        TypeError: ``reduction`` is not a string, or ``loss_fn`` is not callable
-        ValueError: an unknown ``reduction``
-    """
+def check_loss(loss_fn: object, reduction: object = 'mean') -> None:
+    """Checks a loss function, and how it reduces a micro-batch (``'mean'`` or ``'sum'``)."""
     if not isinstance(reduction, str) or reduction not in ('mean', 'sum'):
         error = ValueError if isinstance(reduction, str) else TypeError
         raise error(describe("reduction must be 'mean' or 'sum'",
@@ -400,13 +316,16 @@ def check_loss(reduction: object, loss_fn: object) -> None:
                                  'pass a function of (output, target), e.g. F.mse_loss'))
 
 
-def check_one_process() -> None:
-    """Checks that :meth:`GPipe.train_step <torchgpipe.GPipe.train_step>` runs in one process.
+def check_target_and_loss(caller: str, target: object, loss_fn: object, use: str) -> None:
+    """Checks that ``target`` and ``loss_fn`` come together (``use``: what for), or neither."""
+    if (target is None) != (loss_fn is None):
+        given, missing = ('target', 'loss_fn') if loss_fn is None else ('loss_fn', 'target')
+        raise ValueError(describe(f'{caller} takes a target and a loss_fn together, or neither',
+                                  f'{given} without {missing}', f'pass {missing} too {use}'))
 
-    Raises:
-        RuntimeError: torch.distributed runs several processes, whose
-            gradients train_step alone would not average
-    """
+
+def check_one_process() -> None:
+    """Checks that ``train_step`` runs in one process: it averages no gradients across."""
     if (torch.distributed.is_available() and torch.distributed.is_initialized()
             and torch.distributed.get_world_size() > 1):
         raise RuntimeError('train_step does not all-reduce gradients across processes; '

@@ -1,14 +1,9 @@
 """The planner: balance, chunks, schedule, placement and checkpointing, chosen from measurements.
 
-:func:`~torchgpipe.plan` measures each layer once (:mod:`~torchgpipe.planner.costs`) and
-what the pipeline adds per task (:mod:`~torchgpipe.planner.calibrate`), then
-predicts every configuration worth trying (:mod:`~torchgpipe.planner.search`)
-by running each schedule's own actions through the simulator with those
-costs (:mod:`~torchgpipe.planner.predict`; on CPU devices, with the pace
-:mod:`~torchgpipe.planner.pilot` measures on the model), and returns the fastest
-that fits the memory limit as a :class:`~torchgpipe.Plan`
-(:mod:`~torchgpipe.planner.result`); on two or more CPU devices, the fastest
-of the few predicted fastest, timed on the model (:mod:`~torchgpipe.planner.trial`).
+It measures each layer once (:mod:`~torchgpipe.planner.costs`) and the pipeline's cost
+per task (:mod:`~torchgpipe.planner.calibrate`), predicts every configuration worth
+trying with the simulator (:mod:`~torchgpipe.planner.search`), and returns the fastest
+that fits in memory (on CPU devices, timed on the model: :mod:`~torchgpipe.planner.trial`).
 """
 from contextlib import contextmanager
 from typing import (TYPE_CHECKING, Any, Callable, Generator, List, Optional,
@@ -32,7 +27,7 @@ from torchgpipe.planner.predict import micro_batches
 from torchgpipe.planner.search import Scored, chunk_counts, search
 
 if TYPE_CHECKING:
-    from torchgpipe.planner.group import Team
+    from torchgpipe.planner.group import PlanningGroup
 
 __all__ = ['plan', 'Plan', 'Option', 'Comparison']
 
@@ -45,31 +40,12 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
          runners_up: int = 5, trials: int = 4) -> Plan:
     """Chooses how to pipeline ``module``: the fastest configuration that fits in memory.
 
-    Each layer is measured once, on a copy on the first device, at every
-    micro-batch size a plan may use: its forward pass, the gradients of its
-    inputs and of its weights, the memory its forward pass keeps, its
-    output's bytes and its parameters. The pipeline's own cost per task is
-    measured on ``devices``; on CPU devices, a copy of the model then
-    trains as a pipeline on them at each size (12 steps a size), and each
-    size's times take the pace the workers keep together
-    (:mod:`~torchgpipe.planner.pilot`). Then every built-in schedule, with its layouts
-    of partitions on devices (one per device; two or four in a loop for
-    interleaved 1F1B; two in a V for ZBV), every number of micro-batches up
-    to ``chunks``, every checkpoint mode and a few balances is predicted by
-    the simulator: its step time and each device's peak memory. The best
-    are refined by moving a boundary one layer at a time. ``module`` is
-    left untouched (gradients it holds are set aside while planning, and
-    given back as they were), and so are the random number generators.
-
-    With ``group``, the plan is for a
-    :class:`~torchgpipe.distributed.DistributedGPipe` over the processes of
-    ``group``, one worker each: every rank calls ``plan`` with the same
-    arguments and its own ``device``. Rank 0 measures the layers while the
-    others train copies of them (the load a pipeline puts on a shared
-    machine; only as many as leave it a core of its own, where the ranks
-    outnumber the cores); the pipeline's cost per task and per message
-    (a skip's between ranks too, a message of its own) are measured by
-    steps across the group; every rank returns the same plan.
+    Each layer is measured once, on a copy, at every micro-batch size, and the pipeline's
+    cost per task on ``devices``. The simulator then predicts the step time and memory of
+    every schedule, layout, number of micro-batches, checkpoint mode and a few balances.
+    ``module`` and the random generators are left untouched. With ``group``, each rank
+    calls ``plan`` with the same arguments and its own ``device``, and all get one plan,
+    for a :class:`~torchgpipe.distributed.DistributedGPipe`.
 
     Args:
         module (torch.nn.Sequential): the model
@@ -77,49 +53,36 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
             (its batch size is the one planned for)
 
     Keyword Args:
-        devices (list of devices): the devices to run on, one worker each,
-            such as ``['cuda:0', 'cuda:1']`` or ``['cpu:0', 'cpu:1']``
-            (default: every visible CUDA device); not with ``group``
-        group (torch.distributed.ProcessGroup, optional): plan for the processes of this
-            group instead, such as ``torch.distributed.group.WORLD``
-        device (device, optional): with ``group``, this rank's device
-            (default: the CPU)
-        memory_limit (int, optional): the most memory a device may use, in
-            bytes (default: no limit)
-        target (torch.Tensor or tuple, optional): the mini-batch's target,
-            with ``loss_fn``, so that the loss is measured with the last layer
-        loss_fn (callable, optional): ``loss_fn(output, target)``, as
-            :meth:`~torchgpipe.GPipe.train_step` takes it
-        param_scale (float): parameter-sized tensors training keeps per
-            parameter, as :func:`~torchgpipe.balance.balance_by_size` counts
-            (default: ``2.0``, the parameter and its gradient; ``4.0`` for Adam)
+        devices (list of devices): one worker each, such as ``['cuda:0', 'cuda:1']`` or
+            ``['cpu:0', 'cpu:1']`` (default: every visible CUDA device); not with ``group``
+        group (torch.distributed.ProcessGroup, optional): plan for its processes
+            instead, such as ``torch.distributed.group.WORLD``
+        device (device, optional): with ``group``, this rank's (default: the CPU)
+        memory_limit (int, optional): the most bytes a device may use (default: no limit)
+        target (torch.Tensor or tuple, optional): with ``loss_fn``, to measure the loss
+        loss_fn (callable, optional): as :meth:`~torchgpipe.GPipe.train_step` takes it
+        param_scale (float): parameter-sized tensors per parameter, as for
+            :func:`~torchgpipe.balance.balance_by_size` (default: ``2.0``; ``4.0`` for Adam)
         chunks (int): the most micro-batches to try (default: ``32``)
-        schedules (list of str, optional): the schedules to try (default:
-            every built-in one)
-        checkpoint (list of str, optional): the checkpoint modes to try
-            (default: ``'never'``, ``'except_last'`` and ``'always'``)
+        schedules (list of str, optional): the schedules to try (default: all)
+        checkpoint (list of str, optional): the checkpoint modes to try (default: all)
         repeat (int): timed runs per layer and micro-batch size (default: ``3``)
-        runners_up (int): how many configurations set aside the plan keeps
-            (default: ``5``)
-        trials (int): on two or more CPU devices (threads or ranks), the most
-            configurations, of those predicted fastest, that a copy of the
-            model trains in a few steps before the fastest measured is chosen
-            (default: ``4``; ``0`` or ``1``: the fastest predicted)
+        runners_up (int): how many other configurations the plan keeps (default: ``5``)
+        trials (int): on two or more CPU devices, how many of the fastest predicted a
+            copy of the model trains on before choosing (default: ``4``)
 
     Returns:
-        Plan: the configuration, to apply with ``GPipe(module, **plan.kwargs)``
-        (with ``group``: ``DistributedGPipe(module, **plan.kwargs, group=group,
-        device=device)``) and ``train_step(..., schedule=plan.schedule)``; printable
+        Plan: printable; apply it with ``GPipe(module, **plan.kwargs)`` (or
+        ``DistributedGPipe(module, **plan.kwargs, group=group, device=device)``) and
+        ``train_step(..., schedule=plan.schedule)``
 
     Raises:
         TypeError: an argument of the wrong type
         RuntimeError: with ``group`` or ``device``, torch.distributed is not
-            initialized, or (on the other ranks) rank 0 failed measuring the layers
-        ValueError: a bad argument (named), fewer layers than devices,
-            ``schedules`` none of which fits the devices and the layers, or a
-            ``memory_limit`` no configuration fits, naming the least memory
-            any needs and the device that needs it; with ``group``, raised on
-            every rank if one rank's device is wrong or the ranks' arguments differ
+            initialized, or rank 0 failed measuring the layers
+        ValueError: a bad argument (named), more devices than layers, no schedule
+            that fits, or a ``memory_limit`` nothing fits (naming the least needed);
+            with ``group``, on every rank if one rank's arguments are wrong or differ
 
     Example::
 
@@ -147,8 +110,8 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
     team = None
     if group is not None:
         # Imported here: ``import torchgpipe`` loads no torchgpipe.distributed.
-        from torchgpipe.planner.group import Load, Team
-        team = Team(group, device, problem, {} if problem else {
+        from torchgpipe.planner.group import Load, PlanningGroup
+        team = PlanningGroup(group, device, problem, {} if problem else {
             'layers': [sum(p.numel() for p in layer.parameters()) for layer in module],
             'sample': [(tuple(x.shape), str(x.dtype)) for x in Batch(sample)
                        if isinstance(x, Tensor)],
@@ -207,10 +170,9 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
                       threads=worker_threads)
 
 
-def skip_overhead(team: 'Team', timer: Timer, overheads: Tuple[float, float, float],
+def skip_overhead(team: 'PlanningGroup', timer: Timer, overheads: Tuple[float, float, float],
                   costs: Costs) -> float:
-    """What a skip's message between the ranks of ``team`` costs (none without skips or
-    ranks to cross): every rank steps the skipping pipeline, rank 0 finds the cost."""
+    """What a skip's message between the ranks of ``team`` costs, if any."""
     if not costs.skips or team.size < 2:
         return 0.0
     step = skip_step(timer, team.size)
@@ -223,15 +185,8 @@ def choose(found: List[Scored], names_of: List[str], names: List[str],
            param_scale: float, processes: bool = False,
            order: Callable[[List[Option]], List[Option]] = lambda options: options,
            threads: Optional[int] = None) -> Plan:
-    """The plan of the first configuration that fits, in the ``order`` given to those
-    (fastest predicted first); errors when none does.
-
-    ``names_of`` names each worker: its device, or its rank (``processes``);
-    ``threads`` is what each measured with (:attr:`Plan.threads`).
-
-    Raises:
-        ValueError: no schedule fits the devices and layers, or nothing fits the memory limit
-    """
+    """The plan of the first configuration that fits, in ``order`` (fastest predicted
+    first); ``ValueError`` when none does. ``names_of`` names each worker."""
     if not found:
         raise ValueError(describe(
             'schedules must hold one that fits the devices and the layers',
@@ -265,14 +220,8 @@ def untouched_random_state(workers: Sequence[torch.device]) -> Generator[None, N
 
 @contextmanager
 def sharing_cores(workers: Sequence[torch.device]) -> Generator[Optional[int], None, None]:
-    """Measures CPU layers with the threads each worker will have: the cores, shared.
-
-    The workers of CPU devices run at once, each calling into torch's
-    thread pool, so each gets about its share of the cores; a layer
-    measured with all of them would be predicted too fast. Yields the
-    threads each CPU worker measures with (``None`` on CUDA devices, whose
-    layers do not run in the pool), which training must have too.
-    """
+    """Measures CPU layers with each worker's share of the cores, as they will train
+    (all of them would predict too fast); yields those threads (``None`` on CUDA)."""
     before = torch.get_num_threads()
     if workers[0].type != 'cpu':
         yield None
@@ -286,12 +235,8 @@ def sharing_cores(workers: Sequence[torch.device]) -> Generator[Optional[int], N
 
 @contextmanager
 def gradients_set_aside(module: nn.Module) -> Generator[None, None, None]:
-    """Plans a module that holds gradients as one that holds none, and gives them back.
-
-    The planner measures copies of the layers, which must start without
-    gradients, as training after ``zero_grad()`` does; each ``.grad`` is
-    the same tensor, untouched, after planning.
-    """
+    """Sets the gradients of ``module`` aside while planning (measured copies start without,
+    as after ``zero_grad()``), and gives the same tensors back."""
     held = [(p, p.grad) for p in module.parameters() if p.grad is not None]
     for p, _ in held:
         p.grad = None
@@ -303,10 +248,7 @@ def gradients_set_aside(module: nn.Module) -> Generator[None, None, None]:
 
 
 def sizes_to_measure(batch: int, counts: Sequence[int]) -> List[int]:
-    """The micro-batch sizes to measure: powers of two from the smallest to the mini-batch.
-
-    The smallest is a split's last micro-batch, which may be smaller than the others.
-    """
+    """The micro-batch sizes to measure: powers of two from the smallest to the mini-batch."""
     smallest = min(min(micro_batches(batch, m)) for m in counts)
     sizes = {batch, smallest}
     power = 1

@@ -1,19 +1,18 @@
-"""The checks of :func:`torchgpipe.plan`'s arguments, before any work, in the package's one
-message format (``torchgpipe.foundation.validation.describe``)."""
+"""The checks of :func:`torchgpipe.plan`'s arguments, before any work."""
 import os
 from typing import Any, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 
-from torchgpipe.balance import check_real
 from torchgpipe.engine.generators import SCHEDULES, built_in, unknown_name
 from torchgpipe.engine.step import LossFunction
 from torchgpipe.foundation import microbatch
 from torchgpipe.foundation.microbatch import Batch, TensorOrTensors
 from torchgpipe.foundation.placement import check_materialized
 from torchgpipe.foundation.validation import (Device, brief, check_available, check_chunks,
-                                              describe, parse_device, verify_module)
+                                              check_loss, check_number, check_target_and_loss,
+                                              describe, parse_devices, verify_module)
 from torchgpipe.planner.search import CHECKPOINTS
 
 __all__: List[str] = []
@@ -27,16 +26,11 @@ def check_arguments(module: nn.Sequential, sample: TensorOrTensors,
                     runners_up: int, trials: int, memory_limit: Optional[float],
                     param_scale: float
                     ) -> Tuple[int, List[torch.device], List[str], List[str], int]:
-    """Checks :func:`torchgpipe.plan`'s arguments, before any work.
-
-    Returns:
-        the sample's batch size, the devices (in one process; none with
-        ``group``), the schedules' and the checkpoint modes' names, and the
-        most micro-batches
-    """
+    """Checks :func:`torchgpipe.plan`'s arguments; returns the batch size, the devices (none
+    with ``group``), the schedules and checkpoint modes, and the most micro-batches."""
     verify_module(module)
-    # group=torch.distributed.group.WORLD is None until the group is made: a
-    # call with device=, or without devices in a job torchrun started, meant it.
+    # group.WORLD is None before init_process_group: device=, or no devices under
+    # torchrun, meant a group.
     if group is None and devices is None and (device is not None or 'WORLD_SIZE' in os.environ):
         check_process_group()
     if group is None and device is not None:
@@ -48,27 +42,27 @@ def check_arguments(module: nn.Sequential, sample: TensorOrTensors,
                                   f'devices: {devices!r}, group: given',
                                   "leave devices out, and give each rank's own device="))
     batch = check_sample(sample, target)
-    workers = check_devices(devices, len(module)) if group is None else []
+    workers = check_worker_devices(devices, len(module)) if group is None else []
     check_materialized(module)  # every layer is measured
     names = check_schedules(schedules)
     modes = check_modes(checkpoint)
     most = check_chunks(chunks)
     for name, value, least in (('repeat', repeat, 1), ('runners_up', runners_up, 0),
                                ('trials', trials, 0)):
-        check_count(name, value, least)
-    if memory_limit is not None:
-        check_real('memory_limit', memory_limit, 'give bytes, such as memory_limit=8 * 2**30')
-    check_real('param_scale', param_scale, 'give e.g. param_scale=4.0 for Adam')
-    check_loss(target, loss_fn)
+        check_number(name, value, f'give e.g. {name}={max(least, 3)}', integer=True,
+                     least=least, must=f'at least {least}')
+    check_number('memory_limit', memory_limit, 'give bytes, such as memory_limit=8 * 2**30',
+                 optional=True)
+    check_number('param_scale', param_scale, 'give e.g. param_scale=4.0 for Adam')
+    check_target_and_loss('plan', target, loss_fn,
+                          'to measure the loss with the last layer, or neither')
+    if loss_fn is not None:
+        check_loss(loss_fn)
     return batch, workers, names, modes, most
 
 
 def check_process_group() -> None:
-    """Checks that torch.distributed is initialized, as planning across processes needs.
-
-    Raises:
-        RuntimeError: it is not
-    """
+    """Checks that torch.distributed is initialized, as planning across processes needs."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         raise RuntimeError('plan with group= needs torch.distributed: call '
                            "torch.distributed.init_process_group('gloo') (or 'nccl') "
@@ -76,25 +70,8 @@ def check_process_group() -> None:
                            'is None)')
 
 
-def check_loss(target: Optional[TensorOrTensors], loss_fn: Optional[LossFunction]) -> None:
-    """Checks that the target and the loss function come together, and the function calls."""
-    if (target is None) != (loss_fn is None):
-        raise ValueError(describe('target and loss_fn are given together, or neither',
-                                  f'target: {"given" if target is not None else None}, '
-                                  f'loss_fn: {"given" if loss_fn is not None else None}',
-                                  'give both, so that the loss is measured with the last layer'))
-    if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(describe('loss_fn must be callable', f'loss_fn: {loss_fn!r}',
-                                 'give e.g. loss_fn=F.cross_entropy'))
-
-
 def check_sample(sample: TensorOrTensors, target: Optional[TensorOrTensors]) -> int:
-    """The sample's batch size, after checking that it (and the target) can be measured.
-
-    Raises:
-        TypeError: not a tensor or a tuple of tensors, or holding a NoChunk tensor
-        ValueError: no batch dimension, or a target of another batch size
-    """
+    """The sample's batch size, once it (and the target) is checked."""
     microbatch.check(sample, 'sample')
     held = Batch(sample)
     tensors = list(held)
@@ -118,17 +95,8 @@ def check_sample(sample: TensorOrTensors, target: Optional[TensorOrTensors]) -> 
     return batch
 
 
-def check_count(name: str, value: object, least: int) -> None:
-    """Checks an integer argument of at least ``least``."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(describe(f'{name} must be an int', f'{name}: {value!r}',
-                                 f'give e.g. {name}={max(least, 3)}'))
-    if value < least:
-        raise ValueError(describe(f'{name} must be at least {least}', f'{name}: {value!r}',
-                                  f'give e.g. {name}={max(least, 3)}'))
-
-
-def check_devices(devices: Optional[Sequence[Device]], layers: int) -> List[torch.device]:
+def check_worker_devices(devices: Optional[Sequence[Device]], layers: int
+                         ) -> List[torch.device]:
     """The planner's devices, one worker each: distinct, available, no more than the layers."""
     fix = "give e.g. devices=['cuda:0', 'cuda:1'], or devices=['cpu:0', 'cpu:1'] on CPU"
     if devices is None:
@@ -136,10 +104,7 @@ def check_devices(devices: Optional[Sequence[Device]], layers: int) -> List[torc
             raise ValueError(describe('plan needs devices when CUDA is not available',
                                       'devices: None', fix))
         devices = [f'cuda:{k}' for k in range(torch.cuda.device_count())]
-    if isinstance(devices, (str, torch.device)) or not isinstance(devices, Sequence):
-        raise TypeError(describe('devices must be a list of devices', f'devices: {devices!r}',
-                                 fix))
-    parsed = [parse_device(f'devices[{k}]', d, fix) for k, d in enumerate(devices)]
+    parsed = parse_devices(devices, 'worker', fix)
     for k, device in enumerate(parsed):
         check_available(f'devices[{k}]', device, fix)
     if len({d.type for d in parsed}) > 1:

@@ -1,19 +1,12 @@
 """What the pipeline itself costs, beside the layers: time per task and per message.
 
-The overhead per task is measured the way it is used: a pipeline of layers
-too small to cost anything (one ``nn.Linear(1, 1)`` per worker) runs
-training steps of 1F1B, and the step's time (its tasks' span, as a trace
-gives it: :func:`traced_span`), over the number of tasks the simulator puts
-on its longest path, is what each task adds. Checkpointed tasks add more
-(the recomputation's bookkeeping and the random state they restore): the
-same steps with ``checkpoint='always'`` give that extra; and
-so do split backward passes (the walk that splits the graph), from steps of
-ZB-H1.
-
-Copies between devices cost nothing between CPU devices, which share one
-memory; between CUDA devices, a copy's time per byte is measured. Between
-processes, a message's time per byte is the one that makes the simulator
-predict the measured steps of a pipeline whose every message is large.
+A pipeline of layers too small to cost anything (one ``nn.Linear(1, 1)``
+per worker) trains steps of 1F1B; the step's span over the number of tasks
+on the simulator's longest path is what each task adds. The same steps with
+``checkpoint='always'``, and of ZB-H1, give what checkpointed and split
+backward passes add. Copies between CPU devices cost nothing (one memory);
+between CUDA devices a copy's time per byte is measured; between processes,
+the time per byte with which the simulator predicts steps of large messages.
 """
 import statistics
 import time
@@ -37,19 +30,15 @@ from torchgpipe.timeline import trace
 
 __all__: List[str] = []
 
-#: Micro-batches and steps of the calibration: enough tasks that the
-#: step's own start and end are a small part of it.
+#: Micro-batches and steps of the calibration.
 CHUNKS = 8
 STEPS = 5
-#: The elements of each row of the wide calibration's micro-batches: a
-#: message of 1 MiB (float32), long enough to take far more than its start.
+#: The elements of each row of the wide calibration's micro-batches: 1 MiB messages.
 WIDE = 1 << 18
 
 
-#: Times training steps of a calibration model on the planner's workers:
-#: ``timer(model, checkpoint, schedule, input)`` builds a pipeline of one layer per
-#: worker and gives the median time of its steps, in seconds (the slowest
-#: worker's, across processes). The input's target is its own zeros.
+#: ``timer(model, checkpoint, schedule, input)``: the median step, in seconds, of a
+#: pipeline of one layer per worker (the slowest rank's, across processes).
 Timer = Callable[[nn.Sequential, str, str, Tensor], float]
 
 
@@ -61,10 +50,6 @@ def task_overhead(timer: Timer, p: int, cores: Optional[float] = None
         timer: runs the calibration's steps on the ``p`` workers
         p: the workers
         cores: the cores they share, if fewer than ``p`` (``Costs.cores``)
-
-    Returns:
-        seconds per task, the further seconds per checkpointed ``B``, and
-        the seconds per task of a split backward pass (``I`` or ``W``)
     """
     tasks = _span('1f1b', p, 1.0, cores=cores)  # in units of one task
     model, input = empty(p), torch.zeros(CHUNKS, 1)
@@ -98,11 +83,8 @@ def threads(devices: Sequence[torch.device]) -> Timer:
 
 def median_step(pipe: Any, step: Callable[[], object],
                 ready: Callable[[], object] = lambda: None) -> float:
-    """The median time of ``step()`` of ``pipe`` (as :func:`traced_span` measures it),
-    the first call (which starts the workers) left out.
-
-    ``ready()`` runs before each step, untimed.
-    """
+    """The median :func:`traced_span` of ``step()``, the first call (which starts the
+    workers) left out; ``ready()`` runs before each step, untimed."""
     times = []
     for _ in range(STEPS + 1):
         ready()
@@ -111,11 +93,8 @@ def median_step(pipe: Any, step: Callable[[], object],
 
 
 def traced_span(pipe: Any, step: Callable[[], object]) -> float:
-    """The time of one training step of ``pipe`` (a GPipe or a DistributedGPipe, every
-    rank's), ``step()``: from its first task's start to its last task's end, as a trace
-    of the step gives it and the simulator predicts it, without the call's own start
-    and end around them. Across processes, every rank must call it together.
-    """
+    """The time of one training step ``step()`` of ``pipe`` from its first task's start to
+    its last task's end, as a trace gives it (every rank calls it together)."""
     with trace(pipe) as timeline:
         step()
     return timeline.summary(0).step_time
@@ -137,11 +116,7 @@ def _split_cost(step: float, plain: float, p: int, cores: Optional[float]) -> fl
 
 
 def copy_cost(devices: Sequence[torch.device], size: int = 1 << 24) -> Tuple[float, float]:
-    """A copy's latency and its time per byte between the first two devices.
-
-    Zero within one memory (every CPU device): the pipeline hands the
-    tensor over as it is.
-    """
+    """A copy's latency and time per byte between the first two devices (zero within one memory)."""
     if len(devices) < 2 or same_memory(devices[0], devices[1]):
         return 0.0, 0.0
     source = torch.empty(size, dtype=torch.uint8, device=devices[0])
@@ -160,27 +135,15 @@ def copy_cost(devices: Sequence[torch.device], size: int = 1 << 24) -> Tuple[flo
 
 
 def wide_step(timer: Timer, p: int) -> float:
-    """The step of the empty pipeline whose every message is 1 MiB (for :func:`message_cost`)."""
+    """The step of the empty pipeline whose messages are 1 MiB (for :func:`message_cost`)."""
     return timer(empty(p), 'never', '1f1b', torch.zeros(CHUNKS, WIDE, 1))
 
 
 def message_cost(step: float, p: int, device: torch.device,
                  overheads: Tuple[float, float, float], cores: Optional[float] = None
                  ) -> Tuple[float, float]:
-    """A message's latency and time per byte between the workers, as a 1F1B step sees them.
-
-    The latency is zero: the small messages of the empty pipeline's steps
-    are already in the overhead per task. The time per byte is the one that
-    makes the simulator predict ``step``, the time :func:`wide_step`
-    measured, whose messages are 1 MiB each (its layers' own times measured
-    here, as the planner measures any layer).
-
-    Args:
-        step: what :func:`wide_step` measured on the ``p`` workers
-        device: where to measure the wide pipeline's layers
-        overheads: what :func:`task_overhead` gave
-        cores: the cores the workers share, if fewer (``Costs.cores``)
-    """
+    """A message's latency (zero: the overhead per task has it) and time per byte between
+    the workers: the one with which the simulator predicts ``step``, of :func:`wide_step`."""
     if p < 2:
         return 0.0, 0.0  # no message
     costs = _calibration_costs(empty(p), torch.zeros(CHUNKS, WIDE, 1), device, overheads,
@@ -191,7 +154,6 @@ def message_cost(step: float, p: int, device: torch.device,
         costs.transfer = (0.0, per_byte)
         return predict(costs, candidate).step
 
-    # No message can take longer than the whole step.
     return 0.0, solve(predicted, step, step / (WIDE * 4))
 
 
@@ -228,22 +190,9 @@ def skip_step(timer: Timer, p: int) -> float:
 def skip_cost(step: float, p: int, device: torch.device,
               overheads: Tuple[float, float, float], transfer: Tuple[float, float],
               cores: Optional[float] = None) -> float:
-    """What a skip's message between two processes adds beside its bytes' time, as a
-    1F1B step sees it: the ``skip_overhead`` with which the simulator predicts
-    ``step``, what :func:`skip_step` measured on the ``p`` workers (whose skip goes
-    from the first to the last, and its gradient back: a message each way for each
-    micro-batch).
-
-    A message is cheap to send, but it has a header, a payload and a wait
-    of its own: across two processes of the 2-core machine of the
-    benchmarks, 1.4 ms each way, more than an empty task.
-
-    Args:
-        step: what :func:`skip_step` measured
-        overheads: what :func:`task_overhead` gave
-        transfer: what :func:`message_cost` gave
-        cores: the cores the workers share, if fewer (``Costs.cores``)
-    """
+    """What a skip's own message between two processes adds beside its bytes' time: the
+    ``skip_overhead`` with which the simulator predicts ``step``, of :func:`skip_step`
+    (a message each way per micro-batch; about 1.4 ms on the benchmarks' machine)."""
     if p < 2:
         return 0.0  # no message
     costs = _calibration_costs(skipping(p), torch.zeros(CHUNKS, 1), device, overheads, cores)
@@ -254,16 +203,13 @@ def skip_cost(step: float, p: int, device: torch.device,
         costs.skip_overhead = overhead
         return predict(costs, candidate).step
 
-    # The first worker's forward passes send a message each, one after another:
-    # together, no longer than the whole step.
     return solve(predicted, step, step / CHUNKS)
 
 
 def _calibration_costs(model: nn.Sequential, input: Tensor, device: torch.device,
                        overheads: Tuple[float, float, float], cores: Optional[float]
                        ) -> Costs:
-    """The costs of a calibration pipeline's layers (measured as the planner measures
-    any layer, its target zeros), with the pipeline's overheads."""
+    """The costs of a calibration pipeline's layers, with the pipeline's overheads."""
     costs = measure(model, input, [1], device, repeat=STEPS,
                     loss=(zeros_loss, torch.zeros_like(input)))
     costs.overhead, costs.checkpoint_overhead, costs.split_overhead = overheads
@@ -272,8 +218,8 @@ def _calibration_costs(model: nn.Sequential, input: Tensor, device: torch.device
 
 
 def solve(grows: Callable[[float], float], target: float, high: float) -> float:
-    """The ``x`` in ``[0, high]`` at which ``grows(x)``, never smaller for a larger ``x``,
-    reaches ``target``: halving the interval."""
+    """The ``x`` in ``[0, high]`` at which the non-decreasing ``grows(x)`` reaches ``target``,
+    by bisection."""
     low = 0.0
     for _ in range(30):
         middle = (low + high) / 2

@@ -1,11 +1,8 @@
 """A plan's predictions beside what a traced step measured: where the model is off.
 
-For the step, for each device (or rank) and each kind of task (forward,
-recompute, backward, input and weight gradients), and for each CUDA
-device's peak memory (the allocator's; on CPU a trace reads the peak of a
-whole process, which holds more than a device's prediction: the
-interpreter, torch, the model's other layers), :func:`compare` pairs the
-prediction with the measurement and their ratio.
+:func:`compare` pairs each prediction with its measurement: the step, each
+device's (or rank's) time at each kind of task, and each CUDA device's peak
+memory (on CPU a trace reads a whole process's peak, not comparable).
 """
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
@@ -48,10 +45,8 @@ class Row:
 
 @dataclass
 class Comparison:
-    """The rows of :func:`compare`: the step first, then each device's tasks, then memory.
-
-    Printed, it is a table of prediction, measurement and their ratio.
-    """
+    """The rows of :func:`compare`: the step first, then each device's tasks, then memory;
+    printed, a table of prediction, measurement and their ratio."""
 
     rows: List[Row]
 
@@ -77,14 +72,11 @@ class Comparison:
 
 def compare(chosen: Option, devices: List[str], timeline: Timeline,
             step: Optional[int] = None, processes: bool = False) -> Comparison:
-    """Pairs the predictions of ``chosen`` with a traced training step.
-
-    ``devices`` names the workers as the timeline's rows do: devices, or
-    ranks (``processes``).
+    """Pairs the predictions of ``chosen`` with a traced training step, ``devices``
+    naming the workers as the timeline's rows do.
 
     Raises:
-        ValueError: the trace holds no step, or its step is not a training
-            step of the plan (another number of micro-batches, or other devices)
+        ValueError: the trace holds no training step of the plan
     """
     summary = timeline.summary(step)
     pipe = 'DistributedGPipe(module, **plan.kwargs, device=device), on every rank,' \
@@ -99,8 +91,7 @@ def compare(chosen: Option, devices: List[str], timeline: Timeline,
     on: Dict[str, str] = {}  # the device of each row
     for event in timeline.events:
         if event.step == summary.step and event.kind in KINDS:
-            # The row of the timeline: the device, or across processes the rank.
-            key = (event.track, event.kind)
+            key = (event.track, event.kind)  # (track: the device, or the rank)
             measured[key] = measured.get(key, 0.0) + event.busy
             on[event.track] = event.device
     unknown = {device for device, _ in measured} - set(devices)

@@ -1,26 +1,17 @@
 """What each layer costs, measured once: the planner's input.
 
-For each micro-batch size a plan may run, the layers run on copies of
-themselves in whole training passes, and each is timed in the parts a
-schedule runs apart::
+At each micro-batch size a plan may run, copies of the layers train in
+whole passes, each layer timed in the parts a schedule runs apart::
 
     F  forward pass          y = layer(x)
     I  input gradients       dx = grad(y, x)       (what the layer before waits for)
     W  weights' gradients    once I is done, from where I left them
     B  whole backward pass   backward(y): dx and the weights' gradients at once
 
-``I`` and ``W`` run as :mod:`torchgpipe.engine.split` runs them, and take
-more than ``B`` (1.1 to 1.6 times, on CPU): ``I`` first finds, in Python,
-where ``W`` will start, and ``W`` is an engine call per group of weights.
-The passes are timed by :mod:`~torchgpipe.planner.timing`.
-
-The memory comes from a pass of each layer on the detached output of the
-one before (:mod:`~torchgpipe.planner.memory`), and from the bytes of the
-parameters. A loss is measured as one more layer, the last's.
-
-Sizes in between those measured are read by linear interpolation
-(:meth:`Costs.at`): a layer's time grows with its micro-batch in steps, not
-smoothly, but between powers of two a line is close.
+``I`` and ``W`` run as :mod:`torchgpipe.engine.split` runs them (together
+1.1 to 1.6 times ``B`` on CPU). Times come from :mod:`~torchgpipe.planner.timing`,
+memory from :mod:`~torchgpipe.planner.memory`; a loss counts as one more layer.
+Sizes in between are interpolated linearly (:meth:`Costs.at`).
 """
 import copy
 import threading
@@ -53,9 +44,9 @@ BYTES = ('kept', 'output', 'working', 'closing', 'holding', 'unsaved', 'accumula
 class LayerCosts:
     """The costs of every layer at one micro-batch size, a list per quantity.
 
-    A loss measured with the layers is the last entry of each list, but of
-    ``skipped``, ``loose``, ``reused`` and ``aliased``, which have an entry per skip
-    connection (``skips`` of :class:`Costs`).
+    A measured loss is the last entry of each list, but of ``skipped``,
+    ``loose``, ``reused`` and ``aliased``, which have an entry per skip.
+    Lists with a default are empty in costs saved before they were measured.
     """
 
     forward: List[float]
@@ -63,57 +54,40 @@ class LayerCosts:
     backward: List[float]
     kept: List[float]
     output: List[float]
-    #: What ``W`` takes once ``I`` is done (empty in older costs: ``B`` less ``I``).
+    #: What ``W`` takes once ``I`` is done (``B`` less ``I`` when empty).
     weight: List[float] = field(default_factory=list)
     #: The most its backward pass holds beyond ``kept`` (:mod:`~torchgpipe.planner.working`).
     working: List[float] = field(default_factory=list)
-    #: ... as a partition's last layer, whose output gradient the pipeline
-    #: holds (empty in older costs: ``working`` serves).
+    #: ... as a partition's last layer, whose output gradient the pipeline holds.
     closing: List[float] = field(default_factory=list)
-    #: ... in ``I``, which frees nothing the forward pass saved (empty in
-    #: older costs: ``working`` serves).
+    #: ... in ``I``, which frees nothing the forward pass saved.
     holding: List[float] = field(default_factory=list)
-    #: The bytes of its output left out of ``kept`` because the next layer
-    #: does not save it: a partition's last layer keeps them all the same.
+    #: The bytes of its output left out of ``kept`` as the next layer does not save them.
     unsaved: List[float] = field(default_factory=list)
-    #: The bytes of its output in ``kept`` that it does not save itself (the
-    #: next layer does, or none does: the last), freed before its own
-    #: backward pass (empty in older costs).
+    #: The bytes of its output in ``kept`` it does not save itself, freed before its backward.
     passed: List[float] = field(default_factory=list)
-    #: What its backward pass holds further when its weights' gradients
-    #: accumulate (every micro-batch of a step after the first): the new
-    #: gradients, until added. Empty in costs saved before it was measured.
+    #: What its backward pass holds further when its weights' gradients accumulate.
     accumulating: List[float] = field(default_factory=list)
-    #: ... as a partition's last layer, which holds its output to the end
-    #: (empty in older costs: ``accumulating`` serves).
+    #: ... as a partition's last layer, which holds its output to the end.
     accumulating_last: List[float] = field(default_factory=list)
-    #: The temporaries of its forward pass, the most it holds at once beyond
-    #: what it leaves (empty in older costs).
+    #: The most its forward pass holds at once beyond what it leaves.
     forwarding: List[float] = field(default_factory=list)
-    #: The bytes of its output, where the output is (or holds) its input as it
-    #: is (a shortcut that stashes a projection; empty in older costs).
+    #: The bytes of its output where the output is (or holds) its input itself.
     through: List[float] = field(default_factory=list)
-    #: What a split backward pass keeps from ``I`` to ``W`` (empty in older costs).
+    #: What a split backward pass keeps from ``I`` to ``W``.
     retained: List[float] = field(default_factory=list)
-    #: ... of those, the output's gradient itself, as the layer was given it
-    #: (its last node leads to a weight: a linear layer's; empty in older costs).
+    #: ... of those, the output's gradient itself (a linear layer's).
     given: List[float] = field(default_factory=list)
-    #: The bytes of ``kept`` that ``I`` lets go of where the layer is the last with
-    #: weights of its partition: what the nodes above where ``W`` starts saved
-    #: (a ReLU's output, after a convolution; empty in older costs).
+    #: The bytes of ``kept`` that ``I`` frees as its partition's last layer with
+    #: weights: what the nodes above where ``W`` starts saved.
     shed: List[float] = field(default_factory=list)
-    #: The bytes of each skip (``skips`` of :class:`Costs`; empty in older costs).
+    #: The bytes of each skip (``skips`` of :class:`Costs`).
     skipped: List[float] = field(default_factory=list)
-    #: ... of those only the skip keeps on its stashing layer, left out of
-    #: ``kept``: freed at its pop, or held until the backward pass if a
-    #: later partition pops it.
+    #: ... of those only the skip keeps, left out of ``kept``.
     loose: List[float] = field(default_factory=list)
-    #: ... of those the popping layer saves for its backward pass, counted
-    #: in its ``kept``.
+    #: ... of those the popping layer saves, counted in its ``kept``.
     reused: List[float] = field(default_factory=list)
-    #: ... of those whose gradient the popping layer's backward pass gives
-    #: as its output's gradient itself (an addition's): one tensor until the
-    #: layer before the pop is done (empty in older costs).
+    #: ... of those whose gradient is the pop's output gradient itself (an addition's).
     aliased: List[float] = field(default_factory=list)
 
 
@@ -122,39 +96,21 @@ class Costs:
     """Measured costs of a model's layers, at several micro-batch sizes.
 
     Args:
-        batch: the size of the mini-batch the model trains on (the sample's)
+        batch: the mini-batch size (the sample's)
         sizes: the micro-batch sizes measured, ascending
-        table: for each size (in the order of ``sizes``), the layers' costs
+        table: the layers' costs at each of ``sizes``
         parameters: the bytes of each layer's parameters
-        entry: the bytes of one sample of the model's input that the first
-            partition holds of its own: none where the input lies in the first
-            device's memory (each micro-batch a view of the caller's batch, as
-            a given target is, ``Loss``), a copy's otherwise
+        entry: the bytes per sample of the input the first partition copies
         loss: whether the last entry of each list of ``table`` is a loss
-        overhead: the time the pipeline adds to each task, in seconds
-        checkpoint_overhead: what it adds further to a checkpointed ``B`` or ``I``
-            (after the wait for the gradient, where the calibration's steps
-            put it: on the step's longest path)
-        split_overhead: what it adds to an ``I`` or a ``W``, instead of ``overhead``
-        transfer: a message's latency in seconds and its time per byte,
-            between two workers (zero within one memory)
-        skip_overhead: what a skip's message between two processes adds beside the
-            latency and the bytes' time of ``transfer``, in seconds: a message of
-            its own, after the task's own (whose cost ``overhead`` holds), each way
-            (its gradient's too)
-        pace: the factor each size's times carry from a pilot of the pipeline
-        shared: each parameter that more than one layer holds (a tied
-            embedding and head): the layers, and its bytes (counted in each
-            layer's ``parameters``, once on a device that holds several)
-        processes: whether the workers are processes, which sum the gradients
-            of a weight they share by messages as a step ends
-        skips: the route of each skip connection, ``(a, b)``: layer ``a``
-            stashes it, layer ``b`` pops it (the bytes are ``skipped`` of
-            :class:`LayerCosts`)
-        cores: when the workers are processes of one machine that outnumber
-            its cores, how many of them can be at work at full speed at once
-            (its cores over each one's threads): they share the cores
-            (:mod:`~torchgpipe.engine.simulator`). ``None``: a core each.
+        overhead: the seconds the pipeline adds to each task; ``checkpoint_overhead``
+            further to a checkpointed ``B`` or ``I``; ``split_overhead`` to ``I``
+            or ``W`` instead; ``skip_overhead`` a skip's own message, each way
+        transfer: a message's latency and its seconds per byte between workers
+        pace: the factor each size's times carry from the pilot
+        shared: each parameter several layers hold: those layers, and its bytes
+        processes: whether the workers are processes
+        skips: each skip's route ``(a, b)``: layer ``a`` stashes, ``b`` pops
+        cores: how many processes can work at full speed at once, if fewer
     """
 
     batch: int
@@ -168,9 +124,6 @@ class Costs:
     split_overhead: float = 0.0
     transfer: Tuple[float, float] = (0.0, 0.0)
     skip_overhead: float = 0.0
-    #: For workers of CPU devices (threads or processes), the factor each
-    #: size's times were scaled by (see :mod:`~torchgpipe.planner.pilot`);
-    #: else empty.
     pace: List[float] = field(default_factory=list)
     shared: List[Tuple[List[int], int]] = field(default_factory=list)
     skips: List[Route] = field(default_factory=list)
@@ -185,11 +138,8 @@ class Costs:
         return len(self.parameters)
 
     def at(self, size: int) -> LayerCosts:
-        """Each layer's costs for a micro-batch of ``size`` samples.
-
-        Between two sizes measured, a straight line between them; below the
-        smallest or above the largest, the nearest one scaled by ``size``.
-        """
+        """Each layer's costs for a micro-batch of ``size`` samples: linear between the
+        sizes measured, the nearest one scaled beyond them."""
         if size not in self._cache:
             self._cache[size] = self._interpolate(size)
         return self._cache[size]
@@ -236,11 +186,9 @@ LossAndTarget = Tuple[LossFunction, TensorOrTensors]
 class Loss(nn.Module):
     """A loss as a layer: ``loss_fn(output, target)`` of the output before it.
 
-    ``given``: whether the target is the user's, in the loss's memory (each
-    micro-batch of it a view, there before the step): what the loss saves of
-    it is then no memory of the pass, and as buffers, its tensors are left
-    out by kept_by_forward. Otherwise, the pipeline copies each micro-batch
-    of it to the last device, and the copies count.
+    ``given``: the target is the user's, in the loss's memory, so the loss's
+    buffers hold it and it counts as no memory of the pass; otherwise the
+    pipeline's copies of it count.
     """
 
     def __init__(self, loss_fn: LossFunction, target: TensorOrTensors,
@@ -264,34 +212,15 @@ def rows(values: TensorOrTensors, size: int) -> TensorOrTensors:
 def measure(module: nn.Sequential, sample: TensorOrTensors, sizes: Sequence[int],
             device: torch.device, *, repeat: int = 3, loss: Optional[LossAndTarget] = None
             ) -> Costs:
-    """Measures every layer of ``module`` (and the loss) at each micro-batch size of ``sizes``.
+    """Measures every layer of ``module`` (and the ``loss``) at each micro-batch size of
+    ``sizes`` on ``device``, from a ``sample`` of the largest size or more.
 
-    The layers are copied to ``device`` (all of them: the model must fit
-    there, with the graph of a pass at the largest size), then, at each
-    size, run in whole passes as training runs them: every layer's forward
-    pass in order, then one backward pass, timed at each layer's boundary.
-    A first pass, of each layer on the detached output of the one before,
-    reads the memory. Then, in rounds that visit every size in turn, a pass
-    split in ``I`` and ``W`` and one with ``B`` whole: the first round warms up, the
-    next ``repeat`` are timed, and the least of each time is kept: a pass
-    that the operating system interrupts for another process takes longer,
-    never shorter, and by a slice of milliseconds. (What slows every round
-    alike stays in; on CPU workers, the pilot's pace carries the rest. A
-    layer timed alone, again and again, finds its weights in the cache,
-    which a whole pass does not: times so measured come out too short.)
-    ``module`` and the random number generators are left as they were.
-
-    Args:
-        module: the model
-        sample: a mini-batch of the model's input, at least as large as the
-            largest of ``sizes``
-        sizes: micro-batch sizes, each at most the sample's batch
-        device: where to run the layers
-        repeat: timed passes of each kind per size
-        loss: ``(loss_fn, target)``, to measure the loss of the last layer's output
-
-    Returns:
-        Costs: without overhead and transfer costs, which the planner adds
+    The layers' copies run in whole passes, timed at each layer's boundary:
+    one to read the memory, then rounds visiting every size in turn, the first
+    a warm-up, each time the least of ``repeat`` (interruptions only add time).
+    Layers timed alone would find their weights in the cache and come out too
+    fast. ``module`` and the random number generators are left as they were.
+    The planner adds the overheads and transfer costs.
     """
     refuse_gradients(module)
     given = all(same_memory(x.device, device) for x in Batch(sample) if isinstance(x, Tensor))
@@ -309,10 +238,8 @@ def measure(module: nn.Sequential, sample: TensorOrTensors, sizes: Sequence[int]
                                           loss=bool(tail))
             prepared.append((tail, memory))
         timed: List[Dict[str, List[List[float]]]] = [{} for _ in sizes]
-        # The rounds visit every size in turn, the first to warm up: a slow
-        # spell of the machine then falls on one round of each size, which
-        # the least leaves out, rather than on every round of one size,
-        # which would skew every configuration of that size.
+        # Every size in turn: a slow spell of the machine falls on one round
+        # of each size (the least leaves it out), not on one size.
         for turn in range(repeat + 1):
             for size, (tail, _), into in zip(sizes, prepared, timed):
                 for split in (True, False):
@@ -335,10 +262,8 @@ def measure(module: nn.Sequential, sample: TensorOrTensors, sizes: Sequence[int]
 
 def _shared(weight: float, cut: int, backward: Sequence[float], input: Sequence[float]
             ) -> List[float]:
-    """Each layer's part of ``W``'s time, ``weight``, taken after the first ``cut`` layers:
-    theirs is their whole backward pass (the first partition's ``W`` is its whole
-    pass); the others share it as what their ``B`` does beyond their ``I`` (evenly,
-    if none does)."""
+    """Each layer's part of ``W``'s time ``weight``, after the first ``cut`` layers
+    (whose ``W`` is their whole backward pass): shared as their ``B`` exceeds their ``I``."""
     beyond = [max(0.0, b - i) for b, i in zip(backward[cut:], input[cut:])]
     whole = sum(beyond)
     return [*backward[:cut], *[weight * t / whole if whole else weight / len(beyond)
@@ -346,8 +271,7 @@ def _shared(weight: float, cut: int, backward: Sequence[float], input: Sequence[
 
 
 def shared_parameters(module: nn.Sequential) -> List[Tuple[List[int], int]]:
-    """Each parameter that more than one layer of ``module`` holds: those layers, and
-    its bytes."""
+    """Each parameter several layers of ``module`` hold: those layers, and its bytes."""
     holders: Dict[int, Tuple[List[int], int]] = {}
     for k, layer in enumerate(module):
         for p in layer.parameters():
@@ -363,19 +287,13 @@ def _loss_at(loss: LossAndTarget, size: int, device: torch.device) -> nn.Module:
     return Loss(loss_fn, micro if given else map_tensors(torch.clone, micro), given)
 
 
-class Companions:
+class TrainingThreads:
     """Threads training copies of the layers while the layers are timed, as other workers do.
 
-    Processes of a pipeline on one machine share its cores and its memory's
-    bandwidth: a layer whose pipeline keeps the other ranks busy takes
-    longer than it does alone. Ranks that do not time the layers train
-    copies of them on ``sample`` in ``count`` threads meanwhile (as many
-    as leave the timing rank a core of its own:
-    :meth:`~torchgpipe.planner.group.Team.loaders`), so
-    that the layers take about what they take in a busy pipeline (the
-    pilot, :mod:`~torchgpipe.planner.pilot`, corrects the rest).
-
-    A companion that fails stops quietly: its only use was the load it made.
+    Ranks of one machine share its cores and memory bandwidth, so ranks that do
+    not time the layers load it meanwhile (as many as leave the timing rank a
+    core: :meth:`~torchgpipe.planner.group.PlanningGroup.loaders`). A thread
+    that fails stops quietly: it was only a load.
     """
 
     def __init__(self, count: int, layers: Sequence[nn.Module], sample: TensorOrTensors,
@@ -383,7 +301,7 @@ class Companions:
         self.stop = threading.Event()
         self.threads = [threading.Thread(target=self._train, args=(copy.deepcopy(list(layers)),
                                                                    sample, device),
-                                         name='torchgpipe planner companion', daemon=True)
+                                         name='torchgpipe planner load', daemon=True)
                         for _ in range(count)]
 
     def _train(self, layers: List[nn.Module], sample: TensorOrTensors,
@@ -395,7 +313,7 @@ class Companions:
         except Exception:  # noqa: BLE001 (a load only; the timed passes go on alone)
             return
 
-    def __enter__(self) -> 'Companions':
+    def __enter__(self) -> 'TrainingThreads':
         for thread in self.threads:
             thread.start()
         return self

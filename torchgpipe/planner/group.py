@@ -1,30 +1,24 @@
 """Planning for the processes of a group: every rank calls, the first measures, all agree.
 
-For :class:`~torchgpipe.distributed.DistributedGPipe`, every rank of the
-group calls :func:`torchgpipe.plan` with the same arguments and its own
-device. The ranks do what a pipeline of them would, so that what is
+Every rank calls :func:`torchgpipe.plan` with the same arguments and its
+own device, and the ranks do what a pipeline of them would, so what is
 measured is what the pipeline will see::
 
     rank 0                          ranks 1 .. p-1
     agree: the same arguments, and devices of one type   (every rank)
     whether the ranks outnumber the cores of one machine  (every rank)
-    measures the layers             train copies of the layers (the load of
-                                    a busy pipeline on the same machine; only
-                                    those that leave rank 0 a core of its own:
-                                    Team.loaders)
+    measures the layers             train copies of the layers (only
+                                    those that leave rank 0 a core:
+                                    PlanningGroup.loaders)
     ---- the layers' costs, or rank 0's error, sent to every rank ----
-    steps of DistributedGPipe across the group: overhead per task, and
-    steps of large messages                               (every rank)
+    steps of DistributedGPipe: overhead per task, large messages  (every rank)
     fits the cost per byte to those steps
     ---- rank 0's message cost (or its error), sent to every rank ----
     steps of a copy of the model at each size: the pace   (every rank)
     search, each rank alone: the same costs give every rank the same plan
 
-An error on one rank before work starts (a bad argument, a device it does
-not have) is raised on every rank; an error while rank 0 measures reaches
-the others as a :class:`RuntimeError` naming it, rather than leaving them
-waiting. (The steps across the group fail as DistributedGPipe's steps do,
-on every rank.)
+A bad argument on one rank is raised on every rank; an error while rank 0
+measures reaches the others as a :class:`RuntimeError` naming it.
 """
 import contextlib
 import math
@@ -43,7 +37,7 @@ from torchgpipe.foundation.microbatch import TensorOrTensors
 from torchgpipe.foundation.validation import Device, check_available, describe, parse_device
 from torchgpipe.planner.arguments import check_process_group
 from torchgpipe.planner.calibrate import CHUNKS, Timer, median_step, zeros_loss
-from torchgpipe.planner.costs import Companions, rows
+from torchgpipe.planner.costs import TrainingThreads, rows
 from torchgpipe.planner.pilot import Make
 
 __all__: List[str] = []
@@ -63,7 +57,7 @@ class Load(NamedTuple):
 DEVICE_FIX = "give this rank's own device, such as device='cpu', or a CUDA device it has"
 
 
-class Team:
+class PlanningGroup:
     """The ranks of ``group`` planning together; this process is one of them.
 
     Args:
@@ -75,10 +69,8 @@ class Team:
     Raises:
         RuntimeError: torch.distributed is not initialized
         TypeError: ``group`` is not a process group
-        ValueError: this process is not in ``group``; on every rank, if any
-            rank's arguments or device are wrong, if the devices are not of
-            one type, or if the ranks' arguments differ (``problem`` itself
-            on its rank)
+        ValueError: this process is not in ``group``; any rank's arguments or
+            device are wrong, or differ from the others'
     """
 
     def __init__(self, group: Any, device: Optional[Device], problem: Optional[Exception],
@@ -144,12 +136,10 @@ class Team:
         return everyone
 
     def cores(self) -> Optional[float]:
-        """How many ranks can be at work at full speed at once, when the ranks are
-        processes of one machine that outnumber its cores (``Costs.cores``): the cores
-        they may run on (the union of their CPU affinities) over the most threads a
-        rank's operators use (at most its own cores). ``None`` (a core each) on CUDA
-        devices, across machines, or with cores enough. A container's CPU quota is not
-        seen: set each rank's affinity to the cores it may use."""
+        """How many ranks can work at full speed at once, where they are processes of one
+        machine that outnumber its cores: their cores (the union of their affinities)
+        over the most threads a rank uses. ``None`` (a core each) on CUDA, across
+        machines, or with cores enough. A container's CPU quota is not seen."""
         if self.device.type != 'cpu':
             return None
         allowed = os.sched_getaffinity(0) if hasattr(os, 'sched_getaffinity') \
@@ -166,17 +156,10 @@ class Team:
     def loaders(self, cores: Optional[float]) -> List[int]:
         """The ranks that load the machine while rank 0 measures the layers.
 
-        With a core each (``cores`` ``None``), every other rank, as a
-        pipeline would. Where the ranks outnumber the cores, only as many as
-        leave rank 0 a core of its own, those pinned away from rank 0's cores
-        first: the simulator shares the cores itself (``Costs.cores``), and a
-        layer timed while waiting for a core would count the sharing twice
-        (and by chance: a pass a slice of another process interrupts takes
-        milliseconds longer).
-
-        Args:
-            cores: how many ranks can be at work at full speed at once, if
-                fewer than the ranks (what :meth:`cores` gave, on every rank)
+        Every other rank, as a pipeline would, unless the ranks outnumber the
+        cores (``cores``, from :meth:`cores`): then only as many as leave rank 0
+        a core, those pinned away from it first, since the simulator shares the
+        cores itself and a layer timed waiting for a core would count it twice.
         """
         others = range(1, self.size)
         if cores is None:
@@ -190,10 +173,8 @@ class Team:
 
         Args:
             work: what rank 0 runs (and no other rank)
-            load: on CPU, what the ranks of ``load.ranks`` (:meth:`loaders`)
-                do meanwhile: train a copy of the module on that many samples,
-                the load of a busy pipeline on the same machine (at one size;
-                rank 0 measures every size)
+            load: on CPU, what the ranks of ``load.ranks`` do meanwhile: train a
+                copy of the module, the load of a busy pipeline
 
         Raises:
             RuntimeError: on the other ranks, if ``work`` raised on rank 0
@@ -207,7 +188,7 @@ class Team:
             self._share(value)
             return value[1]
         if load is not None and self.device.type == 'cpu' and self.rank in load.ranks:
-            with Companions(1, list(load.module), rows(to_device(load.sample, self.device),
+            with TrainingThreads(1, list(load.module), rows(to_device(load.sample, self.device),
                                                        load.size), self.device):
                 kind, value = self._share(None)
         else:
@@ -225,11 +206,8 @@ class Team:
         return held[0]
 
     def timer(self) -> Timer:
-        """Times a calibration model's steps as a DistributedGPipe over the group.
-
-        Each step starts together on every rank (a barrier, not timed); a
-        step's time is the slowest rank's median.
-        """
+        """Times a calibration model's steps as a DistributedGPipe over the group: each
+        step starts together on every rank, and takes the slowest rank's median."""
         def timed(model: nn.Sequential, checkpoint: str, schedule: str, input: Tensor) -> float:
             pipe = DistributedGPipe(model, [1] * self.size, chunks=CHUNKS, checkpoint=checkpoint,
                                     group=self.group, device=self.device)
@@ -249,8 +227,7 @@ class Team:
         return float(max(self._gather(seconds, self.device)))
 
     def pilots(self) -> Make:
-        """Pipelines of the pilot and the trials (see :mod:`~torchgpipe.planner.pilot`) as
-        DistributedGPipe over the group."""
+        """Pipelines of the pilot and the trials as DistributedGPipe over the group."""
         def make(model: nn.Sequential, kwargs: Dict[str, Any]) -> DistributedGPipe:
             with warnings.catch_warnings():
                 # A rank may hold only layers without parameters; the warning

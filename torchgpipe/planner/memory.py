@@ -1,39 +1,17 @@
 """Each layer's memory, read in one pass: the bytes :func:`~torchgpipe.planner.costs.measure`
 gives the planner.
 
-Each layer runs on the detached output of the one before, so that its
-share is its own: the bytes its forward pass keeps for the backward pass
-(the tensors autograd saves and the outputs the next layer saves, each
-storage once; see :func:`~torchgpipe.balance.profile.kept_by_forward`), of
-its output (what a boundary after it sends), the most its backward pass
-holds beside them, within a partition and as its last layer, the most
-``I`` holds (which frees none of them), and what ``I`` keeps for ``W``
-(:mod:`~torchgpipe.planner.working`).
-
-A skip connection is measured at both of its ends::
+Each layer runs on the detached output of the one before, so its share is
+its own (:func:`~torchgpipe.balance.profile.kept_by_forward`,
+:mod:`~torchgpipe.planner.working`). A skip is measured at both ends::
 
     layer a  stash(s) ──────── s ────────► layer b  pop(s)
              backward  ◄─── grad s ───────          backward
 
-- the stashing layer's backward pass takes the gradient of ``s`` beside its
-  output's, as in training, where the popping layer sends it back: a
-  shortcut's projection runs its backward pass then, and the gradients of
-  its input from both branches are summed (three tensors as large as the
-  input, alive together);
-- the route ``(a, b)`` and the bytes of ``s``, so that the prediction
-  counts, on the partition that pops it, the copy of ``s`` it receives
-  from a partition of another worker (or holds for its recomputation),
-  from its forward pass to its backward pass; and those only the skip
-  keeps on layer ``a`` (*loose*: not a tensor autograd saved, nor an
-  output), left out of ``a``'s share, since a pop in the same partition
-  frees them;
-- whether the popping layer's backward pass gives the skip its output's
-  gradient itself (an addition does: *aliased*), so that the layer before
-  the pop holds one tensor where two would be counted.
-
-A loss, the last layer when measured, keeps neither its target (the
-user's, of which each micro-batch is a view) nor its output: the pipeline
-keeps the weighted number it makes of it.
+``a``'s backward takes the gradient of ``s`` as in training; the route, the
+bytes of ``s``, those only the skip keeps (*loose*), and whether ``b`` gives
+``s`` its output's gradient itself (*aliased*) let the planner count each
+tensor once.
 """
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -60,8 +38,7 @@ _NOTHING = object()
 
 
 def tensor_bytes(values: TensorOrTensors) -> int:
-    """The bytes of a batch's tensors, each counted once (a view for what it shows, not
-    for the whole storage it looks into: a micro-batch sent on is a copy of its rows)."""
+    """The bytes of a batch's tensors, each once (a view counts what it shows)."""
     seen = {(x.data_ptr(), x.numel(), x.element_size()) for x in Batch(values)
             if isinstance(x, Tensor)}
     return sum(numel * size for _, numel, size in seen)
@@ -72,18 +49,13 @@ def layer_memory(layers: Sequence[nn.Module], values: TensorOrTensors,
                  ) -> Tuple[Dict[str, List[float]], List[Route]]:
     """Each layer's memory, each on the detached output of the layer before; a warm-up too.
 
-    A layer's output is kept for the backward pass only if the next layer
-    saves it (a linear layer does, a softmax loss does not): otherwise it is
-    freed once used, and not counted in ``kept`` but in ``unsaved`` (the
-    pipeline holds a partition's output all the same). With ``loss``, the
-    last layer is a loss: the pipeline keeps the number it weighs from its
-    output, not the output (whose storage may be as large as the loss's
-    input: ``mse_loss``'s on CPU).
+    An output is counted in ``kept`` only if the next layer saves it, else in
+    ``unsaved`` (the pipeline holds a partition's output all the same). With
+    ``loss``, the last layer is a loss.
 
     Returns:
         the lists of :class:`~torchgpipe.planner.costs.LayerCosts`' bytes
-        (``skipped``: the bytes of each skip, in the order of the routes),
-        and each skip's route
+        (``skipped`` in the order of the routes), and each skip's route
     """
     measured: Dict[str, List[float]] = {name: [] for name in (
         'kept', 'output', 'working', 'closing', 'holding', 'unsaved', 'accumulating',
@@ -101,9 +73,7 @@ def layer_memory(layers: Sequence[nn.Module], values: TensorOrTensors,
             storages.append((held, saved, inputs,
                              {y.untyped_storage().data_ptr() for y in Batch(result)}))
             return result, stashed
-        # As a step's later micro-batches (accumulating) and its first, as a
-        # partition's last layer and within one; split in two (pops get their
-        # skips back each time).
+        # Accumulating or not, last of a partition or not; pops get their skips back.
         waiting = dict(tracker.tensors)
         peaks = {}
         to_loss = loss and k == len(layers) - 2  # (its output the loss's, which the pipeline holds)
@@ -156,14 +126,12 @@ def layer_memory(layers: Sequence[nn.Module], values: TensorOrTensors,
 
 def _hand_on(measured: Dict[str, List[float]], passes: List[bool], saves_input: List[bool]
              ) -> None:
-    """Settles, in ``measured``, where each layer's output that it does not save itself
-    is counted (``kept``, ``unsaved``, ``passed``), from whether each layer returns its
-    input as it is (``passes``) and whether it saves its input (``saves_input``)."""
+    """Settles in ``measured`` where each layer's output it does not save is counted
+    (``kept``, ``unsaved``, ``passed``), from which layers return their input (``passes``)
+    and which save it (``saves_input``)."""
     kept, unsaved = measured['kept'], measured['unsaved']
     for k in range(len(passes)):
-        # The layers after that return their input as it is (a stash, an
-        # identity) hand the output on: any of them, or the first after
-        # them, may save it.
+        # Layers returning their input as it is (a stash, an identity) hand it on.
         later = k + 1
         while later < len(passes) and passes[later] and not saves_input[later]:
             later += 1
@@ -171,8 +139,7 @@ def _hand_on(measured: Dict[str, List[float]], passes: List[bool], saves_input: 
             kept[k] -= unsaved[k]
             measured['passed'].append(0.0)
         else:
-            # Freed by the next layer's backward pass, if that layer saves it:
-            # one saving it beyond a pass-through may be in the next partition.
+            # Freed by the next layer's backward pass, if that layer saves it.
             measured['passed'].append(unsaved[k] if later == k + 1 else 0.0)
             unsaved[k] = 0.0
 
@@ -183,25 +150,20 @@ class _Skips:
     def __init__(self) -> None:
         #: The layer that stashed each skip waiting, and its loose bytes, by key.
         self.waiting: Dict[SkipKey, Tuple[int, float]] = {}
-        #: Each skip popped: its route, its bytes, its loose bytes, and those
-        #: the popping layer saved for its backward pass (counted in its ``kept``).
+        #: Each skip popped: its route, bytes, loose bytes, bytes the pop saved,
         self.routes: List[Route] = []
         self.skipped: List[float] = []
         self.loose: List[float] = []
         self.reused: List[float] = []
-        #: ... and those of its gradient that are the popping layer's output
-        #: gradient itself.
+        #: ... and bytes of its gradient that are the pop's output gradient itself.
         self.aliased: List[float] = []
 
     def note(self, k: int, before: Dict[SkipKey, Optional[Tensor]],
              tracker: SandboxSkipTracker, loose: Dict[int, int], saved: Set[int],
              aliased: Callable[[], Set[SkipKey]]) -> float:
-        """Notes what layer ``k`` popped and stashed (the tracker's skips ``before``
-        its pass, and the tracker after it); returns the bytes of the storages it
-        stashed that only their skips keep (``loose``: the bytes the layer keeps that
-        are neither saved by autograd nor its outputs, by address; ``saved``: the
-        addresses of the storages autograd saved; ``aliased()``: the skips the layer
-        gives its output's gradient, asked once the layer is known to pop)."""
+        """Notes what layer ``k`` popped and stashed, from the tracker's skips ``before`` its
+        pass and after; returns the bytes of ``loose`` storages (neither ``saved`` nor
+        outputs) it stashed. ``aliased()`` is asked only once the layer pops."""
         after = dict(tracker.tensors)
         popped = [key for key, x in before.items()
                   if after.get(key, _NOTHING) is not x and key in self.waiting]
@@ -232,10 +194,8 @@ class _Skips:
 
 def _aliased(layer: nn.Module, values: TensorOrTensors, tracker: SandboxSkipTracker,
              waiting: Dict[SkipKey, Optional[Tensor]]) -> Set[SkipKey]:
-    """The skips ``layer`` pops whose gradient its backward pass gives as its output's
-    gradient itself (an addition does; a concatenation gives a part of it): a pass of
-    its own, whose gradients are held to be compared (an address alone may be a freed
-    one's again), its memory not measured."""
+    """The skips ``layer`` pops whose gradient is its output's gradient itself (an
+    addition's), from a pass of its own, its memory not measured."""
     _restore(tracker, waiting)
     popped = dict(tracker.popped)
     tracker.gradients = {}
@@ -267,8 +227,7 @@ def _same(a: Tensor, b: Tensor) -> bool:
 def _temporaries(made: int, tracker: SandboxSkipTracker, waiting: Dict[SkipKey, Optional[Tensor]],
                  left: Dict[int, int]) -> int:
     """A forward pass's temporaries, ``made``, less the copies of the skips it popped and
-    did not keep (not in ``left``): the tracker's, where a pipeline pops the tensor
-    itself, or a copy it counts as received."""
+    did not keep (a pipeline pops the tensor itself, or counts a copy as received)."""
     copies = sum(nbytes for key, (ptr, nbytes) in tracker.popped.items()
                  if key in waiting and key not in tracker.tensors and ptr not in left)
     return max(0, made - copies)

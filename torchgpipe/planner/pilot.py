@@ -1,36 +1,12 @@
 """The pace of layers in a pipeline of threads or processes, measured on the model itself.
 
-Workers of CPU devices in one process share the cores and the interpreter's
-lock. Once two of them work at once, each waits for the other at the lock
-between its operations, and a worker handed a micro-batch waits to be
-woken: a step whose micro-batches overlap takes longer than the simulator
-predicts from layers timed one at a time (1.4 to 2 times, measured on two
-cores for an MLP of 512 wide at 2 to 8 micro-batches), while a step of one
-micro-batch takes just that. Nothing measured beside the model (the empty
-pipeline of :mod:`~torchgpipe.planner.calibrate`, or copies trained beside
-the layers) reproduces it, for it depends on how long each operation holds
-the lock.
-
-Processes of one machine share its cores and its memory's bandwidth, and
-their messages wait for the receiving process to be scheduled: steps
-across them, too, take longer than their layers timed on one rank (by a
-quarter at 2 to 32 micro-batches for a CNN on two cores). Where the ranks
-outnumber the cores, the simulator shares the cores among the ranks at
-work (``Costs.cores``, :mod:`~torchgpipe.engine.simulator`), and the pace
-is what is left beyond that.
-
-So the planner runs the model itself: for each micro-batch size it timed
-the layers at, a copy of the model trains with 1F1B on the workers, one
-partition each (the balance that evens their time), in as many
-micro-batches as make that size: a :class:`~torchgpipe.GPipe` on the
-devices, or a :class:`~torchgpipe.distributed.DistributedGPipe` across
-the group. That size's layer times
-are then scaled by the *pace* with which the simulator predicts the steps
-measured (found by halving, as :func:`~torchgpipe.planner.calibrate.solve`
-finds a message's cost). Sizes no number of micro-batches makes whole take
-the pace of the nearest sizes, on the line between them. At the mini-batch
-(one micro-batch, nothing overlaps) the pace is about 1; it grows as more
-micro-batches overlap.
+CPU workers share the cores (threads also the interpreter's lock), so once
+micro-batches overlap a step takes longer than layers timed alone predict,
+by an amount only the model reproduces. For each size it timed, the
+planner trains a copy of the model with 1F1B on the workers and scales
+that size's layer times by the *pace* with which the simulator predicts
+the steps measured; sizes no number of micro-batches makes take their
+neighbours'.
 """
 import copy
 import functools
@@ -51,23 +27,17 @@ from torchgpipe.planner.predict import Candidate, micro_batches, predict
 
 __all__: List[str] = []
 
-#: Steps timed per size (a step of the whole model each, on top of the
-#: layers' timing): the steps of a pipeline on CPU vary by a fifth or more
-#: from one to the next, and more than one in five may be far slower than
-#: the rest.
+#: Steps timed per size: steps on CPU vary by a fifth or more, some far slower.
 STEPS = 11
-#: The largest pace searched for: a step this many times what the layers
-#: timed alone predict.
+#: The largest pace searched for.
 SLOWEST = 8.0
 
-#: Times one of the pilot's training steps: ``step(balance, chunks)`` trains a
-#: copy of the model with 1F1B for a step, and gives its time in seconds.
+#: ``step(balance, chunks)``: the seconds of a 1F1B step of the model's copy.
 Step = Callable[[Sequence[int], int], float]
 
 
 def time_balance(costs: Costs, size: int, partitions: int) -> Tuple[int, ...]:
-    """The balance of the layers into ``partitions`` whose times at ``size`` are as even
-    as can be (the pilot's, one partition per worker)."""
+    """The balance of the layers into ``partitions`` whose times at ``size`` are most even."""
     at = costs.at(size)
     work = [round((at.forward[k] + at.backward[k]) * 1e9) for k in range(costs.layers)]
     return tuple(len(block) for block in blockpartition.solve(work, partitions))
@@ -75,24 +45,10 @@ def time_balance(costs: Costs, size: int, partitions: int) -> Tuple[int, ...]:
 
 def pace(costs: Costs, workers: int, step: Step) -> List[float]:
     """The pace of each size of ``costs``: the factor on its layers' times with which the
-    simulator predicts the median of the steps ``step`` measured.
+    simulator predicts the median of the steps ``step`` measured on ``workers``.
 
-    The steps of the sizes take turns, a round at a time (the first warms
-    up), so that a slow spell of the machine falls on one step of each size,
-    which the median leaves out.
-
-    A size whose steps the simulator cannot predict with a factor between 0
-    and ``SLOWEST`` (steps shorter than the pipeline's overheads alone,
-    or slower than that), like a size no number of micro-batches makes
-    whole, takes the pace of its neighbours.
-
-    Args:
-        costs: the layers' costs, with the pipeline's overheads
-        workers: the pipeline's workers
-        step: times a step of the model on them
-
-    Returns:
-        a factor per size of ``costs.sizes``
+    A size without a factor between 0 and ``SLOWEST`` that predicts its steps
+    takes the pace of its neighbours.
     """
     pilots: Dict[int, Candidate] = {}
     for size in costs.sizes:
@@ -114,9 +70,8 @@ def pace(costs: Costs, workers: int, step: Step) -> List[float]:
 
 
 def in_turns(calls: Sequence[Callable[[], float]], rounds: int) -> List[List[float]]:
-    """What each of ``calls`` measured in ``rounds`` turns, after one more to warm up:
-    a turn calls each once, so that a slow spell of the machine falls on one call of
-    each, which a median leaves out."""
+    """What each of ``calls`` measured in ``rounds`` turns after a warm-up, each turn calling
+    each once, so that a slow spell of the machine falls on one call of each."""
     measured: List[List[float]] = [[] for _ in calls]
     for turn in range(rounds + 1):
         for call, into in zip(calls, measured):
@@ -128,7 +83,7 @@ def in_turns(calls: Sequence[Callable[[], float]], rounds: int) -> List[List[flo
 
 def fill_in(sizes: Sequence[int], found: Sequence[Optional[float]]) -> List[float]:
     """The paces found, and for each size without one the line between its neighbours'
-    (the nearest one's beyond the last; 1 if none was found)."""
+    (the nearest one's beyond them; 1 if none was found)."""
     known = [(s, f) for s, f in zip(sizes, found) if f is not None]
     if not known:
         return [1.0] * len(sizes)
@@ -147,8 +102,7 @@ def fill_in(sizes: Sequence[int], found: Sequence[Optional[float]]) -> List[floa
 
 
 def scaled(costs: Costs, factors: Dict[int, float]) -> Costs:
-    """``costs`` with each size's times (F, I, B and W) times its factor (sizes not given:
-    1)."""
+    """``costs`` with each size's times times its factor in ``factors`` (default 1)."""
     table = []
     for size, layers in zip(costs.sizes, costs.table):
         factor = factors.get(size, 1.0)
@@ -157,11 +111,9 @@ def scaled(costs: Costs, factors: Dict[int, float]) -> Costs:
     return replace(costs, table=table, _cache={})
 
 
-#: Makes a pipeline around the model's copy from the keyword arguments of
-#: :class:`~torchgpipe.GPipe` (of DistributedGPipe, across processes).
+#: Makes a pipeline of the model's copy from :class:`~torchgpipe.GPipe`'s keyword arguments.
 Make = Callable[[nn.Sequential, Dict[str, Any]], Any]
-#: Times a training step of the model's copy: ``step(kwargs, schedule)`` in the
-#: pipeline of ``kwargs`` (as for ``Make``), in seconds.
+#: ``step(kwargs, schedule)``: the seconds of a step of the model's copy.
 ModelStep = Callable[[Dict[str, Any], str], float]
 
 
@@ -169,15 +121,10 @@ def model_steps(module: nn.Sequential, sample: TensorOrTensors,
                 target: Optional[TensorOrTensors], loss_fn: Optional[LossFunction],
                 make: Make, ready: Callable[[], object] = lambda: None,
                 agree: Callable[[float], float] = lambda seconds: seconds) -> ModelStep:
-    """Times training steps of a copy of ``module`` in the pipelines ``make`` makes
-    (``module`` itself is left as it is). Without a loss, the loss is the mean of each
-    output.
-
-    The pipelines of every configuration asked for wrap the one copy (a step
-    at a time), each made at its first step. ``ready()`` runs before each
-    step, untimed; ``agree`` turns this process's time into the step's
-    (across processes, the slowest rank's).
-    """
+    """Times training steps of a copy of ``module`` in the pipelines ``make`` makes, one
+    per configuration, made at its first step. Without a loss, the loss is each output's
+    mean. ``ready()`` runs before each step, untimed; ``agree`` turns this process's
+    time into the step's (the slowest rank's)."""
     model = copy.deepcopy(module)
     loss = loss_fn or _mean_of_outputs
     labels = sample if target is None else target
@@ -202,8 +149,7 @@ def one_f_one_b(steps: ModelStep) -> Step:
 
 
 def gpipes(devices: Sequence[torch.device]) -> Make:
-    """Pipelines as :class:`~torchgpipe.GPipe` on ``devices``, a worker thread each (by
-    default one partition each)."""
+    """Pipelines as :class:`~torchgpipe.GPipe` on ``devices``, a worker thread each."""
     def make(model: nn.Sequential, kwargs: Dict[str, Any]) -> GPipe:
         return GPipe(model, **{'devices': list(devices), **kwargs})
     return make

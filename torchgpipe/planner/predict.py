@@ -1,10 +1,8 @@
 """A configuration's step time and peak memory per worker, from measured costs.
 
-The time is the simulator's (:func:`torchgpipe.engine.simulator.simulate_sharing`,
-which shares the cores when ``Costs.cores`` says the workers outnumber them):
-the schedule's own action lists, each action costing what its partition's
-layers cost at its micro-batch's size, plus the pipeline's overhead per task
-and, when the next partition is on another worker, the message::
+The time is the simulator's over the schedule's own action lists, each
+action costing its partition's layers at its micro-batch size, the
+overhead per task, and a message to another worker::
 
     F   forward of the partition's layers                  (+ message to j+1)
     B   backward of its layers; first their forward again,
@@ -13,48 +11,12 @@ and, when the next partition is on another worker, the message::
     W   the weights' gradients, after I (of the first partition, whose I
         has nothing to compute, its whole backward pass)
 
-Each skip between partitions of two workers is a message of its own
-besides, each way: ``F`` sends those its partition stashes, ``B`` (or ``I``)
-the gradients of those it pops, each costing ``Costs.skip_overhead`` beside
-a message's latency and its bytes' time (``Costs.transfer``: between CUDA
-devices of one process, a copy's).
-
-The recomputation runs as soon as the worker is free, without waiting for
-the gradient from ``j+1``, as the engine runs it (the simulator's
-``ahead``); the checkpoint's own overhead is counted after the wait.
-
-The memory walks each worker's actions in order: a forward pass keeps the
-partition's activations (only its input, if checkpointed) until the
-micro-batch's backward pass frees them (``I`` frees the partition's output,
-if autograd did not save it, and what autograd saved above its last layer
-with weights, a loss's for one: ``W`` needs neither, but it needs the
-gradients ``I`` left at each node leading to a weight, kept until then);
-the recomputation brings them back for the length of ``B``, or from ``I``
-to ``W``; a backward pass holds its gradients and temporaries beside them
-while it runs (a partition's figures are its layers', summed by
-:class:`~torchgpipe.planner.partitions.Partitions`), and, for every
-micro-batch after the partition's first, the new gradients of its weights
-until they are added to those kept. Parameters and the optimizer's state
-stay throughout; the weights' gradients (one of the ``param_scale`` tensors
-per parameter) are made in the step, as after ``zero_grad()``, which sets
-them to None: a partition's in its first backward pass (``B``, or ``W``).
-
-A weight several partitions share (a tied embedding and head) is one
-tensor on each worker holding it. Each partition after the first adds its
-gradients into a share of its own, summed as the step ends; across
-processes, the ranks holding the weight exchange theirs then, each holding
-the other ranks' parts and the sum beside its own for a moment.
-
-A skip connection between partitions is kept at both ends until their
-backward passes: on the stashing partition the tensor it stashed, on the
-popping one the copy it received from another worker; its gradient lives
-from the popping layer's backward pass to the stashing layer's, on the
-workers of both partitions (of neither partition it passes over).
-
-Across processes, a rank running two partitions of a micro-batch (ZBV's
-turn, a skip between the arms of its V) hands the later one its tensors as
-they are, not a copy: what they share is counted once, alive until both
-have let go of it (:class:`~torchgpipe.planner.handover.Handover`).
+The memory walks each worker's actions (:func:`peak_memory`): activations
+kept from a forward pass to its backward pass, gradients and temporaries
+while a backward pass runs (:class:`~torchgpipe.planner.partitions.Partitions`),
+the weights' gradients from a partition's first backward pass, and tensors
+partitions of one process share counted once
+(:class:`~torchgpipe.planner.sharing.SharedBytes`).
 """
 import math
 from dataclasses import dataclass
@@ -65,13 +27,12 @@ from torchgpipe.engine.generators import named, worker_of
 from torchgpipe.engine.schedule import Action, Kind, Schedule
 from torchgpipe.engine.simulator import simulate_sharing
 from torchgpipe.planner.costs import Costs
-from torchgpipe.planner.handover import Handover
 from torchgpipe.planner.partitions import Partitions
+from torchgpipe.planner.sharing import SharedBytes
 
 __all__: List[str] = []
 
-#: Each action's time is rounded to whole nanoseconds, so that the
-#: simulator adds exact integers.
+#: Actions' times in whole nanoseconds: the simulator adds exact integers.
 NANOSECONDS = 1_000_000_000
 
 
@@ -111,10 +72,9 @@ class Prediction:
     Args:
         step: the step's time, in seconds
         memory: each worker's peak memory, in bytes
-        busy: each worker's time at work by kind of task (``'forward'``,
-            ``'recompute'``, ``'backward'``, ``'input'``, ``'weight'``), in seconds
-            (as a trace sees it: longer where the workers share the cores)
-        ends: when each action ends, in seconds (the simulator's)
+        busy: each worker's time at work by kind of task, in seconds (as a
+            trace sees it: longer where the workers share the cores)
+        ends: when each action ends, in seconds
     """
 
     step: float
@@ -137,9 +97,8 @@ def predict(costs: Costs, candidate: Candidate, *, param_scale: float = 2.0
     Args:
         costs: the measured costs, with the overhead per task and the transfer cost
         candidate: the configuration
-        param_scale: parameter-sized tensors training keeps per parameter:
-            the parameter and its gradient (2), and the optimizer's state
-            (2 more for Adam), as :func:`~torchgpipe.balance.balance_by_size` counts
+        param_scale: parameter-sized tensors training keeps per parameter, as
+            :func:`~torchgpipe.balance.balance_by_size` counts
 
     Raises:
         ValueError: the schedule cannot run the configuration
@@ -180,8 +139,7 @@ def predict(costs: Costs, candidate: Candidate, *, param_scale: float = 2.0
         for action in actions:
             total, works[action] = seconds(action)
             cost[action] = Fraction(round(total * NANOSECONDS))
-    # The engine recomputes a micro-batch before it waits for its gradient:
-    # the recomputation needs the worker only.
+    # The engine recomputes before it waits for the gradient.
     ahead = {action: Fraction(round(work.get('recompute', 0.0) * NANOSECONDS))
              for action, work in works.items()}
     times = simulate_sharing(schedule.workers, n, cost.__getitem__, costs.cores,
@@ -196,18 +154,14 @@ def predict(costs: Costs, candidate: Candidate, *, param_scale: float = 2.0
             into[kind] = into.get(kind, 0.0) + time * stretch
     ends = {action: float(end) / NANOSECONDS for action, (_, end) in times.items()}
     step = max(ends.values(), default=0.0)
-    # The weights' gradients, one of ``param_scale``'s tensors per parameter, are
-    # made in the step (zero_grad leaves None): from each partition's first
-    # backward pass on, and all of them beside the exchange at the step's end.
+    # The weights' gradients are made in the step (zero_grad leaves None).
     made = gradient_share(param_scale)
     memory = []
     for w in range(candidate.workers):
         mine = [j for j in range(n) if candidate.worker_of(j) == w]
         gradients = parts.gradients(mine)
         grads = made * gradients
-        # The parameters, the optimizer's state and the gradients; a tied
-        # weight's share of its gradient whatever ``param_scale`` says
-        # (``- grads`` below leaves what the walk lacks).
+        # Parameters, optimizer state, gradients (a tied weight's share always).
         static = (param_scale - 1) * parts.parameters(mine) + gradients
         memory.append(max(peak_memory(schedule.workers, w, parts, sizes, checkpointed, made),
                           grads + exchange_memory(parts, candidate, w)) + static - grads)
@@ -224,16 +178,14 @@ def checkpoints(mode: str, m: int) -> List[bool]:
 
 
 def gradient_share(param_scale: float) -> float:
-    """How many of ``param_scale``'s tensors per parameter are its gradient: one, but
-    none (or a part) where training keeps no more than the parameter itself."""
+    """How many of ``param_scale``'s tensors per parameter are its gradient: one, or
+    less where training keeps no more than the parameter."""
     return min(1.0, max(0.0, param_scale - 1.0))
 
 
 def exchange_memory(parts: Partitions, candidate: Candidate, worker: int) -> float:
-    """What a worker holds beside a shared weight's gradients as processes sum them at
-    the end of a step: the gradient of each partition of another worker using it,
-    received, and the sum (see :class:`torchgpipe.distributed.tied.TiedGradients`),
-    in bytes."""
+    """What a worker holds beside a shared weight's gradients as processes sum them at a
+    step's end: the other workers' parts received, and the sum."""
     if not parts.costs.processes:
         return 0.0
     total = 0.0
@@ -247,43 +199,33 @@ def exchange_memory(parts: Partitions, candidate: Candidate, worker: int) -> flo
 def peak_memory(workers: Sequence[Sequence[Action]], worker: int, parts: Partitions,
                 sizes: Sequence[int], checkpointed: Sequence[bool], made: float = 0.0
                 ) -> float:
-    """The most activation memory a worker holds at once over its actions, with
-    ``made`` times the bytes of each partition's weight gradients from its first
-    backward pass on."""
+    """The most activation memory a worker holds at once over its actions, with ``made``
+    times each partition's weight gradients from its first backward pass on."""
     live = peak = 0.0
     graded: Set[int] = set()  # the partitions whose weights have gradients
-    handover = Handover(parts, sizes, checkpointed)
+    shared_bytes = SharedBytes(parts, sizes, checkpointed)
     # The built-in schedules number their workers as Candidate.worker_of does.
     for action in workers[worker]:
         part = parts(action.j, sizes[action.i])
-        # (An input handed over as it is: the partition before holds it, unless
-        # it checkpointed the micro-batch, which keeps nothing of what it made.)
+        # (An input handed over as it is, the partition before holds.)
         whole = part['kept'] + part['entry'] - part['turned']
         kept = part['entry'] - part['turned_through'] if checkpointed[action.i] else whole
         again = part['kept'] if checkpointed[action.i] else 0.0
-        # A skip received from another worker is a copy, kept until the
-        # backward pass; one handed over on this worker is the stashing
-        # partition's own tensor, unless a checkpointed pass made it (then
-        # nothing else keeps it for the recomputation).
+        # A skip received is a copy; one handed over is the stash's own tensor,
+        # unless a checkpointed pass made it.
         kept += part['received'] + (part['handed'] if checkpointed[action.i] else 0.0)
         if action.kind is Kind.F:
-            live += kept - handover.taken(action)
+            live += kept - shared_bytes.taken(action)
         elif action.kind is Kind.I:
             live += again  # recomputed, and kept for W
-        # B (or I) holds its working memory beside what is live, and B the
-        # recomputed activations it frees at once. B and W make the weights'
-        # gradients: the first makes those kept (``grads``); a later one holds
-        # its own until added to them. The first partition's I has
-        # no input gradient to compute: its W is the whole backward pass.
+        # The partition's first B (or W) makes its weights' gradients; a later one
+        # holds its own until added to them.
         later = action.j in graded
-        # The partition's first B (or W) makes its weights' gradients.
         grads = (made * parts.gradients([action.j])
                  if action.kind in (Kind.B, Kind.W) and not later else 0.0)
         if action.kind is Kind.B or action.kind is Kind.W and action.j == 0:
             # (The first partition's W starts from its graph, not its output.)
             w = '_w' if action.kind is Kind.W else ''
-            # The first pass makes ``grads`` as it goes: at its peak, those of
-            # the layers done by then.
             working = part['accumulating' + w] if later else (
                 (1 - made) * part['working' + w] + made * part['making' + w] - grads)
             if action.kind is Kind.W:
@@ -298,11 +240,10 @@ def peak_memory(workers: Sequence[Sequence[Action]], worker: int, parts: Partiti
             working = 0.0 if checkpointed[action.i] else part['forwarding']
         if action.kind in (Kind.B, Kind.W):
             graded.add(action.j)
-        working -= handover.counted(action)
+        working -= shared_bytes.counted(action)
         peak = max(peak, live + grads + working + (again if action.kind is Kind.B else 0.0))
         if checkpointed[action.i] and action.kind in (Kind.B, Kind.I):
-            # The recomputation, before the backward pass: the forward pass's
-            # own peak, beside what it keeps.
+            # The recomputation's own peak, before the backward pass.
             peak = max(peak, live + part['forwarding'] + (again if action.kind is Kind.B else 0.0))
         live += grads
         if action.kind is Kind.B:
@@ -312,5 +253,5 @@ def peak_memory(workers: Sequence[Sequence[Action]], worker: int, parts: Partiti
             live += part['retained'] - part['held'] - part['above']
         elif action.kind is Kind.W:
             live -= kept + again - part['held'] - part['above'] + part['retained']
-        live += handover.after(action)
+        live += shared_bytes.after(action)
     return peak

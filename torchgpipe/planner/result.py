@@ -1,12 +1,4 @@
-"""A plan: the configuration chosen, why, and how to apply, keep and check it.
-
-A :class:`~torchgpipe.Plan` holds the chosen configuration and its prediction, with the
-runners-up; it prints as a short report, gives the arguments of
-:class:`~torchgpipe.GPipe` (:attr:`~torchgpipe.Plan.kwargs`) and the schedule of
-``train_step`` (:attr:`~torchgpipe.Plan.schedule`), saves itself to a small JSON
-file and loads back, and compares itself with a traced step
-(:meth:`~torchgpipe.Plan.compare`).
-"""
+"""A plan: the configuration chosen, why, and how to apply, save and check it."""
 import json
 import os
 from dataclasses import asdict, fields
@@ -23,8 +15,7 @@ from torchgpipe.timeline import Timeline
 
 __all__: List[str] = []
 
-#: The format of a saved plan; a file of another format is refused. The
-#: first format, of plans for one process only, is read too.
+#: The format of a saved plan; the first (one process only) is read too.
 FORMAT = 'torchgpipe-plan/2'
 FORMATS = (FORMAT, 'torchgpipe-plan/1')
 #: What a saved option may hold (a plan saved before trials has no ``measured``).
@@ -71,10 +62,9 @@ class Plan:
                 checkpoint: str = 'except_last') -> Option:
         """What another configuration would cost, by the same measurements.
 
-        Such as the split one would write by hand, to see what the plan gains
-        over it: ``plan.predict('1f1b', [4, 4], chunks=8).step``. The layout
-        of the partitions is the schedule's: one per device, or two (or four)
-        per device in a loop for interleaved 1F1B, or two in a V for ZBV.
+        Such as a split written by hand, to see what the plan gains over it:
+        ``plan.predict('1f1b', [4, 4], chunks=8).step``. The partitions are laid
+        out as the schedule lays them out.
 
         Args:
             schedule (str): a built-in schedule
@@ -138,16 +128,15 @@ class Plan:
         return self.chosen.schedule
 
     def partition_devices(self) -> List[str]:
-        """The worker of each partition, laid out as the placement says: its device (its
-        rank, in a plan for processes)."""
+        """The worker of each partition as the placement lays them out: its device, or rank."""
         n, p = len(self.chosen.balance), len(self.devices)
         return [self.devices[worker_of(j, n, p, self.chosen.placement)] for j in range(n)]
 
     @property
     def kwargs(self) -> Dict[str, Any]:
         """The keyword arguments of :class:`~torchgpipe.GPipe` for this plan, or of
-        :class:`~torchgpipe.distributed.DistributedGPipe` for a plan for processes
-        (which takes ``group`` and ``device`` from each rank beside them)."""
+        :class:`~torchgpipe.distributed.DistributedGPipe` for processes (with each rank's
+        ``group`` and ``device``)."""
         if self.processes:
             return {'balance': self.balance, 'chunks': self.chunks,
                     'checkpoint': self.checkpoint, 'placement': self.chosen.placement,
@@ -167,8 +156,7 @@ class Plan:
         return dict(zip(self.devices, self.chosen.memory))
 
     def table(self) -> List[Dict[str, Any]]:
-        """The chosen configuration and the runners-up as rows of data, in order: those
-        tried (``measured``), fastest measured first, then the fastest predicted."""
+        """The chosen configuration and the runners-up as rows of data, in order."""
         return [{'schedule': o.schedule, 'balance': o.balance, 'chunks': o.chunks,
                  'checkpoint': o.checkpoint, 'placement': o.placement, 'step': o.step,
                  'measured': o.measured,
@@ -207,14 +195,12 @@ class Plan:
     def compare(self, timeline: Timeline, step: Optional[int] = None) -> Comparison:
         """How far each prediction was from a traced step of the plan's pipeline.
 
-        Trace a training step of ``GPipe(module, **plan.kwargs)`` (of the
-        DistributedGPipe, on every rank, for a plan for processes) with
-        ``schedule=plan.schedule``, then compare: the step time, each
-        device's (or rank's) time at each kind of task, and, on CUDA, each
-        device's peak memory, predicted beside measured.
+        Compares the step time, each device's (or rank's) time at each kind of
+        task, and on CUDA each device's peak memory.
 
         Args:
-            timeline (Timeline): what :func:`torchgpipe.trace` recorded
+            timeline (Timeline): what :func:`torchgpipe.trace` recorded of a
+                training step with ``schedule=plan.schedule``
             step (int, optional): which traced step (default: the last)
 
         Returns:

@@ -1,14 +1,11 @@
 """The search: every configuration worth predicting, and the fastest that fits.
 
-A configuration is a schedule with its layout of partitions on workers
-(its *shape*: one partition per worker, two or more in a loop, two in a V),
-a number of micro-batches, a checkpoint mode and a balance. The balances
-tried for each shape are few but chosen to disagree: the optimal split by
-time, by memory, by both at once, and by layer count, each from
-:func:`torchgpipe.balance.blockpartition.solve`. The best few configurations
-are then refined by moving one boundary by one layer at a time while that
-makes the step faster and still fits, which is how a layer heavy in memory
-but light in time, such as a large vocabulary's head, finds its place.
+A configuration is a schedule with its *shape* (partitions per worker: one,
+a loop, or a V), micro-batches, a checkpoint mode and a balance. The
+balances tried are few but disagree: by time, by memory, by both, and by
+layer count. The best few are then refined by moving one boundary a layer
+at a time while the step gets faster and still fits, which is how a layer
+heavy in memory but light in time (a large vocabulary's head) finds its place.
 """
 from dataclasses import dataclass, replace
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
@@ -42,12 +39,8 @@ class Scored:
 
 
 def chunk_counts(batch: int, most: int) -> List[int]:
-    """The numbers of micro-batches up to ``most`` a mini-batch really splits into.
-
-    ``torch.chunk`` gives fewer pieces than asked when the pieces would not
-    fill them (10 samples in 4 chunks of 3, 3, 3, 1, but in 6 only as 5 of
-    2): such a count is the same step as the smaller one, so it is skipped.
-    """
+    """The numbers of micro-batches up to ``most`` a mini-batch really splits into: a
+    count ``torch.chunk`` cannot make (10 samples in 6) is the smaller one's step."""
     return sorted({len(micro_batches(batch, m)) for m in range(1, min(most, batch) + 1)})
 
 
@@ -115,14 +108,8 @@ def search(costs: Costs, workers: int, *, memory_limit: Optional[float],
 
 def refine(costs: Costs, start: Scored, memory_limit: Optional[float], param_scale: float,
            seen: Dict[Candidate, Scored]) -> Scored:
-    """Moves one boundary by one layer at a time while the step gets faster and still fits.
-
-    Every configuration it predicts goes into ``seen``, and one predicted
-    before is read from there: a walk may pass through another walk's steps.
-
-    Returns:
-        where the walk stopped
-    """
+    """Moves one boundary by one layer at a time while the step gets faster and still fits;
+    returns where it stopped. Every prediction is shared through ``seen``."""
     best = start
     while True:
         found = None

@@ -1,11 +1,9 @@
 """A training pass of the whole model, each layer's part of it timed: what
 :func:`~torchgpipe.planner.costs.measure` reads the layers' times from.
 
-The times are those of a pass as training runs it, layer after layer, not
-of each layer alone again and again (which finds its weights in the cache,
-and comes out too short); the backward pass is one call of the engine
-(``B``), or the two halves of a split one (``I``, then ``W``), as the
-engine of :mod:`torchgpipe.engine.split` runs them.
+A pass as training runs it, layer after layer (a layer timed alone again and
+again finds its weights in the cache), the backward pass one engine call
+(``B``) or the two halves ``I`` and ``W`` of :mod:`torchgpipe.engine.split`.
 """
 import functools
 import time
@@ -29,30 +27,19 @@ def layer_times(layers: Sequence[nn.Module], sample: TensorOrTensors, device: to
                 split: bool) -> Dict[str, List[float]]:
     """One training pass of the whole model, each layer's part of it timed at its boundaries.
 
-    The forward pass is timed between layer calls. The backward pass is one
-    call, as in training (a call per layer would add the engine's start to
-    every layer): a hook on each layer's output notes when its gradient is
-    ready, which is when the layers after it are done. ``split`` runs the
-    backward pass as a split one does (:mod:`torchgpipe.engine.split`): ``I``
-    from the first layer's output back (the first layer's own input gradient
-    reaches no partition before it), then ``W``, instead of ``B``::
+    The forward pass is timed between layer calls; the backward pass is one
+    call, a hook on each layer's output noting when its gradient is ready.
+    ``split`` runs ``I`` then ``W`` instead of ``B``::
 
         forward:   x --[0]--> y0 --[1]--> y1 --[2]--> y2 (the loss, or the output)
         backward:  stamps at y2 (start), y1, y0, and the end:
                    layer 2 took y1 - y2, layer 1 y0 - y1, layer 0 end - y0
 
-    A layer that stashes a skip made by its own work (a shortcut's
-    projection) and passes its input on has no boundary of its own for that
-    work, which the engine runs later, among the layers after it: its
-    nodes are timed one by one, and their time moved to the layer
-    (``_SkipWork``), whose partition runs them in a pipeline.
-
-    What ``I`` does before its engine starts (finding where ``W`` will start,
-    in Python, for each node of the graph) is shared among the layers as
-    their ``I`` times are; ``W``'s time comes whole (``weight``, one entry),
-    with the number of layers before the cut (``cut``, one entry), whose
-    weights' gradients it leaves out: :func:`~torchgpipe.planner.costs.measure`
-    shares it among the others as what ``B`` does beyond ``I``.
+    Work a layer does for its stashed skips alone runs among later layers and
+    is moved back to it (``_SkipWork``). What ``I`` does before its engine
+    starts is shared among the layers as their ``I`` times are; ``W`` comes
+    whole (``weight``), with the layers before the cut (``cut``), for
+    :func:`~torchgpipe.planner.costs.measure` to share.
     """
     clock = _Clock(device)
     forward: List[float] = []
@@ -66,9 +53,7 @@ def layer_times(layers: Sequence[nn.Module], sample: TensorOrTensors, device: to
             values = layer(values)
             forward.append(clock.lap())
             if split and not any(outputs) and len(outputs) < len(layers) - 1:
-                # I stops at the first output that needs a gradient (what no
-                # output before it needs, a Flatten, integer preprocessing, has
-                # no I), as a partition's at its input: a leaf.
+                # I stops at the first output that needs a gradient, as at a partition's input.
                 values = map_tensors(detach_tensor, values)
             outputs.append([y for y in Batch(values) if y.requires_grad])
             skips.made(len(outputs) - 1, since, outputs[-1])
@@ -97,10 +82,8 @@ def layer_times(layers: Sequence[nn.Module], sample: TensorOrTensors, device: to
         end = time.perf_counter()
     else:
         end = start
-    # Layer k's backward ran from its output's gradient (stamps[k]) to its
-    # input's (stamps[k - 1], or the end for the first layer). An output
-    # whose gradient never came (nothing needed it) takes the stamp of the
-    # one after it: the layer after it then took no time of its own.
+    # Layer k's backward ran from stamps[k] to stamps[k - 1] (or the end); an
+    # output whose gradient never came takes the next one's stamp.
     for hook in hooks:  # (each node's hook refers to the node: let the graph go)
         hook.remove()
     for k in range(len(layers) - 2, -1, -1):
@@ -120,8 +103,7 @@ def layer_times(layers: Sequence[nn.Module], sample: TensorOrTensors, device: to
 
 
 def _next_sequence_nr() -> int:
-    """The sequence number of the next autograd node made in this thread: nodes made
-    later have larger ones."""
+    """The sequence number of the next autograd node made in this thread."""
     probe = torch.zeros((), requires_grad=True).mul(1)
     return int(probe.grad_fn._sequence_nr()) + 1  # type: ignore[union-attr]
 
@@ -129,19 +111,16 @@ def _next_sequence_nr() -> int:
 class _SkipWork(SkipTracker):
     """A skip tracker that times the work a layer does for its stashed skips alone.
 
-    Take a shortcut that stashes ``conv(x)`` and passes ``x`` on: its output
-    is its input, so its boundary stamp is the layer's before it, and the
-    engine runs ``conv``'s backward when the pop's gradient reaches it,
-    after every node made later (the layers between, by the engine's order
-    of sequence numbers)::
+    A shortcut stashing ``conv(x)`` and passing ``x`` on has no boundary of its
+    own for ``conv``, whose backward runs when the pop's gradient reaches it,
+    after every node made later::
 
         stamps:   layer 12 starts ........ layer 10 starts
         engine:   | 12's nodes | conv (11's) | 10's nodes ...
         without:  layer 12 took both, layer 11 nothing
 
-    The nodes a layer made (sequence numbers from its first) that its
-    skips reach and its outputs do not are timed by hooks, and their time
-    moved from the layer they ran among to the layer that made them.
+    Hooks time the nodes a layer made that its skips reach and its outputs do
+    not, and their time moves to that layer.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -179,8 +158,7 @@ class _SkipWork(SkipTracker):
                                node.register_hook(functools.partial(leave, node)))]
 
     def move(self, times: List[float], stamps: List[float], end: float) -> None:
-        """Moves each timed node's time (``times[k]``: from ``stamps[k]`` to
-        ``stamps[k - 1]``, or ``end``) from the layer it ran among to its own."""
+        """Moves each timed node's time from the layer it ran among to its own."""
         for k, start, stop in self.spans:
             among = next((j for j in range(len(times))
                           if stamps[j] <= start < (stamps[j - 1] if j else end)), k)
@@ -191,8 +169,7 @@ class _SkipWork(SkipTracker):
 
 
 def _made_since(first: int, roots: Sequence[Optional[Node]]) -> Set[Node]:
-    """The nodes under ``roots`` made from sequence number ``first`` on (not the
-    parameters' accumulators, which have none)."""
+    """The nodes under ``roots`` made from sequence number ``first`` on (no accumulators)."""
     seen: Set[Node] = set()
     stack = [node for node in roots if node is not None]
     while stack:

@@ -1,29 +1,14 @@
 """Trials: the configurations predicted fastest, timed on the model before one is chosen.
 
-The simulator ranks every configuration from the layers' costs, and on CPU
-its prediction of a step is off by a tenth or so, while steps of one
-configuration differ by a fifth from one to the next. Among configurations
-predicted within a few percent of each other, that error, not what they
-are, decides which comes first. So, where the pilot runs (two or more
-workers of CPU devices, threads or ranks, see
-:mod:`~torchgpipe.planner.pilot`), the planner times the few
-predicted fastest: a copy of the model trains in each, as the plan would
-apply it, and the fastest measured is chosen::
+On CPU the simulator is off by a tenth and steps vary by a fifth, so among
+close predictions the error decides. Where the pilot runs, the planner
+trains the model in each of the few predicted fastest (the fastest balance
+of each :func:`kind`, each fitting) and chooses the fastest measured::
 
     predicted   A 10.0 ms   B 10.3 ms   C 10.9 ms   D 12.4 ms   E 13.1 ms ...
                 '--- shortlist: at most `trials` kinds, within SPREAD ---'
     measured    A 12.1 ms   B 10.8 ms   C 11.5 ms   D 13.0 ms
     chosen      B, then C, A, D (measured), then E ... (predicted)
-
-A kind is a schedule at a number of micro-batches and of checkpointed ones:
-of several balances of one kind, which the search refines one layer at a
-time and predicts within a percent of each other, only the fastest predicted
-is tried.
-
-The configurations take turns, a round of one step each (the first round
-warms up), so that a slow spell of the machine falls on one step of each,
-which the median leaves out. Only configurations that fit are tried: the
-memory limit holds whatever is chosen.
 """
 import functools
 import statistics
@@ -45,19 +30,15 @@ Layout = Callable[[Option], Dict[str, Any]]
 
 
 def kind(option: Option) -> Tuple[str, int, int]:
-    """What sets configurations apart beyond their balance: the schedule (with its
-    layout), the micro-batches, and how many of them are checkpointed."""
+    """What sets configurations apart beyond their balance: the schedule, the micro-batches,
+    and how many are checkpointed."""
     checkpointed = {'always': option.chunks, 'except_last': option.chunks - 1}
     return option.schedule, option.chunks, checkpointed.get(option.checkpoint, 0)
 
 
 def shortlist(options: List[Option], trials: int) -> List[Option]:
-    """Of ``options`` (fastest predicted first), the fastest of each :func:`kind`,
-    predicted within ``SPREAD`` of the fastest, ``trials`` at most, in their order.
-
-    Balances of one kind are predicted alike and run alike, give or take the
-    noise: a shortlist of them would time the noise.
-    """
+    """Of ``options`` (fastest predicted first), the fastest of each :func:`kind` within
+    ``SPREAD`` of the fastest, ``trials`` at most: balances of one kind differ by noise."""
     short: Dict[Tuple[str, int, int], Option] = {}
     for option in options:
         if len(short) == trials or option.step > SPREAD * options[0].step:
@@ -68,9 +49,9 @@ def shortlist(options: List[Option], trials: int) -> List[Option]:
 
 def tried(options: List[Option], trials: int, steps: ModelStep, layout: Layout
           ) -> List[Option]:
-    """``options`` (fastest predicted first) with their shortlist timed: those first,
-    fastest measured first, each with its median step in ``measured``; then the rest,
-    in their order. Nothing is timed unless two or more are on the shortlist.
+    """``options`` (fastest predicted first) with their shortlist timed: those first, fastest
+    measured first (``measured`` set), then the rest. Nothing is timed unless two or more
+    are on the shortlist.
 
     Args:
         options: the configurations that fit, fastest predicted first
@@ -90,9 +71,8 @@ def tried(options: List[Option], trials: int, steps: ModelStep, layout: Layout
 
 def order(steps: Optional[ModelStep], trials: int, devices: List[str], processes: bool
           ) -> Callable[[List[Option]], List[Option]]:
-    """How the planner orders the configurations that fit: with ``steps`` (where the
-    pilot runs), by :func:`tried`, each in the pipeline its plan would make on
-    ``devices`` (ranks, for ``processes``); else as predicted."""
+    """How the planner orders the configurations that fit: by :func:`tried` where the pilot
+    runs (``steps``), else as predicted."""
     if steps is None:
         return lambda options: options
     timed = steps

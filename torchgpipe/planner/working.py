@@ -1,14 +1,9 @@
 """A layer's working memory: what its backward pass holds beside the activations kept.
 
-While a layer's backward pass runs, the gradient of its output, the
-gradient of its input and the temporaries between them (a softmax's
-gradient, say, as large as the logits) are alive together, on top of the
-activations every micro-batch in flight keeps. :func:`working_memory`
-measures their peak: it runs the layer's forward and backward passes under
-a :class:`Live` mode that sees every tensor an operator makes, and counts
-each storage from its creation until it is freed; the peak of
-the backward pass over what the forward pass left alive is the layer's
-working memory::
+The gradients of its output and input and the temporaries between them (a
+softmax's gradient, as large as the logits) are alive together.
+:func:`working_memory` runs the layer under :class:`Live`, which sees every
+storage an operator makes until it is freed::
 
     live bytes   ^        ___
                  |   ____|   |__          the peak, beside the activations
@@ -17,11 +12,7 @@ working memory::
                    grad_output  grad_input  (weights' gradients left out:
                                              param_scale counts them)
 
-A layer that stashes skip tensors gets their gradients in its backward
-pass too, as the layer that pops them sends them back in training.
-
-What an operator allocates and frees inside itself (a convolution's
-unfolded input, on CPU) is not a tensor and is not seen.
+What an operator allocates inside itself is not seen.
 """
 import weakref
 from contextlib import contextmanager
@@ -41,30 +32,27 @@ __all__: List[str] = []
 
 #: A layer's forward pass as the planner runs it: the output, and the skip
 #: tensors the layer stashed, whose gradients its backward pass receives.
-Pass = Callable[[TensorOrTensors], Tuple[TensorOrTensors, List[Tensor]]]
+LayerForward = Callable[[TensorOrTensors], Tuple[TensorOrTensors, List[Tensor]]]
 
 
 def ends_of(output: TensorOrTensors, stashed: Sequence[Tensor]) -> List[Tensor]:
-    """Where a layer's backward pass starts: its output and its stashed skips, those
-    that need a gradient."""
+    """Where a layer's backward pass starts: its output and stashed skips that need a gradient."""
     return [y for y in [*Batch(output), *stashed] if isinstance(y, Tensor) and y.requires_grad]
 
 
 class Live(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Notes the storage every operator's output holds, and when that storage is freed.
+    """Notes the storage every operator's output holds, and when it is freed.
 
-    ``log`` is the history of live bytes: ``(storage, +bytes)`` as a storage
-    is first seen, ``(storage, -bytes)`` as it is freed (a storage named by
-    its number), so that a peak may be read without some (:meth:`peak`). Storages alive before
-    (the parameters, the input) are never counted.
+    ``log`` holds ``(storage number, +bytes)`` as a storage is first seen and
+    ``(storage number, -bytes)`` as it is freed; storages alive before (the
+    parameters, the input) are never counted.
     """
 
     def __init__(self, before: Set[int]) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.before = before
-        #: The number of each storage alive, by its address. Numbers, not
-        #: addresses, name storages in the log, since a freed storage's
-        #: address may serve the next one.
+        #: The number of each storage alive, by address (a freed address may serve
+        #: the next storage, so numbers name them in the log).
         self.alive: Dict[int, int] = {}
         self.log: List[Tuple[int, int]] = []
 
@@ -82,9 +70,7 @@ class Live(TorchDispatchMode):  # type: ignore[no-untyped-call]
             return
         number = self.alive[key] = len(self.log)
         self.log.append((number, storage.nbytes()))
-        # torch keeps one Python object per storage for as long as the
-        # storage lives: its end is when the bytes are freed, whichever
-        # tensors (views included) held them.
+        # One Python object per storage lives as long as its bytes, whatever views held them.
         weakref.finalize(storage, self._free, key, number, storage.nbytes())
 
     def _free(self, key: int, number: int, nbytes: int) -> None:
@@ -98,8 +84,8 @@ class Live(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 if t.untyped_storage().data_ptr() in self.alive}
 
     def peak(self, without: Set[int], since: int) -> int:
-        """The most bytes alive at once after entry ``since`` of the log, over those
-        alive then; the storages numbered in ``without`` left out."""
+        """The most bytes alive at once after log entry ``since``, over those alive then,
+        leaving out the storages numbered in ``without``."""
         live = base = top = 0
         for k, (key, change) in enumerate(self.log):
             if k == since:
@@ -112,9 +98,8 @@ class Live(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
 
 class _Seed(torch.autograd.Function):
-    """The start of a layer's backward pass, as within a partition: the gradients of
-    its outputs come from the backward pass itself, which alone holds them (and may
-    add another into one in place), not from the caller."""
+    """The start of a layer's backward pass as within a partition: the output gradients
+    come from the backward pass itself, which alone holds them, not from the caller."""
 
     @staticmethod
     def forward(ctx: Any, *ends: Tensor) -> Tensor:
@@ -138,27 +123,18 @@ class _Seed(torch.autograd.Function):
         return tuple(grads)
 
 
-def working_memory(layer: nn.Module, values: TensorOrTensors, forward: Pass, *,
+def working_memory(layer: nn.Module, values: TensorOrTensors, forward: LayerForward, *,
                    accumulating: bool = False, last: bool = False, held: bool = False
                    ) -> Tuple[TensorOrTensors, int]:
     """Runs ``forward(values)``, the pass of ``layer``, and its backward pass; returns the
     output and the most bytes the backward pass held beside what the forward pass left.
 
-    The gradients of the output and of the stashed skips are made as
-    training would pass them in, and counted: within a partition, by the
-    backward pass, which frees each once used (and may add another into it
-    in place); to a partition's ``last`` layer, by the pipeline, which holds
-    them until the pass ends, with the output itself. Within a partition
-    nothing holds the output but what saved it (a ReLU, its own), and it is
-    freed once that node has run: the caller gets a copy; unless ``held``
-    (the layer before a loss: the pipeline holds the loss's input). The gradients of the
-    layer's weights are not counted (the planner counts them with the
-    parameters), unless ``accumulating``: then the weights already have
-    gradients, as from an earlier micro-batch of the step, and each new one
-    is a temporary, alive until it is added to the gradient (as large as its
-    weight: an embedding's, say). What the backward pass frees as it goes (a
-    saved activation, once used) makes room, as in training. The weights are
-    left without gradients.
+    Output gradients are made as training passes them: within a partition by
+    the backward pass, which frees each once used; to a partition's ``last``
+    layer by the pipeline, which holds them. The caller gets a copy of the
+    output unless ``held`` (the layer before a loss). The weights' gradients
+    count only ``accumulating``, as temporaries. The weights are left without
+    gradients.
     """
     parameters = [p for p in layer.parameters() if p.requires_grad]
     if accumulating:
@@ -181,9 +157,7 @@ def working_memory(layer: nn.Module, values: TensorOrTensors, forward: Pass, *,
             if ends:
                 _Seed.apply(*ends).backward()  # type: ignore[no-untyped-call]
         else:
-            # Within a partition nothing holds the output but what saved it
-            # (a ReLU its own): gone once that node has run, before the
-            # layer's input gradient is made. The caller gets a copy.
+            # Only what saved the output holds it, as within a partition.
             copy = map_tensors(lambda y: y.detach().clone().requires_grad_(y.requires_grad),
                                output)
             seed = _Seed.apply(*ends) if ends else None  # type: ignore[no-untyped-call]
@@ -200,10 +174,9 @@ def working_memory(layer: nn.Module, values: TensorOrTensors, forward: Pass, *,
     return output, live.peak(weights, since)
 
 
-def forward_memory(layer: nn.Module, values: TensorOrTensors, forward: Pass) -> int:
+def forward_memory(layer: nn.Module, values: TensorOrTensors, forward: LayerForward) -> int:
     """Runs ``forward(values)``, the pass of ``layer``; returns the most bytes it held at
-    once beyond what it left (what it keeps, its output, its skips): its temporaries,
-    an addition's sum before the ReLU after it, say."""
+    once beyond what it left: its temporaries."""
     live = Live({x.untyped_storage().data_ptr()
                  for x in [*layer.parameters(), *layer.buffers(), *Batch(values)]
                  if isinstance(x, Tensor)})
@@ -214,19 +187,14 @@ def forward_memory(layer: nn.Module, values: TensorOrTensors, forward: Pass) -> 
     return max(0, live.peak(set(), 0) - left)
 
 
-def input_memory(layer: nn.Module, values: TensorOrTensors, forward: Pass,
+def input_memory(layer: nn.Module, values: TensorOrTensors, forward: LayerForward,
                  skips: Sequence[Tensor] = ()) -> int:
-    """Runs ``forward(values)``, the pass of ``layer``, and ``I`` (the first half of a
-    split backward pass); returns the most bytes ``I`` held beside what the forward
-    pass left.
+    """Runs ``forward(values)`` and ``I`` (the first half of a split backward pass); returns
+    the most bytes ``I`` held beside what the forward pass left.
 
-    ``I`` keeps the graph for ``W``: what the layer saved stays, where a whole
-    backward pass frees each saved tensor once used and makes room for the
-    temporaries after (a GELU's, say, whose are as many as it saved). The
-    gradients of the output and of the stashed skips come from within, as
-    within a partition (:func:`working_memory` counts what the pipeline
-    holds); ``skips`` are the leaves the layer may pop, inputs too. Nothing is
-    held when the input needs no gradient (``I`` has nothing to compute).
+    ``I`` keeps the graph for ``W``, so what the layer saved stays while
+    temporaries are made. ``skips`` are the leaves the layer may pop. Nothing is
+    held when the input needs no gradient.
     """
     with _split(layer, values, skips) as (leaves, inputs, live), live:
         # A copy, not the leaves: the layer may work in place.
@@ -241,30 +209,15 @@ def input_memory(layer: nn.Module, values: TensorOrTensors, forward: Pass,
     return live.peak(set(), since)
 
 
-def retained_for_weights(layer: nn.Module, values: TensorOrTensors, forward: Pass,
+def retained_for_weights(layer: nn.Module, values: TensorOrTensors, forward: LayerForward,
                          skips: Sequence[Tensor] = ()) -> Tuple[int, int, Set[int]]:
-    """Runs ``forward(values)``, the pass of ``layer``, and the first half of a split
-    backward pass (``I``, :func:`torchgpipe.engine.split.input_pass`).
-
-    ``I`` computes the gradient of the layer's input only; each node on the
-    way that leads to a weight (a linear layer's, a convolution's) keeps the
-    gradient it received, for ``W`` to start from. They stay alive from one
-    to the other, beside the activations: as large as the outputs of those
-    nodes, the layer's output among them if its last node is one. Nothing is
-    kept when the input needs no gradient (``I`` has nothing to compute).
-
-    ``W`` starts from those nodes, so the nodes above them (a ReLU after the
-    layer's convolution) are gone with the outputs, and what they saved: the
-    storages freed. The weights are left without gradients. ``skips`` are the
-    leaves the layer may pop (as the planner's skip tracker holds them):
-    inputs too, as a pipeline's received skips are, not weights; their
-    gradients are left as they were.
+    """Runs ``forward(values)`` and ``I`` (:func:`torchgpipe.engine.split.input_pass`): what
+    ``I`` keeps for ``W`` (the gradient at each node leading to a weight) and what it
+    frees (the nodes above them). ``skips`` are the leaves the layer may pop.
 
     Returns:
         the bytes of the gradients ``I`` keeps for ``W``, those of them that are
-        the output's gradient itself (as the layer was given it), and the
-        addresses (as they were after the forward pass) of the storages freed
-        once ``I`` is done and the outputs are let go
+        the output's gradient itself, and the addresses of the storages freed
     """
     with _split(layer, values, skips) as (leaves, inputs, live):
         with live:
@@ -288,10 +241,9 @@ def retained_for_weights(layer: nn.Module, values: TensorOrTensors, forward: Pas
 @contextmanager
 def _split(layer: nn.Module, values: TensorOrTensors, skips: Sequence[Tensor]
            ) -> Iterator[Tuple[TensorOrTensors, List[Tensor], Live]]:
-    """For a split backward pass of ``layer`` alone: its leaves (``values`` detached),
-    those that need a gradient (``skips`` too), and a :class:`Live` mode that counts
-    none of them nor the weights; afterwards, the weights without gradients and the
-    skips' as they were."""
+    """For a split backward pass of ``layer`` alone: its leaves (``values`` detached), those
+    that need a gradient (``skips`` too), and a :class:`Live` that counts none of them;
+    afterwards, the weights without gradients and the skips' as they were."""
     leaves = map_tensors(detach_tensor, values)
     inputs = [x for x in [*Batch(leaves), *skips] if isinstance(x, Tensor) and x.requires_grad]
     before = [x.grad for x in skips]

@@ -1,11 +1,10 @@
 """Deferred batch normalization: running statistics of the whole mini-batch.
 
-A BatchNorm layer inside GPipe sees micro-batches, so it would take ``chunks``
-noisy momentum steps per training step. :class:`DeferredBatchNorm` normalizes
-each micro-batch as ``nn.BatchNorm`` would, but accumulates the statistics and
-commits them once per mini-batch. A recomputation (:func:`torchgpipe.is_recomputing`)
-counts nothing; inside GPipe the commit waits for the whole step
-(``deferred_step``), so a failed step commits nothing.
+Inside GPipe a BatchNorm layer would take ``chunks`` noisy momentum steps
+per step. :class:`DeferredBatchNorm` normalizes each micro-batch as
+``nn.BatchNorm`` does but commits the statistics once per mini-batch; a
+recomputation counts nothing, and a failed step commits nothing
+(``deferred_step``).
 """
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Type
@@ -24,16 +23,14 @@ __all__ = ['DeferredBatchNorm']
 
 
 class DeferredBatchNorm(_BatchNorm):
-    r"""A BatchNorm layer that commits its running statistics once per mini-batch.
+    """A BatchNorm layer that commits its running statistics once per mini-batch.
 
     In training (with ``track_running_stats=True``), every call normalizes its
-    input by that input's own statistics and accumulates their per-channel sums;
-    after ``chunks`` calls, ``running_mean``, ``running_var`` and
-    ``num_batches_tracked`` are updated once, to what an ``nn.BatchNorm`` layer
-    would hold after one call on the concatenated inputs. Recomputations are not
-    counted. In evaluation, or without running statistics, it is ``nn.BatchNorm``.
-    Inputs are 2D to 5D, ``(N, C, *)``: one class stands in for ``BatchNorm1d``,
-    ``2d`` and ``3d``. :class:`~torchgpipe.GPipe` with ``deferred_batch_norm=True``
+    input by its own statistics and accumulates them; after ``chunks`` calls,
+    the running statistics are updated once, to what ``nn.BatchNorm`` would
+    hold after one call on the concatenated inputs. Recomputations are not
+    counted. Otherwise it is ``nn.BatchNorm``. Inputs are 2D to 5D,
+    ``(N, C, *)``. :class:`~torchgpipe.GPipe` with ``deferred_batch_norm=True``
     makes them (:meth:`convert_deferred_batch_norm`).
 
     Args:
@@ -55,12 +52,8 @@ class DeferredBatchNorm(_BatchNorm):
         ValueError: ``chunks`` is not a positive integer.
     """
 
-    # Accumulated over the micro-batches of the current mini-batch. They are
-    # plain attributes, not buffers: they are transient (reset at every
-    # commit), ``module.half()`` must not lower their float64 precision, and
-    # DistributedDataParallel must not broadcast them as model state. Only
-    # the state dict shows them, as torchgpipe 0.0.7's buffers of the same
-    # names (see _save_to_state_dict).
+    # Accumulated over a mini-batch; attributes, not buffers: half() must keep them
+    # float64 and DDP must not broadcast them. The state dict shows them, as 0.0.7's.
     sum: Optional[Tensor]
     sum_squares: Optional[Tensor]
     count: int
@@ -91,16 +84,14 @@ class DeferredBatchNorm(_BatchNorm):
         super().__init__(num_features, eps, momentum, affine, track_running_stats,
                          device=device, dtype=dtype)
         if affine and not bias:
-            # Older PyTorch has no ``bias`` argument on BatchNorm; dropping the
-            # parameter afterwards works on every version.
+            # Older PyTorch has no ``bias`` argument on BatchNorm.
             self.register_parameter('bias', None)
 
         self.chunks = chunks
         self._reset_accumulators()
 
     def extra_repr(self) -> str:
-        # Spelled out rather than extending super().extra_repr(), which is
-        # untyped; the fields are those nn.BatchNorm shows, plus chunks.
+        # nn.BatchNorm's fields, plus chunks (super's is untyped).
         return (f'{self.num_features}, eps={self.eps}, momentum={self.momentum}, '
                 f'affine={self.affine}, track_running_stats={self.track_running_stats}, '
                 f'chunks={self.chunks}')
@@ -121,9 +112,7 @@ class DeferredBatchNorm(_BatchNorm):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self.running_mean is None:
             return
-        # torchgpipe 0.0.7 kept the sums as buffers of the running
-        # statistics' shape and dtype, zeros between mini-batches: its state
-        # dicts have these keys, and so do ours.
+        # 0.0.7's state dicts have the sums as buffers, zeros between mini-batches.
         for name, value in (('sum', self.sum), ('sum_squares', self.sum_squares)):
             if value is None:
                 destination[prefix + name] = torch.zeros_like(self.running_mean)
@@ -134,11 +123,8 @@ class DeferredBatchNorm(_BatchNorm):
                               local_metadata: Dict[str, Any], strict: bool,
                               missing_keys: List[str], unexpected_keys: List[str],
                               error_msgs: List[str]) -> None:
-        # The sums are optional, and their values unused: a state dict of
-        # torchgpipe 0.0.7 has them (zeros between mini-batches), the state
-        # dict of a plain BatchNorm layer (a model trained without GPipe)
-        # has not, and both load strictly. Without the count of values they
-        # were accumulated from, sums could not be resumed anyway.
+        # The sums are optional and unused: 0.0.7's state dicts have them, a plain
+        # BatchNorm's has not, and both load strictly.
         if self.running_mean is not None:
             state_dict.pop(prefix + 'sum', None)
             state_dict.pop(prefix + 'sum_squares', None)
@@ -146,25 +132,18 @@ class DeferredBatchNorm(_BatchNorm):
                                       missing_keys, unexpected_keys, error_msgs)
 
     def _accumulate(self, input: Tensor, mean: Tensor, unbiased_var: Tensor) -> None:
-        """Adds the statistics of one micro-batch to the accumulators.
-
-        ``mean`` and ``unbiased_var`` are the per-channel statistics of
-        ``input`` as the batch norm kernel computed them.
-        """
+        """Adds one micro-batch's statistics, ``mean`` and ``unbiased_var`` as the kernel computed
+        them, to the accumulators."""
         self.counter += 1
         count = input.numel() // input.size(1)
         if count == 0:
-            # An empty micro-batch counts as a call (nn.BatchNorm increments
-            # num_batches_tracked for an empty batch too) but adds no values.
+            # Counted as a call, as nn.BatchNorm counts an empty batch, but no values.
             return
 
         with torch.no_grad():
-            # The kernel's mean is rounded to the input precision. Between
-            # micro-batches that rounding error does not cancel: when
-            # |mean| >> std it would dominate the spread of the micro-batch
-            # means, hence the variance of the whole mini-batch. Recover the
-            # lost digits from the residuals, which are small and so summed
-            # accurately in the input precision.
+            # The kernel's mean is rounded to the input precision, an error that
+            # does not cancel between micro-batches (|mean| >> std): recover the
+            # lost digits from the small residuals.
             shift = mean.to(input.dtype)
             shape = [1, -1] + [1] * (input.dim() - 2)
             dims = [0] + list(range(2, input.dim()))
@@ -173,8 +152,7 @@ class DeferredBatchNorm(_BatchNorm):
 
             biased_var = unbiased_var.to(torch.float64) * ((count - 1) / count)
 
-            # float64 keeps sum_squares/n - mean**2, computed at the commit,
-            # free of cancellation.
+            # float64: sum_squares/n - mean**2 at the commit, free of cancellation.
             batch_sum = exact_mean * count
             batch_sum_squares = (biased_var + exact_mean * exact_mean) * count
 
@@ -191,7 +169,7 @@ class DeferredBatchNorm(_BatchNorm):
         """Updates the running statistics once for the whole mini-batch."""
         assert self.running_mean is not None and self.running_var is not None
 
-        # The factor is chosen exactly as in nn.BatchNorm.forward.
+        # As nn.BatchNorm.forward chooses it.
         if self.momentum is None:
             factor = 0.0
         else:
@@ -201,15 +179,13 @@ class DeferredBatchNorm(_BatchNorm):
             if self.momentum is None:
                 factor = 1.0 / float(self.num_batches_tracked)
 
-        # No sum means every micro-batch was empty: like nn.BatchNorm on an
-        # empty batch, count the batch but keep the statistics.
+        # No sum: every micro-batch was empty; count the batch, keep the statistics.
         if self.sum is not None and self.sum_squares is not None:
             count = self.count
             mean = self.sum / count
             # Rounding can make a zero variance slightly negative.
             biased_var = (self.sum_squares / count - mean * mean).clamp_(min=0)
-            # Each non-empty micro-batch had more than one value per channel
-            # (F.batch_norm refuses fewer), so count > 1 here.
+            # count > 1: F.batch_norm refuses one value per channel.
             unbiased_var = biased_var * (count / (count - 1))
 
             running_mean = self.running_mean.to(torch.float64)
@@ -220,13 +196,8 @@ class DeferredBatchNorm(_BatchNorm):
         self._reset_accumulators()
 
     def forward(self, input: Tensor) -> Tensor:
-        """Normalizes ``input`` and, in training, accumulates its statistics.
-
-        Args:
-            input (Tensor): a micro-batch of shape ``(N, C, *)``
-
-        Returns:
-            Tensor: the normalized micro-batch, of the same shape
+        """Normalizes ``input``, a micro-batch ``(N, C, *)``, and in training accumulates its
+        statistics.
 
         Raises:
             ValueError: ``input`` is not 2D to 5D, or has only one value per
@@ -244,11 +215,8 @@ class DeferredBatchNorm(_BatchNorm):
                                 True, 0.0, self.eps)
 
         assert self.running_mean is not None
-        # Let the batch norm kernel compute the micro-batch statistics as a
-        # by-product: with momentum=1 it overwrites these scratch "running"
-        # statistics with the batch mean and the unbiased batch variance,
-        # saving a second pass over the input. The real running statistics
-        # are untouched until the commit.
+        # With momentum=1 the kernel writes the micro-batch's mean and unbiased
+        # variance into these scratch "running" statistics: no second pass.
         mean = torch.zeros_like(self.running_mean)
         unbiased_var = torch.zeros_like(self.running_mean)
         output = F.batch_norm(input, mean, unbiased_var, self.weight, self.bias,
@@ -264,11 +232,10 @@ class DeferredBatchNorm(_BatchNorm):
     def convert_deferred_batch_norm(cls, module: nn.Module, chunks: int = 1) -> nn.Module:
         """Replaces every BatchNorm layer in ``module`` with :class:`DeferredBatchNorm`, in place.
 
-        Each replacement shares its layer's parameters (an optimizer built before
-        still updates them) and running statistics, with the same ``eps``,
-        ``momentum``, ``affine`` and training mode. A layer already deferred over
-        ``chunks`` micro-batches, or without running statistics, stays; one deferred
-        over other ``chunks`` is replaced, as in torchgpipe 0.0.7.
+        Each replacement shares its layer's parameters and running statistics, with
+        the same ``eps``, ``momentum``, ``affine`` and mode. A layer already
+        deferred over ``chunks``, or without running statistics, stays; one
+        deferred over other ``chunks`` is replaced, as in torchgpipe 0.0.7.
 
         Args:
             module (nn.Module): the module to convert (a BatchNorm layer itself is
@@ -297,8 +264,7 @@ class DeferredBatchNorm(_BatchNorm):
             8
         """
         chunks = check_chunks(chunks)
-        # Checked before the first replacement, so that a failure leaves
-        # ``module`` as it was.
+        # Checked before any replacement: a failure leaves ``module`` as it was.
         for name, layer in module.named_modules():
             if (isinstance(layer, _BatchNorm) and isinstance(layer, LazyModuleMixin)
                     and layer.has_uninitialized_params()):
@@ -316,13 +282,11 @@ class DeferredBatchNorm(_BatchNorm):
             return None
         if isinstance(layer, DeferredBatchNorm) and layer.chunks == chunks:
             return None
-        # Built on the meta device: every tensor is replaced just below, so
-        # allocating real storage for it would be wasted.
+        # On the meta device: share_state replaces every tensor.
         deferred = cls(layer.num_features, layer.eps, layer.momentum, layer.affine, chunks,
                        device=torch.device('meta'))
         share_state(layer, deferred)
-        # A deferred layer passes on the class it replaced (None if it was
-        # made directly), so that restore_batch_norm returns to the original.
+        # The original class, for restore_batch_norm.
         deferred.replaced_class = (layer.replaced_class if isinstance(layer, DeferredBatchNorm)
                                    else type(layer))
         return deferred
@@ -353,12 +317,8 @@ def deferred_step(layers: Sequence[DeferredBatchNorm], chunks: int) -> Iterator[
 
 def restore_batch_norm(module: nn.Module) -> nn.Module:
     """Turns every :class:`DeferredBatchNorm` that
-    :meth:`~DeferredBatchNorm.convert_deferred_batch_norm` made in ``module`` back
-    into the layer it replaced (same tensors), in place.
-
-    A :class:`DeferredBatchNorm` made directly has no class to return to and stays.
-    Returns ``module``, or its replacement when ``module`` itself was converted.
-    """
+    :meth:`~DeferredBatchNorm.convert_deferred_batch_norm` made in ``module`` back into the
+    layer it replaced (same tensors), in place; returns ``module`` or its replacement."""
     def restore(layer: nn.Module) -> Optional[nn.Module]:
         if not isinstance(layer, DeferredBatchNorm) or layer.replaced_class is None:
             return None

@@ -1,10 +1,9 @@
 """Checkpointing with two autograd functions sharing memory (Section 3.2.4).
 
-PyTorch's checkpoint recomputes inside one node's backward, tying the
-recomputation ``F'(i, j)`` to ``B(i, j)``. GPipe starts it *before* the
-gradient from the next partition arrives, so the two overlap:
-:class:`Checkpoint` and :class:`Recompute` are separate nodes sharing a
-``recomputed`` slot, with the Wait for the gradient's copy between them::
+GPipe starts the recomputation ``F'(i, j)`` *before* the gradient from the
+next partition arrives, so they overlap: :class:`Checkpoint` and
+:class:`Recompute` are separate nodes sharing a ``recomputed`` slot, with
+the Wait for the gradient's copy between them::
 
     forward:   input ─► Checkpoint ─► output ─► Wait ─► Recompute ─► output'
 
@@ -15,11 +14,9 @@ gradient from the next partition arrives, so the two overlap:
                3. Wait.backward: the compute stream waits for the copy
                4. Checkpoint.backward: backpropagate through the stashed graph
 
-Both passes run in the contexts of :mod:`torchgpipe.runtime.replay` (same
-dropout masks, same autocast). Recompute keeps what it replays from as saved
-tensors, so a graph kept by ``retain_graph=True`` recomputes again. A
-partition that changes its input in place runs both passes on copies
-(:class:`~torchgpipe.runtime.traits.PartitionTraits`).
+Both passes replay the same random numbers and autocast
+(:mod:`torchgpipe.runtime.replay`); Recompute keeps its inputs as saved
+tensors, so a retained graph recomputes again.
 """
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, cast
 
@@ -37,33 +34,19 @@ from torchgpipe.runtime.replay import FirstPass, first_pass, recomputation
 from torchgpipe.foundation.record import label
 from torchgpipe.runtime.traits import PartitionTraits, call_on_copies
 
-# The two flags are public (exported by the package); the rest is internal.
 __all__ = ['is_checkpointing', 'is_recomputing']
 
 Function = Callable[[TensorOrTensors], TensorOrTensors]
 
-# What Recompute leaves for Checkpoint.backward: the recomputed output, the
-# input leaves it was computed from, and the roots the recomputation added
-# (phase.add_root).
+# Recompute's output, input leaves and added roots (phase.add_root), for Checkpoint.backward.
 Recomputed = Tuple[TensorOrTensors, Tensors, List[Tensor]]
 
 
 class Context:
-    """What a :class:`Checkpoint` and its :class:`Recompute` share, apart from tensors
-    (which go through autograd, which tracks and frees them).
-
-    Args:
-        function: the partition, as a function of a tensor or a tuple of tensors
-        atomic: whether the function takes a tensor rather than a tuple
-        layout: where the input tensors go among the input tuple's other values
-            (``None``: tensors only)
-        num_inputs: how many leading tensor arguments are the input (then
-            parameters, or generator states)
-        traits: what earlier runs showed about the partition
-        exclusive_rng: whether the recomputation may draw from the CPU generator,
-            and so must hold it alone
-        task: the task's ``(i, j)``, for a profiler's labels
-    """
+    """What a :class:`Checkpoint` and its :class:`Recompute` share besides tensors: the
+    partition's ``function``, its input's form (``atomic``, ``layout``, ``num_inputs``
+    leading tensors), its ``traits``, whether the recomputation may draw from the CPU
+    generator (``exclusive_rng``), and the ``task`` for a profiler's labels."""
 
     __slots__ = ('function', 'atomic', 'layout', 'num_inputs', 'traits', 'exclusive_rng',
                  'task', 'first_pass', 'recomputed', 'autocast_states', 'ended',
@@ -82,15 +65,13 @@ class Context:
         self.exclusive_rng = exclusive_rng
         #: The states to replay, from Checkpoint.forward to Checkpointing.recompute.
         self.first_pass: Optional[FirstPass] = None
-        #: The recomputed graph, from Recompute.backward to Checkpoint.backward,
-        #: which takes it out so that it is freed after use.
+        #: The recomputed graph, from Recompute.backward to Checkpoint.backward.
         self.recomputed: Optional[Recomputed] = None
         #: The autocast state to recompute in.
         self.autocast_states: Optional[AutocastStates] = None
         #: Where the first pass left the CPU generator (see FirstPass).
         self.ended: Optional[Tensor] = None
-        #: Where the output tensors go among the other values of the output
-        #: tuple: Checkpoint returns the tensors only.
+        #: Where the output tensors go in the output tuple (Checkpoint returns tensors only).
         self.output_layout: Optional[Layout] = None
 
     def arguments(self, input: Tensors) -> TensorOrTensors:
@@ -99,18 +80,10 @@ class Context:
 
 
 class Checkpointing:
-    """Generates a pair of :class:`Checkpoint` and :class:`Recompute` for one batch.
-
-    Args:
-        function: the partition to run on the batch
-        batch (Batch): the input micro-batch
-        parameters: the function's parameters that require grad: their gradients
-            are returned by the checkpoint's backward, so the engine accumulates
-            them once per backward pass, as without checkpointing (DDP relies on it)
-        traits: what earlier runs showed about the partition
-        exclusive_rng: as for :class:`Context`
-        task: the task's ``(i, j)``, for a profiler's labels
-    """
+    """Makes a pair of :class:`Checkpoint` and :class:`Recompute` for one ``batch``.
+    ``parameters`` requiring grad get their gradients from the checkpoint's backward,
+    accumulated once per backward pass as without checkpointing (DDP relies on it); the
+    other arguments are :class:`Context`'s."""
 
     def __init__(self, function: Function, batch: Batch, parameters: Sequence[Tensor] = (),
                  traits: Optional[PartitionTraits] = None, exclusive_rng: bool = True,
@@ -123,8 +96,7 @@ class Checkpointing:
 
     def checkpoint(self) -> Batch:
         """Runs the function without keeping activations; returns the output batch."""
-        # The phony requires grad, so the output always has a backward node to
-        # hang the recomputation on, even if no input requires grad.
+        # A phony requiring grad: the output always has a backward node for Recompute.
         phony = get_phony(self.batch[0].device, requires_grad=True)
         output = Checkpoint.apply(phony, self.context,  # type: ignore[no-untyped-call]
                                   *self.batch, *self.parameters)
@@ -137,21 +109,16 @@ class Checkpointing:
         return Batch(output)
 
     def recompute(self, batch: Batch) -> None:
-        """Schedules the recomputation right before the checkpoint's backward; each tensor
-        of ``batch`` (:meth:`checkpoint`'s output) that requires grad is replaced by one
-        carrying that dependency."""
+        """Hangs the recomputation right before the checkpoint's backward, on each tensor of
+        ``batch`` (:meth:`checkpoint`'s output) that requires grad."""
         context = self.context
         assert context.first_pass is not None
         (cpu_rng_state, gpu_rng_state) = context.first_pass.rng
         context.autocast_states = context.first_pass.autocast
         context.ended = context.first_pass.ended
         context.first_pass = None
-        # Every floating point output requires grad: it came out of Checkpoint
-        # with a phony that does. With none, there is no backward to precede.
-        # A Recompute on each, not on the first alone: the checkpoint's
-        # backward runs once any output has a gradient, and an output nothing
-        # used never gets one. The first Recompute to run recomputes; the
-        # others find the graph there and pass their gradients on.
+        # A Recompute on each output requiring grad: one nothing used never gets a
+        # gradient. The first to run recomputes; the others find the graph.
         rng_tensors = (cpu_rng_state,) if gpu_rng_state is None else (cpu_rng_state, gpu_rng_state)
         for index in range(len(batch)):
             if batch[index].requires_grad:
@@ -160,16 +127,16 @@ class Checkpointing:
 
 
 def checkpoint_stop(checkpoint: str, chunks: int, m: int, training: bool) -> int:
-    """How many of the first of ``m`` micro-batches ``checkpoint`` checkpoints: none
-    without a backward to come; ``'except_last'`` spares the last of ``chunks``, as in 0.0.7."""
+    """How many of the first of ``m`` micro-batches ``checkpoint`` checkpoints (none without a
+    backward; ``'except_last'`` spares the last of ``chunks``, as 0.0.7 does)."""
     if not (training and torch.is_grad_enabled()):
         return 0
     return {'always': m, 'except_last': min(m, chunks - 1), 'never': 0}[checkpoint]
 
 
 def checkpoint(function: Function, input: TensorOrTensors) -> TensorOrTensors:
-    """Checkpoints ``function`` on ``input``, like :func:`torch.utils.checkpoint.checkpoint`:
-    for tests and debugging of :class:`Checkpoint` and :class:`Recompute`.
+    """Checkpoints ``function`` on ``input``, like :func:`torch.utils.checkpoint.checkpoint`,
+    for tests and debugging.
 
     Example::
 
@@ -200,18 +167,15 @@ class Checkpoint(torch.autograd.Function):
                                               AccumulateGrad(W), once, after the
                                               engine summed dW over micro-batches
 
-    So hooks on the accumulation (DDP's) fire as usual. :func:`reachable_leaves`
-    finds every leaf of the recomputed graph, so a tensor a layer captured gets
-    its gradient too.
+    So hooks on the accumulation (DDP's) fire as usual; other leaves of the
+    recomputed graph (:func:`reachable_leaves`) get their gradients too.
     """
 
     @staticmethod
     def forward(ctx: Any, phony: Tensor, context: Context,
                 *input_and_parameters: Tensor) -> TensorOrTensors:
         ctx.context = context
-        # Outputs nothing used get no gradient (None, skipped by the
-        # backward), not zeros, which would give the parameters they came
-        # from gradients of zero where the unwrapped model leaves them None.
+        # None, not zeros, for outputs nothing used, as the unwrapped model leaves them.
         ctx.set_materialize_grads(False)
         input = input_and_parameters[:context.num_inputs]
         ctx.parameters = input_and_parameters[context.num_inputs:]
@@ -220,8 +184,7 @@ class Checkpoint(torch.autograd.Function):
             output = context.traits.call(context.function, input, context.arguments, 'GPipe')
         if isinstance(output, Tensor):
             return output
-        # An autograd function returns tensors only: the other values of the
-        # output, and which tensors are NoChunk, go through the context.
+        # Tensors only: the output's other values go through the context.
         batch = Batch(output)
         context.output_layout = batch.layout
         return output if batch.layout is None else tuple(batch)
@@ -245,10 +208,7 @@ class Checkpoint(torch.autograd.Function):
             if o.requires_grad and g is not None:
                 tensors.append(o)
                 grad_tensors.append(g)
-        # Roots whose backward must run whatever the outputs' gradients (a
-        # skip's portal phony: its backward hands the skip's gradient to the
-        # stashed tensor). Each is empty, and so is its gradient. Reached from
-        # an output too, its node still runs once.
+        # Roots whose backward must run whatever the outputs' (a skip's portal phony).
         for root in roots:
             tensors.append(root)
             grad_tensors.append(root.detach())
@@ -265,8 +225,7 @@ class Checkpoint(torch.autograd.Function):
         result = (None, None, *(grads.pop(id(x), None) for x in input_leaf),
                   *(grads.pop(id(p), None) for p in ctx.parameters))
 
-        # The leaves left are neither inputs nor declared parameters (tensors
-        # a layer captured): they get their gradients as a plain backward would.
+        # Leaves neither inputs nor parameters (captured tensors), as a plain backward.
         for key, grad in grads.items():
             if grad is not None:
                 leaf = leaves[key]
@@ -276,13 +235,8 @@ class Checkpoint(torch.autograd.Function):
 
 def differentiate(tensors: Sequence[Tensor], grad_tensors: Sequence[Tensor],
                   leaves: Iterable[Tensor]) -> Tuple[Optional[Tensor], ...]:
-    """The gradients of ``leaves``, as :func:`torch.autograd.grad` with ``allow_unused=True``.
-
-    It calls the autograd engine directly: the arguments are known to be
-    well-formed, and the checks of :func:`torch.autograd.grad` (shapes,
-    ``__torch_function__``, batched gradients) cost as much as a small
-    partition's backward kernels, once per checkpointed task.
-    """
+    """The gradients of ``leaves``, as :func:`torch.autograd.grad` with ``allow_unused=True``,
+    calling the engine directly: its checks cost as much as a small partition's backward."""
     return cast(Tuple[Optional[Tensor], ...], ENGINE.run_backward(
         tuple(tensors), tuple(grad_tensors), False, False, tuple(leaves), True, False))
 
@@ -292,7 +246,7 @@ ENGINE = cast(Any, torch.autograd.Variable)._execution_engine
 
 
 def reachable_leaves(tensors: Sequence[Tensor]) -> Dict[int, Tensor]:
-    """Finds every leaf requiring grad that a backward from ``tensors`` reaches, by id()."""
+    """Every leaf requiring grad that a backward from ``tensors`` reaches, by id()."""
     leaves = {}
     stack = []
     for t in tensors:
@@ -306,8 +260,7 @@ def reachable_leaves(tensors: Sequence[Tensor]) -> Dict[int, Tensor]:
             if node is None or node in seen:
                 continue
             if type(node) is AccumulateGrad:
-                # A leaf has one such node, and it leads nowhere: there is
-                # no need to remember it as seen.
+                # A leaf's one node, leading nowhere: not remembered.
                 variable = cast(Any, node).variable
                 leaves[id(variable)] = variable
             else:
@@ -322,22 +275,16 @@ AccumulateGrad = type(torch.empty(1, requires_grad=True).view(1).grad_fn
 
 
 class Recompute(torch.autograd.Function):
-    """Recomputes the function of a :class:`Checkpoint` during the backward pass.
-
-    Its forward passes an output of the checkpoint through, so its backward
-    runs when that output's gradient arrives, before the checkpoint's. Each
-    output that may carry a gradient has one; the first whose gradient
-    arrives recomputes.
-    """
+    """Recomputes the function of a :class:`Checkpoint` during the backward pass: its backward
+    runs as an output's gradient arrives, before the checkpoint's. Each output that may
+    carry a gradient has one; the first to run recomputes."""
 
     @staticmethod
     def forward(ctx: Any, output: Tensor, context: Context,
                 *input_and_rng_states: Tensor) -> Tensor:
         ctx.context = context
         ctx.set_materialize_grads(False)  # as Checkpoint's: None passes on as None
-        # Saved tensors, not attributes: they are released by a backward
-        # pass unless the graph is retained, and then they are kept for the
-        # next recomputation.
+        # Saved tensors: released by a backward pass unless the graph is retained.
         ctx.save_for_backward(*input_and_rng_states)
         ctx.saved_count = len(input_and_rng_states)
         return output.detach()
@@ -372,6 +319,4 @@ class Recompute(torch.autograd.Function):
 
         context.recomputed = (output, input_leaf, roots)
 
-        # The output's gradient passes through; nothing for the context and
-        # the saved tensors.
         return (grad_output, None, *(None for _ in saved))

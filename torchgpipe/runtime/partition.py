@@ -1,10 +1,4 @@
-"""Partitions: splitting a sequential module into them, and running one as a task's function.
-
-:func:`~torchgpipe.gpipe.split_module` is what :class:`~torchgpipe.GPipe` does with the module
-it wraps: it checks the balance and the devices, cuts the children into
-partitions (keeping their names), and places each partition on its device,
-sharing tied parameters across them (``torchgpipe.foundation.tied``).
-"""
+"""Partitions: splitting a sequential module into them, and running one as a task's function."""
 from collections import OrderedDict
 from typing import Callable, Iterable, List, Tuple, cast
 
@@ -64,12 +58,8 @@ def split_module(module: nn.Sequential, balance: Iterable[int],
 
 def partition_function(partition: nn.Sequential, j: int, skip_tracker: SkipTracker,
                        ) -> Callable[[TensorOrTensors], TensorOrTensors]:
-    """Wraps a partition into a function for a task.
-
-    The function checks the output type, and runs with the micro-batch's skip
-    tracker as current: in the worker thread, and again in the thread of the
-    backward pass when it is recomputed.
-    """
+    """A task's function of a partition: it checks the output type and runs with the
+    micro-batch's skip tracker current, in any thread (a recomputation's too)."""
     what = f'output of partition {j}'
 
     def function(input: TensorOrTensors) -> TensorOrTensors:

@@ -1,9 +1,6 @@
-"""The plain ``nn.Sequential`` behind a GPipe: its state-dict keys, and the module itself.
-
-The bodies of :meth:`GPipe.load_state_dict <torchgpipe.GPipe.load_state_dict>`
-(keys ``partitions.<j>.<child>.<name>`` or the sequential's ``<child>.<name>``)
-and :meth:`GPipe.unwrap <torchgpipe.GPipe.unwrap>`.
-"""
+"""The plain ``nn.Sequential`` behind a GPipe: the bodies of :meth:`GPipe.load_state_dict
+<torchgpipe.GPipe.load_state_dict>` (either key style) and :meth:`GPipe.unwrap
+<torchgpipe.GPipe.unwrap>`."""
 import copy
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Mapping, Optional, cast
@@ -21,18 +18,9 @@ __all__: List[str] = []
 def load_state_dict(module: nn.Module, partitions: List[nn.Sequential],
                     state_dict: Mapping[str, Any],
                     load: Callable[[Mapping[str, Any]], Any]) -> _IncompatibleKeys:
-    """Loads ``state_dict`` into a GPipe ``module``, in whichever key style it has.
-
-    Missing and unexpected keys are reported in the style given.
-
-    Args:
-        module (torch.nn.Module): the GPipe
-        partitions (list of nn.Sequential): its partitions
-        state_dict (dict): the state, in either style
-        load (callable): the loading of the GPipe's own keys, as its base
-            classes do it (``super().load_state_dict`` with the caller's
-            ``strict`` and ``assign``)
-    """
+    """Loads ``state_dict`` into the GPipe ``module`` in whichever key style it has
+    (``partitions.<j>.<child>...`` or ``<child>...``), reporting keys in that style; ``load``
+    is the base classes' loading, with the caller's ``strict`` and ``assign``."""
     # The child names are unique across partitions: each names its partition.
     partition_of = {name: j for j, partition in enumerate(partitions)
                     for name in partition._modules}
@@ -93,9 +81,7 @@ def unwrap(partitions: List[nn.Sequential], training: bool,
     layers: 'OrderedDict[str, nn.Module]' = OrderedDict()
     for partition in partitions:
         for name, layer in partition.named_children():
-            # Moved layer by layer: a partition's device never holds a
-            # copy of more than one of its layers.
-            # Copied with the same memo, a tied parameter stays one.
+            # One layer's copy at a time on its device; one memo keeps ties tied.
             layers[name] = copy.deepcopy(layer, memo).to(target)
 
     module = nn.Sequential(layers)

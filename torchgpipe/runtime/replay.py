@@ -1,6 +1,4 @@
-"""Replay: a checkpointed micro-batch's first pass, and a recomputation that computes alike.
-
-Both engines run the two passes of a micro-batch in these two contexts::
+"""Replay: a checkpointed micro-batch's first pass, and a recomputation that computes alike::
 
     first_pass(device)                      recomputation(device, states, ...)
       save generator states + autocast  ──►   the same generator states, put
@@ -27,14 +25,9 @@ __all__: List[str] = []
 
 
 class FirstPass:
-    """What a first pass leaves for its recomputation: the states to replay, and where
-    the CPU generator was as it ended.
-
-    A recomputation that ends with the generator elsewhere drew other numbers
-    (another thread drew in between): :func:`recomputation` raises rather than
-    give silently wrong gradients (:func:`replayed_otherwise`). Only a pass that
-    holds the generator (:func:`~torchgpipe.foundation.rng.cpu_generator_held`)
-    notes its end.
+    """What a first pass leaves for its recomputation: the states to replay, and where the
+    CPU generator was as it ended (if the pass held it), so that a recomputation that
+    ends elsewhere, having drawn other numbers, raises rather than give wrong gradients.
 
     Args:
         rng: the generators' states as the first pass began
@@ -51,20 +44,15 @@ class FirstPass:
         self.ended = ended
 
     def end(self) -> None:
-        """Notes where the CPU generator is: where the recomputation must end.
-
-        Called as the first pass ends, and again by an engine whose
-        recomputation replays more (the loss of the last partition).
-        """
+        """Notes where the CPU generator is, where the recomputation must end (again for an
+        engine whose recomputation replays more: the last partition's loss)."""
         self.ended = cpu_rng_state() if cpu_generator_owned() else None
 
 
 @contextmanager
 def first_pass(device: torch.device) -> Generator[FirstPass, None, None]:
-    """Runs a checkpointed micro-batch's first pass; entering gives the states to replay it from.
-
-    Args:
-        device: the device the pass runs on (its generator is saved if CUDA)
+    """Runs a checkpointed micro-batch's first pass on ``device``; entering gives the states
+    to replay it from.
 
     Example::
 
@@ -85,9 +73,8 @@ def first_pass(device: torch.device) -> Generator[FirstPass, None, None]:
 @contextmanager
 def recomputation(device: torch.device, states: FirstPass, *,
                   exclusive: bool) -> Generator[None, None, None]:
-    """Runs a recomputation from what its :func:`first_pass` saved (``states``), on its
-    ``device``; if ``exclusive`` (it may draw from the CPU generator) it replays that
-    generator too, holding it alone.
+    """Runs a recomputation from what its :func:`first_pass` saved (``states``); if
+    ``exclusive`` (it may draw from the CPU generator) it replays that generator too.
 
     Raises:
         RuntimeError: the recomputation ended with the CPU generator elsewhere
@@ -108,13 +95,8 @@ def recomputation(device: torch.device, states: FirstPass, *,
 
 
 def replayed_otherwise(states: FirstPass) -> bool:
-    """Whether a recomputation, at its end, drew other numbers than its first pass.
-
-    It drew something (the generator moved from where both passes started)
-    and ended elsewhere than its first pass. A recomputation that drew
-    nothing replays a first pass that drew nothing: whatever another thread
-    drew meanwhile changed no number of theirs.
-    """
+    """Whether a recomputation drew other numbers than its first pass: it moved the
+    generator, and ended elsewhere than the first pass did."""
     now = cpu_rng_state()
     return not torch.equal(now, states.rng[0]) and not (states.ended is not None
                                                         and torch.equal(now, states.ended))

@@ -1,9 +1,4 @@
-"""What one GPipe instance keeps from run to run: copy streams, partition traits, the recorder.
-
-None of it is a property of the model: streams cannot be copied or pickled,
-and what one instance's runs learned of its partitions
-(:mod:`torchgpipe.runtime.traits`) need not hold for another's.
-"""
+"""What one GPipe instance keeps from run to run: copy streams, partition traits, the recorder."""
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -17,14 +12,7 @@ __all__: List[str] = []
 
 class RunState:
     """The per-run state of a GPipe: copy streams, partition traits, the recorder attached.
-
-    Streams cannot be copied or pickled, and what one instance learned is not
-    a property of its model: ``copy.deepcopy``, ``pickle`` and ``torch.save``
-    of a GPipe give it a fresh, empty run state.
-
-    Args:
-        num_partitions: the number of partitions
-    """
+    Not a property of the model: a copied or pickled GPipe gets a fresh one."""
 
     def __init__(self, num_partitions: int) -> None:
         self.num_partitions = num_partitions

@@ -1,10 +1,5 @@
-"""The worker threads of a call, and those kept idle between calls.
-
-A thread's first operators are slow while the math libraries set up its
-state, so a worker whose call ended normally waits in :data:`IDLE_WORKERS`
-for the next call on its device. The threads of a call that failed or was
-interrupted exit before the exception reaches the caller.
-"""
+"""The worker threads of a call, and those kept idle between calls: a new thread's first
+operators are slow. Those of an interrupted call exit before the caller hears of it."""
 import os
 import threading
 from queue import Queue
@@ -14,7 +9,7 @@ __all__: List[str] = []
 
 
 class WorkerThread:
-    """A thread that runs the jobs put to it, one at a time, until it gets ``None``."""
+    """A thread that runs the jobs put to it, until ``None``."""
 
     def __init__(self, name: str) -> None:
         self.jobs: 'Queue[Optional[Callable[[], None]]]' = Queue()
@@ -29,18 +24,14 @@ class WorkerThread:
                 if job is None:
                     break
                 job()
-                # Do not keep the job (its queues) alive while idle.
+                # Not kept alive while idle.
                 del job
         finally:
             self.exited.set()
 
 
 class IdleWorkers:
-    """Worker threads blocked on their job queue between calls, by name (one per device).
-
-    After ``os.fork`` the child, which has none of the parent's threads,
-    forgets them.
-    """
+    """Worker threads waiting for a job between calls, by name (a child process forgets them)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -55,7 +46,7 @@ class IdleWorkers:
         return WorkerThread(name)
 
     def keep(self, worker: WorkerThread) -> None:
-        """Keeps ``worker``, whose job has ended, for a later :meth:`take`."""
+        """Keeps ``worker``, its job ended, for a later :meth:`take`."""
         with self._lock:
             self._idle.setdefault(worker.thread.name, []).append(worker)
 
@@ -75,75 +66,53 @@ if hasattr(os, 'register_at_fork'):
 
 
 class WorkerGroup:
-    """The worker threads of one call, which the caller can stop, and wait for even
-    through Ctrl-C.
+    """The worker threads of one call, which the caller can stop, and wait for through Ctrl-C
+    (on events: ``Thread.join`` after a ``KeyboardInterrupt`` may return early, as on 3.11.7).
 
-    The caller waits on events each job sets, never on ``Thread.join`` after
-    a ``KeyboardInterrupt`` (on some Pythons, 3.11.7 among them, that marks
-    the thread as ended while it still runs).
-
-    Stopping is a handshake on two flags, each set before the other is read:
-    a job sets *begun*, then works only if *stopping* is not set; :meth:`stop`
-    sets *stopping*, then waits for every job that has begun. So no job works
-    after :meth:`stop` returns, even if :meth:`start` was interrupted.
+    A job sets *begun*, then works only if *stopping* is not set; :meth:`stop` sets
+    *stopping*, then waits for every job begun: none works after it returns.
     """
 
     def __init__(self) -> None:
-        #: Set by :meth:`stop`; workers check it before each piece of work.
         self.stopping = threading.Event()
-        self._jobs: List[Tuple[threading.Event, threading.Event, List[bool], WorkerThread]] = []
-        #: The workers whose threads run (idle before, or started).
+        self._jobs: List[Tuple[threading.Event, threading.Event, WorkerThread]] = []
         self._running: List[WorkerThread] = []
 
     def start(self, target: Callable[[], None], name: str) -> None:
-        """Runs ``target`` in a worker thread named ``name`` unless the group is stopping."""
-        begun, ended, clean = threading.Event(), threading.Event(), [False]
+        """Runs ``target`` (raising nothing) in a worker thread ``name``, unless stopping."""
+        begun, ended = threading.Event(), threading.Event()
 
         def job() -> None:
             try:
                 begun.set()
                 if not self.stopping.is_set():
                     target()
-                clean[0] = True
             finally:
                 ended.set()
 
         worker = IDLE_WORKERS.take(name)
-        # Known before its thread starts, so that stop() sees its begun flag.
-        self._jobs.append((begun, ended, clean, worker))
+        # Known before its thread starts, for stop() to see its begun flag.
+        self._jobs.append((begun, ended, worker))
         worker.jobs.put(job)
         if worker.thread.ident is None:
             worker.thread.start()
         self._running.append(worker)
 
     def wait(self, wake: Optional[Callable[[], None]] = None) -> None:
-        """Waits until every job has ended, then keeps the threads idle; after a Ctrl-C
-        meanwhile, stops them first (``wake`` as for :meth:`stop`)."""
+        """Waits for every job, then keeps the threads idle; on Ctrl-C, stops them first."""
         try:
-            for _, ended, _, _ in self._jobs:
+            for _, ended, _ in self._jobs:
                 ended.wait()
         except BaseException:
             self.stop(wake)
             raise
-        for _, _, clean, worker in self._jobs:
-            if clean[0]:
-                IDLE_WORKERS.keep(worker)
-            else:  # its job raised past the worker's own handling: the thread ends
-                worker.jobs.put(None)
-                worker.exited.wait()
-                worker.thread.join()
+        for _, _, worker in self._jobs:
+            IDLE_WORKERS.keep(worker)
 
     def stop(self, wake: Optional[Callable[[], None]] = None) -> None:
-        """Stops the jobs and waits until every thread that runs has exited; each
-        finishes at most the piece of work it is doing. A ``KeyboardInterrupt``
-        meanwhile is raised once they all have.
-
-        Args:
-            wake: ends every wait of the jobs for one another (for an
-                :class:`~torchgpipe.runtime.worker.IssueOrder`, a message);
-                called again on every try, so that a Ctrl-C cannot leave a
-                thread waiting
-        """
+        """Stops the jobs (each finishes its piece of work) and waits for every thread to
+        exit, then raises a ``KeyboardInterrupt`` that came meanwhile. ``wake``, which ends
+        the jobs' waits for one another, is called on every try."""
         interrupted: Optional[KeyboardInterrupt] = None
         retired = False
         while True:
@@ -152,14 +121,13 @@ class WorkerGroup:
                 if wake is not None:
                     wake()
                 if not retired:
-                    for _, _, _, worker in self._jobs:
+                    for _, _, worker in self._jobs:
                         worker.jobs.put(None)
                     retired = True
-                for begun, _, _, worker in self._jobs:
+                for begun, _, worker in self._jobs:
                     if begun.is_set() or worker in self._running:
                         worker.exited.wait()
-                        # Its loop is done: the join only waits for the
-                        # thread to leave threading's list of live threads.
+                        # Its loop is done: the join waits for threading to mark it ended.
                         worker.thread.join()
                 break
             except KeyboardInterrupt as exc:

@@ -1,15 +1,10 @@
 """What running a partition has shown about it, so later runs can take shortcuts.
 
-Two habits no module reveals reliably change what the pipeline must do:
-
-- a partition that **modifies its input in place** must run its checkpointed
-  first pass on a copy, or the input saved for the recomputation is lost;
-- a partition that **draws from the CPU generator** must take turns with
-  others that do (:mod:`torchgpipe.foundation.rng`).
-
-Until a habit is known the pipeline assumes the cautious answer and watches.
-The facts belong to one GPipe's run, not to its model
-(:class:`~torchgpipe.runtime.state.RunState`).
+A partition that **modifies its input in place** must run its checkpointed
+first pass on a copy; one that **draws from the CPU generator** must take
+turns (:mod:`torchgpipe.foundation.rng`). Until known, the pipeline assumes
+the cautious answer and watches. The facts belong to one GPipe's run
+(:class:`~torchgpipe.runtime.state.RunState`), not to its model.
 """
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple, TypeVar
@@ -27,9 +22,7 @@ R = TypeVar('R')
 class PartitionTraits:
     """The habits of one partition, as far as runs have shown them."""
 
-    #: Whether a run on copies of its input (a checkpointed first pass, or a
-    #: train_step's forward action) changed them in place; ``None`` until
-    #: one has run.
+    #: Whether a run on copies of its input changed them in place (``None``: unknown).
     modifies_input: Optional[bool] = None
 
     #: Whether a task drew from the CPU generator, for each setting of the
@@ -41,29 +34,18 @@ class PartitionTraits:
         return self.draws_random.get(flags)
 
     def learn_draws(self, flags: Tuple[bool, ...], drew: bool) -> None:
-        """Learns whether a task with these ``training`` flags draws: the first answer is kept.
-
-        Args:
-            flags: the partition's ``training`` flags when the task ran
-            drew: what :func:`~torchgpipe.foundation.rng.watch` said of the task
-        """
+        """Learns whether a task with these ``training`` flags draws (``drew``, from
+        :func:`~torchgpipe.foundation.rng.watch`): the first answer is kept."""
         self.draws_random.setdefault(flags, drew)
 
     def call(self, function: Callable[[T], R], input: Tuple[Tensor, ...],
              arguments: Callable[[Tuple[Tensor, ...]], T], again: str) -> R:
-        """Calls ``function`` on the partition's input, on copies unless it is known to leave
-        its input alone (a recomputation runs from the input again, and a leaf requiring
-        grad cannot change in place); the copies show whether it changes them.
-
-        Args:
-            function: the partition's function
-            input: the input tensors
-            arguments: makes ``function``'s argument from tensors
-            again: what to call again after the error below (``'GPipe'``)
+        """Calls ``function`` on ``arguments(input)``, on copies (showing whether it changes
+        them) unless the partition is known to leave its input, which a recomputation needs.
 
         Raises:
-            RuntimeError: a partition known to leave its input alone changed it;
-                from now on it runs on copies
+            RuntimeError: a partition known to leave its input alone changed it
+                (from now on it runs on copies; call ``again`` again)
         """
         if self.modifies_input is False:
             versions = [x._version for x in input]
@@ -82,12 +64,8 @@ class PartitionTraits:
 
 def call_on_copies(function: Callable[[T], R], input: Tuple[Tensor, ...],
                    arguments: Callable[[Tuple[Tensor, ...]], T]) -> Tuple[R, bool]:
-    """Calls ``function`` on copies of the input tensors, so it may change them in place.
-
-    Returns:
-        (output, modified): what the function returned, and whether it
-        changed any of the copies in place
-    """
+    """Calls ``function`` on copies of the input tensors: its output, and whether it changed
+    any in place."""
     copies = tuple(x.clone() for x in input)
     output = function(arguments(copies))
     # A fresh copy's version counter is 0; every in-place change bumps it.

@@ -1,15 +1,6 @@
-"""Workers: one thread per distinct device, running the tasks the executor issues.
-
-The tasks of one clock cycle are independent (Section 3.2.1), so each
-distinct device gets a thread fed through a queue; partitions sharing a
-device share its thread, so its tasks run in issue order. When every
-partition shares one device there is nothing to overlap: tasks run in the
-calling thread.
-
-Grad mode, autocast and the number of intra-op threads are thread-local in
-PyTorch, so workers take them from the caller at each call, and its hold of
-the CPU generator too (see :mod:`torchgpipe.foundation.rng`). CPU devices
-with distinct indices (``'cpu:0'``, ``'cpu:1'``) get threads of their own.
+"""Workers: a thread per distinct device (``'cpu:0'`` and ``'cpu:1'`` too), running its
+works in issue order; with one device, the calling thread. They take the caller's
+thread-local state: grad mode, autocast, intra-op threads, hold of the CPU generator.
 """
 import functools
 import sys
@@ -18,8 +9,8 @@ from collections import deque
 from contextlib import contextmanager, nullcontext
 from queue import Queue
 from types import TracebackType
-from typing import (Callable, Deque, Generator, Iterable, List, Optional, Protocol, Tuple,
-                    Type, TypeVar, Union, cast)
+from typing import (Callable, ContextManager, Deque, Generator, Iterable, Iterator, List,
+                    Mapping, Optional, Protocol, Tuple, Type, TypeVar, Union, cast)
 
 import torch
 
@@ -42,19 +33,8 @@ class Stopped(Exception):
 
 
 class IssueOrder:
-    """Runs wrapped tasks one at a time in the order they were wrapped, whatever thread runs them.
-
-    So tasks on different threads draw random numbers in the order one thread
-    would. :meth:`stop` ends every wait with :class:`Stopped`: after a failure
-    or Ctrl-C, a task skipped in its queue never ends its turn.
-
-    Example::
-
-        >>> order = IssueOrder()
-        >>> first, second = order.wrap(lambda: 1), order.wrap(lambda: 2)
-        >>> first(), second()
-        (1, 2)
-    """
+    """Runs wrapped tasks one at a time in the order they were wrapped, on any thread: they
+    draw random numbers as on one. :meth:`stop` ends every wait with :class:`Stopped`."""
 
     def __init__(self) -> None:
         self._condition = threading.Condition()
@@ -63,11 +43,7 @@ class IssueOrder:
         self._stopped = False
 
     def wrap(self, compute: Callable[[], T]) -> Callable[[], T]:
-        """Wraps ``compute`` to run after every task wrapped before it has finished.
-
-        Raises (the wrapper):
-            Stopped: :meth:`stop` was called before the turn came
-        """
+        """Wraps ``compute`` to run once every task wrapped before it has finished."""
         turn = self._issued
         self._issued += 1
 
@@ -87,22 +63,14 @@ class IssueOrder:
         return compute_in_turn
 
     def stop(self) -> None:
-        """Ends every wait for a turn, now and later, with :class:`Stopped`."""
+        """Ends every wait for a turn, now and later (a skipped task never ends its turn)."""
         with self._condition:
             self._stopped = True
             self._condition.notify_all()
 
 
 class Task:
-    """A computation for a worker, and a finalization for the thread that gets its result.
-
-    Args:
-        stream: the stream to compute on (``None``: the worker's current one)
-        compute: produces the output batch (a training step's action: ``None``)
-        finalize: post-processes the output batch, if given
-    """
-
-    __slots__ = ('stream', '_compute', '_finalize')
+    """0.0.7's task: a computation on ``stream``, and a finalization for the result's thread."""
 
     def __init__(self, stream: Optional[AbstractStream], *,
                  compute: Callable[[], Optional[Batch]],
@@ -112,70 +80,108 @@ class Task:
         self._finalize = finalize
 
     def compute(self) -> Optional[Batch]:
-        if self.stream is None:
-            return self._compute()
-        with use_stream(self.stream):
+        with use_stream(self.stream) if self.stream is not None else nullcontext():
             return self._compute()
 
     def finalize(self, batch: Batch) -> None:
-        if self._finalize is None:
-            return
-        with use_stream(self.stream) if self.stream is not None else nullcontext():
-            self._finalize(batch)
+        if self._finalize is not None:
+            with use_stream(self.stream) if self.stream is not None else nullcontext():
+                self._finalize(batch)
 
 
-# What a worker reports for each task: (True, (task, output batch)) or
-# (False, exc_info).
+# A task's result: (True, (task, output batch)) or (False, exc_info).
 Result = Tuple[bool, Union[Tuple[Task, Optional[Batch]], ExcInfo]]
 
 
 class InQueue(Protocol):
-    """Where the executor puts the tasks of a partition (``None`` stops a worker)."""
+    """Where a partition's tasks go (``None`` ends them)."""
 
     def put(self, task: Optional[Task]) -> None: ...
 
 
 class OutQueue(Protocol):
-    """Where the executor gets the results of a partition's tasks, in order."""
+    """Where a partition's results come from."""
 
     def get(self) -> Result: ...
 
 
-def run(task: Task) -> Result:
-    """Computes a task, capturing its exception to re-raise in the caller's thread."""
+def run(task: Task, report: Callable[[Result], None]) -> None:
+    """Computes a task and reports its result, or its exception."""
     try:
-        return True, (task, task.compute())
+        result: Result = True, (task, task.compute())
     except BaseException:
-        return False, cast(ExcInfo, sys.exc_info())
+        result = False, cast(ExcInfo, sys.exc_info())
+    report(result)
 
 
-def worker(in_queue: 'Queue[Optional[Task]]', out_queue: 'Queue[Result]', device: torch.device,
-           grad_mode: bool, autocast_states: AutocastStates, stopping: threading.Event,
-           held: bool, threads: int) -> None:
-    """A worker thread's job for one call: computes tasks until it gets ``None``, or is
-    stopped.
+# A device's work, and its index among all the works.
+Work = Tuple[int, Callable[[], None]]
 
-    If ``held``, the tasks draw under the caller's hold of the CPU generator.
-    ``threads``, the caller's intra-op threads, is set again because a thread
-    reads PyTorch's setting at its first operator only, and an idle worker
-    may have started before the caller changed it.
-    """
+
+def worker(works: Iterable[Work], device: torch.device,
+           state: Callable[[], ContextManager[None]], stopping: threading.Event,
+           failures: List[Tuple[int, ExcInfo]], wake: Optional[Callable[[], None]]) -> None:
+    """Runs a device's works in order, in ``state``, until one fails or ``stopping`` is set:
+    the one place a failure is caught, kept with its index while ``wake`` ends the waits."""
+    index = -1
+    try:
+        with use_device(device), state():
+            for index, work in works:
+                if stopping.is_set():
+                    break
+                work()
+    except Stopped:
+        pass  # a work elsewhere failed, or Ctrl-C
+    except BaseException:
+        failures.append((index, cast(ExcInfo, sys.exc_info())))
+        if wake is not None:
+            wake()
+
+
+@contextmanager
+def _caller_state(grad_mode: bool, autocast_states: AutocastStates, held: bool,
+                  threads: int) -> Generator[None, None, None]:
     torch.set_grad_enabled(grad_mode)
+    # A thread reads the setting at its first operator only, maybe before the caller's.
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
-    with use_device(device), restore_autocast_states(autocast_states), \
-            holding_for_caller(held):
-        while True:
-            task = in_queue.get()
-            if task is None or stopping.is_set():
-                break
-            out_queue.put(run(task))
-            # Do not keep the last task and its tensors alive while idle.
-            del task
+    with restore_autocast_states(autocast_states), holding_for_caller(held):
+        yield
+
+
+@contextmanager
+def run_on_workers(works: Mapping[torch.device, Iterable[Work]],
+                   wake: Optional[Callable[[], None]]) -> Generator[None, None, None]:
+    """The one executor: runs each distinct device's works in order on its worker thread
+    while the body runs (one device: in this thread, on entry), and raises the first
+    failure, by index, as itself once every worker stopped. ``wake`` ends every wait of a
+    work for another. On Ctrl-C each worker finishes at most its work and exits."""
+    failures: List[Tuple[int, ExcInfo]] = []
+    workers = WorkerGroup()
+    if len(works) == 1:
+        device, device_works = next(iter(works.items()))
+        worker(device_works, device, nullcontext, workers.stopping, failures, wake)
+        yield
+    else:
+        state = functools.partial(_caller_state, torch.is_grad_enabled(), save_autocast_states(),
+                                  cpu_generator_owned(), torch.get_num_threads())
+        try:
+            for device, device_works in works.items():
+                workers.start(functools.partial(worker, device_works, device, state,
+                                                workers.stopping, failures, wake),
+                              name=f'torchgpipe worker ({device})')
+            yield
+        except BaseException:
+            workers.stop(wake)
+            raise
+        workers.wait(wake)
+    if failures:
+        _, (_, exc, tb) = min(failures, key=lambda failure: failure[0])
+        raise exc.with_traceback(tb)
 
 
 class InlineWorker:
-    """Computes each task in the calling thread as soon as it is put."""
+    """Computes each task in the calling thread as it is put."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -184,7 +190,7 @@ class InlineWorker:
     def put(self, task: Optional[Task]) -> None:
         assert task is not None
         with use_device(self.device):
-            self.results.append(run(task))
+            run(task, self.results.append)
 
     def get(self) -> Result:
         return self.results.popleft()
@@ -198,60 +204,31 @@ def _normalize(device: torch.device) -> torch.device:
 
 
 def distinct_devices(devices: Iterable[torch.device]) -> List[torch.device]:
-    """The distinct devices among ``devices``, in order: one worker each."""
+    """The distinct devices, in order: one worker each."""
     return list(dict.fromkeys(_normalize(d) for d in devices))
+
+
+def _queued(in_queue: 'Queue[Optional[Task]]', out_queue: 'Queue[Result]') -> Iterator[Work]:
+    for task in iter(in_queue.get, None):
+        yield 0, functools.partial(run, task, out_queue.put)
 
 
 @contextmanager
 def spawn_workers(devices: Iterable[torch.device], wake: Optional[Callable[[], None]] = None,
                   ) -> Generator[Tuple[List[InQueue], List[OutQueue]], None, None]:
-    """Gives one worker thread to each distinct device, and takes them back on exit.
-
-    On a normal exit the workers finish the tasks left in their queues, then
-    wait idle for the next call; on an exception (a failed task re-raised, or
-    Ctrl-C) each finishes at most the task it runs, and exits. Either way the
-    context ends only once no worker can change tensors behind the caller's
-    back. With one distinct device, tasks run in the calling thread as put.
-
-    Args:
-        devices: the device of each partition
-        wake: ends every wait of a task for another (:meth:`IssueOrder.stop`,
-            a mailbox's ``stop``), which skipped tasks would leave without end
-
-    Yields:
-        (in_queues, out_queues): each partition's worker queues, in the order
-        of ``devices``; partitions on the same device share them
-    """
+    """0.0.7's workers, on :func:`run_on_workers`: yields each device's in- and out-queues;
+    on exit, the tasks put are finished (on an exception, those running)."""
     devices = [_normalize(d) for d in devices]
     distinct = distinct_devices(devices)
     if len(distinct) == 1:
         inline = InlineWorker(distinct[0])
         yield [inline] * len(devices), [inline] * len(devices)
         return
-
     queues = {d: (cast('Queue[Optional[Task]]', Queue()), cast('Queue[Result]', Queue()))
               for d in distinct}
-    workers = WorkerGroup()
-    grad_mode = torch.is_grad_enabled()
-    autocast_states = save_autocast_states()
-    held = cpu_generator_owned()
-    threads = torch.get_num_threads()
-    try:
-        for device in distinct:
-            workers.start(functools.partial(worker, *queues[device], device, grad_mode,
-                                         autocast_states, workers.stopping, held, threads),
-                       name=f'torchgpipe worker ({device})')
-        yield ([queues[d][0] for d in devices], [queues[d][1] for d in devices])
-    except BaseException:
-        # A worker checks the flag before each task: those left are skipped.
-        workers.stopping.set()
-        raise
-    finally:
-        # A None after the last task ends each worker, also one waiting for
-        # a task.
-        for in_queue, _ in queues.values():
-            in_queue.put(None)
-        if workers.stopping.is_set():
-            workers.stop(wake)
-        else:
-            workers.wait(wake)
+    with run_on_workers({d: _queued(*queues[d]) for d in distinct}, wake):
+        try:
+            yield [queues[d][0] for d in devices], [queues[d][1] for d in devices]
+        finally:
+            for in_queue, _ in queues.values():
+                in_queue.put(None)

@@ -1,8 +1,4 @@
-"""The commands a skippable layer's ``forward`` yields: :class:`stash` and :class:`pop`.
-
-They only carry a name (and a tensor): :class:`~torchgpipe.skip.skippable.Skippable`
-reads them from the generator and routes them to the current skip tracker.
-"""
+"""The commands a skippable layer's ``forward`` yields: :class:`stash` and :class:`pop`."""
 from typing import List, Optional
 
 from torch import Tensor
@@ -15,8 +11,7 @@ class stash:
 
     Args:
         name (str): a name declared in ``@skippable(stash=[...])``
-        tensor (torch.Tensor or None): the tensor to hand over; ``None`` is
-            handed over as it is, and popped as ``None``
+        tensor (torch.Tensor or None): the tensor to hand over (``None`` pops as ``None``)
 
     Example::
 
@@ -38,10 +33,8 @@ class stash:
 
 
 class pop:
-    """The command a skippable layer yields to pop a skip tensor.
-
-    The ``yield`` expression evaluates to the tensor that an earlier layer
-    stashed under the same name (in the same namespace).
+    """The command a skippable layer yields to pop a skip tensor: the ``yield`` evaluates to
+    the tensor an earlier layer stashed under the name.
 
     Args:
         name (str): a name declared in ``@skippable(pop=[...])``

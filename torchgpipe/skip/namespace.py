@@ -11,11 +11,9 @@ class Namespace:
     """A set of skip names of its own, for :meth:`Skippable.isolate()
     <torchgpipe.skip.skippable.Skippable.isolate>`.
 
-    Trackers store a skip under its namespace and its name, so a name
-    isolated in one namespace never meets the same name in another. Every
-    namespace differs from every other; the names a layer never isolates
-    share one default namespace. Namespaces compare and hash by a random
-    identifier, so they can be copied and pickled with the model.
+    A name isolated in one namespace never meets the same name in another;
+    names never isolated share one default namespace. Namespaces compare and
+    hash by a random identifier, so they survive copies and pickles.
 
     Example::
 

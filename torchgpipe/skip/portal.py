@@ -1,8 +1,7 @@
 """Portals: carrying a skip tensor from its stash to its pop, past the graph (Section 3.3.1).
 
-A skip tensor must not travel through the partitions between its stash and
-its pop: that would copy it to every device in between. A :class:`Portal`
-hides it instead, and three autograd functions sharing the portal move it::
+Through the partitions in between, a skip would be copied to every device.
+A :class:`Portal` hides it instead, and three autograd functions move it::
 
     stash partition          input of the pop partition          pop partition
     ───────────────          ──────────────────────────          ─────────────
@@ -11,10 +10,8 @@ hides it instead, and three autograd functions sharing the portal move it::
               ▼  joined into │ (phony joined into the input      │  off the input)
      layer output)           ▼  of the pop partition)
 
-In the backward pass the gradient goes the exact reverse way:
-``PortalOrange`` puts it in the portal, ``PortalCopy`` moves it back, and
-``PortalBlue`` hands it to the stashed tensor. The phonies order the three:
-each one's backward runs after everything its phony was joined into.
+The gradient goes the reverse way. Each function's backward runs after
+everything its phony was joined into.
 """
 from typing import Any, List, Optional, Tuple
 
@@ -33,14 +30,12 @@ class Portal:
 
     Args:
         tensor (torch.Tensor or None): the stashed tensor
-        tensor_life (int): how many pops will read it; after the last one
-            the portal lets go of it, so its memory can be freed
+        tensor_life (int): how many pops will read it, after which it is freed
     """
 
     def __init__(self, tensor: Optional[Tensor], tensor_life: int) -> None:
-        # Whether the pops must send a gradient back. The first pass of a
-        # checkpointed stash runs without grad, so it cannot tell: a floating
-        # point tensor may require grad once recomputed, so it is assumed to.
+        # Whether the pops send a gradient back: without grad (a checkpoint's
+        # first pass) a floating point tensor is assumed to.
         if tensor is None:
             self.requires_grad = False
         elif torch.is_grad_enabled():
@@ -53,25 +48,14 @@ class Portal:
         self.grad: Optional[Tensor] = None
 
     def blue(self, tensor: Tensor) -> Tensor:
-        """Returns a phony whose backward gives ``tensor`` the portal's gradient.
-
-        Join the phony into the stashing layer's output, so that its backward
-        runs once the gradient is in the portal.
-
-        Args:
-            tensor (torch.Tensor): the stashed tensor, in the stashing
-                layer's graph
-        """
+        """A phony whose backward gives ``tensor`` (the stashed one) the portal's gradient: join
+        it into the stashing layer's output."""
         phony: Tensor = PortalBlue.apply(self, tensor)  # type: ignore[no-untyped-call]
         return phony
 
     def orange(self, phony: Tensor) -> Optional[Tensor]:
-        """Returns the skip tensor, back in the graph, for a pop.
-
-        Args:
-            phony (torch.Tensor): a phony forked off the popping layer's
-                input, so that everything before the pop waits for the
-                gradient to be in the portal
+        """The skip tensor, back in the graph, for a pop; ``phony`` is forked off the popping
+        layer's input, so everything before the pop waits for the gradient.
 
         Raises:
             RuntimeError: every pop the portal was made for has happened
@@ -85,11 +69,8 @@ class Portal:
 
     def copy(self, prev_stream: AbstractStream, next_stream: AbstractStream,
              phony: Tensor) -> Tensor:
-        """Moves the skip tensor to ``next_stream``'s device; returns a phony.
-
-        Join the phony into the popping partition's input: the gradient's
-        way back is then copied after that partition's backward pass.
-        """
+        """Moves the skip tensor to ``next_stream``'s device; returns a phony to join into the
+        popping partition's input, so the gradient is copied back after its backward."""
         phony = PortalCopy.apply(self, prev_stream, next_stream,  # type: ignore[no-untyped-call]
                                  phony)
         return phony
@@ -155,9 +136,6 @@ class PortalCopy(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_phony: Optional[Tensor]) -> Tuple[None, ...]:
         portal = ctx.portal
-        # The gradient was made on the pop device's compute stream; the copy
-        # stream has waited for it already: the pipeline joins this node's
-        # phony before it copies the popping partition's input, so the Wait
-        # of that input runs first in the backward pass.
+        # The copy stream waited for the gradient already: the popping input's Wait ran first.
         portal.grad, = copy_tensors(ctx.next_stream, ctx.prev_stream, (portal.grad,))
         return None, None, None, None

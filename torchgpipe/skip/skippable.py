@@ -1,11 +1,8 @@
 """Skippable layers: ``@skippable`` and the ``stash`` and ``pop`` commands.
 
-A skippable layer's ``forward`` is a generator. It yields :class:`~torchgpipe.skip.stash` to
-hand a tensor to a later layer and :class:`~torchgpipe.skip.pop` to receive one from an
-earlier layer, and returns its output. :class:`Skippable` runs that generator
-and routes the commands to the current skip tracker
-(:mod:`torchgpipe.skip.tracker`): a plain dictionary outside GPipe, and
-inside it portals for the skips that cross partitions.
+A skippable layer's ``forward`` is a generator yielding :class:`~torchgpipe.skip.stash`
+and :class:`~torchgpipe.skip.pop`; :class:`Skippable` runs it and routes the commands
+to the current skip tracker (:mod:`torchgpipe.skip.tracker`).
 """
 import sys
 from typing import (Any, Callable, ClassVar, Dict, FrozenSet, Generator, Iterable, Optional, Set,
@@ -29,13 +26,9 @@ WRAPPED_STATE = 'skippable_wrapped_state'
 
 
 class Skippable(nn.Module):
-    """The base of every class :func:`@skippable <torchgpipe.skip.skippable>` returns.
-
-    The decorated class becomes the wrapped module, ``module``, built
-    with the arguments given to the skippable class; the class attributes
-    record which skip names it stashes and pops. Make subclasses with the
-    decorator, not by hand.
-    """
+    """The base of every class :func:`@skippable <torchgpipe.skip.skippable>` returns: it
+    wraps an instance of the decorated class as ``module``. Make subclasses with the
+    decorator."""
 
     module_cls: ClassVar[Type[nn.Module]]
     stashable_names: ClassVar[FrozenSet[str]]
@@ -50,26 +43,16 @@ class Skippable(nn.Module):
     def __repr__(self) -> str:
         return f'@skippable({self.module})'
 
-    # pickle saves a class by reference, as its module and qualified name,
-    # and refuses one that this name does not find again. The class the
-    # decorator makes takes the decorated class's name, so that name finds
-    # at most one of the two classes:
+    # pickle saves a class by its name, which finds only one of the two classes:
     #
     #   @skippable(...)            the name means the skippable class; the
-    #   class Layer(nn.Module)     decorated one, the wrapped module's class,
-    #                              is only found as Layer.module_cls
+    #   class Layer(nn.Module)     wrapped one is only Layer.module_cls
     #
-    #   skippable(...)(Layer)      the name still means the decorated class;
-    #   called at run time         the skippable class is found by no name
-    #                              (to_sequential's generated children)
+    #   skippable(...)(Layer)      the name means the wrapped class; the
+    #   called at run time         skippable class has none (to_sequential's)
     #
-    # So a layer is saved by reference to the class its name finds, and the
-    # other class is reached from that one: the wrapped module is saved as
-    # its state alone and rebuilt as an instance of Layer.module_cls, or the
-    # skippable class is made again from the decorated class and the skip
-    # names. No code is saved. Where no name finds its class (a class
-    # defined in a function), pickle refuses, as for any local class.
-    # copy.deepcopy goes through the same two methods.
+    # So the other class is reached from the one found: the wrapped module is
+    # saved as its state alone, or the skippable class is made again (remade).
 
     def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
         cls = type(self)
@@ -97,16 +80,16 @@ class Skippable(nn.Module):
             self._modules['module'] = module
 
     def namespaced(self, name: str) -> Tuple[Namespace, str]:
-        """Returns the key a tracker stores the skip ``name`` under: ``(namespace, name)``."""
+        """The key a tracker stores the skip ``name`` under: ``(namespace, name)``."""
         return self.namespaces.get(name, default_namespace), name
 
     def stashable(self) -> Iterable[Tuple[Namespace, str]]:
-        """Yields the key of each name this layer stashes, in name order."""
+        """The key of each name this layer stashes, in name order."""
         for name in sorted(self.stashable_names):
             yield self.namespaced(name)
 
     def poppable(self) -> Iterable[Tuple[Namespace, str]]:
-        """Yields the key of each name this layer pops, in name order."""
+        """The key of each name this layer pops, in name order."""
         for name in sorted(self.poppable_names):
             yield self.namespaced(name)
 
@@ -158,10 +141,9 @@ class Skippable(nn.Module):
     def dispatch(self, input: TensorOrTensors,
                  handle_stash: Callable[[str, Optional[Tensor]], None],
                  handle_pop: Callable[[str], Optional[Tensor]]) -> Any:
-        """Runs the wrapped module's ``forward``, answering ``yield stash(name, tensor)``
-        with ``handle_stash(name, tensor)`` and ``yield pop(name)`` with ``handle_pop(name)``.
-
-        A module holding a skippable layer may call it to take over the layer's skips.
+        """Runs the wrapped module's ``forward``, answering ``yield stash(name, tensor)`` with
+        ``handle_stash(name, tensor)`` and ``yield pop(name)`` with ``handle_pop(name)``; a
+        module holding a skippable layer may call it to take over the layer's skips.
 
         Raises:
             TypeError: ``forward`` yielded something other than :class:`stash` or :class:`pop`
@@ -189,22 +171,14 @@ class Skippable(nn.Module):
     def forward(self, input: TensorOrTensors) -> TensorOrTensors:
         """Runs the wrapped module, taking and leaving its skips in the current tracker.
 
-        Args:
-            input (torch.Tensor or tuple of tensors): the wrapped module's input
-
-        Returns:
-            torch.Tensor or tuple of tensors: the wrapped module's output
-
         Raises:
-            RuntimeError: a name is popped before it was stashed, popped
-                twice in one call, stashed or popped without being declared,
-                or declared but not stashed or popped by the call
+            RuntimeError: a name is popped before it was stashed, popped twice in
+                one call, stashed or popped without being declared, or declared but
+                not stashed or popped by the call
         """
         skip_tracker = current_skip_tracker()
 
-        # Every declared pop is taken out of the tracker before the module
-        # runs: inside GPipe, the tracker ties the popped tensors to the
-        # layer's input, which must happen before the module sees it.
+        # Pops first: inside GPipe the tracker ties them to the input the module sees.
         batch = Batch(input)
         poppable_tensors: Dict[str, Optional[Tensor]] = {}
         for ns, name in self.poppable():
@@ -232,9 +206,7 @@ class Skippable(nn.Module):
 
         output = self.dispatch(input, handle_stash, handle_pop)
 
-        # GPipe planned its portals from the declarations: a declared skip
-        # the call left out would fail later, at a pop or a portal far from
-        # its cause, so it is reported here.
+        # GPipe planned portals from the declarations: a skip left out fails here, not later.
         not_stashed = self.stashable_names - stashed_tensors.keys()
         if not_stashed:
             raise RuntimeError(f'{quote_names(not_stashed)} must be stashed but have not')
@@ -242,8 +214,7 @@ class Skippable(nn.Module):
         if not_popped:
             raise RuntimeError(f'{quote_names(not_popped)} must be popped but have not')
 
-        # Saved only now, with the output: inside GPipe, the tracker ties the
-        # stashed tensors' gradients to it.
+        # With the output: inside GPipe the tracker ties the stashes' gradients to it.
         batch = Batch(output)
         for ns, name in self.stashable():
             skip_tracker.save(batch, ns, name, stashed_tensors[name])
@@ -261,16 +232,8 @@ def found_by_name(cls: type) -> bool:
 
 def remade(module_cls: Type[nn.Module], stash: Tuple[str, ...],
            pop: Tuple[str, ...]) -> Skippable:
-    """An empty layer of a skippable class made again, for pickle to fill in.
-
-    Args:
-        module_cls (type): the decorated class, which pickle found by its name
-        stash (tuple of strs): the names the layer stashes, sorted
-        pop (tuple of strs): the names the layer pops, sorted
-
-    Returns:
-        Skippable: an instance of :func:`skippable_class`, not initialized
-    """
+    """An empty layer of a skippable class made again from its decorated class and
+    skip names, for pickle to fill in."""
     cls = skippable_class(module_cls, stash, pop)
     return cls.__new__(cls)
 
@@ -281,12 +244,8 @@ _classes: Dict[Tuple[type, Tuple[str, ...], Tuple[str, ...]], Type[Skippable]] =
 
 def skippable_class(module_cls: Type[nn.Module], stash: Tuple[str, ...],
                     pop: Tuple[str, ...]) -> Type[Skippable]:
-    """``skippable(stash, pop)(module_cls)``, made once for each set of arguments.
-
-    Classes made at run time (by :func:`~torchgpipe.to_sequential`, and again
-    when their layers are unpickled or copied) are shared this way, so that a
-    copy's layer is of its original's class.
-    """
+    """``skippable(stash, pop)(module_cls)``, made once per arguments, so that a copy or
+    unpickled layer of a class made at run time is of its original's class."""
     key = (module_cls, stash, pop)
     cls = _classes.get(key)
     if cls is None:
@@ -354,9 +313,7 @@ def skippable(stash: Iterable[str] = (),
     poppable_names = frozenset(pop)
 
     def extend_skippable(module_cls: Type[nn.Module]) -> Type[Skippable]:
-        # The new class takes the decorated class's name, module and
-        # docstring, so that it reads as that class in reprs, pickles and
-        # documentation.
+        # Named as the decorated class, for reprs, pickles and documentation.
         attrs = {'module_cls': module_cls, 'stashable_names': stashable_names,
                  'poppable_names': poppable_names, '__module__': module_cls.__module__,
                  '__qualname__': module_cls.__qualname__, '__doc__': module_cls.__doc__}

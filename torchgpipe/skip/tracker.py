@@ -1,12 +1,9 @@
 """Skip trackers: where stashed skip tensors wait for their pops.
 
-Outside GPipe, a plain :class:`SkipTracker` keeps them in a dictionary, one
-tracker per thread. Inside GPipe, each micro-batch has a
-:class:`SkipTrackerAcross`, which keeps the skips that stay within a
-partition in its dictionary too and hands those that cross partitions to its
-engine: in the forward path, :class:`SkipTrackerThroughPortals` sends them
-through portals (:mod:`torchgpipe.skip.portal`). torchgpipe 0.0.7 spelled that class
-``SkipTrackerThroughPotals``; the old name still works.
+A plain :class:`SkipTracker` per thread outside GPipe; inside it, a
+:class:`SkipTrackerAcross` per micro-batch hands skips crossing partitions
+to its engine (portals in the forward path: :class:`SkipTrackerThroughPortals`,
+0.0.7's ``SkipTrackerThroughPotals``).
 """
 import abc
 import threading
@@ -34,13 +31,13 @@ class SkipTracker:
         self.tensors: Dict[Tuple[Namespace, str], Optional[Tensor]] = {}
 
     def save(self, batch: Batch, ns: Namespace, name: str, tensor: Optional[Tensor]) -> None:
-        """Keeps ``tensor``, stashed under ``(ns, name)``, until its pop; a subclass may tie
-        it to ``batch``, the stashing layer's output."""
+        """Keeps ``tensor`` under ``(ns, name)`` until its pop; ``batch`` is the stashing
+        layer's output, for a subclass to tie it to."""
         self.tensors[(ns, name)] = tensor
 
     def load(self, batch: Batch, ns: Namespace, name: str) -> Optional[Tensor]:
-        """Takes the tensor stashed under ``(ns, name)`` out, for its pop; a subclass may tie
-        it to ``batch``, the popping layer's input.
+        """Takes the tensor under ``(ns, name)`` out for its pop; ``batch`` is the popping
+        layer's input, for a subclass to tie it to.
 
         Raises:
             KeyError: nothing is stashed under the key
@@ -49,34 +46,22 @@ class SkipTracker:
 
     def copy(self, batch: Batch, prev_stream: AbstractStream, next_stream: AbstractStream,
              ns: Namespace, name: str) -> Optional[Tensor]:
-        """Refuses: only skips in portals move between devices.
-
-        Raises:
-            TypeError: always
-        """
+        """Refuses with a :class:`TypeError`: only skips in portals move between devices."""
         raise TypeError('copy is not supported for non-portal skip tensors')
 
 
 class Routes(Protocol):
-    """What the tracker asks of a :class:`~torchgpipe.skip.layout.SkipLayout`.
-
-    A protocol, so that the tracker needs nothing of the module that finds
-    the routes (it reads the skippable layers, which use this tracker).
-    """
+    """What the tracker asks of a :class:`~torchgpipe.skip.layout.SkipLayout` (a protocol:
+    the layout's module imports the skippable layers, which import this one)."""
 
     def requires_copy(self, ns: Namespace, name: str) -> bool:
         """Whether the skip is stashed and popped in different partitions."""
 
 
 class SkipTrackerAcross(SkipTracker, abc.ABC):
-    """The skip tracker of one micro-batch in either engine.
-
-    A skip stashed and popped in one partition stays in the dictionary; one that
-    crosses partitions (per ``skip_layout``) goes to :meth:`send` at its stash and
-    comes from :meth:`receive` at its pop. The forward path carries it in a portal
-    (:class:`SkipTrackerThroughPortals`); a training step sends it as a message
-    (:class:`~torchgpipe.engine.mailbox.StepSkips`).
-    """
+    """The skip tracker of one micro-batch in either engine: a skip crossing partitions
+    goes to :meth:`send` at its stash and comes from :meth:`receive` at its pop (a
+    portal in the forward path, a message in a training step)."""
 
     def __init__(self, skip_layout: Routes) -> None:
         super().__init__()
@@ -103,15 +88,11 @@ class SkipTrackerAcross(SkipTracker, abc.ABC):
 
 
 class SkipTrackerThroughPortals(SkipTrackerAcross):
-    """Tracks the skip tensors of one micro-batch in the forward path.
-
-    A skip that crosses partitions goes into a :class:`Portal
-    <torchgpipe.skip.portal.Portal>`, which the pipeline copies to the
-    popping partition's device; the others stay in the dictionary.
+    """Tracks the skip tensors of one micro-batch in the forward path: a skip that crosses
+    partitions goes into a :class:`~torchgpipe.skip.portal.Portal`.
 
     Args:
         skip_layout (SkipLayout): the partitions that stash and pop each skip
-            (:class:`~torchgpipe.skip.layout.SkipLayout`)
     """
 
     def __init__(self, skip_layout: Routes) -> None:
@@ -127,31 +108,21 @@ class SkipTrackerThroughPortals(SkipTrackerAcross):
         """
         portal = self.portals.get((ns, name))
         if portal is None:
-            # A checkpointed micro-batch is popped twice: in the first pass
-            # and in the recomputation. (Micro-batch i is checkpointed in
-            # every partition or in none.)
+            # A checkpointed micro-batch pops twice: first pass and recomputation.
             tensor_life = 2 if is_checkpointing() else 1
             portal = Portal(tensor, tensor_life)
             self.portals[(ns, name)] = portal
-        # else: this is the recomputation of the stash. The portal keeps the
-        # first tensor for the pops; the new one, part of the recomputed
-        # graph, is only where the gradient must go.
+        # (Else the recomputation: the portal keeps the first tensor for the pops.)
 
         if tensor is None:
             return
         phony = portal.blue(tensor)
         if not phony.requires_grad:
             return
-        # In a recomputation, the checkpoint's backward runs the phony's even
-        # if no output it is joined into gets a gradient (a pop that ignores
-        # its input): the skip's gradient comes through the portal alone.
+        # The recomputation runs the phony's backward even if no output gets a gradient.
         add_root(phony)
-        # The phony's backward (the gradient's exit from the portal) must
-        # run after everything downstream of the stash: join it there. Into
-        # every output that carries a gradient, not only the first: the
-        # phony's backward runs once every joined output that the loss
-        # reaches has given its gradient, and would never run if the one
-        # output it hung on were dropped or detached downstream.
+        # The gradient leaves the portal after everything downstream of the stash:
+        # join into every output carrying a gradient (one could be dropped downstream).
         index = batch.find(lambda x: x.is_floating_point())
         if index is None:
             raise RuntimeError(f"skip tensor '{name}' requires grad, but the stashing layer's "
@@ -166,35 +137,24 @@ class SkipTrackerThroughPortals(SkipTrackerAcross):
 
         Raises:
             KeyError: nothing is stashed under the key
-            RuntimeError: the portal's skip was already popped as often as
-                it was made for, or it requires grad and ``batch`` has no
-                floating point tensor to carry its gradient
+            RuntimeError: the portal was popped as often as it was made for, or the
+                skip requires grad and ``batch`` has no floating point tensor
         """
         portal = self.portals[(ns, name)]
-        # Forked off the popping layer's input: everything before the pop
-        # waits in the backward pass until the gradient is in the portal.
+        # Everything before the pop waits in backward for the portal's gradient.
         phony, _ = fork_from_batch(batch, portal.requires_grad, name)
         return portal.orange(phony)
 
     def copy(self, batch: Batch, prev_stream: AbstractStream, next_stream: AbstractStream,
              ns: Namespace, name: str) -> Optional[Tensor]:
-        """Moves a skip tensor to the popping partition's device, on the copy streams of
-        the stashing and popping devices, before the popping partition runs. The copy is
-        forked off ``batch`` and joined back into it, so the gradient's copy back runs
-        after that partition's backward and before the stashing partition's.
-
-        Returns:
-            torch.Tensor or None: the copy's phony, whose backward copies the gradient
-            back; ``None`` if there was nothing to copy
+        """Copies a skip to the popping partition's device on the copy streams, forked off and
+        joined back into ``batch``, so the gradient's copy back runs after that partition's
+        backward; returns the copy's phony (``None`` if nothing to copy).
 
         Raises:
-            RuntimeError: the skip requires grad but ``batch`` has no floating point
-                tensor to carry its gradient
+            RuntimeError: the skip requires grad but ``batch`` has no floating point tensor
         """
-        # No portal: the stash did not go through this tracker. A module
-        # that runs a skippable layer by its dispatch() handles the skip
-        # itself (it may pass it on in its output); a pop that needs this
-        # tracker reports the missing stash when it runs.
+        # No portal: a module running the layer by dispatch() handles the skip itself.
         portal = self.portals.get((ns, name))
         if portal is None or portal.tensor is None:
             return None
@@ -205,18 +165,15 @@ class SkipTrackerThroughPortals(SkipTrackerAcross):
         return phony
 
 
-#: torchgpipe 0.0.7's (misspelled) name of :class:`SkipTrackerThroughPortals`,
-#: kept for the code that imports it.
+#: torchgpipe 0.0.7's (misspelled) name of :class:`SkipTrackerThroughPortals`.
 SkipTrackerThroughPotals = SkipTrackerThroughPortals
 
 
 def fork_from_batch(batch: Batch, requires_grad: bool, name: str) -> Tuple[Tensor, Optional[int]]:
     """Forks a phony off every floating point tensor of the batch that may carry a gradient.
 
-    The phony requires grad when the skip does, so autograd reaches the skip's
-    backward. Every tensor, not the first alone: a gradient that left the batch
-    without waiting for the phony could reach the stashing layer's backward
-    before its portal is filled::
+    Every one, not the first alone: a gradient leaving the batch without waiting
+    for the phony could reach the stash's backward before its portal is filled::
 
         stash ──(joined into a)──► (a, b) ─► swap ─► (b, a) ─► pop
                                                         │
@@ -260,20 +217,13 @@ thread_local = ThreadLocal()
 
 
 def use_skip_tracker(skip_tracker: SkipTracker) -> ContextManager[None]:
-    """Makes ``skip_tracker`` this thread's current tracker within the context.
-
-    Args:
-        skip_tracker (SkipTracker): the tracker skippable layers should use
-    """
+    """Makes ``skip_tracker`` this thread's current tracker within the context."""
     return _UseSkipTracker(skip_tracker)
 
 
 class _UseSkipTracker:
-    """The context of :func:`use_skip_tracker`.
-
-    A class rather than a generator-based context manager: it is entered
-    for every task and every recomputation, and this is the cheaper of the two.
-    """
+    """The context of :func:`use_skip_tracker`: a class, cheaper than a generator, as every
+    task enters it."""
 
     __slots__ = ('skip_tracker', 'orig')
 
@@ -290,11 +240,7 @@ class _UseSkipTracker:
 
 
 def current_skip_tracker() -> SkipTracker:
-    """Returns this thread's current tracker, making a plain one on first use.
-
-    Returns:
-        SkipTracker: the tracker skippable layers stash into and pop from
-    """
+    """This thread's current tracker, a plain one made on first use."""
     skip_tracker = thread_local.skip_tracker
     if skip_tracker is None:
         skip_tracker = SkipTracker()

@@ -1,8 +1,6 @@
 """Checking the skips of a sequential model: every stash popped once, later, in its namespace.
 
-:func:`~torchgpipe.skip.verify_skippables` reads what skippable layers declare
-(:class:`Declares`, which :class:`~torchgpipe.skip.skippable.Skippable`
-has), without importing them: the skippable module re-exports it.
+Reads what layers declare (:class:`Declares`) without importing the skippable module.
 """
 from typing import FrozenSet, Iterable, List, Protocol, Set, Tuple, runtime_checkable
 
@@ -30,14 +28,9 @@ class Declares(Protocol):
 def verify_skippables(module: nn.Sequential) -> None:
     """Checks that every skip name in a sequential model has one stash and one later pop.
 
-    Skip names are matched within their namespace. Skippable layers nested
-    in the children of ``module`` (held by plain modules or sequentials, at
-    any depth) are checked too, in the order of the children that hold
-    them. Within one child, a pop may precede its stash, since the child's
-    ``forward`` decides the order it calls them in.
-
-    :class:`~torchgpipe.GPipe` calls it on the module it wraps; call it
-    yourself to check a model without GPipe.
+    Names are matched within their namespace. Skippable layers nested in the
+    children count, in the order of their children; within one child a pop may
+    precede its stash. :class:`~torchgpipe.GPipe` calls it on the module it wraps.
 
     Args:
         module (torch.nn.Sequential): the model to check
@@ -45,9 +38,8 @@ def verify_skippables(module: nn.Sequential) -> None:
     Raises:
         TypeError: a name is stashed or popped twice in one namespace,
             stashed and never popped, popped before (or without) its stash,
-            or both stashed and popped by one layer. The message lists every
-            such problem, one per line, each naming the layer by its path in
-            ``module``.
+            or both stashed and popped by one layer; every problem is listed,
+            one per line, naming the layer by its path
 
     Example::
 
@@ -80,9 +72,7 @@ def verify_skippables(module: nn.Sequential) -> None:
         layers = [(layer_name, layer) for layer_name, layer
                   in child.named_modules(prefix=child_name) if isinstance(layer, Declares)]
 
-        # Stashes of the whole child first, then its pops: the child's
-        # forward may call its nested layers in any order. (A pop that does
-        # run before its stash is still reported, by forward, when it runs.)
+        # The child's stashes, then its pops: its forward may call them in any order.
         for layer_name, layer in layers:
             for name in sorted(layer.stashable_names & layer.poppable_names):
                 msg = f"'{layer_name}' declared '{name}' both as stashable and as poppable"

@@ -1,23 +1,18 @@
 """The timeline of a pipeline: every task, where and when it really ran.
 
-:func:`trace` records, for each step of a pipeline inside it, every forward
-task, recomputation, backward task and copy, measured, each named as a
-schedule writes actions: ``jFi``, ``jF'i`` (recomputation), ``jBi``. Paper,
-Figure 7, drawn from a run, a row per device::
+:func:`trace` records each forward task, recomputation, backward task and
+copy, named as a schedule writes actions (``jFi``, ``jF'i``, ``jBi``): the
+paper's Figure 7, from a run, a row per device::
 
     cpu:0  F0 F1 F2 F3                  F'3 B3 F'2 B2 ...
     cpu:1     F0 F1 F2 F3            F'3 B3 F'2 B2 ...
     cpu:2        F0 F1 F2 F3      F'3 B3 ...
     cpu:3           F0 F1 F2 F3 B3 B2 ...
 
-Forward tasks are timed by their worker, copies by the receiving worker.
-Backward tasks run inside the autograd engine: the recorder hooks every node
-of a task's part of the graph, and keeps the pieces of time its own nodes ran
-(the engine interleaves tasks). Times are :func:`time.perf_counter` on CPU,
-CUDA events on CUDA. Across processes each rank records its own tasks and
-messages, and the ranks gather them at the end
-(:mod:`torchgpipe.timeline.ranks`). Outside :func:`trace`, a pipeline checks
-once per task whether a recorder is attached.
+Backward tasks run inside the autograd engine, which interleaves them: the
+recorder hooks each node of a task and keeps the pieces of time they ran.
+Across processes each rank records its own, gathered at the end
+(:mod:`torchgpipe.timeline.ranks`).
 """
 from contextlib import contextmanager
 from typing import Any, Generator
@@ -45,10 +40,7 @@ def trace(module: Any) -> Generator[Timeline, None, None]:
         module (GPipe or DistributedGPipe): the pipeline to watch
 
     Yields:
-        Timeline: the recorder; read :attr:`~torchgpipe.timeline.Timeline.events`,
-        :meth:`~torchgpipe.timeline.Timeline.summary`,
-        :meth:`~torchgpipe.timeline.Timeline.save` or
-        :meth:`~torchgpipe.timeline.Timeline.plot` once the backward pass is done
+        Timeline: the recorder, to read once the backward pass is done
 
     Raises:
         TypeError: ``module`` is neither a GPipe nor a DistributedGPipe

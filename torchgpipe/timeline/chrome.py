@@ -1,10 +1,8 @@
 """A timeline as a Chrome trace: the ``traceEvents`` JSON of Perfetto and ``chrome://tracing``.
 
-Each process of the trace is a row group: ``torchgpipe`` for a GPipe, one
-``rank r`` per process for a :class:`~torchgpipe.distributed.DistributedGPipe`.
-Within it, a track per device (or rank) and per device's copies or
-messages. A message between ranks is drawn as a flow, an arrow from the
-sender's ``send`` slice to the receiver's ``receive`` slice::
+A process per rank (``torchgpipe`` for a GPipe), a track per device (or
+rank) and per its copies or messages; a message between ranks is a flow
+from the sender's ``send`` slice to the receiver's ``receive``::
 
     rank 0           [ 0F0 ]
     rank 0 messages         [S]─┐
@@ -19,14 +17,8 @@ __all__: List[str] = []
 
 
 def chrome_trace(events: Sequence[Event]) -> Dict[str, Any]:
-    """The events as a Chrome trace, messages between ranks as flows.
-
-    Args:
-        events: the events, of one process or of every rank of a pipeline
-
-    Returns:
-        dict: ``{'traceEvents': [...], 'displayTimeUnit': 'ms'}``
-    """
+    """The events (of one process or every rank) as a Chrome trace,
+    ``{'traceEvents': [...], 'displayTimeUnit': 'ms'}``."""
     pids = {rank: (0 if rank is None else rank)
             for rank in sorted({e.rank for e in events}, key=lambda r: -1 if r is None else r)}
     tracks = sorted({(e.rank, e.track) for e in events},
@@ -55,9 +47,7 @@ def chrome_trace(events: Sequence[Event]) -> Dict[str, Any]:
                              'tid': tids[e.rank, e.track], 'ts': start * 1e6,
                              'dur': (end - start) * 1e6, 'args': args})
     for flow, (sent, received) in enumerate(messages(events)):
-        # A flow binds to the slice around its timestamp: it leaves from the
-        # middle of the send, and arrives just inside the end of the
-        # receive's wait, when the message came.
+        # A flow binds to the slice around its timestamp: mid-send, and the receive's end.
         for phase, e, at in (('s', sent, (sent.start + sent.end) / 2),
                              ('f', received, received.end - min(received.duration / 2, 1e-6))):
             trace_events.append({'name': e.detail, 'cat': 'message', 'ph': phase, 'id': flow,
@@ -67,10 +57,8 @@ def chrome_trace(events: Sequence[Event]) -> Dict[str, Any]:
 
 
 def messages(events: Sequence[Event]) -> List[Tuple[Event, Event]]:
-    """Each message between ranks whose sending and receiving were both recorded.
-
-    A message is named alike on both sides (its ``detail``), once per step.
-    """
+    """Each message between ranks whose sending and receiving were both recorded (named
+    alike on both sides, once per step)."""
     sent = {(e.step, e.detail): e for e in events if e.kind == 'send'}
     return [(sent[e.step, e.detail], e) for e in events
             if e.kind == 'receive' and (e.step, e.detail) in sent]

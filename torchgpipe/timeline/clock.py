@@ -1,11 +1,5 @@
-"""How a timeline reads time and memory: a clock for CPU and CUDA streams, and peak memory.
-
-On CPU, times are wall-clock (:func:`time.perf_counter`). On CUDA, they are
-CUDA events recorded on the stream that ran the work, read once the device
-is synchronized, against an event recorded at the clock's origin. On CPU,
-the peak memory is the whole process's peak resident size (``VmHWM`` on
-Linux, reset where the kernel allows it).
-"""
+"""How a timeline reads time and memory: wall-clock on CPU, CUDA events on the stream that
+ran the work, and the process's peak resident size on CPU."""
 import resource
 import sys
 import time

@@ -1,15 +1,11 @@
 """What a timeline records, and what is computed from it: events, summaries, critical path.
 
-An :class:`Event` is one task of a step or one copy, with the pieces of
-time its own work ran in, named as a schedule writes its actions
-(:func:`~torchgpipe.engine.schedule.notation`, partition first): ``1F0`` is
-the forward pass of micro-batch 0 on partition 1, ``1F'0`` its
-recomputation, ``1B0`` its backward pass (``1I0`` and ``1W0`` its halves),
-``1C0`` a copy into partition 1.
-:func:`summarize` turns the events of a step into a :class:`Summary`: busy
-and idle time per device, the bubble, time per partition, and the critical
-path. Nothing here records or reads clocks: that is
-:class:`~torchgpipe.timeline.Timeline`'s work.
+An :class:`Event` is one task or copy of a step, with the pieces of time its
+own work ran in, named as a schedule writes actions
+(:func:`~torchgpipe.engine.schedule.notation`): ``1F0``, ``1F'0`` (its
+recomputation), ``1B0`` (``1I0``, ``1W0``), ``1C0`` (a copy into partition 1).
+:func:`summarize` turns a step's events into a :class:`Summary`. Nothing
+here reads clocks: that is :class:`~torchgpipe.timeline.Timeline`'s work.
 """
 from bisect import insort
 from dataclasses import dataclass
@@ -28,26 +24,19 @@ SIDE_TRACKS = (' copies', ' messages')
 
 @dataclass(frozen=True)
 class Event:
-    """One task of the pipeline, as it ran.
+    """One task of the pipeline, as it ran; times in seconds since the trace began."""
 
-    Times are in seconds since the trace began.
-    """
-
-    #: ``'forward'``, ``'recompute'``, ``'backward'``, ``'copy'``, the two
-    #: halves of a split backward pass: ``'input'`` (I) and ``'weight'`` (W),
-    #: or, across ranks, the sending of a message (``'send'``) and the wait
-    #: for one (``'receive'``).
+    #: ``'forward'``, ``'recompute'``, ``'backward'``, ``'input'`` (I), ``'weight'``
+    #: (W), ``'copy'``, or across ranks ``'send'`` and ``'receive'`` (the wait).
     kind: str
     #: The micro-batch ``i``.
     micro_batch: int
-    #: The partition ``j``; for a copy, the partition it copies to in the
-    #: forward pass, and from in the backward pass; for a message, the
-    #: partition that sends it, or that receives it.
+    #: The partition ``j``; for a copy, the one it copies to (from, backward); for
+    #: a message, the sender or receiver.
     partition: int
     #: The device the task ran on; for a copy, the device of its partition.
     device: str
-    #: The row of the timeline, named after the device or the device's copies
-    #: (after the rank, or the rank's messages, across processes).
+    #: The row of the timeline, the device or its copies (the rank or its messages).
     track: str
     #: The name of the thread that ran it.
     thread: str
@@ -56,29 +45,20 @@ class Event:
     end: float
     #: Which traced call of the GPipe it belongs to, from 0.
     step: int
-    #: The intervals within ``start .. end`` in which the task's own work
-    #: ran, one for a forward task or a copy, one per autograd node otherwise.
+    #: The intervals in which the task's own work ran (one per autograd node, backward).
     pieces: Tuple[Tuple[float, float], ...] = ()
     #: Whether the task raised an exception.
     failed: bool = False
-    #: What a copy moved (``'input'`` or ``'skip'``) and in which pass
-    #: (``'forward'`` or ``'backward'``), e.g. ``'skip, backward'``; for a
-    #: message, which one (``'Activation of micro-batch 0, partition 0 to 1'``);
-    #: empty for tasks.
+    #: What a copy moved and in which pass (``'skip, backward'``), or which message.
     detail: str = ''
-    #: The rank of the process that ran it, in a trace of a
-    #: :class:`~torchgpipe.distributed.DistributedGPipe`; else ``None``.
+    #: The rank of the process that ran it, across processes; else ``None``.
     rank: Optional[int] = None
 
     @property
     def name(self) -> str:
-        """The task written as a schedule writes its actions, ``{partition}{kind}{micro-batch}``.
-
-        ``jFi``, ``jBi``, ``jIi``, ``jWi`` as in a schedule, ``jF'i`` for a
-        recomputation, ``jCi`` for a copy, ``jSi`` and ``jRi`` for sending
-        and receiving a message: ``1F0`` is the forward pass of micro-batch
-        0 on partition 1.
-        """
+        """The task as a schedule writes actions, ``1F0`` for the forward pass of micro-batch
+        0 on partition 1 (``jF'i`` a recomputation, ``jCi`` a copy, ``jSi`` and ``jRi`` a
+        message sent and received)."""
         return notation(self.partition, PREFIXES[self.kind], self.micro_batch)
 
     @property
@@ -140,15 +120,13 @@ class Summary:
     partition_times: List[PartitionSummary]
     #: The chain of tasks, each waiting for the one before, that ends last.
     critical_path: List[Event]
-    #: The highest memory use seen during the trace, per device, in bytes;
-    #: on CUDA the allocator's peak, on CPU the process's peak resident
-    #: size (the same figure for every CPU device).
+    #: The peak memory of the trace per device in bytes (the allocator's on CUDA,
+    #: the process's resident size on CPU, one figure for every CPU device).
     peak_memory: Dict[str, int]
-    #: What the step was, ``'forward'`` for a call of the GPipe (and the
-    #: backward pass through its output) or ``"train_step (schedule '1f1b')"``.
+    #: What the step was, ``'forward'`` (a call and its backward pass) or
+    #: ``"train_step (schedule '1f1b')"``.
     kind: str = 'forward'
-    #: The formula of the bubble the step's schedule leaves, and its value
-    #: (see :attr:`predicted_bubble`); ``None``: GPipe's.
+    #: The formula and value of the schedule's bubble (``None`` for GPipe's).
     expected: Optional[Tuple[str, float]] = None
 
     @property
@@ -160,11 +138,8 @@ class Summary:
 
     @property
     def predicted_bubble(self) -> float:
-        """The bubble of the step's schedule, for equal tasks and no overhead.
-
-        GPipe's, ``(n-1) / (m+n-1)``, for the forward path; for a train_step,
-        its schedule's, computed from the schedule with F = I = W and B = 2.
-        """
+        """The bubble of the step's schedule for equal tasks and no overhead, GPipe's
+        ``(n-1) / (m+n-1)`` or a train_step schedule's (with F = I = W and B = 2)."""
         if self.expected is not None:
             return self.expected[1]
         n, m = self.partitions, self.micro_batches
@@ -177,7 +152,7 @@ class Summary:
 
     @property
     def critical_path_time(self) -> float:
-        """The time the tasks of the critical path ran; the rest of the step went elsewhere."""
+        """The time the tasks of the critical path ran."""
         return sum(e.busy for e in self.critical_path)
 
     def __str__(self) -> str:
@@ -206,7 +181,7 @@ class Summary:
 def summarize(step: int, micro_batches: int, devices: Sequence[str], kind: str,
               events: List[Event], peak_memory: Dict[str, int],
               expected: Optional[Tuple[str, float]] = None) -> Summary:
-    """The summary of a step, from its events.
+    """The summary of step ``step``, from its ``events``.
 
     Args:
         step (int): the step's index
@@ -246,12 +221,8 @@ def summarize(step: int, micro_batches: int, devices: Sequence[str], kind: str,
 
 
 def chart_title(summaries: Sequence[Summary]) -> str:
-    """The title of a chart of these steps: which, and their figures.
-
-    One step reads ``step 2: 4 partitions, 8 micro-batches: bubble 40%
-    (formula 27%)``; for several, each figure becomes the range it takes
-    over them, such as ``bubble 38% to 45%``.
-    """
+    """The title of a chart of these steps, such as ``step 2: 4 partitions, 8 micro-batches:
+    bubble 40% (formula 27%)``; over several steps, each figure's range."""
     def spread(values: Iterable[float], spec: str) -> str:
         texts = [format(v, spec) for v in sorted(values)]
         return texts[0] if texts[0] == texts[-1] else f'{texts[0]} to {texts[-1]}'
@@ -265,11 +236,8 @@ def chart_title(summaries: Sequence[Summary]) -> str:
 
 
 def segments(events: Sequence[Event]) -> List[Tuple[Event, float, float]]:
-    """The events' pieces on each track, runs of one event's pieces merged into one.
-
-    What a chart draws: boxes that never overlap on a track, however the
-    engine interleaved the tasks.
-    """
+    """The events' pieces on each track, runs of one event's merged: the boxes a chart
+    draws, never overlapping on a track."""
     found: List[Tuple[Event, float, float]] = []
     by_track: Dict[str, List[Tuple[float, float, int]]] = {}
     for index, e in enumerate(events):
@@ -301,11 +269,10 @@ def union_length(intervals: Iterable[Tuple[float, float]]) -> float:
 def critical_path(events: Sequence[Event], n: int) -> List[Event]:
     """The chain of tasks, each waiting for the one before it, that ends the step.
 
-    From the task that ends last, walks back to whichever of its
-    predecessors ended last before it started: the task before it on the same
-    device, or the task that produced its input, in the notation of schedules
-    (partition, kind, micro-batch): ``(j-1)Fi`` for ``jFi``, ``(j+1)Bi`` for
-    ``jBi``, ``jFi`` for the backward task of the last partition ``j``.
+    From the task that ends last, walks back to whichever predecessor ended
+    last before it started: the task before it on its device, or the one that
+    produced its input (``(j-1)Fi`` for ``jFi``, ``(j+1)Bi`` for ``jBi``, ``jFi`` for
+    the last partition's ``jBi``).
     """
     tasks = [e for e in events if e.kind in COMPUTE_KINDS]
     if not tasks:

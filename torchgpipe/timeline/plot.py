@@ -20,13 +20,8 @@ LIGHT = ('recompute', 'weight', 'receive')
 
 def plot_timeline(segments: Sequence[Tuple[Event, float, float]],
                   path: Union[str, 'os.PathLike[str]'], title: Optional[str]) -> None:
-    """Writes a chart: a row per track, a box per segment, its action inside (``1F0``).
-
-    Args:
-        segments: ``(event, start, end)``, as :func:`torchgpipe.timeline.segments` gives
-        path: the image file
-        title: the chart's title, if any
-    """
+    """Writes a chart of ``segments`` (as :func:`torchgpipe.timeline.segments` gives them) to
+    ``path``: a row per track, a box per segment, its action inside (``1F0``)."""
     try:
         import matplotlib
     except ModuleNotFoundError as exc:
@@ -49,14 +44,8 @@ def plot_timeline(segments: Sequence[Tuple[Event, float, float]],
 
 def draw_timeline(axes: Any, segments: Sequence[Tuple[Event, float, float]],
                   title: Optional[str] = None, *, legend: bool = True) -> None:
-    """Draws the chart of :func:`plot_timeline` on matplotlib ``axes``, for a figure of one's own.
-
-    Args:
-        axes: where to draw
-        segments: ``(event, start, end)``, as :func:`torchgpipe.timeline.segments` gives
-        title: the chart's title, if any
-        legend: whether to put the legend of colours below the chart
-    """
+    """Draws the chart of :func:`plot_timeline` on matplotlib ``axes``, for a figure of one's
+    own; ``legend`` puts the colours' legend below it."""
     from matplotlib.patches import Patch
 
     # Devices (or ranks) top to bottom in order, each followed by its
@@ -70,14 +59,12 @@ def draw_timeline(axes: Any, segments: Sequence[Tuple[Event, float, float]],
     for e, a, b in segments:
         y = len(tracks) - 1 - rows[e.track]
         left, width = (a - start) * scale, (b - a) * scale
-        # A copy between CPU devices takes microseconds: still show a sliver,
-        # without the white edge that separates wider boxes.
+        # A copy between CPU devices takes microseconds: a sliver, without edge.
         sliver = (end - start) * scale / 800
         edge = 'black' if e.failed else 'white' if width > sliver else 'none'
         axes.barh(y, max(width, sliver), left=left, height=0.8, color=COLORS[e.kind],
                   edgecolor=edge, linewidth=0.5)
-        # The action as a schedule writes it ('1F0'), where the box is wide
-        # enough for it; else its micro-batch, where that fits.
+        # The action ('1F0') where it fits, else its micro-batch.
         for text in (e.name, str(e.micro_batch)):
             if width > len(text) * (end - start) * scale / 150:
                 axes.text(left + width / 2, y, text, ha='center', va='center', fontsize=7,

@@ -1,17 +1,11 @@
-"""A trace across processes: every rank's events, gathered into each rank's timeline.
-
-Each rank of a :class:`~torchgpipe.distributed.DistributedGPipe` records its
-own tasks and messages, as a GPipe's timeline does. When the trace ends,
-the ranks exchange what they recorded, so that every rank holds the whole
-pipeline's timeline::
+"""A trace across processes: every rank's events, gathered into each rank's timeline::
 
     rank 0: events of rank 0 ─┐                 ┌─► rank 0: events of ranks 0, 1, 2
     rank 1: events of rank 1 ─┼─ all_gather ────┼─► rank 1: events of ranks 0, 1, 2
     rank 2: events of rank 2 ─┘   (JSON bytes)  └─► rank 2: events of ranks 0, 1, 2
 
-The events travel as JSON in byte tensors, never pickled: a rank reads
-another's data, not its code. Their times agree as far as the ranks' clocks
-do: each rank starts its clock right after a barrier that opens the trace.
+As JSON, never pickled: a rank reads another's data, not its code. The
+clocks start right after a barrier that opens the trace.
 """
 import json
 from dataclasses import asdict
@@ -27,17 +21,8 @@ __all__: List[str] = []
 
 def gather(events: List[Event], memory: Dict[str, int], group: Optional[dist.ProcessGroup],
            device: torch.device) -> Tuple[List[Event], Dict[str, int]]:
-    """Every rank's events and peak memory, on every rank of ``group``.
-
-    Args:
-        events: this rank's events
-        memory: this rank's peak memory, by track
-        group: the pipeline's process group (``None``: the default group)
-        device: a device the group's backend communicates from (CUDA for NCCL)
-
-    Returns:
-        the events of every rank, and the peak memory of every rank's track
-    """
+    """Every rank's events and peak memory (by track), on every rank of ``group``; ``device``
+    is one the group's backend communicates from."""
     # Imported here: ``import torchgpipe`` loads no torchgpipe.distributed.
     from torchgpipe.distributed.ranks import all_gather_bytes
     mine = json.dumps({'events': [asdict(e) for e in events], 'memory': memory}).encode()

@@ -1,8 +1,4 @@
-"""How a timeline records: the :class:`Timeline` that the engine calls, as its recorder.
-
-:func:`torchgpipe.trace` attaches one to a pipeline; see
-:mod:`torchgpipe.timeline` for what it catches and how.
-"""
+"""How a timeline records: the :class:`Timeline` the engine calls as its recorder."""
 import json
 import os
 import threading
@@ -59,14 +55,11 @@ class StepInfo:
 
 
 class Timeline:
-    """What :func:`torchgpipe.trace` yields: the events recorded, and views of them.
-
-    The events of a step are complete once its backward pass is done; read
-    them after the ``with`` block, or at least after ``backward()``.
+    """What :func:`torchgpipe.trace` yields: the events recorded, and views of them. A
+    step's events are complete once its backward pass is done.
 
     Args:
-        places: the row of each partition's tasks, if not named after its
-            device (``'rank 1'`` across processes)
+        places: the row of each partition's tasks, if not its device (``'rank 1'``)
         rank: the rank of this process, across processes
     """
 
@@ -115,13 +108,8 @@ class Timeline:
 
     def copied(self, i: int, j: int, device: torch.device, what: str,
                copy: Callable[[], Optional[Tensor]]) -> None:
-        """Runs a copy into partition ``j`` and records it, if anything was copied, both ways.
-
-        Args:
-            what: ``'input'`` or ``'skip'``
-            copy: makes the copy; returns a copied tensor, or ``None`` if
-                nothing had to move
-        """
+        """Runs ``copy`` into partition ``j`` (``what``: ``'input'`` or ``'skip'``) and records
+        it both ways, if it copied anything (it returns the tensor, or ``None``)."""
         span = Span('copy', i, j, device, f'{device} copies', len(self.steps) - 1,
                     f'{what}, forward')
         start = self.clock.stamp(device)
@@ -136,12 +124,8 @@ class Timeline:
 
     def messaged(self, kind: str, i: int, j: int, device: torch.device, message: str,
                  work: Callable[[], T]) -> T:
-        """Runs the sending or the receiving of a message between ranks, recorded.
-
-        Args:
-            kind: ``'send'`` or ``'receive'`` (a receive spans the wait for it)
-            message: what it is, in the words both ranks use for it
-        """
+        """Runs the sending or receiving (``kind``) of a message between ranks, recorded; a
+        receive spans its wait."""
         span = Span(kind, i, j, device, f'{self.place(j, device)} messages',
                     len(self.steps) - 1, message)
         return self.timed_span(span, work)
@@ -160,12 +144,8 @@ class Timeline:
 
     def watch_backward(self, i: int, j: int, device: torch.device, outputs: Iterable[Tensor],
                        boundary: Iterable[Any]) -> None:
-        """Hooks the autograd nodes of task ``(i, j)``'s backward pass and recomputation.
-
-        Args:
-            outputs: the task's outputs (after its recomputation was attached)
-            boundary: the nodes of the task's inputs: the walk stops there
-        """
+        """Hooks the autograd nodes of task ``(i, j)``'s backward pass and recomputation, from
+        its ``outputs`` down to the nodes of its inputs (``boundary``)."""
         recompute, glue, ends = node_classes()
         step = len(self.steps) - 1
         stop = set(boundary)
@@ -189,11 +169,8 @@ class Timeline:
             stack.extend(n for n, _ in node.next_functions if n is not None)
 
     def _hook(self, node: Any, spans: Dict[int, Span], template: Span) -> None:
-        # One span per backward pass (graph task) through the task's nodes,
-        # opened by the first of them to start. Each node adds the piece of
-        # time from its start to its end. Nodes of one task run on one
-        # device's thread, in order, so on CUDA too the first stamp taken is
-        # the earliest on that device's stream.
+        # One span per backward pass (graph task), opened by the first node to start;
+        # each node adds its piece of time (a task's nodes run in order on one thread).
         started: Dict[int, Stamp] = {}
 
         def pre(grad_outputs: Any) -> None:
@@ -278,11 +255,7 @@ class Timeline:
                              '"with torchgpipe.trace(model)"')
 
     def _step_index(self, step: Optional[int]) -> int:
-        """The index of ``step`` (default: the last one), from 0.
-
-        Raises:
-            ValueError: no step was traced, or ``step`` is out of range
-        """
+        """The index of ``step`` (default: the last), from 0; ValueError if out of range."""
         self._check_traced()
         index = len(self.steps) - 1 if step is None else step
         if not -len(self.steps) <= index < len(self.steps):
@@ -297,19 +270,15 @@ class Timeline:
                          dict(self._peak_memory), info.bubble)
 
     def chrome_trace(self) -> Dict[str, Any]:
-        """The events as a Chrome trace (the ``traceEvents`` format Perfetto reads);
-        across processes, a process per rank, and each message as a flow
-        (:mod:`torchgpipe.timeline.chrome`)."""
+        """The events as a Chrome trace (:mod:`torchgpipe.timeline.chrome`)."""
         return chrome_trace(self.events)
 
     def save(self, path: Union[str, 'os.PathLike[str]']) -> None:
         """Writes the timeline as a Chrome trace JSON file.
 
-        Open it in https://ui.perfetto.dev or ``chrome://tracing``: one track
-        per device and per device's copies; each event's ``args`` hold its
-        ``micro_batch``, ``partition`` and ``kind``. Across processes, a
-        process per rank, with a track of its tasks and one of its messages,
-        each message an arrow from its sender to its receiver.
+        Open it in https://ui.perfetto.dev or ``chrome://tracing``: a track per
+        device and per device's copies (across processes, a process per rank, each
+        message an arrow from sender to receiver).
 
         Args:
             path: where to write, usually ``*.json``
@@ -324,14 +293,11 @@ class Timeline:
             path: the image file to write (``.png``, or any format matplotlib knows)
             step (int, optional): draw only this step, counted as in
                 :meth:`summary` (default: every step)
-            title (str, optional): the chart's title (default: the figures
-                of what is drawn: the steps, partitions and micro-batches,
-                and the measured bubble beside the paper's formula; for
-                several steps, the lowest and the highest of them)
+            title (str, optional): the chart's title (default: the steps,
+                partitions, micro-batches, and the bubble measured and by formula)
 
         Raises:
-            ValueError: no step was traced, or ``step`` is out of range, as
-                in :meth:`summary`; no file is written then
+            ValueError: no step was traced, or ``step`` is out of range
             ModuleNotFoundError: matplotlib is not installed
         """
         from torchgpipe.timeline.plot import plot_timeline
@@ -348,13 +314,9 @@ class Timeline:
 
 
 def node_classes() -> Tuple[type, Tuple[type, ...], Tuple[type, ...]]:
-    """The autograd functions a walk through a task's backward pass tells apart.
-
-    Returns:
-        :class:`~torchgpipe.runtime.checkpoint.Recompute`; the glue between tasks,
-        walked through but not recorded (fork/join, copy/wait); and the
-        portals of skips, where the task ends
-    """
+    """The autograd functions a walk through a task's backward pass tells apart: the
+    recomputation; the glue between tasks, walked through but not recorded; and the
+    portals, where the task ends."""
     return Recompute, (Fork, Join, Copy, Wait), (PortalBlue, PortalOrange, PortalCopy)
 
 

@@ -1,25 +1,20 @@
-"""What partitions of one process hand each other as they are, followed through a walk
-of a worker's actions (:func:`~torchgpipe.planner.predict.peak_memory`).
+"""The bytes partitions of one process share, as a worker's actions run
+(:func:`~torchgpipe.planner.predict.peak_memory`).
 
-In a :class:`~torchgpipe.distributed.DistributedGPipe` job, a message from
-one rank to another is a copy, but between two partitions of one rank the
-receiving partition holds the very tensor the sending one made. Where a rank
-runs two partitions of a micro-batch (ZBV's turn, a skip between the two
-arms of its V), a tensor they share is alive until both have let go of it::
+Between ranks a message is a copy, but a partition receives from another
+partition of its own rank (ZBV's turn, a skip between the arms of its V)
+the very tensor that one made, alive until both let go of it::
 
     partition j (earlier)                      partition k (later, same worker)
     F   makes its output, a skip  ──── lent ──►  F  takes them as its input, a pop
     I   lets go of them           ·········      W  lets go of them (what it saved)
     I   needs their gradients  ◄── handed ────── I  makes them, as they are
 
-- what ``j`` lends ``k`` stays until ``k``'s ``W`` (or ``B``) too, where ``j``'s
-  ``I`` would let go of it; and a checkpointed ``F`` of ``j``, which keeps
-  nothing, makes it for ``k``, so it is alive from then
+- what ``j`` lends stays until ``k``'s ``W`` (or ``B``); a checkpointed
+  ``F`` of ``j`` makes it for ``k``, alive from then
   (:meth:`~torchgpipe.planner.partitions.Partitions.lent`);
-- what ``k`` hands back (its input's gradient, a popped skip's) is alive from
-  ``k``'s backward pass until ``j``'s has used it, whose working memory counts
-  it already, and, where ``k``'s leaf keeps it (its input's, after ``I``),
-  until ``k``'s ``W`` too
+- what ``k`` hands back is alive from ``k``'s backward pass until ``j``'s
+  has used it, and until ``k``'s ``W`` where ``k``'s leaf keeps it
   (:meth:`~torchgpipe.planner.partitions.Partitions.returned`).
 """
 from typing import Dict, List, Sequence, Set, Tuple
@@ -30,7 +25,7 @@ from torchgpipe.planner.partitions import Partitions
 __all__: List[str] = []
 
 
-class Handover:
+class SharedBytes:
     """The bytes partitions of one worker share, alive as its actions run one by one.
 
     Args:
@@ -44,28 +39,25 @@ class Handover:
         self.parts = parts
         self.sizes = sizes
         self.checkpointed = checkpointed
-        #: Lent bytes alive on a borrower's account, by micro-batch, borrower, and
-        #: the action that lets go of them (its F, for what a checkpointed F
-        #: made; its W or B otherwise).
+        #: Lent bytes alive, by micro-batch, borrower, and the borrower's action
+        #: that lets go of them (F for what a checkpointed F made, else W or B).
         self.lent: Dict[Tuple[int, int, Kind], float] = {}
         #: The micro-batches and partitions whose W (or B) has run.
         self.released: Set[Tuple[int, int]] = set()
-        #: Gradients handed back, alive, by micro-batch, the partition they go to,
-        #: the one that made them and whether its leaf keeps them: their bytes,
-        #: and how many actions have yet to let go of them.
+        #: Gradients handed back, by micro-batch, receiver, maker and whether the
+        #: maker's leaf keeps them: their bytes, and how many actions still hold them.
         self.handed: Dict[Tuple[int, int, int, bool], List[float]] = {}
 
     def counted(self, action: Action) -> float:
-        """The bytes of the gradients handed back to ``action`` (a ``B`` or an ``I``) that
-        are alive already: its working memory counts them too."""
+        """The bytes of gradients handed back to ``action`` (a ``B`` or ``I``) already
+        alive, which its working memory counts too."""
         if action.kind not in (Kind.B, Kind.I):
             return 0.0
         return sum(nbytes for (i, j, _, _), (nbytes, _) in self.handed.items()
                    if (i, j) == (action.i, action.j))
 
     def taken(self, action: Action) -> float:
-        """The bytes an ``F`` takes over that a checkpointed ``F`` of an earlier partition
-        made for it (counted from then, and in its own ``kept`` from now on)."""
+        """The bytes an ``F`` takes over that a checkpointed ``F`` before made for it."""
         if action.kind is not Kind.F:
             return 0.0
         return self.lent.pop((action.i, action.j, Kind.F), 0.0)
@@ -96,9 +88,7 @@ class Handover:
         return change
 
     def _let_go(self, action: Action) -> float:
-        """The bytes of the handed-back gradients freed as ``action`` ends: each once the
-        backward pass that used it has, and the ``W`` of the partition that made it, if
-        its leaf kept it."""
+        """The bytes of handed-back gradients freed as ``action`` ends."""
         freed = 0.0
         for key in list(self.handed):
             i, to, made, leaf = key
