@@ -29,12 +29,9 @@ built from its ``Plan.kwargs``:
     median of 2.5 MB a rank beyond the tensors for the MLP, 7.4 MB for the
     CNN and 37 MB for GPT-2.
 
-The message buffers are not part of either: they last from step to step.
-Before the measurements, the pipeline steps until they are all made
-(:func:`settle`): a first step finds which ranks share ``/dev/shm``, and the
-next ones make the shared arenas, doubling them until a step's messages fit,
-and touch their pages for the first time. Measured in the second step, as
-before this was seen, a rank's resident set held up to 40 MB of arena pages.
+The buffers of the ranks' words are not part of either: they last from step
+to step. Before the measurements, the pipeline steps twice (:func:`settle`):
+the first step of its shapes sends headers, which the next ones do not.
 """
 import gc
 import os
@@ -54,13 +51,10 @@ from torchgpipe.distributed import DistributedGPipe
 from torchgpipe.planner.calibrate import traced_span
 from torchgpipe.planner.option import Option
 from torchgpipe.planner.working import Live
-from torchgpipe.timeline.clock import proc_status
 
 if TYPE_CHECKING:  # (benchmarks.plan imports this module)
     from benchmarks.plan import StepTimer
 
-#: The most steps :func:`settle` takes after the first.
-SETTLING = 6
 
 
 def run(config: Dict[str, Any]) -> Dict[str, Any]:
@@ -148,13 +142,7 @@ def tensor_peak(module: nn.Module, step: Callable[[], None]) -> int:
 
 
 def settle(step: Callable[[], None]) -> None:
-    """Steps a new pipeline until its message buffers are made: until a step, after
-    the first, maps no new page of shared memory (on every rank: they agree)."""
-    step()  # finds the ranks that share /dev/shm, and warms up
-    for _ in range(SETTLING):
-        before = proc_status('RssShmem')
-        step()
-        grew = torch.tensor(proc_status('RssShmem') != before, dtype=torch.uint8)
-        dist.all_reduce(grew, op=dist.ReduceOp.MAX)
-        if not grew:
-            return
+    """Steps a new pipeline past its first step of these shapes, which sends headers,
+    and makes the buffers of its words."""
+    step()
+    step()

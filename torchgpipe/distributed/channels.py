@@ -131,8 +131,10 @@ class Channels:
         self.watchers = Watchers()
         #: Sends in flight to each rank, and what they send (kept until they end).
         self.sending: Dict[int, Received] = {}
-        #: Words posted to be received, by tag ``('word', rank, n)``.
+        #: Words posted to be received, by tag ``('word', rank, n)``, and the
+        #: buffers of words read, for the next (a step's peak holds none anew).
         self.posted_words: Dict[Any, Tensor] = {}
+        self.word_buffers: List[Tensor] = []
         #: Tensors posted to be received and watched, by tag ``('tensors', n)``.
         self.watched: Dict[Any, Received] = {}
         self.count = 0
@@ -166,7 +168,8 @@ class Channels:
 
     def expect_word(self, rank: int) -> None:
         """Posts the receive of the next word from ``rank``, watched."""
-        buffer = torch.empty(8 + WORD_LIMIT, dtype=torch.uint8)
+        buffer = self.word_buffers.pop() if self.word_buffers else \
+            torch.empty(8 + WORD_LIMIT, dtype=torch.uint8)
         work, = operations(dist.irecv, [buffer], rank, self.words, self.word_tag)
         self.count += 1
         tag = ('word', rank, self.count)
@@ -206,7 +209,9 @@ class Channels:
                 buffer = self.posted_words.pop(tag)
                 if error is not None:
                     return 'lost', tag[1], error
-                return 'word', tag[1], read_word(buffer, tag[1])
+                word = read_word(buffer, tag[1])
+                self.word_buffers.append(buffer)
+                return 'word', tag[1], word
             received = self.watched.pop(tag)
             if error is not None:
                 return 'lost', tag[1], error
