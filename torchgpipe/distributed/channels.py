@@ -80,10 +80,11 @@ def serve(jobs: 'queue.SimpleQueue[Optional[Tuple[List[dist.Work], Any]]]',
         works, tag = job
         error: Optional[BaseException] = None
         try:
-            for work in works:
-                work.wait()
+            while works:
+                works.pop(0).wait()
         except BaseException as exc:
             error = exc
+        # Holds no operation, which holds its tensor, while it idles.
         del works, job
         ended.put((tag, error))
         with lock:
