@@ -1,13 +1,5 @@
-"""The core of a pipeline across processes: this rank's partitions, and the wire to the others.
-
-:class:`RankCore` is the :class:`~torchgpipe.engine.core.Core` that a
-:class:`~torchgpipe.distributed.DistributedGPipe` holds. Its steps run on
-the same executor as one process's, the partitions of other ranks absent
-and their messages on a :class:`~torchgpipe.distributed.wire.Wire`; around
-each step, it makes every rank agree on what runs, sums the gradients of
-parameters tied across ranks, and, when a step fails, tells every rank and
-refuses further steps.
-"""
+"""This rank's share of a pipeline across processes: its partitions on the one-process
+executor, the other ranks' messages on a :class:`~torchgpipe.distributed.wire.Wire`."""
 import json
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -38,28 +30,17 @@ from torchgpipe.skip.layout import SkipLayout
 
 __all__ = ['RankCore']
 
-#: What a rank makes of its input and target (see split_given): the
-#: micro-batches of each, and their sizes, each ``None`` if not given.
+#: The micro-batches of the input and target, and their sizes (see split_given), or ``None``.
 Given = Tuple[Optional[List[microbatch.Batch]], Optional[List[TensorOrTensors]],
               Optional[List[int]]]
-#: What a step of micro-batches of given sizes runs: its schedule, the weight
-#: of each micro-batch's loss, and its checkpoint stop.
+#: A step's schedule, its micro-batches' loss weights and its checkpoint stop.
 Prepared = Tuple[Schedule, List[float], int]
 
 
 class RankCore(Core):
-    """This rank's share of a pipeline across the processes of a group.
-
-    Args:
-        partitions: the partitions of this rank, by index
-        device: this rank's device
-        rank_of: the rank in ``group`` of every partition
-        ranks: the global rank of every rank of ``group``
-        group: the processes of the pipeline
-        tied: the parameters this rank shares with layers of other ranks
-        skip_layout, chunks, checkpoint: as for :class:`~torchgpipe.engine.core.Core`
-        timeout: the step timeout, in seconds, or ``None``
-    """
+    """This rank's partitions, by index, of a pipeline over ``group`` (partition ``j`` on its
+    rank ``rank_of[j]``, global rank ``ranks[rank_of[j]]``). Each step agrees on what runs
+    and sums tied gradients; a failed one is told to every rank and refuses further steps."""
 
     def __init__(self, partitions: Dict[int, nn.Sequential], device: torch.device,
                  rank_of: List[int], ranks: List[int], group: Optional[dist.ProcessGroup],
@@ -77,31 +58,26 @@ class RankCore(Core):
         self.routes = {key: route for key, route in skip_layout.by_ns_name.items()
                        if route[0] != route[1]}
         self.channels = Channels(device, ranks, dist.get_backend(group))
-        #: The sequences of messages of the signatures run before (see Wire).
+        #: The message sequences of the signatures run before (see Wire).
         self.known: 'OrderedDict[str, Sequences]' = OrderedDict()
         #: Why the pipeline cannot run any more, after a failed step.
         self.broken: Optional[str] = None
 
     def check_whole(self) -> None:
-        """Refuses a step after one that failed: every step checks it first.
-
-        Raises:
-            RuntimeError: an earlier step failed
-        """
+        """Raises ``RuntimeError`` after a failed step: every step checks it first."""
         if self.broken is not None:
             raise RuntimeError(f'an earlier step failed ({self.broken}): the ranks of '
                                'this pipeline no longer agree on the messages between them; '
                                'restart the job, from a checkpoint')
 
     def tied(self) -> List[nn.Parameter]:
-        """The parameters shared with other ranks, whose gradients are summed as a step ends."""
+        """The parameters shared with other ranks, their gradients summed as a step ends."""
         return self.tied_gradients.parameters()
 
     def train(self, input: Optional[TensorOrTensors], target: Optional[TensorOrTensors],
               loss_fn: LossFunction, schedule: ScheduleLike, reduction: str, training: bool,
               done: Optional[Done] = None) -> Tensor:
-        """A training step over the ranks, its arguments checked: see
-        :meth:`DistributedGPipe.train_step
+        """See :meth:`DistributedGPipe.train_step
         <torchgpipe.distributed.DistributedGPipe.train_step>`."""
         self.check_whole()
         workers = [f'rank {r}' for r in self.rank_of]
@@ -123,8 +99,7 @@ class RankCore(Core):
             with deferred_step(self.deferred_batch_norms, len(step.shared.batches)):
                 loss = step.run()
             loss, received = wire.finish(loss, self.tied_gradients.shares(wire.others))
-        # Every rank is past the end of the step: copies of a tied parameter
-        # refused here leave no rank waiting, and the pipeline whole.
+        # Past every rank's step end: unequal tied copies refused here leave the pipeline whole.
         self.tied_gradients.sum(received)
         return cast(Tensor, loss)
 
@@ -132,8 +107,7 @@ class RankCore(Core):
                  loss_fn: Optional[LossFunction], reduction: str,
                  output_fn: Optional[Callable[[TensorOrTensors], Any]],
                  everywhere: bool = False) -> Any:
-        """An evaluation step over the ranks, its arguments checked and the layers in
-        evaluation mode: see :meth:`DistributedGPipe.eval_step
+        """See :meth:`DistributedGPipe.eval_step
         <torchgpipe.distributed.DistributedGPipe.eval_step>`."""
         self.check_whole()
 
@@ -158,33 +132,17 @@ class RankCore(Core):
     def wired(self, arguments: Callable[[], Tuple[Given, Dict[str, Any]]],
               loss_fn: Optional[LossFunction], prepare: Callable[[List[int]], Prepared], *,
               done: Optional[Done] = None, train: bool = True) -> Iterator[Tuple[Step, Wire]]:
-        """A step (a training step's, or an evaluation's) of this rank's data, its mailbox
-        the wire.
+        """A step of this rank's data, its mailbox the wire (an evaluation unless ``train``).
 
-        On entry every rank agrees on the step (ranks that disagree all raise
-        here, before any message), and a rank given no data learns the sizes
-        of the micro-batches; the body runs the step and finishes the wire. A
-        failure in the body is told to every rank, and breaks the pipeline.
-
-        Args:
-            arguments: checks this rank's arguments; returns what
-                :func:`~torchgpipe.engine.inputs.split_given` made of its
-                input and target, and more of the step, which every rank
-                must run alike
-            prepare: the schedule, the weights of the losses and the checkpoint
-                stop (see :class:`~torchgpipe.engine.step.Step`) of micro-batches
-                of these sizes
-            train: a training step, whose end carries the gradients of tied
-                parameters; else an evaluation
-        """
+        On entry every rank agrees on the step (``arguments()`` checks this rank's arguments,
+        ``prepare(sizes)`` makes its schedule), raising together before any message; a
+        failure in the body is told to every rank and breaks the pipeline."""
         given: Given = (None, None, None)
         signature: Dict[str, Any] = {}
         prepared: Optional[Prepared] = None
         problem: Optional[Exception] = None
-        # What this rank refuses (a layer that cannot run in its mode, data
-        # that does not split or fit the schedule), every rank refuses in the
-        # agreement, before any message. A rank given no data prepares once it
-        # has the sizes, which the others have checked.
+        # What one rank refuses, all refuse in the agreement. A rank given no data
+        # prepares once it has the sizes.
         try:
             self.check_modes()
             given, signature = arguments()
@@ -213,22 +171,21 @@ class RankCore(Core):
         except Mismatch:
             self.tied_gradients.abandon()
             if problem is not None:
-                # This rank's own error, as it was raised (not in the Mismatch's context).
+                # This rank's own error, not in the Mismatch's context.
                 raise problem from problem.__cause__
             raise
         except BaseException as exc:
             self.tied_gradients.abandon()
             self.broken = f'{type(exc).__name__} on rank {dist.get_rank()}'
-            # Ranks waiting for this one's messages raise PeerFailed, and tell
-            # the ranks waiting for theirs in turn.
+            # Ranks waiting for this one raise PeerFailed, and tell those waiting for them.
             wire.fail(exc)
             self.channels.abandon()
             raise
 
 
 def schedule_label(schedule: ScheduleLike) -> str:
-    """The schedule of a step, as the ranks agree on it before a rank given no data
-    knows the micro-batches: a built-in one's name, or a schedule's name and digest."""
+    """A built-in schedule's name, or a schedule's name and digest: what the ranks agree
+    on before a rank given no data knows the micro-batches."""
     name = built_in(schedule)
     if name is not None:
         return name
@@ -237,8 +194,7 @@ def schedule_label(schedule: ScheduleLike) -> str:
 
 
 def described(value: Any) -> Optional[str]:
-    """A digest of ``value``'s structure, each tensor as its shape, type and
-    whether it requires grad: what makes the shapes of a step's messages."""
+    """A digest of ``value``'s structure and tensor metadata: what shapes a step's messages."""
     if value is None:
         return None
     tensors: List[Tensor] = []

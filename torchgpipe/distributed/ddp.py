@@ -1,13 +1,5 @@
-"""train_step for data-parallel replicas of a pipeline, wrapped in DistributedDataParallel.
-
-DistributedDataParallel averages gradients from hooks that its ``forward``
-arms for the one ``backward()`` to follow. ``train_step`` calls neither: it
-runs a backward pass per micro-batch and partition. :func:`train_step` here
-does what DDP's forward and backward would do around the pipeline's own
-step: broadcast the buffers from the group's first rank before it, and
-average the gradients over the group as the partitions finish
-(:class:`~torchgpipe.distributed.reduce.AllReduce`).
-"""
+"""train_step for data-parallel replicas of a pipeline, wrapped in DistributedDataParallel,
+whose hooks ``train_step`` never arms: it does DDP's work around the pipeline's own step."""
 from typing import Dict, List, Sequence, Tuple
 
 import torch
@@ -30,45 +22,28 @@ __all__ = ['train_step']
 def train_step(model: DistributedDataParallel, input: TensorOrTensors,
                target: TensorOrTensors, loss_fn: LossFunction, *, schedule: ScheduleLike = '1f1b',
                reduction: str = 'mean') -> Tensor:
-    """Runs :meth:`GPipe.train_step <torchgpipe.GPipe.train_step>` on one
-    data-parallel replica, averaging the gradients over the replicas as DDP does.
+    """Runs :meth:`GPipe.train_step <torchgpipe.GPipe.train_step>` on one data-parallel
+    replica, averaging the gradients over the replicas as DDP does.
 
-    Every process of ``model``'s group calls it with its own share of the
-    global mini-batch. Afterwards, every replica's parameters hold in
-    ``.grad`` (added to what they held) the gradients that
-    ``loss_fn(model(input), target).backward()`` gives under
-    DistributedDataParallel over the unwrapped model: the average over the
-    replicas of each one's gradients. As DDP does:
-
-    - before the step, the buffers (BatchNorm's running statistics, say) are
-      broadcast from the group's first rank, if ``model.broadcast_buffers``
-      and the step before did not run inside ``no_sync()``;
-    - inside :meth:`model.no_sync() <torch.nn.parallel.DistributedDataParallel.no_sync>`
-      the gradients stay local, to be averaged with the next step's;
-    - a parameter no replica gave a gradient keeps ``None``; one that some
-      replica did gets the average, zeros standing for the others.
-
-    Each partition's gradients are all-reduced as soon as its last backward
-    pass is done, while the partitions before it still compute. A
-    communication hook registered on ``model`` is not used.
+    Every process of ``model``'s group calls it with its share of the mini-batch; ``.grad``
+    then adds DDP's gradients over the unwrapped model. Buffers are broadcast and
+    :meth:`~torch.nn.parallel.DistributedDataParallel.no_sync` is honoured as DDP does; a
+    communication hook is not used.
 
     Args:
-        model (torch.nn.parallel.DistributedDataParallel): a :class:`~torchgpipe.GPipe`,
-            or a :class:`~torchgpipe.distributed.DistributedGPipe` (its
-            replicas: the ranks holding the same partition), wrapped in
-            :class:`~torch.nn.parallel.DistributedDataParallel`
+        model (torch.nn.parallel.DistributedDataParallel): a :class:`~torchgpipe.GPipe` or
+            :class:`~torchgpipe.distributed.DistributedGPipe`, wrapped
         input, target, loss_fn, schedule, reduction: as for
             :meth:`GPipe.train_step <torchgpipe.GPipe.train_step>`
 
     Returns:
-        torch.Tensor: the loss of this replica's mini-batch, on the last
-        device, without autograd history
+        torch.Tensor: this replica's loss, on the last device, without autograd history
 
     Raises:
         TypeError: ``model`` is not a GPipe (or a DistributedGPipe) wrapped in
-            DistributedDataParallel; or as for :meth:`GPipe.train_step
+            DistributedDataParallel
+        ValueError, TypeError, RuntimeError: as for :meth:`GPipe.train_step
             <torchgpipe.GPipe.train_step>`
-        ValueError, RuntimeError: as for :meth:`GPipe.train_step <torchgpipe.GPipe.train_step>`
 
     Example::
 
@@ -92,8 +67,7 @@ def train_step(model: DistributedDataParallel, input: TensorOrTensors,
     check_step(reduction, loss_fn)
     group = model.process_group
     ignored = model.parameters_to_ignore
-    # DDP's forward broadcasts the buffers unless the step before it ran
-    # inside no_sync(), and remembers for the next whether this one did.
+    # As DDP's forward: no broadcast after a step inside no_sync().
     if model.require_forward_param_sync and getattr(model, 'forward_sync_buffers',
                                                     model.broadcast_buffers):
         broadcast([b for name, b in module.named_buffers() if name not in ignored], group)
@@ -102,8 +76,7 @@ def train_step(model: DistributedDataParallel, input: TensorOrTensors,
     if not model.require_backward_grad_sync:  # inside no_sync()
         return core.train(input, target, loss_fn, schedule, reduction, module.training)
     names = {id(p): name for name, p in module.named_parameters()}
-    # Tied parameters get their gradients as the step ends (summed over the
-    # ranks, or over the partitions' shares): averaged after it.
+    # Tied parameters' gradients are final as the step ends: averaged after it.
     reducer = AllReduce({j: [p for p in partition.parameters() if names[id(p)] not in ignored]
                          for j, partition in core.partitions.items()}, group,
                         [p for p in core.tied() if names[id(p)] not in ignored])

@@ -1,30 +1,6 @@
-"""The norm of a pipeline's gradients over its ranks, for clipping them as one model.
-
-:func:`torch.nn.utils.clip_grad_norm_` on the parameters of one rank sees a
-part of the model: each rank would clip by the norm of its own gradients,
-and the ranks by different factors.
-:meth:`DistributedGPipe.clip_grad_norm_
-<torchgpipe.distributed.DistributedGPipe.clip_grad_norm_>` computes
-the norm the unwrapped module's gradients have, on every rank alike:
-
-1. each rank computes the norm of each of its gradients, as torch does
-   (one kernel over the tensors of a device and dtype, where torch would use it);
-2. one all-reduce gathers them into a vector with a slot for every
-   parameter of the unwrapped module, in its order. Each slot is written by
-   the one rank that counts the parameter (the first rank holding a copy of
-   a tied one) and holds zeros on the others, so the sum is the value
-   itself, exactly: ``x + 0 == x``;
-3. every rank stacks the norms in the unwrapped module's order and takes
-   their norm, as torch does, from the same vector: the same total, bit for
-   bit, on every rank, and torch's on the unwrapped module given the same
-   gradients. Every rank then scales its own gradients by the same factor.
-
-::
-
-    rank 0:  [ |g0|   |g1|    0      0   ]  ─┐
-                                              ├─ all-reduce (sum) ─►  [|g0| |g1| |g2| |g3|]
-    rank 1:  [  0      0    |g2|   |g3|  ]  ─┘                       ─► norm, on every rank
-"""
+"""The norm of a pipeline's gradients over its ranks, bit for bit torch's on the unwrapped
+module: one all-reduce fills a slot per parameter, written by the one rank counting it
+(zeros elsewhere, so the sum is exact); every rank takes the norm of the same vector."""
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple, cast
 
 import torch
@@ -41,10 +17,7 @@ DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
 def slots(module: nn.Module) -> Dict[str, int]:
-    """The slot of every name of a parameter of ``module``: its place in ``module.parameters()``.
-
-    A parameter under several names (tied) has one slot.
-    """
+    """The slot of every parameter name of ``module``: its place in ``module.parameters()``."""
     places: Dict[int, int] = {}
     for p in module.parameters():
         places.setdefault(id(p), len(places))
@@ -71,8 +44,7 @@ def norms_of(grads: Sequence[Tensor], norm_type: float, foreach: Optional[bool])
 
 
 def in_torch_order(norms: List[Tensor]) -> List[Tensor]:
-    """``norms`` in the order torch stacks them: grouped by dtype, as
-    :func:`torch.nn.utils.clip_grad_norm_` groups the gradients of one device."""
+    """``norms`` grouped by dtype, as :func:`torch.nn.utils.clip_grad_norm_` stacks them."""
     grouped = _group_tensors_by_device_and_dtype(
         [[torch.empty(0, dtype=n.dtype) for n in norms]], with_indices=True)
     return [norms[i] for _, (_, indices) in grouped.items() for i in indices]
@@ -82,19 +54,8 @@ def in_torch_order(norms: List[Tensor]) -> List[Tensor]:
 def total_norm(counted: Sequence[Tuple[int, Tensor]], size: int, norm_type: float,
                device: torch.device, group: Optional[dist.ProcessGroup],
                foreach: Optional[bool] = None) -> Tensor:
-    """The norm of every rank's gradients, the same tensor value on every rank.
-
-    Args:
-        counted: this rank's gradients, each with its slot (see :func:`slots`)
-        size: the number of slots
-        norm_type: the p of the p-norm (``inf`` for the largest absolute value)
-        device: where to gather the norms (the process group's device)
-        group: the ranks of the pipeline
-        foreach: as for :func:`torch.nn.utils.clip_grad_norm_`
-
-    Returns:
-        the norm, on ``device``: a tensor of zero dimensions
-    """
+    """The norm (zero-dimensional, on ``device``) of every rank's gradients, each of
+    ``counted`` with its slot out of ``size``, the same on every rank."""
     vector = torch.zeros(2, size, dtype=torch.float64, device=device)
     if counted:
         places, grads = zip(*counted)

@@ -14,12 +14,8 @@ __all__: List[str] = []
 
 
 def ranks_of_partitions(balance: List[int], size: int, placement: str) -> List[int]:
-    """The rank of each partition over ``size`` ranks, laid out as ``placement`` says.
-
-    Raises:
-        ValueError: the partitions do not divide evenly among the ranks, or
-            ``placement`` is not ``'loop'``, or ``'v'`` with two partitions per rank
-    """
+    """The rank of each partition over ``size`` ranks, laid out as ``placement`` says;
+    ``ValueError`` for an unknown placement or partitions that do not divide evenly."""
     if placement not in ('loop', 'v'):
         raise ValueError(describe("placement must be 'loop' or 'v'", f'placement: {placement!r}',
                                   "use placement='loop' (partition j on rank j % size), or "
@@ -40,27 +36,10 @@ def ranks_of_partitions(balance: List[int], size: int, placement: str) -> List[i
 def agree_on_layout(module: nn.Sequential, arguments: Dict[str, Any],
                     problem: Optional[Exception], group: Optional[dist.ProcessGroup],
                     ranks: List[int], device: Optional[torch.device]) -> None:
-    """Checks that every rank of ``group`` can build the pipeline, and cuts the same layers
-    alike, in one exchange.
-
-    A rank that raised alone would leave the others waiting for it in the
-    exchange. Ranks that disagree on ``arguments`` (the balance, the
-    placement, the checkpoint mode, deferred BatchNorm) or build different
-    layers would run some layers twice and others never, and each step's
-    agreement, on its micro-batches, would not see it.
-
-    Args:
-        arguments: what decides the layout, checked unless there is a ``problem``
-        problem: what this rank's checks of its arguments raised, if anything
-        ranks: the global rank of every rank of ``group``
-        device: this rank's device; ``None`` if it is not a good one
-
-    Raises:
-        Exception: ``problem``, on its rank, once every other rank knows of it
-        Mismatch: on every other rank, if a rank has a problem; on every
-            rank, if any differ: the arguments that do, or the number of
-            layers, or the first layer whose type or parameters do
-    """
+    """Checks in one exchange that every rank of ``group`` can build the pipeline and cuts
+    the layers alike (``device`` is ``None`` if this rank's is unusable). Raises ``problem``
+    on its rank once the others know, :exc:`~torchgpipe.distributed.Mismatch` on the
+    others, or on all if ``arguments`` or layers differ."""
     if device is None:  # the device of the backend's collectives
         device = torch.device('cuda', torch.cuda.current_device()) \
             if dist.get_backend(group) == 'nccl' else torch.device('cpu')
@@ -80,7 +59,6 @@ def agree_on_layout(module: nn.Sequential, arguments: Dict[str, Any],
             raise Mismatch(f'rank {rank} cannot build the pipeline: {theirs}')
     said = [{**theirs, 'layers': len(described)} for theirs, described, _ in everyone]
     if len({values['layers'] for values in said}) == 1:
-        # Their first layer whose type or parameters differ, if any.
         for k in range(len(layers)):
             if any(theirs[k] != everyone[0][1][k] for _, theirs, _ in everyone):
                 for values, (_, theirs, _) in zip(said, everyone):
@@ -98,12 +76,8 @@ def agree_on_layout(module: nn.Sequential, arguments: Dict[str, Any],
 
 def all_gather_bytes(data: bytes, group: Optional[dist.ProcessGroup],
                      device: torch.device) -> List[bytes]:
-    """What each rank of ``group`` gave, in rank order: the sizes first, then
-    the bytes, padded to the longest (on ``device``: CUDA for NCCL).
-
-    Unlike :func:`torch.distributed.all_gather_object`, it needs no NumPy,
-    which torch does not require.
-    """
+    """What each rank of ``group`` gave, in rank order (on ``device``: CUDA for NCCL);
+    unlike :func:`torch.distributed.all_gather_object`, without NumPy."""
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)
     sizes = [torch.empty_like(size) for _ in range(dist.get_world_size(group))]
     dist.all_gather(sizes, size, group=group)

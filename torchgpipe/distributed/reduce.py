@@ -1,20 +1,11 @@
-"""Averaging a training step's gradients over data-parallel replicas, partition by partition.
-
-:meth:`GPipe.train_step <torchgpipe.GPipe.train_step>` runs its backward
-passes itself, one per micro-batch and partition, so DistributedDataParallel's
-reducer (which expects one ``backward()`` of one graph) never sees them.
-:class:`AllReduce` does its work instead, as DDP would: each gradient is
-divided by the size of the group and summed over it. A partition's
-gradients are final once its last backward action is done, and the schedule
-finishes the partitions from the last to the first, so each partition's
-all-reduce runs while the partitions before it still compute::
+"""Averaging a step's gradients over data-parallel replicas, partition by partition, as
+DDP's reducer would, had it seen the step's backward passes. Each partition's all-reduce
+starts once its last backward action is done, from the last partition, in that order on
+every rank::
 
     partition 2   B B B B ─► all-reduce(2)
     partition 1     B B B B ─► all-reduce(1)
     partition 0       B B B B ─► all-reduce(0) ─► wait for the three, write back
-
-Every rank must launch its collectives in one order: they are launched in
-the order of the partitions, from the last, whichever worker finishes first.
 """
 import threading
 from typing import Dict, List, Optional, Sequence, Set, Tuple
@@ -29,20 +20,10 @@ Bucket = Tuple[List[nn.Parameter], Tensor]
 
 
 class AllReduce:
-    """Averages the gradients of the partitions here over ``group``, as they become final.
-
-    Alongside the gradients, each bucket sums one flag per parameter: whether
-    the rank gave it a gradient. A parameter no rank gave one keeps ``None``;
-    one that some rank did gets the average, zeros standing for the others,
-    as DistributedDataParallel with ``find_unused_parameters=True`` gives.
-
-    Args:
-        parameters: the parameters of each partition here, by partition index
-        group: the process group (``None``: the default group)
-        after: parameters whose gradients are final only after the step
-            (tied weights, whose shares are summed as it ends): averaged
-            last, by :meth:`wait`, and not with their partition
-    """
+    """Averages the gradients of the ``parameters`` of each partition here over ``group``
+    as they become final, ``after`` ones (tied) in :meth:`wait`. A flag per parameter
+    says which ranks gave a gradient: as DDP with ``find_unused_parameters=True``, the
+    average counts zeros for the others, and ``None`` stays if no rank gave one."""
 
     def __init__(self, parameters: Dict[int, Sequence[nn.Parameter]],
                  group: Optional[dist.ProcessGroup],
@@ -51,14 +32,14 @@ class AllReduce:
         self.size = dist.get_world_size(group)
         seen: Set[int] = set()
         self.parameters: Dict[int, List[nn.Parameter]] = {}
-        # Under index -1, which no partition reports done: wait() launches it, last.
-        # First here, it takes the tied parameters from their partitions.
+        # Index -1 (tied) comes first here, taking them from their partitions, and
+        # launches last, in wait(): no partition reports it done.
         every = {-1: after, **parameters}
         for j in sorted(every):
             mine = [p for p in every[j] if p.requires_grad and id(p) not in seen]
             seen.update(id(p) for p in mine)
             self.parameters[j] = mine
-        #: The partitions still to launch, the next one last.
+        #: The partitions still to launch, the next last.
         self.pending = sorted(self.parameters)
         self.done_partitions: Set[int] = set()
         self.lock = threading.Lock()
@@ -72,7 +53,7 @@ class AllReduce:
                 self.launch(self.pending.pop())
 
     def launch(self, j: int) -> None:
-        # One bucket per device and type: a collective takes tensors of one kind.
+        # A collective takes tensors of one device and type.
         groups: Dict[Tuple[torch.device, torch.dtype], List[nn.Parameter]] = {}
         for p in self.parameters[j]:
             groups.setdefault((p.device, p.dtype), []).append(p)
@@ -88,7 +69,7 @@ class AllReduce:
             self.launched.append((work, (params, flat)))
 
     def wait(self) -> None:
-        """Launches what is left, waits for every all-reduce and writes the averages back."""
+        """Launches what is left, waits for it all and writes the averages back."""
         with self.lock:
             while self.pending:
                 self.launch(self.pending.pop())

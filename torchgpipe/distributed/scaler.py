@@ -1,23 +1,5 @@
-"""Loss scaling across the ranks of a pipeline: one decision to skip a step, taken by all.
-
-:class:`torch.amp.GradScaler` unscales the gradients an optimizer holds and
-skips its step when one of them is infinite or NaN. On a rank of a
-:class:`~torchgpipe.distributed.DistributedGPipe`, the optimizer holds that
-rank's gradients only: an overflow in one partition would make its rank skip
-the step while the others take theirs, and the copies of the model would no
-longer be one model, silently. :class:`GradScaler` adds one all-reduce to the
-unscaling: the flag "found an infinity" of every rank, combined by ``max``,
-so that every rank skips, or steps, and updates its scale alike::
-
-    rank 0:  unscale ─► found 0 ─┐                 ┌─► found 1: skip, scale / 2
-                                 ├─ all-reduce max ┤
-    rank 1:  unscale ─► found 1 ─┘                 └─► found 1: skip, scale / 2
-
-Only the last partition's rank calls ``loss_fn``, and so ``scaler.scale``:
-the gradients the other ranks receive are scaled all the same. Their scale
-starts at ``init_scale`` as the last rank's does, and every update is the
-same on every rank, so every rank unscales by the factor the loss was scaled by.
-"""
+"""Loss scaling whose ranks skip a step together: an overflow on one rank skipping its
+step alone would split the model."""
 from typing import List, Optional
 
 import torch
@@ -27,16 +9,12 @@ __all__ = ['GradScaler']
 
 
 class GradScaler(torch.amp.GradScaler):
-    """A :class:`torch.amp.GradScaler` for the ranks of a pipeline (or a group of
-    pipelines), which skip a step together when any rank finds an infinity or NaN.
+    """A :class:`torch.amp.GradScaler` whose ranks (of a pipeline, or of its replicas too)
+    skip a step together when any finds an infinity or NaN.
 
-    Use it as torch's, on every rank, with ``scaler.scale`` inside the
-    ``loss_fn`` of :meth:`~torchgpipe.distributed.DistributedGPipe.train_step`
-    (the rank of the last partition calls it). Each :meth:`unscale_` (and
-    ``step``, which unscales first if need be) is a collective of
-    ``group``: every rank calls it, for the same number of optimizers, in the
-    same order. In one process, :class:`torch.amp.GradScaler` itself sees every
-    gradient of a :class:`~torchgpipe.GPipe`: it needs no other.
+    Use it as torch's, on every rank, ``scaler.scale`` inside ``loss_fn``. Each
+    :meth:`unscale_` (and ``step``) is a collective: every rank calls it, for the same
+    optimizers in the same order.
 
     Args:
         device (str): as for :class:`torch.amp.GradScaler` (default: ``'cuda'``)
@@ -44,9 +22,8 @@ class GradScaler(torch.amp.GradScaler):
             as for :class:`torch.amp.GradScaler`
 
     Keyword Args:
-        group (torch.distributed.ProcessGroup, optional): the ranks that skip
-            together: every rank of the pipeline, and of its replicas under
-            DDP (default: the default group)
+        group (torch.distributed.ProcessGroup, optional): the ranks that skip together,
+            the pipeline's and its replicas' (default: the default group)
 
     Example::
 
@@ -71,17 +48,12 @@ class GradScaler(torch.amp.GradScaler):
         self.group = group
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Unscales the optimizer's gradients, as :meth:`torch.amp.GradScaler.unscale_`,
-        and finds an infinity or NaN if any rank of the group finds one.
-
-        Raises:
-            RuntimeError: as :meth:`torch.amp.GradScaler.unscale_` raises
-        """
+        """:meth:`torch.amp.GradScaler.unscale_`, raising as it does, that finds an infinity
+        or NaN if any rank of the group finds one."""
         if not self.is_enabled():
             return
         if self._scale is None:
-            # A rank that computes no loss has not scaled one: its gradients
-            # are scaled by the last rank's scale, the same as this one's.
+            # No loss scaled here: the last rank's scale, equal to this one's, applies.
             self._lazy_init_scale_growth_tracker(torch.device(self._device))
         super().unscale_(optimizer)
         found: List[torch.Tensor] = list(

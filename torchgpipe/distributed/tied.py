@@ -1,41 +1,16 @@
-"""Tied parameters across ranks: a copy on each rank that uses it, its gradient summed over them.
+"""Parameters tied across ranks: a copy on each rank that uses one, its gradient summed.
 
-A parameter shared by layers of partitions on different ranks (GPT-2's token
-embedding and its head, on the first rank and the last) cannot be one tensor
-as it is in one process (``torchgpipe.foundation.tied``): every rank holding a layer
-that uses it keeps its own copy. The copies start equal, every rank building
-the same module, and stay equal if their gradients are: at the end of each
-step, every holding rank sends the others the gradient its own uses gave in
-this step, within the messages that end the step anyway
-(:meth:`Wire.finish <torchgpipe.distributed.wire.Wire.finish>`), and each
-adds the gradients up in the order of the partitions that use it (that of
-their ranks, with one partition per rank), so that every copy gets the
-same sum, bit for bit, which an optimizer then turns into the same update::
-
-    rank 0  (embedding)  g0 ──┐            ┌─► g0 + g1
-                              ├─ exchange ─┤
-    rank 1  (head)       g1 ──┘            └─► g0 + g1
-
-The sum is the gradient of the one parameter in one process, bit for bit:
-``train_step`` in one process adds it in the same order
-(``torchgpipe.foundation.tied.shares_apart``). A rank with several
-partitions using it (the first and the last, in a V) keeps their
-gradients apart as one process does: the later ones' uses go through
-``torchgpipe.foundation.tied.Share`` into shares of their own, and the
-rank sends, and adds, one gradient per partition::
+At each step's end the holding ranks exchange their gradients
+(:meth:`Wire.finish <torchgpipe.distributed.wire.Wire.finish>`) and each adds them in
+the order of the partitions using it, as one process does, so every copy gets the
+same sum bit for bit. A rank's later partitions using it add their own share::
 
     rank 0  (partitions 0, 3)  g0 = .grad, g3 = share ─┐
-                                                       ├─► g0 + g1 + g3
+                                                       ├─► g0 + g1 + g3, on both ranks
     rank 1  (partition 1)      g1 ─────────────────────┘
 
-A gradient left by earlier steps (accumulated without ``zero_grad()``) is set
-aside while the step runs and added back after the sum: it has been summed
-over the ranks already.
-
-The copies are equal only if every rank builds the module alike (a seed
-forgotten on one rank, and they would train apart in silence): the first
-step, and the first after a ``load_state_dict()``, also sends the copies
-themselves, and a rank whose copy differs from another's raises.
+Gradients of earlier steps are set aside meanwhile. The first step, and the first after
+a load, also compare the copies: a rank that built the module apart (a forgotten seed) raises.
 """
 from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, cast
 
@@ -47,8 +22,7 @@ from torchgpipe.foundation.validation import describe
 
 __all__: List[str] = []
 
-#: What a rank sends another: the gradient of each tie they share (``None``
-#: if its uses gave none), and, to compare them, the copies, or ``None``.
+#: What a rank sends another: its gradients of the ties they share, and the copies or ``None``.
 Share = Tuple[List[Optional[Tensor]], Optional[List[Optional[Tensor]]]]
 
 
@@ -57,8 +31,7 @@ class Tie(NamedTuple):
 
     #: Its name in the unwrapped module (where it is first found).
     key: str
-    #: The global rank of each partition using it, in their order (a rank
-    #: twice for two of its partitions): the order its gradients are added in.
+    #: The global rank of each partition using it, in order, which its gradients are added in.
     ranks: Tuple[int, ...]
     #: A layer of this rank that uses it, and the name it has there.
     layer: nn.Module
@@ -67,23 +40,14 @@ class Tie(NamedTuple):
     local: str
 
     def parameter(self) -> Optional[nn.Parameter]:
-        # Looked up at every step: load_state_dict(assign=True) replaces it.
+        # Looked up each step, as load_state_dict(assign=True) replaces it.
         return self.layer._parameters[self.name]
 
 
 def ties_across_ranks(partitions: Sequence[nn.Module], ranks: Sequence[int],
                       me: int) -> List[Tie]:
-    """The parameters this rank shares with other ranks.
-
-    Args:
-        partitions: every partition of the pipeline
-        ranks: the global rank of each partition
-        me: this process's global rank
-
-    Returns:
-        the ties of this rank, in the order of their names, which every rank
-        sees alike
-    """
+    """The ties of global rank ``me`` given every partition's global rank, sorted by name
+    so every rank sees them alike."""
     # By tensor: the first name, the rank of each partition using it, and a use here.
     found: Dict[int, Tuple[str, Dict[int, int], List[Tuple[nn.Module, str, str]]]] = {}
     for j, (partition, rank) in enumerate(zip(partitions, ranks)):
@@ -102,14 +66,8 @@ def ties_across_ranks(partitions: Sequence[nn.Module], ranks: Sequence[int],
 
 
 class TiedGradients:
-    """Sums the gradients of this rank's ties over their partitions, once per step.
-
-    Args:
-        ties: this rank's ties (see :func:`ties_across_ranks`)
-        me: this process's global rank
-        partitions: this rank's partitions, in order, those using an earlier
-            one's parameter hooked (``torchgpipe.foundation.tied.tie_partitions``)
-    """
+    """Sums the gradients of this rank's ``ties`` over their partitions, once per step
+    (``partitions``: this rank's, hooked by ``torchgpipe.foundation.tied.tie_partitions``)."""
 
     def __init__(self, ties: Sequence[Tie], me: int,
                  partitions: Sequence[nn.Module] = ()) -> None:
@@ -118,8 +76,7 @@ class TiedGradients:
         self.hooks = tied_uses(partitions)
         #: The gradients of earlier steps, set aside during a step.
         self.kept: List[Optional[Tensor]] = []
-        #: Whether the next step sends the copies too, to compare them (the
-        #: first step does, and the first after a load).
+        #: Whether the next step sends the copies too, to compare them.
         self.check = True
 
     def parameters(self) -> List[nn.Parameter]:
@@ -142,9 +99,8 @@ class TiedGradients:
             hook.shares = {}
 
     def own(self, tie: Tie) -> List[Optional[Tensor]]:
-        """This rank's gradients of ``tie`` in the step, one for each of its
-        partitions using it, in order: the first's in ``.grad``, the later
-        ones' in their shares."""
+        """This rank's step gradients of ``tie``, one per partition using it: the first's
+        ``.grad``, the later ones' shares."""
         p = tie.parameter()
         if p is None:
             return [None] * tie.ranks.count(self.me)
@@ -152,8 +108,7 @@ class TiedGradients:
                           if any(m is p for m in hook.masters()))]
 
     def shares(self, others: Iterable[int]) -> Dict[int, Share]:
-        """What this rank sends each of ``others``: its step's gradients of each
-        tie they share (see :meth:`own`), and the copies themselves if :attr:`check`."""
+        """What this rank sends each of ``others`` (see ``Share``)."""
         parameters = [tie.parameter() for tie in self.ties]
         grads = [self.own(tie) for tie in self.ties]
         values = [None if p is None else p.detach() for p in parameters]
@@ -164,14 +119,8 @@ class TiedGradients:
                 for rank in others}
 
     def sum(self, received: Dict[int, Share]) -> None:
-        """Gives each tie the sum of its ranks' gradients, in the order of their partitions.
-
-        Args:
-            received: what each other rank sent (see :meth:`shares`)
-
-        Raises:
-            ValueError: a copy another rank sent differs from this rank's
-        """
+        """Gives each tie the sum of the gradients ``received`` and its own, in partition
+        order; ``ValueError`` if a copy received differs from this rank's."""
         try:
             for rank, (_, values) in received.items():
                 if values is not None:
@@ -190,7 +139,7 @@ class TiedGradients:
         self.end()
 
     def compare(self, rank: int, values: List[Optional[Tensor]]) -> None:
-        """Refuses copies of ``rank`` (those of the ties it shares) unequal to this rank's."""
+        """Refuses ``rank``'s copies of the ties it shares unequal to this rank's."""
         shared = [tie for tie in self.ties if rank in tie.ranks]
         for tie, value in zip(shared, values):
             p = tie.parameter()
