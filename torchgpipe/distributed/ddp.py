@@ -31,8 +31,9 @@ def train_step(model: DistributedDataParallel, input: TensorOrTensors,
     communication hook is not used.
 
     Args:
-        model (torch.nn.parallel.DistributedDataParallel): a :class:`~torchgpipe.GPipe` or
-            :class:`~torchgpipe.distributed.DistributedGPipe`, wrapped
+        model (torch.nn.parallel.DistributedDataParallel): a wrapped :class:`~torchgpipe.GPipe`
+            or :class:`~torchgpipe.distributed.DistributedGPipe` (whose replicas are the
+            ranks holding the same partition)
         input, target, loss_fn, schedule, reduction: as for
             :meth:`GPipe.train_step <torchgpipe.GPipe.train_step>`
 
