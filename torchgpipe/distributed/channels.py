@@ -3,10 +3,10 @@
 Tensors go at their exact size, one ``isend``/``irecv`` each
 (``batch_isend_irecv`` where several go at once), the same operations on
 gloo and NCCL. Words (a step's start and end, a failure) are JSON, sent
-with a tag of their own on gloo (on a gloo group beside an NCCL one): a
+with a tag of their own on gloo (a gloo group beside an NCCL one): a
 rank hears them while it waits for a tensor, with no header per tensor::
 
-    rank 0  ── tensor (tag 0) ──────── tensor ──── word "done" (tag 7467) ──► rank 1
+    rank 0  ── tensor (tag 0) ──────── tensor ──── word "done" (tag 1) ──► rank 1
     rank 1  waits for a tensor or a word, whichever ends first, until its deadline
 
 A gloo wait cannot be interrupted, and a timed-out one closes the group's
