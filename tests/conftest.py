@@ -1,4 +1,5 @@
-"""Shared fixtures: both execution paths, the three checkpoint modes, no thread left behind.
+"""Shared fixtures: both execution paths, the three checkpoint modes, both backends, no thread
+left behind.
 
 Also: the coverage threshold of setup.cfg holds for the whole suite only, and
 tests marked ``unmeasured`` run without coverage.py's tracing.
@@ -52,6 +53,15 @@ def checkpoint(request: pytest.FixtureRequest) -> str:
     A test for some modes only parametrizes ``checkpoint`` itself, which
     overrides this fixture.
     """
+    return str(request.param)
+
+
+@pytest.fixture(scope='module', params=['gloo', pytest.param('nccl', marks=[
+    pytest.mark.cuda, pytest.mark.skipif(torch.cuda.device_count() < 2,
+                                         reason='needs 2 CUDA devices, for NCCL')])])
+def backend(request: pytest.FixtureRequest) -> str:
+    """Runs a cross-process test on gloo, and on NCCL with a GPU per rank; pass it to
+    process_group.run_distributed, whose ranks then use process_group.rank_device."""
     return str(request.param)
 
 

@@ -110,6 +110,8 @@ def _child(rank: int, world_size: int, port: int, fn: Callable[..., Any],
         coverage.process_startup()
     try:
         torch.set_num_threads(1)
+        if backend == 'nccl':  # the device of NCCL's collectives (the library's, DCP's)
+            torch.cuda.set_device(rank)
         dist.init_process_group(backend, init_method=f'tcp://127.0.0.1:{port}', rank=rank,
                                 world_size=world_size,
                                 timeout=timedelta(seconds=GLOO_TIMEOUT))
@@ -127,6 +129,13 @@ def _child(rank: int, world_size: int, port: int, fn: Callable[..., Any],
     if alone:
         os._exit(0)
     stress_ddp_exit.end_job(0)
+
+
+def rank_device() -> torch.device:
+    """This rank's device: its own GPU on NCCL, which moves CUDA tensors only; else the CPU
+    (in the parent too)."""
+    on_nccl = dist.is_initialized() and dist.get_backend() == 'nccl'
+    return torch.device('cuda', dist.get_rank()) if on_nccl else torch.device('cpu')
 
 
 def _stop(processes: List[multiprocessing.process.BaseProcess],
@@ -191,7 +200,10 @@ def take_reports(pending: Dict[Connection, int],
 def run_distributed(fn: Callable[..., Any], *args: Any, world_size: int = WORLD_SIZE,
                     timeout: float = SPAWN_TIMEOUT, dies: Collection[int] = (),
                     backend: str = 'gloo', measured: bool = True) -> List[Any]:
-    """Runs ``fn(rank, world_size, *args)`` in ``world_size`` processes of a group (gloo).
+    """Runs ``fn(rank, world_size, *args)`` in ``world_size`` processes of a ``backend`` group.
+
+    On ``backend='nccl'``, rank ``r`` uses ``cuda:r`` (:func:`rank_device`): skipped
+    without a GPU per rank.
 
     ``fn`` and ``args`` must be picklable (``fn`` a module-level function).
     The ranks in ``dies`` are expected to die without reporting (their
@@ -207,6 +219,8 @@ def run_distributed(fn: Callable[..., Any], *args: Any, world_size: int = WORLD_
             exited without reporting, or the deadline passed; the other ranks are
             terminated at once rather than left to time out
     """
+    if backend == 'nccl' and torch.cuda.device_count() < world_size:
+        pytest.skip(f'needs {world_size} CUDA devices, for NCCL')
     ctx = multiprocessing.get_context('forkserver')
     ctx.set_forkserver_preload(PRELOAD)  # read when the server starts
     processes: List[multiprocessing.process.BaseProcess] = []

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
                                                      set_state_dict)
 
 from process_group import no_child_left  # noqa: F401 (an autouse fixture)
-from process_group import run_distributed
+from process_group import rank_device, run_distributed
 from test_distributed import TOLERANCE
 from test_distributed_pipe import CHUNKS, batch, model
 from torchgpipe.distributed import DistributedGPipe
@@ -62,7 +62,7 @@ def load(module: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None
 
 
 def save_on_two(rank: int, world_size: int, path: str) -> List[float]:
-    pipe = DistributedGPipe(model('tied'), [3, 3], chunks=CHUNKS)
+    pipe = DistributedGPipe(model('tied'), [3, 3], chunks=CHUNKS, device=rank_device())
     optimizer = adam(pipe)
     losses = steps(pipe, optimizer, pipe.train_step, 0, SAVED)
     model_state, optimizer_state = get_state_dict(pipe, optimizer, options=OPTIONS)
@@ -71,7 +71,7 @@ def save_on_two(rank: int, world_size: int, path: str) -> List[float]:
 
 
 def load_on_three(rank: int, world_size: int, path: str) -> Tuple[List[float], Dict[str, Any]]:
-    pipe = DistributedGPipe(model('tied'), [2, 2, 2], chunks=CHUNKS)
+    pipe = DistributedGPipe(model('tied'), [2, 2, 2], chunks=CHUNKS, device=rank_device())
     optimizer = adam(pipe)
     load(pipe, optimizer, path)
     losses = steps(pipe, optimizer, pipe.train_step, SAVED, TOTAL)
@@ -81,11 +81,12 @@ def load_on_three(rank: int, world_size: int, path: str) -> Tuple[List[float], D
 # DCP says, reading without a process group, that it reads in one process: the intent here.
 @pytest.mark.filterwarnings('ignore:torch.distributed is disabled, unavailable or uninitialized')
 def test_saved_on_two_ranks_loaded_on_three_or_unwrapped_trains_on_as_without_a_stop(
-        tmp_path: Path) -> None:
+        tmp_path: Path, backend: str) -> None:
     path = str(tmp_path / 'checkpoint')
     # Not measured: nothing of torchgpipe runs here that other tests do not measure.
-    saved = run_distributed(save_on_two, path, timeout=90, measured=False)
-    resumed = run_distributed(load_on_three, path, world_size=3, timeout=90, measured=False)
+    saved = run_distributed(save_on_two, path, timeout=90, measured=False, backend=backend)
+    resumed = run_distributed(load_on_three, path, world_size=3, timeout=90, measured=False,
+                              backend=backend)
     plain = model('tied')
     optimizer = adam(plain)
     expected = steps(plain, optimizer, plain_step(plain), 0, TOTAL)

@@ -93,26 +93,31 @@ def unwrapped(config: Config) -> Dict[str, Any]:
 
 
 @pytest.fixture(scope='module')
-def ranks() -> Dict[int, List[Dict[str, Result]]]:
-    return {2: run_distributed(evaluate_pipelines, TWO_RANKS + VIRTUAL, timeout=150),
-            3: run_distributed(evaluate_pipelines, THREE_RANKS, world_size=3, timeout=150)}
+def ranks(backend: str) -> Dict[int, List[Dict[str, Result]]]:
+    return {2: run_distributed(evaluate_pipelines, TWO_RANKS + VIRTUAL, timeout=150,
+                               backend=backend),
+            3: run_distributed(evaluate_pipelines, THREE_RANKS, world_size=3, timeout=150,
+                               backend=backend)}
 
 
 @pytest.mark.parametrize('config', TWO_RANKS + THREE_RANKS + VIRTUAL, ids=lambda c: c.id)
 def test_evaluation_across_ranks_is_evaluation_in_one_process(
-        ranks: Dict[int, List[Dict[str, Result]]], config: Config) -> None:
+        ranks: Dict[int, List[Dict[str, Result]]], config: Config, backend: str) -> None:
     results = [r[config.id] for r in ranks[3 if config in THREE_RANKS else 2]]
     size = len(results)
     last = config.ranks(size)[-1]
     expected = one_process(config, False, size)
     assert one_process(config, True, size) == expected
     plain = unwrapped(config)
+    # Bit for bit on the CPU; GPUs round as the CPU does not.
+    exact = {'rtol': 0, 'atol': 0} if backend == 'gloo' else TOLERANCE
     for rank, result in enumerate(results):
         assert result['untouched'] and result['modes'] and result['no grad'], rank
-        assert result['loss'] == expected['loss']  # on every rank
-        assert result['everywhere'] == expected['output']
+        torch.testing.assert_close(result['loss'], expected['loss'], **exact)  # on every rank
+        torch.testing.assert_close(result['everywhere'], expected['output'], **exact)
         # Without everywhere=True, on the last partition's rank only.
-        assert result['output'] == (expected['output'] if rank == last else None)
+        torch.testing.assert_close(result['output'],
+                                   expected['output'] if rank == last else None, **exact)
     torch.testing.assert_close(torch.tensor(expected['output'], dtype=torch.float64),
                                plain['output'], **TOLERANCE)
     torch.testing.assert_close(torch.tensor(expected['loss'], dtype=torch.float64),

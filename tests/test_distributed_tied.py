@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from helpers import CHECKPOINT_MODES, captured, cpu_devices
 from process_group import no_child_left  # noqa: F401 (an autouse fixture)
-from process_group import run_distributed
+from process_group import rank_device, run_distributed
 from test_distributed import TOLERANCE
 from test_distributed_pipe import (CHUNKS, STEPS, Config, Result, assert_equal,
                                    assert_grid_trains_as_unwrapped, batch, merge, model,
@@ -51,11 +51,11 @@ def language_model(name: str, dtype: torch.dtype = torch.float64
 
 
 def tokens(step: int) -> Tuple[Tensor, Tensor]:
-    """A batch of token ids and of labels for every token."""
+    """A batch of token ids and of labels for every token, on this rank's device."""
     from benchmarks.models.zoo import B, T, V
     gen = torch.Generator().manual_seed(3000 + step)
-    return (torch.randint(0, V, (B, T), generator=gen),
-            torch.randint(0, V, (B, T), generator=gen))
+    return (torch.randint(0, V, (B, T), generator=gen).to(rank_device()),
+            torch.randint(0, V, (B, T), generator=gen).to(rank_device()))
 
 
 def token_loss(seq: nn.Sequential) -> Any:
@@ -98,7 +98,8 @@ def train_language_models(rank: int, world_size: int, models: bytes) -> Dict[str
     for key, (user, seq) in pickle.loads(models).items():
         keys = list(user.state_dict())
         registered = [(n, id(p)) for n, p in user.named_parameters(remove_duplicate=False)]
-        pipe = DistributedGPipe(seq, even(len(seq), world_size), chunks=CHUNKS)
+        pipe = DistributedGPipe(seq, even(len(seq), world_size), chunks=CHUNKS,
+                                device=rank_device())
         results[key] = train_language_model(pipe, seq, pipe.train_step)
         # The user's model is as it was, and holds what this rank trained.
         mine = {id(p) for p in pipe.parameters()}
@@ -134,24 +135,28 @@ def unwrapped_language_model(name: str) -> Result:
 
 
 @pytest.fixture(scope='module', params=[2, 3], ids=lambda n: f'{n} ranks')
-def language_model_ranks(request: pytest.FixtureRequest) -> Tuple[int, List[Dict[str, Result]]]:
+def language_model_ranks(request: pytest.FixtureRequest,
+                         backend: str) -> Tuple[int, List[Dict[str, Result]]]:
     # Not measured: the tied grid of test_distributed_pipe.py runs the same code.
-    # float32 on 2 ranks only: the order of additions is the point, not the layout.
+    # float32 on 2 ranks of gloo only: the order of additions is the point (bit for bit
+    # as one process on the CPU), not the layout.
+    float32 = request.param == 2 and backend == 'gloo'
     models = pickle.dumps({f'{name}-{dtype}': language_model(name, DTYPES[dtype])
                            for name in LANGUAGE_MODELS
-                           for dtype in (DTYPES if request.param == 2 else ['float64'])})
+                           for dtype in (DTYPES if float32 else ['float64'])})
     return request.param, run_distributed(train_language_models, models,
-                                          world_size=request.param, timeout=200, measured=False)
+                                          world_size=request.param, timeout=200, measured=False,
+                                          backend=backend)
 
 
 @pytest.mark.parametrize('dtype', list(DTYPES))
 @pytest.mark.parametrize('name', LANGUAGE_MODELS)
 def test_a_language_model_with_tied_embeddings_trains_as_one_process(
         language_model_ranks: Tuple[int, List[Dict[str, Result]]], name: str,
-        dtype: str) -> None:
+        dtype: str, backend: str) -> None:
     parts, ranks = language_model_ranks
     if f'{name}-{dtype}' not in ranks[0]:
-        pytest.skip(f'{dtype} runs on 2 ranks only')
+        pytest.skip(f'{dtype} runs on 2 ranks of gloo only')
     for rank in ranks:  # the pipeline trains the user's own parameters, left registered
         user = rank[f'{name}-{dtype}'].pop('user')
         assert user['kept'] and user['trained here'] == user['parameters here'] > 0, user
@@ -166,10 +171,10 @@ def test_a_language_model_with_tied_embeddings_trains_as_one_process(
         for kind in ('grads', 'params'):
             assert step[kind][embedding] == step[kind][head]
     # One process adds the tied gradient in the same order, on both paths:
-    # the same bits (torchgpipe.foundation.tied.shares_apart).
+    # the same bits (torchgpipe.foundation.tied.shares_apart), on the CPU.
     for threads in (False, True):
         assert_equal(actual, one_process_language_model(name, parts, dtype, threads),
-                     exact=True)
+                     exact=backend == 'gloo')
     if dtype == 'float64':
         assert_equal(actual, unwrapped_language_model(name), exact=False)
 
@@ -181,14 +186,14 @@ TIED = Config('tied', (3, 3), '1f1b', 'except_last')
 
 def accumulate(rank: int, world_size: int) -> Result:
     """Two steps without zero_grad() between them: the gradients add up."""
-    pipe = DistributedGPipe(model(TIED.model), TIED.balance, chunks=CHUNKS)
+    pipe = DistributedGPipe(model(TIED.model), TIED.balance, chunks=CHUNKS, device=rank_device())
     for step in range(STEPS):
         pipe.train_step(*batch(step), F.mse_loss)
     return snapshot(pipe)
 
 
-def test_gradients_accumulated_over_steps_are_summed_over_the_ranks_once() -> None:
-    ranks = run_distributed(accumulate, timeout=150)
+def test_gradients_accumulated_over_steps_are_summed_over_the_ranks_once(backend: str) -> None:
+    ranks = run_distributed(accumulate, timeout=150, backend=backend)
     plain = model(TIED.model)
     for step in range(STEPS):
         F.mse_loss(plain(batch(step)[0]), batch(step)[1]).backward()
@@ -200,9 +205,9 @@ def test_gradients_accumulated_over_steps_are_summed_over_the_ranks_once() -> No
                                    msg=lambda m, name=name: f'{name}: {m}')
 
 
-def test_tied_pipelines_replicated_over_a_second_dimension_of_ranks() -> None:
+def test_tied_pipelines_replicated_over_a_second_dimension_of_ranks(backend: str) -> None:
     """Ranks 0-1 and 2-3 are two pipelines of the tied model; 0-2 and 1-3 the replicas."""
-    ranks = run_distributed(train_grid, TIED, world_size=4, timeout=150)
+    ranks = run_distributed(train_grid, TIED, world_size=4, timeout=150, backend=backend)
     assert_grid_trains_as_unwrapped(ranks, TIED)
     # Every copy of the tied weight, on the four ranks, is the same.
     copies = [r['snapshots'][-1]['params'].get(k) for r in ranks for k in ('0.weight', '5.weight')]
@@ -215,7 +220,7 @@ def unequal_copies(rank: int, world_size: int) -> List[str]:
     unseeded = model(TIED.model)
     with torch.no_grad():  # model() seeds itself: a rank's own weights, as if it had not
         unseeded[0].weight.normal_(generator=torch.Generator().manual_seed(rank))
-    pipe = DistributedGPipe(unseeded, TIED.balance, chunks=CHUNKS)
+    pipe = DistributedGPipe(unseeded, TIED.balance, chunks=CHUNKS, device=rank_device())
     try:
         pipe.train_step(*batch(0), F.mse_loss)
     except ValueError as exc:
@@ -236,8 +241,8 @@ def unequal_copies(rank: int, world_size: int) -> List[str]:
     return errors
 
 
-def test_copies_that_differ_are_refused_at_the_first_step_and_after_a_load() -> None:
-    for rank, errors in enumerate(run_distributed(unequal_copies, timeout=150)):
+def test_copies_that_differ_are_refused_at_the_first_step_and_after_a_load(backend: str) -> None:
+    for rank, errors in enumerate(run_distributed(unequal_copies, timeout=150, backend=backend)):
         other = 1 - rank
         assert errors == [
             'the copies of a parameter tied across ranks must be equal '
