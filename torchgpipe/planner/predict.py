@@ -196,17 +196,74 @@ def exchange_memory(parts: Partitions, candidate: Candidate, worker: int) -> flo
     return total
 
 
+def messages(parts: Partitions, j: int, size: int, forward: bool) -> List[Tuple[int, float]]:
+    """What partition ``j``'s forward pass (or backward pass) sends other workers, in its
+    order: the partition each message goes to, and its bytes. ``F`` sends the skips it
+    stashed, then its output; ``B`` (or ``I``) the gradients of those it popped, then its
+    input's."""
+    layers, mine = parts.costs.at(size), parts.worker_of(j)
+    near, far = (0, 1) if forward else (1, 0)
+    sent = [(ends[far], nbytes) for ends, nbytes in zip(parts.ends, layers.skipped)
+            if ends[near] == j != ends[far] and parts.worker_of(ends[far]) != mine]
+    to = j + 1 if forward else j - 1
+    if 0 <= to < len(parts.bounds) - 1 and parts.worker_of(to) != mine:
+        sent.append((to, layers.output[parts.bounds[max(j, to)] - 1]))
+    return sent
+
+
+def posted_ahead(workers: Sequence[Sequence[Action]], worker: int, parts: Partitions,
+                 sizes: Sequence[int]) -> List[float]:
+    """The bytes of the receives a worker's process has posted and not taken during each of
+    its actions: each other worker's first message from the step's start, and its next
+    from the take of the one before (in the order that worker sends them)."""
+    sequences: Dict[int, List[float]] = {}  # each other worker's messages here, in order
+    taken_by: Dict[Tuple[bool, int, int], List[Tuple[int, int]]] = {}
+    for sender, actions in enumerate(workers):
+        if sender == worker or not parts.costs.processes:
+            continue
+        sequence = sequences[sender] = []
+        for action in actions:
+            forward = action.kind is Kind.F
+            for to, nbytes in ([] if action.kind is Kind.W
+                               else messages(parts, action.j, sizes[action.i], forward)):
+                if parts.worker_of(to) == worker:
+                    taken_by.setdefault((forward, action.i, to), []).append(
+                        (sender, len(sequence)))
+                    sequence.append(nbytes)
+    posted = dict.fromkeys(sequences, 1)  # how many of each sender's messages are posted
+    taken: Set[Tuple[int, int]] = set()
+    ahead = []
+    for action in workers[worker]:
+        takes = [] if action.kind is Kind.W else taken_by.get(
+            (action.kind is Kind.F, action.i, action.j), [])
+        for sender, p in takes:
+            taken.add((sender, p))
+            posted[sender] = max(posted[sender], p + 2)
+        ahead.append(sum(nbytes for sender, sequence in sequences.items()
+                         for p, nbytes in enumerate(sequence[:posted[sender]])
+                         if (sender, p) not in taken))
+    return ahead
+
+
 def peak_memory(workers: Sequence[Sequence[Action]], worker: int, parts: Partitions,
                 sizes: Sequence[int], checkpointed: Sequence[bool], made: float = 0.0
                 ) -> float:
     """The most activation memory a worker holds at once over its actions, with ``made``
-    times each partition's weight gradients from its first backward pass on."""
+    times each partition's weight gradients from its first backward pass on.
+
+    Processes hold what they send another until the step's end, and each other's
+    next message in the buffer posted to receive it (:func:`posted_ahead`)."""
     live = peak = 0.0
     graded: Set[int] = set()  # the partitions whose weights have gradients
     shared_bytes = SharedBytes(parts, sizes, checkpointed)
     # The built-in schedules number their workers as Candidate.worker_of does.
-    for action in workers[worker]:
+    for action, posted in zip(workers[worker], posted_ahead(workers, worker, parts, sizes)):
         part = parts(action.j, sizes[action.i])
+        live += posted
+        sent_forward = sum(nbytes for _, nbytes in messages(parts, action.j, sizes[action.i],
+                                                              True))
+        sent_back = sum(nbytes for _, nbytes in messages(parts, action.j, sizes[action.i],
+                                                           False))
         # (An input handed over as it is, the partition before holds.)
         whole = part['kept'] + part['entry'] - part['turned']
         kept = part['entry'] - part['turned_through'] if checkpointed[action.i] else whole
@@ -254,4 +311,14 @@ def peak_memory(workers: Sequence[Sequence[Action]], worker: int, parts: Partiti
         elif action.kind is Kind.W:
             live -= kept + again - part['held'] - part['above'] + part['retained']
         live += shared_bytes.after(action)
+        # What this pass sent stays in flight past where its own reference goes: a
+        # checkpointed output from the send on, else from B, or from I and W as they free it.
+        if parts.costs.processes:
+            let_go = min(sent_forward, part['held'])
+            live += {Kind.F: sent_forward if checkpointed[action.i] else 0.0,
+                     Kind.B: sent_back + (0.0 if checkpointed[action.i] else sent_forward),
+                     Kind.I: 0.0 if checkpointed[action.i] else let_go,
+                     Kind.W: sent_back + (0.0 if checkpointed[action.i]
+                                          else sent_forward - let_go)}[action.kind]
+        live -= posted
     return peak
