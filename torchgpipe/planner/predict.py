@@ -252,7 +252,7 @@ def peak_memory(workers: Sequence[Sequence[Action]], worker: int, parts: Partiti
     times each partition's weight gradients from its first backward pass on.
 
     Processes hold what they send another until the step's end, and each other's
-    next message in the buffer posted to receive it (:func:`posted_ahead`)."""
+    next message in the buffer posted to receive it (``posted_ahead``)."""
     live = peak = 0.0
     graded: Set[int] = set()  # the partitions whose weights have gradients
     shared_bytes = SharedBytes(parts, sizes, checkpointed)
