@@ -1,5 +1,5 @@
 """The GPipe interface: partitioning a sequential module and running it as a pipeline."""
-from typing import Any, Iterable, Iterator, List, Mapping, Optional, Union, cast
+from typing import Any, Iterable, Iterator, List, Mapping, Optional, Tuple, Union, cast
 
 import torch
 from torch import nn
@@ -8,16 +8,12 @@ from torch.nn.modules.module import _IncompatibleKeys
 from torchgpipe.engine.core import Core, CoreModule
 from torchgpipe.foundation import microbatch
 from torchgpipe.foundation.microbatch import TensorOrTensors
-from torchgpipe.foundation.placement import check_materialized
 from torchgpipe.foundation.validation import (BalanceError, Device, Devices, check_balance,
-                                              check_chunks, check_devices, check_planned_threads,
-                                              deny_moving, describe, example_balance,
-                                              recommend_auto_balance, verify_module)
+                                              check_devices, deny_moving, describe,
+                                              example_balance, recommend_auto_balance,
+                                              verify_module)
 from torchgpipe.runtime import plain
-from torchgpipe.runtime.batchnorm import DeferredBatchNorm
 from torchgpipe.runtime.partition import split_module
-from torchgpipe.skip.layout import inspect_skip_layout
-from torchgpipe.skip.skippable import verify_skippables
 
 __all__ = ['GPipe', 'BalanceError', 'verify_module', 'split_module']
 
@@ -76,39 +72,23 @@ class GPipe(CoreModule):
                  planned_threads: Optional[int] = None) -> None:
         super().__init__()
 
-        # Everything is checked before anything changes.
-        verify_module(module)
-        if balance is None:
-            raise ValueError(recommend_auto_balance(describe(
-                'balance is required', 'balance: None',
-                f'give the number of layers of each partition, such as '
-                f'balance={example_balance(len(module))}')))
-        try:
-            balance = check_balance(module, balance)
-        except BalanceError as exc:
-            raise ValueError(recommend_auto_balance(str(exc))) from None
-        device_list = check_devices(devices, len(balance))
-        check_materialized(module, balance, device_list)
-        chunks = check_chunks(chunks)
-        planned_threads = check_planned_threads(planned_threads)
-        # As in 0.0.7, anything whose str() is a mode is one (an enum member).
-        checkpoint = str(checkpoint)
-        if checkpoint not in ('always', 'except_last', 'never'):
-            # Word for word as in 0.0.7 (users match on it).
-            raise ValueError("checkpoint is not one of 'always', 'except_last', or 'never'")
-        verify_skippables(module)
-
-        if deferred_batch_norm:
-            module = cast(nn.Sequential,
-                          DeferredBatchNorm.convert_deferred_batch_norm(module, chunks))
-
-        partitions, self.balance, self.devices = split_module(module, balance, device_list)
-
+        def locate(balance: Optional[Iterable[int]]) -> Tuple[List[int], List[torch.device]]:
+            if balance is None:
+                raise ValueError(recommend_auto_balance(describe(
+                    'balance is required', 'balance: None',
+                    f'give the number of layers of each partition, such as '
+                    f'balance={example_balance(len(module))}')))
+            try:
+                balance = check_balance(module, balance)
+            except BalanceError as exc:
+                raise ValueError(recommend_auto_balance(str(exc))) from None
+            self.devices = check_devices(devices, len(balance))[:len(balance)]
+            return balance, self.devices
+        partitions, _, settings = self.build(module, balance, chunks, checkpoint,
+                                             deferred_batch_norm, planned_threads, locate)
         self.partitions = nn.ModuleList(partitions)
         #: The pipeline of every partition, in this process.
-        self.core = Core(dict(enumerate(partitions)), self.devices,
-                         inspect_skip_layout(partitions), chunks, checkpoint)
-        self.core.planned_threads = planned_threads
+        self.core = Core(dict(enumerate(partitions)), self.devices, *settings)
 
     def _partitions(self) -> List[nn.Sequential]:
         return cast(List[nn.Sequential], list(self.partitions))

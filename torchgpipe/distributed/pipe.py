@@ -1,7 +1,7 @@
 """DistributedGPipe: a pipeline whose partitions are the processes of a group, one or more each."""
 import warnings
 from collections import OrderedDict
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Union, cast
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -17,14 +17,8 @@ from torchgpipe.engine.evaluation import evaluating
 from torchgpipe.engine.schedule import ScheduleLike
 from torchgpipe.engine.step import LossFunction
 from torchgpipe.foundation.microbatch import TensorOrTensors
-from torchgpipe.foundation.placement import check_materialized, place
-from torchgpipe.foundation.tied import find_ties, tie_partitions
-from torchgpipe.foundation.validation import (check_available, check_balance, check_chunks,
-                                              check_planned_threads, check_timeout,
-                                              describe, parse_device, verify_module)
-from torchgpipe.runtime.batchnorm import DeferredBatchNorm
-from torchgpipe.skip.layout import inspect_skip_layout
-from torchgpipe.skip.skippable import verify_skippables
+from torchgpipe.foundation.validation import (check_available, check_balance, check_timeout,
+                                              describe, parse_device)
 
 __all__ = ['DistributedGPipe']
 
@@ -95,63 +89,53 @@ class DistributedGPipe(CoreModule):
         self.ranks = [dist.get_global_rank(group, r) if group is not None else r
                       for r in range(size)]
         self.placement = placement
-        problem: Optional[Exception] = None
+        self.group = group
+        self.rank = dist.get_rank(group)
         this_device: Optional[torch.device] = None  # once checked
-        deferred = False
-        try:
-            deferred = bool(deferred_batch_norm)
+
+        def locate(balance: Iterable[int]) -> Tuple[List[int], List[Optional[torch.device]]]:
+            nonlocal this_device, timeout
             fix = "give this process's device, such as device='cpu'"
             given = torch.device('cpu') if device is None else parse_device('device', device, fix)
             check_available('device', given, fix)
             this_device = given
-            verify_module(module)
             balance = check_balance(module, balance)
             #: The rank (in the group) of each partition.
             self.rank_of = ranks_of_partitions(balance, size, placement)
-            chunks = check_chunks(chunks)
             timeout = check_timeout(timeout)
-            planned_threads = check_planned_threads(planned_threads)
-            checkpoint = str(checkpoint)
-            if checkpoint not in ('always', 'except_last', 'never'):
-                raise ValueError("checkpoint is not one of 'always', 'except_last', or 'never'")
-            check_materialized(module, balance, [given if r == dist.get_rank(group) else None
-                                                 for r in self.rank_of])
-            verify_skippables(module)
-        except Exception as exc:  # anything one rank raises alone, the others hear
-            problem = exc
-        # Before any layer moves, every rank refuses if one cannot build or cuts differently.
-        agree_on_layout(module, {'balance': balance, 'placement': placement,
-                                 'checkpoint': checkpoint,
-                                 'deferred_batch_norm': deferred},
-                        problem, group, self.ranks, this_device)
+            return balance, [given if r == self.rank else None for r in self.rank_of]
+
+        def agree(problem: Optional[Exception], balance: List[int], checkpoint: str,
+                  deferred: bool) -> None:
+            # Before any layer moves, every rank refuses if one cannot build or cuts differently.
+            agree_on_layout(module, {'balance': balance, 'placement': placement,
+                                     'checkpoint': checkpoint, 'deferred_batch_norm': deferred},
+                            problem, group, self.ranks, this_device)
+        partitions, here, settings = self.build(module, balance, chunks, checkpoint,
+                                                deferred_batch_norm, planned_threads, locate,
+                                                agree)
         assert this_device is not None  # else agree_on_layout raised
         self.device = this_device
-        if deferred:
-            module = cast(nn.Sequential,
-                          DeferredBatchNorm.convert_deferred_batch_norm(module, chunks))
-
-        children = iter(module.named_children())
-        partitions = [nn.Sequential(OrderedDict(next(children) for _ in range(n)))
-                      for n in balance]
-        # Refuses buffers, and layers with tensors, in two partitions.
-        find_ties(partitions)
         #: The slot of each parameter's norm, by every name (see clip_grad_norm_).
         self._slots = slots(module)
-        self.balance = balance
-        self.group = group
-        self.rank = dist.get_rank(group)
-        here = self._keep(partitions)
-        # A tied parameter has a copy per rank; later partitions here keep their gradients apart.
-        tie_partitions(list(here.values()), [self.device] * len(here))
+        for partition in here.values():
+            for name, layer in partition.named_children():
+                self.add_module(name, layer)
+        if next(self.parameters(), None) is None:
+            # Before the optimizer built next refuses the empty list in words about itself.
+            warnings.warn(f'rank {self.rank} of the pipeline holds no parameters (its layers: '
+                          f'{", ".join(self._modules) or "none"}): torch.optim refuses an '
+                          'empty parameter list, so build an optimizer only where '
+                          'list(pipe.parameters()) is not empty, and step it there',
+                          UserWarning, stacklevel=2)
         tied = TiedGradients(ties_across_ranks(
             partitions, [self.ranks[r] for r in self.rank_of], dist.get_rank()), dist.get_rank(),
             list(here.values()))
         #: The names of the layers of the other partitions.
         self._others = [name for j, p in enumerate(partitions) if j not in here
                         for name, _ in p.named_children()]
-        self.core = RankCore(here, self.device, self.rank_of, self.ranks, group, tied,
-                             inspect_skip_layout(partitions), chunks, checkpoint, timeout)
-        self.core.planned_threads = planned_threads
+        self.core = RankCore(here, self.device, self.rank_of, self.ranks, group, tied, timeout,
+                             *settings)
 
     @property
     def timeout(self) -> Optional[float]:
@@ -161,23 +145,6 @@ class DistributedGPipe(CoreModule):
     @timeout.setter
     def timeout(self, timeout: Optional[float]) -> None:
         self.core.timeout = check_timeout(timeout)
-
-    def _keep(self, partitions: List[nn.Sequential]) -> Dict[int, nn.Sequential]:
-        """Registers this rank's partitions' layers, placed in place on its device; returns
-        the partitions by index."""
-        here = {j: p for j, p in enumerate(partitions) if self.rank_of[j] == self.rank}
-        for partition in here.values():
-            for name, layer in partition.named_children():
-                place(layer, self.device)
-                self.add_module(name, layer)
-        if next(self.parameters(), None) is None:
-            # Before the optimizer built next refuses the empty list in words about itself.
-            warnings.warn(f'rank {self.rank} of the pipeline holds no parameters (its layers: '
-                          f'{", ".join(self._modules) or "none"}): torch.optim refuses an '
-                          'empty parameter list, so build an optimizer only where '
-                          'list(pipe.parameters()) is not empty, and step it there',
-                          UserWarning, stacklevel=3)
-        return here
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Refused (``TypeError``): no one process holds the output; see :meth:`eval_step`."""
