@@ -80,31 +80,29 @@ class RankCore(Core):
         received: Dict[int, Any] = {}
 
         def finish(result: Any) -> Any:
-            nonlocal received
-            result, received = wire.finish(
+            result, shares = wire.finish(
                 result, self.tied_gradients.shares(wire.others) if train else None)
+            received.update(shares)
             return result
         try:
             if train:
                 self.tied_gradients.start()
             yield wire.agree({**said, 'input': described(said['input'])}, lacking,
                              problem), wire, finish
-        except Mismatch:
-            self.tied_gradients.abandon()
-            if problem is not None:
-                # This rank's own error, not in the Mismatch's context.
-                raise problem from problem.__cause__
-            raise
         except BaseException as exc:
             self.tied_gradients.abandon()
+            if isinstance(exc, Mismatch):
+                if problem is not None:
+                    # This rank's own error, not in the Mismatch's context.
+                    raise problem from problem.__cause__
+                raise
             self.broken = f'{type(exc).__name__} on rank {dist.get_rank()}'
             # Ranks waiting for this one raise PeerFailed, and tell those waiting for them.
             wire.fail(exc)
             self.channels.abandon()
             raise
         if train:
-            # Past every rank's step end: unequal tied copies refused here leave the pipeline
-            # whole.
+            # Past every rank's step end: unequal tied copies refused here leave it whole.
             self.tied_gradients.sum(received)
 
 

@@ -28,8 +28,8 @@ class DistributedGPipe(CoreModule):
     partitions are the processes of a :mod:`torch.distributed` group (:doc:`/scaling_out`).
 
     Every rank builds the same ``module`` and keeps its partitions' layers, under their
-    unwrapped names. After :meth:`train_step` the parameters hold the unwrapped module's
-    gradients; one tied across ranks has an equal copy on each.
+    unwrapped names, with the unwrapped module's gradients after :meth:`train_step` (a
+    parameter tied across ranks has an equal copy on each).
 
     Args:
         module (torch.nn.Sequential): the whole module, the same on every rank
@@ -164,11 +164,9 @@ class DistributedGPipe(CoreModule):
     def train_step(self, input: Optional[TensorOrTensors], target: Optional[TensorOrTensors],
                    loss_fn: LossFunction, *, schedule: ScheduleLike = '1f1b',
                    reduction: str = 'mean') -> Tensor:
-        """Runs a training step of the pipeline; every rank of the group calls it.
-
-        The arguments are :meth:`GPipe.train_step <torchgpipe.GPipe.train_step>`'s; only
-        the first partition's rank needs ``input`` and the last one's ``target`` (others
-        may pass ``None``).
+        """Runs a training step of the pipeline; every rank of the group calls it, with
+        :meth:`GPipe.train_step <torchgpipe.GPipe.train_step>`'s arguments (only the first
+        partition's rank needs ``input``, the last one's ``target``: others may pass ``None``).
 
         Returns:
             torch.Tensor: the loss of the mini-batch, on every rank's device, without history
@@ -189,10 +187,9 @@ class DistributedGPipe(CoreModule):
                   loss_fn: Optional[LossFunction] = None, *, reduction: str = 'mean',
                   everywhere: bool = False,
                   output_fn: Optional[Callable[[TensorOrTensors], Any]] = None) -> Any:
-        """Evaluates the pipeline on a mini-batch; every rank of the group calls it.
-
-        As ``model.eval()`` under :func:`torch.no_grad` (the layers' modes restored after);
-        ``input`` and ``target`` as for :meth:`train_step`, the rest alike on every rank.
+        """Evaluates the pipeline on a mini-batch, as ``model.eval()`` under
+        :func:`torch.no_grad` (the layers' modes restored after); every rank of the group
+        calls it, ``input`` and ``target`` as for :meth:`train_step`, the rest alike.
 
         Args:
             input, target, loss_fn, reduction: as for :meth:`train_step` (no loss without
@@ -222,11 +219,9 @@ class DistributedGPipe(CoreModule):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False,
                         foreach: Optional[bool] = None) -> Tensor:
-        """Clips the gradients of the whole pipeline by their norm; every rank calls it.
-
-        The norm, result, arguments and errors are :func:`torch.nn.utils.clip_grad_norm_`'s
-        on the unwrapped module. Under DDP, call it after :func:`torchgpipe.distributed.train_step`.
-        """
+        """Clips the gradients of the whole pipeline by their norm, every rank calling it, as
+        :func:`torch.nn.utils.clip_grad_norm_` the unwrapped module's (norm, result, arguments
+        and errors). Under DDP, call it after :func:`torchgpipe.distributed.train_step`."""
         me = dist.get_rank()
         elsewhere = {tie.local for tie in self.core.tied_gradients.ties if tie.ranks[0] != me}
         grads = [(name, p.grad) for name, p in self.named_parameters() if p.grad is not None]

@@ -92,10 +92,6 @@ class Core:
         for layer in self.mode_checked:
             getattr(layer, 'check_mode')()
 
-    def stop(self, m: int, training: bool) -> int:
-        """How many of ``m`` micro-batches are checkpointed, in this mode."""
-        return checkpoint_stop(self.checkpoint, self.chunks, m, training)
-
     def tied(self) -> List[nn.Parameter]:
         """The parameters several partitions use."""
         return tied_masters(list(self.partitions.values()))
@@ -109,7 +105,8 @@ class Core:
         with use_device(self.devices[0]):
             copy_streams = self.state.ensure_copy_streams(self.devices, self.chunks)
         pipeline = Pipeline(batches, list(self.partitions.values()), self.devices, copy_streams,
-                            streams, self.skip_layout, self.stop(len(batches), training),
+                            streams, self.skip_layout,
+                            checkpoint_stop(self.checkpoint, self.chunks, len(batches), training),
                             self.state.traits, self.state.recorder)
         # Deferred BatchNorm commits after this many (a short batch has fewer), or never
         # if the step fails.
@@ -127,7 +124,8 @@ class Core:
 
         def plan(sizes: List[int]) -> Planned:
             weights, m = weighted(sizes, reduction), len(sizes)
-            return weights, self.schedule_for(schedule, m), self.stop(m, training)
+            return (weights, self.schedule_for(schedule, m),
+                    checkpoint_stop(self.checkpoint, self.chunks, m, training))
         with self.started(check, input, target, loss_fn, plan, done=done) as (step, finish):
             with deferred_step(self.deferred_batch_norms, len(step.shared.batches)):
                 loss = step.run()
@@ -166,8 +164,7 @@ class Core:
         name = 'train_step' if train else 'eval_step'
         batches = targets = sizes = planned = problem = None
         words: Dict[str, Any] = {}
-        # What one process refuses, all refuse together. One given no data plans once it
-        # has the sizes.
+        # All refuse what one process refuses; one given no data plans on the agreed sizes.
         try:
             words = check()
             # Before the input is split: that of an empty pipeline's forward fails.
@@ -292,8 +289,7 @@ class CoreModule(nn.Module):
 
     @property
     def checkpoint(self) -> str:
-        """The checkpoint mode, ``'always'``, ``'except_last'`` (every micro-batch but
-        the last of ``chunks``) or ``'never'``."""
+        """The checkpoint mode: ``'always'``, ``'except_last'`` or ``'never'``."""
         return self.core.checkpoint
 
     @checkpoint.setter
@@ -303,21 +299,17 @@ class CoreModule(nn.Module):
     def train_step(self, input: TensorOrTensors, target: TensorOrTensors,
                    loss_fn: Callable[[TensorOrTensors, TensorOrTensors], torch.Tensor], *,
                    schedule: ScheduleLike = '1f1b', reduction: str = 'mean') -> torch.Tensor:
-        """Runs the forward and backward passes of a mini-batch, as ``schedule`` orders them.
-
-        Every parameter's ``.grad`` then holds (added to what it held) what
-        ``loss_fn(model(input), target).backward()`` gives the unwrapped model.
+        """Runs the forward and backward passes of a mini-batch, as ``schedule`` orders them:
+        ``.grad`` adds what ``loss_fn(model(input), target).backward()`` gives the unwrapped model.
 
         Args:
             input (torch.Tensor or tuple): as :meth:`~torchgpipe.GPipe.forward` takes it
-            target (torch.Tensor or tuple): split like the input (a
-                :class:`~torchgpipe.NoChunk` tensor goes whole to every loss)
-            loss_fn (callable): ``loss_fn(output, target)`` of one micro-batch, returning
-                one element; called again in a recomputation (see
-                :func:`~torchgpipe.is_recomputing`)
+            target (torch.Tensor or tuple): split like the input (:class:`~torchgpipe.NoChunk`
+                tensors go whole to every loss)
+            loss_fn (callable): ``loss_fn(output, target)`` of one micro-batch, one element;
+                called again in a recomputation (see :func:`~torchgpipe.is_recomputing`)
             schedule (str or schedule): ``'1f1b'`` (default), ``'fill_drain'``,
-                ``'interleaved_1f1b'``, ``'zb_h1'``, ``'zbv'``, or one's own
-                (:doc:`/schedules`)
+                ``'interleaved_1f1b'``, ``'zb_h1'``, ``'zbv'`` or one's own (:doc:`/schedules`)
             reduction (str): how ``loss_fn`` reduces a micro-batch, ``'mean'``
                 (default: each loss weighted by its share of the mini-batch) or ``'sum'``
 
@@ -335,15 +327,11 @@ class CoreModule(nn.Module):
         Example::
 
             >>> model = GPipe(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)),
-            ...               balance=[2, 1], devices=['cpu:0', 'cpu:1'], chunks=4,
-            ...               checkpoint='never')
+            ...               balance=[2, 1], devices=['cpu:0', 'cpu:1'], chunks=4)
             >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-            >>> input, target = torch.randn(16, 4), torch.randn(16, 2)
             >>> optimizer.zero_grad()
-            >>> loss = model.train_step(input, target, F.mse_loss)
+            >>> loss = model.train_step(torch.randn(16, 4), torch.randn(16, 2), F.mse_loss)
             >>> optimizer.step()
-            >>> loss.shape
-            torch.Size([])
         """
         check_one_process()
         return self.core.train(input, target, loss_fn, schedule, reduction, self.training)
@@ -351,23 +339,22 @@ class CoreModule(nn.Module):
     def eval_step(self, input: TensorOrTensors, target: Optional[TensorOrTensors] = None,
                   loss_fn: Optional[LossFunction] = None, *, reduction: str = 'mean',
                   output_fn: Optional[Callable[[TensorOrTensors], Any]] = None) -> Any:
-        """Evaluates a mini-batch, as ``model.eval()`` and :func:`torch.no_grad` would the
-        unwrapped model; the layers are back in their own mode after.
+        """Evaluates a mini-batch as ``model.eval()`` and :func:`torch.no_grad` would the
+        unwrapped model, the layers back in their own mode after.
 
         Args:
             input (torch.Tensor or tuple): the mini-batch
             target (torch.Tensor or tuple, optional): with ``loss_fn``, the target
             loss_fn (callable, optional): as for :meth:`train_step`
             reduction (str): as for :meth:`train_step`
-            output_fn (callable, optional): without ``loss_fn``, what to return of the
-                output (the argmax of the logits, say)
+            output_fn (callable, optional): without ``loss_fn``, what to return of the output
 
         Returns:
             the loss of the mini-batch with ``loss_fn``; else the output (or ``output_fn`` of it)
 
         Raises:
-            ValueError: only one of ``target`` and ``loss_fn``, or ``output_fn`` with
-                them; or as for :meth:`train_step`
+            ValueError: only one of ``target`` and ``loss_fn``, or ``output_fn`` with them;
+                or as for :meth:`train_step`
             TypeError: ``output_fn`` not callable; or as for :meth:`train_step`
 
         Example::
