@@ -71,10 +71,10 @@ class RankCore(Core):
     @contextmanager
     def agreed(self, said: Dict[str, Any], lacking: List[str], problem: Optional[Exception],
                train: bool) -> Iterator[Tuple[List[int], Optional[Mailbox], Finish]]:
-        """See :meth:`Core.agreed`. The ranks raise together, before any message, if one
-        refuses; the mailbox is the wire; the step finishes as every rank gets the last
-        partition's result (and the gradients of tied parameters). A failure in the body is
-        told to every rank, and breaks the pipeline."""
+        """See :meth:`Core.agreed <torchgpipe.engine.core.Core.agreed>`. The ranks raise
+        together, before any message, if one refuses; the mailbox is the wire; the step
+        finishes as every rank gets the last partition's result (and the gradients of tied
+        parameters). A failure in the body is told to every rank, and breaks the pipeline."""
         wire = Wire(self.channels, [self.ranks[r] for r in self.rank_of], dist.get_rank(),
                     self.routes, self.known, self.timeout, self.state.recorder)
         received: Dict[int, Any] = {}

@@ -192,8 +192,7 @@ class DistributedGPipe(CoreModule):
         calls it, ``input`` and ``target`` as for :meth:`train_step`, the rest alike.
 
         Args:
-            input, target, loss_fn, reduction: as for :meth:`train_step` (no loss without
-                ``loss_fn``)
+            input, target, loss_fn, reduction: as for :meth:`train_step`
             everywhere (bool): without ``loss_fn``, the output on every rank (default: ``False``)
             output_fn (callable, optional): without ``loss_fn``, applied to the output on the
                 last partition's rank, its result returned (and sent) instead

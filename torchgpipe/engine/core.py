@@ -1,9 +1,10 @@
 """The pipeline core: the partitions one process holds, and the steps that run them.
 
-The modules are faces (checks, registration, state dicts); what runs is their ``core``::
+The modules are faces (their own checks, registration, state dicts), built through
+:meth:`CoreModule.build`; what runs is their ``core``, whose step is one template::
 
     GPipe ──────────────► Core                 all partitions, a mailbox in memory
-    DistributedGPipe ───► RankCore(Core)       this rank's partitions, the wire
+    DistributedGPipe ───► RankCore(Core)       this rank's partitions, the wire (its hooks)
 """
 import warnings
 from collections import OrderedDict
@@ -44,10 +45,9 @@ __all__ = ['Core', 'CoreModule']
 Done = Callable[[int], None]
 #: A step's micro-batches' loss weights, its schedule and its checkpoint stop.
 Planned = Tuple[List[float], Schedule, int]
-#: What a step returns, given this process's result (see :meth:`Core.agreed`).
+#: What a step returns, given this process's result (see ``Core.agreed``).
 Finish = Callable[[Any], Any]
-#: What a core keeps of the arguments both faces take: the skips' layout, ``chunks``,
-#: ``checkpoint`` and ``planned_threads``.
+#: What a core keeps of the arguments both faces take (see :meth:`CoreModule.build`).
 Settings = Tuple[SkipLayout, int, str, Optional[int]]
 
 
@@ -206,7 +206,7 @@ class Core:
     def agreed(self, said: Dict[str, Any], lacking: List[str], problem: Optional[Exception],
                train: bool) -> Iterator[Tuple[List[int], Optional[Mailbox], Finish]]:
         """The micro-batches' sizes of the step every process ``said`` it runs, the mailbox
-        to the others and the step's :data:`Finish`; a ``problem``, or an ``'input'`` or
+        to the others and the step's ``Finish``; a ``problem``, or an ``'input'`` or
         ``'target'`` a process is ``lacking``, refuses it. In one process: as they are (a
         lacking one is of a wrong type), the tied gradients added in one order."""
         refuse(problem)
@@ -243,10 +243,11 @@ class CoreModule(nn.Module):
               agree: Callable[[Optional[Exception], List[int], str, bool], None] = refuse,
               ) -> Tuple[List[nn.Sequential], Dict[int, nn.Sequential], Settings]:
         """Splits ``module`` into partitions, BatchNorm deferred if asked, and places this
-        process's, tied (see ``place_partitions``). First the arguments are checked, the
+        process's, tied (see ``place_partitions``), once the arguments are checked (the
         face's own by ``locate(balance)``, which returns the balance and each partition's
-        device (``None``: another process's), and every process agrees on them (``agree``). Returns
-        the partitions, this process's by index, and the settings of its core."""
+        device, ``None`` if another process's) and every process agrees (``agree``). Returns the
+        partitions, this process's by index, and the core's skip layout, chunks, checkpoint
+        and planned threads."""
         devices: Sequence[Optional[torch.device]] = ()
         deferred, problem = False, None
         try:
@@ -289,7 +290,7 @@ class CoreModule(nn.Module):
 
     @property
     def checkpoint(self) -> str:
-        """The checkpoint mode: ``'always'``, ``'except_last'`` or ``'never'``."""
+        """The checkpoint mode, ``'always'``, ``'except_last'`` or ``'never'``."""
         return self.core.checkpoint
 
     @checkpoint.setter
