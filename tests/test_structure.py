@@ -391,3 +391,14 @@ def test_the_private_name_check_finds_a_reach() -> None:
              'b': ast.parse('def f(a):\n    return a._state\n'),
              'c': ast.parse('def g(t):\n    return t._version\n')}  # torch's, not ours
     assert foreign_reaches(trees) == ['b:2 uses _state, private to a']
+
+
+def test_a_ranks_core_overrides_the_hooks_of_the_step_not_the_step() -> None:
+    """Core.train and Core.evaluate are the one template of a step (with Core.started);
+    RankCore changes only its hooks."""
+    tree = ast.parse((PACKAGE / 'distributed' / 'core.py').read_text())
+    rank_core = next(node for node in tree.body
+                     if isinstance(node, ast.ClassDef) and node.name == 'RankCore')
+    defined = {node.name for node in rank_core.body if isinstance(node, ast.FunctionDef)}
+    assert 'agreed' in defined
+    assert not defined & {'train', 'evaluate', 'started'}

@@ -595,9 +595,11 @@ def small() -> GPipe:
                             lambda o, t: F.mse_loss(o, t[0])),
      ValueError, 'tensors of the target tuple must have the same size in dimension 0 '
      '(target: sizes [10, 7] in dimension 0)'),
+    (lambda g: g.train_step(torch.ones(4, 2), None, F.mse_loss),
+     TypeError, 'target must be a tensor or a tuple of tensors (target: NoneType)'),
 ], ids=['schedule', 'reduction', 'loss_fn', 'target-rows', 'unreduced-loss',
         'schedule-type', 'schedule-stuck', 'schedule-text', 'schedule-placement',
-        'reduction-type', 'empty-batch', '0-dim-target', 'target-tuple'])
+        'reduction-type', 'empty-batch', '0-dim-target', 'target-tuple', 'no-target'])
 def test_bad_use_gets_clear_errors(call: Callable[[GPipe], Any], error: type,
                                    message: str) -> None:
     gpipe = small()

@@ -65,7 +65,7 @@ def train_step(model: DistributedDataParallel, input: TensorOrTensors,
                                  'pass DistributedDataParallel(GPipe(...)); without data '
                                  'parallelism, call gpipe.train_step(...)'))
     check_schedule(schedule)
-    check_step(reduction, loss_fn)
+    check_step(loss_fn, reduction)
     group = model.process_group
     ignored = model.parameters_to_ignore
     # As DDP's forward: no broadcast after a step inside no_sync().

@@ -1,7 +1,7 @@
 """DistributedGPipe: a pipeline whose partitions are the processes of a group, one or more each."""
 import warnings
 from collections import OrderedDict
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Union, cast
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -17,14 +17,8 @@ from torchgpipe.engine.evaluation import evaluating
 from torchgpipe.engine.schedule import ScheduleLike
 from torchgpipe.engine.step import LossFunction
 from torchgpipe.foundation.microbatch import TensorOrTensors
-from torchgpipe.foundation.placement import check_materialized, place
-from torchgpipe.foundation.tied import find_ties, tie_partitions
-from torchgpipe.foundation.validation import (check_available, check_balance, check_chunks,
-                                              check_planned_threads, check_timeout,
-                                              describe, parse_device, verify_module)
-from torchgpipe.runtime.batchnorm import DeferredBatchNorm
-from torchgpipe.skip.layout import inspect_skip_layout
-from torchgpipe.skip.skippable import verify_skippables
+from torchgpipe.foundation.validation import (check_available, check_balance, check_timeout,
+                                              describe, parse_device)
 
 __all__ = ['DistributedGPipe']
 
@@ -34,8 +28,8 @@ class DistributedGPipe(CoreModule):
     partitions are the processes of a :mod:`torch.distributed` group (:doc:`/scaling_out`).
 
     Every rank builds the same ``module`` and keeps its partitions' layers, under their
-    unwrapped names. After :meth:`train_step` the parameters hold the unwrapped module's
-    gradients; one tied across ranks has an equal copy on each.
+    unwrapped names, with the unwrapped module's gradients after :meth:`train_step` (a
+    parameter tied across ranks has an equal copy on each).
 
     Args:
         module (torch.nn.Sequential): the whole module, the same on every rank
@@ -95,63 +89,53 @@ class DistributedGPipe(CoreModule):
         self.ranks = [dist.get_global_rank(group, r) if group is not None else r
                       for r in range(size)]
         self.placement = placement
-        problem: Optional[Exception] = None
+        self.group = group
+        self.rank = dist.get_rank(group)
         this_device: Optional[torch.device] = None  # once checked
-        deferred = False
-        try:
-            deferred = bool(deferred_batch_norm)
+
+        def locate(balance: Iterable[int]) -> Tuple[List[int], List[Optional[torch.device]]]:
+            nonlocal this_device, timeout
             fix = "give this process's device, such as device='cpu'"
             given = torch.device('cpu') if device is None else parse_device('device', device, fix)
             check_available('device', given, fix)
             this_device = given
-            verify_module(module)
             balance = check_balance(module, balance)
             #: The rank (in the group) of each partition.
             self.rank_of = ranks_of_partitions(balance, size, placement)
-            chunks = check_chunks(chunks)
             timeout = check_timeout(timeout)
-            planned_threads = check_planned_threads(planned_threads)
-            checkpoint = str(checkpoint)
-            if checkpoint not in ('always', 'except_last', 'never'):
-                raise ValueError("checkpoint is not one of 'always', 'except_last', or 'never'")
-            check_materialized(module, balance, [given if r == dist.get_rank(group) else None
-                                                 for r in self.rank_of])
-            verify_skippables(module)
-        except Exception as exc:  # anything one rank raises alone, the others hear
-            problem = exc
-        # Before any layer moves, every rank refuses if one cannot build or cuts differently.
-        agree_on_layout(module, {'balance': balance, 'placement': placement,
-                                 'checkpoint': checkpoint,
-                                 'deferred_batch_norm': deferred},
-                        problem, group, self.ranks, this_device)
+            return balance, [given if r == self.rank else None for r in self.rank_of]
+
+        def agree(problem: Optional[Exception], balance: List[int], checkpoint: str,
+                  deferred: bool) -> None:
+            # Before any layer moves, every rank refuses if one cannot build or cuts differently.
+            agree_on_layout(module, {'balance': balance, 'placement': placement,
+                                     'checkpoint': checkpoint, 'deferred_batch_norm': deferred},
+                            problem, group, self.ranks, this_device)
+        partitions, here, settings = self.build(module, balance, chunks, checkpoint,
+                                                deferred_batch_norm, planned_threads, locate,
+                                                agree)
         assert this_device is not None  # else agree_on_layout raised
         self.device = this_device
-        if deferred:
-            module = cast(nn.Sequential,
-                          DeferredBatchNorm.convert_deferred_batch_norm(module, chunks))
-
-        children = iter(module.named_children())
-        partitions = [nn.Sequential(OrderedDict(next(children) for _ in range(n)))
-                      for n in balance]
-        # Refuses buffers, and layers with tensors, in two partitions.
-        find_ties(partitions)
         #: The slot of each parameter's norm, by every name (see clip_grad_norm_).
         self._slots = slots(module)
-        self.balance = balance
-        self.group = group
-        self.rank = dist.get_rank(group)
-        here = self._keep(partitions)
-        # A tied parameter has a copy per rank; later partitions here keep their gradients apart.
-        tie_partitions(list(here.values()), [self.device] * len(here))
+        for partition in here.values():
+            for name, layer in partition.named_children():
+                self.add_module(name, layer)
+        if next(self.parameters(), None) is None:
+            # Before the optimizer built next refuses the empty list in words about itself.
+            warnings.warn(f'rank {self.rank} of the pipeline holds no parameters (its layers: '
+                          f'{", ".join(self._modules) or "none"}): torch.optim refuses an '
+                          'empty parameter list, so build an optimizer only where '
+                          'list(pipe.parameters()) is not empty, and step it there',
+                          UserWarning, stacklevel=2)
         tied = TiedGradients(ties_across_ranks(
             partitions, [self.ranks[r] for r in self.rank_of], dist.get_rank()), dist.get_rank(),
             list(here.values()))
         #: The names of the layers of the other partitions.
         self._others = [name for j, p in enumerate(partitions) if j not in here
                         for name, _ in p.named_children()]
-        self.core = RankCore(here, self.device, self.rank_of, self.ranks, group, tied,
-                             inspect_skip_layout(partitions), chunks, checkpoint, timeout)
-        self.core.planned_threads = planned_threads
+        self.core = RankCore(here, self.device, self.rank_of, self.ranks, group, tied, timeout,
+                             *settings)
 
     @property
     def timeout(self) -> Optional[float]:
@@ -161,23 +145,6 @@ class DistributedGPipe(CoreModule):
     @timeout.setter
     def timeout(self, timeout: Optional[float]) -> None:
         self.core.timeout = check_timeout(timeout)
-
-    def _keep(self, partitions: List[nn.Sequential]) -> Dict[int, nn.Sequential]:
-        """Registers this rank's partitions' layers, placed in place on its device; returns
-        the partitions by index."""
-        here = {j: p for j, p in enumerate(partitions) if self.rank_of[j] == self.rank}
-        for partition in here.values():
-            for name, layer in partition.named_children():
-                place(layer, self.device)
-                self.add_module(name, layer)
-        if next(self.parameters(), None) is None:
-            # Before the optimizer built next refuses the empty list in words about itself.
-            warnings.warn(f'rank {self.rank} of the pipeline holds no parameters (its layers: '
-                          f'{", ".join(self._modules) or "none"}): torch.optim refuses an '
-                          'empty parameter list, so build an optimizer only where '
-                          'list(pipe.parameters()) is not empty, and step it there',
-                          UserWarning, stacklevel=3)
-        return here
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Refused (``TypeError``): no one process holds the output; see :meth:`eval_step`."""
@@ -197,11 +164,9 @@ class DistributedGPipe(CoreModule):
     def train_step(self, input: Optional[TensorOrTensors], target: Optional[TensorOrTensors],
                    loss_fn: LossFunction, *, schedule: ScheduleLike = '1f1b',
                    reduction: str = 'mean') -> Tensor:
-        """Runs a training step of the pipeline; every rank of the group calls it.
-
-        The arguments are :meth:`GPipe.train_step <torchgpipe.GPipe.train_step>`'s; only
-        the first partition's rank needs ``input`` and the last one's ``target`` (others
-        may pass ``None``).
+        """Runs a training step of the pipeline; every rank of the group calls it, with
+        :meth:`GPipe.train_step <torchgpipe.GPipe.train_step>`'s arguments (only the first
+        partition's rank needs ``input``, the last one's ``target``: others may pass ``None``).
 
         Returns:
             torch.Tensor: the loss of the mini-batch, on every rank's device, without history
@@ -222,14 +187,12 @@ class DistributedGPipe(CoreModule):
                   loss_fn: Optional[LossFunction] = None, *, reduction: str = 'mean',
                   everywhere: bool = False,
                   output_fn: Optional[Callable[[TensorOrTensors], Any]] = None) -> Any:
-        """Evaluates the pipeline on a mini-batch; every rank of the group calls it.
-
-        As ``model.eval()`` under :func:`torch.no_grad` (the layers' modes restored after);
-        ``input`` and ``target`` as for :meth:`train_step`, the rest alike on every rank.
+        """Evaluates the pipeline on a mini-batch, as ``model.eval()`` under
+        :func:`torch.no_grad` (the layers' modes restored after); every rank of the group
+        calls it, ``input`` and ``target`` as for :meth:`train_step`, the rest alike.
 
         Args:
-            input, target, loss_fn, reduction: as for :meth:`train_step` (no loss without
-                ``loss_fn``)
+            input, target, loss_fn, reduction: as for :meth:`train_step`
             everywhere (bool): without ``loss_fn``, the output on every rank (default: ``False``)
             output_fn (callable, optional): without ``loss_fn``, applied to the output on the
                 last partition's rank, its result returned (and sent) instead
@@ -255,11 +218,9 @@ class DistributedGPipe(CoreModule):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False,
                         foreach: Optional[bool] = None) -> Tensor:
-        """Clips the gradients of the whole pipeline by their norm; every rank calls it.
-
-        The norm, result, arguments and errors are :func:`torch.nn.utils.clip_grad_norm_`'s
-        on the unwrapped module. Under DDP, call it after :func:`torchgpipe.distributed.train_step`.
-        """
+        """Clips the gradients of the whole pipeline by their norm, every rank calling it, as
+        :func:`torch.nn.utils.clip_grad_norm_` the unwrapped module's (norm, result, arguments
+        and errors). Under DDP, call it after :func:`torchgpipe.distributed.train_step`."""
         me = dist.get_rank()
         elsewhere = {tie.local for tie in self.core.tied_gradients.ties if tie.ranks[0] != me}
         grads = [(name, p.grad) for name, p in self.named_parameters() if p.grad is not None]

@@ -260,7 +260,7 @@ def check_devices(devices: object, partitions: int) -> List[torch.device]:
     return device_list
 
 
-def check_step(reduction: object, loss_fn: object) -> None:
+def check_step(loss_fn: object, reduction: object) -> None:
     """Checks ``train_step``'s loss arguments, and that gradients are enabled."""
     check_loss(loss_fn, reduction)
     if not torch.is_grad_enabled():
