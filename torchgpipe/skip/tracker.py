@@ -14,7 +14,7 @@ from torch import Tensor
 
 from torchgpipe.foundation.dependency import fork, join
 from torchgpipe.foundation.microbatch import Batch
-from torchgpipe.foundation.phase import add_root, is_checkpointing
+from torchgpipe.foundation.phase import Setting, add_root, is_checkpointing
 from torchgpipe.foundation.phony import get_phony
 from torchgpipe.foundation.stream import AbstractStream
 from torchgpipe.skip.namespace import Namespace
@@ -218,25 +218,7 @@ thread_local = ThreadLocal()
 
 def use_skip_tracker(skip_tracker: SkipTracker) -> ContextManager[None]:
     """Makes ``skip_tracker`` this thread's current tracker within the context."""
-    return _UseSkipTracker(skip_tracker)
-
-
-class _UseSkipTracker:
-    """The context of :func:`use_skip_tracker`: a class, cheaper than a generator, as every
-    task enters it."""
-
-    __slots__ = ('skip_tracker', 'orig')
-
-    def __init__(self, skip_tracker: SkipTracker) -> None:
-        self.skip_tracker = skip_tracker
-        self.orig: Optional[SkipTracker] = None
-
-    def __enter__(self) -> None:
-        self.orig = thread_local.skip_tracker
-        thread_local.skip_tracker = self.skip_tracker
-
-    def __exit__(self, *exc_info: object) -> None:
-        thread_local.skip_tracker = self.orig
+    return Setting(thread_local, 'skip_tracker', skip_tracker)
 
 
 def current_skip_tracker() -> SkipTracker:
