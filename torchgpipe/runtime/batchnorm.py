@@ -169,10 +169,7 @@ class DeferredBatchNorm(_BatchNorm):
         assert self.running_mean is not None and self.running_var is not None
 
         # As nn.BatchNorm.forward chooses it.
-        if self.momentum is None:
-            factor = 0.0
-        else:
-            factor = self.momentum
+        factor = 0.0 if self.momentum is None else self.momentum
         if self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
             if self.momentum is None:

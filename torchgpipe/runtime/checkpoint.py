@@ -191,12 +191,6 @@ class Checkpoint(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grad_output: Tensor) -> Tuple[Optional[Tensor], ...]:
-        with label('backward', ctx.context.task):
-            return Checkpoint.backpropagate(ctx, *grad_output)
-
-    @staticmethod
-    def backpropagate(ctx: Any, *grad_output: Tensor) -> Tuple[Optional[Tensor], ...]:
-        """The backward pass through the recomputed graph."""
         context: Context = ctx.context
         assert context.recomputed is not None
         output, input_leaf, roots = context.recomputed
@@ -219,7 +213,9 @@ class Checkpoint(torch.autograd.Function):
         if tensors:
             leaves = reachable_leaves(tensors)
             if leaves:
-                grads = dict(zip(leaves, differentiate(tensors, grad_tensors, leaves.values())))
+                with label('backward', context.task):
+                    grads = dict(zip(leaves, differentiate(tensors, grad_tensors,
+                                                           leaves.values())))
 
         # None for the phony and the context, then the input and the parameters.
         result = (None, None, *(grads.pop(id(x), None) for x in input_leaf),
@@ -291,16 +287,11 @@ class Recompute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_output: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
-        if ctx.context.recomputed is not None:
-            # Another output's Recompute ran first: the graph is there.
-            return (grad_output, None, *(None for _ in range(ctx.saved_count)))
-        with label('recompute', ctx.context.task):
-            return Recompute.recompute(ctx, grad_output)
-
-    @staticmethod
-    def recompute(ctx: Any, grad_output: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
-        """Recomputes the checkpoint's function, and passes the gradient on."""
         context: Context = ctx.context
+        passed_on = (grad_output, None, *(None for _ in range(ctx.saved_count)))
+        if context.recomputed is not None:
+            # Another output's Recompute ran first: the graph is there.
+            return passed_on
         saved = ctx.saved_tensors
         input, rng_tensors = saved[:context.num_inputs], saved[context.num_inputs:]
         rng_states = (rng_tensors[0], rng_tensors[1] if len(rng_tensors) > 1 else None)
@@ -308,9 +299,9 @@ class Recompute(torch.autograd.Function):
 
         assert context.autocast_states is not None
         roots: List[Tensor] = []
-        with recomputation(input[0].device,
-                           FirstPass(rng_states, context.autocast_states, context.ended),
-                           exclusive=context.exclusive_rng), collect_roots(roots):
+        with label('recompute', context.task), recomputation(
+                input[0].device, FirstPass(rng_states, context.autocast_states, context.ended),
+                exclusive=context.exclusive_rng), collect_roots(roots):
             if context.traits.modifies_input:
                 # In place on a leaf is an error, and would change the saved input.
                 output, _ = call_on_copies(context.function, input_leaf, context.arguments)
@@ -318,5 +309,4 @@ class Recompute(torch.autograd.Function):
                 output = context.function(context.arguments(input_leaf))
 
         context.recomputed = (output, input_leaf, roots)
-
-        return (grad_output, None, *(None for _ in saved))
+        return passed_on
