@@ -4,7 +4,7 @@ from typing import Dict, Iterable, List, Sequence, Tuple
 from torch import nn
 
 from torchgpipe.skip.namespace import Namespace
-from torchgpipe.skip.skippable import Skippable
+from torchgpipe.skip.verify import Declares
 
 __all__: List[str] = []
 
@@ -52,7 +52,7 @@ def inspect_skip_layout(partitions: Sequence[nn.Sequential]) -> SkipLayout:
 
     for j, partition in enumerate(partitions):
         for layer in partition.modules():
-            if isinstance(layer, Skippable):
+            if isinstance(layer, Declares):
                 stashed_at.update((key, j) for key in layer.stashable())
                 popped_at.update((key, j) for key in layer.poppable())
 

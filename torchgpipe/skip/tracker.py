@@ -7,7 +7,7 @@ to its engine (portals in the forward path: :class:`SkipTrackerThroughPortals`,
 """
 import abc
 import threading
-from typing import ContextManager, Dict, List, Optional, Protocol, Tuple
+from typing import ContextManager, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -17,6 +17,7 @@ from torchgpipe.foundation.microbatch import Batch
 from torchgpipe.foundation.phase import Setting, add_root, is_checkpointing
 from torchgpipe.foundation.phony import get_phony
 from torchgpipe.foundation.stream import AbstractStream
+from torchgpipe.skip.layout import SkipLayout
 from torchgpipe.skip.namespace import Namespace
 from torchgpipe.skip.portal import Portal
 
@@ -50,20 +51,12 @@ class SkipTracker:
         raise TypeError('copy is not supported for non-portal skip tensors')
 
 
-class Routes(Protocol):
-    """What the tracker asks of a :class:`~torchgpipe.skip.layout.SkipLayout` (a protocol:
-    the layout's module imports the skippable layers, which import this one)."""
-
-    def requires_copy(self, ns: Namespace, name: str) -> bool:
-        """Whether the skip is stashed and popped in different partitions."""
-
-
 class SkipTrackerAcross(SkipTracker, abc.ABC):
     """The skip tracker of one micro-batch in either engine: a skip crossing partitions
     goes to :meth:`send` at its stash and comes from :meth:`receive` at its pop (a
     portal in the forward path, a message in a training step)."""
 
-    def __init__(self, skip_layout: Routes) -> None:
+    def __init__(self, skip_layout: SkipLayout) -> None:
         super().__init__()
         self.skip_layout = skip_layout
 
@@ -95,7 +88,7 @@ class SkipTrackerThroughPortals(SkipTrackerAcross):
         skip_layout (SkipLayout): the partitions that stash and pop each skip
     """
 
-    def __init__(self, skip_layout: Routes) -> None:
+    def __init__(self, skip_layout: SkipLayout) -> None:
         super().__init__(skip_layout)
         self.portals: Dict[Tuple[Namespace, str], Portal] = {}
 
