@@ -45,7 +45,8 @@ def fill_drain(m: int, n: int) -> Schedule:
 
 
 def one_f_one_b(m: int, n: int) -> Schedule:
-    """1F1B: ``n - j`` forward passes to warm up, then a backward and a forward, then drain.
+    """1F1B: ``n - j`` forward passes to warm up, then a backward and a forward, then drain
+    (:func:`interleaved_1f1b` with a partition per worker).
 
     Example::
 
@@ -53,15 +54,7 @@ def one_f_one_b(m: int, n: int) -> Schedule:
         0F0 0F1 0B0 0F2 0B1 0B2
         1F0 1B0 1F1 1B1 1F2 1B2
     """
-    workers = []
-    for j in range(n):
-        warmup = min(n - j, m)
-        actions = [Action(Kind.F, i, j) for i in range(warmup)]
-        for i in range(m - warmup):
-            actions += [Action(Kind.B, i, j), Action(Kind.F, warmup + i, j)]
-        actions += [Action(Kind.B, i, j) for i in range(m - warmup, m)]
-        workers.append(actions)
-    return Schedule(workers)
+    return interleaved_1f1b(m, n, n)
 
 
 class Worker(NamedTuple):
@@ -314,13 +307,16 @@ def closest_name(name: str) -> Optional[str]:
     return _BY_KEY[close[0]] if close else None
 
 
+#: What a schedule must be, as its errors say.
+REQUIRED = (f'schedule must be one of {", ".join(map(repr, SCHEDULES))}, or a schedule of its '
+            "actions (text such as '0F0 0B0', or a list of action lists)")
+
+
 def unknown_name(name: str) -> ValueError:
     """The error for a name that is no built-in schedule, with the closest."""
     close = closest_name(name)
-    return ValueError(describe(
-        f'schedule must be one of {", ".join(map(repr, SCHEDULES))}, or a schedule of its '
-        "actions (text such as '0F0 0B0', or a list of action lists)", f'schedule: {name!r}',
-        f'did you mean {close!r}?' if close else "use schedule='1f1b'"))
+    return ValueError(describe(REQUIRED, f'schedule: {name!r}',
+                               f'did you mean {close!r}?' if close else "use schedule='1f1b'"))
 
 
 def check_schedule(schedule: object) -> None:
@@ -339,7 +335,5 @@ def check_schedule(schedule: object) -> None:
             raise unknown_name(schedule) from exc
         raise  # meant as a schedule: it names the action written wrong
     except TypeError as exc:
-        raise TypeError(describe(f'schedule must be one of {", ".join(map(repr, SCHEDULES))}, '
-                                 "or a schedule of its actions (text such as '0F0 0B0', or a "
-                                 'list of action lists)', f'schedule: {brief(schedule)}',
+        raise TypeError(describe(REQUIRED, f'schedule: {brief(schedule)}',
                                  "use schedule='1f1b'")) from exc

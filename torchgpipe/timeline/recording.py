@@ -97,14 +97,10 @@ class Timeline:
         return span
 
     def timed(self, kind: str, i: int, j: int, device: torch.device,
-              function: Callable[[], T]) -> Callable[[], T]:
-        """Wraps a task to record it when it runs, wherever that is."""
-        step = len(self.steps) - 1
-
-        def run() -> T:
-            return self.timed_span(Span(kind, i, j, device, self.place(j, device), step),
-                                   function)
-        return run
+              function: Callable[[], T]) -> T:
+        """Runs a task, recorded."""
+        span = Span(kind, i, j, device, self.place(j, device), len(self.steps) - 1)
+        return self.timed_span(span, function)
 
     def copied(self, i: int, j: int, device: torch.device, what: str,
                copy: Callable[[], Optional[Tensor]]) -> None:
