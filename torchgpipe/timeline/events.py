@@ -181,17 +181,8 @@ class Summary:
 def summarize(step: int, micro_batches: int, devices: Sequence[str], kind: str,
               events: List[Event], peak_memory: Dict[str, int],
               expected: Optional[Tuple[str, float]] = None) -> Summary:
-    """The summary of step ``step``, from its ``events``.
-
-    Args:
-        step (int): the step's index
-        micro_batches (int): how many micro-batches it had
-        devices (sequence of strs): the device of each partition
-        kind (str): what the step was (:attr:`~torchgpipe.timeline.Summary.kind`)
-        events (list of Event): the step's events
-        peak_memory (dict): the peak memory of each device, in bytes
-        expected (tuple): the formula of the step's bubble and its value, if not GPipe's
-    """
+    """The summary of step ``step`` (of ``micro_batches``, a partition on each of ``devices``)
+    from its ``events``; the other arguments are :class:`Summary`'s fields."""
     if not events:
         return Summary(step, micro_batches, len(devices), 0.0, [], [], [], peak_memory, kind,
                        expected)

@@ -2,7 +2,7 @@
 import json
 import os
 import threading
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import (Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, TypeVar,
                     Union)
@@ -17,11 +17,15 @@ from torchgpipe.skip.portal import PortalBlue, PortalCopy, PortalOrange
 from torchgpipe.timeline.chrome import chrome_trace
 from torchgpipe.timeline.clock import Clock, Stamp, peak_rss, reset_peak_rss
 from torchgpipe.timeline.events import Event, Summary, chart_title, segments, summarize
-from torchgpipe.timeline.ranks import gather
 
 __all__: List[str] = []
 
 T = TypeVar('T')
+
+#: What a walk through a task's backward pass tells apart besides the recomputation: the
+#: glue between tasks, walked through but not recorded; and the portals, where it ends.
+GLUE = (Fork, Join, Copy, Wait)
+ENDS = (PortalBlue, PortalOrange, PortalCopy)
 
 
 @dataclass
@@ -67,7 +71,7 @@ class Timeline:
                  rank: Optional[int] = None) -> None:
         self.places = None if places is None else list(places)
         self.rank = rank
-        #: The events of the other ranks, once gathered (see torchgpipe.timeline.ranks).
+        #: The events of the other ranks, once gathered (see :meth:`gather`).
         self.gathered: List[Event] = []
         self.clock = Clock()
         self.closed = False
@@ -142,7 +146,6 @@ class Timeline:
                        boundary: Iterable[Any]) -> None:
         """Hooks the autograd nodes of task ``(i, j)``'s backward pass and recomputation, from
         its ``outputs`` down to the nodes of its inputs (``boundary``)."""
-        recompute, glue, ends = node_classes()
         step = len(self.steps) - 1
         stop = set(boundary)
         seen = set()
@@ -154,12 +157,12 @@ class Timeline:
                 continue
             seen.add(node)
             forward_class = getattr(node, '_forward_cls', None)
-            if type(node).__name__ == 'AccumulateGrad' or forward_class in ends:
+            if type(node).__name__ == 'AccumulateGrad' or forward_class in ENDS:
                 continue
-            if forward_class is recompute:
+            if forward_class is Recompute:
                 self._hook(node, runs['recompute'], Span('recompute', i, j, device,
                                                          str(device), step))
-            elif forward_class not in glue:
+            elif forward_class not in GLUE:
                 self._hook(node, runs['backward'], Span('backward', i, j, device,
                                                         str(device), step))
             stack.extend(n for n, _ in node.next_functions if n is not None)
@@ -203,10 +206,25 @@ class Timeline:
                 self._peak_memory[place] = rss
 
     def gather(self, group: Any, device: torch.device) -> None:
-        """Takes in the events and the peak memory of every rank of ``group`` (each calls it)."""
-        everyone, peaks = gather(self.events, dict(self._peak_memory), group, device)
-        self.gathered = [e for e in everyone if e.rank != self.rank]
-        self._peak_memory.update(peaks)
+        """Takes in the events and the peak memory of every rank of ``group`` (each calls it;
+        ``device``: one its backend communicates from)::
+
+            rank 0: events of rank 0 ─┐                 ┌─► rank 0: events of ranks 0, 1, 2
+            rank 1: events of rank 1 ─┼─ all_gather ────┼─► rank 1: events of ranks 0, 1, 2
+            rank 2: events of rank 2 ─┘   (JSON bytes)  └─► rank 2: events of ranks 0, 1, 2
+
+        As JSON, never pickled: a rank reads another's data, not its code.
+        """
+        # Imported here: ``import torchgpipe`` loads no torchgpipe.distributed.
+        from torchgpipe.distributed.ranks import all_gather_bytes
+        mine = {'events': [asdict(e) for e in self.events], 'memory': self._peak_memory}
+        for data in all_gather_bytes(json.dumps(mine).encode(), group, device):
+            record: Dict[str, Any] = json.loads(data)
+            for fields in record['events']:
+                if fields['rank'] != self.rank:
+                    fields['pieces'] = tuple((float(a), float(b)) for a, b in fields['pieces'])
+                    self.gathered.append(Event(**fields))
+            self._peak_memory.update({str(k): int(v) for k, v in record['memory'].items()})
 
     # Views. -----------------------------------------------------------------
 
@@ -307,13 +325,6 @@ class Timeline:
         if title is None:
             title = chart_title([self._summarize(k, found) for k, found in by_step.items()])
         plot_timeline(segments(events), path, title)
-
-
-def node_classes() -> Tuple[type, Tuple[type, ...], Tuple[type, ...]]:
-    """The autograd functions a walk through a task's backward pass tells apart: the
-    recomputation; the glue between tasks, walked through but not recorded; and the
-    portals, where the task ends."""
-    return Recompute, (Fork, Join, Copy, Wait), (PortalBlue, PortalOrange, PortalCopy)
 
 
 def graph_task_id() -> int:
