@@ -57,8 +57,7 @@ class GeneratedChild(nn.Module):
         self.refusal = refusal
         # Not a submodule: it reads self.graph's tensors and modules.
         self.__dict__['other_mode'] = other_mode
-        self._share()
-        self._leave_out_transient()
+        self._link()
 
     # The captured module's mode, both ways; a copy keeps a mode of its own.
     @property
@@ -97,14 +96,12 @@ class GeneratedChild(nn.Module):
         # Pickled before the mode followed the captured module: a flag of its own.
         self.__dict__.setdefault('captured_from', None)
         self.__dict__.setdefault('own_training', self.__dict__.pop('training', True))
-        self._share()
-        self._leave_out_transient()
+        self._link()
 
-    def _share(self) -> None:
+    def _link(self) -> None:
+        # The other mode's code reads this one's tensors; transient ones stay out of the state.
         if self.other_mode is not None:
             share_attributes(self.graph, self.other_mode)
-
-    def _leave_out_transient(self) -> None:
         for name in self.transient:
             owner, _, field = name.rpartition('.')
             self.graph.get_submodule(owner)._non_persistent_buffers_set.add(field)

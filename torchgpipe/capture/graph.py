@@ -78,18 +78,8 @@ def has_hooks(module: nn.Module) -> bool:
 def resolve(graph: fx.Graph, module: nn.Module, extra: Dict[str, Any]) -> Dict[str, Any]:
     """What each ``get_attr`` and ``call_module`` node of ``graph`` names, in ``extra`` (the
     capture's constants) or ``module``: nothing is put on the user's module."""
-    found = {}
-    for node in graph.nodes:
-        if node.op in ('get_attr', 'call_module'):
-            target = str(node.target)
-            if target not in extra:
-                value: Any = module
-                for part in target.split('.'):
-                    value = getattr(value, part)
-                found[target] = value
-            else:
-                found[target] = extra[target]
-    return found
+    targets = [str(n.target) for n in graph.nodes if n.op in ('get_attr', 'call_module')]
+    return {t: extra[t] if t in extra else attr(module, t) for t in targets}
 
 def output_nodes(leaves: Sequence[Any], shown: object) -> List[fx.Node]:
     """The nodes of a graph's outputs, checked to be values the graph computes.
