@@ -8,13 +8,13 @@ Example::
     balance = balance_by_time(torch.cuda.device_count(), model, sample)
     model = GPipe(model, balance, chunks=8)
 """
-from typing import List, Optional
+from typing import List
 
 import torch
 from torch import nn
 
 from torchgpipe.foundation import microbatch
-from torchgpipe.foundation.placement import check_materialized
+from torchgpipe.foundation.placement import check_materialized, indexed
 from torchgpipe.foundation.validation import (Device, check_available, check_chunks,
                                               check_number, describe, parse_device,
                                               verify_module)
@@ -142,8 +142,4 @@ def profiling_device(value: object) -> torch.device:
     """The device to profile on, checked; a bare ``'cuda'`` gets the current index."""
     device = parse_device('device', value, "use a device such as device='cpu' or device='cuda:0'")
     check_available('device', device, "profile on the CPU with device='cpu'")
-    # torch's stubs type the index as int, but a bare 'cuda' has none.
-    index: Optional[int] = device.index
-    if device.type == 'cuda' and index is None:
-        device = torch.device('cuda', torch.cuda.current_device())
-    return device
+    return indexed(device)

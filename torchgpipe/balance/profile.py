@@ -14,6 +14,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from torchgpipe.foundation import microbatch
 from torchgpipe.foundation.microbatch import Batch, TensorOrTensors, map_tensors
+from torchgpipe.foundation.placement import indexed
 from torchgpipe.skip.namespace import Namespace
 from torchgpipe.skip.tracker import SkipTracker, use_skip_tracker
 
@@ -97,7 +98,8 @@ def profile_sizes(module: nn.Sequential, input: TensorOrTensors, chunks: int,
             if device.type == 'cuda':
                 output, latent_size = allocated_by_forward(layer, values, tracker, device)
             else:
-                output, latent_size = saved_by_forward(layer, values, tracker)
+                output, saved, _, _ = kept_by_forward(layer, values, tracker)
+                latent_size = sum(saved.values())
             microbatch.check(output, f'the output of layer {index}')
 
             param_size = sum(p.numel() * p.element_size() for p in layer.parameters())
@@ -120,13 +122,6 @@ def allocated_by_forward(layer: nn.Module, values: TensorOrTensors, tracker: 'Sa
     after = torch.cuda.memory_allocated(device)
     # Popping a skip tensor can free more than the layer allocates.
     return output, max(0, after - before)
-
-
-def saved_by_forward(layer: nn.Module, values: TensorOrTensors,
-                     tracker: 'SandboxSkipTracker') -> Tuple[TensorOrTensors, int]:
-    """Runs the layer; returns its output and the bytes its forward keeps for training."""
-    output, saved, _, _ = kept_by_forward(layer, values, tracker)
-    return output, sum(saved.values())
 
 
 def kept_by_forward(layer: nn.Module, values: TensorOrTensors, tracker: 'SandboxSkipTracker'
@@ -230,5 +225,4 @@ def preserve_rng_state(device: torch.device) -> ContextManager[None]:
     """Restores the CPU's random state, and a CUDA device's, on exit."""
     if device.type != 'cuda':
         return torch.random.fork_rng(devices=[])
-    index = torch.cuda.current_device() if device.index is None else device.index
-    return torch.random.fork_rng(devices=[index])
+    return torch.random.fork_rng(devices=[indexed(device).index])
