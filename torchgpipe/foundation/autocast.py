@@ -29,7 +29,6 @@ else:  # pragma: no cover (torch 2.1 - 2.3: separate functions per device type)
                         'cuda': ('is_autocast_enabled', 'get_autocast_gpu_dtype')}
 
     def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
-        """The dtype autocast casts to on the device type, or ``None`` if it is off."""
         is_enabled, get_dtype = _LEGACY_AUTOCAST[device_type]
         if not getattr(torch, is_enabled)():
             return None

@@ -54,14 +54,9 @@ class NoChunk:
 
 
 class Layout:
-    """Where the tensors are in a tuple that holds other values too (no tensor: a checkpoint
-    keeps it to rebuild its input).
-
-    Args:
-        template: the tuple, with ``None`` in place of every tensor
-        indices: the positions of the tensors, NoChunk ones included
-        nochunk: the positions of the NoChunk tensors
-    """
+    """Where the tensors are in a tuple that holds other values too: ``template`` is the
+    tuple with ``None`` for each tensor (a checkpoint keeps it, not the tensors, to rebuild
+    its input), ``indices`` the tensors' places, ``nochunk`` those of NoChunk tensors."""
 
     __slots__ = ('template', 'indices', 'nochunk')
 

@@ -40,13 +40,8 @@ class Use(NamedTuple):
 
 
 class TiedUses:
-    """The uses of earlier partitions' parameters in one partition; called, the partition's
-    forward pre-hook that lends the masters to them.
-
-    Args:
-        uses: the uses within the partition (as :func:`find_ties` gives them)
-        device: the partition's device
-    """
+    """The ``uses`` of earlier partitions' parameters in one partition on ``device``; called,
+    the partition's forward pre-hook that lends the masters to them."""
 
     def __init__(self, uses: List[Use], device: torch.device) -> None:
         self.uses = uses

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from torchgpipe.foundation.microbatch import Batch, TensorOrTensors
 from torchgpipe.skip.namespace import Namespace, default_namespace
 from torchgpipe.skip.tracker import current_skip_tracker
-from torchgpipe.skip.verify import verify_skippables
+from torchgpipe.skip.layout import verify_skippables
 
 __all__ = ['skippable', 'stash', 'pop', 'verify_skippables', 'Skippable']
 

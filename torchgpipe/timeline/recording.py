@@ -14,9 +14,9 @@ from torchgpipe.foundation.copy import Copy, Wait
 from torchgpipe.foundation.dependency import Fork, Join
 from torchgpipe.runtime.checkpoint import Recompute
 from torchgpipe.skip.portal import PortalBlue, PortalCopy, PortalOrange
-from torchgpipe.timeline.chrome import chrome_trace
 from torchgpipe.timeline.clock import Clock, Stamp, peak_rss, reset_peak_rss
-from torchgpipe.timeline.events import Event, Summary, chart_title, segments, summarize
+from torchgpipe.timeline.events import (Event, Summary, chart_title, chrome_trace, segments,
+                                        summarize)
 
 __all__: List[str] = []
 
@@ -284,7 +284,7 @@ class Timeline:
                          dict(self._peak_memory), info.bubble)
 
     def chrome_trace(self) -> Dict[str, Any]:
-        """The events as a Chrome trace (:mod:`torchgpipe.timeline.chrome`)."""
+        """The events as a Chrome trace (:func:`~torchgpipe.timeline.events.chrome_trace`)."""
         return chrome_trace(self.events)
 
     def save(self, path: Union[str, 'os.PathLike[str]']) -> None:
