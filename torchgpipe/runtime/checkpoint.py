@@ -18,6 +18,7 @@ Both passes replay the same random numbers and autocast
 (:mod:`torchgpipe.runtime.replay`); Recompute keeps its inputs as saved
 tensors, so a retained graph recomputes again.
 """
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, cast
 
 import torch
@@ -42,37 +43,30 @@ Function = Callable[[TensorOrTensors], TensorOrTensors]
 Recomputed = Tuple[TensorOrTensors, Tensors, List[Tensor]]
 
 
+@dataclass(slots=True, eq=False)
 class Context:
     """What a :class:`Checkpoint` and its :class:`Recompute` share besides tensors: the
     partition's ``function``, its input's form (``atomic``, ``layout``, ``num_inputs``
     leading tensors), its ``traits``, whether the recomputation may draw from the CPU
     generator (``exclusive_rng``), and the ``task`` for a profiler's labels."""
 
-    __slots__ = ('function', 'atomic', 'layout', 'num_inputs', 'traits', 'exclusive_rng',
-                 'task', 'first_pass', 'recomputed', 'autocast_states', 'ended',
-                 'output_layout')
-
-    def __init__(self, function: Function, atomic: bool, layout: Optional[Layout],
-                 num_inputs: int, traits: PartitionTraits, exclusive_rng: bool,
-                 task: Tuple[int, int]) -> None:
-        self.function = function
-        #: The task's ``(i, j)``, for the profiler's labels of its backward pass.
-        self.task = task
-        self.atomic = atomic
-        self.layout = layout
-        self.num_inputs = num_inputs
-        self.traits = traits
-        self.exclusive_rng = exclusive_rng
-        #: The states to replay, from Checkpoint.forward to Checkpointing.recompute.
-        self.first_pass: Optional[FirstPass] = None
-        #: The recomputed graph, from Recompute.backward to Checkpoint.backward.
-        self.recomputed: Optional[Recomputed] = None
-        #: The autocast state to recompute in.
-        self.autocast_states: Optional[AutocastStates] = None
-        #: Where the first pass left the CPU generator (see FirstPass).
-        self.ended: Optional[Tensor] = None
-        #: Where the output tensors go in the output tuple (Checkpoint returns tensors only).
-        self.output_layout: Optional[Layout] = None
+    function: Function
+    atomic: bool
+    layout: Optional[Layout]
+    num_inputs: int
+    traits: PartitionTraits
+    exclusive_rng: bool
+    task: Tuple[int, int]
+    #: The states to replay, from Checkpoint.forward to Checkpointing.recompute.
+    first_pass: Optional[FirstPass] = None
+    #: The recomputed graph, from Recompute.backward to Checkpoint.backward.
+    recomputed: Optional[Recomputed] = None
+    #: The autocast state to recompute in.
+    autocast_states: Optional[AutocastStates] = None
+    #: Where the first pass left the CPU generator (see FirstPass).
+    ended: Optional[Tensor] = None
+    #: Where the output tensors go in the output tuple (Checkpoint returns tensors only).
+    output_layout: Optional[Layout] = None
 
     def arguments(self, input: Tensors) -> TensorOrTensors:
         """The function's argument, from the input tensors."""
