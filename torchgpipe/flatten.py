@@ -17,7 +17,7 @@ from torchgpipe.capture import export, fx as fx_capture
 from torchgpipe.capture import pieces
 from torchgpipe.capture.cut import GeneratedChild, child_name, transient
 from torchgpipe.capture.fx import LeafSpec
-from torchgpipe.capture.graph import named_arguments
+from torchgpipe.capture.graph import attr, named_arguments
 from torchgpipe.foundation.validation import brief, describe
 from torchgpipe.gpipe import GPipe
 from torchgpipe.skip.namespace import Namespace
@@ -141,7 +141,8 @@ def to_sequential(module: nn.Module, *,
             continue
 
         graph_module = fx.GraphModule(root, pieces.piece(parts, k, parts.pops[k]), class_name=name)
-        transients = transient(root, segment, state)
+        transients = [str(n.target) for n in segment
+                      if n.op == 'get_attr' and transient(attr(root, n.target), state)]
         other_mode = None
         if orders is not None:
             piece = pieces.piece(other_parts, k, orders[k])

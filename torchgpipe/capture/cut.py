@@ -267,19 +267,11 @@ def with_shapes(segment: List[fx.Node]) -> List[fx.Node]:
         collect(n)
     return list(copied) + segment
 
-def transient(root: Union[nn.Module, Dict[str, Any]], segment: List[fx.Node],
-               state: Dict[int, str]) -> List[str]:
-    """The names of the tensors a generated child reads that the original leaves out of its
-    state dict (a non-persistent mask, a constant), which fx registers as buffers."""
-    names = []
-    for n in segment:
-        if n.op != 'get_attr':
-            continue
-        value = attr(root, n.target)
-        if isinstance(value, Tensor) and not isinstance(value, nn.Parameter) \
-                and id(value) not in state:
-            names.append(str(n.target))
-    return names
+def transient(value: object, state: Dict[int, str]) -> bool:
+    """Whether ``value``, read by a generated child, is a tensor the original leaves out of
+    its state dict (a non-persistent mask, a constant), which fx registers as a buffer."""
+    return isinstance(value, Tensor) and not isinstance(value, nn.Parameter) \
+        and id(value) not in state
 
 def floating(node: fx.Node) -> Optional[bool]:
     """Whether a node makes a floating point tensor, if the graph says (export's does)."""
