@@ -11,13 +11,15 @@ from bisect import insort
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from torchgpipe.engine.schedule import notation
+from torchgpipe.engine.schedule import Action, depends_on, notation
 from torchgpipe.foundation.record import PREFIXES
 
 __all__ = ['Event', 'Summary', 'DeviceSummary', 'PartitionSummary']
 
 #: The kinds that keep a device busy (copies run on copy streams).
 COMPUTE_KINDS = ('forward', 'recompute', 'backward', 'input', 'weight')
+#: The kind of the events of each kind of action.
+KINDS = {'F': 'forward', 'B': 'backward', 'I': 'input', 'W': 'weight'}
 #: How the rows of what is not a device's compute end: its copies, its rank's messages.
 SIDE_TRACKS = (' copies', ' messages')
 
@@ -186,9 +188,7 @@ def summarize(step: int, micro_batches: int, devices: Sequence[str], kind: str,
     if not events:
         return Summary(step, micro_batches, len(devices), 0.0, [], [], [], peak_memory, kind,
                        expected)
-    begin = min(e.start for e in events)
-    end = max(e.end for e in events)
-    window = end - begin
+    window = max(e.end for e in events) - min(e.start for e in events)
 
     device_summaries: List[DeviceSummary] = []
     for device in dict.fromkeys(devices):
@@ -261,9 +261,8 @@ def critical_path(events: Sequence[Event], n: int) -> List[Event]:
     """The chain of tasks, each waiting for the one before it, that ends the step.
 
     From the task that ends last, walks back to whichever predecessor ended
-    last before it started: the task before it on its device, or the one that
-    produced its input (``(j-1)Fi`` for ``jFi``, ``(j+1)Bi`` for ``jBi``, ``jFi`` for
-    the last partition's ``jBi``).
+    last before it started: the task before it on its device, or one it waits for
+    (:func:`~torchgpipe.engine.schedule.depends_on`; a recomputation as its backward pass).
     """
     tasks = [e for e in events if e.kind in COMPUTE_KINDS]
     if not tasks:
@@ -280,17 +279,12 @@ def critical_path(events: Sequence[Event], n: int) -> List[Event]:
             if end <= e.start and tasks[index] is not e:
                 found.append(tasks[index])
                 break
-        if e.kind == 'forward':
-            producer = by_key.get(('forward', e.micro_batch, e.partition - 1))
-        elif e.kind == 'weight':
-            producer = by_key.get(('input', e.micro_batch, e.partition))
-        elif e.partition == n - 1:
-            producer = by_key.get(('forward', e.micro_batch, e.partition))
-        else:
-            producer = by_key.get(('backward', e.micro_batch, e.partition + 1)) or \
-                by_key.get(('input', e.micro_batch, e.partition + 1))
-        if producer is not None and producer.end <= e.start:
-            found.append(producer)
+        action = Action('B' if e.kind == 'recompute' else PREFIXES[e.kind], e.micro_batch,
+                        e.partition)
+        for need in depends_on(action, n, lambda i, j: ('input', i, j) in by_key):
+            producer = by_key.get((KINDS[need.kind.value], need.i, need.j))
+            if producer is not None and producer.end <= e.start:
+                found.append(producer)
         return found
 
     path = [max(tasks, key=lambda e: e.end)]
