@@ -22,20 +22,12 @@ __all__: List[str] = []
 
 
 class GeneratedChild(nn.Module):
-    """One generated child: runs its piece of the traced graph between pops and stashes.
-
-    Args:
-        graph_module (torch.fx.GraphModule): takes the values received, then the
-            popped ones; returns the output and the tuple of values to stash
-        tuple_input (bool): whether the previous child passes a tuple
-        pops, stashes (list of strs): the skip names, in argument and result order
-        transient (list of strs): the tensors to leave out of the state dict
-        captured_training (bool, optional): the mode ``graph_module`` was
-            captured in (``None``: alike in both)
-        other_mode (torch.fx.GraphModule, optional): the piece of the other mode
-            (else the child refuses it, saying ``refusal``)
-        captured_from (nn.Module, optional): the module whose mode is this child's
-    """
+    """One generated child: runs its piece of the traced graph, ``graph_module``, on the
+    values received (a tuple if ``tuple_input``) and the ``pops``, giving the output and the
+    ``stashes``. ``transient``: the tensors left out of the state dict; ``captured_training``:
+    the mode ``graph_module`` was captured in (``None``: both); ``other_mode``: the piece of
+    the other mode (if ``None``, the child refuses it, saying ``refusal``);
+    ``captured_from``: the module whose mode is this child's."""
 
     other_mode: Optional[fx.GraphModule]
 
@@ -99,9 +91,19 @@ class GeneratedChild(nn.Module):
         self._link()
 
     def _link(self) -> None:
-        # The other mode's code reads this one's tensors; transient ones stay out of the state.
-        if self.other_mode is not None:
-            share_attributes(self.graph, self.other_mode)
+        # The other mode's code reads every tensor and module it names from self.graph
+        # (taking what self.graph lacks first), sharing its dicts so that .to() moves both;
+        # transient tensors stay out of the state dict.
+        code = self.other_mode
+        if code is not None:
+            for node in code.graph.nodes:
+                if node.op in ('get_attr', 'call_module'):
+                    try:
+                        attr(self.graph, node.target)
+                    except AttributeError:
+                        assign(self.graph, str(node.target), attr(code, node.target))
+            for name in ('_modules', '_parameters', '_buffers', '_non_persistent_buffers_set'):
+                code.__dict__[name] = self.graph.__dict__[name]
         for name in self.transient:
             owner, _, field = name.rpartition('.')
             self.graph.get_submodule(owner)._non_persistent_buffers_set.add(field)
@@ -139,20 +141,6 @@ class GeneratedChild(nn.Module):
         for name, value in zip(self.stashes, stashed):
             yield stash(name, value)
         return output  # type: ignore[no-any-return]
-
-
-def share_attributes(holder: fx.GraphModule, code: fx.GraphModule) -> None:
-    """Makes ``code`` read every tensor and module it names from ``holder`` (taking what
-    ``holder`` lacks first), sharing its dicts so that ``holder.to()`` moves both."""
-    for node in code.graph.nodes:
-        if node.op in ('get_attr', 'call_module'):
-            target = str(node.target)
-            try:
-                attr(holder, target)
-            except AttributeError:
-                assign(holder, target, attr(code, target))
-    for name in ('_modules', '_parameters', '_buffers', '_non_persistent_buffers_set'):
-        code.__dict__[name] = holder.__dict__[name]
 
 
 def assign(module: nn.Module, target: str, value: Any) -> None:

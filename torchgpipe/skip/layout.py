@@ -104,14 +104,9 @@ def verify_skippables(module: nn.Sequential) -> None:
 
 
 class SkipLayout:
-    """The routes of a model's skips between its partitions, fixed when GPipe wraps it: which
-    skips to copy into each partition's input, and which need a portal at all.
-
-    Args:
-        num_partitions (int): the number of partitions
-        skip_routes: ``(stashing partition, popping partition)`` for each
-            ``(namespace, name)``
-    """
+    """The routes of a model's skips between its partitions, fixed when GPipe wraps it
+    (``skip_routes``: the stashing and popping partition of each ``(namespace, name)``):
+    which skips to copy into each partition's input, and which need a portal at all."""
 
     def __init__(self, num_partitions: int,
                  skip_routes: Dict[Tuple[Namespace, str], Tuple[int, int]]) -> None:

@@ -26,12 +26,8 @@ __all__: List[str] = []
 
 
 class Portal:
-    """Holds a skip tensor between its stash and its pops, and its gradient back.
-
-    Args:
-        tensor (torch.Tensor or None): the stashed tensor
-        tensor_life (int): how many pops will read it, after which it is freed
-    """
+    """Holds a stashed ``tensor`` for its ``tensor_life`` pops (then frees it), and its
+    gradient back."""
 
     def __init__(self, tensor: Optional[Tensor], tensor_life: int) -> None:
         # Whether the pops send a gradient back: without grad (a checkpoint's

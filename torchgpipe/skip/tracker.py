@@ -82,11 +82,7 @@ class SkipTrackerAcross(SkipTracker, abc.ABC):
 
 class SkipTrackerThroughPortals(SkipTrackerAcross):
     """Tracks the skip tensors of one micro-batch in the forward path: a skip that crosses
-    partitions goes into a :class:`~torchgpipe.skip.portal.Portal`.
-
-    Args:
-        skip_layout (SkipLayout): the partitions that stash and pop each skip
-    """
+    partitions (by ``skip_layout``) goes into a :class:`~torchgpipe.skip.portal.Portal`."""
 
     def __init__(self, skip_layout: SkipLayout) -> None:
         super().__init__(skip_layout)

@@ -60,12 +60,8 @@ class StepInfo:
 
 class Timeline:
     """What :func:`torchgpipe.trace` yields: the events recorded, and views of them. A
-    step's events are complete once its backward pass is done.
-
-    Args:
-        places: the row of each partition's tasks, if not its device (``'rank 1'``)
-        rank: the rank of this process, across processes
-    """
+    step's events are complete once its backward pass is done. Across processes, ``places``
+    names the row of each partition's tasks (``'rank 1'``), and ``rank`` this process."""
 
     def __init__(self, places: Optional[Sequence[str]] = None,
                  rank: Optional[int] = None) -> None:
