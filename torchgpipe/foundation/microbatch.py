@@ -108,9 +108,7 @@ class Batch:
         elif self.layout is None:
             yield from cast(Tensors, self._values)
         else:
-            values = cast(Tensors, self._values)
-            for i in self.layout.indices:
-                yield values[i]
+            yield from map(cast(Tensors, self._values).__getitem__, self.layout.indices)
 
     def __len__(self) -> int:
         if self.atomic:

@@ -121,11 +121,8 @@ class SkipLayout:
             routes.sort()
 
     def copy_policy(self, next_j: int) -> Iterable[Tuple[int, Namespace, str]]:
-        """Yields ``(prev_j, ns, name)`` for each skip partition ``next_j`` pops from an earlier
-        partition ``prev_j``."""
-        for prev_j, ns, name in self.by_partition[next_j]:
-            if prev_j != next_j:
-                yield prev_j, ns, name
+        """The ``(prev_j, ns, name)`` of each skip partition ``next_j`` pops from an earlier one."""
+        return [route for route in self.by_partition[next_j] if route[0] != next_j]
 
     def requires_copy(self, ns: Namespace, name: str) -> bool:
         """Whether a skip crosses partitions, and so needs a portal (an unknown one does not)."""

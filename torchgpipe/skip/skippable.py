@@ -136,13 +136,11 @@ class Skippable(nn.Module):
 
     def stashable(self) -> Iterable[Tuple[Namespace, str]]:
         """The key of each name this layer stashes, in name order."""
-        for name in sorted(self.stashable_names):
-            yield self.namespaced(name)
+        return map(self.namespaced, sorted(self.stashable_names))
 
     def poppable(self) -> Iterable[Tuple[Namespace, str]]:
         """The key of each name this layer pops, in name order."""
-        for name in sorted(self.poppable_names):
-            yield self.namespaced(name)
+        return map(self.namespaced, sorted(self.poppable_names))
 
     def isolate(self: T, ns: Namespace, *, only: Optional[Iterable[str]] = None) -> T:
         """Moves skip names of this layer into the namespace ``ns``, so that
