@@ -13,8 +13,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import fx, nn
 
-from torchgpipe.capture import export, fx as fx_capture
-from torchgpipe.capture import pieces
+from torchgpipe.capture import export, fx as fx_capture, pieces
 from torchgpipe.capture.cut import GeneratedChild, child_name, transient
 from torchgpipe.capture.fx import LeafSpec
 from torchgpipe.capture.graph import attr, named_arguments

@@ -12,8 +12,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from torchgpipe.foundation import microbatch
-from torchgpipe.foundation.microbatch import Batch, TensorOrTensors, map_tensors
+from torchgpipe.foundation.microbatch import Batch, TensorOrTensors, check, map_tensors, scatter
 from torchgpipe.foundation.placement import indexed
 from torchgpipe.skip.namespace import Namespace
 from torchgpipe.skip.tracker import SkipTracker, use_skip_tracker
@@ -41,7 +40,7 @@ def profile_times(module: nn.Sequential, sample: TensorOrTensors, timeout: float
     """The forward and backward time of each layer, in microseconds summed over whole
     passes repeated until ``timeout`` (after one warm-up pass)."""
     refuse_gradients(module)
-    microbatch.check(sample, 'sample')
+    check(sample, 'sample')
     sample = to_device(sample, device)
 
     elapsed = [0.0] * len(module)
@@ -69,7 +68,7 @@ def timed_pass(module: nn.Sequential, sample: TensorOrTensors, device: torch.dev
             synchronize(device)
             tick = time.perf_counter()
             output = layer(values)
-            microbatch.check(output, f'the output of layer {index}')
+            check(output, f'the output of layer {index}')
             backward_tensors = [y for y in (*Batch(output), *tracker.take_stashed())
                                 if y.requires_grad]
             if backward_tensors:
@@ -85,8 +84,8 @@ def profile_sizes(module: nn.Sequential, input: TensorOrTensors, chunks: int,
                   param_scale: float, device: torch.device) -> List[int]:
     """The bytes each layer needs for training, as ``balance_by_size`` counts them."""
     refuse_gradients(module)
-    microbatch.check(input)
-    values = to_device(microbatch.scatter(input, chunks)[0].plain, device)
+    check(input)
+    values = to_device(scatter(input, chunks)[0].plain, device)
 
     sizes = []
     tracker = SandboxSkipTracker()
@@ -100,7 +99,7 @@ def profile_sizes(module: nn.Sequential, input: TensorOrTensors, chunks: int,
             else:
                 output, saved, _, _ = kept_by_forward(layer, values, tracker)
                 latent_size = sum(saved.values())
-            microbatch.check(output, f'the output of layer {index}')
+            check(output, f'the output of layer {index}')
 
             param_size = sum(p.numel() * p.element_size() for p in layer.parameters())
             sizes.append(int(latent_size + param_scale * param_size))

@@ -8,8 +8,7 @@ from torch import nn
 
 from torchgpipe.engine.inputs import split_given, weighted
 from torchgpipe.engine.schedule import Action, Kind, Schedule
-from torchgpipe.foundation import microbatch
-from torchgpipe.foundation.microbatch import Batch, TensorOrTensors
+from torchgpipe.foundation.microbatch import Batch, TensorOrTensors, gather
 from torchgpipe.foundation.validation import check_loss, check_target_and_loss, describe
 
 __all__: List[str] = []
@@ -77,4 +76,4 @@ def evaluation_weights(sizes: List[int], reduction: str, loss: bool) -> List[flo
 
 def join(outputs: Optional[List[Batch]]) -> Optional[TensorOrTensors]:
     """The micro-batches' outputs as one mini-batch, if here."""
-    return None if outputs is None else microbatch.gather(outputs)
+    return None if outputs is None else gather(outputs)
