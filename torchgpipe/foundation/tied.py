@@ -206,19 +206,13 @@ def shares_apart(partitions: Sequence[nn.Module]) -> Iterator[None]:
 def add_in_order(kept: Optional[Tensor], first: Optional[Tensor],
                  rest: Iterable[Optional[Tensor]]) -> Optional[Tensor]:
     """``kept + (first + rest[0] + rest[1] + ...)``, added in that order (floating-point
-    addition is not associative), into ``first``'s memory, never into one of ``rest``
-    (which may be reused). ``None`` is no gradient."""
+    addition is not associative), into ``kept``'s memory, else ``first``'s, never into one
+    of ``rest`` (which may be reused). ``None`` is no gradient."""
     total = first
     with torch.no_grad():
         for grad in rest:
             if grad is not None:
                 total = grad.clone() if total is None else total.add_(grad)
-    return add(kept, total)
-
-
-def add(kept: Optional[Tensor], grad: Optional[Tensor]) -> Optional[Tensor]:
-    """``kept + grad``, in ``kept``'s memory where there is one; ``None`` is no gradient."""
-    if kept is None or grad is None:
-        return grad if kept is None else kept
-    with torch.no_grad():
-        return kept.add_(grad)
+        if kept is None or total is None:
+            return total if kept is None else kept
+        return kept.add_(total)

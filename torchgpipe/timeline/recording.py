@@ -258,15 +258,12 @@ class Timeline:
         index = self._step_index(step)
         return self._summarize(index, [e for e in self.events if e.step == index])
 
-    def _check_traced(self) -> None:
-        """Raises ValueError if no step was traced: there is nothing to show."""
+    def _step_index(self, step: Optional[int]) -> int:
+        """The index of ``step`` (default: the last), from 0; ValueError if out of range, or
+        if no step was traced: there is nothing to show."""
         if not self.steps:
             raise ValueError('the trace recorded no step: call the GPipe inside '
                              '"with torchgpipe.trace(model)"')
-
-    def _step_index(self, step: Optional[int]) -> int:
-        """The index of ``step`` (default: the last), from 0; ValueError if out of range."""
-        self._check_traced()
         index = len(self.steps) - 1 if step is None else step
         if not -len(self.steps) <= index < len(self.steps):
             raise ValueError(f'step must be in [{-len(self.steps)}, {len(self.steps) - 1}] '
@@ -312,8 +309,8 @@ class Timeline:
         """
         from torchgpipe.timeline.plot import plot_timeline
         # Checked before anything is drawn: an empty chart would hide the mistake.
-        self._check_traced()
-        indices = range(len(self.steps)) if step is None else [self._step_index(step)]
+        chosen = self._step_index(step)
+        indices = range(len(self.steps)) if step is None else [chosen]
         by_step: Dict[int, List[Event]] = {k: [] for k in indices}
         events = [e for e in self.events if e.step in by_step]
         for e in events:
