@@ -76,11 +76,6 @@ class Portal:
             self.tensor = None
         return tensor
 
-    def use_grad(self) -> Optional[Tensor]:
-        """Takes the gradient out of the portal."""
-        grad, self.grad = self.grad, None
-        return grad
-
 
 class PortalBlue(torch.autograd.Function):
     """Hides a stashed tensor; its backward returns the gradient from the portal."""
@@ -92,7 +87,8 @@ class PortalBlue(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_phony: Optional[Tensor]) -> Tuple[None, Optional[Tensor]]:
-        return None, ctx.portal.use_grad()
+        grad, ctx.portal.grad = ctx.portal.grad, None  # taken out of the portal
+        return None, grad
 
 
 class PortalOrange(torch.autograd.Function):
