@@ -25,7 +25,7 @@ from torchgpipe.foundation.rng import (RNGStates, cpu_generator_owned, cpu_rng_s
 __all__: List[str] = []
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class FirstPass:
     """What a first pass leaves for its recomputation: the states to replay, and where the
     CPU generator was as it ended (if the pass held it), so that a recomputation that
