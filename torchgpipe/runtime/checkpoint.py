@@ -204,10 +204,10 @@ class Checkpoint(torch.autograd.Function):
         # Gradients by id() of the leaf: hashing tensors calls into Python.
         grads: Dict[int, Optional[Tensor]] = {}
         leaves: Dict[int, Tensor] = {}
-        if tensors:
-            leaves = reachable_leaves(tensors)
-            if leaves:
-                with label('backward', context.task):
+        with label('backward', context.task):
+            if tensors:
+                leaves = reachable_leaves(tensors)
+                if leaves:
                     grads = dict(zip(leaves, differentiate(tensors, grad_tensors,
                                                            leaves.values())))
 
