@@ -8,16 +8,15 @@ connection (:mod:`torchgpipe.skip`), straight to the partition that uses it.
 """
 from collections import OrderedDict
 from functools import partial
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple, cast
 
 import torch
 from torch import fx, nn
 
-from torchgpipe.capture import export, fx as fx_capture
-from torchgpipe.capture import pieces
+from torchgpipe.capture import export, fx as fx_capture, pieces
 from torchgpipe.capture.cut import GeneratedChild, child_name, transient
 from torchgpipe.capture.fx import LeafSpec
-from torchgpipe.capture.graph import named_arguments
+from torchgpipe.capture.graph import attr, named_arguments
 from torchgpipe.foundation.validation import brief, describe
 from torchgpipe.gpipe import GPipe
 from torchgpipe.skip.namespace import Namespace
@@ -141,7 +140,8 @@ def to_sequential(module: nn.Module, *,
             continue
 
         graph_module = fx.GraphModule(root, pieces.piece(parts, k, parts.pops[k]), class_name=name)
-        transients = transient(root, segment, state)
+        transients = [str(n.target) for n in segment
+                      if n.op == 'get_attr' and transient(attr(root, n.target), state)]
         other_mode = None
         if orders is not None:
             piece = pieces.piece(other_parts, k, orders[k])
@@ -205,14 +205,12 @@ def _check_arguments(module: object, leaf_modules: object) -> List[LeafSpec]:
     except TypeError:
         raise TypeError(describe('leaf_modules must be an iterable of module classes or modules',
                                  f'leaf_modules: {brief(leaf_modules)}', fix)) from None
-    leaves: List[LeafSpec] = []
     for i, leaf in enumerate(given):
         if not (isinstance(leaf, nn.Module)
                 or (isinstance(leaf, type) and issubclass(leaf, nn.Module))):
             raise TypeError(describe(f'leaf_modules[{i}] must be a module class or a module',
                                      f'leaf_modules[{i}]: {brief(leaf)}', fix))
-        leaves.append(leaf)
-    return leaves
+    return cast(List[LeafSpec], given)
 
 
 def _state_dict_map(module: nn.Module, seq: nn.Sequential) -> Dict[str, str]:

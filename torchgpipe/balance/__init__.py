@@ -8,19 +8,18 @@ Example::
     balance = balance_by_time(torch.cuda.device_count(), model, sample)
     model = GPipe(model, balance, chunks=8)
 """
-from typing import List, Optional
+from typing import List
 
 import torch
 from torch import nn
 
-from torchgpipe.foundation import microbatch
-from torchgpipe.foundation.placement import check_materialized
+from torchgpipe.foundation.placement import check_materialized, indexed
 from torchgpipe.foundation.validation import (Device, check_available, check_chunks,
                                               check_number, describe, parse_device,
                                               verify_module)
 from torchgpipe.balance import blockpartition
 from torchgpipe.balance.profile import profile_sizes, profile_times
-from torchgpipe.foundation.microbatch import TensorOrTensors
+from torchgpipe.foundation.microbatch import TensorOrTensors, check, scatter
 
 __all__ = ['balance_by_time', 'balance_by_size']
 
@@ -65,7 +64,7 @@ def balance_by_time(partitions: int, module: nn.Sequential, sample: TensorOrTens
         4
     """
     check_splittable(partitions, module)
-    microbatch.check(sample, 'sample')
+    check(sample, 'sample')
     check_number('timeout', timeout, 'give a time in seconds, such as timeout=1.0')
     profile_device = profiling_device(device)
     check_materialized(module, [len(module)], [profile_device])
@@ -113,7 +112,7 @@ def balance_by_size(partitions: int, module: nn.Sequential, input: TensorOrTenso
         (2, 3)
     """
     check_splittable(partitions, module)
-    microbatch.check(input)
+    check(input)
     check_chunks(chunks)
     check_number('param_scale', param_scale,
                  'give the number of parameter-sized copies training keeps, such as '
@@ -121,7 +120,7 @@ def balance_by_size(partitions: int, module: nn.Sequential, input: TensorOrTenso
     profile_device = profiling_device(device)
     check_materialized(module, [len(module)], [profile_device])
     # Fails before the long profiling.
-    microbatch.scatter(input, chunks)
+    scatter(input, chunks)
 
     sizes = profile_sizes(module, input, chunks, param_scale, profile_device)
     return balance_cost(sizes, partitions)
@@ -142,8 +141,4 @@ def profiling_device(value: object) -> torch.device:
     """The device to profile on, checked; a bare ``'cuda'`` gets the current index."""
     device = parse_device('device', value, "use a device such as device='cpu' or device='cuda:0'")
     check_available('device', device, "profile on the CPU with device='cpu'")
-    # torch's stubs type the index as int, but a bare 'cuda' has none.
-    index: Optional[int] = device.index
-    if device.type == 'cuda' and index is None:
-        device = torch.device('cuda', torch.cuda.current_device())
-    return device
+    return indexed(device)

@@ -12,8 +12,8 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from torchgpipe.foundation import microbatch
-from torchgpipe.foundation.microbatch import Batch, TensorOrTensors, map_tensors
+from torchgpipe.foundation.microbatch import Batch, TensorOrTensors, check, map_tensors, scatter
+from torchgpipe.foundation.placement import indexed
 from torchgpipe.skip.namespace import Namespace
 from torchgpipe.skip.tracker import SkipTracker, use_skip_tracker
 
@@ -40,7 +40,7 @@ def profile_times(module: nn.Sequential, sample: TensorOrTensors, timeout: float
     """The forward and backward time of each layer, in microseconds summed over whole
     passes repeated until ``timeout`` (after one warm-up pass)."""
     refuse_gradients(module)
-    microbatch.check(sample, 'sample')
+    check(sample, 'sample')
     sample = to_device(sample, device)
 
     elapsed = [0.0] * len(module)
@@ -68,7 +68,7 @@ def timed_pass(module: nn.Sequential, sample: TensorOrTensors, device: torch.dev
             synchronize(device)
             tick = time.perf_counter()
             output = layer(values)
-            microbatch.check(output, f'the output of layer {index}')
+            check(output, f'the output of layer {index}')
             backward_tensors = [y for y in (*Batch(output), *tracker.take_stashed())
                                 if y.requires_grad]
             if backward_tensors:
@@ -84,8 +84,8 @@ def profile_sizes(module: nn.Sequential, input: TensorOrTensors, chunks: int,
                   param_scale: float, device: torch.device) -> List[int]:
     """The bytes each layer needs for training, as ``balance_by_size`` counts them."""
     refuse_gradients(module)
-    microbatch.check(input)
-    values = to_device(microbatch.scatter(input, chunks)[0].plain, device)
+    check(input)
+    values = to_device(scatter(input, chunks)[0].plain, device)
 
     sizes = []
     tracker = SandboxSkipTracker()
@@ -97,8 +97,9 @@ def profile_sizes(module: nn.Sequential, input: TensorOrTensors, chunks: int,
             if device.type == 'cuda':
                 output, latent_size = allocated_by_forward(layer, values, tracker, device)
             else:
-                output, latent_size = saved_by_forward(layer, values, tracker)
-            microbatch.check(output, f'the output of layer {index}')
+                output, saved, _, _ = kept_by_forward(layer, values, tracker)
+                latent_size = sum(saved.values())
+            check(output, f'the output of layer {index}')
 
             param_size = sum(p.numel() * p.element_size() for p in layer.parameters())
             sizes.append(int(latent_size + param_scale * param_size))
@@ -120,13 +121,6 @@ def allocated_by_forward(layer: nn.Module, values: TensorOrTensors, tracker: 'Sa
     after = torch.cuda.memory_allocated(device)
     # Popping a skip tensor can free more than the layer allocates.
     return output, max(0, after - before)
-
-
-def saved_by_forward(layer: nn.Module, values: TensorOrTensors,
-                     tracker: 'SandboxSkipTracker') -> Tuple[TensorOrTensors, int]:
-    """Runs the layer; returns its output and the bytes its forward keeps for training."""
-    output, saved, _, _ = kept_by_forward(layer, values, tracker)
-    return output, sum(saved.values())
 
 
 def kept_by_forward(layer: nn.Module, values: TensorOrTensors, tracker: 'SandboxSkipTracker'
@@ -230,5 +224,4 @@ def preserve_rng_state(device: torch.device) -> ContextManager[None]:
     """Restores the CPU's random state, and a CUDA device's, on exit."""
     if device.type != 'cuda':
         return torch.random.fork_rng(devices=[])
-    index = torch.cuda.current_device() if device.index is None else device.index
-    return torch.random.fork_rng(devices=[index])
+    return torch.random.fork_rng(devices=[indexed(device).index])

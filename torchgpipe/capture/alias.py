@@ -28,15 +28,13 @@ _VIEWS = {
     'contiguous', 'real', 'imag', 'view_as_real', 'view_as_complex', 'adjoint', 'T', 'mT', 'H',
     'mH', 'data', '__getitem__',
 }
-# Python's updates in place, as fx records ``x += y`` and ``x[i] = y``.
-_UPDATES = {
-    operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
-    operator.itruediv: operator.truediv, operator.ifloordiv: operator.floordiv,
-    operator.imod: operator.mod, operator.ipow: operator.pow, operator.imatmul: operator.matmul,
-    operator.iand: operator.and_, operator.ior: operator.or_, operator.ixor: operator.xor,
-    operator.ilshift: operator.lshift, operator.irshift: operator.rshift,
-    operator.setitem: None,
-}
+# Python's updates in place, as fx records ``x += y`` (operator.iadd for operator.add, ...)
+# and ``x[i] = y``.
+_UPDATES: Dict[Any, Any] = {
+    getattr(operator, 'i' + name.rstrip('_')): getattr(operator, name)
+    for name in ('add', 'sub', 'mul', 'truediv', 'floordiv', 'mod', 'pow', 'matmul', 'and_',
+                 'or_', 'xor', 'lshift', 'rshift')}
+_UPDATES[operator.setitem] = None
 # Updates whose name without ``_`` means something else (bernoulli_(p)).
 _NO_TWIN = {'bernoulli_'}
 # Methods ending in ``_`` that change no values.

@@ -22,20 +22,12 @@ __all__: List[str] = []
 
 
 class GeneratedChild(nn.Module):
-    """One generated child: runs its piece of the traced graph between pops and stashes.
-
-    Args:
-        graph_module (torch.fx.GraphModule): takes the values received, then the
-            popped ones; returns the output and the tuple of values to stash
-        tuple_input (bool): whether the previous child passes a tuple
-        pops, stashes (list of strs): the skip names, in argument and result order
-        transient (list of strs): the tensors to leave out of the state dict
-        captured_training (bool, optional): the mode ``graph_module`` was
-            captured in (``None``: alike in both)
-        other_mode (torch.fx.GraphModule, optional): the piece of the other mode
-            (else the child refuses it, saying ``refusal``)
-        captured_from (nn.Module, optional): the module whose mode is this child's
-    """
+    """One generated child: runs its piece of the traced graph, ``graph_module``, on the
+    values received (a tuple if ``tuple_input``) and the ``pops``, giving the output and the
+    ``stashes``. ``transient``: the tensors left out of the state dict; ``captured_training``:
+    the mode ``graph_module`` was captured in (``None``: both); ``other_mode``: the piece of
+    the other mode (if ``None``, the child refuses it, saying ``refusal``);
+    ``captured_from``: the module whose mode is this child's."""
 
     other_mode: Optional[fx.GraphModule]
 
@@ -57,8 +49,7 @@ class GeneratedChild(nn.Module):
         self.refusal = refusal
         # Not a submodule: it reads self.graph's tensors and modules.
         self.__dict__['other_mode'] = other_mode
-        self._share()
-        self._leave_out_transient()
+        self._link()
 
     # The captured module's mode, both ways; a copy keeps a mode of its own.
     @property
@@ -97,14 +88,22 @@ class GeneratedChild(nn.Module):
         # Pickled before the mode followed the captured module: a flag of its own.
         self.__dict__.setdefault('captured_from', None)
         self.__dict__.setdefault('own_training', self.__dict__.pop('training', True))
-        self._share()
-        self._leave_out_transient()
+        self._link()
 
-    def _share(self) -> None:
-        if self.other_mode is not None:
-            share_attributes(self.graph, self.other_mode)
-
-    def _leave_out_transient(self) -> None:
+    def _link(self) -> None:
+        # The other mode's code reads every tensor and module it names from self.graph
+        # (taking what self.graph lacks first), sharing its dicts so that .to() moves both;
+        # transient tensors stay out of the state dict.
+        code = self.other_mode
+        if code is not None:
+            for node in code.graph.nodes:
+                if node.op in ('get_attr', 'call_module'):
+                    try:
+                        attr(self.graph, node.target)
+                    except AttributeError:
+                        assign(self.graph, str(node.target), attr(code, node.target))
+            for name in ('_modules', '_parameters', '_buffers', '_non_persistent_buffers_set'):
+                code.__dict__[name] = self.graph.__dict__[name]
         for name in self.transient:
             owner, _, field = name.rpartition('.')
             self.graph.get_submodule(owner)._non_persistent_buffers_set.add(field)
@@ -142,20 +141,6 @@ class GeneratedChild(nn.Module):
         for name, value in zip(self.stashes, stashed):
             yield stash(name, value)
         return output  # type: ignore[no-any-return]
-
-
-def share_attributes(holder: fx.GraphModule, code: fx.GraphModule) -> None:
-    """Makes ``code`` read every tensor and module it names from ``holder`` (taking what
-    ``holder`` lacks first), sharing its dicts so that ``holder.to()`` moves both."""
-    for node in code.graph.nodes:
-        if node.op in ('get_attr', 'call_module'):
-            target = str(node.target)
-            try:
-                attr(holder, target)
-            except AttributeError:
-                assign(holder, target, attr(code, target))
-    for name in ('_modules', '_parameters', '_buffers', '_non_persistent_buffers_set'):
-        code.__dict__[name] = holder.__dict__[name]
 
 
 def assign(module: nn.Module, target: str, value: Any) -> None:
@@ -270,19 +255,11 @@ def with_shapes(segment: List[fx.Node]) -> List[fx.Node]:
         collect(n)
     return list(copied) + segment
 
-def transient(root: Union[nn.Module, Dict[str, Any]], segment: List[fx.Node],
-               state: Dict[int, str]) -> List[str]:
-    """The names of the tensors a generated child reads that the original leaves out of its
-    state dict (a non-persistent mask, a constant), which fx registers as buffers."""
-    names = []
-    for n in segment:
-        if n.op != 'get_attr':
-            continue
-        value = attr(root, n.target)
-        if isinstance(value, Tensor) and not isinstance(value, nn.Parameter) \
-                and id(value) not in state:
-            names.append(str(n.target))
-    return names
+def transient(value: object, state: Dict[int, str]) -> bool:
+    """Whether ``value``, read by a generated child, is a tensor the original leaves out of
+    its state dict (a non-persistent mask, a constant), which fx registers as a buffer."""
+    return isinstance(value, Tensor) and not isinstance(value, nn.Parameter) \
+        and id(value) not in state
 
 def floating(node: fx.Node) -> Optional[bool]:
     """Whether a node makes a floating point tensor, if the graph says (export's does)."""

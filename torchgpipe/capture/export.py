@@ -20,9 +20,9 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
 from torchgpipe.capture import alias
-from torchgpipe.capture.graph import Captured, has_hooks, is_shape, named_arguments, output_nodes
+from torchgpipe.capture.graph import (Captured, Untouched, has_hooks, is_shape, named_arguments,
+                                      output_nodes)
 from torchgpipe.capture.interface import Interface
-from torchgpipe.capture.untouched import Untouched
 from torchgpipe.foundation.validation import brief, describe
 
 __all__: List[str] = []

@@ -17,9 +17,9 @@ from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch.utils import _pytree as pytree
 
 from torchgpipe.capture import alias
-from torchgpipe.capture.graph import Captured, has_hooks, named_arguments, output_nodes, resolve
+from torchgpipe.capture.graph import (Captured, Untouched, has_hooks, named_arguments,
+                                      output_nodes, resolve)
 from torchgpipe.capture.interface import Interface
-from torchgpipe.capture.untouched import Untouched
 from torchgpipe.foundation.validation import describe
 from torchgpipe.skip.skippable import Skippable
 

@@ -154,8 +154,7 @@ def hold(holder: fx.GraphModule, piece: fx.Graph, root: Root,
                     target = f'{base}{k}'
                 node.target = target
             cut.assign(holder, target, value)
-        if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) \
-                and id(value) not in state:
+        if cut.transient(value, state):
             names.append(target)
     return names
 
@@ -199,16 +198,11 @@ def match(parts: Parts, other: Parts, captured: Captured,
 def alike(values: List[fx.Node], others: List[fx.Node]) -> bool:
     """Whether two lists of values are alike as far as the graphs say: tensors of one dtype
     and number of dimensions, one by one."""
-    if len(values) != len(others):
-        return False
-    for a, b in zip(values, others):
-        x, y = a.meta.get('val'), b.meta.get('val')
-        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
-            return False
-        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) \
-                and (x.dtype != y.dtype or x.dim() != y.dim()):
-            return False
-    return True
+    def form(node: fx.Node) -> Any:
+        value = node.meta.get('val')
+        return (value.dtype, value.dim()) if isinstance(value, torch.Tensor) else None
+
+    return [form(a) for a in values] == [form(b) for b in others]
 
 
 def capture_other_mode(module: nn.Module, capture: Callable[[], Captured]

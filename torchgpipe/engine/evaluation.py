@@ -7,10 +7,8 @@ import torch
 from torch import nn
 
 from torchgpipe.engine.inputs import split_given, weighted
-from torchgpipe.engine.pipeline import clock_cycles
 from torchgpipe.engine.schedule import Action, Kind, Schedule
-from torchgpipe.foundation import microbatch
-from torchgpipe.foundation.microbatch import Batch, TensorOrTensors
+from torchgpipe.foundation.microbatch import Batch, TensorOrTensors, gather
 from torchgpipe.foundation.validation import check_loss, check_target_and_loss, describe
 
 __all__: List[str] = []
@@ -25,8 +23,7 @@ def forward_only(m: int, n: int) -> Schedule:
         0F0 0F1
         1F0 1F1
     """
-    tasks = [task for cycle in clock_cycles(m, n) for task in cycle]
-    return Schedule(([Action(Kind.F, i, j) for i, j in tasks if j == w] for w in range(n)),
+    return Schedule(([Action(Kind.F, i, j) for i in range(m)] for j in range(n)),
                     name='forward only')
 
 
@@ -79,4 +76,4 @@ def evaluation_weights(sizes: List[int], reduction: str, loss: bool) -> List[flo
 
 def join(outputs: Optional[List[Batch]]) -> Optional[TensorOrTensors]:
     """The micro-batches' outputs as one mini-batch, if here."""
-    return None if outputs is None else microbatch.gather(outputs)
+    return None if outputs is None else gather(outputs)

@@ -15,7 +15,7 @@ import functools
 import re
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Callable, Dict, Hashable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 from torchgpipe.engine.schedule import (Action, Kind, Schedule, ScheduleLike, clock_order,
                                         depends_on)
@@ -45,7 +45,8 @@ def fill_drain(m: int, n: int) -> Schedule:
 
 
 def one_f_one_b(m: int, n: int) -> Schedule:
-    """1F1B: ``n - j`` forward passes to warm up, then a backward and a forward, then drain.
+    """1F1B: ``n - j`` forward passes to warm up, then a backward and a forward, then drain
+    (:func:`interleaved_1f1b` with a partition per worker).
 
     Example::
 
@@ -53,64 +54,7 @@ def one_f_one_b(m: int, n: int) -> Schedule:
         0F0 0F1 0B0 0F2 0B1 0B2
         1F0 1B0 1F1 1B1 1F2 1B2
     """
-    workers = []
-    for j in range(n):
-        warmup = min(n - j, m)
-        actions = [Action(Kind.F, i, j) for i in range(warmup)]
-        for i in range(m - warmup):
-            actions += [Action(Kind.B, i, j), Action(Kind.F, warmup + i, j)]
-        actions += [Action(Kind.B, i, j) for i in range(m - warmup, m)]
-        workers.append(actions)
-    return Schedule(workers)
-
-
-class Worker(NamedTuple):
-    """What a schedule's rule sees of a worker: its index, and the micro-batches whose
-    activations it keeps (F done, no B or W yet)."""
-
-    w: int
-    alive: int
-
-
-#: A rule: the action a free worker runs next, among those it can run now (or None: wait).
-Rule = Callable[[Worker, List[Action]], Optional[Action]]
-
-
-def greedy(m: int, n: int, placement: Sequence[int], split: bool, rule: Rule) -> Schedule:
-    """Lays out a schedule by simulating it with the paper's unit costs (shared by a
-    worker's partitions): each worker, when free, runs what ``rule`` picks of the actions
-    ready, each kind in micro-batch order. It can finish by construction."""
-    p = max(placement) + 1
-    size = Fraction(p, n)
-    kinds = (Kind.F, Kind.I, Kind.W) if split else (Kind.F, Kind.B)
-    # The next micro-batch of each kind of action on each partition.
-    next_i = {(kind, j): 0 for kind in kinds for j in range(n)}
-    end: Dict[Action, Fraction] = {}
-    free = [Fraction(0)] * p
-    alive = [0] * p
-    workers: List[List[Action]] = [[] for _ in range(p)]
-    now = Fraction(0)
-    left = m * n * len(kinds)
-    while left:
-        for w in range(p):
-            if free[w] > now:
-                continue
-            heads = [Action(kind, next_i[kind, j], j) for j in range(n) if placement[j] == w
-                     for kind in kinds if next_i[kind, j] < m]
-            ready = [a for a in heads if all(end.get(d, now + 1) <= now
-                                             for d in depends_on(a, n, lambda i, j: split))]
-            action = rule(Worker(w, alive[w]), ready) if ready else None
-            if action is None:
-                continue
-            next_i[action.kind, action.j] += 1
-            alive[w] += {Kind.F: 1, Kind.B: -1, Kind.I: 0, Kind.W: -1}[action.kind]
-            free[w] = end[action] = now + size * unit_cost(action)
-            workers[w].append(action)
-            left -= 1
-        later = [t for t in free if t > now]
-        assert later or not left, 'a greedy schedule never waits for nothing'
-        now = min(later, default=now)
-    return Schedule(workers)
+    return interleaved_1f1b(m, n, n)
 
 
 def zb_h1(m: int, n: int) -> Schedule:
@@ -182,8 +126,10 @@ def interleaved_1f1b(m: int, n: int, p: int) -> Schedule:
 
 def zbv(m: int, n: int) -> Schedule:
     """ZBV: ``n / 2`` workers, each with partitions ``w`` and ``n - 1 - w`` (a V), split.
-    A free worker runs an ``I``, else an ``F`` while it keeps fewer than ``n`` (1F1B's
-    peak memory), else a ``W``: the oldest micro-batch first, then the latest partition.
+    Laid out by simulating it with the paper's unit costs, shared by a worker's partitions:
+    a free worker runs an ``I``, else an ``F`` while it keeps fewer than ``n`` micro-batches'
+    activations (1F1B's peak memory), else a ``W``; the oldest micro-batch first, then the
+    latest partition. It can finish by construction.
 
     Raises:
         ValueError: ``n`` is odd
@@ -191,17 +137,38 @@ def zbv(m: int, n: int) -> Schedule:
     if n % 2:
         raise ValueError(f"schedule 'zbv' runs two partitions per device in a V, but there "
                          f'are {n} partitions; give a balance of an even number of entries')
-
-    def rule(worker: Worker, ready: List[Action]) -> Optional[Action]:
-        for kind in (Kind.I, Kind.F, Kind.W):
-            if kind is Kind.F and worker.alive >= n:
+    p = n // 2
+    placement = [worker_of(j, n, p, 'v') for j in range(n)]
+    order = [Kind.I, Kind.F, Kind.W]
+    # The next micro-batch of each kind of action on each partition.
+    next_i = {(kind, j): 0 for kind in order for j in range(n)}
+    end: Dict[Action, Fraction] = {}
+    free = [Fraction(0)] * p
+    # The micro-batches whose activations each worker keeps (F done, no W yet).
+    alive = [0] * p
+    workers: List[List[Action]] = [[] for _ in range(p)]
+    now = Fraction(0)
+    left = len(order) * m * n
+    while left:
+        for w in range(p):
+            if free[w] > now:
                 continue
-            actions = [a for a in ready if a.kind is kind]
-            if actions:
-                return min(actions, key=lambda a: (a.i, -a.j))
-        return None
-
-    return greedy(m, n, [worker_of(j, n, n // 2, 'v') for j in range(n)], True, rule)
+            ready = [Action(kind, i, j) for (kind, j), i in next_i.items()
+                     if placement[j] == w and i < m and (kind is not Kind.F or alive[w] < n)]
+            ready = [a for a in ready if all(end.get(d, now + 1) <= now
+                                             for d in depends_on(a, n, lambda i, j: True))]
+            if not ready:
+                continue
+            action = min(ready, key=lambda a: (order.index(a.kind), a.i, -a.j))
+            next_i[action.kind, action.j] += 1
+            alive[w] += {Kind.F: 1, Kind.I: 0, Kind.W: -1}[action.kind]
+            free[w] = end[action] = now + unit_cost(action) / 2
+            workers[w].append(action)
+            left -= 1
+        later = [t for t in free if t > now]
+        assert later or not left, 'a greedy layout never waits for nothing'
+        now = min(later, default=now)
+    return Schedule(workers)
 
 
 @dataclass(frozen=True)
@@ -314,13 +281,16 @@ def closest_name(name: str) -> Optional[str]:
     return _BY_KEY[close[0]] if close else None
 
 
+#: What a schedule must be, as its errors say.
+REQUIRED = (f'schedule must be one of {", ".join(map(repr, SCHEDULES))}, or a schedule of its '
+            "actions (text such as '0F0 0B0', or a list of action lists)")
+
+
 def unknown_name(name: str) -> ValueError:
     """The error for a name that is no built-in schedule, with the closest."""
     close = closest_name(name)
-    return ValueError(describe(
-        f'schedule must be one of {", ".join(map(repr, SCHEDULES))}, or a schedule of its '
-        "actions (text such as '0F0 0B0', or a list of action lists)", f'schedule: {name!r}',
-        f'did you mean {close!r}?' if close else "use schedule='1f1b'"))
+    return ValueError(describe(REQUIRED, f'schedule: {name!r}',
+                               f'did you mean {close!r}?' if close else "use schedule='1f1b'"))
 
 
 def check_schedule(schedule: object) -> None:
@@ -339,7 +309,5 @@ def check_schedule(schedule: object) -> None:
             raise unknown_name(schedule) from exc
         raise  # meant as a schedule: it names the action written wrong
     except TypeError as exc:
-        raise TypeError(describe(f'schedule must be one of {", ".join(map(repr, SCHEDULES))}, '
-                                 "or a schedule of its actions (text such as '0F0 0B0', or a "
-                                 'list of action lists)', f'schedule: {brief(schedule)}',
+        raise TypeError(describe(REQUIRED, f'schedule: {brief(schedule)}',
                                  "use schedule='1f1b'")) from exc

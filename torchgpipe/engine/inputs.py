@@ -3,8 +3,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from torchgpipe.foundation import microbatch
-from torchgpipe.foundation.microbatch import Batch, TensorOrTensors
+from torchgpipe.foundation.microbatch import Batch, TensorOrTensors, check, move, scatter
 from torchgpipe.foundation.validation import describe
 
 __all__: List[str] = []
@@ -26,11 +25,11 @@ def split_given(input: Optional[TensorOrTensors], target: Optional[TensorOrTenso
                            Optional[List[int]]]:
     """As :func:`split_step`, of what is given (a rank's), with sizes for weights."""
     if input is not None:
-        microbatch.check(input)
+        check(input)
     if target is not None:
-        microbatch.check(target, 'target')
-    batches = None if input is None else microbatch.scatter(input, chunks)
-    targets = None if target is None else microbatch.scatter(target, chunks, 'target')
+        check(target, 'target')
+    batches = None if input is None else scatter(input, chunks)
+    targets = None if target is None else scatter(target, chunks, 'target')
     sizes = None if batches is None else [b[0].size(0) for b in batches]
     target_sizes = None if targets is None else [t[0].size(0) for t in targets]
     if sizes is not None and target_sizes is not None and sizes != target_sizes:
@@ -40,7 +39,7 @@ def split_given(input: Optional[TensorOrTensors], target: Optional[TensorOrTenso
     if targets is None:
         return batches, None, sizes
     # Views where the target is in the last device's memory already: no copies.
-    microbatch.move(targets, last_device)
+    move(targets, last_device)
     return batches, [t.plain for t in targets], sizes or target_sizes
 
 

@@ -24,7 +24,7 @@ from torchgpipe.engine.schedule import Action
 from torchgpipe.foundation.copy import Copy, Wait
 from torchgpipe.foundation.dependency import fork, join
 from torchgpipe.foundation.microbatch import Batch, TensorOrTensors
-from torchgpipe.foundation.record import Recorder, label
+from torchgpipe.foundation.record import Recorder, run_task
 from torchgpipe.foundation.rng import cpu_generator_held, training_flags, watch
 from torchgpipe.foundation.stream import AbstractStream, is_cuda, use_device, use_stream
 from torchgpipe.runtime.checkpoint import Checkpointing
@@ -77,7 +77,7 @@ class Linked:
                  copy_streams: Sequence[Sequence[AbstractStream]],
                  streams: Sequence[AbstractStream], skip_layout: SkipLayout,
                  checkpoint_stop: int, traits: Sequence[PartitionTraits],
-                 recorder: Optional[Recorder]) -> None:
+                 recorder: Optional[Recorder] = None) -> None:
         self.batches = batches
         self.devices = devices
         self.copy_streams = copy_streams
@@ -186,14 +186,8 @@ class LinkedStage:
     def compute(self, i: int, compute: Callable[[], Batch]) -> Batch:
         """Runs ``F(i, j)``'s computation: labelled, timed, holding the generator if it may draw."""
         draws = self.draws_random()
-        recorder = self.linked.recorder
-
-        def task() -> Batch:
-            with label('forward', (i, self.j)):
-                if recorder is None:
-                    return compute()
-                return recorder.timed('forward', i, self.j, self.device, compute)()
-
+        task = functools.partial(run_task, self.linked.recorder, 'forward', i, self.j,
+                                 self.device, compute)
         with use_stream(self.linked.streams[self.j]), cpu_generator_held(draws is not False):
             if draws is not None:
                 return task()

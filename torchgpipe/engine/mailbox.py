@@ -85,7 +85,8 @@ class Mailbox:
     def __init__(self) -> None:
         self._condition = threading.Condition()
         self._messages: Dict[Key, Any] = {}
-        self._stopped = False
+        #: Whether :meth:`stop` was called (start no further action).
+        self.stopped = False
 
     def put(self, key: Key, message: Any) -> None:
         with self._condition:
@@ -96,7 +97,7 @@ class Mailbox:
         """Takes the message under ``key``, once it came; ``Stopped`` after :meth:`stop`."""
         with self._condition:
             while key not in self._messages:
-                if self._stopped:
+                if self.stopped:
                     raise Stopped()
                 self._condition.wait()
             return self._messages.pop(key)
@@ -104,13 +105,8 @@ class Mailbox:
     def stop(self) -> None:
         """Ends every wait, now and later, with ``Stopped``."""
         with self._condition:
-            self._stopped = True
+            self.stopped = True
             self._condition.notify_all()
-
-    @property
-    def stopped(self) -> bool:
-        """Whether :meth:`stop` was called (start no further action)."""
-        return self._stopped
 
 
 def leaf(x: Optional[Tensor], device: torch.device, requires_grad: bool, ready: Ready,
@@ -127,10 +123,9 @@ class StepSkips(SkipTrackerAcross):
     (:attr:`sent`) and received as leaves (:attr:`received`). A recomputation
     (``replay``) remembers stashes again, with their new graph, and pops the same leaves."""
 
-    def __init__(self, layout: SkipLayout, j: int, device: torch.device, mailbox: Mailbox,
-                 i: int, train: bool = True, stream: Optional[AbstractStream] = None) -> None:
+    def __init__(self, layout: SkipLayout, device: torch.device, mailbox: Mailbox, i: int,
+                 train: bool = True, stream: Optional[AbstractStream] = None) -> None:
         super().__init__(layout)
-        self.j = j
         self.stream = stream
         self.train = train
         self.device = device

@@ -7,19 +7,12 @@ At clock ``k`` the tasks ``F(i, j)`` with ``i + j == k`` run at once::
     dev 1          F(0,1)  F(1,1)  F(2,1)
     dev 2                  F(0,2)  F(1,2)  F(2,2)
 """
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Iterable, List, Tuple
 
-import torch
-from torch import nn
 
 from torchgpipe.engine.linked import Linked
 from torchgpipe.engine.schedule import Action, Kind
 from torchgpipe.engine.step import execute
-from torchgpipe.foundation.microbatch import Batch
-from torchgpipe.foundation.record import Recorder
-from torchgpipe.foundation.stream import AbstractStream
-from torchgpipe.runtime.traits import PartitionTraits
-from torchgpipe.skip.layout import SkipLayout
 
 __all__: List[str] = []
 
@@ -36,20 +29,8 @@ def clock_cycles(m: int, n: int) -> Iterable[List[Tuple[int, int]]]:
         yield [(k - j, j) for j in range(max(1 + k - m, 0), min(1 + k, n))]
 
 
-class Pipeline:
+class Pipeline(Linked):
     """Runs micro-batches through linked partitions, in place of the input batches."""
-
-    def __init__(self, batches: List[Batch], partitions: Sequence[nn.Sequential],
-                 devices: Sequence[torch.device],
-                 copy_streams: Sequence[Sequence[AbstractStream]],
-                 streams: Sequence[AbstractStream], skip_layout: SkipLayout,
-                 checkpoint_stop: int, traits: Sequence[PartitionTraits],
-                 recorder: Optional[Recorder] = None) -> None:
-        self.batches = batches
-        self.devices = devices
-        self.recorder = recorder
-        self.linked = Linked(batches, partitions, devices, copy_streams, streams, skip_layout,
-                             checkpoint_stop, traits, recorder)
 
     def run(self) -> None:
         """Runs the pipeline, raising a task's failure as itself."""
@@ -58,4 +39,4 @@ class Pipeline:
             self.recorder.begin_step(m, self.devices)
         # clock_order's layout (tests/test_order.py), at a third of its cost.
         order = [Action(Kind.F, i, j) for cycle in clock_cycles(m, n) for i, j in cycle]
-        execute(order, dict(enumerate(self.linked.stages)), self.linked.mailbox)
+        execute(order, dict(enumerate(self.stages)), self.mailbox)

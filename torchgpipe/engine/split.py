@@ -13,6 +13,7 @@ where a worker would otherwise wait. Take a partition ``y = W2 relu(W1 x)``::
 Nodes that must run once (a custom Function, a retained gradient), and parameters whose
 nodes of ``R`` lead to one another through ``C``, get their gradients in ``I``.
 """
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
@@ -27,13 +28,12 @@ __all__: List[str] = []
 Call = Tuple[List[GradientEdge], List[Tensor], List[Tensor]]
 
 
+@dataclass(eq=False)
 class WeightPass:
     """What ``I`` left for ``W``: for each group of parameters, where to start, with what."""
 
-    def __init__(self, groups: List[Call], kept: Dict[Node, Tuple[Optional[Tensor], ...]]
-                 ) -> None:
-        self.groups = groups
-        self.kept = kept
+    groups: List[Call]
+    kept: Dict[Node, Tuple[Optional[Tensor], ...]]
 
     def run(self) -> None:
         """Accumulates the gradients of the parameters, once; frees what ``I`` kept."""

@@ -21,7 +21,7 @@ from torchgpipe.engine.schedule import Action, Kind
 from torchgpipe.engine.split import WeightPass, input_pass
 from torchgpipe.foundation.copy import Ready
 from torchgpipe.foundation.microbatch import Batch
-from torchgpipe.foundation.record import Recorder, label
+from torchgpipe.foundation.record import Recorder, run_task
 from torchgpipe.foundation.rng import cpu_generator_held, training_flags, watch
 from torchgpipe.foundation.stream import AbstractStream
 from torchgpipe.runtime.partition import partition_function
@@ -142,11 +142,7 @@ class Stage:
 
     def record(self, kind: str, i: int, work: Callable[[], T]) -> T:
         """Runs an action's work, labelled for a profiler, recorded by a timeline."""
-        with label(kind, (i, self.j)):
-            recorder = self.shared.recorder
-            if recorder is None:
-                return work()
-            return recorder.timed(kind, i, self.j, self.device, work)()
+        return run_task(self.shared.recorder, kind, i, self.j, self.device, work)
 
     def call(self, input: Batch, skips: StepSkips) -> Batch:
         """Runs the partition on ``input``, on copies unless it is known to leave it alone: a
@@ -166,7 +162,7 @@ class Stage:
 
     def forward(self, i: int, input: Batch) -> None:
         shared = self.shared
-        skips = StepSkips(shared.layout, self.j, self.device, shared.mailbox, i, shared.train,
+        skips = StepSkips(shared.layout, self.device, shared.mailbox, i, shared.train,
                           self.stream(i))
         current = Pass(input, skips)
         checkpointed = i < shared.checkpoint_stop

@@ -29,7 +29,6 @@ else:  # pragma: no cover (torch 2.1 - 2.3: separate functions per device type)
                         'cuda': ('is_autocast_enabled', 'get_autocast_gpu_dtype')}
 
     def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
-        """The dtype autocast casts to on the device type, or ``None`` if it is off."""
         is_enabled, get_dtype = _LEGACY_AUTOCAST[device_type]
         if not getattr(torch, is_enabled)():
             return None
@@ -39,12 +38,9 @@ else:  # pragma: no cover (torch 2.1 - 2.3: separate functions per device type)
 
 def save_autocast_states() -> AutocastStates:
     """Captures the dtype of every enabled autocast, per device type, and the cache flag."""
-    enabled = []
-    for device_type in _AUTOCAST_DEVICE_TYPES:
-        dtype = _autocast_dtype(device_type)
-        if dtype is not None:
-            enabled.append((device_type, dtype))
-    return enabled, torch.is_autocast_cache_enabled()
+    dtypes = [(device_type, _autocast_dtype(device_type)) for device_type in _AUTOCAST_DEVICE_TYPES]
+    return ([(device_type, dtype) for device_type, dtype in dtypes if dtype is not None],
+            torch.is_autocast_cache_enabled())
 
 
 _NO_AUTOCAST = nullcontext()

@@ -27,8 +27,8 @@ Function = Callable[[TensorOrTensors], TensorOrTensors]
 class Batch:
     """One micro-batch: a tensor (atomic) or a tuple, a sequence of its tensors either way,
     so the pipeline copies, waits on and forks them alike; :meth:`call` hands a layer
-    the value in its original form. ``layout``: that of ``values`` whose NoChunk tensors
-    are unwrapped already.
+    the value in its original form. ``layout``: where the tensors are among other values
+    (``None`` if all are tensors), for values whose NoChunk tensors are unwrapped already.
 
     Example::
 
@@ -43,7 +43,7 @@ class Batch:
         (2, torch.Size([3]))
     """
 
-    __slots__ = ('_values', 'atomic', '_layout')
+    __slots__ = ('_values', 'atomic', 'layout')
 
     def __init__(self, values: TensorOrTensors, layout: Optional[Layout] = None) -> None:
         self.atomic = isinstance(values, Tensor)
@@ -55,12 +55,7 @@ class Batch:
                     values = cast(Tensors, plain)
                     break
         self._values = values
-        self._layout = layout
-
-    @property
-    def layout(self) -> Optional[Layout]:
-        """Where the tensors are among the other values, or ``None`` if all are tensors."""
-        return self._layout
+        self.layout = layout
 
     @property
     def tensor(self) -> Tensor:
@@ -75,14 +70,14 @@ class Batch:
         for an atomic batch)."""
         if self.atomic:
             raise AttributeError('batch is atomic')
-        return cast(Tensors, self._values) if self._layout is None else tuple(self)
+        return cast(Tensors, self._values) if self.layout is None else tuple(self)
 
     @property
     def values(self) -> TensorOrTensors:
         """The tensor or the tuple in the form it was given, with NoChunk tensors wrapped."""
-        if self._layout is None or not self._layout.nochunk:
+        if self.layout is None or not self.layout.nochunk:
             return self._values
-        return cast(Tensors, self._layout.wrap(cast(Tensors, self._values)))
+        return cast(Tensors, self.layout.wrap(cast(Tensors, self._values)))
 
     @property
     def plain(self) -> TensorOrTensors:
@@ -91,7 +86,7 @@ class Batch:
 
     def with_tensors(self, tensors: Sequence[Tensor]) -> TensorOrTensors:
         """:attr:`plain`, with ``tensors`` in place of the batch's own (copies of them, say)."""
-        return arrange(self.atomic, self._layout, tensors)
+        return arrange(self.atomic, self.layout, tensors)
 
     def call(self, function: Function) -> 'Batch':
         """A new batch of what ``function`` returns on the value, called as a layer is."""
@@ -110,24 +105,22 @@ class Batch:
     def __iter__(self) -> Iterator[Tensor]:
         if self.atomic:
             yield cast(Tensor, self._values)
-        elif self._layout is None:
+        elif self.layout is None:
             yield from cast(Tensors, self._values)
         else:
-            values = cast(Tensors, self._values)
-            for i in self._layout.indices:
-                yield values[i]
+            yield from map(cast(Tensors, self._values).__getitem__, self.layout.indices)
 
     def __len__(self) -> int:
         if self.atomic:
             return 1
-        if self._layout is None:
+        if self.layout is None:
             return len(cast(Tensors, self._values))
-        return len(self._layout.indices)
+        return len(self.layout.indices)
 
     def __getitem__(self, index: int) -> Tensor:
         if not self.atomic:
-            if self._layout is not None:
-                index = self._layout.indices[index]
+            if self.layout is not None:
+                index = self.layout.indices[index]
             return cast(Tensors, self._values)[index]
         if index != 0:
             raise IndexError('atomic batch allows index 0 only')
@@ -141,35 +134,23 @@ class Batch:
 
     def __setitem__(self, index: Union[int, slice], value: TensorOrTensors) -> None:
         if isinstance(index, slice):
-            self._setitem_by_slice(index, cast(Tensors, value))
-        else:
-            self._setitem_by_index(index, cast(Tensor, value))
-
-    def _setitem_by_index(self, index: int, value: Tensor) -> None:
-        if self.atomic:
+            # Only [:], replacing every tensor at once.
+            if not (index.start is index.stop is index.step is None):
+                raise NotImplementedError('only slice [:] supported')
+            value = tuple(cast(Tensors, value))
+            if self.atomic and len(value) != 1:
+                raise IndexError('atomic batch cannot be replaced with multiple tensors')
+            self._values = self.with_tensors(value)
+        elif self.atomic:
             if index != 0:
                 raise IndexError('atomic batch allows index 0 only')
             self._values = value
-            return
-        if self._layout is not None:
-            index = self._layout.indices[index]
-        values = list(cast(Tensors, self._values))
-        values[index] = value
-        self._values = tuple(values)
-
-    def _setitem_by_slice(self, index: slice, value: Sequence[Tensor]) -> None:
-        # Only [:], replacing every tensor at once.
-        if not (index.start is index.stop is index.step is None):
-            raise NotImplementedError('only slice [:] supported')
-        value = tuple(value)
-        if self.atomic:
-            if len(value) != 1:
-                raise IndexError('atomic batch cannot be replaced with multiple tensors')
-            self._values = value[0]
-        elif self._layout is None:
-            self._values = value
         else:
-            self._values = cast(Tensors, self._layout.fill(value))
+            if self.layout is not None:
+                index = self.layout.indices[index]
+            values = list(cast(Tensors, self._values))
+            values[index] = cast(Tensor, value)
+            self._values = tuple(values)
 
 
 def arrange(atomic: bool, layout: Optional[Layout], tensors: Sequence[Tensor]) -> TensorOrTensors:

@@ -1,5 +1,6 @@
 """What a tuple between partitions holds besides the tensors split into micro-batches:
 :class:`~torchgpipe.NoChunk` tensors and ``PLAIN_TYPES``, whose places a :class:`Layout` keeps."""
+from dataclasses import dataclass
 from typing import Any, FrozenSet, Sequence, Tuple
 
 from torch import Tensor
@@ -53,23 +54,15 @@ class NoChunk:
         return f'NoChunk({self.tensor!r})'
 
 
+@dataclass(slots=True, eq=False)
 class Layout:
-    """Where the tensors are in a tuple that holds other values too (no tensor: a checkpoint
-    keeps it to rebuild its input).
+    """Where the tensors are in a tuple that holds other values too: ``template`` is the
+    tuple with ``None`` for each tensor (a checkpoint keeps it, not the tensors, to rebuild
+    its input), ``indices`` the tensors' places, ``nochunk`` those of NoChunk tensors."""
 
-    Args:
-        template: the tuple, with ``None`` in place of every tensor
-        indices: the positions of the tensors, NoChunk ones included
-        nochunk: the positions of the NoChunk tensors
-    """
-
-    __slots__ = ('template', 'indices', 'nochunk')
-
-    def __init__(self, template: Tuple[Any, ...], indices: Tuple[int, ...],
-                 nochunk: FrozenSet[int]) -> None:
-        self.template = template
-        self.indices = indices
-        self.nochunk = nochunk
+    template: Tuple[Any, ...]
+    indices: Tuple[int, ...]
+    nochunk: FrozenSet[int]
 
     @staticmethod
     def of(values: Tuple[Any, ...]) -> Tuple['Layout', Tuple[Any, ...]]:

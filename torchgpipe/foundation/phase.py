@@ -23,38 +23,39 @@ class ThreadLocal(threading.local):
 thread_local = ThreadLocal()
 
 
-class _Setting:
-    """Sets an attribute of :data:`thread_local` within the context (a class: cheaper than
-    a generator, entered for every checkpointed task)."""
+class Setting:
+    """Sets attribute ``name`` of ``holder`` (a thread-local) within the context (a class:
+    cheaper than a generator, entered for every task)."""
 
-    __slots__ = ('name', 'value', 'orig')
+    __slots__ = ('holder', 'name', 'value', 'orig')
 
-    def __init__(self, name: str, value: Any = True) -> None:
+    def __init__(self, holder: threading.local, name: str, value: Any = True) -> None:
+        self.holder = holder
         self.name = name
         self.value = value
         self.orig: Any = None
 
     def __enter__(self) -> None:
-        self.orig = getattr(thread_local, self.name)
-        setattr(thread_local, self.name, self.value)
+        self.orig = getattr(self.holder, self.name)
+        setattr(self.holder, self.name, self.value)
 
     def __exit__(self, *exc_info: object) -> None:
-        setattr(thread_local, self.name, self.orig)
+        setattr(self.holder, self.name, self.orig)
 
 
 def enable_checkpointing() -> ContextManager[None]:
     """Makes :func:`is_checkpointing` return ``True`` within the context."""
-    return _Setting('is_checkpointing')
+    return Setting(thread_local, 'is_checkpointing')
 
 
 def enable_recomputing() -> ContextManager[None]:
     """Makes :func:`is_recomputing` return ``True`` within the context."""
-    return _Setting('is_recomputing')
+    return Setting(thread_local, 'is_recomputing')
 
 
 def collect_roots(roots: List[Tensor]) -> ContextManager[None]:
     """Makes :func:`add_root` append to ``roots`` within the context."""
-    return _Setting('roots', roots)
+    return Setting(thread_local, 'roots', roots)
 
 
 def add_root(tensor: Tensor) -> None:

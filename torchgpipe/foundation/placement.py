@@ -26,11 +26,11 @@ def same_memory(a: torch.device, b: torch.device) -> bool:
         return False
     if a.type == 'cpu':
         return True
-    return _indexed(a) == _indexed(b)
+    return indexed(a) == indexed(b)
 
 
-def _indexed(device: torch.device) -> torch.device:
-    # 'cuda' is where .to('cuda') puts a tensor: the current device.
+def indexed(device: torch.device) -> torch.device:
+    """The device, a bare ``'cuda'`` as the current one (where ``.to('cuda')`` puts a tensor)."""
     if device == torch.device('cuda'):
         return torch.device('cuda', torch.cuda.current_device())
     return device

@@ -40,8 +40,8 @@ class Recorder(Protocol):
         its formula and value, if not GPipe's."""
 
     def timed(self, kind: str, i: int, j: int, device: torch.device,
-              function: Callable[[], T]) -> Callable[[], T]:
-        """Wraps the work of task ``(i, j)`` of a kind (``'forward'``...) to be timed."""
+              function: Callable[[], T]) -> T:
+        """Runs and records the work of task ``(i, j)`` of a kind (``'forward'``...)."""
 
     def copied(self, i: int, j: int, device: torch.device, what: str,
                copy: Callable[[], Optional[Tensor]]) -> None:
@@ -55,3 +55,10 @@ class Recorder(Protocol):
                  work: Callable[[], T]) -> T:
         """Runs and records ``work``, which sends (``'send'``) or waits for (``'receive'``) the
         message ``message`` of micro-batch ``i`` between ranks, on partition ``j``'s side."""
+
+
+def run_task(recorder: Optional[Recorder], kind: str, i: int, j: int, device: torch.device,
+             work: Callable[[], T]) -> T:
+    """Runs the work of task ``(i, j)`` of a kind, labelled, recorded if a recorder is given."""
+    with label(kind, (i, j)):
+        return work() if recorder is None else recorder.timed(kind, i, j, device, work)

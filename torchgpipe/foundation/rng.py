@@ -34,7 +34,7 @@ device. Four rules keep results independent of threads:
    waited for with the GIL released.
 """
 import threading
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, ContextManager, Generator, List, Optional, Tuple, TypeVar, cast
 
 import torch
@@ -120,15 +120,7 @@ def restore_rng_states(device: torch.device, states: RNGStates, *,
             set_rng_states(device, saved)
 
 
-class _NoLock:
-    def __enter__(self) -> None:
-        pass
-
-    def __exit__(self, *exc_info: object) -> None:
-        pass
-
-
-_NO_LOCK = _NoLock()
+_NO_LOCK = nullcontext()
 
 
 def cpu_generator_held(may_draw: bool) -> ContextManager[object]:

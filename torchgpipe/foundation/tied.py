@@ -40,17 +40,11 @@ class Use(NamedTuple):
 
 
 class TiedUses:
-    """The uses of earlier partitions' parameters in one partition; called, the partition's
-    forward pre-hook that lends the masters to them.
+    """The ``uses`` of earlier partitions' parameters in one partition on ``device``; called,
+    the partition's forward pre-hook that lends the masters to them."""
 
-    Args:
-        keys: each state-dict key of a later use within the partition, with its use
-        device: the partition's device
-    """
-
-    def __init__(self, keys: List[Tuple[str, Use]], device: torch.device) -> None:
-        # A layer shared within the partition uses a master once.
-        self.uses = list({(id(use.user), use.user_name): use for _, use in keys}.values())
+    def __init__(self, uses: List[Use], device: torch.device) -> None:
+        self.uses = uses
         self.device = device
         #: In a training step, this partition's share of each master's
         #: gradient, by the master's id (see :func:`shares_apart`).
@@ -92,9 +86,8 @@ def shared_error(name: str, j: int, later_name: str, k: int) -> ValueError:
         'across partitions, layers can share parameters only'))
 
 
-def find_ties(partitions: Sequence[nn.Module]) -> List[List[Tuple[str, Use]]]:
-    """For each partition, the state-dict key of each use of an earlier partition's
-    parameter, with the use.
+def find_ties(partitions: Sequence[nn.Module]) -> List[List[Use]]:
+    """For each partition, the uses of an earlier partition's parameters (a layer's once).
 
     Raises:
         ValueError: a buffer, or a layer with parameters or buffers, is in
@@ -103,11 +96,10 @@ def find_ties(partitions: Sequence[nn.Module]) -> List[List[Tuple[str, Use]]]:
     # Where each tensor, or layer with tensors, is first found: partition and name.
     first: Dict[int, Tuple[int, str]] = {}
     owners: Dict[int, Tuple[nn.Module, str]] = {}
-    found: List[List[Tuple[str, Use]]] = []
+    found: List[List[Use]] = []
     for k, partition in enumerate(partitions):
-        keys: List[Tuple[str, Use]] = []
-        # Every path: a layer reached by two has both in the state dict.
-        for path, module in partition.named_modules(remove_duplicate=False):
+        uses: List[Use] = []
+        for path, module in partition.named_modules():
             prefix = path + '.' if path else ''
             parameters = [(n, p) for n, p in module._parameters.items() if p is not None]
             buffers = [(n, b) for n, b in module._buffers.items() if b is not None]
@@ -121,12 +113,10 @@ def find_ties(partitions: Sequence[nn.Module]) -> List[List[Tuple[str, Use]]]:
                     if j == k:
                         owners.setdefault(id(tensor), (module, tensor_name))
                     elif is_parameter:
-                        owner, owner_name = owners[id(tensor)]
-                        keys.append((prefix + tensor_name,
-                                     Use(owner, owner_name, module, tensor_name)))
+                        uses.append(Use(*owners[id(tensor)], module, tensor_name))
                     else:
                         raise shared_error(name, j, prefix + tensor_name, k)
-        found.append(keys)
+        found.append(uses)
     return found
 
 
@@ -134,9 +124,9 @@ def tie_partitions(partitions: Sequence[nn.Module], devices: Sequence[torch.devi
     """Hooks each partition that uses earlier partitions' parameters to lend them to its
     layers at every call (:class:`TiedUses`); :class:`ValueError` as :func:`find_ties`,
     before hooking anything."""
-    for partition, device, keys in zip(partitions, devices, find_ties(partitions)):
-        if keys:
-            tied = TiedUses(keys, device)
+    for partition, device, uses in zip(partitions, devices, find_ties(partitions)):
+        if uses:
+            tied = TiedUses(uses, device)
             partition.register_forward_pre_hook(tied)
             partition.register_forward_hook(tied.give_back, always_call=True)
 
@@ -181,14 +171,8 @@ def tied_uses(partitions: Sequence[nn.Module]) -> List[TiedUses]:
 
 
 def tied_masters(partitions: Sequence[nn.Module]) -> List[nn.Parameter]:
-    """The parameters that layers of several partitions use."""
-    return masters_of(tied_uses(partitions))
-
-
-def masters_of(hooks: Sequence[TiedUses]) -> List[nn.Parameter]:
-    """The parameters the partitions of these hooks use, each once."""
-    masters = {id(m): m for hook in hooks for m in hook.masters()}
-    return list(masters.values())
+    """The parameters that layers of several partitions use, each once."""
+    return list({id(m): m for hook in tied_uses(partitions) for m in hook.masters()}.values())
 
 
 @contextmanager
@@ -202,7 +186,7 @@ def shares_apart(partitions: Sequence[nn.Module]) -> Iterator[None]:
     on worker threads, and across processes.
     """
     hooks = tied_uses(partitions)
-    masters = masters_of(hooks)
+    masters = tied_masters(partitions)
     kept = [m.grad for m in masters]
     for master in masters:
         master.grad = None
@@ -222,19 +206,13 @@ def shares_apart(partitions: Sequence[nn.Module]) -> Iterator[None]:
 def add_in_order(kept: Optional[Tensor], first: Optional[Tensor],
                  rest: Iterable[Optional[Tensor]]) -> Optional[Tensor]:
     """``kept + (first + rest[0] + rest[1] + ...)``, added in that order (floating-point
-    addition is not associative), into ``first``'s memory, never into one of ``rest``
-    (which may be reused). ``None`` is no gradient."""
+    addition is not associative), into ``kept``'s memory, else ``first``'s, never into one
+    of ``rest`` (which may be reused). ``None`` is no gradient."""
     total = first
     with torch.no_grad():
         for grad in rest:
             if grad is not None:
                 total = grad.clone() if total is None else total.add_(grad)
-    return add(kept, total)
-
-
-def add(kept: Optional[Tensor], grad: Optional[Tensor]) -> Optional[Tensor]:
-    """``kept + grad``, in ``kept``'s memory where there is one; ``None`` is no gradient."""
-    if kept is None or grad is None:
-        return grad if kept is None else kept
-    with torch.no_grad():
-        return kept.add_(grad)
+        if kept is None or total is None:
+            return total if kept is None else kept
+        return kept.add_(total)

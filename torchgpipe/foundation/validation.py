@@ -10,7 +10,7 @@ and the fix::
 import math
 import numbers
 import sys
-from typing import Dict, Iterable, List, Optional, Tuple, Union, cast
+from typing import Dict, Iterable, List, Optional, Union, cast
 
 import torch
 from torch import nn
@@ -174,14 +174,9 @@ def verify_module(module: object) -> None:
         raise error
 
     # Sequential's own iteration lists a repeated child once.
-    if shares_objects(module._modules.items()):
+    names: Dict[int, str] = {}
+    if any(names.setdefault(id(child), name) != name for name, child in module._modules.items()):
         raise ValueError('module with duplicate children is not supported')
-
-
-def shares_objects(owned: Iterable[Tuple[str, object]]) -> bool:
-    """Whether an object is found under two names."""
-    owners: Dict[int, str] = {}
-    return any(owners.setdefault(id(obj), name) != name for name, obj in owned)
 
 
 def example_balance(layers: int) -> List[int]:

@@ -7,7 +7,7 @@ recomputation counts nothing, and a failed step commits nothing
 (``deferred_step``).
 """
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Type
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Type
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +15,6 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
-from torchgpipe.foundation.layers import replace_layers, share_state
 from torchgpipe.foundation.phase import is_recomputing
 from torchgpipe.foundation.validation import check_chunks, describe
 
@@ -170,10 +169,7 @@ class DeferredBatchNorm(_BatchNorm):
         assert self.running_mean is not None and self.running_var is not None
 
         # As nn.BatchNorm.forward chooses it.
-        if self.momentum is None:
-            factor = 0.0
-        else:
-            factor = self.momentum
+        factor = 0.0 if self.momentum is None else self.momentum
         if self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
             if self.momentum is None:
@@ -330,3 +326,39 @@ def restore_batch_norm(module: nn.Module) -> nn.Module:
     return replace_layers(module, restore)
 
 
+def share_state(source: _BatchNorm, target: _BatchNorm) -> None:
+    """Gives ``target`` the parameters, running statistics, training mode and quantization
+    config of ``source``: the same objects, so the optimizer keeps seeing them."""
+    target.weight = source.weight
+    target.bias = source.bias
+    target.running_mean = source.running_mean
+    target.running_var = source.running_var
+    target.num_batches_tracked = source.num_batches_tracked
+
+    target.train(source.training)
+    qconfig: Any = getattr(source, 'qconfig', None)
+    if qconfig is not None:
+        target.qconfig = qconfig
+
+
+def replace_layers(module: nn.Module,
+                   replace: Callable[[nn.Module], Optional[nn.Module]]) -> nn.Module:
+    """Replaces layers in ``module`` (itself included), in place, in their parents, and
+    returns ``module`` or its replacement; ``replace`` gives a layer's replacement, or
+    ``None`` to look into its children. A layer of several parents is replaced once."""
+    memo: Dict[int, nn.Module] = {}
+
+    def walk(layer: nn.Module) -> nn.Module:
+        if id(layer) in memo:
+            return memo[id(layer)]
+        replacement = replace(layer)
+        if replacement is None:
+            replacement = layer
+            for name, child in layer.named_children():
+                new_child = walk(child)
+                if new_child is not child:
+                    layer.add_module(name, new_child)
+        memo[id(layer)] = replacement
+        return replacement
+
+    return walk(module)

@@ -18,6 +18,7 @@ Both passes replay the same random numbers and autocast
 (:mod:`torchgpipe.runtime.replay`); Recompute keeps its inputs as saved
 tensors, so a retained graph recomputes again.
 """
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, cast
 
 import torch
@@ -42,37 +43,30 @@ Function = Callable[[TensorOrTensors], TensorOrTensors]
 Recomputed = Tuple[TensorOrTensors, Tensors, List[Tensor]]
 
 
+@dataclass(slots=True, eq=False)
 class Context:
     """What a :class:`Checkpoint` and its :class:`Recompute` share besides tensors: the
     partition's ``function``, its input's form (``atomic``, ``layout``, ``num_inputs``
     leading tensors), its ``traits``, whether the recomputation may draw from the CPU
     generator (``exclusive_rng``), and the ``task`` for a profiler's labels."""
 
-    __slots__ = ('function', 'atomic', 'layout', 'num_inputs', 'traits', 'exclusive_rng',
-                 'task', 'first_pass', 'recomputed', 'autocast_states', 'ended',
-                 'output_layout')
-
-    def __init__(self, function: Function, atomic: bool, layout: Optional[Layout],
-                 num_inputs: int, traits: PartitionTraits, exclusive_rng: bool,
-                 task: Tuple[int, int]) -> None:
-        self.function = function
-        #: The task's ``(i, j)``, for the profiler's labels of its backward pass.
-        self.task = task
-        self.atomic = atomic
-        self.layout = layout
-        self.num_inputs = num_inputs
-        self.traits = traits
-        self.exclusive_rng = exclusive_rng
-        #: The states to replay, from Checkpoint.forward to Checkpointing.recompute.
-        self.first_pass: Optional[FirstPass] = None
-        #: The recomputed graph, from Recompute.backward to Checkpoint.backward.
-        self.recomputed: Optional[Recomputed] = None
-        #: The autocast state to recompute in.
-        self.autocast_states: Optional[AutocastStates] = None
-        #: Where the first pass left the CPU generator (see FirstPass).
-        self.ended: Optional[Tensor] = None
-        #: Where the output tensors go in the output tuple (Checkpoint returns tensors only).
-        self.output_layout: Optional[Layout] = None
+    function: Function
+    atomic: bool
+    layout: Optional[Layout]
+    num_inputs: int
+    traits: PartitionTraits
+    exclusive_rng: bool
+    task: Tuple[int, int]
+    #: The states to replay, from Checkpoint.forward to Checkpointing.recompute.
+    first_pass: Optional[FirstPass] = None
+    #: The recomputed graph, from Recompute.backward to Checkpoint.backward.
+    recomputed: Optional[Recomputed] = None
+    #: The autocast state to recompute in.
+    autocast_states: Optional[AutocastStates] = None
+    #: Where the first pass left the CPU generator (see FirstPass).
+    ended: Optional[Tensor] = None
+    #: Where the output tensors go in the output tuple (Checkpoint returns tensors only).
+    output_layout: Optional[Layout] = None
 
     def arguments(self, input: Tensors) -> TensorOrTensors:
         """The function's argument, from the input tensors."""
@@ -191,12 +185,6 @@ class Checkpoint(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grad_output: Tensor) -> Tuple[Optional[Tensor], ...]:
-        with label('backward', ctx.context.task):
-            return Checkpoint.backpropagate(ctx, *grad_output)
-
-    @staticmethod
-    def backpropagate(ctx: Any, *grad_output: Tensor) -> Tuple[Optional[Tensor], ...]:
-        """The backward pass through the recomputed graph."""
         context: Context = ctx.context
         assert context.recomputed is not None
         output, input_leaf, roots = context.recomputed
@@ -216,10 +204,12 @@ class Checkpoint(torch.autograd.Function):
         # Gradients by id() of the leaf: hashing tensors calls into Python.
         grads: Dict[int, Optional[Tensor]] = {}
         leaves: Dict[int, Tensor] = {}
-        if tensors:
-            leaves = reachable_leaves(tensors)
-            if leaves:
-                grads = dict(zip(leaves, differentiate(tensors, grad_tensors, leaves.values())))
+        with label('backward', context.task):
+            if tensors:
+                leaves = reachable_leaves(tensors)
+                if leaves:
+                    grads = dict(zip(leaves, differentiate(tensors, grad_tensors,
+                                                           leaves.values())))
 
         # None for the phony and the context, then the input and the parameters.
         result = (None, None, *(grads.pop(id(x), None) for x in input_leaf),
@@ -291,16 +281,11 @@ class Recompute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_output: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
-        if ctx.context.recomputed is not None:
-            # Another output's Recompute ran first: the graph is there.
-            return (grad_output, None, *(None for _ in range(ctx.saved_count)))
-        with label('recompute', ctx.context.task):
-            return Recompute.recompute(ctx, grad_output)
-
-    @staticmethod
-    def recompute(ctx: Any, grad_output: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
-        """Recomputes the checkpoint's function, and passes the gradient on."""
         context: Context = ctx.context
+        passed_on = (grad_output, None, *(None for _ in range(ctx.saved_count)))
+        if context.recomputed is not None:
+            # Another output's Recompute ran first: the graph is there.
+            return passed_on
         saved = ctx.saved_tensors
         input, rng_tensors = saved[:context.num_inputs], saved[context.num_inputs:]
         rng_states = (rng_tensors[0], rng_tensors[1] if len(rng_tensors) > 1 else None)
@@ -308,9 +293,9 @@ class Recompute(torch.autograd.Function):
 
         assert context.autocast_states is not None
         roots: List[Tensor] = []
-        with recomputation(input[0].device,
-                           FirstPass(rng_states, context.autocast_states, context.ended),
-                           exclusive=context.exclusive_rng), collect_roots(roots):
+        with label('recompute', context.task), recomputation(
+                input[0].device, FirstPass(rng_states, context.autocast_states, context.ended),
+                exclusive=context.exclusive_rng), collect_roots(roots):
             if context.traits.modifies_input:
                 # In place on a leaf is an error, and would change the saved input.
                 output, _ = call_on_copies(context.function, input_leaf, context.arguments)
@@ -318,5 +303,4 @@ class Recompute(torch.autograd.Function):
                 output = context.function(context.arguments(input_leaf))
 
         context.recomputed = (output, input_leaf, roots)
-
-        return (grad_output, None, *(None for _ in saved))
+        return passed_on

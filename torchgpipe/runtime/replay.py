@@ -10,6 +10,7 @@ so dropout draws the same masks (:mod:`torchgpipe.foundation.rng`) and mixed
 precision computes in the same dtypes (:mod:`torchgpipe.foundation.autocast`).
 """
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Generator, List, Optional
 
 import torch
@@ -24,24 +25,15 @@ from torchgpipe.foundation.rng import (RNGStates, cpu_generator_owned, cpu_rng_s
 __all__: List[str] = []
 
 
+@dataclass(slots=True, eq=False)
 class FirstPass:
     """What a first pass leaves for its recomputation: the states to replay, and where the
     CPU generator was as it ended (if the pass held it), so that a recomputation that
-    ends elsewhere, having drawn other numbers, raises rather than give wrong gradients.
+    ends elsewhere, having drawn other numbers, raises rather than give wrong gradients."""
 
-    Args:
-        rng: the generators' states as the first pass began
-        autocast: the autocast state of the first pass
-        ended: the CPU generator's state as the first pass ended, if known
-    """
-
-    __slots__ = ('rng', 'autocast', 'ended')
-
-    def __init__(self, rng: RNGStates, autocast: AutocastStates,
-                 ended: Optional[Tensor] = None) -> None:
-        self.rng = rng
-        self.autocast = autocast
-        self.ended = ended
+    rng: RNGStates
+    autocast: AutocastStates
+    ended: Optional[Tensor] = None
 
     def end(self) -> None:
         """Notes where the CPU generator is, where the recomputation must end (again for an

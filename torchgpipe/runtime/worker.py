@@ -17,6 +17,7 @@ import torch
 from torchgpipe.foundation.autocast import (AutocastStates, restore_autocast_states,
                                             save_autocast_states)
 from torchgpipe.foundation.microbatch import Batch
+from torchgpipe.foundation.placement import indexed
 from torchgpipe.foundation.rng import cpu_generator_owned, holding_for_caller
 from torchgpipe.foundation.stream import AbstractStream, use_device, use_stream
 from torchgpipe.runtime.threads import WorkerGroup
@@ -196,16 +197,9 @@ class InlineWorker:
         return self.results.popleft()
 
 
-def _normalize(device: torch.device) -> torch.device:
-    # 'cuda' and 'cuda:<current>' are the same device, and so one worker.
-    if device == torch.device('cuda'):
-        return torch.device('cuda', torch.cuda.current_device())
-    return device
-
-
 def distinct_devices(devices: Iterable[torch.device]) -> List[torch.device]:
-    """The distinct devices, in order: one worker each."""
-    return list(dict.fromkeys(_normalize(d) for d in devices))
+    """The distinct devices, in order: one worker each (``'cuda'`` is the current one)."""
+    return list(dict.fromkeys(indexed(d) for d in devices))
 
 
 def _queued(in_queue: 'Queue[Optional[Task]]', out_queue: 'Queue[Result]') -> Iterator[Work]:
@@ -218,7 +212,7 @@ def spawn_workers(devices: Iterable[torch.device], wake: Optional[Callable[[], N
                   ) -> Generator[Tuple[List[InQueue], List[OutQueue]], None, None]:
     """0.0.7's workers, on :func:`run_on_workers`: yields each device's in- and out-queues;
     on exit, the tasks put are finished (on an exception, those running)."""
-    devices = [_normalize(d) for d in devices]
+    devices = [indexed(d) for d in devices]
     distinct = distinct_devices(devices)
     if len(distinct) == 1:
         inline = InlineWorker(distinct[0])

@@ -13,7 +13,7 @@ A :class:`Portal` hides it instead, and three autograd functions move it::
 The gradient goes the reverse way. Each function's backward runs after
 everything its phony was joined into.
 """
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple, cast
 
 import torch
 from torch import Tensor
@@ -26,12 +26,8 @@ __all__: List[str] = []
 
 
 class Portal:
-    """Holds a skip tensor between its stash and its pops, and its gradient back.
-
-    Args:
-        tensor (torch.Tensor or None): the stashed tensor
-        tensor_life (int): how many pops will read it, after which it is freed
-    """
+    """Holds a stashed ``tensor`` for its ``tensor_life`` pops (then frees it), and its
+    gradient back."""
 
     def __init__(self, tensor: Optional[Tensor], tensor_life: int) -> None:
         # Whether the pops send a gradient back: without grad (a checkpoint's
@@ -50,8 +46,7 @@ class Portal:
     def blue(self, tensor: Tensor) -> Tensor:
         """A phony whose backward gives ``tensor`` (the stashed one) the portal's gradient: join
         it into the stashing layer's output."""
-        phony: Tensor = PortalBlue.apply(self, tensor)  # type: ignore[no-untyped-call]
-        return phony
+        return cast(Tensor, PortalBlue.apply(self, tensor))  # type: ignore[no-untyped-call]
 
     def orange(self, phony: Tensor) -> Optional[Tensor]:
         """The skip tensor, back in the graph, for a pop; ``phony`` is forked off the popping
@@ -64,16 +59,14 @@ class Portal:
             raise RuntimeError('the skip tensor in this portal was already popped')
         if self.tensor is None:
             return self.use_tensor()
-        tensor: Tensor = PortalOrange.apply(self, phony)  # type: ignore[no-untyped-call]
-        return tensor
+        return cast(Tensor, PortalOrange.apply(self, phony))  # type: ignore[no-untyped-call]
 
     def copy(self, prev_stream: AbstractStream, next_stream: AbstractStream,
              phony: Tensor) -> Tensor:
         """Moves the skip tensor to ``next_stream``'s device; returns a phony to join into the
         popping partition's input, so the gradient is copied back after its backward."""
-        phony = PortalCopy.apply(self, prev_stream, next_stream,  # type: ignore[no-untyped-call]
-                                 phony)
-        return phony
+        return cast(Tensor, PortalCopy.apply(  # type: ignore[no-untyped-call]
+            self, prev_stream, next_stream, phony))
 
     def use_tensor(self) -> Optional[Tensor]:
         """Reads the tensor for a pop, letting go of it after the last one."""
@@ -82,11 +75,6 @@ class Portal:
         if self.tensor_life <= 0:
             self.tensor = None
         return tensor
-
-    def use_grad(self) -> Optional[Tensor]:
-        """Takes the gradient out of the portal."""
-        grad, self.grad = self.grad, None
-        return grad
 
 
 class PortalBlue(torch.autograd.Function):
@@ -99,7 +87,8 @@ class PortalBlue(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_phony: Optional[Tensor]) -> Tuple[None, Optional[Tensor]]:
-        return None, ctx.portal.use_grad()
+        grad, ctx.portal.grad = ctx.portal.grad, None  # taken out of the portal
+        return None, grad
 
 
 class PortalOrange(torch.autograd.Function):

@@ -11,14 +11,65 @@ from typing import (Any, Callable, ClassVar, Dict, FrozenSet, Generator, Iterabl
 from torch import Tensor, nn
 
 from torchgpipe.foundation.microbatch import Batch, TensorOrTensors
-from torchgpipe.skip.commands import pop, stash
 from torchgpipe.skip.namespace import Namespace, default_namespace
 from torchgpipe.skip.tracker import current_skip_tracker
-from torchgpipe.skip.verify import verify_skippables
+from torchgpipe.skip.layout import verify_skippables
 
 __all__ = ['skippable', 'stash', 'pop', 'verify_skippables', 'Skippable']
 
 T = TypeVar('T', bound='Skippable')
+
+
+class stash:
+    """The command a skippable layer yields to stash a skip tensor.
+
+    Args:
+        name (str): a name declared in ``@skippable(stash=[...])``
+        tensor (torch.Tensor or None): the tensor to hand over (``None`` pops as ``None``)
+
+    Example::
+
+        @skippable(stash=['identity'])
+        class Save(nn.Module):
+            def forward(self, input):
+                yield stash('identity', input)
+                return input * 2
+    """
+
+    __slots__ = ('name', 'tensor')
+
+    def __init__(self, name: str, tensor: Optional[Tensor]) -> None:
+        self.name = name
+        self.tensor = tensor
+
+    def __repr__(self) -> str:
+        return f'stash({self.name!r})'
+
+
+class pop:
+    """The command a skippable layer yields to pop a skip tensor: the ``yield`` evaluates to
+    the tensor an earlier layer stashed under the name.
+
+    Args:
+        name (str): a name declared in ``@skippable(pop=[...])``
+
+    Example::
+
+        @skippable(pop=['identity'])
+        class AddBack(nn.Module):
+            def forward(self, input):
+                identity = yield pop('identity')
+                return input + identity
+    """
+
+    __slots__ = ('name',)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f'pop({self.name!r})'
+
 
 # The key under which a pickled skippable layer keeps its wrapped module's
 # state when the wrapped module's class cannot be saved by name.
@@ -85,13 +136,11 @@ class Skippable(nn.Module):
 
     def stashable(self) -> Iterable[Tuple[Namespace, str]]:
         """The key of each name this layer stashes, in name order."""
-        for name in sorted(self.stashable_names):
-            yield self.namespaced(name)
+        return map(self.namespaced, sorted(self.stashable_names))
 
     def poppable(self) -> Iterable[Tuple[Namespace, str]]:
         """The key of each name this layer pops, in name order."""
-        for name in sorted(self.poppable_names):
-            yield self.namespaced(name)
+        return map(self.namespaced, sorted(self.poppable_names))
 
     def isolate(self: T, ns: Namespace, *, only: Optional[Iterable[str]] = None) -> T:
         """Moves skip names of this layer into the namespace ``ns``, so that

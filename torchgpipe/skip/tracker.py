@@ -7,16 +7,17 @@ to its engine (portals in the forward path: :class:`SkipTrackerThroughPortals`,
 """
 import abc
 import threading
-from typing import ContextManager, Dict, List, Optional, Protocol, Tuple
+from typing import ContextManager, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from torchgpipe.foundation.dependency import fork, join
 from torchgpipe.foundation.microbatch import Batch
-from torchgpipe.foundation.phase import add_root, is_checkpointing
+from torchgpipe.foundation.phase import Setting, add_root, is_checkpointing
 from torchgpipe.foundation.phony import get_phony
 from torchgpipe.foundation.stream import AbstractStream
+from torchgpipe.skip.layout import SkipLayout
 from torchgpipe.skip.namespace import Namespace
 from torchgpipe.skip.portal import Portal
 
@@ -50,20 +51,12 @@ class SkipTracker:
         raise TypeError('copy is not supported for non-portal skip tensors')
 
 
-class Routes(Protocol):
-    """What the tracker asks of a :class:`~torchgpipe.skip.layout.SkipLayout` (a protocol:
-    the layout's module imports the skippable layers, which import this one)."""
-
-    def requires_copy(self, ns: Namespace, name: str) -> bool:
-        """Whether the skip is stashed and popped in different partitions."""
-
-
 class SkipTrackerAcross(SkipTracker, abc.ABC):
     """The skip tracker of one micro-batch in either engine: a skip crossing partitions
     goes to :meth:`send` at its stash and comes from :meth:`receive` at its pop (a
     portal in the forward path, a message in a training step)."""
 
-    def __init__(self, skip_layout: Routes) -> None:
+    def __init__(self, skip_layout: SkipLayout) -> None:
         super().__init__()
         self.skip_layout = skip_layout
 
@@ -89,13 +82,9 @@ class SkipTrackerAcross(SkipTracker, abc.ABC):
 
 class SkipTrackerThroughPortals(SkipTrackerAcross):
     """Tracks the skip tensors of one micro-batch in the forward path: a skip that crosses
-    partitions goes into a :class:`~torchgpipe.skip.portal.Portal`.
+    partitions (by ``skip_layout``) goes into a :class:`~torchgpipe.skip.portal.Portal`."""
 
-    Args:
-        skip_layout (SkipLayout): the partitions that stash and pop each skip
-    """
-
-    def __init__(self, skip_layout: Routes) -> None:
+    def __init__(self, skip_layout: SkipLayout) -> None:
         super().__init__(skip_layout)
         self.portals: Dict[Tuple[Namespace, str], Portal] = {}
 
@@ -218,25 +207,7 @@ thread_local = ThreadLocal()
 
 def use_skip_tracker(skip_tracker: SkipTracker) -> ContextManager[None]:
     """Makes ``skip_tracker`` this thread's current tracker within the context."""
-    return _UseSkipTracker(skip_tracker)
-
-
-class _UseSkipTracker:
-    """The context of :func:`use_skip_tracker`: a class, cheaper than a generator, as every
-    task enters it."""
-
-    __slots__ = ('skip_tracker', 'orig')
-
-    def __init__(self, skip_tracker: SkipTracker) -> None:
-        self.skip_tracker = skip_tracker
-        self.orig: Optional[SkipTracker] = None
-
-    def __enter__(self) -> None:
-        self.orig = thread_local.skip_tracker
-        thread_local.skip_tracker = self.skip_tracker
-
-    def __exit__(self, *exc_info: object) -> None:
-        thread_local.skip_tracker = self.orig
+    return Setting(thread_local, 'skip_tracker', skip_tracker)
 
 
 def current_skip_tracker() -> SkipTracker:

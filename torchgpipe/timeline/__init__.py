@@ -12,7 +12,7 @@ paper's Figure 7, from a run, a row per device::
 Backward tasks run inside the autograd engine, which interleaves them: the
 recorder hooks each node of a task and keeps the pieces of time they ran.
 Across processes each rank records its own, gathered at the end
-(:mod:`torchgpipe.timeline.ranks`).
+(:meth:`Timeline.gather`).
 """
 from contextlib import contextmanager
 from typing import Any, Generator

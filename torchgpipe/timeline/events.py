@@ -1,4 +1,4 @@
-"""What a timeline records, and what is computed from it: events, summaries, critical path.
+"""What a timeline records, and what is computed from it: summaries, critical path, traces.
 
 An :class:`Event` is one task or copy of a step, with the pieces of time its
 own work ran in, named as a schedule writes actions
@@ -9,15 +9,17 @@ here reads clocks: that is :class:`~torchgpipe.timeline.Timeline`'s work.
 """
 from bisect import insort
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from torchgpipe.engine.schedule import notation
+from torchgpipe.engine.schedule import Action, depends_on, notation
 from torchgpipe.foundation.record import PREFIXES
 
 __all__ = ['Event', 'Summary', 'DeviceSummary', 'PartitionSummary']
 
 #: The kinds that keep a device busy (copies run on copy streams).
 COMPUTE_KINDS = ('forward', 'recompute', 'backward', 'input', 'weight')
+#: The kind of the events of each kind of action.
+KINDS = {'F': 'forward', 'B': 'backward', 'I': 'input', 'W': 'weight'}
 #: How the rows of what is not a device's compute end: its copies, its rank's messages.
 SIDE_TRACKS = (' copies', ' messages')
 
@@ -181,23 +183,12 @@ class Summary:
 def summarize(step: int, micro_batches: int, devices: Sequence[str], kind: str,
               events: List[Event], peak_memory: Dict[str, int],
               expected: Optional[Tuple[str, float]] = None) -> Summary:
-    """The summary of step ``step``, from its ``events``.
-
-    Args:
-        step (int): the step's index
-        micro_batches (int): how many micro-batches it had
-        devices (sequence of strs): the device of each partition
-        kind (str): what the step was (:attr:`~torchgpipe.timeline.Summary.kind`)
-        events (list of Event): the step's events
-        peak_memory (dict): the peak memory of each device, in bytes
-        expected (tuple): the formula of the step's bubble and its value, if not GPipe's
-    """
+    """The summary of step ``step`` (of ``micro_batches``, a partition on each of ``devices``)
+    from its ``events``; the other arguments are :class:`Summary`'s fields."""
     if not events:
         return Summary(step, micro_batches, len(devices), 0.0, [], [], [], peak_memory, kind,
                        expected)
-    begin = min(e.start for e in events)
-    end = max(e.end for e in events)
-    window = end - begin
+    window = max(e.end for e in events) - min(e.start for e in events)
 
     device_summaries: List[DeviceSummary] = []
     for device in dict.fromkeys(devices):
@@ -270,9 +261,8 @@ def critical_path(events: Sequence[Event], n: int) -> List[Event]:
     """The chain of tasks, each waiting for the one before it, that ends the step.
 
     From the task that ends last, walks back to whichever predecessor ended
-    last before it started: the task before it on its device, or the one that
-    produced its input (``(j-1)Fi`` for ``jFi``, ``(j+1)Bi`` for ``jBi``, ``jFi`` for
-    the last partition's ``jBi``).
+    last before it started: the task before it on its device, or one it waits for
+    (:func:`~torchgpipe.engine.schedule.depends_on`; a recomputation as its backward pass).
     """
     tasks = [e for e in events if e.kind in COMPUTE_KINDS]
     if not tasks:
@@ -289,17 +279,12 @@ def critical_path(events: Sequence[Event], n: int) -> List[Event]:
             if end <= e.start and tasks[index] is not e:
                 found.append(tasks[index])
                 break
-        if e.kind == 'forward':
-            producer = by_key.get(('forward', e.micro_batch, e.partition - 1))
-        elif e.kind == 'weight':
-            producer = by_key.get(('input', e.micro_batch, e.partition))
-        elif e.partition == n - 1:
-            producer = by_key.get(('forward', e.micro_batch, e.partition))
-        else:
-            producer = by_key.get(('backward', e.micro_batch, e.partition + 1)) or \
-                by_key.get(('input', e.micro_batch, e.partition + 1))
-        if producer is not None and producer.end <= e.start:
-            found.append(producer)
+        action = Action('B' if e.kind == 'recompute' else PREFIXES[e.kind], e.micro_batch,
+                        e.partition)
+        for need in depends_on(action, n, lambda i, j: ('input', i, j) in by_key):
+            producer = by_key.get((KINDS[need.kind.value], need.i, need.j))
+            if producer is not None and producer.end <= e.start:
+                found.append(producer)
         return found
 
     path = [max(tasks, key=lambda e: e.end)]
@@ -310,3 +295,60 @@ def critical_path(events: Sequence[Event], n: int) -> List[Event]:
         path.append(max(before, key=lambda e: e.end))
     path.reverse()
     return path
+
+
+def chrome_trace(events: Sequence[Event]) -> Dict[str, Any]:
+    """The events (of one process or every rank) as a Chrome trace,
+    ``{'traceEvents': [...], 'displayTimeUnit': 'ms'}``, the JSON of Perfetto and
+    ``chrome://tracing``: a process per rank (``torchgpipe`` for a GPipe), a track per
+    device (or rank) and per its copies or messages; a message between ranks is a flow from
+    the sender's ``send`` slice to the receiver's ``receive``::
+
+        rank 0           [ 0F0 ]
+        rank 0 messages         [S]─┐
+        rank 1 messages    [   R    ]◄┘      the receive waited from its start
+        rank 1                       [ 1F0 ]
+    """
+    pids = {rank: (0 if rank is None else rank)
+            for rank in sorted({e.rank for e in events}, key=lambda r: -1 if r is None else r)}
+    tracks = sorted({(e.rank, e.track) for e in events},
+                    key=lambda t: (pids[t[0]], t[1].endswith(SIDE_TRACKS), t[1]))
+    tids = {track: k for k, track in enumerate(tracks)}
+    trace_events: List[Dict[str, Any]] = []
+    for rank, pid in pids.items():
+        trace_events.append({'ph': 'M', 'name': 'process_name', 'pid': pid, 'tid': 0,
+                             'args': {'name': 'torchgpipe' if rank is None else f'rank {rank}'}})
+    for (rank, track), tid in tids.items():
+        for name, value in (('thread_name', {'name': track}),
+                            ('thread_sort_index', {'sort_index': tid})):
+            trace_events.append({'ph': 'M', 'name': name, 'pid': pids[rank], 'tid': tid,
+                                 'args': value})
+    for e, start, end in segments(events):
+        args: Dict[str, Any] = {'micro_batch': e.micro_batch, 'partition': e.partition,
+                                'kind': e.kind, 'step': e.step, 'device': e.device,
+                                'thread': e.thread}
+        if e.rank is not None:
+            args['rank'] = e.rank
+        if e.failed:
+            args['failed'] = True
+        if e.detail:
+            args['detail'] = e.detail
+        trace_events.append({'name': e.name, 'cat': e.kind, 'ph': 'X', 'pid': pids[e.rank],
+                             'tid': tids[e.rank, e.track], 'ts': start * 1e6,
+                             'dur': (end - start) * 1e6, 'args': args})
+    for flow, (sent, received) in enumerate(messages(events)):
+        # A flow binds to the slice around its timestamp: mid-send, and the receive's end.
+        for phase, e, at in (('s', sent, (sent.start + sent.end) / 2),
+                             ('f', received, received.end - min(received.duration / 2, 1e-6))):
+            trace_events.append({'name': e.detail, 'cat': 'message', 'ph': phase, 'id': flow,
+                                 'pid': pids[e.rank], 'tid': tids[e.rank, e.track],
+                                 'ts': at * 1e6, **({'bp': 'e'} if phase == 'f' else {})})
+    return {'traceEvents': trace_events, 'displayTimeUnit': 'ms'}
+
+
+def messages(events: Sequence[Event]) -> List[Tuple[Event, Event]]:
+    """Each message between ranks whose sending and receiving were both recorded (named
+    alike on both sides, once per step)."""
+    sent = {(e.step, e.detail): e for e in events if e.kind == 'send'}
+    return [(sent[e.step, e.detail], e) for e in events
+            if e.kind == 'receive' and (e.step, e.detail) in sent]

@@ -2,7 +2,7 @@
 import json
 import os
 import threading
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import (Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, TypeVar,
                     Union)
@@ -14,14 +14,18 @@ from torchgpipe.foundation.copy import Copy, Wait
 from torchgpipe.foundation.dependency import Fork, Join
 from torchgpipe.runtime.checkpoint import Recompute
 from torchgpipe.skip.portal import PortalBlue, PortalCopy, PortalOrange
-from torchgpipe.timeline.chrome import chrome_trace
 from torchgpipe.timeline.clock import Clock, Stamp, peak_rss, reset_peak_rss
-from torchgpipe.timeline.events import Event, Summary, chart_title, segments, summarize
-from torchgpipe.timeline.ranks import gather
+from torchgpipe.timeline.events import (Event, Summary, chart_title, chrome_trace, segments,
+                                        summarize)
 
 __all__: List[str] = []
 
 T = TypeVar('T')
+
+#: What a walk through a task's backward pass tells apart besides the recomputation: the
+#: glue between tasks, walked through but not recorded; and the portals, where it ends.
+GLUE = (Fork, Join, Copy, Wait)
+ENDS = (PortalBlue, PortalOrange, PortalCopy)
 
 
 @dataclass
@@ -56,18 +60,14 @@ class StepInfo:
 
 class Timeline:
     """What :func:`torchgpipe.trace` yields: the events recorded, and views of them. A
-    step's events are complete once its backward pass is done.
-
-    Args:
-        places: the row of each partition's tasks, if not its device (``'rank 1'``)
-        rank: the rank of this process, across processes
-    """
+    step's events are complete once its backward pass is done. Across processes, ``places``
+    names the row of each partition's tasks (``'rank 1'``), and ``rank`` this process."""
 
     def __init__(self, places: Optional[Sequence[str]] = None,
                  rank: Optional[int] = None) -> None:
         self.places = None if places is None else list(places)
         self.rank = rank
-        #: The events of the other ranks, once gathered (see torchgpipe.timeline.ranks).
+        #: The events of the other ranks, once gathered (see :meth:`gather`).
         self.gathered: List[Event] = []
         self.clock = Clock()
         self.closed = False
@@ -97,14 +97,10 @@ class Timeline:
         return span
 
     def timed(self, kind: str, i: int, j: int, device: torch.device,
-              function: Callable[[], T]) -> Callable[[], T]:
-        """Wraps a task to record it when it runs, wherever that is."""
-        step = len(self.steps) - 1
-
-        def run() -> T:
-            return self.timed_span(Span(kind, i, j, device, self.place(j, device), step),
-                                   function)
-        return run
+              function: Callable[[], T]) -> T:
+        """Runs a task, recorded."""
+        span = Span(kind, i, j, device, self.place(j, device), len(self.steps) - 1)
+        return self.timed_span(span, function)
 
     def copied(self, i: int, j: int, device: torch.device, what: str,
                copy: Callable[[], Optional[Tensor]]) -> None:
@@ -146,7 +142,6 @@ class Timeline:
                        boundary: Iterable[Any]) -> None:
         """Hooks the autograd nodes of task ``(i, j)``'s backward pass and recomputation, from
         its ``outputs`` down to the nodes of its inputs (``boundary``)."""
-        recompute, glue, ends = node_classes()
         step = len(self.steps) - 1
         stop = set(boundary)
         seen = set()
@@ -158,12 +153,12 @@ class Timeline:
                 continue
             seen.add(node)
             forward_class = getattr(node, '_forward_cls', None)
-            if type(node).__name__ == 'AccumulateGrad' or forward_class in ends:
+            if type(node).__name__ == 'AccumulateGrad' or forward_class in ENDS:
                 continue
-            if forward_class is recompute:
+            if forward_class is Recompute:
                 self._hook(node, runs['recompute'], Span('recompute', i, j, device,
                                                          str(device), step))
-            elif forward_class not in glue:
+            elif forward_class not in GLUE:
                 self._hook(node, runs['backward'], Span('backward', i, j, device,
                                                         str(device), step))
             stack.extend(n for n, _ in node.next_functions if n is not None)
@@ -207,10 +202,25 @@ class Timeline:
                 self._peak_memory[place] = rss
 
     def gather(self, group: Any, device: torch.device) -> None:
-        """Takes in the events and the peak memory of every rank of ``group`` (each calls it)."""
-        everyone, peaks = gather(self.events, dict(self._peak_memory), group, device)
-        self.gathered = [e for e in everyone if e.rank != self.rank]
-        self._peak_memory.update(peaks)
+        """Takes in the events and the peak memory of every rank of ``group`` (each calls it;
+        ``device``: one its backend communicates from)::
+
+            rank 0: events of rank 0 ─┐                 ┌─► rank 0: events of ranks 0, 1, 2
+            rank 1: events of rank 1 ─┼─ all_gather ────┼─► rank 1: events of ranks 0, 1, 2
+            rank 2: events of rank 2 ─┘   (JSON bytes)  └─► rank 2: events of ranks 0, 1, 2
+
+        As JSON, never pickled: a rank reads another's data, not its code.
+        """
+        # Imported here: ``import torchgpipe`` loads no torchgpipe.distributed.
+        from torchgpipe.distributed.ranks import all_gather_bytes
+        mine = {'events': [asdict(e) for e in self.events], 'memory': self._peak_memory}
+        for data in all_gather_bytes(json.dumps(mine).encode(), group, device):
+            record: Dict[str, Any] = json.loads(data)
+            for fields in record['events']:
+                if fields['rank'] != self.rank:
+                    fields['pieces'] = tuple((float(a), float(b)) for a, b in fields['pieces'])
+                    self.gathered.append(Event(**fields))
+            self._peak_memory.update({str(k): int(v) for k, v in record['memory'].items()})
 
     # Views. -----------------------------------------------------------------
 
@@ -248,15 +258,12 @@ class Timeline:
         index = self._step_index(step)
         return self._summarize(index, [e for e in self.events if e.step == index])
 
-    def _check_traced(self) -> None:
-        """Raises ValueError if no step was traced: there is nothing to show."""
+    def _step_index(self, step: Optional[int]) -> int:
+        """The index of ``step`` (default: the last), from 0; ValueError if out of range, or
+        if no step was traced: there is nothing to show."""
         if not self.steps:
             raise ValueError('the trace recorded no step: call the GPipe inside '
                              '"with torchgpipe.trace(model)"')
-
-    def _step_index(self, step: Optional[int]) -> int:
-        """The index of ``step`` (default: the last), from 0; ValueError if out of range."""
-        self._check_traced()
         index = len(self.steps) - 1 if step is None else step
         if not -len(self.steps) <= index < len(self.steps):
             raise ValueError(f'step must be in [{-len(self.steps)}, {len(self.steps) - 1}] '
@@ -270,7 +277,7 @@ class Timeline:
                          dict(self._peak_memory), info.bubble)
 
     def chrome_trace(self) -> Dict[str, Any]:
-        """The events as a Chrome trace (:mod:`torchgpipe.timeline.chrome`)."""
+        """The events as a Chrome trace (:func:`~torchgpipe.timeline.events.chrome_trace`)."""
         return chrome_trace(self.events)
 
     def save(self, path: Union[str, 'os.PathLike[str]']) -> None:
@@ -302,8 +309,8 @@ class Timeline:
         """
         from torchgpipe.timeline.plot import plot_timeline
         # Checked before anything is drawn: an empty chart would hide the mistake.
-        self._check_traced()
-        indices = range(len(self.steps)) if step is None else [self._step_index(step)]
+        chosen = self._step_index(step)
+        indices = range(len(self.steps)) if step is None else [chosen]
         by_step: Dict[int, List[Event]] = {k: [] for k in indices}
         events = [e for e in self.events if e.step in by_step]
         for e in events:
@@ -311,13 +318,6 @@ class Timeline:
         if title is None:
             title = chart_title([self._summarize(k, found) for k, found in by_step.items()])
         plot_timeline(segments(events), path, title)
-
-
-def node_classes() -> Tuple[type, Tuple[type, ...], Tuple[type, ...]]:
-    """The autograd functions a walk through a task's backward pass tells apart: the
-    recomputation; the glue between tasks, walked through but not recorded; and the
-    portals, where the task ends."""
-    return Recompute, (Fork, Join, Copy, Wait), (PortalBlue, PortalOrange, PortalCopy)
 
 
 def graph_task_id() -> int:
