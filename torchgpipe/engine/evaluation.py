@@ -1,12 +1,11 @@
 """An evaluation step: a training step's forward actions alone, without autograd, in eval
 mode; the last partition keeps the outputs, or each micro-batch's weighted loss."""
 from contextlib import contextmanager
-from typing import Iterator, List, Optional, Tuple
+from typing import Iterator, List, Optional
 
-import torch
 from torch import nn
 
-from torchgpipe.engine.inputs import split_given, weighted
+from torchgpipe.engine.inputs import weighted
 from torchgpipe.engine.schedule import Action, Kind, Schedule
 from torchgpipe.foundation.microbatch import Batch, TensorOrTensors, gather
 from torchgpipe.foundation.validation import check_loss, check_target_and_loss, describe
@@ -57,16 +56,6 @@ def check_evaluation(target: Optional[TensorOrTensors], loss_fn: object, reducti
                               'for the loss, or neither for the output')
     if loss_fn is not None:
         check_loss(loss_fn, reduction)
-
-
-def split_evaluation(input: TensorOrTensors, target: Optional[TensorOrTensors], chunks: int,
-                     reduction: str, last_device: torch.device
-                     ) -> Tuple[List[Batch], List[Optional[TensorOrTensors]], List[float]]:
-    """As :func:`~torchgpipe.engine.inputs.split_step`, the target optional."""
-    batches, targets, sizes = split_given(input, target, chunks, last_device)
-    assert batches is not None and sizes is not None
-    return (batches, list(targets) if targets is not None else [None] * len(batches),
-            evaluation_weights(sizes, reduction, target is not None))
 
 
 def evaluation_weights(sizes: List[int], reduction: str, loss: bool) -> List[float]:

@@ -9,21 +9,13 @@ from torchgpipe.foundation.validation import describe
 __all__: List[str] = []
 
 
-def split_step(input: TensorOrTensors, target: TensorOrTensors, chunks: int, reduction: str,
-               last_device: torch.device
-               ) -> Tuple[List[Batch], List[TensorOrTensors], List[float]]:
-    """Splits a step's input and target into micro-batches, checked; the targets on the last
-    device, as the loss function sees them; and the weight of each micro-batch's loss."""
-    batches, targets, sizes = split_given(input, target, chunks, last_device)
-    assert batches is not None and targets is not None and sizes is not None
-    return batches, targets, weighted(sizes, reduction)
-
-
 def split_given(input: Optional[TensorOrTensors], target: Optional[TensorOrTensors],
                 chunks: int, last_device: torch.device
                 ) -> Tuple[Optional[List[Batch]], Optional[List[TensorOrTensors]],
                            Optional[List[int]]]:
-    """As :func:`split_step`, of what is given (a rank's), with sizes for weights."""
+    """Splits what is given of a step's input and target (a rank's) into micro-batches,
+    checked; the targets on the last device, as the loss function sees them; and the
+    micro-batches' sizes, for the losses' weights."""
     if input is not None:
         check(input)
     if target is not None:
