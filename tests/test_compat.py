@@ -143,8 +143,9 @@ def test_version_module_of_0_0_7(first_import: str) -> None:
 
 #: Each module of 0.0.7 that now lives in a layer's folder, and that folder.
 MOVED = {'batchnorm': 'runtime', 'checkpoint': 'runtime', 'copy': 'foundation',
-         'dependency': 'foundation', 'microbatch': 'foundation', 'phony': 'foundation',
-         'pipeline': 'engine', 'stream': 'foundation', 'worker': 'runtime'}
+         'dependency': 'foundation', 'gpipe': 'modules', 'microbatch': 'foundation',
+         'phony': 'foundation', 'pipeline': 'engine', 'stream': 'foundation',
+         'worker': 'runtime'}
 
 
 @pytest.mark.parametrize('name', sorted(MOVED))
@@ -168,7 +169,8 @@ def test_the_paths_of_0_0_7_are_attributes_of_the_package_in_a_fresh_interpreter
                       f'import torchgpipe.{name} as old\n'
                       f'assert old is torchgpipe.{folder}.{name}\n'
                       for name, folder in sorted(MOVED.items()))
-    run_python('import torchgpipe, torchgpipe.foundation, torchgpipe.runtime, torchgpipe.engine\n'
+    run_python('import torchgpipe, torchgpipe.foundation, torchgpipe.runtime, torchgpipe.engine, '
+               'torchgpipe.modules\n'
                + checks + imports)
 
 
@@ -185,12 +187,17 @@ def test_a_patch_by_the_path_of_0_0_7_reaches_the_library(
 def test_the_classes_of_0_0_7_unpickle_from_their_old_paths() -> None:
     """A pickle written by 0.0.7 names its classes by the old paths."""
     import pickle
+    gpipe = GPipe(nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3)), [1, 1],
+                  devices=['cpu', 'cpu'], chunks=2, deferred_batch_norm=True)
     # Protocol 2 names a class as text: module, newline, name.
-    data = pickle.dumps(DeferredBatchNorm(3, chunks=2), protocol=2)
-    old = data.replace(b'torchgpipe.runtime.batchnorm\n', b'torchgpipe.batchnorm\n')
+    data = pickle.dumps(gpipe, protocol=2)
+    old = data.replace(b'torchgpipe.runtime.batchnorm\n', b'torchgpipe.batchnorm\n') \
+        .replace(b'torchgpipe.modules.gpipe\n', b'torchgpipe.gpipe\n')
     assert b'torchgpipe.batchnorm\nDeferredBatchNorm' in old
+    assert b'torchgpipe.gpipe\nGPipe' in old
     loaded = pickle.loads(old)
-    assert type(loaded) is DeferredBatchNorm and loaded.chunks == 2
+    assert type(loaded) is GPipe and type(loaded[1]) is DeferredBatchNorm
+    assert loaded[1].chunks == 2
 
 
 # -- BatchNorm conversion ----------------------------------------------------------------

@@ -80,7 +80,7 @@ def cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
 def test_no_import_circle() -> None:
     graph = imports()
     assert 'torchgpipe.engine.pipeline' in graph
-    assert 'torchgpipe.foundation.microbatch' in graph['torchgpipe.gpipe']
+    assert 'torchgpipe.foundation.microbatch' in graph['torchgpipe.modules.gpipe']
     circles = cycles(graph)
     assert not circles, '\n'.join(
         ' <-> '.join(c) + '\n  ' + '\n  '.join(f'{v} imports {sorted(graph[v] & set(c))}'

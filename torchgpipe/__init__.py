@@ -6,14 +6,14 @@ import types
 from torchgpipe.__version__ import __version__
 from torchgpipe.foundation.phase import is_checkpointing, is_recomputing
 from torchgpipe.flatten import to_sequential
-from torchgpipe.gpipe import GPipe
+from torchgpipe.modules.gpipe import GPipe
 from torchgpipe.generation import generate
 from torchgpipe.foundation.nochunk import NoChunk
 from torchgpipe.timeline import trace
 from torchgpipe.planner import Plan, plan
 
 # torchgpipe 0.0.7's modules, bound as its import bound them.
-from torchgpipe import (batchnorm, checkpoint, copy, dependency,  # noqa: F401
+from torchgpipe import (batchnorm, checkpoint, copy, dependency, gpipe,  # noqa: F401
                         microbatch, phony, pipeline, stream, worker)
 
 

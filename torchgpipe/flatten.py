@@ -18,7 +18,7 @@ from torchgpipe.capture.cut import GeneratedChild, child_name, transient
 from torchgpipe.capture.fx import LeafSpec
 from torchgpipe.capture.graph import attr, named_arguments
 from torchgpipe.foundation.validation import brief, describe
-from torchgpipe.gpipe import GPipe
+from torchgpipe.modules.gpipe import GPipe
 from torchgpipe.skip.namespace import Namespace
 from torchgpipe.skip.skippable import skippable_class
 

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from torchgpipe.foundation.microbatch import TensorOrTensors
 from torchgpipe.foundation.validation import describe
-from torchgpipe.gpipe import GPipe
+from torchgpipe.modules.gpipe import GPipe
 
 if TYPE_CHECKING:  # loaded on first use, as torchgpipe.distributed is
     from torchgpipe.distributed import DistributedGPipe

@@ -14,7 +14,7 @@ from torchgpipe.engine.schedule import ScheduleLike
 from torchgpipe.engine.step import LossFunction
 from torchgpipe.foundation.microbatch import TensorOrTensors
 from torchgpipe.foundation.validation import check_step, describe
-from torchgpipe.gpipe import GPipe
+from torchgpipe.modules.gpipe import GPipe
 
 __all__ = ['train_step']
 

@@ -12,13 +12,13 @@ from torchgpipe.distributed.core import RankCore
 from torchgpipe.distributed.norm import check_finite, clip_grads, slots, total_norm
 from torchgpipe.distributed.ranks import agree_on_layout, ranks_of_partitions
 from torchgpipe.distributed.tied import TiedGradients, ties_across_ranks
-from torchgpipe.engine.core import CoreModule
 from torchgpipe.engine.evaluation import evaluating
 from torchgpipe.engine.schedule import ScheduleLike
 from torchgpipe.engine.step import LossFunction
 from torchgpipe.foundation.microbatch import TensorOrTensors
 from torchgpipe.foundation.validation import (check_available, check_balance, check_timeout,
                                               describe, parse_device)
+from torchgpipe.modules.base import CoreModule
 
 __all__ = ['DistributedGPipe']
 

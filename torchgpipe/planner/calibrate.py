@@ -22,7 +22,7 @@ from torchgpipe.engine.schedule import Action, Kind
 from torchgpipe.engine.simulator import simulate_sharing
 from torchgpipe.foundation.microbatch import TensorOrTensors
 from torchgpipe.foundation.placement import same_memory
-from torchgpipe.gpipe import GPipe
+from torchgpipe.modules.gpipe import GPipe
 from torchgpipe.planner.costs import Costs, measure
 from torchgpipe.planner.predict import Candidate, predict
 from torchgpipe.skip import pop, skippable, stash

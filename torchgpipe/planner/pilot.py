@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from torchgpipe.balance import blockpartition
 from torchgpipe.engine.step import LossFunction
 from torchgpipe.foundation.microbatch import Batch, TensorOrTensors
-from torchgpipe.gpipe import GPipe
+from torchgpipe.modules.gpipe import GPipe
 from torchgpipe.planner.calibrate import solve, traced_span
 from torchgpipe.planner.costs import TIMES, Costs
 from torchgpipe.planner.predict import Candidate, micro_batches, predict

@@ -1,5 +1,5 @@
 """The runtime both boundaries of the engine share: partitions, workers, checkpoints,
-replay, what runs learned, deferred BatchNorm and the state-dict key styles."""
+replay, what runs learned and deferred BatchNorm."""
 from typing import List
 
 __all__: List[str] = []

@@ -19,7 +19,7 @@ from typing import Any, Generator
 
 import torch.distributed as dist
 
-from torchgpipe.gpipe import GPipe
+from torchgpipe.modules.gpipe import GPipe
 from torchgpipe.timeline.events import (DeviceSummary, Event, PartitionSummary, Summary,
                                         segments)
 from torchgpipe.timeline.recording import StepInfo, Timeline
