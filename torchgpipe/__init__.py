@@ -5,7 +5,7 @@ import types
 # this line then binds to the string for good.
 from torchgpipe.__version__ import __version__
 from torchgpipe.foundation.phase import is_checkpointing, is_recomputing
-from torchgpipe.flatten import to_sequential
+from torchgpipe.capture.flatten import to_sequential
 from torchgpipe.modules.gpipe import GPipe
 from torchgpipe.generation import generate
 from torchgpipe.foundation.nochunk import NoChunk
