@@ -20,12 +20,12 @@ from torch import Tensor, nn
 from process_group import no_child_left  # noqa: F401 (an autouse fixture)
 from process_group import run_distributed
 from torchgpipe import NoChunk
-from torchgpipe.distributed.channels import WORD_LIMIT, metas_of, read_word, wired
-from torchgpipe.distributed.codec import Unreadable, Unsendable, decode, encode
-from torchgpipe.distributed.faults import read_header
 from torchgpipe.engine.mailbox import Activation, ForwardMessage, Gradient, Reply
 from torchgpipe.foundation.copy import Ready
 from torchgpipe.foundation.microbatch import Batch
+from torchgpipe.transport.channels import WORD_LIMIT, metas_of, read_word, wired
+from torchgpipe.transport.codec import Unreadable, Unsendable, decode, encode
+from torchgpipe.transport.faults import read_header
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -315,7 +315,7 @@ def disagreeing(rank: int, world_size: int) -> Dict[str, Any]:
         tied = DistributedGPipe(model_named('tied'), [3, 3], chunks=CHUNKS)
         tied.train_step(input, target, F.mse_loss)
         before = [p.grad.clone() for p in tied.parameters() if p.grad is not None]
-        with mock.patch('torchgpipe.distributed.core.Wire', side_effect=OSError('no wire')):
+        with mock.patch('torchgpipe.processes.core.Wire', side_effect=OSError('no wire')):
             with pytest.raises(OSError):
                 tied.train_step(input, target, F.mse_loss)
         after = [p.grad for p in tied.parameters() if p.grad is not None]

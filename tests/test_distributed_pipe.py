@@ -37,7 +37,7 @@ from process_group import GLOO_TIMEOUT, rank_device, run_distributed
 from test_distributed import FEATURES, TOLERANCE, PopAdd, Stash, build
 from torchgpipe import GPipe
 from torchgpipe.distributed import DistributedGPipe
-from torchgpipe.distributed.pipe import ranks_of_partitions
+from torchgpipe.processes.ranks import ranks_of_partitions
 from torchgpipe.skip import Namespace
 
 pytestmark = pytest.mark.timeout(180)
@@ -361,7 +361,7 @@ def recorded_operations(rank: int, world_size: int) -> List[List[Any]]:
     """Each step's tensor operations (not words) of this rank: its kind, the
     other rank, each tensor's type and shape. Steps 0-2 have one batch size,
     3-4 another; the model passes skips across the ranks."""
-    import torchgpipe.distributed.channels as channels
+    import torchgpipe.transport.channels as channels
     # The wire goes through torch alone: Tensor.numpy() needs numpy, which
     # torch does not require.
     def no_numpy(self: Tensor, *args: Any, **kwargs: Any) -> Any:

@@ -6,6 +6,7 @@ the bottom, instrumentation (``torchgpipe.foundation.record``) is a leaf it call
 the timeline and to_sequential sit on top.
 """
 import ast
+import subprocess
 import sys
 from pathlib import Path
 from typing import Dict, List, Set, Tuple
@@ -87,6 +88,20 @@ def test_no_import_circle() -> None:
                                             for v in c) for c in circles)
 
 
+@pytest.mark.parametrize('first', ['torchgpipe.distributed', 'torchgpipe.modules.distributed',
+                                   'torchgpipe.processes.ranks'])
+def test_the_pipeline_across_processes_imports_from_any_module_first(first: str) -> None:
+    """In a fresh interpreter, importing first the public package, DistributedGPipe's
+    module or one it is made of finds none half-initialized, as an import circle through
+    a package's ``__init__`` would leave them."""
+    subprocess.run([sys.executable, '-c', f'import {first}\n'
+                    'from torchgpipe.distributed import (DistributedGPipe, GradScaler, '
+                    'Mismatch, PeerFailed, StepTimeout, train_step)\n'
+                    'from torchgpipe.modules import distributed\n'
+                    'assert DistributedGPipe is distributed.DistributedGPipe\n'],
+                   cwd=PACKAGE.parent, check=True)
+
+
 def test_the_engine_knows_no_timeline() -> None:
     graph = imports()
     # What sits above the engine: the timeline, to_sequential, balancing, planning.
@@ -144,7 +159,7 @@ def layers() -> Dict[str, int]:
 
 
 def unit(module: str) -> str:
-    """The unit of a module: ``torchgpipe.distributed.pipe`` is in
+    """The unit of a module: ``torchgpipe.distributed.ddp`` is in
     ``torchgpipe.distributed``; a module of a layer's folder is its own."""
     parts = module.split('.')
     return '.'.join(parts[:3 if '.'.join(parts[:2]) in FOLDERS else 2])
@@ -295,8 +310,8 @@ def test_one_module_starts_threads_and_one_reads_generator_states() -> None:
     # the planner's training threads, which load the cores while it times
     # layers, outside any pipeline.
     assert [m for m, text in sorted(sources.items()) if 'threading.Thread(' in text] == \
-        ['torchgpipe.distributed.channels', 'torchgpipe.planner.costs',
-         'torchgpipe.runtime.threads']
+        ['torchgpipe.planner.costs', 'torchgpipe.runtime.threads',
+         'torchgpipe.transport.channels']
     assert [m for m, text in sources.items() if 'get_rng_state(' in text
             and 'torch.get_rng_state()' in text.replace('torch.cuda', '')] == \
         ['torchgpipe.foundation.rng']
@@ -396,7 +411,7 @@ def test_the_private_name_check_finds_a_reach() -> None:
 def test_a_ranks_core_overrides_the_hooks_of_the_step_not_the_step() -> None:
     """Core.train and Core.evaluate are the one template of a step (with Core.started);
     RankCore changes only its hooks."""
-    tree = ast.parse((PACKAGE / 'distributed' / 'core.py').read_text())
+    tree = ast.parse((PACKAGE / 'processes' / 'core.py').read_text())
     rank_core = next(node for node in tree.body
                      if isinstance(node, ast.ClassDef) and node.name == 'RankCore')
     defined = {node.name for node in rank_core.body if isinstance(node, ast.FunctionDef)}

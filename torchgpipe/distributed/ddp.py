@@ -7,14 +7,14 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from torchgpipe.distributed.pipe import DistributedGPipe
-from torchgpipe.distributed.reduce import AllReduce, pieces
 from torchgpipe.engine.generators import check_schedule
 from torchgpipe.engine.schedule import ScheduleLike
 from torchgpipe.engine.step import LossFunction
 from torchgpipe.foundation.microbatch import TensorOrTensors
 from torchgpipe.foundation.validation import check_step, describe
+from torchgpipe.modules.distributed import DistributedGPipe
 from torchgpipe.modules.gpipe import GPipe
+from torchgpipe.processes.reduce import AllReduce, pieces
 
 __all__ = ['train_step']
 

@@ -62,7 +62,7 @@ def trace(module: Any) -> Generator[Timeline, None, None]:
         >>> timeline.plot('timeline.png')  # doctest: +SKIP
     """
     # Imported here: "import torchgpipe" leaves torchgpipe.distributed unloaded.
-    from torchgpipe.distributed.pipe import DistributedGPipe
+    from torchgpipe.distributed import DistributedGPipe
     if isinstance(module, GPipe):
         timeline = Timeline()
         places = {str(d): d for d in module.devices}

@@ -1,6 +1,6 @@
 """The header of a message between ranks: data only, which a peer's bytes can never make code.
 
-A message between ranks (:class:`~torchgpipe.distributed.wire.Wire`) is its
+A message between ranks (:class:`~torchgpipe.transport.wire.Wire`) is its
 tensors and, on the first step of its shapes, a header: JSON of the
 message's key, the shape and type of each tensor, and the message itself
 with each tensor replaced by its index. JSON holds numbers, strings, lists, ``true``,

@@ -1,7 +1,7 @@
 """Parameters tied across ranks: a copy on each rank that uses one, its gradient summed.
 
 At each step's end the holding ranks exchange their gradients
-(:meth:`Wire.finish <torchgpipe.distributed.wire.Wire.finish>`) and each adds them in
+(:meth:`Wire.finish <torchgpipe.transport.wire.Wire.finish>`) and each adds them in
 the order of the partitions using it, as one process does, so every copy gets the
 same sum bit for bit. A rank's later partitions using it add their own share::
 

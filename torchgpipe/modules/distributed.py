@@ -8,10 +8,6 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from torchgpipe.distributed.core import RankCore
-from torchgpipe.distributed.norm import check_finite, clip_grads, slots, total_norm
-from torchgpipe.distributed.ranks import agree_on_layout, ranks_of_partitions
-from torchgpipe.distributed.tied import TiedGradients, ties_across_ranks
 from torchgpipe.engine.evaluation import evaluating
 from torchgpipe.engine.schedule import ScheduleLike
 from torchgpipe.engine.step import LossFunction
@@ -19,6 +15,10 @@ from torchgpipe.foundation.microbatch import TensorOrTensors
 from torchgpipe.foundation.validation import (check_available, check_balance, check_timeout,
                                               describe, parse_device)
 from torchgpipe.modules.base import CoreModule
+from torchgpipe.processes.core import RankCore
+from torchgpipe.processes.norm import check_finite, clip_grads, slots, total_norm
+from torchgpipe.processes.ranks import agree_on_layout, ranks_of_partitions
+from torchgpipe.processes.tied import TiedGradients, ties_across_ranks
 
 __all__ = ['DistributedGPipe']
 

@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from torchgpipe.distributed.codec import DTYPES, NAMES, Unreadable
-from torchgpipe.distributed.faults import Disconnected, TimedOut
+from torchgpipe.transport.codec import DTYPES, NAMES, Unreadable
+from torchgpipe.transport.faults import Disconnected, TimedOut
 
 __all__: List[str] = []
 

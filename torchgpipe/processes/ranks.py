@@ -6,9 +6,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchgpipe.distributed.faults import Mismatch, by_rank
 from torchgpipe.engine.generators import worker_of
 from torchgpipe.foundation.validation import describe
+from torchgpipe.transport.faults import Mismatch, by_rank
 
 __all__: List[str] = []
 

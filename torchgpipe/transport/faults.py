@@ -14,18 +14,17 @@ A step across processes ends on every rank, whatever happens on one:
 Whatever the error, ``PeerFailed.rank`` is the rank at fault, as named.
 
 Point-to-point operations raise ``RuntimeError`` for all of these, as
-anything else may: :mod:`~torchgpipe.distributed.channels` raises theirs as
+anything else may: :mod:`~torchgpipe.transport.channels` raises theirs as
 :class:`Disconnected`.
 """
 import json
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from torchgpipe.distributed.codec import DTYPES, Unreadable
-
 from torchgpipe.engine.mailbox import Activation, Gradient, Key, Skip, SkipGradient
 from torchgpipe.engine.schedule import Action, Kind
 from torchgpipe.foundation.validation import describe
+from torchgpipe.transport.codec import DTYPES, Unreadable
 
 __all__: List[str] = []
 

@@ -1,5 +1,5 @@
 """This rank's share of a pipeline across processes: its partitions on the one-process
-executor, the other ranks' messages on a :class:`~torchgpipe.distributed.wire.Wire`."""
+executor, the other ranks' messages on a :class:`~torchgpipe.transport.wire.Wire`."""
 import json
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -10,16 +10,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from torchgpipe.distributed.channels import Channels, metas_of
-from torchgpipe.distributed.codec import Unsendable, encode
-from torchgpipe.distributed.tied import TiedGradients
-from torchgpipe.distributed.faults import Mismatch
-from torchgpipe.distributed.wire import Sequences, Wire
 from torchgpipe.engine.core import Core, Finish
 from torchgpipe.engine.generators import BUILT_INS, resolve
 from torchgpipe.engine.mailbox import Mailbox
 from torchgpipe.engine.schedule import Schedule, ScheduleLike
+from torchgpipe.processes.tied import TiedGradients
 from torchgpipe.skip.layout import SkipLayout
+from torchgpipe.transport.channels import Channels, metas_of
+from torchgpipe.transport.codec import Unsendable, encode
+from torchgpipe.transport.faults import Mismatch
+from torchgpipe.transport.wire import Sequences, Wire
 
 __all__ = ['RankCore']
 

@@ -2,14 +2,14 @@
 
 :class:`Wire` is the :class:`~torchgpipe.engine.mailbox.Mailbox` of this
 process's partitions. A message to another rank is its tensors, sent at
-their exact sizes (:class:`~torchgpipe.distributed.channels.Channels`); a
+their exact sizes (:class:`~torchgpipe.transport.channels.Channels`); a
 message between two partitions of this process stays in the mailbox.
 
 A step starts with every rank's word of what it runs (:meth:`Wire.agree`).
 The first step of a *signature* (the words of all ranks: micro-batches,
 input shapes, schedule) sends a header before each message (its key, the
 shapes and types of its tensors, and what else it holds, as data:
-:mod:`~torchgpipe.distributed.codec`), and both ends keep the sequence of
+:mod:`~torchgpipe.transport.codec`), and both ends keep the sequence of
 messages. A later step of the same signature sends the tensors alone, each
 rank posting the receives of the next message from each rank ahead, in the
 order the sender sends them, which need not be the order it takes them::
@@ -32,16 +32,16 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 import torch
 from torch import Tensor
 
-from torchgpipe.distributed.channels import (WORD_LIMIT, Channels, Metas, Received, host_bytes,
-                                             metas_of)
-from torchgpipe.distributed.codec import Unreadable, decode, encode
-from torchgpipe.distributed.faults import (Disconnected, PeerFailed, Said, TimedOut,
-                                           checked, failed, lost, lost_in, read_header,
-                                           refusal, timed_out, waiting_for)
 from torchgpipe.engine.mailbox import (Activation, Gradient, Key, Mailbox, Skip, SkipGradient,
                                        SkipKey)
 from torchgpipe.foundation.record import Recorder
 from torchgpipe.foundation.validation import describe
+from torchgpipe.transport.channels import (WORD_LIMIT, Channels, Metas, Received, host_bytes,
+                                           metas_of)
+from torchgpipe.transport.codec import Unreadable, decode, encode
+from torchgpipe.transport.faults import (Disconnected, PeerFailed, Said, TimedOut, checked, failed,
+                                         lost, lost_in, read_header, refusal, timed_out,
+                                         waiting_for)
 
 __all__: List[str] = []
 
