@@ -1,4 +1,5 @@
 """A GPipe implementation in PyTorch: pipeline parallelism with checkpointing."""
+import sys
 import types
 
 # Through 0.0.7's submodule: its first import binds the module as an attribute, which
@@ -12,9 +13,17 @@ from torchgpipe.foundation.nochunk import NoChunk
 from torchgpipe.timeline import trace
 from torchgpipe.planner import Plan, plan
 
-# torchgpipe 0.0.7's modules, bound as its import bound them.
-from torchgpipe import (batchnorm, checkpoint, copy, dependency, gpipe,  # noqa: F401
-                        microbatch, phony, pipeline, stream, worker)
+# torchgpipe 0.0.7's modules, bound as its import bound them; each old path is the
+# module itself (what a script patches there, the library sees), its file for type checkers.
+from torchgpipe.engine import pipeline
+from torchgpipe.foundation import copy, dependency, microbatch, phony, stream
+from torchgpipe.modules import gpipe
+from torchgpipe.runtime import batchnorm, checkpoint, worker
+
+for _module in (batchnorm, checkpoint, copy, dependency, gpipe, microbatch, phony, pipeline,
+                stream, worker):
+    sys.modules[f'{__name__}.{_module.__name__.rpartition(".")[2]}'] = _module
+del _module
 
 
 def __getattr__(name: str) -> types.ModuleType:

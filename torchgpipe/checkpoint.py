@@ -1,7 +1,2 @@
-"""torchgpipe 0.0.7's path of :mod:`torchgpipe.runtime.checkpoint`: the module itself."""
-import sys
-
+"""torchgpipe 0.0.7's path of :mod:`torchgpipe.runtime.checkpoint`, bound to it by the package."""
 from torchgpipe.runtime.checkpoint import *  # noqa: F401,F403 (its names, for type checkers)
-from torchgpipe.runtime import checkpoint as _module
-
-sys.modules[__name__] = _module

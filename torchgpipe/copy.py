@@ -1,7 +1,2 @@
-"""torchgpipe 0.0.7's path of :mod:`torchgpipe.foundation.copy`: the module itself."""
-import sys
-
+"""torchgpipe 0.0.7's path of :mod:`torchgpipe.foundation.copy`, bound to it by the package."""
 from torchgpipe.foundation.copy import *  # noqa: F401,F403 (its names, for type checkers)
-from torchgpipe.foundation import copy as _module
-
-sys.modules[__name__] = _module

@@ -1,7 +1,2 @@
-"""torchgpipe 0.0.7's path of :mod:`torchgpipe.modules.gpipe`: the module itself."""
-import sys
-
+"""torchgpipe 0.0.7's path of :mod:`torchgpipe.modules.gpipe`, bound to it by the package."""
 from torchgpipe.modules.gpipe import *  # noqa: F401,F403 (its names, for type checkers)
-from torchgpipe.modules import gpipe as _module
-
-sys.modules[__name__] = _module
