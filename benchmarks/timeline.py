@@ -141,7 +141,7 @@ def components(dependency: bool, streams: bool) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         if not dependency:
             # No fork, no phony to join: no micro-batch waits for another.
-            stack.enter_context(mock.patch('torchgpipe.engine.linked.fork_off',
+            stack.enter_context(mock.patch('torchgpipe.engine.pipeline.fork_off',
                                            lambda batch: None))
         if not streams:
             def compute_streams(self: RunState, devices: Sequence[torch.device],

@@ -264,15 +264,15 @@ MECHANISMS = {
     'turns on the CPU generator': ('torchgpipe.runtime.worker', {
         'torchgpipe.engine.step': {'IssueOrder'}}),
     'the probe of random draws': ('torchgpipe.foundation.rng', {
-        'torchgpipe.engine.linked': {'watch', 'cpu_generator_held'},
-        'torchgpipe.engine.stage': {'watch', 'cpu_generator_held'}}),
+        'torchgpipe.engine.pipeline': {'watch', 'cpu_generator_held'},
+        'torchgpipe.engine.step': {'watch', 'cpu_generator_held'}}),
     'the replay of a checkpointed micro-batch': ('torchgpipe.runtime.replay', {
         'torchgpipe.runtime.checkpoint': {'first_pass', 'recomputation'},
-        'torchgpipe.engine.stage': {'first_pass', 'recomputation'}}),
+        'torchgpipe.engine.step': {'first_pass', 'recomputation'}}),
     'moving a batch between devices': ('torchgpipe.foundation.copy', {
-        'torchgpipe.engine.linked': {'Copy', 'Wait'}, 'torchgpipe.engine.stage': {'Ready'}}),
+        'torchgpipe.engine.pipeline': {'Copy', 'Wait'}, 'torchgpipe.engine.step': {'Ready'}}),
     'skips crossing partitions': ('torchgpipe.skip.tracker', {
-        'torchgpipe.engine.linked': {'SkipTrackerThroughPortals'},
+        'torchgpipe.engine.pipeline': {'SkipTrackerThroughPortals'},
         'torchgpipe.engine.mailbox': {'SkipTrackerAcross'}}),
 }
 

@@ -1,23 +1,269 @@
-"""Training steps: each partition's actions, in clock order, on its device's worker."""
+"""Training steps: each partition's actions, in clock order, on its device's worker.
+
+Each partition's graph is cut at its input, its backward run when the schedule says::
+
+    partition j-1                           partition j
+    F  x ─► layers ─► y ───── y ──────────► x' = y.detach(), requiring grad
+                                             x' ─► layers ─► z ─► ...
+    B  backward(y, dy) ◄──── dy = x'.grad ◄─ backward(z, dz)
+
+Skips are cut the same way. A checkpointed micro-batch's ``B`` (or ``I``) recomputes first.
+"""
 import functools
-from typing import Callable, Dict, List, Mapping, Optional, Protocol, Sequence, cast
+from dataclasses import dataclass, field
+from typing import (Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple, TypeVar,
+                    cast)
 
 import torch
 from torch import Tensor, nn
 
 from torchgpipe.engine.generators import expected_bubble
-from torchgpipe.engine.mailbox import Mailbox
+from torchgpipe.engine.mailbox import (Activation, ForwardMessage, Gradient, Mailbox, Reply,
+                                       SkipGradient, StepSkips, leaf)
 from torchgpipe.engine.schedule import Action, Kind, Schedule, clock_order
-from torchgpipe.engine.stage import Shared, Stage
+from torchgpipe.engine.split import WeightPass, input_pass
+from torchgpipe.foundation.copy import Ready
 from torchgpipe.foundation.microbatch import Batch, TensorOrTensors
-from torchgpipe.foundation.record import Recorder
+from torchgpipe.foundation.record import Recorder, run_task
+from torchgpipe.foundation.rng import cpu_generator_held, training_flags, watch
 from torchgpipe.foundation.stream import AbstractStream
 from torchgpipe.foundation.validation import check_loss_value
+from torchgpipe.runtime.partition import partition_function
+from torchgpipe.runtime.replay import FirstPass, first_pass, recomputation
 from torchgpipe.runtime.traits import PartitionTraits
-from torchgpipe.runtime.worker import IssueOrder, Work, distinct_devices, run_on_workers
+from torchgpipe.runtime.worker import (IssueOrder, Stopped, Work, distinct_devices,
+                                       run_on_workers)
 from torchgpipe.skip.layout import SkipLayout
 
 __all__: List[str] = []
+
+T = TypeVar('T')
+
+
+@dataclass
+class Pass:
+    """What the forward action of a micro-batch leaves for its backward action."""
+
+    input: Batch
+    skips: StepSkips
+    output: Optional[Batch] = None
+    loss: Optional[Tensor] = None
+    replay: Optional[FirstPass] = None
+    #: For each output tensor, whether the next partition's leaf requires grad.
+    sent_grad: List[bool] = field(default_factory=list)
+
+
+@dataclass
+class Shared:
+    """What every stage of a step reads: the step's data, and where messages go."""
+
+    n: int
+    batches: Sequence[Optional[Batch]]
+    #: The weighted loss of micro-batch ``i``'s output; ``None`` keeps the outputs.
+    loss: Optional[Callable[[int, Batch], Tensor]]
+    train: bool
+    layout: SkipLayout
+    checkpoint_stop: int
+    mailbox: Mailbox
+    recorder: Optional[Recorder]
+    done: Optional[Callable[[int], None]]
+
+
+class Stage:
+    """One partition in a training step: runs its actions, keeps what they pass on.
+    ``last`` is its last ``B`` or ``W``; ``streams`` its copy stream per micro-batch."""
+
+    def __init__(self, shared: Shared, j: int, partition: nn.Sequential, device: torch.device,
+                 traits: PartitionTraits, last: Optional[Action],
+                 streams: Optional[Sequence[AbstractStream]] = None) -> None:
+        self.shared = shared
+        self.streams = streams
+        self.j = j
+        self.partition = partition
+        self.device = device
+        self.traits = traits
+        self.last = last
+        self.flags = training_flags(partition)
+        self.is_last = j == shared.n - 1
+        self.passes: Dict[int, Pass] = {}
+        #: What each micro-batch's ``I`` left for its ``W``.
+        self.deferred: Dict[int, WeightPass] = {}
+        #: The loss of each micro-batch, without graph (the last partition's).
+        self.losses: Dict[int, Tensor] = {}
+        #: Whether the last partition's forward action, loss included, drew in this step.
+        self.loss_draws: Optional[bool] = None
+
+    def stream(self, i: int) -> Optional[AbstractStream]:
+        return None if self.streams is None else self.streams[i]
+
+    def draws_random(self) -> Optional[bool]:
+        """Whether the forward actions may draw from the CPU generator, if known; with the
+        last partition's loss, which may change at every call, learned anew each step."""
+        drew = self.traits.draws(self.flags)
+        if self.is_last and drew is False:
+            return self.loss_draws
+        return drew
+
+    def run(self, action: Action) -> None:
+        """Runs an action: waits for what it needs, then does (and records) its work."""
+        if self.shared.mailbox.stopped:
+            raise Stopped()  # an action elsewhere failed
+        i = action.i
+        if action.kind is Kind.F:
+            input = self.receive(i)
+            # Held once the input came, never while waiting for another worker.
+            with cpu_generator_held(self.draws_random() is not False):
+                self.record('forward', i, lambda: self.forward(i, input))
+            self.send_output(i)
+            return
+        if action.kind is Kind.W:
+            self.record('weight', i, self.deferred.pop(i).run)
+            self.finish(action)
+            return
+        current = self.passes.pop(i)
+        # Recomputed before the gradient is awaited: the two overlap.
+        if current.replay is not None:
+            self.record('recompute', i, lambda: self.recompute(i, current))
+        tensors, grads = self.gradients(i, current)
+        if action.kind is Kind.B:
+            self.record('backward', i, lambda: self.backpropagate(tensors, grads))
+            self.finish(action)
+        else:
+            self.deferred[i] = self.record('input', i, lambda: input_pass(
+                tensors, grads, self.leaves(current), tuple(current.output or ())))
+        self.send_gradients(i, current)
+
+    def finish(self, action: Action) -> None:
+        """Calls ``done`` after the last ``B`` or ``W``: the gradients may be all-reduced
+        while the partitions before still run backward passes."""
+        if action == self.last and self.shared.done is not None:
+            self.shared.done(self.j)
+
+    def leaves(self, current: Pass) -> List[Tensor]:
+        """The leaves the graph of a micro-batch was cut at, whose gradients go back."""
+        inputs = [x for x in current.input if self.j > 0 and x is not None and x.requires_grad]
+        return inputs + [x for x in current.skips.received.values()
+                         if x is not None and x.requires_grad]
+
+    def record(self, kind: str, i: int, work: Callable[[], T]) -> T:
+        """Runs an action's work, labelled for a profiler, recorded by a timeline."""
+        return run_task(self.shared.recorder, kind, i, self.j, self.device, work)
+
+    def call(self, input: Batch, skips: StepSkips) -> Batch:
+        """Runs the partition on ``input``, on copies unless it is known to leave it alone: a
+        recomputation runs from it again."""
+        function = partition_function(self.partition, self.j, skips)
+        return Batch(self.traits.call(function, tuple(input), input.with_tensors, 'train_step'))
+
+    def receive(self, i: int) -> Batch:
+        """The input of micro-batch ``i``: the mini-batch's, or what the partition before sent."""
+        if self.j == 0:
+            return cast(Batch, self.shared.batches[i])
+        output, sent_grad, ready = self.shared.mailbox.take(Activation(i, self.j))
+        input = Batch(output.plain, output.layout)
+        input[:] = tuple(cast(Tensor, leaf(x, self.device, g, ready, self.stream(i)))
+                         for x, g in zip(output, sent_grad))
+        return input
+
+    def forward(self, i: int, input: Batch) -> None:
+        shared = self.shared
+        skips = StepSkips(shared.layout, self.device, shared.mailbox, i, shared.train,
+                          self.stream(i))
+        current = Pass(input, skips)
+        checkpointed = i < shared.checkpoint_stop
+        # Not known yet whether it draws: the generator is held, so a change is its doing.
+        probing = self.draws_random() is None
+        if checkpointed:
+            with first_pass(self.device) as current.replay:
+                output, drew = watch(lambda: self.call(input, skips), probing)
+        else:
+            with torch.set_grad_enabled(shared.train):
+                output, drew = watch(lambda: self.call(input, skips), probing)
+        if probing:
+            # Its own draws, without the loss's: the forward path shares them.
+            self.traits.learn_draws(self.flags, drew)
+        current.output = output
+        if not self.is_last:
+            # Checkpointed, a floating point output gets a graph in the recomputation.
+            current.sent_grad = [x.requires_grad or (checkpointed and x.is_floating_point())
+                                 for x in output]
+        elif shared.loss is None:  # an evaluation's output, kept in its pass
+            if probing:
+                self.loss_draws = drew
+        else:
+            with torch.set_grad_enabled(shared.train and not checkpointed):
+                loss, loss_drew = watch(functools.partial(shared.loss, i, output), probing)
+            if current.replay is not None:  # its recomputation ends after the loss too
+                current.replay.end()
+            self.losses[i] = loss.detach()
+            current.loss = None if checkpointed else loss
+            if probing:
+                self.loss_draws = drew or loss_drew
+        self.passes[i] = current
+
+    def send_output(self, i: int) -> None:
+        """Sends micro-batch ``i``'s output to the next partition."""
+        # An evaluation keeps no pass, but the outputs it returns.
+        keep = self.shared.train or (self.is_last and self.shared.loss is None)
+        current = self.passes[i] if keep else self.passes.pop(i)
+        output = current.output
+        if current.replay is not None and self.shared.loss is not None:
+            # The recomputation makes them again: held, every checkpointed output of the
+            # step (the logits, say) would be alive at once. Let go before the output goes.
+            current.output = None
+            current.skips.sent.clear()
+        if not self.is_last:
+            self.shared.mailbox.put(Activation(i, self.j + 1),
+                                    ForwardMessage(output, current.sent_grad,
+                                                   Ready(self.device, self.stream(i))))
+
+    def recompute(self, i: int, current: Pass) -> None:
+        assert current.replay is not None
+        current.skips.replay = True
+        with recomputation(self.device, current.replay,
+                           exclusive=self.draws_random() is not False):
+            current.output = self.call(current.input, current.skips)
+            if self.is_last:
+                assert self.shared.loss is not None  # a training step's
+                current.loss = self.shared.loss(i, current.output)
+
+    def gradients(self, i: int, current: Pass) -> Tuple[List[Tensor], List[Optional[Tensor]]]:
+        """Micro-batch ``i``'s tensors to backpropagate from, and their gradients, awaited."""
+        mailbox = self.shared.mailbox
+        tensors: List[Tensor] = []
+        grads: List[Optional[Tensor]] = []
+        if current.loss is not None:
+            tensors.append(current.loss)
+            grads.append(None)
+        else:
+            assert current.output is not None
+            received, ready = mailbox.take(Gradient(i, self.j))
+            for x, g in zip(current.output, received):
+                if x.requires_grad and g is not None:
+                    tensors.append(x)
+                    grads.append(ready.receive(g, x.device, self.stream(i)))
+        for key, tensor in current.skips.sent.items():
+            g, ready = mailbox.take(SkipGradient(i, key))
+            if tensor is not None and tensor.requires_grad and g is not None:
+                tensors.append(tensor)
+                grads.append(ready.receive(g, tensor.device, self.stream(i)))
+        return tensors, grads
+
+    def backpropagate(self, tensors: List[Tensor], grads: List[Optional[Tensor]]) -> None:
+        if tensors:
+            torch.autograd.backward(tensors, grads)
+
+    def send_gradients(self, i: int, current: Pass) -> None:
+        """Sends the gradients of micro-batch ``i``'s input and popped skips back."""
+        mailbox = self.shared.mailbox
+        ready = Ready(self.device, self.stream(i))
+        # The skips first: a mailbox across processes holds them until the main message.
+        for key, popped in current.skips.received.items():
+            mailbox.put(SkipGradient(i, key),
+                        Reply(None if popped is None else popped.grad, ready))
+        if self.j > 0:
+            mailbox.put(Gradient(i, self.j - 1), Reply([x.grad for x in current.input], ready))
+
 
 LossFunction = Callable[[TensorOrTensors, TensorOrTensors], Tensor]
 
