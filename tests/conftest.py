@@ -15,7 +15,7 @@ import pytest
 import torch
 from helpers import CHECKPOINT_MODES
 
-from torchgpipe.runtime.threads import IDLE_WORKERS
+from torchgpipe.runtime.worker import IDLE_WORKERS
 
 # The repository's root: tests import the benchmarks package too.
 ROOT = str(Path(__file__).resolve().parent.parent)

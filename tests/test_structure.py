@@ -310,7 +310,7 @@ def test_one_module_starts_threads_and_one_reads_generator_states() -> None:
     # the planner's training threads, which load the cores while it times
     # layers, outside any pipeline.
     assert [m for m, text in sorted(sources.items()) if 'threading.Thread(' in text] == \
-        ['torchgpipe.planner.costs', 'torchgpipe.runtime.threads',
+        ['torchgpipe.planner.costs', 'torchgpipe.runtime.worker',
          'torchgpipe.transport.channels']
     assert [m for m, text in sources.items() if 'get_rng_state(' in text
             and 'torch.get_rng_state()' in text.replace('torch.cuda', '')] == \

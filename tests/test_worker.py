@@ -17,8 +17,7 @@ from conftest import worker_threads
 from helpers import cpu_devices
 from torchgpipe.foundation.microbatch import Batch
 from torchgpipe.foundation.stream import CPUStream
-from torchgpipe.runtime.threads import IDLE_WORKERS
-from torchgpipe.runtime.worker import IssueOrder, Stopped, Task, spawn_workers
+from torchgpipe.runtime.worker import IDLE_WORKERS, IssueOrder, Stopped, Task, spawn_workers
 
 CPU = torch.device('cpu')
 
