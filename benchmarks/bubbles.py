@@ -254,7 +254,7 @@ def stack_timelines(plt: Any, rows: Sequence[Row], titles: Sequence[str], height
     """Traced steps (rows with ``events``), one chart above the other, on one time scale."""
     from benchmarks.timeline import row_events
     from torchgpipe.timeline import segments
-    from torchgpipe.timeline.plot import draw_timeline
+    from torchgpipe.timeline.events import draw_timeline
     figure = plt.gcf()
     figure.set_size_inches(12, height * len(rows) + 1.0)
     axes = figure.subplots(len(rows), 1, sharex=True)

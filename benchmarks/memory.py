@@ -29,7 +29,7 @@ from torch import nn
 
 from benchmarks import REPO_ROOT, untraced_environ
 from benchmarks.devices import synchronize
-from torchgpipe.timeline.clock import peak_rss, proc_status, reset_peak_rss
+from torchgpipe.timeline.recording import peak_rss, proc_status, reset_peak_rss
 
 __all__ = ['GiB', 'MiB', 'parameter_count', 'peak_ratio', 'fix_malloc', 'trim_malloc',
            'tune_malloc',

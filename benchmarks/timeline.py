@@ -313,7 +313,7 @@ def plot(document: Dict[str, Any], plt: Any) -> None:
     from matplotlib.patches import Patch
     from matplotlib.transforms import offset_copy
 
-    from torchgpipe.timeline.plot import COLORS, LABELS, draw_timeline
+    from torchgpipe.timeline.events import COLORS, LABELS, draw_timeline
     rows = document['results']
     figure = plt.gcf()
     figure.set_size_inches(12, 2.1 * len(rows) + 0.8)
@@ -336,7 +336,7 @@ def plot(document: Dict[str, Any], plt: Any) -> None:
 
 def plot_full(document: Dict[str, Any], plt: Any) -> None:
     """The timeline of the full setting (every component) alone, larger."""
-    from torchgpipe.timeline.plot import draw_timeline
+    from torchgpipe.timeline.events import draw_timeline
     row = next(r for r in document['results'] if r['name'] == '+portals')
     plt.gcf().set_size_inches(12, 4)
     draw_timeline(plt.gca(), segments(row_events(row)),

@@ -371,7 +371,7 @@ def test_the_chart_writes_actions_in_its_boxes() -> None:
     matplotlib.use('Agg', force=False)
     import matplotlib.pyplot as plt
 
-    from torchgpipe.timeline.plot import draw_timeline
+    from torchgpipe.timeline.events import draw_timeline
     wide = Event('forward', 0, 1, 'cpu:1', 'cpu:1', '', 0.0, 1.0, 0, ((0.0, 1.0),))
     narrow = Event('backward', 2, 0, 'cpu:0', 'cpu:0', '', 1.0, 1.015, 0, ((1.0, 1.015),))
     figure, axes = plt.subplots()
@@ -397,9 +397,9 @@ def test_plot_without_matplotlib_says_what_to_install(tmp_path: Path,
 def drawn_by_plot(timeline: Timeline, monkeypatch: pytest.MonkeyPatch,
                   step: Optional[int]) -> Tuple[List[Event], Optional[str]]:
     """The events and the title that ``timeline.plot(step=step)`` draws."""
-    import torchgpipe.timeline.plot
+    import torchgpipe.timeline.recording
     drawn: List[Tuple[List[Event], Optional[str]]] = []
-    monkeypatch.setattr(torchgpipe.timeline.plot, 'plot_timeline',
+    monkeypatch.setattr(torchgpipe.timeline.recording, 'plot_timeline',
                         lambda segments, path, title: drawn.append(
                             ([e for e, _, _ in segments], title)))
     timeline.plot('unused.png', step=step)
