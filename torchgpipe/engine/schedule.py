@@ -176,10 +176,6 @@ class Schedule:
                                      'of a partition to one worker')
         return worker
 
-    def splits(self) -> bool:
-        """Whether some backward pass is split into ``I`` and ``W``."""
-        return any(a.kind is Kind.I for actions in self.workers for a in actions)
-
     def check(self, *, micro_batches: int, partitions: int) -> List[List[Action]]:
         """Proves, before any work, that the schedule runs each action once (``F``, and
         ``B`` or both ``I`` and ``W``, of each micro-batch on each partition) and can finish.
