@@ -1,2 +1,2 @@
-"""torchgpipe 0.0.7's path of :mod:`torchgpipe.foundation.copy`, bound to it by the package."""
+"""torchgpipe 0.0.7's path of :mod:`torchgpipe.foundation.copy` (the package binds it)."""
 from torchgpipe.foundation.copy import *  # noqa: F401,F403 (its names, for type checkers)
