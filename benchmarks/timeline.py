@@ -56,7 +56,7 @@ from benchmarks.runner import Experiment, Figure, Preset, main as run_main
 from benchmarks.timing import time_steps, warmup_steps
 from torchgpipe import GPipe
 from torchgpipe.foundation.stream import current_stream
-from torchgpipe.runtime.state import RunState
+from torchgpipe.runtime.traits import RunState
 from torchgpipe.skip.skippable import Skippable
 from torchgpipe.timeline import Event, segments
 

@@ -14,7 +14,7 @@ from benchmarks.models.unet import unet  # noqa: E402
 from benchmarks.timeline import components, without_portals  # noqa: E402
 from torchgpipe import GPipe  # noqa: E402
 from torchgpipe.skip.portal import PortalCopy  # noqa: E402
-from torchgpipe.runtime.state import RunState  # noqa: E402
+from torchgpipe.runtime.traits import RunState  # noqa: E402
 from torchgpipe.foundation.stream import current_stream  # noqa: E402
 
 

@@ -36,7 +36,7 @@ from test_distributed_pipe import model as model_named
 from torchgpipe import to_sequential
 from torchgpipe.distributed import DistributedGPipe, PeerFailed, StepTimeout
 from torchgpipe.engine.generators import check_schedule
-from torchgpipe.engine.inputs import split_given, weighted
+from torchgpipe.engine.step import split_given, weighted
 from torchgpipe.foundation.placement import check_materialized
 from torchgpipe.foundation.validation import check_balance
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import torchgpipe.foundation.copy
-import torchgpipe.runtime.state
+import torchgpipe.runtime.traits
 from helpers import PopAdd, Stash, cpu_devices
 from torchgpipe import GPipe
 from torchgpipe.foundation.copy import Copy, Ready, Wait
@@ -113,7 +113,7 @@ def test_train_step_moves_each_message_from_the_senders_copy_stream_to_the_recei
     of i on its sender's partition to that of i on its receiver's: the streams the
     forward path's Copy uses."""
     # Copy streams told apart, as CUDA streams are (on CPU all are CPUStream).
-    monkeypatch.setattr(torchgpipe.runtime.state, 'new_stream', lambda device: object())
+    monkeypatch.setattr(torchgpipe.runtime.traits, 'new_stream', lambda device: object())
     moves: List[Tuple[Any, Any]] = []
     receive = Ready.receive
 

@@ -17,11 +17,10 @@ from torch import Tensor, nn
 
 from torchgpipe.engine.evaluation import check_evaluation, evaluation_weights, forward_only, join
 from torchgpipe.engine.generators import built_in, check_schedule, resolve
-from torchgpipe.engine.inputs import split_given, weighted
 from torchgpipe.engine.mailbox import Mailbox
 from torchgpipe.engine.pipeline import Pipeline
 from torchgpipe.engine.schedule import Schedule, ScheduleLike
-from torchgpipe.engine.step import LossFunction, Step
+from torchgpipe.engine.step import LossFunction, Step, split_given, weighted
 from torchgpipe.foundation import microbatch
 from torchgpipe.foundation.microbatch import TensorOrTensors
 from torchgpipe.foundation.stream import current_stream, use_device
@@ -29,8 +28,7 @@ from torchgpipe.foundation.tied import shares_apart, tied_masters
 from torchgpipe.foundation.validation import check_step, describe
 from torchgpipe.runtime.batchnorm import DeferredBatchNorm, deferred_step
 from torchgpipe.runtime.checkpoint import checkpoint_stop
-from torchgpipe.runtime.state import RunState
-from torchgpipe.runtime.traits import PartitionTraits
+from torchgpipe.runtime.traits import PartitionTraits, RunState
 from torchgpipe.runtime.worker import distinct_devices
 from torchgpipe.skip.layout import SkipLayout
 

@@ -5,8 +5,8 @@ from typing import Iterator, List, Optional
 
 from torch import nn
 
-from torchgpipe.engine.inputs import weighted
 from torchgpipe.engine.schedule import Action, Kind, Schedule
+from torchgpipe.engine.step import weighted
 from torchgpipe.foundation.microbatch import Batch, TensorOrTensors, gather
 from torchgpipe.foundation.validation import check_loss, check_target_and_loss, describe
 

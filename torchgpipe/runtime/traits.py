@@ -4,13 +4,16 @@ A partition that **modifies its input in place** must run its checkpointed
 first pass on a copy; one that **draws from the CPU generator** must take
 turns (:mod:`torchgpipe.foundation.rng`). Until known, the pipeline assumes
 the cautious answer and watches. The facts belong to one GPipe's run
-(:class:`~torchgpipe.runtime.state.RunState`), not to its model.
+(:class:`RunState`), not to its model.
 """
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple, TypeVar
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
+import torch
 from torch import Tensor
 
+from torchgpipe.foundation.record import Recorder
+from torchgpipe.foundation.stream import AbstractStream, new_stream
 
 __all__: List[str] = []
 
@@ -70,3 +73,28 @@ def call_on_copies(function: Callable[[T], R], input: Tuple[Tensor, ...],
     output = function(arguments(copies))
     # A fresh copy's version counter is 0; every in-place change bumps it.
     return output, any(x._version for x in copies)
+
+
+class RunState:
+    """The per-run state of a GPipe: copy streams, partition traits, the recorder attached.
+    Not a property of the model: a copied or pickled GPipe gets a fresh one."""
+
+    def __init__(self, num_partitions: int) -> None:
+        self.num_partitions = num_partitions
+        #: For each partition, one copy stream per micro-batch, created on
+        #: first use (creating a CUDA stream initializes CUDA).
+        self.copy_streams: List[List[AbstractStream]] = []
+        self.traits = [PartitionTraits() for _ in range(num_partitions)]
+        #: The recorder of the runs (a timeline, inside :func:`torchgpipe.trace`).
+        self.recorder: Optional[Recorder] = None
+
+    def ensure_copy_streams(self, devices: Sequence[torch.device],
+                            chunks: int) -> List[List[AbstractStream]]:
+        """A copy stream per partition (on its device) per micro-batch, created once."""
+        if not self.copy_streams:
+            self.copy_streams.extend([new_stream(device) for _ in range(chunks)]
+                                     for device in devices)
+        return self.copy_streams
+
+    def __reduce__(self) -> Tuple[type, Tuple[int]]:
+        return RunState, (self.num_partitions,)
