@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from helpers import cpu_devices
 from torchgpipe import GPipe, is_recomputing
-from torchgpipe.engine.evaluation import forward_only
+from torchgpipe.engine.core import forward_only
 from torchgpipe.engine.pipeline import clock_cycles
 from torchgpipe.engine.schedule import clock_order
 

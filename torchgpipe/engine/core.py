@@ -6,6 +6,9 @@ step is one template::
 
     GPipe ──────────────► Core                 all partitions, a mailbox in memory
     DistributedGPipe ───► RankCore(Core)       this rank's partitions, the wire (its hooks)
+
+An evaluation step is a training step's forward actions alone, without autograd, in eval
+mode; the last partition keeps the outputs, or each micro-batch's weighted loss.
 """
 import warnings
 from contextlib import contextmanager, nullcontext
@@ -15,17 +18,17 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 from torch import Tensor, nn
 
-from torchgpipe.engine.evaluation import check_evaluation, evaluation_weights, forward_only, join
 from torchgpipe.engine.generators import built_in, check_schedule, resolve
 from torchgpipe.engine.mailbox import Mailbox
 from torchgpipe.engine.pipeline import Pipeline
-from torchgpipe.engine.schedule import Schedule, ScheduleLike
+from torchgpipe.engine.schedule import Action, Kind, Schedule, ScheduleLike
 from torchgpipe.engine.step import LossFunction, Step, split_given, weighted
 from torchgpipe.foundation import microbatch
-from torchgpipe.foundation.microbatch import TensorOrTensors
+from torchgpipe.foundation.microbatch import Batch, TensorOrTensors, gather
 from torchgpipe.foundation.stream import current_stream, use_device
 from torchgpipe.foundation.tied import shares_apart, tied_masters
-from torchgpipe.foundation.validation import check_step, describe
+from torchgpipe.foundation.validation import (check_loss, check_step, check_target_and_loss,
+                                              describe)
 from torchgpipe.runtime.batchnorm import DeferredBatchNorm, deferred_step
 from torchgpipe.runtime.checkpoint import checkpoint_stop
 from torchgpipe.runtime.traits import PartitionTraits, RunState
@@ -221,3 +224,58 @@ def refuse(problem: Optional[Exception], *layout: Any) -> None:
     """Raises ``problem``, if any: one process agrees with itself (``layout``: as ranks do)."""
     if problem is not None:
         raise problem
+
+
+def forward_only(m: int, n: int) -> Schedule:
+    """The forward actions of ``m`` micro-batches on ``n`` partitions, in clock order.
+
+    Example::
+
+        >>> print(forward_only(2, 2))
+        0F0 0F1
+        1F0 1F1
+    """
+    return Schedule(([Action(Kind.F, i, j) for i in range(m)] for j in range(n)),
+                    name='forward only')
+
+
+@contextmanager
+def evaluating(module: nn.Module) -> Iterator[None]:
+    """Puts ``module`` in evaluation mode, and each of its layers back in its own mode after."""
+    modes = [(layer, layer.training) for layer in module.modules()]
+    module.eval()
+    try:
+        yield
+    finally:
+        for layer, training in modes:
+            layer.training = training
+
+
+def check_evaluation(target: Optional[TensorOrTensors], loss_fn: object, reduction: str,
+                     output_fn: object, target_elsewhere: bool = False) -> None:
+    """Checks the arguments of an evaluation step: a target and a loss function, or neither
+    (a rank may have no target: ``target_elsewhere``), or else maybe ``output_fn``."""
+    if output_fn is not None:
+        if loss_fn is not None:
+            raise ValueError(describe('eval_step returns the loss, or the output (or '
+                                      'output_fn of it), not both',
+                                      'loss_fn and output_fn', 'pass one of them'))
+        if not callable(output_fn):
+            raise TypeError(describe('output_fn must be callable', f'output_fn: {output_fn!r}',
+                                     'pass a function of the output, e.g. '
+                                     'lambda logits: logits.argmax(-1)'))
+    if target is not None or not target_elsewhere:
+        check_target_and_loss('eval_step', target, loss_fn,
+                              'for the loss, or neither for the output')
+    if loss_fn is not None:
+        check_loss(loss_fn, reduction)
+
+
+def evaluation_weights(sizes: List[int], reduction: str, loss: bool) -> List[float]:
+    """Each micro-batch's loss weight; 1 without a loss."""
+    return weighted(sizes, reduction) if loss else [1.0] * len(sizes)
+
+
+def join(outputs: Optional[List[Batch]]) -> Optional[TensorOrTensors]:
+    """The micro-batches' outputs as one mini-batch, if here."""
+    return None if outputs is None else gather(outputs)

@@ -8,8 +8,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
 import torch
 from torch import nn
 
-from torchgpipe.engine.core import Core, refuse
-from torchgpipe.engine.evaluation import evaluating
+from torchgpipe.engine.core import Core, evaluating, refuse
 from torchgpipe.engine.schedule import ScheduleLike
 from torchgpipe.engine.step import LossFunction
 from torchgpipe.foundation.microbatch import TensorOrTensors

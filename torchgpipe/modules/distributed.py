@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from torchgpipe.engine.evaluation import evaluating
+from torchgpipe.engine.core import evaluating
 from torchgpipe.engine.schedule import ScheduleLike
 from torchgpipe.engine.step import LossFunction
 from torchgpipe.foundation.microbatch import TensorOrTensors
