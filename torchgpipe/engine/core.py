@@ -136,8 +136,8 @@ class Core:
             return {'loss': loss_fn is not None, 'everywhere': everywhere}
 
         def plan(sizes: List[int]) -> Planned:
-            return (evaluation_weights(sizes, reduction, loss_fn is not None),
-                    forward_only(len(sizes), len(self.devices)), 0)
+            weights = [1.0] * len(sizes) if loss_fn is None else weighted(sizes, reduction)
+            return weights, forward_only(len(sizes), len(self.devices)), 0
         with self.started(check, input, target, loss_fn, plan, train=False) as (step, finish):
             loss = step.run()
             output = None if loss_fn is not None else join(step.outputs())
@@ -269,11 +269,6 @@ def check_evaluation(target: Optional[TensorOrTensors], loss_fn: object, reducti
                               'for the loss, or neither for the output')
     if loss_fn is not None:
         check_loss(loss_fn, reduction)
-
-
-def evaluation_weights(sizes: List[int], reduction: str, loss: bool) -> List[float]:
-    """Each micro-batch's loss weight; 1 without a loss."""
-    return weighted(sizes, reduction) if loss else [1.0] * len(sizes)
 
 
 def join(outputs: Optional[List[Batch]]) -> Optional[TensorOrTensors]:
