@@ -1,5 +1,7 @@
 """The GPipe interface: partitioning a sequential module and running it as a pipeline."""
-from typing import Any, Iterable, Iterator, List, Mapping, Optional, Tuple, Union
+import copy
+from collections import OrderedDict
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Union, cast
 
 import torch
 from torch import nn
@@ -8,12 +10,12 @@ from torch.nn.modules.module import _IncompatibleKeys
 from torchgpipe.engine.core import Core
 from torchgpipe.foundation import microbatch
 from torchgpipe.foundation.microbatch import TensorOrTensors
-from torchgpipe.foundation.validation import (BalanceError, Device, Devices, check_balance,
-                                              check_devices, deny_moving, describe,
-                                              example_balance, recommend_auto_balance,
-                                              verify_module)
-from torchgpipe.modules import plain
+from torchgpipe.foundation.validation import (BalanceError, Device, Devices, check_available,
+                                              check_balance, check_devices, deny_moving,
+                                              describe, example_balance, parse_device,
+                                              recommend_auto_balance, verify_module)
 from torchgpipe.modules.base import CoreModule
+from torchgpipe.runtime.batchnorm import restore_batch_norm
 from torchgpipe.runtime.partition import split_module
 
 __all__ = ['GPipe', 'BalanceError', 'verify_module', 'split_module']
@@ -176,10 +178,44 @@ class GPipe(CoreModule):
             >>> list(gpipe.state_dict())[0]
             'partitions.0.0.weight'
         """
-        # Through super(): a class between GPipe and nn.Module loads too.
-        return plain.load_state_dict(
-            self, list(self.core.partitions.values()), state_dict,
-            lambda state: super(GPipe, self).load_state_dict(state, strict, assign))
+        # The child names are unique across partitions: each names its partition.
+        partition_of = {name: j for j, partition in enumerate(self.core.partitions.values())
+                        for name in partition._modules}
+
+        def in_gpipe_style(key: str) -> Optional[str]:
+            # The module path of metadata keys has no parameter name: '0'.
+            child = key.split('.', 1)[0]
+            return f'partitions.{partition_of[child]}.{key}' if child in partition_of else None
+
+        def is_own(key: str) -> bool:
+            parts = key.split('.', 3)
+            return (len(parts) > 2 and parts[0] == 'partitions'
+                    and str(partition_of.get(parts[2])) == parts[1])
+
+        if any(map(is_own, state_dict)) or not any(map(in_gpipe_style, state_dict)):
+            return cast(_IncompatibleKeys, super().load_state_dict(state_dict, strict, assign))
+
+        # Keys of no child stay as they are, to be reported unexpected.
+        renamed = {key: in_gpipe_style(key) or key for key in state_dict}
+        translated: Any = OrderedDict((renamed[key], value) for key, value in state_dict.items())
+        metadata = getattr(state_dict, '_metadata', None)
+        if metadata is not None:
+            # The versions of the layers, which BatchNorm's loading reads.
+            translated._metadata = OrderedDict(
+                (in_gpipe_style(path) or path, value) for path, value in metadata.items())
+        given = {new: old for old, new in renamed.items()}
+
+        def report_in_given_style(_: nn.Module, keys: _IncompatibleKeys) -> None:
+            # Every missing key is one of ours: 'partitions.<j>.<child name>...'.
+            keys.missing_keys[:] = [key.split('.', 2)[2] for key in keys.missing_keys]
+            keys.unexpected_keys[:] = [given.get(key, key) for key in keys.unexpected_keys]
+
+        hook = self.register_load_state_dict_post_hook(  # type: ignore[no-untyped-call]
+            report_in_given_style)
+        try:
+            return cast(_IncompatibleKeys, super().load_state_dict(translated, strict, assign))
+        finally:
+            hook.remove()
 
     def unwrap(self, device: Optional[Device] = None) -> nn.Sequential:
         """The plain :class:`nn.Sequential <torch.nn.Sequential>` this GPipe trains, on
@@ -206,7 +242,25 @@ class GPipe(CoreModule):
             >>> make_model().load_state_dict(model.state_dict())
             <All keys matched successfully>
         """
-        return plain.unwrap(list(self.core.partitions.values()), self.training, device)
+        if device is None:
+            target = torch.device('cpu')
+        else:
+            target = parse_device('device', device,
+                                  "use a device such as device='cpu' or device='cuda:0'")
+            check_available('device', target, "unwrap on the CPU with device='cpu'")
+
+        # One memo for all layers keeps what they share shared.
+        memo: Dict[int, Any] = {}
+        layers: 'OrderedDict[str, nn.Module]' = OrderedDict()
+        for partition in self.core.partitions.values():
+            for name, layer in partition.named_children():
+                # One layer's copy at a time on its device; one memo keeps ties tied.
+                layers[name] = copy.deepcopy(layer, memo).to(target)
+
+        module = nn.Sequential(layers)
+        # Not train(): each layer keeps its own mode.
+        module.training = self.training
+        return cast(nn.Sequential, restore_batch_norm(module))
 
     def forward(self, input: TensorOrTensors) -> TensorOrTensors:
         """Runs a mini-batch through the pipeline, split along dimension 0 into
