@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+import torchgpipe.runtime.checkpoint
 import torchgpipe.runtime.worker
 from helpers import cpu_devices, mlp
 from torchgpipe import GPipe
@@ -81,16 +82,27 @@ def saved_bytes_of_forward(saved: SavedBytes, checkpoint: str, threaded: bool) -
     return total
 
 
-def test_checkpointing_keeps_only_partition_boundaries(saved: SavedBytes,
-                                                       threaded: bool) -> None:
+def test_checkpointing_keeps_only_partition_boundaries(saved: SavedBytes, threaded: bool,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    contexts: List[Any] = []
+    context_class = torchgpipe.runtime.checkpoint.Context
+
+    def context(*args: Any) -> Any:
+        contexts.append(context_class(*args))
+        return contexts[-1]
+
+    monkeypatch.setattr(torchgpipe.runtime.checkpoint, 'Context', context)
     total = saved_bytes_of_forward(saved, 'always', threaded)
     # Each of the 4 partitions keeps its input micro-batches: 64 x 64 floats.
     # (The model's parameters are saved too: the weights of the recomputed
     # layers are not saved in the first pass, so they may not count.)
     boundary_bytes = 4 * 64 * 64 * 4
     assert 0 < total <= boundary_bytes
-    # One generator state per checkpointed task: 4 micro-batches x 4 partitions.
-    assert saved.rng_states == 16
+    # One generator state per checkpointed task, 4 micro-batches x 4 partitions,
+    # kept in its context for the replay, never among the saved tensors.
+    assert saved.rng_states == 0
+    assert len(contexts) == 16
+    assert all(c.first_pass.rng[0].nbytes == RNG_STATE_BYTES for c in contexts)
 
 
 def test_checkpointing_saves_far_less_than_never(saved: SavedBytes, threaded: bool) -> None:

@@ -24,7 +24,6 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 from torch import Tensor
 
-from torchgpipe.foundation.autocast import AutocastStates
 from torchgpipe.foundation.microbatch import Batch, TensorOrTensors, Tensors, arrange
 from torchgpipe.foundation.nochunk import Layout
 # enable_checkpointing and enable_recomputing are reached here by users of 0.0.7.
@@ -57,14 +56,10 @@ class Context:
     traits: PartitionTraits
     exclusive_rng: bool
     task: Tuple[int, int]
-    #: The states to replay, from Checkpoint.forward to Checkpointing.recompute.
+    #: The states to replay, from Checkpoint.forward to Recompute.backward.
     first_pass: Optional[FirstPass] = None
     #: The recomputed graph, from Recompute.backward to Checkpoint.backward.
     recomputed: Optional[Recomputed] = None
-    #: The autocast state to recompute in.
-    autocast_states: Optional[AutocastStates] = None
-    #: Where the first pass left the CPU generator (see FirstPass).
-    ended: Optional[Tensor] = None
     #: Where the output tensors go in the output tuple (Checkpoint returns tensors only).
     output_layout: Optional[Layout] = None
 
@@ -105,19 +100,12 @@ class Checkpointing:
     def recompute(self, batch: Batch) -> None:
         """Hangs the recomputation right before the checkpoint's backward, on each tensor of
         ``batch`` (:meth:`checkpoint`'s output) that requires grad."""
-        context = self.context
-        assert context.first_pass is not None
-        (cpu_rng_state, gpu_rng_state) = context.first_pass.rng
-        context.autocast_states = context.first_pass.autocast
-        context.ended = context.first_pass.ended
-        context.first_pass = None
         # A Recompute on each output requiring grad: one nothing used never gets a
         # gradient. The first to run recomputes; the others find the graph.
-        rng_tensors = (cpu_rng_state,) if gpu_rng_state is None else (cpu_rng_state, gpu_rng_state)
         for index in range(len(batch)):
             if batch[index].requires_grad:
                 batch[index] = Recompute.apply(  # type: ignore[no-untyped-call]
-                    batch[index], context, *self.batch, *rng_tensors)
+                    batch[index], self.context, *self.batch)
 
 
 def checkpoint_stop(checkpoint: str, chunks: int, m: int, training: bool) -> int:
@@ -270,31 +258,27 @@ class Recompute(torch.autograd.Function):
     carry a gradient has one; the first to run recomputes."""
 
     @staticmethod
-    def forward(ctx: Any, output: Tensor, context: Context,
-                *input_and_rng_states: Tensor) -> Tensor:
+    def forward(ctx: Any, output: Tensor, context: Context, *input: Tensor) -> Tensor:
         ctx.context = context
         ctx.set_materialize_grads(False)  # as Checkpoint's: None passes on as None
         # Saved tensors: released by a backward pass unless the graph is retained.
-        ctx.save_for_backward(*input_and_rng_states)
-        ctx.saved_count = len(input_and_rng_states)
+        ctx.save_for_backward(*input)
         return output.detach()
 
     @staticmethod
     def backward(ctx: Any, grad_output: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
         context: Context = ctx.context
-        passed_on = (grad_output, None, *(None for _ in range(ctx.saved_count)))
+        passed_on = (grad_output, None, *(None for _ in range(context.num_inputs)))
         if context.recomputed is not None:
             # Another output's Recompute ran first: the graph is there.
             return passed_on
-        saved = ctx.saved_tensors
-        input, rng_tensors = saved[:context.num_inputs], saved[context.num_inputs:]
-        rng_states = (rng_tensors[0], rng_tensors[1] if len(rng_tensors) > 1 else None)
+        input = ctx.saved_tensors
         input_leaf = tuple(x.detach().requires_grad_(x.requires_grad) for x in input)
 
-        assert context.autocast_states is not None
+        assert context.first_pass is not None
         roots: List[Tensor] = []
         with label('recompute', context.task), recomputation(
-                input[0].device, FirstPass(rng_states, context.autocast_states, context.ended),
+                input[0].device, context.first_pass,
                 exclusive=context.exclusive_rng), collect_roots(roots):
             if context.traits.modifies_input:
                 # In place on a leaf is an error, and would change the saved input.
