@@ -37,7 +37,7 @@ from process_group import GLOO_TIMEOUT, rank_device, run_distributed
 from test_distributed import FEATURES, TOLERANCE, PopAdd, Stash, build
 from torchgpipe import GPipe
 from torchgpipe.distributed import DistributedGPipe
-from torchgpipe.processes.ranks import ranks_of_partitions
+from torchgpipe.processes.core import ranks_of_partitions
 from torchgpipe.skip import Namespace
 
 pytestmark = pytest.mark.timeout(180)

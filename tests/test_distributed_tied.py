@@ -30,7 +30,7 @@ from test_distributed_pipe import (CHUNKS, STEPS, Config, Result, assert_equal,
 from test_tied import dropout_step, tied_dropout_model
 from torchgpipe import GPipe
 from torchgpipe.distributed import DistributedGPipe
-from torchgpipe.processes.ranks import ranks_of_partitions
+from torchgpipe.processes.core import ranks_of_partitions
 
 # Language models, whose lines the smaller tests measure: untraced, at a third of the time.
 pytestmark = [pytest.mark.timeout(240), pytest.mark.unmeasured]

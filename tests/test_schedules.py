@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import torchgpipe.schedules
-from torchgpipe.processes.ranks import ranks_of_partitions
+from torchgpipe.processes.core import ranks_of_partitions
 from torchgpipe.engine.generators import (BUILT_INS, SCHEDULES, check_schedule, fill_drain,
                                           interleaved_1f1b, named, one_f_one_b, resolve, worker_of,
                                           zb_h1, zbv)

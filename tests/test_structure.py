@@ -89,7 +89,7 @@ def test_no_import_circle() -> None:
 
 
 @pytest.mark.parametrize('first', ['torchgpipe.distributed', 'torchgpipe.modules.distributed',
-                                   'torchgpipe.processes.ranks'])
+                                   'torchgpipe.processes.core'])
 def test_the_pipeline_across_processes_imports_from_any_module_first(first: str) -> None:
     """In a fresh interpreter, importing first the public package, DistributedGPipe's
     module or one it is made of finds none half-initialized, as an import circle through

@@ -15,9 +15,8 @@ from torchgpipe.foundation.microbatch import TensorOrTensors
 from torchgpipe.foundation.validation import (check_available, check_balance, check_timeout,
                                               describe, parse_device)
 from torchgpipe.modules.base import CoreModule
-from torchgpipe.processes.core import RankCore
+from torchgpipe.processes.core import RankCore, agree_on_layout, ranks_of_partitions
 from torchgpipe.processes.norm import check_finite, clip_grads, slots, total_norm
-from torchgpipe.processes.ranks import agree_on_layout, ranks_of_partitions
 from torchgpipe.processes.tied import TiedGradients, ties_across_ranks
 
 __all__ = ['DistributedGPipe']

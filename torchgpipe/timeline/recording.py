@@ -283,7 +283,7 @@ class Timeline:
         As JSON, never pickled: a rank reads another's data, not its code.
         """
         # Imported here: ``import torchgpipe`` loads no torchgpipe.distributed.
-        from torchgpipe.processes.ranks import all_gather_bytes
+        from torchgpipe.processes.core import all_gather_bytes
         mine = {'events': [asdict(e) for e in self.events], 'memory': self._peak_memory}
         for data in all_gather_bytes(json.dumps(mine).encode(), group, device):
             record: Dict[str, Any] = json.loads(data)
