@@ -26,7 +26,7 @@ from test_distributed import TOLERANCE
 from test_distributed_pipe import BATCH, CHUNKS, Config, batch, model
 from torchgpipe import GPipe
 from torchgpipe.distributed import DistributedGPipe
-from torchgpipe.processes.norm import total_norm
+from torchgpipe.processes.tied import total_norm
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -16,8 +16,8 @@ from torchgpipe.foundation.validation import (check_available, check_balance, ch
                                               describe, parse_device)
 from torchgpipe.modules.base import CoreModule
 from torchgpipe.processes.core import RankCore, agree_on_layout, ranks_of_partitions
-from torchgpipe.processes.norm import check_finite, clip_grads, slots, total_norm
-from torchgpipe.processes.tied import TiedGradients, ties_across_ranks
+from torchgpipe.processes.tied import (TiedGradients, check_finite, clip_grads, slots,
+                                       ties_across_ranks, total_norm)
 
 __all__ = ['DistributedGPipe']
 
