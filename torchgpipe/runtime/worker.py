@@ -17,12 +17,12 @@ from typing import (Callable, ContextManager, Deque, Dict, Generator, Iterable, 
 
 import torch
 
-from torchgpipe.foundation.autocast import (AutocastStates, restore_autocast_states,
-                                            save_autocast_states)
 from torchgpipe.foundation.microbatch import Batch
 from torchgpipe.foundation.placement import indexed
 from torchgpipe.foundation.rng import cpu_generator_owned, holding_for_caller
 from torchgpipe.foundation.stream import AbstractStream, use_device, use_stream
+from torchgpipe.runtime.replay import (AutocastStates, restore_autocast_states,
+                                      save_autocast_states)
 
 __all__: List[str] = []
 
