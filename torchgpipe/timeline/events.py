@@ -370,7 +370,7 @@ LIGHT = ('recompute', 'weight', 'receive')
 
 def plot_timeline(segments: Sequence[Tuple[Event, float, float]],
                   path: Union[str, 'os.PathLike[str]'], title: Optional[str]) -> None:
-    """Writes a chart of ``segments`` (as :func:`torchgpipe.timeline.segments` gives them) to
+    """Writes a chart of ``segments`` (as :func:`segments` gives them) to
     ``path``: a row per track, a box per segment, its action inside (``1F0``)."""
     try:
         import matplotlib
