@@ -98,8 +98,7 @@ def test_a_header_of_other_bytes_is_refused(data: bytes, why: str) -> None:
 
 @pytest.mark.parametrize('length', [0, WORD_LIMIT + 1, 1 << 62])
 def test_a_word_of_another_length_is_refused(length: int) -> None:
-    buffer = torch.zeros(8 + WORD_LIMIT, dtype=torch.uint8)
-    buffer[:8] = torch.tensor(list(length.to_bytes(8, 'little')), dtype=torch.uint8)
+    buffer = length.to_bytes(8, 'little') + bytes(WORD_LIMIT)
     with pytest.raises(Unreadable, match=f'a word of {length} bytes from rank 1'):
         read_word(buffer, 1)
 

@@ -20,6 +20,7 @@ import re
 import signal
 import time
 import warnings
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
@@ -402,6 +403,78 @@ def test_tensors_go_at_their_exact_sizes_with_headers_only_for_new_shapes() -> N
             sent = sorted(op[2:] for op in ranks[rank][step] if op[0] == 'isend')
             received = sorted(op[2:] for op in ranks[other][step] if op[0] == 'irecv')
             assert sent == received and sent, (step, rank)
+
+
+class Signal(nn.Module):
+    """The identity; once armed, sets ``'forward'`` in ``store`` as it runs."""
+
+    def __init__(self, store: Any) -> None:
+        super().__init__()
+        self.store, self.armed = store, False
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.armed:
+            self.store.set('forward', '')
+        return x
+
+
+def signalled() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(FEATURES, FEATURES), Signal(None),
+                         nn.Linear(FEATURES, FEATURES)).double()
+
+
+def first_rank_ahead(rank: int, world_size: int) -> List[float]:
+    """Rank 1 calls its second step only once rank 0's first partition has run in it;
+    returns the losses."""
+    store = dist.TCPStore('127.0.0.1', 0, None, True, wait_for_workers=False) \
+        if rank == 0 else None
+    ports: List[Any] = [None] * world_size
+    dist.all_gather_object(ports, store.port if store else None)
+    store = store or dist.TCPStore('127.0.0.1', ports[0], None, False, wait_for_workers=False)
+    layers = signalled()
+    layers[1].store = store
+    pipe = DistributedGPipe(layers, [2, 1], chunks=CHUNKS)
+    losses = [float(pipe.train_step(*batch(0), F.mse_loss))]
+    layers[1].armed = True
+    if rank == 1:  # a timeout here: rank 0 waited for this rank's word to compute
+        store.wait(['forward'], timedelta(seconds=20))
+    return losses + [float(pipe.train_step(*batch(1), F.mse_loss))]
+
+
+def test_the_first_rank_computes_before_the_others_call_the_step() -> None:
+    plain = signalled()
+    with torch.no_grad():
+        expected = [float(F.mse_loss(plain(x), y)) for x, y in map(batch, (0, 1))]
+    for losses in run_distributed(first_rank_ahead, timeout=GLOO_TIMEOUT):
+        assert losses == pytest.approx(expected, rel=1e-12)
+
+
+def refused_operations(rank: int, world_size: int) -> List[List[Any]]:
+    """The tensor operations of a step the ranks refuse (rank 1 runs another schedule),
+    where rank 0 computes before it reads rank 1's word, then of the step they agree on."""
+    import torchgpipe.transport.channels as channels
+    steps: List[List[Any]] = [[]]
+    started = channels.operations
+
+    def recorded(op: Any, tensors: List[Tensor], other: int, group: Any, tag: int) -> Any:
+        if tag % 2 == 0:  # tensors, not words
+            steps[-1].extend(op.__name__ for _ in tensors)
+        return started(op, tensors, other, group, tag)
+    channels.operations = recorded  # type: ignore[assignment]
+    pipe = DistributedGPipe(model('mlp'), [3, 2], chunks=CHUNKS)
+    pipe.train_step(*batch(0), F.mse_loss)  # a step of this signature run before
+    steps[:] = [[]]
+    with pytest.raises(torchgpipe.distributed.Mismatch, match='run different steps'):
+        pipe.train_step(*batch(0), F.mse_loss, schedule='fill_drain' if rank else '1f1b')
+    steps.append([])
+    pipe.train_step(*batch(0), F.mse_loss)
+    return steps
+
+
+def test_a_refused_step_sends_no_message() -> None:
+    for refused, agreed in run_distributed(refused_operations, timeout=GLOO_TIMEOUT):
+        assert refused == [] and 'isend' in agreed and 'irecv' in agreed
 
 
 # --- pipeline x data parallelism ----------------------------------------------------------

@@ -1,20 +1,17 @@
 """Channels: words and tensors between the ranks of a pipeline, as torch.distributed sends them.
 
-Tensors go at their exact size, one ``isend``/``irecv`` each
-(``batch_isend_irecv`` where several go at once), the same operations on
-gloo and NCCL. Words (a step's start and end, a failure) are JSON, sent
-with a tag of their own on gloo (a gloo group beside an NCCL one): a
-rank hears them while it waits for a tensor, with no header per tensor::
+Tensors go at their exact size, one ``isend``/``irecv`` each (``batch_isend_irecv`` where
+several go at once), the same operations on gloo and NCCL. Words (a step's start and end,
+a failure) are JSON, with a tag of their own on gloo (a gloo group beside an NCCL one): a
+rank hears them while it waits for a tensor::
 
     rank 0  ── tensor (tag 0) ──────── tensor ──── word "done" (tag 1) ──► rank 1
     rank 1  waits for a tensor or a word, whichever ends first, until its deadline
 
-A gloo wait cannot be interrupted, and a timed-out one closes the group's
-connections. So a thread of :class:`Watchers` waits for each operation a
-step waits on and reports it to one queue, which the step's thread reads
-with its deadline. NCCL's waits are stream waits that never block the CPU:
-the step's thread makes them itself, and waits for the transfers at the
-step's end.
+A gloo wait cannot be interrupted, and a timed-out one closes the group's connections. So
+a thread of :class:`Watchers` waits for each receive from its posting on, and reports its
+end to one queue, which the step's thread reads with its deadline. NCCL's waits are stream
+waits that never block the CPU: the step's thread makes them itself.
 """
 import json
 import queue
@@ -45,19 +42,16 @@ def metas_of(tensors: Sequence[Tensor]) -> Metas:
 
 
 class Watchers:
-    """Threads that wait for point-to-point operations, each reporting to one queue when it ends.
-
-    A thread left waiting for an operation that never ends (its peer is
-    gone) stays with it; the others serve the next operations.
-    """
+    """Threads that wait for point-to-point operations, each reporting to one queue when it
+    ends. A thread left waiting for an operation that never ends (its peer is gone) stays
+    with it; the others serve the next operations."""
 
     def __init__(self) -> None:
         # What ended: (tag, error or None), in the order they ended.
         self.ended: 'queue.SimpleQueue[Tuple[Any, Optional[BaseException]]]' = queue.SimpleQueue()
         self.idle: List['queue.SimpleQueue[Optional[Tuple[List[dist.Work], Any]]]'] = []
         self.lock = threading.Lock()
-        # Idle threads end with the watchers.
-        weakref.finalize(self, end_threads, self.idle)
+        weakref.finalize(self, end_threads, self.idle)  # idle threads end with the watchers
 
     def watch(self, works: List[dist.Work], tag: Any) -> None:
         """Waits for ``works`` in a thread, which then reports ``tag`` to ``ended``."""
@@ -73,19 +67,14 @@ class Watchers:
 def serve(jobs: 'queue.SimpleQueue[Optional[Tuple[List[dist.Work], Any]]]',
           ended: 'queue.SimpleQueue[Tuple[Any, Optional[BaseException]]]',
           idle: List[Any], lock: threading.Lock) -> None:
-    while True:
-        job = jobs.get()
-        if job is None:
-            return
-        works, tag = job
+    for works, tag in iter(jobs.get, None):
         error: Optional[BaseException] = None
         try:
             while works:
                 works.pop(0).wait()
         except BaseException as exc:
             error = exc
-        # Holds no operation, which holds its tensor, while it idles.
-        del works, job
+        del works  # it holds no operation, which holds its tensor, while it idles
         ended.put((tag, error))
         with lock:
             idle.append(jobs)
@@ -97,7 +86,7 @@ def end_threads(idle: List[Any]) -> None:
 
 
 class Received:
-    """Tensors posted to be received, with their operations."""
+    """Tensors posted to be received (or sent), with their operations."""
 
     def __init__(self, tensors: List[Tensor], works: List[dist.Work]) -> None:
         self.tensors = tensors
@@ -106,122 +95,114 @@ class Received:
 
 
 class Channels:
-    """Words and tensors to and from the other ranks of a group.
-
-    The pipeline's messages go on process groups of its own, which every
-    rank of the pipeline makes: the operations a failed step leaves never
-    meet another pipeline's, and ending them (:meth:`abandon`) leaves the
-    user's groups whole.
-
-    Args:
-        device: where tensors are received
-        ranks: the global ranks of the pipeline
-        backend: the backend of tensors: words go on gloo (a group of
-            their own beside NCCL)
-    """
+    """Words and tensors to and from the other ranks (global ``ranks``) of a pipeline,
+    received on ``device``, tensors on ``backend`` and words on gloo, on process groups of
+    the pipeline's own: the operations a failed step leaves never meet another pipeline's,
+    and ending them (:meth:`abandon`) leaves the user's groups whole."""
 
     def __init__(self, device: torch.device, ranks: List[int], backend: str) -> None:
         self.device = device
         self.group = dist.new_group(ranks, backend=backend, use_local_synchronization=True)
         self.words = self.group if backend != 'nccl' else dist.new_group(
             ranks, backend='gloo', use_local_synchronization=True)
-        #: The tags of tensors and of words.
         self.tag, self.word_tag = 0, 1
         #: Whether waits are stream waits, which never block (NCCL).
         self.streamed = backend == 'nccl'
         self.watchers = Watchers()
         #: Sends in flight to each rank, and what they send (kept until they end).
         self.sending: Dict[int, Received] = {}
-        #: Words posted to be received, by tag ``('word', rank, n)``, and the
-        #: buffers of words read, for the next (a step's peak holds none anew).
-        self.posted_words: Dict[Any, Tensor] = {}
-        self.word_buffers: List[Tensor] = []
-        #: Tensors posted to be received and watched, by tag ``('tensors', n)``.
+        #: Words posted to be received, by tag ``('word', rank, n)``, and the buffers
+        #: of words read, for the next (a step's peak holds none anew).
+        self.posted_words: Dict[Any, bytearray] = {}
+        self.word_buffers: List[bytearray] = []
+        #: Operations watched, by tag ``('tensors', rank, n)``.
         self.watched: Dict[Any, Received] = {}
         self.count = 0
 
-    def send(self, rank: int, tensors: Sequence[Tensor]) -> None:
-        """Sends each tensor at its exact size, without waiting."""
+    def send(self, rank: int, tensors: Sequence[Tensor], word: bool = False) -> None:
+        """Sends each tensor at its exact size (a ``word``'s bytes as words go), without waiting."""
         sent = [wired(t) for t in tensors if t.numel()]
-        self.sending_to(rank, sent, operations(dist.isend, sent, rank, self.group, self.tag))
-
-    def sending_to(self, rank: int, tensors: List[Tensor], works: List[dist.Work]) -> None:
+        group, tag = (self.words, self.word_tag) if word else (self.group, self.tag)
         sending = self.sending.setdefault(rank, Received([], []))
-        sending.tensors += tensors
-        sending.works += works
+        sending.tensors += sent
+        sending.works += operations(dist.isend, sent, rank, group, tag)
         sending.done = not sending.works
 
     def post(self, rank: int, metas: Metas) -> Received:
-        """Posts the receives of tensors of ``metas`` from ``rank``."""
+        """Posts the receives of tensors of ``metas`` from ``rank``, watched."""
         tensors = [torch.empty(shape, dtype=DTYPES[dtype], device=self.device)
                    for shape, dtype in metas]
-        return Received(tensors, operations(dist.irecv, [t for t in tensors if t.numel()],
-                                            rank, self.group, self.tag))
+        received = Received(tensors, operations(dist.irecv, [t for t in tensors if t.numel()],
+                                                rank, self.group, self.tag))
+        self.watch(received, rank)
+        return received
 
     def send_word(self, rank: int, word: Any) -> None:
         """Sends ``word`` (JSON data) to ``rank``, without waiting."""
         data = json.dumps(word, separators=(',', ':')).encode()
         assert len(data) <= WORD_LIMIT, 'words are bounded: errors cut, the input a digest'
-        buffer = torch.frombuffer(bytearray(len(data).to_bytes(8, 'little') + data),
-                                  dtype=torch.uint8)
-        self.sending_to(rank, [buffer], operations(dist.isend, [buffer], rank, self.words,
-                                                   self.word_tag))
+        self.send(rank, [torch.frombuffer(bytearray(len(data).to_bytes(8, 'little') + data),
+                                          dtype=torch.uint8)], word=True)
 
     def expect_word(self, rank: int) -> None:
         """Posts the receive of the next word from ``rank``, watched."""
-        buffer = self.word_buffers.pop() if self.word_buffers else \
-            torch.empty(8 + WORD_LIMIT, dtype=torch.uint8)
-        work, = operations(dist.irecv, [buffer], rank, self.words, self.word_tag)
+        data = self.word_buffers.pop() if self.word_buffers else bytearray(8 + WORD_LIMIT)
+        work, = operations(dist.irecv, [torch.frombuffer(data, dtype=torch.uint8)], rank,
+                           self.words, self.word_tag)
         self.count += 1
-        tag = ('word', rank, self.count)
-        self.posted_words[tag] = buffer
-        self.watchers.watch([work], tag)
+        self.posted_words[('word', rank, self.count)] = data
+        self.watchers.watch([work], ('word', rank, self.count))
 
-    def watch(self, received: Received, rank: int) -> Any:
-        """Reports the end of ``received``'s operations with ``rank`` (on gloo);
-        returns its tag."""
-        self.count += 1
-        tag = ('tensors', rank, self.count)
+    def watch(self, received: Received, rank: int) -> None:
+        """Reports the end of ``received``'s operations with ``rank`` (see :meth:`next_event`),
+        on gloo: NCCL's are waited for by :meth:`stream_wait`."""
+        if not (self.streamed or received.done):
+            self.count += 1
+            self.watched[('tensors', rank, self.count)] = received
+            self.watchers.watch(received.works, ('tensors', rank, self.count))
+
+    def stream_wait(self, received: Received) -> None:
+        """On NCCL, makes the current stream wait for ``received``: the CPU goes on."""
         if self.streamed:
             for work in received.works:
-                work.wait()  # the current stream waits; the CPU goes on
+                work.wait()
             received.done = True
-        else:
-            self.watched[tag] = received
-            self.watchers.watch(received.works, tag)
-        return tag
+
+    @staticmethod
+    def delivered(sending: Optional[Received]) -> None:
+        """Waits for sends that their receiver has taken, which end without it;
+        ``Disconnected`` if the connection broke."""
+        try:
+            for work in sending.works if sending is not None else ():
+                work.wait()
+        except RuntimeError as exc:
+            raise Disconnected(str(exc)) from exc
 
     def next_event(self, until: Optional[float]) -> Tuple[str, Any, Any]:
-        """The next operation watched to end, by ``until`` (``time.monotonic()``;
-        ``None``: no limit): ``('word', rank, word)``, ``('tensors', tag, None)``
-        once all of a receive's operations have ended, or ``('lost', rank, error)``.
-
-        Raises:
-            TimedOut: nothing ended by then
-            Unreadable: a word is none this library sends
-        """
-        while True:
-            try:
-                tag, error = self.watchers.ended.get(
-                    timeout=None if until is None else max(until - time.monotonic(), 0.0))
-            except queue.Empty:
-                raise TimedOut('nothing by the deadline') from None
-            if tag[0] == 'word':
-                buffer = self.posted_words.pop(tag)
-                if error is not None:
-                    return 'lost', tag[1], error
-                word = read_word(buffer, tag[1])
-                self.word_buffers.append(buffer)
-                return 'word', tag[1], word
-            received = self.watched.pop(tag)
+        """The next watched operation to end by ``until`` (``time.monotonic()``, or ``None``):
+        ``('word', rank, word)``, ``('tensors', tag, None)`` (all of a receive's operations)
+        or ``('lost', rank, error)``; ``TimedOut`` if none by then, ``Unreadable``
+        if a word is none this library sends."""
+        try:
+            tag, error = self.watchers.ended.get(
+                timeout=None if until is None else max(until - time.monotonic(), 0.0))
+        except queue.Empty:
+            raise TimedOut('nothing by the deadline') from None
+        if tag[0] == 'word':
+            data = self.posted_words.pop(tag)
             if error is not None:
                 return 'lost', tag[1], error
-            received.done = True
-            return 'tensors', tag, None
+            word = read_word(data, tag[1])
+            self.word_buffers.append(data)
+            return 'word', tag[1], word
+        received = self.watched.pop(tag)
+        if error is not None:
+            return 'lost', tag[1], error
+        received.done = True
+        return 'tensors', tag, None
 
     def sent(self) -> Dict[int, Received]:
-        """The sends in flight to each rank, to wait for as receives are: each
-        ends once its receive is posted."""
+        """The sends to each rank since the last call: each ends once its receive is posted."""
         sending, self.sending = self.sending, {}
         return sending
 
@@ -240,17 +221,14 @@ class Channels:
                     pass
 
 
-def read_word(buffer: Tensor, rank: int) -> Any:
-    """The word in a received buffer: its length, then JSON.
-
-    Raises:
-        Unreadable: it is not a word this library writes
-    """
-    length = int.from_bytes(host_bytes(buffer[:8]), 'little')
+def read_word(data: bytearray, rank: int) -> Any:
+    """The word in a received buffer, its length then JSON; ``Unreadable`` if it is not
+    a word this library writes."""
+    length = int.from_bytes(data[:8], 'little')
     if not 0 < length <= WORD_LIMIT:
         raise Unreadable(f'a word of {length} bytes from rank {rank}')
     try:
-        return json.loads(host_bytes(buffer[8:8 + length]).decode())
+        return json.loads(bytes(data[8:8 + length]).decode())
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise Unreadable(f'a word from rank {rank} is not JSON: {exc}') from exc
 
@@ -271,11 +249,8 @@ def wired(tensor: Tensor) -> Tensor:
 
 def operations(op: Any, tensors: List[Tensor], rank: int, group: Optional[dist.ProcessGroup],
                tag: int) -> List[dist.Work]:
-    """Starts ``op`` (``isend`` or ``irecv``) of each tensor with ``rank``, as a batch if several.
-
-    Raises:
-        Disconnected: the connection is broken
-    """
+    """Starts ``op`` (``isend`` or ``irecv``) of each tensor with ``rank``, as a batch if
+    several; ``Disconnected`` if the connection is broken."""
     try:
         if len(tensors) > 1:
             return dist.batch_isend_irecv([dist.P2POp(op, t, rank, group, tag) for t in tensors])

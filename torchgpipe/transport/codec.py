@@ -1,19 +1,15 @@
 """The header of a message between ranks: data only, which a peer's bytes can never make code.
 
-A message between ranks (:class:`~torchgpipe.transport.wire.Wire`) is its
-tensors and, on the first step of its shapes, a header: JSON of the
-message's key, the shape and type of each tensor, and the message itself
-with each tensor replaced by its index. JSON holds numbers, strings, lists, ``true``,
-``false`` and ``null``; every other value the pipeline sends is a JSON
-object of one tagged entry::
+A header (:class:`~torchgpipe.transport.wire.Wire`) is JSON of a message's key, its
+tensors' shapes and types, and the message with each tensor replaced by its index; every
+value JSON lacks is an object of one tagged entry::
 
     (x, None, 2.0, 'scale')          {"t": [{"T": 0}, null, 2.0, "scale"]}
     Activation(3, 1)                 {"A": [3, 1]}
     torch.float16                    {"dt": "float16"}
 
-Decoding builds only these values and the library's own message types, and
-refuses anything else (:class:`Unreadable`), where ``pickle`` would have run
-whatever code a crafted message named.
+Decoding builds only these values and the library's own message types, and refuses
+anything else (:class:`Unreadable`), where ``pickle`` would run what a crafted message names.
 """
 from typing import Any, Callable, Dict, List, Sequence, Tuple, Type
 
@@ -112,12 +108,7 @@ def decode(data: Any, tensors: Sequence[Tensor], device: torch.device) -> Any:
         raise Unreadable(f'{tag!r}: {exc}') from exc
 
 
-def dtype_named(name: str) -> torch.dtype:
-    return DTYPES[name]
-
-
-#: For each type besides JSON's own and containers: its tag, the encodable
-#: value standing for it, and how to build it again from that value decoded.
+#: Each type besides JSON's and containers: its tag, a value standing for it, how to rebuild it.
 TYPES: Dict[Type[Any], Tuple[str, Callable[[Any], Any], Callable[[Any], Any]]] = {
     Activation: ('A', lambda k: (k.i, k.j), lambda v: Activation(*v)),
     Gradient: ('G', lambda k: (k.i, k.j), lambda v: Gradient(*v)),
@@ -127,7 +118,7 @@ TYPES: Dict[Type[Any], Tuple[str, Callable[[Any], Any], Callable[[Any], Any]]] =
     NoChunk: ('N', lambda n: n.tensor, NoChunk),
     Ready: ('R', lambda r: None, lambda v: v),  # decoded apart: it needs the device
     torch.Size: ('S', tuple, torch.Size),
-    torch.dtype: ('dt', lambda t: NAMES[t], dtype_named),
+    torch.dtype: ('dt', lambda t: NAMES[t], DTYPES.__getitem__),
     torch.device: ('dv', str, torch.device),
 }
 BUILDERS = {tag: build for tag, _, build in TYPES.values()}

@@ -1,35 +1,27 @@
 """What a rank raises when another fails, stops answering, or disagrees, and the words for it.
 
-A step across processes ends on every rank, whatever happens on one:
-
-- a rank that fails tells the others (:class:`PeerFailed`, with its error);
-- a connection that breaks (a rank killed, between steps too) is a
-  :class:`PeerFailed` naming the rank lost and what this rank was doing;
-- a rank that sends nothing within the step timeout (stopped, stuck in a
-  layer) is a :class:`StepTimeout`, naming the rank, its partition, and the
-  message this rank waited for (its micro-batch, and the action it is for);
-- a rank that waits for another which waits in turn names the rank where
-  the waiting starts, and the ranks between (:func:`timed_out`).
-
-Whatever the error, ``PeerFailed.rank`` is the rank at fault, as named.
-
-Point-to-point operations raise ``RuntimeError`` for all of these, as
-anything else may: :mod:`~torchgpipe.transport.channels` raises theirs as
-:class:`Disconnected`.
+A step across processes ends on every rank, whatever happens on one: a rank that fails
+tells the others (:class:`PeerFailed`, with its error); a broken connection (a rank killed,
+between steps too) is a :class:`PeerFailed` naming the rank lost and what this rank was
+doing; a rank that sends nothing within the step timeout is a :class:`StepTimeout` naming
+it, its partition and the message waited for, or the rank where a chain of waiting ranks
+starts (:func:`timed_out`). ``PeerFailed.rank`` is the rank at fault, as named.
+Point-to-point operations raise ``RuntimeError`` for all of these, as anything else may:
+:mod:`~torchgpipe.transport.channels` raises theirs as :class:`Disconnected`.
 """
 import json
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, cast
+
+from torchgpipe.transport.codec import DTYPES, Unreadable
 
 from torchgpipe.engine.mailbox import Activation, Gradient, Key, Skip, SkipGradient
 from torchgpipe.engine.schedule import Action, Kind
 from torchgpipe.foundation.validation import describe
-from torchgpipe.transport.codec import DTYPES, Unreadable
 
 __all__: List[str] = []
 
-#: What a rank says as a step starts (see Wire.agree): its step, what it
-#: lacks, and why it cannot run the step, if it cannot.
+#: What a rank says as a step starts (see Wire.agree): its step, what it lacks, its problem.
 Said = Tuple[Dict[str, Any], List[str], Optional[str]]
 
 
@@ -60,20 +52,15 @@ class TimedOut(Exception):
 
 @contextmanager
 def lost(rank: Optional[int], j: Optional[int], doing: str) -> Iterator[None]:
-    """Raises a broken connection to ``rank`` (any: ``None``) as PeerFailed.
-
-    torch.distributed raises it sending as receiving (gloo: "Connection
-    closed by peer"), as :class:`Disconnected`: code that restarts a job on
-    ``PeerFailed`` must see it as one.
-    """
+    """Raises a broken connection to ``rank`` (any: ``None``), a :class:`Disconnected`
+    sending as receiving, as PeerFailed: code that restarts a job on it must see it."""
     try:
         yield
     except Disconnected as exc:
         raise lost_in([(rank, j)], doing, exc) from exc
 
 
-#: The ranks a rank waited for, each with the partition waited for: the
-#: first, then the rank that one waited for in turn, and so on.
+#: The ranks waited for, with their partitions: the first, the one it waited for, and so on.
 Chain = Sequence[Tuple[Optional[int], Optional[int]]]
 
 
@@ -90,10 +77,8 @@ def via(chain: Chain) -> str:
 
 
 def timed_out(chain: Chain, doing: str, seconds: float) -> 'StepTimeout':
-    """The last rank of ``chain`` sent nothing within the step timeout.
-
-    ``doing``: what this rank waited for, from the first rank of ``chain``.
-    """
+    """The last rank of ``chain`` sent nothing within the step timeout, while this rank
+    was ``doing`` (waiting for the first rank of ``chain``)."""
     return StepTimeout(f'{peer(*chain[-1])} did not answer within the step timeout '
                        f'({seconds:g} s), while this rank was {doing}{via(chain)}: it is '
                        'stopped, stuck, or far behind', chain[-1][0])
@@ -133,18 +118,9 @@ class Mismatch(ValueError):
     """The ranks of a pipeline were called for different steps."""
 
 
-#: What a rank's step says of its data, which the ranks need not share: the
-#: first partition's input (another rank may be given other data, or none).
-FACTS = ('input',)
-
-
 def refusal(said: Dict[int, Said], first: int) -> Optional[Mismatch]:
-    """Why the ranks cannot run the step each said (see :meth:`Wire.agree`), if they cannot.
-
-    Args:
-        said: each rank's step, what it lacks and its error, by rank
-        first: the rank of the first partition, whose sizes a rank given no data takes
-    """
+    """Why the ranks cannot run the step each ``said`` (see :meth:`Wire.agree`), if they
+    cannot; a rank given no data takes the sizes of ``first``, the first partition's rank."""
     errors = [(rank, error) for rank, (_, _, error) in sorted(said.items()) if error is not None]
     if errors:
         rank, error = errors[0]
@@ -157,7 +133,8 @@ def refusal(said: Dict[int, Said], first: int) -> Optional[Mismatch]:
                                  f"pass it on rank {rank}: the first partition's rank needs "
                                  "the input, the last one's the target, and the others may "
                                  'pass None'))
-    steps = {rank: {k: v for k, v in step.items() if k not in FACTS}
+    # The first partition's input is not shared: another rank may be given other data, or none.
+    steps = {rank: {k: v for k, v in step.items() if k != 'input'}
              for rank, (step, _, _) in said.items()}
     sizes = steps[first]['micro-batches']
     # A rank given no data (None) runs the micro-batches of the first partition's rank.
@@ -174,40 +151,35 @@ def by_rank(values: Dict[int, Any]) -> str:
 
 
 def checked(word: Any, rank: int) -> Dict[str, Any]:
-    """``word``, if it is one :class:`Wire` sends: of the start of a step, its end, or a failure.
+    """``word``, if it is one :class:`Wire` sends (of the start of a step, its end, or a
+    failure), else ``Unreadable``."""
+    def text(x: Any) -> bool:
+        return x is None or type(x) is str
 
-    Raises:
-        Unreadable: it is not
-    """
-    if isinstance(word, dict) and len(word) in (1, 2):
-        value = next(iter(word.values()))
-        if set(word) == {'error', 'rank'} and isinstance(word['error'], str) and \
-                (word['rank'] is None or type(word['rank']) is int):
-            return word
-        if set(word) == {'waiting'} and type(value) is list and len(value) == 2 and \
-                all(type(x) is int for x in value):
-            return word
-        if set(word) == {'agree'} and type(value) is list and len(value) == 3 and \
-                isinstance(value[0], dict) and type(value[1]) is list and \
-                all(w in ('input', 'target') for w in value[1]) and \
-                (value[2] is None or isinstance(value[2], str)):
-            return word
-        if set(word) == {'done'} and type(value) is list and len(value) == 2 and \
-                (value[0] is None or isinstance(value[0], str)) and tensors_described(value[1]):
-            return word
-    raise Unreadable(f'a word from rank {rank} is none this library sends: {word!r}'[:300])
+    def listed(x: Any, n: int) -> bool:
+        return type(x) is list and len(x) == n
+    # By its keys, whether the values of a word are those Wire sends.
+    shapes: Dict[Tuple[str, ...], Callable[..., bool]] = {
+        ('error', 'rank'): lambda error, at: type(error) is str and (at is None or type(at) is int),
+        ('waiting',): lambda at: listed(at, 2) and all(type(x) is int for x in at),
+        ('agree',): lambda said: listed(said, 3) and type(said[0]) is dict and text(said[2])
+        and type(said[1]) is list and all(w in ('input', 'target') for w in said[1]),
+        ('done',): lambda done: listed(done, 2) and text(done[0]) and tensors_described(done[1])}
+    fits = shapes.get(tuple(word)) if type(word) is dict else None
+    if fits is None or not fits(*word.values()):
+        raise Unreadable(f'a word from rank {rank} is none this library sends: {word!r}'[:300])
+    return cast(Dict[str, Any], word)
 
 
 def read_header(data: bytes, rank: int) -> Tuple[Any, Any, Any]:
-    """A message's header, sent by ``rank``: its key, its body and its tensors' shapes and types.
-
-    Raises:
-        Unreadable: it is none this library writes
-    """
+    """A message's header, sent by ``rank``: its key, its body and its tensors' shapes and
+    types; ``Unreadable`` if it is none this library writes."""
     try:
         key, body, metas = json.loads(data.decode())
         if not tensors_described(metas):
             raise ValueError(f'not tensors: {metas!r}'[:200])
+        key = tuple(key)
+        hash(key)  # of plain values, as Wire.key_id makes it
     except (ValueError, TypeError, UnicodeDecodeError, RecursionError) as exc:
         raise Unreadable(f'a message from rank {rank} is none this library writes (not a '
                          f'header: {exc}); only the ranks of the pipeline may reach its ports'

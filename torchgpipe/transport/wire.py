@@ -1,32 +1,25 @@
 """The wire: a step's messages between partitions in different processes.
 
-:class:`Wire` is the :class:`~torchgpipe.engine.mailbox.Mailbox` of this
-process's partitions. A message to another rank is its tensors, sent at
-their exact sizes (:class:`~torchgpipe.transport.channels.Channels`); a
-message between two partitions of this process stays in the mailbox.
-
-A step starts with every rank's word of what it runs (:meth:`Wire.agree`).
-The first step of a *signature* (the words of all ranks: micro-batches,
-input shapes, schedule) sends a header before each message (its key, the
-shapes and types of its tensors, and what else it holds, as data:
-:mod:`~torchgpipe.transport.codec`), and both ends keep the sequence of
-messages. A later step of the same signature sends the tensors alone, each
-rank posting the receives of the next message from each rank ahead, in the
-order the sender sends them, which need not be the order it takes them::
+:class:`Wire` is the :class:`~torchgpipe.engine.mailbox.Mailbox` of this process's
+partitions: a message to another rank is its tensors at their exact sizes
+(:class:`~torchgpipe.transport.channels.Channels`). A step starts with every rank's word
+of what it runs (:meth:`Wire.agree`). The first step of a *signature* (the words of all
+ranks) sends a header before each message (its key, its tensors' shapes and types, the rest
+as data: :mod:`~torchgpipe.transport.codec`), and both ends keep the sequence. Later
+steps send the tensors alone, each rank posting the receive of each other rank's next
+message ahead, in the order that rank sends them::
 
     first step of a signature   rank 0: | header | x | header | x |  ...  (sequence kept)
     later steps                 rank 0: | x | x | ...   rank 1: receives posted as kept
 
-A sender checks each message against the sequence: one that differs (a
-layer whose output shape depends on the values) fails the step, on every
-rank, rather than reaching a buffer of another size. A step ends with every
-rank's word that it is done, which carries the loss (:meth:`Wire.finish`),
-or of its failure (:meth:`Wire.tell`): no rank waits for one that failed.
+A rank given its data computes at once, and reads the others' words before its first
+message to or from another rank (:meth:`Wire.settle`): ranks that disagree send none. A
+message that differs from its sequence fails the step on every rank. A step ends with every
+rank's word that it is done, carrying the loss (:meth:`Wire.finish`), or that it failed.
 """
 import json
 import time
 from collections import OrderedDict
-from contextlib import suppress
 from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 
 import torch
@@ -56,32 +49,22 @@ SIGNATURES = 64
 
 
 class Sequences:
-    """The messages of a step of one signature, in the order each rank sends them:
-    this rank's to each other (as JSON, to compare), and each other's to this one."""
+    """A signature's messages in the order each rank sends them: this rank's to each other
+    (JSON, to compare), each other's here, and where each key comes."""
 
     def __init__(self) -> None:
         self.sent: Dict[int, List[str]] = {}
         self.received: Dict[int, List[Entry]] = {}
-        #: Where each key comes in each rank's sequence, by its JSON.
-        self.positions: Dict[int, Dict[str, int]] = {}
-
-    def index(self) -> None:
-        self.positions = {rank: {json.dumps(key): p for p, (key, _, _) in enumerate(entries)}
-                          for rank, entries in self.received.items()}
+        self.positions: Dict[int, Dict[Any, int]] = {}
 
 
 class Wire(Mailbox):
-    """The mailbox of this process's partitions, whose neighbours may be in other processes.
+    """The mailbox of this process's partitions (global rank ``me``; partition ``j`` on
+    global rank ``ranks[j]``), over ``channels`` to the other ranks.
 
-    Args:
-        channels: the channels to the other ranks
-        ranks: the global rank of each partition
-        me: the global rank of this process
-        routes: the route of each skip that crosses partitions, by key
-        known: the sequences of the signatures run before, kept by the caller
-        timeout: the step timeout, in seconds (``None``: none)
-        recorder: records each message to or from another rank, inside
-            :func:`torchgpipe.trace`
+    ``routes`` gives each skip that crosses partitions its ends; ``known`` holds the
+    sequences of the signatures run before; ``timeout`` bounds every wait of the step;
+    ``recorder`` records each message between ranks, inside :func:`torchgpipe.trace`.
     """
 
     def __init__(self, channels: Channels, ranks: Sequence[int], me: int,
@@ -95,27 +78,25 @@ class Wire(Mailbox):
         self.routes = routes
         self.known = known
         self.timeout = timeout
-        #: When the step times out, by ``time.monotonic()``.
         self.deadline = None if timeout is None else time.monotonic() + timeout
-        #: Every other rank of the pipeline, once.
         self.others = [r for r in dict.fromkeys(ranks) if r != me]
-        #: The skips by index, which every rank numbers alike (in the order of
-        #: the layers), while a skip's namespace differs from process to process.
-        self.skips = list(routes)
-        self.index = {key: k for k, key in enumerate(self.skips)}
+        self.partition_of = {r: ranks.index(r) for r in self.others}  # the first there
+        # Skips by index, alike on every rank (a skip's namespace differs between processes).
+        self.index = {key: k for k, key in enumerate(routes)}
         #: The sequences this step follows (a signature run before), or records.
         self.sequences = Sequences()
         self.recording = True
         self.signature = ''
-        self.sent = {rank: 0 for rank in self.others}
+        self.sent = dict.fromkeys(self.others, 0)
         #: Receives posted ahead, by rank and position, and the next position to post.
         self.posted: Dict[int, Dict[int, Received]] = {rank: {} for rank in self.others}
-        self.next_post = {rank: 0 for rank in self.others}
+        self.next_post = dict.fromkeys(self.others, 0)
         #: Messages received before they were wanted (a recording step).
-        self.early: Dict[str, Any] = {}
-        #: Each rank's word of what step it runs, and then of its end.
-        self.agreed: Dict[int, Any] = {}
+        self.early: Dict[Any, Any] = {}
+        #: Each rank's word of its step (see agree), and then of its end.
+        self.said: Dict[int, Said] = {}
         self.ends: Dict[int, Any] = {}
+        self.settled = False
         #: Whether this rank has told the others why it stops (see tell).
         self.told = False
 
@@ -128,62 +109,56 @@ class Wire(Mailbox):
         a, b = self.routes[key.key]
         return (a, b) if isinstance(key, Skip) else (b, a)
 
-    def key_id(self, key: Key) -> Any:
-        """A key as JSON data, alike on every rank: a skip's by the skip's index."""
-        if isinstance(key, (Skip, SkipGradient)):
-            return [type(key).__name__, key.i, self.index[key.key]]
-        return [type(key).__name__, key.i, key.j]
+    def key_id(self, key: Key) -> Tuple[str, int, int]:
+        """A key alike on every rank: a skip's by the skip's index."""
+        last = self.index[key.key] if isinstance(key, (Skip, SkipGradient)) else key.j
+        return type(key).__name__, key.i, last
 
     def name(self, key: Key) -> str:
         """What a message is, in words both its ranks write alike (a trace pairs them so)."""
-        a, b = self.ends_of(key)
-        kind = type(key).__name__
-        if isinstance(key, (Skip, SkipGradient)):
-            kind += f' #{self.index[key.key]}'
-        return f'{kind} of micro-batch {key.i}, partition {a} to {b}'
+        (a, b), (kind, i, last) = self.ends_of(key), self.key_id(key)
+        skip = f' #{last}' if isinstance(key, (Skip, SkipGradient)) else ''
+        return f'{kind}{skip} of micro-batch {i}, partition {a} to {b}'
 
     def put(self, key: Key, message: Any) -> None:
         source, j = self.ends_of(key)
         rank = self.ranks[j]
         if rank == self.me:
-            super().put(key, message)
-            return
-
-        def send() -> None:
-            with lost(rank, j, 'sending it a message'):
-                self.send(rank, key, message)
+            return super().put(key, message)
+        self.settle()
         if self.recorder is None:
-            send()
-        else:
-            self.recorder.messaged('send', key.i, source, self.channels.device, self.name(key),
-                                   send)
+            return self.send(rank, j, key, message)
+        self.recorder.messaged('send', key.i, source, self.channels.device, self.name(key),
+                               lambda: self.send(rank, j, key, message))
 
-    def send(self, rank: int, key: Key, message: Any) -> None:
+    def send(self, rank: int, j: int, key: Key, message: Any) -> None:
         tensors: List[Tensor] = []
-        entry = [self.key_id(key), encode(message, tensors), metas_of(tensors)]
-        described = json.dumps(entry)
+        described = json.dumps([self.key_id(key), encode(message, tensors), metas_of(tensors)])
         sent = self.sequences.sent.setdefault(rank, [])
         if self.recording:
             sent.append(described)
             header = torch.frombuffer(bytearray(described.encode()), dtype=torch.uint8)
-            self.channels.send(rank, [torch.tensor([header.numel()]), header, *tensors])
-            return
-        p = self.sent[rank]
-        if p >= len(sent) or sent[p] != described:
-            expected = 'nothing' if p >= len(sent) else sent[p]
-            raise ValueError(describe(
-                f'the {self.name(key)} differs from the same message in the first step with '
-                'these inputs', f'{described[:200]}, then: {expected[:200]}',
-                'DistributedGPipe sends a step\'s tensors at the shapes of the first step of '
-                'the same input shapes and schedule: make the shapes (and values other than '
-                'tensors) a partition sends depend on its input shapes alone (pad them)'))
-        self.sent[rank] = p + 1
-        self.channels.send(rank, tensors)
+            tensors[:0] = [torch.tensor([header.numel()]), header]
+        else:
+            p = self.sent[rank]
+            if p >= len(sent) or sent[p] != described:
+                expected = 'nothing' if p >= len(sent) else sent[p]
+                raise ValueError(describe(
+                    f'the {self.name(key)} differs from the same message in the first step '
+                    'with these inputs', f'{described[:200]}, then: {expected[:200]}',
+                    'DistributedGPipe sends a step\'s tensors at the shapes of the first step '
+                    'of the same input shapes and schedule: make the shapes (and values other '
+                    'than tensors) a partition sends depend on its input shapes alone (pad '
+                    'them)'))
+            self.sent[rank] = p + 1
+        with lost(rank, j, 'sending it a message'):
+            self.channels.send(rank, tensors)
 
     def take(self, key: Key) -> Any:
         source, j = self.ends_of(key)
         if self.ranks[source] == self.me:
             return super().take(key)
+        self.settle()
         if self.recorder is None:
             return self.take_from(source, key)
         return self.recorder.messaged('receive', key.i, j, self.channels.device, self.name(key),
@@ -191,9 +166,7 @@ class Wire(Mailbox):
 
     def take_from(self, source: int, key: Key) -> Any:
         """Waits for the message under ``key`` from partition ``source``, in another rank."""
-        rank = self.ranks[source]
-        wanted = json.dumps(self.key_id(key))
-        doing = waiting_for(key)
+        rank, wanted, doing = self.ranks[source], self.key_id(key), waiting_for(key)
         if not self.recording:
             p = self.sequences.positions[rank][wanted]
             self.post(rank, p + 1)  # and the next one, ahead of the compute
@@ -201,17 +174,20 @@ class Wire(Mailbox):
             self.wait(received, rank, source, doing)
             return self.decode(self.sequences.received[rank][p][1], received.tensors, rank)
         while wanted not in self.early:
-            entry, tensors = self.receive_described(rank, source, doing)
+            length = self.receive(rank, source, doing, [([1], 'int64')])[0]
+            if not 0 < int(length) <= HEADER_LIMIT:
+                raise Unreadable(f'a message from rank {rank} has a header of {int(length)} '
+                                 'bytes')
+            header = self.receive(rank, source, doing, [([int(length)], 'uint8')])[0]
+            entry = read_header(host_bytes(header), rank)
             self.sequences.received.setdefault(rank, []).append(entry)
-            self.early[json.dumps(entry[0])] = self.decode(entry[1], tensors, rank)
+            tensors = self.receive(rank, source, doing, entry[2])
+            self.early[entry[0]] = self.decode(entry[1], tensors, rank)
         return self.early.pop(wanted)
 
     def decode(self, body: Any, tensors: List[Tensor], rank: int) -> Any:
-        """A message from ``rank``: its body (JSON, or its bytes) with its tensors.
-
-        Raises:
-            Unreadable: it holds what no rank sends
-        """
+        """A message from ``rank``, its body (JSON data, or its bytes) with its tensors;
+        ``Unreadable`` if it holds what no rank sends."""
         try:
             if isinstance(body, (bytes, str)):
                 body = json.loads(body)
@@ -225,26 +201,9 @@ class Wire(Mailbox):
         entries = self.sequences.received.get(rank, [])
         while self.next_post[rank] <= min(until, len(entries) - 1):
             p = self.next_post[rank]
-            with lost(rank, self.partition_of(rank), 'receiving from it'):
+            with lost(rank, self.partition_of[rank], 'receiving from it'):
                 self.posted[rank][p] = self.channels.post(rank, entries[p][2])
             self.next_post[rank] = p + 1
-
-    def partition_of(self, rank: int) -> int:
-        return self.ranks.index(rank)
-
-    def receive_described(self, rank: int, j: int, doing: str) -> Tuple[Entry, List[Tensor]]:
-        """The next message from ``rank``, its header first: the header read, and its tensors.
-
-        Raises:
-            Unreadable: the header is none this library writes
-        """
-        length = self.receive(rank, j, doing, [([1], 'int64')])[0]
-        size = int(length.item())
-        if not 0 < size <= HEADER_LIMIT:
-            raise Unreadable(f'a message from rank {rank} has a header of {size} bytes')
-        key, body, metas = read_header(
-            host_bytes(self.receive(rank, j, doing, [([size], 'uint8')])[0]), rank)
-        return (key, body, metas), self.receive(rank, j, doing, metas)
 
     def receive(self, rank: int, j: int, doing: str, metas: Metas) -> List[Tensor]:
         """Receives tensors of ``metas`` from ``rank``, now."""
@@ -254,15 +213,10 @@ class Wire(Mailbox):
         return received.tensors
 
     def wait(self, received: Received, rank: int, j: int, doing: str) -> None:
-        """Waits for operations with ``rank`` (partition ``j``), hearing the words that come.
-
-        Raises:
-            PeerFailed: that rank (or another) failed, or the connection broke
-            StepTimeout: nothing came by the step's deadline
-        """
-        if received.done:
-            return
-        self.channels.watch(received, rank)
+        """Waits for operations with ``rank`` (partition ``j``), hearing the words that come:
+        ``PeerFailed`` if a rank failed or a connection broke, ``StepTimeout``
+        past the step's deadline."""
+        self.channels.stream_wait(received)
         while not received.done:
             self.event(rank, j, doing)
 
@@ -275,84 +229,92 @@ class Wire(Mailbox):
             self.tell({'waiting': [rank, j]})
             raise self.blame(rank, j, doing, None) from None
         if kind == 'lost':
-            raise lost_in([(source, self.partition_of(source))], doing, value)
-        if kind != 'word':
-            return
+            raise lost_in([(source, self.partition_of[source])], doing, value)
+        word = self.hear(source, value) if kind == 'word' else None
+        if word is not None and ('error' in word or 'waiting' in word and source == rank):
+            raise self.blame(source, self.partition_of[source], doing, word)
+
+    def hear(self, source: int, value: Any) -> Optional[Dict[str, Any]]:
+        """Keeps a word from ``source``: of its step's start, or else of its end (returned)."""
         word = checked(value, source)
         if 'agree' in word:
-            self.agreed[source] = word['agree']
-            with lost(source, self.partition_of(source), 'receiving from it'):
-                self.channels.expect_word(source)  # its end, or its failure
-        elif 'error' in word or 'waiting' in word and source == rank:
-            raise self.blame(source, self.partition_of(source), doing, word)
-        else:  # done, or waiting for another: heard when this rank's own wait ends
-            self.ends[source] = word
+            self.said[source] = cast(Said, tuple(word['agree']))
+            return None
+        self.ends[source] = word
+        return word
 
     def agree(self, signature: Dict[str, Any], lacking: Sequence[str] = (),
               problem: Optional[Exception] = None) -> List[int]:
-        """Starts a step: every rank tells every other the step it runs
-        (``signature``: micro-batch sizes, ``None`` if given no data, schedule,
-        input), what it ``lacks`` (``'input'``, ``'target'``), and the
-        ``problem`` that makes it refuse the step, if any. Returns the sizes
-        of the micro-batches, the first partition's rank's.
-
-        Raises:
-            Mismatch: on every rank, if the ranks run different steps, or one
-                lacks what it needs or refuses; the pipeline stays whole
-            PeerFailed, StepTimeout: a rank failed, or did not answer
-        """
+        """Starts a step: tells every other rank the step this one runs (``signature``:
+        micro-batch sizes, ``None`` if given no data, schedule, input), what it ``lacks``
+        (``'input'``, ``'target'``) and the ``problem`` that makes it refuse the step.
+        Returns the sizes of the micro-batches: this rank's, or, given no data, the first
+        partition's rank's, once every rank's word is read (:meth:`settle`, which raises
+        :class:`Mismatch <torchgpipe.transport.faults.Mismatch>` on every rank if they
+        disagree, the pipeline whole)."""
         error = None if problem is None else f'{type(problem).__name__}: {problem}'[:4096]
+        self.said[self.me] = (signature, list(lacking), error)
         for rank in self.others:
-            with lost(rank, self.partition_of(rank), 'sending it the start of the step'):
-                self.channels.expect_word(rank)
-                self.channels.send_word(rank, {'agree': [signature, list(lacking), error]})
+            with lost(rank, self.partition_of[rank], 'sending it the start of the step'):
+                self.channels.expect_word(rank)  # its start
+                self.channels.expect_word(rank)  # its end, or its failure
+                self.channels.send_word(rank, {'agree': list(self.said[self.me])})
+        if signature['micro-batches'] is not None and not lacking and error is None:
+            return cast(List[int], signature['micro-batches'])  # settled at its first message
+        self.settle()
+        return cast(List[int], self.said[self.ranks[0]][0]['micro-batches'])
+
+    def settle(self) -> None:
+        """Reads every rank's word of its step, once: raises :class:`Mismatch
+        <torchgpipe.transport.faults.Mismatch>` if they disagree, else posts the first
+        receives of the signature, if run before."""
+        if self.settled:
+            return
+        self.settled = True
         for rank in self.others:
-            while rank not in self.agreed:
-                self.event(rank, self.partition_of(rank), 'waiting for the start of the step')
-        said = {self.me: (signature, list(lacking), error),
-                **{rank: cast(Said, tuple(word)) for rank, word in self.agreed.items()}}
-        mismatch = refusal(said, self.ranks[0])
+            while rank not in self.said:
+                self.event(rank, self.partition_of[rank], 'waiting for the start of the step')
+        mismatch = refusal(self.said, self.ranks[0])
         if mismatch is not None:
             self.finish(None)  # a step without messages: the pipeline stays whole
             raise mismatch
-        sizes = cast(List[int], said[self.ranks[0]][0]['micro-batches'])
-        steps = [{**said[rank][0], 'micro-batches': sizes,
-                  'input': said[self.ranks[0]][0].get('input')} for rank in sorted(said)]
-        self.signature = json.dumps(steps, sort_keys=True)
+        first = self.said[self.ranks[0]][0]
+        self.signature = json.dumps([{**self.said[rank][0], 'micro-batches':
+                                      first['micro-batches'], 'input': first.get('input')}
+                                     for rank in sorted(self.said)], sort_keys=True)
         known = self.known.get(self.signature)
         if known is not None:
             self.known.move_to_end(self.signature)
             self.sequences, self.recording = known, False
             for rank in self.others:
                 self.post(rank, 0)
-        return sizes
 
     def finish(self, result: Any, shares: Optional[Dict[int, Any]] = None,
                ) -> Tuple[Any, Dict[int, Any]]:
-        """Ends the step: every rank tells every other it is done, with its
-        ``result`` and ``shares[rank]`` (gradients of tied parameters), and
-        waits for theirs, and for its sends to end. Returns the last
-        partition's ``result`` and what each other rank sent this one.
-
-        Raises:
-            PeerFailed: another rank failed in this step
-        """
-        shares = shares or {}
+        """Ends the step: tells every other rank it is done, with its ``result`` and
+        ``shares[rank]`` (gradients of tied parameters), waits for theirs (``PeerFailed``
+        if one failed) and for its sends. Returns the last partition's ``result`` and what
+        each other rank sent here."""
+        self.settle()
+        ends: Dict[int, List[Tensor]] = {}
         for rank in self.others:
             tensors: List[Tensor] = []
-            body: Optional[str] = json.dumps(encode((result, shares.get(rank)), tensors,
-                                                    inline=True))
-            if len(cast(str, body)) > WORD_LIMIT // 2:  # sent as the first tensor
-                data = bytearray(cast(str, body).encode())
-                tensors.insert(0, torch.frombuffer(data, dtype=torch.uint8))
-                body = None
-            with lost(rank, self.partition_of(rank), 'sending it the end of the step'):
-                self.channels.send_word(rank, {'done': [body, metas_of(tensors)]})
+            body = json.dumps(encode((result, (shares or {}).get(rank)), tensors, inline=True))
+            inline = len(body) <= WORD_LIMIT // 2  # else sent as the first tensor
+            ends[rank] = tensors if inline else [
+                torch.frombuffer(bytearray(body.encode()), dtype=torch.uint8), *tensors]
+            with lost(rank, self.partition_of[rank], 'sending it the end of the step'):
+                self.channels.send_word(rank, {'done': [body if inline else None,
+                                                        metas_of(ends[rank])]})
+        # A rank's end says it took every message of this rank: those sends end without it.
+        delivered = self.channels.sent()
+        for rank, tensors in ends.items():
+            with lost(rank, self.partition_of[rank], 'sending it the end of the step'):
                 self.channels.send(rank, tensors)
         received: Dict[int, Any] = {}
         doing = 'waiting for the end of the step'
         for rank in self.others:
-            j = self.partition_of(rank)
+            j = self.partition_of[rank]
             while self.ends.get(rank) is None:
                 self.event(rank, j, doing)
             if 'done' not in self.ends[rank]:
@@ -364,12 +326,15 @@ class Wire(Mailbox):
             sent, received[rank] = self.decode(told, theirs, rank)
             if rank == self.ranks[-1]:
                 result = sent
-        # Sends read their tensors until they end: the step returns once they have.
-        for rank, sending in self.channels.sent().items():
-            self.wait(sending, rank, self.partition_of(rank),
+            with lost(rank, j, doing):
+                self.channels.delivered(delivered.get(rank))
+        for rank, sending in self.channels.sent().items():  # the end's own tensors
+            self.channels.watch(sending, rank)
+            self.wait(sending, rank, self.partition_of[rank],
                       'waiting for it to take the messages of this rank')
         if self.recording and self.signature:
-            self.sequences.index()
+            self.sequences.positions = {rank: {key: p for p, (key, _, _) in enumerate(entries)}
+                                        for rank, entries in self.sequences.received.items()}
             self.known[self.signature] = self.sequences
             while len(self.known) > SIGNATURES:
                 self.known.popitem(last=False)
@@ -420,11 +385,8 @@ class Wire(Mailbox):
                 return None
             if kind == 'lost' and source == rank:
                 return cast(BaseException, value)
-            if kind == 'word' and 'agree' in checked(value, source):
-                with suppress(Disconnected):  # far behind: its end may come yet
-                    self.channels.expect_word(source)
-            elif kind == 'word':
-                self.ends[source] = value
+            if kind == 'word':
+                self.hear(source, value)
         return self.ends[rank]
 
     def fail(self, error: BaseException) -> None:
