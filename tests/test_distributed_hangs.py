@@ -9,13 +9,15 @@ given different mini-batches, chunks or schedules, or no data where it is
 needed, or that one rank refuses (its data, its arguments, a layer that
 cannot run in its mode), all refuse the step before any of its messages,
 and train on once they agree; ranks that would lay out the layers
-differently, or of which one cannot build the pipeline, all refuse to build it.
+differently, or of which one cannot build the pipeline, all refuse to build it. A
+rank that fails is named as failed, not lost, when its connection closes after its word.
 """
 import copy
 import os
 import re
 import signal
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -39,6 +41,8 @@ from torchgpipe.engine.generators import check_schedule
 from torchgpipe.engine.step import split_given, weighted
 from torchgpipe.foundation.placement import check_materialized
 from torchgpipe.foundation.validation import check_balance
+from torchgpipe.transport.channels import Received
+from torchgpipe.transport.wire import Wire
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -473,3 +477,55 @@ def test_a_rank_that_cannot_build_the_pipeline_makes_every_rank_refuse(
         list(balance))
     assert_refused_by(1, error_of(lambda: check_materialized(
         on_meta, [1, 1], [None, torch.device('cpu')])), 'build the pipeline', list(meta))
+
+
+class ScriptedChannels:
+    """Channels of rank 1 whose operations with rank 0 end in the order ``events`` gives,
+    as the threads that wait for them may report them: the word rank 0 sent before its
+    connection broke, after the break."""
+
+    device = torch.device('cpu')
+
+    def __init__(self, events: List[Tuple[str, int, Any]]) -> None:
+        self.events = events
+        self.sends: List[Received] = []
+
+    def expects_word(self, rank: int) -> bool:
+        return any(kind == 'word' and source == rank for kind, source, _ in self.events)
+
+    def next_event(self, until: Optional[float]) -> Tuple[str, int, Any]:
+        kind, source, value = self.events.pop(0)
+        if kind == 'taken':  # the receiver posted the receive of the send
+            self.sends[source].done = True
+        return kind, source, value
+
+    def send_word(self, rank: int, word: Any) -> Received:
+        self.sends.append(Received([], [mock.Mock()]))
+        return self.sends[-1]
+
+    def watch(self, received: Received, rank: int, words: bool = False) -> None:
+        pass
+
+    def stream_wait(self, received: Received) -> None:
+        pass
+
+
+FAILURE = {'error': 'Boom: boom in forward', 'rank': 0}
+
+
+@pytest.mark.parametrize('reported', [['word', 'lost'], ['lost', 'word']])
+def test_a_rank_that_failed_is_named_even_if_its_break_is_reported_first(
+        reported: List[str]) -> None:
+    events = {'word': ('word', 0, FAILURE), 'lost': ('lost', 0, RuntimeError('reset'))}
+    channels = ScriptedChannels([events[kind] for kind in reported])
+    wire = Wire(channels, [0, 1], 1, {}, OrderedDict(), TIMEOUT)  # type: ignore[arg-type]
+    with pytest.raises(PeerFailed, match=re.escape('rank 0 (partition 0) failed: Boom: ')):
+        wire.wait(Received([], [mock.Mock()]), 0, 0, 'waiting for the input of micro-batch 0')
+
+
+def test_a_rank_that_fails_returns_once_the_others_took_its_word() -> None:
+    """Its connections close next: a word not yet taken would be lost with them."""
+    channels = ScriptedChannels([('word', 1, {'waiting': [0, 0]}), ('taken', 0, None)])
+    wire = Wire(channels, [0, 1], 0, {}, OrderedDict(), TIMEOUT)  # type: ignore[arg-type]
+    wire.fail(RuntimeError('boom'))
+    assert channels.sends[0].done and not channels.events

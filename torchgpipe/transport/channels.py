@@ -119,14 +119,17 @@ class Channels:
         self.watched: Dict[Any, Received] = {}
         self.count = 0
 
-    def send(self, rank: int, tensors: Sequence[Tensor], word: bool = False) -> None:
-        """Sends each tensor at its exact size (a ``word``'s bytes as words go), without waiting."""
+    def send(self, rank: int, tensors: Sequence[Tensor], word: bool = False) -> Received:
+        """Sends each tensor at its exact size (a ``word``'s bytes as words go), without
+        waiting; returns these sends."""
         sent = [wired(t) for t in tensors if t.numel()]
         group, tag = (self.words, self.word_tag) if word else (self.group, self.tag)
+        these = Received(sent, operations(dist.isend, sent, rank, group, tag))
         sending = self.sending.setdefault(rank, Received([], []))
         sending.tensors += sent
-        sending.works += operations(dist.isend, sent, rank, group, tag)
+        sending.works += these.works
         sending.done = not sending.works
+        return these
 
     def post(self, rank: int, metas: Metas) -> Received:
         """Posts the receives of tensors of ``metas`` from ``rank``, watched."""
@@ -137,12 +140,12 @@ class Channels:
         self.watch(received, rank)
         return received
 
-    def send_word(self, rank: int, word: Any) -> None:
-        """Sends ``word`` (JSON data) to ``rank``, without waiting."""
+    def send_word(self, rank: int, word: Any) -> Received:
+        """Sends ``word`` (JSON data) to ``rank``, without waiting; returns its send."""
         data = json.dumps(word, separators=(',', ':')).encode()
         assert len(data) <= WORD_LIMIT, 'words are bounded: errors cut, the input a digest'
-        self.send(rank, [torch.frombuffer(bytearray(len(data).to_bytes(8, 'little') + data),
-                                          dtype=torch.uint8)], word=True)
+        framed = bytearray(len(data).to_bytes(8, 'little') + data)
+        return self.send(rank, [torch.frombuffer(framed, dtype=torch.uint8)], word=True)
 
     def expect_word(self, rank: int) -> None:
         """Posts the receive of the next word from ``rank``, watched."""
@@ -153,10 +156,14 @@ class Channels:
         self.posted_words[('word', rank, self.count)] = data
         self.watchers.watch([work], ('word', rank, self.count))
 
-    def watch(self, received: Received, rank: int) -> None:
+    def expects_word(self, rank: int) -> bool:
+        """Whether a receive of a word from ``rank`` is posted and has not ended."""
+        return any(tag[1] == rank for tag in self.posted_words)
+
+    def watch(self, received: Received, rank: int, words: bool = False) -> None:
         """Reports the end of ``received``'s operations with ``rank`` (see :meth:`next_event`),
-        on gloo: NCCL's are waited for by :meth:`stream_wait`."""
-        if not (self.streamed or received.done):
+        on gloo (``words`` always are): NCCL's are waited for by :meth:`stream_wait`."""
+        if not ((self.streamed and not words) or received.done):
             self.count += 1
             self.watched[('tensors', rank, self.count)] = received
             self.watchers.watch(received.works, ('tensors', rank, self.count))

@@ -10,8 +10,7 @@ Point-to-point operations raise ``RuntimeError`` for all of these, as anything e
 :mod:`~torchgpipe.transport.channels` raises theirs as :class:`Disconnected`.
 """
 import json
-from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, cast
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
 
 from torchgpipe.transport.codec import DTYPES, Unreadable
 
@@ -48,16 +47,6 @@ class Disconnected(RuntimeError):
 
 class TimedOut(Exception):
     """A point-to-point operation did not end by the step's deadline."""
-
-
-@contextmanager
-def lost(rank: Optional[int], j: Optional[int], doing: str) -> Iterator[None]:
-    """Raises a broken connection to ``rank`` (any: ``None``), a :class:`Disconnected`
-    sending as receiving, as PeerFailed: code that restarts a job on it must see it."""
-    try:
-        yield
-    except Disconnected as exc:
-        raise lost_in([(rank, j)], doing, exc) from exc
 
 
 #: The ranks waited for, with their partitions: the first, the one it waited for, and so on.

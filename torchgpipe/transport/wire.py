@@ -20,7 +20,8 @@ rank's word that it is done, carrying the loss (:meth:`Wire.finish`), or that it
 import json
 import time
 from collections import OrderedDict
-from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, cast
 
 import torch
 from torch import Tensor
@@ -33,8 +34,7 @@ from torchgpipe.transport.channels import (WORD_LIMIT, Channels, Metas, Received
                                            metas_of)
 from torchgpipe.transport.codec import Unreadable, decode, encode
 from torchgpipe.transport.faults import (Disconnected, PeerFailed, Said, TimedOut, checked, failed,
-                                         lost, lost_in, read_header, refusal, timed_out,
-                                         waiting_for)
+                                         lost_in, read_header, refusal, timed_out, waiting_for)
 
 __all__: List[str] = []
 
@@ -151,7 +151,7 @@ class Wire(Mailbox):
                     'than tensors) a partition sends depend on its input shapes alone (pad '
                     'them)'))
             self.sent[rank] = p + 1
-        with lost(rank, j, 'sending it a message'):
+        with self.lost(rank, j, 'sending it a message'):
             self.channels.send(rank, tensors)
 
     def take(self, key: Key) -> Any:
@@ -201,13 +201,13 @@ class Wire(Mailbox):
         entries = self.sequences.received.get(rank, [])
         while self.next_post[rank] <= min(until, len(entries) - 1):
             p = self.next_post[rank]
-            with lost(rank, self.partition_of[rank], 'receiving from it'):
+            with self.lost(rank, self.partition_of[rank], 'receiving from it'):
                 self.posted[rank][p] = self.channels.post(rank, entries[p][2])
             self.next_post[rank] = p + 1
 
     def receive(self, rank: int, j: int, doing: str, metas: Metas) -> List[Tensor]:
         """Receives tensors of ``metas`` from ``rank``, now."""
-        with lost(rank, j, doing):
+        with self.lost(rank, j, doing):
             received = self.channels.post(rank, metas)
         self.wait(received, rank, j, doing)
         return received.tensors
@@ -229,10 +229,37 @@ class Wire(Mailbox):
             self.tell({'waiting': [rank, j]})
             raise self.blame(rank, j, doing, None) from None
         if kind == 'lost':
-            raise lost_in([(source, self.partition_of[source])], doing, value)
+            raise self.broken(source, self.partition_of[source], doing, value)
         word = self.hear(source, value) if kind == 'word' else None
         if word is not None and ('error' in word or 'waiting' in word and source == rank):
             raise self.blame(source, self.partition_of[source], doing, word)
+
+    @contextmanager
+    def lost(self, rank: int, j: int, doing: str) -> Iterator[None]:
+        """Raises a broken connection to ``rank`` (partition ``j``), sending as receiving,
+        as :meth:`broken` says: code that restarts a job on it must see a PeerFailed."""
+        try:
+            yield
+        except Disconnected as exc:
+            raise self.broken(rank, j, doing, exc) from exc
+
+    def broken(self, rank: int, j: int, doing: str, error: BaseException) -> PeerFailed:
+        """What to raise when the connection to ``rank`` broke while this rank was
+        ``doing``: the failure ``rank`` told before it ended, if its word came, else the
+        break. Each operation's end is reported by a thread of its own, so a word may be
+        reported after the break that followed it: the receives of ``rank``'s words, which
+        end as the connection breaks, are read first."""
+        while self.ends.get(rank) is None and self.channels.expects_word(rank):
+            try:
+                kind, source, value = self.channels.next_event(self.deadline)
+            except TimedOut:
+                break
+            if kind == 'word':
+                self.hear(source, value)
+        word = self.ends.get(rank)
+        if word is not None and 'error' in word:
+            return failed([(rank, j)], doing, word)
+        return lost_in([(rank, j)], doing, error)
 
     def hear(self, source: int, value: Any) -> Optional[Dict[str, Any]]:
         """Keeps a word from ``source``: of its step's start, or else of its end (returned)."""
@@ -255,7 +282,7 @@ class Wire(Mailbox):
         error = None if problem is None else f'{type(problem).__name__}: {problem}'[:4096]
         self.said[self.me] = (signature, list(lacking), error)
         for rank in self.others:
-            with lost(rank, self.partition_of[rank], 'sending it the start of the step'):
+            with self.lost(rank, self.partition_of[rank], 'sending it the start of the step'):
                 self.channels.expect_word(rank)  # its start
                 self.channels.expect_word(rank)  # its end, or its failure
                 self.channels.send_word(rank, {'agree': list(self.said[self.me])})
@@ -303,13 +330,13 @@ class Wire(Mailbox):
             inline = len(body) <= WORD_LIMIT // 2  # else sent as the first tensor
             ends[rank] = tensors if inline else [
                 torch.frombuffer(bytearray(body.encode()), dtype=torch.uint8), *tensors]
-            with lost(rank, self.partition_of[rank], 'sending it the end of the step'):
+            with self.lost(rank, self.partition_of[rank], 'sending it the end of the step'):
                 self.channels.send_word(rank, {'done': [body if inline else None,
                                                         metas_of(ends[rank])]})
         # A rank's end says it took every message of this rank: those sends end without it.
         delivered = self.channels.sent()
         for rank, tensors in ends.items():
-            with lost(rank, self.partition_of[rank], 'sending it the end of the step'):
+            with self.lost(rank, self.partition_of[rank], 'sending it the end of the step'):
                 self.channels.send(rank, tensors)
         received: Dict[int, Any] = {}
         doing = 'waiting for the end of the step'
@@ -326,7 +353,7 @@ class Wire(Mailbox):
             sent, received[rank] = self.decode(told, theirs, rank)
             if rank == self.ranks[-1]:
                 result = sent
-            with lost(rank, j, doing):
+            with self.lost(rank, j, doing):
                 self.channels.delivered(delivered.get(rank))
         for rank, sending in self.channels.sent().items():  # the end's own tensors
             self.channels.watch(sending, rank)
@@ -393,17 +420,30 @@ class Wire(Mailbox):
         """Tells every other rank that this one failed, so none waits for it forever.
         The operations in flight are left: the step is over, and so is the pipeline."""
         rank = error.rank if isinstance(error, PeerFailed) else self.me
-        self.tell({'error': f'{type(error).__name__}: {error}'[:4096], 'rank': rank})
+        words = self.tell({'error': f'{type(error).__name__}: {error}'[:4096], 'rank': rank})
+        # The connections close next (Channels.abandon), and a gloo send ends only once
+        # its receive is posted: the others take the word first, or learn only the break.
+        for other, sending in words.items():
+            self.channels.watch(sending, other, words=True)
+        while any(not sending.done for sending in words.values()):
+            try:
+                kind, source, _ = self.channels.next_event(self.deadline)
+            except (TimedOut, Unreadable):
+                return
+            if kind == 'lost':
+                words.pop(source, None)
 
-    def tell(self, word: Dict[str, Any]) -> None:
+    def tell(self, word: Dict[str, Any]) -> Dict[int, Received]:
         """Sends every other rank, once, the word this one ends its step with:
         ``{'error': description, 'rank': the rank at fault or None}``, or
-        ``{'waiting': [rank, partition]}`` (see :meth:`blame`)."""
+        ``{'waiting': [rank, partition]}`` (see :meth:`blame`). Returns the sends."""
+        sends: Dict[int, Received] = {}
         if self.told:
-            return
+            return sends
         self.told = True
         for rank in self.others:
             try:
-                self.channels.send_word(rank, word)
+                sends[rank] = self.channels.send_word(rank, word)
             except Disconnected:
                 pass  # that rank is gone already
+        return sends
