@@ -115,6 +115,8 @@ class Channels:
         #: of words read, for the next (a step's peak holds none anew).
         self.posted_words: Dict[Any, bytearray] = {}
         self.word_buffers: List[bytearray] = []
+        #: Receives of each rank's next words, posted and not watched yet (between steps).
+        self.ahead: Dict[int, List[Tuple[dist.Work, bytearray]]] = {}
         #: Operations watched, by tag ``('tensors', rank, n)``.
         self.watched: Dict[Any, Received] = {}
         self.count = 0
@@ -147,11 +149,19 @@ class Channels:
         framed = bytearray(len(data).to_bytes(8, 'little') + data)
         return self.send(rank, [torch.frombuffer(framed, dtype=torch.uint8)], word=True)
 
+    def post_words(self, rank: int, n: int) -> None:
+        """Posts the receives of ``rank``'s next ``n`` words, for :meth:`expect_word` to watch."""
+        for _ in range(n):
+            data = self.word_buffers.pop() if self.word_buffers else bytearray(8 + WORD_LIMIT)
+            work, = operations(dist.irecv, [torch.frombuffer(data, dtype=torch.uint8)], rank,
+                               self.words, self.word_tag)
+            self.ahead.setdefault(rank, []).append((work, data))
+
     def expect_word(self, rank: int) -> None:
-        """Posts the receive of the next word from ``rank``, watched."""
-        data = self.word_buffers.pop() if self.word_buffers else bytearray(8 + WORD_LIMIT)
-        work, = operations(dist.irecv, [torch.frombuffer(data, dtype=torch.uint8)], rank,
-                           self.words, self.word_tag)
+        """Watches the receive of the next word from ``rank``, posted ahead or now."""
+        if not self.ahead.get(rank):
+            self.post_words(rank, 1)
+        work, data = self.ahead[rank].pop(0)
         self.count += 1
         self.posted_words[('word', rank, self.count)] = data
         self.watchers.watch([work], ('word', rank, self.count))
@@ -177,13 +187,9 @@ class Channels:
 
     @staticmethod
     def delivered(sending: Optional[Received]) -> None:
-        """Waits for sends that their receiver has taken, which end without it;
-        ``Disconnected`` if the connection broke."""
-        try:
-            for work in sending.works if sending is not None else ():
-                work.wait()
-        except RuntimeError as exc:
-            raise Disconnected(str(exc)) from exc
+        """Waits for sends that their receiver has taken: ended, they wait for nothing."""
+        for work in sending.works if sending is not None else ():
+            work.wait()
 
     def next_event(self, until: Optional[float]) -> Tuple[str, Any, Any]:
         """The next watched operation to end by ``until`` (``time.monotonic()``, or ``None``):

@@ -60,12 +60,9 @@ class Sequences:
 
 class Wire(Mailbox):
     """The mailbox of this process's partitions (global rank ``me``; partition ``j`` on
-    global rank ``ranks[j]``), over ``channels`` to the other ranks.
-
-    ``routes`` gives each skip that crosses partitions its ends; ``known`` holds the
-    sequences of the signatures run before; ``timeout`` bounds every wait of the step;
-    ``recorder`` records each message between ranks, inside :func:`torchgpipe.trace`.
-    """
+    global rank ``ranks[j]``), over ``channels``; ``routes`` gives each skip between
+    partitions its ends, ``known`` the sequences of the signatures run before, ``timeout``
+    bounds the step, ``recorder`` records each message between ranks (:func:`torchgpipe.trace`)."""
 
     def __init__(self, channels: Channels, ranks: Sequence[int], me: int,
                  routes: Dict[SkipKey, Route], known: 'OrderedDict[str, Sequences]',
@@ -96,7 +93,7 @@ class Wire(Mailbox):
         #: Each rank's word of its step (see agree), and then of its end.
         self.said: Dict[int, Said] = {}
         self.ends: Dict[int, Any] = {}
-        self.settled = False
+        self.settled = self.posted_ahead = False
         #: Whether this rank has told the others why it stops (see tell).
         self.told = False
 
@@ -217,6 +214,11 @@ class Wire(Mailbox):
         ``PeerFailed`` if a rank failed or a connection broke, ``StepTimeout``
         past the step's deadline."""
         self.channels.stream_wait(received)
+        if not self.posted_ahead:  # the next step's two words, where they cost it nothing
+            self.posted_ahead = True
+            for other in self.others:
+                with self.lost(other, self.partition_of[other], 'receiving from it'):
+                    self.channels.post_words(other, 2)
         while not received.done:
             self.event(rank, j, doing)
 
@@ -353,8 +355,7 @@ class Wire(Mailbox):
             sent, received[rank] = self.decode(told, theirs, rank)
             if rank == self.ranks[-1]:
                 result = sent
-            with self.lost(rank, j, doing):
-                self.channels.delivered(delivered.get(rank))
+            self.channels.delivered(delivered.get(rank))
         for rank, sending in self.channels.sent().items():  # the end's own tensors
             self.channels.watch(sending, rank)
             self.wait(sending, rank, self.partition_of[rank],
@@ -387,12 +388,18 @@ class Wire(Mailbox):
             self.tell({'waiting': [rank, j]})
         until = time.monotonic() + seconds
         while True:
-            if word is None:
-                word = self.end_word(chain[-1][0], until)
-                if isinstance(word, BaseException):
-                    return lost_in(chain, doing, word)
-                if word is None or 'done' in word:
+            while word is None and self.ends.get(chain[-1][0]) is None:  # its end, by until
+                try:
+                    kind, source, value = self.channels.next_event(until)
+                except TimedOut:
                     return timed_out(chain, doing, seconds)
+                if kind == 'lost' and source == chain[-1][0]:
+                    return lost_in(chain, doing, value)
+                if kind == 'word':
+                    self.hear(source, value)
+            word = word or self.ends[chain[-1][0]]
+            if 'done' in word:
+                return timed_out(chain, doing, seconds)
             if 'waiting' not in word:
                 return failed(chain, doing, word)
             link = (word['waiting'][0], word['waiting'][1])
@@ -401,20 +408,6 @@ class Wire(Mailbox):
                 return timed_out(chain, doing, seconds)
             chain.append(link)
             word = None
-
-    def end_word(self, rank: int, until: float) -> Any:
-        """The word ``rank`` ends its step with, by ``until``: ``None`` if none
-        comes, the error if its connection breaks."""
-        while self.ends.get(rank) is None:
-            try:
-                kind, source, value = self.channels.next_event(until)
-            except TimedOut:
-                return None
-            if kind == 'lost' and source == rank:
-                return cast(BaseException, value)
-            if kind == 'word':
-                self.hear(source, value)
-        return self.ends[rank]
 
     def fail(self, error: BaseException) -> None:
         """Tells every other rank that this one failed, so none waits for it forever.
