@@ -477,6 +477,31 @@ def test_a_refused_step_sends_no_message() -> None:
         assert refused == [] and 'isend' in agreed and 'irecv' in agreed
 
 
+def word_operations(rank: int, world_size: int) -> List[List[str]]:
+    """The operations of each of three steps on the words' tag, in order."""
+    import torchgpipe.transport.channels as channels
+    steps: List[List[str]] = []
+    started = channels.operations
+
+    def recorded(op: Any, tensors: List[Tensor], other: int, group: Any, tag: int) -> Any:
+        if tag == 1:
+            steps[-1].extend(op.__name__ for _ in tensors)
+        return started(op, tensors, other, group, tag)
+    channels.operations = recorded  # type: ignore[assignment]
+    pipe = DistributedGPipe(model('mlp'), [3, 2], chunks=CHUNKS)
+    for step in range(3):
+        steps.append([])
+        pipe.train_step(*batch(step), F.mse_loss)
+    return steps
+
+
+def test_a_step_starts_with_its_word_the_receives_of_the_next_posted_in_the_one_before() -> None:
+    for first, *later in run_distributed(word_operations, timeout=GLOO_TIMEOUT):
+        # The start's and the end's receives, the start, the next step's receives, the end.
+        assert first == ['irecv', 'irecv', 'isend', 'irecv', 'irecv', 'isend']
+        assert later == [['isend', 'irecv', 'irecv', 'isend']] * 2
+
+
 # --- pipeline x data parallelism ----------------------------------------------------------
 
 
