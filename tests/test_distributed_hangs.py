@@ -509,6 +509,9 @@ class ScriptedChannels:
     def stream_wait(self, received: Received) -> None:
         pass
 
+    def post_words(self, rank: int, n: int) -> None:
+        pass
+
 
 FAILURE = {'error': 'Boom: boom in forward', 'rank': 0}
 
