@@ -332,6 +332,9 @@ def disagreeing(rank: int, world_size: int) -> Dict[str, Any]:
             lambda: pipe.train_step(input, target, F.mse_loss,
                                     schedule='fill_drain' if rank else '1f1b'),
             lambda: pipe.eval_step(input, everywhere=rank == 1),
+            # One schedule spelled two ways: its label agrees, no error.
+            lambda: pipe.train_step(input, target, F.mse_loss,
+                                    schedule='ZB-H1' if rank else 'zb_h1'),
         ], agreed),
         # Rank 0 holds the first partition, rank 1 the last.
         'data': refused([

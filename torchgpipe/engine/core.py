@@ -12,13 +12,12 @@ mode; the last partition keeps the outputs, or each micro-batch's weighted loss.
 """
 import warnings
 from contextlib import contextmanager, nullcontext
-from hashlib import sha1
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, cast
 
 import torch
 from torch import Tensor, nn
 
-from torchgpipe.engine.generators import built_in, check_schedule, resolve
+from torchgpipe.engine.generators import check_schedule, resolve
 from torchgpipe.engine.mailbox import Mailbox
 from torchgpipe.engine.pipeline import Pipeline
 from torchgpipe.engine.schedule import Action, Kind, Schedule, ScheduleLike
@@ -114,7 +113,7 @@ class Core:
         def check() -> Dict[str, Any]:
             check_schedule(schedule)
             check_step(loss_fn, reduction)
-            return {'schedule': schedule_label(schedule)}
+            return {'schedule': schedule}  # labelled where ranks compare it (RankCore)
 
         def plan(sizes: List[int]) -> Planned:
             weights, m = weighted(sizes, reduction), len(sizes)
@@ -208,16 +207,6 @@ class Core:
             microbatch.check(None, what)
         with shares_apart(list(self.partitions.values())) if train else nullcontext():
             yield said['micro-batches'], None, lambda result: result
-
-
-def schedule_label(schedule: ScheduleLike) -> str:
-    """A built-in schedule's name, or a schedule's name and digest: what the ranks agree
-    on before a rank given no data knows the micro-batches."""
-    name = built_in(schedule)
-    if name is not None:
-        return name
-    given = Schedule.parse(schedule)
-    return f'{given.name} ({sha1(str(given).encode()).hexdigest()[:8]})'
 
 
 def refuse(problem: Optional[Exception], *layout: Any) -> None:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from torchgpipe.engine.core import Core, Finish
-from torchgpipe.engine.generators import BUILT_INS, resolve, worker_of
+from torchgpipe.engine.generators import BUILT_INS, built_in, resolve, worker_of
 from torchgpipe.engine.mailbox import Mailbox
 from torchgpipe.engine.schedule import Schedule, ScheduleLike
 from torchgpipe.foundation.validation import describe
@@ -89,8 +89,10 @@ class RankCore(Core):
         try:
             if train:
                 self.tied_gradients.start()
-            yield wire.agree({**said, 'input': described(said['input'])}, lacking,
-                             problem), wire, finish
+            words = {**said, 'input': described(said['input'])}
+            if 'schedule' in said:
+                words['schedule'] = schedule_label(said['schedule'])
+            yield wire.agree(words, lacking, problem), wire, finish
         except BaseException as exc:
             self.tied_gradients.abandon()
             if isinstance(exc, Mismatch):
@@ -119,6 +121,15 @@ def described(value: Any) -> Optional[str]:
         body = repr(type(value))
     facts = [body, metas_of(tensors), [t.requires_grad for t in tensors]]
     return sha1(json.dumps(facts).encode()).hexdigest()
+
+
+def schedule_label(schedule: ScheduleLike) -> str:
+    """A built-in schedule's name, or a schedule's name and digest, as the ranks compare it."""
+    name = built_in(schedule)
+    if name is not None:
+        return name
+    given = Schedule.parse(schedule)
+    return f'{given.name} ({sha1(str(given).encode()).hexdigest()[:8]})'
 
 
 def ranks_of_partitions(balance: List[int], size: int, placement: str) -> List[int]:
