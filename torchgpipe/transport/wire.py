@@ -46,6 +46,9 @@ Entry = Tuple[Any, Any, Metas]
 HEADER_LIMIT = 1 << 20
 #: How many signatures each rank keeps the sequences of.
 SIGNATURES = 64
+#: Seconds a failing rank waits for the others to take its word: a rank in the step has
+#: its receive posted already; one elsewhere (or no rank of this library) finds the break.
+TOLD_WITHIN = 2.0
 
 
 class Sequences:
@@ -418,9 +421,10 @@ class Wire(Mailbox):
         # its receive is posted: the others take the word first, or learn only the break.
         for other, sending in words.items():
             self.channels.watch(sending, other, words=True)
+        until = min(time.monotonic() + TOLD_WITHIN, self.deadline or float('inf'))
         while any(not sending.done for sending in words.values()):
             try:
-                kind, source, _ = self.channels.next_event(self.deadline)
+                kind, source, _ = self.channels.next_event(until)
             except (TimedOut, Unreadable):
                 return
             if kind == 'lost':
