@@ -1,9 +1,9 @@
 """Checkpointing with two autograd functions sharing memory (Section 3.2.4).
 
 GPipe starts the recomputation ``F'(i, j)`` *before* the gradient from the
-next partition arrives, so they overlap: :class:`Checkpoint` and
-:class:`Recompute` are separate nodes sharing a ``recomputed`` slot, with
-the Wait for the gradient's copy between them::
+next partition arrives, so they overlap: where a copy of the gradient separates
+them (CUDA), :class:`Checkpoint` and :class:`Recompute` are separate nodes sharing
+a ``recomputed`` slot, with the Wait for the gradient's copy between them::
 
     forward:   input ─► Checkpoint ─► output ─► Wait ─► Recompute ─► output'
 
@@ -14,9 +14,15 @@ the Wait for the gradient's copy between them::
                3. Wait.backward: the compute stream waits for the copy
                4. Checkpoint.backward: backpropagate through the stashed graph
 
+With nothing to wait for, Checkpoint.backward recomputes itself: a node less per
+task. Checkpoint also orders micro-batches as a fork and a join would
+(:mod:`torchgpipe.foundation.dependency`), two nodes less: it takes the phony of
+the previous micro-batch's checkpoint and returns its own, so the backward of
+micro-batch ``i`` (and its recomputation) waits for that of ``i+1``.
+
 Both passes replay the same random numbers and autocast
-(:mod:`torchgpipe.runtime.replay`); Recompute keeps its inputs as saved
-tensors, so a retained graph recomputes again.
+(:mod:`torchgpipe.runtime.replay`); the input is kept as saved tensors, so a
+retained graph recomputes again.
 """
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, cast
@@ -60,7 +66,9 @@ class Context:
     first_pass: Optional[FirstPass] = None
     #: The recomputed graph, from Recompute.backward to Checkpoint.backward.
     recomputed: Optional[Recomputed] = None
-    #: Where the output tensors go in the output tuple (Checkpoint returns tensors only).
+    #: Whether the output is a tensor, and where its tensors go in the output tuple
+    #: (Checkpoint returns tensors only).
+    output_atomic: bool = True
     output_layout: Optional[Layout] = None
 
     def arguments(self, input: Tensors) -> TensorOrTensors:
@@ -69,33 +77,37 @@ class Context:
 
 
 class Checkpointing:
-    """Makes a pair of :class:`Checkpoint` and :class:`Recompute` for one ``batch``.
+    """Makes a :class:`Checkpoint` for one ``batch``, and its :class:`Recompute` if asked.
     ``parameters`` requiring grad get their gradients from the checkpoint's backward,
-    accumulated once per backward pass as without checkpointing (DDP relies on it); the
-    other arguments are :class:`Context`'s."""
+    accumulated once per backward pass as without checkpointing (DDP relies on it);
+    ``phony``, the :attr:`phony` of the previous micro-batch's, orders the backward passes;
+    the other arguments are :class:`Context`'s."""
 
     def __init__(self, function: Function, batch: Batch, parameters: Sequence[Tensor] = (),
                  traits: Optional[PartitionTraits] = None, exclusive_rng: bool = True,
-                 task: Tuple[int, int] = (0, 0)) -> None:
+                 task: Tuple[int, int] = (0, 0), phony: Optional[Tensor] = None) -> None:
         self.batch = batch
         self.parameters = parameters
+        #: After :meth:`checkpoint`, a phony whose consumer's backward runs before this one.
+        self.phony = phony
         self.context = Context(function, batch.atomic, batch.layout, len(batch),
                                PartitionTraits() if traits is None else traits, exclusive_rng,
                                task)
 
     def checkpoint(self) -> Batch:
         """Runs the function without keeping activations; returns the output batch."""
-        # A phony requiring grad: the output always has a backward node for Recompute.
-        phony = get_phony(self.batch[0].device, requires_grad=True)
-        output = Checkpoint.apply(phony, self.context,  # type: ignore[no-untyped-call]
-                                  *self.batch, *self.parameters)
-        if isinstance(output, tuple):
+        # A phony requiring grad: the output always has a backward node.
+        phony = self.phony if self.phony is not None else get_phony(self.batch[0].device,
+                                                                    requires_grad=True)
+        *output, self.phony = Checkpoint.apply(  # type: ignore[no-untyped-call]
+            phony, self.context, *self.batch, *self.parameters)
+        if not self.context.output_atomic:
             # Only floating point tensors can carry gradients.
-            output = tuple(x if x.is_floating_point() else x.detach() for x in output)
+            output = [x if x.is_floating_point() else x.detach() for x in output]
         layout = self.context.output_layout
         if layout is not None:
             return Batch(cast(Tensors, layout.fill(output)), layout)
-        return Batch(output)
+        return Batch(output[0] if self.context.output_atomic else tuple(output))
 
     def recompute(self, batch: Batch) -> None:
         """Hangs the recomputation right before the checkpoint's backward, on each tensor of
@@ -135,7 +147,8 @@ def checkpoint(function: Function, input: TensorOrTensors) -> TensorOrTensors:
 
 
 class Checkpoint(torch.autograd.Function):
-    """Runs the function without keeping activations; backward uses :class:`Recompute`'s graph.
+    """Runs the function without keeping activations; backward recomputes it, unless a
+    :class:`Recompute` did.
 
     Why the parameters are arguments of Checkpoint::
 
@@ -155,27 +168,30 @@ class Checkpoint(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, phony: Tensor, context: Context,
-                *input_and_parameters: Tensor) -> TensorOrTensors:
+                *input_and_parameters: Tensor) -> Tensors:
         ctx.context = context
         # None, not zeros, for outputs nothing used, as the unwrapped model leaves them.
         ctx.set_materialize_grads(False)
         input = input_and_parameters[:context.num_inputs]
         ctx.parameters = input_and_parameters[context.num_inputs:]
+        ctx.save_for_backward(*input)
 
         with first_pass(input[0].device) as context.first_pass:
             output = context.traits.call(context.function, input, context.arguments, 'GPipe')
+        # The phony for the next micro-batch's checkpoint last.
+        phony = get_phony(phony.device, requires_grad=False).detach()
         if isinstance(output, Tensor):
-            return output
+            return output, phony
         # Tensors only: the output's other values go through the context.
         batch = Batch(output)
+        context.output_atomic = False
         context.output_layout = batch.layout
-        return output if batch.layout is None else tuple(batch)
+        return (*batch, phony)
 
     @staticmethod
     def backward(ctx: Any, *grad_output: Tensor) -> Tuple[Optional[Tensor], ...]:
         context: Context = ctx.context
-        assert context.recomputed is not None
-        output, input_leaf, roots = context.recomputed
+        output, input_leaf, roots = context.recomputed or recompute(context, ctx.saved_tensors)
         context.recomputed = None
         outputs = (output,) if isinstance(output, Tensor) else tuple(Batch(output))
         tensors = []
@@ -268,23 +284,23 @@ class Recompute(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_output: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
         context: Context = ctx.context
-        passed_on = (grad_output, None, *(None for _ in range(context.num_inputs)))
-        if context.recomputed is not None:
-            # Another output's Recompute ran first: the graph is there.
-            return passed_on
-        input = ctx.saved_tensors
-        input_leaf = tuple(x.detach().requires_grad_(x.requires_grad) for x in input)
+        # Unless another output's Recompute ran first: the graph is there.
+        if context.recomputed is None:
+            context.recomputed = recompute(context, ctx.saved_tensors)
+        return (grad_output, None, *(None for _ in range(context.num_inputs)))
 
-        assert context.first_pass is not None
-        roots: List[Tensor] = []
-        with label('recompute', context.task), recomputation(
-                input[0].device, context.first_pass,
-                exclusive=context.exclusive_rng), collect_roots(roots):
-            if context.traits.modifies_input:
-                # In place on a leaf is an error, and would change the saved input.
-                output, _ = call_on_copies(context.function, input_leaf, context.arguments)
-            else:
-                output = context.function(context.arguments(input_leaf))
 
-        context.recomputed = (output, input_leaf, roots)
-        return passed_on
+def recompute(context: Context, input: Tensors) -> Recomputed:
+    """Runs the checkpointed function again on ``input``, replaying its first pass."""
+    input_leaf = tuple(x.detach().requires_grad_(x.requires_grad) for x in input)
+    assert context.first_pass is not None
+    roots: List[Tensor] = []
+    with label('recompute', context.task), recomputation(
+            input[0].device, context.first_pass,
+            exclusive=context.exclusive_rng), collect_roots(roots):
+        if context.traits.modifies_input:
+            # In place on a leaf is an error, and would change the saved input.
+            output, _ = call_on_copies(context.function, input_leaf, context.arguments)
+        else:
+            output = context.function(context.arguments(input_leaf))
+    return output, input_leaf, roots
