@@ -38,7 +38,7 @@ from torchgpipe.foundation.microbatch import Batch, TensorOrTensors
 from torchgpipe.foundation.record import Recorder, run_task
 from torchgpipe.foundation.rng import cpu_generator_held, training_flags, watch
 from torchgpipe.foundation.stream import AbstractStream, is_cuda, use_device, use_stream
-from torchgpipe.runtime.checkpoint import Checkpointing
+from torchgpipe.runtime.checkpoint import Checkpointing, plain
 from torchgpipe.runtime.partition import partition_function
 from torchgpipe.runtime.traits import PartitionTraits
 from torchgpipe.runtime.worker import Stopped
@@ -141,6 +141,7 @@ class LinkedStage:
         # Those a checkpoint returns gradients for (tied ones included), picked once.
         self.parameters = tuple(p for p in partition.parameters() if p.requires_grad) \
             if linked.checkpoint_stop else ()
+        self.plain = bool(linked.checkpoint_stop) and plain(partition)
         #: The phony of the last output's fork, for the next input to join.
         self.phony: Optional[Tensor] = None
 
@@ -163,7 +164,7 @@ class LinkedStage:
             # The checkpoint joins the phony itself, and forks its own.
             chk = Checkpointing(self.function(i), batch, self.parameters, self.traits,
                                 task=(i, j), exclusive_rng=self.draws_random() is not False,
-                                phony=phony)
+                                phony=phony, plain=self.plain)
             compute = chk.checkpoint
         else:
             join_in(batch, phony)

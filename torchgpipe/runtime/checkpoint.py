@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, cast
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from torch.nn.modules import module as module_hooks
 
 from torchgpipe.foundation.microbatch import Batch, TensorOrTensors, Tensors, arrange
 from torchgpipe.foundation.nochunk import Layout
@@ -53,7 +54,8 @@ class Context:
     """What a :class:`Checkpoint` and its :class:`Recompute` share besides tensors: the
     partition's ``function``, its input's form (``atomic``, ``layout``, ``num_inputs``
     leading tensors), its ``traits``, whether the recomputation may draw from the CPU
-    generator (``exclusive_rng``), and the ``task`` for a profiler's labels."""
+    generator (``exclusive_rng``), the ``task`` for a profiler's labels, and whether its
+    layers are :func:`plain`."""
 
     function: Function
     atomic: bool
@@ -62,6 +64,7 @@ class Context:
     traits: PartitionTraits
     exclusive_rng: bool
     task: Tuple[int, int]
+    plain: bool = False
     #: The states to replay, from Checkpoint.forward to Recompute.backward.
     first_pass: Optional[FirstPass] = None
     #: The recomputed graph, from Recompute.backward to Checkpoint.backward.
@@ -85,14 +88,15 @@ class Checkpointing:
 
     def __init__(self, function: Function, batch: Batch, parameters: Sequence[Tensor] = (),
                  traits: Optional[PartitionTraits] = None, exclusive_rng: bool = True,
-                 task: Tuple[int, int] = (0, 0), phony: Optional[Tensor] = None) -> None:
+                 task: Tuple[int, int] = (0, 0), phony: Optional[Tensor] = None,
+                 plain: bool = False) -> None:
         self.batch = batch
         self.parameters = parameters
         #: After :meth:`checkpoint`, a phony whose consumer's backward runs before this one.
         self.phony = phony
         self.context = Context(function, batch.atomic, batch.layout, len(batch),
                                PartitionTraits() if traits is None else traits, exclusive_rng,
-                               task)
+                               task, plain)
 
     def checkpoint(self) -> Batch:
         """Runs the function without keeping activations; returns the output batch."""
@@ -205,24 +209,26 @@ class Checkpoint(torch.autograd.Function):
             tensors.append(root)
             grad_tensors.append(root.detach())
 
-        # Gradients by id() of the leaf: hashing tensors calls into Python.
-        grads: Dict[int, Optional[Tensor]] = {}
-        leaves: Dict[int, Tensor] = {}
+        # The gradients of the input and the parameters, then of other leaves (captured
+        # tensors) unless the function's layers cannot reach any.
+        known = (*input_leaf, *ctx.parameters)
+        leaves = [x for x in known if x.requires_grad]
+        extra: Dict[int, Tensor] = {}
         with label('backward', context.task):
-            if tensors:
-                leaves = reachable_leaves(tensors)
-                if leaves:
-                    grads = dict(zip(leaves, differentiate(tensors, grad_tensors,
-                                                           leaves.values())))
+            if tensors and not context.plain:
+                extra = reachable_leaves(tensors)
+                for x in leaves:
+                    extra.pop(id(x), None)
+                leaves += extra.values()
+            grads = iter(differentiate(tensors, grad_tensors, leaves) if tensors and leaves
+                         else ())
 
         # None for the phony and the context, then the input and the parameters.
-        result = (None, None, *(grads.pop(id(x), None) for x in input_leaf),
-                  *(grads.pop(id(p), None) for p in ctx.parameters))
+        result = (None, None, *(next(grads, None) if x.requires_grad else None for x in known))
 
-        # Leaves neither inputs nor parameters (captured tensors), as a plain backward.
-        for key, grad in grads.items():
+        # The others' as a plain backward would.
+        for leaf, grad in zip(extra.values(), grads):
             if grad is not None:
-                leaf = leaves[key]
                 leaf.grad = grad if leaf.grad is None else leaf.grad + grad
         return result
 
@@ -262,6 +268,24 @@ def reachable_leaves(tensors: Sequence[Tensor]) -> Dict[int, Tensor]:
                 stack.append(node)
     return leaves
 
+
+def plain(module: nn.Module) -> bool:
+    """Whether ``module``'s layers are PyTorch's own, without hooks, a forward of their own,
+    tensor attributes or buffers requiring grad: then a recomputation's graph has no leaves
+    but its input and parameters, found without :func:`reachable_leaves`. Hooks and
+    attributes come and go: asked at every call."""
+    return not any(GLOBAL_HOOKS) and all(
+        type(m).__module__.startswith('torch.nn.modules.')
+        and not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+                 or m._backward_pre_hooks)
+        and not any(name == 'forward' or isinstance(value, Tensor)
+                    for name, value in vars(m).items())
+        and not any(b is not None and b.requires_grad for b in m._buffers.values())
+        for m in module.modules())
+
+
+GLOBAL_HOOKS = (module_hooks._global_forward_hooks, module_hooks._global_forward_pre_hooks,
+                module_hooks._global_backward_hooks, module_hooks._global_backward_pre_hooks)
 
 # The type of the autograd node that accumulates a leaf's gradient.
 AccumulateGrad = type(torch.empty(1, requires_grad=True).view(1).grad_fn
