@@ -180,7 +180,7 @@ class Checkpoint(torch.autograd.Function):
         ctx.parameters = input_and_parameters[context.num_inputs:]
         ctx.save_for_backward(*input)
 
-        with first_pass(input[0].device) as context.first_pass:
+        with first_pass(input[0].device, context.exclusive_rng) as context.first_pass:
             output = context.traits.call(context.function, input, context.arguments, 'GPipe')
         # The phony for the next micro-batch's checkpoint last.
         phony = get_phony(phony.device, requires_grad=False).detach()
@@ -320,8 +320,8 @@ def recompute(context: Context, input: Tensors) -> Recomputed:
     assert context.first_pass is not None
     roots: List[Tensor] = []
     with label('recompute', context.task), recomputation(
-            input[0].device, context.first_pass,
-            exclusive=context.exclusive_rng), collect_roots(roots):
+            input[0].device, context.first_pass, exclusive=context.exclusive_rng), \
+            collect_roots(roots):
         if context.traits.modifies_input:
             # In place on a leaf is an error, and would change the saved input.
             output, _ = call_on_copies(context.function, input_leaf, context.arguments)

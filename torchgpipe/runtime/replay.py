@@ -57,14 +57,14 @@ def save_autocast_states() -> AutocastStates:
             torch.is_autocast_cache_enabled())
 
 
-_NO_AUTOCAST = nullcontext()
+_NOTHING = nullcontext()
 
 
 def restore_autocast_states(states: AutocastStates) -> ContextManager[Any]:
     """Enters exactly the autocast contexts of ``states`` (and no other)."""
     if not states[0] and not save_autocast_states()[0]:
         # No autocast then or now, the common case: spare the contexts.
-        return _NO_AUTOCAST
+        return _NOTHING
     return _restore_autocast_states(states)
 
 
@@ -84,9 +84,10 @@ def _restore_autocast_states(states: AutocastStates) -> Generator[None, None, No
 
 @dataclass(slots=True, eq=False)
 class FirstPass:
-    """What a first pass leaves for its recomputation: the states to replay, and where the
-    CPU generator was as it ended (if the pass held it), so that a recomputation that
-    ends elsewhere, having drawn other numbers, raises rather than give wrong gradients."""
+    """What a first pass leaves for its recomputation: the states to replay (the CPU
+    generator's if the recomputation may draw from it), and where the CPU generator was as
+    it ended (if the pass held it), so that a recomputation that ends elsewhere, having
+    drawn other numbers, raises rather than give wrong gradients."""
 
     rng: RNGStates
     autocast: AutocastStates
@@ -95,13 +96,16 @@ class FirstPass:
     def end(self) -> None:
         """Notes where the CPU generator is, where the recomputation must end (again for an
         engine whose recomputation replays more: the last partition's loss)."""
-        self.ended = cpu_rng_state() if cpu_generator_owned() else None
+        self.ended = cpu_rng_state() if self.rng[0] is not None and cpu_generator_owned() \
+            else None
 
 
 @contextmanager
-def first_pass(device: torch.device) -> Generator[FirstPass, None, None]:
+def first_pass(device: torch.device,
+               exclusive: bool = True) -> Generator[FirstPass, None, None]:
     """Runs a checkpointed micro-batch's first pass on ``device``; entering gives the states
-    to replay it from.
+    to replay it from. ``exclusive``: its recomputation may draw from the CPU generator,
+    whose state it then replays, holding it (:func:`~torchgpipe.foundation.rng.restore_rng_states`).
 
     Example::
 
@@ -113,8 +117,9 @@ def first_pass(device: torch.device) -> Generator[FirstPass, None, None]:
         True
     """
     # Saved before anything draws.
-    states = FirstPass(save_rng_states(device), save_autocast_states())
-    with torch.no_grad(), enable_checkpointing():
+    states = FirstPass(save_rng_states(device, exclusive), save_autocast_states())
+    # Grad off, unless already (as in an autograd function's forward): a cost per task.
+    with torch.no_grad() if torch.is_grad_enabled() else _NOTHING, enable_checkpointing():
         yield states
     states.end()
 
@@ -123,12 +128,14 @@ def first_pass(device: torch.device) -> Generator[FirstPass, None, None]:
 def recomputation(device: torch.device, states: FirstPass, *,
                   exclusive: bool) -> Generator[None, None, None]:
     """Runs a recomputation from what its :func:`first_pass` saved (``states``); if
-    ``exclusive`` (it may draw from the CPU generator) it replays that generator too.
+    ``exclusive`` (it may draw from the CPU generator, as its first pass was told) it
+    replays that generator too.
 
     Raises:
         RuntimeError: the recomputation ended with the CPU generator elsewhere
             than its first pass: something else drew from it in between
     """
+    assert states.rng[0] is not None or not exclusive, 'the first pass saved no CPU state'
     with restore_rng_states(device, states.rng, exclusive=exclusive), \
             restore_autocast_states(states.autocast), torch.enable_grad(), enable_recomputing():
         yield
@@ -146,6 +153,6 @@ def recomputation(device: torch.device, states: FirstPass, *,
 def replayed_otherwise(states: FirstPass) -> bool:
     """Whether a recomputation drew other numbers than its first pass: it moved the
     generator, and ended elsewhere than the first pass did."""
-    now = cpu_rng_state()
-    return not torch.equal(now, states.rng[0]) and not (states.ended is not None
-                                                        and torch.equal(now, states.ended))
+    now, first = cpu_rng_state(), states.rng[0]
+    return first is not None and not torch.equal(now, first) and not (
+        states.ended is not None and torch.equal(now, states.ended))
