@@ -103,8 +103,8 @@ class Checkpointing:
         # A phony requiring grad: the output always has a backward node.
         phony = self.phony if self.phony is not None else get_phony(self.batch[0].device,
                                                                     requires_grad=True)
-        *output, self.phony = Checkpoint.apply(  # type: ignore[no-untyped-call]
-            phony, self.context, *self.batch, *self.parameters)
+        *output, self.phony = apply_checkpoint(phony, self.context, *self.batch,
+                                               *self.parameters)
         if not self.context.output_atomic:
             # Only floating point tensors can carry gradients.
             output = [x if x.is_floating_point() else x.detach() for x in output]
@@ -231,6 +231,11 @@ class Checkpoint(torch.autograd.Function):
             if grad is not None:
                 leaf.grad = grad if leaf.grad is None else leaf.grad + grad
         return result
+
+
+# Checkpoint.apply without the functorch checks of Function.apply: they loop over the
+# arguments, every parameter of the partition, for every task.
+apply_checkpoint = cast(Any, torch._C._FunctionBase).__dict__['apply'].__get__(None, Checkpoint)
 
 
 def differentiate(tensors: Sequence[Tensor], grad_tensors: Sequence[Tensor],
