@@ -58,13 +58,10 @@ def copy(batch: Batch, prev_stream: AbstractStream, next_stream: AbstractStream,
     return batch[0]
 
 
-def wait(batch: Batch, prev_stream: AbstractStream, next_stream: AbstractStream) -> bool:
-    """Makes ``next_stream`` wait for ``prev_stream`` before it uses the batch; returns whether
-    it had to (CUDA)."""
-    if not (is_cuda(prev_stream) or is_cuda(next_stream)):
-        return False
-    batch[:] = Wait.apply(prev_stream, next_stream, *batch)  # type: ignore[no-untyped-call]
-    return True
+def wait(batch: Batch, prev_stream: AbstractStream, next_stream: AbstractStream) -> None:
+    """Makes ``next_stream`` wait for ``prev_stream`` before it uses the batch."""
+    if is_cuda(prev_stream) or is_cuda(next_stream):
+        batch[:] = Wait.apply(prev_stream, next_stream, *batch)  # type: ignore[no-untyped-call]
 
 
 def fork_off(batch: Batch) -> Optional[Tensor]:
@@ -173,8 +170,11 @@ class LinkedStage:
         boundary = [x.grad_fn for x in [*batch, phony] if x is not None and x.grad_fn is not None] \
             if linked.recorder is not None else []
         output = self.compute(i, compute)
-        waited = not self.last and wait(output, linked.streams[j], linked.copy_streams[j][i])
-        if chk is not None and (waited or linked.recorder is not None):
+        waits = not self.last and is_cuda(linked.streams[j])
+        if waits:
+            # The copy stream must wait for the output before copying it.
+            wait(output, linked.streams[j], linked.copy_streams[j][i])
+        if chk is not None and (waits or linked.recorder is not None):
             # After the Wait: in backward, F'(i, j) runs before waiting for the gradient (and
             # a trace shows it apart). Forked after it: it waits for B(i+1, j) too.
             with use_device(self.device), use_stream(linked.streams[j]):

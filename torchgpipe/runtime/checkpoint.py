@@ -2,8 +2,8 @@
 
 GPipe starts the recomputation ``F'(i, j)`` *before* the gradient from the
 next partition arrives, so they overlap: where a copy of the gradient separates
-them (CUDA), :class:`Checkpoint` and :class:`Recompute` are separate nodes sharing
-a ``recomputed`` slot, with the Wait for the gradient's copy between them::
+them (CUDA), :class:`Recompute` runs it ahead of :class:`Checkpoint`, sharing a
+``recomputed`` slot, with the Wait for the gradient's copy between them::
 
     forward:   input ─► Checkpoint ─► output ─► Wait ─► Recompute ─► output'
 
@@ -14,22 +14,19 @@ a ``recomputed`` slot, with the Wait for the gradient's copy between them::
                3. Wait.backward: the compute stream waits for the copy
                4. Checkpoint.backward: backpropagate through the stashed graph
 
-With nothing to wait for, Checkpoint.backward recomputes itself: a node less per
-task. Checkpoint also orders micro-batches as a fork and a join would
-(:mod:`torchgpipe.foundation.dependency`), two nodes less: it takes the phony of
-the previous micro-batch's checkpoint and returns its own, so the backward of
-micro-batch ``i`` (and its recomputation) waits for that of ``i+1``.
-
+Otherwise Checkpoint.backward recomputes. It also joins and forks as
+:mod:`~torchgpipe.foundation.dependency` does, a node less each: it takes the phony of
+the previous micro-batch's and returns its own, so ``B(i, j)`` waits for ``B(i+1, j)``.
 Both passes replay the same random numbers and autocast
-(:mod:`torchgpipe.runtime.replay`); the input is kept as saved tensors, so a
-retained graph recomputes again.
+(:mod:`torchgpipe.runtime.replay`); the input is kept as saved tensors, so a retained
+graph recomputes again.
 """
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, cast
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
 
 import torch
 from torch import Tensor, nn
-from torch.nn.modules import module as module_hooks
+from torch.nn.modules import module as hooks
 
 from torchgpipe.foundation.microbatch import Batch, TensorOrTensors, Tensors, arrange
 from torchgpipe.foundation.nochunk import Layout
@@ -105,23 +102,20 @@ class Checkpointing:
                                                                     requires_grad=True)
         *output, self.phony = apply_checkpoint(phony, self.context, *self.batch,
                                                *self.parameters)
-        if not self.context.output_atomic:
+        atomic, layout = self.context.output_atomic, self.context.output_layout
+        if not atomic:
             # Only floating point tensors can carry gradients.
             output = [x if x.is_floating_point() else x.detach() for x in output]
-        layout = self.context.output_layout
-        if layout is not None:
-            return Batch(cast(Tensors, layout.fill(output)), layout)
-        return Batch(output[0] if self.context.output_atomic else tuple(output))
+        return Batch(arrange(atomic, layout, output), layout)
 
     def recompute(self, batch: Batch) -> None:
-        """Hangs the recomputation right before the checkpoint's backward, on each tensor of
-        ``batch`` (:meth:`checkpoint`'s output) that requires grad."""
-        # A Recompute on each output requiring grad: one nothing used never gets a
-        # gradient. The first to run recomputes; the others find the graph.
-        for index in range(len(batch)):
-            if batch[index].requires_grad:
-                batch[index] = Recompute.apply(  # type: ignore[no-untyped-call]
-                    batch[index], self.context, *self.batch)
+        """Hangs the recomputation ahead of the checkpoint's backward, on the first tensor of
+        ``batch`` (:meth:`checkpoint`'s output) requiring grad (if it gets none, the
+        checkpoint recomputes)."""
+        k = batch.find(lambda x: x.requires_grad)
+        if k is not None:
+            batch[k] = Recompute.apply(  # type: ignore[no-untyped-call]
+                batch[k], self.context, *self.batch)
 
 
 def checkpoint_stop(checkpoint: str, chunks: int, m: int, training: bool) -> int:
@@ -182,25 +176,19 @@ class Checkpoint(torch.autograd.Function):
 
         with first_pass(input[0].device, context.exclusive_rng) as context.first_pass:
             output = context.traits.call(context.function, input, context.arguments, 'GPipe')
-        # The phony for the next micro-batch's checkpoint last.
-        phony = get_phony(phony.device, requires_grad=False).detach()
-        if isinstance(output, Tensor):
-            return output, phony
-        # Tensors only: the output's other values go through the context.
+        # Tensors only, the other values through the context; last, the phony of the fork.
         batch = Batch(output)
-        context.output_atomic = False
-        context.output_layout = batch.layout
-        return (*batch, phony)
+        context.output_atomic, context.output_layout = batch.atomic, batch.layout
+        return (*batch, get_phony(phony.device, requires_grad=False).detach())
 
     @staticmethod
     def backward(ctx: Any, *grad_output: Tensor) -> Tuple[Optional[Tensor], ...]:
         context: Context = ctx.context
         output, input_leaf, roots = context.recomputed or recompute(context, ctx.saved_tensors)
         context.recomputed = None
-        outputs = (output,) if isinstance(output, Tensor) else tuple(Batch(output))
         tensors = []
         grad_tensors = []
-        for o, g in zip(outputs, grad_output):
+        for o, g in zip(Batch(output), grad_output):
             if o.requires_grad and g is not None:
                 tensors.append(o)
                 grad_tensors.append(g)
@@ -220,8 +208,11 @@ class Checkpoint(torch.autograd.Function):
                 for x in leaves:
                     extra.pop(id(x), None)
                 leaves += extra.values()
-            grads = iter(differentiate(tensors, grad_tensors, leaves) if tensors and leaves
-                         else ())
+            # The engine called directly: torch.autograd.grad's checks cost as much as a
+            # small partition's backward.
+            grads = iter(ENGINE.run_backward(tuple(tensors), tuple(grad_tensors), False, False,
+                                             tuple(leaves), True, False)
+                         if tensors and leaves else ())
 
         # None for the phony and the context, then the input and the parameters.
         result = (None, None, *(next(grads, None) if x.requires_grad else None for x in known))
@@ -236,14 +227,6 @@ class Checkpoint(torch.autograd.Function):
 # Checkpoint.apply without the functorch checks of Function.apply: they loop over the
 # arguments, every parameter of the partition, for every task.
 apply_checkpoint = cast(Any, torch._C._FunctionBase).__dict__['apply'].__get__(None, Checkpoint)
-
-
-def differentiate(tensors: Sequence[Tensor], grad_tensors: Sequence[Tensor],
-                  leaves: Iterable[Tensor]) -> Tuple[Optional[Tensor], ...]:
-    """The gradients of ``leaves``, as :func:`torch.autograd.grad` with ``allow_unused=True``,
-    calling the engine directly: its checks cost as much as a small partition's backward."""
-    return cast(Tuple[Optional[Tensor], ...], ENGINE.run_backward(
-        tuple(tensors), tuple(grad_tensors), False, False, tuple(leaves), True, False))
 
 
 # The autograd engine behind torch.autograd.grad and backward.
@@ -275,22 +258,18 @@ def reachable_leaves(tensors: Sequence[Tensor]) -> Dict[int, Tensor]:
 
 
 def plain(module: nn.Module) -> bool:
-    """Whether ``module``'s layers are PyTorch's own, without hooks, a forward of their own,
-    tensor attributes or buffers requiring grad: then a recomputation's graph has no leaves
-    but its input and parameters, found without :func:`reachable_leaves`. Hooks and
-    attributes come and go: asked at every call."""
-    return not any(GLOBAL_HOOKS) and all(
+    """Whether ``module``'s layers are PyTorch's own, without forward hooks, a forward of
+    their own, tensor attributes or buffers requiring grad: a recomputation's graph then
+    has no leaves but its input and parameters (no :func:`reachable_leaves`). Asked at
+    every call: hooks and attributes come and go."""
+    return not (hooks._global_forward_hooks or hooks._global_forward_pre_hooks) and all(
         type(m).__module__.startswith('torch.nn.modules.')
-        and not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
-                 or m._backward_pre_hooks)
+        and not (m._forward_hooks or m._forward_pre_hooks)
         and not any(name == 'forward' or isinstance(value, Tensor)
                     for name, value in vars(m).items())
         and not any(b is not None and b.requires_grad for b in m._buffers.values())
         for m in module.modules())
 
-
-GLOBAL_HOOKS = (module_hooks._global_forward_hooks, module_hooks._global_forward_pre_hooks,
-                module_hooks._global_backward_hooks, module_hooks._global_backward_pre_hooks)
 
 # The type of the autograd node that accumulates a leaf's gradient.
 AccumulateGrad = type(torch.empty(1, requires_grad=True).view(1).grad_fn
@@ -298,9 +277,8 @@ AccumulateGrad = type(torch.empty(1, requires_grad=True).view(1).grad_fn
 
 
 class Recompute(torch.autograd.Function):
-    """Recomputes the function of a :class:`Checkpoint` during the backward pass: its backward
-    runs as an output's gradient arrives, before the checkpoint's. Each output that may
-    carry a gradient has one; the first to run recomputes."""
+    """Recomputes the function of a :class:`Checkpoint` as an output's gradient arrives,
+    before the checkpoint's backward."""
 
     @staticmethod
     def forward(ctx: Any, output: Tensor, context: Context, *input: Tensor) -> Tensor:
@@ -313,9 +291,7 @@ class Recompute(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_output: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
         context: Context = ctx.context
-        # Unless another output's Recompute ran first: the graph is there.
-        if context.recomputed is None:
-            context.recomputed = recompute(context, ctx.saved_tensors)
+        context.recomputed = recompute(context, ctx.saved_tensors)
         return (grad_output, None, *(None for _ in range(context.num_inputs)))
 
 
