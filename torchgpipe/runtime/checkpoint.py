@@ -51,8 +51,7 @@ class Context:
     """What a :class:`Checkpoint` and its :class:`Recompute` share besides tensors: the
     partition's ``function``, its input's form (``atomic``, ``layout``, ``num_inputs``
     leading tensors), its ``traits``, whether the recomputation may draw from the CPU
-    generator (``exclusive_rng``), the ``task`` for a profiler's labels, and whether its
-    layers are :func:`plain`."""
+    generator (``exclusive_rng``), the ``task`` for labels, whether it is :func:`plain`."""
 
     function: Function
     atomic: bool
@@ -146,23 +145,10 @@ def checkpoint(function: Function, input: TensorOrTensors) -> TensorOrTensors:
 
 class Checkpoint(torch.autograd.Function):
     """Runs the function without keeping activations; backward recomputes it, unless a
-    :class:`Recompute` did.
-
-    Why the parameters are arguments of Checkpoint::
-
-        without checkpointing             with checkpointing
-
-        W ──► F(0,j) ─┐                   W ──┬──► Checkpoint(0,j)
-        W ──► F(1,j) ─┤  engine sums          └──► Checkpoint(1,j)
-                      ▼  then once:                    │ backward: autograd.grad through
-                AccumulateGrad(W)                      │ the recomputed graph, returns
-                                                       ▼ dW as the gradient of input W
-                                              AccumulateGrad(W), once, after the
-                                              engine summed dW over micro-batches
-
-    So hooks on the accumulation (DDP's) fire as usual; other leaves of the
-    recomputed graph (:func:`reachable_leaves`) get their gradients too.
-    """
+    :class:`Recompute` did. The parameters are inputs, their gradients outputs of the
+    backward: the engine sums them over micro-batches and accumulates each once, as
+    without checkpointing, so hooks on the accumulation (DDP's) fire as usual; other
+    leaves of the recomputed graph (:func:`reachable_leaves`) get theirs directly."""
 
     @staticmethod
     def forward(ctx: Any, phony: Tensor, context: Context,
@@ -186,16 +172,11 @@ class Checkpoint(torch.autograd.Function):
         context: Context = ctx.context
         output, input_leaf, roots = context.recomputed or recompute(context, ctx.saved_tensors)
         context.recomputed = None
-        tensors = []
-        grad_tensors = []
-        for o, g in zip(Batch(output), grad_output):
-            if o.requires_grad and g is not None:
-                tensors.append(o)
-                grad_tensors.append(g)
+        pairs = [(o, g) for o, g in zip(Batch(output), grad_output)
+                 if o.requires_grad and g is not None]
         # Roots whose backward must run whatever the outputs' (a skip's portal phony).
-        for root in roots:
-            tensors.append(root)
-            grad_tensors.append(root.detach())
+        pairs += [(root, root.detach()) for root in roots]
+        tensors, grad_tensors = tuple(o for o, _ in pairs), tuple(g for _, g in pairs)
 
         # The gradients of the input and the parameters, then of other leaves (captured
         # tensors) unless the function's layers cannot reach any.
@@ -210,9 +191,8 @@ class Checkpoint(torch.autograd.Function):
                 leaves += extra.values()
             # The engine called directly: torch.autograd.grad's checks cost as much as a
             # small partition's backward.
-            grads = iter(ENGINE.run_backward(tuple(tensors), tuple(grad_tensors), False, False,
-                                             tuple(leaves), True, False)
-                         if tensors and leaves else ())
+            grads = iter(ENGINE.run_backward(tensors, grad_tensors, False, False, tuple(leaves),
+                                             True, False) if tensors and leaves else ())
 
         # None for the phony and the context, then the input and the parameters.
         result = (None, None, *(next(grads, None) if x.requires_grad else None for x in known))
@@ -235,13 +215,8 @@ ENGINE = cast(Any, torch.autograd.Variable)._execution_engine
 
 def reachable_leaves(tensors: Sequence[Tensor]) -> Dict[int, Tensor]:
     """Every leaf requiring grad that a backward from ``tensors`` reaches, by id()."""
-    leaves = {}
-    stack = []
-    for t in tensors:
-        if t.grad_fn is None:
-            leaves[id(t)] = t
-        else:
-            stack.append(t.grad_fn)
+    leaves = {id(t): t for t in tensors if t.grad_fn is None}
+    stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
     seen = set(stack)
     while stack:
         for node, _ in stack.pop().next_functions:

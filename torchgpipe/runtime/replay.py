@@ -13,7 +13,7 @@ where tasks run.
 """
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, ContextManager, Generator, List, Optional, Tuple
+from typing import Any, ContextManager, Generator, List, Optional, Tuple, cast
 
 import torch
 from torch import Tensor
@@ -31,23 +31,18 @@ AutocastStates = Tuple[List[Tuple[str, torch.dtype]], bool]
 
 _AUTOCAST_DEVICE_TYPES = ('cpu', 'cuda')
 
-if hasattr(torch, 'get_autocast_dtype'):
-    def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
-        """The dtype autocast casts to on the device type, or ``None`` if it is off."""
-        # torch >= 2.4: one API for every device type.
-        if not torch.is_autocast_enabled(device_type):
-            return None
-        return torch.get_autocast_dtype(device_type)
-else:  # pragma: no cover (torch 2.1 - 2.3: separate functions per device type)
-    _LEGACY_AUTOCAST = {'cpu': ('is_autocast_cpu_enabled', 'get_autocast_cpu_dtype'),
-                        'cuda': ('is_autocast_enabled', 'get_autocast_gpu_dtype')}
+#: torch 2.1 - 2.3 have functions per device type; later ones, one for every type.
+_LEGACY_AUTOCAST = {'cpu': ('is_autocast_cpu_enabled', 'get_autocast_cpu_dtype'),
+                    'cuda': ('is_autocast_enabled', 'get_autocast_gpu_dtype')}
 
-    def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
-        is_enabled, get_dtype = _LEGACY_AUTOCAST[device_type]
-        if not getattr(torch, is_enabled)():
-            return None
-        dtype: torch.dtype = getattr(torch, get_dtype)()
-        return dtype
+
+def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
+    """The dtype autocast casts to on the device type, or ``None`` if it is off."""
+    if hasattr(torch, 'get_autocast_dtype'):
+        on = torch.is_autocast_enabled(device_type)
+        return torch.get_autocast_dtype(device_type) if on else None
+    is_enabled, get_dtype = _LEGACY_AUTOCAST[device_type]  # pragma: no cover
+    return cast(torch.dtype, getattr(torch, get_dtype)()) if getattr(torch, is_enabled)() else None
 
 
 def save_autocast_states() -> AutocastStates:
@@ -84,10 +79,9 @@ def _restore_autocast_states(states: AutocastStates) -> Generator[None, None, No
 
 @dataclass(slots=True, eq=False)
 class FirstPass:
-    """What a first pass leaves for its recomputation: the states to replay (the CPU
-    generator's if the recomputation may draw from it), and where the CPU generator was as
-    it ended (if the pass held it), so that a recomputation that ends elsewhere, having
-    drawn other numbers, raises rather than give wrong gradients."""
+    """What a first pass leaves for its recomputation: the states to replay, and where the
+    CPU generator was as it ended (if the pass held it), so that a recomputation that
+    ends elsewhere, having drawn other numbers, raises rather than give wrong gradients."""
 
     rng: RNGStates
     autocast: AutocastStates
@@ -96,16 +90,14 @@ class FirstPass:
     def end(self) -> None:
         """Notes where the CPU generator is, where the recomputation must end (again for an
         engine whose recomputation replays more: the last partition's loss)."""
-        self.ended = cpu_rng_state() if self.rng[0] is not None and cpu_generator_owned() \
-            else None
+        self.ended = cpu_rng_state() if self.rng[0] is not None and cpu_generator_owned() else None
 
 
 @contextmanager
 def first_pass(device: torch.device,
                exclusive: bool = True) -> Generator[FirstPass, None, None]:
     """Runs a checkpointed micro-batch's first pass on ``device``; entering gives the states
-    to replay it from. ``exclusive``: its recomputation may draw from the CPU generator,
-    whose state it then replays, holding it (:func:`~torchgpipe.foundation.rng.restore_rng_states`).
+    to replay it from, the CPU generator's only if the recomputation is ``exclusive``.
 
     Example::
 
@@ -128,8 +120,7 @@ def first_pass(device: torch.device,
 def recomputation(device: torch.device, states: FirstPass, *,
                   exclusive: bool) -> Generator[None, None, None]:
     """Runs a recomputation from what its :func:`first_pass` saved (``states``); if
-    ``exclusive`` (it may draw from the CPU generator, as its first pass was told) it
-    replays that generator too.
+    ``exclusive`` (it may draw from the CPU generator) it replays that generator too.
 
     Raises:
         RuntimeError: the recomputation ended with the CPU generator elsewhere
