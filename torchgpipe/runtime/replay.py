@@ -126,7 +126,7 @@ def recomputation(device: torch.device, states: FirstPass, *,
         RuntimeError: the recomputation ended with the CPU generator elsewhere
             than its first pass: something else drew from it in between
     """
-    assert states.rng[0] is not None or not exclusive, 'the first pass saved no CPU state'
+    assert states.rng[0] is not None or not exclusive  # saved by a first pass told so
     with restore_rng_states(device, states.rng, exclusive=exclusive), \
             restore_autocast_states(states.autocast), torch.enable_grad(), enable_recomputing():
         yield
