@@ -24,7 +24,7 @@ What the caller's backward pass then does on each partition::
     B(m-1, j) ─► ... ─► F'(i+1, j) B(i+1, j) ─► F'(i, j) B(i, j) ─► ... ─► B(0, j)
 """
 import functools
-from typing import Callable, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -64,8 +64,11 @@ def wait(batch: Batch, prev_stream: AbstractStream, next_stream: AbstractStream)
         batch[:] = Wait.apply(prev_stream, next_stream, *batch)  # type: ignore[no-untyped-call]
 
 
-def fork_off(batch: Batch) -> Optional[Tensor]:
-    """Forks the first tensor of ``batch`` that requires grad; returns the phony, if any."""
+def fork_off(batch: Union[Batch, Checkpointing]) -> Optional[Tensor]:
+    """The phony the next micro-batch joins: a checkpoint's own, or a fork of the first
+    tensor of ``batch`` that requires grad (``None`` if none does)."""
+    if isinstance(batch, Checkpointing):
+        return batch.phony
     k = batch.find(lambda x: x.requires_grad)
     if k is None:
         return None
@@ -154,11 +157,10 @@ class LinkedStage:
             raise Stopped()  # a task elsewhere failed: start nothing more
         i, j = action.i, self.j
         batch = self.receive(i)
-        # The phony of F(i-1, j): joined in, B(i, j) runs before B(i-1, j).
+        # The phony of F(i-1, j): joined in (by a checkpoint itself), B(i, j) runs before.
         phony, self.phony = self.phony, None
         chk = None
         if i < linked.checkpoint_stop:
-            # The checkpoint joins the phony itself, and forks its own.
             chk = Checkpointing(self.function(i), batch, self.parameters, self.traits,
                                 task=(i, j), exclusive_rng=self.draws_random() is not False,
                                 phony=phony, plain=self.plain)
@@ -171,8 +173,7 @@ class LinkedStage:
             if linked.recorder is not None else []
         output = self.compute(i, compute)
         waits = not self.last and is_cuda(linked.streams[j])
-        if waits:
-            # The copy stream must wait for the output before copying it.
+        if waits:  # the copy stream must wait for the output before copying it
             wait(output, linked.streams[j], linked.copy_streams[j][i])
         if chk is not None and (waits or linked.recorder is not None):
             # After the Wait: in backward, F'(i, j) runs before waiting for the gradient (and
@@ -183,7 +184,7 @@ class LinkedStage:
         if linked.recorder is not None:
             linked.recorder.watch_backward(i, j, self.device, output, boundary)
         if i + 1 < len(linked.batches):
-            self.phony = fork_off(output) if chk is None else chk.phony
+            self.phony = fork_off(output if chk is None else chk)
         if self.last:
             linked.batches[i] = output
         else:
