@@ -102,3 +102,25 @@ def test_checkpoint_tuple_output_with_integer_tensor() -> None:
     assert not index.requires_grad and out.requires_grad
     out.sum().backward()
     torch.testing.assert_close(x.grad, torch.full((3,), 2.0))
+
+
+@pytest.mark.parametrize('brought_in_by', ['hook', 'attribute'])
+def test_a_tensor_a_layer_reaches_besides_its_parameters_gets_its_gradient(
+        brought_in_by: str, threaded: bool) -> None:
+    """PyTorch's layers reach no leaf but their input and parameters, unless given a hook or
+    a tensor attribute; brought in after a call without it, the recomputation reaches it
+    (asked at every call), and its gradient is the unwrapped model's."""
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 3))
+    gpipe = GPipe(model, [1, 2], devices=cpu_devices(2, threaded), chunks=2,
+                  checkpoint='always')
+    x = torch.randn(4, 3)
+    gpipe(x).sum().backward()
+    scale = torch.randn(3, requires_grad=True)
+    if brought_in_by == 'hook':
+        model[2].register_forward_hook(lambda module, input, output: output * scale)
+    else:
+        del model[2].bias
+        model[2].bias = scale
+    expected, = torch.autograd.grad(model(x).sum(), scale)
+    gpipe(x).sum().backward()
+    torch.testing.assert_close(scale.grad, expected)

@@ -98,11 +98,12 @@ def test_checkpointing_keeps_only_partition_boundaries(saved: SavedBytes, thread
     # layers are not saved in the first pass, so they may not count.)
     boundary_bytes = 4 * 64 * 64 * 4
     assert 0 < total <= boundary_bytes
-    # One generator state per checkpointed task, 4 micro-batches x 4 partitions,
-    # kept in its context for the replay, never among the saved tensors.
+    # A generator state per checkpointed task that may draw (each partition's first, until
+    # known not to), kept in its context for the replay, never among the saved tensors.
     assert saved.rng_states == 0
     assert len(contexts) == 16
-    assert all(c.first_pass.rng[0].nbytes == RNG_STATE_BYTES for c in contexts)
+    states = [c.first_pass.rng[0] for c in contexts if c.first_pass.rng[0] is not None]
+    assert len(states) == 4 and all(s.nbytes == RNG_STATE_BYTES for s in states)
 
 
 def test_checkpointing_saves_far_less_than_never(saved: SavedBytes, threaded: bool) -> None:

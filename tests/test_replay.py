@@ -29,7 +29,7 @@ def test_recomputation_draws_the_first_pass_numbers_and_puts_the_generator_back(
 
 def test_without_exclusive_use_the_cpu_generator_is_left_alone() -> None:
     """A partition known to draw nothing replays nothing: others may be drawing meanwhile."""
-    with first_pass(CPU) as states:
+    with first_pass(CPU, exclusive=False) as states:
         pass
     torch.rand(1)
     before = torch.get_rng_state()

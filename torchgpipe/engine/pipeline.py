@@ -11,9 +11,10 @@ At clock ``k`` the tasks ``F(i, j)`` with ``i + j == k`` run at once::
 Each forward task ``F(i, j)``, on its partition's worker::
 
     receive   the skips popped here, then the input, copied on the copy
-              streams of micro-batch i (from j-1's to j's);
-              joined to the phony of F(i-1, j)'s fork: B(i, j) before B(i-1, j)
-    compute   on the compute stream, checkpointed or not
+              streams of micro-batch i (from j-1's to j's)
+    compute   on the compute stream, checkpointed or not; joined to the
+              phony of F(i-1, j)'s fork: B(i, j) before B(i-1, j) (a
+              checkpoint joins and forks by itself)
     send      the copy stream waits for the output; Recompute attached after
               that Wait (F'(i, j) overlaps the copy of its gradient); forked,
               so that B(i+1, j) can be made to precede this B(i, j)
@@ -23,7 +24,7 @@ What the caller's backward pass then does on each partition::
     B(m-1, j) ─► ... ─► F'(i+1, j) B(i+1, j) ─► F'(i, j) B(i, j) ─► ... ─► B(0, j)
 """
 import functools
-from typing import Callable, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -37,7 +38,7 @@ from torchgpipe.foundation.microbatch import Batch, TensorOrTensors
 from torchgpipe.foundation.record import Recorder, run_task
 from torchgpipe.foundation.rng import cpu_generator_held, training_flags, watch
 from torchgpipe.foundation.stream import AbstractStream, is_cuda, use_device, use_stream
-from torchgpipe.runtime.checkpoint import Checkpointing
+from torchgpipe.runtime.checkpoint import Checkpointing, plain
 from torchgpipe.runtime.partition import partition_function
 from torchgpipe.runtime.traits import PartitionTraits
 from torchgpipe.runtime.worker import Stopped
@@ -63,8 +64,11 @@ def wait(batch: Batch, prev_stream: AbstractStream, next_stream: AbstractStream)
         batch[:] = Wait.apply(prev_stream, next_stream, *batch)  # type: ignore[no-untyped-call]
 
 
-def fork_off(batch: Batch) -> Optional[Tensor]:
-    """Forks the first tensor of ``batch`` that requires grad; returns the phony, if any."""
+def fork_off(batch: Union[Batch, Checkpointing]) -> Optional[Tensor]:
+    """The phony the next micro-batch joins: a checkpoint's own, or a fork of the first
+    tensor of ``batch`` that requires grad (``None`` if none does)."""
+    if isinstance(batch, Checkpointing):
+        return batch.phony
     k = batch.find(lambda x: x.requires_grad)
     if k is None:
         return None
@@ -137,6 +141,7 @@ class LinkedStage:
         # Those a checkpoint returns gradients for (tied ones included), picked once.
         self.parameters = tuple(p for p in partition.parameters() if p.requires_grad) \
             if linked.checkpoint_stop else ()
+        self.plain = bool(linked.checkpoint_stop) and plain(partition)
         #: The phony of the last output's fork, for the next input to join.
         self.phony: Optional[Tensor] = None
 
@@ -152,27 +157,34 @@ class LinkedStage:
             raise Stopped()  # a task elsewhere failed: start nothing more
         i, j = action.i, self.j
         batch = self.receive(i)
+        # The phony of F(i-1, j): joined in (by a checkpoint itself), B(i, j) runs before.
+        phony, self.phony = self.phony, None
+        chk = None
         if i < linked.checkpoint_stop:
             chk = Checkpointing(self.function(i), batch, self.parameters, self.traits,
-                                task=(i, j), exclusive_rng=self.draws_random() is not False)
-            compute, finalize = chk.checkpoint, chk.recompute
+                                task=(i, j), exclusive_rng=self.draws_random() is not False,
+                                phony=phony, plain=self.plain)
+            compute = chk.checkpoint
         else:
-            compute, finalize = functools.partial(batch.call, self.function(i)), None
+            join_in(batch, phony)
+            compute = functools.partial(batch.call, self.function(i))
         # Inside a trace: where the walk through the task's backward stops.
-        boundary = [x.grad_fn for x in batch if x.grad_fn is not None] \
+        boundary = [x.grad_fn for x in [*batch, phony] if x is not None and x.grad_fn is not None] \
             if linked.recorder is not None else []
         output = self.compute(i, compute)
-        if not self.last:
-            # The copy stream must wait for the output before copying it.
+        waits = not self.last and is_cuda(linked.streams[j])
+        if waits:  # the copy stream must wait for the output before copying it
             wait(output, linked.streams[j], linked.copy_streams[j][i])
-        if finalize is not None:
-            # After the Wait: in backward, F'(i, j) runs before waiting for the gradient.
+        if chk is not None and (waits or linked.recorder is not None):
+            # After the Wait: in backward, F'(i, j) runs before waiting for the gradient (and
+            # a trace shows it apart). Forked after it: it waits for B(i+1, j) too.
             with use_device(self.device), use_stream(linked.streams[j]):
-                finalize(output)
+                chk.recompute(output)
+            chk = None
         if linked.recorder is not None:
             linked.recorder.watch_backward(i, j, self.device, output, boundary)
         if i + 1 < len(linked.batches):
-            self.phony = fork_off(output)
+            self.phony = fork_off(output if chk is None else chk)
         if self.last:
             linked.batches[i] = output
         else:
@@ -182,8 +194,7 @@ class LinkedStage:
         return partition_function(self.partition, self.j, self.linked.skip_trackers[i])
 
     def receive(self, i: int) -> Batch:
-        """The input of ``F(i, j)``, on the compute stream, joined to come after ``F(i-1, j)``'s
-        in the backward pass."""
+        """The input of ``F(i, j)``, on the compute stream."""
         linked, j = self.linked, self.j
         if j == 0:
             batch = linked.batches[i]
@@ -199,9 +210,6 @@ class LinkedStage:
                                                           ns, name))
             self.move(i, 'input', lambda: copy(batch, linked.copy_streams[j - 1][i],
                                                next_stream))
-        join_in(batch, self.phony)
-        self.phony = None
-        if j != 0:
             wait(batch, linked.copy_streams[j][i], linked.streams[j])
         return batch
 

@@ -174,7 +174,7 @@ class Stage:
         # Not known yet whether it draws: the generator is held, so a change is its doing.
         probing = self.draws_random() is None
         if checkpointed:
-            with first_pass(self.device) as current.replay:
+            with first_pass(self.device, self.draws_random() is not False) as current.replay:
                 output, drew = watch(lambda: self.call(input, skips), probing)
         else:
             with torch.set_grad_enabled(shared.train):

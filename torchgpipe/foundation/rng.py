@@ -42,8 +42,8 @@ from torch import Tensor, nn
 
 __all__: List[str] = []
 
-#: The CPU generator's state, and the CUDA device's if the task runs on one.
-RNGStates = Tuple[Tensor, Optional[Tensor]]
+#: The CPU generator's state (if saved), and the CUDA device's if the task runs on one.
+RNGStates = Tuple[Optional[Tensor], Optional[Tensor]]
 
 #: Held by every task while it may draw from the CPU generator (see point 3 above).
 #: Reentrant: a partition may run a checkpoint of its own inside its task.
@@ -58,11 +58,11 @@ state_lock = threading.Lock()
 T = TypeVar('T')
 
 
-def save_rng_states(device: torch.device) -> RNGStates:
-    """Captures the CPU generator's state, and the CUDA one if the device is CUDA."""
+def save_rng_states(device: torch.device, cpu: bool = True) -> RNGStates:
+    """Captures the CPU generator's state (if ``cpu``), and the CUDA one if the device is CUDA."""
     with state_lock:
         gpu_rng_state = torch.cuda.get_rng_state(device) if device.type == 'cuda' else None
-        return torch.get_rng_state(), gpu_rng_state
+        return torch.get_rng_state() if cpu else None, gpu_rng_state
 
 
 def cpu_rng_state() -> Tensor:
@@ -81,8 +81,7 @@ def watch(compute: Callable[[], T], probing: bool = True) -> Tuple[T, bool]:
     return output, not torch.equal(before, cpu_rng_state())
 
 
-def set_rng_states(device: torch.device,
-                   states: Tuple[Optional[Tensor], Optional[Tensor]]) -> None:
+def set_rng_states(device: torch.device, states: RNGStates) -> None:
     """Puts the generators in the given states, each only if a state is given."""
     cpu_state, gpu_state = states
     with state_lock:
@@ -107,8 +106,7 @@ def restore_rng_states(device: torch.device, states: RNGStates, *,
         return
     with cpu_generator_held(exclusive):
         # States saved on a CUDA device come with its generator's state.
-        saved: Tuple[Optional[Tensor], Optional[Tensor]] = save_rng_states(device)
-        replayed: Tuple[Optional[Tensor], Optional[Tensor]] = states
+        saved, replayed = save_rng_states(device), states
         if not exclusive:
             # The shared CPU state is not swapped without the lock.
             replayed, saved = (None, states[1]), (None, saved[1])

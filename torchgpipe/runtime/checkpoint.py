@@ -1,9 +1,9 @@
 """Checkpointing with two autograd functions sharing memory (Section 3.2.4).
 
 GPipe starts the recomputation ``F'(i, j)`` *before* the gradient from the
-next partition arrives, so they overlap: :class:`Checkpoint` and
-:class:`Recompute` are separate nodes sharing a ``recomputed`` slot, with
-the Wait for the gradient's copy between them::
+next partition arrives, so they overlap: where a copy of the gradient separates
+them (CUDA), :class:`Recompute` runs it ahead of :class:`Checkpoint`, sharing a
+``recomputed`` slot, with the Wait for the gradient's copy between them::
 
     forward:   input ─► Checkpoint ─► output ─► Wait ─► Recompute ─► output'
 
@@ -14,15 +14,19 @@ the Wait for the gradient's copy between them::
                3. Wait.backward: the compute stream waits for the copy
                4. Checkpoint.backward: backpropagate through the stashed graph
 
+Otherwise Checkpoint.backward recomputes. It also joins and forks as
+:mod:`~torchgpipe.foundation.dependency` does, a node less each: it takes the phony of
+the previous micro-batch's and returns its own, so ``B(i, j)`` waits for ``B(i+1, j)``.
 Both passes replay the same random numbers and autocast
-(:mod:`torchgpipe.runtime.replay`); Recompute keeps its inputs as saved
-tensors, so a retained graph recomputes again.
+(:mod:`torchgpipe.runtime.replay`); the input is kept as saved tensors, so a retained
+graph recomputes again.
 """
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, cast
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from torch.nn.modules import module as hooks
 
 from torchgpipe.foundation.microbatch import Batch, TensorOrTensors, Tensors, arrange
 from torchgpipe.foundation.nochunk import Layout
@@ -47,7 +51,7 @@ class Context:
     """What a :class:`Checkpoint` and its :class:`Recompute` share besides tensors: the
     partition's ``function``, its input's form (``atomic``, ``layout``, ``num_inputs``
     leading tensors), its ``traits``, whether the recomputation may draw from the CPU
-    generator (``exclusive_rng``), and the ``task`` for a profiler's labels."""
+    generator (``exclusive_rng``), the ``task`` for labels, whether it is :func:`plain`."""
 
     function: Function
     atomic: bool
@@ -56,11 +60,14 @@ class Context:
     traits: PartitionTraits
     exclusive_rng: bool
     task: Tuple[int, int]
+    plain: bool = False
     #: The states to replay, from Checkpoint.forward to Recompute.backward.
     first_pass: Optional[FirstPass] = None
     #: The recomputed graph, from Recompute.backward to Checkpoint.backward.
     recomputed: Optional[Recomputed] = None
-    #: Where the output tensors go in the output tuple (Checkpoint returns tensors only).
+    #: Whether the output is a tensor, and where its tensors go in the output tuple
+    #: (Checkpoint returns tensors only).
+    output_atomic: bool = True
     output_layout: Optional[Layout] = None
 
     def arguments(self, input: Tensors) -> TensorOrTensors:
@@ -69,43 +76,45 @@ class Context:
 
 
 class Checkpointing:
-    """Makes a pair of :class:`Checkpoint` and :class:`Recompute` for one ``batch``.
+    """Makes a :class:`Checkpoint` for one ``batch``, and its :class:`Recompute` if asked.
     ``parameters`` requiring grad get their gradients from the checkpoint's backward,
-    accumulated once per backward pass as without checkpointing (DDP relies on it); the
-    other arguments are :class:`Context`'s."""
+    accumulated once per backward pass as without checkpointing (DDP relies on it);
+    ``phony``, the :attr:`phony` of the previous micro-batch's, orders the backward passes;
+    the other arguments are :class:`Context`'s."""
 
     def __init__(self, function: Function, batch: Batch, parameters: Sequence[Tensor] = (),
                  traits: Optional[PartitionTraits] = None, exclusive_rng: bool = True,
-                 task: Tuple[int, int] = (0, 0)) -> None:
+                 task: Tuple[int, int] = (0, 0), phony: Optional[Tensor] = None,
+                 plain: bool = False) -> None:
         self.batch = batch
         self.parameters = parameters
+        #: After :meth:`checkpoint`, a phony whose consumer's backward runs before this one.
+        self.phony = phony
         self.context = Context(function, batch.atomic, batch.layout, len(batch),
                                PartitionTraits() if traits is None else traits, exclusive_rng,
-                               task)
+                               task, plain)
 
     def checkpoint(self) -> Batch:
         """Runs the function without keeping activations; returns the output batch."""
-        # A phony requiring grad: the output always has a backward node for Recompute.
-        phony = get_phony(self.batch[0].device, requires_grad=True)
-        output = Checkpoint.apply(phony, self.context,  # type: ignore[no-untyped-call]
-                                  *self.batch, *self.parameters)
-        if isinstance(output, tuple):
+        # A phony requiring grad: the output always has a backward node.
+        phony = self.phony if self.phony is not None else get_phony(self.batch[0].device,
+                                                                    requires_grad=True)
+        *output, self.phony = apply_checkpoint(phony, self.context, *self.batch,
+                                               *self.parameters)
+        atomic, layout = self.context.output_atomic, self.context.output_layout
+        if not atomic:
             # Only floating point tensors can carry gradients.
-            output = tuple(x if x.is_floating_point() else x.detach() for x in output)
-        layout = self.context.output_layout
-        if layout is not None:
-            return Batch(cast(Tensors, layout.fill(output)), layout)
-        return Batch(output)
+            output = [x if x.is_floating_point() else x.detach() for x in output]
+        return Batch(arrange(atomic, layout, output), layout)
 
     def recompute(self, batch: Batch) -> None:
-        """Hangs the recomputation right before the checkpoint's backward, on each tensor of
-        ``batch`` (:meth:`checkpoint`'s output) that requires grad."""
-        # A Recompute on each output requiring grad: one nothing used never gets a
-        # gradient. The first to run recomputes; the others find the graph.
-        for index in range(len(batch)):
-            if batch[index].requires_grad:
-                batch[index] = Recompute.apply(  # type: ignore[no-untyped-call]
-                    batch[index], self.context, *self.batch)
+        """Hangs the recomputation ahead of the checkpoint's backward, on the first tensor of
+        ``batch`` (:meth:`checkpoint`'s output) requiring grad (if it gets none, the
+        checkpoint recomputes)."""
+        k = batch.find(lambda x: x.requires_grad)
+        if k is not None:
+            batch[k] = Recompute.apply(  # type: ignore[no-untyped-call]
+                batch[k], self.context, *self.batch)
 
 
 def checkpoint_stop(checkpoint: str, chunks: int, m: int, training: bool) -> int:
@@ -135,88 +144,69 @@ def checkpoint(function: Function, input: TensorOrTensors) -> TensorOrTensors:
 
 
 class Checkpoint(torch.autograd.Function):
-    """Runs the function without keeping activations; backward uses :class:`Recompute`'s graph.
-
-    Why the parameters are arguments of Checkpoint::
-
-        without checkpointing             with checkpointing
-
-        W ──► F(0,j) ─┐                   W ──┬──► Checkpoint(0,j)
-        W ──► F(1,j) ─┤  engine sums          └──► Checkpoint(1,j)
-                      ▼  then once:                    │ backward: autograd.grad through
-                AccumulateGrad(W)                      │ the recomputed graph, returns
-                                                       ▼ dW as the gradient of input W
-                                              AccumulateGrad(W), once, after the
-                                              engine summed dW over micro-batches
-
-    So hooks on the accumulation (DDP's) fire as usual; other leaves of the
-    recomputed graph (:func:`reachable_leaves`) get their gradients too.
-    """
+    """Runs the function without keeping activations; backward recomputes it, unless a
+    :class:`Recompute` did. The parameters are inputs, their gradients outputs of the
+    backward: the engine sums them over micro-batches and accumulates each once, as
+    without checkpointing, so hooks on the accumulation (DDP's) fire as usual; other
+    leaves of the recomputed graph (:func:`reachable_leaves`) get theirs directly."""
 
     @staticmethod
     def forward(ctx: Any, phony: Tensor, context: Context,
-                *input_and_parameters: Tensor) -> TensorOrTensors:
+                *input_and_parameters: Tensor) -> Tensors:
         ctx.context = context
         # None, not zeros, for outputs nothing used, as the unwrapped model leaves them.
         ctx.set_materialize_grads(False)
         input = input_and_parameters[:context.num_inputs]
         ctx.parameters = input_and_parameters[context.num_inputs:]
+        ctx.save_for_backward(*input)
 
-        with first_pass(input[0].device) as context.first_pass:
+        with first_pass(input[0].device, context.exclusive_rng) as context.first_pass:
             output = context.traits.call(context.function, input, context.arguments, 'GPipe')
-        if isinstance(output, Tensor):
-            return output
-        # Tensors only: the output's other values go through the context.
+        # Tensors only, the other values through the context; last, the phony of the fork.
         batch = Batch(output)
-        context.output_layout = batch.layout
-        return output if batch.layout is None else tuple(batch)
+        context.output_atomic, context.output_layout = batch.atomic, batch.layout
+        return (*batch, get_phony(phony.device, requires_grad=False).detach())
 
     @staticmethod
     def backward(ctx: Any, *grad_output: Tensor) -> Tuple[Optional[Tensor], ...]:
         context: Context = ctx.context
-        assert context.recomputed is not None
-        output, input_leaf, roots = context.recomputed
+        output, input_leaf, roots = context.recomputed or recompute(context, ctx.saved_tensors)
         context.recomputed = None
-        outputs = (output,) if isinstance(output, Tensor) else tuple(Batch(output))
-        tensors = []
-        grad_tensors = []
-        for o, g in zip(outputs, grad_output):
-            if o.requires_grad and g is not None:
-                tensors.append(o)
-                grad_tensors.append(g)
+        pairs = [(o, g) for o, g in zip(Batch(output), grad_output)
+                 if o.requires_grad and g is not None]
         # Roots whose backward must run whatever the outputs' (a skip's portal phony).
-        for root in roots:
-            tensors.append(root)
-            grad_tensors.append(root.detach())
+        pairs += [(root, root.detach()) for root in roots]
+        tensors, grad_tensors = tuple(o for o, _ in pairs), tuple(g for _, g in pairs)
 
-        # Gradients by id() of the leaf: hashing tensors calls into Python.
-        grads: Dict[int, Optional[Tensor]] = {}
-        leaves: Dict[int, Tensor] = {}
+        # The gradients of the input and the parameters, then of other leaves (captured
+        # tensors) unless the function's layers cannot reach any.
+        known = (*input_leaf, *ctx.parameters)
+        leaves = [x for x in known if x.requires_grad]
+        extra: Dict[int, Tensor] = {}
         with label('backward', context.task):
-            if tensors:
-                leaves = reachable_leaves(tensors)
-                if leaves:
-                    grads = dict(zip(leaves, differentiate(tensors, grad_tensors,
-                                                           leaves.values())))
+            if tensors and not context.plain:
+                extra = reachable_leaves(tensors)
+                for x in leaves:
+                    extra.pop(id(x), None)
+                leaves += extra.values()
+            # The engine called directly: torch.autograd.grad's checks cost as much as a
+            # small partition's backward.
+            grads = iter(ENGINE.run_backward(tensors, grad_tensors, False, False, tuple(leaves),
+                                             True, False) if tensors and leaves else ())
 
         # None for the phony and the context, then the input and the parameters.
-        result = (None, None, *(grads.pop(id(x), None) for x in input_leaf),
-                  *(grads.pop(id(p), None) for p in ctx.parameters))
+        result = (None, None, *(next(grads, None) if x.requires_grad else None for x in known))
 
-        # Leaves neither inputs nor parameters (captured tensors), as a plain backward.
-        for key, grad in grads.items():
+        # The others' as a plain backward would.
+        for leaf, grad in zip(extra.values(), grads):
             if grad is not None:
-                leaf = leaves[key]
                 leaf.grad = grad if leaf.grad is None else leaf.grad + grad
         return result
 
 
-def differentiate(tensors: Sequence[Tensor], grad_tensors: Sequence[Tensor],
-                  leaves: Iterable[Tensor]) -> Tuple[Optional[Tensor], ...]:
-    """The gradients of ``leaves``, as :func:`torch.autograd.grad` with ``allow_unused=True``,
-    calling the engine directly: its checks cost as much as a small partition's backward."""
-    return cast(Tuple[Optional[Tensor], ...], ENGINE.run_backward(
-        tuple(tensors), tuple(grad_tensors), False, False, tuple(leaves), True, False))
+# Checkpoint.apply without the functorch checks of Function.apply: they loop over the
+# arguments, every parameter of the partition, for every task.
+apply_checkpoint = cast(Any, torch._C._FunctionBase).__dict__['apply'].__get__(None, Checkpoint)
 
 
 # The autograd engine behind torch.autograd.grad and backward.
@@ -225,13 +215,8 @@ ENGINE = cast(Any, torch.autograd.Variable)._execution_engine
 
 def reachable_leaves(tensors: Sequence[Tensor]) -> Dict[int, Tensor]:
     """Every leaf requiring grad that a backward from ``tensors`` reaches, by id()."""
-    leaves = {}
-    stack = []
-    for t in tensors:
-        if t.grad_fn is None:
-            leaves[id(t)] = t
-        else:
-            stack.append(t.grad_fn)
+    leaves = {id(t): t for t in tensors if t.grad_fn is None}
+    stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
     seen = set(stack)
     while stack:
         for node, _ in stack.pop().next_functions:
@@ -247,15 +232,28 @@ def reachable_leaves(tensors: Sequence[Tensor]) -> Dict[int, Tensor]:
     return leaves
 
 
+def plain(module: nn.Module) -> bool:
+    """Whether ``module``'s layers are PyTorch's own, without forward hooks, a forward of
+    their own, tensor attributes or buffers requiring grad: a recomputation's graph then
+    has no leaves but its input and parameters (no :func:`reachable_leaves`). Asked at
+    every call: hooks and attributes come and go."""
+    return not (hooks._global_forward_hooks or hooks._global_forward_pre_hooks) and all(
+        type(m).__module__.startswith('torch.nn.modules.')
+        and not (m._forward_hooks or m._forward_pre_hooks)
+        and not any(name == 'forward' or isinstance(value, Tensor)
+                    for name, value in vars(m).items())
+        and not any(b is not None and b.requires_grad for b in m._buffers.values())
+        for m in module.modules())
+
+
 # The type of the autograd node that accumulates a leaf's gradient.
 AccumulateGrad = type(torch.empty(1, requires_grad=True).view(1).grad_fn
                       .next_functions[0][0])  # type: ignore[union-attr]
 
 
 class Recompute(torch.autograd.Function):
-    """Recomputes the function of a :class:`Checkpoint` during the backward pass: its backward
-    runs as an output's gradient arrives, before the checkpoint's. Each output that may
-    carry a gradient has one; the first to run recomputes."""
+    """Recomputes the function of a :class:`Checkpoint` as an output's gradient arrives,
+    before the checkpoint's backward."""
 
     @staticmethod
     def forward(ctx: Any, output: Tensor, context: Context, *input: Tensor) -> Tensor:
@@ -268,23 +266,21 @@ class Recompute(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_output: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
         context: Context = ctx.context
-        passed_on = (grad_output, None, *(None for _ in range(context.num_inputs)))
-        if context.recomputed is not None:
-            # Another output's Recompute ran first: the graph is there.
-            return passed_on
-        input = ctx.saved_tensors
-        input_leaf = tuple(x.detach().requires_grad_(x.requires_grad) for x in input)
+        context.recomputed = recompute(context, ctx.saved_tensors)
+        return (grad_output, None, *(None for _ in range(context.num_inputs)))
 
-        assert context.first_pass is not None
-        roots: List[Tensor] = []
-        with label('recompute', context.task), recomputation(
-                input[0].device, context.first_pass,
-                exclusive=context.exclusive_rng), collect_roots(roots):
-            if context.traits.modifies_input:
-                # In place on a leaf is an error, and would change the saved input.
-                output, _ = call_on_copies(context.function, input_leaf, context.arguments)
-            else:
-                output = context.function(context.arguments(input_leaf))
 
-        context.recomputed = (output, input_leaf, roots)
-        return passed_on
+def recompute(context: Context, input: Tensors) -> Recomputed:
+    """Runs the checkpointed function again on ``input``, replaying its first pass."""
+    input_leaf = tuple(x.detach().requires_grad_(x.requires_grad) for x in input)
+    assert context.first_pass is not None
+    roots: List[Tensor] = []
+    with label('recompute', context.task), recomputation(
+            input[0].device, context.first_pass, exclusive=context.exclusive_rng), \
+            collect_roots(roots):
+        if context.traits.modifies_input:
+            # In place on a leaf is an error, and would change the saved input.
+            output, _ = call_on_copies(context.function, input_leaf, context.arguments)
+        else:
+            output = context.function(context.arguments(input_leaf))
+    return output, input_leaf, roots

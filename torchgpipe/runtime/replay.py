@@ -13,7 +13,7 @@ where tasks run.
 """
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, ContextManager, Generator, List, Optional, Tuple
+from typing import Any, ContextManager, Generator, List, Optional, Tuple, cast
 
 import torch
 from torch import Tensor
@@ -31,23 +31,18 @@ AutocastStates = Tuple[List[Tuple[str, torch.dtype]], bool]
 
 _AUTOCAST_DEVICE_TYPES = ('cpu', 'cuda')
 
-if hasattr(torch, 'get_autocast_dtype'):
-    def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
-        """The dtype autocast casts to on the device type, or ``None`` if it is off."""
-        # torch >= 2.4: one API for every device type.
-        if not torch.is_autocast_enabled(device_type):
-            return None
-        return torch.get_autocast_dtype(device_type)
-else:  # pragma: no cover (torch 2.1 - 2.3: separate functions per device type)
-    _LEGACY_AUTOCAST = {'cpu': ('is_autocast_cpu_enabled', 'get_autocast_cpu_dtype'),
-                        'cuda': ('is_autocast_enabled', 'get_autocast_gpu_dtype')}
+#: torch 2.1 - 2.3 have functions per device type; later ones, one for every type.
+_LEGACY_AUTOCAST = {'cpu': ('is_autocast_cpu_enabled', 'get_autocast_cpu_dtype'),
+                    'cuda': ('is_autocast_enabled', 'get_autocast_gpu_dtype')}
 
-    def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
-        is_enabled, get_dtype = _LEGACY_AUTOCAST[device_type]
-        if not getattr(torch, is_enabled)():
-            return None
-        dtype: torch.dtype = getattr(torch, get_dtype)()
-        return dtype
+
+def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
+    """The dtype autocast casts to on the device type, or ``None`` if it is off."""
+    if hasattr(torch, 'get_autocast_dtype'):
+        on = torch.is_autocast_enabled(device_type)
+        return torch.get_autocast_dtype(device_type) if on else None
+    is_enabled, get_dtype = _LEGACY_AUTOCAST[device_type]  # pragma: no cover
+    return cast(torch.dtype, getattr(torch, get_dtype)()) if getattr(torch, is_enabled)() else None
 
 
 def save_autocast_states() -> AutocastStates:
@@ -57,14 +52,14 @@ def save_autocast_states() -> AutocastStates:
             torch.is_autocast_cache_enabled())
 
 
-_NO_AUTOCAST = nullcontext()
+_NOTHING = nullcontext()
 
 
 def restore_autocast_states(states: AutocastStates) -> ContextManager[Any]:
     """Enters exactly the autocast contexts of ``states`` (and no other)."""
     if not states[0] and not save_autocast_states()[0]:
         # No autocast then or now, the common case: spare the contexts.
-        return _NO_AUTOCAST
+        return _NOTHING
     return _restore_autocast_states(states)
 
 
@@ -95,13 +90,14 @@ class FirstPass:
     def end(self) -> None:
         """Notes where the CPU generator is, where the recomputation must end (again for an
         engine whose recomputation replays more: the last partition's loss)."""
-        self.ended = cpu_rng_state() if cpu_generator_owned() else None
+        self.ended = cpu_rng_state() if self.rng[0] is not None and cpu_generator_owned() else None
 
 
 @contextmanager
-def first_pass(device: torch.device) -> Generator[FirstPass, None, None]:
+def first_pass(device: torch.device,
+               exclusive: bool = True) -> Generator[FirstPass, None, None]:
     """Runs a checkpointed micro-batch's first pass on ``device``; entering gives the states
-    to replay it from.
+    to replay it from, the CPU generator's only if the recomputation is ``exclusive``.
 
     Example::
 
@@ -113,8 +109,9 @@ def first_pass(device: torch.device) -> Generator[FirstPass, None, None]:
         True
     """
     # Saved before anything draws.
-    states = FirstPass(save_rng_states(device), save_autocast_states())
-    with torch.no_grad(), enable_checkpointing():
+    states = FirstPass(save_rng_states(device, exclusive), save_autocast_states())
+    # Grad off, unless already (as in an autograd function's forward): a cost per task.
+    with torch.no_grad() if torch.is_grad_enabled() else _NOTHING, enable_checkpointing():
         yield states
     states.end()
 
@@ -129,6 +126,7 @@ def recomputation(device: torch.device, states: FirstPass, *,
         RuntimeError: the recomputation ended with the CPU generator elsewhere
             than its first pass: something else drew from it in between
     """
+    assert states.rng[0] is not None or not exclusive  # saved by a first pass told so
     with restore_rng_states(device, states.rng, exclusive=exclusive), \
             restore_autocast_states(states.autocast), torch.enable_grad(), enable_recomputing():
         yield
@@ -146,6 +144,6 @@ def recomputation(device: torch.device, states: FirstPass, *,
 def replayed_otherwise(states: FirstPass) -> bool:
     """Whether a recomputation drew other numbers than its first pass: it moved the
     generator, and ended elsewhere than the first pass did."""
-    now = cpu_rng_state()
-    return not torch.equal(now, states.rng[0]) and not (states.ended is not None
-                                                        and torch.equal(now, states.ended))
+    now, first = cpu_rng_state(), states.rng[0]
+    return first is not None and not torch.equal(now, first) and not (
+        states.ended is not None and torch.equal(now, states.ended))
