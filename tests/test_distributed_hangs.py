@@ -506,7 +506,7 @@ class ScriptedChannels:
         self.sends.append(Received([], [mock.Mock()]))
         return self.sends[-1]
 
-    def wait(self, received: Received, until: Optional[float]) -> None:
+    def wait(self, received: Received, until: Optional[float], words: bool = False) -> None:
         if received not in self.sends:
             raise Disconnected('reset')
         received.done = True

@@ -170,13 +170,14 @@ class Channels:
         """Whether a receive of a word from ``rank`` is posted and has not ended."""
         return any(tag[1] == rank for tag in self.posted_words)
 
-    def wait(self, received: Received, until: Optional[float]) -> None:
+    def wait(self, received: Received, until: Optional[float], words: bool = False) -> None:
         """Waits for ``received``'s operations in this thread, by ``until``
         (``time.monotonic()``, or ``None``): ``TimedOut`` past it (gloo closes that
-        connection), ``Disconnected`` if it broke. On NCCL, the current stream waits."""
+        connection), ``Disconnected`` if it broke. For tensors on NCCL, the current stream
+        waits (``words`` are on gloo)."""
         try:
             for work in received.works:
-                if until is None or self.streamed:
+                if until is None or (self.streamed and not words):
                     work.wait()
                 else:  # whole milliseconds, above 0, which would be gloo's default timeout
                     work.wait(timeout=timedelta(milliseconds=max(

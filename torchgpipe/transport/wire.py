@@ -426,7 +426,7 @@ class Wire(Mailbox):
         until = min(time.monotonic() + TOLD_WITHIN, self.deadline or float('inf'))
         for sending in words.values():
             try:
-                self.channels.wait(sending, until)
+                self.channels.wait(sending, until, words=True)
             except (TimedOut, Disconnected):
                 pass
 
