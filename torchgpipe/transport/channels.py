@@ -45,39 +45,38 @@ def metas_of(tensors: Sequence[Tensor]) -> Metas:
 
 
 class Watchers:
-    """Threads that wait for point-to-point operations, each reporting to one queue when it
+    """Threads that wait for the receives of words, each reporting to one queue when it
     ends. A thread left waiting for an operation that never ends (its peer is gone) stays
     with it; the others serve the next operations."""
 
     def __init__(self) -> None:
         # What ended: (tag, error or None), in the order they ended.
         self.ended: 'queue.SimpleQueue[Tuple[Any, Optional[BaseException]]]' = queue.SimpleQueue()
-        self.idle: List['queue.SimpleQueue[Optional[Tuple[List[dist.Work], Any]]]'] = []
+        self.idle: List['queue.SimpleQueue[Optional[Tuple[dist.Work, Any]]]'] = []
         self.lock = threading.Lock()
         weakref.finalize(self, end_threads, self.idle)  # idle threads end with the watchers
 
-    def watch(self, works: List[dist.Work], tag: Any) -> None:
-        """Waits for ``works`` in a thread, which then reports ``tag`` to ``ended``."""
+    def watch(self, work: dist.Work, tag: Any) -> None:
+        """Waits for ``work`` in a thread, which then reports ``tag`` to ``ended``."""
         with self.lock:
             jobs = self.idle.pop() if self.idle else None
         if jobs is None:
             jobs = queue.SimpleQueue()
             threading.Thread(target=serve, args=(jobs, self.ended, self.idle, self.lock),
                              name='torchgpipe-wait', daemon=True).start()
-        jobs.put((works, tag))
+        jobs.put((work, tag))
 
 
-def serve(jobs: 'queue.SimpleQueue[Optional[Tuple[List[dist.Work], Any]]]',
+def serve(jobs: 'queue.SimpleQueue[Optional[Tuple[dist.Work, Any]]]',
           ended: 'queue.SimpleQueue[Tuple[Any, Optional[BaseException]]]',
           idle: List[Any], lock: threading.Lock) -> None:
-    for works, tag in iter(jobs.get, None):
+    for work, tag in iter(jobs.get, None):
         error: Optional[BaseException] = None
         try:
-            while works:
-                works.pop(0).wait()
+            work.wait()
         except BaseException as exc:
             error = exc
-        del works  # it holds no operation, which holds its tensor, while it idles
+        del work  # it holds no operation, which holds its tensor, while it idles
         ended.put((tag, error))
         with lock:
             idle.append(jobs)
@@ -164,7 +163,7 @@ class Channels:
         work, data = self.ahead[rank].pop(0)
         self.count += 1
         self.posted_words[('word', rank, self.count)] = data
-        self.watchers.watch([work], ('word', rank, self.count))
+        self.watchers.watch(work, ('word', rank, self.count))
 
     def expects_word(self, rank: int) -> bool:
         """Whether a receive of a word from ``rank`` is posted and has not ended."""
