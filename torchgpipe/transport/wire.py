@@ -228,8 +228,8 @@ class Wire(Mailbox):
             raise self.broken(rank, j, doing, exc) from exc
 
     def event(self, rank: int, j: int, doing: str) -> None:
-        """Waits for the next operation to end, while waiting for ``rank``'s partition ``j``:
-        keeps a word of the start or the end of a step, raises one of failure."""
+        """Waits for the next word, while waiting for ``rank``'s partition ``j``: keeps
+        a word of the start or the end of a step, raises one of failure, or a lost one."""
         try:
             kind, source, value = self.channels.next_event(self.deadline)
         except TimedOut:
