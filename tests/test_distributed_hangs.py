@@ -42,6 +42,7 @@ from torchgpipe.engine.step import split_given, weighted
 from torchgpipe.foundation.placement import check_materialized
 from torchgpipe.foundation.validation import check_balance
 from torchgpipe.transport.channels import Received
+from torchgpipe.transport.faults import Disconnected, TimedOut
 from torchgpipe.transport.wire import Wire
 
 pytestmark = pytest.mark.timeout(120)
@@ -483,9 +484,9 @@ def test_a_rank_that_cannot_build_the_pipeline_makes_every_rank_refuse(
 
 
 class ScriptedChannels:
-    """Channels of rank 1 whose operations with rank 0 end in the order ``events`` gives,
-    as the threads that wait for them may report them: the word rank 0 sent before its
-    connection broke, after the break."""
+    """Channels of rank 1 whose words from rank 0 the watchers report in the order
+    ``events`` gives, as their threads may: the word rank 0 sent before its connection
+    broke, after the break. A wait for tensors breaks; one for a word's send ends."""
 
     device = torch.device('cpu')
 
@@ -497,20 +498,18 @@ class ScriptedChannels:
         return any(kind == 'word' and source == rank for kind, source, _ in self.events)
 
     def next_event(self, until: Optional[float]) -> Tuple[str, int, Any]:
-        kind, source, value = self.events.pop(0)
-        if kind == 'taken':  # the receiver posted the receive of the send
-            self.sends[source].done = True
-        return kind, source, value
+        if not self.events:
+            raise TimedOut('nothing by the deadline')
+        return self.events.pop(0)
 
     def send_word(self, rank: int, word: Any) -> Received:
         self.sends.append(Received([], [mock.Mock()]))
         return self.sends[-1]
 
-    def watch(self, received: Received, rank: int, words: bool = False) -> None:
-        pass
-
-    def stream_wait(self, received: Received) -> None:
-        pass
+    def wait(self, received: Received, until: Optional[float], words: bool = False) -> None:
+        if received not in self.sends:
+            raise Disconnected('reset')
+        received.done = True
 
     def post_words(self, rank: int, n: int) -> None:
         pass
@@ -529,9 +528,20 @@ def test_a_rank_that_failed_is_named_even_if_its_break_is_reported_first(
         wire.wait(Received([], [mock.Mock()]), 0, 0, 'waiting for the input of micro-batch 0')
 
 
+def test_a_connection_closed_by_a_timed_out_wait_blames_whom_its_rank_waited_for() -> None:
+    """Rank 0's wait for rank 2 timed out, which closed its connection to rank 1."""
+    channels = ScriptedChannels([('word', 0, {'waiting': [2, 2]})])
+    wire = Wire(channels, [0, 1, 2], 1, {}, OrderedDict(), TIMEOUT)  # type: ignore[arg-type]
+    with pytest.raises(StepTimeout, match=re.escape(
+            'rank 2 (partition 2) did not answer within the step timeout (3 s), while this '
+            'rank was waiting for the input of micro-batch 0 from rank 0 (partition 0), '
+            'which was waiting for rank 2 (partition 2)')):
+        wire.wait(Received([], [mock.Mock()]), 0, 0, 'waiting for the input of micro-batch 0')
+
+
 def test_a_rank_that_fails_returns_once_the_others_took_its_word() -> None:
     """Its connections close next: a word not yet taken would be lost with them."""
-    channels = ScriptedChannels([('word', 1, {'waiting': [0, 0]}), ('taken', 0, None)])
+    channels = ScriptedChannels([])
     wire = Wire(channels, [0, 1], 0, {}, OrderedDict(), TIMEOUT)  # type: ignore[arg-type]
     wire.fail(RuntimeError('boom'))
-    assert channels.sends[0].done and not channels.events
+    assert channels.sends[0].done

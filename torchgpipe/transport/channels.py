@@ -2,18 +2,21 @@
 
 Tensors go at their exact size, one ``isend``/``irecv`` each (``batch_isend_irecv`` where
 several go at once), the same operations on gloo and NCCL. Words (a step's start and end,
-a failure) are JSON, with a tag of their own on gloo (a gloo group beside an NCCL one): a
-rank hears them while it waits for a tensor::
+a failure) are JSON, on a gloo group of their own::
 
-    rank 0  ── tensor (tag 0) ──────── tensor ──── word "done" (tag 1) ──► rank 1
-    rank 1  waits for a tensor or a word, whichever ends first, until its deadline
+    rank 0  ── tensor (tensor group) ── tensor ── word "done" (word group) ──► rank 1
+    rank 1  waits for a tensor in its own thread, until its deadline; a thread hears the words
 
-A gloo wait cannot be interrupted, and a timed-out one closes the group's connections. So
-a thread of :class:`Watchers` waits for each receive from its posting on, and reports its
-end to one queue, which the step's thread reads with its deadline. NCCL's waits are stream
-waits that never block the CPU: the step's thread makes them itself.
+The step's thread waits for each tensor operation itself (:meth:`Channels.wait`), with the
+time left to its deadline: a gloo wait cannot be interrupted, and one that times out closes
+its connection, in the tensor group alone, so the words still go. A failing rank ends the
+others' waits by closing its connections (:meth:`Channels.abandon`). A thread of
+:class:`Watchers` waits for each word's receive and reports it to one queue, which the
+step's thread reads as it needs a word. NCCL's waits are stream waits that never block the
+CPU.
 """
 import json
+import math
 import queue
 import threading
 import time
@@ -42,39 +45,38 @@ def metas_of(tensors: Sequence[Tensor]) -> Metas:
 
 
 class Watchers:
-    """Threads that wait for point-to-point operations, each reporting to one queue when it
+    """Threads that wait for the receives of words, each reporting to one queue when it
     ends. A thread left waiting for an operation that never ends (its peer is gone) stays
     with it; the others serve the next operations."""
 
     def __init__(self) -> None:
         # What ended: (tag, error or None), in the order they ended.
         self.ended: 'queue.SimpleQueue[Tuple[Any, Optional[BaseException]]]' = queue.SimpleQueue()
-        self.idle: List['queue.SimpleQueue[Optional[Tuple[List[dist.Work], Any]]]'] = []
+        self.idle: List['queue.SimpleQueue[Optional[Tuple[dist.Work, Any]]]'] = []
         self.lock = threading.Lock()
         weakref.finalize(self, end_threads, self.idle)  # idle threads end with the watchers
 
-    def watch(self, works: List[dist.Work], tag: Any) -> None:
-        """Waits for ``works`` in a thread, which then reports ``tag`` to ``ended``."""
+    def watch(self, work: dist.Work, tag: Any) -> None:
+        """Waits for ``work`` in a thread, which then reports ``tag`` to ``ended``."""
         with self.lock:
             jobs = self.idle.pop() if self.idle else None
         if jobs is None:
             jobs = queue.SimpleQueue()
             threading.Thread(target=serve, args=(jobs, self.ended, self.idle, self.lock),
                              name='torchgpipe-wait', daemon=True).start()
-        jobs.put((works, tag))
+        jobs.put((work, tag))
 
 
-def serve(jobs: 'queue.SimpleQueue[Optional[Tuple[List[dist.Work], Any]]]',
+def serve(jobs: 'queue.SimpleQueue[Optional[Tuple[dist.Work, Any]]]',
           ended: 'queue.SimpleQueue[Tuple[Any, Optional[BaseException]]]',
           idle: List[Any], lock: threading.Lock) -> None:
-    for works, tag in iter(jobs.get, None):
+    for work, tag in iter(jobs.get, None):
         error: Optional[BaseException] = None
         try:
-            while works:
-                works.pop(0).wait()
+            work.wait()
         except BaseException as exc:
             error = exc
-        del works  # it holds no operation, which holds its tensor, while it idles
+        del work  # it holds no operation, which holds its tensor, while it idles
         ended.put((tag, error))
         with lock:
             idle.append(jobs)
@@ -103,8 +105,9 @@ class Channels:
     def __init__(self, device: torch.device, ranks: List[int], backend: str) -> None:
         self.device = device
         self.group = dist.new_group(ranks, backend=backend, use_local_synchronization=True)
-        self.words = self.group if backend != 'nccl' else dist.new_group(
-            ranks, backend='gloo', use_local_synchronization=True)
+        # Apart from the tensors': a tensor wait that times out closes its connection.
+        self.words = dist.new_group(ranks, backend='gloo', use_local_synchronization=True)
+        self.others = [r for r in ranks if r != dist.get_rank()]
         self.tag, self.word_tag = 0, 1
         #: Whether waits are stream waits, which never block (NCCL).
         self.streamed = backend == 'nccl'
@@ -117,8 +120,6 @@ class Channels:
         self.word_buffers: List[bytearray] = []
         #: Receives of each rank's next words, posted and not watched yet (between steps).
         self.ahead: Dict[int, List[Tuple[dist.Work, bytearray]]] = {}
-        #: Operations watched, by tag ``('tensors', rank, n)``.
-        self.watched: Dict[Any, Received] = {}
         self.count = 0
 
     def send(self, rank: int, tensors: Sequence[Tensor], word: bool = False) -> Received:
@@ -134,13 +135,11 @@ class Channels:
         return these
 
     def post(self, rank: int, metas: Metas) -> Received:
-        """Posts the receives of tensors of ``metas`` from ``rank``, watched."""
+        """Posts the receives of tensors of ``metas`` from ``rank``."""
         tensors = [torch.empty(shape, dtype=DTYPES[dtype], device=self.device)
                    for shape, dtype in metas]
-        received = Received(tensors, operations(dist.irecv, [t for t in tensors if t.numel()],
-                                                rank, self.group, self.tag))
-        self.watch(received, rank)
-        return received
+        return Received(tensors, operations(dist.irecv, [t for t in tensors if t.numel()],
+                                            rank, self.group, self.tag))
 
     def send_word(self, rank: int, word: Any) -> Received:
         """Sends ``word`` (JSON data) to ``rank``, without waiting; returns its send."""
@@ -164,26 +163,29 @@ class Channels:
         work, data = self.ahead[rank].pop(0)
         self.count += 1
         self.posted_words[('word', rank, self.count)] = data
-        self.watchers.watch([work], ('word', rank, self.count))
+        self.watchers.watch(work, ('word', rank, self.count))
 
     def expects_word(self, rank: int) -> bool:
         """Whether a receive of a word from ``rank`` is posted and has not ended."""
         return any(tag[1] == rank for tag in self.posted_words)
 
-    def watch(self, received: Received, rank: int, words: bool = False) -> None:
-        """Reports the end of ``received``'s operations with ``rank`` (see :meth:`next_event`),
-        on gloo (``words`` always are): NCCL's are waited for by :meth:`stream_wait`."""
-        if not ((self.streamed and not words) or received.done):
-            self.count += 1
-            self.watched[('tensors', rank, self.count)] = received
-            self.watchers.watch(received.works, ('tensors', rank, self.count))
-
-    def stream_wait(self, received: Received) -> None:
-        """On NCCL, makes the current stream wait for ``received``: the CPU goes on."""
-        if self.streamed:
+    def wait(self, received: Received, until: Optional[float], words: bool = False) -> None:
+        """Waits for ``received``'s operations in this thread, by ``until``
+        (``time.monotonic()``, or ``None``): ``TimedOut`` past it (gloo closes that
+        connection), ``Disconnected`` if it broke. For tensors on NCCL, the current stream
+        waits (``words`` are on gloo)."""
+        try:
             for work in received.works:
-                work.wait()
-            received.done = True
+                if until is None or (self.streamed and not words):
+                    work.wait()
+                else:  # whole milliseconds, above 0, which would be gloo's default timeout
+                    work.wait(timeout=timedelta(milliseconds=max(
+                        math.ceil((until - time.monotonic()) * 1000), 1)))
+        except RuntimeError as exc:
+            if until is not None and time.monotonic() >= until:
+                raise TimedOut(str(exc)) from None
+            raise Disconnected(str(exc)) from exc
+        received.done = True
 
     @staticmethod
     def delivered(sending: Optional[Received]) -> None:
@@ -192,27 +194,20 @@ class Channels:
             work.wait()
 
     def next_event(self, until: Optional[float]) -> Tuple[str, Any, Any]:
-        """The next watched operation to end by ``until`` (``time.monotonic()``, or ``None``):
-        ``('word', rank, word)``, ``('tensors', tag, None)`` (all of a receive's operations)
-        or ``('lost', rank, error)``; ``TimedOut`` if none by then, ``Unreadable``
-        if a word is none this library sends."""
+        """The next word received by ``until`` (``time.monotonic()``, or ``None``):
+        ``('word', rank, word)`` or ``('lost', rank, error)``; ``TimedOut`` if none by
+        then, ``Unreadable`` if a word is none this library sends."""
         try:
             tag, error = self.watchers.ended.get(
                 timeout=None if until is None else max(until - time.monotonic(), 0.0))
         except queue.Empty:
             raise TimedOut('nothing by the deadline') from None
-        if tag[0] == 'word':
-            data = self.posted_words.pop(tag)
-            if error is not None:
-                return 'lost', tag[1], error
-            word = read_word(data, tag[1])
-            self.word_buffers.append(data)
-            return 'word', tag[1], word
-        received = self.watched.pop(tag)
+        data = self.posted_words.pop(tag)
         if error is not None:
             return 'lost', tag[1], error
-        received.done = True
-        return 'tensors', tag, None
+        word = read_word(data, tag[1])
+        self.word_buffers.append(data)
+        return 'word', tag[1], word
 
     def sent(self) -> Dict[int, Received]:
         """The sends to each rank since the last call: each ends once its receive is posted."""
@@ -220,13 +215,12 @@ class Channels:
         return sending
 
     def abandon(self) -> None:
-        """After a failed step, ends the waits it left to the watchers, which no
-        message may end: a gloo wait given a timeout that passes closes the
-        pipeline's connections, ending the others (else destroying the groups
-        would abort the process, a thread inside a wait)."""
-        ranks = {tag[1] for tag in [*self.watched, *self.posted_words]}
-        for rank in ranks if not self.streamed else ():
-            for group in {id(self.group): self.group, id(self.words): self.words}.values():
+        """After a failed step, closes the pipeline's connections (a gloo wait given a
+        timeout that passes closes its own): the others' waits for this rank end, and so
+        do the watchers' here, which no word may end (else destroying the groups would
+        abort the process, a thread inside a wait)."""
+        for rank in self.others if not self.streamed else ():
+            for group in (self.group, self.words):
                 try:
                     work, = operations(dist.irecv, [torch.empty(1)], rank, group, 1 << 30)
                     work.wait(timeout=timedelta(milliseconds=1))

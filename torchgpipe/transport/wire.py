@@ -213,21 +213,23 @@ class Wire(Mailbox):
         return received.tensors
 
     def wait(self, received: Received, rank: int, j: int, doing: str) -> None:
-        """Waits for operations with ``rank`` (partition ``j``), hearing the words that come:
-        ``PeerFailed`` if a rank failed or a connection broke, ``StepTimeout``
-        past the step's deadline."""
-        self.channels.stream_wait(received)
+        """Waits for operations with ``rank`` (partition ``j``) until the step's deadline:
+        ``PeerFailed`` if a rank failed or a connection broke, ``StepTimeout`` past it."""
         if not self.posted_ahead:  # the next step's two words, where they cost it nothing
             self.posted_ahead = True
             for other in self.others:
                 with self.lost(other, self.partition_of[other], 'receiving from it'):
                     self.channels.post_words(other, 2)
-        while not received.done:
-            self.event(rank, j, doing)
+        try:
+            self.channels.wait(received, self.deadline)
+        except TimedOut:
+            raise self.blame(rank, j, doing, None) from None
+        except Disconnected as exc:
+            raise self.broken(rank, j, doing, exc) from exc
 
     def event(self, rank: int, j: int, doing: str) -> None:
-        """Waits for the next operation to end, while waiting for ``rank``'s partition ``j``:
-        keeps a word of the start or the end of a step, raises one of failure."""
+        """Waits for the next word, while waiting for ``rank``'s partition ``j``: keeps
+        a word of the start or the end of a step, raises one of failure, or a lost one."""
         try:
             kind, source, value = self.channels.next_event(self.deadline)
         except TimedOut:
@@ -250,18 +252,21 @@ class Wire(Mailbox):
 
     def broken(self, rank: int, j: int, doing: str, error: BaseException) -> PeerFailed:
         """What to raise when the connection to ``rank`` broke while this rank was
-        ``doing``: the failure ``rank`` told before it ended, if its word came, else the
-        break. Each operation's end is reported by a thread of its own, so a word may be
-        reported after the break that followed it: the receives of ``rank``'s words, which
-        end as the connection breaks, are read first."""
+        ``doing``: the failure ``rank`` told before it ended, if its word came, the ranks
+        it waited for if it timed out (its wait's timeout closed the connection), else
+        the break. A thread reports each word, so a word may be reported after the break
+        that followed it: ``rank``'s, which ends as its connections close, is read first."""
+        until = time.monotonic() + TOLD_WITHIN  # a rank's word precedes its closing
         while self.ends.get(rank) is None and self.channels.expects_word(rank):
             try:
-                kind, source, value = self.channels.next_event(self.deadline)
+                kind, source, value = self.channels.next_event(until)
             except TimedOut:
                 break
             if kind == 'word':
                 self.hear(source, value)
         word = self.ends.get(rank)
+        if word is not None and 'waiting' in word:
+            return self.blame(rank, j, doing, word)
         if word is not None and 'error' in word:
             return failed([(rank, j)], doing, word)
         return lost_in([(rank, j)], doing, error)
@@ -360,7 +365,6 @@ class Wire(Mailbox):
                 result = sent
             self.channels.delivered(delivered.get(rank))
         for rank, sending in self.channels.sent().items():  # the end's own tensors
-            self.channels.watch(sending, rank)
             self.wait(sending, rank, self.partition_of[rank],
                       'waiting for it to take the messages of this rank')
         if self.recording and self.signature:
@@ -419,16 +423,12 @@ class Wire(Mailbox):
         words = self.tell({'error': f'{type(error).__name__}: {error}'[:4096], 'rank': rank})
         # The connections close next (Channels.abandon), and a gloo send ends only once
         # its receive is posted: the others take the word first, or learn only the break.
-        for other, sending in words.items():
-            self.channels.watch(sending, other, words=True)
         until = min(time.monotonic() + TOLD_WITHIN, self.deadline or float('inf'))
-        while any(not sending.done for sending in words.values()):
+        for sending in words.values():
             try:
-                kind, source, _ = self.channels.next_event(until)
-            except (TimedOut, Unreadable):
-                return
-            if kind == 'lost':
-                words.pop(source, None)
+                self.channels.wait(sending, until, words=True)
+            except (TimedOut, Disconnected):
+                pass
 
     def tell(self, word: Dict[str, Any]) -> Dict[int, Received]:
         """Sends every other rank, once, the word this one ends its step with:
