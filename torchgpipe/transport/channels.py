@@ -93,7 +93,6 @@ class Received:
     def __init__(self, tensors: List[Tensor], works: List[dist.Work]) -> None:
         self.tensors = tensors
         self.works = works
-        self.done = not works
 
 
 class Channels:
@@ -131,7 +130,6 @@ class Channels:
         sending = self.sending.setdefault(rank, Received([], []))
         sending.tensors += sent
         sending.works += these.works
-        sending.done = not sending.works
         return these
 
     def post(self, rank: int, metas: Metas) -> Received:
@@ -185,7 +183,6 @@ class Channels:
             if until is not None and time.monotonic() >= until:
                 raise TimedOut(str(exc)) from None
             raise Disconnected(str(exc)) from exc
-        received.done = True
 
     @staticmethod
     def delivered(sending: Optional[Received]) -> None:
