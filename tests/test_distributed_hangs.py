@@ -540,6 +540,16 @@ def test_a_connection_closed_by_a_timed_out_wait_blames_whom_its_rank_waited_for
         wire.wait(Received([], [mock.Mock()]), 0, 0, 'waiting for the input of micro-batch 0')
 
 
+def test_a_chain_of_waiting_ranks_names_the_failure_reported_after_its_break() -> None:
+    """Rank 1 follows rank 0's word to rank 2, whose failure word is reported after its break."""
+    channels = ScriptedChannels([('word', 0, {'waiting': [2, 2]}),
+                                 ('lost', 2, RuntimeError('reset')),
+                                 ('word', 2, {'error': 'Boom: boom in forward', 'rank': 2})])
+    wire = Wire(channels, [0, 1, 2], 1, {}, OrderedDict(), TIMEOUT)  # type: ignore[arg-type]
+    with pytest.raises(PeerFailed, match=re.escape('rank 2 (partition 2) failed, while this ')):
+        wire.wait(Received([], [mock.Mock()]), 0, 0, 'waiting for the input of micro-batch 0')
+
+
 def test_a_rank_that_fails_returns_once_the_others_took_its_word() -> None:
     """Its connections close next: a word not yet taken would be lost with them."""
     channels = ScriptedChannels([])

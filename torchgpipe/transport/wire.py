@@ -237,7 +237,7 @@ class Wire(Mailbox):
             raise self.blame(rank, j, doing, None) from None
         if kind == 'lost':
             raise self.broken(source, self.partition_of[source], doing, value)
-        word = self.hear(source, value) if kind == 'word' else None
+        word = self.hear(source, value)
         if word is not None and ('error' in word or 'waiting' in word and source == rank):
             raise self.blame(source, self.partition_of[source], doing, word)
 
@@ -256,7 +256,20 @@ class Wire(Mailbox):
         it waited for if it timed out (its wait's timeout closed the connection), else
         the break. A thread reports each word, so a word may be reported after the break
         that followed it: ``rank``'s, which ends as its connections close, is read first."""
-        until = time.monotonic() + TOLD_WITHIN  # a rank's word precedes its closing
+        word, _ = self.end_word(rank, time.monotonic() + TOLD_WITHIN)  # it precedes the closing
+        if word is not None and 'waiting' in word:
+            return self.blame(rank, j, doing, word)
+        if word is not None and 'error' in word:
+            return failed([(rank, j)], doing, word)
+        return lost_in([(rank, j)], doing, error)
+
+    def end_word(self, rank: int, until: float) -> Tuple[Optional[Dict[str, Any]],
+                                                         Optional[BaseException]]:
+        """The word ``rank`` ends its step with, read by ``until`` (``None`` if none came),
+        and the error that broke its connection, if one did. A thread reports each word's
+        receive, so a word may be reported after the break that followed it: reading stops
+        once every receive of ``rank``'s words has ended, not at the first break."""
+        error = None
         while self.ends.get(rank) is None and self.channels.expects_word(rank):
             try:
                 kind, source, value = self.channels.next_event(until)
@@ -264,12 +277,9 @@ class Wire(Mailbox):
                 break
             if kind == 'word':
                 self.hear(source, value)
-        word = self.ends.get(rank)
-        if word is not None and 'waiting' in word:
-            return self.blame(rank, j, doing, word)
-        if word is not None and 'error' in word:
-            return failed([(rank, j)], doing, word)
-        return lost_in([(rank, j)], doing, error)
+            elif source == rank:
+                error = value
+        return self.ends.get(rank), error
 
     def hear(self, source: int, value: Any) -> Optional[Dict[str, Any]]:
         """Keeps a word from ``source``: of its step's start, or else of its end (returned)."""
@@ -395,16 +405,11 @@ class Wire(Mailbox):
             self.tell({'waiting': [rank, j]})
         until = time.monotonic() + seconds
         while True:
-            while word is None and self.ends.get(chain[-1][0]) is None:  # its end, by until
-                try:
-                    kind, source, value = self.channels.next_event(until)
-                except TimedOut:
-                    return timed_out(chain, doing, seconds)
-                if kind == 'lost' and source == chain[-1][0]:
-                    return lost_in(chain, doing, value)
-                if kind == 'word':
-                    self.hear(source, value)
-            word = word or self.ends[chain[-1][0]]
+            if word is None:
+                word, error = self.end_word(chain[-1][0], until)
+                if word is None:
+                    return timed_out(chain, doing, seconds) if error is None else \
+                        lost_in(chain, doing, error)
             if 'done' in word:
                 return timed_out(chain, doing, seconds)
             if 'waiting' not in word:
