@@ -254,8 +254,7 @@ class Wire(Mailbox):
         """What to raise when the connection to ``rank`` broke while this rank was
         ``doing``: the failure ``rank`` told before it ended, if its word came, the ranks
         it waited for if it timed out (its wait's timeout closed the connection), else
-        the break. A thread reports each word, so a word may be reported after the break
-        that followed it: ``rank``'s, which ends as its connections close, is read first."""
+        the break; ``rank``'s word is read first (:meth:`end_word`)."""
         word, _ = self.end_word(rank, time.monotonic() + TOLD_WITHIN)  # it precedes the closing
         if word is not None and 'waiting' in word:
             return self.blame(rank, j, doing, word)
