@@ -20,7 +20,7 @@ from torchgpipe.engine.generators import (BUILT_INS, SCHEDULES, check_schedule, 
                                           interleaved_1f1b, named, one_f_one_b, resolve, worker_of,
                                           zb_h1, zbv)
 from helpers import random_order
-from torchgpipe.engine.schedule import Action, Kind, Schedule, clock_order, dependencies, in_flight
+from torchgpipe.engine.schedule import Action, Kind, Schedule, clock_order, dependencies
 from torchgpipe.engine.simulator import idle
 from torchgpipe.planner.predict import Candidate
 
@@ -29,6 +29,18 @@ def unit(n: int, p: int) -> Callable[[Action], Fraction]:
     """The paper's costs for ``n`` partitions on ``p`` workers: a stage of the model is 1."""
     size = Fraction(p, n)
     return lambda a: size * (2 if a.kind is Kind.B else 1)
+
+
+def in_flight(actions: list) -> int:
+    """How many micro-batches' activations a worker keeps at most (``W`` frees them, not ``I``)."""
+    alive = peak = 0
+    for action in actions:
+        if action.kind is Kind.F:
+            alive += 1
+            peak = max(peak, alive)
+        elif action.kind is not Kind.I:
+            alive -= 1
+    return peak
 
 
 def workers_of(name: str, n: int) -> int:

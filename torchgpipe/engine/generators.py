@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
-from torchgpipe.engine.schedule import (Action, Kind, Schedule, ScheduleLike, clock_order,
-                                        depends_on)
+from torchgpipe.engine.schedule import Action, Kind, Schedule, ScheduleLike, clock_order
 from torchgpipe.engine.simulator import idle, simulate, unit_cost
 from torchgpipe.foundation.validation import brief, describe
 
@@ -125,11 +124,13 @@ def interleaved_1f1b(m: int, n: int, p: int) -> Schedule:
 
 
 def zbv(m: int, n: int) -> Schedule:
-    """ZBV: ``n / 2`` workers, each with partitions ``w`` and ``n - 1 - w`` (a V), split.
-    Laid out by simulating it with the paper's unit costs, shared by a worker's partitions:
-    a free worker runs an ``I``, else an ``F`` while it keeps fewer than ``n`` micro-batches'
-    activations (1F1B's peak memory), else a ``W``; the oldest micro-batch first, then the
-    latest partition. It can finish by construction.
+    """ZBV, laid out as the zero-bubble paper draws it: ``n / 2`` workers, worker ``w`` with
+    partition ``w`` on the way down and ``n - 1 - w`` on the way back (a V), split. A worker
+    warms up with forward passes (the more, the earlier in the V), then runs, for each of
+    its partitions in turn, an ``F``, an ``I`` and the ``W`` it leaves at once: whatever
+    the passes cost, a ``W`` never holds up an ``I`` another worker waits for. The last
+    ``I`` passes go ahead of their ``W``. Fewer than ``n - 1`` micro-batches are laid out
+    as ``n - 1``, the missing ones left out. Its peak memory is 1F1B's (``n`` micro-batches).
 
     Raises:
         ValueError: ``n`` is odd
@@ -137,37 +138,27 @@ def zbv(m: int, n: int) -> Schedule:
     if n % 2:
         raise ValueError(f"schedule 'zbv' runs two partitions per device in a V, but there "
                          f'are {n} partitions; give a balance of an even number of entries')
-    p = n // 2
-    placement = [worker_of(j, n, p, 'v') for j in range(n)]
-    order = [Kind.I, Kind.F, Kind.W]
-    # The next micro-batch of each kind of action on each partition.
-    next_i = {(kind, j): 0 for kind in order for j in range(n)}
-    end: Dict[Action, Fraction] = {}
-    free = [Fraction(0)] * p
-    # The micro-batches whose activations each worker keeps (F done, no W yet).
-    alive = [0] * p
-    workers: List[List[Action]] = [[] for _ in range(p)]
-    now = Fraction(0)
-    left = len(order) * m * n
-    while left:
-        for w in range(p):
-            if free[w] > now:
-                continue
-            ready = [Action(kind, i, j) for (kind, j), i in next_i.items()
-                     if placement[j] == w and i < m and (kind is not Kind.F or alive[w] < n)]
-            ready = [a for a in ready if all(end.get(d, now + 1) <= now
-                                             for d in depends_on(a, n, lambda i, j: True))]
-            if not ready:
-                continue
-            action = min(ready, key=lambda a: (order.index(a.kind), a.i, -a.j))
-            next_i[action.kind, action.j] += 1
-            alive[w] += {Kind.F: 1, Kind.I: 0, Kind.W: -1}[action.kind]
-            free[w] = end[action] = now + unit_cost(action) / 2
-            workers[w].append(action)
-            left -= 1
-        later = [t for t in free if t > now]
-        assert later or not left, 'a greedy layout never waits for nothing'
-        now = min(later, default=now)
+    p, steps = n // 2, max(m, n - 1)
+    workers: List[List[Action]] = []
+    for w in range(p):
+        down, up = w, n - 1 - w
+        actions: List[Action] = []
+        # The next micro-batch of each kind on each of the two partitions.
+        next_i = {(kind, j): 0 for kind in (Kind.F, Kind.I, Kind.W) for j in (down, up)}
+
+        def run(*kinds_and_partitions: Tuple[Kind, int]) -> None:
+            for kind, j in kinds_and_partitions:
+                actions.append(Action(kind, next_i[kind, j], j))
+                next_i[kind, j] += 1
+        run(*[(Kind.F, down)] * (2 * (p - w) - 1), *[(Kind.F, up), (Kind.F, down)] * w,
+            *[(Kind.F, up), (Kind.I, up), (Kind.W, up)] * (p - w))
+        while next_i[Kind.F, down] < steps or next_i[Kind.F, up] < next_i[Kind.F, down]:
+            run(*[(Kind.F, down)] * (next_i[Kind.F, down] < steps), (Kind.I, down),
+                (Kind.W, down), (Kind.F, up), (Kind.I, up), (Kind.W, up))
+        run(*[(Kind.I, down), (Kind.I, up)] * w, *[(Kind.I, down), (Kind.W, down)] * (p - w))
+        run(*[(Kind.W, up)] * (next_i[Kind.I, up] - next_i[Kind.W, up]),
+            *[(Kind.W, down)] * (next_i[Kind.I, down] - next_i[Kind.W, down]))
+        workers.append([a for a in actions if a.i < m])
     return Schedule(workers)
 
 

@@ -130,6 +130,9 @@ class Schedule:
     def __init__(self, workers: Iterable[Iterable[Action]], name: str = 'own') -> None:
         self.workers: List[List[Action]] = [list(actions) for actions in workers]
         self.name = name
+        #: What the last :meth:`check` laid out, for the step that runs it (a built-in
+        #: schedule is checked once, and each step would lay it out again).
+        self.cycles: Optional[List[List[Action]]] = None
 
     def __str__(self) -> str:
         return '\n'.join(' '.join(map(str, actions)) for actions in self.workers)
@@ -224,7 +227,8 @@ class Schedule:
                 if missing:
                     raise ValueError(f'schedule never runs {missing[0]}; every micro-batch '
                                      'needs F, and B or both I and W, on every partition')
-        return clock_order(self.workers, n)
+        self.cycles = clock_order(self.workers, n)
+        return self.cycles
 
 
 def depends_on(action: Action, n: int, split: Callable[[int, int], bool]) -> List[Action]:
@@ -310,14 +314,3 @@ def circle(workers: Sequence[Sequence[Action]], needs: Dict[Action, List[Action]
              for a, w in cycle[1:]]
     return f'{cycle[0][0]} can never run, for it waits for ' + ', which waits for '.join(words)
 
-
-def in_flight(actions: Sequence[Action]) -> int:
-    """How many micro-batches' activations a worker keeps at most (``W`` frees them, not ``I``)."""
-    alive = peak = 0
-    for action in actions:
-        if action.kind is Kind.F:
-            alive += 1
-            peak = max(peak, alive)
-        elif action.kind is not Kind.I:
-            alive -= 1
-    return peak

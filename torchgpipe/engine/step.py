@@ -333,8 +333,8 @@ class Step:
         self.stages = {j: Stage(self.shared, j, p, devices[j], traits[j], last.get(j),
                                 None if copy_streams is None else copy_streams[j])
                        for j, p in enumerate(partitions) if p is not None}
-        self.order = [a for cycle in clock_order(schedule.workers, self.n) for a in cycle
-                      if a.j in self.stages]
+        cycles = schedule.cycles or clock_order(schedule.workers, self.n)
+        self.order = [a for cycle in cycles for a in cycle if a.j in self.stages]
 
     def loss(self, i: int, output: Batch) -> Tensor:
         """The weighted loss of micro-batch ``i``."""
