@@ -124,13 +124,11 @@ def interleaved_1f1b(m: int, n: int, p: int) -> Schedule:
 
 
 def zbv(m: int, n: int) -> Schedule:
-    """ZBV, laid out as the zero-bubble paper draws it: ``n / 2`` workers, worker ``w`` with
-    partition ``w`` on the way down and ``n - 1 - w`` on the way back (a V), split. A worker
-    warms up with forward passes (the more, the earlier in the V), then runs, for each of
-    its partitions in turn, an ``F``, an ``I`` and the ``W`` it leaves at once: whatever
-    the passes cost, a ``W`` never holds up an ``I`` another worker waits for. The last
-    ``I`` passes go ahead of their ``W``. Fewer than ``n - 1`` micro-batches are laid out
-    as ``n - 1``, the missing ones left out. Its peak memory is 1F1B's (``n`` micro-batches).
+    """ZBV, as the zero-bubble paper draws it: ``n / 2`` workers, worker ``w`` with partitions
+    ``w`` and ``n - 1 - w`` (a V), split. After a warm-up of forward passes, each partition
+    in turn runs an ``F``, an ``I`` and its ``W`` at once: whatever they cost, no ``W``
+    holds up an ``I`` another worker waits for. Fewer than ``n - 1`` micro-batches are laid
+    out as ``n - 1``, the missing ones left out. Its peak memory is 1F1B's.
 
     Raises:
         ValueError: ``n`` is odd

@@ -22,7 +22,7 @@ import threading
 import time
 import weakref
 from datetime import timedelta
-from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -87,12 +87,11 @@ def end_threads(idle: List[Any]) -> None:
         jobs.put(None)
 
 
-class Received:
+class Received(NamedTuple):
     """Tensors posted to be received (or sent), with their operations."""
 
-    def __init__(self, tensors: List[Tensor], works: List[dist.Work]) -> None:
-        self.tensors = tensors
-        self.works = works
+    tensors: List[Tensor]
+    works: List[dist.Work]
 
 
 class Channels:
@@ -128,8 +127,8 @@ class Channels:
         group, tag = (self.words, self.word_tag) if word else (self.group, self.tag)
         these = Received(sent, operations(dist.isend, sent, rank, group, tag))
         sending = self.sending.setdefault(rank, Received([], []))
-        sending.tensors += sent
-        sending.works += these.works
+        sending.tensors.extend(sent)
+        sending.works.extend(these.works)
         return these
 
     def post(self, rank: int, metas: Metas) -> Received:
@@ -183,12 +182,6 @@ class Channels:
             if until is not None and time.monotonic() >= until:
                 raise TimedOut(str(exc)) from None
             raise Disconnected(str(exc)) from exc
-
-    @staticmethod
-    def delivered(sending: Optional[Received]) -> None:
-        """Waits for sends that their receiver has taken: ended, they wait for nothing."""
-        for work in sending.works if sending is not None else ():
-            work.wait()
 
     def next_event(self, until: Optional[float]) -> Tuple[str, Any, Any]:
         """The next word received by ``until`` (``time.monotonic()``, or ``None``):

@@ -352,8 +352,6 @@ class Wire(Mailbox):
             with self.lost(rank, self.partition_of[rank], 'sending it the end of the step'):
                 self.channels.send_word(rank, {'done': [body if inline else None,
                                                         metas_of(ends[rank])]})
-        # A rank's end says it took every message of this rank: those sends end without it.
-        delivered = self.channels.sent()
         for rank, tensors in ends.items():
             with self.lost(rank, self.partition_of[rank], 'sending it the end of the step'):
                 self.channels.send(rank, tensors)
@@ -372,8 +370,9 @@ class Wire(Mailbox):
             sent, received[rank] = self.decode(told, theirs, rank)
             if rank == self.ranks[-1]:
                 result = sent
-            self.channels.delivered(delivered.get(rank))
-        for rank, sending in self.channels.sent().items():  # the end's own tensors
+        # A rank's end says it took every message of this rank: those sends have ended, and
+        # only the end's own tensors may wait for their receives.
+        for rank, sending in self.channels.sent().items():
             self.wait(sending, rank, self.partition_of[rank],
                       'waiting for it to take the messages of this rank')
         if self.recording and self.signature:
