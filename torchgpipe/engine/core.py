@@ -23,11 +23,10 @@ from torchgpipe.engine.pipeline import Pipeline
 from torchgpipe.engine.schedule import Action, Kind, Schedule, ScheduleLike
 from torchgpipe.engine.step import LossFunction, Step, split_given, weighted
 from torchgpipe.foundation import microbatch
-from torchgpipe.foundation.microbatch import Batch, TensorOrTensors, gather
+from torchgpipe.foundation.microbatch import TensorOrTensors
 from torchgpipe.foundation.stream import current_stream, use_device
 from torchgpipe.foundation.tied import shares_apart, tied_masters
-from torchgpipe.foundation.validation import (check_loss, check_step, check_target_and_loss,
-                                              describe)
+from torchgpipe.foundation.validation import check_evaluation, check_step, describe
 from torchgpipe.runtime.batchnorm import DeferredBatchNorm, deferred_step
 from torchgpipe.runtime.checkpoint import checkpoint_stop
 from torchgpipe.runtime.traits import PartitionTraits, RunState
@@ -139,7 +138,7 @@ class Core:
             return weights, forward_only(len(sizes), len(self.devices)), 0
         with self.started(check, input, target, loss_fn, plan, train=False) as (step, finish):
             loss = step.run()
-            output = None if loss_fn is not None else join(step.outputs())
+            output = None if loss_fn is not None else step.output()
             if output is not None and output_fn is not None:
                 output = output_fn(output)
             result = finish(loss if loss_fn is not None else output if everywhere else None)
@@ -239,27 +238,3 @@ def evaluating(module: nn.Module) -> Iterator[None]:
         for layer, training in modes:
             layer.training = training
 
-
-def check_evaluation(target: Optional[TensorOrTensors], loss_fn: object, reduction: str,
-                     output_fn: object, target_elsewhere: bool = False) -> None:
-    """Checks the arguments of an evaluation step: a target and a loss function, or neither
-    (a rank may have no target: ``target_elsewhere``), or else maybe ``output_fn``."""
-    if output_fn is not None:
-        if loss_fn is not None:
-            raise ValueError(describe('eval_step returns the loss, or the output (or '
-                                      'output_fn of it), not both',
-                                      'loss_fn and output_fn', 'pass one of them'))
-        if not callable(output_fn):
-            raise TypeError(describe('output_fn must be callable', f'output_fn: {output_fn!r}',
-                                     'pass a function of the output, e.g. '
-                                     'lambda logits: logits.argmax(-1)'))
-    if target is not None or not target_elsewhere:
-        check_target_and_loss('eval_step', target, loss_fn,
-                              'for the loss, or neither for the output')
-    if loss_fn is not None:
-        check_loss(loss_fn, reduction)
-
-
-def join(outputs: Optional[List[Batch]]) -> Optional[TensorOrTensors]:
-    """The micro-batches' outputs as one mini-batch, if here."""
-    return None if outputs is None else gather(outputs)

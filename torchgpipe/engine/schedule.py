@@ -130,8 +130,7 @@ class Schedule:
     def __init__(self, workers: Iterable[Iterable[Action]], name: str = 'own') -> None:
         self.workers: List[List[Action]] = [list(actions) for actions in workers]
         self.name = name
-        #: What the last :meth:`check` laid out, for the step that runs it (a built-in
-        #: schedule is checked once, and each step would lay it out again).
+        #: The clock cycles its last :meth:`check` laid out, which a step runs.
         self.cycles: Optional[List[List[Action]]] = None
 
     def __str__(self) -> str:

@@ -23,7 +23,7 @@ from torchgpipe.engine.mailbox import (Activation, ForwardMessage, Gradient, Mai
 from torchgpipe.engine.schedule import Action, Kind, Schedule, clock_order
 from torchgpipe.engine.split import WeightPass, input_pass
 from torchgpipe.foundation.copy import Ready
-from torchgpipe.foundation.microbatch import Batch, TensorOrTensors, check, move, scatter
+from torchgpipe.foundation.microbatch import Batch, TensorOrTensors, check, gather, move, scatter
 from torchgpipe.foundation.record import Recorder, run_task
 from torchgpipe.foundation.rng import cpu_generator_held, training_flags, watch
 from torchgpipe.foundation.stream import AbstractStream
@@ -358,12 +358,12 @@ class Step:
         return cast(Tensor, sum(last.losses[i].to(self.devices[-1])
                                 for i in range(len(shared.batches))))
 
-    def outputs(self) -> Optional[List[Batch]]:
-        """After an evaluation without a loss, the outputs, if here."""
+    def output(self) -> Optional[TensorOrTensors]:
+        """After an evaluation without a loss, the mini-batch's output, if here."""
         last = self.stages.get(self.n - 1)
         if last is None:
             return None
-        return [cast(Batch, last.passes[i].output) for i in range(len(self.shared.batches))]
+        return gather([cast(Batch, last.passes[i].output) for i in range(len(self.shared.batches))])
 
 
 class StageLike(Protocol):

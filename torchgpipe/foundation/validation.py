@@ -319,6 +319,26 @@ def check_target_and_loss(caller: str, target: object, loss_fn: object, use: str
                                   f'{given} without {missing}', f'pass {missing} too {use}'))
 
 
+def check_evaluation(target: object, loss_fn: object, reduction: str,
+                     output_fn: object, target_elsewhere: bool = False) -> None:
+    """Checks the arguments of an evaluation step: a target and a loss function, or neither
+    (a rank may have no target: ``target_elsewhere``), or else maybe ``output_fn``."""
+    if output_fn is not None:
+        if loss_fn is not None:
+            raise ValueError(describe('eval_step returns the loss, or the output (or '
+                                      'output_fn of it), not both',
+                                      'loss_fn and output_fn', 'pass one of them'))
+        if not callable(output_fn):
+            raise TypeError(describe('output_fn must be callable', f'output_fn: {output_fn!r}',
+                                     'pass a function of the output, e.g. '
+                                     'lambda logits: logits.argmax(-1)'))
+    if target is not None or not target_elsewhere:
+        check_target_and_loss('eval_step', target, loss_fn,
+                              'for the loss, or neither for the output')
+    if loss_fn is not None:
+        check_loss(loss_fn, reduction)
+
+
 def check_one_process() -> None:
     """Checks that ``train_step`` runs in one process: it averages no gradients across."""
     if (torch.distributed.is_available() and torch.distributed.is_initialized()

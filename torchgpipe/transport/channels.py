@@ -2,18 +2,14 @@
 
 Tensors go at their exact size, one ``isend``/``irecv`` each (``batch_isend_irecv`` where
 several go at once), the same operations on gloo and NCCL. Words (a step's start and end,
-a failure) are JSON, on a gloo group of their own::
+a failure) are JSON, on a gloo group of their own, heard by :class:`Watchers`::
 
     rank 0  ── tensor (tensor group) ── tensor ── word "done" (word group) ──► rank 1
     rank 1  waits for a tensor in its own thread, until its deadline; a thread hears the words
 
-The step's thread waits for each tensor operation itself (:meth:`Channels.wait`), with the
-time left to its deadline: a gloo wait cannot be interrupted, and one that times out closes
-its connection, in the tensor group alone, so the words still go. A failing rank ends the
-others' waits by closing its connections (:meth:`Channels.abandon`). A thread of
-:class:`Watchers` waits for each word's receive and reports it to one queue, which the
-step's thread reads as it needs a word. NCCL's waits are stream waits that never block the
-CPU.
+A gloo wait cannot be interrupted, and one that times out closes its connection: in the
+tensor group alone, so the words still go. A failing rank ends the others' waits by closing
+its connections (:meth:`Channels.abandon`).
 """
 import json
 import math

@@ -96,9 +96,8 @@ class Wire(Mailbox):
         #: Each rank's word of its step (see agree), and then of its end.
         self.said: Dict[int, Said] = {}
         self.ends: Dict[int, Any] = {}
-        self.settled = self.posted_ahead = False
-        #: Whether this rank has told the others why it stops (see tell).
-        self.told = False
+        #: Whether the start words were read (settle), and why this rank stops told (tell).
+        self.settled = self.told = self.posted_ahead = False
 
     def ends_of(self, key: Key) -> Route:
         """The partitions a message goes from and to."""
