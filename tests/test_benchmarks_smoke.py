@@ -28,7 +28,7 @@ from benchmarks.models.amoebanet import amoebanetd  # noqa: E402
 from benchmarks.models.resnet import resnet, resnet101  # noqa: E402
 
 # The benchmarks run the library's lines that the other tests measure: untraced.
-pytestmark = pytest.mark.unmeasured
+pytestmark = [pytest.mark.unmeasured, pytest.mark.slow]
 
 try:
     import matplotlib  # noqa: F401

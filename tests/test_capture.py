@@ -106,6 +106,7 @@ def captured_on(model: nn.Module, example: Any) -> Tuple[nn.Module, nn.Sequentia
     return model, to_sequential(model, example_inputs=example)
 
 
+@pytest.mark.slow
 def test_model_that_gives_dummy_inputs_flattens_with_no_argument(threaded: bool) -> None:
     model, seq = capture_once('dummy inputs', lambda: captured_by_default(WithDummyInputs()))
     assert seq.interface.names == ('input_ids',)
@@ -117,6 +118,7 @@ def test_model_that_gives_dummy_inputs_flattens_with_no_argument(threaded: bool)
                                           seq=seq)
 
 
+@pytest.mark.slow
 def test_keyword_inputs_and_dict_output(threaded: bool) -> None:
     model, seq = capture_once('keywords', lambda: captured_on(LanguageModel(), {
         'input_ids': ids(3), 'attention_mask': torch.ones(3, T)}))
@@ -303,6 +305,7 @@ class Bottleneck(nn.Module):
         return self.relu(out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('checkpoint', ['always', 'except_last'])
 def test_updates_in_place_of_values_from_other_children(checkpoint: str,
                                                         threaded: bool) -> None:

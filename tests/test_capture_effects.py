@@ -107,6 +107,7 @@ def test_one_tensor_given_for_two_arguments_is_two_inputs(threaded: bool) -> Non
 
 # Untraced: torch.export of T5 makes many Python calls, which coverage.py's
 # tracing slows by half again; the capture's lines are measured by other tests.
+@pytest.mark.slow
 @pytest.mark.unmeasured
 def test_t5_with_its_dummy_inputs_reads_both_inputs() -> None:
     transformers = pytest.importorskip('transformers')
@@ -140,6 +141,7 @@ class ViewUpdated(nn.Module):
         return self.fc3(h) + self.fc2(t)  # fc3 reads h after it
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('capture', CAPTURES)
 def test_update_of_a_view_is_seen_by_every_reader(capture: str, checkpoint: str,
                                                   threaded: bool) -> None:
@@ -253,6 +255,7 @@ class Hooked(nn.Module):
         return self.out(self.inner(self.fc(x)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('capture', CAPTURES)
 @pytest.mark.parametrize('where', ['model', 'inner', 'fc'])
 @pytest.mark.parametrize('hook', ['forward', 'pre'])
@@ -398,6 +401,7 @@ class Random(nn.Module):
        capture=st.sampled_from(CAPTURES), same_input=st.booleans(),
        checkpoint=st.sampled_from(CHECKPOINT_MODES), threaded=st.booleans(),
        hooked_model=st.booleans())
+@pytest.mark.slow
 def test_capture_leaves_the_model_and_equals_it_in_gpipe(
         pieces: List[str], capture: str, same_input: bool, checkpoint: str, threaded: bool,
         hooked_model: bool) -> None:

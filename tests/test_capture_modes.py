@@ -28,7 +28,7 @@ from torchgpipe import GPipe, generate, to_sequential
 from torchgpipe.balance import balance_by_time
 from torchgpipe.capture.cut import GeneratedChild
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 transformers = pytest.importorskip('transformers')
 

@@ -28,7 +28,7 @@ from torchgpipe import GPipe
 from torchgpipe.distributed import DistributedGPipe
 from torchgpipe.processes.tied import total_norm
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
 NORM_TYPES = [2.0, 1.0, math.inf]
 #: Far below every norm of these gradients (all clipped), and far above (none).

@@ -27,7 +27,7 @@ from torchgpipe.transport.channels import WORD_LIMIT, metas_of, read_word, wired
 from torchgpipe.transport.codec import Unreadable, Unsendable, decode, encode
 from torchgpipe.transport.faults import read_header
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
 
 def round_trip(message: Any) -> Any:

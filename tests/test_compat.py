@@ -26,6 +26,8 @@ from helpers import assert_same_training_step, cpu_devices, mlp
 from torchgpipe import GPipe
 from torchgpipe.batchnorm import DeferredBatchNorm
 
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

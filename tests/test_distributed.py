@@ -52,7 +52,7 @@ from process_group import GLOO_TIMEOUT, WORLD_SIZE, WorkerFailed, run_distribute
 from torchgpipe import GPipe
 from torchgpipe.skip import Namespace, pop, skippable, stash
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
 BATCH = 16         # per replica
 CHUNKS = 4         # micro-batches of 4 samples

@@ -23,7 +23,7 @@ from test_distributed import TOLERANCE
 from test_distributed_pipe import CHUNKS, batch, model
 from torchgpipe.distributed import DistributedGPipe
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
 # Optimizer states under the parameters' names, which any balance shares.
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)

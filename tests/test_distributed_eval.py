@@ -19,7 +19,7 @@ from test_distributed import TOLERANCE
 from test_distributed_pipe import CHUNKS, Config, Result, batch, model, pipeline, where_used
 from torchgpipe import GPipe
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
 TWO_RANKS = [Config('mlp', (3, 2), '1f1b', 'except_last'),
              Config('unet', (5, 5), '1f1b', 'always'),

@@ -45,7 +45,7 @@ from torchgpipe.transport.channels import Received
 from torchgpipe.transport.faults import Disconnected, TimedOut
 from torchgpipe.transport.wire import Wire
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
 TIMEOUT = 3.0
 # For the many stops of test_every_rank_names_the_stopped_one: each costs

@@ -288,12 +288,15 @@ def virtual(backend: str) -> List[Dict[str, Result]]:
 
 # The grids run the lines of the smaller tests again and again: untraced.
 @pytest.mark.unmeasured
-@pytest.mark.parametrize('config', TWO_RANKS + THREE_RANKS + VIRTUAL, ids=lambda c: c.id)
-def test_the_same_as_one_process_and_the_unwrapped_model(
-        two_ranks: List[Dict[str, Result]], three_ranks: List[Dict[str, Result]],
-        virtual: List[Dict[str, Result]], config: Config, backend: str) -> None:
-    ranks = virtual if config in VIRTUAL else two_ranks if len(config.balance) == 2 else \
-        three_ranks
+@pytest.mark.parametrize('config', TWO_RANKS + [pytest.param(c, marks=pytest.mark.slow)
+                                                 for c in THREE_RANKS + VIRTUAL],
+                         ids=lambda c: c.id)
+def test_the_same_as_one_process_and_the_unwrapped_model(request: pytest.FixtureRequest,
+                                                         config: Config, backend: str) -> None:
+    # Only the group of this configuration runs (the fast tier runs two ranks alone).
+    ranks: List[Dict[str, Result]] = request.getfixturevalue(
+        'virtual' if config in VIRTUAL else 'two_ranks' if len(config.balance) == 2 else
+        'three_ranks')
     actual = merge([r[config.id] for r in ranks])
     ranks_of = config.ranks(len(ranks))
     tied_across = config.model == 'tied' and ranks_of[0] != ranks_of[-1]
@@ -347,6 +350,7 @@ def layouts(backend: str) -> List[Dict[str, Result]]:
     return run_distributed(train_pipelines, LAYOUTS, world_size=3, timeout=150, backend=backend)
 
 
+@pytest.mark.slow
 @pytest.mark.unmeasured
 @pytest.mark.parametrize('config', LAYOUTS, ids=lambda c: c.id)
 def test_any_layout_of_skips_across_three_ranks(layouts: List[Dict[str, Result]],
@@ -495,6 +499,7 @@ def word_operations(rank: int, world_size: int) -> List[List[str]]:
     return steps
 
 
+@pytest.mark.slow
 def test_a_step_starts_with_its_word_the_receives_of_the_next_posted_in_the_one_before() -> None:
     for first, *later in run_distributed(word_operations, timeout=GLOO_TIMEOUT):
         # The start's and the end's receives, the start, the next step's receives, the end.
@@ -545,6 +550,7 @@ def assert_grid_trains_as_unwrapped(ranks: List[Result], config: Config) -> None
         optimizer.step()
 
 
+@pytest.mark.slow
 def test_pipelines_replicated_over_a_second_dimension_of_ranks(backend: str) -> None:
     assert_grid_trains_as_unwrapped(run_distributed(train_grid, world_size=4, timeout=150,
                                                     backend=backend), GRID)
@@ -646,6 +652,7 @@ def test_a_rank_that_fails_makes_every_rank_raise(fault_rank: int, how: str,
         assert result['after_ddp'] == result['after']
 
 
+@pytest.mark.slow
 def test_a_killed_rank_makes_the_others_raise() -> None:
     # The deadline is below gloo's timeout: the connection's end is noticed.
     results = run_distributed(fail_once, 1, 'kill', None, timeout=GLOO_TIMEOUT - 10, dies=[1])
@@ -677,6 +684,7 @@ def killed_between_steps(rank: int, world_size: int) -> Result:
     raise AssertionError('the step ran without rank 1')
 
 
+@pytest.mark.slow
 def test_a_rank_killed_between_steps_makes_the_next_step_raise_peer_failed() -> None:
     results = run_distributed(killed_between_steps, timeout=GLOO_TIMEOUT - 10, dies=[1])
     kind, message = results[0]['error']
@@ -706,6 +714,7 @@ def without_parameters_on_rank_1(rank: int, world_size: int) -> Result:
     return {'warnings': [str(w.message) for w in caught], **snapshot(pipe)}
 
 
+@pytest.mark.slow
 def test_a_rank_without_parameters_is_warned_and_the_recipe_trains() -> None:
     ranks = run_distributed(without_parameters_on_rank_1)
     assert ranks[0]['warnings'] == []
@@ -741,6 +750,7 @@ def resume(rank: int, world_size: int, checkpoints: str) -> Result:
     return snapshot(pipe)
 
 
+@pytest.mark.slow
 def test_a_failed_job_restarts_from_its_checkpoint(tmp_path: Path) -> None:
     run_distributed(fail_once, 1, 'forward', str(tmp_path), timeout=GLOO_TIMEOUT)
     ranks = run_distributed(resume, str(tmp_path), timeout=GLOO_TIMEOUT)
@@ -853,6 +863,7 @@ def on_meta(rank: int, world_size: int) -> Tuple[str, float, float]:
     return refused, float(loss), float(F.mse_loss(real(input), target))
 
 
+@pytest.mark.slow
 def test_a_model_on_the_meta_device_is_refused_where_it_would_be_placed() -> None:
     ranks = run_distributed(on_meta, timeout=GLOO_TIMEOUT)
     first_layer = {0: '0', 1: '4'}  # the first with parameters of each rank's partition

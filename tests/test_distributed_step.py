@@ -26,7 +26,7 @@ from process_group import run_distributed
 from test_distributed import BATCH, CHUNKS, FEATURES, TOLERANCE, build, global_batch
 from torchgpipe import GPipe
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
 STEPS = 2
 SCHEDULES = ['1f1b', 'fill_drain', 'zb_h1']

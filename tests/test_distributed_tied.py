@@ -33,7 +33,7 @@ from torchgpipe.distributed import DistributedGPipe
 from torchgpipe.processes.core import ranks_of_partitions
 
 # Language models, whose lines the smaller tests measure: untraced, at a third of the time.
-pytestmark = [pytest.mark.timeout(240), pytest.mark.unmeasured]
+pytestmark = [pytest.mark.timeout(240), pytest.mark.unmeasured, pytest.mark.slow]
 
 transformers = pytest.importorskip('transformers')
 

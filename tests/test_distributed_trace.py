@@ -25,7 +25,7 @@ from torchgpipe.engine.generators import expected_bubble, resolve
 from torchgpipe.engine.schedule import Kind, notation
 from torchgpipe.skip.layout import inspect_skip_layout
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
 # The skips of unet cross ranks in every layout below.
 CONFIGS = {

@@ -45,6 +45,8 @@ import torchgpipe
 from benchmarks import untraced
 from torchgpipe import GPipe
 
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, 'docs')
 

@@ -18,6 +18,8 @@ import torch
 
 from benchmarks import untraced
 
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, 'examples')
 # A Python warning in an example's output, as .ci/run finds them.

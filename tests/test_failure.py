@@ -201,6 +201,7 @@ def ctrl_c_raises() -> Iterator[None]:
 @pytest.mark.usefixtures('no_gc_callbacks', 'ctrl_c_raises')
 @pytest.mark.parametrize('step', [forward_step, train_step, zero_bubble_step],
                          ids=['forward', 'train_step', 'zb_h1'])
+@pytest.mark.slow
 @pytest.mark.parametrize('j', [0, 2])
 def test_ctrl_c_returns_after_every_worker_stopped(step: Callable[[GPipe, Tensor, Tensor], None],
                                                   j: int, threaded: bool) -> None:

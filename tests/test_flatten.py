@@ -278,6 +278,7 @@ def test_gpipe_trains_the_flattened_model_like_the_original(name: str, checkpoin
     assert_trains_like_original(original, gpipe, data())
 
 
+@pytest.mark.slow
 @pytest.mark.unmeasured
 @pytest.mark.parametrize('copier', COPIERS)
 @pytest.mark.parametrize('name', list(MODELS))
@@ -307,6 +308,7 @@ def test_a_copy_of_the_flattened_model_trains_like_the_original(
     assert_trains_like_original(original, gpipe, data(), steps=2, trained=trained)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name', list(MODELS))
 def test_any_cut_between_two_children(name: str) -> None:
     factory, data = MODELS[name]
@@ -562,6 +564,7 @@ class TiedLM(nn.Module):
         return self.head(x)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('glue_head', [False, True], ids=['linear_head', 'glue_head'])
 def test_tied_embedding_and_head_stay_children_of_their_own(glue_head: bool, checkpoint: str,
                                                             threaded: bool) -> None:

@@ -20,7 +20,7 @@ from process_group import run_distributed
 from torchgpipe import GPipe, generate, to_sequential
 
 # Language models, whose lines the smaller tests measure: untraced, at a third of the time.
-pytestmark = [pytest.mark.timeout(240), pytest.mark.unmeasured]
+pytestmark = [pytest.mark.timeout(240), pytest.mark.unmeasured, pytest.mark.slow]
 
 transformers = pytest.importorskip('transformers')
 

@@ -23,7 +23,7 @@ from test_distributed_pipe import CHUNKS, batch, model
 from torchgpipe import GPipe
 from torchgpipe.distributed import DistributedGPipe
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
 STEPS = 4
 #: The step whose gradients get an infinity, in the parameter named here.

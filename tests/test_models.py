@@ -25,7 +25,7 @@ if str(ROOT) not in sys.path:
 from benchmarks.models.zoo import MODELS  # noqa: E402
 
 # Real models, whose lines the smaller tests measure: untraced, at a third of the time.
-pytestmark = pytest.mark.unmeasured
+pytestmark = [pytest.mark.unmeasured, pytest.mark.slow]
 
 
 @pytest.mark.parametrize('name', list(MODELS))

@@ -16,6 +16,8 @@ from packaging.utils import canonicalize_name
 
 import torchgpipe
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

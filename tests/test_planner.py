@@ -685,6 +685,7 @@ def test_a_weight_two_layers_share_is_counted_once_where_they_are_together() -> 
 @pytest.mark.parametrize('schedule, chunks, mode', [
     ('fill_drain', 1, 'never'), ('fill_drain', 4, 'never'), ('zb_h1', 4, 'never'),
     ('fill_drain', 4, 'always'), ('zb_h1', 4, 'always'), ('zbv', 4, 'never')])
+@pytest.mark.slow
 @pytest.mark.parametrize('name', MEMORY_MODELS)
 def test_the_predicted_peak_is_the_pipelines(name: str, schedule: str, chunks: int,
                                              mode: str) -> None:

@@ -22,6 +22,8 @@ from torchgpipe.planner.calibrate import (CHUNKS, Timer, skip_cost, skipping, ta
 from torchgpipe.planner.costs import Costs, measure
 from torchgpipe.planner.predict import Candidate, predict
 
+pytestmark = pytest.mark.slow
+
 
 def simulated(truth: Tuple[float, float, float], p: int, cores: Optional[float]) -> Timer:
     """A timer whose steps are the simulator's for ``truth``: the seconds each task

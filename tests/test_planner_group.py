@@ -21,6 +21,8 @@ from process_group import run_distributed
 from test_distributed_pipe import Config, Result, assert_equal, batch, merge, model, train, \
     unwrapped
 
+pytestmark = pytest.mark.slow
+
 #: Each job's plans: every schedule, and ZBV alone (two partitions per rank, in a V;
 #: a loop's layout as Plan.kwargs gives it is checked by tests/test_planner.py).
 SCHEDULES: List[Optional[List[str]]] = [None, ['zbv']]

@@ -25,6 +25,8 @@ from torchgpipe.planner.pilot import (SLOWEST, STEPS, fill_in, model_steps, pace
                                       scaled, time_balance)
 from torchgpipe.planner.predict import Candidate, predict
 
+pytestmark = pytest.mark.slow
+
 
 @settings(max_examples=10, deadline=None)
 @given(data=st.data(), workers=st.integers(2, 3), overhead=st.sampled_from([0.0, 2e-4]))

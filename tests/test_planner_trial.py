@@ -21,6 +21,8 @@ from torchgpipe.planner import trial
 from torchgpipe.planner.option import Option
 from torchgpipe.planner.trial import SPREAD, STEPS, kind, shortlist, tried
 
+pytestmark = pytest.mark.slow
+
 
 KINDS = st.tuples(st.sampled_from(['1f1b', 'zb_h1']), st.integers(1, 3),
                   st.sampled_from(['never', 'except_last', 'always']))

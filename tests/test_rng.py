@@ -184,6 +184,7 @@ def test_cuda_dropout_gradient_is_output_over_input_on_every_device() -> None:
     torch.testing.assert_close(x.grad, (y.detach() / x.detach()).to(x.device))
 
 
+@pytest.mark.slow
 def test_generator_state_calls_never_deadlock_under_stress() -> None:
     """Many threads reading and writing the CPU generator's state never wait for each
     other for ever: two Python threads train four pipelines with worker threads

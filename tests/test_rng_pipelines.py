@@ -24,6 +24,8 @@ from helpers import cpu_devices
 from torchgpipe import GPipe, is_checkpointing, is_recomputing
 from torchgpipe.foundation.rng import cpu_generator_lock
 
+pytestmark = pytest.mark.slow
+
 #: Two pipelines at once must finish well within this, or the test fails, with
 #: every thread's stack, instead of hanging.
 DEADLINE = 120.0

@@ -55,6 +55,7 @@ def shapes() -> 'st.SearchStrategy[tuple]':
         else st.integers(1, 6)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('p', [2, 3, 4, 5])
 def test_interleaved_1f1b_can_finish_with_any_micro_batches_and_partitions_per_worker(
         p: int) -> None:

@@ -654,6 +654,7 @@ def live() -> Tuple[int, int]:
     return portals, tensors
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('checkpoint', ['always', 'never'])
 def test_no_leak_after_many_steps(checkpoint: str) -> None:
     model = GPipe(unet(), [4, 4, 4, 4], devices=['cpu'] * 4, chunks=3, checkpoint=checkpoint)

@@ -13,6 +13,8 @@ from typing import Dict, List, Set, Tuple
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 PACKAGE = Path(__file__).resolve().parent.parent / 'torchgpipe'
 
 

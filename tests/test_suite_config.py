@@ -19,6 +19,8 @@ import pytest
 from benchmarks import COVERAGE_VARIABLE, untraced_environ
 from conftest import TESTS, is_whole_suite
 
+pytestmark = pytest.mark.slow
+
 ROOT = TESTS.parent
 #: Options of the child runs that change nothing here but their start-up time.
 FAST = ['-p', 'no:cacheprovider', '-p', 'no:hypothesispytest', '-p', 'no:anyio']

@@ -436,6 +436,7 @@ def dropout_step(pipe: nn.Module, schedule: str) -> List[Tensor]:
     return [loss, *(p.grad for p in pipe.parameters())]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('schedule', list(PARTITIONS))
 def test_tied_gradient_bit_for_bit_with_dropout_whatever_the_timing(schedule: str,
                                                                      checkpoint: str) -> None:

@@ -412,6 +412,7 @@ def plain_model() -> nn.Sequential:
     (plain_model, dropout_mse),
     (dropout_model, noisy_mse),
 ], ids=['dropout-in-model', 'randn-in-loss', 'dropout-in-loss', 'both'])
+@pytest.mark.slow
 def test_random_draws_are_the_same_on_both_paths(
         schedule: str, checkpoint: str, model: Callable[[], nn.Sequential],
         loss_fn: Callable[[Tensor, Tensor], Tensor]) -> None:
@@ -704,6 +705,7 @@ class Keep(nn.Module):
         return y
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('schedule', SCHEDULES)
 def test_a_step_leaves_no_activation_behind(schedule: str, threaded: bool) -> None:
     # Failed or not: what an I keeps for its W goes with the step. The three

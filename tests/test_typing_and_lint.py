@@ -16,7 +16,7 @@ from conftest import TESTS
 ROOT = TESTS.parent
 
 # They run none of the package's code: nothing to measure.
-pytestmark = pytest.mark.unmeasured
+pytestmark = [pytest.mark.unmeasured, pytest.mark.slow]
 
 
 @pytest.mark.parametrize('command', [['mypy'], ['ruff', 'check', '.']], ids=['mypy', 'ruff'])
