@@ -33,6 +33,7 @@ import multiprocessing
 import os
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from typing import Any, Callable, Dict, Generator, Iterator, List, NamedTuple, Tuple
@@ -493,10 +494,14 @@ def test_a_gloo_work_launched_in_backward_keeps_the_backward_context() -> None:
     works.clear()
     # The gloo thread may hold the work a moment more: the group's destructor,
     # at return, joins it, which must not happen while it waits for the GIL.
-    deadline = time.monotonic() + 10
-    while ref() is not None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert ref() is None
+    freed = threading.Event()
+    context = ref()
+    if context is None:
+        freed.set()
+    else:
+        weakref.finalize(context, freed.set)
+        del context
+    assert freed.wait(10)
 
 
 @pytest.mark.parametrize('devices', [['cpu', 'cpu'], ['cpu:0', 'cpu:1']],

@@ -7,7 +7,6 @@ import multiprocessing
 import os
 import sys
 import threading
-import time
 from typing import List
 
 import pytest
@@ -164,10 +163,15 @@ def test_join_running_workers(threaded: bool) -> None:
     """A normal exit lets every task already queued finish, as in torchgpipe 0.0.7."""
     devices = [torch.device(name) for name in cpu_devices(2, threaded)]
     done: List[int] = []
+    # On worker threads, every task is still queued or running as the block ends (inline,
+    # each runs as it is put).
+    release = threading.Event()
+    if not threaded:
+        release.set()
 
     def task(k: int) -> Task:
         def compute() -> Batch:
-            time.sleep(0.05)
+            assert release.wait(10)
             done.append(k)
             return Batch(torch.zeros(1))
         return Task(CPUStream, compute=compute, finalize=None)
@@ -175,6 +179,8 @@ def test_join_running_workers(threaded: bool) -> None:
     with spawn_workers(devices) as (in_queues, _):
         for k in range(4):
             in_queues[k % 2].put(task(k))
+        assert done == [] or not threaded
+        release.set()
     assert sorted(done) == [0, 1, 2, 3]
 
 
