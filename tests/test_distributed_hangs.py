@@ -529,6 +529,18 @@ def test_a_rank_that_failed_is_named_even_if_its_break_is_reported_first(
         wire.wait(Received([], [mock.Mock()]), 0, 0, 'waiting for the input of micro-batch 0')
 
 
+def test_a_rank_stopped_by_another_ones_failure_names_it_as_the_one_at_fault() -> None:
+    """Rank 0 stopped because rank 2 failed: rank 1, waiting for rank 0, says so."""
+    told = {'error': 'PeerFailed: rank 2 (partition 2) failed: Boom: boom in forward', 'rank': 2}
+    channels = ScriptedChannels([('lost', 0, RuntimeError('reset')), ('word', 0, told)])
+    wire = Wire(channels, [0, 1, 2], 1, {}, OrderedDict(), TIMEOUT)  # type: ignore[arg-type]
+    with pytest.raises(PeerFailed, match=re.escape(
+            'rank 0 (partition 0) stopped, as another rank failed: PeerFailed: rank 2 '
+            '(partition 2) failed: Boom: ')) as raised:
+        wire.wait(Received([], [mock.Mock()]), 0, 0, 'waiting for the input of micro-batch 0')
+    assert raised.value.rank == 2
+
+
 def test_a_connection_closed_by_a_timed_out_wait_blames_whom_its_rank_waited_for() -> None:
     """Rank 0's wait for rank 2 timed out, which closed its connection to rank 1."""
     channels = ScriptedChannels([('word', 0, {'waiting': [2, 2]})])

@@ -80,11 +80,13 @@ def lost_in(chain: Chain, doing: str, error: BaseException) -> PeerFailed:
 
 
 def failed(chain: Chain, doing: str, word: Any) -> PeerFailed:
-    """The last rank of ``chain`` sent word of its failure (``word['error']``)."""
+    """The last rank of ``chain`` sent word of its failure (``word['error']``), or of the
+    failure of ``word['rank']``, another, that stopped it."""
     rank = chain[-1][0] if word['rank'] is None else word['rank']
+    what = 'failed' if rank == chain[-1][0] else 'stopped, as another rank failed'
     if len(chain) < 2:
-        return PeerFailed(f'{peer(*chain[-1])} failed: {word["error"]}', rank)
-    return PeerFailed(f'{peer(*chain[-1])} failed, while this rank was {doing}{via(chain)}: '
+        return PeerFailed(f'{peer(*chain[-1])} {what}: {word["error"]}', rank)
+    return PeerFailed(f'{peer(*chain[-1])} {what}, while this rank was {doing}{via(chain)}: '
                       f'{word["error"]}', rank)
 
 
