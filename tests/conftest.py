@@ -154,7 +154,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 # part of it (a file, a test, -k or -m) covers less, and must not fail for that.
 # The threshold is lifted at the end of the collection unless the run is the
 # whole suite, so `python -m pytest` keeps it and `python -m pytest
-# tests/test_gpipe.py` passes when its tests do; with pytest-xdist (-n), in
+# tests/modules/test_gpipe.py` passes when its tests do; with pytest-xdist (-n), in
 # the controller, once a worker has collected.
 
 TESTS = Path(__file__).resolve().parent
@@ -174,7 +174,7 @@ def is_whole_suite(args: Iterable[str], modules: Set[Path], deselected: bool) ->
     """
     if deselected or any('::' in arg for arg in args):
         return False
-    return {path.resolve() for path in TESTS.glob('test_*.py')} <= modules
+    return {path.resolve() for path in TESTS.rglob('test_*.py')} <= modules
 
 
 def pytest_configure(config: pytest.Config) -> None:

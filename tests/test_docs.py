@@ -28,6 +28,7 @@ classes, and load nothing from the internet.
 """
 import ast
 import doctest
+import glob
 import importlib
 import io
 import os
@@ -133,7 +134,7 @@ def test_readme_example(example: Example) -> None:
 def measured_unless_it_captures_a_library_model(example: Example) -> object:
     """An example that captures a model of transformers runs untraced: torch.export's many
     Python calls make coverage.py's tracing cost more than the example itself, and
-    the capture's lines are measured by tests/test_models.py and tests/test_capture*.py."""
+    the capture's lines are measured by tests/capture/test_models.py and tests/test_capture*.py."""
     if 'import transformers' in example.source:
         return pytest.param(example, marks=pytest.mark.unmeasured)
     return example
@@ -364,17 +365,17 @@ def test_the_six_properties_the_tests_cite_are_listed_with_their_tests() -> None
     listed = {}
     for row in rows:
         row = row.split('\n\n')[0]  # the table ends at the first blank line
-        files = re.findall(r'``(tests/\w+\.py)``', row)
+        files = re.findall(r'``(tests/[\w/]+\.py)``', row)
         assert files, row
         for path in files:
             assert os.path.isfile(os.path.join(ROOT, path)), path
         listed[row[0]] = set(files)
-    tests = os.path.join(ROOT, 'tests')
-    for name in sorted(os.listdir(tests)):
-        if name.endswith('.py') and name != 'test_docs.py':
-            with open(os.path.join(tests, name), encoding='utf-8') as f:
+    for path in sorted(glob.glob(os.path.join(ROOT, 'tests', '**', '*.py'), recursive=True)):
+        name = os.path.relpath(path, ROOT)
+        if name != os.path.join('tests', 'test_docs.py'):
+            with open(path, encoding='utf-8') as f:
                 for number in re.findall(r'\bPropert(?:y|ies) ([1-6])\b', f.read()):
-                    assert f'tests/{name}' in listed[number], (name, number)
+                    assert name in listed[number], (name, number)
 
 
 def test_schedules_page_says_train_step_works_under_ddp() -> None:

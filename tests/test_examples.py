@@ -144,7 +144,7 @@ def test_distributed_pipeline_example_trains_with_two_partitions_per_rank(
         schedule: str, name: str, held: str) -> None:
     """The schedules of virtual stages, under torchrun on 2 CPU ranks, give
     the unwrapped model's losses (the others run as 1F1B does, one partition
-    per rank, and tests/test_distributed_step.py trains with each)."""
+    per rank, and tests/distributed/test_distributed_step.py trains with each)."""
     out = lines(torchrun('distributed_pipeline.py', '--steps', '2', '--verify', '--schedule',
                          schedule, '--batch-size', '16', '--chunks', '4').stdout)
     assert f'balance [1, 1, 1, 3] ({held})' in out[0], out

@@ -1,7 +1,7 @@
 """The test suite's own configuration: the coverage threshold holds for the whole suite only.
 
 setup.cfg's addopts carry ``--cov-fail-under=95``; conftest.py lifts it when a
-run is not the whole suite, so that ``python -m pytest tests/test_gpipe.py``
+run is not the whole suite, so that ``python -m pytest tests/modules/test_gpipe.py``
 passes when its tests do, while ``python -m pytest`` still fails below 95%,
 also on the processes of pytest-xdist (the README's command, which CI runs).
 """
@@ -88,16 +88,16 @@ def test_part_of_the_suite_passes_below_the_threshold_and_the_whole_suite_fails(
 
 
 #: Every test file, as conftest.py's collection hook records them.
-ALL = {path.resolve() for path in TESTS.glob('test_*.py')}
+ALL = {path.resolve() for path in TESTS.rglob('test_*.py')}
 
 
 @pytest.mark.parametrize('args, modules, deselected, whole', [
     (['tests'], ALL, False, True),                          # python -m pytest
     ([str(TESTS)], ALL, False, True),
     (['tests'], ALL, True, False),                          # -k, -m, --deselect, --lf
-    (['tests/test_gpipe.py'], {TESTS / 'test_gpipe.py'}, False, False),
-    (['tests/test_gpipe.py::test_parameters'], ALL, False, False),
-    (['tests'], ALL - {TESTS / 'test_gpipe.py'}, False, False),  # --ignore
+    (['tests/modules/test_gpipe.py'], {TESTS / 'modules' / 'test_gpipe.py'}, False, False),
+    (['tests/modules/test_gpipe.py::test_parameters'], ALL, False, False),
+    (['tests'], ALL - {TESTS / 'modules' / 'test_gpipe.py'}, False, False),  # --ignore
 ], ids=['default', 'directory', 'deselected', 'one-file', 'node-id', 'ignored-file'])
 def test_what_is_the_whole_suite(args: List[str], modules: Set[Path], deselected: bool,
                                  whole: bool) -> None:

@@ -5,7 +5,7 @@ over micro-batches must give the unwrapped model's output and gradients.
 Each entry says how a user flattens the model: with no argument when it
 gives ``dummy_inputs`` fit for its forward (the text models), with an
 example of its input otherwise (the vision models, whose ``dummy_inputs``
-are token ids). Used by ``tests/test_models.py`` and
+are token ids). Used by ``tests/capture/test_models.py`` and
 ``python -m benchmarks.any_model``; needs transformers.
 """
 from typing import Any, Callable, Dict, NamedTuple, Optional

@@ -121,7 +121,7 @@ class Pipeline:
         m, n = len(self.batches), len(self.devices)
         if self.recorder is not None:
             self.recorder.begin_step(m, self.devices)
-        # clock_order's layout (tests/test_order.py), at a third of its cost.
+        # clock_order's layout (tests/engine/test_order.py), at a third of its cost.
         order = [Action(Kind.F, i, j) for cycle in clock_cycles(m, n) for i, j in cycle]
         execute(order, dict(enumerate(self.stages)), self.mailbox)
 

@@ -25,7 +25,7 @@ def label(kind: str, task: Tuple[int, int]) -> ContextManager[Any]:
     """Labels task ``(i, j)`` for a profiler as ``torchgpipe jFi`` (a schedule's notation),
     formatted only if a profiler records."""
     # A process-wide flag, cheaper than a record_function per task. The notation is
-    # written again as this module is a leaf (tests/test_timeline.py checks both).
+    # written again as this module is a leaf (tests/timeline/test_timeline.py checks both).
     if torch.autograd.profiler._is_profiler_enabled:
         return torch.profiler.record_function(f'torchgpipe {task[1]}{PREFIXES[kind]}{task[0]}')
     return nullcontext()

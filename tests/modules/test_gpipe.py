@@ -45,7 +45,7 @@ def test_duplicate_children() -> None:
 
 
 def test_shared_parameters_across_children() -> None:
-    """Tied weights are supported (tests/test_tied.py): 0.0.7's error is gone."""
+    """Tied weights are supported (tests/foundation/test_tied.py): 0.0.7's error is gone."""
     a, b = nn.Linear(2, 2), nn.Linear(2, 2)
     b.weight = a.weight
     gpipe = GPipe(nn.Sequential(a, b), [1, 1], devices=CPU2)

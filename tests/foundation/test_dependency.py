@@ -31,7 +31,7 @@ def reachable(node: object) -> Set[object]:
 def test_join_links_the_fork_into_the_backward_graph() -> None:
     """The backward of the joined tensor leads to the fork: its backward waits for it.
 
-    (tests/test_order.py shows the effect on a pipeline's backward order.)
+    (tests/engine/test_order.py shows the effect on a pipeline's backward order.)
     """
     a = torch.ones(1, requires_grad=True) * 1
     b = torch.ones(1, requires_grad=True) * 1

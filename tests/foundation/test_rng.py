@@ -192,7 +192,7 @@ def test_generator_state_calls_never_deadlock_under_stress() -> None:
     yield the GIL inside a state call almost every time (tests/stress_generator_lock.py).
     Without one lock around every state call, this hung in 3 of 4 runs of 150
     steps (measured once; the suite runs 70, for its time)."""
-    script = os.path.join(os.path.dirname(__file__), 'stress_generator_lock.py')
+    script = os.path.join(os.path.dirname(os.path.dirname(__file__)), 'stress_generator_lock.py')
     # Untraced: coverage.py's tracing would about double the steps' time,
     # and fewer steps in the same time would stress the lock less.
     with untraced():

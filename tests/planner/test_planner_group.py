@@ -24,7 +24,7 @@ from test_distributed_pipe import Config, Result, assert_equal, batch, merge, mo
 pytestmark = pytest.mark.slow
 
 #: Each job's plans: every schedule, and ZBV alone (two partitions per rank, in a V;
-#: a loop's layout as Plan.kwargs gives it is checked by tests/test_planner.py).
+#: a loop's layout as Plan.kwargs gives it is checked by tests/planner/test_planner.py).
 SCHEDULES: List[Optional[List[str]]] = [None, ['zbv']]
 
 

@@ -37,7 +37,7 @@ pytestmark = [pytest.mark.timeout(240), pytest.mark.unmeasured, pytest.mark.slow
 
 transformers = pytest.importorskip('transformers')
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # for benchmarks.models.zoo, here and in the ranks
 

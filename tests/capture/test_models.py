@@ -18,7 +18,7 @@ from torch import Tensor
 from helpers import assert_flattened_trains_like_original, captured, cpu_devices
 from torchgpipe import GPipe, to_sequential
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

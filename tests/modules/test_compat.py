@@ -28,7 +28,7 @@ from torchgpipe.batchnorm import DeferredBatchNorm
 
 pytestmark = pytest.mark.slow
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # -- integral numbers, mode objects ----------------------------------------------------
