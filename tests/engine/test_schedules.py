@@ -162,6 +162,22 @@ def test_zbv_folds_the_partitions_into_a_v_at_1f1b_peak(m: int, p: int) -> None:
     assert all(in_flight(actions) <= 2 * p for actions in schedule.workers)
 
 
+@pytest.mark.parametrize('input_share', [Fraction(1, 2), Fraction(1), Fraction(6, 5),
+                                         Fraction(3, 2)])
+@pytest.mark.parametrize('p', [2, 3, 4])
+def test_zbv_stays_near_no_bubble_when_i_and_w_cost_apart(input_share: Fraction, p: int) -> None:
+    """A backward pass split into ``I`` and ``W`` of other costs (``I + W = 2 F``) leaves ZBV
+    at most 0.4x 1F1B's idle time at the same costs (halved for its half-size partitions),
+    with ``2p`` and ``3p`` micro-batches: a ``W`` never holds up an ``I`` another worker waits
+    for. (A layout made with equal costs left up to 2x 1F1B's where ``I`` costs more.)"""
+    def cost(scale: Fraction) -> Callable[[Action], Fraction]:
+        costs = {Kind.F: 1, Kind.I: input_share, Kind.W: 2 - input_share, Kind.B: 2}
+        return lambda a: costs[a.kind] * scale
+    for m in (2 * p, 3 * p):
+        assert idle(zbv(m, 2 * p).workers, 2 * p, cost(Fraction(1, 2))) <= \
+            Fraction(2, 5) * idle(one_f_one_b(m, p).workers, p, cost(Fraction(1)))
+
+
 @pytest.mark.parametrize('name', SCHEDULES)
 def test_the_schedule_the_planner_and_the_ranks_place_each_shape_alike(name: str) -> None:
     """Every shape of the table: the schedule runs partition j on worker_of's worker,
