@@ -284,19 +284,6 @@ def test_the_dcp_example_has_its_imports_and_its_path() -> None:
     assert re.search(r'^\s*path = ', source, re.M) and 'dcp.load(' in source
 
 
-def test_differences_say_that_workers_skip_queued_tasks_after_a_failure() -> None:
-    """0.0.7's workers ran the tasks left in their queues after a failure;
-    spawn_workers skips them, and docs/differences.rst says so, and why."""
-    page = read(os.path.join('docs', 'differences.rst'))
-    section = page.split('After a failure, the workers skip the tasks left in their queues\n')
-    assert len(section) == 2, 'a section of its own'
-    text = ' '.join(section[1].split('\n---')[0].split())
-    for said in ['spawn_workers', '0.0.7 ran the tasks left in their queues', '**Why**',
-                 'wait for ever', 'Ctrl-C', '**What you would notice**',
-                 'test_an_exception_skips_the_queued_tasks']:
-        assert said in text, said
-
-
 def user_pages() -> List[str]:
     """The pages of the index's table of contents captioned "User documentation"."""
     toc = re.search(r'^\.\. toctree::\n(?:   :.*\n)*?   :caption: User documentation\n'
@@ -376,17 +363,6 @@ def test_the_six_properties_the_tests_cite_are_listed_with_their_tests() -> None
             with open(path, encoding='utf-8') as f:
                 for number in re.findall(r'\bPropert(?:y|ies) ([1-6])\b', f.read()):
                     assert name in listed[number], (name, number)
-
-
-def test_schedules_page_says_train_step_works_under_ddp() -> None:
-    """torchgpipe.distributed.train_step runs train_step's schedules on DDP
-    replicas: the schedules page says so, in its prose and in its table."""
-    page = read(os.path.join('docs', 'schedules.rst'))
-    assert 'Not DistributedDataParallel' not in page
-    row = re.search(r'^DistributedDataParallel +(\S+) +(.*)$', page, re.M)
-    assert row and row.group(1) == 'yes', row
-    assert row.group(2).startswith('yes') and 'torchgpipe.distributed.train_step' in row.group(2)
-    assert ':func:`torchgpipe.distributed.train_step`' in page
 
 
 # -- docstrings ----------------------------------------------------------------
