@@ -44,6 +44,16 @@ Three tables:
 Last, the time :func:`torchgpipe.plan` takes for an MLP of 100 layers (target:
 under a minute).
 
+The ablation: after its plan, each model is planned again with each of the
+planner's corrections left out in turn (:data:`CORRECTIONS`, :func:`without`),
+each such plan's choice measured with the grid, and every configuration of
+the grid predicted by it. A correction earns its lines where leaving it out
+raises the grid's median error, or moves the choice away from the grid's
+fastest, by more than the *repeat difference* (two measurements of one
+configuration: the medians of its odd and of its even rounds). Leaving out
+the trials changes no prediction: that plan's error is how far two plannings
+of one model differ, the noise of a fresh measurement of the layers.
+
 The presets ``cpu2`` and ``cpu4`` plan the same models for a
 :class:`~torchgpipe.distributed.DistributedGPipe` over 2 or 4 processes
 (``torchgpipe.plan(..., group=...)``, one intra-op thread per process) and
@@ -52,12 +62,14 @@ rank's peak memory too: a fourth table, the predicted peak of each rank
 against its measured one (target: within 10%). The even split is not
 compared there.
 """
+import contextlib
 import copy
 import gc
 import statistics
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -252,6 +264,46 @@ def pilots(plan: Plan, most_chunks: int) -> List[Option]:
     return found
 
 
+#: The planner's corrections to what it measured, each left out in turn by :func:`without`
+#: (the ablation of ``summary``): the pilot's pace (:mod:`torchgpipe.planner.pilot`), the
+#: trials of the few predicted fastest (:mod:`torchgpipe.planner.trial`), and across
+#: processes the ranks loading the machine while rank 0 times the layers (the
+#: *companions*, :meth:`~torchgpipe.planner.group.PlanningGroup.loaders`) and the message
+#: costs calibrated on the group (:func:`~torchgpipe.planner.calibrate.message_cost`,
+#: :func:`~torchgpipe.planner.calibrate.skip_cost`).
+CORRECTIONS = ('pilot pace', 'trials', 'companions', 'group calibration')
+
+
+def corrections(workers: int, processes: bool) -> List[str]:
+    """The corrections a plan for ``workers`` CPU workers (or processes) makes."""
+    if workers < 2:
+        return []
+    return list(CORRECTIONS if processes else CORRECTIONS[:2])
+
+
+@contextlib.contextmanager
+def without(correction: str) -> Iterator[None]:
+    """The planner with ``correction`` left out: the pace 1 at every size, no trials, no
+    rank loading the machine, or messages costing nothing beside the overhead per task."""
+    import torchgpipe.planner as planner
+    patches = {
+        'pilot pace': [mock.patch.object(planner.pilot, 'pace',
+                                         lambda costs, *_: [1.0] * len(costs.sizes))],
+        'trials': [mock.patch.object(planner.trial, 'order',
+                                     lambda *_: lambda options: options)],
+        'companions': [mock.patch('torchgpipe.planner.group.PlanningGroup.loaders',
+                                  lambda self, cores: [])],
+        'group calibration': [mock.patch.object(planner, 'wide_step', lambda *_: 0.0),
+                              mock.patch.object(planner, 'message_cost',
+                                                lambda *_: (0.0, 0.0)),
+                              mock.patch.object(planner, 'skip_overhead', lambda *_: 0.0)],
+    }[correction]
+    with contextlib.ExitStack() as stack:
+        for patch in patches:
+            stack.enter_context(patch)
+        yield
+
+
 #: Readies one configuration: ``(module, option, plan, input, target, loss)`` to the
 #: :data:`StepTimer` of its steps and any further figures of its row.
 Ready = Callable[..., Tuple[StepTimer, Row]]
@@ -281,18 +333,28 @@ def planned_rows(name: str, config: Dict[str, Any], device: torch.device, worker
     started = time.perf_counter()
     plan = planner(memory_limit=limit)
     planning = time.perf_counter() - started
+    variants: Dict[str, Plan] = {}
+    for correction in corrections(workers, processes='group' in where):
+        sync()
+        with without(correction):
+            variants[correction] = planner(memory_limit=limit)
     piloted = pilots(plan, most)
-    # The choice, then the grid's configurations, then the pilot's, each once.
+    planned = grid(plan, most, batch, config['modes'])
+    # The choices, then the grid's configurations, then the pilot's, each once.
     unique: Dict[str, Option] = {}
-    for option in [plan.chosen, *grid(plan, most, batch, config['modes']), *piloted]:
+    for option in [plan.chosen, *planned, *[v.chosen for v in variants.values()], *piloted]:
         unique.setdefault(option.describe(), option)
     options = list(unique.values())
     pilot_keys = {o.describe() for o in piloted}
+    grid_keys = {o.describe() for o in planned}
     readied = [ready(module, option, plan, input, target, loss) for option in options]
     rows = [{'model': name, 'configuration': option.describe(), 'predicted': option.step,
              'measured': measured, 'fits': limit is None or max(option.memory) <= limit,
              'memory': max(option.memory), 'chosen': option is plan.chosen,
-             'pilot': option.describe() in pilot_keys, **more, **steps}
+             'pilot': option.describe() in pilot_keys, 'grid': option.describe() in grid_keys,
+             'without': {c: v.predict(option.schedule, option.balance, option.chunks,
+                                      option.checkpoint).step for c, v in variants.items()},
+             **more, **steps}
             for option, (_, more), (measured, steps) in zip(
                 options, readied, in_rounds([timer for timer, _ in readied], config['rounds']))]
     costs = plan.costs
@@ -303,7 +365,8 @@ def planned_rows(name: str, config: Dict[str, Any], device: torch.device, worker
                    'skip_overhead': costs.skip_overhead,
                    'pace': costs.pace, 'cores': costs.cores}
     result = {'model': name, 'plan': str(plan), 'planning_seconds': planning, 'limit': limit,
-              'calibration': calibration, 'rows': rows}
+              'calibration': calibration, 'rows': rows,
+              'chosen_without': {c: v.chosen.describe() for c, v in variants.items()}}
     return result, (module, plan, input, target, loss, batch)
 
 
@@ -416,6 +479,34 @@ def summary(document: Dict[str, Any]) -> Dict[str, float]:
     even = [m['even'] for m in document['results'] if m.get('even', {}).get('even')]
     if even:
         figures['plan over the even split'] = even[0]['ratio']
+    figures.update(ablation(document))
+    return figures
+
+
+def ablation(document: Dict[str, Any]) -> Dict[str, float]:
+    """What each correction earns: over the grid's configurations, the median error with
+    every correction and with each left out (:func:`without`), and the worst model's
+    choice over its fastest measured; beside them the noise, the median difference
+    between two measurements of one configuration (its odd rounds' median and its even
+    rounds'), over the median of all."""
+    rows = [r for m in document['results'] for r in m['rows'] if r.get('grid')]
+    left_out = [c for c in CORRECTIONS if rows and c in rows[0].get('without', {})]
+    if not left_out:
+        return {}
+    repeats = [abs(statistics.median(r['steps'][0::2]) - statistics.median(r['steps'][1::2]))
+               / r['measured'] for r in rows if len(r['steps']) > 1]
+    figures = {'repeat difference': statistics.median(repeats or [0.0]),
+               'grid median error': statistics.median(abs(r['predicted'] / r['measured'] - 1)
+                                                      for r in rows)}
+    for c in left_out:
+        figures[f'grid median error without {c}'] = statistics.median(
+            abs(r['without'][c] / r['measured'] - 1) for r in rows)
+        choices = []
+        for m in document['results']:
+            by_name = {r['configuration']: r for r in m['rows']}
+            best = min(r['measured'] for r in m['rows'] if r['fits'])
+            choices.append(by_name[m['chosen_without'][c]]['measured'] / best)
+        figures[f'choice over the best without {c}'] = max(choices)
     return figures
 
 

@@ -183,10 +183,21 @@ def check_plan(document: Dict[str, Any]) -> None:
                if r['pilot']]
     assert piloted and all(c.startswith('1f1b,') and "checkpoint='never'" in c
                            for c in piloted)
+    # The ablation: the plan again without each correction of two CPU workers, its choice
+    # measured, and every configuration of the grid predicted by it.
+    left_out = ['pilot pace', 'trials']
+    for model in document['results']:
+        assert sorted(model['chosen_without']) == sorted(left_out)
+        measured = {r['configuration'] for r in model['rows']}
+        assert set(model['chosen_without'].values()) <= measured
+        assert all(sorted(r['without']) == sorted(left_out) and min(r['without'].values()) > 0
+                   for r in model['rows'])
     assert {f['label'] for f in document['headline']} == {
         'median error', 'largest error', 'choice over the best', 'plan over the even split',
         'planning 100 layers', 'median step spread', 'median pilot drift',
-        'largest pilot drift'}
+        'largest pilot drift', 'repeat difference', 'grid median error',
+        *[f'{figure} without {c}' for c in left_out
+          for figure in ('grid median error', 'choice over the best')]}
 
 
 #: What each experiment's results must hold beyond what every document holds.
