@@ -25,7 +25,8 @@ from torchgpipe.planner.memory import tensor_bytes
 from torchgpipe.planner.option import Option
 from torchgpipe.planner.partitions import Partitions
 from torchgpipe.planner.predict import Candidate, checkpoints, micro_batches, predict
-from torchgpipe.planner.search import CHECKPOINTS, chunk_counts, search
+from torchgpipe.foundation.validation import CHECKPOINTS
+from torchgpipe.planner.search import chunk_counts, search
 from torchgpipe.planner.sharing import SharedBytes
 from torchgpipe.skip import pop, skippable, stash
 
@@ -174,8 +175,9 @@ def test_what_partitions_of_one_rank_hand_each_other_is_let_go_of_by_the_end(
     sizes = micro_batches(costs.batch, chunks)
     parts = Partitions(costs, candidate.balance, candidate.worker_of)
     turn = parts(2, sizes[0])
-    assert turn['turned'] == turn['entry'] > 0 and parts(1, sizes[0])['turned'] == 0
-    assert parts.returned(2, sizes[0]) == [(1, turn['entry'], True)]
+    assert turn.messages.turned == turn.messages.entry > 0
+    assert parts(1, sizes[0]).messages.turned == 0
+    assert parts.returned(2, sizes[0]) == [(1, turn.messages.entry, True)]
     assert parts.lent(1, sizes[0]) == ({2: costs.at(sizes[0]).output[1]},
                                        {2: costs.at(sizes[0]).output[1]})
     assert parts.lent(0, sizes[0]) == ({3: 2 * costs.at(sizes[0]).output[0]},

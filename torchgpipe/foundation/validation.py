@@ -255,6 +255,19 @@ def check_devices(devices: object, partitions: int) -> List[torch.device]:
     return device_list
 
 
+#: The checkpoint modes, from the most memory kept to the least.
+CHECKPOINTS = ('never', 'except_last', 'always')
+
+
+def check_checkpoint(checkpoint: object) -> str:
+    """A checkpoint mode; as in 0.0.7, anything whose ``str()`` is one (an enum member)."""
+    mode = str(checkpoint)
+    if mode not in CHECKPOINTS:
+        # Word for word as in 0.0.7 (users match on it).
+        raise ValueError("checkpoint is not one of 'always', 'except_last', or 'never'")
+    return mode
+
+
 def check_step(loss_fn: object, reduction: object) -> None:
     """Checks ``train_step``'s loss arguments, and that gradients are enabled."""
     check_loss(loss_fn, reduction)

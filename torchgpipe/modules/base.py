@@ -14,8 +14,9 @@ from torchgpipe.engine.step import LossFunction
 from torchgpipe.foundation.microbatch import TensorOrTensors
 from torchgpipe.foundation.placement import check_materialized
 from torchgpipe.foundation.tied import find_ties, place_partitions
-from torchgpipe.foundation.validation import (check_chunks, check_one_process,
-                                              check_planned_threads, verify_module)
+from torchgpipe.foundation.validation import (check_checkpoint, check_chunks,
+                                              check_one_process, check_planned_threads,
+                                              verify_module)
 from torchgpipe.runtime.batchnorm import DeferredBatchNorm
 from torchgpipe.skip.layout import SkipLayout, inspect_skip_layout
 from torchgpipe.skip.skippable import verify_skippables
@@ -52,11 +53,8 @@ class CoreModule(nn.Module):
             check_materialized(module, balance, devices)
             chunks = check_chunks(chunks)
             planned_threads = check_planned_threads(planned_threads)
-            # As in 0.0.7, anything whose str() is a mode is one (an enum member).
-            checkpoint = str(checkpoint)
-            if checkpoint not in ('always', 'except_last', 'never'):
-                # Word for word as in 0.0.7 (users match on it).
-                raise ValueError("checkpoint is not one of 'always', 'except_last', or 'never'")
+            checkpoint = str(checkpoint)  # (the ranks compare it, refused or not)
+            check_checkpoint(checkpoint)
             verify_skippables(module)
         except Exception as exc:
             problem = exc

@@ -10,10 +10,10 @@ from torchgpipe.engine.step import LossFunction
 from torchgpipe.foundation import microbatch
 from torchgpipe.foundation.microbatch import Batch, TensorOrTensors
 from torchgpipe.foundation.placement import check_materialized
-from torchgpipe.foundation.validation import (Device, brief, check_available, check_chunks,
-                                              check_loss, check_number, check_target_and_loss,
-                                              describe, parse_devices, verify_module)
-from torchgpipe.planner.search import CHECKPOINTS
+from torchgpipe.foundation.validation import (CHECKPOINTS, Device, brief, check_available,
+                                              check_chunks, check_loss, check_number,
+                                              check_target_and_loss, describe, parse_devices,
+                                              verify_module)
 
 __all__: List[str] = []
 

@@ -15,7 +15,7 @@ Sizes in between are interpolated linearly (:meth:`Costs.at`).
 """
 import copy
 import threading
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -26,69 +26,25 @@ from torchgpipe.balance.profile import (SandboxSkipTracker, layerwise_sandbox, p
 from torchgpipe.engine.step import LossFunction
 from torchgpipe.foundation.microbatch import Batch, TensorOrTensors, map_tensors
 from torchgpipe.foundation.placement import same_memory
-from torchgpipe.planner.memory import Route, layer_memory, tensor_bytes
-from torchgpipe.planner.timing import layer_times
+from torchgpipe.planner.memory import LayerBytes, Route, layer_memory, tensor_bytes
+from torchgpipe.planner.timing import PassTimes, layer_times
 from torchgpipe.skip.tracker import use_skip_tracker
 
 __all__: List[str] = []
 
-#: What :func:`measure` reads of each layer, at each micro-batch size: times in seconds.
+#: The times of :class:`LayerCosts`, in seconds.
 TIMES = ('forward', 'input', 'backward', 'weight')
-#: ... and memory in bytes.
-BYTES = ('kept', 'output', 'working', 'closing', 'holding', 'unsaved', 'accumulating',
-         'accumulating_last', 'retained', 'given', 'shed', 'skipped', 'loose', 'reused', 'aliased',
-         'passed', 'forwarding', 'through')
 
 
 @dataclass
-class LayerCosts:
-    """The costs of every layer at one micro-batch size, a list per quantity.
+class LayerCosts(LayerBytes):
+    """The costs of every layer at one micro-batch size: its bytes, and its times (``F``,
+    ``I``, ``B``, and ``W``, which once ``I`` is done takes ``B`` less ``I`` when empty)."""
 
-    A measured loss is the last entry of each list, but of ``skipped``,
-    ``loose``, ``reused`` and ``aliased``, which have an entry per skip.
-    Lists with a default are empty in costs saved before they were measured.
-    """
-
-    forward: List[float]
-    input: List[float]
-    backward: List[float]
-    kept: List[float]
-    output: List[float]
-    #: What ``W`` takes once ``I`` is done (``B`` less ``I`` when empty).
+    forward: List[float] = field(default_factory=list)
+    input: List[float] = field(default_factory=list)
+    backward: List[float] = field(default_factory=list)
     weight: List[float] = field(default_factory=list)
-    #: The most its backward pass holds beyond ``kept`` (:mod:`~torchgpipe.planner.working`).
-    working: List[float] = field(default_factory=list)
-    #: ... as a partition's last layer, whose output gradient the pipeline holds.
-    closing: List[float] = field(default_factory=list)
-    #: ... in ``I``, which frees nothing the forward pass saved.
-    holding: List[float] = field(default_factory=list)
-    #: The bytes of its output left out of ``kept`` as the next layer does not save them.
-    unsaved: List[float] = field(default_factory=list)
-    #: The bytes of its output in ``kept`` it does not save itself, freed before its backward.
-    passed: List[float] = field(default_factory=list)
-    #: What its backward pass holds further when its weights' gradients accumulate.
-    accumulating: List[float] = field(default_factory=list)
-    #: ... as a partition's last layer, which holds its output to the end.
-    accumulating_last: List[float] = field(default_factory=list)
-    #: The most its forward pass holds at once beyond what it leaves.
-    forwarding: List[float] = field(default_factory=list)
-    #: The bytes of its output where the output is (or holds) its input itself.
-    through: List[float] = field(default_factory=list)
-    #: What a split backward pass keeps from ``I`` to ``W``.
-    retained: List[float] = field(default_factory=list)
-    #: ... of those, the output's gradient itself (a linear layer's).
-    given: List[float] = field(default_factory=list)
-    #: The bytes of ``kept`` that ``I`` frees as its partition's last layer with
-    #: weights: what the nodes above where ``W`` starts saved.
-    shed: List[float] = field(default_factory=list)
-    #: The bytes of each skip (``skips`` of :class:`Costs`).
-    skipped: List[float] = field(default_factory=list)
-    #: ... of those only the skip keeps, left out of ``kept``.
-    loose: List[float] = field(default_factory=list)
-    #: ... of those the popping layer saves, counted in its ``kept``.
-    reused: List[float] = field(default_factory=list)
-    #: ... of those whose gradient is the pop's output gradient itself (an addition's).
-    aliased: List[float] = field(default_factory=list)
 
 
 @dataclass
@@ -174,8 +130,8 @@ class Costs:
 
 def _combine(a: LayerCosts, b: LayerCosts, wa: float, wb: float) -> LayerCosts:
     """``wa a + wb b``, quantity by quantity and layer by layer."""
-    mixed = {name: [wa * x + wb * y for x, y in zip(getattr(a, name), getattr(b, name))]
-             for name in TIMES + BYTES}
+    mixed = {f.name: [wa * x + wb * y for x, y in zip(getattr(a, f.name), getattr(b, f.name))]
+             for f in fields(LayerCosts)}
     return LayerCosts(**mixed)
 
 
@@ -237,27 +193,31 @@ def measure(module: nn.Sequential, sample: TensorOrTensors, sizes: Sequence[int]
             memory, routes = layer_memory(copies + tail, rows(sample, size), tracker,
                                           loss=bool(tail))
             prepared.append((tail, memory))
-        timed: List[Dict[str, List[List[float]]]] = [{} for _ in sizes]
+        timed: List[List[Tuple[PassTimes, PassTimes]]] = [[] for _ in sizes]
         # Every size in turn: a slow spell of the machine falls on one round
         # of each size (the least leaves it out), not on one size.
         for turn in range(repeat + 1):
             for size, (tail, _), into in zip(sizes, prepared, timed):
-                for split in (True, False):
-                    laps = layer_times(copies + tail, rows(sample, size), device, split)
-                    for name, values in laps.items():
-                        if turn:
-                            into.setdefault(name, []).append(values)
+                split = layer_times(copies + tail, rows(sample, size), device, True)
+                whole = layer_times(copies + tail, rows(sample, size), device, False)
+                if turn:
+                    into.append((split, whole))
     table = []
-    for (_, costs), passes in zip(prepared, timed):
-        for name, rounds in passes.items():
-            costs[name] = [min(layer) for layer in zip(*rounds)]
-        costs['weight'] = _shared(costs['weight'][0], int(costs.pop('cut')[0]),
-                                  costs['backward'], costs['input'])
-        table.append(LayerCosts(**costs))
+    for (_, memory), rounds in zip(prepared, timed):
+        split, whole = [r[0] for r in rounds], [r[1] for r in rounds]
+        backward, input = _least([r.backward for r in whole]), _least([r.input for r in split])
+        weight = _shared(min(r.weight for r in split), split[0].cut, backward, input)
+        table.append(LayerCosts(forward=_least([r.forward for r in split]), input=input,
+                                backward=backward, weight=weight, **asdict(memory)))
     parameters = [sum(p.numel() * p.element_size() for p in c.parameters()) for c in copies]
     return Costs(batch=batch, sizes=sizes, table=table, parameters=parameters,
                  shared=shared_parameters(module), skips=routes,
                  entry=0.0 if given else tensor_bytes(rows(sample, 1)), loss=loss is not None)
+
+
+def _least(rounds: List[List[float]]) -> List[float]:
+    """Each layer's least time over ``rounds`` (interruptions only add time)."""
+    return [min(layer) for layer in zip(*rounds)]
 
 
 def _shared(weight: float, cut: int, backward: Sequence[float], input: Sequence[float]

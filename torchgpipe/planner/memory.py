@@ -13,6 +13,7 @@ bytes of ``s``, those only the skip keeps (*loose*), and whether ``b`` gives
 ``s`` its output's gradient itself (*aliased*) let the planner count each
 tensor once.
 """
+from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -44,9 +45,57 @@ def tensor_bytes(values: TensorOrTensors) -> int:
     return sum(numel * size for _, numel, size in seen)
 
 
+@dataclass
+class LayerBytes:
+    """The bytes of every layer at one micro-batch size, a list per quantity.
+
+    A measured loss is the last entry of each list, but of ``skipped``,
+    ``loose``, ``reused`` and ``aliased``, which have an entry per skip.
+    Lists empty in costs saved before they were measured count as zeros.
+    """
+
+    #: What its forward pass saved for its backward pass, and its output if the next saves it.
+    kept: List[float] = field(default_factory=list)
+    #: Its output.
+    output: List[float] = field(default_factory=list)
+    #: The most its backward pass holds beyond ``kept`` (:mod:`~torchgpipe.planner.working`).
+    working: List[float] = field(default_factory=list)
+    #: ... as a partition's last layer, whose output gradient the pipeline holds.
+    closing: List[float] = field(default_factory=list)
+    #: ... in ``I``, which frees nothing the forward pass saved.
+    holding: List[float] = field(default_factory=list)
+    #: The bytes of its output left out of ``kept`` as the next layer does not save them.
+    unsaved: List[float] = field(default_factory=list)
+    #: The bytes of its output in ``kept`` it does not save itself, freed before its backward.
+    passed: List[float] = field(default_factory=list)
+    #: What its backward pass holds further when its weights' gradients accumulate.
+    accumulating: List[float] = field(default_factory=list)
+    #: ... as a partition's last layer, which holds its output to the end.
+    accumulating_last: List[float] = field(default_factory=list)
+    #: The most its forward pass holds at once beyond what it leaves.
+    forwarding: List[float] = field(default_factory=list)
+    #: The bytes of its output where the output is (or holds) its input itself.
+    through: List[float] = field(default_factory=list)
+    #: What a split backward pass keeps from ``I`` to ``W``.
+    retained: List[float] = field(default_factory=list)
+    #: ... of those, the output's gradient itself (a linear layer's).
+    given: List[float] = field(default_factory=list)
+    #: The bytes of ``kept`` that ``I`` frees as its partition's last layer with
+    #: weights: what the nodes above where ``W`` starts saved.
+    shed: List[float] = field(default_factory=list)
+    #: The bytes of each skip (``skips`` of :class:`~torchgpipe.planner.costs.Costs`).
+    skipped: List[float] = field(default_factory=list)
+    #: ... of those only the skip keeps, left out of ``kept``.
+    loose: List[float] = field(default_factory=list)
+    #: ... of those the popping layer saves, counted in its ``kept``.
+    reused: List[float] = field(default_factory=list)
+    #: ... of those whose gradient is the pop's output gradient itself (an addition's).
+    aliased: List[float] = field(default_factory=list)
+
+
 def layer_memory(layers: Sequence[nn.Module], values: TensorOrTensors,
                  tracker: SandboxSkipTracker, loss: bool = False
-                 ) -> Tuple[Dict[str, List[float]], List[Route]]:
+                 ) -> Tuple[LayerBytes, List[Route]]:
     """Each layer's memory, each on the detached output of the layer before; a warm-up too.
 
     An output is counted in ``kept`` only if the next layer saves it, else in
@@ -54,12 +103,9 @@ def layer_memory(layers: Sequence[nn.Module], values: TensorOrTensors,
     ``loss``, the last layer is a loss.
 
     Returns:
-        the lists of :class:`~torchgpipe.planner.costs.LayerCosts`' bytes
-        (``skipped`` in the order of the routes), and each skip's route
+        the bytes (``skipped`` in the order of the routes), and each skip's route
     """
-    measured: Dict[str, List[float]] = {name: [] for name in (
-        'kept', 'output', 'working', 'closing', 'holding', 'unsaved', 'accumulating',
-        'accumulating_last', 'retained', 'given', 'shed', 'passed', 'forwarding', 'through')}
+    measured = LayerBytes()
     saves_input: List[bool] = []
     passes: List[bool] = []  # whether each layer's output is its input
     skips = _Skips()
@@ -84,15 +130,15 @@ def layer_memory(layers: Sequence[nn.Module], values: TensorOrTensors,
             _restore(tracker, waiting)
         popped = [x for x in waiting.values() if isinstance(x, Tensor)]
         retained, given, freed = retained_for_weights(layer, values, forward, popped)
-        measured['retained'].append(float(retained))
-        measured['given'].append(float(given))
+        measured.retained.append(float(retained))
+        measured.given.append(float(given))
         held, saved = storages[-1][:2]
-        measured['shed'].append(float(sum(n for ptr, n in held.items()
+        measured.shed.append(float(sum(n for ptr, n in held.items()
                                           if ptr in saved and ptr in freed)))
         _restore(tracker, waiting)
-        measured['holding'].append(float(input_memory(layer, values, forward, popped)))
+        measured.holding.append(float(input_memory(layer, values, forward, popped)))
         _restore(tracker, waiting)
-        measured['forwarding'].append(float(_temporaries(
+        measured.forwarding.append(float(_temporaries(
             forward_memory(layer, fresh_input(values), forward), tracker, waiting,
             storages[-1][0])))
         _restore(tracker, waiting)
@@ -104,32 +150,31 @@ def layer_memory(layers: Sequence[nn.Module], values: TensorOrTensors,
         loose = skips.note(k, waiting, tracker, {
             ptr: n for ptr, n in held.items() if ptr not in saved and ptr not in outputs}, saved,
             lambda: _aliased(layer, values, tracker, waiting))
-        measured['kept'].append(float(sum(held.values()) - loose))
-        measured['unsaved'].append(float(sum(n for ptr, n in held.items()
+        measured.kept.append(float(sum(held.values()) - loose))
+        measured.unsaved.append(float(sum(n for ptr, n in held.items()
                                              if ptr in outputs and ptr not in saved)))
         saves_input.append(bool(inputs & saved))
         passes.append(bool(inputs & outputs))
-        measured['output'].append(float(tensor_bytes(result)))
-        measured['through'].append(measured['output'][-1] if passes[-1] else 0.0)
-        measured['working'].append(float(most))
-        measured['closing'].append(float(peaks[False, True]))
+        measured.output.append(float(tensor_bytes(result)))
+        measured.through.append(measured.output[-1] if passes[-1] else 0.0)
+        measured.working.append(float(most))
+        measured.closing.append(float(peaks[False, True]))
         # (Within a partition the layer frees its output as it goes, and the
         # new gradients may come after its peak; as the last, it does not.)
-        measured['accumulating'].append(float(max(0, peaks[True, False] - most)))
-        measured['accumulating_last'].append(float(max(0, peaks[True, True] - peaks[False, True])))
+        measured.accumulating.append(float(max(0, peaks[True, False] - most)))
+        measured.accumulating_last.append(float(max(0, peaks[True, True] - peaks[False, True])))
         values = map_tensors(detach_tensor, result)
     _hand_on(measured, passes, saves_input)
-    measured['skipped'], measured['loose'] = skips.skipped, skips.loose
-    measured['reused'], measured['aliased'] = skips.reused, skips.aliased
+    measured.skipped, measured.loose = skips.skipped, skips.loose
+    measured.reused, measured.aliased = skips.reused, skips.aliased
     return measured, skips.routes
 
 
-def _hand_on(measured: Dict[str, List[float]], passes: List[bool], saves_input: List[bool]
-             ) -> None:
+def _hand_on(measured: LayerBytes, passes: List[bool], saves_input: List[bool]) -> None:
     """Settles in ``measured`` where each layer's output it does not save is counted
     (``kept``, ``unsaved``, ``passed``), from which layers return their input (``passes``)
     and which save it (``saves_input``)."""
-    kept, unsaved = measured['kept'], measured['unsaved']
+    kept, unsaved = measured.kept, measured.unsaved
     for k in range(len(passes)):
         # Layers returning their input as it is (a stash, an identity) hand it on.
         later = k + 1
@@ -137,10 +182,10 @@ def _hand_on(measured: Dict[str, List[float]], passes: List[bool], saves_input: 
             later += 1
         if later < len(passes) and not saves_input[later]:
             kept[k] -= unsaved[k]
-            measured['passed'].append(0.0)
+            measured.passed.append(0.0)
         else:
             # Freed by the next layer's backward pass, if that layer saves it.
-            measured['passed'].append(unsaved[k] if later == k + 1 else 0.0)
+            measured.passed.append(unsaved[k] if later == k + 1 else 0.0)
             unsaved[k] = 0.0
 
 

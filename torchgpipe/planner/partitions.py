@@ -8,11 +8,109 @@ pipeline holds what it hands over (an output, skips) until the backward pass
 that needs it, and the gradients it passes a backward pass until it returns.
 """
 import bisect
+from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Sequence, Tuple
 
 from torchgpipe.planner.costs import Costs, LayerCosts
 
 __all__: List[str] = []
+
+
+@dataclass(frozen=True)
+class Times:
+    """A partition's task times, in seconds: ``F``, ``I``, ``W`` and ``B`` (the loss's in
+    the last; the first partition's ``I`` computes nothing and its ``W`` is its ``B``)."""
+
+    forward: float
+    input: float
+    weight: float
+    backward: float
+
+
+@dataclass(frozen=True)
+class Activations:
+    """What a partition's forward pass leaves for its backward pass, in bytes.
+
+    Args:
+        kept: what its layers saved, and what the pipeline holds of it (``held``)
+        held: the output and sent skips in ``kept`` only as the pipeline holds them
+        received: the skips it pops that another worker stashed (copies)
+        handed: those an earlier partition of its own worker stashed
+        retained: the gradients ``I`` keeps until ``W``
+        above: what ``I`` lets go of beside ``held`` (the graph above the last
+            layer with weights, where no ``W`` starts)
+    """
+
+    kept: float
+    held: float
+    received: float
+    handed: float
+    retained: float
+    above: float
+
+
+@dataclass(frozen=True)
+class Peak:
+    """The most a backward pass holds beyond the activations kept: ``alone``; ``making``
+    the weights' gradients by then (a step's first pass); ``accumulating`` a later
+    micro-batch's gradients beside those already made."""
+
+    alone: float
+    making: float
+    accumulating: float
+
+
+@dataclass(frozen=True)
+class Temporaries:
+    """The most each of a partition's tasks holds beyond its activations, in bytes.
+
+    Args:
+        forward: ``F``'s
+        backward: ``B``'s
+        weight: the first partition's ``W`` (which starts from its graph); for
+            another partition, the same as ``backward``
+        input: ``I``'s (it frees nothing the forward pass saved)
+        gradients: a layer's new weight gradients at most (a later ``W``'s)
+    """
+
+    forward: float
+    backward: Peak
+    weight: Peak
+    input: float
+    gradients: float
+
+
+@dataclass(frozen=True)
+class Messages:
+    """What a partition receives and sends, in bytes.
+
+    Args:
+        entry: its input (the first's: what it copies of the mini-batch)
+        exit: its output
+        turned: ``entry`` where the partition before is on its process, which holds it
+        turned_through: ``turned`` where that is the layers' input itself
+        skips_out: skips ``F`` sends other workers, a message each; ``skips_out_bytes``
+        skips_back: gradients of popped skips ``B`` (or ``I``) sends back; ``skips_back_bytes``
+    """
+
+    entry: float
+    exit: float
+    turned: float
+    turned_through: float
+    skips_out: int
+    skips_out_bytes: float
+    skips_back: int
+    skips_back_bytes: float
+
+
+@dataclass(frozen=True)
+class PartitionCosts:
+    """A partition's costs at one micro-batch size, summed from its layers'."""
+
+    times: Times
+    activations: Activations
+    temporaries: Temporaries
+    messages: Messages
 
 
 class Partitions:
@@ -25,7 +123,7 @@ class Partitions:
         self.worker_of = worker_of
         #: The partitions of each skip's two ends, the layers that stash and pop it.
         self.ends = [(self.partition_of(a), self.partition_of(b)) for a, b in costs.skips]
-        self._sums: Dict[Tuple[int, int], Dict[str, float]] = {}
+        self._sums: Dict[Tuple[int, int], PartitionCosts] = {}
         self._lent: Dict[Tuple[int, int], Tuple[Dict[int, float], Dict[int, float]]] = {}
         self._returned: Dict[Tuple[int, int], List[Tuple[int, float, bool]]] = {}
 
@@ -33,101 +131,86 @@ class Partitions:
         """The partition that holds ``layer``."""
         return bisect.bisect_right(self.bounds, layer) - 1
 
-    def __call__(self, j: int, size: int) -> Dict[str, float]:
-        """Partition ``j``'s times and bytes for a micro-batch of ``size``, by key:
-
-        - ``forward``, ``input``, ``weight``, ``backward``, ``kept``: its layers'
-          sums (the loss's in the last; the first partition's ``W`` is its whole
-          backward pass);
-        - ``working``: the most its backward pass holds beyond ``kept``;
-          ``making``: with the weights' gradients made by then (a step's first
-          pass); ``accumulating``: with a later micro-batch's new gradients; and
-          for the first partition, ``*_w`` of each for its ``W``;
-        - ``gradients``: a layer's new weight gradients at most; ``held``: the
-          output and sent skips in ``kept`` only because the pipeline holds them;
-        - ``retained``: gradients kept from ``I`` to ``W``; ``holding``: the most
-          ``I`` holds beyond ``kept``; ``above``: what ``I`` lets go of beside ``held``;
-        - ``received``, ``handed``: skips popped from another worker, or its own;
-        - ``entry``, ``exit``: its input's and output's bytes; ``turned``,
-          ``turned_through``: its input, held by the partition before on its process;
-        - ``skips_out(_bytes)``, ``skips_back(_bytes)``: skip messages to and from
-          other workers (:meth:`_messages`); ``forwarding``: the most its forward
-          pass holds beyond ``kept``.
-        """
+    def __call__(self, j: int, size: int) -> PartitionCosts:
+        """Partition ``j``'s costs for a micro-batch of ``size``."""
         key = (j, size)
         if key not in self._sums:
             self._sums[key] = self._sum(j, self.costs.at(size), size)
         return self._sums[key]
 
-    def _sum(self, j: int, layers: LayerCosts, size: int) -> Dict[str, float]:
+    def _sum(self, j: int, layers: LayerCosts, size: int) -> PartitionCosts:
         start, stop = self.bounds[j], self.bounds[j + 1]
         if j == len(self.bounds) - 2 and self.costs.loss:
             stop += 1  # the loss, which the last partition computes
-        sums = {name: sum(getattr(layers, name)[start:stop])
-                for name in ('forward', 'input', 'backward', 'kept')}
+        forward, input = sum(layers.forward[start:stop]), sum(layers.input[start:stop])
+        backward, kept = sum(layers.backward[start:stop]), sum(layers.kept[start:stop])
         # The pipeline holds the output and sent skips until B (or I).
         last = self.bounds[j + 1] - 1
         sent = [s for s, (a, b) in enumerate(self.costs.skips) if start <= a < stop <= b]
-        sums['held'] = layers.unsaved[last] if last < len(layers.unsaved) else 0.0
-        sums['held'] += sum(layers.loose[s] for s in sent if s < len(layers.loose))
-        sums['kept'] += sums['held']
+        held = layers.unsaved[last] if last < len(layers.unsaved) else 0.0
+        held += sum(layers.loose[s] for s in sent if s < len(layers.loose))
+        kept += held
         # A process of its own after this one got a copy: the output is the pipeline's.
         copied = 0.0
         if (self.costs.processes and j < len(self.bounds) - 2
                 and self.worker_of(j + 1) != self.worker_of(j) and last < len(layers.passed)):
             copied = layers.passed[last]
-            sums['held'] += copied
-        sums.update(self._passes(j, layers, start, stop))
-        sums['forwarding'] = self._forwarding(layers, start, stop, sums['kept'])
-        sums['entry'] = layers.output[start - 1] if start else self.costs.entry * size
+            held += copied
+        backward_peak, weight_peak, holding, gradients = self._passes(j, layers, start, stop)
+        entry = layers.output[start - 1] if start else self.costs.entry * size
         # On the process of the partition before, the input is that one's output itself.
         turned = bool(self.costs.processes and j and self.worker_of(j - 1) == self.worker_of(j))
         through = layers.through[self.bounds[j - 1]:start] if j else []
-        sums['turned'] = sums['entry'] if turned else 0.0
-        sums['turned_through'] = sums['entry'] if turned and through and all(through) else 0.0
-        sums['exit'] = layers.output[self.bounds[j + 1] - 1]
-        sums.update(self._messages(j, layers))
         # I lets go of the graph above the last layer with weights: no W starts there.
         top = self._top(start, stop)
-        sums['received'], sums['handed'], up = self._popped(j, layers, start, stop, top)
+        received, handed, up = self._popped(j, layers, start, stop, top)
         if j == 0:
-            sums['above'] = 0.0
+            above = 0.0
         elif top >= start:
             # The layers after, what the next saved of its output, and the nodes
             # above the weights (a ReLU after a convolution); a copied output is ``held``.
-            sums['above'] = (sum(layers.kept[top + 1:stop])
-                             + (layers.shed[top] if top < len(layers.shed) else 0.0)
-                             + (layers.passed[top] if top + 1 < stop and layers.passed else 0.0)
-                             - (copied if top < last else 0.0) + up)
+            above = (sum(layers.kept[top + 1:stop])
+                     + (layers.shed[top] if top < len(layers.shed) else 0.0)
+                     + (layers.passed[top] if top + 1 < stop and layers.passed else 0.0)
+                     - (copied if top < last else 0.0) + up)
         else:
-            sums['above'] = sums['kept'] - sums['held'] + up
+            above = kept - held + up
         # The first partition's I computes nothing: W starts from its outputs' gradients.
         # A later I keeps those at nodes leading to a weight and on its leaves until W.
-        measured = sum(layers.weight[start:stop]) + (0.0 if j else sums['input'])
+        measured = sum(layers.weight[start:stop]) + (0.0 if j else input)
         if j == 0:
-            sums['retained'] = layers.output[stop - 1] if len(self.bounds) > 2 else 0.0
-            sums['retained'] += sum(layers.skipped[s] for s in sent
-                                    if s < len(layers.skipped))
-            sums['input'] = 0.0
+            retained = layers.output[stop - 1] if len(self.bounds) > 2 else 0.0
+            retained += sum(layers.skipped[s] for s in sent if s < len(layers.skipped))
+            input = 0.0
         else:
             apart = self.worker_of(j - 1) != self.worker_of(j)
-            sums['retained'] = (sum(layers.retained[start:stop]) + sums['received'] - up
-                                + (sums['entry'] if apart else 0.0))
-        sums['weight'] = (measured if layers.weight
-                          else max(0.0, sums['backward'] - sums['input']))
-        return sums
+            retained = (sum(layers.retained[start:stop]) + received - up
+                        + (entry if apart else 0.0))
+        weight = measured if layers.weight else max(0.0, backward - input)
+        skips_out, skips_back = self._skip_messages(j, layers)
+        return PartitionCosts(
+            Times(forward, input, weight, backward),
+            Activations(kept, held, received, handed, retained, above),
+            Temporaries(self._forwarding(layers, start, stop, kept), backward_peak,
+                        weight_peak, holding, gradients),
+            Messages(entry, layers.output[self.bounds[j + 1] - 1],
+                     entry if turned else 0.0,
+                     entry if turned and through and all(through) else 0.0,
+                     *skips_out, *skips_back))
 
-    def _messages(self, j: int, layers: LayerCosts) -> Dict[str, float]:
+    def _skip_messages(self, j: int, layers: LayerCosts
+                       ) -> Tuple[Tuple[int, float], Tuple[int, float]]:
         """The skips partition ``j`` exchanges with other workers, a message each: ``F``
-        sends those it stashed, ``B`` (or ``I``) the gradients of those it popped."""
-        mine, sums = self.worker_of(j), {}
-        for name, near, far in (('skips_out', 0, 1), ('skips_back', 1, 0)):
+        sends those it stashed, ``B`` (or ``I``) the gradients of those it popped; how many
+        each way, and their bytes."""
+        mine = self.worker_of(j)
+        counted = []
+        for near, far in ((0, 1), (1, 0)):
             skips = [k for k, ends in enumerate(self.ends)
                      if ends[near] == j != ends[far] and self.worker_of(ends[far]) != mine]
-            sums[name] = float(len(skips))
-            sums[name + '_bytes'] = sum(layers.skipped[k] for k in skips
-                                        if k < len(layers.skipped))
-        return sums
+            counted.append((len(skips), sum(layers.skipped[k] for k in skips
+                                            if k < len(layers.skipped))))
+        return counted[0], counted[1]
 
     def _top(self, start: int, stop: int) -> int:
         """The last layer with weights from ``start`` to ``stop`` (``start - 1`` if none)."""
@@ -182,9 +265,10 @@ class Partitions:
         return self._returned[j, size]
 
     def _passes(self, j: int, layers: LayerCosts, start: int, stop: int
-                ) -> Dict[str, float]:
-        """The keys ``working``, ``accumulating``, ``making`` (and their ``_w``), ``holding``
-        and ``gradients`` of :meth:`__call__`, for layers ``start`` to ``stop``."""
+                ) -> Tuple[Peak, Peak, float, float]:
+        """The peaks of partition ``j``'s backward pass and of its ``W`` (layers ``start`` to
+        ``stop``), what its ``I`` holds, and a layer's new weight gradients at most
+        (:class:`Temporaries`)."""
         # The last layer's output gradient is the pipeline's, held (``closing``); a
         # skip's gradient lives from its pop's backward pass to its stash's.
         working = layers.working[start:stop]
@@ -211,17 +295,19 @@ class Partitions:
         # (A layer's output that only the next layer saved is gone by its turn.)
         passed = layers.passed[start:stop - 1] + [0.0] if layers.passed else [0.0] * len(working)
         # The step's first pass makes the weights' gradients as it goes.
-        besides = {'working': [0.0] * len(alone), 'accumulating': accumulating,
-                   'making': self._made_by(start, stop)}
+        making = self._made_by(start, stop)
         frees = layers.kept[start:stop]
+
+        def peak() -> Peak:
+            return Peak(*(_most(alone, extra, frees, passed)
+                          for extra in ([0.0] * len(alone), making, accumulating)))
         # The first partition's W starts from the graph, not from its output.
-        sums = {name + '_w': _most(alone, extra, frees, passed)
-                for name, extra in besides.items()} if j == 0 else {}
+        weight = peak() if j == 0 else None
         # The pipeline holds the output until B returns: the last layer frees none of it.
         if j < len(self.bounds) - 2 and layers.unsaved:
             own = layers.output[stop - 1] - layers.unsaved[stop - 1]
             frees[-1] -= min(frees[-1], max(0.0, own))
-        sums.update({name: _most(alone, extra, frees, passed) for name, extra in besides.items()})
+        backward = peak()
         # I frees nothing on its way: W needs the graph and the gradients left for it.
         kept_for_w = layers.retained[start:stop] or [0.0] * len(working)
         if j < len(self.bounds) - 2 and kept_for_w:
@@ -237,8 +323,9 @@ class Partitions:
         holding = max((most + more + sum(kept_for_w[k + 1:])
                        for k, (most, more) in enumerate(zip(working, keeps))), default=0.0)
         if not any(self.costs.parameters[start:stop]):
-            holding = sums['working']  # no W to keep the graph for: I frees it as B does
-        return {**sums, 'holding': holding, 'gradients': max(accumulating, default=0.0)}
+            holding = backward.alone  # no W to keep the graph for: I frees it as B does
+        return (backward, backward if weight is None else weight, holding,
+                max(accumulating, default=0.0))
 
     def _forwarding(self, layers: LayerCosts, start: int, stop: int, kept: float) -> float:
         """The most the forward pass of layers ``start`` to ``stop`` holds at once beyond

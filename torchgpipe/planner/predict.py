@@ -112,25 +112,27 @@ def predict(costs: Costs, candidate: Candidate, *, param_scale: float = 2.0
     def seconds(action: Action) -> Tuple[float, Dict[str, float]]:
         """The action's time, and its work by kind of task."""
         part = parts(action.j, sizes[action.i])
+        times, messages = part.times, part.messages
         split = action.kind in (Kind.I, Kind.W)
         overhead = costs.split_overhead if split else costs.overhead
-        skips = 'skips_out' if action.kind is Kind.F else 'skips_back'
         if action.kind is Kind.F:
-            work, sent, to = {'forward': part['forward']}, part['exit'], action.j + 1
+            work, sent, to = {'forward': times.forward}, messages.exit, action.j + 1
+            skips = messages.skips_out, messages.skips_out_bytes
         elif action.kind is Kind.W:
-            work, sent, to, skips = {'weight': part['weight']}, 0.0, action.j, ''
+            work, sent, to, skips = {'weight': times.weight}, 0.0, action.j, (0, 0.0)
         else:
-            kind = 'backward' if action.kind is Kind.B else 'input'
-            work, sent, to = {kind: part[kind]}, part['entry'], action.j - 1
+            work = ({'backward': times.backward} if action.kind is Kind.B
+                    else {'input': times.input})
+            sent, to = messages.entry, action.j - 1
+            skips = messages.skips_back, messages.skips_back_bytes
             if checkpointed[action.i]:
-                work['recompute'] = part['forward']
+                work['recompute'] = times.forward
                 overhead += costs.checkpoint_overhead
         latency, per_byte = costs.transfer
         crosses = 0 <= to < n and candidate.worker_of(to) != candidate.worker_of(action.j)
         message = latency + per_byte * sent if crosses else 0.0
-        if skips:  # a message of its own for each skip to or from another worker
-            message += (part[skips] * (latency + costs.skip_overhead)
-                        + per_byte * part[skips + '_bytes'])
+        # A message of its own for each skip to or from another worker.
+        message += skips[0] * (latency + costs.skip_overhead) + per_byte * skips[1]
         return sum(work.values()) + overhead + message, work
 
     cost: Dict[Action, Fraction] = {}
@@ -259,18 +261,19 @@ def peak_memory(workers: Sequence[Sequence[Action]], worker: int, parts: Partiti
     # The built-in schedules number their workers as Candidate.worker_of does.
     for action, posted in zip(workers[worker], posted_ahead(workers, worker, parts, sizes)):
         part = parts(action.j, sizes[action.i])
+        activations, messages, temporaries = part.activations, part.messages, part.temporaries
         live += posted
         sent_forward = sum(nbytes for _, nbytes in messages(parts, action.j, sizes[action.i],
                                                               True))
         sent_back = sum(nbytes for _, nbytes in messages(parts, action.j, sizes[action.i],
                                                            False))
         # (An input handed over as it is, the partition before holds.)
-        whole = part['kept'] + part['entry'] - part['turned']
-        kept = part['entry'] - part['turned_through'] if checkpointed[action.i] else whole
-        again = part['kept'] if checkpointed[action.i] else 0.0
+        whole = activations.kept + messages.entry - messages.turned
+        kept = messages.entry - messages.turned_through if checkpointed[action.i] else whole
+        again = activations.kept if checkpointed[action.i] else 0.0
         # A skip received is a copy; one handed over is the stash's own tensor,
         # unless a checkpointed pass made it.
-        kept += part['received'] + (part['handed'] if checkpointed[action.i] else 0.0)
+        kept += activations.received + (activations.handed if checkpointed[action.i] else 0.0)
         if action.kind is Kind.F:
             live += kept - shared_bytes.taken(action)
         elif action.kind is Kind.I:
@@ -282,39 +285,39 @@ def peak_memory(workers: Sequence[Sequence[Action]], worker: int, parts: Partiti
                  if action.kind in (Kind.B, Kind.W) and not later else 0.0)
         if action.kind is Kind.B or action.kind is Kind.W and action.j == 0:
             # (The first partition's W starts from its graph, not its output.)
-            w = '_w' if action.kind is Kind.W else ''
-            working = part['accumulating' + w] if later else (
-                (1 - made) * part['working' + w] + made * part['making' + w] - grads)
+            pass_peak = temporaries.weight if action.kind is Kind.W else temporaries.backward
+            working = pass_peak.accumulating if later else (
+                (1 - made) * pass_peak.alone + made * pass_peak.making - grads)
             if action.kind is Kind.W:
-                working -= part['retained']  # the gradients it starts from, live since I
+                working -= activations.retained  # the gradients it starts from, live since I
         elif action.kind is Kind.I and action.j:
-            working = part['holding']
+            working = temporaries.input
         elif action.kind is Kind.I:
-            working = part['retained']  # the gradients it receives, its output still held
+            working = activations.retained  # the gradients it receives, its output still held
         elif action.kind is Kind.W:
-            working = part['gradients'] if later else 0.0
+            working = temporaries.gradients if later else 0.0
         else:  # F: its temporaries (checkpointed: its recomputation's count)
-            working = 0.0 if checkpointed[action.i] else part['forwarding']
+            working = 0.0 if checkpointed[action.i] else temporaries.forward
         if action.kind in (Kind.B, Kind.W):
             graded.add(action.j)
         working -= shared_bytes.counted(action)
         peak = max(peak, live + grads + working + (again if action.kind is Kind.B else 0.0))
         if checkpointed[action.i] and action.kind in (Kind.B, Kind.I):
             # The recomputation's own peak, before the backward pass.
-            peak = max(peak, live + part['forwarding'] + (again if action.kind is Kind.B else 0.0))
+            peak = max(peak, live + temporaries.forward + (again if action.kind is Kind.B else 0.0))
         live += grads
         if action.kind is Kind.B:
             live -= kept
         elif action.kind is Kind.I:
             # The output goes (W needs only what autograd saved), gradients stay.
-            live += part['retained'] - part['held'] - part['above']
+            live += activations.retained - activations.held - activations.above
         elif action.kind is Kind.W:
-            live -= kept + again - part['held'] - part['above'] + part['retained']
+            live -= kept + again - activations.held - activations.above + activations.retained
         live += shared_bytes.after(action)
         # What this pass sent stays in flight past where its own reference goes: a
         # checkpointed output from the send on, else from B, or from I and W as they free it.
         if parts.costs.processes:
-            let_go = min(sent_forward, part['held'])
+            let_go = min(sent_forward, activations.held)
             live += {Kind.F: sent_forward if checkpointed[action.i] else 0.0,
                      Kind.B: sent_back + (0.0 if checkpointed[action.i] else sent_forward),
                      Kind.I: 0.0 if checkpointed[action.i] else let_go,

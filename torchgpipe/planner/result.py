@@ -5,12 +5,11 @@ from dataclasses import asdict, fields
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 from torchgpipe.engine.generators import BUILT_INS, built_in, unknown_name, worker_of
-from torchgpipe.foundation.validation import check_chunks, describe
+from torchgpipe.foundation.validation import check_checkpoint, check_chunks, describe
 from torchgpipe.planner.compare import Comparison, compare
 from torchgpipe.planner.costs import Costs
 from torchgpipe.planner.option import Option, option, size
 from torchgpipe.planner.predict import Candidate, micro_batches, predict
-from torchgpipe.planner.search import CHECKPOINTS
 from torchgpipe.timeline import Timeline
 
 __all__: List[str] = []
@@ -100,8 +99,7 @@ class Plan:
                                       'layers to a partition of at least one',
                                       f'balance: {list(balance)}',
                                       f'give numbers of layers that add up to {costs.layers}'))
-        if checkpoint not in CHECKPOINTS:
-            raise ValueError("checkpoint is not one of 'always', 'except_last', or 'never'")
+        check_checkpoint(checkpoint)
         count = len(micro_batches(costs.batch, check_chunks(chunks)))
         candidate = Candidate(name, tuple(balance), count, checkpoint, p, shape[1])
         prediction = predict(costs, candidate, param_scale=self.param_scale)

@@ -17,7 +17,6 @@ from torchgpipe.planner.predict import Candidate, Prediction, micro_batches, pre
 
 __all__: List[str] = []
 
-CHECKPOINTS = ('never', 'except_last', 'always')
 #: How many of the best configurations have their balance refined.
 REFINED = 8
 

@@ -7,6 +7,7 @@ again finds its weights in the cache), the backward pass one engine call
 """
 import functools
 import time
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -23,8 +24,21 @@ from torchgpipe.skip.tracker import SkipTracker, use_skip_tracker
 __all__: List[str] = []
 
 
+@dataclass
+class PassTimes:
+    """A timed training pass, in seconds: each layer's ``F``, and its ``B``, or (a split
+    pass) its ``I`` with ``W``'s whole time and ``cut``, the layers before the first
+    whose output needs a gradient (their ``W`` is their whole backward pass)."""
+
+    forward: List[float]
+    backward: List[float] = field(default_factory=list)
+    input: List[float] = field(default_factory=list)
+    weight: float = 0.0
+    cut: int = 0
+
+
 def layer_times(layers: Sequence[nn.Module], sample: TensorOrTensors, device: torch.device,
-                split: bool) -> Dict[str, List[float]]:
+                split: bool) -> PassTimes:
     """One training pass of the whole model, each layer's part of it timed at its boundaries.
 
     The forward pass is timed between layer calls; the backward pass is one
@@ -38,8 +52,7 @@ def layer_times(layers: Sequence[nn.Module], sample: TensorOrTensors, device: to
     Work a layer does for its stashed skips alone runs among later layers and
     is moved back to it (``_SkipWork``). What ``I`` does before its engine
     starts is shared among the layers as their ``I`` times are; ``W`` comes
-    whole (``weight``), with the layers before the cut (``cut``), for
-    :func:`~torchgpipe.planner.costs.measure` to share.
+    whole, for :func:`~torchgpipe.planner.costs.measure` to share.
     """
     clock = _Clock(device)
     forward: List[float] = []
@@ -94,12 +107,12 @@ def layer_times(layers: Sequence[nn.Module], sample: TensorOrTensors, device: to
         for p in layer.parameters():
             p.grad = None
     if not split:
-        return {'backward': times}
+        return PassTimes(forward, backward=times)
     for k in range((first or 0) + 1):
         times[k] = 0.0
     ahead, total = stamps[-1] - start, sum(times)
-    return {'forward': forward, 'weight': [weight], 'cut': [float((first or 0) + 1)],
-            'input': [t + ahead * t / total if total else t for t in times]}
+    return PassTimes(forward, input=[t + ahead * t / total if total else t for t in times],
+                     weight=weight, cut=(first or 0) + 1)
 
 
 def _next_sequence_nr() -> int:
