@@ -27,6 +27,7 @@ from torchgpipe.planner.partitions import Partitions
 from torchgpipe.planner.predict import Candidate, checkpoints, micro_batches, predict
 from torchgpipe.foundation.validation import CHECKPOINTS
 from torchgpipe.planner.search import chunk_counts, search
+from torchgpipe.planner.timing import PassTimes
 from torchgpipe.planner.sharing import SharedBytes
 from torchgpipe.skip import pop, skippable, stash
 
@@ -293,8 +294,8 @@ def test_a_pass_another_process_interrupts_is_left_out(monkeypatch: pytest.Monke
         calls.append(split)
         times = [slow * (k + 1) * 1e-3 for k in range(len(layers))]
         if split:  # (no I for the first layer: it is not timed here)
-            return {'forward': times, 'input': times, 'weight': [sum(times[1:])], 'cut': [1.0]}
-        return {'backward': [2 * t for t in times]}
+            return PassTimes(times, input=times, weight=sum(times[1:]), cut=1)
+        return PassTimes(times, backward=[2 * t for t in times])
     monkeypatch.setattr(module, 'layer_times', layer_times)
     costs = measure(nn.Sequential(*model()), torch.randn(8, 8), [2, 8], torch.device('cpu'),
                     repeat=3)
@@ -331,7 +332,7 @@ def test_the_split_backward_pass_is_timed_as_the_engine_runs_it(
     assert len(passes) == 2  # I, then W once
     inputs, _ = passes[0]
     assert len(inputs) == 1 and inputs[0].is_leaf and inputs[0].shape == first.shape
-    assert times['input'][0] == 0 and len(times['weight']) == 1 and times['weight'][0] > 0
+    assert times.input[0] == 0 and times.weight > 0
     assert all(p.grad is None for layer in layers for p in layer.parameters())
 
 
@@ -832,7 +833,8 @@ def test_a_gradient_an_addition_shares_with_its_skip_counts_once_before_the_pop(
     apart = Costs.from_dict({**costs.to_dict(), 'table': [
         {**vars(row), 'aliased': [0.0] * len(row.aliased)} for row in costs.table]})
     assert costs.at(4).aliased == costs.at(4).skipped != [0.0]
-    assert Partitions(costs, [5])(0, 4)['working'] < Partitions(apart, [5])(0, 4)['working']
+    assert (Partitions(costs, [5])(0, 4).temporaries.backward.alone
+            < Partitions(apart, [5])(0, 4).temporaries.backward.alone)
     assert Partitions(costs, [3, 2])(0, 4) == Partitions(apart, [3, 2])(0, 4)
 
 

@@ -84,7 +84,7 @@ def test_a_shortcuts_projection_is_timed_on_the_shortcut(layers: List[nn.Module]
     shortcut ran, and under the projection) stays the first layer's, which ``I`` does
     not run (its output is the leaf ``I`` stops at)."""
     times = timing.layer_times(layers, torch.randn(2, 4), torch.device('cpu'), split)
-    kind = 'input' if split else 'backward'
-    assert times[kind][1] == pytest.approx(1.0)
-    assert times[kind][2] == pytest.approx(0.01)
-    assert times[kind][0] == pytest.approx(0.0 if split else 0.1)
+    backward = times.input if split else times.backward
+    assert backward[1] == pytest.approx(1.0)
+    assert backward[2] == pytest.approx(0.01)
+    assert backward[0] == pytest.approx(0.0 if split else 0.1)

@@ -204,10 +204,10 @@ def measure(module: nn.Sequential, sample: TensorOrTensors, sizes: Sequence[int]
                     into.append((split, whole))
     table = []
     for (_, memory), rounds in zip(prepared, timed):
-        split, whole = [r[0] for r in rounds], [r[1] for r in rounds]
-        backward, input = _least([r.backward for r in whole]), _least([r.input for r in split])
-        weight = _shared(min(r.weight for r in split), split[0].cut, backward, input)
-        table.append(LayerCosts(forward=_least([r.forward for r in split]), input=input,
+        splits, wholes = [r[0] for r in rounds], [r[1] for r in rounds]
+        backward, input = _least([r.backward for r in wholes]), _least([r.input for r in splits])
+        weight = _shared(min(r.weight for r in splits), splits[0].cut, backward, input)
+        table.append(LayerCosts(forward=_least([r.forward for r in splits]), input=input,
                                 backward=backward, weight=weight, **asdict(memory)))
     parameters = [sum(p.numel() * p.element_size() for p in c.parameters()) for c in copies]
     return Costs(batch=batch, sizes=sizes, table=table, parameters=parameters,

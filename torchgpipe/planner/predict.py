@@ -261,15 +261,16 @@ def peak_memory(workers: Sequence[Sequence[Action]], worker: int, parts: Partiti
     # The built-in schedules number their workers as Candidate.worker_of does.
     for action, posted in zip(workers[worker], posted_ahead(workers, worker, parts, sizes)):
         part = parts(action.j, sizes[action.i])
-        activations, messages, temporaries = part.activations, part.messages, part.temporaries
+        activations, temporaries = part.activations, part.temporaries
         live += posted
         sent_forward = sum(nbytes for _, nbytes in messages(parts, action.j, sizes[action.i],
                                                               True))
         sent_back = sum(nbytes for _, nbytes in messages(parts, action.j, sizes[action.i],
                                                            False))
         # (An input handed over as it is, the partition before holds.)
-        whole = activations.kept + messages.entry - messages.turned
-        kept = messages.entry - messages.turned_through if checkpointed[action.i] else whole
+        whole = activations.kept + part.messages.entry - part.messages.turned
+        kept = (part.messages.entry - part.messages.turned_through if checkpointed[action.i]
+                else whole)
         again = activations.kept if checkpointed[action.i] else 0.0
         # A skip received is a copy; one handed over is the stash's own tensor,
         # unless a checkpointed pass made it.
