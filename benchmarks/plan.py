@@ -282,10 +282,14 @@ def corrections(workers: int, processes: bool) -> List[str]:
 
 
 @contextlib.contextmanager
-def without(correction: str) -> Iterator[None]:
-    """The planner with ``correction`` left out: the pace 1 at every size, no trials, no
-    rank loading the machine, or messages costing nothing beside the overhead per task."""
+def without(correction: Optional[str]) -> Iterator[None]:
+    """The planner with ``correction`` left out (``None``: none): the pace 1 at every size,
+    no trials, no rank loading the machine, or messages costing nothing beside the
+    overhead per task."""
     import torchgpipe.planner as planner
+    if correction is None:
+        yield
+        return
     patches = {
         'pilot pace': [mock.patch.object(planner.pilot, 'pace',
                                          lambda costs, *_: [1.0] * len(costs.sizes))],
@@ -309,12 +313,48 @@ def without(correction: str) -> Iterator[None]:
 Ready = Callable[..., Tuple[StepTimer, Row]]
 
 
-def planned_rows(name: str, config: Dict[str, Any], device: torch.device, workers: int,
-                 where: Row, ready: Ready, sync: Callable[[], object] = lambda: None
-                 ) -> Tuple[Dict[str, Any], Tuple[Any, ...]]:
-    """Plans one model (``where``: the planner's ``devices`` or ``group``), then measures
-    the choice and the grid's other configurations in rounds (:func:`in_rounds`), each
-    readied by ``ready``.
+#: The plans of one model: with every correction (``None``) and without each one.
+Plans = Dict[Optional[str], Plan]
+
+
+def planned(name: str, config: Dict[str, Any], device: torch.device, where: Row,
+            correction: Optional[str], limit: Optional[float],
+            sync: Callable[[], object] = lambda: None) -> Tuple[Plan, float]:
+    """Plans one model (``where``: the planner's ``devices`` or ``group``) without
+    ``correction`` (``None``: with every one) under ``limit``; the plan, and the seconds
+    planning took."""
+    module, input, target, loss = model(name, config['scale'], device)
+    sync()
+    started = time.perf_counter()
+    with without(correction):
+        plan = torchgpipe.plan(module, input, **where, target=target, loss_fn=loss,
+                               chunks=most_chunks(config, input), memory_limit=limit)
+    return plan, time.perf_counter() - started
+
+
+def most_chunks(config: Dict[str, Any], input: Any) -> int:
+    """The most micro-batches of the grid and the planner: the preset's, or the batch."""
+    return min(config['most_chunks'], input.size(0) if isinstance(input, Tensor)
+               else input[0].size(0))
+
+
+def limit_for(name: str, config: Dict[str, Any], device: torch.device, workers: int,
+              where: Row) -> Optional[float]:
+    """The memory limit the model is planned under (``None`` but for the limited one)."""
+    if name != config['limited']:
+        return None
+    module, input, target, loss = model(name, config['scale'], device)
+    return limit_of(lambda **kwargs: torchgpipe.plan(
+        module, input, **where, target=target, loss_fn=loss,
+        chunks=most_chunks(config, input), **kwargs), len(module), workers,
+        most_chunks(config, input))
+
+
+def measured_rows(name: str, config: Dict[str, Any], device: torch.device, plans: Plans,
+                  planning: float, limit: Optional[float], ready: Ready
+                  ) -> Tuple[Dict[str, Any], Tuple[Any, ...]]:
+    """Measures the choices of ``plans`` and the grid's other configurations in rounds
+    (:func:`in_rounds`), each readied by ``ready``.
 
     Returns:
         the model's result, and what the even split needs: the module, the
@@ -322,22 +362,9 @@ def planned_rows(name: str, config: Dict[str, Any], device: torch.device, worker
     """
     module, input, target, loss = model(name, config['scale'], device)
     batch = input.size(0) if isinstance(input, Tensor) else input[0].size(0)
-    most = min(config['most_chunks'], batch)
-
-    def planner(**kwargs: Any) -> Plan:
-        return torchgpipe.plan(module, input, **where, target=target, loss_fn=loss,
-                               chunks=most, **kwargs)
-    limit = limit_of(planner, len(module), workers, most) \
-        if name == config['limited'] else None
-    sync()
-    started = time.perf_counter()
-    plan = planner(memory_limit=limit)
-    planning = time.perf_counter() - started
-    variants: Dict[str, Plan] = {}
-    for correction in corrections(workers, processes='group' in where):
-        sync()
-        with without(correction):
-            variants[correction] = planner(memory_limit=limit)
+    most = most_chunks(config, input)
+    plan = plans[None]
+    variants = {c: v for c, v in plans.items() if c is not None}
     piloted = pilots(plan, most)
     planned = grid(plan, most, batch, config['modes'])
     # The choices, then the grid's configurations, then the pilot's, each once.
@@ -371,9 +398,18 @@ def planned_rows(name: str, config: Dict[str, Any], device: torch.device, worker
 
 
 def model_rows(name: str, config: Dict[str, Any], devices: List[torch.device]) -> Dict[str, Any]:
-    """Plans one model, measures the grid and the choice; the even split too for the transformer."""
-    result, (module, plan, input, target, loss, batch) = planned_rows(
-        name, config, devices[0], len(devices), {'devices': devices}, traced_step)
+    """Plans one model with every correction and without each, measures the grid and the
+    choices; the even split too for the transformer."""
+    where: Row = {'devices': devices}
+    limit = limit_for(name, config, devices[0], len(devices), where)
+    plans: Plans = {}
+    planning = 0.0
+    for correction in [None, *corrections(len(devices), processes=False)]:
+        plans[correction], seconds = planned(name, config, devices[0], where, correction,
+                                             limit)
+        planning = planning or seconds
+    result, (module, plan, input, target, loss, batch) = measured_rows(
+        name, config, devices[0], plans, planning, limit, traced_step)
     if name == config['limited']:
         result['even'] = against_even_split(module, plan, input, target, loss, config, batch)
     return result

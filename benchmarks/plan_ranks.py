@@ -1,9 +1,12 @@
 """The planner across processes: ``benchmarks.plan``'s presets ``cpu2`` and ``cpu4``.
 
-Every rank of a gloo group (one intra-op thread each) plans the models with
-``torchgpipe.plan(..., group=...)``, then trains each configuration of the
-grid (and the choice) as a :class:`~torchgpipe.distributed.DistributedGPipe`
-built from its ``Plan.kwargs``:
+Every rank of a gloo group (one intra-op thread each) plans a model with
+``torchgpipe.plan(..., group=...)``, in processes of their own for each plan
+(with every correction, and without each: a pipeline keeps its process groups,
+and their threads, until its process ends, and a plan makes a dozen), then
+the ranks of one more group train each configuration of the grid (and the
+choices) as a :class:`~torchgpipe.distributed.DistributedGPipe` built from
+its ``Plan.kwargs``:
 
 - the step time: every rank's span of a step traced by
   :func:`torchgpipe.trace`, the median of the rounds of
@@ -58,34 +61,48 @@ if TYPE_CHECKING:  # (benchmarks.plan imports this module)
 
 
 def run(config: Dict[str, Any]) -> Dict[str, Any]:
-    """Spawns the ranks; returns what rank 0 gathered."""
-    reported: Dict[str, Any] = spawn_ranks(rank_main, config['ranks'], config,
-                                           600 * len(config['models']) * config['ranks'])
-    return reported
+    """Plans each model with every correction and without each, each plan in processes of
+    its own (a plan's pipelines keep their process groups, and their threads, to the
+    end of the process: plans made after others would run on a busier machine), then
+    measures its grid in processes of its own; returns what rank 0 gathered."""
+    from benchmarks import plan as bench  # imported here: it imports this module
+    ranks, timeout = config['ranks'], 600 * config['ranks']
+    results = []
+    for name in config['models']:
+        limit = spawn_ranks(rank_main, ranks, {**config, 'job': ('limit', name)}, timeout)
+        plans, planning = {}, 0.0
+        for correction in [None, *bench.corrections(ranks, processes=True)]:
+            plans[correction], seconds = spawn_ranks(
+                rank_main, ranks, {**config, 'job': ('plan', name, correction, limit)},
+                timeout)
+            planning = planning or seconds
+        results.append(spawn_ranks(rank_main, ranks, {
+            **config, 'job': ('measure', name, plans, planning, limit)}, timeout))
+    return {'results': results, 'devices': [f'rank {r}' for r in range(ranks)]}
 
 
 def rank_main(rank: int, world_size: int, port: int, config: Dict[str, Any],
               results: Any) -> None:
-    """One rank: plans and measures every model, with the others; rank 0 reports."""
+    """One rank of a job: finds a model's memory limit, plans it, or measures its grid
+    with the others; rank 0 reports."""
+    from benchmarks import plan as bench
     torch.set_num_threads(1)
     tune_malloc()
     dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=600))
-    models = [model_rows(name, config) for name in config['models']]
+    kind, name, *job = config['job']
+    cpu, where = torch.device('cpu'), {'group': dist.group.WORLD}
+    if kind == 'limit':
+        done: Any = bench.limit_for(name, config, cpu, world_size, where)
+    elif kind == 'plan':
+        done = bench.planned(name, config, cpu, where, *job, sync=dist.barrier)
+    else:
+        done = bench.measured_rows(name, config, cpu, *job, ready)[0]
     if rank == 0:
-        results.put({'results': models, 'devices': [f'rank {r}' for r in range(world_size)]})
+        results.put(done)
     dist.barrier()
     sys.stdout.flush()
     os._exit(0)  # no Python shutdown: see docs/scaling_out.rst, "Ending a job"
-
-
-def model_rows(name: str, config: Dict[str, Any]) -> Dict[str, Any]:
-    """Plans one model on every rank, then measures the grid and the choice."""
-    from benchmarks import plan as bench  # imported here: it imports this module
-    result: Dict[str, Any] = bench.planned_rows(
-        name, config, torch.device('cpu'), dist.get_world_size(), {'group': dist.group.WORLD},
-        ready, sync=dist.barrier)[0]
-    return result
 
 
 def ready(module: nn.Sequential, option: Option, plan: Plan, input: Any, target: Tensor,
