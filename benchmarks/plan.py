@@ -267,11 +267,12 @@ def pilots(plan: Plan, most_chunks: int) -> List[Option]:
 #: The planner's corrections to what it measured, each left out in turn by :func:`without`
 #: (the ablation of ``summary``): the pilot's pace (:mod:`torchgpipe.planner.pilot`), the
 #: trials of the few predicted fastest (:mod:`torchgpipe.planner.trial`), and across
-#: processes the ranks loading the machine while rank 0 times the layers (the
-#: *companions*, :meth:`~torchgpipe.planner.group.PlanningGroup.loaders`) and the message
-#: costs calibrated on the group (:func:`~torchgpipe.planner.calibrate.message_cost`,
-#: :func:`~torchgpipe.planner.calibrate.skip_cost`).
-CORRECTIONS = ('pilot pace', 'trials', 'companions', 'group calibration')
+#: processes the message costs calibrated on the group
+#: (:func:`~torchgpipe.planner.calibrate.message_cost`,
+#: :func:`~torchgpipe.planner.calibrate.skip_cost`). (The ranks that loaded the machine
+#: while rank 0 timed the layers, the *companions*, earned nothing and were removed: see
+#: docs/benchmarks.rst.)
+CORRECTIONS = ('pilot pace', 'trials', 'group calibration')
 
 
 def corrections(workers: int, processes: bool) -> List[str]:
@@ -284,8 +285,7 @@ def corrections(workers: int, processes: bool) -> List[str]:
 @contextlib.contextmanager
 def without(correction: Optional[str]) -> Iterator[None]:
     """The planner with ``correction`` left out (``None``: none): the pace 1 at every size,
-    no trials, no rank loading the machine, or messages costing nothing beside the
-    overhead per task."""
+    no trials, or messages costing nothing beside the overhead per task."""
     import torchgpipe.planner as planner
     if correction is None:
         yield
@@ -295,8 +295,6 @@ def without(correction: Optional[str]) -> Iterator[None]:
                                          lambda costs, *_: [1.0] * len(costs.sizes))],
         'trials': [mock.patch.object(planner.trial, 'order',
                                      lambda *_: lambda options: options)],
-        'companions': [mock.patch('torchgpipe.planner.group.PlanningGroup.loaders',
-                                  lambda self, cores: [])],
         'group calibration': [mock.patch.object(planner, 'wide_step', lambda *_: 0.0),
                               mock.patch.object(planner, 'message_cost',
                                                 lambda *_: (0.0, 0.0)),

@@ -508,39 +508,3 @@ def test_ranks_share_the_cores_when_they_outnumber_them(
     assert planning.cores() == shared
     planning.device = torch.device('cuda', 0)
     assert planning.cores() is None
-
-
-UNPINNED = [set(range(2))] * 8
-
-
-@pytest.mark.parametrize('size, cores, affinities, loading', [
-    (4, None, UNPINNED, [1, 2, 3]),  # a core each: every other rank loads, as a pipeline would
-    (4, 2.0, UNPINNED, [1]),  # two cores: rank 0 keeps one, one other rank loads the other
-    (4, 2.0, [{0}, {0}, {1}, {1}], [2]),  # pinned two to a core: one away from rank 0's
-    (4, 1.5, UNPINNED, []),  # not even two: rank 0 alone
-    (8, 4.0, [{0}, {0}, {1}, {1}, {2}, {2}, {3}, {3}], [2, 3, 4]),
-])
-def test_while_rank_0_measures_only_ranks_that_leave_it_a_core_load_the_machine(
-        monkeypatch: pytest.MonkeyPatch, size: int, cores: Optional[float],
-        affinities: List[set], loading: List[int]) -> None:
-    """PlanningGroup.loaders, and PlanningGroup.first's load on those ranks only: the
-    simulator shares the cores (``Costs.cores``), so the layers must be timed with a core
-    of their own, not shared a second time."""
-    import contextlib
-    from torchgpipe.planner import group
-    loaded: List[int] = []
-
-    @contextlib.contextmanager
-    def training_threads(count: int, layers: Any, sample: Any, device: Any) -> Any:
-        loaded.append(planning.rank)
-        yield
-    monkeypatch.setattr(group, 'TrainingThreads', training_threads)
-    planning = object.__new__(group.PlanningGroup)
-    planning.size, planning.device = size, torch.device('cpu')
-    planning.affinities = affinities[:size]
-    planning._share = lambda value: ('value', 42)  # type: ignore
-    assert planning.loaders(cores) == loading
-    load = group.Load(nn.Sequential(nn.Linear(2, 2)), torch.zeros(4, 2), 2, loading)
-    for planning.rank in range(1, size):
-        assert planning.first(lambda: 0, load=load) == 42
-    assert loaded == loading

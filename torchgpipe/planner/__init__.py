@@ -110,7 +110,7 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
     team = None
     if group is not None:
         # Imported here: ``import torchgpipe`` loads no torchgpipe.distributed.
-        from torchgpipe.planner.group import Load, PlanningGroup
+        from torchgpipe.planner.group import PlanningGroup
         team = PlanningGroup(group, device, problem, {} if problem else {
             'layers': [sum(p.numel() for p in layer.parameters()) for layer in module],
             'sample': [(tuple(x.shape), str(x.dtype)) for x in Batch(sample)
@@ -142,8 +142,7 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
             cores = team.cores()
             costs = Costs.from_dict(team.first(
                 lambda: measure(module, sample, sizes, team.device, repeat=repeat,
-                                loss=loss).to_dict(),
-                load=Load(module, sample, sizes[len(sizes) // 2], team.loaders(cores))))
+                                loss=loss).to_dict()))
             timer, costs.cores = team.timer(), cores
             overheads = task_overhead(timer, team.size, costs.cores)
             wide = wide_step(timer, team.size)

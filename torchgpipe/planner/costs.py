@@ -13,8 +13,6 @@ whole passes, each layer timed in the parts a schedule runs apart::
 memory from :mod:`~torchgpipe.planner.memory`; a loss counts as one more layer.
 Sizes in between are interpolated linearly (:meth:`Costs.at`).
 """
-import copy
-import threading
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -245,40 +243,3 @@ def _loss_at(loss: LossAndTarget, size: int, device: torch.device) -> nn.Module:
     given = all(same_memory(x.device, device) for x in Batch(target) if isinstance(x, Tensor))
     micro = rows(to_device(target, device), size)
     return Loss(loss_fn, micro if given else map_tensors(torch.clone, micro), given)
-
-
-class TrainingThreads:
-    """Threads training copies of the layers while the layers are timed, as other workers do.
-
-    Ranks of one machine share its cores and memory bandwidth, so ranks that do
-    not time the layers load it meanwhile (as many as leave the timing rank a
-    core: :meth:`~torchgpipe.planner.group.PlanningGroup.loaders`). A thread
-    that fails stops quietly: it was only a load.
-    """
-
-    def __init__(self, count: int, layers: Sequence[nn.Module], sample: TensorOrTensors,
-                 device: torch.device) -> None:
-        self.stop = threading.Event()
-        self.threads = [threading.Thread(target=self._train, args=(copy.deepcopy(list(layers)),
-                                                                   sample, device),
-                                         name='torchgpipe planner load', daemon=True)
-                        for _ in range(count)]
-
-    def _train(self, layers: List[nn.Module], sample: TensorOrTensors,
-               device: torch.device) -> None:
-        try:
-            with torch.enable_grad():
-                while not self.stop.is_set():
-                    layer_times(layers, sample, device, split=False)
-        except Exception:  # noqa: BLE001 (a load only; the timed passes go on alone)
-            return
-
-    def __enter__(self) -> 'TrainingThreads':
-        for thread in self.threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop.set()
-        for thread in self.threads:
-            thread.join()

@@ -7,9 +7,7 @@ measured is what the pipeline will see::
     rank 0                          ranks 1 .. p-1
     agree: the same arguments, and devices of one type   (every rank)
     whether the ranks outnumber the cores of one machine  (every rank)
-    measures the layers             train copies of the layers (only
-                                    those that leave rank 0 a core:
-                                    PlanningGroup.loaders)
+    measures the layers             wait
     ---- the layers' costs, or rank 0's error, sent to every rank ----
     steps of DistributedGPipe: overhead per task, large messages  (every rank)
     fits the cost per byte to those steps
@@ -21,36 +19,22 @@ A bad argument on one rank is raised on every rank; an error while rank 0
 measures reaches the others as a :class:`RuntimeError` naming it.
 """
 import contextlib
-import math
 import os
 import socket
 import warnings
-from typing import Any, Callable, ContextManager, Dict, List, NamedTuple, Optional, Set
+from typing import Any, Callable, ContextManager, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from torchgpipe.balance.profile import to_device
 from torchgpipe.distributed import DistributedGPipe
-from torchgpipe.foundation.microbatch import TensorOrTensors
 from torchgpipe.foundation.validation import Device, check_available, describe, parse_device
 from torchgpipe.planner.arguments import check_process_group
 from torchgpipe.planner.calibrate import CHUNKS, Timer, median_step, zeros_loss
-from torchgpipe.planner.costs import TrainingThreads, rows
 from torchgpipe.planner.pilot import Make
 
 __all__: List[str] = []
-
-
-class Load(NamedTuple):
-    """What loads the machine while rank 0 measures: ``ranks`` train a copy of ``module``
-    on ``size`` samples of ``sample``."""
-
-    module: nn.Sequential
-    sample: TensorOrTensors
-    size: int
-    ranks: List[int]
 
 
 #: How to name a device for DistributedGPipe's ``device`` argument.
@@ -88,8 +72,6 @@ class PlanningGroup:
         #: Each rank's name as a traced step names its row, ``'rank r'`` (r its global rank).
         self.names = [f'rank {dist.get_global_rank(group, r)}' for r in range(self.size)]
         self.device = self._agree(device, problem, signature)
-        #: The CPUs each rank may run on, once :meth:`cores` has asked.
-        self.affinities: List[Set[int]] = []
 
     def _agree(self, device: Optional[Device], problem: Optional[Exception],
                signature: Dict[str, Any]) -> torch.device:
@@ -148,33 +130,12 @@ class PlanningGroup:
                                  min(torch.get_num_threads(), len(allowed))), self.device)
         if len({host for host, _, _ in everyone}) > 1:
             return None
-        self.affinities = [set(mine) for _, mine, _ in everyone]
-        cores = len(set().union(*self.affinities))
+        cores = len(set().union(*[set(mine) for _, mine, _ in everyone]))
         capacity = float(cores / max(threads for _, _, threads in everyone))
         return capacity if capacity < self.size else None
 
-    def loaders(self, cores: Optional[float]) -> List[int]:
-        """The ranks that load the machine while rank 0 measures the layers.
-
-        Every other rank, as a pipeline would, unless the ranks outnumber the
-        cores (``cores``, from :meth:`cores`): then only as many as leave rank 0
-        a core, those pinned away from it first, since the simulator shares the
-        cores itself and a layer timed waiting for a core would count it twice.
-        """
-        others = range(1, self.size)
-        if cores is None:
-            return list(others)
-        affinities = self.affinities or [set()] * self.size
-        apart = sorted(others, key=lambda r: (bool(affinities[r] & affinities[0]), r))
-        return apart[:max(0, math.floor(cores) - 1)]
-
-    def first(self, work: Callable[[], Any], load: Optional[Load] = None) -> Any:
+    def first(self, work: Callable[[], Any]) -> Any:
         """What ``work()`` gives on rank 0, on every rank; its error, as an error on every rank.
-
-        Args:
-            work: what rank 0 runs (and no other rank)
-            load: on CPU, what the ranks of ``load.ranks`` do meanwhile: train a
-                copy of the module, the load of a busy pipeline
 
         Raises:
             RuntimeError: on the other ranks, if ``work`` raised on rank 0
@@ -187,12 +148,7 @@ class PlanningGroup:
                 raise
             self._share(value)
             return value[1]
-        if load is not None and self.device.type == 'cpu' and self.rank in load.ranks:
-            with TrainingThreads(1, list(load.module), rows(to_device(load.sample, self.device),
-                                                       load.size), self.device):
-                kind, value = self._share(None)
-        else:
-            kind, value = self._share(None)
+        kind, value = self._share(None)
         if kind == 'error':
             raise RuntimeError(f'{self.names[0]} failed measuring for the plan: {value}')
         return value
