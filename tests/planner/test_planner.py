@@ -2,6 +2,7 @@
 predicted, and the plan applies, saves, loads and compares as documented."""
 import json
 import warnings
+from dataclasses import fields
 from typing import Any, List, Optional, Tuple
 from fractions import Fraction
 
@@ -34,6 +35,10 @@ from torchgpipe.skip import pop, skippable, stash
 SCHEDULES = sorted(BUILT_INS)
 
 
+#: The lists of LayerCosts with an entry per skip, not per layer.
+PER_SKIP = ('skipped', 'loose', 'reused', 'aliased')
+
+
 def linear_costs(layers: int, batch: int = 16, *, forward: float = 1e-3, input: float = 1e-3,
                  weight: float = 1e-3, kept: float = 1e3, parameters: int = 1000,
                  heavy: int = -1) -> Costs:
@@ -47,7 +52,9 @@ def linear_costs(layers: int, batch: int = 16, *, forward: float = 1e-3, input: 
         table = {name: [value * size] * layers for name, value in per.items()}
         if heavy >= 0:
             table['kept'][heavy] *= 40
-        return LayerCosts(**table)
+        # What is not modelled here, nothing (and no skips).
+        return LayerCosts(**{**{f.name: [0.0] * layers for f in fields(LayerCosts)
+                                if f.name not in PER_SKIP}, **table})
 
     params = [parameters * (200 if k == heavy else 1) for k in range(layers)]
     return Costs(batch=batch, sizes=sizes, table=[at(s) for s in sizes], parameters=params,
@@ -95,7 +102,7 @@ def test_predictions_are_the_simulators(data: st.DataObject, schedule: str, p: i
     costs.skips, costs.skip_overhead = routes, skip_overhead
     for size, table in zip(costs.sizes, costs.table):
         table.skipped = [100.0 * size] * len(routes)
-        table.working = [0.0] * layers  # (what the memory's walk needs of a skip's layers)
+        table.loose = table.reused = table.aliased = [0.0] * len(routes)
     costs.cores = cores
     candidate = Candidate(schedule, balance, m, checkpoint, p, placement)
 
@@ -172,6 +179,7 @@ def test_what_partitions_of_one_rank_hand_each_other_is_let_go_of_by_the_end(
         layers.unsaved = [nbytes / 2 for nbytes in layers.output]
         layers.shed = list(layers.kept)
         layers.skipped = layers.loose = [layers.output[0]] * 2
+        layers.reused = layers.aliased = [0.0] * 2
     candidate = Candidate('zbv', (1, 1, 1, 1), chunks, mode, 2, 'v')
     sizes = micro_batches(costs.batch, chunks)
     parts = Partitions(costs, candidate.balance, candidate.worker_of)

@@ -51,7 +51,6 @@ class LayerBytes:
 
     A measured loss is the last entry of each list, but of ``skipped``,
     ``loose``, ``reused`` and ``aliased``, which have an entry per skip.
-    Lists empty in costs saved before they were measured count as zeros.
     """
 
     #: What its forward pass saved for its backward pass, and its output if the next saves it.

@@ -147,13 +147,13 @@ class Partitions:
         # The pipeline holds the output and sent skips until B (or I).
         last = self.bounds[j + 1] - 1
         sent = [s for s, (a, b) in enumerate(self.costs.skips) if start <= a < stop <= b]
-        held = layers.unsaved[last] if last < len(layers.unsaved) else 0.0
-        held += sum(layers.loose[s] for s in sent if s < len(layers.loose))
+        held = layers.unsaved[last]
+        held += sum(layers.loose[s] for s in sent)
         kept += held
         # A process of its own after this one got a copy: the output is the pipeline's.
         copied = 0.0
         if (self.costs.processes and j < len(self.bounds) - 2
-                and self.worker_of(j + 1) != self.worker_of(j) and last < len(layers.passed)):
+                and self.worker_of(j + 1) != self.worker_of(j)):
             copied = layers.passed[last]
             held += copied
         backward_peak, weight_peak, holding, gradients = self._passes(j, layers, start, stop)
@@ -170,8 +170,7 @@ class Partitions:
             # The layers after, what the next saved of its output, and the nodes
             # above the weights (a ReLU after a convolution); a copied output is ``held``.
             above = (sum(layers.kept[top + 1:stop])
-                     + (layers.shed[top] if top < len(layers.shed) else 0.0)
-                     + (layers.passed[top] if top + 1 < stop and layers.passed else 0.0)
+                     + layers.shed[top] + (layers.passed[top] if top + 1 < stop else 0.0)
                      - (copied if top < last else 0.0) + up)
         else:
             above = kept - held + up
@@ -180,13 +179,13 @@ class Partitions:
         measured = sum(layers.weight[start:stop]) + (0.0 if j else input)
         if j == 0:
             retained = layers.output[stop - 1] if len(self.bounds) > 2 else 0.0
-            retained += sum(layers.skipped[s] for s in sent if s < len(layers.skipped))
+            retained += sum(layers.skipped[s] for s in sent)
             input = 0.0
         else:
             apart = self.worker_of(j - 1) != self.worker_of(j)
             retained = (sum(layers.retained[start:stop]) + received - up
                         + (entry if apart else 0.0))
-        weight = measured if layers.weight else max(0.0, backward - input)
+        weight = measured
         skips_out, skips_back = self._skip_messages(j, layers)
         return PartitionCosts(
             Times(forward, input, weight, backward),
@@ -230,17 +229,16 @@ class Partitions:
             start, stop = self.bounds[j], self.bounds[j + 1]
             last = stop - 1
             if j + 2 < len(self.bounds) and self.worker_of(j + 1) == self.worker_of(j):
-                unsaved = layers.unsaved[last] if layers.unsaved else 0.0
+                unsaved = layers.unsaved[last]
                 # What I lets go of (``above``; nothing in the first partition).
                 top = self._top(start, stop)
                 above = (0.0 if j == 0 else layers.kept[last] if top < last
-                         else layers.shed[last] if layers.shed else 0.0)
+                         else layers.shed[last])
                 lent[j + 1] = unsaved + min(layers.output[last] - unsaved, above)
                 through = layers.through[start:stop]
                 made[j + 1] = 0.0 if through and all(through) else layers.output[last]
-            reused = layers.reused or [0.0] * len(layers.loose)
             for (a, b), (_, k), loose, nbytes, saved in zip(
-                    self.costs.skips, self.ends, layers.loose, layers.skipped, reused):
+                    self.costs.skips, self.ends, layers.loose, layers.skipped, layers.reused):
                 if start <= a < stop <= b and self.worker_of(k) == self.worker_of(j):
                     made[k] = made.get(k, 0.0) + nbytes - saved
                     if b <= self._top(self.bounds[k], self.bounds[k + 1]):
@@ -272,16 +270,14 @@ class Partitions:
         # The last layer's output gradient is the pipeline's, held (``closing``); a
         # skip's gradient lives from its pop's backward pass to its stash's.
         working = layers.working[start:stop]
-        if layers.closing and stop - 1 < len(layers.closing):
-            working[-1] = layers.closing[stop - 1]
-            # A skip a later partition pops: its gradient is the pipeline's too.
-            for a, b in self.costs.skips:
-                if start <= a < stop <= b:
-                    working[a - start] = max(working[a - start], layers.closing[a])
+        working[-1] = layers.closing[stop - 1]
+        # A skip a later partition pops: its gradient is the pipeline's too.
+        for a, b in self.costs.skips:
+            if start <= a < stop <= b:
+                working[a - start] = max(working[a - start], layers.closing[a])
         # (A gradient the pop gives its output and the skip alike is one in B.)
-        aliased = layers.aliased or [0.0] * len(layers.skipped)
         alone = list(working)
-        for (a, b), nbytes, alias in zip(self.costs.skips, layers.skipped, aliased):
+        for (a, b), nbytes, alias in zip(self.costs.skips, layers.skipped, layers.aliased):
             if start <= a < stop or start <= b < stop:
                 for k in range(max(a + 1, start), min(b, stop)):
                     working[k - start] += nbytes
@@ -289,11 +285,10 @@ class Partitions:
         passed_in = self._passed_in(j, layers, start, len(working))
         working = [w + h for w, h in zip(working, passed_in)]
         alone = [w + h for w, h in zip(alone, passed_in)]
-        accumulating = layers.accumulating[start:stop] or [0.0] * len(working)
-        if layers.accumulating_last and layers.closing and stop - 1 < len(layers.closing):
-            accumulating[-1] = layers.accumulating_last[stop - 1]
+        accumulating = layers.accumulating[start:stop]
+        accumulating[-1] = layers.accumulating_last[stop - 1]
         # (A layer's output that only the next layer saved is gone by its turn.)
-        passed = layers.passed[start:stop - 1] + [0.0] if layers.passed else [0.0] * len(working)
+        passed = layers.passed[start:stop - 1] + [0.0]
         # The step's first pass makes the weights' gradients as it goes.
         making = self._made_by(start, stop)
         frees = layers.kept[start:stop]
@@ -304,22 +299,19 @@ class Partitions:
         # The first partition's W starts from the graph, not from its output.
         weight = peak() if j == 0 else None
         # The pipeline holds the output until B returns: the last layer frees none of it.
-        if j < len(self.bounds) - 2 and layers.unsaved:
+        if j < len(self.bounds) - 2:
             own = layers.output[stop - 1] - layers.unsaved[stop - 1]
             frees[-1] -= min(frees[-1], max(0.0, own))
         backward = peak()
         # I frees nothing on its way: W needs the graph and the gradients left for it.
-        kept_for_w = layers.retained[start:stop] or [0.0] * len(working)
-        if j < len(self.bounds) - 2 and kept_for_w:
+        kept_for_w = layers.retained[start:stop]
+        if j < len(self.bounds) - 2:
             # Less the output's gradient itself, which the pipeline holds already.
-            kept_for_w[-1] -= (layers.given[stop - 1] if layers.given
-                               else min(kept_for_w[-1], layers.output[stop - 1]))
+            kept_for_w[-1] -= layers.given[stop - 1]
         # What I keeps that a layer's B frees once used: its ``holding`` beyond B's peak.
         b_peaks = layers.working[start:stop]
-        if layers.closing and stop - 1 < len(layers.closing):
-            b_peaks[-1] = layers.closing[stop - 1]
-        keeps = ([max(0.0, i - b) for i, b in zip(layers.holding[start:stop], b_peaks)]
-                 if layers.holding else [0.0] * len(working))
+        b_peaks[-1] = layers.closing[stop - 1]
+        keeps = [max(0.0, i - b) for i, b in zip(layers.holding[start:stop], b_peaks)]
         holding = max((most + more + sum(kept_for_w[k + 1:])
                        for k, (most, more) in enumerate(zip(working, keeps))), default=0.0)
         if not any(self.costs.parameters[start:stop]):
@@ -330,15 +322,12 @@ class Partitions:
     def _forwarding(self, layers: LayerCosts, start: int, stop: int, kept: float) -> float:
         """The most the forward pass of layers ``start`` to ``stop`` holds at once beyond
         ``kept``: at each layer, what is kept before it, the live skips, and all it makes."""
-        if not layers.forwarding:
-            return 0.0
-        loose = layers.loose or [0.0] * len(self.costs.skips)
         most = before = 0.0
         for k in range(start, stop):
-            alive = layers.unsaved[k - 1] if k > start and layers.unsaved else 0.0
-            alive += sum(nbytes for (a, b), nbytes in zip(self.costs.skips, loose)
+            alive = layers.unsaved[k - 1] if k > start else 0.0
+            alive += sum(nbytes for (a, b), nbytes in zip(self.costs.skips, layers.loose)
                          if start <= a <= k <= b)
-            own = layers.kept[k] + (layers.unsaved[k] if layers.unsaved else 0.0)
+            own = layers.kept[k] + layers.unsaved[k]
             most = max(most, before + alive + own + layers.forwarding[k])
             before += layers.kept[k]
         return max(0.0, most - kept)
@@ -349,9 +338,8 @@ class Partitions:
         from another worker, handed over on its own, and those received for a layer
         after ``top`` (which ``I`` lets go of)."""
         received = handed = up = 0.0
-        reused = layers.reused or [0.0] * len(layers.skipped)
         for (a, b), (source, _), nbytes, saved in zip(self.costs.skips, self.ends,
-                                                      layers.skipped, reused):
+                                                      layers.skipped, layers.reused):
             if a < start <= b < stop:
                 # (What the popping layer saves, its ``kept`` counts.)
                 if self.worker_of(source) == self.worker_of(j):
