@@ -308,12 +308,9 @@ def test_one_module_starts_threads_and_one_reads_generator_states() -> None:
     """No engine keeps a worker loop or a generator probe of its own."""
     sources = {module_name(path): path.read_text() for path in PACKAGE.rglob('*.py')}
     # Besides the workers: the threads that wait for a step's messages across
-    # processes (a gloo wait cannot be interrupted), which run no task; and
-    # the planner's training threads, which load the cores while it times
-    # layers, outside any pipeline.
+    # processes (a gloo wait cannot be interrupted), which run no task.
     assert [m for m, text in sorted(sources.items()) if 'threading.Thread(' in text] == \
-        ['torchgpipe.planner.costs', 'torchgpipe.runtime.worker',
-         'torchgpipe.transport.channels']
+        ['torchgpipe.runtime.worker', 'torchgpipe.transport.channels']
     assert [m for m, text in sources.items() if 'get_rng_state(' in text
             and 'torch.get_rng_state()' in text.replace('torch.cuda', '')] == \
         ['torchgpipe.foundation.rng']
