@@ -36,8 +36,8 @@ TIMES = ('forward', 'input', 'backward', 'weight')
 
 @dataclass
 class LayerCosts(LayerBytes):
-    """The costs of every layer at one micro-batch size: its bytes, and its times (``F``,
-    ``I``, ``B``, and ``W``, which once ``I`` is done takes ``B`` less ``I`` when empty)."""
+    """The costs of every layer at one micro-batch size: its bytes, and its times: ``F``,
+    ``I``, ``B``, and ``W`` (what the weights' gradients take once ``I`` is done)."""
 
     forward: List[float] = field(default_factory=list)
     input: List[float] = field(default_factory=list)
