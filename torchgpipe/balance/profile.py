@@ -220,8 +220,7 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def preserve_rng_state(device: torch.device) -> ContextManager[None]:
-    """Restores the CPU's random state, and a CUDA device's, on exit."""
-    if device.type != 'cuda':
-        return torch.random.fork_rng(devices=[])
-    return torch.random.fork_rng(devices=[indexed(device).index])
+def preserve_rng_state(*devices: torch.device) -> ContextManager[None]:
+    """Restores the CPU's random state, and that of each CUDA device of ``devices``, on exit."""
+    return torch.random.fork_rng(devices=sorted({indexed(d).index for d in devices
+                                                 if d.type == 'cuda'}))

@@ -12,6 +12,7 @@ from typing import (TYPE_CHECKING, Any, Callable, Generator, List, Optional,
 import torch
 from torch import Tensor, nn
 
+from torchgpipe.balance.profile import preserve_rng_state
 from torchgpipe.engine.step import LossFunction
 from torchgpipe.foundation.microbatch import Batch, TensorOrTensors
 from torchgpipe.foundation.validation import Device, describe
@@ -126,7 +127,7 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
     sizes = sizes_to_measure(batch, counts)
     steps: Optional[pilot.ModelStep] = None
     local = workers if team is None else [team.device]
-    with sharing_cores(local) as worker_threads, untouched_random_state(local), \
+    with sharing_cores(local) as worker_threads, preserve_rng_state(*local), \
             gradients_set_aside(module):
         if team is None:
             costs = measure(module, sample, sizes, workers[0], repeat=repeat, loss=loss)
@@ -206,15 +207,6 @@ def choose(found: List[Scored], names_of: List[str], names: List[str],
     return Plan(fitting[0], fitting[1:1 + runners_up], names_of,
                 None if memory_limit is None else float(memory_limit), costs, param_scale,
                 processes, threads)
-
-
-@contextmanager
-def untouched_random_state(workers: Sequence[torch.device]) -> Generator[None, None, None]:
-    """Restores the random states planning draws from (the CPU's, the CUDA devices')."""
-    indices = sorted({torch.cuda.current_device() if d.index is None else d.index
-                      for d in workers if d.type == 'cuda'})
-    with torch.random.fork_rng(devices=indices):
-        yield
 
 
 @contextmanager
