@@ -315,25 +315,35 @@ Ready = Callable[..., Tuple[StepTimer, Row]]
 Plans = Dict[Optional[str], Plan]
 
 
+def plan_model(name: str, config: Dict[str, Any], device: torch.device, where: Row,
+               **kwargs: Any) -> Plan:
+    """:func:`torchgpipe.plan` of one model, its loss and its most micro-batches
+    (``where``: the planner's ``devices`` or ``group``), with further ``kwargs``."""
+    module, input, target, loss = model(name, config['scale'], device)
+    return torchgpipe.plan(module, input, **where, target=target, loss_fn=loss,
+                           chunks=most_chunks(config, input), **kwargs)
+
+
 def planned(name: str, config: Dict[str, Any], device: torch.device, where: Row,
             correction: Optional[str], limit: Optional[float],
             sync: Callable[[], object] = lambda: None) -> Tuple[Plan, float]:
-    """Plans one model (``where``: the planner's ``devices`` or ``group``) without
-    ``correction`` (``None``: with every one) under ``limit``; the plan, and the seconds
-    planning took."""
-    module, input, target, loss = model(name, config['scale'], device)
+    """Plans one model without ``correction`` (``None``: with every one) under ``limit``;
+    the plan, and the seconds planning took."""
     sync()
     started = time.perf_counter()
     with without(correction):
-        plan = torchgpipe.plan(module, input, **where, target=target, loss_fn=loss,
-                               chunks=most_chunks(config, input), memory_limit=limit)
+        plan = plan_model(name, config, device, where, memory_limit=limit)
     return plan, time.perf_counter() - started
+
+
+def batch_of(input: Any) -> int:
+    """The batch size of a model's input: its tensor's, or its first tensor's."""
+    return int(input.size(0) if isinstance(input, Tensor) else input[0].size(0))
 
 
 def most_chunks(config: Dict[str, Any], input: Any) -> int:
     """The most micro-batches of the grid and the planner: the preset's, or the batch."""
-    return min(config['most_chunks'], input.size(0) if isinstance(input, Tensor)
-               else input[0].size(0))
+    return min(config['most_chunks'], batch_of(input))
 
 
 def limit_for(name: str, config: Dict[str, Any], device: torch.device, workers: int,
@@ -341,11 +351,9 @@ def limit_for(name: str, config: Dict[str, Any], device: torch.device, workers: 
     """The memory limit the model is planned under (``None`` but for the limited one)."""
     if name != config['limited']:
         return None
-    module, input, target, loss = model(name, config['scale'], device)
-    return limit_of(lambda **kwargs: torchgpipe.plan(
-        module, input, **where, target=target, loss_fn=loss,
-        chunks=most_chunks(config, input), **kwargs), len(module), workers,
-        most_chunks(config, input))
+    module, input, _, _ = model(name, config['scale'], device)
+    return limit_of(lambda **kwargs: plan_model(name, config, device, where, **kwargs),
+                    len(module), workers, most_chunks(config, input))
 
 
 def measured_rows(name: str, config: Dict[str, Any], device: torch.device, plans: Plans,
@@ -359,8 +367,7 @@ def measured_rows(name: str, config: Dict[str, Any], device: torch.device, plans
         plan, the input, the target, the loss and the batch size
     """
     module, input, target, loss = model(name, config['scale'], device)
-    batch = input.size(0) if isinstance(input, Tensor) else input[0].size(0)
-    most = most_chunks(config, input)
+    batch, most = batch_of(input), most_chunks(config, input)
     plan = plans[None]
     variants = {c: v for c, v in plans.items() if c is not None}
     piloted = pilots(plan, most)

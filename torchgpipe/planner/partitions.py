@@ -176,7 +176,7 @@ class Partitions:
             above = kept - held + up
         # The first partition's I computes nothing: W starts from its outputs' gradients.
         # A later I keeps those at nodes leading to a weight and on its leaves until W.
-        measured = sum(layers.weight[start:stop]) + (0.0 if j else input)
+        weight = sum(layers.weight[start:stop]) + (0.0 if j else input)
         if j == 0:
             retained = layers.output[stop - 1] if len(self.bounds) > 2 else 0.0
             retained += sum(layers.skipped[s] for s in sent)
@@ -185,7 +185,6 @@ class Partitions:
             apart = self.worker_of(j - 1) != self.worker_of(j)
             retained = (sum(layers.retained[start:stop]) + received - up
                         + (entry if apart else 0.0))
-        weight = measured
         skips_out, skips_back = self._skip_messages(j, layers)
         return PartitionCosts(
             Times(forward, input, weight, backward),
@@ -207,8 +206,7 @@ class Partitions:
         for near, far in ((0, 1), (1, 0)):
             skips = [k for k, ends in enumerate(self.ends)
                      if ends[near] == j != ends[far] and self.worker_of(ends[far]) != mine]
-            counted.append((len(skips), sum(layers.skipped[k] for k in skips
-                                            if k < len(layers.skipped))))
+            counted.append((len(skips), sum(layers.skipped[k] for k in skips)))
         return counted[0], counted[1]
 
     def _top(self, start: int, stop: int) -> int:
