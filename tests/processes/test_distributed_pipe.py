@@ -507,6 +507,70 @@ def test_a_step_starts_with_its_word_the_receives_of_the_next_posted_in_the_one_
         assert later == [['isend', 'irecv', 'irecv', 'isend']] * 2
 
 
+# --- pipelines over the same ranks --------------------------------------------------------
+
+
+def in_turn(rank: int, world_size: int, configs: List[Config]) -> Tuple[Dict[str, Result], int]:
+    """Trains a pipeline of each config, all built first and stepped in turn; returns their
+    results and how many process groups they added (torch.distributed keeps each until the
+    process ends)."""
+    before = len(dist.distributed_c10d._world.pg_names)
+    pipes = [pipeline(config) for config in configs]
+    optimizers = [torch.optim.SGD(pipe.parameters(), lr=0.1) for pipe in pipes]
+    results: Dict[str, Result] = {c.id: {'losses': [], 'snapshots': []} for c in configs}
+    for step in range(STEPS):
+        for config, pipe, optimizer in zip(configs, pipes, optimizers):
+            optimizer.zero_grad()
+            loss = pipe.train_step(*batch(step), F.mse_loss, schedule=config.schedule)
+            results[config.id]['losses'].append(float(loss))
+            results[config.id]['snapshots'].append(snapshot(pipe))
+            optimizer.step()
+    return results, len(dist.distributed_c10d._world.pg_names) - before
+
+
+def test_pipelines_over_the_same_ranks_share_two_process_groups() -> None:
+    configs = [Config('mlp', (3, 2), '1f1b', 'except_last'),
+               Config('unet', (5, 5), 'zb_h1', 'always'),
+               Config('packed', (2, 2), 'fill_drain', 'never')]
+    ranks = run_distributed(in_turn, configs)
+    assert [added for _, added in ranks] == [2, 2]
+    for config in configs:
+        actual = merge([results[config.id] for results, _ in ranks])
+        assert_equal(actual, one_process(config, threads=False, ranks=2), exact=True)
+
+
+class StepsAnother(nn.Module):
+    """Runs a step of another pipeline from inside its forward pass, on rank 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.other: List[DistributedGPipe] = []  # not a child
+
+    def forward(self, x: Tensor) -> Tensor:
+        if dist.get_rank() == 0:
+            self.other[0].train_step(*batch(0), F.mse_loss)
+        return x
+
+
+def nested_step(rank: int, world_size: int) -> Tuple[str, str]:
+    inner = StepsAnother()
+    pipe = DistributedGPipe(nn.Sequential(inner, nn.Identity()), [1, 1], device=rank_device())
+    inner.other.append(DistributedGPipe(linear_then_tanh(), [1, 1], device=rank_device()))
+    try:
+        pipe.train_step(*batch(0), F.mse_loss)
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+    raise AssertionError('the step ran a step of another pipeline over its connections')
+
+
+def test_a_step_within_a_step_over_the_same_ranks_is_refused() -> None:
+    # Its messages would take the outer step's: they share the connections.
+    (kind, message), (other_kind, _) = run_distributed(nested_step, timeout=GLOO_TIMEOUT)
+    assert kind == 'RuntimeError'
+    assert message.startswith('another pipeline over the same ranks is running a step')
+    assert other_kind == 'PeerFailed'
+
+
 # --- pipeline x data parallelism ----------------------------------------------------------
 
 
@@ -599,6 +663,8 @@ def fail_once(rank: int, world_size: int, fault_rank: int, how: str,
     """Trains until a step fails (the second); returns what each rank raised, and then,
     alone and under DDP (each rank its own replica)."""
     alone = [dist.new_group([r]) for r in range(world_size)]
+    # Over the same ranks: it shares the failing pipeline's connections.
+    bystander = DistributedGPipe(linear_then_tanh(), [1, 1], device=rank_device())
     # The third micro-batch of the second step (no recomputation: one call each).
     pipe = DistributedGPipe(faulty(fault_rank, CHUNKS + 2, how), [2, 2], chunks=CHUNKS,
                             checkpoint='never', device=rank_device())
@@ -631,7 +697,15 @@ def fail_once(rank: int, world_size: int, fault_rank: int, how: str,
                                           *batch(0), F.mse_loss)
     except RuntimeError as exc:
         after_ddp = str(exc)
-    return {'error': error, 'after': after, 'after_ddp': after_ddp}
+    try:
+        bystander.train_step(*batch(0), F.mse_loss)
+    except RuntimeError as exc:
+        after_bystander = str(exc)
+    # A pipeline built next has connections of its own, whole.
+    fresh = DistributedGPipe(linear_then_tanh(), [1, 1], device=rank_device())
+    loss = float(fresh.train_step(*batch(0), F.mse_loss))
+    return {'error': error, 'after': after, 'after_ddp': after_ddp,
+            'after_bystander': after_bystander, 'fresh': loss}
 
 
 @pytest.mark.parametrize('fault_rank, how', [(1, 'forward'), (0, 'backward'), (1, 'loss')])
@@ -650,6 +724,11 @@ def test_a_rank_that_fails_makes_every_rank_raise(fault_rank: int, how: str,
         # No second chance: the ranks no longer agree on the messages left.
         assert result['after'].startswith('an earlier step failed')
         assert result['after_ddp'] == result['after']
+        assert result['after_bystander'].startswith('an earlier step failed (a step of a '
+                                                    'pipeline over the same ranks')
+        with torch.no_grad():
+            expected = F.mse_loss(linear_then_tanh()(batch(0)[0]), batch(0)[1])
+        assert result['fresh'] == float(expected)
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ from torchgpipe.engine.schedule import Schedule, ScheduleLike
 from torchgpipe.foundation.validation import describe
 from torchgpipe.processes.tied import TiedGradients
 from torchgpipe.skip.layout import SkipLayout
-from torchgpipe.transport.channels import Channels, metas_of
+from torchgpipe.transport.channels import channels_for, metas_of
 from torchgpipe.transport.codec import Unsendable, encode
 from torchgpipe.transport.faults import Mismatch, by_rank
 from torchgpipe.transport.wire import Sequences, Wire
@@ -46,16 +46,19 @@ class RankCore(Core):
         #: The skips that cross from one partition to another, by name.
         self.routes = {key: route for key, route in skip_layout.by_ns_name.items()
                        if route[0] != route[1]}
-        self.channels = Channels(device, ranks, dist.get_backend(group))
+        self.channels = channels_for(device, ranks, dist.get_backend(group))
         #: The message sequences of the signatures run before (see Wire).
         self.known: 'OrderedDict[str, Sequences]' = OrderedDict()
         #: Why the pipeline cannot run any more, after a failed step.
         self.broken: Optional[str] = None
 
     def check_whole(self) -> None:
-        """Raises ``RuntimeError`` after a failed step: every step checks it first."""
-        if self.broken is not None:
-            raise RuntimeError(f'an earlier step failed ({self.broken}): the ranks of '
+        """Raises ``RuntimeError`` after a failed step (of this pipeline, or another over the
+        same ranks): every step checks it first."""
+        broken = self.broken or (self.channels.abandoned and 'a step of a pipeline over the '
+                                 'same ranks, whose connections this one shares')
+        if broken:
+            raise RuntimeError(f'an earlier step failed ({broken}): the ranks of '
                                'this pipeline no longer agree on the messages between them; '
                                'restart the job, from a checkpoint')
 
@@ -86,28 +89,29 @@ class RankCore(Core):
                 result, self.tied_gradients.shares(wire.others) if train else None)
             received.update(shares)
             return result
-        try:
-            if train:
-                self.tied_gradients.start()
-            words = {**said, 'input': described(said['input'])}
-            if 'schedule' in said:
-                words['schedule'] = schedule_label(said['schedule'])
-            yield wire.agree(words, lacking, problem), wire, finish
-        except BaseException as exc:
-            self.tied_gradients.abandon()
-            if isinstance(exc, Mismatch):
-                if problem is not None:
-                    # This rank's own error, not in the Mismatch's context.
-                    raise problem from problem.__cause__
+        with self.channels.using():  # before any message: another step's would mix in
+            try:
+                if train:
+                    self.tied_gradients.start()
+                words = {**said, 'input': described(said['input'])}
+                if 'schedule' in said:
+                    words['schedule'] = schedule_label(said['schedule'])
+                yield wire.agree(words, lacking, problem), wire, finish
+            except BaseException as exc:
+                self.tied_gradients.abandon()
+                if isinstance(exc, Mismatch):
+                    if problem is not None:
+                        # This rank's own error, not in the Mismatch's context.
+                        raise problem from problem.__cause__
+                    raise
+                self.broken = f'{type(exc).__name__} on rank {dist.get_rank()}'
+                # Ranks waiting for this one raise PeerFailed, and tell those waiting for them.
+                wire.fail(exc)
+                self.channels.abandon()
                 raise
-            self.broken = f'{type(exc).__name__} on rank {dist.get_rank()}'
-            # Ranks waiting for this one raise PeerFailed, and tell those waiting for them.
-            wire.fail(exc)
-            self.channels.abandon()
-            raise
-        if train:
-            # Past every rank's step end: unequal tied copies refused here leave it whole.
-            self.tied_gradients.sum(received)
+            if train:
+                # Past every rank's step end: unequal tied copies refused here leave it whole.
+                self.tied_gradients.sum(received)
 
 
 def described(value: Any) -> Optional[str]:

@@ -10,6 +10,12 @@ a failure) are JSON, on a gloo group of their own, heard by :class:`Watchers`::
 A gloo wait cannot be interrupted, and one that times out closes its connection: in the
 tensor group alone, so the words still go. A failing rank ends the others' waits by closing
 its connections (:meth:`Channels.abandon`).
+
+The pipelines of a process over the same ranks share their channels (:func:`channels_for`):
+torch.distributed keeps a process group, and its threads, until the process ends (and
+destroying one lets the next new group take its name, and read its stale addresses), so a
+process that builds pipeline after pipeline (the planner builds dozens) holds two groups,
+not two per pipeline. Their steps run one at a time; a failed step retires the channels.
 """
 import json
 import math
@@ -17,8 +23,9 @@ import queue
 import threading
 import time
 import weakref
+from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, cast
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -91,13 +98,17 @@ class Received(NamedTuple):
 
 
 class Channels:
-    """Words and tensors to and from the other ranks (global ``ranks``) of a pipeline,
+    """Words and tensors to and from the other ranks (global ``ranks``) of pipelines,
     received on ``device``, tensors on ``backend`` and words on gloo, on process groups of
-    the pipeline's own: the operations a failed step leaves never meet another pipeline's,
-    and ending them (:meth:`abandon`) leaves the user's groups whole."""
+    their own: the operations a failed step leaves never meet the user's, and ending them
+    (:meth:`abandon`) leaves the user's groups whole."""
 
     def __init__(self, device: torch.device, ranks: List[int], backend: str) -> None:
         self.device = device
+        #: Held by the step using the channels (see :meth:`using`).
+        self.busy = threading.Lock()
+        #: Whether a failed step closed the connections (:meth:`abandon`).
+        self.abandoned = False
         self.group = dist.new_group(ranks, backend=backend, use_local_synchronization=True)
         # Apart from the tensors': a tensor wait that times out closes its connection.
         self.words = dist.new_group(ranks, backend='gloo', use_local_synchronization=True)
@@ -200,11 +211,27 @@ class Channels:
         sending, self.sending = self.sending, {}
         return sending
 
+    @contextmanager
+    def using(self) -> Iterator[None]:
+        """Holds the channels for one step: ``RuntimeError`` if another step holds them (in
+        another thread, or the step whose layer runs this one), whose messages this step's
+        would take."""
+        if not self.busy.acquire(blocking=False):
+            raise RuntimeError('another pipeline over the same ranks is running a step in this '
+                               'process: pipelines over the same ranks share their '
+                               'connections, so run their steps one after another')
+        try:
+            yield
+        finally:
+            self.busy.release()
+
     def abandon(self) -> None:
-        """After a failed step, closes the pipeline's connections (a gloo wait given a
+        """After a failed step, closes the channels' connections (a gloo wait given a
         timeout that passes closes its own): the others' waits for this rank end, and so
         do the watchers' here, which no word may end (else destroying the groups would
-        abort the process, a thread inside a wait)."""
+        abort the process, a thread inside a wait). The next pipeline over these ranks
+        opens new channels."""
+        self.abandoned = True
         for rank in self.others if not self.streamed else ():
             for group in (self.group, self.words):
                 try:
@@ -212,6 +239,23 @@ class Channels:
                     work.wait(timeout=timedelta(milliseconds=1))
                 except (RuntimeError, Disconnected):
                     pass
+
+
+#: The channels of each set of ranks, backend and device, shared by the pipelines over them.
+SHARED: Dict[Tuple[Tuple[int, ...], str, str], Channels] = {}
+SHARED_LOCK = threading.Lock()
+
+
+def channels_for(device: torch.device, ranks: List[int], backend: str) -> Channels:
+    """The channels of pipelines over ``ranks`` (every rank of them calls it, in the same
+    order of pipelines): those of the pipelines built before, unless a failed step closed
+    them."""
+    key = (tuple(ranks), backend, str(device))
+    with SHARED_LOCK:
+        channels = SHARED.get(key)
+        if channels is None or channels.abandoned:
+            channels = SHARED[key] = Channels(device, ranks, backend)
+        return channels
 
 
 def read_word(data: bytearray, rank: int) -> Any:
