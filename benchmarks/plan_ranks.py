@@ -18,7 +18,7 @@ its ``Plan.kwargs``:
 
   - the *tensors* (``memory_measured``, the figure the targets judge): the
     most bytes of tensor storage the step holds at once, seen by a
-    :class:`~torchgpipe.planner.working.Live` mode (every storage an
+    :class:`~torchgpipe.balance.working.Live` mode (every storage an
     operator makes, from its making until it is freed), as a CUDA
     allocator's peak counts them. A step under the mode first learns the
     storages that last from step to step (the message buffers): those are
@@ -53,7 +53,7 @@ from torchgpipe import Plan
 from torchgpipe.distributed import DistributedGPipe
 from torchgpipe.planner.calibrate import traced_span
 from torchgpipe.planner.option import Option
-from torchgpipe.planner.working import Live
+from torchgpipe.balance.working import Live
 
 if TYPE_CHECKING:  # (benchmarks.plan imports this module)
     from benchmarks.plan import StepTimer

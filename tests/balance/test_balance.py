@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from torchgpipe import GPipe
-from torchgpipe.balance import balance_by_size, balance_by_time, profile
+from torchgpipe.balance import balance_by_size, balance_by_time, profile, timing
 from torchgpipe.balance.profile import layerwise_sandbox, profile_sizes, profile_times
 from torchgpipe.skip import Namespace, pop, skippable, stash
 
@@ -52,6 +52,7 @@ def virtual_clock(monkeypatch: pytest.MonkeyPatch) -> VirtualClock:
     """
     clock = VirtualClock()
     monkeypatch.setattr(profile, 'time', clock)
+    monkeypatch.setattr(timing, 'time', clock)
     monkeypatch.setattr(sys.modules[__name__], 'time', clock)
     return clock
 

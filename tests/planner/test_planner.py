@@ -22,13 +22,13 @@ from torchgpipe.engine.generators import BUILT_INS
 from torchgpipe.engine.schedule import Action, Kind
 from torchgpipe.engine.simulator import simulate_sharing
 from torchgpipe.planner.costs import Costs, LayerCosts, measure
-from torchgpipe.planner.memory import tensor_bytes
+from torchgpipe.balance.memory import tensor_bytes
 from torchgpipe.planner.option import Option
 from torchgpipe.planner.partitions import Partitions
 from torchgpipe.planner.predict import Candidate, checkpoints, micro_batches, predict
 from torchgpipe.foundation.validation import CHECKPOINTS
 from torchgpipe.planner.search import chunk_counts, search
-from torchgpipe.planner.timing import PassTimes
+from torchgpipe.balance.timing import PassTimes
 from torchgpipe.planner.sharing import SharedBytes
 from torchgpipe.skip import pop, skippable, stash
 
@@ -324,7 +324,7 @@ def test_the_split_backward_pass_is_timed_as_the_engine_runs_it(
     ``W`` after it, once; the first layer has no ``I`` (no partition before it waits for
     its input's gradient), and every gradient made is let go of."""
     from torchgpipe.engine import split
-    from torchgpipe.planner import timing
+    from torchgpipe.balance import timing
     layers = list(model())
     sample = torch.randn(4, 8)
     first = layers[0](sample)
@@ -624,7 +624,7 @@ def live_peak(step: Any, module: nn.Sequential, input: Tensor, target: Tensor) -
     """The most bytes of tensors ``step()`` holds at once, beside the parameters, their
     gradients, the input and the target; after a first step (a pipeline's first runs
     each partition on copies of its input, to learn whether it changes them)."""
-    from torchgpipe.planner.working import Live
+    from torchgpipe.balance.working import Live
     step()
     module.zero_grad(set_to_none=True)
     live = Live({t.untyped_storage().data_ptr()
@@ -796,7 +796,7 @@ def test_the_gradients_i_keeps_for_w_are_the_layers_sum(name: str) -> None:
     the planner measured for each of its layers alone. A popped skip is an input of its
     layer there, not a weight."""
     from torchgpipe.engine.split import input_pass
-    from torchgpipe.planner.working import Live
+    from torchgpipe.balance.working import Live
     torch.manual_seed(0)
     module, input, target, loss_fn = MEMORY_MODELS[name]()
     plan = torchgpipe.plan(module, input, devices=['cpu:0'], chunks=1, schedules=['1f1b'],

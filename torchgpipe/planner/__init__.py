@@ -12,7 +12,7 @@ from typing import (TYPE_CHECKING, Any, Callable, Generator, List, Optional,
 import torch
 from torch import Tensor, nn
 
-from torchgpipe.balance.profile import preserve_rng_state
+from torchgpipe.balance.sandbox import preserve_rng_state
 from torchgpipe.engine.step import LossFunction
 from torchgpipe.foundation.microbatch import Batch, TensorOrTensors
 from torchgpipe.foundation.validation import Device, describe

@@ -9,8 +9,8 @@ whole passes, each layer timed in the parts a schedule runs apart::
     B  whole backward pass   backward(y): dx and the weights' gradients at once
 
 ``I`` and ``W`` run as :mod:`torchgpipe.engine.split` runs them (together
-1.1 to 1.6 times ``B`` on CPU). Times come from :mod:`~torchgpipe.planner.timing`,
-memory from :mod:`~torchgpipe.planner.memory`; a loss counts as one more layer.
+1.1 to 1.6 times ``B`` on CPU). Times come from :mod:`~torchgpipe.balance.timing`,
+memory from :mod:`~torchgpipe.balance.memory`; a loss counts as one more layer.
 Sizes in between are interpolated linearly (:meth:`Costs.at`).
 """
 from dataclasses import asdict, dataclass, field, fields
@@ -19,13 +19,13 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
-from torchgpipe.balance.profile import (SandboxSkipTracker, layerwise_sandbox, preserve_rng_state,
+from torchgpipe.balance.sandbox import (SandboxSkipTracker, layerwise_sandbox, preserve_rng_state,
                                         refuse_gradients, to_device)
 from torchgpipe.engine.step import LossFunction
 from torchgpipe.foundation.microbatch import Batch, TensorOrTensors, map_tensors
 from torchgpipe.foundation.placement import same_memory
-from torchgpipe.planner.memory import LayerBytes, Route, layer_memory, tensor_bytes
-from torchgpipe.planner.timing import PassTimes, layer_times
+from torchgpipe.balance.memory import LayerBytes, Route, layer_memory, tensor_bytes
+from torchgpipe.balance.timing import PassTimes, layer_times
 from torchgpipe.skip.tracker import use_skip_tracker
 
 __all__: List[str] = []

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from torchgpipe.balance.profile import detach_tensor
+from torchgpipe.balance.sandbox import detach_tensor
 from torchgpipe.engine.split import input_pass
 from torchgpipe.foundation.microbatch import Batch, TensorOrTensors, map_tensors
 

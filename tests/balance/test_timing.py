@@ -1,10 +1,14 @@
-"""The planner's timing of a training pass: each layer's part of it is the work its
-partition would run, wherever the engine runs it.
+"""The layer timer: in a whole pass (the planner's), each layer's part of it is the work
+its partition would run, wherever the engine runs it; apart (balance_by_time's), each
+layer's own backward pass, a layer's copy at a time.
 
 The clock is a stand-in that moves only inside the layers' backward passes, by
 what each declares: the times asserted are those the timing attributes, not
 the machine's.
 """
+import copy
+import gc
+import weakref
 from types import SimpleNamespace
 from typing import Any, Generator, List, Tuple
 
@@ -12,7 +16,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from torchgpipe.planner import timing
+from torchgpipe.balance import timing
 from torchgpipe.skip import pop, skippable, stash
 
 
@@ -88,3 +92,29 @@ def test_a_shortcuts_projection_is_timed_on_the_shortcut(layers: List[nn.Module]
     assert backward[1] == pytest.approx(1.0)
     assert backward[2] == pytest.approx(0.01)
     assert backward[0] == pytest.approx(0.0 if split else 0.1)
+
+
+def test_layer_by_layer_a_stash_is_timed_on_its_layer(layers: List[nn.Module]) -> None:
+    """Apart, each layer's backward pass runs right after its forward pass, from its output
+    and its stashed skips: the projection's second is the shortcut's."""
+    times = timing.layer_times_apart(layers, torch.randn(2, 4), torch.device('cpu'))
+    assert times.backward == pytest.approx([0.1, 1.0, 0.01, 0.0])
+    assert times.forward == pytest.approx([0.0] * 4)
+
+
+def test_layer_by_layer_holds_one_copy_at_a_time(layers: List[nn.Module]) -> None:
+    """Given one layer's copy at a time, as balance_by_time gives them, the timer lets each
+    go once the next has run: a model larger than the device is timed a layer at a time."""
+    alive: List[List[int]] = []
+    copies: List['weakref.ref[nn.Module]'] = []
+
+    def one_at_a_time() -> Generator[nn.Module, None, None]:
+        for layer in layers:
+            gc.collect()
+            alive.append([k for k, ref in enumerate(copies) if ref() is not None])
+            made = copy.deepcopy(layer)
+            copies.append(weakref.ref(made))
+            yield made
+    timing.layer_times_apart(one_at_a_time(), torch.randn(2, 4), torch.device('cpu'))
+    # (The layer before the one made is still the loop's until that one's pass.)
+    assert alive == [[], [0], [1], [2]]

@@ -1,23 +1,30 @@
-"""A training pass of the whole model, each layer's part of it timed: what
-:func:`~torchgpipe.planner.costs.measure` reads the layers' times from.
+"""The layer timer of the planner and of :func:`~torchgpipe.balance.balance_by_time`: each
+layer's part of a training pass.
 
-A pass as training runs it, layer after layer (a layer timed alone again and
-again finds its weights in the cache), the backward pass one engine call
-(``B``) or the two halves ``I`` and ``W`` of :mod:`torchgpipe.engine.split`.
+:func:`layer_times` times a pass as training runs it, layer after layer,
+the backward pass one engine call (``B``) or the two halves ``I`` and ``W``
+of :mod:`torchgpipe.engine.split` (a layer timed alone again and again finds
+its weights in the cache, and comes out short): the planner's. It holds the
+whole model and a pass's activations on the device.
+:func:`layer_times_apart` runs each layer's backward pass right after its
+forward pass, a layer's copy on the device at a time, as balancing a model
+larger than the device needs: :func:`~torchgpipe.balance.balance_by_time`'s,
+as in torchgpipe 0.0.7.
 """
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import Node
 from torch.utils.hooks import RemovableHandle
 
-from torchgpipe.balance.profile import detach_tensor, fresh_input, synchronize
+from torchgpipe.balance.sandbox import (SandboxSkipTracker, detach_tensor, fresh_input,
+                                        synchronize)
 from torchgpipe.engine.split import children, input_pass
-from torchgpipe.foundation.microbatch import Batch, TensorOrTensors, map_tensors
+from torchgpipe.foundation.microbatch import Batch, TensorOrTensors, check, map_tensors
 from torchgpipe.skip.namespace import Namespace
 from torchgpipe.skip.tracker import SkipTracker, use_skip_tracker
 
@@ -113,6 +120,32 @@ def layer_times(layers: Sequence[nn.Module], sample: TensorOrTensors, device: to
     ahead, total = stamps[-1] - start, sum(times)
     return PassTimes(forward, input=[t + ahead * t / total if total else t for t in times],
                      weight=weight, cut=(first or 0) + 1)
+
+
+def layer_times_apart(layers: Iterable[nn.Module], sample: TensorOrTensors,
+                      device: torch.device) -> PassTimes:
+    """Each layer's ``F`` and ``B``, its backward pass run right after its forward pass, on
+    the detached output of the layer before (a pop on a detached copy of its skip, a
+    stash's gradient coming with the layer's own): the layers may come one at a time
+    (:func:`~torchgpipe.balance.sandbox.layerwise_sandbox`)."""
+    clock = _Clock(device)
+    times = PassTimes([], backward=[])
+    tracker = SandboxSkipTracker()
+    values = sample
+    with use_skip_tracker(tracker):
+        for index, layer in enumerate(layers):
+            values = fresh_input(values)
+            clock.lap()
+            output = layer(values)
+            times.forward.append(clock.lap())
+            check(output, f'the output of layer {index}')
+            ends = [y for y in (*Batch(output), *tracker.take_stashed()) if y.requires_grad]
+            if ends:
+                # Any gradient of the right shape will do: no allocation.
+                torch.autograd.backward(ends, ends)
+            times.backward.append(clock.lap())
+            values = output
+    return times
 
 
 def _next_sequence_nr() -> int:

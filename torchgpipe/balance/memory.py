@@ -3,7 +3,7 @@ gives the planner.
 
 Each layer runs on the detached output of the one before, so its share is
 its own (:func:`~torchgpipe.balance.profile.kept_by_forward`,
-:mod:`~torchgpipe.planner.working`). A skip is measured at both ends::
+:mod:`~torchgpipe.balance.working`). A skip is measured at both ends::
 
     layer a  stash(s) ──────── s ────────► layer b  pop(s)
              backward  ◄─── grad s ───────          backward
@@ -19,10 +19,10 @@ from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 from torch import Tensor, nn
 
-from torchgpipe.balance.profile import (SandboxSkipTracker, detach_tensor, fresh_input,
-                                        kept_by_forward)
+from torchgpipe.balance.profile import kept_by_forward
+from torchgpipe.balance.sandbox import SandboxSkipTracker, detach_tensor, fresh_input
 from torchgpipe.foundation.microbatch import Batch, TensorOrTensors, map_tensors
-from torchgpipe.planner.working import (forward_memory, input_memory, retained_for_weights,
+from torchgpipe.balance.working import (forward_memory, input_memory, retained_for_weights,
                                          working_memory)
 from torchgpipe.skip.namespace import Namespace
 
@@ -57,7 +57,7 @@ class LayerBytes:
     kept: List[float] = field(default_factory=list)
     #: Its output.
     output: List[float] = field(default_factory=list)
-    #: The most its backward pass holds beyond ``kept`` (:mod:`~torchgpipe.planner.working`).
+    #: The most its backward pass holds beyond ``kept`` (:mod:`~torchgpipe.balance.working`).
     working: List[float] = field(default_factory=list)
     #: ... as a partition's last layer, whose output gradient the pipeline holds.
     closing: List[float] = field(default_factory=list)
