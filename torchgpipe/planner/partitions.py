@@ -185,7 +185,7 @@ class Partitions:
             apart = self.worker_of(j - 1) != self.worker_of(j)
             retained = (sum(layers.retained[start:stop]) + received - up
                         + (entry if apart else 0.0))
-        skips_out, skips_back = self._skip_messages(j, layers)
+        out, back = self._skips_sent(j, layers, True), self._skips_sent(j, layers, False)
         return PartitionCosts(
             Times(forward, input, weight, backward),
             Activations(kept, held, received, handed, retained, above),
@@ -194,20 +194,27 @@ class Partitions:
             Messages(entry, layers.output[self.bounds[j + 1] - 1],
                      entry if turned else 0.0,
                      entry if turned and through and all(through) else 0.0,
-                     *skips_out, *skips_back))
+                     len(out), sum(nbytes for _, nbytes in out),
+                     len(back), sum(nbytes for _, nbytes in back)))
 
-    def _skip_messages(self, j: int, layers: LayerCosts
-                       ) -> Tuple[Tuple[int, float], Tuple[int, float]]:
-        """The skips partition ``j`` exchanges with other workers, a message each: ``F``
-        sends those it stashed, ``B`` (or ``I``) the gradients of those it popped; how many
-        each way, and their bytes."""
-        mine = self.worker_of(j)
-        counted = []
-        for near, far in ((0, 1), (1, 0)):
-            skips = [k for k, ends in enumerate(self.ends)
-                     if ends[near] == j != ends[far] and self.worker_of(ends[far]) != mine]
-            counted.append((len(skips), sum(layers.skipped[k] for k in skips)))
-        return counted[0], counted[1]
+    def sent(self, j: int, size: int, forward: bool) -> List[Tuple[int, float]]:
+        """What partition ``j``'s forward pass (or backward pass) sends other workers, in its
+        order: the partition each message goes to, and its bytes. ``F`` sends the skips it
+        stashed, then its output; ``B`` (or ``I``) the gradients of those it popped, then its
+        input's."""
+        layers = self.costs.at(size)
+        sent = self._skips_sent(j, layers, forward)
+        to = j + 1 if forward else j - 1
+        if 0 <= to < len(self.bounds) - 1 and self.worker_of(to) != self.worker_of(j):
+            sent.append((to, layers.output[self.bounds[max(j, to)] - 1]))
+        return sent
+
+    def _skips_sent(self, j: int, layers: LayerCosts, forward: bool) -> List[Tuple[int, float]]:
+        """The skips (or, backward, their gradients) partition ``j`` sends other workers, a
+        message each: to which partition, and their bytes."""
+        (near, far), mine = (0, 1) if forward else (1, 0), self.worker_of(j)
+        return [(ends[far], nbytes) for ends, nbytes in zip(self.ends, layers.skipped)
+                if ends[near] == j != ends[far] and self.worker_of(ends[far]) != mine]
 
     def _top(self, start: int, stop: int) -> int:
         """The last layer with weights from ``start`` to ``stop`` (``start - 1`` if none)."""

@@ -198,21 +198,6 @@ def exchange_memory(parts: Partitions, candidate: Candidate, worker: int) -> flo
     return total
 
 
-def messages(parts: Partitions, j: int, size: int, forward: bool) -> List[Tuple[int, float]]:
-    """What partition ``j``'s forward pass (or backward pass) sends other workers, in its
-    order: the partition each message goes to, and its bytes. ``F`` sends the skips it
-    stashed, then its output; ``B`` (or ``I``) the gradients of those it popped, then its
-    input's."""
-    layers, mine = parts.costs.at(size), parts.worker_of(j)
-    near, far = (0, 1) if forward else (1, 0)
-    sent = [(ends[far], nbytes) for ends, nbytes in zip(parts.ends, layers.skipped)
-            if ends[near] == j != ends[far] and parts.worker_of(ends[far]) != mine]
-    to = j + 1 if forward else j - 1
-    if 0 <= to < len(parts.bounds) - 1 and parts.worker_of(to) != mine:
-        sent.append((to, layers.output[parts.bounds[max(j, to)] - 1]))
-    return sent
-
-
 def posted_ahead(workers: Sequence[Sequence[Action]], worker: int, parts: Partitions,
                  sizes: Sequence[int]) -> List[float]:
     """The bytes of the receives a worker's process has posted and not taken during each of
@@ -227,7 +212,7 @@ def posted_ahead(workers: Sequence[Sequence[Action]], worker: int, parts: Partit
         for action in actions:
             forward = action.kind is Kind.F
             for to, nbytes in ([] if action.kind is Kind.W
-                               else messages(parts, action.j, sizes[action.i], forward)):
+                               else parts.sent(action.j, sizes[action.i], forward)):
                 if parts.worker_of(to) == worker:
                     taken_by.setdefault((forward, action.i, to), []).append(
                         (sender, len(sequence)))
@@ -263,10 +248,8 @@ def peak_memory(workers: Sequence[Sequence[Action]], worker: int, parts: Partiti
         part = parts(action.j, sizes[action.i])
         activations, temporaries = part.activations, part.temporaries
         live += posted
-        sent_forward = sum(nbytes for _, nbytes in messages(parts, action.j, sizes[action.i],
-                                                              True))
-        sent_back = sum(nbytes for _, nbytes in messages(parts, action.j, sizes[action.i],
-                                                           False))
+        sent_forward, sent_back = (sum(n for _, n in parts.sent(action.j, sizes[action.i], f))
+                                   for f in (True, False))
         # (An input handed over as it is, the partition before holds.)
         whole = activations.kept + part.messages.entry - part.messages.turned
         kept = (part.messages.entry - part.messages.turned_through if checkpointed[action.i]
