@@ -59,8 +59,7 @@ def plan_and_train(rank: int, world_size: int) -> List[Dict[str, Any]]:
             pipe.train_step(*batch(0), F.mse_loss, schedule=plan.schedule)
         compared = plan.compare(timeline)
         results.append({'table': plan.table(), 'kwargs': plan.kwargs, 'devices': plan.devices,
-                        'processes': plan.processes, 'costs': plan.costs.to_dict()
-                        if plan.costs else None, 'trained': trained,
+                        'processes': plan.processes, 'costs': plan.costs, 'trained': trained,
                         'compared': sorted({(r.device, r.what) for r in compared.rows
                                             if r.measured > 0}),
                         'warned': [str(w.message) for w in caught
@@ -71,7 +70,7 @@ def plan_and_train(rank: int, world_size: int) -> List[Dict[str, Any]]:
                                loss_fn=F.cross_entropy, chunks=2, repeat=1,
                                schedules=['1f1b'], checkpoint=['never'], trials=0)
     assert skipping.costs is not None
-    results.append({'costs': skipping.costs.to_dict()})
+    results.append({'costs': skipping.costs})
     return results
 
 
@@ -99,7 +98,7 @@ def test_every_rank_gets_one_plan_that_trains_as_the_unwrapped_model(
     for key in ('table', 'kwargs', 'devices', 'costs'):
         assert first[key] == second[key], key
     # The pilot's steps ran across the ranks, each size's pace the same on both.
-    assert len(first['costs']['pace']) == len(first['costs']['sizes']) > 0
+    assert len(first['costs'].pace) == len(first['costs'].sizes) > 0
     assert first['devices'] == ['rank 0', 'rank 1'] and first['processes']
     # A traced step of every rank compares with the plan, rank by rank.
     assert {device for device, _ in first['compared']} == {'step', 'rank 0', 'rank 1'}
@@ -127,9 +126,9 @@ def test_the_ranks_agree_on_what_a_skips_message_costs(
     """Planning a model whose skips cross ranks calibrates a skip's message on every rank
     together (rank 0 finds its cost); a model without skips leaves it at nothing."""
     first, second = (r[-1]['costs'] for r in two_ranks)
-    assert first['skips'] and first == second
-    assert first['skip_overhead'] > 0.0  # (found by halving: never 0 for a step that took time)
-    assert all(r[0]['costs']['skip_overhead'] == 0.0 for r in two_ranks)  # the MLP
+    assert first.skips and first == second
+    assert first.skip_overhead > 0.0  # (found by halving: never 0 for a step that took time)
+    assert all(r[0]['costs'].skip_overhead == 0.0 for r in two_ranks)  # the MLP
 
 
 class Broken(nn.Module):

@@ -141,9 +141,8 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
             names_of = [str(d) for d in workers]
         else:
             cores = team.cores()
-            costs = Costs.from_dict(team.first(
-                lambda: measure(module, sample, sizes, team.device, repeat=repeat,
-                                loss=loss).to_dict()))
+            costs = team.first(lambda: measure(module, sample, sizes, team.device,
+                                               repeat=repeat, loss=loss))
             timer, costs.cores = team.timer(), cores
             overheads = task_overhead(timer, team.size, costs.cores)
             wide = wide_step(timer, team.size)

@@ -14,7 +14,7 @@ memory from :mod:`~torchgpipe.balance.memory`; a loss counts as one more layer.
 Sizes in between are interpolated linearly (:meth:`Costs.at`).
 """
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -109,21 +109,6 @@ class Costs:
         low, high = sizes[upper - 1], sizes[upper]
         share = (size - low) / (high - low)
         return _combine(self.table[upper - 1], self.table[upper], 1.0 - share, share)
-
-    def to_dict(self) -> Dict[str, Any]:
-        """The costs as JSON-ready data; :meth:`from_dict` reads it back."""
-        data = asdict(self)
-        data.pop('_cache')
-        return data
-
-    @classmethod
-    def from_dict(cls, data: Dict[str, Any]) -> 'Costs':
-        """The costs :meth:`to_dict` wrote."""
-        data = dict(data)
-        data['table'] = [LayerCosts(**row) for row in data['table']]
-        data['transfer'] = tuple(data['transfer'])
-        data['skips'] = [(a, b) for a, b in data.get('skips', [])]
-        return cls(**data)
 
 
 def _combine(a: LayerCosts, b: LayerCosts, wa: float, wb: float) -> LayerCosts:
