@@ -592,7 +592,7 @@ def test_no_schedule_that_fits_is_named() -> None:
      'no more than the layers'),
     ({'devices': 'cpu:0'}, TypeError, 'list of devices'),
     ({'schedules': ['gpipe2']}, ValueError, 'schedule must be one of'),
-    ({'schedules': []}, ValueError, 'at least one schedule'),
+    ({'schedules': []}, ValueError, 'schedules must name at least one'),
     ({'checkpoint': ['sometimes']}, ValueError, 'checkpoint must list modes'),
     ({'target': torch.randn(16, 4)}, ValueError, 'plan takes a target and a loss_fn together'),
     ({'target': torch.randn(16, 4), 'loss_fn': 3}, TypeError, 'loss_fn must be callable'),

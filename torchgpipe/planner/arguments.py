@@ -1,6 +1,6 @@
 """The checks of :func:`torchgpipe.plan`'s arguments, before any work."""
 import os
-from typing import Any, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -44,8 +44,11 @@ def check_arguments(module: nn.Sequential, sample: TensorOrTensors,
     batch = check_sample(sample, target)
     workers = check_worker_devices(devices, len(module)) if group is None else []
     check_materialized(module)  # every layer is measured
-    names = check_schedules(schedules)
-    modes = check_modes(checkpoint)
+    names = check_names('schedules', schedules, list(SCHEDULES), built_in, unknown_name,
+                        "['1f1b', 'zb_h1']")
+    modes = check_names('checkpoint', checkpoint, CHECKPOINTS,
+                        lambda mode: mode if mode in CHECKPOINTS else None, unknown_mode,
+                        "['never', 'except_last']")
     most = check_chunks(chunks)
     for name, value, least in (('repeat', repeat, 1), ('runners_up', runners_up, 0),
                                ('trials', trials, 0)):
@@ -123,38 +126,31 @@ def check_worker_devices(devices: Optional[Sequence[Device]], layers: int
     return parsed
 
 
-def check_schedules(schedules: Optional[Sequence[str]]) -> List[str]:
-    """The built-in schedules to try, by their names."""
-    if schedules is None:
-        return list(SCHEDULES)
-    if isinstance(schedules, str):
-        schedules = [schedules]
-    if not isinstance(schedules, Iterable):
-        raise TypeError(describe('schedules must be a list of names', f'schedules: {schedules!r}',
-                                 "give e.g. schedules=['1f1b', 'zb_h1']"))
+def check_names(name: str, given: object, every: Sequence[str],
+                known: Callable[[str], Optional[str]], unknown: Callable[[str], Exception],
+                example: str) -> List[str]:
+    """The names ``given`` to try (one, or a list; all of ``every`` if ``None``), each as
+    ``known`` reads it, ``unknown(name)`` raised for one it does not."""
+    if given is None:
+        return list(every)
+    if isinstance(given, str):
+        given = [given]
+    if not isinstance(given, Iterable):
+        raise TypeError(describe(f'{name} must be a list of names', f'{name}: {given!r}',
+                                 f'give e.g. {name}={example}'))
     names = []
-    for name in schedules:
-        known = built_in(name)
-        if known is None:
-            raise unknown_name(str(name))
-        names.append(known)
+    for each in given:
+        found = known(str(each))
+        if found is None:
+            raise unknown(str(each))
+        names.append(found)
     if not names:
-        raise ValueError(describe('schedules must name at least one schedule', 'schedules: []',
-                                  'leave it out to try every built-in schedule'))
+        raise ValueError(describe(f'{name} must name at least one', f'{name}: []',
+                                  'leave it out to try every one'))
     return list(dict.fromkeys(names))
 
 
-def check_modes(checkpoint: Optional[Sequence[str]]) -> List[str]:
-    """The checkpoint modes to try."""
-    if checkpoint is None:
-        return list(CHECKPOINTS)
-    if not isinstance(checkpoint, (str, Iterable)):
-        raise TypeError(describe(f'checkpoint must list modes of {list(CHECKPOINTS)}',
-                                 f'checkpoint: {checkpoint!r}',
-                                 "give e.g. checkpoint=['never', 'except_last']"))
-    modes = [checkpoint] if isinstance(checkpoint, str) else list(checkpoint)
-    if not modes or any(str(m) not in CHECKPOINTS for m in modes):
-        raise ValueError(describe(f'checkpoint must list modes of {list(CHECKPOINTS)}',
-                                  f'checkpoint: {checkpoint!r}',
-                                  "give e.g. checkpoint=['never', 'except_last']"))
-    return list(dict.fromkeys(str(m) for m in modes))
+def unknown_mode(mode: str) -> ValueError:
+    return ValueError(describe(f'checkpoint must list modes of {list(CHECKPOINTS)}',
+                               f'checkpoint: {mode!r}',
+                               "give e.g. checkpoint=['never', 'except_last']"))

@@ -44,13 +44,8 @@ Timer = Callable[[nn.Sequential, str, str, Tensor], float]
 
 def task_overhead(timer: Timer, p: int, cores: Optional[float] = None
                   ) -> Tuple[float, float, float]:
-    """The time the pipeline adds to each task, to each checkpointed backward, and to I or W.
-
-    Args:
-        timer: runs the calibration's steps on the ``p`` workers
-        p: the workers
-        cores: the cores they share, if fewer than ``p`` (``Costs.cores``)
-    """
+    """The time the pipeline adds to each task, to each checkpointed backward, and to I or
+    W, from ``timer``'s steps on ``p`` workers sharing ``cores`` (``Costs.cores``)."""
     tasks = _span('1f1b', p, 1.0, cores=cores)  # in units of one task
     model, input = empty(p), torch.zeros(CHUNKS, 1)
     plain = timer(model, 'never', '1f1b', input) / tasks

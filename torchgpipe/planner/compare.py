@@ -16,14 +16,8 @@ __all__: List[str] = []
 
 @dataclass
 class Row:
-    """One prediction and its measurement.
-
-    Args:
-        device: the device (or ``'step'`` for the whole step)
-        what: the kind of task, ``'step'``, or ``'memory'``
-        predicted: the prediction, in seconds or bytes
-        measured: the measurement, in the same unit
-    """
+    """One prediction and its measurement, in seconds or bytes: of a ``device`` (or
+    ``'step'``), ``what``: a kind of task, ``'step'`` or ``'memory'``."""
 
     device: str
     what: str
@@ -72,12 +66,8 @@ class Comparison:
 
 def compare(chosen: Option, devices: List[str], timeline: Timeline,
             step: Optional[int] = None, processes: bool = False) -> Comparison:
-    """Pairs the predictions of ``chosen`` with a traced training step, ``devices``
-    naming the workers as the timeline's rows do.
-
-    Raises:
-        ValueError: the trace holds no training step of the plan
-    """
+    """Pairs the predictions of ``chosen`` with a traced training step, ``devices`` naming
+    the workers as the timeline's rows do; ``ValueError`` if it is no step of the plan."""
     summary = timeline.summary(step)
     pipe = 'DistributedGPipe(module, **plan.kwargs, device=device), on every rank,' \
         if processes else 'GPipe(module, **plan.kwargs)'

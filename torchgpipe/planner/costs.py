@@ -8,10 +8,9 @@ whole passes, each layer timed in the parts a schedule runs apart::
     W  weights' gradients    once I is done, from where I left them
     B  whole backward pass   backward(y): dx and the weights' gradients at once
 
-``I`` and ``W`` run as :mod:`torchgpipe.engine.split` runs them (together
-1.1 to 1.6 times ``B`` on CPU). Times come from :mod:`~torchgpipe.balance.timing`,
-memory from :mod:`~torchgpipe.balance.memory`; a loss counts as one more layer.
-Sizes in between are interpolated linearly (:meth:`Costs.at`).
+Times come from :mod:`~torchgpipe.balance.timing`, memory from
+:mod:`~torchgpipe.balance.memory`; a loss is one more layer; sizes in between
+are interpolated (:meth:`Costs.at`).
 """
 from dataclasses import asdict, dataclass, field, fields
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -47,14 +46,12 @@ class LayerCosts(LayerBytes):
 
 @dataclass
 class Costs:
-    """Measured costs of a model's layers, at several micro-batch sizes.
+    """Measured costs of a model's layers at several micro-batch sizes (``sizes``,
+    ascending; ``table`` the layers' at each), for mini-batches of ``batch``.
 
     Args:
-        batch: the mini-batch size (the sample's)
-        sizes: the micro-batch sizes measured, ascending
-        table: the layers' costs at each of ``sizes``
-        parameters: the bytes of each layer's parameters
-        entry: the bytes per sample of the input the first partition copies
+        parameters, entry: the bytes of each layer's parameters; per sample of the
+            input the first partition copies
         loss: whether the last entry of each list of ``table`` is a loss
         overhead: the seconds the pipeline adds to each task; ``checkpoint_overhead``
             further to a checkpointed ``B`` or ``I``; ``split_overhead`` to ``I``
@@ -62,9 +59,9 @@ class Costs:
         transfer: a message's latency and its seconds per byte between workers
         pace: the factor each size's times carry from the pilot
         shared: each parameter several layers hold: those layers, and its bytes
-        processes: whether the workers are processes
         skips: each skip's route ``(a, b)``: layer ``a`` stashes, ``b`` pops
-        cores: how many processes can work at full speed at once, if fewer
+        processes, cores: whether the workers are processes; how many can work at
+            full speed at once, if fewer
     """
 
     batch: int
@@ -123,12 +120,9 @@ LossAndTarget = Tuple[LossFunction, TensorOrTensors]
 
 
 class Loss(nn.Module):
-    """A loss as a layer: ``loss_fn(output, target)`` of the output before it.
-
-    ``given``: the target is the user's, in the loss's memory, so the loss's
-    buffers hold it and it counts as no memory of the pass; otherwise the
-    pipeline's copies of it count.
-    """
+    """A loss as a layer: ``loss_fn(output, target)`` of the output before it. A target
+    ``given`` as the user's, in the loss's memory, is its buffer: no memory of the pass;
+    otherwise the pipeline's copies of it count."""
 
     def __init__(self, loss_fn: LossFunction, target: TensorOrTensors,
                  given: bool = True) -> None:
@@ -152,15 +146,10 @@ def measure(module: nn.Sequential, sample: TensorOrTensors, sizes: Sequence[int]
             device: torch.device, *, repeat: int = 3, loss: Optional[LossAndTarget] = None
             ) -> Costs:
     """Measures every layer of ``module`` (and the ``loss``) at each micro-batch size of
-    ``sizes`` on ``device``, from a ``sample`` of the largest size or more.
-
-    The layers' copies run in whole passes, timed at each layer's boundary:
-    one to read the memory, then rounds visiting every size in turn, the first
-    a warm-up, each time the least of ``repeat`` (interruptions only add time).
-    Layers timed alone would find their weights in the cache and come out too
-    fast. ``module`` and the random number generators are left as they were.
-    The planner adds the overheads and transfer costs.
-    """
+    ``sizes`` on ``device``, from a ``sample`` of the largest size or more: a pass for
+    the memory, then rounds visiting every size in turn, the first a warm-up, each time
+    the least of ``repeat`` (interruptions only add time). ``module`` and the random
+    generators are left as they were; the planner adds the overheads."""
     refuse_gradients(module)
     given = all(same_memory(x.device, device) for x in Batch(sample) if isinstance(x, Tensor))
     sample = to_device(sample, device)

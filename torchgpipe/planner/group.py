@@ -1,22 +1,16 @@
-"""Planning for the processes of a group: every rank calls, the first measures, all agree.
+"""Planning for the processes of a group: every rank calls, rank 0 measures, all agree.
 
-Every rank calls :func:`torchgpipe.plan` with the same arguments and its
-own device, and the ranks do what a pipeline of them would, so what is
-measured is what the pipeline will see::
+The ranks do what a pipeline of them would, so what is measured is what the
+pipeline will see::
 
-    rank 0                          ranks 1 .. p-1
-    agree: the same arguments, and devices of one type   (every rank)
-    whether the ranks outnumber the cores of one machine  (every rank)
-    measures the layers             wait
-    ---- the layers' costs, or rank 0's error, sent to every rank ----
-    steps of DistributedGPipe: overhead per task, large messages  (every rank)
-    fits the cost per byte to those steps
-    ---- rank 0's message cost (or its error), sent to every rank ----
-    steps of a copy of the model at each size: the pace   (every rank)
-    search, each rank alone: the same costs give every rank the same plan
+    every rank      agree on the arguments, and on devices of one type
+    rank 0          measures the layers  ── the costs (or its error) ──► every rank
+    every rank      steps of DistributedGPipe: the overhead per task, large messages
+    rank 0          fits the cost per byte ── to every rank
+    every rank      steps of the model's copy: the pace; then the same search alone
 
-A bad argument on one rank is raised on every rank; an error while rank 0
-measures reaches the others as a :class:`RuntimeError` naming it.
+A bad argument on one rank is raised on every rank; rank 0's error while
+measuring reaches the others as a :class:`RuntimeError` naming it.
 """
 import contextlib
 import os
@@ -42,20 +36,10 @@ DEVICE_FIX = "give this rank's own device, such as device='cpu', or a CUDA devic
 
 
 class PlanningGroup:
-    """The ranks of ``group`` planning together; this process is one of them.
-
-    Args:
-        group: the process group the pipeline will run on
-        device: this rank's device (``None``: the CPU, as DistributedGPipe takes it)
-        problem: what was wrong with this rank's arguments, if anything
-        signature: the arguments every rank must agree on, by name
-
-    Raises:
-        RuntimeError: torch.distributed is not initialized
-        TypeError: ``group`` is not a process group
-        ValueError: this process is not in ``group``; any rank's arguments or
-            device are wrong, or differ from the others'
-    """
+    """The ranks of ``group`` planning together, this process one of them, with its
+    ``device`` (``None``: the CPU), the ``problem`` of its arguments if any, and the
+    ``signature`` every rank must agree on: ``ValueError`` on every rank if a rank's
+    arguments or device are wrong or differ (``TypeError`` if ``group`` is not a group)."""
 
     def __init__(self, group: Any, device: Optional[Device], problem: Optional[Exception],
                  signature: Dict[str, Any]) -> None:

@@ -29,17 +29,12 @@ class Times:
 
 @dataclass(frozen=True)
 class Activations:
-    """What a partition's forward pass leaves for its backward pass, in bytes.
-
-    Args:
-        kept: what its layers saved, and what the pipeline holds of it (``held``)
-        held: the output and sent skips in ``kept`` only as the pipeline holds them
-        received: the skips it pops that another worker stashed (copies)
-        handed: those an earlier partition of its own worker stashed
-        retained: the gradients ``I`` keeps until ``W``
-        above: what ``I`` lets go of beside ``held`` (the graph above the last
-            layer with weights, where no ``W`` starts)
-    """
+    """What a partition's forward pass leaves for its backward pass, in bytes: ``kept``
+    (its layers' saved tensors, and ``held``: the output and sent skips only the
+    pipeline holds), the skips it pops ``received`` from another worker (copies) or
+    ``handed`` by an earlier partition of its own, the gradients ``I`` keeps until ``W``
+    (``retained``), and what ``I`` lets go of beside ``held`` (``above``: the graph
+    above the last layer with weights, where no ``W`` starts)."""
 
     kept: float
     held: float
@@ -62,16 +57,10 @@ class Peak:
 
 @dataclass(frozen=True)
 class Temporaries:
-    """The most each of a partition's tasks holds beyond its activations, in bytes.
-
-    Args:
-        forward: ``F``'s
-        backward: ``B``'s
-        weight: the first partition's ``W`` (which starts from its graph); for
-            another partition, the same as ``backward``
-        input: ``I``'s (it frees nothing the forward pass saved)
-        gradients: a layer's new weight gradients at most (a later ``W``'s)
-    """
+    """The most each of a partition's tasks holds beyond its activations, in bytes:
+    ``F``'s, ``B``'s, the first partition's ``W`` (which starts from its graph; another's
+    is ``backward``), ``I``'s (which frees nothing the forward pass saved), and a layer's
+    new weight gradients at most (``gradients``: a later ``W``'s)."""
 
     forward: float
     backward: Peak
@@ -82,16 +71,12 @@ class Temporaries:
 
 @dataclass(frozen=True)
 class Messages:
-    """What a partition receives and sends, in bytes.
-
-    Args:
-        entry: its input (the first's: what it copies of the mini-batch)
-        exit: its output
-        turned: ``entry`` where the partition before is on its process, which holds it
-        turned_through: ``turned`` where that is the layers' input itself
-        skips_out: skips ``F`` sends other workers, a message each; ``skips_out_bytes``
-        skips_back: gradients of popped skips ``B`` (or ``I``) sends back; ``skips_back_bytes``
-    """
+    """What a partition receives and sends, in bytes: its input (``entry``; the first's,
+    what it copies of the mini-batch), its output (``exit``), ``entry`` where the
+    partition before is on its process, which holds it (``turned``; ``turned_through``
+    where that is the layers' input itself), and how many skips ``F`` sends other workers
+    (``skips_out``, a message each, of ``skips_out_bytes``) and ``B`` (or ``I``) sends
+    back (``skips_back``, their gradients)."""
 
     entry: float
     exit: float

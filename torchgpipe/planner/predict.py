@@ -1,22 +1,17 @@
 """A configuration's step time and peak memory per worker, from measured costs.
 
-The time is the simulator's over the schedule's own action lists, each
-action costing its partition's layers at its micro-batch size, the
-overhead per task, and a message to another worker::
+The time is the simulator's over the schedule's action lists, each action
+costing its partition's layers at its micro-batch size, the overhead per
+task, and a message to another worker::
 
-    F   forward of the partition's layers                  (+ message to j+1)
-    B   backward of its layers; first their forward again,
-        if the micro-batch is checkpointed                 (+ message to j-1)
-    I   input gradients (after the same recomputation)     (+ message to j-1)
-    W   the weights' gradients, after I (of the first partition, whose I
-        has nothing to compute, its whole backward pass)
+    F   forward of the partition's layers                   (+ message to j+1)
+    B   backward, after the forward again if checkpointed   (+ message to j-1)
+    I   input gradients (after the same recomputation)      (+ message to j-1)
+    W   the weights' gradients, after I (the first partition's: its whole B)
 
-The memory walks each worker's actions (:func:`peak_memory`): activations
-kept from a forward pass to its backward pass, gradients and temporaries
-while a backward pass runs (:class:`~torchgpipe.planner.partitions.Partitions`),
-the weights' gradients from a partition's first backward pass, and tensors
-partitions of one process share counted once
-(:class:`~torchgpipe.planner.sharing.SharedBytes`).
+The memory walks each worker's actions (:func:`peak_memory`) through the
+bytes of :class:`~torchgpipe.planner.partitions.Partitions`, counting once
+what partitions of one process share (:mod:`~torchgpipe.planner.sharing`).
 """
 import math
 from dataclasses import dataclass
@@ -38,16 +33,9 @@ NANOSECONDS = 1_000_000_000
 
 @dataclass(frozen=True)
 class Candidate:
-    """One way to run a step: a configuration the planner predicts.
-
-    Args:
-        schedule: the name of a built-in schedule
-        balance: the layers of each partition
-        chunks: micro-batches (as many as the mini-batch splits into)
-        checkpoint: ``'always'``, ``'except_last'`` or ``'never'``
-        workers: devices, or ranks, the partitions run on
-        placement: ``'loop'`` or ``'v'`` (see :func:`~torchgpipe.engine.generators.worker_of`)
-    """
+    """A configuration the planner predicts: a built-in ``schedule``, the ``balance``, the
+    micro-batches (as many as the mini-batch splits into), the checkpoint mode, the
+    ``workers`` (devices or ranks) and the ``placement`` of the partitions on them."""
 
     schedule: str
     balance: Tuple[int, ...]
@@ -67,15 +55,9 @@ class Candidate:
 
 @dataclass
 class Prediction:
-    """What a configuration is predicted to cost.
-
-    Args:
-        step: the step's time, in seconds
-        memory: each worker's peak memory, in bytes
-        busy: each worker's time at work by kind of task, in seconds (as a
-            trace sees it: longer where the workers share the cores)
-        ends: when each action ends, in seconds
-    """
+    """What a configuration is predicted to cost: the ``step``'s seconds, each worker's
+    peak ``memory`` in bytes, its seconds at work by kind of task (``busy``, as a trace
+    sees it: longer where workers share the cores), and when each action ``ends``."""
 
     step: float
     memory: List[float]
@@ -92,17 +74,10 @@ def micro_batches(batch: int, chunks: int) -> List[int]:
 
 def predict(costs: Costs, candidate: Candidate, *, param_scale: float = 2.0
             ) -> Prediction:
-    """Predicts the step time and each worker's peak memory of ``candidate``.
-
-    Args:
-        costs: the measured costs, with the overhead per task and the transfer cost
-        candidate: the configuration
-        param_scale: parameter-sized tensors training keeps per parameter, as
-            :func:`~torchgpipe.balance.balance_by_size` counts
-
-    Raises:
-        ValueError: the schedule cannot run the configuration
-    """
+    """The step time and each worker's peak memory of ``candidate`` by ``costs``, training
+    keeping ``param_scale`` parameter-sized tensors per parameter (as
+    :func:`~torchgpipe.balance.balance_by_size` counts); ``ValueError`` if the schedule
+    cannot run it."""
     sizes = micro_batches(costs.batch, candidate.chunks)
     schedule = candidate.plan(len(sizes))
     parts = Partitions(costs, candidate.balance, candidate.worker_of)

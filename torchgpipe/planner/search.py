@@ -86,12 +86,8 @@ def configurations(costs: Costs, workers: int, *, schedules: Sequence[str],
 def search(costs: Costs, workers: int, *, memory_limit: Optional[float],
            schedules: Sequence[str], chunks: Sequence[int], checkpoints: Sequence[str],
            param_scale: float) -> List[Scored]:
-    """Predicts every configuration, refines the best that fit, and sorts them, fastest first.
-
-    Returns:
-        every configuration predicted, the ones that fit ``memory_limit``
-        first (fastest first), then the others (smallest peak first)
-    """
+    """Every configuration predicted, the best that fit ``memory_limit`` refined: those
+    that fit first (fastest first), then the others (smallest peak first)."""
     seen: Dict[Candidate, Scored] = {}
     for candidate in configurations(costs, workers, schedules=schedules, chunks=chunks,
                                     checkpoints=checkpoints, param_scale=param_scale):

@@ -1,21 +1,17 @@
 """The bytes partitions of one process share, as a worker's actions run
 (:func:`~torchgpipe.planner.predict.peak_memory`).
 
-Between ranks a message is a copy, but a partition receives from another
-partition of its own rank (ZBV's turn, a skip between the arms of its V)
-the very tensor that one made, alive until both let go of it::
+Between ranks a message is a copy, but a partition receives from another of
+its own rank (ZBV's turn, a skip between the arms of its V) the very tensor
+that one made, alive until both let go of it::
 
     partition j (earlier)                      partition k (later, same worker)
     F   makes its output, a skip  ──── lent ──►  F  takes them as its input, a pop
     I   lets go of them           ·········      W  lets go of them (what it saved)
     I   needs their gradients  ◄── handed ────── I  makes them, as they are
 
-- what ``j`` lends stays until ``k``'s ``W`` (or ``B``); a checkpointed
-  ``F`` of ``j`` makes it for ``k``, alive from then
-  (:meth:`~torchgpipe.planner.partitions.Partitions.lent`);
-- what ``k`` hands back is alive from ``k``'s backward pass until ``j``'s
-  has used it, and until ``k``'s ``W`` where ``k``'s leaf keeps it
-  (:meth:`~torchgpipe.planner.partitions.Partitions.returned`).
+(:meth:`~torchgpipe.planner.partitions.Partitions.lent`, and
+:meth:`~torchgpipe.planner.partitions.Partitions.returned`.)
 """
 from typing import Dict, List, Sequence, Set, Tuple
 
@@ -26,13 +22,9 @@ __all__: List[str] = []
 
 
 class SharedBytes:
-    """The bytes partitions of one worker share, alive as its actions run one by one.
-
-    Args:
-        parts: the partitions' costs (their ``lent`` and ``returned``)
-        sizes: the size of each micro-batch
-        checkpointed: whether each micro-batch is checkpointed
-    """
+    """The bytes partitions of one worker share (``parts``' ``lent`` and ``returned``),
+    alive as its actions run one by one, for micro-batches of ``sizes``, each
+    ``checkpointed`` or not."""
 
     def __init__(self, parts: Partitions, sizes: Sequence[int],
                  checkpointed: Sequence[bool]) -> None:

@@ -1,13 +1,12 @@
 """Trials: the configurations predicted fastest, timed on the model before one is chosen.
 
-On CPU the simulator is off by a tenth and steps vary by a fifth, so among
-close predictions the error decides. Where the pilot runs, the planner
-trains the model in each of the few predicted fastest (the fastest balance
-of each :func:`kind`, each fitting) and chooses the fastest measured::
+On CPU predictions are off by a tenth and steps vary by a fifth, so among
+close predictions the error decides. Where the pilot runs, the fastest
+balance of each :func:`kind` within ``SPREAD`` trains, and the fastest
+measured is chosen::
 
     predicted   A 10.0 ms   B 10.3 ms   C 10.9 ms   D 12.4 ms   E 13.1 ms ...
-                '--- shortlist: at most `trials` kinds, within SPREAD ---'
-    measured    A 12.1 ms   B 10.8 ms   C 11.5 ms   D 13.0 ms
+    measured    A 12.1 ms   B 10.8 ms   C 11.5 ms   D 13.0 ms   (the shortlist)
     chosen      B, then C, A, D (measured), then E ... (predicted)
 """
 import functools
@@ -49,16 +48,10 @@ def shortlist(options: List[Option], trials: int) -> List[Option]:
 
 def tried(options: List[Option], trials: int, steps: ModelStep, layout: Layout
           ) -> List[Option]:
-    """``options`` (fastest predicted first) with their shortlist timed: those first, fastest
+    """``options`` that fit (fastest predicted first) with their shortlist of at most
+    ``trials`` timed by ``steps`` in the pipelines ``layout`` gives: those first, fastest
     measured first (``measured`` set), then the rest. Nothing is timed unless two or more
-    are on the shortlist.
-
-    Args:
-        options: the configurations that fit, fastest predicted first
-        trials: the most configurations to time
-        steps: times a step of the model's copy in a pipeline
-        layout: the pipeline's keyword arguments for an option
-    """
+    are on the shortlist."""
     short = shortlist(options, trials)
     if len(short) < 2:
         return options
