@@ -10,7 +10,7 @@ and the fix::
 import math
 import numbers
 import sys
-from typing import Dict, Iterable, List, Optional, Union, cast
+from typing import Dict, Iterable, List, Optional, Sized, Union, cast
 
 import torch
 from torch import nn
@@ -185,9 +185,9 @@ def example_balance(layers: int) -> List[int]:
     return [layers // partitions + (j < layers % partitions) for j in range(partitions)]
 
 
-def check_balance(module: nn.Sequential, balance: object) -> List[int]:
-    """Checks the balance against the module: ints (as :func:`as_int`), positive,
-    summing to its layers (else :class:`BalanceError`)."""
+def check_balance(module: Sized, balance: object) -> List[int]:
+    """Checks the balance against the module (or its layers): ints (as :func:`as_int`),
+    positive, summing to its layers (else :class:`BalanceError`)."""
     layers = len(module)
     example = example_balance(layers)
 

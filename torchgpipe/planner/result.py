@@ -5,7 +5,8 @@ from dataclasses import asdict, fields
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 from torchgpipe.engine.generators import BUILT_INS, built_in, unknown_name, worker_of
-from torchgpipe.foundation.validation import check_checkpoint, check_chunks, describe
+from torchgpipe.foundation.validation import (check_balance, check_checkpoint, check_chunks,
+                                              describe)
 from torchgpipe.planner.compare import Comparison, compare
 from torchgpipe.planner.costs import Costs
 from torchgpipe.planner.option import Option, option, size
@@ -84,6 +85,7 @@ class Plan:
             raise ValueError(describe('predict needs the measurements of torchgpipe.plan',
                                       'a plan loaded from a file',
                                       'plan again with torchgpipe.plan to predict others'))
+        balance = check_balance(range(costs.layers), balance)
         name = built_in(schedule)
         if name is None:
             raise unknown_name(str(schedule))
@@ -94,11 +96,6 @@ class Plan:
             raise ValueError(describe(f'balance must have {counts} partitions for {name} on '
                                       f'{p} devices', f'balance: {list(balance)}',
                                       f'give {counts} numbers of layers'))
-        if sum(balance) != costs.layers or min(balance) < 1:
-            raise ValueError(describe(f'balance must give every one of the {costs.layers} '
-                                      'layers to a partition of at least one',
-                                      f'balance: {list(balance)}',
-                                      f'give numbers of layers that add up to {costs.layers}'))
         check_checkpoint(checkpoint)
         count = len(micro_batches(costs.batch, check_chunks(chunks)))
         candidate = Candidate(name, tuple(balance), count, checkpoint, p, shape[1])
