@@ -268,6 +268,20 @@ def check_checkpoint(checkpoint: object) -> str:
     return mode
 
 
+def check_process_group(caller: str, group: object, fix: str) -> None:
+    """Checks that torch.distributed is initialized and this process is in ``group`` (``None``:
+    the default group; a value of another type passes, for the caller to refuse)."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(f'{caller} needs torch.distributed: call '
+                           "torch.distributed.init_process_group('gloo') (or 'nccl') first, on "
+                           'every rank (until then, torch.distributed.group.WORLD is None)')
+    if group is dist.GroupMember.NON_GROUP_MEMBER or (
+            isinstance(group, (dist.ProcessGroup, type(None))) and dist.get_rank(group) < 0):
+        raise ValueError(describe('this process must be in group', f'rank {dist.get_rank()}',
+                                  fix))
+
+
 def check_step(loss_fn: object, reduction: object) -> None:
     """Checks ``train_step``'s loss arguments, and that gradients are enabled."""
     check_loss(loss_fn, reduction)

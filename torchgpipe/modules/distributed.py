@@ -12,8 +12,8 @@ from torchgpipe.engine.core import evaluating
 from torchgpipe.engine.schedule import ScheduleLike
 from torchgpipe.engine.step import LossFunction
 from torchgpipe.foundation.microbatch import TensorOrTensors
-from torchgpipe.foundation.validation import (check_available, check_balance, check_timeout,
-                                              describe, parse_device)
+from torchgpipe.foundation.validation import (check_available, check_balance,
+                                              check_process_group, check_timeout, parse_device)
 from torchgpipe.modules.base import CoreModule
 from torchgpipe.processes.core import RankCore, agree_on_layout, ranks_of_partitions
 from torchgpipe.processes.tied import (TiedGradients, check_finite, clip_grads, slots,
@@ -76,14 +76,9 @@ class DistributedGPipe(CoreModule):
                  timeout: Optional[float] = None,
                  planned_threads: Optional[int] = None) -> None:
         super().__init__()
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError('DistributedGPipe needs torch.distributed: call '
-                               "torch.distributed.init_process_group('gloo') (or 'nccl') "
-                               'first, on every rank')
-        if dist.get_rank(group) < 0:
-            raise ValueError(describe('this process must be in group', f'rank {dist.get_rank()}',
-                                      'build the DistributedGPipe only on the ranks of its '
-                                      'group, giving each rank its own pipeline group'))
+        check_process_group('DistributedGPipe', group,
+                            'build the DistributedGPipe only on the ranks of its group, '
+                            'giving each rank its own pipeline group')
         size = dist.get_world_size(group)
         self.ranks = [dist.get_global_rank(group, r) if group is not None else r
                       for r in range(size)]

@@ -12,6 +12,7 @@ from torchgpipe.foundation.microbatch import Batch, TensorOrTensors
 from torchgpipe.foundation.placement import check_materialized
 from torchgpipe.foundation.validation import (CHECKPOINTS, Device, brief, check_available,
                                               check_chunks, check_loss, check_number,
+                                              check_process_group,
                                               check_target_and_loss, describe, parse_devices,
                                               verify_module)
 
@@ -32,7 +33,7 @@ def check_arguments(module: nn.Sequential, sample: TensorOrTensors,
     # group.WORLD is None before init_process_group: device=, or no devices under
     # torchrun, meant a group.
     if group is None and devices is None and (device is not None or 'WORLD_SIZE' in os.environ):
-        check_process_group()
+        check_process_group('plan with group=', None, '')
     if group is None and device is not None:
         raise ValueError(describe('device is for planning across processes, with group',
                                   f'device: {device!r}, group: None',
@@ -62,15 +63,6 @@ def check_arguments(module: nn.Sequential, sample: TensorOrTensors,
     if loss_fn is not None:
         check_loss(loss_fn)
     return batch, workers, names, modes, most
-
-
-def check_process_group() -> None:
-    """Checks that torch.distributed is initialized, as planning across processes needs."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        raise RuntimeError('plan with group= needs torch.distributed: call '
-                           "torch.distributed.init_process_group('gloo') (or 'nccl') "
-                           'first, on every rank (until then, torch.distributed.group.WORLD '
-                           'is None)')
 
 
 def check_sample(sample: TensorOrTensors, target: Optional[TensorOrTensors]) -> int:

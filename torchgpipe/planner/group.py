@@ -23,8 +23,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from torchgpipe.distributed import DistributedGPipe
-from torchgpipe.foundation.validation import Device, check_available, describe, parse_device
-from torchgpipe.planner.arguments import check_process_group
+from torchgpipe.foundation.validation import (Device, check_available, check_process_group,
+                                              describe, parse_device)
 from torchgpipe.planner.calibrate import CHUNKS, Timer, median_step, zeros_loss
 from torchgpipe.planner.pilot import Make
 
@@ -43,10 +43,8 @@ class PlanningGroup:
 
     def __init__(self, group: Any, device: Optional[Device], problem: Optional[Exception],
                  signature: Dict[str, Any]) -> None:
-        check_process_group()
-        if group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group gives the others
-            raise ValueError(describe('this process must be in group', f'rank {dist.get_rank()}',
-                                      'plan only on the ranks of the pipeline group'))
+        check_process_group('plan with group=', group,
+                            'plan only on the ranks of the pipeline group')
         if not isinstance(group, dist.ProcessGroup):
             raise TypeError(describe('group must be a process group', f'group: {group!r}',
                                      'give e.g. group=torch.distributed.group.WORLD'))
