@@ -84,7 +84,8 @@ from benchmarks.runner import Experiment, Figure, Preset, main as run_main
 from torchgpipe import GPipe, Plan
 from torchgpipe.planner.calibrate import traced_span
 from torchgpipe.planner.option import Option
-from torchgpipe.planner.pilot import in_turns, time_balance
+from torchgpipe.planner.calibrate import in_turns
+from torchgpipe.planner.pilot import time_balance
 from torchgpipe.engine.generators import BUILT_INS
 
 Row = Dict[str, Any]

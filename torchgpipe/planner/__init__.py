@@ -18,8 +18,8 @@ from torchgpipe.foundation.microbatch import Batch, TensorOrTensors
 from torchgpipe.foundation.validation import Device, describe
 from torchgpipe.planner import pilot, trial
 from torchgpipe.planner.arguments import check_arguments
-from torchgpipe.planner.calibrate import (Timer, copy_cost, message_cost, skip_cost,
-                                          skip_step, task_overhead, threads, wide_step)
+from torchgpipe.planner.calibrate import (Timer, copy_cost, gpipes, message_cost, skip_cost,
+                                          skip_step, task_overhead, timer, wide_step)
 from torchgpipe.planner.compare import Comparison
 from torchgpipe.planner.costs import Costs, measure
 from torchgpipe.planner.option import Option, option, size
@@ -132,23 +132,23 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
         if team is None:
             costs = measure(module, sample, sizes, workers[0], repeat=repeat, loss=loss)
             costs.overhead, costs.checkpoint_overhead, costs.split_overhead = \
-                task_overhead(threads(workers), len(workers))
+                task_overhead(timer(gpipes(workers)), len(workers))
             costs.transfer = copy_cost(workers)
             if workers[0].type == 'cpu' and len(workers) > 1:
                 # Threads sharing the cores and the interpreter's lock: their pace.
                 steps = pilot.model_steps(module, sample, target, loss_fn,
-                                          pilot.gpipes(workers))
+                                          gpipes(workers))
             names_of = [str(d) for d in workers]
         else:
             cores = team.cores()
             costs = team.first(lambda: measure(module, sample, sizes, team.device,
                                                repeat=repeat, loss=loss))
-            timer, costs.cores = team.timer(), cores
-            overheads = task_overhead(timer, team.size, costs.cores)
-            wide = wide_step(timer, team.size)
+            steps_of, costs.cores = team.timer(), cores
+            overheads = task_overhead(steps_of, team.size, costs.cores)
+            wide = wide_step(steps_of, team.size)
             costs.transfer = team.first(
                 lambda: message_cost(wide, team.size, team.device, overheads, costs.cores))
-            costs.skip_overhead = skip_overhead(team, timer, overheads, costs)
+            costs.skip_overhead = skip_overhead(team, steps_of, overheads, costs)
             costs.overhead, costs.checkpoint_overhead, costs.split_overhead = overheads
             costs.processes = True
             if team.size > 1 and team.device.type == 'cpu':
@@ -169,12 +169,12 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
                       threads=worker_threads)
 
 
-def skip_overhead(team: 'PlanningGroup', timer: Timer, overheads: Tuple[float, float, float],
+def skip_overhead(team: 'PlanningGroup', steps_of: Timer, overheads: Tuple[float, float, float],
                   costs: Costs) -> float:
     """What a skip's message between the ranks of ``team`` costs, if any."""
     if not costs.skips or team.size < 2:
         return 0.0
-    step = skip_step(timer, team.size)
+    step = skip_step(steps_of, team.size)
     return cast(float, team.first(lambda: skip_cost(
         step, team.size, team.device, overheads, costs.transfer, costs.cores)))
 

@@ -11,7 +11,7 @@ the time per byte with which the simulator predicts steps of large messages.
 import statistics
 import time
 from fractions import Fraction
-from typing import Any, Callable, List, Optional, Sequence, Tuple, cast
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -65,26 +65,51 @@ def zeros_loss(output: TensorOrTensors, target: TensorOrTensors) -> Tensor:
     return F.mse_loss(cast(Tensor, output), cast(Tensor, target))
 
 
-def threads(devices: Sequence[torch.device]) -> Timer:
-    """The timer of a :class:`~torchgpipe.GPipe` on ``devices``, one worker each."""
-    def timer(model: nn.Sequential, checkpoint: str, schedule: str, input: Tensor) -> float:
-        pipe = GPipe(model, [1] * len(devices), devices=list(devices), chunks=CHUNKS,
-                     checkpoint=checkpoint)
+#: Makes a pipeline of a model from :class:`~torchgpipe.GPipe`'s keyword arguments.
+Make = Callable[[nn.Sequential, Dict[str, Any]], Any]
+
+
+def gpipes(devices: Sequence[torch.device]) -> Make:
+    """Pipelines as :class:`~torchgpipe.GPipe` on ``devices``, a worker thread each."""
+    def make(model: nn.Sequential, kwargs: Dict[str, Any]) -> GPipe:
+        return GPipe(model, **{'devices': list(devices), **kwargs})
+    return make
+
+
+def timer(make: Make, ready: Callable[[], object] = lambda: None,
+          agree: Callable[[float], float] = lambda seconds: seconds) -> Timer:
+    """The timer of the pipelines ``make`` makes, one layer per worker: ``ready()`` runs
+    before each step, untimed; ``agree`` turns this process's median into the step's (the
+    slowest rank's)."""
+    def timed(model: nn.Sequential, checkpoint: str, schedule: str, input: Tensor) -> float:
+        pipe = make(model, {'balance': [1] * len(model), 'chunks': CHUNKS,
+                            'checkpoint': checkpoint})
         target = torch.zeros_like(input)
-        return median_step(pipe, lambda: pipe.train_step(input, target, zeros_loss,
-                                                         schedule=schedule))
-    return timer
+        return agree(median_step(pipe, lambda: pipe.train_step(input, target, zeros_loss,
+                                                               schedule=schedule), ready))
+    return timed
 
 
 def median_step(pipe: Any, step: Callable[[], object],
                 ready: Callable[[], object] = lambda: None) -> float:
     """The median :func:`traced_span` of ``step()``, the first call (which starts the
     workers) left out; ``ready()`` runs before each step, untimed."""
-    times = []
-    for _ in range(STEPS + 1):
+    def timed() -> float:
         ready()
-        times.append(traced_span(pipe, step))
-    return statistics.median(times[1:])
+        return traced_span(pipe, step)
+    return statistics.median(in_turns([timed], STEPS)[0])
+
+
+def in_turns(calls: Sequence[Callable[[], float]], rounds: int) -> List[List[float]]:
+    """What each of ``calls`` measured in ``rounds`` turns after a warm-up, each turn calling
+    each once, so that a slow spell of the machine falls on one call of each."""
+    measured: List[List[float]] = [[] for _ in calls]
+    for turn in range(rounds + 1):
+        for call, into in zip(calls, measured):
+            seconds = call()
+            if turn:
+                into.append(seconds)
+    return measured
 
 
 def traced_span(pipe: Any, step: Callable[[], object]) -> float:

@@ -20,13 +20,12 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import nn
 
 from torchgpipe.distributed import DistributedGPipe
 from torchgpipe.foundation.validation import (Device, check_available, check_process_group,
                                               describe, parse_device)
-from torchgpipe.planner.calibrate import CHUNKS, Timer, median_step, zeros_loss
-from torchgpipe.planner.pilot import Make
+from torchgpipe.planner.calibrate import Make, Timer, timer
 
 __all__: List[str] = []
 
@@ -144,16 +143,9 @@ class PlanningGroup:
         return held[0]
 
     def timer(self) -> Timer:
-        """Times a calibration model's steps as a DistributedGPipe over the group: each
-        step starts together on every rank, and takes the slowest rank's median."""
-        def timed(model: nn.Sequential, checkpoint: str, schedule: str, input: Tensor) -> float:
-            pipe = DistributedGPipe(model, [1] * self.size, chunks=CHUNKS, checkpoint=checkpoint,
-                                    group=self.group, device=self.device)
-            target = torch.zeros_like(input)
-            mine = median_step(pipe, lambda: pipe.train_step(input, target, zeros_loss,
-                                                             schedule=schedule), self.barrier)
-            return self.slowest(mine)
-        return timed
+        """Times a calibration model's steps over the group: each step starts together on
+        every rank, and takes the slowest rank's median."""
+        return timer(self.pilots(), self.barrier, self.slowest)
 
     def barrier(self) -> None:
         """Waits for every rank: a step starts together on all of them."""

@@ -20,8 +20,7 @@ from torch import Tensor, nn
 from torchgpipe.balance import blockpartition
 from torchgpipe.engine.step import LossFunction
 from torchgpipe.foundation.microbatch import Batch, TensorOrTensors
-from torchgpipe.modules.gpipe import GPipe
-from torchgpipe.planner.calibrate import solve, traced_span
+from torchgpipe.planner.calibrate import Make, in_turns, solve, traced_span
 from torchgpipe.planner.costs import TIMES, Costs
 from torchgpipe.planner.predict import Candidate, micro_batches, predict
 
@@ -69,18 +68,6 @@ def pace(costs: Costs, workers: int, step: Step) -> List[float]:
     return fill_in(costs.sizes, [found.get(size) for size in costs.sizes])
 
 
-def in_turns(calls: Sequence[Callable[[], float]], rounds: int) -> List[List[float]]:
-    """What each of ``calls`` measured in ``rounds`` turns after a warm-up, each turn calling
-    each once, so that a slow spell of the machine falls on one call of each."""
-    measured: List[List[float]] = [[] for _ in calls]
-    for turn in range(rounds + 1):
-        for call, into in zip(calls, measured):
-            seconds = call()
-            if turn:
-                into.append(seconds)
-    return measured
-
-
 def fill_in(sizes: Sequence[int], found: Sequence[Optional[float]]) -> List[float]:
     """The paces found, and for each size without one the line between its neighbours'
     (the nearest one's beyond them; 1 if none was found)."""
@@ -111,8 +98,6 @@ def scaled(costs: Costs, factors: Dict[int, float]) -> Costs:
     return replace(costs, table=table, _cache={})
 
 
-#: Makes a pipeline of the model's copy from :class:`~torchgpipe.GPipe`'s keyword arguments.
-Make = Callable[[nn.Sequential, Dict[str, Any]], Any]
 #: ``step(kwargs, schedule)``: the seconds of a step of the model's copy.
 ModelStep = Callable[[Dict[str, Any], str], float]
 
@@ -146,13 +131,6 @@ def one_f_one_b(steps: ModelStep) -> Step:
     """The pilot's steps: 1F1B without checkpointing, one partition per worker."""
     return lambda balance, chunks: steps(
         {'balance': list(balance), 'chunks': chunks, 'checkpoint': 'never'}, '1f1b')
-
-
-def gpipes(devices: Sequence[torch.device]) -> Make:
-    """Pipelines as :class:`~torchgpipe.GPipe` on ``devices``, a worker thread each."""
-    def make(model: nn.Sequential, kwargs: Dict[str, Any]) -> GPipe:
-        return GPipe(model, **{'devices': list(devices), **kwargs})
-    return make
 
 
 def _mean_of_outputs(output: TensorOrTensors, target: TensorOrTensors) -> Tensor:

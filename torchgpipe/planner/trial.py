@@ -14,7 +14,8 @@ import statistics
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from torchgpipe.planner.option import Option
-from torchgpipe.planner.pilot import ModelStep, in_turns
+from torchgpipe.planner.calibrate import in_turns
+from torchgpipe.planner.pilot import ModelStep
 from torchgpipe.planner.result import Plan
 
 __all__: List[str] = []
