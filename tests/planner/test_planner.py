@@ -211,18 +211,18 @@ def test_the_choice_fits_and_is_the_fastest_predicted(p: int, layers: int, limit
     costs = linear_costs(layers, batch=8, heavy=heavy if heavy < layers else -1)
     found = search(costs, p, memory_limit=limit, schedules=SCHEDULES, chunks=[1, 2, 4, 8],
                    checkpoints=CHECKPOINTS, param_scale=2.0)
-    fitting = [s for s in found if max(s.prediction.memory) <= limit]
+    fitting = [s for s in found if max(s.memory) <= limit]
     if not fitting:
         assert not found[0].fits(limit)
         return
     assert found[0].fits(limit)
-    assert found[0].prediction.step == min(s.prediction.step for s in fitting)
+    assert found[0].step == min(s.step for s in fitting)
     # A limit never makes the choice faster; one the free choice fits changes nothing.
     free = search(costs, p, memory_limit=None, schedules=SCHEDULES, chunks=[1, 2, 4, 8],
                   checkpoints=CHECKPOINTS, param_scale=2.0)[0]
-    assert free.prediction.step <= found[0].prediction.step
+    assert free.step <= found[0].step
     if free.fits(limit):
-        assert found[0].prediction.step == free.prediction.step
+        assert found[0].step == free.step
 
 
 def test_a_heavy_head_is_placed_to_fit() -> None:
@@ -234,7 +234,7 @@ def test_a_heavy_head_is_placed_to_fit() -> None:
     best = search(costs, 2, memory_limit=limit, schedules=['1f1b'], chunks=[4],
                   checkpoints=['never'], param_scale=2.0)[0]
     assert best.fits(limit)
-    assert best.candidate.balance[-1] < 4
+    assert best.balance[-1] < 4
 
 
 def test_chunk_counts_skip_splits_torch_chunk_cannot_make() -> None:

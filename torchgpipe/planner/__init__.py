@@ -22,10 +22,10 @@ from torchgpipe.planner.calibrate import (Timer, copy_cost, gpipes, message_cost
                                           skip_step, task_overhead, timer, wide_step)
 from torchgpipe.planner.compare import Comparison
 from torchgpipe.planner.costs import Costs, measure
-from torchgpipe.planner.option import Option, option, size
+from torchgpipe.planner.option import Option, size
 from torchgpipe.planner.result import Plan
 from torchgpipe.planner.predict import micro_batches
-from torchgpipe.planner.search import Scored, chunk_counts, search
+from torchgpipe.planner.search import chunk_counts, search
 
 if TYPE_CHECKING:
     from torchgpipe.planner.group import PlanningGroup
@@ -179,22 +179,20 @@ def skip_overhead(team: 'PlanningGroup', steps_of: Timer, overheads: Tuple[float
         step, team.size, team.device, overheads, costs.transfer, costs.cores)))
 
 
-def choose(found: List[Scored], names_of: List[str], names: List[str],
+def choose(options: List[Option], names_of: List[str], names: List[str],
            memory_limit: Optional[float], runners_up: int, costs: Costs,
            param_scale: float, processes: bool = False,
            order: Callable[[List[Option]], List[Option]] = lambda options: options,
            threads: Optional[int] = None) -> Plan:
     """The plan of the first configuration that fits, in ``order`` (fastest predicted
     first); ``ValueError`` when none does. ``names_of`` names each worker."""
-    if not found:
+    if not options:
         raise ValueError(describe(
             'schedules must hold one that fits the devices and the layers',
             f'schedules: {names}, {len(names_of)} workers, {costs.layers} layers',
             "add '1f1b', or leave schedules out (interleaved 1F1B and ZBV need two "
             'layers per device)'))
-    options = [option(s.candidate, s.prediction.step, s.prediction.memory, s.prediction.busy)
-               for s in found]
-    if not found[0].fits(memory_limit):
+    if not options[0].fits(memory_limit):
         least = options[0]
         worst = max(range(len(least.memory)), key=least.memory.__getitem__)
         raise ValueError(describe(
@@ -202,7 +200,7 @@ def choose(found: List[Scored], names_of: List[str], names: List[str],
             f'memory_limit: {size(float(memory_limit or 0))}',
             f'the least any needs is {size(least.memory[worst])} on {names_of[worst]} '
             f'({least.describe()}); raise memory_limit to that, or add devices'))
-    fitting = order([o for o, s in zip(options, found) if s.fits(memory_limit)])
+    fitting = order([o for o in options if o.fits(memory_limit)])
     return Plan(fitting[0], fitting[1:1 + runners_up], names_of,
                 None if memory_limit is None else float(memory_limit), costs, param_scale,
                 processes, threads)

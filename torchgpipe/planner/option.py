@@ -37,6 +37,10 @@ class Option:
     busy: List[Dict[str, float]] = field(default_factory=list)
     measured: Optional[float] = None
 
+    def fits(self, limit: Optional[float]) -> bool:
+        """Whether every device's predicted peak is within ``limit`` bytes (``None``: no limit)."""
+        return limit is None or max(self.memory) <= limit
+
     def describe(self) -> str:
         """The configuration in a few words."""
         where = ', V placement' if self.placement == 'v' else ''

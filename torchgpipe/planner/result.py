@@ -15,33 +15,26 @@ from torchgpipe.timeline import Timeline
 
 __all__: List[str] = []
 
-#: The format of a saved plan; the first (one process only) is read too.
+#: The format of a saved plan.
 FORMAT = 'torchgpipe-plan/2'
-FORMATS = (FORMAT, 'torchgpipe-plan/1')
 #: What a saved option may hold (a plan saved before trials has no ``measured``).
 FIELDS = {f.name for f in fields(Option)}
 
 
 class Plan:
-    """The configuration :func:`torchgpipe.plan` chose, and the ones it set aside.
-
-    Apply it in one line, ``GPipe(module, **plan.kwargs)`` (a plan for
-    processes: ``DistributedGPipe(module, **plan.kwargs, group=group,
-    device=device)``), and train with ``model.train_step(input, target,
-    loss_fn, schedule=plan.schedule)``.
+    """The configuration :func:`torchgpipe.plan` chose, and the ones it set aside: apply it
+    with ``GPipe(module, **plan.kwargs)`` (for processes, ``DistributedGPipe(module,
+    **plan.kwargs, group=group, device=device)``) and ``train_step(..., schedule=plan.schedule)``.
 
     Attributes:
         chosen (Option): the fastest configuration that fits (the fastest
             measured, if the planner tried the few predicted fastest)
         runners_up (list of Option): the next fastest that fit, in order
-            (those tried first, by their trials)
-        devices (list of str): each worker: its device, or, in a plan for
-            processes, its rank (``'rank 0'``, ... as a traced step names them)
+        devices (list of str): each worker's device, or rank (``'rank 0'``, ...)
         memory_limit (float or None): the limit it was planned under, in bytes
         processes (bool): whether the plan is for the processes of a group
-        threads (int or None): the intra-op threads (``torch.get_num_threads()``)
-            each worker of CPU devices measured with, which training must have
-            too (the pipeline of :attr:`kwargs` warns otherwise); ``None`` on CUDA
+        threads (int or None): the intra-op threads each CPU worker measured with,
+            which training must have too (:attr:`kwargs`' pipeline warns otherwise)
     """
 
     def __init__(self, chosen: Option, runners_up: List[Option], devices: List[str],
@@ -60,25 +53,20 @@ class Plan:
 
     def predict(self, schedule: str, balance: Sequence[int], chunks: int,
                 checkpoint: str = 'except_last') -> Option:
-        """What another configuration would cost, by the same measurements.
-
-        Such as a split written by hand, to see what the plan gains over it:
-        ``plan.predict('1f1b', [4, 4], chunks=8).step``. The partitions are laid
-        out as the schedule lays them out.
+        """What another configuration would cost, by the same measurements: such as a split
+        written by hand, ``plan.predict('1f1b', [4, 4], chunks=8).step``, its partitions
+        laid out as the schedule lays them out.
 
         Args:
-            schedule (str): a built-in schedule
-            balance (list of int): the layers of each partition
-            chunks (int): micro-batches (as many as the mini-batch splits into)
+            schedule (str), balance (list of int), chunks (int): the configuration
             checkpoint (str): the checkpoint mode (default: ``'except_last'``)
 
         Returns:
             Option: its predicted step time, memory and work per device
 
         Raises:
-            ValueError: the plan was loaded from a file (it keeps no
-                measurements), or the configuration does not fit the
-                devices, the layers or the schedule
+            ValueError: the plan was loaded from a file (it keeps no measurements), or
+                the configuration does not fit the devices, the layers or the schedule
         """
         costs = self.costs
         if costs is None:
@@ -188,14 +176,13 @@ class Plan:
         return f'<Plan {self.chosen.describe()}, step {self.chosen.step * 1e3:.2f} ms>'
 
     def compare(self, timeline: Timeline, step: Optional[int] = None) -> Comparison:
-        """How far each prediction was from a traced step of the plan's pipeline.
-
-        Compares the step time, each device's (or rank's) time at each kind of
-        task, and on CUDA each device's peak memory.
+        """How far each prediction was from a traced step of the plan's pipeline: the step
+        time, each device's (or rank's) time at each kind of task, and on CUDA each
+        device's peak memory.
 
         Args:
-            timeline (Timeline): what :func:`torchgpipe.trace` recorded of a
-                training step with ``schedule=plan.schedule``
+            timeline (Timeline): :func:`torchgpipe.trace`'s record of a training step
+                with ``schedule=plan.schedule``
             step (int, optional): which traced step (default: the last)
 
         Returns:
@@ -224,14 +211,10 @@ class Plan:
 
     @classmethod
     def load(cls, path: Union[str, 'os.PathLike[str]']) -> 'Plan':
-        """Reads a plan :meth:`save` wrote.
-
-        Raises:
-            ValueError: the file is not a saved plan
-        """
+        """Reads a plan :meth:`save` wrote (``ValueError`` for another file)."""
         with open(path) as file:
             data = json.load(file)
-        if not isinstance(data, dict) or data.get('format') not in FORMATS:
+        if not isinstance(data, dict) or data.get('format') != FORMAT:
             found = data.get('format') if isinstance(data, dict) else type(data).__name__
             raise ValueError(describe(f'a plan file must be one Plan.save wrote, of format '
                                       f'{FORMAT!r}', f'{os.fspath(path)!r}: format {found!r}',

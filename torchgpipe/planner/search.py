@@ -7,34 +7,19 @@ layer count. The best few are then refined by moving one boundary a layer
 at a time while the step gets faster and still fits, which is how a layer
 heavy in memory but light in time (a large vocabulary's head) finds its place.
 """
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from torchgpipe.balance import blockpartition
 from torchgpipe.engine.generators import BUILT_INS
 from torchgpipe.planner.costs import Costs
-from torchgpipe.planner.predict import Candidate, Prediction, micro_batches, predict
+from torchgpipe.planner.option import Option, option
+from torchgpipe.planner.predict import Candidate, micro_batches, predict
 
 __all__: List[str] = []
 
 #: How many of the best configurations have their balance refined.
 REFINED = 8
-
-
-@dataclass
-class Scored:
-    """A configuration with its prediction."""
-
-    candidate: Candidate
-    prediction: Prediction
-
-    def fits(self, limit: Optional[float]) -> bool:
-        """Whether every worker's predicted peak is within ``limit`` bytes."""
-        return limit is None or max(self.prediction.memory) <= limit
-
-    def key(self) -> Tuple[float, float]:
-        """Faster first; among equally fast, the smaller peak."""
-        return (self.prediction.step, max(self.prediction.memory))
 
 
 def chunk_counts(batch: int, most: int) -> List[int]:
@@ -85,40 +70,34 @@ def configurations(costs: Costs, workers: int, *, schedules: Sequence[str],
 
 def search(costs: Costs, workers: int, *, memory_limit: Optional[float],
            schedules: Sequence[str], chunks: Sequence[int], checkpoints: Sequence[str],
-           param_scale: float) -> List[Scored]:
+           param_scale: float) -> List[Option]:
     """Every configuration predicted, the best that fit ``memory_limit`` refined: those
-    that fit first (fastest first), then the others (smallest peak first)."""
-    seen: Dict[Candidate, Scored] = {}
-    for candidate in configurations(costs, workers, schedules=schedules, chunks=chunks,
-                                    checkpoints=checkpoints, param_scale=param_scale):
-        seen[candidate] = Scored(candidate, predict(costs, candidate, param_scale=param_scale))
-    fitting = sorted((s for s in seen.values() if s.fits(memory_limit)), key=Scored.key)
-    for start in fitting[:REFINED]:
-        refine(costs, start, memory_limit, param_scale, seen)
-    fit = sorted((s for s in seen.values() if s.fits(memory_limit)), key=Scored.key)
-    over = sorted((s for s in seen.values() if not s.fits(memory_limit)),
-                  key=lambda s: max(s.prediction.memory))
-    return fit + over
+    that fit first (fastest first, then the smaller peak), then the others (smallest
+    peak first)."""
+    seen: Dict[Candidate, Option] = {}
 
+    def scored(candidate: Candidate) -> Option:
+        if candidate not in seen:
+            found = predict(costs, candidate, param_scale=param_scale)
+            seen[candidate] = option(candidate, found.step, found.memory, found.busy)
+        return seen[candidate]
 
-def refine(costs: Costs, start: Scored, memory_limit: Optional[float], param_scale: float,
-           seen: Dict[Candidate, Scored]) -> Scored:
-    """Moves one boundary by one layer at a time while the step gets faster and still fits;
-    returns where it stopped. Every prediction is shared through ``seen``."""
-    best = start
-    while True:
-        found = None
-        for balance in neighbours(best.candidate.balance):
-            candidate = replace(best.candidate, balance=balance)
-            if candidate not in seen:
-                seen[candidate] = Scored(candidate, predict(costs, candidate,
-                                                            param_scale=param_scale))
-            scored = seen[candidate]
-            if scored.fits(memory_limit) and scored.key() < (found or best).key():
-                found = scored
-        if found is None:
-            return best
-        best = found
+    def key(candidate: Candidate) -> Tuple[float, float]:
+        return scored(candidate).step, max(scored(candidate).memory)
+
+    grid = list(configurations(costs, workers, schedules=schedules, chunks=chunks,
+                               checkpoints=checkpoints, param_scale=param_scale))
+    for start in sorted((c for c in grid if scored(c).fits(memory_limit)), key=key)[:REFINED]:
+        # Moves one boundary by a layer at a time while the step gets faster and still fits.
+        best: Optional[Candidate] = start
+        while best is not None:
+            moved = [replace(best, balance=b) for b in neighbours(best.balance)]
+            better = [c for c in moved if scored(c).fits(memory_limit) and key(c) < key(best)]
+            best = min(better, key=key, default=None)
+    fit = sorted((c for c in seen if seen[c].fits(memory_limit)), key=key)
+    over = sorted((c for c in seen if not seen[c].fits(memory_limit)),
+                  key=lambda c: max(seen[c].memory))
+    return [seen[c] for c in fit + over]
 
 
 def neighbours(balance: Tuple[int, ...]) -> Iterator[Tuple[int, ...]]:
