@@ -10,7 +10,7 @@ and the fix::
 import math
 import numbers
 import sys
-from typing import Dict, Iterable, List, Optional, Sized, Union, cast
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Sized, Union, cast
 
 import torch
 from torch import nn
@@ -113,6 +113,13 @@ def check_available(name: str, device: torch.device, no_cuda_fix: str) -> None:
         raise ValueError(describe(f'{name} is {device} but only {count} CUDA devices are visible',
                                   f'{name}: {str(device)!r}',
                                   f"use an index below {count}, such as 'cuda:0'"))
+
+
+def check_device(value: object, fix: str) -> torch.device:
+    """A process's own ``device`` argument: parsed (``None``: the CPU), and available here."""
+    device = torch.device('cpu') if value is None else parse_device('device', value, fix)
+    check_available('device', device, fix)
+    return device
 
 
 def parse_devices(devices: object, each: str, fix: str) -> List[torch.device]:
@@ -253,6 +260,58 @@ def check_devices(devices: object, partitions: int) -> List[torch.device]:
     for i, device in enumerate(device_list[:partitions]):
         check_available(f'devices[{i}]', device, no_cuda_fix)
     return device_list
+
+
+def check_worker_devices(devices: Optional[Sequence[Device]], layers: int
+                         ) -> List[torch.device]:
+    """The planner's devices, one worker each: distinct, available, no more than the layers."""
+    fix = "give e.g. devices=['cuda:0', 'cuda:1'], or devices=['cpu:0', 'cpu:1'] on CPU"
+    if devices is None:
+        if not torch.cuda.is_available():
+            raise ValueError(describe('plan needs devices when CUDA is not available',
+                                      'devices: None', fix))
+        devices = [f'cuda:{k}' for k in range(torch.cuda.device_count())]
+    parsed = parse_devices(devices, 'worker', fix)
+    for k, device in enumerate(parsed):
+        check_available(f'devices[{k}]', device, fix)
+    if len({d.type for d in parsed}) > 1:
+        raise ValueError(describe('devices must be of one type',
+                                  f'devices: {[str(d) for d in parsed]}',
+                                  'plan for CUDA devices or for CPU devices'))
+    if not parsed or len(set(map(str, parsed))) != len(parsed):
+        raise ValueError(describe('devices must be distinct, one worker each',
+                                  f'devices: {[str(d) for d in parsed]}',
+                                  'give each device once; on CPU, number them, as '
+                                  "['cpu:0', 'cpu:1'], for a worker thread each"))
+    if len(parsed) > layers:
+        raise ValueError(describe('devices must be no more than the layers',
+                                  f'{len(parsed)} devices, {layers} layers',
+                                  f'give at most {layers} devices'))
+    return parsed
+
+
+def check_names(name: str, given: object, every: Sequence[str],
+                known: Callable[[str], Optional[str]], unknown: Callable[[str], Exception],
+                example: str) -> List[str]:
+    """The names ``given`` to try (one, or a list; all of ``every`` if ``None``), each as
+    ``known`` reads it, ``unknown(name)`` raised for one it does not."""
+    if given is None:
+        return list(every)
+    if isinstance(given, str):
+        given = [given]
+    if not isinstance(given, Iterable):
+        raise TypeError(describe(f'{name} must be a list of names', f'{name}: {given!r}',
+                                 f'give e.g. {name}={example}'))
+    names = []
+    for each in given:
+        found = known(str(each))
+        if found is None:
+            raise unknown(str(each))
+        names.append(found)
+    if not names:
+        raise ValueError(describe(f'{name} must name at least one', f'{name}: []',
+                                  'leave it out to try every one'))
+    return list(dict.fromkeys(names))
 
 
 #: The checkpoint modes, from the most memory kept to the least.

@@ -12,8 +12,8 @@ from torchgpipe.engine.core import evaluating
 from torchgpipe.engine.schedule import ScheduleLike
 from torchgpipe.engine.step import LossFunction
 from torchgpipe.foundation.microbatch import TensorOrTensors
-from torchgpipe.foundation.validation import (check_available, check_balance,
-                                              check_process_group, check_timeout, parse_device)
+from torchgpipe.foundation.validation import (check_balance, check_device, check_process_group,
+                                              check_timeout)
 from torchgpipe.modules.base import CoreModule
 from torchgpipe.processes.core import RankCore, agree_on_layout, ranks_of_partitions
 from torchgpipe.processes.tied import (TiedGradients, check_finite, clip_grads, slots,
@@ -89,15 +89,13 @@ class DistributedGPipe(CoreModule):
 
         def locate(balance: Iterable[int]) -> Tuple[List[int], List[Optional[torch.device]]]:
             nonlocal this_device, timeout
-            fix = "give this process's device, such as device='cpu'"
-            given = torch.device('cpu') if device is None else parse_device('device', device, fix)
-            check_available('device', given, fix)
-            this_device = given
+            this_device = check_device(device, "give this process's device, such as "
+                                               "device='cpu'")
             balance = check_balance(module, balance)
             #: The rank (in the group) of each partition.
             self.rank_of = ranks_of_partitions(balance, size, placement)
             timeout = check_timeout(timeout)
-            return balance, [given if r == self.rank else None for r in self.rank_of]
+            return balance, [this_device if r == self.rank else None for r in self.rank_of]
 
         def agree(problem: Optional[Exception], balance: List[int], checkpoint: str,
                   deferred: bool) -> None:

@@ -1,6 +1,6 @@
 """The checks of :func:`torchgpipe.plan`'s arguments, before any work."""
 import os
-from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -10,11 +10,10 @@ from torchgpipe.engine.step import LossFunction
 from torchgpipe.foundation import microbatch
 from torchgpipe.foundation.microbatch import Batch, TensorOrTensors
 from torchgpipe.foundation.placement import check_materialized
-from torchgpipe.foundation.validation import (CHECKPOINTS, Device, brief, check_available,
-                                              check_chunks, check_loss, check_number,
-                                              check_process_group,
-                                              check_target_and_loss, describe, parse_devices,
-                                              verify_module)
+from torchgpipe.foundation.validation import (CHECKPOINTS, Device, brief, check_chunks,
+                                              check_loss, check_names, check_number,
+                                              check_process_group, check_target_and_loss,
+                                              check_worker_devices, describe, verify_module)
 
 __all__: List[str] = []
 
@@ -88,58 +87,6 @@ def check_sample(sample: TensorOrTensors, target: Optional[TensorOrTensors]) -> 
                                       f'sample: {batch}, target: {sorted(sizes)}',
                                       "give the sample's own target"))
     return batch
-
-
-def check_worker_devices(devices: Optional[Sequence[Device]], layers: int
-                         ) -> List[torch.device]:
-    """The planner's devices, one worker each: distinct, available, no more than the layers."""
-    fix = "give e.g. devices=['cuda:0', 'cuda:1'], or devices=['cpu:0', 'cpu:1'] on CPU"
-    if devices is None:
-        if not torch.cuda.is_available():
-            raise ValueError(describe('plan needs devices when CUDA is not available',
-                                      'devices: None', fix))
-        devices = [f'cuda:{k}' for k in range(torch.cuda.device_count())]
-    parsed = parse_devices(devices, 'worker', fix)
-    for k, device in enumerate(parsed):
-        check_available(f'devices[{k}]', device, fix)
-    if len({d.type for d in parsed}) > 1:
-        raise ValueError(describe('devices must be of one type',
-                                  f'devices: {[str(d) for d in parsed]}',
-                                  'plan for CUDA devices or for CPU devices'))
-    if not parsed or len(set(map(str, parsed))) != len(parsed):
-        raise ValueError(describe('devices must be distinct, one worker each',
-                                  f'devices: {[str(d) for d in parsed]}',
-                                  'give each device once; on CPU, number them, as '
-                                  "['cpu:0', 'cpu:1'], for a worker thread each"))
-    if len(parsed) > layers:
-        raise ValueError(describe('devices must be no more than the layers',
-                                  f'{len(parsed)} devices, {layers} layers',
-                                  f'give at most {layers} devices'))
-    return parsed
-
-
-def check_names(name: str, given: object, every: Sequence[str],
-                known: Callable[[str], Optional[str]], unknown: Callable[[str], Exception],
-                example: str) -> List[str]:
-    """The names ``given`` to try (one, or a list; all of ``every`` if ``None``), each as
-    ``known`` reads it, ``unknown(name)`` raised for one it does not."""
-    if given is None:
-        return list(every)
-    if isinstance(given, str):
-        given = [given]
-    if not isinstance(given, Iterable):
-        raise TypeError(describe(f'{name} must be a list of names', f'{name}: {given!r}',
-                                 f'give e.g. {name}={example}'))
-    names = []
-    for each in given:
-        found = known(str(each))
-        if found is None:
-            raise unknown(str(each))
-        names.append(found)
-    if not names:
-        raise ValueError(describe(f'{name} must name at least one', f'{name}: []',
-                                  'leave it out to try every one'))
-    return list(dict.fromkeys(names))
 
 
 def unknown_mode(mode: str) -> ValueError:

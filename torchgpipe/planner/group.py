@@ -23,8 +23,8 @@ import torch.distributed as dist
 from torch import nn
 
 from torchgpipe.distributed import DistributedGPipe
-from torchgpipe.foundation.validation import (Device, check_available, check_process_group,
-                                              describe, parse_device)
+from torchgpipe.foundation.validation import (Device, check_device, check_process_group,
+                                              describe)
 from torchgpipe.planner.calibrate import Make, Timer, timer
 
 __all__: List[str] = []
@@ -61,10 +61,8 @@ class PlanningGroup:
         said = f'error: {problem}' if problem is not None else ''
         if problem is None:
             try:
-                given = torch.device('cpu') if device is None else \
-                    parse_device('device', device, DEVICE_FIX)
-                check_available('device', given, DEVICE_FIX)
-                mine, said = given, str(given)
+                mine = check_device(device, DEVICE_FIX)
+                said = str(mine)
             except (TypeError, ValueError) as error:
                 problem, said = error, f'error: {error}'
         everyone = self._gather((said, signature), mine)
