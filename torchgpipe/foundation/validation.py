@@ -328,8 +328,8 @@ def check_checkpoint(checkpoint: object) -> str:
 
 
 def check_process_group(caller: str, group: object, fix: str) -> None:
-    """Checks that torch.distributed is initialized and this process is in ``group`` (``None``:
-    the default group; a value of another type passes, for the caller to refuse)."""
+    """Checks that torch.distributed is initialized, ``group`` is a process group (``None``:
+    the default one), and this process is in it (``fix``: what to do if not)."""
     import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(f'{caller} needs torch.distributed: call '
@@ -339,6 +339,9 @@ def check_process_group(caller: str, group: object, fix: str) -> None:
             isinstance(group, (dist.ProcessGroup, type(None))) and dist.get_rank(group) < 0):
         raise ValueError(describe('this process must be in group', f'rank {dist.get_rank()}',
                                   fix))
+    if not isinstance(group, (dist.ProcessGroup, type(None))):
+        raise TypeError(describe('group must be a process group', f'group: {group!r}',
+                                 'give e.g. group=torch.distributed.group.WORLD'))
 
 
 def check_step(loss_fn: object, reduction: object) -> None:

@@ -97,12 +97,16 @@ class DistributedGPipe(CoreModule):
             timeout = check_timeout(timeout)
             return balance, [this_device if r == self.rank else None for r in self.rank_of]
 
+        fresh = False  # whether the pipeline needs new channels (see agree_on_layout)
+
         def agree(problem: Optional[Exception], balance: List[int], checkpoint: str,
                   deferred: bool) -> None:
+            nonlocal fresh
             # Before any layer moves, every rank refuses if one cannot build or cuts differently.
-            agree_on_layout(module, {'balance': balance, 'placement': placement,
-                                     'checkpoint': checkpoint, 'deferred_batch_norm': deferred},
-                            problem, group, self.ranks, this_device)
+            fresh = agree_on_layout(module, {'balance': balance, 'placement': placement,
+                                             'checkpoint': checkpoint,
+                                             'deferred_batch_norm': deferred},
+                                    problem, group, self.ranks, this_device)
         partitions, here, settings = self.build(module, balance, chunks, checkpoint,
                                                 deferred_batch_norm, planned_threads, locate,
                                                 agree)
@@ -127,7 +131,7 @@ class DistributedGPipe(CoreModule):
         self._others = [name for j, p in enumerate(partitions) if j not in here
                         for name, _ in p.named_children()]
         self.core = RankCore(here, self.device, self.rank_of, self.ranks, group, tied, timeout,
-                             *settings)
+                             fresh, *settings)
 
     @property
     def timeout(self) -> Optional[float]:

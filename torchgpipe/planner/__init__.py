@@ -18,8 +18,9 @@ from torchgpipe.foundation.microbatch import Batch, TensorOrTensors
 from torchgpipe.foundation.validation import Device, describe
 from torchgpipe.planner import pilot, trial
 from torchgpipe.planner.arguments import check_arguments
-from torchgpipe.planner.calibrate import (Timer, copy_cost, gpipes, message_cost, skip_cost,
-                                          skip_step, task_overhead, timer, wide_step)
+from torchgpipe.planner.calibrate import (Timer, copy_cost, gpipes, message_cost,
+                                          pipeline_timer, skip_cost, skip_step, task_overhead,
+                                          wide_step)
 from torchgpipe.planner.compare import Comparison
 from torchgpipe.planner.costs import Costs, measure
 from torchgpipe.planner.option import Option, size
@@ -132,7 +133,7 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
         if team is None:
             costs = measure(module, sample, sizes, workers[0], repeat=repeat, loss=loss)
             costs.overhead, costs.checkpoint_overhead, costs.split_overhead = \
-                task_overhead(timer(gpipes(workers)), len(workers))
+                task_overhead(pipeline_timer(gpipes(workers)), len(workers))
             costs.transfer = copy_cost(workers)
             if workers[0].type == 'cpu' and len(workers) > 1:
                 # Threads sharing the cores and the interpreter's lock: their pace.

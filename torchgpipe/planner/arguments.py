@@ -32,7 +32,7 @@ def check_arguments(module: nn.Sequential, sample: TensorOrTensors,
     # group.WORLD is None before init_process_group: device=, or no devices under
     # torchrun, meant a group.
     if group is None and devices is None and (device is not None or 'WORLD_SIZE' in os.environ):
-        check_process_group('plan with group=', None, '')
+        check_process_group('plan with group=', None, 'plan on the ranks of the job')
     if group is None and device is not None:
         raise ValueError(describe('device is for planning across processes, with group',
                                   f'device: {device!r}, group: None',

@@ -76,8 +76,8 @@ def gpipes(devices: Sequence[torch.device]) -> Make:
     return make
 
 
-def timer(make: Make, ready: Callable[[], object] = lambda: None,
-          agree: Callable[[float], float] = lambda seconds: seconds) -> Timer:
+def pipeline_timer(make: Make, ready: Callable[[], object] = lambda: None,
+                   agree: Callable[[float], float] = lambda seconds: seconds) -> Timer:
     """The timer of the pipelines ``make`` makes, one layer per worker: ``ready()`` runs
     before each step, untimed; ``agree`` turns this process's median into the step's (the
     slowest rank's)."""

@@ -25,7 +25,7 @@ from torch import nn
 from torchgpipe.distributed import DistributedGPipe
 from torchgpipe.foundation.validation import (Device, check_device, check_process_group,
                                               describe)
-from torchgpipe.planner.calibrate import Make, Timer, timer
+from torchgpipe.planner.calibrate import Make, Timer, pipeline_timer
 
 __all__: List[str] = []
 
@@ -38,15 +38,14 @@ class PlanningGroup:
     """The ranks of ``group`` planning together, this process one of them, with its
     ``device`` (``None``: the CPU), the ``problem`` of its arguments if any, and the
     ``signature`` every rank must agree on: ``ValueError`` on every rank if a rank's
-    arguments or device are wrong or differ (``TypeError`` if ``group`` is not a group)."""
+    arguments or device are wrong or differ. On this rank alone: ``RuntimeError`` before
+    torch.distributed starts, ``TypeError`` if ``group`` is not a process group,
+    ``ValueError`` if this process is not in it."""
 
     def __init__(self, group: Any, device: Optional[Device], problem: Optional[Exception],
                  signature: Dict[str, Any]) -> None:
         check_process_group('plan with group=', group,
                             'plan only on the ranks of the pipeline group')
-        if not isinstance(group, dist.ProcessGroup):
-            raise TypeError(describe('group must be a process group', f'group: {group!r}',
-                                     'give e.g. group=torch.distributed.group.WORLD'))
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -143,7 +142,7 @@ class PlanningGroup:
     def timer(self) -> Timer:
         """Times a calibration model's steps over the group: each step starts together on
         every rank, and takes the slowest rank's median."""
-        return timer(self.pilots(), self.barrier, self.slowest)
+        return pipeline_timer(self.pilots(), self.barrier, self.slowest)
 
     def barrier(self) -> None:
         """Waits for every rank: a step starts together on all of them."""

@@ -131,9 +131,9 @@ class Partitions:
         backward, kept = sum(layers.backward[start:stop]), sum(layers.kept[start:stop])
         # The pipeline holds the output and sent skips until B (or I).
         last = self.bounds[j + 1] - 1
-        sent = [s for s, (a, b) in enumerate(self.costs.skips) if start <= a < stop <= b]
+        crossing = [s for s, (a, b) in enumerate(self.costs.skips) if start <= a < stop <= b]
         held = layers.unsaved[last]
-        held += sum(layers.loose[s] for s in sent)
+        held += sum(layers.loose[s] for s in crossing)
         kept += held
         # A process of its own after this one got a copy: the output is the pipeline's.
         copied = 0.0
@@ -164,7 +164,7 @@ class Partitions:
         weight = sum(layers.weight[start:stop]) + (0.0 if j else input)
         if j == 0:
             retained = layers.output[stop - 1] if len(self.bounds) > 2 else 0.0
-            retained += sum(layers.skipped[s] for s in sent)
+            retained += sum(layers.skipped[s] for s in crossing)
             input = 0.0
         else:
             apart = self.worker_of(j - 1) != self.worker_of(j)
@@ -198,7 +198,7 @@ class Partitions:
         """The skips (or, backward, their gradients) partition ``j`` sends other workers, a
         message each: to which partition, and their bytes."""
         (near, far), mine = (0, 1) if forward else (1, 0), self.worker_of(j)
-        return [(ends[far], nbytes) for ends, nbytes in zip(self.ends, layers.skipped)
+        return [(ends[far], layers.skipped[k]) for k, ends in enumerate(self.ends)
                 if ends[near] == j != ends[far] and self.worker_of(ends[far]) != mine]
 
     def _top(self, start: int, stop: int) -> int:

@@ -67,6 +67,7 @@ class Plan:
         Raises:
             ValueError: the plan was loaded from a file (it keeps no measurements), or
                 the configuration does not fit the devices, the layers or the schedule
+            TypeError: a balance that is not a list of ints
         """
         costs = self.costs
         if costs is None:
@@ -224,4 +225,4 @@ class Plan:
             return Option(**{k: v for k, v in option.items() if k in FIELDS})
         return cls(read(data['chosen']), [read(o) for o in data['runners_up']],
                    data['devices'], data['memory_limit'],
-                   processes=bool(data.get('processes', False)), threads=data.get('threads'))
+                   processes=data['processes'], threads=data['threads'])

@@ -2,8 +2,8 @@
 
 On CPU predictions are off by a tenth and steps vary by a fifth, so among
 close predictions the error decides. Where the pilot runs, the fastest
-balance of each :func:`kind` within ``SPREAD`` trains, and the fastest
-measured is chosen::
+balance of each :func:`kind` within ``SPREAD`` (``trials`` at most) trains,
+and the fastest measured is chosen::
 
     predicted   A 10.0 ms   B 10.3 ms   C 10.9 ms   D 12.4 ms   E 13.1 ms ...
     measured    A 12.1 ms   B 10.8 ms   C 11.5 ms   D 13.0 ms   (the shortlist)

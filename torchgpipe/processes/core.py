@@ -18,7 +18,7 @@ from torchgpipe.engine.schedule import Schedule, ScheduleLike
 from torchgpipe.foundation.validation import describe
 from torchgpipe.processes.tied import TiedGradients
 from torchgpipe.skip.layout import SkipLayout
-from torchgpipe.transport.channels import channels_for, metas_of
+from torchgpipe.transport.channels import channels_for, metas_of, whole
 from torchgpipe.transport.codec import Unsendable, encode
 from torchgpipe.transport.faults import Mismatch, by_rank
 from torchgpipe.transport.wire import Sequences, Wire
@@ -28,15 +28,17 @@ __all__ = ['RankCore']
 
 class RankCore(Core):
     """This rank's partitions, by index, of a pipeline over ``group`` (partition ``j`` on its
-    rank ``rank_of[j]``, global rank ``ranks[rank_of[j]]``). Each step agrees on what runs
-    and sums tied gradients; a failed one is told to every rank and refuses further steps."""
+    rank ``rank_of[j]``, global rank ``ranks[rank_of[j]]``), on the group's channels
+    (``fresh`` ones if the ranks agreed on it). Each step agrees on what runs and sums tied
+    gradients; a failed one is told to every rank and refuses further steps."""
 
     target_elsewhere = True
 
     def __init__(self, partitions: Dict[int, nn.Sequential], device: torch.device,
                  rank_of: List[int], ranks: List[int], group: Optional[dist.ProcessGroup],
-                 tied: TiedGradients, timeout: Optional[float], skip_layout: SkipLayout,
-                 chunks: int, checkpoint: str, planned_threads: Optional[int]) -> None:
+                 tied: TiedGradients, timeout: Optional[float], fresh: bool,
+                 skip_layout: SkipLayout, chunks: int, checkpoint: str,
+                 planned_threads: Optional[int]) -> None:
         super().__init__(partitions, [device] * len(rank_of), skip_layout, chunks, checkpoint,
                          planned_threads)
         self.rank_of = rank_of
@@ -46,7 +48,7 @@ class RankCore(Core):
         #: The skips that cross from one partition to another, by name.
         self.routes = {key: route for key, route in skip_layout.by_ns_name.items()
                        if route[0] != route[1]}
-        self.channels = channels_for(device, ranks, dist.get_backend(group))
+        self.channels = channels_for(group, device, ranks, dist.get_backend(group), fresh)
         #: The message sequences of the signatures run before (see Wire).
         self.known: 'OrderedDict[str, Sequences]' = OrderedDict()
         #: Why the pipeline cannot run any more, after a failed step.
@@ -54,9 +56,9 @@ class RankCore(Core):
 
     def check_whole(self) -> None:
         """Raises ``RuntimeError`` after a failed step (of this pipeline, or another over the
-        same ranks): every step checks it first."""
+        same group): every step checks it first."""
         broken = self.broken or (self.channels.abandoned and 'a step of a pipeline over the '
-                                 'same ranks, whose connections this one shares')
+                                 'same group, whose connections this one shares')
         if broken:
             raise RuntimeError(f'an earlier step failed ({broken}): the ranks of '
                                'this pipeline no longer agree on the messages between them; '
@@ -158,11 +160,12 @@ def ranks_of_partitions(balance: List[int], size: int, placement: str) -> List[i
 
 def agree_on_layout(module: nn.Sequential, arguments: Dict[str, Any],
                     problem: Optional[Exception], group: Optional[dist.ProcessGroup],
-                    ranks: List[int], device: Optional[torch.device]) -> None:
+                    ranks: List[int], device: Optional[torch.device]) -> bool:
     """Checks in one exchange that every rank of ``group`` can build the pipeline and cuts
     the layers alike (``device`` is ``None`` if this rank's is unusable). Raises ``problem``
     on its rank once the others know, :exc:`~torchgpipe.distributed.Mismatch` on the
-    others, or on all if ``arguments`` or layers differ."""
+    others, or on all if ``arguments`` or layers differ. Returns whether the pipeline needs
+    new channels: whether some rank has none :func:`~torchgpipe.transport.channels.whole`."""
     if device is None:  # the device of the backend's collectives
         device = torch.device('cuda', torch.cuda.current_device()) \
             if dist.get_backend(group) == 'nccl' else torch.device('cpu')
@@ -172,19 +175,20 @@ def agree_on_layout(module: nn.Sequential, arguments: Dict[str, Any],
         for layer in module]
     error = None if problem is None else f'{type(problem).__name__}: {problem}'
     # As JSON, never pickled: a rank reads another's data, not its code.
-    mine = [{} if problem is not None else arguments, layers, error]
+    mine = [{} if problem is not None else arguments, layers, error,
+            problem is not None or not whole(group, device)]
     everyone = [json.loads(data) for data in all_gather_bytes(json.dumps(mine).encode(), group,
                                                                device)]
     if problem is not None:
         raise problem
-    for rank, (_, _, theirs) in zip(ranks, everyone):
+    for rank, (_, _, theirs, _) in zip(ranks, everyone):
         if theirs is not None:
             raise Mismatch(f'rank {rank} cannot build the pipeline: {theirs}')
-    said = [{**theirs, 'layers': len(described)} for theirs, described, _ in everyone]
+    said = [{**theirs, 'layers': len(described)} for theirs, described, _, _ in everyone]
     if len({values['layers'] for values in said}) == 1:
         for k in range(len(layers)):
-            if any(theirs[k] != everyone[0][1][k] for _, theirs, _ in everyone):
-                for values, (_, theirs, _) in zip(said, everyone):
+            if any(theirs[k] != everyone[0][1][k] for _, theirs, _, _ in everyone):
+                for values, (_, theirs, _, _) in zip(said, everyone):
                     values[f'layer {k}'] = theirs[k]
                 break
     keys = [key for key in said[0] if any(values[key] != said[0][key] for values in said)]
@@ -195,6 +199,7 @@ def agree_on_layout(module: nn.Sequential, arguments: Dict[str, Any],
                        'balance, placement, checkpoint and deferred_batch_norm for all (such '
                        'as plan.kwargs of torchgpipe.plan(..., group=...), the same on every '
                        'rank)')
+    return any(fresh for *_, fresh in everyone)
 
 
 def all_gather_bytes(data: bytes, group: Optional[dist.ProcessGroup],

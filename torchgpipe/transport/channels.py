@@ -11,7 +11,7 @@ A gloo wait cannot be interrupted, and one that times out closes its connection:
 tensor group alone, so the words still go. A failing rank ends the others' waits by closing
 its connections (:meth:`Channels.abandon`).
 
-The pipelines of a process over the same ranks share their channels (:func:`channels_for`):
+The pipelines of a process over the same group share their channels (:func:`channels_for`):
 torch.distributed keeps a process group, and its threads, until the process ends (and
 destroying one lets the next new group take its name, and read its stale addresses), so a
 process that builds pipeline after pipeline (the planner builds dozens) holds two groups,
@@ -109,6 +109,8 @@ class Channels:
         self.busy = threading.Lock()
         #: Whether a failed step closed the connections (:meth:`abandon`).
         self.abandoned = False
+        #: The default group they were made under (a new one after a restart of it).
+        self.world = dist.group.WORLD
         self.group = dist.new_group(ranks, backend=backend, use_local_synchronization=True)
         # Apart from the tensors': a tensor wait that times out closes its connection.
         self.words = dist.new_group(ranks, backend='gloo', use_local_synchronization=True)
@@ -217,8 +219,8 @@ class Channels:
         another thread, or the step whose layer runs this one), whose messages this step's
         would take."""
         if not self.busy.acquire(blocking=False):
-            raise RuntimeError('another pipeline over the same ranks is running a step in this '
-                               'process: pipelines over the same ranks share their '
+            raise RuntimeError('another pipeline over the same group is running a step in this '
+                               'process: pipelines over the same group share their '
                                'connections, so run their steps one after another')
         try:
             yield
@@ -241,21 +243,29 @@ class Channels:
                     pass
 
 
-#: The channels of each set of ranks, backend and device, shared by the pipelines over them.
-SHARED: Dict[Tuple[Tuple[int, ...], str, str], Channels] = {}
+#: The channels of each process group (``None``: the default one) and device, shared by the
+#: pipelines over it.
+SHARED: Dict[Tuple[Optional[dist.ProcessGroup], str], Channels] = {}
 SHARED_LOCK = threading.Lock()
 
 
-def channels_for(device: torch.device, ranks: List[int], backend: str) -> Channels:
-    """The channels of pipelines over ``ranks`` (every rank of them calls it, in the same
-    order of pipelines): those of the pipelines built before, unless a failed step closed
-    them."""
-    key = (tuple(ranks), backend, str(device))
+def whole(group: Optional[dist.ProcessGroup], device: torch.device) -> bool:
+    """Whether this process has channels of pipelines over ``group`` on ``device`` that no
+    failed step closed, of the process group torch.distributed runs now."""
+    channels = SHARED.get((group, str(device)))
+    return channels is not None and not channels.abandoned and channels.world is dist.group.WORLD
+
+
+def channels_for(group: Optional[dist.ProcessGroup], device: torch.device, ranks: List[int],
+                 backend: str, fresh: bool) -> Channels:
+    """The channels of the pipelines over ``group`` (global ``ranks``): those of the
+    pipelines built before, or new ones if ``fresh``, which every rank of the group agreed
+    on (some rank had none :func:`whole`): making them is a collective call."""
     with SHARED_LOCK:
-        channels = SHARED.get(key)
-        if channels is None or channels.abandoned:
-            channels = SHARED[key] = Channels(device, ranks, backend)
-        return channels
+        key = (group, str(device))
+        if fresh or key not in SHARED:
+            SHARED[key] = Channels(device, ranks, backend)
+        return SHARED[key]
 
 
 def read_word(data: bytearray, rank: int) -> Any:
