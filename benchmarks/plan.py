@@ -50,9 +50,7 @@ each such plan's choice measured with the grid, and every configuration of
 the grid predicted by it. A correction earns its lines where leaving it out
 raises the grid's median error, or moves the choice away from the grid's
 fastest, by more than the *repeat difference* (two measurements of one
-configuration: the medians of its odd and of its even rounds). Leaving out
-the trials changes no prediction: that plan's error is how far two plannings
-of one model differ, the noise of a fresh measurement of the layers.
+configuration: the medians of its odd and of its even rounds).
 
 The presets ``cpu2`` and ``cpu4`` plan the same models for a
 :class:`~torchgpipe.distributed.DistributedGPipe` over 2 or 4 processes
@@ -266,27 +264,26 @@ def pilots(plan: Plan, most_chunks: int) -> List[Option]:
 
 
 #: The planner's corrections to what it measured, each left out in turn by :func:`without`
-#: (the ablation of ``summary``): the pilot's pace (:mod:`torchgpipe.planner.pilot`), the
-#: trials of the few predicted fastest (:mod:`torchgpipe.planner.trial`), and across
-#: processes the message costs calibrated on the group
+#: (the ablation of ``summary``): the pilot's pace (:mod:`torchgpipe.planner.pilot`), and
+#: across processes the message costs calibrated on the group
 #: (:func:`~torchgpipe.planner.calibrate.message_cost`,
 #: :func:`~torchgpipe.planner.calibrate.skip_cost`). (The ranks that loaded the machine
-#: while rank 0 timed the layers, the *companions*, earned nothing and were removed: see
-#: docs/benchmarks.rst.)
-CORRECTIONS = ('pilot pace', 'trials', 'group calibration')
+#: while rank 0 timed the layers, the *companions*, and the trials of the few predicted
+#: fastest earned nothing and were removed: see docs/benchmarks.rst.)
+CORRECTIONS = ('pilot pace', 'group calibration')
 
 
 def corrections(workers: int, processes: bool) -> List[str]:
     """The corrections a plan for ``workers`` CPU workers (or processes) makes."""
     if workers < 2:
         return []
-    return list(CORRECTIONS if processes else CORRECTIONS[:2])
+    return list(CORRECTIONS if processes else CORRECTIONS[:1])
 
 
 @contextlib.contextmanager
 def without(correction: Optional[str]) -> Iterator[None]:
     """The planner with ``correction`` left out (``None``: none): the pace 1 at every size,
-    no trials, or messages costing nothing beside the overhead per task."""
+    or messages costing nothing beside the overhead per task."""
     import torchgpipe.planner as planner
     if correction is None:
         yield
@@ -294,8 +291,6 @@ def without(correction: Optional[str]) -> Iterator[None]:
     patches = {
         'pilot pace': [mock.patch.object(planner.pilot, 'pace',
                                          lambda costs, *_: [1.0] * len(costs.sizes))],
-        'trials': [mock.patch.object(planner.trial, 'order',
-                                     lambda *_: lambda options: options)],
         'group calibration': [mock.patch.object(planner, 'wide_step', lambda *_: 0.0),
                               mock.patch.object(planner, 'message_cost',
                                                 lambda *_: (0.0, 0.0)),
@@ -423,7 +418,7 @@ def model_rows(name: str, config: Dict[str, Any], devices: List[torch.device]) -
 
 def limit_of(planner: Callable[..., Plan], layers: int, workers: int, most: int) -> float:
     """What the even split with 1F1B needs without checkpointing, at its best chunks for memory."""
-    free = planner(schedules=['1f1b'], checkpoint=['never'], trials=0)
+    free = planner(schedules=['1f1b'], checkpoint=['never'])
     split = even_split(layers, workers)
     return min(max(free.predict('1f1b', split, 2 ** k, 'never').memory)
                for k in range(most.bit_length()))

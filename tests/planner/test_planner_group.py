@@ -68,7 +68,7 @@ def plan_and_train(rank: int, world_size: int) -> List[Dict[str, Any]]:
     sample, target = torch.randn(8, 3, 8, 8), torch.randint(0, 10, (8,))
     skipping = torchgpipe.plan(shortcut_model(), sample, group=dist.group.WORLD, target=target,
                                loss_fn=F.cross_entropy, chunks=2, repeat=1,
-                               schedules=['1f1b'], checkpoint=['never'], trials=0)
+                               schedules=['1f1b'], checkpoint=['never'])
     assert skipping.costs is not None
     results.append({'costs': skipping.costs})
     return results

@@ -3,11 +3,10 @@
 It measures each layer once (:mod:`~torchgpipe.planner.costs`) and the pipeline's cost
 per task (:mod:`~torchgpipe.planner.calibrate`), predicts every configuration worth
 trying with the simulator (:mod:`~torchgpipe.planner.search`), and returns the fastest
-that fits in memory (on CPU devices, timed on the model: :mod:`~torchgpipe.planner.trial`).
+that fits in memory.
 """
 from contextlib import contextmanager
-from typing import (TYPE_CHECKING, Any, Callable, Generator, List, Optional,
-                    Sequence, Tuple, cast)
+from typing import TYPE_CHECKING, Any, Generator, List, Optional, Sequence, Tuple, cast
 
 import torch
 from torch import Tensor, nn
@@ -16,7 +15,7 @@ from torchgpipe.balance.sandbox import preserve_rng_state
 from torchgpipe.engine.step import LossFunction
 from torchgpipe.foundation.microbatch import Batch, TensorOrTensors
 from torchgpipe.foundation.validation import Device, describe
-from torchgpipe.planner import pilot, trial
+from torchgpipe.planner import pilot
 from torchgpipe.planner.arguments import check_arguments
 from torchgpipe.planner.calibrate import (Timer, copy_cost, gpipes, message_cost,
                                           pipeline_timer, skip_cost, skip_step, task_overhead,
@@ -39,7 +38,7 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
          target: Optional[TensorOrTensors] = None, loss_fn: Optional[LossFunction] = None,
          param_scale: float = 2.0, chunks: int = 32, schedules: Optional[Sequence[str]] = None,
          checkpoint: Optional[Sequence[str]] = None, repeat: int = 3,
-         runners_up: int = 5, trials: int = 4) -> Plan:
+         runners_up: int = 5) -> Plan:
     """Chooses how to pipeline ``module``: the fastest configuration that fits in memory.
 
     Each layer is measured once, on a copy, at every micro-batch size, and the pipeline's
@@ -70,8 +69,6 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
         checkpoint (list of str, optional): the checkpoint modes to try (default: all)
         repeat (int): timed runs per layer and micro-batch size (default: ``3``)
         runners_up (int): how many other configurations the plan keeps (default: ``5``)
-        trials (int): on two or more CPU devices, how many of the fastest predicted a
-            copy of the model trains on before choosing (default: ``4``)
 
     Returns:
         Plan: printable; apply it with ``GPipe(module, **plan.kwargs)`` (or
@@ -101,7 +98,7 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
     try:
         batch, workers, names, modes, most = check_arguments(
             module, sample, target, loss_fn, devices, group, device, schedules, checkpoint,
-            chunks, repeat, runners_up, trials, memory_limit, param_scale)
+            chunks, repeat, runners_up, memory_limit, param_scale)
     except (TypeError, ValueError) as error:
         if group is None:
             raise
@@ -119,14 +116,14 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
                        if isinstance(x, Tensor)],
             'memory_limit': memory_limit, 'param_scale': param_scale, 'chunks': most,
             'schedules': names, 'checkpoint': modes, 'repeat': repeat,
-            'runners_up': runners_up, 'trials': trials, 'loss_fn': loss is not None})
+            'runners_up': runners_up, 'loss_fn': loss is not None})
         if team.size > len(module):
             raise ValueError(describe('the ranks of group must be no more than the layers',
                                       f'{team.size} ranks, {len(module)} layers',
                                       f'plan for a group of at most {len(module)} ranks'))
     counts = chunk_counts(batch, most)
     sizes = sizes_to_measure(batch, counts)
-    steps: Optional[pilot.ModelStep] = None
+    steps: Optional[pilot.Step] = None
     local = workers if team is None else [team.device]
     with sharing_cores(local) as worker_threads, preserve_rng_state(*local), \
             gradients_set_aside(module):
@@ -155,18 +152,16 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
             if team.size > 1 and team.device.type == 'cpu':
                 # Processes sharing the machine's cores: their pace. Every
                 # rank has the same costs and the slowest rank's steps, and
-                # so finds the same pace, and the same trials.
+                # so finds the same pace.
                 steps = pilot.model_steps(module, sample, target, loss_fn, team.pilots(),
                                           ready=team.barrier, agree=team.slowest)
             names_of = team.names
         if steps is not None:
-            costs = pilot.paced(costs, pilot.pace(costs, len(names_of),
-                                                  pilot.one_f_one_b(steps)))
+            costs = pilot.paced(costs, pilot.pace(costs, len(names_of), steps))
         found = search(costs, len(names_of), memory_limit=memory_limit, schedules=names,
                        chunks=counts, checkpoints=modes, param_scale=param_scale)
         return choose(found, names_of, names, memory_limit, runners_up, costs,
                       float(param_scale), processes=group is not None,
-                      order=trial.order(steps, trials, names_of, group is not None),
                       threads=worker_threads)
 
 
@@ -183,10 +178,9 @@ def skip_overhead(team: 'PlanningGroup', steps_of: Timer, overheads: Tuple[float
 def choose(options: List[Option], names_of: List[str], names: List[str],
            memory_limit: Optional[float], runners_up: int, costs: Costs,
            param_scale: float, processes: bool = False,
-           order: Callable[[List[Option]], List[Option]] = lambda options: options,
            threads: Optional[int] = None) -> Plan:
-    """The plan of the first configuration that fits, in ``order`` (fastest predicted
-    first); ``ValueError`` when none does. ``names_of`` names each worker."""
+    """The plan of the fastest predicted configuration that fits; ``ValueError`` when none
+    does. ``names_of`` names each worker."""
     if not options:
         raise ValueError(describe(
             'schedules must hold one that fits the devices and the layers',
@@ -201,7 +195,7 @@ def choose(options: List[Option], names_of: List[str], names: List[str],
             f'memory_limit: {size(float(memory_limit or 0))}',
             f'the least any needs is {size(least.memory[worst])} on {names_of[worst]} '
             f'({least.describe()}); raise memory_limit to that, or add devices'))
-    fitting = order([o for o in options if o.fits(memory_limit)])
+    fitting = [o for o in options if o.fits(memory_limit)]
     return Plan(fitting[0], fitting[1:1 + runners_up], names_of,
                 None if memory_limit is None else float(memory_limit), costs, param_scale,
                 processes, threads)

@@ -23,7 +23,7 @@ def check_arguments(module: nn.Sequential, sample: TensorOrTensors,
                     devices: Optional[Sequence[Device]], group: Optional[Any],
                     device: Optional[Device], schedules: Optional[Sequence[str]],
                     checkpoint: Optional[Sequence[str]], chunks: int, repeat: int,
-                    runners_up: int, trials: int, memory_limit: Optional[float],
+                    runners_up: int, memory_limit: Optional[float],
                     param_scale: float
                     ) -> Tuple[int, List[torch.device], List[str], List[str], int]:
     """Checks :func:`torchgpipe.plan`'s arguments; returns the batch size, the devices (none
@@ -50,8 +50,7 @@ def check_arguments(module: nn.Sequential, sample: TensorOrTensors,
                         lambda mode: mode if mode in CHECKPOINTS else None, unknown_mode,
                         "['never', 'except_last']")
     most = check_chunks(chunks)
-    for name, value, least in (('repeat', repeat, 1), ('runners_up', runners_up, 0),
-                               ('trials', trials, 0)):
+    for name, value, least in (('repeat', repeat, 1), ('runners_up', runners_up, 0)):
         check_number(name, value, f'give e.g. {name}={max(least, 3)}', integer=True,
                      least=least, must=f'at least {least}')
     check_number('memory_limit', memory_limit, 'give bytes, such as memory_limit=8 * 2**30',

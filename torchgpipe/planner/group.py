@@ -154,7 +154,7 @@ class PlanningGroup:
         return float(max(self._gather(seconds, self.device)))
 
     def pilots(self) -> Make:
-        """Pipelines of the pilot and the trials as DistributedGPipe over the group."""
+        """Pipelines of the pilot as DistributedGPipe over the group."""
         def make(model: nn.Sequential, kwargs: Dict[str, Any]) -> DistributedGPipe:
             with warnings.catch_warnings():
                 # A rank may hold only layers without parameters; the warning

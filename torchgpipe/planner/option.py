@@ -23,8 +23,6 @@ class Option:
         step: the predicted step time, in seconds
         memory: the predicted peak memory of each device, in bytes
         busy: the predicted work of each device by kind of task, in seconds
-        measured: the median step of a trial of it before the plan chose
-            (:mod:`~torchgpipe.planner.trial`), in seconds; ``None`` if untried
     """
 
     schedule: str
@@ -35,7 +33,6 @@ class Option:
     step: float
     memory: List[float]
     busy: List[Dict[str, float]] = field(default_factory=list)
-    measured: Optional[float] = None
 
     def fits(self, limit: Optional[float]) -> bool:
         """Whether every device's predicted peak is within ``limit`` bytes (``None``: no limit)."""

@@ -98,39 +98,30 @@ def scaled(costs: Costs, factors: Dict[int, float]) -> Costs:
     return replace(costs, table=table, _cache={})
 
 
-#: ``step(kwargs, schedule)``: the seconds of a step of the model's copy.
-ModelStep = Callable[[Dict[str, Any], str], float]
-
-
 def model_steps(module: nn.Sequential, sample: TensorOrTensors,
                 target: Optional[TensorOrTensors], loss_fn: Optional[LossFunction],
                 make: Make, ready: Callable[[], object] = lambda: None,
-                agree: Callable[[float], float] = lambda seconds: seconds) -> ModelStep:
-    """Times training steps of a copy of ``module`` in the pipelines ``make`` makes, one
-    per configuration, made at its first step. Without a loss, the loss is each output's
-    mean. ``ready()`` runs before each step, untimed; ``agree`` turns this process's
-    time into the step's (the slowest rank's)."""
+                agree: Callable[[float], float] = lambda seconds: seconds) -> Step:
+    """The pilot's steps: 1F1B without checkpointing of a copy of ``module`` in the
+    pipelines ``make`` makes, one per balance and chunks, made at its first step. Without
+    a loss, the loss is each output's mean. ``ready()`` runs before each step, untimed;
+    ``agree`` turns this process's time into the step's (the slowest rank's)."""
     model = copy.deepcopy(module)
     loss = loss_fn or _mean_of_outputs
     labels = sample if target is None else target
-    pipes: Dict[str, Any] = {}
+    pipes: Dict[Tuple[Tuple[int, ...], int], Any] = {}
 
-    def step(kwargs: Dict[str, Any], schedule: str) -> float:
-        key = repr(sorted(kwargs.items()))
+    def step(balance: Sequence[int], chunks: int) -> float:
+        key = (tuple(balance), chunks)
         if key not in pipes:
-            pipes[key] = make(model, kwargs)
+            pipes[key] = make(model, {'balance': list(balance), 'chunks': chunks,
+                                      'checkpoint': 'never'})
         model.zero_grad()
         ready()
         pipe = pipes[key]
         return agree(traced_span(pipe, functools.partial(
-            pipe.train_step, sample, labels, loss, schedule=schedule)))
+            pipe.train_step, sample, labels, loss, schedule='1f1b')))
     return step
-
-
-def one_f_one_b(steps: ModelStep) -> Step:
-    """The pilot's steps: 1F1B without checkpointing, one partition per worker."""
-    return lambda balance, chunks: steps(
-        {'balance': list(balance), 'chunks': chunks, 'checkpoint': 'never'}, '1f1b')
 
 
 def _mean_of_outputs(output: TensorOrTensors, target: TensorOrTensors) -> Tensor:

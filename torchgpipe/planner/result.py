@@ -17,7 +17,7 @@ __all__: List[str] = []
 
 #: The format of a saved plan.
 FORMAT = 'torchgpipe-plan/2'
-#: What a saved option may hold (a plan saved before trials has no ``measured``).
+#: What a saved option may hold (a later version's fields are left out).
 FIELDS = {f.name for f in fields(Option)}
 
 
@@ -27,8 +27,7 @@ class Plan:
     **plan.kwargs, group=group, device=device)``) and ``train_step(..., schedule=plan.schedule)``.
 
     Attributes:
-        chosen (Option): the fastest configuration that fits (the fastest
-            measured, if the planner tried the few predicted fastest)
+        chosen (Option): the fastest configuration predicted that fits
         runners_up (list of Option): the next fastest that fit, in order
         devices (list of str): each worker's device, or rank (``'rank 0'``, ...)
         memory_limit (float or None): the limit it was planned under, in bytes
@@ -143,7 +142,6 @@ class Plan:
         """The chosen configuration and the runners-up as rows of data, in order."""
         return [{'schedule': o.schedule, 'balance': o.balance, 'chunks': o.chunks,
                  'checkpoint': o.checkpoint, 'placement': o.placement, 'step': o.step,
-                 'measured': o.measured,
                  'memory': dict(zip(self.devices, o.memory))}
                 for o in [self.chosen, *self.runners_up]]
 
@@ -161,16 +159,11 @@ class Plan:
             lines.append('  chunks=1, no pipelining: what each micro-batch adds (the '
                          "pipeline's work per task, smaller operations) outweighs the idle "
                          'time it would fill')
-        lines += ['', f'{"step":>10}  {"vs chosen":>9}  {"tried":>10}  {"peak memory":>12}  '
-                  'configuration']
+        lines += ['', f'{"step":>10}  {"vs chosen":>9}  {"peak memory":>12}  configuration']
         chosen = max(self.chosen.step, 1e-12)
         for o in [self.chosen, *self.runners_up]:
-            tried = '-' if o.measured is None else f'{o.measured * 1e3:.2f} ms'
-            # The trials overruled the prediction.
-            overruled = o.measured is not None and o.step < self.chosen.step
-            lines.append(f'{o.step * 1e3:>7.2f} ms  {o.step / chosen:>8.3f}x  {tried:>10}  '
-                         f'{size(max(o.memory)):>12}  {o.describe()}'
-                         + ('  (predicted faster, measured slower)' if overruled else ''))
+            lines.append(f'{o.step * 1e3:>7.2f} ms  {o.step / chosen:>8.3f}x  '
+                         f'{size(max(o.memory)):>12}  {o.describe()}')
         return '\n'.join(lines)
 
     def __repr__(self) -> str:
