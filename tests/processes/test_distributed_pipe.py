@@ -556,6 +556,7 @@ def one_rank_without_channels(rank: int, world_size: int) -> Tuple[bool, bool, f
             other.core.channels is not second.core.channels, loss)
 
 
+@pytest.mark.slow
 def test_the_ranks_make_new_channels_together() -> None:
     ranks = run_distributed(one_rank_without_channels, timeout=GLOO_TIMEOUT)
     assert [renewed for renewed, _, _ in ranks] == [True, True]
@@ -589,6 +590,7 @@ def nested_step(rank: int, world_size: int) -> Tuple[str, str]:
     raise AssertionError('the step ran a step of another pipeline over its connections')
 
 
+@pytest.mark.slow
 def test_a_step_within_a_step_over_the_same_group_is_refused() -> None:
     # Its messages would take the outer step's: they share the connections.
     (kind, message), (other_kind, _) = run_distributed(nested_step, timeout=GLOO_TIMEOUT)
