@@ -12,7 +12,8 @@ mode; the last partition keeps the outputs, or each micro-batch's weighted loss.
 """
 import warnings
 from contextlib import contextmanager, nullcontext
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, cast
+from typing import (Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence,
+                    Tuple, cast)
 
 import torch
 from torch import Tensor, nn
@@ -46,7 +47,8 @@ Finish = Callable[[Any], Any]
 class Core:
     """One process's share of a pipeline, and the steps that run it. :meth:`train` and
     :meth:`evaluate` are templates; a rank's core overrides their hooks
-    (:attr:`target_elsewhere`, :meth:`check_whole`, :meth:`schedule_for`, :meth:`agreed`)."""
+    (:attr:`target_elsewhere`, :meth:`check_whole`, :meth:`schedule_for`, :meth:`agreed`,
+    :meth:`reducing`)."""
 
     #: Whether the target of a loss may be another process's.
     target_elsewhere = False
@@ -173,7 +175,9 @@ class Core:
         if len(self.devices) - 1 in self.partitions and loss_fn is not None and targets is None:
             lacking.append('target')
         said = {'step': name, 'micro-batches': sizes, 'input': batches, **words}
-        with self.agreed(said, lacking, problem, train) as (agreed, mailbox, finish):
+        reducing = self.reducing() if train and done is None else nullcontext(done)
+        with self.agreed(said, lacking, problem, train) as (agreed, mailbox, finish), \
+                reducing as done:
             weights, schedule, stop = planned or plan(agreed)
             self.check_threads()
             n, m, here = len(self.devices), len(agreed), list(self.partitions)
@@ -188,6 +192,11 @@ class Core:
 
     def check_whole(self) -> None:
         """Raises if no step can run: never in one process, which a failed step leaves whole."""
+
+    def reducing(self) -> ContextManager[Optional[Done]]:
+        """Around a training step's work, the ``done(j)`` called once partition ``j``'s
+        gradients are final, if the partitions reduce them themselves: never in one process."""
+        return nullcontext(None)
 
     def schedule_for(self, schedule: ScheduleLike, m: int) -> Schedule:
         """``schedule`` for ``m`` micro-batches, checked to fit the workers (a device's thread)."""

@@ -5,17 +5,18 @@ import json
 from collections import OrderedDict
 from contextlib import contextmanager
 from hashlib import sha1
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, ContextManager, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from torchgpipe.engine.core import Core, Finish
+from torchgpipe.engine.core import Core, Done, Finish
 from torchgpipe.engine.generators import BUILT_INS, built_in, resolve, worker_of
 from torchgpipe.engine.mailbox import Mailbox
 from torchgpipe.engine.schedule import Schedule, ScheduleLike
 from torchgpipe.foundation.validation import describe
+from torchgpipe.processes.fsdp import driving
 from torchgpipe.processes.tied import TiedGradients
 from torchgpipe.skip.layout import SkipLayout
 from torchgpipe.transport.channels import channels_for, metas_of, whole
@@ -74,6 +75,12 @@ class RankCore(Core):
                        "lay the partitions over the ranks as it does: placement='v' for "
                        + ', '.join(repr(name) for name, facts in BUILT_INS.items()
                                    if facts.shapes[0][1] == 'v') + ", 'loop' for the others")
+
+    def reducing(self) -> ContextManager[Optional[Done]]:
+        """See :meth:`Core.reducing <torchgpipe.engine.core.Core.reducing>`: the
+        ``fully_shard`` units of this rank's partitions reduce their gradients once, after
+        each partition's last backward pass (:mod:`~torchgpipe.processes.fsdp`)."""
+        return driving(self.partitions)
 
     @contextmanager
     def agreed(self, said: Dict[str, Any], lacking: List[str], problem: Optional[Exception],

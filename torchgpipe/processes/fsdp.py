@@ -1,0 +1,73 @@
+"""FSDP2 units inside a rank's partitions: one gradient reduction per unit per step.
+
+A partition's layers may be ``fully_shard`` units over a data-parallel mesh dimension.
+Left alone, each unit reduce-scatters its gradients after every micro-batch's backward
+pass, and gathers its parameters again for the next. Driven here, as
+torch.distributed.pipelining drives them, the units keep their gradients (and their
+gathered parameters) through the step, and each reduces once, after its partition's last
+``B`` (or ``W``)::
+
+    partition 1   B3 B2 B1 B0 ─► reduce its units (sync, reshard: on again)
+    partition 0      B3 B2 B1 B0 ─► reduce its units
+"""
+from contextlib import contextmanager
+from typing import Callable, Dict, Iterator, List, Mapping, Optional
+
+from torch import nn
+
+__all__: List[str] = []
+
+
+def fsdp_units(partitions: Mapping[int, nn.Module]) -> Dict[int, List[nn.Module]]:
+    """The ``fully_shard`` units of each partition that holds any."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2
+        return {}
+    units: Dict[int, List[nn.Module]] = {
+        j: [m for m in p.modules() if isinstance(m, FSDPModule)] for j, p in partitions.items()}
+    return {j: found for j, found in units.items() if found}
+
+
+def synced(unit: nn.Module, on: bool) -> None:
+    """Turns a unit's gradient sync, resharding after backward and last-backward flag on
+    or off together."""
+    unit.set_is_last_backward(on)  # type: ignore[operator]
+    unit.set_reshard_after_backward(on)  # type: ignore[operator]
+    unit.set_requires_gradient_sync(on)  # type: ignore[operator]
+
+
+def reduce(unit: nn.Module) -> None:
+    """Reduces the gradients ``unit`` kept: FSDP's post-backward work for each of its
+    parameter groups, then its root's end of backward (the wait for the reductions)."""
+    from torch.distributed.fsdp import fully_shard
+    state = fully_shard.state(unit)  # type: ignore[attr-defined]
+    for each in state._state_ctx.all_states:
+        for group in each._fsdp_param_groups:
+            group.post_backward()
+    state._root_post_backward_final_callback()
+
+
+@contextmanager
+def driving(partitions: Mapping[int, nn.Module]) -> Iterator[Optional[Callable[[int], None]]]:
+    """Runs a training step's backward passes with the FSDP units of ``partitions``
+    keeping their gradients; yields the ``done(j)`` that reduces partition ``j``'s once
+    they are final (``None`` without units). The units' flags are on again after."""
+    units = fsdp_units(partitions)
+    if not units:
+        yield None
+        return
+    for found in units.values():
+        for unit in found:
+            synced(unit, False)
+
+    def done(j: int) -> None:
+        for unit in units.get(j, []):
+            synced(unit, True)
+            reduce(unit)
+    try:
+        yield done
+    finally:
+        for found in units.values():
+            for unit in found:
+                synced(unit, True)
