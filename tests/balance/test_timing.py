@@ -7,7 +7,6 @@ what each declares: the times asserted are those the timing attributes, not
 the machine's.
 """
 import copy
-import gc
 import weakref
 from types import SimpleNamespace
 from typing import Any, Generator, List, Tuple
@@ -110,7 +109,6 @@ def test_layer_by_layer_holds_one_copy_at_a_time(layers: List[nn.Module]) -> Non
 
     def one_at_a_time() -> Generator[nn.Module, None, None]:
         for layer in layers:
-            gc.collect()
             alive.append([k for k, ref in enumerate(copies) if ref() is not None])
             made = copy.deepcopy(layer)
             copies.append(weakref.ref(made))

@@ -738,7 +738,8 @@ def fail_once(rank: int, world_size: int, fault_rank: int, how: str,
     return result
 
 
-@pytest.mark.parametrize('fault_rank, how', [(1, 'forward'), (0, 'backward'), (1, 'loss')])
+@pytest.mark.parametrize('fault_rank, how', [(1, 'forward')] + [  # (the fast tier: one)
+    pytest.param(r, h, marks=pytest.mark.slow) for r, h in [(0, 'backward'), (1, 'loss')]])
 def test_a_rank_that_fails_makes_every_rank_raise(fault_rank: int, how: str,
                                                   backend: str) -> None:
     results = run_distributed(fail_once, fault_rank, how, None, timeout=GLOO_TIMEOUT,

@@ -10,6 +10,7 @@ gathered parameters) through the step, and each reduces once, after its partitio
     partition 1   B3 B2 B1 B0 ─► reduce its units (sync, reshard: on again)
     partition 0      B3 B2 B1 B0 ─► reduce its units
 """
+import sys
 from contextlib import contextmanager
 from typing import Callable, Dict, Iterator, List, Mapping, Optional
 
@@ -20,9 +21,10 @@ __all__: List[str] = []
 
 def fsdp_units(partitions: Mapping[int, nn.Module]) -> Dict[int, List[nn.Module]]:
     """The ``fully_shard`` units of each partition that holds any."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # a torch without FSDP2
+    # Without FSDP imported there is no unit (and importing it costs a process a second).
+    fsdp = sys.modules.get('torch.distributed.fsdp')
+    FSDPModule = getattr(fsdp, 'FSDPModule', None)  # (none before torch 2.4)
+    if FSDPModule is None:
         return {}
     units: Dict[int, List[nn.Module]] = {
         j: [m for m in p.modules() if isinstance(m, FSDPModule)] for j, p in partitions.items()}
