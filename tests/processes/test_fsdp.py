@@ -26,9 +26,13 @@ CONFIGS = list(itertools.product(['1f1b', 'fill_drain', 'zb_h1'],
 COLLECTIVES = ('reduce_scatter_single', 'all_gather_single')
 
 
-def model() -> nn.Sequential:
+def model(nested: bool = False) -> nn.Sequential:
+    """Four linear layers, or (``nested``) two blocks of two."""
     torch.manual_seed(0)
-    return nn.Sequential(*[nn.Linear(FEATURES, FEATURES) for _ in range(4)]).double()
+    linears = [nn.Linear(FEATURES, FEATURES) for _ in range(4)]
+    if nested:
+        return nn.Sequential(nn.Sequential(*linears[:2]), nn.Sequential(*linears[2:])).double()
+    return nn.Sequential(*linears).double()
 
 
 def batch(step: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -95,3 +99,35 @@ def test_each_unit_reduces_and_gathers_once_per_step_with_the_unwrapped_gradient
                 for name, grad in got['grads'].items():
                     torch.testing.assert_close(torch.tensor(grad, dtype=torch.float64),
                                                expected[step][name], rtol=1e-12, atol=1e-15)
+
+
+def nested_units(rank: int, world_size: int) -> Dict[str, int]:
+    """A rank's one block a unit, each of its two layers a unit inside: the collectives of
+    a step, counted."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh('cpu', (2, 2), mesh_dim_names=('pp', 'dp'))
+    pipe = DistributedGPipe(model(nested=True), [1, 1], chunks=CHUNKS,
+                            group=mesh['pp'].get_group())
+    for block in pipe.children():
+        for layer in block:
+            fully_shard(layer, mesh=mesh['dp'], reshard_after_forward=False)
+        fully_shard(block, mesh=mesh['dp'], reshard_after_forward=False)
+    counts: Dict[str, int] = {}
+    real = {name: getattr(dist, name) for name in COLLECTIVES}
+    for name in COLLECTIVES:
+        setattr(dist, name, lambda *a, name=name, **k: (
+            counts.__setitem__(name, counts.get(name, 0) + 1), real[name](*a, **k))[1])
+    try:
+        pipe.train_step(*batch(0), F.mse_loss)
+    finally:
+        for name in COLLECTIVES:
+            setattr(dist, name, real[name])
+    return counts
+
+
+@pytest.mark.slow  # four processes
+def test_nested_units_reduce_once_each() -> None:
+    # The inner units hold the parameters; the outer one reduces them, not again each.
+    for counts in run_distributed(nested_units, world_size=4, timeout=150):
+        assert counts == {name: 2 for name in COLLECTIVES}
