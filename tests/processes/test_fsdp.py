@@ -3,7 +3,8 @@ DeviceMesh, ``fully_shard`` over the other. Each step reduces each unit's gradie
 gathers its parameters once (counted), and the gradients are the unwrapped model's on the
 global batch."""
 import itertools
-from typing import Any, Dict, Tuple
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, Tuple
 
 import pytest
 import torch
@@ -21,9 +22,20 @@ FEATURES = 8
 BATCH = 16
 CHUNKS = 4
 STEPS = 2
-CONFIGS = list(itertools.product(['1f1b', 'fill_drain', 'zb_h1'],
-                                 ['always', 'except_last', 'never']))
+#: A schedule of a user's: every weight's gradient (W) after every input's (I).
+USERS = ('0F0 0F1 0F2 0F3 0I0 0I1 0I2 0I3 0W3 0W2 0W1 0W0\n'
+         '1F0 1I0 1F1 1I1 1F2 1I2 1F3 1I3 1W0 1W1 1W2 1W3')
+#: (schedule, checkpoint, balance, placement, the norm to clip by after the second step)
+CONFIGS = [(s, c, [2, 2], 'loop', n) for (s, c), n in zip(
+    itertools.product(['1f1b', 'fill_drain', 'zb_h1'], ['always', 'except_last', 'never']),
+    itertools.cycle([2.0, 1.0, float('inf')]))] + [
+    # Two partitions a rank, in a loop or a V: each partition's units reduce after its own
+    # last backward pass.
+    ('interleaved_1f1b', 'except_last', [1, 1, 1, 1], 'loop', 2.0),
+    ('zbv', 'always', [1, 1, 1, 1], 'v', float('inf')),
+    (USERS, 'never', [2, 2], 'loop', 1.0)]
 COLLECTIVES = ('reduce_scatter_single', 'all_gather_single')
+MAX_NORM = 0.1
 
 
 def model(nested: bool = False) -> nn.Sequential:
@@ -41,64 +53,117 @@ def batch(step: int) -> Tuple[torch.Tensor, torch.Tensor]:
             torch.randn(BATCH, FEATURES, generator=gen, dtype=torch.float64))
 
 
+@contextmanager
+def counting(counts: Dict[str, int]) -> Iterator[None]:
+    """Counts the collectives FSDP2 reduces and gathers with, into ``counts``."""
+    real = {name: getattr(dist, name) for name in COLLECTIVES}
+
+    def counted(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            counts[name] = counts.get(name, 0) + 1
+            return real[name](*args, **kwargs)
+        return call
+    for name in COLLECTIVES:
+        setattr(dist, name, counted(name))
+    try:
+        yield
+    finally:
+        for name in COLLECTIVES:
+            setattr(dist, name, real[name])
+
+
 def sharded_steps(rank: int, world_size: int) -> Dict[str, Any]:
     """Every configuration on a mesh of pp 2 x dp 2: each step's collectives, counted, and
-    the gradients of this rank's layers after each step, whole."""
+    the gradients of this rank's layers after each step, whole; the second step's clipped
+    by their norm, and that norm."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     mesh = init_device_mesh('cpu', (2, 2), mesh_dim_names=('pp', 'dp'))
     here = mesh.get_local_rank('dp')
     shard = slice(here * BATCH // 2, (here + 1) * BATCH // 2)
-    counts: Dict[str, int] = {}
-    real = {name: getattr(dist, name) for name in COLLECTIVES}
-
-    def counting(name: str) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            counts[name] = counts.get(name, 0) + 1
-            return real[name](*args, **kwargs)
-        return call
     results: Dict[str, Any] = {}
-    for schedule, checkpoint in CONFIGS:
-        pipe = DistributedGPipe(model(), [2, 2], chunks=CHUNKS, checkpoint=checkpoint,
-                                group=mesh['pp'].get_group())
+    for n, (schedule, checkpoint, balance, placement, norm_type) in enumerate(CONFIGS):
+        pipe = DistributedGPipe(model(), balance, chunks=CHUNKS, checkpoint=checkpoint,
+                                placement=placement, group=mesh['pp'].get_group())
         for layer in pipe.children():
             fully_shard(layer, mesh=mesh['dp'], reshard_after_forward=False)
         steps = []
         for step in range(STEPS):
             pipe.zero_grad()
-            counts.clear()
+            counts: Dict[str, int] = {}
             input, target = batch(step)
-            for name in COLLECTIVES:
-                setattr(dist, name, counting(name))
-            try:
+            with counting(counts):
                 pipe.train_step(input[shard], target[shard], F.mse_loss, schedule=schedule)
-            finally:
-                for name in COLLECTIVES:
-                    setattr(dist, name, real[name])
-            steps.append({'counts': dict(counts), 'grads': {
+            norm = float(pipe.clip_grad_norm_(MAX_NORM, norm_type)) if step else None
+            steps.append({'counts': counts, 'norm': norm, 'grads': {
                 name: p.grad.full_tensor().tolist() for name, p in pipe.named_parameters()}})
-        results[f'{schedule} {checkpoint}'] = steps
+        results[str(n)] = steps
     return results
 
 
 @pytest.mark.slow  # four processes
 def test_each_unit_reduces_and_gathers_once_per_step_with_the_unwrapped_gradients() -> None:
-    ranks = run_distributed(sharded_steps, world_size=4, timeout=150)
-    expected = []
-    for step in range(STEPS):
-        plain = model()
-        F.mse_loss(plain(batch(step)[0]), batch(step)[1]).backward()
-        expected.append({name: p.grad for name, p in plain.named_parameters()})
-    for schedule, checkpoint in CONFIGS:
-        for rank, results in enumerate(ranks):
-            for step, got in enumerate(results[f'{schedule} {checkpoint}']):
+    ranks = run_distributed(sharded_steps, world_size=4, timeout=200)
+    for n, (schedule, checkpoint, _, _, norm_type) in enumerate(CONFIGS):
+        for step in range(STEPS):
+            plain = model()
+            F.mse_loss(plain(batch(step)[0]), batch(step)[1]).backward()
+            norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), MAX_NORM, norm_type) \
+                if step else None
+            assert norm is None or norm > MAX_NORM  # so the clipping changes the gradients
+            expected = {name: p.grad for name, p in plain.named_parameters()}
+            for rank, results in enumerate(ranks):
+                got = results[str(n)][step]
+                where = (schedule, checkpoint, rank, step)
                 # Two units (layers) a rank: one reduction and one gathering each, not one
                 # per micro-batch (8 of each, left alone).
-                assert got['counts'] == {name: 2 for name in COLLECTIVES}, \
-                    (schedule, checkpoint, rank, step)
+                assert got['counts'] == {name: 2 for name in COLLECTIVES}, where
+                if norm is not None:
+                    torch.testing.assert_close(torch.tensor(got['norm'], dtype=torch.float64), norm,
+                                               rtol=1e-12, atol=0)
                 for name, grad in got['grads'].items():
                     torch.testing.assert_close(torch.tensor(grad, dtype=torch.float64),
-                                               expected[step][name], rtol=1e-12, atol=1e-15)
+                                               expected[name], rtol=1e-12, atol=1e-15,
+                                               msg=lambda m: f'{where} {name}: {m}')
+
+
+def mixed_precision(rank: int, world_size: int) -> Dict[str, Any]:
+    """A step of float32 layers sharded with bfloat16 parameters and float32 reduction: the
+    dtype the layers computed in, the collectives, and the gradients, whole."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mesh = init_device_mesh('cpu', (2, 2), mesh_dim_names=('pp', 'dp'))
+    here = mesh.get_local_rank('dp')
+    shard = slice(here * BATCH // 2, (here + 1) * BATCH // 2)
+    pipe = DistributedGPipe(model().float(), [2, 2], chunks=CHUNKS,
+                            group=mesh['pp'].get_group())
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    computed = set()
+    for layer in pipe.children():
+        fully_shard(layer, mesh=mesh['dp'], reshard_after_forward=False, mp_policy=policy)
+        layer.register_forward_hook(lambda m, i, o: computed.add(str(o.dtype)))
+    input, target = batch(0)
+    counts: Dict[str, int] = {}
+    with counting(counts):
+        pipe.train_step(input[shard].float(), target[shard].float(), F.mse_loss)
+    return {'computed': computed, 'counts': counts, 'grads': {
+        name: (str(p.grad.dtype), p.grad.full_tensor().tolist())
+        for name, p in pipe.named_parameters()}}
+
+
+@pytest.mark.slow  # four processes
+def test_mixed_precision_computes_in_bfloat16_and_reduces_once() -> None:
+    plain = model().float()
+    input, target = batch(0)
+    F.mse_loss(plain(input.float()), target.float()).backward()
+    for got in run_distributed(mixed_precision, world_size=4, timeout=150):
+        assert got['computed'] == {'torch.bfloat16'}
+        assert got['counts'] == {name: 2 for name in COLLECTIVES}
+        for name, (dtype, grad) in got['grads'].items():
+            assert dtype == 'torch.float32'
+            # bfloat16 keeps 8 bits of mantissa: close to float32's, not equal.
+            torch.testing.assert_close(torch.tensor(grad), plain.get_parameter(name).grad,
+                                       rtol=2e-2, atol=2e-3)
 
 
 def nested_units(rank: int, world_size: int) -> Dict[str, int]:
@@ -114,15 +179,8 @@ def nested_units(rank: int, world_size: int) -> Dict[str, int]:
             fully_shard(layer, mesh=mesh['dp'], reshard_after_forward=False)
         fully_shard(block, mesh=mesh['dp'], reshard_after_forward=False)
     counts: Dict[str, int] = {}
-    real = {name: getattr(dist, name) for name in COLLECTIVES}
-    for name in COLLECTIVES:
-        setattr(dist, name, lambda *a, name=name, **k: (
-            counts.__setitem__(name, counts.get(name, 0) + 1), real[name](*a, **k))[1])
-    try:
+    with counting(counts):
         pipe.train_step(*batch(0), F.mse_loss)
-    finally:
-        for name in COLLECTIVES:
-            setattr(dist, name, real[name])
     return counts
 
 

@@ -15,8 +15,11 @@ a load, also compare the copies: a rank that built the module apart (a forgotten
 The norm of a pipeline's gradients over its ranks is bit for bit torch's on the unwrapped
 module: one all-reduce fills a slot per parameter, written by the one rank counting it
 (zeros elsewhere, so the sum is exact); every rank takes the norm of the same vector.
+A sharded gradient (a DTensor, under FSDP2 or tensor parallel) gives a partial norm, made
+whole over its mesh first, one reduction for all of those sharded alike.
 """
-from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, cast
+import sys
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -204,6 +207,24 @@ def norms_of(grads: Sequence[Tensor], norm_type: float, foreach: Optional[bool])
     return [n for n in norms if n is not None]
 
 
+def whole(norms: List[Tensor]) -> List[Tensor]:
+    """``norms`` with those of sharded gradients (DTensors holding this rank's part of a
+    norm) reduced over their meshes: one reduction for each mesh and placement."""
+    DTensor = getattr(sys.modules.get('torch.distributed.tensor'), 'DTensor', None)
+    if DTensor is None:  # nothing sharded without it imported
+        return norms
+    alike: Dict[Tuple[Any, ...], List[int]] = {}
+    for i, n in enumerate(norms):
+        if isinstance(n, DTensor):
+            alike.setdefault((n.device_mesh, tuple(n.placements), n.dtype), []).append(i)
+    made = list(norms)
+    for indices in alike.values():
+        stacked: Any = torch.stack([norms[i] for i in indices])  # a DTensor
+        for i, n in zip(indices, stacked.full_tensor()):
+            made[i] = n
+    return made
+
+
 def in_torch_order(norms: List[Tensor]) -> List[Tensor]:
     """``norms`` grouped by dtype, as :func:`torch.nn.utils.clip_grad_norm_` stacks them."""
     grouped = _group_tensors_by_device_and_dtype(
@@ -220,7 +241,7 @@ def total_norm(counted: Sequence[Tuple[int, Tensor]], size: int, norm_type: floa
     vector = torch.zeros(2, size, dtype=torch.float64, device=device)
     if counted:
         places, grads = zip(*counted)
-        norms = norms_of(grads, norm_type, foreach)
+        norms = whole(norms_of(grads, norm_type, foreach))
         where = torch.tensor(places, device=device)
         vector[0, where] = torch.stack([n.to(device, torch.float64) for n in norms])
         vector[1, where] = torch.tensor([DTYPES.index(n.dtype) + 1.0 for n in norms],
