@@ -166,6 +166,95 @@ def test_mixed_precision_computes_in_bfloat16_and_reduces_once() -> None:
                                        rtol=2e-2, atol=2e-3)
 
 
+VOCABULARY = 11
+
+
+def language_model() -> nn.Sequential:
+    """A causal language model in miniature: ids to logits, one position at a time."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(VOCABULARY, FEATURES), nn.Linear(FEATURES, FEATURES),
+                         nn.Tanh(), nn.Linear(FEATURES, VOCABULARY)).double()
+
+
+def tokens() -> Tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(5)
+    return (torch.randint(0, VOCABULARY, (BATCH, 5), generator=gen),
+            torch.randint(0, VOCABULARY, (BATCH, 5), generator=gen))
+
+
+def cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(output.flatten(0, 1), target.flatten())
+
+
+def whole_loop(rank: int, world_size: int) -> Dict[str, Any]:
+    """A user's loop on pp 2 x dp 2: a step with loss scaling, clipping and Adam; a step
+    whose gradients hold an infinity on rank 0 alone; evaluation and generation."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from torchgpipe import generate
+    from torchgpipe.distributed import GradScaler
+    mesh = init_device_mesh('cpu', (2, 2), mesh_dim_names=('pp', 'dp'))
+    shard = slice(mesh.get_local_rank('dp') * BATCH // 2,
+                  (mesh.get_local_rank('dp') + 1) * BATCH // 2)
+    pipe = DistributedGPipe(language_model(), [2, 2], chunks=2, group=mesh['pp'].get_group())
+    for layer in pipe.children():
+        if any(True for _ in layer.parameters()):  # not Tanh
+            fully_shard(layer, mesh=mesh['dp'], reshard_after_forward=False)
+    optimizer = torch.optim.Adam(pipe.parameters(), lr=0.01)
+    scaler = GradScaler('cpu', init_scale=2.0 ** 10)
+    ids, target = tokens()
+    norms = []
+    for step in range(2):
+        optimizer.zero_grad()
+        pipe.train_step(ids[shard], target[shard],
+                        lambda out, tgt: scaler.scale(cross_entropy(out, tgt)))
+        if step and rank == 0:
+            next(pipe.parameters()).grad.to_local().view(-1)[0] = float('inf')
+        scaler.unscale_(optimizer)
+        norms.append(float(pipe.clip_grad_norm_(0.1)))
+        scaler.step(optimizer)  # skipped on every rank at the second step
+        scaler.update()
+
+    def whole(t: torch.Tensor) -> Any:
+        return (t.full_tensor() if hasattr(t, 'full_tensor') else t).tolist()
+    return {'norms': norms, 'scale': scaler.get_scale(),
+            'params': {name: whole(p) for name, p in pipe.named_parameters()},
+            'loss': float(pipe.eval_step(ids[shard], target[shard], cross_entropy)),
+            'output': whole(pipe.eval_step(ids[shard], everywhere=True)),
+            'generated': generate(pipe, ids[:2, :3], 4).tolist()}
+
+
+@pytest.mark.slow  # four processes
+def test_the_whole_loop_on_sharded_stages() -> None:
+    plain = language_model()
+    optimizer = torch.optim.Adam(plain.parameters(), lr=0.01)
+    ids, target = tokens()
+    cross_entropy(plain(ids), target).backward()
+    norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.1)
+    optimizer.step()
+    halves = [slice(0, BATCH // 2), slice(BATCH // 2, BATCH)]
+    with torch.no_grad():
+        generated = ids[:2, :3]
+        for _ in range(4):
+            generated = torch.cat([generated, plain(generated)[:, -1:].argmax(-1)], 1)
+        for rank, got in enumerate(run_distributed(whole_loop, world_size=4, timeout=150)):
+            torch.testing.assert_close(torch.tensor(got['norms'][0], dtype=torch.float64),
+                                       norm, rtol=1e-12, atol=0)
+            assert got['norms'][1] == float('inf')
+            assert got['scale'] == 2.0 ** 9  # backed off once, on every rank
+            for name, value in got['params'].items():  # one step taken, not two
+                torch.testing.assert_close(torch.tensor(value, dtype=torch.float64),
+                                           plain.get_parameter(name), rtol=1e-12, atol=1e-15)
+            half = halves[rank % 2]
+            torch.testing.assert_close(
+                torch.tensor(got['loss'], dtype=torch.float64),
+                cross_entropy(plain(ids[half]), target[half]), rtol=1e-12, atol=0)
+            torch.testing.assert_close(torch.tensor(got['output'], dtype=torch.float64),
+                                       plain(ids[half]), rtol=1e-12, atol=1e-15)
+            assert got['generated'] == generated.tolist()
+
+
 def nested_units(rank: int, world_size: int) -> Dict[str, int]:
     """A rank's one block a unit, each of its two layers a unit inside: the collectives of
     a step, counted."""
