@@ -955,34 +955,49 @@ def test_bad_arguments_are_refused_before_any_message() -> None:
         "for 'zbv', 'loop' for the others"]
 
 
-def on_meta(rank: int, world_size: int) -> Tuple[str, float, float]:
-    """A model on the meta device: refused where a rank's own layers are there, trained where
-    only other ranks' layers are (a rank never places theirs)."""
+def on_meta(rank: int, world_size: int) -> Tuple[str, str, float, float, float]:
+    """A model built on the meta device: a step refused until this rank materializes its
+    layers, another device refused; trained once loaded. Trained too where only other
+    ranks' layers are there (a rank never places theirs)."""
     with torch.device('meta'):
         shapes_only = model('mlp')
+    real = model('mlp')
+    input, target = batch(0)
+    pipe = DistributedGPipe(shapes_only, [3, 2], chunks=2)
     try:
-        DistributedGPipe(shapes_only, [3, 2])
+        pipe.train_step(input, target, F.mse_loss)
         refused = ''
     except ValueError as exc:
         refused = str(exc)
-    real = model('mlp')
+    try:
+        pipe.to_empty(device='meta')
+        elsewhere = ''
+    except ValueError as exc:
+        elsewhere = str(exc)
+    pipe.to_empty()
+    pipe.load_state_dict(real.state_dict())
+    loaded = float(pipe.train_step(input, target, F.mse_loss))
     mine = range(3) if rank == 0 else range(3, 5)
+    with torch.device('meta'):
+        shapes_only = model('mlp')
     for index in mine:
         shapes_only[index] = real[index]
     pipe = DistributedGPipe(shapes_only, [3, 2], chunks=2)
-    input, target = batch(0)
     loss = pipe.train_step(input, target, F.mse_loss)
-    return refused, float(loss), float(F.mse_loss(real(input), target))
+    return refused, elsewhere, loaded, float(loss), float(F.mse_loss(real(input), target))
 
 
 @pytest.mark.slow
-def test_a_model_on_the_meta_device_is_refused_where_it_would_be_placed() -> None:
+def test_a_model_on_the_meta_device_trains_once_each_rank_materializes_its_layers() -> None:
     ranks = run_distributed(on_meta, timeout=GLOO_TIMEOUT)
     first_layer = {0: '0', 1: '4'}  # the first with parameters of each rank's partition
-    for rank, (refused, loss, expected) in enumerate(ranks):
+    for rank, (refused, elsewhere, loaded, loss, expected) in enumerate(ranks):
         assert refused == (
-            'the layers must hold data to be placed on a device '
-            f"('{first_layer[rank]}.weight' on the meta device); materialize it first: "
-            'model.to_empty(device=...), then initialize it (reset_parameters() or '
-            'load_state_dict()), or build it on a real device')
+            'the layers must hold data to run a step '
+            f"('{first_layer[rank]}.weight' on the meta device); materialize this rank's "
+            'layers first: pipe.to_empty(), then initialize them (reset_parameters(), or '
+            'load a state dict or a DCP checkpoint)')
+        assert elsewhere == ("a pipeline's layers are materialized on its device (device: "
+                             "'meta', the pipeline on cpu); leave device out")
+        assert loaded == pytest.approx(expected, rel=1e-12)
         assert loss == pytest.approx(expected, rel=1e-12)

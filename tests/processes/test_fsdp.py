@@ -4,6 +4,7 @@ gathers its parameters once (counted), and the gradients are the unwrapped model
 global batch."""
 import itertools
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Dict, Iterator, Tuple
 
 import pytest
@@ -253,6 +254,61 @@ def test_the_whole_loop_on_sharded_stages() -> None:
             torch.testing.assert_close(torch.tensor(got['output'], dtype=torch.float64),
                                        plain(ids[half]), rtol=1e-12, atol=1e-15)
             assert got['generated'] == generated.tolist()
+
+
+def built_on_meta(rank: int, world_size: int, path: str) -> Dict[str, Any]:
+    """A model no rank builds whole: built on the meta device, sharded, and each rank
+    materializing its own layers' shards alone, from a DCP checkpoint of the unwrapped
+    model; then two steps of SGD."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                         set_model_state_dict)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh('cpu', (2, 2), mesh_dim_names=('pp', 'dp'))
+    shard = slice(mesh.get_local_rank('dp') * BATCH // 2,
+                  (mesh.get_local_rank('dp') + 1) * BATCH // 2)
+    with torch.device('meta'):
+        whole = model()
+    pipe = DistributedGPipe(whole, [2, 2], chunks=CHUNKS, group=mesh['pp'].get_group())
+    for layer in pipe.children():
+        fully_shard(layer, mesh=mesh['dp'], reshard_after_forward=False)
+    pipe.to_empty()
+    state = get_model_state_dict(pipe)
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(pipe, state)
+    held = sum(p.to_local().numel() for p in pipe.parameters())
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        input, target = batch(step)
+        pipe.train_step(input[shard], target[shard], F.mse_loss)
+        optimizer.step()
+    return {'held': held, 'others': [p.is_meta for p in whole.parameters()].count(True),
+            'params': {name: p.full_tensor().tolist() for name, p in pipe.named_parameters()}}
+
+
+# DCP says, writing without a process group, that it writes in one process: the intent here.
+@pytest.mark.filterwarnings('ignore:torch.distributed is disabled, unavailable or uninitialized')
+@pytest.mark.slow  # four processes
+def test_a_model_built_on_the_meta_device_each_rank_holding_its_shard(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    path = str(tmp_path / 'checkpoint')
+    plain = model()
+    dcp.save(plain.state_dict(), checkpoint_id=path)
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        F.mse_loss(plain(batch(step)[0]), batch(step)[1]).backward()
+        optimizer.step()
+    layer = FEATURES * FEATURES + FEATURES
+    for got in run_distributed(built_on_meta, path, world_size=4, timeout=150):
+        # Two layers a rank, each sharded in two: a quarter of the model.
+        assert got['held'] == 2 * layer // 2
+        assert got['others'] == 4  # the other rank's two layers' weights and biases
+        for name, value in got['params'].items():
+            torch.testing.assert_close(torch.tensor(value, dtype=torch.float64),
+                                       plain.get_parameter(name), rtol=1e-12, atol=1e-15)
 
 
 def nested_units(rank: int, world_size: int) -> Dict[str, int]:

@@ -25,6 +25,7 @@ from torchgpipe.engine.schedule import Action, Kind, Schedule, ScheduleLike
 from torchgpipe.engine.step import LossFunction, Step, split_given, weighted
 from torchgpipe.foundation import microbatch
 from torchgpipe.foundation.microbatch import TensorOrTensors
+from torchgpipe.foundation.placement import first_on_meta
 from torchgpipe.foundation.stream import current_stream, use_device
 from torchgpipe.foundation.tied import shares_apart, tied_masters
 from torchgpipe.foundation.validation import check_evaluation, check_step, describe
@@ -69,6 +70,8 @@ class Core:
         self.state = RunState(len(partitions))
         #: The intra-op threads its plan measured with, if any, until the first step.
         self.planned_threads = planned_threads
+        #: Whether every layer was seen to hold data (see check_materialized).
+        self.materialized = False
 
     def check_threads(self) -> None:
         """Warns at the first step if its intra-op threads are not those its plan measured."""
@@ -80,6 +83,20 @@ class Core:
                 f'planned_threads: {planned}, torch.get_num_threads(): {now}',
                 f'call torch.set_num_threads({planned}) before the first step, '
                 'or plan again for the threads you train with'), UserWarning)
+
+    def check_materialized(self) -> None:
+        """Raises before a step while a layer of this process is on the meta device: a
+        rank's layers built there stay until it materializes them."""
+        if self.materialized:
+            return
+        on_meta = first_on_meta([child for p in self.partitions.values()
+                                 for child in p.named_children()])
+        if on_meta is not None:
+            raise ValueError(describe(
+                'the layers must hold data to run a step', f"'{on_meta}' on the meta device",
+                "materialize this rank's layers first: pipe.to_empty(), then initialize them "
+                '(reset_parameters(), or load a state dict or a DCP checkpoint)'))
+        self.materialized = True
 
     def check_modes(self) -> None:
         """Raises a layer's ``check_mode()`` error before a step starts work."""
@@ -164,6 +181,7 @@ class Core:
             # Before the input is split: that of an empty pipeline's forward fails.
             if not self.devices:
                 raise ValueError(f'{name} needs at least one layer: this GPipe is empty')
+            self.check_materialized()
             self.check_modes()
             batches, targets, sizes = split_given(input, target, self.chunks, self.devices[-1])
             planned = None if sizes is None else plan(sizes)

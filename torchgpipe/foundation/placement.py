@@ -4,9 +4,10 @@
 later ``load_state_dict`` or in-place change would miss the pipeline. Here
 a tensor already in the target's memory stays (every CPU device is one
 memory), and one that must move takes its moved data in place, gradient
-included. Only on the ``'meta'`` device are tensors replaced.
+included. Only on the ``'meta'`` device are tensors replaced; one that is on
+it stays there, for its owner to materialize (``to_empty``).
 """
-from typing import Dict, List, Optional, Sequence, cast
+from typing import Dict, List, Optional, Sequence, Tuple, cast
 
 import torch
 from torch import Tensor, nn
@@ -62,7 +63,7 @@ def place(module: nn.Module, device: torch.device,
 
 def _place(tensor: Tensor, device: torch.device) -> Tensor:
     """The tensor on ``device``: itself, moved in place if it must move."""
-    if same_memory(tensor.device, device):
+    if same_memory(tensor.device, device) or tensor.is_meta:
         return tensor
     grad = tensor.grad if isinstance(tensor, nn.Parameter) else None
     with torch.no_grad():
@@ -94,11 +95,19 @@ def check_materialized(module: nn.Sequential, balance: Optional[List[int]] = Non
         placed = [d is not None and d.type != 'meta' for d, n in zip(devices, balance)
                   for _ in range(n)]
         layers = [layer for layer, kept in zip(layers, placed) if kept]
+    on_meta = first_on_meta(layers)
+    if on_meta is not None:
+        raise ValueError(describe(
+            'the layers must hold data to be placed on a device',
+            f"'{on_meta}' on the meta device",
+            'materialize it first: model.to_empty(device=...), then initialize it '
+            '(reset_parameters() or load_state_dict()), or build it on a real device'))
+
+
+def first_on_meta(layers: Sequence[Tuple[str, nn.Module]]) -> Optional[str]:
+    """The name of the first parameter or buffer of ``layers`` (named) on the meta device."""
     for child, layer in layers:
         for name, tensor in [*layer.named_parameters(), *layer.named_buffers()]:
             if tensor.is_meta:
-                raise ValueError(describe(
-                    'the layers must hold data to be placed on a device',
-                    f"'{child}.{name}' on the meta device",
-                    'materialize it first: model.to_empty(device=...), then initialize it '
-                    '(reset_parameters() or load_state_dict()), or build it on a real device'))
+                return f'{child}.{name}'
+    return None

@@ -32,6 +32,9 @@ class CoreModule(nn.Module):
     :class:`~torchgpipe.engine.core.Core`."""
 
     core: Core
+    #: Whether this process's layers may stay on the meta device, materialized after
+    #: the pipeline is built (as a rank of a model no rank could build whole does).
+    keeps_meta_layers = False
 
     def build(self, module: nn.Sequential, balance: Any, chunks: int, checkpoint: str,
               deferred_batch_norm: bool, planned_threads: Optional[int],
@@ -50,7 +53,8 @@ class CoreModule(nn.Module):
             deferred = bool(deferred_batch_norm)
             verify_module(module)
             balance, devices = locate(balance)
-            check_materialized(module, balance, devices)
+            if not self.keeps_meta_layers:
+                check_materialized(module, balance, devices)
             chunks = check_chunks(chunks)
             planned_threads = check_planned_threads(planned_threads)
             checkpoint = str(checkpoint)  # (the ranks compare it, refused or not)

@@ -12,8 +12,9 @@ from torchgpipe.engine.core import evaluating
 from torchgpipe.engine.schedule import ScheduleLike
 from torchgpipe.engine.step import LossFunction
 from torchgpipe.foundation.microbatch import TensorOrTensors
+from torchgpipe.foundation.placement import same_memory
 from torchgpipe.foundation.validation import (check_balance, check_device, check_process_group,
-                                              check_timeout)
+                                              check_timeout, describe)
 from torchgpipe.modules.base import CoreModule
 from torchgpipe.processes.core import RankCore, agree_on_layout, ranks_of_partitions
 from torchgpipe.processes.tied import (TiedGradients, check_finite, clip_grads, slots,
@@ -68,6 +69,7 @@ class DistributedGPipe(CoreModule):
     """
 
     core: RankCore
+    keeps_meta_layers = True
 
     def __init__(self, module: nn.Sequential, balance: Iterable[int], *, chunks: int = 1,
                  checkpoint: str = 'except_last', group: Optional[dist.ProcessGroup] = None,
@@ -152,6 +154,43 @@ class DistributedGPipe(CoreModule):
         raise TypeError('a DistributedGPipe belongs to its processes and cannot be copied or '
                         'pickled; save its state_dict() instead, which has the keys of the '
                         'unwrapped module')
+
+    def to_empty(self, *, device: Optional[Union[torch.device, str, int]] = None,
+                 recurse: bool = True) -> 'DistributedGPipe':
+        """Gives this rank's layers built on the meta device memory on its device, as
+        :meth:`torch.nn.Module.to_empty` does (values uninitialized: initialize them next);
+        a parameter several of them share stays one. Other ranks' layers are not held.
+
+        Args:
+            device (torch.device, str or int, optional): this rank's device, the default
+                and the only one taken
+            recurse (bool): as for :meth:`torch.nn.Module.to_empty`
+
+        Raises:
+            ValueError: another device
+
+        Example::
+
+            with torch.device('meta'):
+                model = build()                  # no memory for any layer
+            pipe = DistributedGPipe(model, [4, 4], chunks=8)
+            pipe.to_empty()                      # memory for this rank's layers
+            for layer in pipe.children():
+                layer.reset_parameters()         # or load a checkpoint
+        """
+        if device is not None and not same_memory(torch.device(device), self.device):
+            raise ValueError(describe("a pipeline's layers are materialized on its device",
+                                      f'device: {device!r}, the pipeline on {self.device}',
+                                      'leave device out'))
+        # Module.to_empty makes one new tensor per use: a tied parameter would come apart.
+        first: Dict[int, Tuple[Dict[str, Any], str]] = {}
+        later = [(slots, name, first.setdefault(id(t), (slots, name)))
+                 for m in self.modules() for slots in (m._parameters, m._buffers)
+                 for name, t in slots.items() if t is not None]
+        super().to_empty(device=self.device, recurse=recurse)
+        for slots, name, (slots0, name0) in later:
+            slots[name] = slots0[name0]
+        return self
 
     def partition(self) -> nn.Sequential:
         """This process's layers, in order, as one sequential module."""
