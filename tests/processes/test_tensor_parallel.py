@@ -1,8 +1,8 @@
 """Tensor parallel in the partitions of a DistributedGPipe: ``parallelize_module`` with
 column- and row-wise plans on a transformer's attention and MLP, over the ``tp`` dimension
 of a DeviceMesh whose ``pp`` dimension the pipeline runs over; with FSDP2 over a ``dp``
-dimension too (8 processes). The gradients, and their clipped values, are the unwrapped
-model's on the global batch."""
+dimension too (8 processes); a weight tied across pipeline ranks whose ends are sharded.
+The gradients, and their clipped values, are the unwrapped model's on the global batch."""
 from typing import Any, Dict, List, Tuple
 
 import pytest
@@ -12,6 +12,8 @@ from torch import Tensor, nn
 
 from process_group import no_child_left  # noqa: F401 (an autouse fixture)
 from process_group import run_distributed
+from test_distributed import FEATURES
+from test_distributed_pipe import tied
 from torchgpipe.distributed import DistributedGPipe
 
 pytest.importorskip('torch.distributed.tensor.parallel',
@@ -143,3 +145,68 @@ def test_tensor_parallel_stages() -> None:
 def test_three_dimensions(dims: Tuple[str, ...]) -> None:
     check(run_distributed(steps_on_mesh, dims, world_size=8, timeout=300))
 
+
+
+TIED_BATCH = 8
+
+
+def tied_batch(step: int) -> Tuple[Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(400 + step)
+    return (torch.randn(TIED_BATCH, FEATURES, generator=gen, dtype=torch.float64),
+            torch.randn(TIED_BATCH, FEATURES, generator=gen, dtype=torch.float64))
+
+
+def tied_ends(rank: int, world_size: int, sharding: str) -> Dict[str, Any]:
+    """A model whose first and last layers share a weight, on two pipeline ranks, the two
+    ends sharded alike (FSDP2 over ``dp``) or not (row- and column-wise over ``tp``): two
+    steps' accumulated gradients, whole; and the error of a step whose copies differ."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+    mesh = init_device_mesh('cpu', (2, 2), mesh_dim_names=('pp', sharding))
+    here = mesh.get_local_rank(sharding) if sharding == 'dp' else 0
+    share = TIED_BATCH // 2 if sharding == 'dp' else TIED_BATCH
+
+    def pipeline() -> DistributedGPipe:
+        pipe = DistributedGPipe(tied(), [3, 3], chunks=2, group=mesh['pp'].get_group())
+        for name, layer in pipe.named_children():
+            if sharding == 'dp' and name in ('0', '2', '4', '5'):
+                fully_shard(layer, mesh=mesh['dp'], reshard_after_forward=False)
+            elif name == '0':  # the weight split by its columns ...
+                parallelize_module(layer, mesh['tp'], RowwiseParallel(input_layouts=Replicate()))
+            elif name == '5':  # ... and by its rows
+                parallelize_module(layer, mesh['tp'], ColwiseParallel(output_layouts=Replicate()))
+        return pipe
+    pipe = pipeline()
+    for step in range(2):  # accumulated, without zero_grad
+        input, target = tied_batch(step)
+        pipe.train_step(input[here * share:(here + 1) * share],
+                        target[here * share:(here + 1) * share], F.mse_loss)
+    grads = {name: p.grad.full_tensor().tolist() if hasattr(p.grad, 'full_tensor')
+             else p.grad.tolist() for name, p in pipe.named_parameters()}
+    unequal = pipeline()
+    if rank == 0:  # a copy of rank 0's pipeline ranks changed
+        next(unequal.parameters()).data.to_local().add_(1.0)
+    try:
+        unequal.train_step(*tied_batch(0), F.mse_loss)
+        refused = ''
+    except ValueError as exc:
+        refused = str(exc)
+    return {'grads': grads, 'refused': refused}
+
+
+@pytest.mark.parametrize('sharding', ['dp', 'tp'])
+def test_a_weight_tied_across_ranks_whose_ends_are_sharded(sharding: str) -> None:
+    plain = tied()
+    for step in range(2):
+        F.mse_loss(plain(tied_batch(step)[0]), tied_batch(step)[1]).backward()
+    expected = {name: p.grad for name, p in plain.named_parameters(remove_duplicate=False)}
+    for rank, got in enumerate(run_distributed(tied_ends, sharding, world_size=4,
+                                               timeout=150)):
+        for name, grad in got['grads'].items():
+            torch.testing.assert_close(torch.tensor(grad, dtype=torch.float64),
+                                       expected[name], rtol=1e-12, atol=1e-15,
+                                       msg=lambda m: f'rank {rank} {name}: {m}')
+        assert 'the copies of a parameter tied across ranks must be equal' in got['refused']

@@ -11,6 +11,8 @@ same sum bit for bit. A rank's later partitions using it add their own share::
 
 Gradients of earlier steps are set aside meanwhile. The first step, and the first after
 a load, also compare the copies: a rank that built the module apart (a forgotten seed) raises.
+A sharded copy (a DTensor, of FSDP2 or tensor parallel) goes whole, gathered over its mesh,
+and takes its part of the sum: so the two ends may be sharded differently.
 
 The norm of a pipeline's gradients over its ranks is bit for bit torch's on the unwrapped
 module: one all-reduce fills a slot per parameter, written by the one rank counting it
@@ -89,6 +91,9 @@ class TiedGradients:
         self.kept: List[Optional[Tensor]] = []
         #: Whether the next step sends the copies too, to compare them.
         self.check = True
+        #: This step's gradients of each tie (see own), and the copies if checked, whole.
+        self.wholes: Optional[List[List[Optional[Tensor]]]] = None
+        self.values: List[Optional[Tensor]] = []
 
     def parameters(self) -> List[nn.Parameter]:
         """The tied parameters of this rank."""
@@ -108,6 +113,7 @@ class TiedGradients:
                 p.grad = None
         for hook in self.hooks:
             hook.shares = {}
+        self.wholes, self.values = None, []
 
     def own(self, tie: Tie) -> List[Optional[Tensor]]:
         """This rank's step gradients of ``tie``, one per partition using it: the first's
@@ -118,14 +124,21 @@ class TiedGradients:
         return [p.grad, *(cast(Dict[int, Tensor], hook.shares).get(id(p)) for hook in self.hooks
                           if any(m is p for m in hook.masters()))]
 
+    def whole(self) -> List[List[Optional[Tensor]]]:
+        """:meth:`own` of each tie, sharded gradients gathered (once a step)."""
+        if self.wholes is None:
+            self.wholes = [[whole(g) for g in self.own(tie)] for tie in self.ties]
+        return self.wholes
+
     def shares(self, others: Iterable[int]) -> Dict[int, Share]:
         """What this rank sends each of ``others`` (see ``Share``)."""
-        parameters = [tie.parameter() for tie in self.ties]
-        grads = [self.own(tie) for tie in self.ties]
-        values = [None if p is None else p.detach() for p in parameters]
+        grads = self.whole()
+        if self.checking():
+            self.values = [None if p is None else whole(p.detach())
+                           for p in (tie.parameter() for tie in self.ties)]
         return {rank: ([g for tie, own in zip(self.ties, grads) if rank in tie.ranks
                         for g in own],
-                       [v for tie, v in zip(self.ties, values) if rank in tie.ranks]
+                       [v for tie, v in zip(self.ties, self.values) if rank in tie.ranks]
                        if self.checking() else None)
                 for rank in others}
 
@@ -141,20 +154,22 @@ class TiedGradients:
             raise
         self.check = False
         cursors = {rank: iter(grads) for rank, (grads, _) in received.items()}
-        cursors[self.me] = iter([g for tie in self.ties for g in self.own(tie)])
+        cursors[self.me] = iter([g for own in self.whole() for g in own])
         for tie, kept in zip(self.ties, self.kept):
             p = tie.parameter()
-            grads = [next(cursors[rank]) for rank in tie.ranks]
+            total = add_in_order(None, None, [next(cursors[rank]) for rank in tie.ranks])
             if p is not None:
-                p.grad = add_in_order(kept, None, grads)
+                p.grad = add_in_order(kept, None if total is None else laid_out_as(total, p),
+                                      ())
         self.end()
 
     def compare(self, rank: int, values: List[Optional[Tensor]]) -> None:
         """Refuses ``rank``'s copies of the ties it shares unequal to this rank's."""
+        mine = {id(tie): v for tie, v in zip(self.ties, self.values)}
         shared = [tie for tie in self.ties if rank in tie.ranks]
         for tie, value in zip(shared, values):
-            p = tie.parameter()
-            if p is not None and value is not None and not torch.equal(p.detach(), value):
+            p = mine.get(id(tie))
+            if p is not None and value is not None and not torch.equal(p, value):
                 raise ValueError(describe(
                     'the copies of a parameter tied across ranks must be equal',
                     f"'{tie.local}' of rank {self.me} differs from its copy on rank {rank}",
@@ -174,6 +189,24 @@ class TiedGradients:
         self.kept = []
         for hook in self.hooks:
             hook.shares = None
+        self.wholes, self.values = None, []
+
+
+def whole(tensor: Optional[Tensor]) -> Optional[Tensor]:
+    """``tensor``, or the whole of a sharded one (a DTensor), gathered over its mesh."""
+    gather = getattr(tensor, 'full_tensor', None)
+    return tensor if gather is None else cast(Tensor, gather())
+
+
+def laid_out_as(total: Tensor, parameter: Tensor) -> Tensor:
+    """``total`` (whole) as ``parameter`` is laid out: this rank's part, if it is sharded."""
+    mesh = getattr(parameter, 'device_mesh', None)
+    if mesh is None:
+        return total
+    from torch.distributed.tensor import DTensor, Replicate
+    replicated = DTensor.from_local(total, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    # From a replicated tensor to any placement: each rank takes its part, no message.
+    return replicated.redistribute(mesh, parameter.placements)  # type: ignore[attr-defined]
 
 
 #: The dtypes a gradient's norm may have, by the code its slot carries (0: no gradient).
@@ -207,7 +240,7 @@ def norms_of(grads: Sequence[Tensor], norm_type: float, foreach: Optional[bool])
     return [n for n in norms if n is not None]
 
 
-def whole(norms: List[Tensor]) -> List[Tensor]:
+def whole_norms(norms: List[Tensor]) -> List[Tensor]:
     """``norms`` with those of sharded gradients (DTensors holding this rank's part of a
     norm) reduced over their meshes: one reduction for each mesh and placement."""
     DTensor = getattr(sys.modules.get('torch.distributed.tensor'), 'DTensor', None)
@@ -241,7 +274,7 @@ def total_norm(counted: Sequence[Tuple[int, Tensor]], size: int, norm_type: floa
     vector = torch.zeros(2, size, dtype=torch.float64, device=device)
     if counted:
         places, grads = zip(*counted)
-        norms = whole(norms_of(grads, norm_type, foreach))
+        norms = whole_norms(norms_of(grads, norm_type, foreach))
         where = torch.tensor(places, device=device)
         vector[0, where] = torch.stack([n.to(device, torch.float64) for n in norms])
         vector[1, where] = torch.tensor([DTYPES.index(n.dtype) + 1.0 for n in norms],
