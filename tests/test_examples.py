@@ -67,8 +67,8 @@ def test_transformers_example_matches_the_unwrapped_model(
                         r"model's \(rtol=1e-9\); final loss \d+\.\d+", lines(out)[-1]), out
 
 
-def torchrun(script: str, *args: str) -> subprocess.CompletedProcess[str]:
-    """``script`` of examples/ under torchrun, 2 CPU ranks on this machine."""
+def torchrun(script: str, *args: str, processes: int = 2) -> subprocess.CompletedProcess[str]:
+    """``script`` of examples/ under torchrun, 2 (``processes``) CPU ranks on this machine."""
     with socket.socket() as sock:
         sock.bind(('127.0.0.1', 0))
         port = sock.getsockname()[1]
@@ -76,7 +76,7 @@ def torchrun(script: str, *args: str) -> subprocess.CompletedProcess[str]:
     # in the other tests, and tracing would about double their time.
     with untraced():
         done = subprocess.run(
-            [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', '2',
+            [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', str(processes),
              '--master_addr', '127.0.0.1', '--master_port', str(port),
              os.path.join(EXAMPLES, script), *args],
             capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -162,6 +162,28 @@ def test_ddp_example_ends_with_identical_replicas() -> None:
     assert re.fullmatch(r'OK: 2 replica\(s\) of a 2-partition GPipe pipeline trained 2 steps '
                         r'under DistributedDataParallel and their parameters are identical; '
                         r'.* samples/s over all replicas', out[-1]), out
+
+
+@pytest.mark.timeout(240)
+def test_sharded_pipeline_example_trains_like_the_unwrapped_model_and_resumes(
+        tmp_path: 'os.PathLike[str]') -> None:
+    """examples/sharded_pipeline.py under torchrun, 4 CPU ranks (pp 2 x dp 2): built on the
+    meta device, each rank holding a quarter of the model; resumed from its DCP checkpoint,
+    ``--verify`` training the unwrapped model beside it."""
+    def run(*args: str) -> List[str]:
+        return lines(torchrun('sharded_pipeline.py', '--checkpoint-dir', str(tmp_path),
+                              '--verify', *args, processes=4).stdout)
+    out = run('--steps', '2')
+    held = [line for line in out if line.startswith('rank ')]
+    assert len(held) == 4 and all(line.endswith('parameters (25%)') for line in held), out
+    assert [line.split(':')[0] for line in out if line.startswith('step')] == \
+        ['step 1', 'step 2'], out
+    assert 'saved after step 2' in ' '.join(out), out
+    out = run('--steps', '1', '--resume')
+    assert [line.split(':')[0] for line in out if line.startswith('step')] == ['step 3'], out
+    assert re.fullmatch(r"OK: the losses are the unwrapped model's \(1 steps from step 2 of "
+                        r"DistributedGPipe x FSDP2 on pp 2 x dp 2, built on the meta device, "
+                        r"schedule '1f1b', final loss \d+\.\d+\)", out[-1]), out
 
 
 @pytest.mark.parametrize('name', sorted(n for n in os.listdir(EXAMPLES) if n.endswith('.py')))
