@@ -23,6 +23,7 @@ NAMES = (
     'schedules',
     'bubbles',
     'distributed',
+    'sharded',
     'plan',
 )
 
