@@ -201,12 +201,27 @@ def check_plan(document: Dict[str, Any]) -> None:
 
 
 #: What each experiment's results must hold beyond what every document holds.
+def check_sharded(document: Dict[str, Any]) -> None:
+    from benchmarks import sharded as s
+
+    assert list(document['times']) == list(s.WAYS)
+    for t in document['times'].values():
+        assert 0 < t['min'] <= t['median'] <= t['max']
+    # Counted from the tensors: the shards are half the replicas' (dp 2).
+    assert document['memory']['ratio'] == pytest.approx(0.5, rel=0.05)
+    assert document['at_rest_mib'][s.FSDP] == pytest.approx(document['at_rest_mib'][s.ANCHOR])
+    assert document['time']['target'] == s.TIME_TARGET and document['time']['ratio'] > 0
+    # Every way trains the same steps from the same parameters.
+    assert document['max_loss_difference'] < 1e-5
+
+
 CHECKS: Dict[str, Callable[[Dict[str, Any]], None]] = {
     'overhead': check_overhead, 'transparency': check_transparency,
     'unet_memory': check_unet_memory, 'unet_speed': check_speed,
     'amoebanet_speed': check_speed, 'solver_speed': check_solver_speed,
     'unet_example': check_unet_example, 'schedules': check_schedules,
-    'bubbles': check_bubbles, 'distributed': check_distributed, 'plan': check_plan,
+    'bubbles': check_bubbles, 'distributed': check_distributed, 'sharded': check_sharded,
+    'plan': check_plan,
 }
 
 

@@ -977,6 +977,11 @@ def on_meta(rank: int, world_size: int) -> Tuple[str, str, float, float, float]:
     pipe.to_empty()
     pipe.load_state_dict(real.state_dict())
     loaded = float(pipe.train_step(input, target, F.mse_loss))
+    with torch.device('meta'):
+        ends_tied = tied()
+    v = DistributedGPipe(ends_tied, [2, 1, 1, 2], placement='v')  # both ends on rank 0
+    v.to_empty()  # (Module.to_empty would give each end a weight of its own)
+    assert rank == 1 or v.get_submodule('0').weight is v.get_submodule('5').weight
     mine = range(3) if rank == 0 else range(3, 5)
     with torch.device('meta'):
         shapes_only = model('mlp')

@@ -184,12 +184,12 @@ class DistributedGPipe(CoreModule):
                                       'leave device out'))
         # Module.to_empty makes one new tensor per use: a tied parameter would come apart.
         first: Dict[int, Tuple[Dict[str, Any], str]] = {}
-        later = [(slots, name, first.setdefault(id(t), (slots, name)))
-                 for m in self.modules() for slots in (m._parameters, m._buffers)
-                 for name, t in slots.items() if t is not None]
+        uses = [(held, name, first.setdefault(id(t), (held, name)))
+                for m in self.modules() for held in (m._parameters, m._buffers)
+                for name, t in held.items() if t is not None]
         super().to_empty(device=self.device, recurse=recurse)
-        for slots, name, (slots0, name0) in later:
-            slots[name] = slots0[name0]
+        for held, name, (held_first, name_first) in uses:
+            held[name] = held_first[name_first]
         return self
 
     def partition(self) -> nn.Sequential:
