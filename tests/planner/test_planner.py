@@ -161,6 +161,41 @@ def test_memory_frees_what_backward_passes_finish() -> None:
     assert max(checkpointed) < max(all_) / 2
 
 
+@settings(max_examples=40, deadline=None)
+@given(schedule=st.sampled_from(SCHEDULES), shards=st.integers(2, 8),
+       param_scale=st.sampled_from([1.0, 2.0, 4.0]), mode=st.sampled_from(CHECKPOINTS))
+def test_sharded_partitions_keep_shards_and_gather_for_the_step(
+        schedule: str, shards: int, param_scale: float, mode: str) -> None:
+    """FSDP2 gathered through the step: a worker's parameters and optimizer states are a
+    shard each between steps, and whole beside the shard during one; each partition adds
+    an all-gather and a reduce-scatter, a ring of ``shards - 1`` messages each."""
+    costs = linear_costs(8, batch=16)
+    costs.transfer = (1e-4, 1e-8)
+    virtual, placement = BUILT_INS[schedule].shapes[0]
+    candidate = Candidate(schedule, (2,) * (2 * virtual), 4, mode, 2, placement)
+    alone = predict(costs, candidate, param_scale=param_scale)
+    sharded = predict(costs, candidate, param_scale=param_scale, shards=shards)
+    parameters = [2 * virtual * 1000.0] * 2  # bytes of a worker's weights
+    for w in range(2):
+        assert sharded.memory[w] - alone.memory[w] == pytest.approx(
+            (param_scale - 1) * parameters[w] * (1 / shards - 1) + parameters[w])
+    # Never faster; no slower than every collective on the critical path.
+    ring = (shards - 1) * (1e-4 + 1e-8 * 2 * 1000 / shards)
+    assert alone.step < sharded.step <= alone.step + 2 * 2 * virtual * ring + 1e-6
+
+
+def test_a_plan_for_sharded_partitions_predicts_them_sharded() -> None:
+    sharded = torchgpipe.plan(model(), torch.randn(16, 8), devices=['cpu:0', 'cpu:1'],
+                              schedules=['1f1b'], checkpoint=['never'], chunks=2, repeat=1,
+                              shards=4)
+    assert sharded.costs is not None
+    candidate = Candidate('1f1b', tuple(sharded.balance), sharded.chunks, 'never', 2)
+    expected = predict(sharded.costs, candidate, shards=4)
+    assert list(sharded.memory.values()) == expected.memory
+    assert sharded.predict('1f1b', sharded.balance, sharded.chunks, 'never').step == \
+        expected.step
+
+
 @settings(max_examples=30, deadline=None)
 @given(chunks=st.integers(1, 8), mode=st.sampled_from(['never', 'except_last', 'always']))
 def test_what_partitions_of_one_rank_hand_each_other_is_let_go_of_by_the_end(
@@ -589,6 +624,8 @@ def test_no_schedule_that_fits_is_named() -> None:
     ({'memory_limit': -1}, ValueError, 'memory_limit'),
     ({'chunks': 0}, ValueError, 'chunks'),
     ({'repeat': 0}, ValueError, 'repeat must be at least 1'),
+    ({'shards': 0}, ValueError, 'shards must be at least 1'),
+    ({'shards': 2.0}, TypeError, 'shards must be an int'),
     ({'runners_up': 1.5}, TypeError, 'runners_up must be an int'),
     ({'devices': ['cpu:0', 'meta']}, ValueError, 'devices must be of one type'),
     ({'target': torch.randn(8, 4), 'loss_fn': F.mse_loss}, ValueError,

@@ -38,7 +38,7 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
          target: Optional[TensorOrTensors] = None, loss_fn: Optional[LossFunction] = None,
          param_scale: float = 2.0, chunks: int = 32, schedules: Optional[Sequence[str]] = None,
          checkpoint: Optional[Sequence[str]] = None, repeat: int = 3,
-         runners_up: int = 5) -> Plan:
+         runners_up: int = 5, shards: int = 1) -> Plan:
     """Chooses how to pipeline ``module``: the fastest configuration that fits in memory.
 
     Each layer is measured once, on a copy, at every micro-batch size, and the pipeline's
@@ -69,6 +69,11 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
         checkpoint (list of str, optional): the checkpoint modes to try (default: all)
         repeat (int): timed runs per layer and micro-batch size (default: ``3``)
         runners_up (int): how many other configurations the plan keeps (default: ``5``)
+        shards (int): the data-parallel ranks each partition is sharded over by FSDP2
+            (``fully_shard`` with ``reshard_after_forward=False``): its parameters and
+            optimizer states are counted a shard each between steps, whole beside them
+            during one, with an all-gather and a reduce-scatter a partition per step
+            (default: ``1``, not sharded)
 
     Returns:
         Plan: printable; apply it with ``GPipe(module, **plan.kwargs)`` (or
@@ -98,7 +103,7 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
     try:
         batch, workers, names, modes, most = check_arguments(
             module, sample, target, loss_fn, devices, group, device, schedules, checkpoint,
-            chunks, repeat, runners_up, memory_limit, param_scale)
+            chunks, repeat, runners_up, memory_limit, param_scale, shards)
     except (TypeError, ValueError) as error:
         if group is None:
             raise
@@ -114,7 +119,8 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
             'layers': [sum(p.numel() for p in layer.parameters()) for layer in module],
             'sample': [(tuple(x.shape), str(x.dtype)) for x in Batch(sample)
                        if isinstance(x, Tensor)],
-            'memory_limit': memory_limit, 'param_scale': param_scale, 'chunks': most,
+            'memory_limit': memory_limit, 'param_scale': param_scale, 'shards': shards,
+            'chunks': most,
             'schedules': names, 'checkpoint': modes, 'repeat': repeat,
             'runners_up': runners_up, 'loss_fn': loss is not None})
         if team.size > len(module):
@@ -159,10 +165,11 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
         if steps is not None:
             costs = pilot.paced(costs, pilot.pace(costs, len(names_of), steps))
         found = search(costs, len(names_of), memory_limit=memory_limit, schedules=names,
-                       chunks=counts, checkpoints=modes, param_scale=param_scale)
+                       chunks=counts, checkpoints=modes, param_scale=param_scale,
+                       shards=shards)
         return choose(found, names_of, names, memory_limit, runners_up, costs,
                       float(param_scale), processes=group is not None,
-                      threads=worker_threads)
+                      threads=worker_threads, shards=shards)
 
 
 def skip_overhead(team: 'PlanningGroup', steps_of: Timer, overheads: Tuple[float, float, float],
@@ -178,7 +185,7 @@ def skip_overhead(team: 'PlanningGroup', steps_of: Timer, overheads: Tuple[float
 def choose(options: List[Option], names_of: List[str], names: List[str],
            memory_limit: Optional[float], runners_up: int, costs: Costs,
            param_scale: float, processes: bool = False,
-           threads: Optional[int] = None) -> Plan:
+           threads: Optional[int] = None, shards: int = 1) -> Plan:
     """The plan of the fastest predicted configuration that fits; ``ValueError`` when none
     does. ``names_of`` names each worker."""
     if not options:
@@ -198,7 +205,7 @@ def choose(options: List[Option], names_of: List[str], names: List[str],
     fitting = [o for o in options if o.fits(memory_limit)]
     return Plan(fitting[0], fitting[1:1 + runners_up], names_of,
                 None if memory_limit is None else float(memory_limit), costs, param_scale,
-                processes, threads)
+                processes, threads, shards)
 
 
 @contextmanager

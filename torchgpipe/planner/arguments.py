@@ -24,7 +24,7 @@ def check_arguments(module: nn.Sequential, sample: TensorOrTensors,
                     device: Optional[Device], schedules: Optional[Sequence[str]],
                     checkpoint: Optional[Sequence[str]], chunks: int, repeat: int,
                     runners_up: int, memory_limit: Optional[float],
-                    param_scale: float
+                    param_scale: float, shards: int = 1
                     ) -> Tuple[int, List[torch.device], List[str], List[str], int]:
     """Checks :func:`torchgpipe.plan`'s arguments; returns the batch size, the devices (none
     with ``group``), the schedules and checkpoint modes, and the most micro-batches."""
@@ -56,6 +56,8 @@ def check_arguments(module: nn.Sequential, sample: TensorOrTensors,
     check_number('memory_limit', memory_limit, 'give bytes, such as memory_limit=8 * 2**30',
                  optional=True)
     check_number('param_scale', param_scale, 'give e.g. param_scale=4.0 for Adam')
+    check_number('shards', shards, "give the size of the mesh's dimension fully_shard "
+                 'shards over, such as shards=2', integer=True, least=1, must='at least 1')
     check_target_and_loss('plan', target, loss_fn,
                           'to measure the loss with the last layer, or neither')
     if loss_fn is not None:

@@ -12,6 +12,12 @@ task, and a message to another worker::
 The memory walks each worker's actions (:func:`peak_memory`) through the
 bytes of :class:`~torchgpipe.planner.partitions.Partitions`, counting once
 what partitions of one process share (:mod:`~torchgpipe.planner.sharing`).
+
+Partitions sharded over ``shards`` data-parallel ranks (FSDP2, gathered
+through the step) keep a shard of their parameters and optimizer states
+between steps, and during one the whole parameters and gradients beside
+them; each partition's first ``F`` gathers its parameters first, and its
+last ``B`` or ``W`` reduce-scatters its gradients after.
 """
 import math
 from dataclasses import dataclass
@@ -72,17 +78,18 @@ def micro_batches(batch: int, chunks: int) -> List[int]:
     return [size] * (count - 1) + [batch - size * (count - 1)]
 
 
-def predict(costs: Costs, candidate: Candidate, *, param_scale: float = 2.0
-            ) -> Prediction:
+def predict(costs: Costs, candidate: Candidate, *, param_scale: float = 2.0,
+            shards: int = 1) -> Prediction:
     """The step time and each worker's peak memory of ``candidate`` by ``costs``, training
     keeping ``param_scale`` parameter-sized tensors per parameter (as
-    :func:`~torchgpipe.balance.balance_by_size` counts); ``ValueError`` if the schedule
-    cannot run it."""
+    :func:`~torchgpipe.balance.balance_by_size` counts), sharded over ``shards`` ranks;
+    ``ValueError`` if the schedule cannot run it."""
     sizes = micro_batches(costs.batch, candidate.chunks)
     schedule = candidate.plan(len(sizes))
     parts = Partitions(costs, candidate.balance, candidate.worker_of)
     checkpointed = checkpoints(candidate.checkpoint, len(sizes))
     n = len(candidate.balance)
+    collectives = sharded_collectives(schedule, costs, parts, shards)
 
     def seconds(action: Action) -> Tuple[float, Dict[str, float]]:
         """The action's time, and its work by kind of task."""
@@ -108,7 +115,7 @@ def predict(costs: Costs, candidate: Candidate, *, param_scale: float = 2.0
         message = latency + per_byte * sent if crosses else 0.0
         # A message of its own for each skip to or from another worker.
         message += skips[0] * (latency + costs.skip_overhead) + per_byte * skips[1]
-        return sum(work.values()) + overhead + message, work
+        return sum(work.values()) + overhead + message + collectives.get(action, 0.0), work
 
     cost: Dict[Action, Fraction] = {}
     works: Dict[Action, Dict[str, float]] = {}
@@ -138,11 +145,35 @@ def predict(costs: Costs, candidate: Candidate, *, param_scale: float = 2.0
         mine = [j for j in range(n) if candidate.worker_of(j) == w]
         gradients = parts.gradients(mine)
         grads = made * gradients
-        # Parameters, optimizer state, gradients (a tied weight's share always).
-        static = (param_scale - 1) * parts.parameters(mine) + gradients
+        # Parameters, optimizer state, gradients (a tied weight's share always); sharded,
+        # a shard of the first two, and the whole parameters gathered for the step.
+        parameters = parts.parameters(mine)
+        static = (param_scale - 1) * parameters / shards + gradients + \
+            (parameters if shards > 1 else 0.0)
         memory.append(max(peak_memory(schedule.workers, w, parts, sizes, checkpointed, made),
                           grads + exchange_memory(parts, candidate, w)) + static - grads)
     return Prediction(step=step, memory=memory, busy=busy, ends=ends)
+
+
+def sharded_collectives(schedule: Schedule, costs: Costs, parts: Partitions,
+                        shards: int) -> Dict[Action, float]:
+    """The seconds the actions of partitions sharded over ``shards`` ranks add: an
+    all-gather of the parameters before each partition's first ``F``, a reduce-scatter of
+    its gradients after its last ``B`` or ``W`` (each a ring: ``shards - 1`` messages of a
+    shard, at the cost of a message between workers)."""
+    if shards < 2:
+        return {}
+    latency, per_byte = costs.transfer
+    added: Dict[Action, float] = {}
+    for actions in schedule.workers:
+        for j in {a.j for a in actions}:
+            mine = [a for a in actions if a.j == j]
+            first = next(a for a in mine if a.kind is Kind.F)
+            last = [a for a in mine if a.kind in (Kind.B, Kind.W)][-1]
+            for action, moved in ((first, parts.parameters([j])), (last, parts.gradients([j]))):
+                added[action] = added.get(action, 0.0) + \
+                    (shards - 1) * (latency + per_byte * moved / shards)
+    return added
 
 
 def checkpoints(mode: str, m: int) -> List[bool]:

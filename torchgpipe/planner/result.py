@@ -39,7 +39,7 @@ class Plan:
     def __init__(self, chosen: Option, runners_up: List[Option], devices: List[str],
                  memory_limit: Optional[float], costs: Optional[Costs] = None,
                  param_scale: float = 2.0, processes: bool = False,
-                 threads: Optional[int] = None) -> None:
+                 threads: Optional[int] = None, shards: int = 1) -> None:
         self.processes = processes
         self.threads = threads
         self.chosen = chosen
@@ -49,6 +49,7 @@ class Plan:
         #: The measurements planned from (``None`` in a plan loaded from a file).
         self.costs = costs
         self.param_scale = param_scale
+        self.shards = shards
 
     def predict(self, schedule: str, balance: Sequence[int], chunks: int,
                 checkpoint: str = 'except_last') -> Option:
@@ -87,7 +88,8 @@ class Plan:
         check_checkpoint(checkpoint)
         count = len(micro_batches(costs.batch, check_chunks(chunks)))
         candidate = Candidate(name, tuple(balance), count, checkpoint, p, shape[1])
-        prediction = predict(costs, candidate, param_scale=self.param_scale)
+        prediction = predict(costs, candidate, param_scale=self.param_scale,
+                             shards=self.shards)
         return option(candidate, prediction.step, prediction.memory, prediction.busy)
 
     @property

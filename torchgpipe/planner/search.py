@@ -70,7 +70,7 @@ def configurations(costs: Costs, workers: int, *, schedules: Sequence[str],
 
 def search(costs: Costs, workers: int, *, memory_limit: Optional[float],
            schedules: Sequence[str], chunks: Sequence[int], checkpoints: Sequence[str],
-           param_scale: float) -> List[Option]:
+           param_scale: float, shards: int = 1) -> List[Option]:
     """Every configuration predicted, the best that fit ``memory_limit`` refined: those
     that fit first (fastest first, then the smaller peak), then the others (smallest
     peak first)."""
@@ -78,7 +78,7 @@ def search(costs: Costs, workers: int, *, memory_limit: Optional[float],
 
     def scored(candidate: Candidate) -> Option:
         if candidate not in seen:
-            found = predict(costs, candidate, param_scale=param_scale)
+            found = predict(costs, candidate, param_scale=param_scale, shards=shards)
             seen[candidate] = option(candidate, found.step, found.memory, found.busy)
         return seen[candidate]
 
