@@ -186,6 +186,8 @@ def tied_ends(rank: int, world_size: int, sharding: str) -> Dict[str, Any]:
                         target[here * share:(here + 1) * share], F.mse_loss)
     grads = {name: p.grad.full_tensor().tolist() if hasattr(p.grad, 'full_tensor')
              else p.grad.tolist() for name, p in pipe.named_parameters()}
+    # Under tensor parallel, layers 2 and 4 are not sharded: plain and sharded gradients.
+    norm = float(pipe.clip_grad_norm_(MAX_NORM))
     unequal = pipeline()
     if rank == 0:  # a copy of rank 0's pipeline ranks changed
         next(unequal.parameters()).data.to_local().add_(1.0)
@@ -194,7 +196,7 @@ def tied_ends(rank: int, world_size: int, sharding: str) -> Dict[str, Any]:
         refused = ''
     except ValueError as exc:
         refused = str(exc)
-    return {'grads': grads, 'refused': refused}
+    return {'grads': grads, 'norm': norm, 'refused': refused}
 
 
 @pytest.mark.parametrize('sharding', ['dp', 'tp'])
@@ -202,9 +204,13 @@ def test_a_weight_tied_across_ranks_whose_ends_are_sharded(sharding: str) -> Non
     plain = tied()
     for step in range(2):
         F.mse_loss(plain(tied_batch(step)[0]), tied_batch(step)[1]).backward()
-    expected = {name: p.grad for name, p in plain.named_parameters(remove_duplicate=False)}
+    expected = {name: p.grad.clone()
+                for name, p in plain.named_parameters(remove_duplicate=False)}
+    norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), MAX_NORM)
     for rank, got in enumerate(run_distributed(tied_ends, sharding, world_size=4,
                                                timeout=150)):
+        torch.testing.assert_close(torch.tensor(got['norm'], dtype=torch.float64), norm,
+                                   rtol=1e-12, atol=0)
         for name, grad in got['grads'].items():
             torch.testing.assert_close(torch.tensor(grad, dtype=torch.float64),
                                        expected[name], rtol=1e-12, atol=1e-15,

@@ -91,9 +91,9 @@ class TiedGradients:
         self.kept: List[Optional[Tensor]] = []
         #: Whether the next step sends the copies too, to compare them.
         self.check = True
-        #: This step's gradients of each tie (see own), and the copies if checked, whole.
-        self.wholes: Optional[List[List[Optional[Tensor]]]] = None
-        self.values: List[Optional[Tensor]] = []
+        #: This step's gradients of each tie (see own) and its copies, whole, once gathered.
+        self.gathered_grads: Optional[List[List[Optional[Tensor]]]] = None
+        self.gathered_copies: Optional[List[Optional[Tensor]]] = None
 
     def parameters(self) -> List[nn.Parameter]:
         """The tied parameters of this rank."""
@@ -113,7 +113,7 @@ class TiedGradients:
                 p.grad = None
         for hook in self.hooks:
             hook.shares = {}
-        self.wholes, self.values = None, []
+        self.gathered_grads = self.gathered_copies = None
 
     def own(self, tie: Tie) -> List[Optional[Tensor]]:
         """This rank's step gradients of ``tie``, one per partition using it: the first's
@@ -124,22 +124,27 @@ class TiedGradients:
         return [p.grad, *(cast(Dict[int, Tensor], hook.shares).get(id(p)) for hook in self.hooks
                           if any(m is p for m in hook.masters()))]
 
-    def whole(self) -> List[List[Optional[Tensor]]]:
+    def whole_grads(self) -> List[List[Optional[Tensor]]]:
         """:meth:`own` of each tie, sharded gradients gathered (once a step)."""
-        if self.wholes is None:
-            self.wholes = [[whole(g) for g in self.own(tie)] for tie in self.ties]
-        return self.wholes
+        if self.gathered_grads is None:
+            self.gathered_grads = [[whole(g) for g in self.own(tie)] for tie in self.ties]
+        return self.gathered_grads
+
+    def whole_copies(self) -> List[Optional[Tensor]]:
+        """This rank's copy of each tie, a sharded one gathered (once a step)."""
+        if self.gathered_copies is None:
+            self.gathered_copies = [None if p is None else whole(p.detach())
+                                    for p in (tie.parameter() for tie in self.ties)]
+        return self.gathered_copies
 
     def shares(self, others: Iterable[int]) -> Dict[int, Share]:
         """What this rank sends each of ``others`` (see ``Share``)."""
-        grads = self.whole()
-        if self.checking():
-            self.values = [None if p is None else whole(p.detach())
-                           for p in (tie.parameter() for tie in self.ties)]
+        grads = self.whole_grads()
+        copies = self.whole_copies() if self.checking() else None
         return {rank: ([g for tie, own in zip(self.ties, grads) if rank in tie.ranks
                         for g in own],
-                       [v for tie, v in zip(self.ties, self.values) if rank in tie.ranks]
-                       if self.checking() else None)
+                       None if copies is None else
+                       [v for tie, v in zip(self.ties, copies) if rank in tie.ranks])
                 for rank in others}
 
     def sum(self, received: Dict[int, Share]) -> None:
@@ -154,7 +159,7 @@ class TiedGradients:
             raise
         self.check = False
         cursors = {rank: iter(grads) for rank, (grads, _) in received.items()}
-        cursors[self.me] = iter([g for own in self.whole() for g in own])
+        cursors[self.me] = iter([g for own in self.whole_grads() for g in own])
         for tie, kept in zip(self.ties, self.kept):
             p = tie.parameter()
             total = add_in_order(None, None, [next(cursors[rank]) for rank in tie.ranks])
@@ -165,7 +170,8 @@ class TiedGradients:
 
     def compare(self, rank: int, values: List[Optional[Tensor]]) -> None:
         """Refuses ``rank``'s copies of the ties it shares unequal to this rank's."""
-        mine = {id(tie): v for tie, v in zip(self.ties, self.values)}
+        # Gathered here if this rank did not send its own (it was not checking).
+        mine = {id(tie): v for tie, v in zip(self.ties, self.whole_copies())}
         shared = [tie for tie in self.ties if rank in tie.ranks]
         for tie, value in zip(shared, values):
             p = mine.get(id(tie))
@@ -189,7 +195,7 @@ class TiedGradients:
         self.kept = []
         for hook in self.hooks:
             hook.shares = None
-        self.wholes, self.values = None, []
+        self.gathered_grads = self.gathered_copies = None
 
 
 def whole(tensor: Optional[Tensor]) -> Optional[Tensor]:
@@ -224,19 +230,26 @@ def slots(module: nn.Module) -> Dict[str, int]:
 def norms_of(grads: Sequence[Tensor], norm_type: float, foreach: Optional[bool]) -> List[Tensor]:
     """The norm of each of ``grads``, computed as :func:`torch.nn.utils.clip_grad_norm_` does."""
     norms: List[Optional[Tensor]] = [None] * len(grads)
-    grouped = _group_tensors_by_device_and_dtype([list(grads)], with_indices=True)
-    for (device, _), ([maybe], indices) in grouped.items():
-        tensors = cast(List[Tensor], maybe)
-        if (foreach is None and _has_foreach_support(tensors, device)) or \
-                (foreach and _device_has_foreach_support(device)):
-            found = list(torch._foreach_norm(tensors, norm_type))
-        elif foreach:
-            raise RuntimeError(f"foreach=True was given, but torch has no foreach kernels for "
-                               f"{device.type} tensors: give foreach=None or False")
-        else:
-            found = [torch.linalg.vector_norm(g, norm_type) for g in tensors]
-        for index, norm in zip(indices, found):
-            norms[index] = norm
+    # Plain and sharded gradients apart, and these by mesh: a foreach kernel takes one kind.
+    kinds: Dict[Tuple[Any, ...], List[int]] = {}
+    for k, g in enumerate(grads):
+        key = (type(g), getattr(g, 'device_mesh', None), tuple(getattr(g, 'placements', ())))
+        kinds.setdefault(key, []).append(k)
+    for places in kinds.values():
+        grouped = _group_tensors_by_device_and_dtype([[grads[k] for k in places]],
+                                                     with_indices=True)
+        for (device, _), ([maybe], indices) in grouped.items():
+            tensors = cast(List[Tensor], maybe)
+            if (foreach is None and _has_foreach_support(tensors, device)) or \
+                    (foreach and _device_has_foreach_support(device)):
+                found = list(torch._foreach_norm(tensors, norm_type))
+            elif foreach:
+                raise RuntimeError(f"foreach=True was given, but torch has no foreach kernels "
+                                   f"for {device.type} tensors: give foreach=None or False")
+            else:
+                found = [torch.linalg.vector_norm(g, norm_type) for g in tensors]
+            for index, norm in zip(indices, found):
+                norms[places[index]] = norm
     return [n for n in norms if n is not None]
 
 
