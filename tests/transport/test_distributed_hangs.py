@@ -7,7 +7,8 @@ for the stopped one, names the stopped one too, wherever it stands in the
 pipeline, in a forward or a backward pass, under every schedule. Ranks
 given different mini-batches, chunks or schedules, or no data where it is
 needed, or that one rank refuses (its data, its arguments, a layer that
-cannot run in its mode), all refuse the step before any of its messages,
+cannot run in its mode, a layer left on the meta device), all refuse the step
+before any of its messages,
 and train on once they agree; ranks that would lay out the layers
 differently, or of which one cannot build the pipeline, all refuse to build it. A
 rank that fails is named as failed, not lost, when its connection closes after its word.
@@ -39,8 +40,7 @@ from torchgpipe import to_sequential
 from torchgpipe.distributed import DistributedGPipe, PeerFailed, StepTimeout
 from torchgpipe.engine.generators import check_schedule
 from torchgpipe.engine.step import split_given, weighted
-from torchgpipe.foundation.placement import check_materialized
-from torchgpipe.foundation.validation import check_balance
+from torchgpipe.foundation.validation import check_balance, check_chunks
 from torchgpipe.transport.channels import Received
 from torchgpipe.transport.faults import Disconnected, TimedOut
 from torchgpipe.transport.wire import Wire
@@ -352,6 +352,8 @@ def disagreeing(rank: int, world_size: int) -> Dict[str, Any]:
             lambda: pipe.train_step(input, target, F.mse_loss,
                                     schedule='1f1b' if rank else '0F0 0X0'),
             train_captured,
+            # Rank 1 has not materialized its layer.
+            lambda: DistributedGPipe(half_meta, [1, 1]).train_step(input, target, F.mse_loss),
         ], agreed),
         'captured': captured_in_its_mode(),  # after train_captured
         'layouts': refused([
@@ -370,7 +372,7 @@ def disagreeing(rank: int, world_size: int) -> Dict[str, Any]:
         'one cannot build': refused([
             lambda: DistributedGPipe(nn.Sequential(*(linear() for _ in range(4))),
                                      [3, 2] if rank else [2, 2]),
-            lambda: DistributedGPipe(half_meta, [1, 1]),
+            lambda: DistributedGPipe(model, [1, 1], chunks=0 if rank else 1),
         ], built),
     }
 
@@ -443,8 +445,8 @@ def test_a_rank_that_refuses_a_step_makes_every_rank_refuse_it(
     input, target = batch(0)
     cpu = torch.device('cpu')
     refusals = list(zip(*(d['one refuses a step'] for d in disagreements)))
-    assert len(refusals) == 4
-    dictionary, empty, schedule, captured = refusals
+    assert len(refusals) == 5
+    dictionary, empty, schedule, captured, on_meta = refusals
     assert_refused_by(0, error_of(lambda: split_given({'x': input}, None, CHUNKS, cpu)),
                       'run the step', list(dictionary))
     assert_refused_by(1, error_of(lambda: weighted([0] * CHUNKS, 'mean')), 'run the step',
@@ -454,6 +456,10 @@ def test_a_rank_that_refuses_a_step_makes_every_rank_refuse_it(
     assert re.fullmatch(r'RuntimeError: this part of the sequential was captured in evaluation '
                         r'mode and cannot run in training mode: .*', captured[0])
     assert_refused_by(0, captured[0], 'run the step', list(captured))
+    assert_refused_by(1, "ValueError: the layers must hold data to run a step ('1.weight' on "
+                      "the meta device); materialize this rank's layers first: "
+                      'pipe.to_empty(), then initialize them (reset_parameters(), or load a '
+                      'state dict or a DCP checkpoint)', 'run the step', list(on_meta))
 
 
 def test_a_refused_step_of_a_captured_child_leaves_the_pipeline_whole(
@@ -473,14 +479,12 @@ def test_a_rank_that_cannot_build_the_pipeline_makes_every_rank_refuse(
         disagreements: List[Dict[str, Any]]) -> None:
     def linear() -> nn.Module:
         return nn.Linear(FEATURES, FEATURES)
-    with torch.device('meta'):
-        on_meta = nn.Sequential(linear(), linear())
-    balance, meta = zip(*(d['one cannot build'] for d in disagreements))
+    balance, chunks = zip(*(d['one cannot build'] for d in disagreements))
     assert_refused_by(1, error_of(lambda: check_balance(
         nn.Sequential(*(linear() for _ in range(4))), [3, 2])), 'build the pipeline',
         list(balance))
-    assert_refused_by(1, error_of(lambda: check_materialized(
-        on_meta, [1, 1], [None, torch.device('cpu')])), 'build the pipeline', list(meta))
+    assert_refused_by(1, error_of(lambda: check_chunks(0)), 'build the pipeline',
+                      list(chunks))
 
 
 class ScriptedChannels:
