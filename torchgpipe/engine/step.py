@@ -127,11 +127,12 @@ class Stage:
         tensors, grads = self.gradients(i, current)
         if action.kind is Kind.B:
             self.record('backward', i, lambda: self.backpropagate(tensors, grads))
-            self.finish(action)
         else:
             self.deferred[i] = self.record('input', i, lambda: input_pass(
                 tensors, grads, self.leaves(current), tuple(current.output or ())))
         self.send_gradients(i, current)
+        if action.kind is Kind.B:
+            self.finish(action)  # the partition before has its gradient meanwhile
 
     def finish(self, action: Action) -> None:
         """Calls ``done`` after the last ``B`` or ``W``: the gradients may be all-reduced
