@@ -184,18 +184,6 @@ def test_sharded_partitions_keep_shards_and_gather_for_the_step(
     assert alone.step < sharded.step <= alone.step + 2 * 2 * virtual * ring + 1e-6
 
 
-def test_a_plan_for_sharded_partitions_predicts_them_sharded() -> None:
-    sharded = torchgpipe.plan(model(), torch.randn(16, 8), devices=['cpu:0', 'cpu:1'],
-                              schedules=['1f1b'], checkpoint=['never'], chunks=2, repeat=1,
-                              shards=4)
-    assert sharded.costs is not None
-    candidate = Candidate('1f1b', tuple(sharded.balance), sharded.chunks, 'never', 2)
-    expected = predict(sharded.costs, candidate, shards=4)
-    assert list(sharded.memory.values()) == expected.memory
-    assert sharded.predict('1f1b', sharded.balance, sharded.chunks, 'never').step == \
-        expected.step
-
-
 @settings(max_examples=30, deadline=None)
 @given(chunks=st.integers(1, 8), mode=st.sampled_from(['never', 'except_last', 'always']))
 def test_what_partitions_of_one_rank_hand_each_other_is_let_go_of_by_the_end(
@@ -626,6 +614,7 @@ def test_no_schedule_that_fits_is_named() -> None:
     ({'repeat': 0}, ValueError, 'repeat must be at least 1'),
     ({'shards': 0}, ValueError, 'shards must be at least 1'),
     ({'shards': 2.0}, TypeError, 'shards must be an int'),
+    ({'shards': 2}, ValueError, 'shards is for a pipeline of processes, with group'),
     ({'runners_up': 1.5}, TypeError, 'runners_up must be an int'),
     ({'devices': ['cpu:0', 'meta']}, ValueError, 'devices must be of one type'),
     ({'target': torch.randn(8, 4), 'loss_fn': F.mse_loss}, ValueError,

@@ -71,6 +71,14 @@ def plan_and_train(rank: int, world_size: int) -> List[Dict[str, Any]]:
                                schedules=['1f1b'], checkpoint=['never'])
     assert skipping.costs is not None
     results.append({'costs': skipping.costs})
+    # Sharded over 4 ranks (FSDP2): the plan predicts its choice so.
+    sharded = planned(model('mlp'), ['1f1b'], shards=4, checkpoint=['never'])
+    assert sharded.costs is not None
+    candidate = Candidate('1f1b', tuple(sharded.balance), sharded.chunks, 'never', 2)
+    expected = predict(sharded.costs, candidate, shards=4)
+    results.append({'sharded': list(sharded.memory.values()) == expected.memory and
+                    sharded.predict('1f1b', sharded.balance, sharded.chunks, 'never').step ==
+                    expected.step})
     return results
 
 
@@ -121,11 +129,16 @@ def test_every_rank_gets_one_plan_that_trains_as_the_unwrapped_model(
         assert len(said) == 1 and 'planned_threads: 1, torch.get_num_threads(): 2' in said[0]
 
 
+def test_a_plan_for_sharded_partitions_predicts_them_sharded(
+        two_ranks: List[List[Dict[str, Any]]]) -> None:
+    assert [r[len(SCHEDULES) + 1] for r in two_ranks] == [{'sharded': True}] * 2
+
+
 def test_the_ranks_agree_on_what_a_skips_message_costs(
         two_ranks: List[List[Dict[str, Any]]]) -> None:
     """Planning a model whose skips cross ranks calibrates a skip's message on every rank
     together (rank 0 finds its cost); a model without skips leaves it at nothing."""
-    first, second = (r[-1]['costs'] for r in two_ranks)
+    first, second = (r[len(SCHEDULES)]['costs'] for r in two_ranks)
     assert first.skips and first == second
     assert first.skip_overhead > 0.0  # (found by halving: never 0 for a step that took time)
     assert all(r[0]['costs'].skip_overhead == 0.0 for r in two_ranks)  # the MLP

@@ -167,6 +167,38 @@ def test_mixed_precision_computes_in_bfloat16_and_reduces_once() -> None:
                                        rtol=2e-2, atol=2e-3)
 
 
+def resharded_after_forward(rank: int, world_size: int) -> Dict[str, Dict[str, int]]:
+    """Units resharded after each forward pass: a step's collectives, counted, without
+    checkpoints and with every micro-batch recomputed."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh('cpu', (2, 2), mesh_dim_names=('pp', 'dp'))
+    shard = slice(mesh.get_local_rank('dp') * BATCH // 2,
+                  (mesh.get_local_rank('dp') + 1) * BATCH // 2)
+    counted = {}
+    for checkpoint in ('never', 'always'):
+        pipe = DistributedGPipe(model(), [2, 2], chunks=CHUNKS, checkpoint=checkpoint,
+                                group=mesh['pp'].get_group())
+        for layer in pipe.children():
+            fully_shard(layer, mesh=mesh['dp'], reshard_after_forward=True)
+        counts: Dict[str, int] = {}
+        input, target = batch(0)
+        with counting(counts):
+            pipe.train_step(input[shard], target[shard], F.mse_loss)
+        counted[checkpoint] = counts
+    return counted
+
+
+@pytest.mark.slow  # four processes
+def test_units_resharded_after_forward_gather_once_per_forward_and_once_for_backward() -> None:
+    # Each forward pass (and recomputation) gathers a unit's parameters; its first backward
+    # pass too, after which they stay gathered until the unit reduces. Two units a rank.
+    for counted in run_distributed(resharded_after_forward, world_size=4, timeout=150):
+        assert counted == {
+            'never': {'all_gather_single': 2 * (CHUNKS + 1), 'reduce_scatter_single': 2},
+            'always': {'all_gather_single': 2 * (2 * CHUNKS + 1), 'reduce_scatter_single': 2}}
+
+
 VOCABULARY = 11
 
 

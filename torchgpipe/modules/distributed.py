@@ -158,8 +158,9 @@ class DistributedGPipe(CoreModule):
     def to_empty(self, *, device: Optional[Union[torch.device, str, int]] = None,
                  recurse: bool = True) -> 'DistributedGPipe':
         """Gives this rank's layers built on the meta device memory on its device, as
-        :meth:`torch.nn.Module.to_empty` does (values uninitialized: initialize them next);
-        a parameter several of them share stays one. Other ranks' layers are not held.
+        :meth:`torch.nn.Module.to_empty` does: every parameter and buffer of this rank gets
+        new memory, uninitialized (initialize them next); a parameter several of them share
+        stays one. Other ranks' layers are not held.
 
         Args:
             device (torch.device, str or int, optional): this rank's device, the default

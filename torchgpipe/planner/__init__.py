@@ -73,7 +73,7 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
             (``fully_shard`` with ``reshard_after_forward=False``): its parameters and
             optimizer states are counted a shard each between steps, whole beside them
             during one, with an all-gather and a reduce-scatter a partition per step
-            (default: ``1``, not sharded)
+            (default: ``1``, not sharded; with ``group`` only)
 
     Returns:
         Plan: printable; apply it with ``GPipe(module, **plan.kwargs)`` (or

@@ -58,6 +58,11 @@ def check_arguments(module: nn.Sequential, sample: TensorOrTensors,
     check_number('param_scale', param_scale, 'give e.g. param_scale=4.0 for Adam')
     check_number('shards', shards, "give the size of the mesh's dimension fully_shard "
                  'shards over, such as shards=2', integer=True, least=1, must='at least 1')
+    if shards != 1 and group is None:
+        raise ValueError(describe('shards is for a pipeline of processes, with group',
+                                  f'shards: {shards!r}, group: None',
+                                  "plan on the pipeline's ranks with group=, or leave shards "
+                                  'out'))
     check_target_and_loss('plan', target, loss_fn,
                           'to measure the loss with the last layer, or neither')
     if loss_fn is not None:

@@ -160,7 +160,8 @@ def sharded_collectives(schedule: Schedule, costs: Costs, parts: Partitions,
     """The seconds the actions of partitions sharded over ``shards`` ranks add: an
     all-gather of the parameters before each partition's first ``F``, a reduce-scatter of
     its gradients after its last ``B`` or ``W`` (each a ring: ``shards - 1`` messages of a
-    shard, at the cost of a message between workers)."""
+    shard, at the cost of a message between workers, whose latency the per-task overhead
+    holds across processes: a collective's is left out)."""
     if shards < 2:
         return {}
     latency, per_byte = costs.transfer
