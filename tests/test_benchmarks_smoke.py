@@ -207,10 +207,13 @@ def check_sharded(document: Dict[str, Any]) -> None:
     assert list(document['times']) == list(s.WAYS)
     for t in document['times'].values():
         assert 0 < t['min'] <= t['median'] <= t['max']
+    memory, time, ddp = document['results']
+    assert (memory['measured'], memory['against']) == (s.FSDP, s.DDP)
+    assert (time['measured'], time['against'], ddp['measured']) == (s.FSDP, s.ANCHOR, s.DDP)
     # Counted from the tensors: the shards are half the replicas' (dp 2).
-    assert document['memory']['ratio'] == pytest.approx(0.5, rel=0.05)
+    assert memory['ratio'] == pytest.approx(0.5, rel=0.05)
     assert document['at_rest_mib'][s.FSDP] == pytest.approx(document['at_rest_mib'][s.ANCHOR])
-    assert document['time']['target'] == s.TIME_TARGET and document['time']['ratio'] > 0
+    assert time['target'] == s.TIME_TARGET and time['ratio'] > 0 and 'target' not in ddp
     # Every way trains the same steps from the same parameters.
     assert document['max_loss_difference'] < 1e-5
 
