@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from process_group import no_child_left  # noqa: F401 (an autouse fixture)
-from process_group import run_distributed
+from process_group import rank_device, run_distributed
 from torchgpipe.distributed import DistributedGPipe
 
 pytest.importorskip('torch.distributed.fsdp', reason='FSDP2 (fully_shard) needs torch 2.4')
@@ -79,20 +79,22 @@ def sharded_steps(rank: int, world_size: int) -> Dict[str, Any]:
     by their norm, and that norm."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    mesh = init_device_mesh('cpu', (2, 2), mesh_dim_names=('pp', 'dp'))
+    device = rank_device()
+    mesh = init_device_mesh(device.type, (2, 2), mesh_dim_names=('pp', 'dp'))
     here = mesh.get_local_rank('dp')
     shard = slice(here * BATCH // 2, (here + 1) * BATCH // 2)
     results: Dict[str, Any] = {}
     for n, (schedule, checkpoint, balance, placement, norm_type) in enumerate(CONFIGS):
         pipe = DistributedGPipe(model(), balance, chunks=CHUNKS, checkpoint=checkpoint,
-                                placement=placement, group=mesh['pp'].get_group())
+                                placement=placement, group=mesh['pp'].get_group(),
+                                device=device)
         for layer in pipe.children():
             fully_shard(layer, mesh=mesh['dp'], reshard_after_forward=False)
         steps = []
         for step in range(STEPS):
             pipe.zero_grad()
             counts: Dict[str, int] = {}
-            input, target = batch(step)
+            input, target = (x.to(device) for x in batch(step))
             with counting(counts):
                 pipe.train_step(input[shard], target[shard], F.mse_loss, schedule=schedule)
             norm = float(pipe.clip_grad_norm_(MAX_NORM, norm_type)) if step else None
@@ -103,8 +105,11 @@ def sharded_steps(rank: int, world_size: int) -> Dict[str, Any]:
 
 
 @pytest.mark.slow  # four processes
-def test_each_unit_reduces_and_gathers_once_per_step_with_the_unwrapped_gradients() -> None:
-    ranks = run_distributed(sharded_steps, world_size=4, timeout=200)
+@pytest.mark.parametrize('backend', ['gloo', pytest.param('nccl', marks=pytest.mark.cuda)])
+def test_each_unit_reduces_and_gathers_once_per_step_with_the_unwrapped_gradients(
+        backend: str) -> None:
+    # On NCCL (skipped without 4 GPUs), the same calls on a 'cuda' mesh, a GPU per rank.
+    ranks = run_distributed(sharded_steps, world_size=4, timeout=200, backend=backend)
     for n, (schedule, checkpoint, _, _, norm_type) in enumerate(CONFIGS):
         for step in range(STEPS):
             plain = model()
