@@ -18,7 +18,7 @@ The norm of a pipeline's gradients over its ranks is bit for bit torch's on the 
 module: one all-reduce fills a slot per parameter, written by the one rank counting it
 (zeros elsewhere, so the sum is exact); every rank takes the norm of the same vector.
 A sharded gradient (a DTensor, under FSDP2 or tensor parallel) gives a partial norm, made
-whole over its mesh first, one reduction for all of those sharded alike.
+whole over its mesh first, those sharded alike together (an all-reduce per mesh dimension).
 """
 import sys
 from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, cast
@@ -255,7 +255,7 @@ def norms_of(grads: Sequence[Tensor], norm_type: float, foreach: Optional[bool])
 
 def whole_norms(norms: List[Tensor]) -> List[Tensor]:
     """``norms`` with those of sharded gradients (DTensors holding this rank's part of a
-    norm) reduced over their meshes: one reduction for each mesh and placement."""
+    norm) reduced over their meshes, together for each mesh and placement."""
     DTensor = getattr(sys.modules.get('torch.distributed.tensor'), 'DTensor', None)
     if DTensor is None:  # nothing sharded without it imported
         return norms
