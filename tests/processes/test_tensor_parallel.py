@@ -140,10 +140,18 @@ def test_tensor_parallel_stages() -> None:
     check(run_distributed(steps_on_mesh, ('pp', 'tp'), world_size=4, timeout=150))
 
 
-@pytest.mark.parametrize('dims', [('pp', 'dp', 'tp'), ('pp', 'dp_replicate', 'dp_shard')],
-                         ids=['pp-dp-tp', 'hsdp'])
-def test_three_dimensions(dims: Tuple[str, ...]) -> None:
-    check(run_distributed(steps_on_mesh, dims, world_size=8, timeout=300))
+THREE_DIMENSIONS = [('pp', 'dp', 'tp'), ('pp', 'dp_replicate', 'dp_shard')]  # the last HSDP's
+
+
+def steps_on_meshes(rank: int, world_size: int) -> List[List[Dict[str, Any]]]:
+    """:func:`steps_on_mesh` on each mesh of three dimensions, in one start of 8 processes."""
+    return [steps_on_mesh(rank, world_size, dims) for dims in THREE_DIMENSIONS]
+
+
+def test_three_dimensions() -> None:
+    ranks = run_distributed(steps_on_meshes, world_size=8, timeout=300)
+    for k in range(len(THREE_DIMENSIONS)):
+        check([meshes[k] for meshes in ranks])
 
 
 
