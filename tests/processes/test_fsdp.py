@@ -348,6 +348,56 @@ def test_a_model_built_on_the_meta_device_each_rank_holding_its_shard(tmp_path: 
                                        plain.get_parameter(name), rtol=1e-12, atol=1e-15)
 
 
+class FailsOnRank2(nn.Module):
+    """Raises at its second micro-batch on rank 2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if dist.get_rank() == 2 and self.calls == 2:
+            raise ValueError('injected failure on rank 2')
+        return x
+
+
+def failing(rank: int, world_size: int) -> Tuple[str, str, Any]:
+    """Two pipelines of two ranks ({0, 2} and {1, 3}), their layers FSDP2 units over
+    data-parallel groups ({0, 1} and {2, 3}) that time out in seconds; rank 2 fails. What
+    each rank raises."""
+    from datetime import timedelta
+
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    pipelines = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    replicas = [dist.new_group(r, timeout=timedelta(seconds=3)) for r in ([0, 1], [2, 3])]
+    torch.manual_seed(0)
+    layers = [nn.Linear(FEATURES, FEATURES) for _ in range(4)]
+    pipe = DistributedGPipe(nn.Sequential(*layers[:2], FailsOnRank2(), *layers[2:]).double(),
+                            [2, 3], chunks=CHUNKS, group=pipelines[rank % 2])
+    for layer in pipe.children():
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=DeviceMesh.from_group(replicas[rank // 2], 'cpu'),
+                        reshard_after_forward=False)
+    try:
+        pipe.train_step(*batch(0), F.mse_loss)
+    except Exception as exc:
+        return type(exc).__name__, str(exc), getattr(exc, 'rank', None)
+    return 'nothing', '', None
+
+
+@pytest.mark.slow  # four processes, and a collective's timeout
+def test_a_rank_failing_is_named_on_every_rank_of_every_pipeline() -> None:
+    # Rank 0 hears it from rank 2, its pipeline's; ranks 1 and 3, of the other pipeline,
+    # wait for it (or for rank 0) in a reduce-scatter until it times out, then read its word.
+    said = run_distributed(failing, world_size=4, timeout=150)
+    assert said[2] == ('ValueError', 'injected failure on rank 2', None)
+    for rank in (0, 1, 3):
+        assert said[rank] == ('PeerFailed', 'rank 2 (partition 1) failed: ValueError: '
+                              'injected failure on rank 2', 2), rank
+
+
 def nested_units(rank: int, world_size: int) -> Dict[str, int]:
     """A rank's one block a unit, each of its two layers a unit inside: the collectives of
     a step, counted."""

@@ -2,6 +2,7 @@
 executor, the other ranks' messages on a :class:`~torchgpipe.transport.wire.Wire`; which
 rank holds each partition, and every rank agreeing on it."""
 import json
+import time
 from collections import OrderedDict
 from contextlib import contextmanager
 from hashlib import sha1
@@ -21,7 +22,7 @@ from torchgpipe.processes.tied import TiedGradients
 from torchgpipe.skip.layout import SkipLayout
 from torchgpipe.transport.channels import channels_for, metas_of, whole
 from torchgpipe.transport.codec import Unsendable, encode
-from torchgpipe.transport.faults import Mismatch, by_rank
+from torchgpipe.transport.faults import Mismatch, PeerFailed, by_rank, leave_word, word_left
 from torchgpipe.transport.wire import Sequences, Wire
 
 __all__ = ['RankCore']
@@ -54,6 +55,8 @@ class RankCore(Core):
         self.known: 'OrderedDict[str, Sequences]' = OrderedDict()
         #: Why the pipeline cannot run any more, after a failed step.
         self.broken: Optional[str] = None
+        #: When this rank last knew every rank well: built, or its last step ended.
+        self.well_since = time.time()
 
     def check_whole(self) -> None:
         """Raises ``RuntimeError`` after a failed step (of this pipeline, or another over the
@@ -114,13 +117,22 @@ class RankCore(Core):
                         raise problem from problem.__cause__
                     raise
                 self.broken = f'{type(exc).__name__} on rank {dist.get_rank()}'
+                # A rank of another pipeline failed first, if it left word (it waited for
+                # that one in a collective of their data-parallel group): it is named.
+                first = None if isinstance(exc, PeerFailed) else \
+                    word_left(dist.get_rank(), self.well_since)
+                if first is None and not isinstance(exc, PeerFailed):
+                    leave_word(dist.get_rank(), min(self.partitions), exc)
                 # Ranks waiting for this one raise PeerFailed, and tell those waiting for them.
-                wire.fail(exc)
+                wire.fail(first or exc)
                 self.channels.abandon()
+                if first is not None:
+                    raise first from exc
                 raise
             if train:
                 # Past every rank's step end: unequal tied copies refused here leave it whole.
                 self.tied_gradients.sum(received)
+            self.well_since = time.time()
 
 
 def described(value: Any) -> Optional[str]:

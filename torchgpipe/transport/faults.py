@@ -8,8 +8,14 @@ it, its partition and the message waited for, or the rank where a chain of waiti
 starts (:func:`timed_out`). ``PeerFailed.rank`` is the rank at fault, as named.
 Point-to-point operations raise ``RuntimeError`` for all of these, as anything else may:
 :mod:`~torchgpipe.transport.channels` raises theirs as :class:`Disconnected`.
+
+A rank blocked with the failed one in a collective of another group (a data-parallel
+peer's FSDP2 reduce-scatter) hears no word: it raises when the collective times out. The
+failed rank also leaves its word in the job's store (:func:`leave_word`), which that rank
+reads then (:func:`word_left`) to name it too.
 """
 import json
+import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
 
 from torchgpipe.transport.codec import DTYPES, Unreadable
@@ -88,6 +94,47 @@ def failed(chain: Chain, doing: str, word: Any) -> PeerFailed:
         return PeerFailed(f'{peer(*chain[-1])} {what}: {word["error"]}', rank)
     return PeerFailed(f'{peer(*chain[-1])} {what}, while this rank was {doing}{via(chain)}: '
                       f'{word["error"]}', rank)
+
+
+#: Where a failed rank leaves word of its failure, in the store every rank of the job shares.
+STORE_KEY = 'torchgpipe/failure'
+
+
+def job_store() -> Any:
+    """torch.distributed's default store, which every rank of the job shares, or ``None``."""
+    from torch.distributed import distributed_c10d
+    try:
+        return distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError, AttributeError):  # no default group (or none such)
+        return None
+
+
+def leave_word(rank: int, j: int, error: BaseException) -> None:
+    """Leaves word in the job's store that ``rank`` (partition ``j``) failed with ``error``."""
+    store = job_store()
+    word = {'rank': rank, 'partition': j, 'time': time.time(),
+            'error': f'{type(error).__name__}: {error}'[:4096]}
+    try:
+        if store is not None:
+            store.set(STORE_KEY, json.dumps(word))
+    except RuntimeError:
+        pass  # a courtesy to other groups' ranks: the failure itself is raised here
+
+
+def word_left(me: int, since: float) -> Optional[PeerFailed]:
+    """What to raise for the failure another rank left word of after ``since`` (seconds
+    since the epoch, the last moment this rank knew all was well), or ``None``."""
+    store = job_store()
+    try:
+        if store is None or not store.check([STORE_KEY]):
+            return None
+        word = json.loads(store.get(STORE_KEY))
+    except RuntimeError:
+        return None
+    if word['rank'] == me or word['time'] < since:
+        return None
+    return PeerFailed(f"{peer(word['rank'], word['partition'])} failed: {word['error']}",
+                      word['rank'])
 
 
 def waiting_for(key: Key) -> str:
