@@ -55,7 +55,7 @@ class RankCore(Core):
         self.known: 'OrderedDict[str, Sequences]' = OrderedDict()
         #: Why the pipeline cannot run any more, after a failed step.
         self.broken: Optional[str] = None
-        #: When this rank last knew every rank well: built, or its last step ended.
+        #: When this rank last knew every rank well (built, or its last step ended).
         self.well_since = time.time()
 
     def check_whole(self) -> None:

@@ -11,8 +11,8 @@ Point-to-point operations raise ``RuntimeError`` for all of these, as anything e
 
 A rank blocked with the failed one in a collective of another group (a data-parallel
 peer's FSDP2 reduce-scatter) hears no word: it raises when the collective times out. The
-failed rank also leaves its word in the job's store (:func:`leave_word`), which that rank
-reads then (:func:`word_left`) to name it too.
+failed rank also leaves its word in the job's store (``leave_word``), which that rank
+reads then (``word_left``) to name it too.
 """
 import json
 import time
