@@ -204,9 +204,13 @@ def main(argv: Optional[Sequence[str]] = None) -> NoReturn:
                                          for k, p in layer.state_dict().items()}, options=full)
     held = sum(p.to_local().numel() if hasattr(p, 'to_local') else p.numel()
                for p in pipe.parameters())
-    print(f'rank {rank} (pp {mesh.get_local_rank("pp")}, dp {mesh.get_local_rank("dp")}): '
-          f'layers {", ".join(dict(pipe.named_children()))}; holds {held:,} of '
-          f'{sum(sizes):,} parameters ({held / sum(sizes):.0%})', flush=True)
+    line = (f'rank {rank} (pp {mesh.get_local_rank("pp")}, dp {mesh.get_local_rank("dp")}): '
+            f'layers {", ".join(dict(pipe.named_children()))}; holds {held:,} of '
+            f'{sum(sizes):,} parameters ({held / sum(sizes):.0%})')
+    lines = [''] * world
+    dist.all_gather_object(lines, line)  # printed by rank 0, in order
+    if rank == 0:
+        print('\n'.join(lines), flush=True)
 
     plain = None
     if args.verify:  # the unwrapped model, from the same first values

@@ -58,17 +58,21 @@ def model() -> nn.Sequential:
     return nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(16, 16), Litter())])
 
 
-def train(steps: int, errors: List[BaseException]) -> None:
+def train(steps: int, errors: List[BaseException], built: threading.Barrier) -> None:
     try:
         devices = ['cpu:0', 'cpu:1', 'cpu:2', 'cpu:3']
         by_step = GPipe(model(), [4] * 4, devices=devices, chunks=8)
         by_forward = GPipe(model(), [4] * 4, devices=devices, chunks=8)
         x, target = torch.randn(32, 16), torch.randn(32, 16)
+        # Building draws from the CPU generator: not while the other thread's step runs
+        # (its recomputation would rightly refuse draws from outside the pipeline).
+        built.wait()
         for _ in range(steps):
             by_step.train_step(x, target, F.mse_loss)
             F.mse_loss(by_forward(x), target).backward()
     except BaseException as exc:
         errors.append(exc)
+        built.abort()  # the other thread, if waiting, stops too
 
 
 def main() -> int:
@@ -84,7 +88,9 @@ def main() -> int:
     sys.setswitchinterval(1e-5)
 
     errors: List[BaseException] = []
-    threads = [threading.Thread(target=train, args=(args.steps, errors)) for _ in range(2)]
+    built = threading.Barrier(2)
+    threads = [threading.Thread(target=train, args=(args.steps, errors, built))
+               for _ in range(2)]
     start = time.perf_counter()
     for thread in threads:
         thread.start()
