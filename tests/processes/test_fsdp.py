@@ -3,9 +3,9 @@ DeviceMesh, ``fully_shard`` over the other. Each step reduces each unit's gradie
 gathers its parameters once (counted), and the gradients are the unwrapped model's on the
 global batch."""
 import itertools
+import warnings
 from contextlib import contextmanager
-from pathlib import Path
-from typing import Any, Dict, Iterator, Tuple
+from typing import Any, Dict, Iterator, List, Tuple
 
 import pytest
 import torch
@@ -158,11 +158,12 @@ def mixed_precision(rank: int, world_size: int) -> Dict[str, Any]:
 
 
 @pytest.mark.slow  # four processes
-def test_mixed_precision_computes_in_bfloat16_and_reduces_once() -> None:
+def test_mixed_precision_computes_in_bfloat16_and_reduces_once(
+        scenarios: List[Dict[str, Any]]) -> None:
     plain = model().float()
     input, target = batch(0)
     F.mse_loss(plain(input.float()), target.float()).backward()
-    for got in run_distributed(mixed_precision, world_size=4, timeout=150):
+    for got in (ranks['mixed'] for ranks in scenarios):
         assert got['computed'] == {'torch.bfloat16'}
         assert got['counts'] == {name: 2 for name in COLLECTIVES}
         for name, (dtype, grad) in got['grads'].items():
@@ -195,10 +196,11 @@ def resharded_after_forward(rank: int, world_size: int) -> Dict[str, Dict[str, i
 
 
 @pytest.mark.slow  # four processes
-def test_units_resharded_after_forward_gather_once_per_forward_and_once_for_backward() -> None:
+def test_units_resharded_after_forward_gather_once_per_forward_and_once_for_backward(
+        scenarios: List[Dict[str, Any]]) -> None:
     # Each forward pass (and recomputation) gathers a unit's parameters; its first backward
     # pass too, after which they stay gathered until the unit reduces. Two units a rank.
-    for counted in run_distributed(resharded_after_forward, world_size=4, timeout=150):
+    for counted in (ranks['resharded'] for ranks in scenarios):
         assert counted == {
             'never': {'all_gather_single': 2 * (CHUNKS + 1), 'reduce_scatter_single': 2},
             'always': {'all_gather_single': 2 * (2 * CHUNKS + 1), 'reduce_scatter_single': 2}}
@@ -264,7 +266,7 @@ def whole_loop(rank: int, world_size: int) -> Dict[str, Any]:
 
 
 @pytest.mark.slow  # four processes
-def test_the_whole_loop_on_sharded_stages() -> None:
+def test_the_whole_loop_on_sharded_stages(scenarios: List[Dict[str, Any]]) -> None:
     plain = language_model()
     optimizer = torch.optim.Adam(plain.parameters(), lr=0.01)
     ids, target = tokens()
@@ -276,7 +278,7 @@ def test_the_whole_loop_on_sharded_stages() -> None:
         generated = ids[:2, :3]
         for _ in range(4):
             generated = torch.cat([generated, plain(generated)[:, -1:].argmax(-1)], 1)
-        for rank, got in enumerate(run_distributed(whole_loop, world_size=4, timeout=150)):
+        for rank, got in enumerate(ranks['loop'] for ranks in scenarios):
             torch.testing.assert_close(torch.tensor(got['norms'][0], dtype=torch.float64),
                                        norm, rtol=1e-12, atol=0)
             assert got['norms'][1] == float('inf')
@@ -325,21 +327,17 @@ def built_on_meta(rank: int, world_size: int, path: str) -> Dict[str, Any]:
             'params': {name: p.full_tensor().tolist() for name, p in pipe.named_parameters()}}
 
 
-# DCP says, writing without a process group, that it writes in one process: the intent here.
-@pytest.mark.filterwarnings('ignore:torch.distributed is disabled, unavailable or uninitialized')
 @pytest.mark.slow  # four processes
-def test_a_model_built_on_the_meta_device_each_rank_holding_its_shard(tmp_path: Path) -> None:
-    import torch.distributed.checkpoint as dcp
-    path = str(tmp_path / 'checkpoint')
+def test_a_model_built_on_the_meta_device_each_rank_holding_its_shard(
+        scenarios: List[Dict[str, Any]]) -> None:
     plain = model()
-    dcp.save(plain.state_dict(), checkpoint_id=path)
     optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
     for step in range(STEPS):
         optimizer.zero_grad()
         F.mse_loss(plain(batch(step)[0]), batch(step)[1]).backward()
         optimizer.step()
     layer = FEATURES * FEATURES + FEATURES
-    for got in run_distributed(built_on_meta, path, world_size=4, timeout=150):
+    for got in (ranks['meta'] for ranks in scenarios):
         # Two layers a rank, each sharded in two: a quarter of the model.
         assert got['held'] == 2 * layer // 2
         assert got['others'] == 4  # the other rank's two layers' weights and biases
@@ -417,7 +415,28 @@ def nested_units(rank: int, world_size: int) -> Dict[str, int]:
 
 
 @pytest.mark.slow  # four processes
-def test_nested_units_reduce_once_each() -> None:
+def test_nested_units_reduce_once_each(scenarios: List[Dict[str, Any]]) -> None:
     # The inner units hold the parameters; the outer one reduces them, not again each.
-    for counts in run_distributed(nested_units, world_size=4, timeout=150):
+    for counts in (ranks['nested'] for ranks in scenarios):
         assert counts == {name: 2 for name in COLLECTIVES}
+
+
+def all_scenarios(rank: int, world_size: int, path: str) -> Dict[str, Any]:
+    """The smaller scenarios above, one after the other in one start of the processes."""
+    return {'mixed': mixed_precision(rank, world_size),
+            'resharded': resharded_after_forward(rank, world_size),
+            'loop': whole_loop(rank, world_size), 'nested': nested_units(rank, world_size),
+            'meta': built_on_meta(rank, world_size, path)}
+
+
+@pytest.fixture(scope='module')
+def scenarios(tmp_path_factory: pytest.TempPathFactory) -> List[Dict[str, Any]]:
+    import torch.distributed.checkpoint as dcp
+    path = str(tmp_path_factory.mktemp('fsdp') / 'checkpoint')
+    with warnings.catch_warnings():
+        # DCP says, writing without a process group, that it writes in one process: the
+        # intent here (the unwrapped model's checkpoint, which the meta build loads).
+        warnings.filterwarnings('ignore', 'torch.distributed is disabled, unavailable or '
+                                'uninitialized')
+        dcp.save(model().state_dict(), checkpoint_id=path)
+    return run_distributed(all_scenarios, path, world_size=4, timeout=300)
