@@ -127,13 +127,13 @@ class TiedGradients:
     def whole_grads(self) -> List[List[Optional[Tensor]]]:
         """:meth:`own` of each tie, sharded gradients gathered (once a step)."""
         if self.gathered_grads is None:
-            self.gathered_grads = [[whole(g) for g in self.own(tie)] for tie in self.ties]
+            self.gathered_grads = [[unsharded(g) for g in self.own(tie)] for tie in self.ties]
         return self.gathered_grads
 
     def whole_copies(self) -> List[Optional[Tensor]]:
         """This rank's copy of each tie, a sharded one gathered (once a step)."""
         if self.gathered_copies is None:
-            self.gathered_copies = [None if p is None else whole(p.detach())
+            self.gathered_copies = [None if p is None else unsharded(p.detach())
                                     for p in (tie.parameter() for tie in self.ties)]
         return self.gathered_copies
 
@@ -198,7 +198,7 @@ class TiedGradients:
         self.gathered_grads = self.gathered_copies = None
 
 
-def whole(tensor: Optional[Tensor]) -> Optional[Tensor]:
+def unsharded(tensor: Optional[Tensor]) -> Optional[Tensor]:
     """``tensor``, or the whole of a sharded one (a DTensor), gathered over its mesh."""
     gather = getattr(tensor, 'full_tensor', None)
     return tensor if gather is None else cast(Tensor, gather())
