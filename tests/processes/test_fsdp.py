@@ -173,37 +173,62 @@ def test_mixed_precision_computes_in_bfloat16_and_reduces_once(
                                        rtol=2e-2, atol=2e-3)
 
 
-def resharded_after_forward(rank: int, world_size: int) -> Dict[str, Dict[str, int]]:
-    """Units resharded after each forward pass: a step's collectives, counted, without
-    checkpoints and with every micro-batch recomputed."""
+#: (schedule, checkpoint, balance) of units resharded after forward passes.
+RESHARDED = [('1f1b', 'never', [2, 2]), ('1f1b', 'always', [2, 2]),
+             ('fill_drain', 'except_last', [2, 2]), ('interleaved_1f1b', 'never', [1, 1, 1, 1])]
+
+
+def resharded_after_forward(rank: int, world_size: int) -> List[Dict[str, Any]]:
+    """Units resharded after forward passes, a step of each of :data:`RESHARDED`: its
+    collectives, counted; whether the parameters are resharded after it; the gradients."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
     mesh = init_device_mesh('cpu', (2, 2), mesh_dim_names=('pp', 'dp'))
     shard = slice(mesh.get_local_rank('dp') * BATCH // 2,
                   (mesh.get_local_rank('dp') + 1) * BATCH // 2)
-    counted = {}
-    for checkpoint in ('never', 'always'):
-        pipe = DistributedGPipe(model(), [2, 2], chunks=CHUNKS, checkpoint=checkpoint,
+    results = []
+    for schedule, checkpoint, balance in RESHARDED:
+        pipe = DistributedGPipe(model(), balance, chunks=CHUNKS, checkpoint=checkpoint,
                                 group=mesh['pp'].get_group())
         for layer in pipe.children():
             fully_shard(layer, mesh=mesh['dp'], reshard_after_forward=True)
         counts: Dict[str, int] = {}
         input, target = batch(0)
         with counting(counts):
-            pipe.train_step(input[shard], target[shard], F.mse_loss)
-        counted[checkpoint] = counts
-    return counted
+            pipe.train_step(input[shard], target[shard], F.mse_loss, schedule=schedule)
+        results.append({
+            'counts': counts,
+            'resharded': all(isinstance(p, DTensor) for p in pipe.parameters()),
+            'grads': {name: p.grad.full_tensor().tolist() for name, p in pipe.named_parameters()}})
+    return results
 
 
 @pytest.mark.slow  # four processes
-def test_units_resharded_after_forward_gather_once_per_forward_and_once_for_backward(
+def test_units_resharded_after_forward_gather_again_only_for_another_partition(
         scenarios: List[Dict[str, Any]]) -> None:
-    # Each forward pass (and recomputation) gathers a unit's parameters; its first backward
-    # pass too, after which they stay gathered until the unit reduces. Two units a rank.
-    for counted in (ranks['resharded'] for ranks in scenarios):
-        assert counted == {
-            'never': {'all_gather_single': 2 * (CHUNKS + 1), 'reduce_scatter_single': 2},
-            'always': {'all_gather_single': 2 * (2 * CHUNKS + 1), 'reduce_scatter_single': 2}}
+    # A rank's units free their parameters after a forward pass only where the rank runs
+    # another partition next, as the parameters would be gathered again at once otherwise:
+    # with a partition a rank, one gathering a unit per step, checkpointed or not.
+    plain = model()
+    F.mse_loss(plain(batch(0)[0]), batch(0)[1]).backward()
+    for n, config in enumerate(RESHARDED):
+        got = [ranks['resharded'][n] for ranks in scenarios]
+        gathers = [rank['counts'].pop('all_gather_single') for rank in got]
+        if config[0] == 'interleaved_1f1b':
+            # Two one-unit partitions a rank, alternating: gathered again where the rank
+            # switches (left alone, once a forward pass and once for the backward passes:
+            # 5 a unit), but at most once a micro-batch.
+            assert max(gathers) > 2 and all(g <= 2 * CHUNKS for g in gathers), gathers
+        else:
+            assert gathers == [2] * len(got), (config, gathers)  # left alone: 10, 18, 16
+        for rank in got:
+            assert rank['counts'] == {'reduce_scatter_single': 2}, config
+            assert rank['resharded'], config
+            for name, grad in rank['grads'].items():
+                torch.testing.assert_close(torch.tensor(grad, dtype=torch.float64),
+                                           plain.get_parameter(name).grad,
+                                           rtol=1e-12, atol=1e-15)
 
 
 VOCABULARY = 11

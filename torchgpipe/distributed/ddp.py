@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from torchgpipe.engine.generators import check_schedule
 from torchgpipe.engine.schedule import ScheduleLike
-from torchgpipe.engine.step import LossFunction
+from torchgpipe.engine.step import LossFunction, Reducer
 from torchgpipe.foundation.microbatch import TensorOrTensors
 from torchgpipe.foundation.validation import check_step, describe
 from torchgpipe.modules.distributed import DistributedGPipe
@@ -29,7 +29,7 @@ __all__ = ['train_step']
 Bucket = Tuple[List[nn.Parameter], Tensor]
 
 
-class AllReduce:
+class AllReduce(Reducer):
     """Averages the gradients of the ``parameters`` of each partition here over ``group``
     as they become final, ``after`` ones (tied) in :meth:`wait`. A flag per parameter
     says which ranks gave a gradient: as DDP with ``find_unused_parameters=True``, the
@@ -166,8 +166,7 @@ def train_step(model: DistributedDataParallel, input: TensorOrTensors,
     reducer = AllReduce({j: [p for p in partition.parameters() if names[id(p)] not in ignored]
                          for j, partition in core.partitions.items()}, group,
                         [p for p in core.tied() if names[id(p)] not in ignored])
-    loss = core.train(input, target, loss_fn, schedule, reduction, module.training,
-                      reducer.done)
+    loss = core.train(input, target, loss_fn, schedule, reduction, module.training, reducer)
     reducer.wait()
     return loss
 

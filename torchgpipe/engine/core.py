@@ -22,7 +22,7 @@ from torchgpipe.engine.generators import check_schedule, resolve
 from torchgpipe.engine.mailbox import Mailbox
 from torchgpipe.engine.pipeline import Pipeline
 from torchgpipe.engine.schedule import Action, Kind, Schedule, ScheduleLike
-from torchgpipe.engine.step import LossFunction, Step, split_given, weighted
+from torchgpipe.engine.step import LossFunction, Reducer, Step, split_given, weighted
 from torchgpipe.foundation import microbatch
 from torchgpipe.foundation.microbatch import TensorOrTensors
 from torchgpipe.foundation.placement import first_on_meta
@@ -37,8 +37,6 @@ from torchgpipe.skip.layout import SkipLayout
 
 __all__ = ['Core']
 
-#: Called with ``j`` once partition ``j`` has no backward pass left in the step.
-Done = Callable[[int], None]
 #: A step's micro-batches' loss weights, its schedule and its checkpoint stop.
 Planned = Tuple[List[float], Schedule, int]
 #: What a step returns, given this process's result (see ``Core.agreed``).
@@ -126,7 +124,7 @@ class Core:
 
     def train(self, input: Optional[TensorOrTensors], target: Optional[TensorOrTensors],
               loss_fn: LossFunction, schedule: ScheduleLike, reduction: str, training: bool,
-              done: Optional[Done] = None) -> Tensor:
+              reducer: Optional[Reducer] = None) -> Tensor:
         """:meth:`~torchgpipe.GPipe.train_step`, or this process's share of it."""
         def check() -> Dict[str, Any]:
             check_schedule(schedule)
@@ -137,7 +135,7 @@ class Core:
             weights, m = weighted(sizes, reduction), len(sizes)
             return (weights, self.schedule_for(schedule, m),
                     checkpoint_stop(self.checkpoint, self.chunks, m, training))
-        with self.started(check, input, target, loss_fn, plan, done=done) as (step, finish):
+        with self.started(check, input, target, loss_fn, plan, reducer=reducer) as (step, finish):
             with deferred_step(self.deferred_batch_norms, len(step.shared.batches)):
                 loss = step.run()
             return cast(Tensor, finish(loss))
@@ -166,7 +164,8 @@ class Core:
     @contextmanager
     def started(self, check: Callable[[], Dict[str, Any]], input: Optional[TensorOrTensors],
                 target: Optional[TensorOrTensors], loss_fn: Optional[LossFunction],
-                plan: Callable[[List[int]], Planned], *, done: Optional[Done] = None,
+                plan: Callable[[List[int]], Planned], *,
+                reducer: Optional[Reducer] = None,
                 train: bool = True) -> Iterator[Tuple[Step, Finish]]:
         """The template of a step, which the body runs: ``check()`` checks the arguments and
         says what the step is, the input is split, ``plan(sizes)`` plans it, and every
@@ -193,9 +192,9 @@ class Core:
         if len(self.devices) - 1 in self.partitions and loss_fn is not None and targets is None:
             lacking.append('target')
         said = {'step': name, 'micro-batches': sizes, 'input': batches, **words}
-        reducing = self.reducing() if train and done is None else nullcontext(done)
+        reducing = self.reducing() if train and reducer is None else nullcontext(reducer)
         with self.agreed(said, lacking, problem, train) as (agreed, mailbox, finish), \
-                reducing as done:
+                reducing as reducer:
             weights, schedule, stop = planned or plan(agreed)
             self.check_threads()
             n, m, here = len(self.devices), len(agreed), list(self.partitions)
@@ -205,15 +204,15 @@ class Core:
             yield Step([self.partitions.get(j) for j in range(n)], self.devices,
                        batches or [None] * m, targets or [None] * m, loss_fn, weights, schedule,
                        self.skip_layout, stop, [traits.get(j, PartitionTraits()) for j in range(n)],
-                       self.state.recorder, mailbox=mailbox, done=done, train=train,
+                       self.state.recorder, mailbox=mailbox, reducer=reducer, train=train,
                        copy_streams=[streams.get(j) for j in range(n)]), finish
 
     def check_whole(self) -> None:
         """Raises if no step can run: never in one process, which a failed step leaves whole."""
 
-    def reducing(self) -> ContextManager[Optional[Done]]:
-        """Around a training step's work, the ``done(j)`` called once partition ``j``'s
-        gradients are final, if the partitions reduce them themselves: never in one process."""
+    def reducing(self) -> ContextManager[Optional[Reducer]]:
+        """Around a training step's work, the reducer of the partitions' gradients, if
+        they reduce them themselves: never in one process."""
         return nullcontext(None)
 
     def schedule_for(self, schedule: ScheduleLike, m: int) -> Schedule:

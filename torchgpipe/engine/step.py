@@ -10,9 +10,10 @@ Each partition's graph is cut at its input, its backward run when the schedule s
 Skips are cut the same way. A checkpointed micro-batch's ``B`` (or ``I``) recomputes first.
 """
 import functools
+from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import (Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple, TypeVar,
-                    cast)
+from typing import (Callable, ContextManager, Dict, List, Mapping, Optional, Protocol, Sequence,
+                    Set, Tuple, TypeVar, cast)
 
 import torch
 from torch import Tensor, nn
@@ -27,6 +28,7 @@ from torchgpipe.foundation.microbatch import Batch, TensorOrTensors, check, gath
 from torchgpipe.foundation.record import Recorder, run_task
 from torchgpipe.foundation.rng import cpu_generator_held, training_flags, watch
 from torchgpipe.foundation.stream import AbstractStream
+from torchgpipe.foundation.placement import indexed
 from torchgpipe.foundation.validation import check_loss_value, describe
 from torchgpipe.runtime.partition import partition_function
 from torchgpipe.runtime.replay import FirstPass, first_pass, recomputation
@@ -53,6 +55,20 @@ class Pass:
     sent_grad: List[bool] = field(default_factory=list)
 
 
+class Reducer:
+    """A data-parallel wrapper's part in a training step (DDP's all-reduce, FSDP's units):
+    told when each partition's gradients are final, asked to keep gathered parameters."""
+
+    def done(self, j: int) -> None:
+        """Partition ``j`` has no backward pass left in the step: reduce its gradients."""
+        raise NotImplementedError
+
+    def keep_gathered(self, j: int) -> ContextManager[None]:
+        """Around a pass of partition ``j`` that its worker follows with another of ``j``:
+        parameters gathered for it may stay so, as they would be gathered again at once."""
+        return nullcontext()
+
+
 @dataclass
 class Shared:
     """What every stage of a step reads: the step's data, and where messages go."""
@@ -66,15 +82,16 @@ class Shared:
     checkpoint_stop: int
     mailbox: Mailbox
     recorder: Optional[Recorder]
-    done: Optional[Callable[[int], None]]
+    reducer: Optional[Reducer]
 
 
 class Stage:
     """One partition in a training step: runs its actions, keeps what they pass on.
-    ``last`` is its last ``B`` or ``W``; ``streams`` its copy stream per micro-batch."""
+    ``last`` is its last ``B`` or ``W``; ``followed`` the micro-batches whose ``F`` its
+    worker follows with another action of it; ``streams`` its copy stream per micro-batch."""
 
     def __init__(self, shared: Shared, j: int, partition: nn.Sequential, device: torch.device,
-                 traits: PartitionTraits, last: Optional[Action],
+                 traits: PartitionTraits, last: Optional[Action], followed: Set[int],
                  streams: Optional[Sequence[AbstractStream]] = None) -> None:
         self.shared = shared
         self.streams = streams
@@ -83,6 +100,7 @@ class Stage:
         self.device = device
         self.traits = traits
         self.last = last
+        self.followed = followed
         self.flags = training_flags(partition)
         self.is_last = j == shared.n - 1
         self.passes: Dict[int, Pass] = {}
@@ -112,7 +130,8 @@ class Stage:
         if action.kind is Kind.F:
             input = self.receive(i)
             # Held once the input came, never while waiting for another worker.
-            with cpu_generator_held(self.draws_random() is not False):
+            with cpu_generator_held(self.draws_random() is not False), \
+                    self.keep_gathered(i in self.followed):
                 self.record('forward', i, lambda: self.forward(i, input))
             self.send_output(i)
             return
@@ -123,7 +142,8 @@ class Stage:
         current = self.passes.pop(i)
         # Recomputed before the gradient is awaited: the two overlap.
         if current.replay is not None:
-            self.record('recompute', i, lambda: self.recompute(i, current))
+            with self.keep_gathered(True):  # for the backward pass
+                self.record('recompute', i, lambda: self.recompute(i, current))
         tensors, grads = self.gradients(i, current)
         if action.kind is Kind.B:
             self.record('backward', i, lambda: self.backpropagate(tensors, grads))
@@ -135,10 +155,14 @@ class Stage:
             self.finish(action)  # the partition before has its gradient meanwhile
 
     def finish(self, action: Action) -> None:
-        """Calls ``done`` after the last ``B`` or ``W``: the gradients may be all-reduced
+        """Tells the reducer after the last ``B`` or ``W``: the gradients may be reduced
         while the partitions before still run backward passes."""
-        if action == self.last and self.shared.done is not None:
-            self.shared.done(self.j)
+        if action == self.last and self.shared.reducer is not None:
+            self.shared.reducer.done(self.j)
+
+    def keep_gathered(self, keep: bool) -> ContextManager[None]:
+        reducer = self.shared.reducer
+        return reducer.keep_gathered(self.j) if keep and reducer is not None else nullcontext()
 
     def leaves(self, current: Pass) -> List[Tensor]:
         """The leaves the graph of a micro-batch was cut at, whose gradients go back."""
@@ -310,7 +334,7 @@ def weighted(sizes: List[int], reduction: str) -> List[float]:
 class Step:
     """One step of a checked schedule over the partitions (``None`` where held in another
     process, which ``mailbox`` reaches); an evaluation without autograd unless ``train``.
-    ``done(j)`` is called once partition ``j``'s gradients are final."""
+    ``reducer`` hears when each partition's gradients are final."""
 
     def __init__(self, partitions: Sequence[Optional[nn.Sequential]],
                  devices: Sequence[torch.device], batches: Sequence[Optional[Batch]],
@@ -318,7 +342,7 @@ class Step:
                  weights: Sequence[float], schedule: Schedule,
                  layout: SkipLayout, checkpoint_stop: int, traits: Sequence[PartitionTraits],
                  recorder: Optional[Recorder], *, mailbox: Optional[Mailbox] = None,
-                 done: Optional[Callable[[int], None]] = None, train: bool = True,
+                 reducer: Optional[Reducer] = None, train: bool = True,
                  copy_streams: Optional[Sequence[Optional[Sequence[AbstractStream]]]] = None,
                  ) -> None:
         self.n = len(partitions)
@@ -328,14 +352,24 @@ class Step:
         self.weights = weights
         self.schedule = schedule
         self.shared = Shared(self.n, batches, None if loss_fn is None else self.loss, train,
-                             layout, checkpoint_stop, mailbox or Mailbox(), recorder, done)
+                             layout, checkpoint_stop, mailbox or Mailbox(), recorder, reducer)
         last = {a.j: a for actions in schedule.workers for a in actions
                 if a.kind in (Kind.B, Kind.W)}
-        self.stages = {j: Stage(self.shared, j, p, devices[j], traits[j], last.get(j),
-                                None if copy_streams is None else copy_streams[j])
-                       for j, p in enumerate(partitions) if p is not None}
         cycles = schedule.cycles or clock_order(schedule.workers, self.n)
-        self.order = [a for cycle in cycles for a in cycle if a.j in self.stages]
+        here = [j for j, p in enumerate(partitions) if p is not None]
+        self.order = [a for cycle in cycles for a in cycle if a.j in here]
+        followed: Dict[int, Set[int]] = {j: set() for j in here}
+        previous: Dict[torch.device, Action] = {}
+        for a in self.order:  # as each worker runs them
+            worker = indexed(devices[a.j])
+            before = previous.get(worker)
+            if before is not None and before.kind is Kind.F and before.j == a.j:
+                followed[a.j].add(before.i)
+            previous[worker] = a
+        self.stages = {j: Stage(self.shared, j, cast(nn.Sequential, partitions[j]), devices[j],
+                                traits[j], last.get(j), followed[j],
+                                None if copy_streams is None else copy_streams[j])
+                       for j in here}
 
     def loss(self, i: int, output: Batch) -> Tensor:
         """The weighted loss of micro-batch ``i``."""

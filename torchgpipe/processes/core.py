@@ -12,10 +12,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from torchgpipe.engine.core import Core, Done, Finish
+from torchgpipe.engine.core import Core, Finish
 from torchgpipe.engine.generators import BUILT_INS, built_in, resolve, worker_of
 from torchgpipe.engine.mailbox import Mailbox
 from torchgpipe.engine.schedule import Schedule, ScheduleLike
+from torchgpipe.engine.step import Reducer
 from torchgpipe.foundation.validation import describe
 from torchgpipe.processes.fsdp import driving
 from torchgpipe.processes.tied import TiedGradients
@@ -79,7 +80,7 @@ class RankCore(Core):
                        + ', '.join(repr(name) for name, facts in BUILT_INS.items()
                                    if facts.shapes[0][1] == 'v') + ", 'loop' for the others")
 
-    def reducing(self) -> ContextManager[Optional[Done]]:
+    def reducing(self) -> ContextManager[Optional[Reducer]]:
         """See :meth:`Core.reducing <torchgpipe.engine.core.Core.reducing>`: the
         ``fully_shard`` units of this rank's partitions reduce their gradients once, after
         each partition's last backward pass (:mod:`~torchgpipe.processes.fsdp`)."""

@@ -9,12 +9,17 @@ gathered parameters) through the step, and each reduces once, after its partitio
 
     partition 1   B3 B2 B1 B0 ─► reduce its units (sync, reshard: on again)
     partition 0      B3 B2 B1 B0 ─► reduce its units
+
+Units that reshard after forward passes do so only where the rank runs another partition
+next: ``F0 F1 B0`` on one partition gathers once, not three times.
 """
 import sys
 from contextlib import contextmanager
-from typing import Callable, Dict, Iterator, List, Mapping, Optional
+from typing import Any, Dict, Iterator, List, Mapping, Optional
 
 from torch import nn
+
+from torchgpipe.engine.step import Reducer
 
 __all__: List[str] = []
 
@@ -50,11 +55,51 @@ def reduce(unit: nn.Module) -> None:
     state._root_post_backward_final_callback()
 
 
+class Units(Reducer):
+    """The ``fully_shard`` units of each partition, driven through a training step."""
+
+    def __init__(self, units: Dict[int, List[nn.Module]]) -> None:
+        self.units = units
+
+    def done(self, j: int) -> None:
+        for unit in self.units.get(j, []):
+            synced(unit, True)
+            reduce(unit)
+
+    @contextmanager
+    def keep_gathered(self, j: int) -> Iterator[None]:
+        """Partition ``j``'s units do not reshard after this forward pass (or
+        recomputation), as FSDP leaves its root: the same partition runs next on this rank,
+        and would gather the parameters again at once. They reshard after the step's
+        reduction, or after a forward pass that another partition of the rank follows."""
+        kept = [(group, group.post_forward_mesh_info)
+                for unit in self.units.get(j, []) for group in resharding_groups(unit)]
+        for group, _ in kept:
+            group.post_forward_mesh_info = None
+        try:
+            yield
+        finally:
+            for group, info in kept:
+                group.post_forward_mesh_info = info
+
+
+def resharding_groups(unit: nn.Module) -> List[Any]:
+    """The parameter groups of ``unit`` (its own, not its inner units') that reshard after a
+    forward pass. Left out until FSDP's first forward pass: one that FSDP then makes a root
+    stops resharding, unless its user chose (``reshard_after_forward`` not ``None``)."""
+    from torch.distributed.fsdp import fully_shard
+    state = fully_shard.state(unit)  # type: ignore[attr-defined]
+    if state._is_root is None and getattr(state, '_auto_reshard_after_forward', False):
+        return []
+    return [group for group in state._fsdp_param_groups
+            if group.post_forward_mesh_info is not None]
+
+
 @contextmanager
-def driving(partitions: Mapping[int, nn.Module]) -> Iterator[Optional[Callable[[int], None]]]:
+def driving(partitions: Mapping[int, nn.Module]) -> Iterator[Optional[Units]]:
     """Runs a training step's backward passes with the FSDP units of ``partitions``
-    keeping their gradients; yields the ``done(j)`` that reduces partition ``j``'s once
-    they are final (``None`` without units). The units' flags are on again after."""
+    keeping their gradients; yields what reduces partition ``j``'s once they are final
+    (``None`` without units). The units' flags are on again after."""
     units = fsdp_units(partitions)
     if not units:
         yield None
@@ -62,13 +107,8 @@ def driving(partitions: Mapping[int, nn.Module]) -> Iterator[Optional[Callable[[
     for found in units.values():
         for unit in found:
             synced(unit, False)
-
-    def done(j: int) -> None:
-        for unit in units.get(j, []):
-            synced(unit, True)
-            reduce(unit)
     try:
-        yield done
+        yield Units(units)
     finally:
         for found in units.values():
             for unit in found:
