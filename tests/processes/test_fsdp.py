@@ -446,11 +446,47 @@ def test_nested_units_reduce_once_each(scenarios: List[Dict[str, Any]]) -> None:
         assert counts == {name: 2 for name in COLLECTIVES}
 
 
+def gathered_first(rank: int, world_size: int) -> Dict[str, Any]:
+    """A step of units that keep their parameters after forward passes: the order of its
+    all-gathers and the layers' forward passes, and whether the units reshard after it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    mesh = init_device_mesh('cpu', (2, 2), mesh_dim_names=('pp', 'dp'))
+    pipe = DistributedGPipe(model(), [2, 2], chunks=CHUNKS, group=mesh['pp'].get_group())
+    events: List[str] = []
+    for layer in pipe.children():
+        fully_shard(layer, mesh=mesh['dp'], reshard_after_forward=False)
+        layer.register_forward_pre_hook(lambda *_: events.append('forward'))
+    gather = dist.all_gather_single
+
+    def logged(*args: Any, **kwargs: Any) -> Any:
+        events.append('gather')
+        return gather(*args, **kwargs)
+    dist.all_gather_single = logged
+    try:
+        pipe.train_step(*batch(0), F.mse_loss)
+    finally:
+        dist.all_gather_single = gather
+    return {'events': events[:3],
+            'resharded': all(isinstance(p, DTensor) for p in pipe.parameters())}
+
+
+@pytest.mark.slow  # four processes
+def test_units_gather_their_parameters_as_the_step_starts(
+        scenarios: List[Dict[str, Any]]) -> None:
+    # Both units of a rank gather before its first forward pass, which the second's
+    # gathering overlaps; they reshard after the step.
+    for got in (ranks['gathered'] for ranks in scenarios):
+        assert got == {'events': ['gather', 'gather', 'forward'], 'resharded': True}
+
+
 def all_scenarios(rank: int, world_size: int, path: str) -> Dict[str, Any]:
     """The smaller scenarios above, one after the other in one start of the processes."""
     return {'mixed': mixed_precision(rank, world_size),
             'resharded': resharded_after_forward(rank, world_size),
             'loop': whole_loop(rank, world_size), 'nested': nested_units(rank, world_size),
+            'gathered': gathered_first(rank, world_size),
             'meta': built_on_meta(rank, world_size, path)}
 
 

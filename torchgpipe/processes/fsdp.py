@@ -10,8 +10,10 @@ gathered parameters) through the step, and each reduces once, after its partitio
     partition 1   B3 B2 B1 B0 ─► reduce its units (sync, reshard: on again)
     partition 0      B3 B2 B1 B0 ─► reduce its units
 
-Units that reshard after forward passes do so only where the rank runs another partition
-next: ``F0 F1 B0`` on one partition gathers once, not three times.
+The units' parameters are gathered as the step starts, all at once: the gathering overlaps
+the first passes (on CPU ranks too, where gloo gathers in its own threads). Units that
+reshard after forward passes gather when needed, and reshard only where the rank runs
+another partition next: ``F0 F1 B0`` on one partition gathers once, not three times.
 """
 import sys
 from contextlib import contextmanager
@@ -98,8 +100,9 @@ def resharding_groups(unit: nn.Module) -> List[Any]:
 @contextmanager
 def driving(partitions: Mapping[int, nn.Module]) -> Iterator[Optional[Units]]:
     """Runs a training step's backward passes with the FSDP units of ``partitions``
-    keeping their gradients; yields what reduces partition ``j``'s once they are final
-    (``None`` without units). The units' flags are on again after."""
+    keeping their gradients, their parameters gathered from the start; yields what reduces
+    partition ``j``'s once they are final (``None`` without units). The units' flags are
+    on again after."""
     units = fsdp_units(partitions)
     if not units:
         yield None
@@ -107,6 +110,13 @@ def driving(partitions: Mapping[int, nn.Module]) -> Iterator[Optional[Units]]:
     for found in units.values():
         for unit in found:
             synced(unit, False)
+    # Gathered now, in the order the passes need them, while the first waits for its
+    # input or computes; FSDP's pre-forward waits for each (async_op: see FSDPModule.unshard).
+    # Those that reshard after forward passes gather when needed, not to hold memory early.
+    for j in sorted(units):
+        for unit in units[j]:
+            if not resharding_groups(unit):
+                unit.unshard(async_op=True)  # type: ignore[operator]
     try:
         yield Units(units)
     finally:
