@@ -337,8 +337,15 @@ def test_a_model_on_the_meta_device_is_refused_with_the_fix() -> None:
             "the layers must hold data to be placed on a device ('0.weight' on the meta "
             'device); materialize it first: model.to_empty(device=...), then initialize it '
             '(reset_parameters() or load_state_dict()), or build it on a real device')
-    # Shapes alone are enough where nothing is placed elsewhere.
-    assert GPipe(model, [2, 1], devices=['meta'] * 2)[0].weight.is_meta
+    # Shapes alone are enough where nothing is placed elsewhere; a step says what to change.
+    shapes = GPipe(model, [2, 1], devices=['meta'] * 2, chunks=2)
+    assert shapes[0].weight.is_meta
+    with pytest.raises(ValueError) as caught:
+        shapes.train_step(sample, sample, nn.functional.mse_loss)
+    assert str(caught.value) == (
+        "the layers must hold data to run a step ('0.weight' on the meta device); place the "
+        'pipeline on real devices: build the GPipe from layers holding data, with '
+        'devices=[...] (the meta device is for shapes alone)')
 
 
 def test_successful_constructor_on_the_same_model() -> None:

@@ -51,6 +51,9 @@ class Core:
 
     #: Whether the target of a loss may be another process's.
     target_elsewhere = False
+    #: How to give the layers data, where a step finds one on the meta device.
+    materialize = ('place the pipeline on real devices: build the GPipe from layers holding '
+                   "data, with devices=[...] (the meta device is for shapes alone)")
 
     def __init__(self, partitions: Dict[int, nn.Sequential], devices: Sequence[torch.device],
                  skip_layout: SkipLayout, chunks: int, checkpoint: str,
@@ -92,8 +95,7 @@ class Core:
         if on_meta is not None:
             raise ValueError(describe(
                 'the layers must hold data to run a step', f"'{on_meta}' on the meta device",
-                "materialize this rank's layers first: pipe.to_empty(), then initialize them "
-                '(reset_parameters(), or load a state dict or a DCP checkpoint)'))
+                self.materialize))
         self.materialized = True
 
     def check_modes(self) -> None:

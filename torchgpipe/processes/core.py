@@ -36,6 +36,8 @@ class RankCore(Core):
     gradients; a failed one is told to every rank and refuses further steps."""
 
     target_elsewhere = True
+    materialize = ("materialize this rank's layers first: pipe.to_empty(), then initialize "
+                   'them (reset_parameters(), or load a state dict or a DCP checkpoint)')
 
     def __init__(self, partitions: Dict[int, nn.Sequential], device: torch.device,
                  rank_of: List[int], ranks: List[int], group: Optional[dist.ProcessGroup],
