@@ -30,6 +30,12 @@ Two figures, each with its target:
   the machine's slow spells; target: at most 1.0x); each step's time is the
   slowest rank's, after a barrier.
 
+Beside them, the peak a rank's resident set grows by while it builds its
+sharded stage (``DistributedGPipe``, then ``fully_shard``): from a model
+built on the meta device, each rank materializing its own shards
+(``pipe.to_empty()``, then values), against every rank building the whole
+model first; and the share of the model's parameters a rank keeps.
+
 Every way starts from the same parameters and takes the same steps: the
 largest relative difference between their losses at each step is reported
 and must be float rounding.
@@ -170,6 +176,40 @@ def ways(config: Dict[str, Any], mesh: Any) -> Dict[str, Any]:
             'held': {name: built[name][:2] for name in WAYS}}
 
 
+def build(config: Dict[str, Any], mesh: Any, meta: bool) -> None:
+    """Builds this rank's sharded stage: from the whole model, or (``meta``) from one
+    built on the meta device, materializing this rank's shards alone."""
+    from torch.distributed.fsdp import fully_shard
+
+    from torchgpipe.distributed import DistributedGPipe
+    per = config['blocks'] // 2
+    with torch.device('meta' if meta else 'cpu'):
+        model = blocks(config)
+    pipe = DistributedGPipe(model, [per, per], chunks=config['chunks'],
+                            group=mesh['pp'].get_group())
+    for layer in pipe.children():
+        fully_shard(layer, mesh=mesh['dp'], reshard_after_forward=False)
+    if meta:
+        pipe.to_empty()
+        with torch.no_grad():
+            for p in pipe.parameters():
+                p.to_local().normal_(std=0.02)  # values: the pages, taken
+
+
+def building_peaks(config: Dict[str, Any], mesh: Any) -> Dict[str, int]:
+    """The peak this rank's resident set grows by while it builds its stage each way,
+    after a build of two blocks each way (what is made once, paid)."""
+    for meta in (True, False):
+        build({**config, 'blocks': 2}, mesh, meta)
+    peaks = {}
+    for meta in (True, False):
+        trim_malloc()
+        dist.barrier()
+        peaks['meta' if meta else 'whole'] = step_peak_memory(
+            lambda: build(config, mesh, meta), [])['step_peak']
+    return peaks
+
+
 def rank_main(rank: int, world_size: int, port: int, config: Dict[str, Any],
               results: Any) -> None:
     """One rank: measures each way's memory, then times them round after round, and sends
@@ -179,6 +219,8 @@ def rank_main(rank: int, world_size: int, port: int, config: Dict[str, Any],
     dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=120))
     mesh = init_device_mesh('cpu', (2, 2), mesh_dim_names=('pp', 'dp'))
+    fix_malloc()  # freed memory leaves the resident set at once, until the timings
+    building = building_peaks(config, mesh)
     built = ways(config, mesh)
     steps = built['steps']
     losses: Dict[str, List[float]] = {name: [] for name in WAYS}
@@ -186,9 +228,8 @@ def rank_main(rank: int, world_size: int, port: int, config: Dict[str, Any],
     def record(name: str, loss: Optional[Tensor]) -> None:
         if loss is not None:
             losses[name].append(float(loss))
-    # Memory first, freed memory leaving the resident set at once: each way's second step
-    # (its first allocates Adam's states, and whatever else is made once).
-    fix_malloc()
+    # Memory first: each way's second step (its first allocates Adam's states, and
+    # whatever else is made once).
     for name in WAYS:
         record(name, steps[name]())
     peaks: Dict[str, int] = {}
@@ -211,7 +252,7 @@ def rank_main(rank: int, world_size: int, port: int, config: Dict[str, Any],
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank's
             if r >= warmup:
                 seconds[name].append(float(elapsed))
-    figures = {'at_rest': rest, 'peak': peaks, 'losses': losses}
+    figures = {'at_rest': rest, 'peak': peaks, 'losses': losses, 'building': building}
     gathered: List[Any] = [None] * world_size
     dist.all_gather_object(gathered, figures)
     if rank == 0:
@@ -230,6 +271,8 @@ def run(config: Dict[str, Any]) -> Dict[str, Any]:
     losses = {name: [statistics.mean(values) for values in zip(
         *[r['losses'][name] for r in ranks if r['losses'][name]])] for name in WAYS}
     reference = losses[ANCHOR]
+    building = {way: max(r['building'][way] for r in ranks) / MiB for way in ('meta', 'whole')}
+    model_mib = sum(p.numel() * p.element_size() for p in blocks(config).parameters()) / MiB
     memory = {'measured': FSDP, 'against': DDP, 'ratio': rest[FSDP] / rest[DDP],
               'target': MEMORY_TARGET}
     memory['within_target'] = memory['ratio'] <= MEMORY_TARGET
@@ -238,6 +281,8 @@ def run(config: Dict[str, Any]) -> Dict[str, Any]:
                         ratio(DDP, ANCHOR, seconds)],
             'at_rest_mib': {name: rest[name] / MiB for name in WAYS},
             'step_peak_mib': {name: peak[name] / MiB for name in WAYS},
+            # The largest rank's; a rank keeps a quarter of the model (pp 2 x dp 2).
+            'building_peak_mib': building, 'model_mib': model_mib,
             'times': {name: ms(spread(s)) for name, s in seconds.items()},
             'max_loss_difference': max(
                 abs(a - b) / abs(b) for name in WAYS for a, b in zip(losses[name], reference))}
@@ -261,6 +306,13 @@ def table(document: Dict[str, Any]) -> str:
         'per rank (the largest): MiB at rest (parameters, gradients, Adam), MiB a step adds '
         'at its peak; step time, ms: fastest (median, max)',
         format_table(['way', 'at rest', 'step peak', 'step time'], per_way), '',
+        'building a rank\'s sharded stage, MiB its resident set grows by at the peak '
+        f"(the largest rank's; the model's parameters: {document['model_mib']:.2f} MiB, a "
+        f"rank's share: {document['model_mib'] / 4:.2f}):",
+        format_table(['built', 'peak'], [
+            ['on the meta device, each rank its shards',
+             f"{document['building_peak_mib']['meta']:.2f}"],
+            ['whole on every rank', f"{document['building_peak_mib']['whole']:.2f}"]]), '',
         'the same losses every way: largest relative difference '
         f"{document['max_loss_difference']:.1e}"])
 
