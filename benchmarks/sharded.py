@@ -34,7 +34,12 @@ Beside them, the peak a rank's resident set grows by while it builds its
 sharded stage (``DistributedGPipe``, then ``fully_shard``): from a model
 built on the meta device, each rank materializing its own shards
 (``pipe.to_empty()``, then values), against every rank building the whole
-model first; and the share of the model's parameters a rank keeps.
+model first; and the share of the model's parameters a rank keeps. Last,
+each pipeline plans the model with ``torchgpipe.plan(..., shards=2)``
+(Adam's ``param_scale``), and the plan's prediction of the configuration
+timed here (``plan.predict``) is set beside the measurements: each rank's
+peak in a step (what it holds at rest and what the step adds) and the
+median ``train_step`` (without ``zero_grad`` and the optimizer's step).
 
 Every way starts from the same parameters and takes the same steps: the
 largest relative difference between their losses at each step is reported
@@ -168,12 +173,31 @@ def ways(config: Dict[str, Any], mesh: Any) -> Dict[str, Any]:
 
         def run() -> Optional[Tensor]:
             optimizer.zero_grad()
+            start = time.perf_counter()
             loss = forward_backward(module)
+            passes[name] = time.perf_counter() - start
             optimizer.step()
             return loss
         return run
-    return {'steps': {name: step(name) for name in WAYS},
-            'held': {name: built[name][:2] for name in WAYS}}
+    #: The seconds of each way's last forward and backward passes, without the optimizer.
+    passes: Dict[str, float] = {}
+    return {'steps': {name: step(name) for name in WAYS}, 'passes': passes,
+            'held': {name: built[name][:2] for name in WAYS}, 'data': (input, target)}
+
+
+def prediction(config: Dict[str, Any], mesh: Any, input: Tensor, target: Tensor,
+               ) -> Dict[str, Any]:
+    """What :func:`torchgpipe.plan`, on this rank's pipeline with ``shards=2`` and Adam's
+    ``param_scale``, predicts of the configuration timed here: the step's seconds and
+    each rank's peak bytes."""
+    import torchgpipe
+    per = config['blocks'] // 2
+    plan = torchgpipe.plan(blocks(config), input, group=mesh['pp'].get_group(),
+                           target=target, loss_fn=F.mse_loss, param_scale=4.0,
+                           shards=2, chunks=config['chunks'], schedules=['1f1b'],
+                           checkpoint=['never'])
+    option = plan.predict('1f1b', [per, per], chunks=config['chunks'], checkpoint='never')
+    return {'step': option.step, 'memory': option.memory}
 
 
 def build(config: Dict[str, Any], mesh: Any, meta: bool) -> None:
@@ -242,21 +266,27 @@ def rank_main(rank: int, world_size: int, port: int, config: Dict[str, Any],
     rest = {name: at_rest(*built['held'][name]) for name in WAYS}
     tune_malloc()  # then timings, freed memory kept for reuse as a caching allocator does
     seconds: Dict[str, List[float]] = {name: [] for name in WAYS}
+    passes: List[float] = []  # ours x FSDP2's, the planner's prediction beside them
     warmup = warmup_steps(config)
     for r in range(warmup + config['rounds']):
         for name in WAYS[r % len(WAYS):] + WAYS[:r % len(WAYS)]:
             dist.barrier()
             start = time.perf_counter()
             record(name, steps[name]())
-            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            elapsed = torch.tensor([time.perf_counter() - start, built['passes'][name]],
+                                   dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank's
             if r >= warmup:
-                seconds[name].append(float(elapsed))
-    figures = {'at_rest': rest, 'peak': peaks, 'losses': losses, 'building': building}
+                seconds[name].append(float(elapsed[0]))
+                if name == FSDP:
+                    passes.append(float(elapsed[1]))
+    predicted = prediction(config, mesh, *built['data'])
+    figures = {'at_rest': rest, 'peak': peaks, 'losses': losses, 'building': building,
+               'predicted': predicted}
     gathered: List[Any] = [None] * world_size
     dist.all_gather_object(gathered, figures)
     if rank == 0:
-        results.put({'seconds': seconds, 'ranks': gathered})
+        results.put({'seconds': seconds, 'passes': passes, 'ranks': gathered})
     dist.barrier()
     sys.stdout.flush()
     os._exit(0)  # no Python shutdown: see docs/scaling_out.rst, "Ending a job"
@@ -276,13 +306,20 @@ def run(config: Dict[str, Any]) -> Dict[str, Any]:
     memory = {'measured': FSDP, 'against': DDP, 'ratio': rest[FSDP] / rest[DDP],
               'target': MEMORY_TARGET}
     memory['within_target'] = memory['ratio'] <= MEMORY_TARGET
+    # Rank r is pp r // 2 of its pipeline: the planner's worker. Its peak in a step: what
+    # it holds at rest, and what the step adds.
+    planner = {'step_ms': [1000 * r['predicted']['step'] for r in ranks],
+               'memory_mib': [r['predicted']['memory'][n // 2] / MiB
+                              for n, r in enumerate(ranks)],
+               'measured_mib': [(r['at_rest'][FSDP] + r['peak'][FSDP]) / MiB for r in ranks],
+               'passes_ms': 1000 * statistics.median(reported['passes'])}
     # The memory ratio, the step time's (both with targets), and DDP's step time.
     return {'results': [memory, ratio(FSDP, ANCHOR, seconds, TIME_TARGET),
                         ratio(DDP, ANCHOR, seconds)],
             'at_rest_mib': {name: rest[name] / MiB for name in WAYS},
             'step_peak_mib': {name: peak[name] / MiB for name in WAYS},
             # The largest rank's; a rank keeps a quarter of the model (pp 2 x dp 2).
-            'building_peak_mib': building, 'model_mib': model_mib,
+            'building_peak_mib': building, 'model_mib': model_mib, 'planner': planner,
             'times': {name: ms(spread(s)) for name, s in seconds.items()},
             'max_loss_difference': max(
                 abs(a - b) / abs(b) for name in WAYS for a, b in zip(losses[name], reference))}
@@ -313,6 +350,14 @@ def table(document: Dict[str, Any]) -> str:
             ['on the meta device, each rank its shards',
              f"{document['building_peak_mib']['meta']:.2f}"],
             ['whole on every rank', f"{document['building_peak_mib']['whole']:.2f}"]]), '',
+        'torchgpipe.plan(..., shards=2) on each pipeline, for this configuration (x FSDP2), '
+        'against the measurement:',
+        format_table(['rank', 'step, ms', 'peak MiB predicted', 'peak MiB measured'], [
+            [str(n), f'{step:.1f}', f'{predicted:.2f}', f'{measured:.2f}']
+            for n, (step, predicted, measured) in enumerate(zip(
+                *(document['planner'][k] for k in ('step_ms', 'memory_mib', 'measured_mib'))))])
+        + f"\n(measured: {document['planner']['passes_ms']:.1f} ms, the median train_step; "
+        f"{document['times'][FSDP]['median']:.1f} ms with zero_grad and Adam's step)", '',
         'the same losses every way: largest relative difference '
         f"{document['max_loss_difference']:.1e}"])
 
