@@ -48,9 +48,12 @@ def synced(unit: nn.Module, on: bool) -> None:
 
 def reduce(unit: nn.Module) -> None:
     """Reduces the gradients ``unit`` kept: FSDP's post-backward work for each of its
-    parameter groups, then its root's end of backward (the wait for the reductions)."""
+    parameter groups, then its root's end of backward (the wait for the reductions). A
+    unit that never ran (FSDP initializes one at its root's first forward pass) has none."""
     from torch.distributed.fsdp import fully_shard
     state = fully_shard.state(unit)  # type: ignore[attr-defined]
+    if state._is_root is None:
+        return
     for each in state._state_ctx.all_states:
         for group in each._fsdp_param_groups:
             group.post_backward()
@@ -113,12 +116,15 @@ def driving(partitions: Mapping[int, nn.Module]) -> Iterator[Optional[Units]]:
     # Gathered now, in the order the passes need them, while the first waits for its
     # input or computes; FSDP's pre-forward waits for each (async_op: see FSDPModule.unshard).
     # Those that reshard after forward passes gather when needed, not to hold memory early.
-    for j in sorted(units):
-        for unit in units[j]:
-            if not resharding_groups(unit):
-                unit.unshard(async_op=True)  # type: ignore[operator]
+    ahead = [(unit, unit.unshard(async_op=True))  # type: ignore[operator]
+             for j in sorted(units) for unit in units[j] if not resharding_groups(unit)]
     try:
         yield Units(units)
+        # A unit that did not run leaves its gathering pending, which its next forward pass
+        # would take, stale if its shards changed meanwhile: taken and freed here.
+        for unit, handle in ahead:
+            handle.wait()
+            unit.reshard()  # type: ignore[operator]
     finally:
         for found in units.values():
             for unit in found:
