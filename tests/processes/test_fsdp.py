@@ -481,6 +481,75 @@ def test_units_gather_their_parameters_as_the_step_starts(
         assert got == {'events': ['gather', 'gather', 'forward'], 'resharded': True}
 
 
+def nested_by_default(rank: int, world_size: int) -> List[Dict[str, int]]:
+    """Nested units on FSDP's default (the inner ones reshard after forward passes, their
+    root not): the collectives of each of two steps, counted."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh('cpu', (2, 2), mesh_dim_names=('pp', 'dp'))
+    pipe = DistributedGPipe(model(nested=True), [1, 1], chunks=CHUNKS,
+                            group=mesh['pp'].get_group())
+    for block in pipe.children():
+        for layer in block:
+            fully_shard(layer, mesh=mesh['dp'])
+        fully_shard(block, mesh=mesh['dp'])
+    steps = []
+    for _ in range(2):
+        counts: Dict[str, int] = {}
+        with counting(counts):
+            pipe.train_step(*batch(0), F.mse_loss)
+        steps.append(counts)
+    return steps
+
+
+@pytest.mark.slow  # four processes
+def test_nested_units_by_default_gather_once_a_step_from_the_first(
+        scenarios: List[Dict[str, Any]]) -> None:
+    # The inner units, which reshard after forward passes, are not gathered ahead as the
+    # first step starts (then again for its first forward pass); with one partition a
+    # rank they stay gathered through the step.
+    for steps in (ranks['nested_default'] for ranks in scenarios):
+        assert steps == [{name: 2 for name in COLLECTIVES}] * 2
+
+
+def resharded_to_a_smaller_group(rank: int, world_size: int) -> Dict[str, Any]:
+    """Two partitions on one rank of each of four pipelines, their units sharded over four
+    ranks and resharded to two after forward passes (``reshard_after_forward=2``): the
+    gradients of a step of each schedule, whole."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh('cpu', (1, 4), mesh_dim_names=('pp', 'dp'))
+    here = mesh.get_local_rank('dp')
+    shard = slice(here * BATCH // 4, (here + 1) * BATCH // 4)
+    grads = {}
+    for schedule in ('interleaved_1f1b', 'fill_drain'):
+        pipe = DistributedGPipe(model(), [2, 2], chunks=2, checkpoint='except_last',
+                                group=mesh['pp'].get_group())
+        for layer in pipe.children():
+            fully_shard(layer, mesh=mesh['dp'], reshard_after_forward=2)
+        input, target = batch(0)
+        pipe.train_step(input[shard], target[shard], F.mse_loss, schedule=schedule)
+        grads[schedule] = {name: p.grad.full_tensor().tolist()
+                           for name, p in pipe.named_parameters()}
+    return grads
+
+
+@pytest.mark.slow  # four processes
+def test_units_resharded_to_a_smaller_group_give_the_unwrapped_gradients(
+        scenarios: List[Dict[str, Any]]) -> None:
+    # A pass kept gathered after a forward pass that resharded to the smaller group: FSDP
+    # gathers from that group (keeping such a unit broke its gathering).
+    plain = model()
+    F.mse_loss(plain(batch(0)[0]), batch(0)[1]).backward()
+    for got in (ranks['smaller'] for ranks in scenarios):
+        for schedule, grads in got.items():
+            for name, grad in grads.items():
+                torch.testing.assert_close(torch.tensor(grad, dtype=torch.float64),
+                                           plain.get_parameter(name).grad,
+                                           rtol=1e-12, atol=1e-15,
+                                           msg=lambda m: f'{schedule} {name}: {m}')
+
+
 class Gate(nn.Module):
     """A linear layer that runs only while ``on``."""
 
@@ -546,6 +615,8 @@ def all_scenarios(rank: int, world_size: int, path: str) -> Dict[str, Any]:
             'loop': whole_loop(rank, world_size), 'nested': nested_units(rank, world_size),
             'gathered': gathered_first(rank, world_size),
             'left_out': unit_left_out(rank, world_size),
+            'nested_default': nested_by_default(rank, world_size),
+            'smaller': resharded_to_a_smaller_group(rank, world_size),
             'meta': built_on_meta(rank, world_size, path)}
 
 

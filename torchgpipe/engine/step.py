@@ -25,10 +25,10 @@ from torchgpipe.engine.schedule import Action, Kind, Schedule, clock_order
 from torchgpipe.engine.split import WeightPass, input_pass
 from torchgpipe.foundation.copy import Ready
 from torchgpipe.foundation.microbatch import Batch, TensorOrTensors, check, gather, move, scatter
+from torchgpipe.foundation.placement import indexed
 from torchgpipe.foundation.record import Recorder, run_task
 from torchgpipe.foundation.rng import cpu_generator_held, training_flags, watch
 from torchgpipe.foundation.stream import AbstractStream
-from torchgpipe.foundation.placement import indexed
 from torchgpipe.foundation.validation import check_loss_value, describe
 from torchgpipe.runtime.partition import partition_function
 from torchgpipe.runtime.replay import FirstPass, first_pass, recomputation

@@ -17,7 +17,7 @@ another partition next: ``F0 F1 B0`` on one partition gathers once, not three ti
 """
 import sys
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, Mapping, Optional
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 from torch import nn
 
@@ -65,6 +65,10 @@ class Units(Reducer):
 
     def __init__(self, units: Dict[int, List[nn.Module]]) -> None:
         self.units = units
+        every = {id(unit) for found in units.values() for unit in found}
+        #: The ids of the units inside another, which FSDP never makes a root.
+        self.inner = {id(m) for found in units.values() for unit in found
+                      for m in unit.modules() if m is not unit and id(m) in every}
 
     def done(self, j: int) -> None:
         for unit in self.units.get(j, []):
@@ -76,9 +80,12 @@ class Units(Reducer):
         """Partition ``j``'s units do not reshard after this forward pass (or
         recomputation), as FSDP leaves its root: the same partition runs next on this rank,
         and would gather the parameters again at once. They reshard after the step's
-        reduction, or after a forward pass that another partition of the rank follows."""
+        reduction, or after a forward pass that another partition of the rank follows.
+        Those resharded to a smaller group (``reshard_after_forward=<int>``) are left to
+        FSDP, which gathers them from it."""
         kept = [(group, group.post_forward_mesh_info)
-                for unit in self.units.get(j, []) for group in resharding_groups(unit)]
+                for unit in self.units.get(j, []) for group in self.resharding(unit)
+                if not group.is_sharded_post_forward]
         for group, _ in kept:
             group.post_forward_mesh_info = None
         try:
@@ -87,17 +94,28 @@ class Units(Reducer):
             for group, info in kept:
                 group.post_forward_mesh_info = info
 
+    def resharding(self, unit: nn.Module) -> List[Any]:
+        """The parameter groups of ``unit`` (its own, not its inner units') that reshard
+        after a forward pass. None before FSDP's first forward pass of a unit it will make a
+        root (not inside another): a root stops resharding, unless its user chose
+        (``reshard_after_forward`` not ``None``)."""
+        from torch.distributed.fsdp import fully_shard
+        state = fully_shard.state(unit)  # type: ignore[attr-defined]
+        if state._is_root is None and id(unit) not in self.inner and \
+                getattr(state, '_auto_reshard_after_forward', False):
+            return []
+        return [group for group in state._fsdp_param_groups
+                if group.post_forward_mesh_info is not None]
 
-def resharding_groups(unit: nn.Module) -> List[Any]:
-    """The parameter groups of ``unit`` (its own, not its inner units') that reshard after a
-    forward pass. Left out until FSDP's first forward pass: one that FSDP then makes a root
-    stops resharding, unless its user chose (``reshard_after_forward`` not ``None``)."""
-    from torch.distributed.fsdp import fully_shard
-    state = fully_shard.state(unit)  # type: ignore[attr-defined]
-    if state._is_root is None and getattr(state, '_auto_reshard_after_forward', False):
-        return []
-    return [group for group in state._fsdp_param_groups
-            if group.post_forward_mesh_info is not None]
+    def gather_ahead(self) -> List[Tuple[nn.Module, Any]]:
+        """Starts gathering the parameters of the units that keep them after forward passes,
+        in the order the passes need them: the gathering overlaps the first passes, and
+        FSDP's pre-forward waits for each (``async_op``: see ``FSDPModule.unshard``). Those
+        that reshard gather when needed, not to hold memory early. Returns each unit and
+        its handle."""
+        return [(unit, unit.unshard(async_op=True))  # type: ignore[operator]
+                for j in sorted(self.units) for unit in self.units[j]
+                if not self.resharding(unit)]
 
 
 @contextmanager
@@ -110,16 +128,13 @@ def driving(partitions: Mapping[int, nn.Module]) -> Iterator[Optional[Units]]:
     if not units:
         yield None
         return
-    for found in units.values():
-        for unit in found:
-            synced(unit, False)
-    # Gathered now, in the order the passes need them, while the first waits for its
-    # input or computes; FSDP's pre-forward waits for each (async_op: see FSDPModule.unshard).
-    # Those that reshard after forward passes gather when needed, not to hold memory early.
-    ahead = [(unit, unit.unshard(async_op=True))  # type: ignore[operator]
-             for j in sorted(units) for unit in units[j] if not resharding_groups(unit)]
+    driven = Units(units)
     try:
-        yield Units(units)
+        for found in units.values():
+            for unit in found:
+                synced(unit, False)
+        ahead = driven.gather_ahead()
+        yield driven
         # A unit that did not run leaves its gathering pending, which its next forward pass
         # would take, stale if its shards changed meanwhile: taken and freed here.
         for unit, handle in ahead:
