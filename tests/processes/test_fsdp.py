@@ -175,7 +175,8 @@ def test_mixed_precision_computes_in_bfloat16_and_reduces_once(
 
 #: (schedule, checkpoint, balance) of units resharded after forward passes.
 RESHARDED = [('1f1b', 'never', [2, 2]), ('1f1b', 'always', [2, 2]),
-             ('fill_drain', 'except_last', [2, 2]), ('interleaved_1f1b', 'never', [1, 1, 1, 1])]
+             ('fill_drain', 'except_last', [2, 2]), ('zb_h1', 'always', [2, 2]),
+             ('interleaved_1f1b', 'never', [1, 1, 1, 1]), ('zbv', 'except_last', [1, 1, 1, 1])]
 
 
 def resharded_after_forward(rank: int, world_size: int) -> List[Dict[str, Any]]:
@@ -190,6 +191,7 @@ def resharded_after_forward(rank: int, world_size: int) -> List[Dict[str, Any]]:
     results = []
     for schedule, checkpoint, balance in RESHARDED:
         pipe = DistributedGPipe(model(), balance, chunks=CHUNKS, checkpoint=checkpoint,
+                                placement='v' if schedule == 'zbv' else 'loop',
                                 group=mesh['pp'].get_group())
         for layer in pipe.children():
             fully_shard(layer, mesh=mesh['dp'], reshard_after_forward=True)
@@ -215,10 +217,10 @@ def test_units_resharded_after_forward_gather_again_only_for_another_partition(
     for n, config in enumerate(RESHARDED):
         got = [ranks['resharded'][n] for ranks in scenarios]
         gathers = [rank['counts'].pop('all_gather_single') for rank in got]
-        if config[0] == 'interleaved_1f1b':
-            # Two one-unit partitions a rank, alternating: gathered again where the rank
-            # switches (left alone, once a forward pass and once for the backward passes:
-            # 5 a unit), but at most once a micro-batch.
+        if len(config[2]) == 4:
+            # Two one-unit partitions a rank (a loop, a V), alternating: gathered again
+            # where the rank switches (left alone, once a forward pass and once for the
+            # backward passes: 5 a unit), but at most once a micro-batch.
             assert max(gathers) > 2 and all(g <= 2 * CHUNKS for g in gathers), gathers
         else:
             assert gathers == [2] * len(got), (config, gathers)  # left alone: 10, 18, 16
