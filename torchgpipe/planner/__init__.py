@@ -70,10 +70,11 @@ def plan(module: nn.Sequential, sample: TensorOrTensors, *,
         repeat (int): timed runs per layer and micro-batch size (default: ``3``)
         runners_up (int): how many other configurations the plan keeps (default: ``5``)
         shards (int): the data-parallel ranks each partition is sharded over by FSDP2
-            (``fully_shard`` with ``reshard_after_forward=False``): its parameters and
-            optimizer states are counted a shard each between steps, whole beside them
-            during one, with an all-gather and a reduce-scatter a partition per step
-            (default: ``1``, not sharded; with ``group`` only)
+            (``fully_shard``; with one partition a rank, ``reshard_after_forward`` frees
+            nothing during a step): its parameters and optimizer states are counted a shard
+            each between steps, whole beside them during one, with an all-gather and a
+            reduce-scatter a partition per step (default: ``1``, not sharded; with
+            ``group`` only)
 
     Returns:
         Plan: printable; apply it with ``GPipe(module, **plan.kwargs)`` (or
