@@ -161,6 +161,7 @@ class Stage:
             self.shared.reducer.done(self.j)
 
     def keep_gathered(self, keep: bool) -> ContextManager[None]:
+        """The reducer's :meth:`Reducer.keep_gathered` for this partition, if ``keep``."""
         reducer = self.shared.reducer
         return reducer.keep_gathered(self.j) if keep and reducer is not None else nullcontext()
 
